@@ -1,0 +1,82 @@
+"""One exception hierarchy for the world outside the process.
+
+Internal invariants use ``assert``. Everything a caller can cause or observe (bad
+input, capacity, an unavailable peer, a timeout) is a ``StageServeError`` subclass,
+marked retryable or not. One function maps it to a gRPC status code; the router maps
+that to an OpenAI-style HTTP error.
+"""
+
+from __future__ import annotations
+
+
+class StageServeError(Exception):
+    """Base of every error that crosses a service boundary."""
+
+    retryable: bool = False
+    grpc_code: str = "INTERNAL"  # name of a grpc.StatusCode member
+    http_status: int = 500
+    openai_type: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(StageServeError):
+    """The request itself is wrong; retrying it unchanged fails again."""
+
+    grpc_code = "INVALID_ARGUMENT"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+class NotFoundError(StageServeError):
+    """A named thing (model, request) does not exist."""
+
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+    openai_type = "invalid_request_error"
+
+
+class CapacityError(StageServeError):
+    """Not enough of a scarce resource (KV pages, slots, cache bytes) right now."""
+
+    retryable = True
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 503
+    openai_type = "server_overloaded"
+
+
+class UnavailableError(StageServeError):
+    """A peer is down, not ready, or went away mid-request."""
+
+    retryable = True
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+    openai_type = "service_unavailable"
+
+
+class DeadlineExceededError(StageServeError):
+    """The request's deadline passed before it finished."""
+
+    retryable = True
+    grpc_code = "DEADLINE_EXCEEDED"
+    http_status = 504
+    openai_type = "timeout"
+
+
+class AbortedError(StageServeError):
+    """The request was aborted (client disconnect, explicit abort)."""
+
+    grpc_code = "CANCELLED"
+    http_status = 499
+    openai_type = "cancelled"
+
+
+class ModelLoadError(StageServeError):
+    """A checkpoint directory cannot be loaded as asked (missing, extra or mis-shaped tensor, unknown architecture)."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 500
+    openai_type = "internal_error"
