@@ -1,0 +1,106 @@
+"""Load a Hugging Face checkpoint directory into the engine's model.
+
+The model is built on the meta device and every parameter is assigned from the
+checkpoint straight onto the target device in the target dtype, so no random init
+runs and no second copy of the weights is made. Any missing, unexpected or
+mis-shaped tensor is a ``ModelLoadError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.common.errors import ModelLoadError
+from services.engine.config import ModelConfig
+from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+
+# transformers >= 5 saves the nested layout; the engine uses the original one.
+_PREFIX_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def canonical_name(name: str) -> str:
+    for old, new in _PREFIX_ALIASES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors files in {model_dir}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"checkpoint index names missing files: {', '.join(missing)}")
+    return files
+
+
+def read_state_dict(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                name = canonical_name(key)
+                if name in tensors:
+                    raise ModelLoadError(f"tensor {key!r} appears twice in the checkpoint")
+                tensor = f.get_tensor(key)
+                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return tensors
+
+
+def check_tensors(model: Qwen2_5_VLModel, tensors: dict[str, torch.Tensor]) -> None:
+    expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+    tied = model.config.text.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+    if extra:
+        raise ModelLoadError(f"checkpoint has unexpected tensors: {', '.join(extra[:10])}" + (" ..." if len(extra) > 10 else ""))
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, the config implies {tuple(shape)}"
+            )
+
+
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+) -> Qwen2_5_VLModel:
+    """Build the model for ``model_dir``'s config and load its weights onto ``device``."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype or config.torch_dtype)
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(config)
+    tensors = read_state_dict(model_dir, device, dtype)
+    check_tensors(model, tensors)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.text.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():
+        if hasattr(module, "compute_inv_freq"):
+            module.register_buffer("inv_freq", module.compute_inv_freq(device), persistent=False)
+    return model.eval()

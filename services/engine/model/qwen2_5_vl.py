@@ -1,0 +1,58 @@
+"""Qwen2.5-VL: vision tower + language model + LM head.
+
+Parameter names follow the original Qwen2.5-VL checkpoints (``visual.*``, ``model.*``,
+``lm_head.*``), so a real checkpoint's tensors load by name.
+
+Image embeddings are merged into the token embeddings of the *whole* request, in
+request-global order, before any split of the sequence across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.engine.attention.base import BaseAttentionBackend
+from services.engine.config import ModelConfig
+from services.engine.model.language import LanguageModel
+from services.engine.model.vision import GridList, VisionTransformer
+
+
+class Qwen2_5_VLModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = VisionTransformer(config.vision)
+        self.model = LanguageModel(config.text)
+        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
+        if config.text.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: GridList) -> torch.Tensor:
+        """ViT forward for a batch of images; [sum of image tokens, hidden] in image order."""
+        return self.visual(pixel_values, grids)
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        image_embeds: torch.Tensor | None = None,  # [num_image_tokens, hidden]
+        image_rows: torch.Tensor | None = None,  # [num_image_tokens] int64, row of T each embedding replaces
+    ) -> torch.Tensor:
+        """Token embeddings with image embeddings written over the image placeholder rows; [T, hidden]."""
+        embeds = self.model.embed_tokens(input_ids)
+        if image_embeds is not None and image_embeds.numel():
+            assert image_rows is not None and image_rows.numel() == image_embeds.shape[0]
+            embeds = embeds.index_copy(0, image_rows, image_embeds.to(embeds.dtype))
+        return embeds
+
+    def forward(
+        self,
+        input_embeds: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [3, T] int64
+        attn: BaseAttentionBackend,  # planned for this step
+        logits_indices: torch.Tensor | None = None,  # rows whose logits are wanted; None = all
+    ) -> torch.Tensor:
+        hidden = self.model(input_embeds, positions, attn)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return self.lm_head(hidden).float()  # [rows, vocab] fp32

@@ -1,0 +1,163 @@
+"""Qwen2.5-VL vision tower: patch embedding, window/full attention blocks with 2D
+rotary, and the patch merger that maps 2x2 patches to one language-model token.
+
+Patches arrive in the processor's order (per image: row-major over 2x2 merge blocks).
+Inside the tower they are permuted so that each attention window is contiguous; the
+merger output is permuted back, so rows leave in the processor's order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.config import VisionConfig
+from services.engine.model.layers import GatedMLP, RMSNorm
+from services.engine.model.rope import VisionRotaryEmbedding, rotate_half
+
+GridList = list[tuple[int, int, int]]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """Non-causal attention inside each segment ``[cu[i], cu[i+1])``; q/k/v [N, H, D]."""
+    out = torch.empty_like(q)
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    starts = cu_seqlens[:-1]
+    by_len: dict[int, list[int]] = {}
+    for start, length in zip(starts, lengths, strict=True):
+        if length:
+            by_len.setdefault(length, []).append(start)
+    for length, seg_starts in by_len.items():
+        # segments of equal length run as one batch: index [num_segments, length]
+        index = (torch.tensor(seg_starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
+        qs, ks, vs = (t[index].view(len(seg_starts), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)  # [S, H, L, D]
+        out[index] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+    return out
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, cfg.hidden_size * 3, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
+        dtype = q.dtype
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = (q.float() * cos + rotate_half(q.float()) * sin).to(dtype)
+        k = (k.float() * cos + rotate_half(k.float()) * sin).to(dtype)
+        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.embed_dim = cfg.hidden_size
+        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # [N, C*T*P*P] -> [N, hidden]; a stride==kernel conv is a matmul over the flattened patch
+        weight = self.proj.weight.view(self.embed_dim, -1)
+        return F.linear(pixel_values.to(weight.dtype), weight)
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.ln_q = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, cfg.out_hidden_size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+def hw_positions(grids: GridList, merge: int) -> torch.Tensor:
+    """(row, col) of every patch in processor order, [N, 2] int64."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        shape = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(shape).transpose(1, 2).flatten()
+        cols = cols.reshape(shape).transpose(1, 2).flatten()
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def window_layout(grids: GridList, merge: int, window_units: int) -> tuple[torch.Tensor, list[int]]:
+    """Permutation of merge units grouping each window contiguously, and window cu_seqlens in patches."""
+    index_parts: list[torch.Tensor] = []
+    cu: list[int] = [0]
+    base = 0
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        units = torch.arange(t * gh * gw).view(t, gh, gw)
+        nh, nw = -(-gh // window_units), -(-gw // window_units)
+        padded = F.pad(units, (0, nw * window_units - gw, 0, nh * window_units - gh), value=-1)
+        windows = padded.view(t, nh, window_units, nw, window_units).permute(0, 1, 3, 2, 4)
+        windows = windows.reshape(t * nh * nw, window_units * window_units)
+        for window in windows:
+            kept = window[window >= 0]
+            if kept.numel():
+                index_parts.append(kept + base)
+                cu.append(cu[-1] + kept.numel() * merge * merge)
+        base += t * gh * gw
+    return torch.cat(index_parts), cu
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.rotary = VisionRotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg)
+
+    def forward(self, pixel_values: torch.Tensor, grids: GridList) -> torch.Tensor:
+        """Embeddings for every merged patch of the images, [sum(t*h*w/merge^2), out_hidden]."""
+        merge = self.cfg.spatial_merge_size
+        unit = merge * merge
+        window_units = self.cfg.window_size // merge // self.cfg.patch_size
+        window_index, cu_window = window_layout(grids, merge, window_units)
+        window_index = window_index.to(pixel_values.device)
+        cu_full = [0]
+        for t, h, w in grids:
+            cu_full.extend(cu_full[-1] + h * w * (i + 1) for i in range(t))
+
+        x = self.patch_embed(pixel_values)  # [N, hidden]
+        n = x.shape[0]
+        cos, sin = self.rotary(hw_positions(grids, merge).to(x.device))
+
+        def permute(t: torch.Tensor) -> torch.Tensor:
+            return t.view(n // unit, unit, -1)[window_index].reshape(n, -1)
+
+        x, cos, sin = permute(x), permute(cos), permute(sin)
+        for i, block in enumerate(self.blocks):
+            cu = cu_full if i in self.cfg.fullatt_block_indexes else cu_window
+            x = block(x, cos, sin, cu)
+        merged = self.merger(x)  # [N / unit, out_hidden] in window order
+        return merged[torch.argsort(window_index)]

@@ -1,0 +1,103 @@
+"""One forward step of the model over the paged KV cache.
+
+The runner owns the model, the KV pool, the request page table and the attention
+backend. Callers (the offline engine, later the prefill and decode schedulers)
+reserve pages for a request, then hand the runner a list of ``StepInput``: the new
+tokens of each request, their positions and (prefill) the image embeddings already
+merged in request-global order. The runner packs them ragged, plans attention once,
+runs every layer and returns logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import AttentionBatch, ForwardMode, create_attention_backend
+from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
+from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+
+
+@dataclass
+class StepInput:
+    """One request's part of a step: the tokens at positions ``prefix_len .. prefix_len+len(input_ids)-1``."""
+
+    request_id: str
+    input_ids: list[int]
+    positions: torch.Tensor  # [3, len(input_ids)] int64
+    prefix_len: int
+    image_embeds: torch.Tensor | None = None  # [num_image_tokens, hidden], rows in placeholder order
+    image_rows: list[int] | None = None  # index into input_ids of each image embedding row
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    num_pages: int
+    page_size: int
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Qwen2_5_VLModel, kv_config: KVCacheConfig, attention_backend: str = "torch"
+    ) -> None:
+        text = model.config.text
+        self.model = model
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.page_size = kv_config.page_size
+        self.kv_pool = KVPool(
+            text.num_hidden_layers, kv_config.num_pages, kv_config.page_size,
+            text.num_key_value_heads, text.head_dim, self.dtype, self.device,
+        )
+        self.page_manager = KVPageManager(kv_config.num_pages, kv_config.page_size)
+        self.page_table = RequestPageTable(self.page_manager)
+        self.attention = create_attention_backend(
+            attention_backend, kv_pool=self.kv_pool, num_q_heads=text.num_attention_heads,
+            num_kv_heads=text.num_key_value_heads, head_dim=text.head_dim,
+        )
+
+    @torch.inference_mode()
+    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """ViT forward; [num_image_tokens, hidden] in image order, on the runner's device."""
+        return self.model.encode_images(pixel_values.to(self.device), grids)
+
+    @torch.inference_mode()
+    def forward(self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:
+        """Logits ``[num_requests, vocab]`` (last new token of each) or ``[num_tokens, vocab]`` fp32."""
+        batch = self._attention_batch(mode, inputs)
+        self.attention.plan(batch)
+        embeds = self._embed(inputs)
+        positions = torch.cat([s.positions for s in inputs], dim=1).to(self.device)
+        logits_indices = None
+        if not all_logits:
+            ends = torch.tensor([len(s.input_ids) for s in inputs]).cumsum(0) - 1
+            logits_indices = ends.to(self.device)
+        return self.model(embeds, positions, self.attention, logits_indices)
+
+    def _attention_batch(self, mode: ForwardMode, inputs: list[StepInput]) -> AttentionBatch:
+        seq_lens, extend_lens, page_tables, slots = [], [], [], []
+        for s in inputs:
+            end = s.prefix_len + len(s.input_ids)
+            assert s.request_id in self.page_table, f"no pages reserved for {s.request_id}"
+            seq_lens.append(end)
+            extend_lens.append(len(s.input_ids))
+            page_tables.append(self.page_table.pages(s.request_id))
+            slots.append(self.page_table.slots(s.request_id, s.prefix_len, end))
+        return AttentionBatch(
+            mode=mode, seq_lens=seq_lens, extend_lens=extend_lens, page_tables=page_tables,
+            page_size=self.page_size, out_slots=torch.cat(slots).to(self.device),
+        )
+
+    def _embed(self, inputs: list[StepInput]) -> torch.Tensor:
+        ids = torch.tensor([t for s in inputs for t in s.input_ids], dtype=torch.long, device=self.device)
+        rows, embeds, offset = [], [], 0
+        for s in inputs:
+            if s.image_embeds is not None and s.image_rows:
+                rows.extend(offset + r for r in s.image_rows)
+                embeds.append(s.image_embeds.to(self.device))
+            offset += len(s.input_ids)
+        if not embeds:
+            return self.model.embed(ids)
+        row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.embed(ids, torch.cat(embeds), row_index)
