@@ -1,0 +1,172 @@
+"""Paged KV cache: the page manager, the pool tensors, and per-request page tables.
+
+A page holds ``page_size`` consecutive KV positions of one request. Position ``p`` of
+a request lives in page ``pages[p // page_size]`` at offset ``p % page_size``; its flat
+slot id is ``page * page_size + offset``. ``KVPageManager`` is the only owner of the
+free list; ``RequestPageTable`` holds pages on behalf of requests and returns them.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from services.common.errors import CapacityError
+
+
+class KVPageManager:
+    """Owns the free KV pages; every allocation and free goes through it."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        assert num_pages > 0 and page_size > 0
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free_heap: list[int] = list(range(num_pages))  # min-heap: lowest ids first
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_heap)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_pages - len(self._free_heap)
+
+    def can_allocate(self, num_pages: int) -> bool:
+        """True when ``num_pages`` pages can be allocated right now."""
+        return 0 <= num_pages <= len(self._free_heap)
+
+    def allocate(self, num_pages: int) -> list[int]:
+        """Take ``num_pages`` free pages, lowest ids first; ``CapacityError`` if short (nothing taken)."""
+        assert num_pages >= 0
+        if not self.can_allocate(num_pages):
+            raise CapacityError(
+                f"need {num_pages} KV pages, only {len(self._free_heap)} of {self.num_pages} free"
+            )
+        pages = [heapq.heappop(self._free_heap) for _ in range(num_pages)]
+        for page in pages:
+            self._is_free[page] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        """Return ``pages`` to the free list; each must be allocated and listed once."""
+        assert len(set(pages)) == len(pages), f"duplicate pages in free: {pages}"
+        for page in pages:
+            assert 0 <= page < self.num_pages, f"unknown KV page {page}"
+            assert not self._is_free[page], f"double free of KV page {page}"
+        for page in pages:
+            self._is_free[page] = True
+            heapq.heappush(self._free_heap, page)
+
+
+class KVPool:
+    """K and V tensors of every layer, each one contiguous buffer (one memory region per K and V)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
+        self.k_cache = list(self.k_buffer.unbind(0))  # L x [P, S, Hkv, D], views into k_buffer
+        self.v_cache = list(self.v_buffer.unbind(0))  # L x [P, S, Hkv, D], views into v_buffer
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page of one layer in one of K or V."""
+        return self.page_size * self.num_kv_heads * self.head_dim * self.k_buffer.element_size()
+
+    def memory_regions(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the K and V buffers, for registration with a transfer engine."""
+        return [(buf.data_ptr(), buf.numel() * buf.element_size()) for buf in (self.k_buffer, self.v_buffer)]
+
+    def k_slots(self, layer_id: int) -> torch.Tensor:
+        return self.k_cache[layer_id].view(self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def v_slots(self, layer_id: int) -> torch.Tensor:
+        return self.v_cache[layer_id].view(self.num_slots, self.num_kv_heads, self.head_dim)
+
+    def write(
+        self,
+        layer_id: int,
+        slots: torch.Tensor,  # [num_tokens] int64
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> None:
+        """Store row ``i`` of ``k``/``v`` at flat slot ``slots[i]`` of layer ``layer_id``."""
+        assert k.shape == v.shape and k.shape[0] == slots.shape[0]
+        slots = slots.to(device=self.device, dtype=torch.long)
+        self.k_slots(layer_id).index_copy_(0, slots, k.to(self.dtype))
+        self.v_slots(layer_id).index_copy_(0, slots, v.to(self.dtype))
+
+
+class RequestPageTable:
+    """Maps ``request_id`` to the KV pages it holds; pages come from and go back to the manager."""
+
+    def __init__(self, manager: KVPageManager) -> None:
+        self.manager = manager
+        self.page_size = manager.page_size
+        self._pages: dict[str, list[int]] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def num_pages_needed(self, request_id: str, total_len: int) -> int:
+        assert total_len >= 0
+        num_held = len(self._pages.get(request_id, ()))
+        return max(0, -(-total_len // self.page_size) - num_held)
+
+    def can_reserve(self, request_id: str, total_len: int) -> bool:
+        """True when ``request_id`` can be grown to cover ``total_len`` positions right now."""
+        return self.manager.can_allocate(self.num_pages_needed(request_id, total_len))
+
+    def reserve(self, request_id: str, total_len: int) -> list[int]:
+        """Grow ``request_id``'s pages to cover ``total_len`` positions; returns the new pages.
+
+        Raises ``CapacityError`` and changes nothing when the manager is short.
+        """
+        new_pages = self.manager.allocate(self.num_pages_needed(request_id, total_len))
+        self._pages.setdefault(request_id, []).extend(new_pages)
+        return new_pages
+
+    def pages(self, request_id: str) -> list[int]:
+        """The pages of ``request_id``, in position order (a copy)."""
+        return list(self._pages[request_id])
+
+    def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids (int64, CPU) of positions ``[start, end)`` of ``request_id``."""
+        pages = self._pages[request_id]
+        assert 0 <= start <= end <= len(pages) * self.page_size, (
+            f"positions [{start}, {end}) outside the {len(pages)} pages of {request_id}"
+        )
+        positions = torch.arange(start, end, dtype=torch.long)
+        page_ids = torch.tensor(pages, dtype=torch.long)[positions // self.page_size]
+        return page_ids * self.page_size + positions % self.page_size
+
+    def release(self, request_id: str) -> None:
+        """Free every page of ``request_id``; a no-op for an unknown request."""
+        pages = self._pages.pop(request_id, None)
+        if pages:
+            self.manager.free(pages)

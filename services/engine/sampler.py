@@ -1,0 +1,176 @@
+"""Sampling parameters and the batched sampler.
+
+Logits pass through, in order: repetition penalty (prompt + output tokens,
+HF-style), frequency and presence penalties (output tokens, OpenAI-style),
+temperature, top-k, top-p, min-p. Greedy rows (temperature 0) take the argmax of the
+penalized logits. Random rows draw their noise only from their own generator, so a
+seeded request gets the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import torch
+
+from services.common.errors import InvalidRequestError
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ``InvalidRequestError`` (with ``param``) for the first out-of-range field."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (self.max_new_tokens > 0, "max_new_tokens", "must be > 0"),
+            (self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+        ]
+        for is_ok, param, rule in checks:
+            if not is_ok:
+                value = getattr(self, param)
+                raise InvalidRequestError(f"{param} {rule}, got {value!r}", param=param)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``, or from ``os.urandom`` when ``seed`` is None."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+def _row_token_mask(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device, *, counts: bool
+) -> torch.Tensor:  # [B, V] float32: occurrence counts, or 1.0 where present
+    rows = [r for r, ids in enumerate(token_ids) for _ in ids]
+    cols = [t for ids in token_ids for t in ids]
+    out = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    if not cols:
+        return out
+    assert 0 <= min(cols) and max(cols) < vocab_size, f"token id outside vocab of {vocab_size}"
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    ones = torch.ones(len(cols), dtype=torch.float32, device=device)
+    if counts:
+        return out.index_put_(index, ones, accumulate=True)
+    return out.index_put_(index, ones)
+
+
+def _column(values: list[float], logits: torch.Tensor) -> torch.Tensor:  # [B, 1] float32
+    return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
+
+
+class Sampler:
+    """Turns one step's logits into one token per row."""
+
+    def apply_penalties(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> torch.Tensor:  # [B, V] float32, a new tensor
+        logits = logits.float().clone()
+        vocab_size = logits.shape[1]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen_ids = [prompt + output for prompt, output in zip(prompt_ids, output_ids, strict=True)]
+            is_seen = _row_token_mask(seen_ids, vocab_size, logits.device, counts=False) > 0
+            penalty = _column([p.repetition_penalty for p in params], logits)
+            penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(is_seen, penalized, logits)
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            counts = _row_token_mask(output_ids, vocab_size, logits.device, counts=True)
+            logits -= _column([p.frequency_penalty for p in params], logits) * counts
+            logits -= _column([p.presence_penalty for p in params], logits) * (counts > 0).float()
+        return logits
+
+    def apply_temperature_and_filters(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        params: list[SamplingParams],
+    ) -> torch.Tensor:  # [B, V] float32, filtered-out tokens at -inf
+        vocab_size = logits.shape[1]
+        temperature = _column([p.temperature if p.temperature > 0 else 1.0 for p in params], logits)
+        logits = logits / temperature
+        needs_top_k = any(p.top_k > 0 for p in params)
+        needs_top_p = any(p.top_p < 1.0 for p in params)
+        if needs_top_k or needs_top_p:
+            sorted_logits, sorted_ids = logits.sort(dim=1, descending=True)  # [B, V]
+            rank = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, V]
+            top_k = _column([p.top_k if p.top_k > 0 else vocab_size for p in params], logits)
+            is_removed = rank >= top_k  # [B, V] in sorted order
+            sorted_logits = sorted_logits.masked_fill(is_removed, float("-inf"))
+            if needs_top_p:
+                sorted_probs = sorted_logits.softmax(dim=1)
+                mass_before = sorted_probs.cumsum(dim=1) - sorted_probs  # mass of higher-ranked tokens
+                top_p = _column([p.top_p for p in params], logits)
+                is_removed |= (mass_before > top_p) & (top_p < 1.0)
+            is_removed_orig = torch.zeros_like(is_removed).scatter_(1, sorted_ids, is_removed)
+            logits = logits.masked_fill(is_removed_orig, float("-inf"))
+        if any(p.min_p > 0.0 for p in params):
+            probs = logits.softmax(dim=1)
+            min_p = _column([p.min_p for p in params], logits)
+            threshold = min_p * probs.max(dim=1, keepdim=True).values  # [B, 1]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        return logits
+
+    def process_logits(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+    ) -> torch.Tensor:  # [B, V] float32
+        """The logits the random rows sample from: penalties, temperature and filters applied."""
+        penalized = self.apply_penalties(logits, params, prompt_ids, output_ids)
+        return self.apply_temperature_and_filters(penalized, params)
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [B, V] float
+        params: list[SamplingParams],
+        prompt_ids: list[list[int]],
+        output_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [B] int64
+        """One token per row; row ``i`` draws randomness only from ``generators[i]`` (None: global RNG)."""
+        assert logits.dim() == 2 and len(params) == logits.shape[0] == len(generators)
+        penalized = self.apply_penalties(logits, params, prompt_ids, output_ids)
+        token_ids = penalized.argmax(dim=1)  # [B], final for greedy rows
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not random_rows:
+            return token_ids
+        row_index = torch.tensor(random_rows, device=logits.device)
+        filtered = self.apply_temperature_and_filters(penalized[row_index], [params[i] for i in random_rows])
+        probs = filtered.softmax(dim=1)  # [R, V]
+        noise = torch.stack([self._exponential_noise(probs[0], generators[i]) for i in random_rows])
+        token_ids[row_index] = (probs / noise).argmax(dim=1)
+        return token_ids
+
+    @staticmethod
+    def _exponential_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        noise = torch.empty_like(like).exponential_(1.0, generator=generator)  # [V] float32
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # 0 noise would make 0/0 = nan win argmax

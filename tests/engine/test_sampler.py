@@ -1,0 +1,180 @@
+import math
+
+import msgspec
+import pytest
+import torch
+
+from services.common.errors import InvalidRequestError
+from services.engine.sampler import Sampler, SamplingParams, make_generator
+
+VOCAB_SIZE = 50
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
+    batch_size = logits.shape[0]
+    generators = [make_generator(seed, "cpu") for seed in seeds]
+    return Sampler().sample(logits, params, [[]] * batch_size, [[]] * batch_size, generators)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, VOCAB_SIZE, generator=torch.Generator().manual_seed(1))
+    tokens = sample_rows(logits, [SamplingParams(temperature=0.0)] * 6, [None] * 6)
+    assert tokens.dtype == torch.long
+    assert torch.equal(tokens, logits.argmax(dim=1))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-6)])
+def test_narrow_filters_equal_greedy(params: SamplingParams) -> None:
+    logits = torch.randn(8, VOCAB_SIZE, generator=torch.Generator().manual_seed(2))
+    tokens = sample_rows(logits, [params] * 8, list(range(8)))
+    assert torch.equal(tokens, logits.argmax(dim=1))
+
+
+def test_top_k_and_top_p_keep_expected_tokens() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2, 1)
+    params = [SamplingParams(top_k=3), SamplingParams(top_p=0.75)]
+    processed = Sampler().process_logits(logits, params, [[], []], [[], []])
+    assert torch.isfinite(processed).tolist() == [[True, True, True, False], [True, True, False, False]]
+
+
+def test_min_p_filters() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.19, 0.11])
+    logits = probs.log().unsqueeze(0)
+    params = [SamplingParams(min_p=0.5)]  # threshold 0.2
+    processed = Sampler().process_logits(logits, params, [[]], [[]])
+    assert torch.isfinite(processed[0]).tolist() == [True, True, False, False]
+    tokens = sample_rows(logits.repeat(200, 1), params * 200, list(range(200)))
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_temperature_scales_logits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5]])
+    processed = Sampler().process_logits(logits, [SamplingParams(temperature=2.0)], [[]], [[]])
+    torch.testing.assert_close(processed, logits / 2.0)
+
+
+def test_repetition_penalty_hf_style() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    params = [SamplingParams(repetition_penalty=2.0)]
+    processed = Sampler().apply_penalties(logits, params, [[0, 0]], [[1]])
+    torch.testing.assert_close(processed, torch.tensor([[1.0, -4.0, 1.0, 0.5]]))
+
+
+def test_frequency_and_presence_penalties_over_output_only() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    params = [SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)]
+    processed = Sampler().apply_penalties(logits, params, [[0, 1]], [[2, 2, 3]])
+    expected = torch.tensor([[2.0, -2.0, 1.0 - 2 * 0.5 - 0.25, 0.5 - 0.5 - 0.25]])
+    torch.testing.assert_close(processed, expected)
+
+
+def test_penalties_are_per_row_and_do_not_mutate_input() -> None:
+    logits = torch.ones(2, 4)
+    params = [SamplingParams(repetition_penalty=4.0), SamplingParams()]
+    processed = Sampler().apply_penalties(logits, params, [[3], [3]], [[], []])
+    assert processed.tolist() == [[1.0, 1.0, 1.0, 0.25], [1.0, 1.0, 1.0, 1.0]]
+    assert torch.equal(logits, torch.ones(2, 4))
+
+
+def test_greedy_uses_penalized_logits() -> None:
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0)]
+    tokens = Sampler().sample(logits, params, [[0]], [[]], [None])
+    assert tokens.tolist() == [1]
+
+
+def draw_sequence(seed: int, position: int, batch_size: int, num_steps: int = 16) -> list[int]:
+    data = torch.Generator().manual_seed(123)
+    generators = [make_generator(seed if i == position else 1000 + i, "cpu") for i in range(batch_size)]
+    params = [SamplingParams(temperature=0.0 if i % 3 == 2 else 1.0) for i in range(batch_size)]
+    params[position] = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=seed)
+    row_logits = torch.randn(num_steps, VOCAB_SIZE, generator=data)
+    tokens = []
+    for step in range(num_steps):
+        logits = torch.randn(batch_size, VOCAB_SIZE, generator=data)
+        logits[position] = row_logits[step]
+        out = Sampler().sample(logits, params, [[]] * batch_size, [[]] * batch_size, generators)
+        tokens.append(int(out[position]))
+    return tokens
+
+
+def test_same_seed_same_tokens_in_any_batch() -> None:
+    alone = draw_sequence(seed=7, position=0, batch_size=1)
+    assert draw_sequence(seed=7, position=0, batch_size=1) == alone
+    assert draw_sequence(seed=7, position=3, batch_size=5) == alone
+    assert draw_sequence(seed=7, position=1, batch_size=8) == alone
+
+
+def test_different_seeds_differ() -> None:
+    assert draw_sequence(seed=7, position=0, batch_size=1) != draw_sequence(seed=8, position=0, batch_size=1)
+
+
+def test_unseeded_generators_differ() -> None:
+    logits = torch.zeros(1, 10_000)
+    draws = {int(sample_rows(logits, [SamplingParams()], [None])[0]) for _ in range(5)}
+    assert len(draws) > 1
+
+
+def test_sampling_follows_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    num_rows = 4000
+    generator = make_generator(5, "cpu")
+    logits = probs.log().repeat(num_rows, 1)
+    empty: list[list[int]] = [[]] * num_rows
+    tokens = Sampler().sample(logits, [SamplingParams()] * num_rows, empty, empty, [generator] * num_rows)
+    freqs = torch.bincount(tokens, minlength=4).float() / num_rows
+    sigma = (probs * (1 - probs) / num_rows).sqrt()
+    assert ((freqs - probs).abs() < 5 * sigma).all(), freqs
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.1}, "presence_penalty"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop_token_ids": (3, -4)}, "stop_token_ids"),
+    ],
+)
+def test_validate_rejects(kwargs: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidRequestError, match=param) as info:
+        SamplingParams(**kwargs).validate()  # type: ignore[arg-type]
+    assert info.value.param == param
+    assert not info.value.retryable
+
+
+def test_validate_accepts_edges() -> None:
+    SamplingParams().validate()
+    SamplingParams(
+        temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0, seed=0
+    ).validate()
+
+
+def test_msgpack_round_trip() -> None:
+    params = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        frequency_penalty=0.3,
+        presence_penalty=-0.2,
+        seed=42,
+        max_new_tokens=128,
+        stop_token_ids=(2, 151645),
+        ignore_eos=True,
+    )
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params
+    assert decoded.stop_token_ids == (2, 151645)
+    with pytest.raises(AttributeError):
+        params.temperature = 1.0  # type: ignore[misc]
