@@ -1,0 +1,37 @@
+"""Preprocessing shared by the tokenizer and vision encoder services: chat template,
+tokenize/detokenize and placeholder expansion (``text``); image decode, patch grid,
+pixel preprocessing and content hash (``image``)."""
+
+from services.engine.processing.image import (
+    ImageProcessor,
+    ImageProcessorConfig,
+    ProcessedImage,
+    content_hash,
+    decode_image,
+    pixel_hash,
+    smart_resize,
+)
+from services.engine.processing.text import (
+    IncrementalDetokenizer,
+    PlaceholderSpan,
+    TextProcessor,
+    expand_image_placeholders,
+    iter_image_parts,
+    validate_messages,
+)
+
+__all__ = [
+    "ImageProcessor",
+    "ImageProcessorConfig",
+    "IncrementalDetokenizer",
+    "PlaceholderSpan",
+    "ProcessedImage",
+    "TextProcessor",
+    "content_hash",
+    "decode_image",
+    "expand_image_placeholders",
+    "iter_image_parts",
+    "pixel_hash",
+    "smart_resize",
+    "validate_messages",
+]

@@ -1,0 +1,221 @@
+"""Image side of preprocessing for Qwen2-VL / Qwen2.5-VL.
+
+Two consumers, two costs:
+- the tokenizer service needs only an image's size: ``grid_for`` (or ``grid_for_size``)
+  gives the patch grid, hence the number of placeholder tokens, without pixel work;
+- the vision encoder needs pixels: ``preprocess`` resizes (PIL bicubic), rescales,
+  normalizes and patchifies, equal to ``transformers``' ``Qwen2VLImageProcessorPil``.
+
+Images travel between services as their compressed bytes. The services key images
+(embedding cache, owner election) on ``content_hash``: the SHA-256 of those compressed
+bytes, which the tokenizer computes without decoding. ``pixel_hash`` hashes the
+preprocessed pixels, for checks that two byte-different files preprocess the same.
+
+Colour conversion follows ``transformers`` 5.17 (``convert_to_rgb``): any non-RGB mode
+goes through PIL's ``Image.convert("RGB")``. For RGBA and LA that drops alpha without
+compositing on a background: a fully transparent pixel keeps its stored colour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from services.common.errors import InvalidRequestError, ModelLoadError
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+# Errors PIL raises on bytes that are not a (complete) image of a known format.
+_PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
+
+
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280
+) -> tuple[int, int]:
+    """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels],
+    aspect ratio kept as closely as possible (Qwen2-VL's rule)."""
+    if height <= 0 or width <= 0:
+        raise InvalidRequestError(f"image has an empty side ({width}x{height})", param="image")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidRequestError(
+            f"image aspect ratio must be at most {MAX_ASPECT_RATIO}, got {width}x{height}", param="image"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> Image.Image:
+    """Decode compressed image bytes into an RGB image (EXIF orientation applied).
+
+    Raises InvalidRequestError for empty or oversized data, bytes that are not an image
+    of a format PIL reads, truncated or corrupt data, and images over ``max_pixels``.
+    """
+    if not data:
+        raise InvalidRequestError("image data is empty", param="image")
+    if len(data) > max_bytes:
+        raise InvalidRequestError(
+            f"image is {len(data)} bytes; the limit is {max_bytes} bytes", param="image"
+        )
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:
+        raise InvalidRequestError(f"image has too many pixels: {e}", param="image") from e
+    except _PIL_DECODE_ERRORS as e:
+        raise InvalidRequestError(
+            "image data is not an image in a supported format (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)",
+            param="image",
+        ) from e
+    num_pixels = image.width * image.height
+    if max_pixels is not None and num_pixels > max_pixels:
+        raise InvalidRequestError(
+            f"image is {image.width}x{image.height} = {num_pixels} pixels; the limit is {max_pixels}",
+            param="image",
+        )
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image)
+    except _PIL_DECODE_ERRORS as e:
+        raise InvalidRequestError(f"image data is truncated or corrupt: {e}", param="image") from e
+    return to_rgb(image)
+
+
+def content_hash(data: bytes) -> str:
+    """SHA-256 hex of the compressed image bytes: the key the services use for an image."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    pixel_values: torch.Tensor  # [grid_t * grid_h * grid_w, 3 * temporal * patch * patch] float32
+    grid_thw: tuple[int, int, int]  # patch grid (t, h, w) before the 2x2 merge
+
+
+def pixel_hash(processed: ProcessedImage) -> str:
+    """SHA-256 hex of the preprocessed pixels and their grid."""
+    digest = hashlib.sha256(repr(processed.grid_thw).encode())
+    digest.update(processed.pixel_values.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _first_set(*values: Any) -> Any:
+    return next(value for value in values if value is not None)
+
+
+@dataclass(frozen=True)
+class ImageProcessorConfig:
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    resample: int = int(Image.Resampling.BICUBIC)
+
+    @property
+    def factor(self) -> int:
+        """Pixel side of one merged token."""
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ImageProcessorConfig:
+        """From a ``preprocessor_config.json``; ``min_pixels``/``max_pixels`` win over ``size``."""
+        for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if config.get(flag, True) is not True:
+                raise ModelLoadError(
+                    f"preprocessor config sets {flag}={config[flag]!r}; only true is supported"
+                )
+        default = cls()
+        size = config.get("size") or {}
+        return cls(
+            patch_size=config.get("patch_size", default.patch_size),
+            temporal_patch_size=config.get("temporal_patch_size", default.temporal_patch_size),
+            merge_size=config.get("merge_size", default.merge_size),
+            min_pixels=_first_set(config.get("min_pixels"), size.get("shortest_edge"), default.min_pixels),
+            max_pixels=_first_set(config.get("max_pixels"), size.get("longest_edge"), default.max_pixels),
+            image_mean=tuple(config.get("image_mean", default.image_mean)),
+            image_std=tuple(config.get("image_std", default.image_std)),
+            rescale_factor=config.get("rescale_factor", default.rescale_factor),
+            resample=config.get("resample", default.resample),
+        )
+
+
+class ImageProcessor:
+    """Size-only grid computation and pixel preprocessing for one checkpoint."""
+
+    def __init__(self, config: ImageProcessorConfig) -> None:
+        self.config = config
+        self._mean = np.asarray(config.image_mean, dtype=np.float32)
+        self._std = np.asarray(config.image_std, dtype=np.float32)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
+        path = Path(model_dir) / "preprocessor_config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{path} does not exist")
+        return cls(ImageProcessorConfig.from_dict(json.loads(path.read_text(encoding="utf-8"))))
+
+    def grid_for_size(self, height: int, width: int) -> tuple[int, int, int]:
+        """Patch grid (t, h, w) of a still image of this size; no pixel work."""
+        cfg = self.config
+        resized_height, resized_width = smart_resize(
+            height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels
+        )
+        return 1, resized_height // cfg.patch_size, resized_width // cfg.patch_size
+
+    def grid_for(self, image: Image.Image) -> tuple[int, int, int]:
+        return self.grid_for_size(image.height, image.width)
+
+    def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """Placeholder tokens (merged patches) an image of this grid takes in the prompt."""
+        grid_t, grid_h, grid_w = grid_thw
+        return grid_t * grid_h * grid_w // self.config.merge_size**2
+
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        """Resize, rescale, normalize and patchify one image, as transformers' PIL backend does."""
+        cfg = self.config
+        image = to_rgb(image)
+        grid_thw = self.grid_for(image)
+        _, grid_h, grid_w = grid_thw
+        resized = image.resize((grid_w * cfg.patch_size, grid_h * cfg.patch_size), resample=cfg.resample)
+        pixels = np.asarray(resized, dtype=np.uint8)  # [H, W, 3] uint8
+        scaled = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
+        normalized = (scaled - self._mean) / self._std  # [H, W, 3] float32
+        return ProcessedImage(pixel_values=self._patchify(normalized), grid_thw=grid_thw)
+
+    def _patchify(self, normalized: np.ndarray) -> torch.Tensor:
+        # Row order: merge windows row-major; inside a window its patches row-major.
+        # Column order: channel, temporal copy, patch row, patch column.
+        cfg = self.config
+        p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+        height, width, channels = normalized.shape
+        grid_h, grid_w = height // p, width // p
+        x = torch.from_numpy(np.ascontiguousarray(normalized.transpose(2, 0, 1)))  # [C, H, W]
+        x = x.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
+        x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
+        x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # one frame repeated over the temporal patch
+        return x.reshape(grid_h * grid_w, channels * t * p * p).contiguous()

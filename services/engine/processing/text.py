@@ -1,0 +1,331 @@
+"""Text side of preprocessing: chat template, tokenize, placeholder expansion, detokenize.
+
+A checkpoint directory supplies ``tokenizer.json`` (a byte-level BPE, loaded with the
+``tokenizers`` library) and a chat template (``chat_template.jinja``, else the
+``chat_template`` key of ``tokenizer_config.json``, else ``chat_template.json``). The
+template is rendered the way ``transformers`` renders it: a sandboxed jinja2
+environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``tojson``.
+
+The rendered prompt holds one ``<|image_pad|>`` per image; ``expand_image_placeholders``
+repeats each one to the image's merged-token count and reports where each image's run
+of placeholders sits (its span).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import msgspec
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from services.common.errors import InvalidRequestError, ModelLoadError
+
+IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
+VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+
+CHAT_ROLES = frozenset({"system", "user", "assistant"})
+IMAGE_PART_TYPES = frozenset({"image", "image_url"})
+CONTENT_PART_TYPES = IMAGE_PART_TYPES | {"text"}
+
+
+class PlaceholderSpan(msgspec.Struct, frozen=True):
+    """A run of placeholder tokens standing for one image, in expanded prompt positions."""
+
+    offset: int  # index of the first placeholder token
+    length: int  # number of placeholder tokens (the image's merged-token count)
+
+
+# ---------------------------------------------------------------- message checks
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise InvalidRequestError, naming the offending field, unless messages is a chat."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"{param} must be an object with 'role' and 'content'", param=param)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"{param}.role"
+            )
+        if "content" not in message or message["content"] is None:
+            raise InvalidRequestError(f"{param}.content is missing", param=f"{param}.content")
+        _validate_content(message["content"], f"{param}.content")
+
+
+def _validate_content(content: Any, param: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, Sequence) or isinstance(content, bytes):
+        raise InvalidRequestError(f"{param} must be a string or a list of content parts", param=param)
+    for j, part in enumerate(content):
+        part_param = f"{param}[{j}]"
+        if not isinstance(part, Mapping):
+            raise InvalidRequestError(f"{part_param} must be an object with a 'type'", param=part_param)
+        part_type = part.get("type")
+        if part_type not in CONTENT_PART_TYPES:
+            raise InvalidRequestError(
+                f"{part_param}.type must be one of {sorted(CONTENT_PART_TYPES)}, got {part_type!r}",
+                param=f"{part_param}.type",
+            )
+        if part_type == "text" and not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{part_param}.text must be a string", param=f"{part_param}.text")
+
+
+def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    """Image content parts in prompt order: the order of the rendered placeholders."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str) or content is None:
+            continue
+        for part in content:
+            if part.get("type") in IMAGE_PART_TYPES:
+                yield part
+
+
+# ---------------------------------------------------------------- placeholders
+
+
+def expand_image_placeholders(
+    token_ids: Sequence[int], image_token_id: int, num_image_tokens: Sequence[int]
+) -> tuple[list[int], list[PlaceholderSpan]]:
+    """Repeat the i-th single placeholder ``num_image_tokens[i]`` times; return ids and spans."""
+    positions = [i for i, token_id in enumerate(token_ids) if token_id == image_token_id]
+    if len(positions) != len(num_image_tokens):
+        raise InvalidRequestError(
+            f"the prompt has {len(positions)} image placeholders but {len(num_image_tokens)} images",
+            param="messages",
+        )
+    expanded: list[int] = []
+    spans: list[PlaceholderSpan] = []
+    start = 0
+    for position, num_tokens in zip(positions, num_image_tokens, strict=True):
+        assert num_tokens > 0, num_tokens
+        expanded.extend(token_ids[start:position])
+        spans.append(PlaceholderSpan(offset=len(expanded), length=num_tokens))
+        expanded.extend([image_token_id] * num_tokens)
+        start = position + 1
+    expanded.extend(token_ids[start:])
+    return expanded, spans
+
+
+# ---------------------------------------------------------------- detokenize
+
+
+def _byte_level_char_to_byte() -> dict[str, int]:
+    """The byte-level BPE alphabet: printable Latin-1 bytes stand for themselves, every
+    other byte for the next code point from U+0100 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    char_to_byte = {chr(b): b for b in printable}
+    printable_set = set(printable)
+    others = [b for b in range(256) if b not in printable_set]
+    char_to_byte.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return char_to_byte
+
+
+def _token_bytes_table(tokenizer: Tokenizer) -> list[bytes]:
+    # Mirrors the ByteLevel decoder: a token made only of alphabet chars is those bytes;
+    # any other token (an added token outside the alphabet) is its own UTF-8.
+    char_to_byte = _byte_level_char_to_byte()
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    table = [b""] * (max(vocab.values()) + 1)
+    for token, token_id in vocab.items():
+        if all(ch in char_to_byte for ch in token):
+            table[token_id] = bytes(char_to_byte[ch] for ch in token)
+        else:
+            table[token_id] = token.encode("utf-8")
+    return table
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids, fed one at a time, into text deltas.
+
+    Bytes of a character split across tokens are held until the character is complete;
+    an invalid byte sequence becomes U+FFFD as soon as it is known to be invalid, as in
+    a full decode. ``"".join(deltas) + finish()`` equals ``TextProcessor.decode(ids)``.
+    """
+
+    def __init__(
+        self, token_bytes: Sequence[bytes], special_token_ids: frozenset[int], skip_special_tokens: bool
+    ) -> None:
+        self._token_bytes = token_bytes
+        self._skipped_ids = special_token_ids if skip_special_tokens else frozenset()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        """Feed one token id; return the text it completes (possibly empty)."""
+        if token_id in self._skipped_ids or not 0 <= token_id < len(self._token_bytes):
+            return ""
+        return self._decoder.decode(self._token_bytes[token_id])
+
+    def finish(self) -> str:
+        """End of stream: a trailing incomplete character becomes U+FFFD."""
+        return self._decoder.decode(b"", final=True)
+
+
+# ---------------------------------------------------------------- chat template
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str:
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        return jinja_path.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template") or _read_json(model_dir / "chat_template.json").get(
+        "chat_template"
+    )
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        raise ModelLoadError(
+            f"{model_dir} has no chat template (chat_template.jinja or tokenizer_config.json)"
+        )
+    return template
+
+
+def _token_content(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, Mapping) else value
+
+
+def _eos_token_ids(
+    tokenizer: Tokenizer, model_dir: Path, tokenizer_config: Mapping[str, Any]
+) -> tuple[int, ...]:
+    ids: set[int] = set()
+    eos_token = _token_content(tokenizer_config.get("eos_token"))
+    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+        ids.add(tokenizer.token_to_id(eos_token))
+    generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif isinstance(generation_eos, list):
+        ids.update(generation_eos)
+    if not ids:
+        raise ModelLoadError(
+            f"{model_dir} names no eos token (tokenizer_config.json or generation_config.json)"
+        )
+    return tuple(sorted(ids))
+
+
+class TextProcessor:
+    """Chat template, tokenizer and detokenizer of one checkpoint directory."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str,
+        eos_token_ids: Sequence[int],
+        special_tokens_map: Mapping[str, str] | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._template = compile_chat_template(chat_template)
+        self._special_tokens_map = dict(special_tokens_map or {})
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        self.image_token_id = self._required_token_id(IMAGE_TOKEN)
+        self.vision_start_token_id = self._required_token_id(VISION_START_TOKEN)
+        self.vision_end_token_id = self._required_token_id(VISION_END_TOKEN)
+        self.video_token_id = tokenizer.token_to_id(VIDEO_TOKEN)
+        self.special_token_ids = frozenset(
+            token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special
+        )
+        self._token_bytes = _token_bytes_table(tokenizer)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> TextProcessor:
+        model_dir = Path(model_dir)
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise ModelLoadError(f"{tokenizer_path} does not exist")
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        decoder_type = json.loads(tokenizer_path.read_text(encoding="utf-8")).get("decoder", {}).get("type")
+        if decoder_type != "ByteLevel":
+            raise ModelLoadError(
+                f"{tokenizer_path}: only byte-level BPE tokenizers are supported, got {decoder_type}"
+            )
+        config = _read_json(model_dir / "tokenizer_config.json")
+        special_tokens_map = {
+            key: content
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (content := _token_content(config.get(key))) is not None
+        }
+        return cls(
+            tokenizer,
+            _find_chat_template(model_dir, config),
+            _eos_token_ids(tokenizer, model_dir, config),
+            special_tokens_map,
+        )
+
+    def _required_token_id(self, token: str) -> int:
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ModelLoadError(f"tokenizer has no {token} token")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat: one image placeholder per image part."""
+        validate_messages(messages)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens_map
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from e
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def expand_image_placeholders(
+        self, token_ids: Sequence[int], num_image_tokens: Sequence[int]
+    ) -> tuple[list[int], list[PlaceholderSpan]]:
+        return expand_image_placeholders(token_ids, self.image_token_id, num_image_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._token_bytes, self.special_token_ids, skip_special_tokens)

@@ -1,0 +1,187 @@
+"""Image preprocessing against transformers' Qwen2-VL image processor (PIL backend)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from services.common.errors import InvalidRequestError
+from services.engine.processing.image import (
+    ImageProcessor,
+    content_hash,
+    decode_image,
+    pixel_hash,
+    smart_resize,
+    to_rgb,
+)
+
+TINY_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2.5-vl"
+SIZES = [(50, 80), (224, 224), (300, 97), (640, 480), (10, 30), (28, 28), (1000, 40)]  # (width, height)
+
+
+@pytest.fixture(scope="module")
+def processor() -> ImageProcessor:
+    return ImageProcessor.from_dir(TINY_DIR)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    # transformers' top-level AutoImageProcessor is a torchvision placeholder when
+    # torchvision is absent; the module's own class resolves the PIL backend.
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(str(TINY_DIR), backend="pil")
+
+
+def make_rgb(width: int, height: int, seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:height, 0:width]
+    base = np.stack([xs * 255 // max(width - 1, 1), ys * 255 // max(height - 1, 1), (xs + ys) % 256], axis=-1)
+    noise = rng.integers(-40, 41, size=base.shape)
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), mode="RGB")
+
+
+def make_image(mode: str, width: int = 123, height: int = 77) -> Image.Image:
+    rgb = make_rgb(width, height, seed=len(mode))
+    if mode == "RGBA":
+        alpha = np.zeros((height, width), dtype=np.uint8)
+        alpha[:, width // 3 :] = 128
+        alpha[:, 2 * width // 3 :] = 255
+        image = rgb.convert("RGBA")
+        image.putalpha(Image.fromarray(alpha, mode="L"))
+        return image
+    if mode == "P":
+        return rgb.quantize(colors=32)
+    return rgb.convert(mode)
+
+
+def assert_matches_reference(processor: ImageProcessor, reference, image: Image.Image) -> None:
+    ours = processor.preprocess(image)
+    ref = reference(images=[image], return_tensors="pt")
+    assert ours.pixel_values.dtype == torch.float32
+    assert ours.pixel_values.shape == ref["pixel_values"].shape
+    assert (ours.pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-5
+    assert list(ours.grid_thw) == ref["image_grid_thw"][0].tolist()
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_preprocess_matches_transformers_sizes(processor, reference, width, height):
+    assert_matches_reference(processor, reference, make_rgb(width, height))
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA", "P", "CMYK", "LA"])
+def test_preprocess_matches_transformers_modes(processor, reference, mode):
+    assert_matches_reference(processor, reference, make_image(mode))
+
+
+def test_rgba_conversion_drops_alpha_like_transformers():
+    from transformers.image_transforms import convert_to_rgb
+
+    image = make_image("RGBA")
+    assert np.array_equal(np.asarray(to_rgb(image)), np.asarray(convert_to_rgb(image)))
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_grid_for_agrees_with_preprocess(processor, reference, width, height):
+    image = make_rgb(width, height)
+    grid = processor.grid_for(image)
+    processed = processor.preprocess(image)
+    assert grid == processed.grid_thw
+    assert processed.pixel_values.shape == (grid[0] * grid[1] * grid[2], 3 * 2 * 14 * 14)
+    assert grid[1] * grid[2] == reference.get_number_of_image_patches(height, width)
+    assert 4 <= processor.num_image_tokens(grid) <= 64
+
+
+def test_tiny_image_is_upscaled(processor):
+    assert processor.grid_for_size(30, 10) == (1, 8, 4)  # 112x56 pixels, 14-pixel patches
+
+
+def test_smart_resize_matches_transformers():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as reference
+
+    for height in [1, 5, 13, 27, 28, 29, 55, 100, 223, 480, 999, 2048, 4321]:
+        for width in [1, 7, 28, 41, 97, 224, 640, 1023, 3000]:
+            if max(height, width) / min(height, width) > 200:
+                continue
+            for limits in [(56 * 56, 28 * 28 * 64), (56 * 56, 28 * 28 * 1280)]:
+                assert smart_resize(height, width, 28, *limits) == reference(height, width, 28, *limits)
+
+
+def test_smart_resize_rejects_extreme_aspect_ratio():
+    with pytest.raises(InvalidRequestError, match="aspect ratio"):
+        smart_resize(10, 2010, 28, 56 * 56, 28 * 28 * 64)
+
+
+def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
+def test_decode_image_round_trip(mode):
+    image = make_image(mode)
+    decoded = decode_image(encode(image), max_bytes=1 << 20)
+    assert decoded.mode == "RGB"
+    assert decoded.size == image.size
+    assert np.array_equal(np.asarray(decoded), np.asarray(to_rgb(image)))
+
+
+def test_decode_image_jpeg_cmyk():
+    decoded = decode_image(encode(make_image("CMYK"), "JPEG"), max_bytes=1 << 20)
+    assert decoded.mode == "RGB" and decoded.size == (123, 77)
+
+
+def test_decode_image_applies_exif_orientation():
+    image = make_rgb(40, 20)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", exif=exif)
+    assert decode_image(buffer.getvalue(), max_bytes=1 << 20).size == (20, 40)
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "match"),
+    [
+        (b"", {}, "empty"),
+        (b"this is not an image at all", {}, "not an image"),
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 64, {}, "not an image"),
+        (b"x" * 2048, {"max_bytes": 1024}, "limit is 1024 bytes"),
+    ],
+)
+def test_decode_image_rejects_bad_bytes(data, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        decode_image(data, **{"max_bytes": 1 << 20, **kwargs})
+    assert info.value.param == "image"
+
+
+def test_decode_image_rejects_truncated_data():
+    data = encode(make_rgb(200, 200))
+    with pytest.raises(InvalidRequestError, match="truncated or corrupt|not an image"):
+        decode_image(data[: len(data) // 2], max_bytes=1 << 20)
+
+
+def test_decode_image_rejects_too_many_pixels():
+    with pytest.raises(InvalidRequestError, match="the limit is 10000"):
+        decode_image(encode(make_rgb(200, 100)), max_bytes=1 << 20, max_pixels=10_000)
+
+
+def test_content_hash_is_sha256_of_compressed_bytes():
+    data = encode(make_rgb(64, 48))
+    assert content_hash(data) == hashlib.sha256(data).hexdigest()
+    assert content_hash(data) != content_hash(encode(make_rgb(64, 48, seed=1)))
+
+
+def test_pixel_hash_ignores_container_format(processor):
+    image = make_rgb(64, 48)
+    png = decode_image(encode(image, "PNG"), max_bytes=1 << 20)
+    bmp = decode_image(encode(image, "BMP"), max_bytes=1 << 20)
+    assert content_hash(encode(image, "PNG")) != content_hash(encode(image, "BMP"))
+    assert pixel_hash(processor.preprocess(png)) == pixel_hash(processor.preprocess(bmp))
