@@ -82,8 +82,8 @@ class LLMEngine:
     def prompt_logits(self, requests: list[EngineRequest]) -> list[torch.Tensor]:
         """Logits of every prompt position of each request, [prompt_len, vocab] fp32, from one prefill step."""
         with self._reserved(requests):
-            embeds = self._image_embeddings(requests)
-            steps = [self._prefill_input(r, e)[0] for r, e in zip(requests, embeds, strict=True)]
+            embeds = self.image_embeddings(requests)
+            steps = [self.prefill_input(r, e)[0] for r, e in zip(requests, embeds, strict=True)]
             logits = self.runner.forward(ForwardMode.EXTEND, steps, all_logits=True)
             return list(logits.split([len(r.prompt_ids) for r in requests]))
 
@@ -131,7 +131,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="prompt")
 
-    def _image_embeddings(self, requests: list[EngineRequest]) -> list[torch.Tensor | None]:
+    def image_embeddings(self, requests: list[EngineRequest]) -> list[torch.Tensor | None]:
         grids = [span.grid_thw for r in requests for span in r.spans]
         if not grids:
             return [None] * len(requests)
@@ -140,7 +140,7 @@ class LLMEngine:
         sizes = [sum(span.length for span in r.spans) for r in requests]
         return list(embeds.split(sizes))
 
-    def _prefill_input(self, request: EngineRequest, image_embeds: torch.Tensor | None) -> tuple[StepInput, int]:
+    def prefill_input(self, request: EngineRequest, image_embeds: torch.Tensor | None) -> tuple[StepInput, int]:
         merge = self.config.vision.spatial_merge_size
         positions, delta = mrope_positions(len(request.prompt_ids), request.spans, merge)
         rows = [span.offset + i for span in request.spans for i in range(span.length)]
@@ -152,8 +152,8 @@ class LLMEngine:
 
     def _prefill(self, requests: list[EngineRequest]) -> list[_Running]:
         steps, running = [], []
-        for request, embeds in zip(requests, self._image_embeddings(requests), strict=True):
-            step, delta = self._prefill_input(request, embeds)
+        for request, embeds in zip(requests, self.image_embeddings(requests), strict=True):
+            step, delta = self.prefill_input(request, embeds)
             steps.append(step)
             generator = make_generator(request.params.seed, self.runner.device)
             running.append(_Running(request, delta, generator))

@@ -1,0 +1,70 @@
+"""The ``stageserve`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from services.common.errors import StageServeError
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.5-vl"
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run the engine in this process and print the continuation")
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--prompt", required=True, help="user message")
+    p.add_argument("--image", action="append", default=[], type=Path, help="image file (repeatable)")
+    p.add_argument("--system", default=None, help="system message (the chat template's default if omitted)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    p.add_argument("--attention-backend", default="torch")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from services.engine.offline import OfflinePipeline
+    from services.engine.sampler import SamplingParams
+
+    pipeline = OfflinePipeline.from_dir(
+        args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend
+    )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, max_new_tokens=args.max_tokens,
+    )
+    images = [path.read_bytes() for path in args.image]
+    result = pipeline.chat(args.prompt, images, params, system=args.system)
+    print(result.text)
+    print(
+        f"[{result.num_prompt_tokens} prompt tokens, {len(result.token_ids)} generated, "
+        f"finish_reason={result.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stageserve", description="Disaggregated multimodal LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except StageServeError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

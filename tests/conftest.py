@@ -1,0 +1,51 @@
+"""Shared test fixtures: the bundled tiny checkpoint, the Hugging Face reference model, images."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL_DIR = REPO / "models" / "tiny-qwen2.5-vl"
+
+
+def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
+    """A deterministic image with smooth gradients and noise, so resizing and patches matter."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 / max(width, 1), y * 255 / max(height, 1), (x + y) % 256], axis=-1)
+    pixels = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB").convert(mode)
+
+
+def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    make_image(width, height, seed).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """``transformers``' Qwen2.5-VL on the tiny checkpoint, fp32 on CPU."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(TINY_MODEL_DIR), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def pipeline():
+    """The offline pipeline with small pages, so prompts span many pages."""
+    from services.engine.offline import OfflinePipeline
+
+    return OfflinePipeline.from_dir(TINY_MODEL_DIR, page_size=4, num_pages=2048)

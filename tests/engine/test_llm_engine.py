@@ -1,0 +1,106 @@
+"""Offline engine behaviour: stopping rules, seeds, capacity and bad input; no page is ever lost."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.common.errors import CapacityError, InvalidRequestError
+from services.engine.llm import EngineRequest, FinishReason, LLMEngine
+from services.engine.sampler import SamplingParams
+from tests.conftest import REPO, TINY_MODEL_DIR, image_bytes
+
+
+@pytest.fixture(scope="module")
+def small_engine() -> LLMEngine:
+    return LLMEngine.from_dir(TINY_MODEL_DIR, page_size=4, num_pages=24)
+
+
+def request(ids, **params) -> EngineRequest:
+    return EngineRequest(f"r{len(ids)}-{sorted(params.items())}", list(ids), SamplingParams(**params))
+
+
+def test_stop_token_and_eos(small_engine):
+    free = small_engine.runner.page_manager.num_free_pages
+    greedy = small_engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=8, ignore_eos=True)])[0]
+    third = greedy.token_ids[2]
+    stopped = small_engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=8, stop_token_ids=(third,))])[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(third) + 1]
+    assert greedy.finish_reason is FinishReason.LENGTH and len(greedy.token_ids) == 8
+    small_engine.eos_token_ids.add(third)
+    try:
+        eos = small_engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=8)])[0]
+    finally:
+        small_engine.eos_token_ids.discard(third)
+    assert eos.finish_reason is FinishReason.STOP and eos.token_ids[-1] == third
+    assert small_engine.runner.page_manager.num_free_pages == free
+
+
+def test_context_limit_stops_with_length():
+    engine = LLMEngine.from_dir(TINY_MODEL_DIR, page_size=4, num_pages=64)
+    engine.max_context_len = 24
+    out = engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=100, ignore_eos=True)])[0]
+    assert out.finish_reason is FinishReason.LENGTH
+    assert out.num_prompt_tokens + len(out.token_ids) == 24
+    with pytest.raises(InvalidRequestError, match="context limit is 24"):
+        engine.generate([request(range(10, 40))])
+
+
+def test_same_seed_same_tokens(small_engine):
+    def sample(seed):
+        return small_engine.generate([request(range(40, 50), temperature=1.0, seed=seed, max_new_tokens=12, ignore_eos=True)])[0].token_ids
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+def test_capacity_error_holds_no_pages(small_engine):
+    free = small_engine.runner.page_manager.num_free_pages
+    too_many = [request(range(10, 10 + n), max_new_tokens=2) for n in (40, 41, 42)]
+    with pytest.raises(CapacityError):
+        small_engine.generate(too_many)
+    assert small_engine.runner.page_manager.num_free_pages == free
+
+
+def test_running_out_of_pages_mid_decode_releases_everything(small_engine):
+    free = small_engine.runner.page_manager.num_free_pages
+    long = request(range(10, 80), temperature=0.0, max_new_tokens=200, ignore_eos=True)
+    with pytest.raises(CapacityError):
+        small_engine.generate([long])
+    assert small_engine.runner.page_manager.num_free_pages == free
+
+
+@pytest.mark.parametrize(
+    ("req", "param"),
+    [
+        (EngineRequest("e", []), "prompt"),
+        (EngineRequest("v", [10, 99999]), "prompt"),
+        (EngineRequest("t", [10], SamplingParams(temperature=-1.0)), "temperature"),
+        (EngineRequest("m", [10], SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    ],
+)
+def test_bad_requests(small_engine, req, param):
+    with pytest.raises(InvalidRequestError) as info:
+        small_engine.generate([req])
+    assert info.value.param == param
+
+
+def test_generate_command_prints_a_continuation(tmp_path):
+    image = tmp_path / "in.png"
+    image.write_bytes(image_bytes(90, 60, seed=9))
+    cmd = [sys.executable, "-m", "services.cli", "generate", "--prompt", "What is this?", "--image", str(image), "--max-tokens", "6"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "6 generated, finish_reason=length" in done.stderr
+    assert done.stdout.strip()
+
+
+def test_generate_command_rejects_non_image(tmp_path):
+    bad = tmp_path / "not-an-image.png"
+    bad.write_bytes(b"plain text, not pixels")
+    cmd = [sys.executable, "-m", "services.cli", "generate", "--prompt", "x", "--image", str(bad)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "not an image" in done.stderr

@@ -1,0 +1,95 @@
+"""Checkpoint loading: both name layouts, sharded files, tied embeddings, and precise errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.common.errors import ModelLoadError
+from services.engine.config import ModelConfig
+from services.engine.loader import load_model
+
+
+def copy_checkpoint(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    dst.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(src / name, dst / name)
+    return load_file(str(src / "model.safetensors"))
+
+
+def write_config(dst: Path, **changes) -> None:
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def test_loads_bundled_checkpoint(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    weights = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, weights["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(model.visual.merger.mlp[2].bias, weights["visual.merger.mlp.2.bias"])
+    assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_sharded_nested_names_and_bf16(tiny_model_dir, tmp_path):
+    dst = tmp_path / "sharded"
+    weights = copy_checkpoint(tiny_model_dir, dst)
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else
+               k.replace("visual.", "model.visual.", 1) if k.startswith("visual.") else k: v for k, v in weights.items()}
+    names = sorted(renamed)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: renamed[k] for k in keys}, str(dst / file))
+    index = {"weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(dst, dtype="bfloat16")
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"].bfloat16())
+
+
+def test_tied_embeddings_without_lm_head(tiny_model_dir, tmp_path):
+    dst = tmp_path / "tied"
+    weights = copy_checkpoint(tiny_model_dir, dst)
+    del weights["lm_head.weight"]
+    save_file(weights, str(dst / "model.safetensors"))
+    write_config(dst, tie_word_embeddings=True)
+    model = load_model(dst)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda w: w.pop("model.layers.2.self_attn.k_proj.bias"), "missing tensors: model.layers.2.self_attn.k_proj.bias"),
+        (lambda w: w.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(1)), "unexpected tensors: model.layers.9.mlp.up_proj.weight"),
+        (lambda w: w.__setitem__("visual.merger.mlp.0.bias", torch.zeros(3)), "tensor 'visual.merger.mlp.0.bias' has shape (3,)"),
+    ],
+)
+def test_bad_tensors_are_named(tiny_model_dir, tmp_path, mutate, message):
+    dst = tmp_path / "bad"
+    weights = copy_checkpoint(tiny_model_dir, dst)
+    mutate(weights)
+    save_file(weights, str(dst / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_model(dst)
+
+
+def test_unknown_architecture_names_supported(tiny_model_dir, tmp_path):
+    dst = tmp_path / "llama"
+    copy_checkpoint(tiny_model_dir, dst)
+    write_config(dst, architectures=["LlamaForCausalLM"], model_type="llama")
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*supported: Qwen2_5_VLForConditionalGeneration"):
+        ModelConfig.from_dir(dst)
+
+
+def test_missing_files_are_clear(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text((Path(__file__).parents[2] / "models/tiny-qwen2.5-vl/config.json").read_text())
+    with pytest.raises(ModelLoadError, match="no .safetensors files"):
+        load_model(tmp_path)
