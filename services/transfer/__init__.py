@@ -1,0 +1,95 @@
+"""KV transfer backends, chosen by name from config.
+
+Each backend module is imported only when it is created, so an optional engine
+(Mooncake) is needed only by the processes that pick it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services.transfer.base import (
+    BaseKVReceiver,
+    BaseKVSender,
+    KvDestination,
+    KvPoolLayout,
+    TransferPlan,
+    TransferResult,
+    TransferSession,
+    TransferSessionManager,
+    TransferState,
+)
+
+
+def _mooncake_sender(**kwargs: Any) -> BaseKVSender:
+    from services.transfer.mooncake_backend import MooncakeKVSender
+
+    return MooncakeKVSender(**kwargs)
+
+
+def _mooncake_receiver(**kwargs: Any) -> BaseKVReceiver:
+    from services.transfer.mooncake_backend import MooncakeKVReceiver
+
+    return MooncakeKVReceiver(**kwargs)
+
+
+def _inprocess_sender(**kwargs: Any) -> BaseKVSender:
+    from services.transfer.inprocess_backend import InProcessKVSender
+
+    return InProcessKVSender(**kwargs)
+
+
+def _inprocess_receiver(**kwargs: Any) -> BaseKVReceiver:
+    from services.transfer.inprocess_backend import InProcessKVReceiver
+
+    return InProcessKVReceiver(**kwargs)
+
+
+_SENDER_FACTORIES: dict[str, Callable[..., BaseKVSender]] = {
+    "mooncake": _mooncake_sender,
+    "inprocess": _inprocess_sender,
+}
+_RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
+    "mooncake": _mooncake_receiver,
+    "inprocess": _inprocess_receiver,
+}
+
+
+def supported_transfer_backends() -> list[str]:
+    return sorted(_SENDER_FACTORIES)
+
+
+def create_kv_sender(name: str, **kwargs: Any) -> BaseKVSender:
+    """Build the prefill-side sender registered as ``name``; ``ValueError`` for an unknown name."""
+    return _lookup(_SENDER_FACTORIES, name)(**kwargs)
+
+
+def create_kv_receiver(name: str, **kwargs: Any) -> BaseKVReceiver:
+    """Build the decode-side receiver registered as ``name``; ``ValueError`` for an unknown name."""
+    return _lookup(_RECEIVER_FACTORIES, name)(**kwargs)
+
+
+def _lookup(factories: dict[str, Callable[..., Any]], name: str) -> Callable[..., Any]:
+    factory = factories.get(name)
+    if factory is None:
+        raise ValueError(
+            f"unknown KV transfer backend {name!r}; supported: {', '.join(supported_transfer_backends())}"
+        )
+    return factory
+
+
+__all__ = [
+    "BaseKVReceiver",
+    "BaseKVSender",
+    "KvDestination",
+    "KvPoolLayout",
+    "TransferPlan",
+    "TransferResult",
+    "TransferSession",
+    "TransferSessionManager",
+    "TransferState",
+    "create_kv_receiver",
+    "create_kv_sender",
+    "supported_transfer_backends",
+]
