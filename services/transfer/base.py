@@ -1,0 +1,395 @@
+"""KV handoff contracts: wire types, descriptor math, transfer sessions, sender/receiver.
+
+Lifecycle of one request's KV handoff (decode owns the pages):
+
+  decode: pages = page_table.reserve(...)
+          session = receiver.open_session(request_id, pages, deadline, release)
+            -> BOOTSTRAPPING; session.destination travels to prefill (msgspec, via the router)
+  prefill: sender.send(request_id, pool, src_pages, destination, deadline)
+            -> one batched write of every layer x {K, V} x page run, then "KV ready"
+  decode: sessions.mark_transferring(request_id) when prefill acknowledges (optional)
+          sessions.complete(request_id)  -> SUCCESS: the pages now hold the prompt's KV
+          deadline sweep / abort / failure -> FAILED: ``release`` runs exactly once
+
+Only FAILED releases pages; after SUCCESS the pages belong to the running request.
+A write that missed its deadline may still land in the pages until the engine's own
+transfer timeout passes (Mooncake: ``MC_TRANSFER_TIMEOUT``, default 30 s).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from services.common.errors import AbortedError, DeadlineExceededError, InvalidRequestError, StageServeError
+from services.engine.kv_cache import KVPool
+
+Clock = Callable[[], float]  # monotonic seconds; deadlines below are on this clock
+ReleaseFn = Callable[[str, tuple[int, ...]], None]  # (request_id, page_ids) -> pages go back
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
+
+
+class KvPoolLayout(msgspec.Struct, frozen=True):
+    """Where a KV pool lives and how it is laid out: ``[num_layers, num_pages, page_size, heads, dim]``."""
+
+    k_base: int  # address of k_buffer in its owner's process
+    v_base: int  # address of v_buffer in its owner's process
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    page_nbytes: int  # bytes of one page of one layer in one of K or V
+
+
+class KvDestination(msgspec.Struct, frozen=True):
+    """Everything prefill needs to write one request's KV into decode's pages."""
+
+    backend: str  # transfer backend that registered the pool ("mooncake", "inprocess", ...)
+    session_id: str  # engine address of the decode pool's owner (Mooncake: "host:rpc_port")
+    request_id: str
+    layout: KvPoolLayout
+    page_ids: tuple[int, ...]  # position order: page i of the request is page_ids[i]
+
+
+class TransferPlan(msgspec.Struct, frozen=True):
+    """Batched descriptors: copy ``lengths[i]`` bytes from ``src_addrs[i]`` to ``dst_addrs[i]``."""
+
+    src_addrs: tuple[int, ...]
+    dst_addrs: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.lengths)
+
+
+class TransferResult(msgspec.Struct, frozen=True):
+    request_id: str
+    num_bytes: int
+    num_descriptors: int
+    elapsed_s: float
+
+
+def pool_layout(pool: KVPool) -> KvPoolLayout:
+    (k_base, _), (v_base, _) = pool.memory_regions()
+    return KvPoolLayout(
+        k_base=k_base,
+        v_base=v_base,
+        num_layers=pool.num_layers,
+        num_pages=pool.num_pages,
+        page_size=pool.page_size,
+        num_kv_heads=pool.num_kv_heads,
+        head_dim=pool.head_dim,
+        dtype=str(pool.dtype).removeprefix("torch."),
+        page_nbytes=pool.page_nbytes,
+    )
+
+
+def check_compatible(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination) -> None:
+    """Raise ``InvalidRequestError`` unless ``src_pages`` of ``src`` can be written into ``dst``."""
+    for field in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "page_nbytes"):
+        if getattr(src, field) != getattr(dst.layout, field):
+            raise InvalidRequestError(
+                f"KV layout mismatch for {dst.request_id}: {field} is {getattr(src, field)} here, "
+                f"{getattr(dst.layout, field)} at the destination"
+            )
+    if len(src_pages) != len(dst.page_ids):
+        raise InvalidRequestError(
+            f"{dst.request_id}: {len(src_pages)} source pages for {len(dst.page_ids)} destination pages"
+        )
+    if len(set(dst.page_ids)) != len(dst.page_ids):
+        raise InvalidRequestError(f"{dst.request_id}: duplicate destination pages {dst.page_ids}")
+    for pages, num_pages in ((src_pages, src.num_pages), (dst.page_ids, dst.layout.num_pages)):
+        if any(not 0 <= page < num_pages for page in pages):
+            raise InvalidRequestError(f"{dst.request_id}: page outside [0, {num_pages}) in {list(pages)}")
+
+
+def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, num_pages)`` runs where both sides advance by one page."""
+    assert len(src_pages) == len(dst_pages)
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in zip(src_pages, dst_pages, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def plan_transfer(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination) -> TransferPlan:
+    """Descriptors for every layer x {K, V} x page run, with byte-adjacent descriptors merged."""
+    check_compatible(src, src_pages, dst)
+    nbytes = src.page_nbytes
+    descs: list[list[int]] = []  # [src_addr, dst_addr, length]
+    runs = page_runs(src_pages, dst.page_ids)
+    for src_base, dst_base in ((src.k_base, dst.layout.k_base), (src.v_base, dst.layout.v_base)):
+        for layer in range(src.num_layers):
+            src_layer = src_base + layer * src.num_pages * nbytes
+            dst_layer = dst_base + layer * dst.layout.num_pages * nbytes
+            for src_page, dst_page, num_pages in runs:
+                src_addr = src_layer + src_page * nbytes
+                dst_addr = dst_layer + dst_page * nbytes
+                prev = descs[-1] if descs else None
+                if prev and prev[0] + prev[2] == src_addr and prev[1] + prev[2] == dst_addr:
+                    prev[2] += num_pages * nbytes
+                else:
+                    descs.append([src_addr, dst_addr, num_pages * nbytes])
+    columns = tuple(zip(*descs, strict=True)) or ((), (), ())  # (src_addrs, dst_addrs, lengths)
+    return TransferPlan(*columns)
+
+
+def check_deadline(request_id: str, deadline: float, clock: Clock = time.monotonic) -> float:
+    """Seconds left before ``deadline``; ``DeadlineExceededError`` when none are."""
+    remaining = deadline - clock()
+    if remaining <= 0:
+        raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
+    return remaining
+
+
+class TransferSession:
+    """One request's KV handoff on the decode side; FAILED runs ``release`` exactly once."""
+
+    def __init__(
+        self,
+        request_id: str,
+        page_ids: Sequence[int],
+        deadline: float,
+        release: ReleaseFn,
+        clock: Clock = time.monotonic,
+        on_terminal: Callable[[TransferSession], None] = lambda session: None,
+    ) -> None:
+        self.request_id = request_id
+        self.page_ids = tuple(page_ids)
+        self.deadline = deadline
+        self.destination: KvDestination | None = None
+        self.error: StageServeError | None = None
+        self._release = release
+        self._clock = clock
+        self._on_terminal = on_terminal
+        self._state = TransferState.BOOTSTRAPPING
+        self._cond = threading.Condition()
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    def mark_transferring(self) -> None:
+        """BOOTSTRAPPING -> TRANSFERRING; a no-op once TRANSFERRING or terminal."""
+        with self._cond:
+            if self._state is TransferState.BOOTSTRAPPING:
+                self._state = TransferState.TRANSFERRING
+
+    def mark_done(self) -> None:
+        """-> SUCCESS. Completing a finished session raises (``InvalidRequestError``, or its failure)."""
+        with self._cond:
+            if self._state is TransferState.SUCCESS:
+                raise InvalidRequestError(f"KV transfer for {self.request_id} completed twice")
+            if self._state is TransferState.FAILED:
+                assert self.error is not None
+                raise type(self.error)(
+                    f"KV for {self.request_id} arrived after the transfer failed: {self.error.message}"
+                )
+            self._state = TransferState.SUCCESS
+            self._cond.notify_all()
+        self._on_terminal(self)
+
+    def mark_failed(self, error: StageServeError) -> bool:
+        """-> FAILED and release the pages; False (nothing done) when already terminal."""
+        with self._cond:
+            if self._state.is_terminal:
+                return False
+            self._state = TransferState.FAILED
+            self.error = error
+            self._cond.notify_all()
+        self._on_terminal(self)
+        self._release(self.request_id, self.page_ids)
+        return True
+
+    def abort(self) -> bool:
+        return self.mark_failed(AbortedError(f"KV transfer for {self.request_id} aborted"))
+
+    def expire_if_due(self) -> bool:
+        if self._clock() < self.deadline:
+            return False
+        return self.mark_failed(DeadlineExceededError(f"KV transfer for {self.request_id} timed out"))
+
+    def wait(self, deadline: float) -> TransferState:
+        """Block until terminal or ``deadline`` (same clock); past the session's own deadline -> FAILED."""
+        with self._cond:
+            while not self._state.is_terminal:
+                remaining = min(deadline, self.deadline) - self._clock()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        self.expire_if_due()
+        return self._state
+
+
+class TransferSessionManager:
+    """Single owner of in-flight transfer sessions; a session leaves when it turns terminal."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self._sessions: dict[str, TransferSession] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sessions)
+
+    def start(
+        self, request_id: str, page_ids: Sequence[int], deadline: float, release: ReleaseFn
+    ) -> TransferSession:
+        """Open a BOOTSTRAPPING session; ``InvalidRequestError`` if ``request_id`` is already in flight."""
+        session = TransferSession(request_id, page_ids, deadline, release, self._clock, self._drop)
+        with self._lock:
+            if request_id in self._sessions:
+                raise InvalidRequestError(f"KV transfer for {request_id} is already in flight")
+            self._sessions[request_id] = session
+        return session
+
+    def get(self, request_id: str) -> TransferSession | None:
+        with self._lock:
+            return self._sessions.get(request_id)
+
+    def mark_transferring(self, request_id: str) -> None:
+        self._in_flight(request_id).mark_transferring()
+
+    def complete(self, request_id: str) -> TransferSession:
+        """Mark ``request_id`` SUCCESS; ``InvalidRequestError`` if it is not in flight (done twice, expired)."""
+        session = self._in_flight(request_id)
+        session.mark_done()
+        return session
+
+    def fail(self, request_id: str, error: StageServeError) -> bool:
+        """Mark FAILED and release its pages; False when ``request_id`` is not in flight."""
+        session = self.get(request_id)
+        return session is not None and session.mark_failed(error)
+
+    def abort(self, request_id: str) -> bool:
+        session = self.get(request_id)
+        return session is not None and session.abort()
+
+    def abort_all(self) -> int:
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return sum(session.abort() for session in sessions)
+
+    def expire(self) -> list[str]:
+        """Fail every session past its deadline (releasing its pages); returns their request ids."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        return [s.request_id for s in sessions if s.expire_if_due()]
+
+    def _in_flight(self, request_id: str) -> TransferSession:
+        session = self.get(request_id)
+        if session is None:
+            raise InvalidRequestError(
+                f"no KV transfer in flight for {request_id} (finished, expired or unknown)"
+            )
+        return session
+
+    def _drop(self, session: TransferSession) -> None:
+        with self._lock:
+            if self._sessions.get(session.request_id) is session:
+                del self._sessions[session.request_id]
+
+
+class BaseKVSender(ABC):
+    """Prefill side: writes a request's KV pages into a remote decode pool."""
+
+    backend: str
+
+    def register(self, pool: KVPool) -> None:
+        """Make ``pool`` a valid source (register its memory); idempotent. Default: nothing to do."""
+        del pool
+
+    @abstractmethod
+    def send(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> TransferResult:
+        """Write page ``src_pages[i]`` of every layer of K and V into ``dst.page_ids[i]``, batched.
+
+        ``deadline`` is ``time.monotonic()`` seconds. Returns after the bytes landed. Raises
+        ``InvalidRequestError`` (layouts or page counts disagree), ``UnavailableError`` (peer
+        unreachable or the write failed) or ``DeadlineExceededError``.
+        """
+
+    def close(self) -> None:
+        """Release engine resources; the sender is unusable afterwards. Default: nothing held."""
+        return None
+
+
+class BaseKVReceiver(ABC):
+    """Decode side: registers its pool once and owns the sessions of the writes it awaits."""
+
+    backend: str
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self.sessions = TransferSessionManager(clock)
+        self._pool: KVPool | None = None
+
+    @property
+    @abstractmethod
+    def session_id(self) -> str:
+        """Address senders use to reach this receiver's engine."""
+
+    @abstractmethod
+    def _register_memory(self, pool: KVPool) -> None: ...
+
+    @abstractmethod
+    def _unregister_memory(self, pool: KVPool) -> None: ...
+
+    def register(self, pool: KVPool) -> None:
+        """Register ``pool`` with the engine; once per receiver, before any ``destination``."""
+        assert self._pool is None, "a receiver registers exactly one KV pool"
+        self._register_memory(pool)
+        self._pool = pool
+
+    def destination(self, request_id: str, pages: Sequence[int]) -> KvDestination:
+        """The wire description prefill needs to write ``pages`` (in position order) of this pool."""
+        assert self._pool is not None, "register(pool) before asking for destinations"
+        return KvDestination(
+            backend=self.backend,
+            session_id=self.session_id,
+            request_id=request_id,
+            layout=pool_layout(self._pool),
+            page_ids=tuple(pages),
+        )
+
+    def open_session(
+        self, request_id: str, pages: Sequence[int], deadline: float, release: ReleaseFn
+    ) -> TransferSession:
+        """Start awaiting ``request_id``'s KV in ``pages``; ``session.destination`` goes to prefill."""
+        destination = self.destination(request_id, pages)
+        session = self.sessions.start(request_id, pages, deadline, release)
+        session.destination = destination
+        return session
+
+    def close(self) -> None:
+        """Abort every in-flight session (their pages are released), then unregister the pool."""
+        self.sessions.abort_all()
+        if self._pool is not None:
+            self._unregister_memory(self._pool)
+            self._pool = None

@@ -1,0 +1,145 @@
+"""Two real processes over Mooncake TE (TCP, loopback): decode registers, prefill writes."""
+
+import multiprocessing as mp
+import os
+import socket
+import time
+
+import msgspec
+import pytest
+import torch
+
+from services.engine.kv_cache import KVPool
+from services.transfer.base import KvDestination, TransferResult
+
+try:
+    import mooncake.engine  # noqa: F401
+
+    MOONCAKE_ERROR = None
+except ImportError as exc:  # the wheel or one of its shared libraries is missing
+    MOONCAKE_ERROR = str(exc)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        MOONCAKE_ERROR is not None,
+        reason=f"mooncake not importable ({MOONCAKE_ERROR}): install mooncake-transfer-engine-non-cuda "
+        "and libibverbs1 librdmacm1 libnuma1",
+    ),
+]
+
+SRC_PAGES = [0, 1, 2, 3, 10, 20, 21, 5]
+DST_PAGES = [40, 41, 42, 43, 7, 30, 31, 3]
+QUEUE_TIMEOUT_S = 45  # a hang fails the test instead of blocking it
+
+
+def make_pool(num_pages: int, seed: int) -> KVPool:
+    # [L=4, P, S=16, Hkv=4, D=64] bf16: 8 KiB pages, filled with arbitrary bit patterns
+    pool = KVPool(4, num_pages, 16, 4, 64, torch.bfloat16, "cpu")
+    generator = torch.Generator().manual_seed(seed)
+    for buf in (pool.k_buffer, pool.v_buffer):
+        buf.view(torch.int16).copy_(
+            torch.randint(-(2**15), 2**15, buf.shape, dtype=torch.int16, generator=generator)
+        )
+    return pool
+
+
+def receiver_main(dst_queue, ready_queue, result_queue, exit_after_publish: bool) -> None:
+    from services.transfer.mooncake_backend import MooncakeKVReceiver
+
+    receiver = MooncakeKVReceiver()
+    pool = make_pool(64, seed=2)
+    receiver.register(pool)
+    before_k, before_v = pool.k_buffer.clone(), pool.v_buffer.clone()
+    released: list[str] = []
+    session = receiver.open_session(
+        "req-1", DST_PAGES, time.monotonic() + QUEUE_TIMEOUT_S, lambda rid, pages: released.append(rid)
+    )
+    dst_queue.put(msgspec.msgpack.encode(session.destination))
+    if exit_after_publish:
+        return
+    ready_queue.get(timeout=QUEUE_TIMEOUT_S)  # prefill's "KV ready"
+    receiver.sessions.complete("req-1")
+    src = make_pool(32, seed=1)  # the sender's pool, rebuilt from its seed
+    landed = all(
+        torch.equal(pool.k_buffer[:, d].view(torch.int16), src.k_buffer[:, s].view(torch.int16))
+        and torch.equal(pool.v_buffer[:, d].view(torch.int16), src.v_buffer[:, s].view(torch.int16))
+        for s, d in zip(SRC_PAGES, DST_PAGES, strict=True)
+    )
+    others = [p for p in range(64) if p not in DST_PAGES]
+    untouched = torch.equal(pool.k_buffer[:, others].view(torch.int16), before_k[:, others].view(torch.int16))
+    untouched = untouched and torch.equal(
+        pool.v_buffer[:, others].view(torch.int16), before_v[:, others].view(torch.int16)
+    )
+    result_queue.put((landed, untouched, session.state.name, released))
+    receiver.close()
+
+
+def sender_main(dst_bytes: bytes, deadline_s: float, result_queue, max_descriptors: int = 1024) -> None:
+    from services.common.errors import StageServeError
+    from services.transfer.mooncake_backend import MooncakeKVSender
+
+    dst = msgspec.msgpack.decode(dst_bytes, type=KvDestination)
+    sender = MooncakeKVSender(max_descriptors_per_call=max_descriptors)
+    pool = make_pool(32, seed=1)
+    try:
+        result = sender.send("req-1", pool, SRC_PAGES, dst, time.monotonic() + deadline_s)
+        result_queue.put(("ok", msgspec.msgpack.encode(result)))
+    except StageServeError as exc:
+        result_queue.put((type(exc).__name__, exc.message))
+    result_queue.close()
+    result_queue.join_thread()
+    os._exit(0)  # a send abandoned at its deadline still runs in the engine; skip its teardown
+
+
+def spawn(ctx, target, *args):
+    process = ctx.Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
+
+
+@pytest.mark.parametrize("max_descriptors", [1024, 5], ids=["one-batch", "batches-of-5"])
+def test_two_processes_move_pages_byte_exact(max_descriptors: int) -> None:
+    ctx = mp.get_context("spawn")
+    dst_queue, ready_queue, receiver_results, sender_results = (ctx.Queue() for _ in range(4))
+    receiver = spawn(ctx, receiver_main, dst_queue, ready_queue, receiver_results, False)
+    dst_bytes = dst_queue.get(timeout=QUEUE_TIMEOUT_S)
+    sender = spawn(ctx, sender_main, dst_bytes, 30.0, sender_results, max_descriptors)
+    status, payload = sender_results.get(timeout=QUEUE_TIMEOUT_S)
+    assert status == "ok", payload
+    result = msgspec.msgpack.decode(payload, type=TransferResult)
+    # runs: (0..3 -> 40..43), (10 -> 7), (20,21 -> 30,31), (5 -> 3): 4 runs x 4 layers x {K, V}
+    assert result.num_descriptors == 4 * 4 * 2
+    assert result.num_bytes == len(SRC_PAGES) * 4 * 2 * 16 * 4 * 64 * 2
+    ready_queue.put("kv-ready")
+    landed, untouched, state, released = receiver_results.get(timeout=QUEUE_TIMEOUT_S)
+    assert landed and untouched and state == "SUCCESS" and released == []
+    for process in (sender, receiver):
+        process.join(timeout=QUEUE_TIMEOUT_S)
+        assert process.exitcode == 0
+
+
+def test_dead_peer_is_unavailable_not_a_hang() -> None:
+    ctx = mp.get_context("spawn")
+    dst_queue, results = ctx.Queue(), ctx.Queue()
+    receiver = spawn(ctx, receiver_main, dst_queue, None, None, True)
+    dst_bytes = dst_queue.get(timeout=QUEUE_TIMEOUT_S)
+    receiver.join(timeout=QUEUE_TIMEOUT_S)  # the decode process is gone
+    assert receiver.exitcode == 0
+    spawn(ctx, sender_main, dst_bytes, 30.0, results)
+    status, message = results.get(timeout=QUEUE_TIMEOUT_S)
+    assert status == "UnavailableError" and "mooncake batch write" in message
+
+
+def test_silent_peer_hits_the_deadline() -> None:
+    # a peer that accepts TCP but never answers the handshake holds the engine call for ~60 s
+    ctx = mp.get_context("spawn")
+    dst_queue, results = ctx.Queue(), ctx.Queue()
+    receiver = spawn(ctx, receiver_main, dst_queue, None, None, True)
+    real = msgspec.msgpack.decode(dst_queue.get(timeout=QUEUE_TIMEOUT_S), type=KvDestination)
+    receiver.join(timeout=QUEUE_TIMEOUT_S)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        dst = msgspec.structs.replace(real, session_id=f"127.0.0.1:{silent.getsockname()[1]}")
+        spawn(ctx, sender_main, msgspec.msgpack.encode(dst), 1.0, results)
+        status, message = results.get(timeout=QUEUE_TIMEOUT_S)
+    assert status == "DeadlineExceededError" and "did not finish before its deadline" in message
