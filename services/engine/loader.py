@@ -103,4 +103,5 @@ def load_model(
     for module in model.modules():
         if hasattr(module, "compute_inv_freq"):
             module.register_buffer("inv_freq", module.compute_inv_freq(device), persistent=False)
+    model.fuse_projections()
     return model.eval()

@@ -7,12 +7,14 @@ tensor; the attention backend holds the step's layout (see attention/base.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from services.engine import ops
 from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import TextConfig
-from services.engine.model.layers import GatedMLP, RMSNorm
-from services.engine.model.rope import MRotaryEmbedding, apply_rotary
+from services.engine.model.layers import GatedMLP, RMSNorm, fuse_linears
+from services.engine.model.rope import MRotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
@@ -26,14 +28,22 @@ class DecoderAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, hidden] once fused
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """One matmul for q, k and v (called after the weights are loaded)."""
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: BaseAttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q, k, v = ops.rotary_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn.forward(self.layer_id, q, k, v).reshape(n, -1))
 
 
@@ -46,10 +56,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: BaseAttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output (not yet added to the residual)
+        residual: torch.Tensor | None,  # [T, hidden] running residual stream; None before layer 0
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: BaseAttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, residual stream before it)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LanguageModel(nn.Module):
@@ -67,8 +87,10 @@ class LanguageModel(nn.Module):
         self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: BaseAttentionBackend
     ) -> torch.Tensor:
         # input_embeds [T, hidden], positions [3, T] -> hidden states [T, hidden]
-        cos, sin = self.rotary(positions, input_embeds.dtype)
-        x = input_embeds
+        cos, sin = self.rotary(positions, input_embeds.dtype)  # [T, D] each, once per step
+        x, residual = input_embeds, None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        if residual is None:
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]

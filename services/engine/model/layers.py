@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from services.engine import ops
 
 ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
@@ -21,10 +24,30 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the residual add fused with the norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) along the output dim and re-point each layer at its slice.
+
+    The per-layer parameters stay (as views), so names and state dicts are unchanged.
+    """
+    weight = torch.cat([layer.weight.detach() for layer in linears])  # [sum(out), in]
+    has_bias = [layer.bias is not None for layer in linears]
+    assert all(has_bias) or not any(has_bias), "fuse only layers that all have, or all lack, a bias"
+    bias = torch.cat([layer.bias.detach() for layer in linears]) if all(has_bias) else None
+    start = 0
+    for layer in linears:
+        end = start + layer.out_features
+        layer.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
 
 
 class GatedMLP(nn.Module):
@@ -35,7 +58,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_name = act
         self.act = activation(act)
+        self.gate_up_weight: torch.Tensor | None = None  # [2I, hidden] once fused
+        self.gate_up_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """One [2I, hidden] matmul for gate and up (called after the weights are loaded)."""
+        self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return self.down_proj(ops.gated_act(gate_up, self.act_name, self.act))

@@ -28,6 +28,12 @@ class Qwen2_5_VLModel(nn.Module):
         if config.text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up matmuls of every layer; parameter names and values are unchanged."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+
     def encode_images(self, pixel_values: torch.Tensor, grids: GridList) -> torch.Tensor:
         """ViT forward for a batch of images; [sum of image tokens, hidden] in image order."""
         return self.visual(pixel_values, grids)

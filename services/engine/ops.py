@@ -1,0 +1,90 @@
+"""Elementwise steps of the decoder, fused on CUDA and plain torch everywhere else.
+
+Each function has one torch definition (the reference, used on CPU); on a CUDA tensor
+it runs one Triton kernel instead, with the same rounding points in bf16. Triton is
+imported on first CUDA use only, so CPU processes never need it.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from services.engine.model.rope import apply_rotary
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    try:
+        from services.engine import triton_kernels
+    except ImportError:  # no triton in this environment: the torch definitions run
+        return None
+    return triton_kernels
+
+
+def _fused(x: torch.Tensor) -> ModuleType | None:
+    return _triton_kernels() if x.is_cuda else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` over the last dim, normalized in fp32; x [T, H] -> [T, H]."""
+    kernels = _fused(x)
+    if kernels is not None and x.dim() == 2:
+        return kernels.rms_norm(x, weight, eps, None)[0]
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``; x, residual [T, H]."""
+    kernels = _fused(x)
+    if kernels is not None and x.dim() == 2:
+        out, summed = kernels.rms_norm(x, weight, eps, residual)
+        assert summed is not None
+        return out, summed
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def rotary_qk(
+    qkv: torch.Tensor,  # [T, (Hq + 2 * Hkv) * D], q heads then k heads then v heads
+    cos: torch.Tensor,  # [T, D], both halves equal
+    sin: torch.Tensor,  # [T, D]
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary applied to the q and k heads; returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
+
+    On CUDA the rotation is done in place in ``qkv`` and q/k/v are views of it.
+    """
+    n = qkv.shape[0]
+    q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
+    kernels = _fused(qkv)
+    if kernels is not None:
+        kernels.rotary_inplace(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            q.view(n, num_q_heads, head_dim),
+            k.view(n, num_kv_heads, head_dim),
+            v.view(n, num_kv_heads, head_dim),
+        )
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(n, num_q_heads, head_dim)
+    k = k.reshape(n, num_kv_heads, head_dim)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(n, num_kv_heads, head_dim)
+
+
+def gated_act(gate_up: torch.Tensor, act_name: str, act) -> torch.Tensor:
+    """``act(gate) * up`` for gate_up [T, 2I] (gate first); returns [T, I]."""
+    kernels = _fused(gate_up)
+    if kernels is not None and act_name == "silu" and gate_up.dim() == 2:
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
