@@ -18,8 +18,15 @@ def _create_torch(**kwargs: Any) -> BaseAttentionBackend:
     return TorchAttentionBackend(**kwargs)
 
 
+def _create_flashinfer(**kwargs: Any) -> BaseAttentionBackend:
+    from services.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(**kwargs)
+
+
 _BACKEND_FACTORIES: dict[str, Callable[..., BaseAttentionBackend]] = {
     "torch": _create_torch,
+    "flashinfer": _create_flashinfer,
 }
 
 

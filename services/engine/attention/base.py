@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,8 @@ class AttentionBatch:
 class BaseAttentionBackend(ABC):
     """Paged attention for one model; chosen by name from config."""
 
+    supports_cuda_graph: bool = False  # True: implements init_cuda_graph / plan_cuda_graph
+
     @abstractmethod
     def plan(self, batch: AttentionBatch) -> None:
         """Build this step's metadata once; every layer's ``forward`` reuses it."""
@@ -62,3 +65,18 @@ class BaseAttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         """Write the new K/V of ``layer_id`` into the pool, then attend over each request's pages."""
+
+    def init_cuda_graph(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
+        """Allocate fixed-address DECODE metadata for each of ``batch_sizes`` (before any capture).
+
+        ``max_num_pages`` bounds the pages of one planned batch, padding rows included.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
+
+    def plan_cuda_graph(self, batch: AttentionBatch) -> None:
+        """``plan`` for a DECODE batch of one of the ``init_cuda_graph`` sizes, into fixed buffers only.
+
+        ``batch.out_slots`` must be a device tensor at a fixed address (graphs read it). A graph
+        captured after one call replays correctly after any later call for the same size.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
