@@ -5,7 +5,9 @@ backend. Callers (the offline engine, later the prefill and decode schedulers)
 reserve pages for a request, then hand the runner a list of ``StepInput``: the new
 tokens of each request, their positions and (prefill) the image embeddings already
 merged in request-global order. The runner packs them ragged, plans attention once,
-runs every layer and returns logits.
+runs every layer and returns logits. On CUDA, with a backend that supports graphs,
+DECODE steps of up to ``max(cuda_graph_batch_sizes)`` requests replay captured CUDA
+graphs (see cuda_graph.py); one KV page is then held as the padding rows' scratch page.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.attention import AttentionBatch, ForwardMode, create_attention_backend
+from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphDecodeRunner
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 
@@ -39,7 +42,11 @@ class KVCacheConfig:
 
 class ModelRunner:
     def __init__(
-        self, model: Qwen2_5_VLModel, kv_config: KVCacheConfig, attention_backend: str = "torch"
+        self,
+        model: Qwen2_5_VLModel,
+        kv_config: KVCacheConfig,
+        attention_backend: str = "torch",
+        cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,  # () turns graphs off
     ) -> None:
         text = model.config.text
         self.model = model
@@ -56,6 +63,14 @@ class ModelRunner:
             attention_backend, kv_pool=self.kv_pool, num_q_heads=text.num_attention_heads,
             num_kv_heads=text.num_key_value_heads, head_dim=text.head_dim,
         )
+        self.cuda_graph: CudaGraphDecodeRunner | None = None
+        if self.device.type == "cuda" and self.attention.supports_cuda_graph and cuda_graph_batch_sizes:
+            scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding rows write here
+            self.cuda_graph = CudaGraphDecodeRunner(
+                model, self.attention, self.page_size, scratch_page, kv_config.num_pages,
+                cuda_graph_batch_sizes,
+            )
+            self.cuda_graph.capture()
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -66,6 +81,10 @@ class ModelRunner:
     def forward(self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:
         """Logits ``[num_requests, vocab]`` (last new token of each) or ``[num_tokens, vocab]`` fp32."""
         batch = self._attention_batch(mode, inputs)
+        graph = self.cuda_graph
+        if mode is ForwardMode.DECODE and graph is not None and graph.can_run(len(inputs)) and not all_logits:
+            input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
+            return graph.run(batch, input_ids, torch.cat([s.positions for s in inputs], dim=1))
         self.attention.plan(batch)
         embeds = self._embed(inputs)
         positions = torch.cat([s.positions for s in inputs], dim=1).to(self.device)
@@ -86,7 +105,7 @@ class ModelRunner:
             slots.append(self.page_table.slots(s.request_id, s.prefix_len, end))
         return AttentionBatch(
             mode=mode, seq_lens=seq_lens, extend_lens=extend_lens, page_tables=page_tables,
-            page_size=self.page_size, out_slots=torch.cat(slots).to(self.device),
+            page_size=self.page_size, out_slots=torch.cat(slots),  # CPU; the backend uploads it
         )
 
     def _embed(self, inputs: list[StepInput]) -> torch.Tensor:
