@@ -1,0 +1,118 @@
+"""CUDA graphs for decode: the whole step (embedding, every layer with its attention, LM head).
+
+One graph per captured batch size. A step of ``n`` requests runs the graph of the
+smallest captured size ``B >= n``: rows ``n..B-1`` are padding, each a one-token
+request whose only page is the runner's scratch page, so padding writes its K/V
+there and never into a real request's pages. Inputs travel in one host-to-device
+copy into fixed buffers; attention metadata is re-planned into the backend's fixed
+buffers; then the graph replays. Batches above the largest size run eagerly.
+
+The returned logits are a view of the graph's output: valid until the next ``run``.
+The pinned host staging is rewritten each step, so callers consume each step's
+logits (a sampler does, synchronizing) before starting the next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.attention.base import AttentionBatch, BaseAttentionBackend, ForwardMode
+from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+_IDS, _POS, _SLOTS = 0, slice(1, 4), 4  # rows of the fixed input buffer
+
+
+class CudaGraphDecodeRunner:
+    """Captures decode graphs for ``batch_sizes`` and replays them; owns the fixed input buffers."""
+
+    def __init__(
+        self,
+        model: Qwen2_5_VLModel,
+        attention: BaseAttentionBackend,
+        page_size: int,
+        scratch_page: int,
+        max_num_pages: int,
+        batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    ) -> None:
+        assert attention.supports_cuda_graph, f"{type(attention).__name__} cannot run inside CUDA graphs"
+        assert batch_sizes and all(b > 0 for b in batch_sizes)
+        self.model = model
+        self.attention = attention
+        self.page_size = page_size
+        self.scratch_page = scratch_page
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.max_batch_size = self.batch_sizes[-1]
+        device = model.lm_head.weight.device
+        # rows: input ids, positions (3 rows), out slots; [5, max_batch_size] int64
+        self._inputs = torch.zeros(5, self.max_batch_size, dtype=torch.long, device=device)
+        self._inputs_host = torch.zeros(5, self.max_batch_size, dtype=torch.long, pin_memory=True)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}  # [B, vocab] fp32, graph outputs
+        self._pool: tuple[int, int] | None = None
+        attention.init_cuda_graph(self.batch_sizes, max_num_pages + self.max_batch_size)
+
+    def can_run(self, num_requests: int) -> bool:
+        return 0 < num_requests <= self.max_batch_size
+
+    def graph_size(self, num_requests: int) -> int:
+        return next(size for size in self.batch_sizes if size >= num_requests)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first (the smaller graphs reuse its memory pool)."""
+        for size in reversed(self.batch_sizes):
+            self._stage_inputs(size, torch.empty(0, dtype=torch.long), torch.empty(3, 0, dtype=torch.long),
+                               torch.empty(0, dtype=torch.long))
+            self.attention.plan_cuda_graph(self._padded_batch(size, [], []))
+            self._forward(size)  # warm-up outside the graph: kernel compilation, library handles
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._logits[size] = self._forward(size)
+            self._pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def run(
+        self,
+        batch: AttentionBatch,  # DECODE, len(seq_lens) <= max_batch_size; out_slots on any device
+        input_ids: torch.Tensor,  # [n] int64, CPU
+        positions: torch.Tensor,  # [3, n] int64, CPU
+    ) -> torch.Tensor:  # [n, vocab] fp32, a view of the graph output
+        assert batch.mode is ForwardMode.DECODE
+        n = len(batch.seq_lens)
+        size = self.graph_size(n)
+        assert size in self._graphs, "capture() must run before run()"
+        self._stage_inputs(size, input_ids, positions, batch.out_slots.cpu())
+        self.attention.plan_cuda_graph(self._padded_batch(size, batch.seq_lens, batch.page_tables))
+        self._graphs[size].replay()
+        return self._logits[size][:n]
+
+    def _forward(self, size: int) -> torch.Tensor:
+        embeds = self.model.embed(self._inputs[_IDS, :size])  # [B, hidden]
+        return self.model(embeds, self._inputs[_POS, :size], self.attention)  # [B, vocab] fp32
+
+    def _stage_inputs(
+        self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor
+    ) -> None:
+        n = input_ids.numel()
+        host = self._inputs_host
+        host[:, n:size] = 0
+        host[_SLOTS, n:size] = self.scratch_page * self.page_size
+        host[_IDS, :n] = input_ids
+        host[_POS, :n] = positions
+        host[_SLOTS, :n] = out_slots
+        self._inputs.copy_(host, non_blocking=True)
+
+    def _padded_batch(self, size: int, seq_lens: list[int], page_tables: list[list[int]]) -> AttentionBatch:
+        num_padding = size - len(seq_lens)
+        return AttentionBatch(
+            mode=ForwardMode.DECODE,
+            seq_lens=list(seq_lens) + [1] * num_padding,
+            extend_lens=[1] * size,
+            page_tables=list(page_tables) + [[self.scratch_page]] * num_padding,
+            page_size=self.page_size,
+            out_slots=self._inputs[_SLOTS, :size],
+        )
