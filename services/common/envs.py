@@ -1,0 +1,38 @@
+"""Every environment variable stageserve reads, declared in one place.
+
+Read once at start-up (``Envs.from_environ()``) and passed down; nothing else reads
+``os.environ``. Third-party variables that we only document (``MC_*`` for Mooncake)
+are listed so operators find them here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Mooncake Transfer Engine tuning, read by the library itself (documented here only):
+#   MC_TRANSFER_TIMEOUT                    seconds before a stuck transfer fails (default 30)
+#   MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER   TCP queue depth per peer (default 1024)
+#   MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER TCP admissions per peer (default 1024)
+MOONCAKE_ENV_VARS = (
+    "MC_TRANSFER_TIMEOUT",
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
+)
+
+
+@dataclass(frozen=True)
+class Envs:
+    log_level: str = "INFO"  # STAGESERVE_LOG_LEVEL
+    otlp_endpoint: str = ""  # OTEL_EXPORTER_OTLP_ENDPOINT: export spans over OTLP when set
+    trace_console: bool = False  # STAGESERVE_TRACE_CONSOLE=1: print finished spans (debugging)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Envs:
+        env = os.environ if environ is None else environ
+        return cls(
+            log_level=env.get("STAGESERVE_LOG_LEVEL", "INFO").upper(),
+            otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+            trace_console=env.get("STAGESERVE_TRACE_CONSOLE", "") == "1",
+        )
