@@ -98,7 +98,12 @@ def load_model(
     tensors = read_state_dict(model_dir, device, dtype)
     check_tensors(model, tensors)
     model.load_state_dict(tensors, strict=False, assign=True)
-    if config.text.tie_word_embeddings:
+    return finish_model(model, device)
+
+
+def finish_model(model: Qwen2_5_VLModel, device: torch.device) -> Qwen2_5_VLModel:
+    """After every parameter is assigned on ``device``: tie, compute rotary buffers, fuse matmuls."""
+    if model.config.text.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if hasattr(module, "compute_inv_freq"):
