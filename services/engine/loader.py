@@ -9,6 +9,7 @@ mis-shaped tensor is a ``ModelLoadError`` naming it.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 
 # transformers >= 5 saves the nested layout; the engine uses the original one.
 _PREFIX_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+COMPONENTS = ("vision", "language")
+_COMPONENT_PREFIXES = {"vision": ("visual.",), "language": ("model.", "lm_head.")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,12 +56,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_state_dict(
+    model_dir: Path, device: torch.device, dtype: torch.dtype, prefixes: tuple[str, ...] = ("",)
+) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 name = canonical_name(key)
+                if not name.startswith(prefixes):
+                    continue
                 if name in tensors:
                     raise ModelLoadError(f"tensor {key!r} appears twice in the checkpoint")
                 tensor = f.get_tensor(key)
@@ -68,7 +75,7 @@ def read_state_dict(model_dir: Path, device: torch.device, dtype: torch.dtype) -
 
 def check_tensors(model: Qwen2_5_VLModel, tensors: dict[str, torch.Tensor]) -> None:
     expected = {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
-    tied = model.config.text.tie_word_embeddings
+    tied = model.config.text.tie_word_embeddings and model.lm_head is not None
     if tied:
         expected.pop("lm_head.weight", None)
         tensors.pop("lm_head.weight", None)
@@ -86,16 +93,32 @@ def check_tensors(model: Qwen2_5_VLModel, tensors: dict[str, torch.Tensor]) -> N
 
 
 def load_model(
-    model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    components: Collection[str] = COMPONENTS,
 ) -> Qwen2_5_VLModel:
-    """Build the model for ``model_dir``'s config and load its weights onto ``device``."""
+    """Build the model for ``model_dir``'s config and load its weights onto ``device``.
+
+    ``components`` picks the parts to build and load: ``vision`` (the ViT, for the
+    vision encoder) and/or ``language`` (decoder and LM head, for prefill and decode);
+    the checkpoint's tensors of the other part are not read.
+    """
+    unknown = set(components) - set(COMPONENTS)
+    if unknown or not components:
+        raise ValueError(f"components must be a non-empty subset of {COMPONENTS}, got {sorted(components)}")
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype or config.torch_dtype)
     with torch.device("meta"):
         model = Qwen2_5_VLModel(config)
-    tensors = read_state_dict(model_dir, device, dtype)
+    if "vision" not in components:
+        model.visual = None
+    if "language" not in components:
+        model.model = model.lm_head = None
+    prefixes = tuple(p for c in components for p in _COMPONENT_PREFIXES[c])
+    tensors = read_state_dict(model_dir, device, dtype, prefixes)
     check_tensors(model, tensors)
     model.load_state_dict(tensors, strict=False, assign=True)
     return finish_model(model, device)
@@ -103,7 +126,7 @@ def load_model(
 
 def finish_model(model: Qwen2_5_VLModel, device: torch.device) -> Qwen2_5_VLModel:
     """After every parameter is assigned on ``device``: tie, compute rotary buffers, fuse matmuls."""
-    if model.config.text.tie_word_embeddings:
+    if model.config.text.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if hasattr(module, "compute_inv_freq"):

@@ -93,3 +93,13 @@ def test_missing_files_are_clear(tmp_path):
     (tmp_path / "config.json").write_text((Path(__file__).parents[2] / "models/tiny-qwen2.5-vl/config.json").read_text())
     with pytest.raises(ModelLoadError, match="no .safetensors files"):
         load_model(tmp_path)
+
+
+def test_load_one_component(tiny_model_dir):
+    vision = load_model(tiny_model_dir, components=("vision",))
+    assert vision.model is None and vision.lm_head is None
+    assert sum(p.numel() for p in vision.parameters()) == sum(p.numel() for p in load_model(tiny_model_dir).visual.parameters())
+    language = load_model(tiny_model_dir, components=("language",))
+    assert language.visual is None and language.lm_head is not None
+    with pytest.raises(ValueError, match="components must be"):
+        load_model(tiny_model_dir, components=("audio",))
