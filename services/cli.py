@@ -50,10 +50,55 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start every service as its own process on this machine")
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address the services and the HTTP API bind")
+    p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--transfer-backend", default="mooncake", help="KV/embedding transfer: mooncake | inprocess")
+    p.add_argument("--num-pages", type=int, default=4096, help="decode KV pages")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: discard)")
+    p.add_argument("--state-file", type=Path, default=None, help="write pids and ports as JSON once ready")
+    p.set_defaults(func=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from services.launcher import LaunchConfig, run_up
+
+    return run_up(LaunchConfig(
+        model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device, dtype=args.dtype,
+        transfer_backend=args.transfer_backend, num_pages=args.num_pages, page_size=args.page_size,
+        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
+    ))
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start one service (multi-machine deployments)", add_help=False)
+    p.add_argument("service", choices=SERVICES)
+    p.add_argument("service_args", nargs=argparse.REMAINDER, help="the service's own flags (see --help)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"services.{args.service}.__main__")
+    return module.main(args.service_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stageserve", description="Disaggregated multimodal LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_up(sub)
+    _add_serve(sub)
     return parser
 
 
