@@ -1,0 +1,91 @@
+"""Start and stop the whole system (``stageserve up``) for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.conftest import REPO
+
+READY_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class System:
+    process: subprocess.Popen
+    http_port: int
+    workdir: Path
+    state: dict = field(default_factory=dict)
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def address(self, service: str) -> str:
+        return f"127.0.0.1:{self.state[service]['port']}"
+
+    def metrics_url(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.state[service]['metrics_port']}/metrics"
+
+    def child_pids(self) -> list[int]:
+        return [v["pid"] for k, v in self.state.items() if k != "launcher"]
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.workdir / "logs").glob("*.log")))
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout_s)
+
+
+def start_system(workdir: Path, *extra_args: str) -> System:
+    port = free_port()
+    state_file = workdir / "state.json"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--state-file", str(state_file),
+           "--log-dir", str(workdir / "logs"), *extra_args]
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    system = System(process, port, workdir)
+    up = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            system.output.append(line.rstrip())
+            if line.startswith("stageserve is up"):
+                up.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not up.wait(0.2):
+        if process.poll() is not None or time.monotonic() > deadline:
+            system.stop()
+            raise RuntimeError("system did not come up:\n" + "\n".join(system.output) + "\n" + system.logs())
+    system.state = json.loads(state_file.read_text())
+    return system

@@ -1,0 +1,203 @@
+"""The whole system through the official ``openai`` client, checked against transformers.
+
+One system (``stageserve up`` on the bundled tiny model) serves every test in this
+module; the last test checks that no KV page was lost over all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+import torch
+
+from services.engine.sampler import SamplingParams
+from tests.conftest import image_bytes
+from tests.e2e.system import pid_alive, start_system
+from tests.engine.test_model_parity import hf_inputs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+MAX_TOKENS = 32
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat(text: str, images: list[bytes] = ()) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+CASES = {
+    "text": ("Tell me about the moon.", []),
+    "one_image": ("What is shown here?", [image_bytes(300, 97, seed=11)]),
+    "two_images": ("Compare the two pictures.", [image_bytes(224, 224, seed=12), image_bytes(90, 200, seed=13)]),
+}
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024")
+    yield system
+    assert system.stop() == 0
+    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+
+
+@pytest.fixture(scope="module")
+def client(system):
+    return openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client):
+    return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def initial_free_pages(system):
+    return decode_free_pages(system)
+
+
+def decode_free_pages(system) -> int:
+    from services.common.clients.decode import DecodeClient
+
+    async def stats():
+        client = DecodeClient(system.address("decode"))
+        try:
+            return (await client.stats()).num_free_pages
+        finally:
+            await client.close()
+
+    return asyncio.run(stats())
+
+
+def reference(pipeline, hf_model, text: str, images: list[bytes]) -> tuple[str, int, int]:
+    """transformers' greedy continuation: (text, completion tokens, prompt tokens)."""
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    request = pipeline.build_request(messages, list(images), SamplingParams())
+    with torch.no_grad():
+        out = hf_model.generate(**hf_inputs(request), max_new_tokens=MAX_TOKENS, do_sample=False)
+    tokens = out[0, len(request.prompt_ids):].tolist()
+    return pipeline.text.decode(tokens, skip_special_tokens=True), len(tokens), len(request.prompt_ids)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chat_matches_transformers(name, client, model_name, pipeline, hf_model, initial_free_pages):
+    text, images = CASES[name]
+    expected, num_completion, num_prompt = reference(pipeline, hf_model, text, images)
+    reply = client.chat.completions.create(model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == ("length" if num_completion == MAX_TOKENS else "stop")
+    assert reply.usage.prompt_tokens == num_prompt
+    assert reply.usage.completion_tokens == num_completion
+    assert reply.usage.total_tokens == num_prompt + num_completion
+
+    stream = client.chat.completions.create(
+        model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        reply.choices[0].finish_reason
+    ]
+    assert chunks[-1].usage.completion_tokens == num_completion
+    assert chunks[-1].usage.prompt_tokens == num_prompt
+
+
+def test_sixteen_concurrent_requests(system, model_name, pipeline, hf_model):
+    prompts = [(f"Request number {i}: say something about {w}.", [image_bytes(60 + 20 * i, 50 + 10 * i, seed=100 + i)] if i % 3 else [])
+               for i, w in enumerate("the sea,a tree,the sky,a cat,rain,a road,snow,a bird,fire,a lamp,ice,a door,sand,a ship,wind,a star".split(","))]
+    expected = [reference(pipeline, hf_model, t, imgs)[0] for t, imgs in prompts]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=300)
+        calls = [client.chat.completions.create(model=model_name, messages=chat(t, imgs), max_tokens=MAX_TOKENS, temperature=0)
+                 for t, imgs in prompts]
+        try:
+            return await asyncio.gather(*calls)
+        finally:
+            await client.close()
+
+    replies = asyncio.run(run())
+    assert [r.choices[0].message.content for r in replies] == expected
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(values)
+
+
+def test_same_image_twice_is_encoded_once(system, client, model_name):
+    url = system.metrics_url("vision_encoder")
+    hits = _metric(url, "stageserve_vision_encoder_cache_hits_total")
+    misses = _metric(url, "stageserve_vision_encoder_cache_misses_total")
+    image = image_bytes(150, 150, seed=777)
+    for _ in range(2):
+        client.chat.completions.create(model=model_name, messages=chat("Again?", [image]), max_tokens=2, temperature=0)
+    assert _metric(url, "stageserve_vision_encoder_cache_misses_total") == misses + 1
+    assert _metric(url, "stageserve_vision_encoder_cache_hits_total") == hits + 1
+
+
+BAD_REQUESTS = {
+    "malformed_json": b'{"model": "x", "messages": [',
+    "missing_messages": {"max_tokens": 4},
+    "unknown_model": {"model": "no-such-model", "messages": chat("hi")},
+    "not_an_image": {"messages": chat("hi", [b"this is text, not an image"])},
+    "image_too_large": {"messages": chat("hi", [b"\x89PNG" + bytes(21 * 1024 * 1024)])},
+    "prompt_too_long": {"messages": chat("7" * 5000)},
+    "max_tokens_zero": {"messages": chat("hi"), "max_tokens": 0},
+    "max_tokens_negative": {"messages": chat("hi"), "max_tokens": -3},
+    "temperature_negative": {"messages": chat("hi"), "temperature": -0.5},
+    "unknown_role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "n_two": {"messages": chat("hi"), "n": 2},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_gets_400_and_system_keeps_answering(case, system, client, model_name, pipeline, hf_model):
+    body = BAD_REQUESTS[case]
+    if isinstance(body, dict):
+        body = {"model": model_name, **body}
+        response = httpx.post(f"{system.base_url}/chat/completions", json=body, timeout=120)
+    else:
+        response = httpx.post(f"{system.base_url}/chat/completions", content=body,
+                              headers={"content-type": "application/json"}, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    text, images = CASES["one_image"]
+    reply = client.chat.completions.create(model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == reference(pipeline, hf_model, text, images)[0]
+
+
+def test_completions_and_models(system, client, model_name):
+    assert [m.id for m in client.models.list().data] == [model_name]
+    reply = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert reply.usage.completion_tokens <= 5 and reply.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(f"http://127.0.0.1:{system.http_port}/health", timeout=10).status_code == 200
+
+
+def test_aborted_stream_frees_pages(system, client, model_name):
+    stream = client.chat.completions.create(model=model_name, messages=chat("Go on and on."), max_tokens=1000,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+
+
+def test_zz_no_kv_page_is_lost(system, initial_free_pages):
+    deadline = time.monotonic() + 60  # an aborted stream's pages come back asynchronously
+    while decode_free_pages(system) != initial_free_pages and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert decode_free_pages(system) == initial_free_pages
