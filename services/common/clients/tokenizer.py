@@ -1,0 +1,189 @@
+"""Typed client of the tokenizer service (``stageserve.v1.Tokenizer``).
+
+``tokenize_chat`` / ``tokenize_prompt`` return a ``TokenizedPrompt``; ``detokenize_stream``
+opens one incremental-detokenize stream per request::
+
+    stream = client.detokenize_stream(request_id, skip_special_tokens=True,
+                                      prompt_token_ids=prompt[-8:], timeout_s=60)
+    async with stream:                       # aborts the stream if not finished
+        text = await stream.send([token])    # text completed by these tokens
+        text += await stream.finish()        # flush a held-back partial character
+
+Every call carries a deadline, the request id (``x-request-id``) and the trace
+context; gRPC failures become ``StageServeError`` subclasses (``error_from_rpc``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+
+import grpc
+
+from services.common import telemetry
+from services.common.client import create_channel
+from services.common.errors import UnavailableError
+from services.common.grpc_errors import error_from_rpc
+from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.server import REQUEST_ID_KEY
+from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart, TokenizedPrompt
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def _metadata(request_id: str) -> list[tuple[str, str]]:
+    return telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
+
+
+def chat_to_proto(messages: Sequence[ChatMessage]) -> common_pb2.ChatMessages:
+    out = common_pb2.ChatMessages()
+    for message in messages:
+        proto = out.messages.add(role=message.role)
+        for part in message.content:
+            if isinstance(part, TextPart):
+                proto.content.add(text=part.text)
+            elif isinstance(part, ImagePart):
+                proto.content.add(image=common_pb2.ImageInput(data=part.data))
+            else:
+                raise TypeError(f"unknown content part {type(part).__name__}")
+    return out
+
+
+def prompt_from_proto(response: tokenizer_pb2.TokenizeResponse) -> TokenizedPrompt:
+    spans = tuple(
+        ImageSpanRef(
+            offset=s.offset, length=s.length, content_hash=s.content_hash, grid_thw=(s.grid_t, s.grid_h, s.grid_w)
+        )
+        for s in response.image_spans
+    )
+    return TokenizedPrompt(
+        token_ids=tuple(response.token_ids),
+        spans=spans,
+        images={image.content_hash: image.data for image in response.images},
+        mrope_position_delta=response.mrope_position_delta,
+    )
+
+
+class DetokenizeStream:
+    """One request's incremental detokenization: ``send`` token ids, then ``finish`` once.
+
+    Calls on one stream must not overlap (each ``send`` waits for its reply). Leaving
+    an ``async with`` block, or ``aclose``, without ``finish`` cancels the stream.
+    """
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, options: tokenizer_pb2.DetokenizeOptions) -> None:
+        self._call = call
+        self._options: tokenizer_pb2.DetokenizeOptions | None = options  # sent with the first message
+        self._is_done = False
+
+    async def send(self, token_ids: Sequence[int]) -> str:
+        """Append generated token ids; return the text they complete (may be empty)."""
+        if self._is_done:
+            raise RuntimeError("send() after finish() or aclose()")
+        request = tokenizer_pb2.DetokenizeRequest(token_ids=token_ids)
+        if self._options is not None:
+            request.options.CopyFrom(self._options)
+            self._options = None
+        try:
+            await self._call.write(request)
+            response = await self._call.read()
+        except grpc.RpcError as exc:
+            self._is_done = True
+            raise error_from_rpc(exc) from None
+        except asyncio.InvalidStateError as exc:  # the call had already ended with OK
+            self._is_done = True
+            raise UnavailableError("the tokenizer closed the detokenize stream") from exc
+        if response is grpc.aio.EOF:
+            self._is_done = True
+            raise UnavailableError("the tokenizer ended the detokenize stream before answering")
+        return response.text_delta
+
+    async def finish(self) -> str:
+        """End of output: return the remaining text (a partial character becomes U+FFFD)."""
+        if self._is_done:
+            raise RuntimeError("finish() called twice or after aclose()")
+        self._is_done = True
+        try:
+            if self._options is not None:  # no token was sent: the stream still needs its options
+                await self._call.write(tokenizer_pb2.DetokenizeRequest(options=self._options))
+                self._options = None
+            await self._call.done_writing()
+            texts = [response.text_delta async for response in self._call]
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        except asyncio.InvalidStateError as exc:
+            raise UnavailableError("the tokenizer closed the detokenize stream") from exc
+        return "".join(texts)
+
+    async def aclose(self) -> None:
+        """Cancel the stream unless it has finished; safe to call more than once."""
+        if not self._call.done():
+            self._call.cancel()
+        self._is_done = True
+
+    async def __aenter__(self) -> DetokenizeStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class TokenizerClient:
+    """Calls one tokenizer service at ``address`` ("host:port")."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = create_channel(address)
+        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+
+    async def tokenize_chat(
+        self,
+        request_id: str,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> TokenizedPrompt:
+        """Chat template + tokens + image spans of a conversation (images as compressed bytes).
+
+        ``InvalidRequestError`` for a bad conversation, a non-image or oversized image, or
+        a prompt at or over the context limit.
+        """
+        request = tokenizer_pb2.TokenizeRequest(
+            request_id=request_id, chat=chat_to_proto(messages), add_generation_prompt=add_generation_prompt
+        )
+        return await self._tokenize(request, timeout_s)
+
+    async def tokenize_prompt(
+        self, request_id: str, prompt: str, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> TokenizedPrompt:
+        """Token ids of a raw prompt (no template, no images)."""
+        return await self._tokenize(tokenizer_pb2.TokenizeRequest(request_id=request_id, prompt=prompt), timeout_s)
+
+    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest, timeout_s: float) -> TokenizedPrompt:
+        try:
+            response = await self._stub.Tokenize(
+                request, timeout=timeout_s, metadata=_metadata(request.request_id)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        return prompt_from_proto(response)
+
+    def detokenize_stream(
+        self,
+        request_id: str,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] = (),
+        timeout_s: float = 600.0,
+    ) -> DetokenizeStream:
+        """Open a detokenize stream for one request's output; ``timeout_s`` bounds its whole life."""
+        options = tokenizer_pb2.DetokenizeOptions(
+            request_id=request_id, skip_special_tokens=skip_special_tokens, prompt_token_ids=prompt_token_ids
+        )
+        call = self._stub.Detokenize(timeout=timeout_s, metadata=_metadata(request_id))
+        return DetokenizeStream(call, options)
+
+    async def close(self) -> None:
+        await self._channel.close()
