@@ -1,0 +1,338 @@
+"""Typed client of the decode service, and the proto <-> domain conversions around it.
+
+``KvRefInfo`` is the domain form of ``stageserve.v1.KvRef``: the router gets it from
+``DecodeClient.reserve`` and hands it unchanged to the prefill client
+(``kv_ref_to_proto``); prefill turns it back into a ``KvDestination``
+(``KvRefInfo.to_destination``) to write the KV. Importing this module does not import
+torch: only ``to_destination`` / ``kv_ref_from_destination`` touch ``services.transfer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+import msgspec
+
+from services.common import telemetry
+from services.common.client import create_channel
+from services.common.errors import DeadlineExceededError
+from services.common.grpc_errors import error_from_rpc
+from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.server import REQUEST_ID_KEY
+from services.common.types import FinishReason, Usage
+
+if TYPE_CHECKING:
+    from services.engine.sampler import SamplingParams
+    from services.transfer.base import KvDestination
+
+DEFAULT_TIMEOUT_S = 10.0  # Abort / Stats, and the cap on Reserve when the deadline is far
+
+
+class KvBufferInfo(msgspec.Struct, frozen=True):
+    """One registered K or V buffer of decode's pool, ``[layers, pages, page_size, heads, dim]``."""
+
+    kind: str  # "k" | "v"
+    base_address: int
+    size_bytes: int
+    layer_stride_bytes: int
+    page_stride_bytes: int
+    slot_stride_bytes: int
+
+
+class KvRefInfo(msgspec.Struct, frozen=True):
+    """Where prefill writes one request's prompt KV (mirrors the proto ``KvRef``)."""
+
+    backend: str  # transfer backend name as services.transfer knows it ("mooncake", "inprocess")
+    engine_address: str  # decode's transfer-engine endpoint (Mooncake: "host:rpc_port")
+    session_id: str  # transfer-engine session id of the owning decode rank
+    dp_rank: int
+    page_ids: tuple[int, ...]  # the prompt's pages, position order
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name without prefix
+    buffers: tuple[KvBufferInfo, ...]  # one "k", one "v"
+
+    def buffer(self, kind: str) -> KvBufferInfo:
+        return next(b for b in self.buffers if b.kind == kind)
+
+    def to_destination(self, request_id: str) -> KvDestination:
+        """The ``services.transfer`` destination prefill's KV sender writes to."""
+        from services.transfer.base import KvDestination, KvPoolLayout
+
+        k, v = self.buffer("k"), self.buffer("v")
+        layout = KvPoolLayout(
+            k_base=k.base_address,
+            v_base=v.base_address,
+            num_layers=self.num_layers,
+            num_pages=k.layer_stride_bytes // k.page_stride_bytes,
+            page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            page_nbytes=k.page_stride_bytes,
+        )
+        return KvDestination(self.backend, self.session_id, request_id, layout, self.page_ids)
+
+
+def kv_ref_from_destination(destination: KvDestination, dp_rank: int = 0) -> KvRefInfo:
+    layout = destination.layout
+    layer_stride = layout.num_pages * layout.page_nbytes
+    buffers = tuple(
+        KvBufferInfo(
+            kind=kind,
+            base_address=base,
+            size_bytes=layout.num_layers * layer_stride,
+            layer_stride_bytes=layer_stride,
+            page_stride_bytes=layout.page_nbytes,
+            slot_stride_bytes=layout.page_nbytes // layout.page_size,
+        )
+        for kind, base in (("k", layout.k_base), ("v", layout.v_base))
+    )
+    return KvRefInfo(
+        backend=destination.backend,
+        engine_address=destination.session_id,
+        session_id=destination.session_id,
+        dp_rank=dp_rank,
+        page_ids=tuple(destination.page_ids),
+        page_size=layout.page_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        buffers=buffers,
+    )
+
+
+_BUFFER_KINDS = {"k": common_pb2.KV_BUFFER_KIND_K, "v": common_pb2.KV_BUFFER_KIND_V}
+_BUFFER_KIND_NAMES = {code: name for name, code in _BUFFER_KINDS.items()}
+
+
+def kv_ref_to_proto(info: KvRefInfo) -> common_pb2.KvRef:
+    return common_pb2.KvRef(
+        backend=info.backend,
+        engine_address=info.engine_address,
+        session_id=info.session_id,
+        dp_rank=info.dp_rank,
+        page_ids=info.page_ids,
+        page_size=info.page_size,
+        num_layers=info.num_layers,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        dtype=info.dtype,
+        buffers=[
+            common_pb2.KvBuffer(
+                kind=_BUFFER_KINDS[b.kind],
+                base_address=b.base_address,
+                size_bytes=b.size_bytes,
+                layer_stride_bytes=b.layer_stride_bytes,
+                page_stride_bytes=b.page_stride_bytes,
+                slot_stride_bytes=b.slot_stride_bytes,
+            )
+            for b in info.buffers
+        ],
+    )
+
+
+def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
+    """``InvalidRequestError`` unless the message names exactly one K and one V buffer."""
+    from services.common.errors import InvalidRequestError
+
+    kinds = sorted(_BUFFER_KIND_NAMES.get(b.kind, "?") for b in message.buffers)
+    if kinds != ["k", "v"] or message.page_size == 0 or any(b.page_stride_bytes == 0 for b in message.buffers):
+        raise InvalidRequestError("kv_ref must carry one K and one V buffer and a page size", param="kv_ref")
+    return KvRefInfo(
+        backend=message.backend,
+        engine_address=message.engine_address,
+        session_id=message.session_id,
+        dp_rank=message.dp_rank,
+        page_ids=tuple(message.page_ids),
+        page_size=message.page_size,
+        num_layers=message.num_layers,
+        num_kv_heads=message.num_kv_heads,
+        head_dim=message.head_dim,
+        dtype=message.dtype,
+        buffers=tuple(
+            KvBufferInfo(
+                kind=_BUFFER_KIND_NAMES[b.kind],
+                base_address=b.base_address,
+                size_bytes=b.size_bytes,
+                layer_stride_bytes=b.layer_stride_bytes,
+                page_stride_bytes=b.page_stride_bytes,
+                slot_stride_bytes=b.slot_stride_bytes,
+            )
+            for b in message.buffers
+        ),
+    )
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        top_k=params.top_k,
+        max_new_tokens=params.max_new_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        **{name: getattr(params, name) for name in _FLOAT_FIELDS},
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    return message
+
+
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take ``SamplingParams``' defaults; not validated here."""
+    from services.engine.sampler import SamplingParams
+
+    optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens")
+    values = {name: getattr(message, name) for name in optional if message.HasField(name)}
+    return SamplingParams(
+        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos, **values
+    )
+
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+}
+FINISH_REASON_TO_PROTO = {reason: code for code, reason in _FINISH_REASONS.items()}
+
+
+class DecodeChunk(msgspec.Struct, frozen=True):
+    """Tokens generated since the previous chunk; the last chunk carries finish_reason and usage.
+
+    The stream never repeats ``first_token_id``: completion tokens = 1 + all streamed
+    tokens, which is what ``usage.num_completion_tokens`` says.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class DecodeRankStats(msgspec.Struct, frozen=True):
+    dp_rank: int
+    num_total_pages: int
+    num_free_pages: int
+    num_used_pages: int
+    num_running_requests: int
+    num_reserved_requests: int
+
+
+class DecodeStats(msgspec.Struct, frozen=True):
+    page_size: int
+    num_total_pages: int
+    num_free_pages: int
+    num_used_pages: int
+    num_running_requests: int
+    num_reserved_requests: int
+    ranks: tuple[DecodeRankStats, ...] = ()
+
+
+def _chunk_from_proto(message: decode_pb2.DecodeGenerateResponse) -> DecodeChunk:
+    usage = None
+    if message.HasField("usage"):
+        usage = Usage(
+            message.usage.num_prompt_tokens,
+            message.usage.num_completion_tokens,
+            message.usage.num_cached_image_tokens,
+        )
+    return DecodeChunk(tuple(message.token_ids), _FINISH_REASONS.get(message.finish_reason), usage)
+
+
+def _stats_fields(message: object, struct: type[msgspec.Struct]) -> dict[str, int]:
+    return {name: getattr(message, name) for name in struct.__struct_fields__ if name != "ranks"}
+
+
+class DecodeClient:
+    """Async client of one decode service at ``address`` ("host:port")."""
+
+    def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._channel = create_channel(address)
+        self._stub = decode_pb2_grpc.DecodeStub(self._channel)
+
+    @staticmethod
+    def _metadata(request_id: str) -> list[tuple[str, str]]:
+        return telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        mrope_position_delta: int,
+        params: SamplingParams,
+        deadline_s: float,
+    ) -> KvRefInfo:
+        """Reserve KV pages; returns where prefill writes the prompt's KV.
+
+        ``deadline_s``: the request's absolute deadline, seconds since the Unix epoch
+        (``time.time()``); the reservation expires then unless Generate started. Raises
+        ``CapacityError`` (no pages now; retryable elsewhere), ``InvalidRequestError``
+        (bad params, prompt too long, duplicate id), ``DeadlineExceededError``,
+        ``UnavailableError``.
+        """
+        remaining_s = deadline_s - time.time()
+        if remaining_s <= 0:
+            raise DeadlineExceededError(f"{request_id}: deadline passed before Reserve")
+        request = decode_pb2.ReserveRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            mrope_position_delta=mrope_position_delta,
+            sampling_params=sampling_params_to_proto(params),
+            deadline_unix_ms=int(deadline_s * 1000),
+        )
+        try:
+            reply = await self._stub.Reserve(
+                request, timeout=min(remaining_s, self._timeout_s), metadata=self._metadata(request_id)
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return kv_ref_from_proto(reply.kv_ref)
+
+    async def generate(self, request_id: str, first_token_id: int, timeout_s: float) -> AsyncIterator[DecodeChunk]:
+        """Stream the tokens after ``first_token_id`` until the request finishes.
+
+        Leaving the iteration early (``break``, ``aclose``, cancellation) cancels the call,
+        which aborts the request on decode and frees its pages. Raises ``NotFoundError``
+        (unknown or expired request), ``AbortedError`` (aborted meanwhile),
+        ``DeadlineExceededError`` (``timeout_s`` passed), ``UnavailableError``.
+        """
+        request = decode_pb2.DecodeGenerateRequest(request_id=request_id, first_token_id=first_token_id)
+        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata(request_id))
+        try:
+            async for message in call:
+                yield _chunk_from_proto(message)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()  # a no-op once the stream ended
+
+    async def abort(self, request_id: str, reason: str = "") -> bool:
+        """Abort ``request_id`` wherever it is (idempotent); True when it was live."""
+        request = decode_pb2.AbortRequest(request_id=request_id, reason=reason)
+        try:
+            reply = await self._stub.Abort(request, timeout=self._timeout_s, metadata=self._metadata(request_id))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return reply.is_found
+
+    async def stats(self) -> DecodeStats:
+        try:
+            reply = await self._stub.Stats(
+                decode_pb2.StatsRequest(), timeout=self._timeout_s, metadata=telemetry.inject_metadata()
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from exc
+        ranks = tuple(DecodeRankStats(**_stats_fields(r, DecodeRankStats)) for r in reply.ranks)
+        return DecodeStats(**_stats_fields(reply, DecodeStats), ranks=ranks)
+
+    async def close(self) -> None:
+        await self._channel.close()
