@@ -6,6 +6,7 @@ Each backend module is imported only when it is created, so an optional engine
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from services.transfer.base import (
     TransferSessionManager,
     TransferState,
 )
+from services.transfer.embeddings import BaseEmbeddingReceiver, BaseEmbeddingSender, EmbeddingDestination
 
 
 def _mooncake_sender(**kwargs: Any) -> BaseKVSender:
@@ -56,6 +58,34 @@ _RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
 }
 
 
+def _embedding_factory(module: str, cls: str) -> Callable[..., Any]:
+    def create(**kwargs: Any) -> Any:
+        return getattr(importlib.import_module(f"services.transfer.{module}"), cls)(**kwargs)
+
+    return create
+
+
+# Embedding rows (vision encoder -> prefill), same backend names as the KV handoff.
+_EMBEDDING_SENDER_FACTORIES: dict[str, Callable[..., BaseEmbeddingSender]] = {
+    "mooncake": _embedding_factory("embeddings_mooncake", "MooncakeEmbeddingSender"),
+    "inprocess": _embedding_factory("embeddings_inprocess", "InProcessEmbeddingSender"),
+}
+_EMBEDDING_RECEIVER_FACTORIES: dict[str, Callable[..., BaseEmbeddingReceiver]] = {
+    "mooncake": _embedding_factory("embeddings_mooncake", "MooncakeEmbeddingReceiver"),
+    "inprocess": _embedding_factory("embeddings_inprocess", "InProcessEmbeddingReceiver"),
+}
+
+
+def create_embedding_sender(name: str, **kwargs: Any) -> BaseEmbeddingSender:
+    """Build the encoder-side embedding sender registered as ``name``; ``ValueError`` for an unknown name."""
+    return _lookup(_EMBEDDING_SENDER_FACTORIES, name)(**kwargs)
+
+
+def create_embedding_receiver(name: str, **kwargs: Any) -> BaseEmbeddingReceiver:
+    """Build the prefill-side embedding receiver registered as ``name``; ``ValueError`` for an unknown name."""
+    return _lookup(_EMBEDDING_RECEIVER_FACTORIES, name)(**kwargs)
+
+
 def supported_transfer_backends() -> list[str]:
     return sorted(_SENDER_FACTORIES)
 
@@ -89,6 +119,11 @@ __all__ = [
     "TransferSession",
     "TransferSessionManager",
     "TransferState",
+    "BaseEmbeddingReceiver",
+    "BaseEmbeddingSender",
+    "EmbeddingDestination",
+    "create_embedding_receiver",
+    "create_embedding_sender",
     "create_kv_receiver",
     "create_kv_sender",
     "supported_transfer_backends",

@@ -1,0 +1,105 @@
+"""In-process embedding backend: encoder and prefill share one process; rows move by tensor copies.
+
+Receivers publish their buffer on an ``EmbeddingFabric`` under their ``session_id``;
+senders sharing that fabric look the buffer up and copy each coalesced run of rows
+with one slice copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from services.common.errors import UnavailableError
+from services.transfer.base import TransferResult
+from services.transfer.embeddings import (
+    BaseEmbeddingReceiver,
+    BaseEmbeddingSender,
+    EmbeddingBuffer,
+    EmbeddingDestination,
+    RowRun,
+    check_deadline,
+    check_rows,
+    coalesce_runs,
+)
+
+
+class EmbeddingFabric:
+    """``session_id`` -> registered embedding buffer, shared by the senders and receivers of one process."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, EmbeddingBuffer] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    def new_session_id(self) -> str:
+        return f"inprocess-embeddings-{next(self._ids)}"
+
+    def register(self, session_id: str, buffer: EmbeddingBuffer) -> None:
+        with self._lock:
+            assert session_id not in self._buffers, f"{session_id} already registered"
+            self._buffers[session_id] = buffer
+
+    def unregister(self, session_id: str) -> None:
+        with self._lock:
+            self._buffers.pop(session_id, None)
+
+    def buffer(self, session_id: str) -> EmbeddingBuffer:
+        """The buffer registered as ``session_id``; ``UnavailableError`` when none is."""
+        with self._lock:
+            buffer = self._buffers.get(session_id)
+        if buffer is None:
+            raise UnavailableError(f"no in-process embedding buffer registered as {session_id}")
+        return buffer
+
+
+_DEFAULT_FABRIC = EmbeddingFabric()  # used when a caller wires one process without passing a fabric
+
+
+class InProcessEmbeddingSender(BaseEmbeddingSender):
+    backend = "inprocess"
+
+    def __init__(self, fabric: EmbeddingFabric | None = None) -> None:
+        self._fabric = fabric or _DEFAULT_FABRIC
+
+    def send_runs(
+        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination, deadline: float
+    ) -> TransferResult:
+        start = time.monotonic()
+        check_rows(request_id, rows, runs, dst)
+        check_deadline(request_id, deadline)
+        buffer = self._fabric.buffer(dst.session_id)
+        try:
+            first_row = buffer.row_of_address(dst.base_address)
+        except ValueError as exc:
+            raise UnavailableError(f"{dst.session_id} no longer holds the window of {request_id}: {exc}") from exc
+        merged = coalesce_runs(runs)
+        for src, dst_row, num_rows in merged:
+            buffer.rows(first_row + dst_row, num_rows).copy_(rows[src : src + num_rows])
+        num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
+        return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
+
+
+class InProcessEmbeddingReceiver(BaseEmbeddingReceiver):
+    backend = "inprocess"
+
+    def __init__(self, fabric: EmbeddingFabric | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._fabric = fabric or _DEFAULT_FABRIC
+        self._session_id = self._fabric.new_session_id()
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def _register_memory(self, buffer: EmbeddingBuffer) -> None:
+        self._fabric.register(self._session_id, buffer)
+
+    def _unregister_memory(self, buffer: EmbeddingBuffer) -> None:
+        del buffer
+        self._fabric.unregister(self._session_id)
