@@ -170,6 +170,15 @@ class Sampler:
         token_ids[row_index] = (probs / noise).argmax(dim=1)
         return token_ids
 
+    def skip(self, generator: torch.Generator, vocab_size: int) -> None:
+        """Advance ``generator`` past the draw ``sample`` makes for one random row of ``vocab_size`` logits.
+
+        A service that continues a request sampled elsewhere (decode after prefill's first
+        token) skips that draw so a seeded request matches the single-process engine.
+        """
+        like = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+        self._exponential_noise(like, generator)
+
     @staticmethod
     def _exponential_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         noise = torch.empty_like(like).exponential_(1.0, generator=generator)  # [V] float32

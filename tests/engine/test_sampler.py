@@ -178,3 +178,15 @@ def test_msgpack_round_trip() -> None:
     assert decoded.stop_token_ids == (2, 151645)
     with pytest.raises(AttributeError):
         params.temperature = 1.0  # type: ignore[misc]
+
+
+
+def test_skip_advances_past_one_random_row() -> None:
+    logits = torch.randn(8, VOCAB_SIZE, generator=torch.Generator().manual_seed(7))
+    params = [SamplingParams(temperature=1.5, seed=5)]
+    sampler = Sampler()
+    continuous = make_generator(5, "cpu")
+    expected = [sampler.sample(row[None], params, [[]], [[]], [continuous]).item() for row in logits]
+    resumed = make_generator(5, "cpu")
+    sampler.skip(resumed, VOCAB_SIZE)
+    assert [sampler.sample(row[None], params, [[]], [[]], [resumed]).item() for row in logits[1:]] == expected[1:]
