@@ -1,5 +1,7 @@
 """Typed client of the prefill service, and the protobuf <-> domain conversions it shares with it.
 
+KvRef and SamplingParams conversions are the decode client's (one mapping for both hops).
+
 ``PrefillClient(address).prefill(...)`` runs one prompt on a prefill worker: the worker
 encodes the prompt's images (through the vision encoder), runs the forward pass, writes
 the prompt's KV into the decode pages described by ``kv_ref`` and returns the first token.
@@ -8,19 +10,28 @@ the prompt's KV into the decode pages described by ``kv_ref`` and returns the fi
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 import msgspec
 
 from services.common import telemetry
 from services.common.client import create_channel
+from services.common.clients.decode import (
+    KvRefInfo,
+    kv_ref_from_destination,
+    kv_ref_to_proto,
+    sampling_params_to_proto,
+)
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, ImageSpanRef, TokenizedPrompt
-from services.engine.sampler import SamplingParams
-from services.transfer.base import KvDestination, KvPoolLayout
+
+if TYPE_CHECKING:
+    from services.engine.sampler import SamplingParams
+    from services.transfer.base import KvDestination
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -48,10 +59,13 @@ class PrefillClient:
         request_id: str,
         prompt: TokenizedPrompt,
         params: SamplingParams,
-        kv_ref: KvDestination,
+        kv_ref: KvRefInfo | KvDestination,
         deadline_s: float,
     ) -> PrefillResult:
         """Prefill ``prompt`` and write its KV into ``kv_ref``'s pages, by ``deadline_s``.
+
+        ``kv_ref`` is what ``DecodeClient.reserve`` returned (or the ``KvDestination`` of
+        an in-process decode pool).
 
         ``deadline_s`` is absolute: seconds since the Unix epoch (``time.time()`` clock).
         Raises the ``StageServeError`` the worker answered with (``InvalidRequestError``,
@@ -83,15 +97,18 @@ _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 
 def prefill_request_to_proto(
-    request_id: str, prompt: TokenizedPrompt, params: SamplingParams, kv_ref: KvDestination, deadline_s: float
+    request_id: str, prompt: TokenizedPrompt, params: SamplingParams, kv_ref: KvRefInfo | KvDestination,
+    deadline_s: float,
 ) -> prefill_pb2.PrefillRequest:
+    if not isinstance(kv_ref, KvRefInfo):
+        kv_ref = kv_ref_from_destination(kv_ref)
     return prefill_pb2.PrefillRequest(
         request_id=request_id,
         token_ids=prompt.token_ids,
         image_spans=[span_to_proto(span) for span in prompt.spans],
         images=[common_pb2.ImageData(content_hash=h, data=data) for h, data in prompt.images.items()],
         sampling_params=sampling_params_to_proto(params),
-        kv_ref=kv_destination_to_proto(kv_ref),
+        kv_ref=kv_ref_to_proto(kv_ref),
         deadline_unix_ms=int(deadline_s * 1000),
     )
 
@@ -128,67 +145,4 @@ def span_from_proto(span: common_pb2.ImageSpan) -> ImageSpanRef:
     return ImageSpanRef(
         offset=span.offset, length=span.length, content_hash=span.content_hash,
         grid_thw=(span.grid_t, span.grid_h, span.grid_w),
-    )
-
-
-_SAMPLING_OPTIONAL = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-    "presence_penalty", "seed", "max_new_tokens",
-)
-
-
-def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    fields = {name: getattr(params, name) for name in _SAMPLING_OPTIONAL if getattr(params, name) is not None}
-    return common_pb2.SamplingParams(
-        **fields, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos
-    )
-
-
-def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take the engine defaults (``SamplingParams()``'s)."""
-    fields = {name: getattr(message, name) for name in _SAMPLING_OPTIONAL if message.HasField(name)}
-    return SamplingParams(
-        **fields, stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos
-    )
-
-
-def kv_destination_to_proto(dst: KvDestination, dp_rank: int = 0) -> common_pb2.KvRef:
-    """The wire ``KvRef`` of ``dst`` (``session_id`` is the engine address on every backend)."""
-    layout = dst.layout
-    layer_stride = layout.num_pages * layout.page_nbytes
-    buffers = [
-        common_pb2.KvBuffer(
-            kind=kind, base_address=base, size_bytes=layout.num_layers * layer_stride,
-            layer_stride_bytes=layer_stride, page_stride_bytes=layout.page_nbytes,
-            slot_stride_bytes=layout.page_nbytes // layout.page_size,
-        )
-        for kind, base in ((common_pb2.KV_BUFFER_KIND_K, layout.k_base), (common_pb2.KV_BUFFER_KIND_V, layout.v_base))
-    ]
-    return common_pb2.KvRef(
-        backend=dst.backend, engine_address=dst.session_id, session_id=dst.session_id, dp_rank=dp_rank,
-        page_ids=dst.page_ids, page_size=layout.page_size, num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype, buffers=buffers,
-    )
-
-
-def kv_destination_from_proto(request_id: str, ref: common_pb2.KvRef) -> KvDestination:
-    """``KvDestination`` of a wire ``KvRef``; ``ValueError`` when its buffers are malformed."""
-    by_kind = {b.kind: b for b in ref.buffers}
-    k, v = by_kind.get(common_pb2.KV_BUFFER_KIND_K), by_kind.get(common_pb2.KV_BUFFER_KIND_V)
-    if k is None or v is None or len(ref.buffers) != 2:
-        raise ValueError("kv_ref needs exactly one K and one V buffer")
-    if k.page_stride_bytes == 0 or k.layer_stride_bytes % k.page_stride_bytes:
-        raise ValueError("kv_ref buffer strides are inconsistent")
-    if (k.layer_stride_bytes, k.page_stride_bytes) != (v.layer_stride_bytes, v.page_stride_bytes):
-        raise ValueError("kv_ref K and V buffers have different strides")
-    layout = KvPoolLayout(
-        k_base=k.base_address, v_base=v.base_address, num_layers=ref.num_layers,
-        num_pages=k.layer_stride_bytes // k.page_stride_bytes, page_size=ref.page_size,
-        num_kv_heads=ref.num_kv_heads, head_dim=ref.head_dim, dtype=ref.dtype,
-        page_nbytes=k.page_stride_bytes,
-    )
-    session_id = ref.session_id or ref.engine_address
-    return KvDestination(
-        backend=ref.backend, session_id=session_id, request_id=request_id, layout=layout,
-        page_ids=tuple(ref.page_ids),
     )
