@@ -9,12 +9,20 @@ environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``to
 The rendered prompt holds one ``<|image_pad|>`` per image; ``expand_image_placeholders``
 repeats each one to the image's merged-token count and reports where each image's run
 of placeholders sits (its span).
+
+``encode_chat`` is the tokenization to use on untrusted chats: only the template's own
+special-token markers become special tokens; special-token text inside the messages'
+texts (a typed ``<|im_start|>`` or ``<|image_pad|>``) is tokenized as plain text, so a
+user cannot forge turns or image placeholders. It equals ``encode(render_chat(...))``
+whenever the texts hold no special-token strings.
 """
 
 from __future__ import annotations
 
 import codecs
+import functools
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -36,6 +44,11 @@ VISION_END_TOKEN = "<|vision_end|>"
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 IMAGE_PART_TYPES = frozenset({"image", "image_url"})
 CONTENT_PART_TYPES = IMAGE_PART_TYPES | {"text"}
+
+# Stands in for the i-th message text while the template renders: private-use code
+# points, which no chat template writes.
+_TEXT_SENTINEL = "\ue000{}\ue001"
+_TEXT_SENTINEL_RE = re.compile("\ue000([0-9]+)\ue001")
 
 
 class PlaceholderSpan(msgspec.Struct, frozen=True):
@@ -94,6 +107,29 @@ def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[
         for part in content:
             if part.get("type") in IMAGE_PART_TYPES:
                 yield part
+
+
+def mask_message_texts(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Copies of (validated) messages with each content text replaced by a numbered
+    sentinel, and the texts in sentinel order."""
+    texts: list[str] = []
+
+    def sentinel(text: str) -> str:
+        texts.append(text)
+        return _TEXT_SENTINEL.format(len(texts) - 1)
+
+    masked = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            content = sentinel(content)
+        else:
+            content = [
+                {**part, "text": sentinel(part["text"])} if part.get("type") == "text" else part
+                for part in content
+            ]
+        masked.append({**message, "content": content})
+    return masked, texts
 
 
 # ---------------------------------------------------------------- placeholders
@@ -318,6 +354,51 @@ class TextProcessor:
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat where only the template's markers are special tokens.
+
+        The template renders with sentinels in place of the messages' texts; the result
+        is split at its special-token markers (which the tokenizer also always splits
+        at, so no BPE merge crosses a split point), and each piece between markers, its
+        texts put back, is encoded with special-token matching off. Equal to
+        ``encode(render_chat(messages))`` when no text holds a special-token string;
+        otherwise such strings become plain-text tokens. Assumes the template writes
+        message texts verbatim (Qwen2.5-VL's does).
+        """
+        validate_messages(messages)
+        masked, texts = mask_message_texts(messages)
+        rendered = self.render_chat(masked, add_generation_prompt)
+        marker_re, marker_ids = self._special_markers
+        pieces = marker_re.split(rendered) if marker_re is not None else [rendered]
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:  # a captured marker
+                ids.append(marker_ids[piece])
+            elif piece:
+                text = _TEXT_SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], piece)
+                ids.extend(self._plain_tokenizer.encode(text, add_special_tokens=False).ids)
+        return ids
+
+    @functools.cached_property
+    def _plain_tokenizer(self) -> Tokenizer:
+        # A copy that tokenizes special-token strings as text (non-special added tokens still match).
+        plain = Tokenizer.from_str(self._tokenizer.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def _special_markers(self) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+        # Leftmost-longest match of special-token strings, as the tokenizer matches them.
+        ids = {
+            added.content: token_id
+            for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        }
+        if not ids:
+            return None, ids
+        alternatives = "|".join(re.escape(content) for content in sorted(ids, key=len, reverse=True))
+        return re.compile(f"({alternatives})"), ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
