@@ -1,0 +1,106 @@
+"""Client side of the gRPC skeleton: channels with commented options, readiness wait.
+
+Channels made here forward the ``x-request-id`` of the RPC being handled (see
+``services.common.server.current_request_id``) on every call, so one request id
+follows a request across hops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import DeadlineExceededError, NotFoundError, UnavailableError
+from services.common.server import MAX_MESSAGE_BYTES, REQUEST_ID_KEY, current_request_id
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    # Requests and responses carry compressed image bytes; match the server's limit.
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Ping every 30 s, also between calls, so a dead peer is found in ~40 s instead of
+    # at the next request (the server accepts this rate; see SERVER_OPTIONS).
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Keep pinging during a long quiet stream (the default stops after 2 pings).
+    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect to a restarted worker within seconds (the default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # No transparent retries: a retried Prefill or Reserve could run twice; retrying is
+    # the router's decision, from the error's `retryable` mark.
+    ("grpc.enable_retries", 0),
+)
+
+
+def _with_request_id(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    request_id = current_request_id.get()
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    if not request_id or REQUEST_ID_KEY in metadata:
+        return details
+    metadata.add(REQUEST_ID_KEY, request_id)
+    return details._replace(metadata=metadata)
+
+
+class RequestIdInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the current request id to outgoing unary and server-streaming calls."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_request_id(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_request_id(details), request)
+
+
+def create_channel(
+    target: str, *, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+) -> grpc.aio.Channel:
+    """An insecure ``grpc.aio`` channel to ``target`` ("host:port") with ``CHANNEL_OPTIONS``."""
+    return grpc.aio.insecure_channel(
+        target, options=CHANNEL_OPTIONS, interceptors=[RequestIdInterceptor(), *interceptors]
+    )
+
+
+async def wait_ready(
+    channel: grpc.aio.Channel,
+    timeout_s: float,
+    *,
+    service: str = "",
+    poll_interval_s: float = 0.05,
+) -> None:
+    """Poll ``grpc.health.v1`` ``Check`` until ``service`` is SERVING.
+
+    Raises ``UnavailableError`` when the peer never answered within ``timeout_s``,
+    ``DeadlineExceededError`` when it answered but never became SERVING, and
+    ``NotFoundError`` at once when the peer does not know ``service``.
+    """
+    stub = health_pb2_grpc.HealthStub(channel)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last_status: str | None = None  # None: the peer has not answered yet
+    last_error = "no attempt"
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            break
+        try:
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 1.0)
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFoundError(f"peer does not serve {service!r}: {exc.details()}") from exc
+            last_error = f"{exc.code().name}: {exc.details()}"
+        else:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last_status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        await asyncio.sleep(min(poll_interval_s, max(deadline - loop.time(), 0.0)))
+        poll_interval_s = min(poll_interval_s * 2, 0.5)
+    if last_status is None:
+        raise UnavailableError(f"peer unreachable for {timeout_s:.1f} s ({last_error})")
+    raise DeadlineExceededError(f"peer not ready after {timeout_s:.1f} s (health status {last_status})")

@@ -1,0 +1,142 @@
+"""StageServeError <-> gRPC status, both ways, and the servicer last-resort handler.
+
+Server side: ``abort_with_error`` ends an RPC with the error's ``grpc_code`` and message,
+and ``handle_errors`` wraps every servicer method (coroutine or async generator) so a
+``StageServeError`` becomes its mapped status and anything else becomes ``INTERNAL``
+with the traceback logged. The error's class name and ``param`` ride in trailing
+metadata, so ``error_from_rpc`` on the client rebuilds the same class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from services.common import errors
+from services.common.errors import StageServeError
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPE_KEY = "x-stageserve-error"  # trailing metadata: the error's class name
+ERROR_PARAM_KEY = "x-stageserve-error-param"  # trailing metadata: the offending request field
+
+# The class a bare status code maps back to when the server sent no class name
+# (a transport failure, a deadline the client's own stack raised, a foreign server).
+_CLASS_BY_CODE: dict[grpc.StatusCode, type[StageServeError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequestError,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityError,
+    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: errors.AbortedError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.ModelLoadError,
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def status_code_of(error: StageServeError) -> grpc.StatusCode:
+    """The gRPC status code an error maps to (its class's ``grpc_code``)."""
+    code = getattr(grpc.StatusCode, error.grpc_code, None)
+    assert isinstance(code, grpc.StatusCode), f"{type(error).__name__}.grpc_code={error.grpc_code!r}"
+    return code
+
+
+def error_metadata(error: StageServeError) -> tuple[tuple[str, str], ...]:
+    pairs = [(ERROR_TYPE_KEY, type(error).__name__)]
+    if error.param is not None:
+        pairs.append((ERROR_PARAM_KEY, error.param))
+    return tuple(pairs)
+
+
+async def abort_with_error(context: grpc.aio.ServicerContext, error: StageServeError) -> NoReturn:
+    """End the RPC with ``error``'s status code and message; never returns."""
+    await context.abort(status_code_of(error), error.message, error_metadata(error))
+    raise AssertionError("context.abort returned")  # grpc raises AbortError above
+
+
+def _known_classes() -> dict[str, type[StageServeError]]:
+    found: dict[str, type[StageServeError]] = {}
+    pending: list[type[StageServeError]] = [StageServeError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.__name__, cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    for item_key, value in metadata or ():
+        if item_key == key:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
+
+
+def error_from_rpc(rpc_error: grpc.RpcError) -> StageServeError:
+    """The ``StageServeError`` a failed call stands for (by class name, else by status code)."""
+    code = rpc_error.code()
+    message = rpc_error.details() or (code.name if code is not None else "unknown gRPC error")
+    trailing = rpc_error.trailing_metadata()
+    cls = _known_classes().get(_metadata_value(trailing, ERROR_TYPE_KEY) or "")
+    if cls is None or cls.grpc_code != getattr(code, "name", None):
+        cls = _CLASS_BY_CODE.get(code, StageServeError)
+    error = cls(message, param=_metadata_value(trailing, ERROR_PARAM_KEY))
+    error.__cause__ = rpc_error
+    return error
+
+
+async def _abort_unexpected(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> NoReturn:
+    logger.exception("unexpected error in %s", name)
+    message = f"internal error in {name}: {type(exc).__name__}: {exc}"
+    await context.abort(grpc.StatusCode.INTERNAL, message)
+    raise AssertionError("context.abort returned")
+
+
+def handle_errors(method: F) -> F:
+    """Wrap a servicer method (``async def`` or async generator) so it always ends with a status.
+
+    ``StageServeError`` -> its mapped code and message; ``grpc.aio.AbortError`` (the
+    method aborted itself) and cancellation pass through; anything else -> ``INTERNAL``
+    with the traceback logged. The context is the method's last positional argument.
+    """
+    name = method.__qualname__
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream_wrapper(*args: Any) -> AsyncIterator[Any]:
+            context = args[-1]
+            try:
+                async for item in method(*args):
+                    yield item
+            except StageServeError as exc:
+                await abort_with_error(context, exc)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # the servicer's last-resort handler
+                await _abort_unexpected(context, name, exc)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    if not inspect.iscoroutinefunction(method):
+        raise TypeError(f"handle_errors wraps async servicer methods, got {name}")
+
+    @functools.wraps(method)
+    async def unary_wrapper(*args: Any) -> Any:
+        context = args[-1]
+        try:
+            return await method(*args)
+        except StageServeError as exc:
+            await abort_with_error(context, exc)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the servicer's last-resort handler
+            await _abort_unexpected(context, name, exc)
+
+    return unary_wrapper  # type: ignore[return-value]

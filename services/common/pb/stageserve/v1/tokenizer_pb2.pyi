@@ -1,0 +1,58 @@
+from services.common.pb.stageserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("request_id", "chat", "prompt", "add_generation_prompt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chat: _common_pb2.ChatMessages
+    prompt: str
+    add_generation_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "image_spans", "images", "mrope_position_delta")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SPANS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MROPE_POSITION_DELTA_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    image_spans: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageSpan]
+    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageData]
+    mrope_position_delta: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageData, _Mapping]]] = ..., mrope_position_delta: _Optional[int] = ...) -> None: ...
+
+class DetokenizeOptions(_message.Message):
+    __slots__ = ("request_id", "skip_special_tokens", "prompt_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    skip_special_tokens: bool
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("options", "token_ids")
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    options: DetokenizeOptions
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text_delta", "num_tokens")
+    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text_delta: str
+    num_tokens: int
+    def __init__(self, text_delta: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
