@@ -1,0 +1,118 @@
+"""``python -m services.router``: the OpenAI HTTP API and the gRPC Router API in one process.
+
+Prints ``READY router port=<grpc> http_port=<http> metrics_port=<metrics>`` once both
+servers listen and the workers have been polled once. gRPC health is SERVING while at
+least one worker of every needed kind is ready (the same rule as ``GET /health``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+from pathlib import Path
+
+from services.cli import BUNDLED_MODEL
+from services.common import telemetry
+from services.common.envs import Envs
+from services.router.app import RouterApp
+from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
+
+logger = logging.getLogger("services.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="checkpoint directory (tokenizer, config)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the dir name)")
+    p.add_argument("--max-context-len", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (also served at HTTP /metrics)")
+    p.add_argument("--device", default="cpu", help="unused (the router runs no model); accepted for uniformity")
+    p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
+    p.add_argument("--log-level", default=None, help="default: STAGESERVE_LOG_LEVEL or INFO")
+    for kind in ("tokenizer", "prefill", "decode", "encoder"):
+        p.add_argument(f"--{kind}-address", action="append", default=[], metavar="HOST:PORT",
+                       help=f"a {kind} worker (repeatable)")
+    p.add_argument("--policy", choices=[n.value for n in PolicyName], default=PolicyName.ROUND_ROBIN.value)
+    p.add_argument("--health-interval-s", type=float, default=1.0, help="seconds between worker health polls")
+    p.add_argument("--health-timeout-s", type=float, default=1.0, help="timeout of one health check")
+    p.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request deadline")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
+    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
+    p.add_argument("--default-max-tokens", type=int, default=0, help="when a request sets none; 0 = up to the context")
+    return p
+
+
+def _context_len(model_dir: Path) -> int:
+    from services.engine.config import ModelConfig
+
+    return ModelConfig.from_dir(model_dir).text.max_position_embeddings
+
+
+def config_from_args(args: argparse.Namespace, envs: Envs) -> RouterConfig:
+    model_dir = args.model.resolve()
+    return RouterConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or model_dir.name,
+        max_context_len=args.max_context_len or _context_len(model_dir),
+        workers=WorkerAddresses(
+            tokenizer=tuple(args.tokenizer_address), prefill=tuple(args.prefill_address),
+            decode=tuple(args.decode_address), encoder=tuple(args.encoder_address),
+        ),
+        limits=LimitsConfig(
+            request_timeout_s=args.request_timeout_s, max_image_bytes=args.max_image_bytes,
+            image_fetch_timeout_s=args.image_fetch_timeout_s, default_max_tokens=args.default_max_tokens,
+        ),
+        policy=PolicyName(args.policy),
+        health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        host=args.host,
+        port=args.port,
+        http_host=args.http_host or args.host,
+        http_port=args.http_port,
+        metrics_port=args.metrics_port,
+        log_level=(args.log_level or envs.log_level).upper(),
+    )
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve(cfg: RouterConfig, metrics_port: int) -> None:
+    from services.common.server import serve_until_signal
+
+    app = RouterApp.build(cfg)
+    http_socket = bind_http_socket(cfg.http_host, cfg.http_port)
+    await app.start(http_socket)
+    print(
+        f"READY router port={app.grpc_port} http_port={http_socket.getsockname()[1]} metrics_port={metrics_port}",
+        flush=True,
+    )
+    await serve_until_signal(app.grpc_server, app.health, app.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    envs = Envs.from_environ()
+    cfg = config_from_args(args, envs)
+    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    telemetry.init_tracing("router", envs)
+    metrics_port = telemetry.start_metrics_server(cfg.metrics_port, cfg.host)
+    asyncio.run(serve(cfg, metrics_port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Wires a router from its config: clients, registry, pipeline, HTTP and gRPC servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from services.common.clients.decode import DecodeClient
+from services.common.clients.prefill import PrefillClient
+from services.common.clients.tokenizer import TokenizerClient
+from services.common.pb.stageserve.v1 import router_pb2_grpc
+from services.common.server import HealthState, create_server
+from services.engine.processing import TextProcessor
+from services.router.config import RouterConfig
+from services.router.generation import GenerationPipeline
+from services.router.http_api import ApiLimits, OpenAIApi, create_app
+from services.router.images import ImageLoader
+from services.router.metrics import RouterMetrics
+from services.router.output import DetokenizerFactory
+from services.router.policy import make_policy
+from services.router.registry import HealthProbe, WorkerRegistry
+from services.router.servicer import RouterServicer
+from services.router.workers import Worker, WorkerKind
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "stageserve.v1.Router"
+HTTP_GRACE_S = 5.0
+CLIENTS: dict[WorkerKind, Callable[[str], Any]] = {
+    WorkerKind.TOKENIZER: TokenizerClient,
+    WorkerKind.PREFILL: PrefillClient,
+    WorkerKind.DECODE: DecodeClient,
+}
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the gRPC skeleton owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_workers(cfg: RouterConfig) -> list[Worker]:
+    addresses = {
+        WorkerKind.TOKENIZER: cfg.workers.tokenizer, WorkerKind.PREFILL: cfg.workers.prefill,
+        WorkerKind.DECODE: cfg.workers.decode, WorkerKind.ENCODER: cfg.workers.encoder,
+    }
+    return [
+        Worker(kind, address, CLIENTS[kind](address) if kind in CLIENTS else None)
+        for kind, kind_addresses in addresses.items()
+        for address in kind_addresses
+    ]
+
+
+class RouterApp:
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, detokenizer_factory: DetokenizerFactory) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.health = HealthState()
+        self.registry = WorkerRegistry(
+            make_workers(cfg), make_policy(cfg.policy), metrics, HealthProbe(cfg.health_timeout_s),
+            on_poll=self._update_health,
+        )
+        limits = cfg.limits
+        self.pipeline = GenerationPipeline(
+            self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens
+        )
+        self.images = ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
+        self.api = OpenAIApi(
+            self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
+            ApiLimits(limits.request_timeout_s, limits.max_stop_strings),
+        )
+        self.http_app: FastAPI = create_app(self.api)
+        servicer = RouterServicer(
+            self.pipeline, self.images, metrics, cfg.served_model_name, limits.request_timeout_s,
+            limits.max_stop_strings, limits.max_image_bytes,
+        )
+        self.grpc_server, self.grpc_port = create_server(
+            [(router_pb2_grpc.add_RouterServicer_to_server, servicer)], cfg.port, cfg.host, [SERVICE_NAME],
+            health=self.health,
+        )
+        self._http_server: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+
+    @classmethod
+    def build(cls, cfg: RouterConfig, metrics: RouterMetrics | None = None) -> RouterApp:
+        """A router detokenizing locally with the model directory's tokenizer."""
+        text = TextProcessor.from_dir(cfg.model_dir)
+        return cls(cfg, metrics or RouterMetrics(), lambda: text.detokenizer(skip_special_tokens=True))
+
+    def _update_health(self) -> None:
+        self.health.set_serving(self.registry.is_ready)
+
+    async def start(self, http_socket: socket.socket | None) -> None:
+        """Start gRPC (and HTTP on ``http_socket`` unless None), poll the workers once, keep polling."""
+        await self.grpc_server.start()
+        if http_socket is not None:
+            config = uvicorn.Config(
+                self.http_app, lifespan="off", access_log=False, log_level=self.cfg.log_level.lower(),
+                timeout_graceful_shutdown=HTTP_GRACE_S,
+            )
+            self._http_server = _EmbeddedUvicorn(config)
+            self._http_task = asyncio.create_task(self._http_server.serve(sockets=[http_socket]), name="http")
+            while not self._http_server.started:
+                if self._http_task.done():
+                    await self._http_task  # raises why it failed
+                    raise RuntimeError("the HTTP server stopped during start-up")
+                await asyncio.sleep(0.01)
+        await self.registry.poll_once()
+        self.registry.start(self.cfg.health_interval_s)
+
+    async def stop(self) -> None:
+        """Release everything (the gRPC server is already stopped by the skeleton)."""
+        if self._http_server is not None and self._http_task is not None:
+            self._http_server.should_exit = True
+            await self._http_task
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(HTTP_GRACE_S):
+                await self.pipeline.wait_idle()
+        await self.registry.close()
+        await self.images.close()

@@ -1,0 +1,52 @@
+"""The router's configuration, built once from the command line."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class PolicyName(enum.Enum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOAD = "least-load"
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    """Where the router finds each kind of worker ("host:port" each)."""
+
+    tokenizer: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    encoder: tuple[str, ...] = ()  # polled for /health only; prefill calls the encoder itself
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Per-request bounds the router enforces before anything reaches a worker."""
+
+    request_timeout_s: float = 300.0
+    max_image_bytes: int = 20 * 1024 * 1024
+    image_fetch_timeout_s: float = 10.0
+    max_stop_strings: int = 4
+    # Generation budget when the client names none; 0 = up to the context limit.
+    default_max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: Path
+    served_model_name: str
+    max_context_len: int  # prompt + generated tokens may not exceed this
+    workers: WorkerAddresses = field(default_factory=WorkerAddresses)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    policy: PolicyName = PolicyName.ROUND_ROBIN
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    host: str = "127.0.0.1"  # gRPC
+    port: int = 0  # gRPC
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    metrics_port: int = 0
+    log_level: str = "INFO"

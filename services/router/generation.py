@@ -1,0 +1,245 @@
+"""The request pipeline both APIs share.
+
+Request lifecycle in the router:
+  tokenize   -> a tokenizer worker turns the prompt or chat (images as bytes) into ids
+  route      -> the policy picks a ready prefill and a ready decode worker
+  reserve    -> decode reserves KV pages for prompt + max_new_tokens (or refuses)
+  prefill    -> prefill writes the prompt's KV into those pages, returns the first token
+  generate   -> decode streams the remaining tokens; each batch is detokenized, checked
+                for stop strings and handed to the API layer as a GenerationDelta
+  finished   -> EOS / stop token / length reported by decode, or a stop string matched
+Each request runs in its own task (the producer) and hands deltas to the API layer
+through a queue, so the API side can be cancelled (client disconnect) at any point
+without interrupting clean-up. The producer runs under the request's deadline; when
+anything ends it early (error, deadline, disconnect, stop string, prefill finishing
+the request), decode's Abort is sent in the background (idempotent, frees the pages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from services.common import telemetry
+from services.common.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    StageServeError,
+    UnavailableError,
+)
+from services.common.server import current_request_id
+from services.common.types import TokenizedPrompt
+from services.engine.sampler import SamplingParams
+from services.router.metrics import RouterMetrics
+from services.router.output import DetokenizerFactory, OutputAssembler
+from services.router.registry import WorkerRegistry
+from services.router.types import GenerationDelta, GenerationRequest
+from services.router.workers import WorkerKind
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 5.0
+_tracer = telemetry.tracer("router")
+
+Emit = Callable[["GenerationDelta | StageServeError"], None]
+
+
+class GenerationPipeline:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        detokenizer_factory: DetokenizerFactory,
+        max_context_len: int,
+        metrics: RouterMetrics,
+        default_max_tokens: int = 0,
+    ) -> None:
+        self._registry = registry
+        self._detokenizer_factory = detokenizer_factory
+        self._max_context_len = max_context_len
+        self._default_max_tokens = default_max_tokens
+        self._metrics = metrics
+        self._tasks: set[asyncio.Task] = set()  # producers and aborts still running
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """The request's deltas, the last with finish_reason and usage.
+
+        Raises the ``StageServeError`` that ended it. Closing the iterator early (or
+        cancelling its consumer) cancels the request and aborts it on decode.
+        """
+        queue: asyncio.Queue[GenerationDelta | StageServeError] = asyncio.Queue()
+        producer = self._spawn(self._produce(request, queue.put_nowait), f"request-{request.request_id}")
+        is_over = False  # the producer has delivered its terminal item and winds down by itself
+        try:
+            while True:
+                item = await queue.get()
+                is_over = isinstance(item, StageServeError) or item.finish_reason is not None
+                if isinstance(item, StageServeError):
+                    raise item
+                yield item
+                if is_over:
+                    return
+        finally:
+            if not is_over:
+                producer.cancel()
+
+    async def wait_idle(self) -> None:
+        """Wait for every producer and background abort to end (shutdown, tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    async def _produce(self, request: GenerationRequest, emit: Emit) -> None:
+        """Run the request under its deadline; always emits exactly one terminal item."""
+        current_request_id.set(request.request_id)
+        state = _Terminal(emit)
+        timed = _TimedEmit(state.emit, self._metrics, time.perf_counter())
+        with _tracer.start_as_current_span("router.request", attributes={"request_id": request.request_id}):
+            try:
+                async with asyncio.timeout(request.timeout_s):
+                    await self._run(request, time.time() + request.timeout_s, timed)
+            except TimeoutError:
+                state.emit(DeadlineExceededError(
+                    f"request {request.request_id} passed its deadline of {request.timeout_s:g} s"
+                ))
+            except StageServeError as exc:
+                state.emit(exc)
+            finally:
+                if not state.is_done:  # an unexpected exception (logged by _task_done) or cancellation
+                    state.emit(StageServeError(f"request {request.request_id} failed inside the router"))
+
+    async def _run(self, request: GenerationRequest, deadline_s: float, emit: _TimedEmit) -> None:
+        prompt = await self._tokenize(request, deadline_s)
+        params = self._bounded_params(request, prompt)
+        output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
+        with self._registry.lease(WorkerKind.PREFILL) as prefill, self._registry.lease(WorkerKind.DECODE) as decode:
+            await self._prefill_and_decode(
+                request, prompt, params, deadline_s, prefill.client, decode.client, output, emit
+            )
+
+    async def _tokenize(self, request: GenerationRequest, deadline_s: float) -> TokenizedPrompt:
+        with self._registry.lease(WorkerKind.TOKENIZER) as worker:
+            timeout_s = _remaining(deadline_s)
+            if request.messages is not None:
+                return await worker.client.tokenize_chat(request.request_id, request.messages, timeout_s=timeout_s)
+            assert request.prompt is not None
+            return await worker.client.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
+
+    def _bounded_params(self, request: GenerationRequest, prompt: TokenizedPrompt) -> SamplingParams:
+        """The request's sampling parameters with max_new_tokens fitted to the context."""
+        prompt_len = len(prompt.token_ids)
+        room = self._max_context_len - prompt_len
+        if room <= 0:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens; this model's context is {self._max_context_len} tokens",
+                param=request.prompt_param,
+            )
+        wanted = request.max_tokens or self._default_max_tokens or room
+        return msgspec.structs.replace(request.params, max_new_tokens=min(wanted, room))
+
+    async def _prefill_and_decode(
+        self, request: GenerationRequest, prompt: TokenizedPrompt, params: SamplingParams, deadline_s: float,
+        prefill: Any, decode: Any, output: OutputAssembler, emit: _TimedEmit,
+    ) -> None:
+        request_id = request.request_id
+        is_decode_done = False
+        try:  # reserve inside: a reservation answered after a cancellation must be aborted too
+            kv_ref = await decode.reserve(
+                request_id, prompt.token_ids, prompt.mrope_position_delta, params, deadline_s
+            )
+            result = await prefill.prefill(request_id, prompt, params, kv_ref, deadline_s)
+            output.num_cached_image_tokens = result.num_cached_image_tokens
+            if result.finish_reason is not None:
+                emit(output.finish(result.finish_reason, [result.first_token_id]))
+                return
+            emit(output.add_tokens([result.first_token_id]))
+            if output.is_finished:
+                return
+            is_decode_done = await self._stream_decode(decode, request_id, result.first_token_id, deadline_s,
+                                                       output, emit)
+        finally:
+            if not is_decode_done:
+                self._spawn(_abort(decode, request_id, "the router ended the request"), f"abort-{request_id}")
+
+    async def _stream_decode(
+        self, decode: Any, request_id: str, first_token_id: int, deadline_s: float,
+        output: OutputAssembler, emit: _TimedEmit,
+    ) -> bool:
+        """Relay decode's tokens until the request finishes; True when decode finished it itself."""
+        stream = decode.generate(request_id, first_token_id, _remaining(deadline_s))
+        try:
+            async for chunk in stream:
+                if chunk.finish_reason is not None:
+                    emit(output.finish(chunk.finish_reason, chunk.token_ids))
+                    return True
+                emit(output.add_tokens(chunk.token_ids))
+                if output.is_finished:  # a stop string matched
+                    return False
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        raise UnavailableError(f"decode ended the stream of {request_id} without a finish reason")
+
+
+class _Terminal:
+    """Forwards items until the first terminal one (an error or a finished delta)."""
+
+    def __init__(self, emit: Emit) -> None:
+        self._emit = emit
+        self.is_done = False
+
+    def emit(self, item: GenerationDelta | StageServeError) -> None:
+        if self.is_done:
+            return
+        self.is_done = isinstance(item, StageServeError) or item.finish_reason is not None
+        self._emit(item)
+
+
+class _TimedEmit:
+    """Emits deltas and records time to first token and between token messages."""
+
+    def __init__(self, emit: Emit, metrics: RouterMetrics, started: float) -> None:
+        self._emit = emit
+        self._metrics = metrics
+        self._last: float | None = None
+        self._started = started
+
+    def __call__(self, delta: GenerationDelta) -> None:
+        now = time.perf_counter()
+        if delta.token_ids:
+            if self._last is None:
+                self._metrics.ttft.observe(now - self._started)
+            else:
+                self._metrics.inter_token.observe(now - self._last)
+            self._last = now
+        self._emit(delta)
+
+
+def _remaining(deadline_s: float) -> float:
+    remaining = deadline_s - time.time()
+    if remaining <= 0:
+        raise DeadlineExceededError("the request's deadline has passed")
+    return remaining
+
+
+async def _abort(decode: Any, request_id: str, reason: str) -> None:
+    try:
+        async with asyncio.timeout(ABORT_TIMEOUT_S):
+            await decode.abort(request_id, reason)
+    except (StageServeError, TimeoutError) as exc:  # a dead decode frees the pages by dying
+        logger.info("abort of %s on decode failed: %s", request_id, exc)

@@ -1,0 +1,243 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health, metrics.
+
+Streams are server-sent events ending in ``data: [DONE]``. Errors before the first
+token (bad input, no worker, deadline) are plain HTTP errors with an OpenAI error
+body; an error after the stream has started is sent as a ``data: {"error": ...}``
+event. A client that goes away, while waiting or while streaming, cancels its request
+(the pipeline then aborts it on decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common.errors import AbortedError, StageServeError
+from services.router.generation import GenerationPipeline
+from services.router.images import ImageLoader
+from services.router.metrics import RequestTracker, RouterMetrics
+from services.router.openai_format import ResponseFormatter, error_body, error_body_of, sse
+from services.router.openai_schema import (
+    ChatCompletionBody,
+    CompletionBody,
+    chat_messages,
+    check_model,
+    completion_prompt,
+    generation_options,
+)
+from services.router.registry import WorkerRegistry
+from services.router.types import GenerationDelta, GenerationRequest
+
+T = TypeVar("T")
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    request_timeout_s: float
+    max_stop_strings: int
+
+
+class OpenAIApi:
+    """The handlers; ``create_app`` wires them into a FastAPI app."""
+
+    def __init__(
+        self, pipeline: GenerationPipeline, registry: WorkerRegistry, images: ImageLoader, metrics: RouterMetrics,
+        served_model_name: str, max_context_len: int, limits: ApiLimits,
+    ) -> None:
+        self.pipeline = pipeline
+        self.registry = registry
+        self.images = images
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.max_context_len = max_context_len
+        self.limits = limits
+        self.created = int(time.time())
+
+    async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
+        tracker = RequestTracker(self.metrics, CHAT_PATH)
+        try:
+            check_model(body.model, self.served_model_name)
+            options = generation_options(body, self.limits.max_stop_strings)
+            messages = await _until_disconnect(request, chat_messages(body.messages, self.images))
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            generation = GenerationRequest(
+                request_id, messages=messages, params=options.params, max_tokens=options.max_tokens,
+                stop=options.stop, timeout_s=self.limits.request_timeout_s,
+            )
+            return await self._respond(generation, body.stream, body.stream_options, request, tracker, is_chat=True)
+        except StageServeError as exc:
+            tracker.finish(exc.openai_type)
+            raise
+
+    async def completions(self, body: CompletionBody, request: Request) -> Response:
+        tracker = RequestTracker(self.metrics, COMPLETIONS_PATH)
+        try:
+            check_model(body.model, self.served_model_name)
+            options = generation_options(body, self.limits.max_stop_strings)
+            generation = GenerationRequest(
+                f"cmpl-{uuid.uuid4().hex}", prompt=completion_prompt(body), params=options.params,
+                max_tokens=options.max_tokens, stop=options.stop, timeout_s=self.limits.request_timeout_s,
+            )
+            return await self._respond(generation, body.stream, body.stream_options, request, tracker, is_chat=False)
+        except StageServeError as exc:
+            tracker.finish(exc.openai_type)
+            raise
+
+    async def _respond(
+        self, generation: GenerationRequest, stream: bool, stream_options: Any, request: Request,
+        tracker: RequestTracker, *, is_chat: bool,
+    ) -> Response:
+        formatter = ResponseFormatter(generation.request_id, self.served_model_name, int(time.time()), is_chat=is_chat)
+        deltas = self.pipeline.stream(generation)
+        if not stream:
+            text, last = await _until_disconnect(request, _collect(deltas))
+            assert last.finish_reason is not None and last.usage is not None
+            tracker.finish("ok", last.usage)
+            return JSONResponse(formatter.full(text, last.finish_reason, last.usage))
+        # The first delta comes before the headers, so errors up to prefill are plain HTTP errors.
+        first = await _until_disconnect(request, anext(deltas))
+        include_usage = bool(stream_options and stream_options.include_usage)
+        events = _sse_events(formatter, first, deltas, include_usage, tracker)
+        return _SSEResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    def models(self) -> dict[str, Any]:
+        model = {
+            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "stageserve",
+            "max_model_len": self.max_context_len,
+        }
+        return {"object": "list", "data": [model]}
+
+    def health(self) -> JSONResponse:
+        missing = [k.value for k in self.registry.missing_kinds()]
+        workers = [
+            {"kind": w.kind.value, "address": w.address, "state": w.state.value, "in_flight": w.num_in_flight,
+             **({"error": w.last_error} if w.last_error else {})}
+            for w in self.registry.workers()
+        ]
+        if missing:
+            body = {"status": "unavailable", "missing": missing, "workers": workers}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok", "workers": workers})
+
+    def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its event generator however the response ends (a disconnect cancels mid-send)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _collect(deltas: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta]:
+    texts = []
+    async for delta in deltas:
+        texts.append(delta.text)
+        if delta.finish_reason is not None:
+            return "".join(texts), delta
+    raise AssertionError("the pipeline ended without a final delta")
+
+
+async def _sse_events(
+    formatter: ResponseFormatter, first: GenerationDelta, deltas: AsyncIterator[GenerationDelta],
+    include_usage: bool, tracker: RequestTracker,
+) -> AsyncIterator[str]:
+    outcome = "cancelled"  # unless the stream reaches its end
+    try:
+        if formatter.is_chat:
+            yield sse(formatter.chunk("", role=True, with_usage_field=include_usage))
+        delta = first
+        while True:
+            if delta.text:
+                yield sse(formatter.chunk(delta.text, with_usage_field=include_usage))
+            if delta.finish_reason is not None:
+                break
+            delta = await anext(deltas)
+        yield sse(formatter.chunk(None if formatter.is_chat else "", delta.finish_reason,
+                                  with_usage_field=include_usage))
+        if include_usage and delta.usage is not None:
+            yield sse(formatter.usage_chunk(delta.usage))
+        outcome = "ok"
+        tracker.finish(outcome, delta.usage)
+    except StageServeError as exc:
+        outcome = exc.openai_type
+        yield sse(error_body_of(exc))
+    finally:
+        tracker.finish(outcome)
+        await deltas.aclose()  # type: ignore[attr-defined]
+    yield sse("[DONE]")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``AbortedError``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise AbortedError("the client disconnected")
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "the request body is invalid", None
+    first = errors[0]
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg', '')}", None
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if first.get("type") == "missing":
+        return f"{param} is required", param
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def create_app(api: OpenAIApi) -> FastAPI:
+    app = FastAPI(title="stageserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        RequestTracker(api.metrics, request.url.path).finish("invalid_request_error")
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StageServeError)
+    async def _stageserve_error(request: Request, exc: StageServeError) -> JSONResponse:
+        return JSONResponse(error_body_of(exc), status_code=exc.http_status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return JSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
+
+    app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None)
+    app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
+    app.add_api_route("/metrics", api.metrics_text, methods=["GET"], response_model=None)
+    return app

@@ -1,0 +1,85 @@
+"""OpenAI response bodies: whole responses, stream chunks and error bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.common.errors import StageServeError
+from services.common.types import FinishReason, Usage
+
+
+def usage_body(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.num_prompt_tokens,
+        "completion_tokens": usage.num_completion_tokens,
+        "total_tokens": usage.num_prompt_tokens + usage.num_completion_tokens,
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_body_of(error: StageServeError) -> dict[str, Any]:
+    return error_body(error.message, error.openai_type, error.param, getattr(error, "code", None))
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event carrying ``payload`` (JSON) or a literal like ``[DONE]``."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class ResponseFormatter:
+    """Bodies of one response (one id, one creation time) of a chat or completion endpoint."""
+
+    def __init__(self, response_id: str, model: str, created: int, *, is_chat: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = created
+        self.is_chat = is_chat
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
+            "choices": choices,
+        }
+
+    def full(self, text: str, finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
+        if self.is_chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason.value}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason.value}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def chunk(
+        self, text: str | None, finish_reason: FinishReason | None = None, *, role: bool = False,
+        with_usage_field: bool = False,
+    ) -> dict[str, Any]:
+        """A stream chunk with ``text`` (chat: as a delta; ``None`` = empty delta)."""
+        reason = None if finish_reason is None else finish_reason.value
+        if self.is_chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            body = self._envelope("chat.completion.chunk", [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            ])
+        else:
+            body = self._envelope("text_completion", [
+                {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            ])
+        if with_usage_field:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The last chunk when the client asked for usage: no choices, the usage."""
+        body = self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [])
+        body["usage"] = usage_body(usage)
+        return body

@@ -1,0 +1,196 @@
+"""OpenAI request bodies (pydantic, parsed by FastAPI) and their checks into router types.
+
+Shape errors (missing or mistyped fields) are FastAPI's validation errors; range and
+consistency errors are ``InvalidRequestError`` raised here with the offending ``param``.
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from services.common.errors import InvalidRequestError
+from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
+from services.engine.sampler import SamplingParams
+from services.router.images import ImageLoader
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageUrl(_Body):
+    url: str
+    detail: str | None = None
+
+
+class ContentPartBody(_Body):
+    type: str
+    text: str | None = None
+    image_url: ImageUrl | str | None = None
+
+
+class ChatMessageBody(_Body):
+    role: str
+    content: str | list[ContentPartBody] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM-style); -1 or 0 = off
+    min_p: float | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension
+    ignore_eos: bool = False  # extension
+    logprobs: Any = None
+    user: str | None = None
+
+
+class ChatCompletionBody(_GenerationBody):
+    messages: list[ChatMessageBody]
+    max_completion_tokens: int | None = None
+
+
+class CompletionBody(_GenerationBody):
+    prompt: str | list[str]
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this router does not serve (HTTP 400, code model_not_found)."""
+
+    code = "model_not_found"
+
+
+class GenerationOptions:
+    """What a body asks for, checked: sampling parameters, token budget and stop strings."""
+
+    def __init__(self, params: SamplingParams, max_tokens: int | None, stop: tuple[str, ...]) -> None:
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop = stop
+
+
+def check_model(model: str | None, served_model_name: str) -> None:
+    if model not in (None, "", served_model_name):
+        raise ModelNotFoundError(
+            f"the model {model!r} does not exist; this server serves {served_model_name!r}", param="model"
+        )
+
+
+def _check_range(value: float | None, param: str, low: float, high: float, *, low_open: bool = False) -> None:
+    if value is None:
+        return
+    if value < low or value > high or (low_open and value == low):
+        bound = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
+        raise InvalidRequestError(f"{param} must be in {bound}, got {value!r}", param=param)
+
+
+def _max_tokens(body: _GenerationBody) -> int | None:
+    param, value = "max_tokens", body.max_tokens
+    if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
+        param, value = "max_completion_tokens", body.max_completion_tokens
+    if value is not None and value <= 0:
+        raise InvalidRequestError(f"{param} must be > 0, got {value}", param=param)
+    return value
+
+
+def _stop_strings(stop: str | list[str] | None, max_stop_strings: int) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > max_stop_strings:
+        raise InvalidRequestError(f"stop takes at most {max_stop_strings} strings, got {len(strings)}", param="stop")
+    if any(not s for s in strings):
+        raise InvalidRequestError("stop strings must not be empty", param="stop")
+    return tuple(dict.fromkeys(strings))
+
+
+def generation_options(body: _GenerationBody, max_stop_strings: int) -> GenerationOptions:
+    """Check the sampling fields every endpoint shares; ``InvalidRequestError`` on the first bad one."""
+    if body.n not in (None, 1):
+        raise InvalidRequestError(f"only n=1 is supported, got n={body.n}", param="n")
+    if body.logprobs not in (None, False, 0):
+        raise InvalidRequestError("logprobs are not supported", param="logprobs")
+    _check_range(body.temperature, "temperature", 0.0, 2.0)
+    _check_range(body.top_p, "top_p", 0.0, 1.0, low_open=True)
+    _check_range(body.min_p, "min_p", 0.0, 1.0)
+    _check_range(body.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(body.presence_penalty, "presence_penalty", -2.0, 2.0)
+    if body.repetition_penalty is not None and body.repetition_penalty <= 0:
+        raise InvalidRequestError(f"repetition_penalty must be > 0, got {body.repetition_penalty}",
+                                  param="repetition_penalty")
+    if body.top_k is not None and body.top_k < -1:
+        raise InvalidRequestError(f"top_k must be -1 or 0 (off) or > 0, got {body.top_k}", param="top_k")
+    fields: dict[str, Any] = {
+        "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "top_k": None if body.top_k is None else max(body.top_k, 0),
+        "seed": None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be negative
+    }
+    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None}, ignore_eos=body.ignore_eos)
+    return GenerationOptions(params, _max_tokens(body), _stop_strings(body.stop, max_stop_strings))
+
+
+def completion_prompt(body: CompletionBody) -> str:
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if len(body.prompt) != 1:
+        raise InvalidRequestError(f"prompt must be a string or a list of one string, got {len(body.prompt)}",
+                                  param="prompt")
+    return body.prompt[0]
+
+
+async def chat_messages(messages: list[ChatMessageBody], images: ImageLoader) -> tuple[ChatMessage, ...]:
+    """The conversation as router types, with every image_url loaded as compressed bytes."""
+    if not messages:
+        raise InvalidRequestError("messages must hold at least one message", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise InvalidRequestError(
+                f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role"
+            )
+        out.append(ChatMessage(role, await _content(message.content, f"messages[{i}].content", images)))
+    return tuple(out)
+
+
+async def _content(content: str | list[ContentPartBody] | None, param: str, images: ImageLoader) -> tuple[ContentPart, ...]:
+    if content is None:
+        return ()
+    if isinstance(content, str):
+        return (TextPart(content),)
+    parts: list[ContentPart] = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if part.type == "text":
+            if part.text is None:
+                raise InvalidRequestError("a text part needs a text field", param=f"{where}.text")
+            parts.append(TextPart(part.text))
+        elif part.type == "image_url":
+            if part.image_url is None:
+                raise InvalidRequestError("an image_url part needs an image_url field", param=f"{where}.image_url")
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            parts.append(ImagePart(await images.load(url, f"{where}.image_url")))
+        else:
+            raise InvalidRequestError(
+                f"unsupported content part type {part.type!r}; expected text or image_url", param=f"{where}.type"
+            )
+    return tuple(parts)

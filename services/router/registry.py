@@ -1,0 +1,170 @@
+"""Worker registry: every known worker, its readiness, and the requests routed to it.
+
+A background task polls each worker's ``grpc.health.v1`` ``Check`` every interval. A
+worker that fails (no answer in time, or not SERVING) is ejected: no new request is
+routed to it. It is readmitted as soon as a check passes again. Requests already on a
+worker that dies fail through their own calls, not through the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.client import create_channel
+from services.common.errors import UnavailableError
+from services.router.metrics import RouterMetrics
+from services.router.policy import BaseRoutingPolicy
+from services.router.workers import Worker, WorkerKind, WorkerState
+
+logger = logging.getLogger(__name__)
+
+ROUTED_KINDS = (WorkerKind.TOKENIZER, WorkerKind.PREFILL, WorkerKind.DECODE)
+
+
+class HealthProbe:
+    """``grpc.health.v1`` ``Check`` of whole workers (service ""), one channel per address."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._stubs: dict[str, health_pb2_grpc.HealthStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def _stub(self, address: str) -> health_pb2_grpc.HealthStub:
+        if address not in self._stubs:
+            channel = create_channel(address)
+            self._channels.append(channel)
+            self._stubs[address] = health_pb2_grpc.HealthStub(channel)
+        return self._stubs[address]
+
+    async def check(self, address: str) -> str | None:
+        """None when the worker is SERVING, else why not."""
+        try:
+            reply = await self._stub(address).Check(health_pb2.HealthCheckRequest(), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return None
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        workers: Sequence[Worker],
+        policy: BaseRoutingPolicy,
+        metrics: RouterMetrics,
+        probe: HealthProbe,
+        on_poll: Callable[[], None] | None = None,
+    ) -> None:
+        self._workers = list(workers)
+        self._policy = policy
+        self._metrics = metrics
+        self._probe = probe
+        self._on_poll = on_poll
+        self._poller: asyncio.Task | None = None
+        self.required_kinds = tuple(
+            k for k in WorkerKind if k in ROUTED_KINDS or any(w.kind is k for w in self._workers)
+        )
+        self._publish()
+
+    def workers(self, kind: WorkerKind | None = None) -> list[Worker]:
+        return [w for w in self._workers if kind is None or w.kind is kind]
+
+    def ready_workers(self, kind: WorkerKind) -> list[Worker]:
+        return [w for w in self._workers if w.kind is kind and w.is_ready]
+
+    def missing_kinds(self) -> list[WorkerKind]:
+        """Kinds the router needs that have no ready worker now."""
+        return [k for k in self.required_kinds if not self.ready_workers(k)]
+
+    @property
+    def is_ready(self) -> bool:
+        return not self.missing_kinds()
+
+    # ------------------------------------------------------------ routing
+
+    def acquire(self, kind: WorkerKind) -> Worker:
+        """Choose a ready worker of ``kind`` and count one more request on it.
+
+        ``UnavailableError`` at once when none is ready. Pair with ``release``.
+        """
+        candidates = self.ready_workers(kind)
+        if not candidates:
+            configured = len(self.workers(kind))
+            raise UnavailableError(f"no ready {kind.value} worker ({configured} configured, 0 ready)")
+        worker = self._policy.choose(kind, candidates)
+        worker.num_in_flight += 1
+        self._metrics.worker_in_flight.labels(kind.value, worker.address).set(worker.num_in_flight)
+        return worker
+
+    def release(self, worker: Worker) -> None:
+        assert worker.num_in_flight > 0, f"release without acquire on {worker.address}"
+        worker.num_in_flight -= 1
+        self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(worker.num_in_flight)
+
+    @contextlib.contextmanager
+    def lease(self, kind: WorkerKind) -> Iterator[Worker]:
+        worker = self.acquire(kind)
+        try:
+            yield worker
+        finally:
+            self.release(worker)
+
+    # ------------------------------------------------------------ health
+
+    async def poll_once(self) -> None:
+        """Check every worker once (concurrently) and update its state."""
+        reasons = await asyncio.gather(*(self._probe.check(w.address) for w in self._workers))
+        for worker, reason in zip(self._workers, reasons, strict=True):
+            self._set_state(worker, WorkerState.READY if reason is None else WorkerState.NOT_READY, reason or "")
+        self._publish()
+        if self._on_poll is not None:
+            self._on_poll()
+
+    def _set_state(self, worker: Worker, state: WorkerState, reason: str) -> None:
+        if state is not worker.state:
+            if state is WorkerState.READY:
+                logger.info("%s worker %s is ready", worker.kind.value, worker.address)
+            else:
+                logger.warning("%s worker %s is not ready: %s", worker.kind.value, worker.address, reason)
+        worker.state, worker.last_error = state, reason
+
+    def _publish(self) -> None:
+        for worker in self._workers:
+            self._metrics.worker_ready.labels(worker.kind.value, worker.address).set(int(worker.is_ready))
+        for kind in WorkerKind:
+            self._metrics.workers_ready.labels(kind.value).set(len(self.ready_workers(kind)))
+
+    async def _poll_forever(self, interval_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await self.poll_once()
+            await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
+
+    def start(self, interval_s: float) -> None:
+        """Poll in the background every ``interval_s`` until ``close``."""
+        assert self._poller is None, "already started"
+        self._poller = asyncio.create_task(self._poll_forever(interval_s), name="router-health-poll")
+
+    async def close(self) -> None:
+        """Stop polling and close every worker's client and the probe's channels."""
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        for worker in self._workers:
+            if worker.client is not None:
+                await worker.client.close()
+        await self._probe.close()

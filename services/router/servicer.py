@@ -1,0 +1,140 @@
+"""gRPC ``stageserve.v1.Router``: proto in, the shared generation pipeline, proto out."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.errors import InvalidRequestError, NotFoundError, StageServeError
+from services.common.grpc_errors import handle_errors
+from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.common.types import ChatMessage, ContentPart, FinishReason, ImagePart, TextPart, Usage
+from services.engine.sampler import SamplingParams
+from services.router.generation import GenerationPipeline
+from services.router.images import ImageLoader, check_image
+from services.router.metrics import RequestTracker, RouterMetrics
+from services.router.openai_schema import ROLES
+from services.router.types import GenerationDelta, GenerationRequest
+
+GRPC_ENDPOINT = "grpc:Generate"
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+}
+_SAMPLING_OPTIONAL = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "seed", "max_new_tokens",
+)
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(
+        self, pipeline: GenerationPipeline, images: ImageLoader, metrics: RouterMetrics, served_model_name: str,
+        request_timeout_s: float, max_stop_strings: int, max_image_bytes: int,
+    ) -> None:
+        self._pipeline = pipeline
+        self._images = images
+        self._metrics = metrics
+        self._served_model_name = served_model_name
+        self._request_timeout_s = request_timeout_s
+        self._max_stop_strings = max_stop_strings
+        self._max_image_bytes = max_image_bytes
+
+    @handle_errors
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Tokenize, route, prefill and decode one request; stream its text as it is generated."""
+        tracker = RequestTracker(self._metrics, GRPC_ENDPOINT)
+        outcome = "internal_error"  # unless it ends otherwise
+        try:
+            generation = await self._to_generation(request, context)
+            async for delta in self._pipeline.stream(generation):
+                yield _to_proto(generation.request_id, delta)
+                if delta.finish_reason is not None:
+                    outcome = "ok"
+                    tracker.finish(outcome, delta.usage)
+        except StageServeError as exc:
+            outcome = exc.openai_type
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            tracker.finish(outcome)
+
+    async def _to_generation(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> GenerationRequest:
+        if request.model not in ("", self._served_model_name):
+            raise NotFoundError(
+                f"the model {request.model!r} does not exist; this server serves {self._served_model_name!r}",
+                param="model",
+            )
+        params = _sampling_params(request.sampling_params)
+        stop = tuple(request.stop)
+        if len(stop) > self._max_stop_strings or not all(stop):
+            raise InvalidRequestError(f"stop takes up to {self._max_stop_strings} non-empty strings", param="stop")
+        timeout_s = request.timeout_ms / 1000 if request.timeout_ms else self._request_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout_s = min(timeout_s, remaining)
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        common = {"params": params, "max_tokens": params.max_new_tokens, "stop": stop, "timeout_s": timeout_s}
+        if request.WhichOneof("input") == "prompt":
+            return GenerationRequest(request_id, prompt=request.prompt, **common)
+        if request.WhichOneof("input") == "chat":
+            return GenerationRequest(request_id, messages=await self._messages(request.chat), **common)
+        raise InvalidRequestError("the request needs a prompt or a chat", param="input")
+
+    async def _messages(self, chat: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
+        if not chat.messages:
+            raise InvalidRequestError("chat needs at least one message", param="chat.messages")
+        messages = []
+        for i, message in enumerate(chat.messages):
+            role = ROLES.get(message.role)
+            if role is None:
+                raise InvalidRequestError(f"unknown role {message.role!r}", param=f"chat.messages[{i}].role")
+            parts = [await self._part(part, f"chat.messages[{i}].content[{j}]") for j, part in enumerate(message.content)]
+            messages.append(ChatMessage(role, tuple(parts)))
+        return tuple(messages)
+
+    async def _part(self, part: common_pb2.ContentPart, param: str) -> ContentPart:
+        kind = part.WhichOneof("part")
+        if kind == "text":
+            return TextPart(part.text)
+        if kind != "image":
+            raise InvalidRequestError("a content part needs text or an image", param=param)
+        if part.image.WhichOneof("source") == "data":
+            check_image(part.image.data, self._max_image_bytes, f"{param}.image")
+            return ImagePart(part.image.data)
+        return ImagePart(await self._images.load(part.image.url, f"{param}.image"))
+
+
+def _sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the engine defaults (the proto's documented ones)."""
+    fields = {name: getattr(message, name) for name in _SAMPLING_OPTIONAL if message.HasField(name)}
+    params = SamplingParams(**fields, stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos)
+    params.validate()
+    return params
+
+
+def _to_proto(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateResponse:
+    response = router_pb2.GenerateResponse(
+        request_id=request_id, text_delta=delta.text, token_ids=delta.token_ids,
+        finish_reason=_FINISH_TO_PROTO[delta.finish_reason],
+    )
+    if delta.usage is not None:
+        response.usage.CopyFrom(_usage_to_proto(delta.usage))
+    return response
+
+
+def _usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        num_prompt_tokens=usage.num_prompt_tokens, num_completion_tokens=usage.num_completion_tokens,
+        num_cached_image_tokens=usage.num_cached_image_tokens,
+    )

@@ -1,0 +1,35 @@
+"""The router's internal request and output types (both APIs convert to and from these)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.common.types import ChatMessage, FinishReason, Usage
+from services.engine.sampler import SamplingParams
+
+
+class GenerationRequest(msgspec.Struct, frozen=True):
+    """One request, already validated. Exactly one of ``prompt`` and ``messages`` is set."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    # max_new_tokens is ignored here: ``max_tokens`` below decides it against the context.
+    params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # None = the router's default (up to the context limit)
+    stop: tuple[str, ...] = ()
+    timeout_s: float = 300.0
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field a prompt-length error points at."""
+        return "messages" if self.messages is not None else "prompt"
+
+
+class GenerationDelta(msgspec.Struct, frozen=True):
+    """Output since the previous delta; the last one carries finish_reason and usage."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
