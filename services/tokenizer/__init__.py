@@ -1,0 +1,1 @@
+"""The tokenizer service: chat template, tokenization with image spans, incremental detokenization."""

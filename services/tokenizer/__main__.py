@@ -1,0 +1,111 @@
+"""``python -m services.tokenizer``: one tokenizer process (gRPC ``stageserve.v1.Tokenizer``).
+
+Prints ``READY tokenizer port=<grpc port> metrics_port=<port>`` on stdout once its
+workers have loaded the tokenizer; logs go to stderr. SIGTERM/SIGINT: not serving,
+finish in-flight calls (grace), stop the workers, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from services.cli import BUNDLED_MODEL
+from services.common import telemetry
+from services.common.envs import Envs
+from services.common.errors import StageServeError
+from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
+from services.common.server import HealthState, create_server, serve_until_signal
+from services.engine.processing import TextProcessor
+from services.tokenizer.config import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Limits, TokenizerConfig
+from services.tokenizer.metrics import TokenizerMetrics
+from services.tokenizer.pipeline import max_model_len_of
+from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
+from services.tokenizer.workers import WorkerPool
+
+logger = logging.getLogger("services.tokenizer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and metrics on")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed on the READY line)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
+    p.add_argument("--device", default="cpu", help="accepted for uniformity; the tokenizer runs on CPU")
+    p.add_argument("--dtype", default=None, help="accepted for uniformity; unused")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL or INFO)")
+    p.add_argument("--num-workers", type=int, default=1,
+                   help="worker processes for tokenization and image decoding (0: one thread in this process)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompts must be shorter than this many tokens (default: config.json max_position_embeddings)")
+    p.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES, help="largest compressed image")
+    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="largest decoded image (w*h)")
+    return p
+
+
+def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for flag in ("num_workers", "max_image_bytes", "max_image_pixels"):
+        if getattr(args, flag) < (0 if flag == "num_workers" else 1):
+            parser.error(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
+    max_model_len = args.max_model_len if args.max_model_len is not None else max_model_len_of(args.model)
+    if max_model_len < 2:
+        parser.error(f"--max-model-len must be at least 2, got {max_model_len}")
+    return TokenizerConfig(
+        model_dir=args.model,
+        limits=Limits(max_model_len, args.max_image_bytes, args.max_image_pixels),
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        num_workers=args.num_workers,
+        log_level=(args.log_level or envs.log_level).upper(),
+    )
+
+
+async def serve(config: TokenizerConfig, envs: Envs) -> None:
+    telemetry.init_tracing("tokenizer", envs)
+    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    text = TextProcessor.from_dir(config.model_dir)
+    pool = WorkerPool(config.model_dir, config.limits, config.num_workers)
+    servicer = TokenizerServicer(pool, text, TokenizerMetrics())
+    health = HealthState()
+    server, port = create_server(
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)],
+        config.port, config.host, [SERVICE_NAME], health=health,
+    )
+    await server.start()  # live (NOT_SERVING) while the workers load
+    try:
+        await pool.start()
+    except BaseException:
+        pool.close()
+        await server.stop(None)
+        raise
+    health.set_serving(True)
+    logger.info("serving %s on %s:%d with %d workers, %s", config.model_dir, config.host, port,
+                config.num_workers, config.limits)
+    print(f"READY tokenizer port={port} metrics_port={metrics_port}", flush=True)
+    await serve_until_signal(server, health, pool.close)
+
+
+def main(argv: list[str] | None = None) -> int:
+    envs = Envs.from_environ()
+    try:
+        config = parse_config(argv, envs)
+        logging.basicConfig(
+            level=config.log_level, stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        asyncio.run(serve(config, envs))
+    except StageServeError as exc:
+        print(f"tokenizer: error: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""All CPU work of one Tokenize call: chat or prompt in, ``TokenizedPrompt`` out.
+
+Chat: render the template with the messages' texts kept as plain text
+(``TextProcessor.encode_chat``), decode each distinct image once to find its patch
+grid (no pixel preprocessing: the vision encoder does that from the same bytes), hash
+its compressed bytes, expand each placeholder to the image's token count, and compute
+the M-RoPE position delta. Images leave as their compressed bytes, each distinct one
+once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import InvalidRequestError
+from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart, TokenizedPrompt
+from services.engine.config import ModelConfig
+from services.engine.model.rope import ImageSpan, mrope_positions
+from services.engine.processing import ImageProcessor, TextProcessor, content_hash, decode_image
+from services.tokenizer.config import Limits
+
+
+class TokenizePipeline:
+    """Tokenizes chats and raw prompts for one checkpoint under one set of limits."""
+
+    def __init__(self, text: TextProcessor, images: ImageProcessor, limits: Limits) -> None:
+        self.text = text
+        self.images = images
+        self.limits = limits
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, limits: Limits) -> TokenizePipeline:
+        return cls(TextProcessor.from_dir(model_dir), ImageProcessor.from_dir(model_dir), limits)
+
+    def tokenize_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> TokenizedPrompt:
+        """Token ids with expanded placeholders, one span per image part, distinct images' bytes."""
+        template_messages, image_parts = _template_messages(messages)
+        ids = self.text.encode_chat(template_messages, add_generation_prompt)
+        self._check_len(len(ids), "messages")  # before decoding: each image adds tokens
+        grids: dict[str, tuple[int, int, int]] = {}  # content hash -> patch grid
+        images: dict[str, bytes] = {}  # content hash -> compressed bytes, first appearance first
+        hashes = []
+        for param, data in image_parts:
+            key = content_hash(data)
+            if key not in grids:
+                grids[key] = self._grid(data, param)
+                images[key] = data
+            hashes.append(key)
+        counts = [self.images.num_image_tokens(grids[key]) for key in hashes]
+        ids, placeholders = self.text.expand_image_placeholders(ids, counts)
+        self._check_len(len(ids), "messages")
+        spans = tuple(
+            ImageSpanRef(offset=p.offset, length=p.length, content_hash=key, grid_thw=grids[key])
+            for p, key in zip(placeholders, hashes, strict=True)
+        )
+        return TokenizedPrompt(
+            token_ids=tuple(ids), spans=spans, images=images, mrope_position_delta=self._rope_delta(len(ids), spans)
+        )
+
+    def tokenize_prompt(self, prompt: str) -> TokenizedPrompt:
+        """Token ids of a raw prompt; special-token strings in it are parsed (no template here)."""
+        ids = self.text.encode(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        vision_ids = {self.text.image_token_id, self.text.video_token_id}
+        if any(token_id in vision_ids for token_id in ids):
+            raise InvalidRequestError(
+                "prompt contains an image or video placeholder token; raw prompts carry no images "
+                "(send images as chat messages)",
+                param="prompt",
+            )
+        self._check_len(len(ids), "prompt")
+        return TokenizedPrompt(token_ids=tuple(ids))
+
+    def _check_len(self, num_tokens: int, param: str) -> None:
+        if num_tokens >= self.limits.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num_tokens} tokens; the context limit is {self.limits.max_model_len}", param=param
+            )
+
+    def _grid(self, data: bytes, param: str) -> tuple[int, int, int]:
+        try:
+            image = decode_image(data, self.limits.max_image_bytes, self.limits.max_image_pixels)
+            return self.images.grid_for(image)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{param}: {exc.message}", param=param) from exc
+
+    def _rope_delta(self, num_tokens: int, spans: Sequence[ImageSpanRef]) -> int:
+        if not spans:
+            return 0
+        rope_spans = [ImageSpan(s.offset, s.length, s.grid_thw) for s in spans]
+        _, delta = mrope_positions(num_tokens, rope_spans, self.images.config.merge_size)
+        return delta
+
+
+def _template_messages(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, Any]], list[tuple[str, bytes]]]:
+    """The chat as the template sees it (image parts become ``{"type": "image"}``), and the
+    image parts' (param, bytes) in prompt order."""
+    if not messages:
+        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
+    rendered: list[dict[str, Any]] = []
+    image_parts: list[tuple[str, bytes]] = []
+    for i, message in enumerate(messages):
+        if not message.content:
+            raise InvalidRequestError(f"messages[{i}].content is missing", param=f"messages[{i}].content")
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            else:
+                assert isinstance(part, ImagePart), type(part)
+                parts.append({"type": "image"})
+                image_parts.append((f"messages[{i}].content[{j}]", part.data))
+        rendered.append({"role": message.role, "content": parts})
+    return rendered, image_parts
+
+
+def max_model_len_of(model_dir: str | Path) -> int:
+    """The checkpoint's context length (``max_position_embeddings``)."""
+    return ModelConfig.from_dir(model_dir).text.max_position_embeddings

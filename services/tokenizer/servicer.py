@@ -1,0 +1,144 @@
+"""gRPC face of the tokenizer: proto in, domain types inside, proto out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.common import telemetry
+from services.common.errors import InvalidRequestError, StageServeError
+from services.common.grpc_errors import handle_errors
+from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.types import ChatMessage as DomainChatMessage
+from services.common.types import ContentPart, ImagePart, TextPart, TokenizedPrompt
+from services.engine.processing import TextProcessor
+from services.tokenizer.metrics import TokenizerMetrics
+from services.tokenizer.workers import ChatJob, PromptJob, WorkerPool
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+_tracer = telemetry.tracer("tokenizer")
+
+
+def _part_from_proto(part: common_pb2.ContentPart, param: str) -> ContentPart:
+    kind = part.WhichOneof("part")
+    if kind == "text":
+        return TextPart(part.text)
+    if kind != "image":
+        raise InvalidRequestError(f"{param} is empty: set text or image", param=param)
+    source = part.image.WhichOneof("source")
+    if source == "url":
+        raise InvalidRequestError(
+            f"{param}.image.url is not accepted: the router fetches image URLs and sends the bytes",
+            param=f"{param}.image.url",
+        )
+    if source != "data":
+        raise InvalidRequestError(f"{param}.image has no data", param=f"{param}.image")
+    return ImagePart(part.image.data)
+
+
+def job_from_proto(request: tokenizer_pb2.TokenizeRequest) -> ChatJob | PromptJob:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return PromptJob(request.prompt)
+    if kind != "chat":
+        raise InvalidRequestError("the request has no input: set chat or prompt", param="messages")
+    messages = tuple(
+        DomainChatMessage(
+            role=message.role,
+            content=tuple(_part_from_proto(part, f"messages[{i}].content[{j}]") for j, part in enumerate(message.content)),
+        )
+        for i, message in enumerate(request.chat.messages)
+    )
+    return ChatJob(messages, request.add_generation_prompt)
+
+
+def prompt_to_proto(prompt: TokenizedPrompt) -> tokenizer_pb2.TokenizeResponse:
+    return tokenizer_pb2.TokenizeResponse(
+        token_ids=prompt.token_ids,
+        image_spans=[
+            common_pb2.ImageSpan(
+                offset=s.offset, length=s.length, content_hash=s.content_hash,
+                grid_t=s.grid_thw[0], grid_h=s.grid_thw[1], grid_w=s.grid_thw[2],
+            )
+            for s in prompt.spans
+        ],
+        images=[common_pb2.ImageData(content_hash=key, data=data) for key, data in prompt.images.items()],
+        mrope_position_delta=prompt.mrope_position_delta,
+    )
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    """Tokenize runs on the worker pool; Detokenize streams run on the event loop (cheap per token)."""
+
+    def __init__(self, pool: WorkerPool, text: TextProcessor, metrics: TokenizerMetrics) -> None:
+        self._pool = pool
+        self._text = text
+        self._metrics = metrics
+
+    @handle_errors
+    async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: Any) -> tokenizer_pb2.TokenizeResponse:
+        """Chat or prompt -> token ids, image spans, distinct images, M-RoPE delta."""
+        parent = telemetry.extract_context(context.invocation_metadata())
+        start, outcome = time.perf_counter(), "INTERNAL"
+        with _tracer.start_as_current_span("tokenizer.tokenize", context=parent) as span:
+            span.set_attribute("request_id", request.request_id)
+            try:
+                prompt = await self._pool.run(job_from_proto(request))
+                outcome = "OK"
+            except StageServeError as exc:
+                outcome = exc.grpc_code
+                raise
+            except asyncio.CancelledError:
+                outcome = "CANCELLED"
+                raise
+            finally:
+                self._metrics.requests.labels("Tokenize", outcome).inc()
+                self._metrics.tokenize_latency.observe(time.perf_counter() - start)
+            span.set_attribute("num_prompt_tokens", len(prompt.token_ids))
+            span.set_attribute("num_images", len(prompt.spans))
+        self._record_prompt(prompt)
+        return prompt_to_proto(prompt)
+
+    def _record_prompt(self, prompt: TokenizedPrompt) -> None:
+        self._metrics.prompt_tokens.inc(len(prompt.token_ids))
+        self._metrics.prompt_len.observe(len(prompt.token_ids))
+        self._metrics.images_decoded.inc(len(prompt.images))
+        self._metrics.image_bytes.inc(sum(len(data) for data in prompt.images.values()))
+
+    @handle_errors
+    async def Detokenize(
+        self, request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest], context: Any
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
+        """One reply per request message (its text delta), and a last one on half-close (the flush).
+
+        ``prompt_token_ids`` are accepted but not needed: every byte-level BPE token
+        decodes to the same bytes whatever precedes it.
+        """
+        detokenizer, num_tokens, outcome = None, 0, "INTERNAL"
+        self._metrics.detokenize_streams.inc()
+        try:
+            async for request in request_iterator:
+                if detokenizer is None:
+                    if not request.HasField("options"):
+                        raise InvalidRequestError(
+                            "the first message of a detokenize stream must carry options", param="options"
+                        )
+                    detokenizer = self._text.detokenizer(request.options.skip_special_tokens)
+                text = "".join(detokenizer.step(token_id) for token_id in request.token_ids)
+                num_tokens += len(request.token_ids)
+                self._metrics.detokenized_tokens.inc(len(request.token_ids))
+                yield tokenizer_pb2.DetokenizeResponse(text_delta=text, num_tokens=num_tokens)
+            if detokenizer is not None:
+                yield tokenizer_pb2.DetokenizeResponse(text_delta=detokenizer.finish(), num_tokens=num_tokens)
+            outcome = "OK"
+        except StageServeError as exc:
+            outcome = exc.grpc_code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "CANCELLED"
+            raise
+        finally:
+            self._metrics.detokenize_streams.dec()
+            self._metrics.requests.labels("Detokenize", outcome).inc()

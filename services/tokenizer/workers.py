@@ -1,0 +1,153 @@
+"""Runs tokenize jobs off the event loop, so one big image or prompt stalls no other request.
+
+``num_workers`` > 0: that many worker processes (spawned, each with its own pipeline;
+the ``tokenizers`` BPE holds the GIL while it encodes, so threads would not run in
+parallel). ``num_workers`` == 0: one thread in this process (tests, debugging).
+Jobs and results cross the process boundary as msgpack-encoded ``msgspec`` structs.
+
+A worker that dies (killed, out of memory) fails the jobs it held with
+``UnavailableError`` (retryable) and the pool is rebuilt for the next job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import multiprocessing
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import msgspec
+
+from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.types import ChatMessage, TokenizedPrompt
+from services.tokenizer.config import Limits
+from services.tokenizer.pipeline import TokenizePipeline
+
+logger = logging.getLogger(__name__)
+
+
+class ChatJob(msgspec.Struct, frozen=True, tag="chat"):
+    messages: tuple[ChatMessage, ...]
+    add_generation_prompt: bool = True
+
+
+class PromptJob(msgspec.Struct, frozen=True, tag="prompt"):
+    prompt: str
+
+
+class PingJob(msgspec.Struct, frozen=True, tag="ping"):
+    """Answered once the worker has loaded its pipeline (warm-up)."""
+
+
+Job = ChatJob | PromptJob | PingJob
+
+
+class JobDone(msgspec.Struct, frozen=True, tag="done"):
+    prompt: TokenizedPrompt
+
+
+class JobRejected(msgspec.Struct, frozen=True, tag="rejected"):
+    """The job's input was invalid: becomes ``InvalidRequestError(message, param=param)``."""
+
+    message: str
+    param: str | None = None
+
+
+JobResult = JobDone | JobRejected
+
+# Caller side and worker side each use their own codec objects (the worker may be a thread).
+_job_encoder = msgspec.msgpack.Encoder()
+_result_decoder = msgspec.msgpack.Decoder(JobResult)
+_job_decoder = msgspec.msgpack.Decoder(Job)
+_result_encoder = msgspec.msgpack.Encoder()
+
+
+def run_job(pipeline: TokenizePipeline, job_bytes: bytes) -> bytes:
+    """Decode a job, run it, encode its result; invalid input is a result, not a raise."""
+    job = _job_decoder.decode(job_bytes)
+    try:
+        if isinstance(job, ChatJob):
+            prompt = pipeline.tokenize_chat(job.messages, job.add_generation_prompt)
+        elif isinstance(job, PromptJob):
+            prompt = pipeline.tokenize_prompt(job.prompt)
+        else:
+            prompt = TokenizedPrompt(token_ids=())
+    except InvalidRequestError as exc:
+        return _result_encoder.encode(JobRejected(exc.message, exc.param))
+    return _result_encoder.encode(JobDone(prompt))
+
+
+_worker_pipeline: TokenizePipeline | None = None  # one per worker process, set by _init_worker
+
+
+def _init_worker(model_dir: str, max_model_len: int, max_image_bytes: int, max_image_pixels: int) -> None:
+    global _worker_pipeline
+    _worker_pipeline = TokenizePipeline.from_dir(
+        model_dir, Limits(max_model_len, max_image_bytes, max_image_pixels)
+    )
+
+
+def _run_in_worker(job_bytes: bytes) -> bytes:
+    assert _worker_pipeline is not None, "worker initializer did not run"
+    return run_job(_worker_pipeline, job_bytes)
+
+
+class WorkerPool:
+    """Tokenize jobs on ``num_workers`` processes (0: one thread); ``start`` before ``run``."""
+
+    def __init__(self, model_dir: str | Path, limits: Limits, num_workers: int = 1) -> None:
+        assert num_workers >= 0, num_workers
+        self.model_dir = str(model_dir)
+        self.limits = limits
+        self.num_workers = num_workers
+        self._executor: concurrent.futures.Executor | None = None
+        self._run = _run_in_worker
+
+    async def start(self) -> None:
+        """Create the workers and wait until each has loaded its tokenizer."""
+        self._executor = self._new_executor()
+        await asyncio.gather(*(self.run(PingJob()) for _ in range(max(self.num_workers, 1))))
+
+    def _new_executor(self) -> concurrent.futures.Executor:
+        if self.num_workers == 0:
+            pipeline = TokenizePipeline.from_dir(self.model_dir, self.limits)
+            self._run = functools.partial(run_job, pipeline)
+            return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        limits = self.limits
+        return concurrent.futures.ProcessPoolExecutor(
+            self.num_workers,
+            mp_context=multiprocessing.get_context("spawn"),  # no fork of a process running gRPC threads
+            initializer=_init_worker,
+            initargs=(self.model_dir, limits.max_model_len, limits.max_image_bytes, limits.max_image_pixels),
+        )
+
+    async def run(self, job: Job) -> TokenizedPrompt:
+        """The job's prompt; ``InvalidRequestError`` for bad input, ``UnavailableError`` if its worker died."""
+        executor = self._executor
+        assert executor is not None, "WorkerPool.start() first"
+        loop = asyncio.get_running_loop()
+        try:
+            result_bytes = await loop.run_in_executor(executor, self._run, _job_encoder.encode(job))
+        except BrokenProcessPool as exc:
+            self._replace_broken(executor)
+            raise UnavailableError("a tokenizer worker process died while handling the request") from exc
+        result = _result_decoder.decode(result_bytes)
+        if isinstance(result, JobRejected):
+            raise InvalidRequestError(result.message, param=result.param)
+        return result.prompt
+
+    def _replace_broken(self, broken: concurrent.futures.Executor) -> None:
+        if self._executor is not broken:
+            return  # another failed job already replaced it
+        logger.error("a tokenizer worker died; restarting %d worker processes", self.num_workers)
+        broken.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._new_executor()
+
+    def close(self) -> None:
+        """Stop the workers (waits for running jobs; queued ones are cancelled)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
