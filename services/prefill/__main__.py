@@ -1,0 +1,107 @@
+"""``python -m services.prefill``: one prefill worker (leader + rank 0) serving gRPC ``Prefill``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from services.cli import BUNDLED_MODEL
+from services.common import telemetry
+from services.common.client import create_channel, wait_ready
+from services.common.clients.vision_encoder import VisionEncoderClient
+from services.common.envs import Envs
+from services.common.errors import StageServeError
+from services.common.pb.stageserve.v1 import prefill_pb2_grpc
+from services.common.server import HealthState, create_server, serve_until_signal
+from services.prefill.app import PrefillApp
+from services.prefill.config import PrefillConfig
+from services.prefill.servicer import SERVICE_NAME, PrefillServicer
+
+logger = logging.getLogger("services.prefill")
+
+
+def parse_args(argv: list[str] | None = None) -> PrefillConfig:
+    p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed in the READY line)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--encoder-address", default="", help="vision encoder host:port (empty: text-only prompts)")
+    p.add_argument("--transfer-backend", default="mooncake", help="KV and embedding transfer: mooncake | inprocess")
+    p.add_argument("--transfer-hostname", default="", help="address the transfer engine advertises (default --host)")
+    p.add_argument("--num-pages", type=int, default=1024, help="pages of the local KV pool")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page; must equal decode's")
+    p.add_argument("--embedding-rows", type=int, default=16384, help="rows of the image-embedding buffer")
+    p.add_argument("--max-batch-tokens", type=int, default=8192, help="prompt tokens per prefill batch")
+    p.add_argument("--max-queued-requests", type=int, default=256)
+    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--default-timeout-s", type=float, default=300.0, help="for requests without a deadline")
+    p.add_argument("--embedding-quarantine-s", type=float, default=30.0,
+                   help="rows of a timed-out Encode wait this long before reuse")
+    p.add_argument("--peer-ready-timeout-s", type=float, default=120.0,
+                   help="how long to wait at start for the vision encoder to be SERVING")
+    args = p.parse_args(argv)
+    for name in ("num_pages", "page_size", "embedding_rows", "max_batch_tokens", "max_queued_requests"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    return PrefillConfig(**vars(args))
+
+
+async def serve(config: PrefillConfig) -> int:
+    telemetry.init_tracing("prefill", Envs.from_environ())
+    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    health = HealthState()
+    servicer = PrefillServicer(config.default_timeout_s)
+    server, port = create_server(
+        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], config.port, config.host,
+        [SERVICE_NAME], health=health,
+    )
+    await server.start()
+    encoder = None
+    if config.encoder_address:
+        encoder = VisionEncoderClient(config.encoder_address)
+        await _wait_encoder_ready(config)
+    app = await asyncio.to_thread(PrefillApp.build, config, encoder=encoder)
+    await app.start()
+    servicer.attach(app.leader)
+    health.set_serving(True)
+    print(f"READY prefill port={port} metrics_port={metrics_port}", flush=True)
+
+    async def release() -> None:
+        await app.close()
+        if encoder is not None:
+            await encoder.close()
+
+    await serve_until_signal(server, health, release)
+    return 0
+
+
+async def _wait_encoder_ready(config: PrefillConfig) -> None:
+    channel = create_channel(config.encoder_address)
+    try:
+        await wait_ready(channel, config.peer_ready_timeout_s)
+    finally:
+        await channel.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(serve(config))
+    except StageServeError as exc:
+        logger.error("prefill worker failed to start: %s", exc.message)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Configuration of one prefill worker, built once from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    device: str = "cpu"
+    dtype: str | None = None  # None: the checkpoint's
+    log_level: str = "INFO"
+    encoder_address: str = ""  # vision encoder "host:port"; empty: text-only prompts
+    transfer_backend: str = "mooncake"  # KV to decode and embedding rows from the encoder
+    transfer_hostname: str = ""  # address the transfer engine advertises; empty: --host
+    num_pages: int = 1024  # local KV pool: the batch's KV is computed here, then copied to decode
+    page_size: int = 16  # must equal decode's page size
+    embedding_rows: int = 16384  # rows of the image-embedding buffer the encoder writes into
+    max_batch_tokens: int = 8192  # prompt tokens per prefill batch (a longer prompt runs alone)
+    max_queued_requests: int = 256  # live requests before RESOURCE_EXHAUSTED
+    attention_backend: str = "torch"
+    default_timeout_s: float = 300.0  # requests that carry no deadline at all
+    embedding_quarantine_s: float = 30.0  # rows of a timed-out Encode rest this long before reuse
+    peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
+
+    @property
+    def advertised_hostname(self) -> str:
+        return self.transfer_hostname or self.host

@@ -1,0 +1,105 @@
+"""Checks of one prefill request against the model and the local KV pool; each failure names its field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from services.common.errors import InvalidRequestError
+from services.common.types import ImageSpanRef
+from services.engine.config import ModelConfig
+from services.engine.sampler import SamplingParams
+from services.transfer.base import KvDestination, KvPoolLayout, check_compatible
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    vocab_size: int
+    image_token_id: int
+    spatial_merge_size: int
+    max_context_len: int
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> PromptLimits:
+        return cls(
+            config.text.vocab_size, config.image_token_id, config.vision.spatial_merge_size,
+            config.text.max_position_embeddings,
+        )
+
+
+def validate_prompt(
+    token_ids: Sequence[int], spans: Sequence[ImageSpanRef], images: dict[str, bytes], params: SamplingParams,
+    limits: PromptLimits,
+) -> None:
+    """``InvalidRequestError`` (with ``param``) for the first problem of the prompt or its parameters."""
+    params.validate()
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty", param="token_ids")
+    if len(token_ids) >= limits.max_context_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(token_ids)} tokens; the context limit is {limits.max_context_len}",
+            param="token_ids",
+        )
+    if any(not 0 <= t < limits.vocab_size for t in token_ids):
+        raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})", param="token_ids")
+    cursor = 0
+    for i, span in enumerate(spans):
+        _check_span(i, span, cursor, token_ids, limits)
+        if span.content_hash not in images or not images[span.content_hash]:
+            raise InvalidRequestError(f"image_spans[{i}]: no image bytes for hash {span.content_hash!r}", param="images")
+        cursor = span.offset + span.length
+    num_placeholders = sum(t == limits.image_token_id for t in token_ids)
+    if num_placeholders != sum(span.length for span in spans):
+        raise InvalidRequestError(
+            f"the prompt has {num_placeholders} image placeholder tokens but its spans cover "
+            f"{sum(span.length for span in spans)}", param="image_spans",
+        )
+
+
+def _check_span(i: int, span: ImageSpanRef, cursor: int, token_ids: Sequence[int], limits: PromptLimits) -> None:
+    t, h, w = span.grid_thw
+    merge = limits.spatial_merge_size
+    if span.offset < cursor:
+        raise InvalidRequestError(f"image_spans[{i}] overlaps or precedes the previous span", param="image_spans")
+    if span.length <= 0 or span.offset + span.length > len(token_ids):
+        raise InvalidRequestError(
+            f"image_spans[{i}] [{span.offset}, {span.offset + span.length}) is empty or outside the "
+            f"{len(token_ids)}-token prompt", param="image_spans",
+        )
+    if min(t, h, w) <= 0 or h % merge or w % merge or t * h * w != span.length * merge * merge:
+        raise InvalidRequestError(
+            f"image_spans[{i}]: grid {span.grid_thw} does not give {span.length} tokens "
+            f"(merge size {merge})", param="image_spans",
+        )
+    if any(tok != limits.image_token_id for tok in token_ids[span.offset : span.offset + span.length]):
+        raise InvalidRequestError(f"image_spans[{i}] covers non-placeholder tokens", param="image_spans")
+
+
+def prompt_destination(
+    dst: KvDestination, local: KvPoolLayout, num_tokens: int, backend: str
+) -> KvDestination:
+    """``dst`` cut to the prompt's pages, after checking it can receive this pool's pages."""
+    num_pages = -(-num_tokens // local.page_size)
+    if dst.backend != backend:
+        raise InvalidRequestError(
+            f"kv_ref is for transfer backend {dst.backend!r}; this prefill worker sends with {backend!r}",
+            param="kv_ref",
+        )
+    if num_pages > local.num_pages:
+        raise InvalidRequestError(
+            f"the prompt has {num_tokens} tokens; this prefill worker holds at most "
+            f"{local.num_pages * local.page_size}", param="token_ids",
+        )
+    if len(dst.page_ids) < num_pages:
+        raise InvalidRequestError(
+            f"kv_ref has {len(dst.page_ids)} pages; the {num_tokens}-token prompt needs {num_pages}",
+            param="kv_ref",
+        )
+    dst = msgspec.structs.replace(dst, page_ids=dst.page_ids[:num_pages])
+    try:
+        check_compatible(local, range(num_pages), dst)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(exc.message, param="kv_ref") from exc
+    return dst

@@ -1,0 +1,145 @@
+"""Rank worker: executes one ``PrefillPlan`` on the model and hands each request's KV to decode.
+
+``execute(plan)``: reserve local pages -> build every request's EXTEND input (image rows
+from the embedding buffer merged at their request-global token indices) -> one forward
+-> sample each first token with the request's own generator -> one batched KV write per
+request into decode's pages (with the request's deadline) -> free the local pages
+(``finally``). With context parallelism each rank runs the same plan on its shard
+(token ``i`` on rank ``i % C``) after the merge; this single-rank worker is rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from opentelemetry import trace
+
+from services.common import telemetry
+from services.common.errors import StageServeError
+from services.common.types import FinishReason
+from services.engine.attention import ForwardMode
+from services.engine.model.rope import ImageSpan, mrope_positions
+from services.engine.model_runner import ModelRunner, StepInput
+from services.engine.sampler import Sampler, SamplingParams, make_generator
+from services.prefill.request import PlannedRequest, PrefillInput, PrefillOutput, PrefillPlan, RequestOutcome
+from services.transfer.base import BaseKVSender
+from services.transfer.embeddings import EmbeddingBuffer
+
+logger = logging.getLogger(__name__)
+_tracer = telemetry.tracer("prefill")
+
+
+def prefill_step(request: PrefillInput, image_embeds: torch.Tensor | None, spatial_merge_size: int) -> StepInput:
+    """The request's whole prompt as one EXTEND input; ``image_embeds`` [num_image_tokens, hidden] in span order."""
+    spans = [ImageSpan(s.offset, s.length, s.grid_thw) for s in request.spans]
+    positions, _delta = mrope_positions(request.num_tokens, spans, spatial_merge_size)  # [3, T] int64
+    rows = [s.offset + i for s in request.spans for i in range(s.length)]
+    return StepInput(
+        request.request_id, list(request.token_ids), positions, 0,
+        image_embeds if rows else None, rows or None,
+    )
+
+
+def first_token_finish_reason(
+    token_id: int, params: SamplingParams, num_prompt_tokens: int, eos_token_ids: Iterable[int], max_context_len: int
+) -> FinishReason | None:
+    """Whether the first token already ends the request (the offline engine's rule after one token)."""
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return FinishReason.STOP
+    if params.max_new_tokens <= 1 or num_prompt_tokens + 1 >= max_context_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class PrefillRankWorker:
+    """Executes plans on one rank's ``ModelRunner``; called from one thread at a time."""
+
+    def __init__(self, runner: ModelRunner, kv_sender: BaseKVSender, embeddings: EmbeddingBuffer) -> None:
+        config = runner.model.config
+        self.runner = runner
+        self.kv_sender = kv_sender
+        self.embeddings = embeddings
+        self.sampler = Sampler()
+        self.spatial_merge_size = config.vision.spatial_merge_size
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.max_context_len = config.text.max_position_embeddings
+        kv_sender.register(runner.kv_pool)
+
+    def execute(
+        self, plan: PrefillPlan, on_forward_done: Callable[[PrefillPlan], None] = lambda plan: None
+    ) -> PrefillOutput:
+        """Run ``plan``; per-request transfer failures become error outcomes, anything else raises.
+
+        ``on_forward_done`` is called once the first tokens are sampled (the embedding rows
+        are no longer read), before the KV transfers start.
+        """
+        table = self.runner.page_table
+        try:
+            for planned in plan.requests:
+                table.reserve(planned.request.request_id, planned.request.num_tokens)
+            start = time.perf_counter()
+            token_ids = self._forward_and_sample(plan)
+            forward_s = time.perf_counter() - start
+            on_forward_done(plan)
+            outcomes = tuple(self._send(p.request, t) for p, t in zip(plan.requests, token_ids, strict=True))
+        finally:
+            for request_id in plan.request_ids:
+                table.release(request_id)
+        return PrefillOutput(plan.plan_id, outcomes, forward_s)
+
+    def _forward_and_sample(self, plan: PrefillPlan) -> list[int]:
+        spans = [
+            _tracer.start_span(
+                "prefill.forward", context=telemetry.extract_context(p.request.trace_carrier.items()),
+                attributes={"request_id": p.request.request_id, "prefill.batch_size": len(plan.requests),
+                            "prefill.batch_tokens": plan.num_tokens},
+            )
+            for p in plan.requests
+        ]
+        try:
+            steps = [self._step(p) for p in plan.requests]
+            logits = self.runner.forward(ForwardMode.EXTEND, steps)  # [num_requests, vocab] fp32
+            requests = [p.request for p in plan.requests]
+            generators = [make_generator(r.params.seed, self.runner.device) for r in requests]
+            return self.sampler.sample(
+                logits, [r.params for r in requests], [list(r.token_ids) for r in requests],
+                [[] for _ in requests], generators,
+            ).tolist()
+        finally:
+            for span in spans:
+                span.end()
+
+    def _step(self, planned: PlannedRequest) -> StepInput:
+        request = planned.request
+        embeds = None
+        if request.num_image_tokens:
+            embeds = self.embeddings.rows(planned.row_start, request.num_image_tokens)  # [n, hidden]
+        return prefill_step(request, embeds, self.spatial_merge_size)
+
+    def _send(self, request: PrefillInput, token_id: int) -> RequestOutcome:
+        finish_reason = first_token_finish_reason(
+            token_id, request.params, request.num_tokens, self.eos_token_ids, self.max_context_len
+        )
+        pages = self.runner.page_table.pages(request.request_id)
+        context = telemetry.extract_context(request.trace_carrier.items())
+        with _tracer.start_as_current_span(
+            "kv.transfer", context=context, record_exception=False, set_status_on_exception=False,
+            attributes={"request_id": request.request_id, "kv.num_pages": len(pages),
+                        "kv.backend": self.kv_sender.backend},
+        ) as span:
+            try:
+                result = self.kv_sender.send(request.request_id, self.runner.kv_pool, pages, request.kv_dst,
+                                             request.deadline)
+            except StageServeError as exc:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+                logger.warning("KV transfer of %s failed: %s", request.request_id, exc.message)
+                outcome = RequestOutcome(request.request_id, token_id, finish_reason, error=exc)
+            else:
+                span.set_attribute("kv.num_bytes", result.num_bytes)
+                outcome = RequestOutcome(
+                    request.request_id, token_id, finish_reason, result.num_bytes, result.elapsed_s
+                )
+        return outcome

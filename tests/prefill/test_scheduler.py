@@ -1,0 +1,205 @@
+"""Prefill scheduler bookkeeping: lifecycle, batch packing, the batch-kind rule, rows and deadlines."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.common.types import ImageSpanRef
+from services.engine.sampler import SamplingParams
+from services.prefill.request import (
+    BatchKind,
+    PlannedRequest,
+    PrefillInput,
+    PrefillOutput,
+    PrefillPlan,
+    ReqStatus,
+    RequestOutcome,
+    can_share_batch,
+)
+from services.prefill.scheduler import PrefillScheduler
+from services.transfer.base import KvDestination, KvPoolLayout
+from services.transfer.embeddings import EmbeddingRowManager
+
+LAYOUT = KvPoolLayout(0, 0, 1, 8, 4, 1, 8, "float32", 128)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_input(request_id: str, num_tokens: int, num_image_tokens: int = 0, deadline: float = 1e9,
+               kind: BatchKind | None = None) -> PrefillInput:
+    spans = (ImageSpanRef(1, num_image_tokens, "h", (1, 2, 2 * num_image_tokens)),) if num_image_tokens else ()
+    if kind is None:
+        kind = BatchKind.IMAGE if num_image_tokens else BatchKind.TEXT
+    dst = KvDestination("inprocess", "s", request_id, LAYOUT, ())
+    return PrefillInput(request_id, (1,) * num_tokens, spans, SamplingParams(), dst, deadline, kind)
+
+
+def make_scheduler(num_rows: int = 64, num_pages: int = 32, max_batch_tokens: int = 64, **kwargs) -> PrefillScheduler:
+    return PrefillScheduler(EmbeddingRowManager(num_rows), num_pages, 4, max_batch_tokens, **kwargs)
+
+
+def ok_output(plan: PrefillPlan) -> PrefillOutput:
+    return PrefillOutput(plan.plan_id, tuple(RequestOutcome(i, first_token_id=7) for i in plan.request_ids), 0.0)
+
+
+def test_batch_kind_rule() -> None:
+    assert can_share_batch(BatchKind.TEXT, BatchKind.IMAGE)
+    assert can_share_batch(BatchKind.TEXT, BatchKind.EMBEDDING_OVERRIDE)
+    assert not can_share_batch(BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE)
+    assert not can_share_batch(BatchKind.EMBEDDING_OVERRIDE, BatchKind.IMAGE)
+    for kind in BatchKind:
+        assert can_share_batch(kind, kind)
+
+
+def test_scheduler_never_mixes_image_and_embedding_override() -> None:
+    s = make_scheduler()
+    s.add(make_input("img", 8, num_image_tokens=2), {"h": b"x"})
+    s.add(make_input("emb", 8, kind=BatchKind.EMBEDDING_OVERRIDE), {})
+    s.add(make_input("txt", 8), {})
+    s.add(make_input("emb2", 8, kind=BatchKind.EMBEDDING_OVERRIDE), {})
+    [encoding] = s.admit()
+    assert encoding.request_id == "img"
+    assert s.finish_encoding("img") is None
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["img", "txt"]
+    s.update_from_output(plan, ok_output(plan))
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["emb", "emb2"]
+
+
+def test_embedding_override_first_keeps_images_out() -> None:
+    s = make_scheduler()
+    s.add(make_input("emb", 8, kind=BatchKind.EMBEDDING_OVERRIDE), {})
+    s.add(make_input("img", 8, num_image_tokens=2), {"h": b"x"})
+    s.add(make_input("txt", 8), {})
+    s.admit()
+    s.finish_encoding("img")
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["emb", "txt"]
+    assert {r.request.kind for r in plan.requests} == {BatchKind.EMBEDDING_OVERRIDE, BatchKind.TEXT}
+
+
+def test_lifecycle_rows_and_one_plan_in_flight() -> None:
+    s = make_scheduler(num_rows=10)
+    s.add(make_input("a", 12, num_image_tokens=6), {"h": b"x"})
+    s.add(make_input("b", 12, num_image_tokens=6), {"h": b"x"})  # does not fit the 4 rows left
+    s.add(make_input("t", 5), {})
+    encoding = s.admit()
+    assert [e.request_id for e in encoding] == ["a"]
+    assert [s.get(i).status for i in "abt"] == [ReqStatus.ENCODING, ReqStatus.QUEUED, ReqStatus.READY]
+    assert s.get("a").row_start == 0 and s.num_rows_used == 6
+    s.finish_encoding("a", num_cached_image_tokens=6)
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["a", "t"]
+    assert plan.requests[0] == PlannedRequest(s.get("a").input, 0)
+    assert s.schedule() is None  # one plan in flight
+    s.mark_sending(plan)
+    assert s.get("a").status is ReqStatus.SENDING and s.num_rows_used == 0
+    assert [e.request_id for e in s.admit()] == ["b"]  # rows are free again
+    outcomes = s.update_from_output(plan, ok_output(plan))
+    assert [(o.request_id, o.first_token_id, o.num_cached_image_tokens) for o in outcomes] == [("a", 7, 6), ("t", 7, 0)]
+    assert s.num_live == 1
+
+
+def test_max_batch_tokens_and_pool_limit_the_plan() -> None:
+    s = make_scheduler(num_pages=8, max_batch_tokens=20)
+    for request_id, n in (("a", 12), ("b", 12), ("c", 8), ("d", 4)):
+        s.add(make_input(request_id, n), {})
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["a", "c"]  # 20 tokens; b would make 24
+    s.update_from_output(plan, ok_output(plan))
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["b", "d"]
+
+
+def test_a_prompt_longer_than_the_token_budget_runs_alone() -> None:
+    s = make_scheduler(num_pages=32, max_batch_tokens=8)
+    s.add(make_input("long", 30), {})
+    s.add(make_input("short", 2), {})
+    s.admit()
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["long"]
+
+
+def test_add_refuses_what_can_never_run_and_a_full_queue() -> None:
+    s = make_scheduler(num_rows=4, num_pages=4, max_queued=2)
+    with pytest.raises(InvalidRequestError, match="holds at most 16"):
+        s.add(make_input("long", 17), {})
+    with pytest.raises(InvalidRequestError, match="embedding buffer holds 4"):
+        s.add(make_input("big", 8, num_image_tokens=5), {"h": b"x"})
+    s.add(make_input("a", 4), {})
+    with pytest.raises(InvalidRequestError, match="already"):
+        s.add(make_input("a", 4), {})
+    s.add(make_input("b", 4), {})
+    with pytest.raises(CapacityError):
+        s.add(make_input("c", 4), {})
+
+
+def test_encoder_failure_frees_rows_and_timeouts_quarantine_them() -> None:
+    clock = Clock()
+    s = make_scheduler(num_rows=8, row_quarantine_s=5.0, clock=clock)
+    s.add(make_input("bad", 8, num_image_tokens=4), {"h": b"x"})
+    s.add(make_input("slow", 8, num_image_tokens=4), {"h": b"x"})
+    assert len(s.admit()) == 2 and s.num_rows_used == 8
+    outcome = s.finish_encoding("bad", UnavailableError("encoder down"))
+    assert outcome is not None and isinstance(outcome.error, UnavailableError)
+    assert s.num_rows_used == 4
+    s.finish_encoding("slow", DeadlineExceededError("late"), may_still_write=True)
+    assert s.num_rows_used == 4 and s.num_live == 0  # quarantined, not free
+    clock.now += 5.0
+    s.admit()
+    assert s.num_rows_used == 0 and s.rows.num_free_rows == 8
+
+
+def test_abort_and_expire() -> None:
+    clock = Clock()
+    s = make_scheduler(clock=clock)
+    s.add(make_input("queued", 4, deadline=clock.now + 1), {})
+    s.add(make_input("encoding", 4, num_image_tokens=2), {"h": b"x"})
+    s.add(make_input("running", 4), {})
+    s.admit()
+    # "queued" is READY now; "running" too; plan takes both text requests
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["queued", "running"]
+    s.abort("running", DeadlineExceededError("gone"))
+    s.abort("encoding", DeadlineExceededError("gone"))
+    assert s.get("running").status is ReqStatus.RUNNING  # finishes with its plan
+    assert s.get("encoding").status is ReqStatus.ENCODING  # rows stay until the Encode returns
+    outcomes = s.update_from_output(plan, ok_output(plan))
+    assert [o.request_id for o in outcomes] == ["queued"]  # the aborted one's outcome is dropped
+    assert s.finish_encoding("encoding") is None and s.num_rows_used == 0 and s.num_live == 0
+
+    s.add(make_input("late", 4, deadline=clock.now + 1), {})
+    clock.now += 2
+    [expired] = s.expire()
+    assert expired.request_id == "late" and isinstance(expired.error, DeadlineExceededError)
+
+
+def test_fail_plan_fails_every_request() -> None:
+    s = make_scheduler()
+    s.add(make_input("a", 4, num_image_tokens=2), {"h": b"x"})
+    s.add(make_input("b", 4), {})
+    s.admit()
+    s.finish_encoding("a")
+    plan = s.schedule()
+    outcomes = s.fail_plan(plan, UnavailableError("boom"))
+    assert [o.request_id for o in outcomes] == ["a", "b"] and all(not o.is_ok for o in outcomes)
+    assert s.num_live == 0 and s.num_rows_used == 0
+
+
+def test_plan_round_trips_through_msgpack() -> None:
+    s = make_scheduler()
+    s.add(make_input("a", 4, num_image_tokens=2), {"h": b"x"})
+    s.admit()
+    s.finish_encoding("a")
+    plan = s.schedule()
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=PrefillPlan) == plan
