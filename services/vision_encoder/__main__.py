@@ -1,0 +1,73 @@
+"""``python -m services.vision_encoder``: the vision encoder service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from services.cli import BUNDLED_MODEL
+from services.common import telemetry
+from services.common.envs import Envs
+from services.common.server import HealthState, serve_until_signal
+from services.vision_encoder.app import build_app, create_grpc_server
+from services.vision_encoder.config import VisionEncoderConfig
+from services.vision_encoder.metrics import VisionEncoderMetrics
+
+logger = logging.getLogger("services.vision_encoder")
+
+
+def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
+    p = argparse.ArgumentParser(prog="python -m services.vision_encoder", description=__doc__)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: pick a free one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "inprocess"])
+    p.add_argument("--transfer-host", default="127.0.0.1", help="address the transfer engine binds (Mooncake)")
+    p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
+    p.add_argument("--staging-rows", type=int, default=8192, help="rows of the registered send staging buffer")
+    p.add_argument("--cache-bytes", type=int, default=256 * 1024 * 1024, help="embedding cache budget, bytes")
+    p.add_argument("--max-batch-images", type=int, default=32, help="images one ViT batch takes at most")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024, help="size limit of one compressed image")
+    p.add_argument("--default-timeout-s", type=float, default=60.0, help="deadline of a call that carries none")
+    a = p.parse_args(argv)
+    return VisionEncoderConfig(
+        model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, device=a.device, dtype=a.dtype,
+        log_level=a.log_level.upper(), transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
+        transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows, cache_bytes=a.cache_bytes,
+        max_batch_images=a.max_batch_images, max_image_bytes=a.max_image_bytes,
+        default_timeout_s=a.default_timeout_s,
+    )
+
+
+async def serve(config: VisionEncoderConfig) -> None:
+    telemetry.init_tracing("vision_encoder", Envs.from_environ())
+    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    app = await asyncio.to_thread(build_app, config, VisionEncoderMetrics())
+    health = HealthState()
+    server, port = create_grpc_server(app, config, health)
+    await server.start()
+    await asyncio.to_thread(app.worker.warmup)
+    health.set_serving(True)
+    logger.info("serving on %s:%d (transfer %s)", config.host, port, config.transfer_backend)
+    print(f"READY vision_encoder port={port} metrics_port={metrics_port}", flush=True)
+    await serve_until_signal(server, health, app.close)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

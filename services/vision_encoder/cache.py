@@ -1,0 +1,95 @@
+"""The encoder's embedding cache: image embedding rows keyed by content hash, LRU under a byte budget."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    rows: torch.Tensor  # [num_image_tokens, hidden], owns its storage
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+
+class EmbeddingCacheManager:
+    """Single owner of cached embeddings; evicts least-recently-used entries to stay within ``budget_bytes``.
+
+    Thread-safe. ``lookup`` counts hits and misses and refreshes recency; ``contains``
+    (for manifests) does neither. An entry larger than the whole budget is not cached.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        assert budget_bytes >= 0
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
+        self._num_bytes = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_evictions = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_bytes(self) -> int:
+        return self._num_bytes
+
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
+
+    def contains(self, content_hash: str) -> bool:
+        with self._lock:
+            return content_hash in self._entries
+
+    def lookup(self, content_hash: str) -> torch.Tensor | None:
+        """The cached rows (do not modify them), marked most recently used; None on a miss."""
+        entry = self.lookup_entry(content_hash)
+        return None if entry is None else entry.rows
+
+    def lookup_entry(self, content_hash: str) -> CacheEntry | None:
+        with self._lock:
+            entry = self._entries.get(content_hash)
+            if entry is None:
+                self.num_misses += 1
+                return None
+            self._entries.move_to_end(content_hash)
+            self.num_hits += 1
+            return entry
+
+    def can_insert(self, num_bytes: int) -> bool:
+        """True when an entry of ``num_bytes`` fits the budget (after evicting others if needed)."""
+        return num_bytes <= self.budget_bytes
+
+    def insert(self, content_hash: str, rows: torch.Tensor, grid_thw: tuple[int, int, int] = (0, 0, 0)) -> bool:
+        """Cache ``rows`` (a private copy when they share storage) under ``content_hash``; False when too large."""
+        rows = rows if _owns_storage(rows) else rows.clone()
+        entry = CacheEntry(rows, tuple(grid_thw))
+        if not self.can_insert(entry.num_bytes):
+            return False
+        with self._lock:
+            old = self._entries.pop(content_hash, None)
+            if old is not None:
+                self._num_bytes -= old.num_bytes
+            while self._num_bytes + entry.num_bytes > self.budget_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._num_bytes -= evicted.num_bytes
+                self.num_evictions += 1
+            self._entries[content_hash] = entry
+            self._num_bytes += entry.num_bytes
+        return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._num_bytes = 0
+
+
+def _owns_storage(rows: torch.Tensor) -> bool:
+    return rows.is_contiguous() and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()

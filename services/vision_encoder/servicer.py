@@ -1,0 +1,63 @@
+"""gRPC surface of the vision encoder: proto in -> EncodeJob -> leader -> proto out."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import grpc
+
+from services.common import telemetry
+from services.common.clients.vision_encoder import (
+    embedding_destination_from_proto,
+    encode_span_from_proto,
+    span_result_to_proto,
+)
+from services.common.grpc_errors import handle_errors
+from services.common.pb.stageserve.v1 import vision_encoder_pb2, vision_encoder_pb2_grpc
+from services.vision_encoder.job import EncodeJob, JobLimits, validate_job
+from services.vision_encoder.leader import EncoderLeader
+
+_tracer = telemetry.tracer("vision_encoder")
+
+
+class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
+    def __init__(self, leader: EncoderLeader, limits: JobLimits, default_timeout_s: float) -> None:
+        self._leader = leader
+        self._limits = limits
+        self._default_timeout_s = default_timeout_s
+
+    @handle_errors
+    async def Encode(
+        self, request: vision_encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> vision_encoder_pb2.EncodeResponse:
+        """Write every span's rows into every ``embedding_refs`` buffer; one result per span."""
+        parent = telemetry.extract_context(context.invocation_metadata())
+        with _tracer.start_as_current_span("vision_encoder.encode", context=parent) as span:
+            span.set_attribute("request_id", request.request_id)
+            span.set_attribute("num_spans", len(request.spans))
+            job = self._job_from_proto(request, context)
+            await asyncio.to_thread(validate_job, job, self._limits)  # hashes every image's bytes
+            results = await self._leader.encode(job)
+            span.set_attribute("num_cache_hits", sum(r.is_cache_hit for r in results))
+        return vision_encoder_pb2.EncodeResponse(results=[span_result_to_proto(r) for r in results])
+
+    def _job_from_proto(self, request: vision_encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> EncodeJob:
+        return EncodeJob(
+            job_id=self._leader.next_job_id(),
+            request_id=request.request_id,
+            spans=tuple(encode_span_from_proto(s) for s in request.spans),
+            destinations=tuple(embedding_destination_from_proto(r) for r in request.embedding_refs),
+            deadline=time.monotonic() + self._timeout_s(request.deadline_unix_ms, context.time_remaining()),
+        )
+
+    def _timeout_s(self, deadline_unix_ms: int, grpc_remaining_s: float | None) -> float:
+        """Seconds left: the earlier of the request's own deadline and the gRPC deadline, else the default."""
+        remaining = [math.inf]
+        if deadline_unix_ms > 0:
+            remaining.append(deadline_unix_ms / 1000 - time.time())
+        if grpc_remaining_s is not None:
+            remaining.append(grpc_remaining_s)
+        timeout_s = min(remaining)
+        return self._default_timeout_s if math.isinf(timeout_s) else timeout_s
