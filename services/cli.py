@@ -93,12 +93,26 @@ def _run_serve(args: argparse.Namespace) -> int:
     return module.main(args.service_args)
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks: 'serve' (any OpenAI endpoint) or 'engine' (GPU)", add_help=False)
+    p.add_argument("kind", choices=("serve", "engine"))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return importlib.import_module(f"benchmarks.{args.kind}").main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stageserve", description="Disaggregated multimodal LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_up(sub)
     _add_serve(sub)
+    _add_bench(sub)
     return parser
 
 
