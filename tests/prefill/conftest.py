@@ -45,7 +45,11 @@ from services.engine.sampler import SamplingParams
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
-from services.transfer.embeddings_inprocess import EmbeddingFabric, InProcessEmbeddingSender
+from services.transfer.embeddings_inprocess import (
+    EmbeddingFabric,
+    InProcessEmbeddingReceiver,
+    InProcessEmbeddingSender,
+)
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVReceiver, InProcessKVSender
 from tests.conftest import TINY_MODEL_DIR, image_bytes
 
@@ -225,17 +229,23 @@ def prefill_config(**overrides: Any) -> PrefillConfig:
     return PrefillConfig(**values)
 
 
-async def start_harness(pipeline, language_model, config: PrefillConfig) -> Harness:
-    kv_fabric, embedding_fabric = InProcessFabric(), EmbeddingFabric()
+async def start_harness(
+    pipeline, language_model, config: PrefillConfig, *, embedding_fabric: EmbeddingFabric | None = None,
+    encoder_address: str | None = None,
+) -> Harness:
+    """Prefill over gRPC; the fake encoder unless ``encoder_address`` names a real one on ``embedding_fabric``."""
+    kv_fabric, embedding_fabric = InProcessFabric(), embedding_fabric or EmbeddingFabric()
     encoder = FakeVisionEncoder(pipeline, embedding_fabric)
-    encoder_server, encoder_port = create_server(
-        [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, encoder)], health=HealthState()
-    )
-    await encoder_server.start()
-    from services.transfer.embeddings_inprocess import InProcessEmbeddingReceiver
-
+    servers = []
+    if encoder_address is None:
+        encoder_server, encoder_port = create_server(
+            [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, encoder)], health=HealthState()
+        )
+        await encoder_server.start()
+        servers.append(encoder_server)
+        encoder_address = f"127.0.0.1:{encoder_port}"
     app = PrefillApp.build(
-        config, encoder=VisionEncoderClient(f"127.0.0.1:{encoder_port}"), model=language_model,
+        config, encoder=VisionEncoderClient(encoder_address), model=language_model,
         kv_sender=InProcessKVSender(kv_fabric), embedding_receiver=InProcessEmbeddingReceiver(embedding_fabric),
     )
     await app.start()
@@ -247,7 +257,7 @@ async def start_harness(pipeline, language_model, config: PrefillConfig) -> Harn
     )
     await server.start()
     decode = DecodePool(language_model.config, kv_fabric)
-    return Harness(app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, [server, encoder_server])
+    return Harness(app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, [server, *servers])
 
 
 async def stop_harness(harness: Harness) -> None:
