@@ -61,7 +61,10 @@ def make_workers(cfg: RouterConfig) -> list[Worker]:
 
 
 class RouterApp:
-    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, detokenizer_factory: DetokenizerFactory) -> None:
+    def __init__(
+        self, cfg: RouterConfig, metrics: RouterMetrics, detokenizer_factory: DetokenizerFactory,
+        images: ImageLoader | None = None,
+    ) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.health = HealthState()
@@ -73,7 +76,7 @@ class RouterApp:
         self.pipeline = GenerationPipeline(
             self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens
         )
-        self.images = ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
+        self.images = images or ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
         self.api = OpenAIApi(
             self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
             ApiLimits(limits.request_timeout_s, limits.max_stop_strings),
@@ -91,10 +94,12 @@ class RouterApp:
         self._http_task: asyncio.Task | None = None
 
     @classmethod
-    def build(cls, cfg: RouterConfig, metrics: RouterMetrics | None = None) -> RouterApp:
+    def build(
+        cls, cfg: RouterConfig, metrics: RouterMetrics | None = None, images: ImageLoader | None = None
+    ) -> RouterApp:
         """A router detokenizing locally with the model directory's tokenizer."""
         text = TextProcessor.from_dir(cfg.model_dir)
-        return cls(cfg, metrics or RouterMetrics(), lambda: text.detokenizer(skip_special_tokens=True))
+        return cls(cfg, metrics or RouterMetrics(), lambda: text.detokenizer(skip_special_tokens=True), images)
 
     def _update_health(self) -> None:
         self.health.set_serving(self.registry.is_ready)

@@ -1,0 +1,111 @@
+"""A router wired to fake tokenizer/prefill/decode workers (real gRPC, in this event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.router.app import RouterApp
+from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
+from services.router.images import ImageLoader
+from services.router.metrics import RouterMetrics
+from tests.conftest import TINY_MODEL_DIR
+from tests.router.fakes import FakeDecode, FakePrefill, FakeTokenizer, FakeWorker, Script, start_worker
+
+MODEL_NAME = "tiny-qwen2.5-vl"
+BOUND_S = 30.0  # generous bound on anything that should happen "promptly"
+
+
+@dataclass
+class Cluster:
+    script: Script
+    tokenizer: FakeWorker
+    prefills: list[FakeWorker]
+    decodes: list[FakeWorker]
+
+    @property
+    def decode(self) -> FakeDecode:
+        return self.decodes[0].servicer
+
+    @property
+    def prefill(self) -> FakePrefill:
+        return self.prefills[0].servicer
+
+    def aborted(self) -> list[str]:
+        return [rid for d in self.decodes for rid in d.servicer.aborted]
+
+    async def stop(self) -> None:
+        for worker in [self.tokenizer, *self.prefills, *self.decodes]:
+            if getattr(worker.servicer, "stopping", None) is not None:
+                await worker.servicer.stopping
+            await worker.server.stop(None)
+
+
+async def start_cluster(script: Script, num_prefills: int = 1, num_decodes: int = 1) -> Cluster:
+    tokenizer = await start_worker(FakeTokenizer(script))
+    prefills = [await start_worker(FakePrefill(script)) for _ in range(num_prefills)]
+    decodes = [await start_worker(FakeDecode(script)) for _ in range(num_decodes)]
+    return Cluster(script, tokenizer, prefills, decodes)
+
+
+def router_config(cluster: Cluster, **overrides) -> RouterConfig:
+    cfg = RouterConfig(
+        model_dir=TINY_MODEL_DIR, served_model_name=MODEL_NAME, max_context_len=4096,
+        workers=WorkerAddresses(
+            tokenizer=(cluster.tokenizer.address,), prefill=tuple(w.address for w in cluster.prefills),
+            decode=tuple(w.address for w in cluster.decodes),
+        ),
+        limits=LimitsConfig(request_timeout_s=BOUND_S, max_image_bytes=64 * 1024),
+        health_interval_s=0.1, health_timeout_s=1.0, policy=PolicyName.ROUND_ROBIN, http_port=0,
+    )
+    return replace(cfg, **overrides)
+
+
+async def start_router(cfg: RouterConfig, images: ImageLoader | None = None) -> RouterApp:
+    app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()), images)
+    await app.start(None)
+    return app
+
+
+async def stop_router(app: RouterApp) -> None:
+    await app.grpc_server.stop(None)
+    await app.stop()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = BOUND_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def script() -> Script:
+    return Script()
+
+
+@pytest.fixture
+async def cluster(script: Script) -> AsyncIterator[Cluster]:
+    cluster = await start_cluster(script)
+    yield cluster
+    await cluster.stop()
+
+
+@pytest.fixture
+async def router(cluster: Cluster) -> AsyncIterator[RouterApp]:
+    app = await start_router(router_config(cluster))
+    yield app
+    await stop_router(app)
+
+
+@pytest.fixture
+async def http(router: RouterApp) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=router.http_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as client:
+        yield client

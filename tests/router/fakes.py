@@ -1,0 +1,217 @@
+"""Fake tokenizer, prefill and decode workers: real gRPC servers (port 0) with canned behaviour.
+
+The output of every request comes from one ``Script``: the token ids the model
+"generates" (the first from prefill, the rest streamed by decode), how decode chunks
+and paces them, and how it fails. The tokenizer fake encodes prompt text with the tiny
+checkpoint's tokenizer and gives each image a fixed number of placeholder tokens.
+
+``python -m tests.router.fakes decode`` runs a decode fake alone (for kill tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from services.common.errors import AbortedError, InvalidRequestError, NotFoundError
+from services.common.grpc_errors import handle_errors
+from services.common.pb.stageserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from services.common.server import HealthState, create_server
+from services.engine.processing import TextProcessor
+from tests.conftest import TINY_MODEL_DIR
+
+TEXT = TextProcessor.from_dir(TINY_MODEL_DIR)
+EOS_ID = TEXT.eos_token_ids[-1]
+NUM_IMAGE_TOKENS = 4
+
+
+def char_ids(text: str) -> list[int]:
+    """One token per character (every ASCII character is a token of the tiny vocabulary)."""
+    ids = [TEXT.encode(c) for c in text]
+    assert all(len(i) == 1 for i in ids), f"{text!r} has a character of several tokens"
+    return [i[0] for i in ids]
+
+
+@dataclass
+class Script:
+    """What the fake model generates and how the fake workers behave."""
+
+    output_ids: list[int] = field(default_factory=lambda: [*char_ids("Hello there, world!"), EOS_ID])
+    chunk_size: int = 2  # tokens per decode message
+    chunk_delay_s: float = 0.0  # pause before each decode message
+    prefill_delay_s: float = 0.0
+    decode_fail_after: int | None = None  # stop the decode server after this many messages
+    reserve_error: Exception | None = None
+    tokenize_error: Exception | None = None
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[tokenizer_pb2.TokenizeRequest] = []
+
+    @handle_errors
+    async def Tokenize(self, request: Any, context: Any) -> tokenizer_pb2.TokenizeResponse:
+        self.requests.append(request)
+        if self.script.tokenize_error is not None:
+            raise self.script.tokenize_error
+        if request.WhichOneof("input") == "prompt":
+            return tokenizer_pb2.TokenizeResponse(token_ids=TEXT.encode(request.prompt))
+        ids: list[int] = []
+        response = tokenizer_pb2.TokenizeResponse()
+        for message in request.chat.messages:
+            if message.role not in ("system", "user", "assistant"):
+                raise InvalidRequestError(f"unknown role {message.role}", param="messages")
+            ids.extend(TEXT.encode(f"<{message.role}>"))
+            for part in message.content:
+                if part.WhichOneof("part") == "text":
+                    ids.extend(TEXT.encode(part.text))
+                    continue
+                digest = f"hash{len(response.images)}"
+                response.image_spans.add(offset=len(ids), length=NUM_IMAGE_TOKENS, content_hash=digest,
+                                         grid_t=1, grid_h=4, grid_w=4)
+                response.images.add(content_hash=digest, data=part.image.data)
+                ids.extend([TEXT.image_token_id] * NUM_IMAGE_TOKENS)
+        response.token_ids.extend(ids)
+        return response
+
+
+def _kv_ref(num_pages: int) -> common_pb2.KvRef:
+    buffers = [
+        common_pb2.KvBuffer(kind=kind, base_address=4096 * kind, size_bytes=1024, layer_stride_bytes=512,
+                            page_stride_bytes=64, slot_stride_bytes=4)
+        for kind in (common_pb2.KV_BUFFER_KIND_K, common_pb2.KV_BUFFER_KIND_V)
+    ]
+    return common_pb2.KvRef(backend="inprocess", engine_address="fake", session_id="fake",
+                            page_ids=list(range(num_pages)), page_size=16, num_layers=2, num_kv_heads=1,
+                            head_dim=4, dtype="float32", buffers=buffers)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.reserved: dict[str, decode_pb2.ReserveRequest] = {}
+        self.aborted: list[str] = []
+        self.generate_started = asyncio.Event()
+        self.server: grpc.aio.Server | None = None  # set by start_worker, stopped by decode_fail_after
+        self.stopping: asyncio.Task | None = None
+
+    def max_new_tokens(self, request_id: str) -> int:
+        return self.reserved[request_id].sampling_params.max_new_tokens
+
+    @handle_errors
+    async def Reserve(self, request: Any, context: Any) -> decode_pb2.ReserveResponse:
+        if self.script.reserve_error is not None:
+            raise self.script.reserve_error
+        self.reserved[request.request_id] = request
+        return decode_pb2.ReserveResponse(kv_ref=_kv_ref(1 + len(request.prompt_token_ids) // 16))
+
+    @handle_errors
+    async def Generate(self, request: Any, context: Any):
+        reserve = self.reserved.get(request.request_id)
+        if reserve is None:
+            raise NotFoundError(f"no reservation for {request.request_id}")
+        self.generate_started.set()
+        limit = reserve.sampling_params.max_new_tokens
+        ids = self.script.output_ids[1:limit]
+        num_messages = 0
+        for start in range(0, max(len(ids), 1), self.script.chunk_size):
+            await asyncio.sleep(self.script.chunk_delay_s)
+            if request.request_id in self.aborted:
+                raise AbortedError(f"{request.request_id} was aborted")
+            if self.script.decode_fail_after is not None and num_messages >= self.script.decode_fail_after:
+                assert self.server is not None
+                self.stopping = asyncio.create_task(self.server.stop(None))  # cancels this call too
+                await asyncio.sleep(3600)
+            chunk = ids[start:start + self.script.chunk_size]
+            is_last = start + self.script.chunk_size >= len(ids)
+            message = decode_pb2.DecodeGenerateResponse(token_ids=chunk)
+            if is_last:
+                num = 1 + len(ids)
+                message.finish_reason = (common_pb2.FINISH_REASON_LENGTH if num >= limit
+                                         else common_pb2.FINISH_REASON_STOP)
+                message.usage.CopyFrom(common_pb2.Usage(num_prompt_tokens=len(reserve.prompt_token_ids),
+                                                        num_completion_tokens=num))
+            num_messages += 1
+            yield message
+
+    @handle_errors
+    async def Abort(self, request: Any, context: Any) -> decode_pb2.AbortResponse:
+        self.aborted.append(request.request_id)
+        return decode_pb2.AbortResponse(is_found=request.request_id in self.reserved)
+
+    @handle_errors
+    async def Stats(self, request: Any, context: Any) -> decode_pb2.StatsResponse:
+        return decode_pb2.StatsResponse(page_size=16, num_total_pages=64, num_free_pages=64)
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+
+    @handle_errors
+    async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
+        self.requests.append(request)
+        await asyncio.sleep(self.script.prefill_delay_s)
+        first = self.script.output_ids[0]
+        response = prefill_pb2.PrefillResponse(first_token_id=first, kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS)
+        if first == EOS_ID:
+            response.finish_reason = common_pb2.FINISH_REASON_STOP
+        elif request.sampling_params.max_new_tokens == 1:
+            response.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        return response
+
+
+@dataclass
+class FakeWorker:
+    servicer: Any
+    server: grpc.aio.Server
+    health: HealthState
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+_REGISTRARS = {
+    FakeTokenizer: (tokenizer_pb2_grpc.add_TokenizerServicer_to_server, "stageserve.v1.Tokenizer"),
+    FakePrefill: (prefill_pb2_grpc.add_PrefillServicer_to_server, "stageserve.v1.Prefill"),
+    FakeDecode: (decode_pb2_grpc.add_DecodeServicer_to_server, "stageserve.v1.Decode"),
+}
+
+
+async def start_worker(servicer: Any) -> FakeWorker:
+    add, name = _REGISTRARS[type(servicer)]
+    health = HealthState()
+    server, port = create_server([(add, servicer)], 0, health=health, service_names=[name])
+    await server.start()
+    health.set_serving(True)
+    if isinstance(servicer, FakeDecode):
+        servicer.server = server
+    return FakeWorker(servicer, server, health, port)
+
+
+async def _serve_decode_forever() -> None:
+    script = Script(output_ids=[*char_ids("x" * 500), EOS_ID], chunk_size=1, chunk_delay_s=0.02)
+    worker = await start_worker(FakeDecode(script))
+    print(f"READY decode port={worker.port}", flush=True)
+    await worker.server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    assert sys.argv[1:] == ["decode"], "usage: python -m tests.router.fakes decode"
+    asyncio.run(_serve_decode_forever())

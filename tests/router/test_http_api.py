@@ -1,0 +1,287 @@
+"""The OpenAI HTTP API over fake workers, through FastAPI's ASGI app (httpx ASGITransport)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+
+from services.common.errors import CapacityError, InvalidRequestError
+from tests.conftest import image_bytes
+from tests.router.conftest import MODEL_NAME, Cluster, wait_until
+from tests.router.fakes import EOS_ID, NUM_IMAGE_TOKENS, TEXT, char_ids
+
+EXPECTED = "Hello there, world!"
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}]}
+
+
+def prompt_len(cluster: Cluster) -> int:
+    return len(next(iter(cluster.decode.reserved.values())).prompt_token_ids)
+
+
+def sse_events(body: str) -> list[str]:
+    events = [line[len("data: "):] for line in body.split("\n\n") if line.strip()]
+    assert all(not e.startswith("data:") for e in events)
+    return events
+
+
+async def stream_chat(http: httpx.AsyncClient, **extra) -> list:
+    response = await http.post("/v1/chat/completions", json={**CHAT, "stream": True, **extra})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_chat_completion(http, cluster):
+    response = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["model"] == MODEL_NAME and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": EXPECTED},
+                                "logprobs": None, "finish_reason": "stop"}]
+    num_prompt = prompt_len(cluster)
+    num_completion = len(cluster.script.output_ids)  # EOS included
+    assert body["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                             "total_tokens": num_prompt + num_completion}
+    assert not cluster.aborted()  # decode finished the request itself
+
+
+async def test_max_tokens_gives_length(http, cluster):
+    body = (await http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 5})).json()
+    assert body["choices"][0]["message"]["content"] == EXPECTED[:5]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+async def test_max_tokens_one_is_answered_by_prefill_and_decode_is_aborted(http, cluster):
+    body = (await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})).json()
+    assert body["choices"][0]["message"]["content"] == "H"
+    assert body["choices"][0]["finish_reason"] == "length"
+    await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+
+
+async def test_max_tokens_is_capped_by_the_context(http, cluster, router):
+    body = (await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100_000})).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    request_id = next(iter(cluster.decode.reserved))
+    assert cluster.decode.max_new_tokens(request_id) == 4096 - prompt_len(cluster)
+
+
+async def test_default_max_tokens_is_the_rest_of_the_context(http, cluster):
+    await http.post("/v1/chat/completions", json=CHAT)
+    request_id = next(iter(cluster.decode.reserved))
+    assert cluster.decode.max_new_tokens(request_id) == 4096 - prompt_len(cluster)
+
+
+async def test_sampling_params_reach_decode_and_prefill(http, cluster):
+    extra = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": -1, "frequency_penalty": 0.5,
+             "presence_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": True, "max_tokens": 8}
+    await http.post("/v1/chat/completions", json={**CHAT, **extra})
+    params = next(iter(cluster.decode.reserved.values())).sampling_params
+    assert params.temperature == 0.5 and params.top_k == 7 and params.ignore_eos
+    assert params.seed == 2**64 - 1 and params.max_new_tokens == 8
+    assert params.repetition_penalty == pytest.approx(1.1) and params.min_p == pytest.approx(0.1)
+    assert cluster.prefill.requests[0].sampling_params == params
+
+
+async def test_stream_chat(http, cluster):
+    chunks = await stream_chat(http, max_tokens=100)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL_NAME for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == EXPECTED
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert all("usage" not in c for c in chunks)
+
+
+async def test_stream_chat_with_usage(http, cluster):
+    chunks = await stream_chat(http, max_tokens=6, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["usage"]["prompt_tokens"] == prompt_len(cluster)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == EXPECTED[:6]
+
+
+async def test_completions(http, cluster):
+    body = (await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ["Once"], "max_tokens": 3})).json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["choices"] == [{"index": 0, "text": EXPECTED[:3], "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"]["prompt_tokens"] == len(TEXT.encode("Once"))
+    assert cluster.tokenizer.servicer.requests[0].prompt == "Once"
+
+    response = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Once", "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == EXPECTED
+    assert chunks[-1]["usage"]["completion_tokens"] == len(cluster.script.output_ids)
+
+
+async def test_models_health_metrics(http, cluster):
+    models = (await http.get("/v1/models")).json()
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME] and models["object"] == "list"
+    health = await http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    await http.post("/v1/chat/completions", json=CHAT)
+    metrics = (await http.get("/metrics")).text
+    assert 'stageserve_router_requests_total{endpoint="/v1/chat/completions",outcome="ok"} 1.0' in metrics
+    for name in ("router_time_to_first_token_seconds", "router_inter_token_latency_seconds",
+                 "router_e2e_latency_seconds", "router_requests_in_flight", "router_worker_ready"):
+        assert f"stageserve_{name}" in metrics
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 100])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_strings(http, cluster, chunk_size, stream):
+    cluster.script.chunk_size = chunk_size
+    body = {**CHAT, "stop": ["zzz", "ere, wo"], "max_tokens": 100}
+    if stream:
+        chunks = await stream_chat(http, **body)
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    else:
+        reply = (await http.post("/v1/chat/completions", json=body)).json()
+        text = reply["choices"][0]["message"]["content"]
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        assert reply["usage"]["completion_tokens"] == len("Hello there, wo")
+    assert text == "Hello th"
+    if chunk_size < 100:  # decode was still generating: the router stops it
+        await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+    else:  # the stop string came in decode's last message: nothing to abort
+        assert not cluster.aborted()
+
+
+async def test_stop_string_partial_match_is_released_at_the_end(http, cluster):
+    cluster.script.output_ids = [*char_ids("abc STO"), EOS_ID]
+    reply = (await http.post("/v1/chat/completions", json={**CHAT, "stop": "STOP"})).json()
+    assert reply["choices"][0]["message"]["content"] == "abc STO"
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+def _image_chat(url: str) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    return {**CHAT, "messages": [{"role": "user", "content": content}]}
+
+
+def _data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+async def test_image_data_url_reaches_tokenizer_and_prefill(http, cluster):
+    image = image_bytes(40, 30)
+    reply = await http.post("/v1/chat/completions", json=_image_chat(_data_url(image)))
+    assert reply.status_code == 200, reply.text
+    tokenized = cluster.tokenizer.servicer.requests[0]
+    assert tokenized.chat.messages[0].content[0].image.data == image
+    assert tokenized.add_generation_prompt
+    prefill = cluster.prefill.requests[0]
+    assert prefill.images[0].data == image and prefill.image_spans[0].length == NUM_IMAGE_TOKENS
+
+
+BAD_REQUESTS = {
+    "malformed_json": (b'{"model": "x", "messages": [', None),
+    "not_an_object": (b"[1, 2]", None),
+    "missing_messages": ({"model": MODEL_NAME}, "messages"),
+    "empty_messages": ({**CHAT, "messages": []}, "messages"),
+    "unknown_model": ({**CHAT, "model": "gpt-9"}, "model"),
+    "unknown_role": ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    "bad_part_type": ({**CHAT, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+                      "messages[0].content[0].type"),
+    "max_tokens_zero": ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    "max_completion_tokens_negative": ({**CHAT, "max_completion_tokens": -1}, "max_completion_tokens"),
+    "max_tokens_not_int": ({**CHAT, "max_tokens": "many"}, "max_tokens"),
+    "temperature_negative": ({**CHAT, "temperature": -0.1}, "temperature"),
+    "temperature_too_high": ({**CHAT, "temperature": 2.5}, "temperature"),
+    "top_p_zero": ({**CHAT, "top_p": 0}, "top_p"),
+    "n_two": ({**CHAT, "n": 2}, "n"),
+    "five_stops": ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    "empty_stop": ({**CHAT, "stop": [""]}, "stop"),
+    "not_an_image": (_image_chat(_data_url(b"this is text, not an image")), "messages[0].content[0].image_url"),
+    "bad_base64": (_image_chat("data:image/png;base64,@@@notbase64"), "messages[0].content[0].image_url"),
+    "not_image_mime": (_image_chat(_data_url(b"abc", "text/plain")), "messages[0].content[0].image_url"),
+    "image_too_large": (_image_chat(_data_url(b"\x89PNG" + bytes(100 * 1024))), "messages[0].content[0].image_url"),
+    "bad_image_scheme": (_image_chat("ftp://example.com/a.png"), "messages[0].content[0].image_url"),
+    "prompt_too_long": ({**CHAT, "messages": [{"role": "user", "content": "7" * 5000}]}, "messages"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+async def test_bad_input_gets_400_and_router_keeps_answering(http, cluster, case):
+    body, param = BAD_REQUESTS[case]
+    if isinstance(body, bytes):
+        response = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if case == "unknown_model":
+        assert error["code"] == "model_not_found"
+    assert not cluster.decode.reserved  # nothing reached decode
+    reply = await http.post("/v1/chat/completions", json=CHAT)
+    assert reply.json()["choices"][0]["message"]["content"] == EXPECTED
+
+
+async def test_tokenizer_rejection_is_a_400(http, cluster):
+    cluster.script.tokenize_error = InvalidRequestError("the image cannot be decoded", param="messages")
+    response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "the image cannot be decoded", "type": "invalid_request_error",
+                                        "param": "messages", "code": None}
+
+
+async def test_bad_completion_prompt(http):
+    response = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ["a", "b"]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    response = await http.post("/v1/completions", json={"model": MODEL_NAME})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+async def test_decode_out_of_pages_is_a_503(http, cluster):
+    cluster.script.reserve_error = CapacityError("no free KV pages")
+    response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "server_overloaded"
+    response = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status_code == 503  # before the first token: a plain HTTP error, not a stream
+
+
+async def test_image_over_http_is_fetched_with_a_limit(cluster):
+    from services.router.images import ImageLoader
+    from tests.router.conftest import router_config, start_router, stop_router
+
+    image = image_bytes(20, 20)
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/big.png":
+            return httpx.Response(200, content=b"\x89PNG" + bytes(200 * 1024))
+        if request.url.path == "/missing.png":
+            return httpx.Response(404)
+        return httpx.Response(200, content=image)
+
+    images = ImageLoader(64 * 1024, 5.0, httpx.AsyncClient(transport=httpx.MockTransport(serve)))
+    app = await start_router(router_config(cluster), images)
+    try:
+        transport = httpx.ASGITransport(app=app.http_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            ok = await http.post("/v1/chat/completions", json=_image_chat("https://images.test/cat.png"))
+            assert ok.status_code == 200, ok.text
+            assert cluster.tokenizer.servicer.requests[0].chat.messages[0].content[0].image.data == image
+            for path in ("/big.png", "/missing.png"):
+                bad = await http.post("/v1/chat/completions", json=_image_chat(f"https://images.test{path}"))
+                assert bad.status_code == 400, bad.text
+    finally:
+        await stop_router(app)
