@@ -8,6 +8,10 @@ import time
 import msgspec
 import pytest
 import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
@@ -185,3 +189,26 @@ async def test_small_token_budget_splits_batches(pipeline, language_model) -> No
         h.assert_all_free()
     finally:
         await stop_harness(h)
+
+
+def sdk_provider() -> TracerProvider:
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    return provider
+
+
+async def test_forward_and_transfer_spans_continue_the_callers_trace(pipeline, harness: Harness) -> None:
+    exporter = InMemorySpanExporter()
+    sdk_provider().add_span_processor(SimpleSpanProcessor(exporter))
+    case = standard_cases(pipeline)[1]
+    with trace.get_tracer("test").start_as_current_span("router.request") as parent:
+        await harness.prefill(case)
+    exporter.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "one-image"}
+    for name in ("prefill.forward", "kv.transfer"):
+        assert spans[name].context.trace_id == parent.get_span_context().trace_id, name
+        assert spans[name].parent.span_id == parent.get_span_context().span_id, name
+    assert spans["kv.transfer"].attributes["kv.num_bytes"] > 0
