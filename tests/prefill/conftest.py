@@ -21,6 +21,7 @@ import msgspec
 import pytest
 import torch
 
+from services.common.clients.decode import kv_ref_from_destination
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.vision_encoder import (
     SpanResult,
@@ -214,8 +215,9 @@ class Harness:
 
     async def prefill(self, case: Case, deadline_in_s: float = 30.0, extra_pages: int = 2):
         dst = self.decode.reserve(case.request.request_id, len(case.prompt.token_ids), extra_pages)
+        kv_ref = kv_ref_from_destination(dst)  # what the router holds: DecodeClient.reserve's answer
         result = await self.client.prefill(
-            case.request.request_id, case.prompt, case.request.params, dst, time.time() + deadline_in_s
+            case.request.request_id, case.prompt, case.request.params, kv_ref, time.time() + deadline_in_s
         )
         return result, dst
 
