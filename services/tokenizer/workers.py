@@ -1,8 +1,10 @@
 """Runs tokenize jobs off the event loop, so one big image or prompt stalls no other request.
 
-``num_workers`` > 0: that many worker processes (spawned, each with its own pipeline;
-the ``tokenizers`` BPE holds the GIL while it encodes, so threads would not run in
-parallel). ``num_workers`` == 0: one thread in this process (tests, debugging).
+``num_workers`` > 0: that many worker processes, forked from a fork server, each with
+its own pipeline (the ``tokenizers`` BPE holds the GIL while it encodes, so threads
+would not run in parallel). A worker exits by itself soon after the server process is
+gone, even one killed without a chance to stop its pool. ``num_workers`` == 0: one
+thread in this process (tests, debugging).
 Jobs and results cross the process boundary as msgpack-encoded ``msgspec`` structs.
 
 A worker that dies (killed, out of memory) fails the jobs it held with
@@ -16,6 +18,9 @@ import concurrent.futures
 import functools
 import logging
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -27,6 +32,8 @@ from services.tokenizer.config import Limits
 from services.tokenizer.pipeline import TokenizePipeline
 
 logger = logging.getLogger(__name__)
+
+ORPHAN_CHECK_INTERVAL_S = 1.0
 
 
 class ChatJob(msgspec.Struct, frozen=True, tag="chat"):
@@ -83,8 +90,22 @@ def run_job(pipeline: TokenizePipeline, job_bytes: bytes) -> bytes:
 _worker_pipeline: TokenizePipeline | None = None  # one per worker process, set by _init_worker
 
 
-def _init_worker(model_dir: str, max_model_len: int, max_image_bytes: int, max_image_pixels: int) -> None:
+def _exit_when_gone(server_pid: int) -> None:
+    while True:
+        time.sleep(ORPHAN_CHECK_INTERVAL_S)
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            os._exit(0)  # the server died without stopping us: nobody will send a job again
+        except PermissionError:
+            pass  # alive, owned by someone else (pid reuse): keep waiting
+
+
+def _init_worker(
+    server_pid: int, model_dir: str, max_model_len: int, max_image_bytes: int, max_image_pixels: int
+) -> None:
     global _worker_pipeline
+    threading.Thread(target=_exit_when_gone, args=(server_pid,), name="orphan-check", daemon=True).start()
     _worker_pipeline = TokenizePipeline.from_dir(
         model_dir, Limits(max_model_len, max_image_bytes, max_image_pixels)
     )
@@ -93,6 +114,14 @@ def _init_worker(model_dir: str, max_model_len: int, max_image_bytes: int, max_i
 def _run_in_worker(job_bytes: bytes) -> bytes:
     assert _worker_pipeline is not None, "worker initializer did not run"
     return run_job(_worker_pipeline, job_bytes)
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    # Workers fork from a fresh server process that has imported this module (and torch)
+    # once: no fork of a process running gRPC threads, no multi-second import per worker.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
 
 
 class WorkerPool:
@@ -119,9 +148,11 @@ class WorkerPool:
         limits = self.limits
         return concurrent.futures.ProcessPoolExecutor(
             self.num_workers,
-            mp_context=multiprocessing.get_context("spawn"),  # no fork of a process running gRPC threads
+            mp_context=_worker_context(),
             initializer=_init_worker,
-            initargs=(self.model_dir, limits.max_model_len, limits.max_image_bytes, limits.max_image_pixels),
+            initargs=(
+                os.getpid(), self.model_dir, limits.max_model_len, limits.max_image_bytes, limits.max_image_pixels
+            ),
         )
 
     async def run(self, job: Job) -> TokenizedPrompt:

@@ -109,7 +109,9 @@ class DetokenizeStream:
                 await self._call.write(tokenizer_pb2.DetokenizeRequest(options=self._options))
                 self._options = None
             await self._call.done_writing()
-            texts = [response.text_delta async for response in self._call]
+            texts = []
+            while (response := await self._call.read()) is not grpc.aio.EOF:
+                texts.append(response.text_delta)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
         except asyncio.InvalidStateError as exc:
