@@ -25,6 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import msgspec
+import torch
 
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.types import ChatMessage, TokenizedPrompt
@@ -106,6 +107,7 @@ def _init_worker(
 ) -> None:
     global _worker_pipeline
     threading.Thread(target=_exit_when_gone, args=(server_pid,), name="orphan-check", daemon=True).start()
+    torch.set_num_threads(1)  # torch only computes small position tables here; N workers share the cores
     _worker_pipeline = TokenizePipeline.from_dir(
         model_dir, Limits(max_model_len, max_image_bytes, max_image_pixels)
     )
