@@ -1,0 +1,74 @@
+"""Decode service configuration: built once from the command line, never mutated."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cli import BUNDLED_MODEL
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    model: Path = BUNDLED_MODEL
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    device: str = "cpu"
+    dtype: str | None = None  # None: the checkpoint's
+    log_level: str = "INFO"
+    num_pages: int = 2048
+    page_size: int = 16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_running_requests: int = 256
+    attention_backend: str = "torch"
+    transfer_backend: str = "mooncake"
+    transfer_host: str | None = None  # None: --host; the address prefill's transfer engine reaches
+    watchdog_s: float = 30.0
+    sweep_interval_s: float = 0.5
+    reservation_timeout_s: float = 60.0  # a Reserve without a deadline expires after this
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.decode", description="The stageserve decode service.")
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and metrics servers bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed on READY)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--num-pages", type=int, default=2048, help="KV pages in the pool")
+    p.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit, prompt + generated tokens (default: max_position_embeddings)")
+    p.add_argument("--max-running-requests", type=int, default=256, help="largest decode batch")
+    p.add_argument("--attention-backend", default="torch", help="torch | flashinfer")
+    p.add_argument("--transfer-backend", default="mooncake", help="KV transfer: mooncake | inprocess")
+    p.add_argument("--transfer-host", default=None,
+                   help="hostname the transfer engine advertises to prefill (default: --host)")
+    p.add_argument("--watchdog-s", type=float, default=30.0,
+                   help="health turns NOT_SERVING when the loop has work but no step ends for this long")
+    p.add_argument("--sweep-interval-s", type=float, default=0.5,
+                   help="how often expired reservations are released")
+    p.add_argument("--reservation-timeout-s", type=float, default=60.0,
+                   help="lifetime of a reservation whose request carries no deadline")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> DecodeConfig:
+    args = build_parser().parse_args(argv)
+    config = DecodeConfig(**{name.replace("-", "_"): value for name, value in vars(args).items()})
+    _check(config)
+    return config
+
+
+def _check(config: DecodeConfig) -> None:
+    positives = ("num_pages", "page_size", "max_running_requests", "watchdog_s", "sweep_interval_s",
+                 "reservation_timeout_s")
+    for name in positives:
+        if getattr(config, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(config, name)}")
+    if config.max_model_len is not None and config.max_model_len < 2:
+        raise SystemExit(f"--max-model-len must be >= 2, got {config.max_model_len}")

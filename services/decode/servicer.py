@@ -1,0 +1,134 @@
+"""gRPC face of the decode service: proto in, domain types to the engine, proto out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry.trace import Status, StatusCode
+
+from services.common import telemetry
+from services.common.clients.decode import (
+    FINISH_REASON_TO_PROTO,
+    kv_ref_from_destination,
+    kv_ref_to_proto,
+    sampling_params_from_proto,
+)
+from services.common.errors import AbortedError, StageServeError, UnavailableError
+from services.common.grpc_errors import handle_errors
+from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.decode.engine import DecodeEngine
+from services.decode.scheduler import DecodeRequest
+from services.decode.stream import DecodeEvent, EndKind, RequestEnded, RequestStream
+
+SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+_tracer = telemetry.tracer("decode")
+
+
+def _error(event: RequestEnded) -> StageServeError:
+    if event.kind is EndKind.ABORTED:
+        return AbortedError(event.message)
+    return UnavailableError(event.message)
+
+
+def _response(events: list[DecodeEvent]) -> tuple[decode_pb2.DecodeGenerateResponse, bool]:
+    """One message for every event queued now; True when it is the stream's last."""
+    token_ids: list[int] = []
+    for event in events:
+        if isinstance(event, RequestEnded):
+            raise _error(event)
+        token_ids.extend(event.token_ids)
+        if event.finish_reason is not None:
+            assert event.usage is not None
+            usage = common_pb2.Usage(
+                num_prompt_tokens=event.usage.num_prompt_tokens,
+                num_completion_tokens=event.usage.num_completion_tokens,
+            )
+            reason = FINISH_REASON_TO_PROTO[event.finish_reason]
+            return decode_pb2.DecodeGenerateResponse(token_ids=token_ids, finish_reason=reason, usage=usage), True
+    return decode_pb2.DecodeGenerateResponse(token_ids=token_ids), False
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """Serves one engine; registered before the model loads, UNAVAILABLE until ``attach``."""
+
+    def __init__(self, reservation_timeout_s: float, engine: DecodeEngine | None = None) -> None:
+        self._reservation_timeout_s = reservation_timeout_s
+        self._attached = engine
+
+    def attach(self, engine: DecodeEngine) -> None:
+        self._attached = engine
+
+    @property
+    def _engine(self) -> DecodeEngine:
+        if self._attached is None:
+            raise UnavailableError("decode is still loading its model")
+        return self._attached
+
+    def _deadline(self, deadline_unix_ms: int) -> float:
+        """The request's deadline on the engine's monotonic clock (a default lifetime when unset)."""
+        now = time.monotonic()
+        if deadline_unix_ms <= 0:
+            return now + self._reservation_timeout_s
+        return now + deadline_unix_ms / 1000.0 - time.time()
+
+    @handle_errors
+    async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:
+        """Take pages and open the KV transfer session; returns the KvRef prefill writes to."""
+        decode_request = DecodeRequest(
+            request_id=request.request_id,
+            prompt_ids=tuple(request.prompt_token_ids),
+            params=sampling_params_from_proto(request.sampling_params),
+            rope_delta=request.mrope_position_delta,
+        )
+        destination = self._engine.reserve(decode_request, self._deadline(request.deadline_unix_ms))
+        return decode_pb2.ReserveResponse(kv_ref=kv_ref_to_proto(kv_ref_from_destination(destination)))
+
+    @handle_errors
+    async def Generate(
+        self, request: decode_pb2.DecodeGenerateRequest, context: Any
+    ) -> AsyncIterator[decode_pb2.DecodeGenerateResponse]:
+        """Admit the reserved request and stream its tokens; cancelling the call aborts it."""
+        parent = telemetry.extract_context(context.invocation_metadata())
+        span = _tracer.start_span("decode.generate", context=parent, attributes={"request_id": request.request_id})
+        stream = RequestStream(asyncio.get_running_loop())
+        is_admitted = is_done = False
+        num_streamed = 0
+        try:
+            self._engine.generate(request.request_id, request.first_token_id, stream.push)
+            is_admitted = True
+            while not is_done:
+                message, is_done = _response(await stream.next_events())
+                num_streamed += len(message.token_ids)
+                if is_done:
+                    span.set_attribute("finish_reason", common_pb2.FinishReason.Name(message.finish_reason))
+                yield message
+        except StageServeError as exc:
+            span.set_status(Status(StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            if is_admitted and not is_done:  # error, abort, or the caller went away: free the pages
+                self._engine.abort(request.request_id, "the Generate stream ended early")
+            span.set_attribute("num_streamed_tokens", num_streamed)
+            span.end()
+
+    @handle_errors
+    async def Abort(self, request: decode_pb2.AbortRequest, context: Any) -> decode_pb2.AbortResponse:
+        """Abort wherever the request is; idempotent."""
+        return decode_pb2.AbortResponse(is_found=self._engine.abort(request.request_id, request.reason))
+
+    @handle_errors
+    async def Stats(self, request: decode_pb2.StatsRequest, context: Any) -> decode_pb2.StatsResponse:
+        """Pages and requests of the (single) DP rank, and their sums."""
+        stats = self._engine.stats()
+        counts = {
+            "num_total_pages": stats.num_total_pages,
+            "num_free_pages": stats.num_free_pages,
+            "num_used_pages": stats.num_used_pages,
+            "num_running_requests": stats.num_running_requests,
+            "num_reserved_requests": stats.num_reserved_requests,
+        }
+        rank = decode_pb2.DecodeRankStats(dp_rank=0, **counts)
+        return decode_pb2.StatsResponse(page_size=stats.page_size, ranks=[rank], **counts)

@@ -1,0 +1,146 @@
+"""Decode service harness: in-process gRPC server, in-process KV transfer, a stand-in prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from services.common.clients.decode import DecodeChunk, DecodeClient, KvRefInfo
+from services.common.pb.stageserve.v1 import decode_pb2_grpc
+from services.common.server import HealthState, create_server
+from services.common.types import FinishReason, Usage
+from services.decode.builder import build_engine, eos_token_ids
+from services.decode.config import DecodeConfig
+from services.decode.engine import DecodeEngine
+from services.decode.servicer import SERVICE_NAME, DecodeServicer
+from services.engine.attention import ForwardMode
+from services.engine.llm import EngineRequest, LLMEngine
+from services.engine.loader import load_model
+from services.engine.model.rope import mrope_positions
+from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.sampler import Sampler, SamplingParams, make_generator
+from services.transfer import create_kv_receiver
+from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
+from tests.conftest import TINY_MODEL_DIR
+
+PAGE_SIZE = 4
+WAIT_S = 20.0  # bound on every wait: a hang fails the test instead of stalling it
+
+
+@pytest.fixture(scope="session")
+def language_model():
+    return load_model(TINY_MODEL_DIR, components=("language",))
+
+
+@pytest.fixture(scope="session")
+def offline(language_model) -> LLMEngine:
+    """The single-process engine; it stops on the same EOS ids as decode (config + generation_config)."""
+    engine = LLMEngine(ModelRunner(language_model, KVCacheConfig(1024, PAGE_SIZE)))
+    engine.eos_token_ids = set(eos_token_ids(TINY_MODEL_DIR, language_model.config))
+    return engine
+
+
+def offline_tokens(offline: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    (out,) = offline.generate([EngineRequest("offline", prompt, params)])
+    return out.token_ids, out.finish_reason.value
+
+
+class FakePrefill:
+    """What the prefill service does for a text prompt: EXTEND step, first token, KV written to decode."""
+
+    def __init__(self, model, fabric: InProcessFabric) -> None:
+        self.runner = ModelRunner(model, KVCacheConfig(512, PAGE_SIZE))
+        self.sender = InProcessKVSender(fabric)
+        self.sampler = Sampler()
+
+    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, kv_ref: KvRefInfo) -> int:
+        table = self.runner.page_table
+        table.reserve(request_id, len(prompt))
+        try:
+            positions, _ = mrope_positions(len(prompt), [], 2)
+            logits = self.runner.forward(ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)])
+            generator = None if params.is_greedy else make_generator(params.seed, "cpu")
+            token = self.sampler.sample(logits, [params], [prompt], [[]], [generator]).item()
+            destination = kv_ref.to_destination(request_id)
+            self.sender.send(request_id, self.runner.kv_pool, table.pages(request_id), destination, time.monotonic() + 10)
+            return token
+        finally:
+            table.release(request_id)
+
+
+@dataclass
+class Result:
+    token_ids: list[int]  # the first token included
+    finish_reason: FinishReason
+    usage: Usage
+    chunks: list[DecodeChunk] = field(default_factory=list)
+
+
+@dataclass
+class DecodeHarness:
+    engine: DecodeEngine
+    client: DecodeClient
+    prefill: FakePrefill
+    num_start_free_pages: int
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, deadline_in_s: float = 30.0):
+        return await self.client.reserve(request_id, prompt, 0, params, time.time() + deadline_in_s)
+
+    async def run(self, request_id: str, prompt: list[int], params: SamplingParams) -> Result:
+        kv_ref = await self.reserve(request_id, prompt, params)
+        first = self.prefill.prefill(request_id, prompt, params, kv_ref)
+        chunks = [chunk async for chunk in self.client.generate(request_id, first, timeout_s=WAIT_S)]
+        tokens = [first] + [t for chunk in chunks for t in chunk.token_ids]
+        assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
+        return Result(tokens, chunks[-1].finish_reason, chunks[-1].usage, chunks)
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            await asyncio.sleep(0.01)
+
+    async def wait_all_pages_free(self) -> None:
+        await self.wait_for(lambda: self.engine.stats().num_free_pages == self.num_start_free_pages)
+
+
+MakeDecode = Callable[..., Awaitable[DecodeHarness]]
+
+BASE_CONFIG = DecodeConfig(
+    num_pages=256, page_size=PAGE_SIZE, transfer_backend="inprocess", sweep_interval_s=0.02, watchdog_s=30.0
+)
+
+
+@pytest.fixture
+async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
+    """Start decode services (real gRPC on port 0); each must end with every page free."""
+    started: list[tuple[DecodeHarness, object]] = []
+
+    async def factory(**overrides: object) -> DecodeHarness:
+        config = replace(BASE_CONFIG, **overrides)
+        fabric = InProcessFabric()
+        engine = build_engine(config, language_model, create_kv_receiver("inprocess", fabric=fabric))
+        engine.start()
+        server, port = create_server(
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(config.reservation_timeout_s, engine))],
+            0, "127.0.0.1", [SERVICE_NAME], health=HealthState(),
+        )
+        await server.start()
+        harness = DecodeHarness(
+            engine, DecodeClient(f"127.0.0.1:{port}"), FakePrefill(language_model, fabric),
+            engine.stats().num_free_pages,
+        )
+        started.append((harness, server))
+        return harness
+
+    yield factory
+    for harness, server in started:
+        await harness.wait_all_pages_free()
+        await harness.client.close()
+        await server.stop(0)
+        harness.engine.stop()
+        harness.engine.receiver.close()
