@@ -6,6 +6,11 @@ import asyncio
 import random
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
 
 from services.common.errors import (
     AbortedError,
@@ -307,3 +312,47 @@ async def test_free_pages_return_after_a_mixed_workload(make_decode: MakeDecode)
     assert end.num_free_pages == start.num_free_pages
     assert end.num_running_requests == end.num_reserved_requests == end.num_used_pages == 0
     assert len(end.ranks) == 1 and end.ranks[0].num_free_pages == end.num_free_pages
+
+
+async def test_generate_span_continues_the_callers_trace(make_decode: MakeDecode) -> None:
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    harness = await make_decode()
+    with trace.get_tracer("test").start_as_current_span("router.request") as parent:
+        await harness.run("traced", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=5))
+    exporter.shutdown()
+    (span,) = [s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "traced"]
+    assert span.name == "decode.generate"
+    assert span.context.trace_id == parent.get_span_context().trace_id
+    assert span.parent.span_id == parent.get_span_context().span_id
+    assert span.attributes["num_streamed_tokens"] == 4
+
+
+async def test_metrics_count_outcomes_tokens_and_pages(make_decode: MakeDecode) -> None:
+    def value(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(f"stageserve_decode_{name}", labels) or 0.0
+
+    harness = await make_decode()
+    before = {
+        "length": value("requests_total", outcome="length"),
+        "aborted": value("requests_total", outcome="aborted"),
+        "tokens": value("tokens_generated_total"),
+        "itl": value("inter_token_latency_seconds_count"),
+        "steps": value("step_seconds_count"),
+    }
+    await harness.run("m", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    await harness.reserve("m-aborted", prompt_of(5, 1), SamplingParams())
+    used = harness.engine.stats().num_used_pages
+    assert value("kv_pages_used") == used and value("kv_pages_free") == harness.num_start_free_pages - used
+    assert value("reserved_requests") == 1
+    await harness.client.abort("m-aborted")
+    assert value("requests_total", outcome="length") == before["length"] + 1
+    assert value("requests_total", outcome="aborted") == before["aborted"] + 1
+    assert value("tokens_generated_total") == before["tokens"] + 5
+    assert value("inter_token_latency_seconds_count") == before["itl"] + 5
+    assert value("step_seconds_count") == before["steps"] + 5
+    assert value("running_requests") == 0 and value("kv_pages_used") == 0
