@@ -83,7 +83,7 @@ class RouterApp:
         )
         self.http_app: FastAPI = create_app(self.api)
         servicer = RouterServicer(
-            self.pipeline, self.images, metrics, cfg.served_model_name, limits.request_timeout_s,
+            self.pipeline, metrics, cfg.served_model_name, limits.request_timeout_s,
             limits.max_stop_strings, limits.max_image_bytes,
         )
         self.grpc_server, self.grpc_port = create_server(

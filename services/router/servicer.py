@@ -14,7 +14,7 @@ from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_
 from services.common.types import ChatMessage, ContentPart, FinishReason, ImagePart, TextPart, Usage
 from services.engine.sampler import SamplingParams
 from services.router.generation import GenerationPipeline
-from services.router.images import ImageLoader, check_image
+from services.router.images import check_image
 from services.router.metrics import RequestTracker, RouterMetrics
 from services.router.openai_schema import ROLES
 from services.router.types import GenerationDelta, GenerationRequest
@@ -33,11 +33,10 @@ _SAMPLING_OPTIONAL = (
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
-        self, pipeline: GenerationPipeline, images: ImageLoader, metrics: RouterMetrics, served_model_name: str,
+        self, pipeline: GenerationPipeline, metrics: RouterMetrics, served_model_name: str,
         request_timeout_s: float, max_stop_strings: int, max_image_bytes: int,
     ) -> None:
         self._pipeline = pipeline
-        self._images = images
         self._metrics = metrics
         self._served_model_name = served_model_name
         self._request_timeout_s = request_timeout_s
@@ -99,20 +98,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             role = ROLES.get(message.role)
             if role is None:
                 raise InvalidRequestError(f"unknown role {message.role!r}", param=f"chat.messages[{i}].role")
-            parts = [await self._part(part, f"chat.messages[{i}].content[{j}]") for j, part in enumerate(message.content)]
+            parts = [self._part(part, f"chat.messages[{i}].content[{j}]") for j, part in enumerate(message.content)]
             messages.append(ChatMessage(role, tuple(parts)))
         return tuple(messages)
 
-    async def _part(self, part: common_pb2.ContentPart, param: str) -> ContentPart:
+    def _part(self, part: common_pb2.ContentPart, param: str) -> ContentPart:
         kind = part.WhichOneof("part")
         if kind == "text":
             return TextPart(part.text)
         if kind != "image":
             raise InvalidRequestError("a content part needs text or an image", param=param)
-        if part.image.WhichOneof("source") == "data":
-            check_image(part.image.data, self._max_image_bytes, f"{param}.image")
-            return ImagePart(part.image.data)
-        return ImagePart(await self._images.load(part.image.url, f"{param}.image"))
+        check_image(part.image.data, self._max_image_bytes, f"{param}.image.data")
+        return ImagePart(part.image.data)
 
 
 def _sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:

@@ -73,6 +73,16 @@ async def start_router(cfg: RouterConfig, images: ImageLoader | None = None) -> 
     return app
 
 
+async def serve_http(cfg: RouterConfig) -> tuple[RouterApp, str]:
+    """A router with its uvicorn server on a free port; returns it and its base URL."""
+    from services.router.__main__ import bind_http_socket
+
+    app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()))
+    sock = bind_http_socket("127.0.0.1", 0)
+    await app.start(sock)
+    return app, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 async def stop_router(app: RouterApp) -> None:
     await app.grpc_server.stop(None)
     await app.stop()

@@ -10,28 +10,26 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
 
-from services.router.__main__ import bind_http_socket
 from services.router.app import RouterApp
-from services.router.metrics import RouterMetrics
-from tests.router.conftest import BOUND_S, MODEL_NAME, Cluster, router_config, stop_router, wait_until
+from tests.router.conftest import (
+    BOUND_S,
+    MODEL_NAME,
+    Cluster,
+    router_config,
+    serve_http,
+    stop_router,
+    wait_until,
+)
 from tests.router.fakes import EOS_ID, char_ids
 
 EXPECTED = "Hello there, world!"
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
-async def serve(cfg) -> tuple[RouterApp, str]:
-    app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()))
-    sock = bind_http_socket("127.0.0.1", 0)
-    await app.start(sock)
-    return app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture
 async def served(cluster: Cluster) -> AsyncIterator[tuple[RouterApp, str]]:
-    app, url = await serve(router_config(cluster))
+    app, url = await serve_http(router_config(cluster))
     yield app, url
     await stop_router(app)
 
@@ -107,7 +105,7 @@ async def test_no_ready_worker_is_a_503_at_once(client, served, cluster):
 
 async def test_deadline_is_a_504_and_decode_is_aborted(cluster):
     cluster.script.chunk_delay_s = 60
-    app, url = await serve(replace(router_config(cluster), limits=replace(router_config(cluster).limits,
+    app, url = await serve_http(replace(router_config(cluster), limits=replace(router_config(cluster).limits,
                                                                           request_timeout_s=0.5)))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:

@@ -1,0 +1,112 @@
+"""gRPC ``Router.Generate``: the same pipeline as HTTP, streamed as GenerateResponse messages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.common.client import create_channel
+from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.conftest import image_bytes
+from tests.router.conftest import BOUND_S, MODEL_NAME, wait_until
+from tests.router.fakes import EOS_ID, char_ids
+
+EXPECTED = "Hello there, world!"
+
+
+@pytest.fixture
+async def stub(router) -> AsyncIterator[router_pb2_grpc.RouterStub]:
+    channel = create_channel(f"127.0.0.1:{router.grpc_port}")
+    yield router_pb2_grpc.RouterStub(channel)
+    await channel.close()
+
+
+def chat(text: str, image: bytes | None = None) -> common_pb2.ChatMessages:
+    message = common_pb2.ChatMessage(role="user")
+    if image is not None:
+        message.content.add(image=common_pb2.ImageInput(data=image))
+    message.content.add(text=text)
+    return common_pb2.ChatMessages(messages=[message])
+
+
+async def test_generate_streams_text_and_usage(stub, cluster):
+    request = router_pb2.GenerateRequest(
+        request_id="req-1", chat=chat("hello", image_bytes(30, 30)),
+        sampling_params=common_pb2.SamplingParams(temperature=0, max_new_tokens=100),
+    )
+    responses = [r async for r in stub.Generate(request, timeout=BOUND_S)]
+    assert all(r.request_id == "req-1" for r in responses)
+    assert "".join(r.text_delta for r in responses) == EXPECTED
+    assert [t for r in responses for t in r.token_ids] == cluster.script.output_ids
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    usage = responses[-1].usage
+    assert usage.num_completion_tokens == len(cluster.script.output_ids)
+    assert usage.num_prompt_tokens == len(cluster.decode.reserved["req-1"].prompt_token_ids)
+    assert len(cluster.prefill.requests[0].images) == 1
+
+
+async def test_generate_prompt_with_stop_string_and_default_max_tokens(stub, cluster):
+    request = router_pb2.GenerateRequest(prompt="Once", stop=["there"])
+    responses = [r async for r in stub.Generate(request, timeout=BOUND_S)]
+    assert "".join(r.text_delta for r in responses) == "Hello "
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert responses[0].request_id.startswith("gen-")
+    request_id = responses[0].request_id
+    assert cluster.decode.max_new_tokens(request_id) == 16  # the proto's documented default
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code"),
+    [
+        ({"model": "other", "prompt": "x"}, grpc.StatusCode.NOT_FOUND),
+        ({}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"chat": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="wizard")])},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"chat": chat("x", b"not an image")}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "7" * 5000}, grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_generate_bad_requests(stub, cluster, request_fields, code):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Generate(router_pb2.GenerateRequest(**request_fields), timeout=BOUND_S):
+            pass
+    assert info.value.code() == code
+    assert not cluster.decode.reserved
+    ok = [r async for r in stub.Generate(router_pb2.GenerateRequest(model=MODEL_NAME, prompt="a"), timeout=BOUND_S)]
+    assert ok[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_generate_timeout_ms_is_deadline_exceeded_and_aborts(stub, cluster):
+    cluster.script.chunk_delay_s = 60
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="a", timeout_ms=300), timeout=BOUND_S):
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+
+
+async def test_generate_cancelled_by_the_client_aborts(stub, cluster):
+    cluster.script.output_ids = [*char_ids("y" * 300), EOS_ID]
+    cluster.script.chunk_size, cluster.script.chunk_delay_s = 1, 0.02
+    request = router_pb2.GenerateRequest(prompt="a", sampling_params=common_pb2.SamplingParams(max_new_tokens=300))
+    call = stub.Generate(request, timeout=BOUND_S)
+    for _ in range(3):
+        await call.read()
+    call.cancel()
+    await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+
+
+async def test_generate_without_workers_is_unavailable(stub, cluster, router):
+    cluster.tokenizer.health.set_serving(False)
+    await router.registry.poll_once()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="a"), timeout=BOUND_S):
+            pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    await asyncio.sleep(0)

@@ -1,0 +1,109 @@
+"""The router as OS processes: ``python -m services.router`` start-up, READY line, health,
+SIGTERM; and a decode worker process killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from services.common.client import create_channel, wait_ready
+from tests.conftest import REPO
+from tests.router.conftest import (
+    BOUND_S,
+    MODEL_NAME,
+    Cluster,
+    router_config,
+    serve_http,
+    stop_router,
+    wait_until,
+)
+from tests.router.fakes import FakePrefill, FakeTokenizer, Script, start_worker
+
+pytestmark = pytest.mark.integration
+READY_TIMEOUT_S = 120
+
+
+async def read_ready(process: asyncio.subprocess.Process, name: str) -> dict[str, str]:
+    assert process.stdout is not None
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            assert line, f"{name} exited before READY"
+            words = line.split()
+            if words[:2] == ["READY", name]:
+                return dict(w.split("=", 1) for w in words[2:])
+
+
+async def test_router_process_ready_health_and_sigterm(cluster):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.router", "--port", "0", "--http-port", "0", "--metrics-port", "0",
+        "--tokenizer-address", cluster.tokenizer.address, "--prefill-address", cluster.prefills[0].address,
+        "--decode-address", cluster.decodes[0].address, "--health-interval-s", "0.2",
+        cwd=REPO, stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        ready = await read_ready(process, "router")
+        assert set(ready) == {"port", "http_port", "metrics_port"}
+        channel = create_channel(f"127.0.0.1:{ready['port']}")
+        try:
+            await wait_ready(channel, BOUND_S)
+        finally:
+            await channel.close()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ready['http_port']}", timeout=BOUND_S) as http:
+            assert (await http.get("/health")).status_code == 200
+            reply = await http.post("/v1/chat/completions", json={
+                "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+            assert reply.json()["choices"][0]["message"]["content"] == "Hello"
+            metrics = (await http.get(f"http://127.0.0.1:{ready['metrics_port']}/metrics")).text
+            assert "stageserve_router_requests_total" in metrics
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(BOUND_S):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_killed_decode_process_fails_the_stream_and_is_ejected():
+    script = Script()
+    tokenizer = await start_worker(FakeTokenizer(script))
+    prefill = await start_worker(FakePrefill(script))
+    decode = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.router.fakes", "decode", cwd=REPO, stdout=asyncio.subprocess.PIPE
+    )
+    app = None
+    try:
+        decode_port = (await read_ready(decode, "decode"))["port"]
+        cfg = router_config(Cluster(script, tokenizer, [prefill], []))
+        cfg = replace(cfg, workers=replace(cfg.workers, decode=(f"127.0.0.1:{decode_port}",)))
+        app, url = await serve_http(cfg)  # a real server: ASGITransport would buffer the whole stream
+        async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
+            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}], "stream": True}
+            async with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+                lines = stream.aiter_lines()
+                events = [await anext(lines) for _ in range(6)]
+                decode.kill()
+                async with asyncio.timeout(BOUND_S):
+                    events += [line async for line in lines]
+            events = [e for e in events if e]
+            errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {\"error\"")]
+            assert [e["type"] for e in errors] == ["service_unavailable"]
+            assert events[-1] == "data: [DONE]"
+            await wait_until(lambda: not app.registry.is_ready)
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.json()["missing"] == ["decode"]
+    finally:
+        if app is not None:
+            await stop_router(app)
+        if decode.returncode is None:
+            decode.kill()
+        await decode.wait()
+        await tokenizer.server.stop(None)
+        await prefill.server.stop(None)
