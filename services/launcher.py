@@ -115,7 +115,8 @@ class Launcher:
         encoder = self.start("vision_encoder", transfer)
         decode = self.start("decode", [*transfer, "--num-pages", str(cfg.num_pages), "--page-size", str(cfg.page_size)])
         self.wait_ready([tokenizer, encoder, decode])
-        prefill = self.start("prefill", [*transfer, "--encoder-address", encoder.address])
+        pages = ["--page-size", str(cfg.page_size)]
+        prefill = self.start("prefill", [*transfer, *pages, "--encoder-address", encoder.address])
         self.wait_ready([prefill])
         router = self.start("router", [
             "--http-host", cfg.host, "--http-port", str(cfg.http_port),
