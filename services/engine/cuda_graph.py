@@ -90,6 +90,12 @@ class CudaGraphDecodeRunner:
         self._graphs[size].replay()
         return self._logits[size][:n]
 
+    def replay(self, num_requests: int) -> torch.Tensor:
+        """Replay the graph ``run`` last planned for this many requests (no re-staging; for timing)."""
+        size = self.graph_size(num_requests)
+        self._graphs[size].replay()
+        return self._logits[size][:num_requests]
+
     def _forward(self, size: int) -> torch.Tensor:
         embeds = self.model.embed(self._inputs[_IDS, :size])  # [B, hidden]
         return self.model(embeds, self._inputs[_POS, :size], self.attention)  # [B, vocab] fp32

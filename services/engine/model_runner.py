@@ -102,11 +102,22 @@ class ModelRunner:
             seq_lens.append(end)
             extend_lens.append(len(s.input_ids))
             page_tables.append(self.page_table.pages(s.request_id))
-            slots.append(self.page_table.slots(s.request_id, s.prefix_len, end))
+            if mode is not ForwardMode.DECODE:
+                slots.append(self.page_table.slots(s.request_id, s.prefix_len, end))
+        out_slots = self._decode_slots(page_tables, seq_lens) if mode is ForwardMode.DECODE else torch.cat(slots)
         return AttentionBatch(
             mode=mode, seq_lens=seq_lens, extend_lens=extend_lens, page_tables=page_tables,
-            page_size=self.page_size, out_slots=torch.cat(slots),  # CPU; the backend uploads it
+            page_size=self.page_size, out_slots=out_slots,  # CPU int64; the backend uploads it
         )
+
+    def _decode_slots(self, page_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
+        """Slot of each request's last position, [B] int64 CPU (plain ints: no tensor per request)."""
+        ps = self.page_size
+        slots = []
+        for pages, end in zip(page_tables, seq_lens, strict=True):
+            assert end <= len(pages) * ps, f"position {end - 1} outside the request's {len(pages)} pages"
+            slots.append(pages[(end - 1) // ps] * ps + (end - 1) % ps)
+        return torch.tensor(slots, dtype=torch.long)
 
     def _embed(self, inputs: list[StepInput]) -> torch.Tensor:
         ids = torch.tensor([t for s in inputs for t in s.input_ids], dtype=torch.long, device=self.device)
