@@ -1,0 +1,156 @@
+"""Engine benchmark: the machine's ceilings, then prefill / decode / ViT / KV transfer on a 7B-class model.
+
+    python -m benchmarks.engine [--out docs/benchmarks.md] [--quick] [--no-hf] [--no-transfer]
+
+Everything runs in one process on GPU 0 with random bf16 weights made on the GPU
+(benchmarks/random_model.py); transformers runs on the same weights afterwards; the
+KV-transfer rows (2+ GPUs) spawn one process per GPU. Prints the table and writes
+``--out``. Tests never assert on these numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks import engine_rows as er
+from benchmarks import hf_rows
+from benchmarks.measure import Ceilings, decoder_weight_bytes, measure_ceilings
+from benchmarks.random_model import CONFIG_7B, build_random_model, hf_peer
+from benchmarks.report import Row, git_commit, hardware, table_lines, write_markdown
+from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+
+NOTES = [
+    "How to read it: *floor* is the least time the row could take on this machine: decode reads every",
+    "decoder + LM-head weight once plus each request's KV (`bytes / measured copy bandwidth`); prefill and",
+    "ViT do their matmul + attention FLOPs (`FLOPs / measured bf16 matmul rate`); KV transfer moves its",
+    "bytes (`bytes / measured NCCL send/recv bandwidth`). *floor/ours* is the fraction of the ceiling",
+    "reached. A decode step is what the engine runs per token: attention plan, input upload, CUDA-graph",
+    "replay, argmax and a host sync; the note gives the graph replay alone. transformers runs bf16 with",
+    "SDPA and a DynamicCache (decode = one forward with `past_key_values`), no CUDA graphs.",
+    "",
+    "Targets (issue 4): decode batch 1 <= 1.25x floor; decode batch 64 @1k >= 70% of floor throughput;",
+    "prefill 8k >= 70% of the measured matmul rate; KV transfer >= 70% of NCCL bandwidth from 64 MiB;",
+    "every row faster than transformers.",
+]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks.engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(CONFIG_7B), help="model config directory (random weights)")
+    parser.add_argument("--out", default="docs/benchmarks.md", help="markdown report to write")
+    parser.add_argument("--quick", action="store_true", help="a few rows only (smoke run)")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--no-transfer", action="store_true", help="skip the 2-GPU KV transfer rows")
+    parser.add_argument("--commit", default=None, help="commit to report (default: git rev-parse)")
+    return parser.parse_args(argv)
+
+
+def _guarded(section: str, fn: Callable[[], list[Row]]) -> list[Row]:
+    try:
+        return fn()
+    except Exception as exc:  # the harness's last resort: one failed section must not lose the others
+        traceback.print_exc()
+        return [Row(section, "failed", None, None, note=f"{type(exc).__name__}: {exc}"[:300])]
+
+
+def _engine_rows(model: Qwen2_5_VLModel, ceilings: Ceilings, quick: bool) -> list[Row]:
+    contexts = (1024,) if quick else er.DECODE_CONTEXTS
+    batches = (1, 64) if quick else er.DECODE_BATCHES
+    prefill_lens = (1024, 8192) if quick else er.PREFILL_LENS
+    max_tokens = max(max(batches) * (max(contexts) + 1), max(prefill_lens))
+    runner = er.make_runner(model, max_tokens)
+    rows = _guarded("prefill", lambda: er.prefill_rows(runner, ceilings, prefill_lens))
+    rows += _guarded("decode", lambda: er.decode_rows(runner, ceilings, contexts, batches))
+    rows += _guarded("vit", lambda: er.vit_rows(runner, ceilings, (1,) if quick else er.IMAGE_COUNTS))
+    return rows
+
+
+def _add_hf_rows(rows: list[Row], model: Qwen2_5_VLModel, config_dir: str, quick: bool) -> list[Row]:
+    by_key = {(r.section, r.name): r for r in rows}
+    peer = hf_peer(model, config_dir)
+    measures: list[tuple[str, str, Callable[[], float]]] = []
+    for batch_size in (1, 8) if quick else hf_rows.HF_DECODE_BATCHES:
+        for context_len in hf_rows.HF_DECODE_CONTEXTS:
+            measures.append(("decode", er.decode_row_name(batch_size, context_len),
+                             lambda b=batch_size, c=context_len: hf_rows.hf_decode_ms(peer, b, c)))
+    for num_tokens in hf_rows.HF_PREFILL_LENS:
+        measures.append(("prefill", er.prefill_row_name(num_tokens),
+                         lambda n=num_tokens: hf_rows.hf_prefill_ms(peer, n)))
+    for num_images in (1,) if quick else er.IMAGE_COUNTS:
+        measures.append(("vit", er.vit_row_name(num_images),
+                         lambda k=num_images: hf_rows.hf_vit_ms(peer, *er.image_pixels(model, k))))
+    failed = []
+    for section, name, measure in measures:
+        row = by_key.get((section, name))
+        if row is None:
+            continue
+        row.hf_ms = _guarded("transformers", lambda m=measure: [Row("", "", m(), None)])[0].ms
+        if row.hf_ms is None:
+            failed.append(Row("transformers", f"{section} {name}", None, None, note="failed (traceback in the log)"))
+        torch.cuda.empty_cache()
+    return failed
+
+
+def _transfer_rows() -> list[Row]:
+    from benchmarks.transfer_bench import run_transfer_benchmark
+
+    return run_transfer_benchmark()
+
+
+def _measure_model_rows(args: argparse.Namespace) -> tuple[list[Row], str]:
+    ceilings = measure_ceilings()
+    ceiling_line = (f"- ceilings (measured in this run): device copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s "
+                    f"(read + write), bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s (8192^3)")
+    print(ceiling_line, flush=True)
+    model = build_random_model(args.config)
+    rows = _engine_rows(model, ceilings, args.quick)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_hf:
+        rows += _guarded("transformers", lambda: _add_hf_rows(rows, model, args.config, args.quick))
+    return rows, ceiling_line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.engine needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    rows, ceiling_line = _measure_model_rows(args)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.no_transfer and torch.cuda.device_count() >= 2:
+        rows += _guarded("transfer", _transfer_rows)
+    header = [
+        f"- hardware: {hardware()}",
+        f"- command: `python -m benchmarks.engine {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        f"- commit: {args.commit or git_commit()}",
+        f"- model: {Path(args.config).name} dimensions, random bf16 weights made on the GPU "
+        f"(decoder + LM head {decoder_weight_bytes_of(args.config) / 1e9:.2f} GB read per decode step)",
+        ceiling_line,
+    ]
+    print("\n".join(table_lines(rows)))
+    write_markdown(Path(args.out), rows, header, NOTES)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def decoder_weight_bytes_of(config_dir: str) -> int:
+    from services.engine.config import ModelConfig
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(ModelConfig.from_dir(config_dir))
+    return decoder_weight_bytes(model) // 2  # meta params are fp32 here; the benchmark runs bf16
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""The engine's rows: prefill, decode (CUDA graphs on) and ViT, each against its floor."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.measure import Ceilings, decode_floor_bytes, prefill_flops, time_ms, vit_flops
+from benchmarks.report import Row
+from services.engine.attention import ForwardMode
+from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+
+PAGE_SIZE = 16
+PREFILL_LENS = (1024, 8192, 32768)
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+DECODE_CONTEXTS = (1024, 4096)
+GRID_1080P = (1, 78, 138)  # 1080x1920 resized to multiples of 28: 1092x1932 pixels, 14-pixel patches
+IMAGE_COUNTS = (1, 8)
+
+
+def make_runner(model: Qwen2_5_VLModel, max_tokens: int, attention_backend: str = "flashinfer") -> ModelRunner:
+    num_pages = -(-max_tokens // PAGE_SIZE) + max(DECODE_BATCHES) + 2  # + last partial pages + scratch
+    runner = ModelRunner(model, KVCacheConfig(num_pages, PAGE_SIZE), attention_backend)
+    runner.kv_pool.k_buffer.normal_()  # never time attention over zeros
+    runner.kv_pool.v_buffer.normal_()
+    return runner
+
+
+def prefill_rows(runner: ModelRunner, ceilings: Ceilings, lens: tuple[int, ...] = PREFILL_LENS) -> list[Row]:
+    config = runner.model.config
+    rows = []
+    for num_tokens in lens:
+        request_id = f"prefill-{num_tokens}"
+        runner.page_table.reserve(request_id, num_tokens)
+        ids = torch.randint(0, config.text.vocab_size, (num_tokens,)).tolist()
+        step = StepInput(request_id, ids, torch.arange(num_tokens).expand(3, -1), 0)
+        iters = 2 if num_tokens > 16384 else 5
+        try:
+            ms = time_ms(lambda step=step: runner.forward(ForwardMode.EXTEND, [step]), warmup=1, iters=iters)
+        finally:
+            runner.page_table.release(request_id)
+        flops = prefill_flops(config, num_tokens)
+        rows.append(Row(
+            "prefill", prefill_row_name(num_tokens), ms, flops / ceilings.matmul_flops_per_s * 1e3,
+            note=f"{flops / ms / 1e9:.0f} TFLOP/s",
+        ))
+    return rows
+
+
+def _decode_steps(request_ids: list[str], context_len: int) -> list[StepInput]:
+    position = torch.full((3, 1), context_len, dtype=torch.long)
+    return [StepInput(r, [7], position, context_len) for r in request_ids]
+
+
+def decode_rows(
+    runner: ModelRunner,
+    ceilings: Ceilings,
+    contexts: tuple[int, ...] = DECODE_CONTEXTS,
+    batches: tuple[int, ...] = DECODE_BATCHES,
+) -> list[Row]:
+    """One step = plan + graph replay + argmax + sync, as the engine runs it (host work included)."""
+    rows = []
+    for context_len in contexts:
+        request_ids = [f"decode-{context_len}-{i}" for i in range(max(batches))]
+        try:
+            for request_id in request_ids:
+                runner.page_table.reserve(request_id, context_len + 1)
+            for batch_size in batches:
+                rows.append(_decode_row(runner, ceilings, request_ids[:batch_size], context_len))
+        finally:
+            for request_id in request_ids:
+                runner.page_table.release(request_id)
+    return rows
+
+
+def _decode_row(runner: ModelRunner, ceilings: Ceilings, request_ids: list[str], context_len: int) -> Row:
+    batch_size = len(request_ids)
+    steps = _decode_steps(request_ids, context_len)
+    ms = time_ms(lambda: runner.forward(ForwardMode.DECODE, steps).argmax(-1), warmup=3, iters=20)
+    note = ""
+    if runner.cuda_graph is not None and runner.cuda_graph.can_run(batch_size):
+        graph = runner.cuda_graph
+        replay_ms = time_ms(lambda: graph.replay(batch_size), warmup=2, iters=20)
+        note = f"graph replay alone {replay_ms:.3f} ms; "
+    floor = decode_floor_bytes(runner.model, batch_size, context_len + 1) / ceilings.copy_bytes_per_s * 1e3
+    note += f"{batch_size / ms * 1e3:.0f} tok/s"
+    return Row("decode", decode_row_name(batch_size, context_len), ms, floor, note=note)
+
+
+def image_pixels(model: Qwen2_5_VLModel, num_images: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Random pixel patches of ``num_images`` 1080p images, [patches, C*T*P*P] on the model's device."""
+    v = model.config.vision
+    grids = [GRID_1080P] * num_images
+    num_patches = sum(t * h * w for t, h, w in grids)
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    weight = model.lm_head.weight
+    pixels = torch.randn(num_patches, patch_dim, dtype=weight.dtype, device=weight.device)
+    return pixels, grids
+
+
+def vit_rows(runner: ModelRunner, ceilings: Ceilings, counts: tuple[int, ...] = IMAGE_COUNTS) -> list[Row]:
+    rows = []
+    for num_images in counts:
+        pixels, grids = image_pixels(runner.model, num_images)
+        ms = time_ms(lambda pixels=pixels, grids=grids: runner.encode_images(pixels, grids), warmup=2, iters=5)
+        flops = vit_flops(runner.model.config, grids)
+        name = vit_row_name(num_images)
+        rows.append(Row(
+            "vit", name, ms, flops / ceilings.matmul_flops_per_s * 1e3, note=f"{flops / ms / 1e9:.0f} TFLOP/s"
+        ))
+    return rows
+
+
+def vit_row_name(num_images: int) -> str:
+    return f"{num_images} image{'s' if num_images > 1 else ''} 1080p"
+
+
+def decode_row_name(batch_size: int, context_len: int) -> str:
+    return f"batch {batch_size}, ctx {context_len // 1024}k"
+
+
+def prefill_row_name(num_tokens: int) -> str:
+    return f"{num_tokens // 1024}k tokens"

@@ -1,0 +1,86 @@
+"""Benchmark rows, the printed table, and ``docs/benchmarks.md``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Row:
+    section: str  # "decode", "prefill", "vit", "transfer"
+    name: str
+    ms: float | None  # ours
+    floor_ms: float | None  # from bytes or FLOPs over the measured ceilings
+    hf_ms: float | None = None  # transformers on the same config and weights
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:  # ours / floor (1.0 = at the hardware limit)
+        return self.ms / self.floor_ms if self.ms and self.floor_ms else None
+
+    @property
+    def speedup(self) -> float | None:  # transformers / ours
+        return self.hf_ms / self.ms if self.ms and self.hf_ms else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+HEADER = ("row", "ours ms", "floor ms", "ours/floor", "floor/ours", "transformers ms", "transformers/ours", "note")
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for r in rows:
+        efficiency = 1 / r.ratio if r.ratio else None
+        cells = (
+            f"{r.section}: {r.name}", _fmt(r.ms, ".3f"), _fmt(r.floor_ms, ".3f"), _fmt(r.ratio, ".2f"),
+            _fmt(efficiency and 100 * efficiency, ".0f") + ("%" if efficiency else ""),
+            _fmt(r.hf_ms, ".3f"), _fmt(r.speedup, ".1f") + ("x" if r.speedup else ""), r.note,
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def hardware() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (nvidia-smi not available)"
+    return f"{len(out)} x {out[0]}" + f"; {os.cpu_count()} CPU cores"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_markdown(path: Path, rows: list[Row], header_lines: list[str], notes: list[str]) -> None:
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    text = [
+        "# Benchmarks",
+        "",
+        "## Engine (`python -m benchmarks.engine`)",
+        "",
+        *header_lines,
+        f"- date: {date}",
+        "",
+        *table_lines(rows),
+        "",
+        *notes,
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(text))
