@@ -93,8 +93,8 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
-        self.device = kv_pool.device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_pool.device)
+        self.device = self.workspace.device  # with its index: "cuda" becomes "cuda:0"
         self.prefill_wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend
         )
