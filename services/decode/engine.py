@@ -104,12 +104,13 @@ class DecodeEngine:
             try:
                 self._validate(request)
                 if deadline_s <= self._clock():
+                    metrics.REQUESTS.labels("expired").inc()
                     raise DeadlineExceededError(f"{request.request_id}: deadline passed before Reserve")
                 pages = self.scheduler.add(request)
             except CapacityError:
                 metrics.REQUESTS.labels("rejected").inc()
                 raise
-            except (InvalidRequestError, DeadlineExceededError):
+            except InvalidRequestError:
                 metrics.REQUESTS.labels("invalid").inc()
                 raise
             is_open = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.common import telemetry
 
-# outcome: stop | length (finished), aborted, expired (reservation passed its deadline),
+# outcome: stop | length (finished), aborted, expired (deadline passed before Generate),
 # failed (engine stopped or broke), rejected (no pages at Reserve), invalid (bad Reserve)
 REQUESTS = telemetry.counter("decode_requests_total", "Decode requests by outcome", ["outcome"])
 RUNNING_REQUESTS = telemetry.gauge("decode_running_requests", "Requests generating (running or joining)")
