@@ -7,6 +7,7 @@ fields at the top level, ``rope_scaling`` with ``mrope_section``) and the nested
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,14 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"no config.json in model directory {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()))
+        config = cls.from_dict(json.loads(path.read_text()))
+        generation = Path(model_dir) / "generation_config.json"
+        if generation.is_file():  # transformers stops on these EOS ids too
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(t) for t in extra)]))
+            config = dataclasses.replace(config, eos_token_ids=merged)
+        return config
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
