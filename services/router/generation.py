@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -37,6 +38,7 @@ from services.common.types import TokenizedPrompt
 from services.engine.sampler import SamplingParams
 from services.router.metrics import RouterMetrics
 from services.router.output import DetokenizerFactory, OutputAssembler
+from services.router.peers import DecodePeer, PrefillPeer, TokenizerPeer
 from services.router.registry import WorkerRegistry
 from services.router.types import GenerationDelta, GenerationRequest
 from services.router.workers import WorkerKind
@@ -126,18 +128,18 @@ class GenerationPipeline:
         prompt = await self._tokenize(request, deadline_s)
         params = self._bounded_params(request, prompt)
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
+        flow = _Flow(request.request_id, prompt, params, deadline_s, output, emit)
         with self._registry.lease(WorkerKind.PREFILL) as prefill, self._registry.lease(WorkerKind.DECODE) as decode:
-            await self._prefill_and_decode(
-                request, prompt, params, deadline_s, prefill.client, decode.client, output, emit
-            )
+            await self._prefill_and_decode(flow, prefill.client, decode.client)
 
     async def _tokenize(self, request: GenerationRequest, deadline_s: float) -> TokenizedPrompt:
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
+            tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_s)
             if request.messages is not None:
-                return await worker.client.tokenize_chat(request.request_id, request.messages, timeout_s=timeout_s)
+                return await tokenizer.tokenize_chat(request.request_id, request.messages, timeout_s=timeout_s)
             assert request.prompt is not None
-            return await worker.client.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
+            return await tokenizer.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
 
     def _bounded_params(self, request: GenerationRequest, prompt: TokenizedPrompt) -> SamplingParams:
         """The request's sampling parameters with max_new_tokens fitted to the context."""
@@ -151,49 +153,53 @@ class GenerationPipeline:
         wanted = request.max_tokens or self._default_max_tokens or room
         return msgspec.structs.replace(request.params, max_new_tokens=min(wanted, room))
 
-    async def _prefill_and_decode(
-        self, request: GenerationRequest, prompt: TokenizedPrompt, params: SamplingParams, deadline_s: float,
-        prefill: Any, decode: Any, output: OutputAssembler, emit: _TimedEmit,
-    ) -> None:
-        request_id = request.request_id
+    async def _prefill_and_decode(self, flow: _Flow, prefill: PrefillPeer, decode: DecodePeer) -> None:
+        request_id, output = flow.request_id, flow.output
         is_decode_done = False
         try:  # reserve inside: a reservation answered after a cancellation must be aborted too
             kv_ref = await decode.reserve(
-                request_id, prompt.token_ids, prompt.mrope_position_delta, params, deadline_s
+                request_id, flow.prompt.token_ids, flow.prompt.mrope_position_delta, flow.params, flow.deadline_s
             )
-            result = await prefill.prefill(request_id, prompt, params, kv_ref, deadline_s)
+            result = await prefill.prefill(request_id, flow.prompt, flow.params, kv_ref, flow.deadline_s)
             output.num_cached_image_tokens = result.num_cached_image_tokens
             if result.finish_reason is not None:
-                emit(output.finish(result.finish_reason, [result.first_token_id]))
+                flow.emit(output.finish(result.finish_reason, [result.first_token_id]))
                 return
-            emit(output.add_tokens([result.first_token_id]))
-            if output.is_finished:
-                return
-            is_decode_done = await self._stream_decode(decode, request_id, result.first_token_id, deadline_s,
-                                                       output, emit)
+            flow.emit(output.add_tokens([result.first_token_id]))
+            if not output.is_finished:
+                is_decode_done = await self._stream_decode(flow, decode, result.first_token_id)
         finally:
             if not is_decode_done:
                 self._spawn(_abort(decode, request_id, "the router ended the request"), f"abort-{request_id}")
 
-    async def _stream_decode(
-        self, decode: Any, request_id: str, first_token_id: int, deadline_s: float,
-        output: OutputAssembler, emit: _TimedEmit,
-    ) -> bool:
+    async def _stream_decode(self, flow: _Flow, decode: DecodePeer, first_token_id: int) -> bool:
         """Relay decode's tokens until the request finishes; True when decode finished it itself."""
-        stream = decode.generate(request_id, first_token_id, _remaining(deadline_s))
+        stream = decode.generate(flow.request_id, first_token_id, _remaining(flow.deadline_s))
         try:
             async for chunk in stream:
                 if chunk.finish_reason is not None:
-                    emit(output.finish(chunk.finish_reason, chunk.token_ids))
+                    flow.emit(flow.output.finish(chunk.finish_reason, chunk.token_ids))
                     return True
-                emit(output.add_tokens(chunk.token_ids))
-                if output.is_finished:  # a stop string matched
+                flow.emit(flow.output.add_tokens(chunk.token_ids))
+                if flow.output.is_finished:  # a stop string matched
                     return False
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-        raise UnavailableError(f"decode ended the stream of {request_id} without a finish reason")
+        raise UnavailableError(f"decode ended the stream of {flow.request_id} without a finish reason")
+
+
+@dataclass
+class _Flow:
+    """One request on its way through prefill and decode."""
+
+    request_id: str
+    prompt: TokenizedPrompt
+    params: SamplingParams
+    deadline_s: float
+    output: OutputAssembler
+    emit: _TimedEmit
 
 
 class _Terminal:
@@ -237,7 +243,7 @@ def _remaining(deadline_s: float) -> float:
     return remaining
 
 
-async def _abort(decode: Any, request_id: str, reason: str) -> None:
+async def _abort(decode: DecodePeer, request_id: str, reason: str) -> None:
     try:
         async with asyncio.timeout(ABORT_TIMEOUT_S):
             await decode.abort(request_id, reason)
