@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--encoder-address", default="", help="vision encoder host:port (empty: text-only prompts)")
     p.add_argument("--transfer-backend", default="mooncake", help="KV and embedding transfer: mooncake | inprocess")
-    p.add_argument("--transfer-hostname", default="", help="address the transfer engine advertises (default --host)")
+    p.add_argument("--transfer-host", "--transfer-hostname", dest="transfer_hostname", default="", help="address the transfer engine advertises (default --host)")
     p.add_argument("--num-pages", type=int, default=1024, help="pages of the local KV pool")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page; must equal decode's")
     p.add_argument("--embedding-rows", type=int, default=16384, help="rows of the image-embedding buffer")
