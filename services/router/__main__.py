@@ -17,7 +17,7 @@ from pathlib import Path
 from services.cli import BUNDLED_MODEL
 from services.common import telemetry
 from services.common.envs import Envs
-from services.router.app import RouterApp
+from services.router.app import GRPC_GRACE_S, RouterApp
 from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 
 logger = logging.getLogger("services.router")
@@ -99,7 +99,7 @@ async def serve(cfg: RouterConfig, metrics_port: int) -> None:
         f"READY router port={app.grpc_port} http_port={http_socket.getsockname()[1]} metrics_port={metrics_port}",
         flush=True,
     )
-    await serve_until_signal(app.grpc_server, app.health, app.stop)
+    await serve_until_signal(app.grpc_server, app.health, app.stop, grace_s=GRPC_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:

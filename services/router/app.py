@@ -32,7 +32,10 @@ from services.router.workers import Worker, WorkerKind
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Router"
-HTTP_GRACE_S = 5.0
+# Shutdown budget (gRPC grace + HTTP grace + draining) stays under the launcher's 10 s before SIGKILL.
+GRPC_GRACE_S = 3.0
+HTTP_GRACE_S = 3.0
+DRAIN_S = 2.0
 CLIENTS: dict[WorkerKind, Callable[[str], Any]] = {
     WorkerKind.TOKENIZER: TokenizerClient,
     WorkerKind.PREFILL: PrefillClient,
@@ -128,7 +131,7 @@ class RouterApp:
             self._http_server.should_exit = True
             await self._http_task
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(HTTP_GRACE_S):
+            async with asyncio.timeout(DRAIN_S):
                 await self.pipeline.wait_idle()
         await self.registry.close()
         await self.images.close()

@@ -156,6 +156,7 @@ class WorkerRegistry:
         """Poll in the background every ``interval_s`` until ``close``."""
         assert self._poller is None, "already started"
         self._poller = asyncio.create_task(self._poll_forever(interval_s), name="router-health-poll")
+        self._poller.add_done_callback(_log_poller_exit)
 
     async def close(self) -> None:
         """Stop polling and close every worker's client and the probe's channels."""
@@ -168,3 +169,8 @@ class WorkerRegistry:
             if worker.client is not None:
                 await worker.client.close()
         await self._probe.close()
+
+
+def _log_poller_exit(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("worker health polling stopped", exc_info=task.exception())
