@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -109,4 +108,3 @@ async def test_generate_without_workers_is_unavailable(stub, cluster, router):
         async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="a"), timeout=BOUND_S):
             pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    await asyncio.sleep(0)

@@ -9,8 +9,9 @@ import httpx
 import pytest
 
 from services.common.errors import CapacityError, InvalidRequestError
+from services.router.images import ImageLoader
 from tests.conftest import image_bytes
-from tests.router.conftest import MODEL_NAME, Cluster, wait_until
+from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
 from tests.router.fakes import EOS_ID, NUM_IMAGE_TOKENS, TEXT, char_ids
 
 EXPECTED = "Hello there, world!"
@@ -260,9 +261,6 @@ async def test_decode_out_of_pages_is_a_503(http, cluster):
 
 
 async def test_image_over_http_is_fetched_with_a_limit(cluster):
-    from services.router.images import ImageLoader
-    from tests.router.conftest import router_config, start_router, stop_router
-
     image = image_bytes(20, 20)
 
     def serve(request: httpx.Request) -> httpx.Response:
