@@ -61,7 +61,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transfer-backend", default="mooncake", help="KV/embedding transfer: mooncake | inprocess")
-    p.add_argument("--num-pages", type=int, default=4096, help="decode KV pages")
+    p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: discard)")

@@ -37,7 +37,7 @@ class LaunchConfig:
     device: str = "cpu"
     dtype: str | None = None
     transfer_backend: str = "mooncake"
-    num_pages: int = 4096
+    num_pages: int = 16384
     page_size: int = 16
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
