@@ -55,7 +55,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _guarded(section: str, fn: Callable[[], list[Row]]) -> list[Row]:
     try:
-        return fn()
+        rows = fn()
+        for line in table_lines(rows)[2:]:  # progress: each section's rows as soon as they exist
+            print(line, flush=True)
+        return rows
     except Exception as exc:  # the harness's last resort: one failed section must not lose the others
         traceback.print_exc()
         return [Row(section, "failed", None, None, note=f"{type(exc).__name__}: {exc}"[:300])]

@@ -10,6 +10,7 @@ written), timed on rank 1; the median of several samples is reported.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import statistics
@@ -27,6 +28,7 @@ SIZES_MIB = (16, 64, 256, 1024)
 NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 28, 16, 4, 128
 RAW_BYTES = 1 << 30
 SAMPLES = 7
+JOIN_TIMEOUT_S = 120
 
 
 def _pool(device: torch.device, num_pages: int) -> Any:
@@ -100,6 +102,7 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int) -> None:
 
 
 def _worker(rank: int, port: int, queue: Any) -> None:
+    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 10, exit=True)  # a hang prints every thread's stack
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     device = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(device)
@@ -122,7 +125,13 @@ def run_transfer_benchmark() -> list[Row]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(port, queue), nprocs=2, join=True, start_method="spawn")
+    context = mp.start_processes(_worker, args=(port, queue), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the 2-GPU transfer benchmark did not finish in {JOIN_TIMEOUT_S} s")
     result = queue.get()
     raw_ms = result["raw_ms"]
     raw_bw = RAW_BYTES / (raw_ms / 1e3)

@@ -19,9 +19,9 @@ deadline, abort, or a header that does not match the session (pages released onc
 A sender whose previous send is still pending at its next deadline (peer gone or stuck)
 raises ``UnavailableError``.
 
-The receiver keeps one header receive posted while idle: give the channel's process group
-a long timeout (hours), or NCCL's watchdog ends an idle decode process; the sessions
-carry the real deadlines.
+The receiver posts a header receive only while a session is open, so an idle decode
+process holds no pending NCCL operation (NCCL's watchdog would end it, and a process
+group cannot be destroyed under one); a send to a decode with no open session waits.
 """
 
 from __future__ import annotations
@@ -239,6 +239,9 @@ class NcclKVReceiver(BaseKVReceiver):
         ):
             try:
                 while not self._stop.is_set():
+                    if self.sessions.num_in_flight == 0:  # no receive stays posted while nothing is expected
+                        time.sleep(0.001)
+                        continue
                     header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=pool.device)
                     work = dist.irecv(header_buf, self.peer_rank, group=self.group)
                     if not self._poll([work], pool.device):

@@ -20,7 +20,7 @@ def _cuda():
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("hidden", [3584, 1280, 64])

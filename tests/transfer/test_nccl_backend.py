@@ -8,6 +8,7 @@ request; the sender refuses a passed deadline and a destination that is not its 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import time
@@ -94,6 +95,7 @@ def _sender(device: torch.device, ctrl: object) -> None:
 
 
 def _worker(rank: int, port: int, backend: str) -> None:
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang prints every thread's stack
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
