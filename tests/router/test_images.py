@@ -1,0 +1,69 @@
+"""Image URLs: http(s) fetch with a byte limit and a timeout, against a local HTTP server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from services.common.errors import InvalidRequestError
+from services.router.images import ImageLoader
+from tests.conftest import image_bytes
+
+PNG = image_bytes(40, 30, seed=1)
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self.path == "/slow.png":
+            time.sleep(3)
+        body = {"/ok.png": PNG, "/slow.png": PNG, "/big.png": b"\x89PNG" + bytes(64 * 1024),
+                "/text.png": b"hello"}.get(self.path)
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+async def test_fetches_an_image(base_url):
+    loader = ImageLoader(max_image_bytes=32 * 1024, fetch_timeout_s=2.0)
+    try:
+        assert await loader.load(f"{base_url}/ok.png", "p") == PNG
+    finally:
+        await loader.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/missing.png", "HTTP 404"),
+        ("/big.png", "larger than the limit"),
+        ("/text.png", "not an image"),
+        ("/slow.png", "fetching the image failed: ReadTimeout"),
+    ],
+)
+async def test_bad_urls_are_invalid_requests(base_url, path, message):
+    loader = ImageLoader(max_image_bytes=32 * 1024, fetch_timeout_s=0.5)
+    try:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            await loader.load(f"{base_url}{path}", "messages[0].content[0].image_url")
+        assert info.value.param == "messages[0].content[0].image_url"
+    finally:
+        await loader.close()
