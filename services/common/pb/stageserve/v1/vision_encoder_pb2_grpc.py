@@ -49,9 +49,11 @@ class VisionEncoderServicer:
     def Encode(self, request, context):
         """Makes sure every span's embedding rows are written to the given destinations:
         from the cache where present, else by encoding the image on its owner rank.
-        Returns once every span is written or failed. Per-span failures (an undecodable
-        image) are reported in the response; INVALID_ARGUMENT for a malformed request,
-        RESOURCE_EXHAUSTED when the batch does not fit, DEADLINE_EXCEEDED past the deadline.
+        Returns once every span is written. A span that cannot be served (undecodable
+        image, grid, length or hash mismatch, rows outside the destination) fails the whole
+        call with INVALID_ARGUMENT naming the span, since the prompt is unusable without
+        it; RESOURCE_EXHAUSTED when the batch does not fit, UNAVAILABLE when a destination
+        cannot be written, DEADLINE_EXCEEDED past the deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
