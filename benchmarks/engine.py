@@ -27,6 +27,7 @@ from benchmarks.random_model import CONFIG_7B, build_random_model, hf_peer
 from benchmarks.report import Row, git_commit, hardware, table_lines, write_markdown
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 
+SECTIONS = ("prefill", "decode", "vit", "hf", "transfer")
 NOTES = [
     "How to read it: *floor* is the least time the row could take on this machine: decode reads every",
     "decoder + LM-head weight once plus each request's KV (`bytes / measured copy bandwidth`); prefill and",
@@ -50,6 +51,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--no-transfer", action="store_true", help="skip the 2-GPU KV transfer rows")
     parser.add_argument("--commit", default=None, help="commit to report (default: git rev-parse)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     return parser.parse_args(argv)
 
 
@@ -64,15 +66,19 @@ def _guarded(section: str, fn: Callable[[], list[Row]]) -> list[Row]:
         return [Row(section, "failed", None, None, note=f"{type(exc).__name__}: {exc}"[:300])]
 
 
-def _engine_rows(model: Qwen2_5_VLModel, ceilings: Ceilings, quick: bool) -> list[Row]:
+def _engine_rows(model: Qwen2_5_VLModel, ceilings: Ceilings, quick: bool, sections: set[str]) -> list[Row]:
     contexts = (1024,) if quick else er.DECODE_CONTEXTS
     batches = (1, 64) if quick else er.DECODE_BATCHES
     prefill_lens = (1024, 8192) if quick else er.PREFILL_LENS
     max_tokens = max(max(batches) * (max(contexts) + 1), max(prefill_lens))
     runner = er.make_runner(model, max_tokens)
-    rows = _guarded("prefill", lambda: er.prefill_rows(runner, ceilings, prefill_lens))
-    rows += _guarded("decode", lambda: er.decode_rows(runner, ceilings, contexts, batches))
-    rows += _guarded("vit", lambda: er.vit_rows(runner, ceilings, (1,) if quick else er.IMAGE_COUNTS))
+    rows: list[Row] = []
+    if "prefill" in sections:
+        rows += _guarded("prefill", lambda: er.prefill_rows(runner, ceilings, prefill_lens))
+    if "decode" in sections:
+        rows += _guarded("decode", lambda: er.decode_rows(runner, ceilings, contexts, batches))
+    if "vit" in sections:
+        rows += _guarded("vit", lambda: er.vit_rows(runner, ceilings, (1,) if quick else er.IMAGE_COUNTS))
     return rows
 
 
@@ -113,11 +119,14 @@ def _measure_model_rows(args: argparse.Namespace) -> tuple[list[Row], str]:
     ceiling_line = (f"- ceilings (measured in this run): device copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s "
                     f"(read + write), bf16 matmul {ceilings.matmul_flops_per_s / 1e12:.0f} TFLOP/s (8192^3)")
     print(ceiling_line, flush=True)
+    sections = set(args.sections.split(","))
+    if not sections & {"prefill", "decode", "vit", "hf"}:
+        return [], ceiling_line
     model = build_random_model(args.config)
-    rows = _engine_rows(model, ceilings, args.quick)
+    rows = _engine_rows(model, ceilings, args.quick, sections)
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.no_hf:
+    if not args.no_hf and "hf" in sections:
         rows += _guarded("transformers", lambda: _add_hf_rows(rows, model, args.config, args.quick))
     return rows, ceiling_line
 
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, ceiling_line = _measure_model_rows(args)
     gc.collect()
     torch.cuda.empty_cache()
-    if not args.no_transfer and torch.cuda.device_count() >= 2:
+    if not args.no_transfer and "transfer" in args.sections.split(",") and torch.cuda.device_count() >= 2:
         rows += _guarded("transfer", _transfer_rows)
     header = [
         f"- hardware: {hardware()}",

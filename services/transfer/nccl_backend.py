@@ -3,7 +3,7 @@
 The channel is a process group holding both ranks (NCCL between GPUs; the same code
 runs over gloo on CPU, which the tests use). NCCL is two-sided, so decode takes part:
 its receiver runs a listener thread, on its own CUDA stream. Per request the sender sends one header (request id, page count, bytes),
-then the payload as ``num_chunks`` layer chunks of one contiguous staging buffer, each
+then the payload as layer chunks (about 32 MiB each, at most 8) of one contiguous staging buffer, each
 chunk ``[2 (K, V), chunk layers, pages, page_size, kv_heads, head_dim]``: gathering chunk
 i+1 overlaps sending chunk i, and scattering chunk i overlaps receiving chunk i+1. Pages
 are gathered / scattered with one indexed copy per chunk: never one call per page.
@@ -56,7 +56,8 @@ from services.transfer.base import (
 )
 
 HEADER_BYTES = 1024
-DEFAULT_NUM_CHUNKS = 4
+CHUNK_BYTES = 32 * 1024 * 1024  # target chunk size: enough to pipeline, few enough calls
+MAX_CHUNKS = 8
 
 
 class _Header(msgspec.Struct, frozen=True):
@@ -142,10 +143,10 @@ class NcclKVSender(BaseKVSender):
 
     backend = "nccl"
 
-    def __init__(self, peer_rank: int, group: Any = None, num_chunks: int = DEFAULT_NUM_CHUNKS) -> None:
+    def __init__(self, peer_rank: int, group: Any = None, num_chunks: int | None = None) -> None:
         self.peer_rank = peer_rank
         self.group = group
-        self.num_chunks = num_chunks
+        self.num_chunks = num_chunks  # None: one per CHUNK_BYTES, at most MAX_CHUNKS
         self._lock = threading.Lock()
         self._pending: Callable[[], bool] | None = None  # completion of a send that missed its deadline
         self._pending_keep: list[torch.Tensor] = []  # its buffers, alive until the works complete
@@ -172,9 +173,10 @@ class NcclKVSender(BaseKVSender):
 
     def _post(self, request_id: str, pool: KVPool, src_pages: Sequence[int]) -> tuple[list[Any], list[torch.Tensor]]:
         device = pool.device
-        chunks = layer_chunks(pool.num_layers, self.num_chunks)
         numel = 2 * pool.num_layers * len(src_pages) * pool.page_size * pool.num_kv_heads * pool.head_dim
         flat = torch.empty(numel, dtype=pool.dtype, device=device)
+        num_chunks = self.num_chunks or max(1, min(MAX_CHUNKS, numel * flat.element_size() // CHUNK_BYTES))
+        chunks = layer_chunks(pool.num_layers, num_chunks)
         header = _Header(request_id, len(src_pages), numel * flat.element_size(), len(chunks))
         header_buf = encode_header(header, device)
         index = torch.tensor(list(src_pages), dtype=torch.long, device=device)
@@ -197,6 +199,7 @@ class NcclKVReceiver(BaseKVReceiver):
         self.group = group
         self._rank = dist.get_rank()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set when a session opens (or on close): the listener posts a receive
         self._scatter_lock = threading.Lock()  # held from scatter launch until it landed
         self._thread: threading.Thread | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -213,7 +216,9 @@ class NcclKVReceiver(BaseKVReceiver):
             with self._scatter_lock:
                 release(rid, page_ids)
 
-        return super().open_session(request_id, pages, deadline, release_after_scatter)
+        session = super().open_session(request_id, pages, deadline, release_after_scatter)
+        self._wake.set()
+        return session
 
     def _register_memory(self, pool: KVPool) -> None:
         if pool.device.type == "cuda":
@@ -224,6 +229,7 @@ class NcclKVReceiver(BaseKVReceiver):
     def _unregister_memory(self, pool: KVPool) -> None:
         del pool
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
@@ -240,7 +246,8 @@ class NcclKVReceiver(BaseKVReceiver):
             try:
                 while not self._stop.is_set():
                     if self.sessions.num_in_flight == 0:  # no receive stays posted while nothing is expected
-                        time.sleep(0.001)
+                        self._wake.wait(0.05)
+                        self._wake.clear()
                         continue
                     header_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=pool.device)
                     work = dist.irecv(header_buf, self.peer_rank, group=self.group)
