@@ -7,8 +7,6 @@ with one slice copy.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,35 +25,14 @@ from services.transfer.embeddings import (
     check_rows,
     coalesce_runs,
 )
+from services.transfer.inprocess_registry import InProcessRegistry
 
 
-class EmbeddingFabric:
+class EmbeddingFabric(InProcessRegistry[EmbeddingBuffer]):
     """``session_id`` -> registered embedding buffer, shared by the senders and receivers of one process."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, EmbeddingBuffer] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
-
-    def new_session_id(self) -> str:
-        return f"inprocess-embeddings-{next(self._ids)}"
-
-    def register(self, session_id: str, buffer: EmbeddingBuffer) -> None:
-        with self._lock:
-            assert session_id not in self._buffers, f"{session_id} already registered"
-            self._buffers[session_id] = buffer
-
-    def unregister(self, session_id: str) -> None:
-        with self._lock:
-            self._buffers.pop(session_id, None)
-
-    def buffer(self, session_id: str) -> EmbeddingBuffer:
-        """The buffer registered as ``session_id``; ``UnavailableError`` when none is."""
-        with self._lock:
-            buffer = self._buffers.get(session_id)
-        if buffer is None:
-            raise UnavailableError(f"no in-process embedding buffer registered as {session_id}")
-        return buffer
+        super().__init__(id_prefix="inprocess-embeddings", kind="embedding buffer")
 
 
 _DEFAULT_FABRIC = EmbeddingFabric()  # used when a caller wires one process without passing a fabric
@@ -73,7 +50,7 @@ class InProcessEmbeddingSender(BaseEmbeddingSender):
         start = time.monotonic()
         check_rows(request_id, rows, runs, dst)
         check_deadline(request_id, deadline)
-        buffer = self._fabric.buffer(dst.session_id)
+        buffer = self._fabric.get(dst.session_id)
         try:
             first_row = buffer.row_of_address(dst.base_address)
         except ValueError as exc:

@@ -7,8 +7,6 @@ K and V with one slice copy per run.
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -25,35 +23,14 @@ from services.transfer.base import (
     page_runs,
     pool_layout,
 )
+from services.transfer.inprocess_registry import InProcessRegistry
 
 
-class InProcessFabric:
+class InProcessFabric(InProcessRegistry[KVPool]):
     """``session_id`` -> registered decode pool, shared by the senders and receivers of one process."""
 
     def __init__(self) -> None:
-        self._pools: dict[str, KVPool] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
-
-    def new_session_id(self) -> str:
-        return f"inprocess-{next(self._ids)}"
-
-    def register(self, session_id: str, pool: KVPool) -> None:
-        with self._lock:
-            assert session_id not in self._pools, f"{session_id} already registered"
-            self._pools[session_id] = pool
-
-    def unregister(self, session_id: str) -> None:
-        with self._lock:
-            self._pools.pop(session_id, None)
-
-    def pool(self, session_id: str) -> KVPool:
-        """The pool registered as ``session_id``; ``UnavailableError`` when none is."""
-        with self._lock:
-            pool = self._pools.get(session_id)
-        if pool is None:
-            raise UnavailableError(f"no in-process KV pool registered as {session_id}")
-        return pool
+        super().__init__(id_prefix="inprocess", kind="KV pool")
 
 
 _DEFAULT_FABRIC = InProcessFabric()  # used when a caller wires one process without passing a fabric
@@ -71,7 +48,7 @@ class InProcessKVSender(BaseKVSender):
         start = time.monotonic()
         check_compatible(pool_layout(src_pool), src_pages, dst)
         check_deadline(request_id, deadline)
-        dst_pool = self._fabric.pool(dst.session_id)
+        dst_pool = self._fabric.get(dst.session_id)
         if dst_pool.k_buffer.data_ptr() != dst.layout.k_base:
             raise UnavailableError(
                 f"{dst.session_id} re-registered a different pool since {request_id} started"
