@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from services.common.errors import CapacityError, DeadlineExceededError, UnavailableError
-from services.transfer.base import TransferPlan, TransferResult
+from services.common.errors import CapacityError
+from services.transfer.base import TransferResult
 from services.transfer.embeddings import (
     BaseEmbeddingReceiver,
     BaseEmbeddingSender,
@@ -35,17 +35,7 @@ from services.transfer.embeddings import (
     coalesce_runs,
     plan_row_transfer,
 )
-from services.transfer.mooncake_backend import MooncakeEngine
-
-
-class _RowEngine(MooncakeEngine):
-    """``MooncakeEngine`` that can also unregister single regions (per-send registrations)."""
-
-    def unregister(self, addrs: Sequence[int]) -> None:
-        rc = self._engine.batch_unregister_memory(list(addrs))
-        if rc < 0:
-            raise UnavailableError(f"mooncake unregister_memory failed for {self.session_id} (rc={rc})")
-        self._registered = [a for a in self._registered if a not in set(addrs)]
+from services.transfer.mooncake_engine import MooncakeEngine
 
 
 class MooncakeEmbeddingReceiver(BaseEmbeddingReceiver):
@@ -55,7 +45,7 @@ class MooncakeEmbeddingReceiver(BaseEmbeddingReceiver):
         self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self._engine = _RowEngine(hostname, protocol, device_name)
+        self._engine = MooncakeEngine(hostname, protocol, device_name)
 
     @property
     def session_id(self) -> str:
@@ -81,7 +71,7 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         max_descriptors_per_call: int = 1024,
     ) -> None:
         assert staging_rows > 0 and max_descriptors_per_call > 0
-        self._engine = _RowEngine(hostname, protocol, device_name)
+        self._engine = MooncakeEngine(hostname, protocol, device_name)
         self._staging_rows = staging_rows
         self._max_descriptors = max_descriptors_per_call
         self._staging: EmbeddingBuffer | None = None
@@ -100,10 +90,14 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         src, release = self._stage(rows)
         try:
             plan = plan_row_transfer(src.data_ptr(), merged, rows.shape[1] * rows.element_size(), dst)
+            remaining = check_deadline(request_id, deadline)
         except BaseException:
             release()
             raise
-        self._write_before(request_id, dst.session_id, plan, deadline, release)
+        self._engine.write_within(
+            dst.session_id, plan, self._max_descriptors, remaining,
+            what=f"embedding transfer for {request_id}", thread_name=f"embedding-send-{request_id}", on_done=release,
+        )
         return TransferResult(request_id, plan.num_bytes, plan.num_descriptors, time.monotonic() - start)
 
     def _stage(self, rows: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -131,36 +125,6 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         staging = self._staging
         same = (staging.hidden_size, staging.dtype, staging.tensor.device) == (rows.shape[1], rows.dtype, rows.device)
         return staging if same else None
-
-    def _write_before(
-        self, request_id: str, peer: str, plan: TransferPlan, deadline: float, release: Callable[[], None]
-    ) -> None:
-        errors: list[BaseException] = []
-        done, stop = threading.Event(), threading.Event()
-
-        def run() -> None:
-            try:
-                self._engine.write(peer, plan, self._max_descriptors, stop)
-            except BaseException as exc:  # handed to the waiting caller below
-                errors.append(exc)
-            finally:
-                release()
-                done.set()
-
-        try:
-            remaining = check_deadline(request_id, deadline)
-        except DeadlineExceededError:
-            release()
-            raise
-        threading.Thread(target=run, name=f"embedding-send-{request_id}", daemon=True).start()
-        if not done.wait(remaining):
-            stop.set()
-            raise DeadlineExceededError(
-                f"embedding transfer for {request_id} to {peer} did not finish before its deadline "
-                f"({plan.num_bytes} bytes); the peer is slow or unreachable"
-            )
-        if errors:
-            raise errors[0]
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,122 @@
+"""One Mooncake ``TransferEngine`` in P2P-handshake mode, shared by the KV and embedding backends.
+
+There is no metadata server: a receiver's ``session_id`` is ``"host:rpc_port"``, and a
+sender opens the segment on the first write to it. A plan is written in
+``batch_transfer_sync_write`` calls of at most ``max_descriptors`` descriptors: the TCP
+transport queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (1024) +
+``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (1024) descriptors per peer and fails a larger
+batch outright (measured: 2049 pass, 3000 fail).
+
+The engine call blocks (GIL released) until the bytes land, the peer fails, or the
+engine's own timeout passes (``MC_TRANSFER_TIMEOUT``; a peer that accepts TCP but never
+answers the handshake holds it for about 60 s). ``write_within`` runs it on a daemon
+thread and stops waiting at the caller's deadline, so a slow peer becomes
+``DeadlineExceededError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from services.common.errors import DeadlineExceededError, UnavailableError
+from services.transfer.base import TransferPlan
+
+_INSTALL_HINT = (
+    "install mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (GPU) "
+    "and libibverbs1 librdmacm1 libnuma1"
+)
+
+
+class MooncakeEngine:
+    """One ``mooncake.engine.TransferEngine``; C return codes < 0 become ``UnavailableError``."""
+
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:  # the wheel, or a shared library it links (libibverbs, libnuma)
+            raise ImportError(f"Mooncake transfer backend unavailable ({exc}): {_INSTALL_HINT}") from exc
+        self._engine: Any = TransferEngine()
+        _check(
+            self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name), "initialize", hostname
+        )
+        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._registered: list[int] = []
+
+    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+        addrs = [addr for addr, _ in regions]
+        _check(
+            self._engine.batch_register_memory(addrs, [n for _, n in regions]),
+            "register_memory",
+            self.session_id,
+        )
+        self._registered.extend(addrs)
+
+    def unregister(self, addrs: Sequence[int]) -> None:
+        """Unregister single regions (per-send registrations) by their start address."""
+        _check(self._engine.batch_unregister_memory(list(addrs)), "unregister_memory", self.session_id)
+        gone = set(addrs)
+        self._registered = [a for a in self._registered if a not in gone]
+
+    def unregister_all(self) -> None:
+        if self._registered:
+            _check(
+                self._engine.batch_unregister_memory(self._registered), "unregister_memory", self.session_id
+            )
+            self._registered = []
+
+    def write(self, peer: str, plan: TransferPlan, max_descriptors: int, stop: threading.Event) -> None:
+        """Blocking write of ``plan`` into ``peer``'s registered memory, ``max_descriptors`` per call."""
+        for begin in range(0, plan.num_descriptors, max_descriptors):
+            if stop.is_set():  # the caller gave up at its deadline: issue no more batches
+                return
+            end = begin + max_descriptors
+            lengths = list(plan.lengths[begin:end])
+            rc = self._engine.batch_transfer_sync_write(
+                peer, list(plan.src_addrs[begin:end]), list(plan.dst_addrs[begin:end]), lengths
+            )
+            _check(rc, f"batch write of {sum(lengths)} bytes in {len(lengths)} descriptors", peer)
+
+    def write_within(
+        self,
+        peer: str,
+        plan: TransferPlan,
+        max_descriptors: int,
+        timeout_s: float,
+        what: str,
+        thread_name: str,
+        on_done: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``write`` on a daemon thread, waiting at most ``timeout_s`` seconds for it.
+
+        Raises the write's error, or ``DeadlineExceededError`` naming ``what`` (``"KV transfer
+        for req-1"``) when the wait runs out; the abandoned write then issues no more batches.
+        ``on_done`` runs on that thread once the engine call returns, even after the caller gave up.
+        """
+        errors: list[BaseException] = []
+        done, stop = threading.Event(), threading.Event()
+
+        def run() -> None:
+            try:
+                self.write(peer, plan, max_descriptors, stop)
+            except BaseException as exc:  # handed to the waiting caller below
+                errors.append(exc)
+            finally:
+                on_done()
+                done.set()
+
+        threading.Thread(target=run, name=thread_name, daemon=True).start()
+        if not done.wait(timeout_s):
+            stop.set()
+            raise DeadlineExceededError(
+                f"{what} to {peer} did not finish before its deadline "
+                f"({plan.num_bytes} bytes); the peer is slow or unreachable"
+            )
+        if errors:
+            raise errors[0]
+
+
+def _check(rc: int, what: str, peer: str) -> None:
+    if rc < 0:
+        raise UnavailableError(f"mooncake {what} failed for {peer} (rc={rc})")
