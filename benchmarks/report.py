@@ -67,20 +67,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+SECTION_TITLE = "## Engine (`python -m benchmarks.engine`)"
+
+
 def write_markdown(path: Path, rows: list[Row], header_lines: list[str], notes: list[str]) -> None:
+    """Write (or replace) the engine section of ``path``; other sections of the file are kept."""
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = [
-        "# Benchmarks",
-        "",
-        "## Engine (`python -m benchmarks.engine`)",
-        "",
-        *header_lines,
-        f"- date: {date}",
-        "",
-        *table_lines(rows),
-        "",
-        *notes,
-        "",
-    ]
+    section = [SECTION_TITLE, "", *header_lines, f"- date: {date}", "", *table_lines(rows), "", *notes, ""]
+    old = path.read_text() if path.is_file() else "# Benchmarks\n"
+    before, found, rest = old.partition(SECTION_TITLE + "\n")
+    if found:
+        next_heading = rest.find("\n## ")
+        after = rest[next_heading + 1 :] if next_heading >= 0 else ""
+    else:
+        before, after = old.rstrip("\n") + "\n\n", ""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(text))
+    path.write_text(before + "\n".join(section) + ("\n" + after if after else ""))
