@@ -61,6 +61,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transfer-backend", default="mooncake", help="KV/embedding transfer: mooncake | inprocess")
+    p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
     p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--ready-timeout-s", type=float, default=300.0)
@@ -74,7 +75,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
     return run_up(LaunchConfig(
         model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device, dtype=args.dtype,
-        transfer_backend=args.transfer_backend, num_pages=args.num_pages, page_size=args.page_size,
+        transfer_backend=args.transfer_backend, attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
         ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
     ))
 

@@ -37,6 +37,7 @@ class LaunchConfig:
     device: str = "cpu"
     dtype: str | None = None
     transfer_backend: str = "mooncake"
+    attention_backend: str = "torch"
     num_pages: int = 16384
     page_size: int = 16
     ready_timeout_s: float = 300.0
@@ -113,9 +114,12 @@ class Launcher:
         transfer = ["--transfer-backend", cfg.transfer_backend]
         tokenizer = self.start("tokenizer", [])
         encoder = self.start("vision_encoder", transfer)
-        decode = self.start("decode", [*transfer, "--num-pages", str(cfg.num_pages), "--page-size", str(cfg.page_size)])
+        decode = self.start("decode", [
+            *transfer, "--num-pages", str(cfg.num_pages), "--page-size", str(cfg.page_size),
+            "--attention-backend", cfg.attention_backend,
+        ])
         self.wait_ready([tokenizer, encoder, decode])
-        pages = ["--page-size", str(cfg.page_size)]
+        pages = ["--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend]
         prefill = self.start("prefill", [*transfer, *pages, "--encoder-address", encoder.address])
         self.wait_ready([prefill])
         router = self.start("router", [
