@@ -11,10 +11,10 @@ import contextlib
 import logging
 import sys
 
-from services.common import telemetry
 from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
+from services.common.service_main import print_ready, setup_logging, start_telemetry
 from services.decode.builder import build_engine
 from services.decode.config import DecodeConfig, parse_config
 from services.decode.engine import DecodeEngine
@@ -35,8 +35,7 @@ async def watch_health(engine: DecodeEngine, health: HealthState, interval_s: fl
 
 
 async def serve(config: DecodeConfig) -> None:
-    telemetry.init_tracing("decode", Envs.from_environ())
-    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    metrics_port = start_telemetry("decode", Envs.from_environ(), config.host, config.metrics_port)
     health = HealthState()
     servicer = DecodeServicer(config.reservation_timeout_s)
     server, port = create_server(
@@ -49,7 +48,7 @@ async def serve(config: DecodeConfig) -> None:
     engine.start()
     watchdog = asyncio.create_task(watch_health(engine, health))
     health.set_serving(True)
-    print(f"READY decode port={port} metrics_port={metrics_port}", flush=True)
+    print_ready("decode", port=port, metrics_port=metrics_port)
 
     async def release() -> None:
         watchdog.cancel()
@@ -63,10 +62,7 @@ async def serve(config: DecodeConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
-    logging.basicConfig(
-        stream=sys.stderr, level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config.log_level)
     asyncio.run(serve(config))
     return 0
 

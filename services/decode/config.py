@@ -7,17 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.cli import BUNDLED_MODEL
+from services.common.service_main import ServiceConfig, add_common_args
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(ServiceConfig):
     model: Path = BUNDLED_MODEL
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    device: str = "cpu"
-    dtype: str | None = None  # None: the checkpoint's
-    log_level: str = "INFO"
     num_pages: int = 2048
     page_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -32,13 +27,7 @@ class DecodeConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.decode", description="The stageserve decode service.")
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and metrics servers bind")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed on READY)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    p.add_argument("--log-level", default="INFO")
+    add_common_args(p)
     p.add_argument("--num-pages", type=int, default=2048, help="KV pages in the pool")
     p.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
     p.add_argument("--max-model-len", type=int, default=None,

@@ -6,16 +6,14 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
-from services.common import telemetry
 from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.errors import StageServeError
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
+from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
@@ -25,13 +23,7 @@ logger = logging.getLogger("services.prefill")
 
 def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed in the READY line)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    p.add_argument("--log-level", default="INFO")
+    add_common_args(p)
     p.add_argument("--encoder-address", default="", help="vision encoder host:port (empty: text-only prompts)")
     p.add_argument("--transfer-backend", default="mooncake", help="KV and embedding transfer: mooncake | inprocess")
     p.add_argument("--transfer-host", "--transfer-hostname", dest="transfer_hostname", default="", help="address the transfer engine advertises (default --host)")
@@ -54,8 +46,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
 
 
 async def serve(config: PrefillConfig) -> int:
-    telemetry.init_tracing("prefill", Envs.from_environ())
-    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    metrics_port = start_telemetry("prefill", Envs.from_environ(), config.host, config.metrics_port)
     health = HealthState()
     servicer = PrefillServicer(config.default_timeout_s)
     server, port = create_server(
@@ -71,7 +62,7 @@ async def serve(config: PrefillConfig) -> int:
     await app.start()
     servicer.attach(app.leader)
     health.set_serving(True)
-    print(f"READY prefill port={port} metrics_port={metrics_port}", flush=True)
+    print_ready("prefill", port=port, metrics_port=metrics_port)
 
     async def release() -> None:
         await app.close()
@@ -92,10 +83,7 @@ async def _wait_encoder_ready(config: PrefillConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config.log_level)
     try:
         return asyncio.run(serve(config))
     except StageServeError as exc:

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from services.common.service_main import ServiceConfig
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
-    model: Path
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    device: str = "cpu"
-    dtype: str | None = None  # None: the checkpoint's
-    log_level: str = "INFO"
+class PrefillConfig(ServiceConfig):
     encoder_address: str = ""  # vision encoder "host:port"; empty: text-only prompts
     transfer_backend: str = "mooncake"  # KV to decode and embedding rows from the encoder
     transfer_hostname: str = ""  # address the transfer engine advertises; empty: --host

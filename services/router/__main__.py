@@ -14,9 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
-from services.common import telemetry
 from services.common.envs import Envs
+from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
 from services.router.app import GRPC_GRACE_S, RouterApp
 from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 
@@ -25,17 +24,12 @@ logger = logging.getLogger("services.router")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="checkpoint directory (tokenizer, config)")
+    add_common_args(p, runs_model=False, log_level_default=None)
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the dir name)")
     p.add_argument("--max-context-len", type=int, default=0, help="default: the model's max_position_embeddings")
-    p.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = any free port)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (also served at HTTP /metrics)")
-    p.add_argument("--device", default="cpu", help="unused (the router runs no model); accepted for uniformity")
-    p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
-    p.add_argument("--log-level", default=None, help="default: STAGESERVE_LOG_LEVEL or INFO")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI HTTP port (0 = any free port); also serves /metrics")
     for kind in ("tokenizer", "prefill", "decode", "encoder"):
         p.add_argument(f"--{kind}-address", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {kind} worker (repeatable)")
@@ -95,10 +89,7 @@ async def serve(cfg: RouterConfig, metrics_port: int) -> None:
     app = RouterApp.build(cfg)
     http_socket = bind_http_socket(cfg.http_host, cfg.http_port)
     await app.start(http_socket)
-    print(
-        f"READY router port={app.grpc_port} http_port={http_socket.getsockname()[1]} metrics_port={metrics_port}",
-        flush=True,
-    )
+    print_ready("router", port=app.grpc_port, http_port=http_socket.getsockname()[1], metrics_port=metrics_port)
     await serve_until_signal(app.grpc_server, app.health, app.stop, grace_s=GRPC_GRACE_S)
 
 
@@ -106,10 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     envs = Envs.from_environ()
     cfg = config_from_args(args, envs)
-    logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    telemetry.init_tracing("router", envs)
-    metrics_port = telemetry.start_metrics_server(cfg.metrics_port, cfg.host)
+    setup_logging(cfg.log_level)
+    metrics_port = start_telemetry("router", envs, cfg.host, cfg.metrics_port)
     asyncio.run(serve(cfg, metrics_port))
     return 0
 

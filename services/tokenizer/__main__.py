@@ -11,14 +11,12 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
-from services.common import telemetry
 from services.common.envs import Envs
 from services.common.errors import StageServeError
 from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
+from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
 from services.engine.processing import TextProcessor
 from services.tokenizer.config import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Limits, TokenizerConfig
 from services.tokenizer.metrics import TokenizerMetrics
@@ -31,13 +29,7 @@ logger = logging.getLogger("services.tokenizer")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC and metrics on")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed on the READY line)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
-    p.add_argument("--device", default="cpu", help="accepted for uniformity; the tokenizer runs on CPU")
-    p.add_argument("--dtype", default=None, help="accepted for uniformity; unused")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL or INFO)")
+    add_common_args(p, runs_model=False, log_level_default=None)
     p.add_argument("--num-workers", type=int, default=1,
                    help="worker processes for tokenization and image decoding (0: one thread in this process)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -68,8 +60,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
 
 
 async def serve(config: TokenizerConfig, envs: Envs) -> None:
-    telemetry.init_tracing("tokenizer", envs)
-    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    metrics_port = start_telemetry("tokenizer", envs, config.host, config.metrics_port)
     text = TextProcessor.from_dir(config.model_dir)
     pool = WorkerPool(config.model_dir, config.limits, config.num_workers)
     servicer = TokenizerServicer(pool, text, TokenizerMetrics())
@@ -88,7 +79,7 @@ async def serve(config: TokenizerConfig, envs: Envs) -> None:
     health.set_serving(True)
     logger.info("serving %s on %s:%d with %d workers, %s", config.model_dir, config.host, port,
                 config.num_workers, config.limits)
-    print(f"READY tokenizer port={port} metrics_port={metrics_port}", flush=True)
+    print_ready("tokenizer", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, pool.close)
 
 
@@ -96,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
     try:
         config = parse_config(argv, envs)
-        logging.basicConfig(
-            level=config.log_level, stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        setup_logging(config.log_level)
         asyncio.run(serve(config, envs))
     except StageServeError as exc:
         print(f"tokenizer: error: {exc.message}", file=sys.stderr)

@@ -6,12 +6,10 @@ import argparse
 import asyncio
 import logging
 import sys
-from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
-from services.common import telemetry
 from services.common.envs import Envs
 from services.common.server import HealthState, serve_until_signal
+from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
 from services.vision_encoder.app import build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
@@ -21,13 +19,7 @@ logger = logging.getLogger("services.vision_encoder")
 
 def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
     p = argparse.ArgumentParser(prog="python -m services.vision_encoder", description=__doc__)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: pick a free one)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    p.add_argument("--log-level", default="INFO")
+    add_common_args(p)
     p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "inprocess"])
     p.add_argument("--transfer-host", default="127.0.0.1", help="address the transfer engine binds (Mooncake)")
     p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
@@ -47,8 +39,7 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
 
 
 async def serve(config: VisionEncoderConfig) -> None:
-    telemetry.init_tracing("vision_encoder", Envs.from_environ())
-    metrics_port = telemetry.start_metrics_server(config.metrics_port, config.host)
+    metrics_port = start_telemetry("vision_encoder", Envs.from_environ(), config.host, config.metrics_port)
     app = await asyncio.to_thread(build_app, config, VisionEncoderMetrics())
     health = HealthState()
     server, port = create_grpc_server(app, config, health)
@@ -56,15 +47,13 @@ async def serve(config: VisionEncoderConfig) -> None:
     await asyncio.to_thread(app.worker.warmup)
     health.set_serving(True)
     logger.info("serving on %s:%d (transfer %s)", config.host, port, config.transfer_backend)
-    print(f"READY vision_encoder port={port} metrics_port={metrics_port}", flush=True)
+    print_ready("vision_encoder", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, app.close)
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(config.log_level)
     asyncio.run(serve(config))
     return 0
 

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from services.common.service_main import ServiceConfig
 
 
 @dataclass(frozen=True)
-class VisionEncoderConfig:
-    model: Path
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    device: str = "cpu"
-    dtype: str | None = None  # None: the checkpoint's
-    log_level: str = "INFO"
+class VisionEncoderConfig(ServiceConfig):
     transfer_backend: str = "mooncake"  # embedding rows to prefill: "mooncake" | "inprocess"
     transfer_host: str = "127.0.0.1"  # address this process's transfer engine binds (Mooncake)
     transfer_protocol: str = "tcp"  # Mooncake transport: "tcp" | "rdma"

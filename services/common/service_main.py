@@ -1,0 +1,68 @@
+"""What every service's ``__main__`` shares: the common flags, logging, telemetry, the READY line.
+
+Each service accepts ``--model --host --port --metrics-port --device --dtype --log-level``
+(the launcher passes the first five to all of them) and prints one
+``READY <service> port=<grpc> ... metrics_port=<port>`` line on stdout once it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cli import BUNDLED_MODEL
+from services.common import telemetry
+from services.common.envs import Envs
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The fields ``add_common_args`` fills; a service's config extends it with its own."""
+
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    device: str = "cpu"
+    dtype: str | None = None  # None: the checkpoint's
+    log_level: str = "INFO"
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser, *, runs_model: bool = True, log_level_default: str | None = "INFO"
+) -> None:
+    """Add the flags every service takes. Without ``runs_model``, ``--device`` and ``--dtype`` are
+    accepted and unused; ``log_level_default=None`` leaves the level to ``STAGESERVE_LOG_LEVEL``."""
+    p = parser
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and metrics servers bind")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one, printed on the READY line)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)")
+    if runs_model:
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    else:
+        p.add_argument("--device", default="cpu", help="unused (this service runs no model); accepted for uniformity")
+        p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
+    levels = "DEBUG, INFO, ..." + (" (default: STAGESERVE_LOG_LEVEL or INFO)" if log_level_default is None else "")
+    p.add_argument("--log-level", default=log_level_default, help=levels)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+
+
+def start_telemetry(service: str, envs: Envs, host: str, metrics_port: int) -> int:
+    """Start tracing and the ``/metrics`` server; returns the metrics port actually bound."""
+    telemetry.init_tracing(service, envs)
+    return telemetry.start_metrics_server(metrics_port, host)
+
+
+def print_ready(service: str, **ports: int) -> None:
+    """``READY <service> port=... metrics_port=...`` on stdout, the line the launcher waits for."""
+    print(" ".join(["READY", service, *(f"{name}={port}" for name, port in ports.items())]), flush=True)
