@@ -10,6 +10,7 @@ metadata, so ``error_from_rpc`` on the client rebuilds the same class.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -99,6 +100,18 @@ async def _abort_unexpected(context: grpc.aio.ServicerContext, name: str, exc: E
     raise AssertionError("context.abort returned")
 
 
+@contextlib.asynccontextmanager
+async def _aborting_on_error(context: grpc.aio.ServicerContext, name: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except StageServeError as exc:
+        await abort_with_error(context, exc)
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # the servicer's last-resort handler
+        await _abort_unexpected(context, name, exc)
+
+
 def handle_errors(method: F) -> F:
     """Wrap a servicer method (``async def`` or async generator) so it always ends with a status.
 
@@ -111,16 +124,9 @@ def handle_errors(method: F) -> F:
 
         @functools.wraps(method)
         async def stream_wrapper(*args: Any) -> AsyncIterator[Any]:
-            context = args[-1]
-            try:
+            async with _aborting_on_error(args[-1], name):
                 async for item in method(*args):
                     yield item
-            except StageServeError as exc:
-                await abort_with_error(context, exc)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # the servicer's last-resort handler
-                await _abort_unexpected(context, name, exc)
 
         return stream_wrapper  # type: ignore[return-value]
 
@@ -129,14 +135,7 @@ def handle_errors(method: F) -> F:
 
     @functools.wraps(method)
     async def unary_wrapper(*args: Any) -> Any:
-        context = args[-1]
-        try:
+        async with _aborting_on_error(args[-1], name):
             return await method(*args)
-        except StageServeError as exc:
-            await abort_with_error(context, exc)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # the servicer's last-resort handler
-            await _abort_unexpected(context, name, exc)
 
     return unary_wrapper  # type: ignore[return-value]
