@@ -24,55 +24,35 @@ from services.transfer.base import (
 from services.transfer.embeddings import BaseEmbeddingReceiver, BaseEmbeddingSender, EmbeddingDestination
 
 
-def _mooncake_sender(**kwargs: Any) -> BaseKVSender:
-    from services.transfer.mooncake_backend import MooncakeKVSender
-
-    return MooncakeKVSender(**kwargs)
-
-
-def _mooncake_receiver(**kwargs: Any) -> BaseKVReceiver:
-    from services.transfer.mooncake_backend import MooncakeKVReceiver
-
-    return MooncakeKVReceiver(**kwargs)
-
-
-def _inprocess_sender(**kwargs: Any) -> BaseKVSender:
-    from services.transfer.inprocess_backend import InProcessKVSender
-
-    return InProcessKVSender(**kwargs)
-
-
-def _inprocess_receiver(**kwargs: Any) -> BaseKVReceiver:
-    from services.transfer.inprocess_backend import InProcessKVReceiver
-
-    return InProcessKVReceiver(**kwargs)
-
-
-_SENDER_FACTORIES: dict[str, Callable[..., BaseKVSender]] = {
-    "mooncake": _mooncake_sender,
-    "inprocess": _inprocess_sender,
-}
-_RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
-    "mooncake": _mooncake_receiver,
-    "inprocess": _inprocess_receiver,
-}
-
-
-def _embedding_factory(module: str, cls: str) -> Callable[..., Any]:
+def _factory(module: str, cls: str) -> Callable[..., Any]:
     def create(**kwargs: Any) -> Any:
         return getattr(importlib.import_module(f"services.transfer.{module}"), cls)(**kwargs)
 
     return create
 
 
+# "nccl" needs a torch.distributed group spanning prefill and decode (GPUs of one host):
+# create it with peer_rank= and group=.
+_SENDER_FACTORIES: dict[str, Callable[..., BaseKVSender]] = {
+    "mooncake": _factory("mooncake_backend", "MooncakeKVSender"),
+    "inprocess": _factory("inprocess_backend", "InProcessKVSender"),
+    "nccl": _factory("nccl_backend", "NcclKVSender"),
+}
+_RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
+    "mooncake": _factory("mooncake_backend", "MooncakeKVReceiver"),
+    "inprocess": _factory("inprocess_backend", "InProcessKVReceiver"),
+    "nccl": _factory("nccl_backend", "NcclKVReceiver"),
+}
+
+
 # Embedding rows (vision encoder -> prefill), same backend names as the KV handoff.
 _EMBEDDING_SENDER_FACTORIES: dict[str, Callable[..., BaseEmbeddingSender]] = {
-    "mooncake": _embedding_factory("embeddings_mooncake", "MooncakeEmbeddingSender"),
-    "inprocess": _embedding_factory("embeddings_inprocess", "InProcessEmbeddingSender"),
+    "mooncake": _factory("embeddings_mooncake", "MooncakeEmbeddingSender"),
+    "inprocess": _factory("embeddings_inprocess", "InProcessEmbeddingSender"),
 }
 _EMBEDDING_RECEIVER_FACTORIES: dict[str, Callable[..., BaseEmbeddingReceiver]] = {
-    "mooncake": _embedding_factory("embeddings_mooncake", "MooncakeEmbeddingReceiver"),
-    "inprocess": _embedding_factory("embeddings_inprocess", "InProcessEmbeddingReceiver"),
+    "mooncake": _factory("embeddings_mooncake", "MooncakeEmbeddingReceiver"),
+    "inprocess": _factory("embeddings_inprocess", "InProcessEmbeddingReceiver"),
 }
 
 
