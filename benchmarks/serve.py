@@ -178,7 +178,9 @@ class _Run:
 
 async def run_benchmark(cfg: BenchConfig) -> tuple[str, list[RequestRecord], float]:
     """Resolve the model, build the requests, run them; returns (model, records, duration_s)."""
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"content-type": "application/json"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
     timeout = httpx.Timeout(cfg.request_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:

@@ -283,3 +283,9 @@ async def test_image_over_http_is_fetched_with_a_limit(cluster):
                 assert bad.status_code == 400, bad.text
     finally:
         await stop_router(app)
+
+
+async def test_body_without_json_content_type_gets_a_clear_400(http):
+    response = await http.post("/v1/chat/completions", content=b'{"model": "m", "messages": []}')
+    assert response.status_code == 400
+    assert "content-type: application/json" in response.json()["error"]["message"]
