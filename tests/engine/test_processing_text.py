@@ -9,10 +9,10 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from services.common.errors import InvalidRequestError
+from services.engine.processing.detokenize import byte_level_char_to_byte
 from services.engine.processing.text import (
     PlaceholderSpan,
     TextProcessor,
-    _byte_level_char_to_byte,
     expand_image_placeholders,
     iter_image_parts,
 )
@@ -181,7 +181,7 @@ def test_detokenizer_matches_decode_on_random_ids(processor, seed):
 
 
 def test_byte_level_alphabet_matches_tokenizers():
-    char_to_byte = _byte_level_char_to_byte()
+    char_to_byte = byte_level_char_to_byte()
     assert set(char_to_byte) == set(pre_tokenizers.ByteLevel.alphabet())
     assert sorted(char_to_byte.values()) == list(range(256))
 
