@@ -167,6 +167,13 @@ class RequestPageTable:
 
     def release(self, request_id: str) -> None:
         """Free every page of ``request_id``; a no-op for an unknown request."""
-        pages = self._pages.pop(request_id, None)
+        pages = self.detach(request_id)
         if pages:
             self.manager.free(pages)
+
+    def detach(self, request_id: str) -> list[int]:
+        """Forget ``request_id`` and hand its pages to the caller, still allocated; [] when unknown.
+
+        The caller owns them from now on and returns them with ``manager.free``.
+        """
+        return self._pages.pop(request_id, [])

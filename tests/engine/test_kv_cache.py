@@ -101,6 +101,18 @@ def test_release_frees_all_pages() -> None:
     assert manager.num_free_pages == 4
 
 
+def test_detach_hands_pages_over_still_allocated() -> None:
+    manager = KVPageManager(num_pages=4, page_size=2)
+    table = RequestPageTable(manager)
+    table.reserve("a", 5)
+    pages = table.detach("a")
+    assert pages == [0, 1, 2] and "a" not in table
+    assert manager.num_free_pages == 1  # the caller owns them now
+    assert table.detach("a") == []
+    manager.free(pages)
+    assert manager.num_free_pages == 4
+
+
 def test_pool_layout_and_write() -> None:
     pool = KVPool(
         num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu"
