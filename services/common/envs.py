@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Mooncake Transfer Engine tuning, read by the library itself (documented here only):
-#   MC_TRANSFER_TIMEOUT                    seconds before a stuck transfer fails (default 30)
+#   MC_TRANSFER_TIMEOUT                    seconds before a stuck transfer fails (default 30). A KV
+#                                          write prefill abandoned at its deadline can still land in
+#                                          decode's pages this long after it was issued, so decode
+#                                          quarantines the pages of a reservation aborted or expired
+#                                          before its KV was ready for --kv-quarantine-s (default 35),
+#                                          which must stay above this value: raise both together.
 #   MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER   TCP queue depth per peer (default 1024)
 #   MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER TCP admissions per peer (default 1024)
 MOONCAKE_ENV_VARS = (

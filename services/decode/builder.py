@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.transfer import BaseKVReceiver, create_kv_receiver
+from services.transfer.base import Clock
 
 
 def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
@@ -41,11 +43,13 @@ def build_engine(
     config: DecodeConfig,
     model: Qwen2_5_VLModel | None = None,
     receiver: BaseKVReceiver | None = None,
+    quarantine_clock: Clock = time.monotonic,
 ) -> DecodeEngine:
     """A decode engine (not started) whose KV pool is registered with ``receiver`` once.
 
     ``model``: an already loaded language model to share (tests); ``receiver``: one built
-    by the caller (tests pass an in-process one on their own fabric).
+    by the caller (tests pass an in-process one on their own fabric); ``quarantine_clock``:
+    when quarantined KV pages are due back (tests move it forward).
     """
     if model is None:
         model = load_model(config.model, device=config.device, dtype=config.dtype, components=("language",))
@@ -54,7 +58,7 @@ def build_engine(
     receiver.register(runner.kv_pool)
     text = model.config.text
     scheduler = DecodeScheduler(
-        KVReservationManager(runner.page_table),
+        KVReservationManager(runner.page_table, config.kv_quarantine_s, quarantine_clock),
         eos_token_ids(config.model, model.config),
         config.max_model_len or text.max_position_embeddings,
         config.max_running_requests,

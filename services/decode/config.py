@@ -23,6 +23,7 @@ class DecodeConfig(ServiceConfig):
     watchdog_s: float = 30.0
     sweep_interval_s: float = 0.5
     reservation_timeout_s: float = 60.0  # a Reserve without a deadline expires after this
+    kv_quarantine_s: float = 35.0  # pages of a reservation that failed before its KV was ready rest this long
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often expired reservations are released")
     p.add_argument("--reservation-timeout-s", type=float, default=60.0,
                    help="lifetime of a reservation whose request carries no deadline")
+    p.add_argument("--kv-quarantine-s", type=float, default=35.0,
+                   help="how long the pages of a reservation aborted or expired before its KV was ready "
+                        "wait before reuse, since an abandoned transfer may still write them; keep it above "
+                        "Mooncake's MC_TRANSFER_TIMEOUT (default 30); 0 frees them at once")
     return p
 
 
@@ -59,5 +64,7 @@ def _check(config: DecodeConfig) -> None:
     for name in positives:
         if getattr(config, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(config, name)}")
+    if config.kv_quarantine_s < 0:
+        raise SystemExit(f"--kv-quarantine-s must be >= 0, got {config.kv_quarantine_s}")
     if config.max_model_len is not None and config.max_model_len < 2:
         raise SystemExit(f"--max-model-len must be >= 2, got {config.max_model_len}")

@@ -4,7 +4,8 @@ gRPC handlers (event-loop thread) call ``reserve`` / ``generate`` / ``abort`` / 
 each holds the lock only for bookkeeping. The loop thread takes a plan under the lock,
 runs it on the rank worker without the lock, applies the result under the lock and
 pushes each request's events to its stream. Idle, it waits on the condition (woken by
-``generate``, or every ``sweep_interval_s`` to expire overdue reservations).
+``generate``, or every ``sweep_interval_s`` to expire overdue reservations and return
+quarantined pages to the free list).
 If the loop thread dies, every live request fails and the engine refuses new ones.
 """
 
@@ -40,6 +41,7 @@ class EngineStats:
     num_total_pages: int
     num_free_pages: int
     num_used_pages: int
+    num_quarantined_pages: int  # pages of failed reservations a late KV write may still reach
     num_running_requests: int
     num_reserved_requests: int
 
@@ -151,11 +153,16 @@ class DecodeEngine:
                 self._cond.notify_all()
             self._update_gauges()
 
-    def abort(self, request_id: str, reason: str) -> bool:
-        """Abort wherever the request is; its stream ends ABORTED. False when it was not live."""
+    def abort(self, request_id: str, reason: str, *, is_kv_written: bool = False) -> bool:
+        """Abort wherever the request is; its stream ends ABORTED. False when it was not live.
+
+        A request still waiting for its KV has its pages quarantined (prefill may still be
+        writing them) unless ``is_kv_written``: the caller knows prefill finished writing.
+        """
         with self._cond:
-            is_found = self.receiver.sessions.abort(request_id)  # RESERVED: releases through the callback
-            is_found = self.scheduler.abort(request_id) or is_found
+            is_found = is_kv_written and self.scheduler.abort(request_id)  # no late write: freed at once
+            is_found = self.receiver.sessions.abort(request_id) or is_found  # RESERVED: quarantined
+            is_found = self.scheduler.abort(request_id) or is_found  # KV ready: freed at once
             if is_found:
                 metrics.REQUESTS.labels("aborted").inc()
                 logger.info("aborted %s: %s", request_id, reason or "no reason given")
@@ -171,6 +178,7 @@ class DecodeEngine:
                 num_total_pages=kv.num_total_pages,
                 num_free_pages=kv.num_free_pages,
                 num_used_pages=kv.num_used_pages,
+                num_quarantined_pages=kv.num_quarantined_pages,
                 num_running_requests=self.scheduler.num_running,
                 num_reserved_requests=self.scheduler.num_reserved,
             )
@@ -203,11 +211,14 @@ class DecodeEngine:
             raise UnavailableError("the decode engine is not running")
 
     def _release_reserved(self, request_id: str, page_ids: tuple[int, ...]) -> None:
-        """Release callback of a transfer session that failed (aborted, expired) before Generate."""
-        del page_ids  # the scheduler frees every page of the request
+        """Release callback of a transfer session that failed (aborted, expired) before Generate.
+
+        An abandoned write may still land in the pages, so they go to quarantine.
+        """
+        del page_ids  # the scheduler quarantines every page of the request
         with self._cond:
             if self.scheduler.status(request_id) is ReqStatus.RESERVED:
-                self.scheduler.abort(request_id)
+                self.scheduler.abort(request_id, quarantine=True)
             self._update_gauges()
 
     def _run(self) -> None:
@@ -232,10 +243,11 @@ class DecodeEngine:
         if now < self._next_sweep_s:
             return
         self._next_sweep_s = now + self.sweep_interval_s
-        expired = self.receiver.sessions.expire()  # release callbacks free the pages
+        expired = self.receiver.sessions.expire()  # release callbacks quarantine the pages
         if expired:
             metrics.REQUESTS.labels("expired").inc(len(expired))
             logger.info("reservations expired before Generate: %s", ", ".join(expired))
+        if self.scheduler.kv.release_quarantined() or expired:
             self._update_gauges()
 
     def _step(self, plan: DecodePlan) -> None:
@@ -297,3 +309,4 @@ class DecodeEngine:
         metrics.RESERVED_REQUESTS.set(self.scheduler.num_reserved)
         metrics.KV_PAGES_USED.set(kv.num_used_pages)
         metrics.KV_PAGES_FREE.set(kv.num_free_pages)
+        metrics.KV_PAGES_QUARANTINED.set(kv.num_quarantined_pages)

@@ -7,7 +7,9 @@ Request lifecycle (``ReqStatus``):
               -> WAITING   start(): Generate arrived (the KV is written); the first token,
                            sampled by prefill, becomes output token 1
               -> FINISHED  start(): that first token already ends the request
-              -> ABORTED   abort(): the router aborted, or the transfer session expired
+              -> ABORTED   abort(): the router aborted, or the transfer session expired.
+                           When the session failed, prefill may still be writing the pages:
+                           abort(quarantine=True) parks them in kv's quarantine, not free
   WAITING   KV ready, not stepped yet.
               -> RUNNING   schedule(): joins the next step's batch (FIFO, at most
                            max_running_requests run at once)
@@ -16,9 +18,11 @@ Request lifecycle (``ReqStatus``):
               -> FINISHED  update_from_output(): EOS / stop token, max_new_tokens (the
                            first token counts), or the context limit
               -> ABORTED   abort()
-  FINISHED / ABORTED: forgotten; pages freed exactly once. A request in the step in
-            flight keeps its pages until update_from_output: that step still writes its
-            KV, so the pages must not go to another request before it ends.
+  FINISHED / ABORTED: forgotten; pages freed (or quarantined) exactly once. A request in
+            the step in flight keeps its pages until update_from_output: that step still
+            writes its KV, so the pages must not go to another request before it ends.
+            Quarantined pages go back to the free list at the engine's sweep once their
+            time is up (``kv.release_quarantined``).
 
 Requests join and leave the batch at every step. ``plan.released_request_ids`` tells the
 worker which requests it ran are gone, so it drops their state (random generators).
@@ -170,16 +174,25 @@ class DecodeScheduler:
         self._waiting.append(request_id)
         return None
 
-    def abort(self, request_id: str) -> bool:
-        """Drop ``request_id`` in any state and free its pages; False when it is not live."""
+    def abort(self, request_id: str, *, quarantine: bool = False) -> bool:
+        """Drop ``request_id`` in any state and free its pages; False when it is not live.
+
+        ``quarantine``: a RESERVED request's pages may still receive a late KV write, so
+        they rest in ``kv``'s quarantine instead of going back to the free list.
+        """
         request = self._requests.get(request_id)
         if request is None:
             return False
-        self._remove(request, ReqStatus.ABORTED)
+        assert not quarantine or request.status is ReqStatus.RESERVED, "only a reservation's KV can land late"
+        self._remove(request, ReqStatus.ABORTED, quarantine)
         return True
 
     def abort_all(self) -> list[str]:
-        """Drop every request and free every page; only when no step is in flight (shutdown, worker failure)."""
+        """Drop every request and free its pages at once (the quarantine stays as it is).
+
+        Only when no step is in flight and no request is admitted any more (shutdown, worker
+        failure): a late KV write then harms nobody.
+        """
         self._in_flight = set()
         for request_id in self._free_after_step:
             self.kv.free(request_id)
@@ -247,7 +260,7 @@ class DecodeScheduler:
             return FinishReason.LENGTH
         return None
 
-    def _remove(self, request: DecodeRequest, status: ReqStatus) -> None:
+    def _remove(self, request: DecodeRequest, status: ReqStatus, quarantine: bool = False) -> None:
         request_id = request.request_id
         del self._requests[request_id]
         if request.status is ReqStatus.WAITING:
@@ -258,5 +271,7 @@ class DecodeScheduler:
         request.status = status
         if request_id in self._in_flight:
             self._free_after_step.append(request_id)
+        elif quarantine:
+            self.kv.quarantine(request_id)
         else:
             self.kv.free(request_id)

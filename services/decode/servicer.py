@@ -116,8 +116,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     @handle_errors
     async def Abort(self, request: decode_pb2.AbortRequest, context: Any) -> decode_pb2.AbortResponse:
-        """Abort wherever the request is; idempotent."""
-        return decode_pb2.AbortResponse(is_found=self._engine.abort(request.request_id, request.reason))
+        """Abort wherever the request is; idempotent. Quarantines a reservation's pages unless is_kv_written."""
+        is_found = self._engine.abort(request.request_id, request.reason, is_kv_written=request.is_kv_written)
+        return decode_pb2.AbortResponse(is_found=is_found)
 
     @handle_errors
     async def Stats(self, request: decode_pb2.StatsRequest, context: Any) -> decode_pb2.StatsResponse:
@@ -129,6 +130,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             "num_used_pages": stats.num_used_pages,
             "num_running_requests": stats.num_running_requests,
             "num_reserved_requests": stats.num_reserved_requests,
+            "num_quarantined_pages": stats.num_quarantined_pages,
         }
         rank = decode_pb2.DecodeRankStats(dp_rank=0, **counts)
         return decode_pb2.StatsResponse(page_size=stats.page_size, ranks=[rank], **counts)

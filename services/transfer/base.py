@@ -13,7 +13,8 @@ Lifecycle of one request's KV handoff (decode owns the pages):
 
 Only FAILED releases pages; after SUCCESS the pages belong to the running request.
 A write that missed its deadline may still land in the pages until the engine's own
-transfer timeout passes (Mooncake: ``MC_TRANSFER_TIMEOUT``, default 30 s).
+transfer timeout passes (Mooncake: ``MC_TRANSFER_TIMEOUT``, default 30 s), so decode's
+release puts them in quarantine (``--kv-quarantine-s``) rather than on the free list.
 """
 
 from __future__ import annotations

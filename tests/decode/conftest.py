@@ -72,6 +72,16 @@ class FakePrefill:
             table.release(request_id)
 
 
+class ShiftedClock:
+    """``time.monotonic()`` plus an offset a test moves forward: passes the KV quarantine without waiting."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset_s
+
+
 @dataclass
 class Result:
     token_ids: list[int]  # the first token included
@@ -86,6 +96,8 @@ class DecodeHarness:
     client: DecodeClient
     prefill: FakePrefill
     num_start_free_pages: int
+    quarantine_clock: ShiftedClock
+    quarantine_s: float
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, deadline_in_s: float = 30.0):
         return await self.client.reserve(request_id, prompt, 0, params, time.time() + deadline_in_s)
@@ -107,6 +119,11 @@ class DecodeHarness:
     async def wait_all_pages_free(self) -> None:
         await self.wait_for(lambda: self.engine.stats().num_free_pages == self.num_start_free_pages)
 
+    async def pass_quarantine(self) -> None:
+        """Move the quarantine clock past ``kv_quarantine_s``; the sweep returns every quarantined page."""
+        self.quarantine_clock.offset_s += self.quarantine_s
+        await self.wait_for(lambda: self.engine.stats().num_quarantined_pages == 0)
+
 
 MakeDecode = Callable[..., Awaitable[DecodeHarness]]
 
@@ -117,13 +134,15 @@ BASE_CONFIG = DecodeConfig(
 
 @pytest.fixture
 async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
-    """Start decode services (real gRPC on port 0); each must end with every page free."""
+    """Start decode services (real gRPC on port 0); each ends with every page free, quarantine passed."""
     started: list[tuple[DecodeHarness, object]] = []
 
     async def factory(**overrides: object) -> DecodeHarness:
         config = replace(BASE_CONFIG, **overrides)
         fabric = InProcessFabric()
-        engine = build_engine(config, language_model, create_kv_receiver("inprocess", fabric=fabric))
+        clock = ShiftedClock()
+        receiver = create_kv_receiver("inprocess", fabric=fabric)
+        engine = build_engine(config, language_model, receiver, quarantine_clock=clock)
         engine.start()
         server, port = create_server(
             [(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(config.reservation_timeout_s, engine))],
@@ -132,13 +151,14 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
         await server.start()
         harness = DecodeHarness(
             engine, DecodeClient(f"127.0.0.1:{port}"), FakePrefill(language_model, fabric),
-            engine.stats().num_free_pages,
+            engine.stats().num_free_pages, clock, config.kv_quarantine_s,
         )
         started.append((harness, server))
         return harness
 
     yield factory
     for harness, server in started:
+        await harness.pass_quarantine()
         await harness.wait_all_pages_free()
         await harness.client.close()
         await server.stop(0)

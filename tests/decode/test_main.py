@@ -68,7 +68,11 @@ async def check_serving(address: str) -> None:
         kv_ref = await client.reserve("r", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30)
         assert kv_ref.backend == "mooncake" and kv_ref.engine_address and len(kv_ref.page_ids) == 1
         assert (await client.stats()).num_reserved_requests == 1
-        assert await client.abort("r", "test")
-        assert (await client.stats()).num_free_pages == 64
+        assert await client.abort("r", "test")  # never written: quarantined for --kv-quarantine-s (35)
+        stats = await client.stats()
+        assert (stats.num_free_pages, stats.num_quarantined_pages) == (63, 1)
+        await client.reserve("w", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30)
+        assert await client.abort("w", "test", is_kv_written=True)
+        assert (await client.stats()).num_free_pages == 63
     finally:
         await client.close()

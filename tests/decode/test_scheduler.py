@@ -1,4 +1,4 @@
-"""The decode scheduler alone: lifecycle, stop rules, joins and leaves, page accounting."""
+"""The decode scheduler alone: lifecycle, stop rules, joins and leaves, page accounting and quarantine."""
 
 from __future__ import annotations
 
@@ -14,11 +14,29 @@ from services.engine.sampler import SamplingParams
 
 EOS = 2
 NUM_PAGES, PAGE_SIZE = 32, 4
+QUARANTINE_S = 10.0
 
 
-def make_scheduler(max_model_len: int = 64, max_running: int = 8) -> DecodeScheduler:
-    kv = KVReservationManager(RequestPageTable(KVPageManager(NUM_PAGES, PAGE_SIZE)))
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_scheduler(
+    max_model_len: int = 64, max_running: int = 8, quarantine_s: float = QUARANTINE_S, clock: FakeClock | None = None
+) -> DecodeScheduler:
+    kv = KVReservationManager(RequestPageTable(KVPageManager(NUM_PAGES, PAGE_SIZE)), quarantine_s, clock or FakeClock())
     return DecodeScheduler(kv, {EOS}, max_model_len, max_running)
+
+
+def page_counts(scheduler: DecodeScheduler) -> tuple[int, int, int]:
+    """(free, used, quarantined), checking that every page is exactly one of them."""
+    kv = scheduler.kv
+    assert kv.num_free_pages + kv.num_used_pages + kv.num_quarantined_pages == kv.num_total_pages
+    return kv.num_free_pages, kv.num_used_pages, kv.num_quarantined_pages
 
 
 def request(request_id: str, prompt_len: int = 5, delta: int = 0, **params: object) -> DecodeRequest:
@@ -166,3 +184,73 @@ def test_plan_and_events_round_trip_through_msgpack() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=DecodePlan) == plan
     event = TokenEvent("a", (1, 2), FinishReason.STOP, Usage(3, 4))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=TokenEvent) == event
+
+
+def test_quarantined_pages_come_back_only_after_the_quarantine() -> None:
+    clock = FakeClock()
+    scheduler = make_scheduler(clock=clock)
+    scheduler.add(request("a"))  # 13 positions: 4 pages
+    scheduler.add(request("b"))
+    assert page_counts(scheduler) == (NUM_PAGES - 8, 8, 0)
+    assert scheduler.abort("a", quarantine=True)  # its transfer failed: a late write may still land
+    assert "a" not in scheduler and scheduler.num_reserved == 1
+    assert page_counts(scheduler) == (NUM_PAGES - 8, 4, 4)
+    clock.now += 4.0
+    assert scheduler.abort("b", quarantine=True)
+    assert page_counts(scheduler) == (NUM_PAGES - 8, 0, 8)
+    scheduler.add(request("a"))  # the id is free again; the quarantined pages are not reused
+    assert page_counts(scheduler) == (NUM_PAGES - 12, 4, 8)
+    clock.now += QUARANTINE_S - 4.0 - 0.001
+    assert scheduler.kv.release_quarantined() == 0
+    assert page_counts(scheduler) == (NUM_PAGES - 12, 4, 8)
+    clock.now += 0.001  # a's quarantine is over, b's is not
+    assert scheduler.kv.release_quarantined() == 4
+    assert page_counts(scheduler) == (NUM_PAGES - 8, 4, 4)
+    clock.now += 4.0
+    assert scheduler.kv.release_quarantined() == 4
+    assert scheduler.abort("a")
+    assert page_counts(scheduler) == (NUM_PAGES, 0, 0)
+    assert scheduler.kv.release_quarantined() == 0
+
+
+def test_quarantined_pages_cannot_be_allocated() -> None:
+    clock = FakeClock()
+    scheduler = make_scheduler(max_model_len=128, clock=clock)
+    scheduler.add(request("a", prompt_len=20, max_new_tokens=100))  # 30 pages
+    scheduler.abort("a", quarantine=True)
+    with pytest.raises(CapacityError, match="needs 4 KV pages, 2 of 32 are free \\(30 in quarantine\\)"):
+        scheduler.add(request("b"))
+    clock.now += QUARANTINE_S
+    scheduler.kv.release_quarantined()
+    assert len(scheduler.add(request("b"))) == 4
+
+
+def test_aborts_without_quarantine_free_at_once() -> None:
+    scheduler = make_scheduler()
+    scheduler.add(request("reserved"))  # the caller knows its KV is written (or none was ever sent)
+    started(scheduler, request("running-1"), request("running-2"))
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, [7, 7])
+    started(scheduler, request("waiting"))
+    assert scheduler.status("running-1") is ReqStatus.RUNNING and scheduler.status("waiting") is ReqStatus.WAITING
+    assert page_counts(scheduler) == (NUM_PAGES - 16, 16, 0)
+    for request_id in ("reserved", "running-1", "waiting", "running-2"):
+        assert scheduler.abort(request_id)
+        assert page_counts(scheduler)[2] == 0
+    assert page_counts(scheduler) == (NUM_PAGES, 0, 0)
+
+
+def test_quarantine_of_zero_seconds_frees_at_once() -> None:
+    scheduler = make_scheduler(quarantine_s=0.0)
+    scheduler.add(request("a"))
+    assert scheduler.abort("a", quarantine=True)
+    assert page_counts(scheduler) == (NUM_PAGES, 0, 0)
+
+
+def test_abort_all_frees_reservations_at_once_and_keeps_the_quarantine() -> None:
+    scheduler = make_scheduler()
+    scheduler.add(request("a"))
+    scheduler.add(request("b"))
+    scheduler.abort("a", quarantine=True)
+    assert scheduler.abort_all() == ["b"]
+    assert page_counts(scheduler) == (NUM_PAGES - 4, 0, 4)

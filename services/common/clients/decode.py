@@ -223,6 +223,7 @@ class DecodeRankStats(msgspec.Struct, frozen=True):
     num_used_pages: int
     num_running_requests: int
     num_reserved_requests: int
+    num_quarantined_pages: int  # neither free nor used: a late KV write may still land in them
 
 
 class DecodeStats(msgspec.Struct, frozen=True):
@@ -232,6 +233,7 @@ class DecodeStats(msgspec.Struct, frozen=True):
     num_used_pages: int
     num_running_requests: int
     num_reserved_requests: int
+    num_quarantined_pages: int  # free + used + quarantined = total
     ranks: tuple[DecodeRankStats, ...] = ()
 
 
@@ -315,9 +317,14 @@ class DecodeClient:
         finally:
             call.cancel()  # a no-op once the stream ended
 
-    async def abort(self, request_id: str, reason: str = "") -> bool:
-        """Abort ``request_id`` wherever it is (idempotent); True when it was live."""
-        request = decode_pb2.AbortRequest(request_id=request_id, reason=reason)
+    async def abort(self, request_id: str, reason: str = "", *, is_kv_written: bool = False) -> bool:
+        """Abort ``request_id`` wherever it is (idempotent); True when it was live.
+
+        ``is_kv_written``: prefill returned successfully for this request, so no late KV
+        write can land and decode frees a reservation's pages at once instead of
+        quarantining them.
+        """
+        request = decode_pb2.AbortRequest(request_id=request_id, reason=reason, is_kv_written=is_kv_written)
         try:
             reply = await self._stub.Abort(request, timeout=self._timeout_s, metadata=self._metadata(request_id))
         except grpc.RpcError as exc:

@@ -46,12 +46,14 @@ class DecodeGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "is_kv_written")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    IS_KV_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    is_kv_written: bool
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., is_kv_written: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("is_found",)
@@ -64,23 +66,25 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRankStats(_message.Message):
-    __slots__ = ("dp_rank", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests")
+    __slots__ = ("dp_rank", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests", "num_quarantined_pages")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     num_total_pages: int
     num_free_pages: int
     num_used_pages: int
     num_running_requests: int
     num_reserved_requests: int
-    def __init__(self, dp_rank: _Optional[int] = ..., num_total_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ...) -> None: ...
+    num_quarantined_pages: int
+    def __init__(self, dp_rank: _Optional[int] = ..., num_total_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("page_size", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests", "ranks")
+    __slots__ = ("page_size", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests", "ranks", "num_quarantined_pages")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +92,7 @@ class StatsResponse(_message.Message):
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     num_total_pages: int
     num_free_pages: int
@@ -95,4 +100,5 @@ class StatsResponse(_message.Message):
     num_running_requests: int
     num_reserved_requests: int
     ranks: _containers.RepeatedCompositeFieldContainer[DecodeRankStats]
-    def __init__(self, page_size: _Optional[int] = ..., num_total_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[DecodeRankStats, _Mapping]]] = ...) -> None: ...
+    num_quarantined_pages: int
+    def __init__(self, page_size: _Optional[int] = ..., num_total_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[DecodeRankStats, _Mapping]]] = ..., num_quarantined_pages: _Optional[int] = ...) -> None: ...

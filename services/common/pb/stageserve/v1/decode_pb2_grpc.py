@@ -30,7 +30,9 @@ class DecodeStub:
 
     Request lifecycle on decode: Reserve (pages taken, KvRef returned) -> prefill writes
     the KV -> Generate (admitted to the running batch, tokens streamed) -> finished,
-    aborted or expired; the pages are freed in every case.
+    aborted or expired; the pages are freed in every case. Pages of a reservation aborted
+    or expired before Generate (and not known written) rest in quarantine first
+    (decode's --kv-quarantine-s), since an abandoned KV write may still land in them.
     """
 
     def __init__(self, channel):
@@ -66,7 +68,9 @@ class DecodeServicer:
 
     Request lifecycle on decode: Reserve (pages taken, KvRef returned) -> prefill writes
     the KV -> Generate (admitted to the running batch, tokens streamed) -> finished,
-    aborted or expired; the pages are freed in every case.
+    aborted or expired; the pages are freed in every case. Pages of a reservation aborted
+    or expired before Generate (and not known written) rest in quarantine first
+    (decode's --kv-quarantine-s), since an abandoned KV write may still land in them.
     """
 
     def Reserve(self, request, context):
@@ -74,8 +78,8 @@ class DecodeServicer:
         plus max_new_tokens (capped by the context length, so a running request never runs
         out of pages), opens the transfer session (BOOTSTRAPPING) and returns where prefill
         writes. RESOURCE_EXHAUSTED when no rank has enough free pages right now;
-        INVALID_ARGUMENT for a bad request or a duplicate request_id. The pages are freed
-        if Generate has not started by the deadline.
+        INVALID_ARGUMENT for a bad request or a duplicate request_id. The pages are
+        quarantined if Generate has not started by the deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -91,8 +95,9 @@ class DecodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a request in any state and frees its pages; a running Generate stream ends
-        with CANCELLED. Idempotent.
+        """Aborts a request in any state and frees its pages (a reservation's pages go to
+        quarantine first unless is_kv_written); a running Generate stream ends with
+        CANCELLED. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,7 +146,9 @@ class Decode:
 
     Request lifecycle on decode: Reserve (pages taken, KvRef returned) -> prefill writes
     the KV -> Generate (admitted to the running batch, tokens streamed) -> finished,
-    aborted or expired; the pages are freed in every case.
+    aborted or expired; the pages are freed in every case. Pages of a reservation aborted
+    or expired before Generate (and not known written) rest in quarantine first
+    (decode's --kv-quarantine-s), since an abandoned KV write may still land in them.
     """
 
     @staticmethod
