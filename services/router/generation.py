@@ -13,6 +13,9 @@ through a queue, so the API side can be cancelled (client disconnect) at any poi
 without interrupting clean-up. The producer runs under the request's deadline; when
 anything ends it early (error, deadline, disconnect, stop string, prefill finishing
 the request), decode's Abort is sent in the background (idempotent, frees the pages).
+The Abort says ``is_kv_written`` exactly when prefill returned successfully: its KV write
+has landed, so decode frees the pages at once instead of quarantining them against a
+late write.
 """
 
 from __future__ import annotations
@@ -155,12 +158,13 @@ class GenerationPipeline:
 
     async def _prefill_and_decode(self, flow: _Flow, prefill: PrefillPeer, decode: DecodePeer) -> None:
         request_id, output = flow.request_id, flow.output
-        is_decode_done = False
+        is_decode_done = is_kv_written = False
         try:  # reserve inside: a reservation answered after a cancellation must be aborted too
             kv_ref = await decode.reserve(
                 request_id, flow.prompt.token_ids, flow.prompt.mrope_position_delta, flow.params, flow.deadline_s
             )
             result = await prefill.prefill(request_id, flow.prompt, flow.params, kv_ref, flow.deadline_s)
+            is_kv_written = True  # prefill answers only after the whole KV landed in decode's pages
             output.num_cached_image_tokens = result.num_cached_image_tokens
             if result.finish_reason is not None:
                 flow.emit(output.finish(result.finish_reason, [result.first_token_id]))
@@ -170,7 +174,8 @@ class GenerationPipeline:
                 is_decode_done = await self._stream_decode(flow, decode, result.first_token_id)
         finally:
             if not is_decode_done:
-                self._spawn(_abort(decode, request_id, "the router ended the request"), f"abort-{request_id}")
+                abort = _abort(decode, request_id, "the router ended the request", is_kv_written)
+                self._spawn(abort, f"abort-{request_id}")
 
     async def _stream_decode(self, flow: _Flow, decode: DecodePeer, first_token_id: int) -> bool:
         """Relay decode's tokens until the request finishes; True when decode finished it itself."""
@@ -243,9 +248,9 @@ def _remaining(deadline_s: float) -> float:
     return remaining
 
 
-async def _abort(decode: DecodePeer, request_id: str, reason: str) -> None:
+async def _abort(decode: DecodePeer, request_id: str, reason: str, is_kv_written: bool) -> None:
     try:
         async with asyncio.timeout(ABORT_TIMEOUT_S):
-            await decode.abort(request_id, reason)
+            await decode.abort(request_id, reason, is_kv_written=is_kv_written)
     except (StageServeError, TimeoutError) as exc:  # a dead decode frees the pages by dying
         logger.info("abort of %s on decode failed: %s", request_id, exc)

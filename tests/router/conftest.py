@@ -40,6 +40,10 @@ class Cluster:
     def aborted(self) -> list[str]:
         return [rid for d in self.decodes for rid in d.servicer.aborted]
 
+    def is_kv_written(self) -> dict[str, bool]:
+        """What each Abort said in is_kv_written, by request id."""
+        return {rid: flag for d in self.decodes for rid, flag in d.servicer.is_kv_written.items()}
+
     async def stop(self) -> None:
         for worker in [self.tokenizer, *self.prefills, *self.decodes]:
             if getattr(worker.servicer, "stopping", None) is not None:

@@ -54,6 +54,7 @@ class Script:
     prefill_delay_s: float = 0.0
     decode_fail_after: int | None = None  # stop the decode server after this many messages
     reserve_error: Exception | None = None
+    prefill_error: Exception | None = None
     tokenize_error: Exception | None = None
 
 
@@ -104,6 +105,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.script = script
         self.reserved: dict[str, decode_pb2.ReserveRequest] = {}
         self.aborted: list[str] = []
+        self.is_kv_written: dict[str, bool] = {}  # AbortRequest.is_kv_written, by request id
         self.generate_started = asyncio.Event()
         self.server: grpc.aio.Server | None = None  # set by start_worker, stopped by decode_fail_after
         self.stopping: asyncio.Task | None = None
@@ -150,6 +152,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     @handle_errors
     async def Abort(self, request: Any, context: Any) -> decode_pb2.AbortResponse:
         self.aborted.append(request.request_id)
+        self.is_kv_written[request.request_id] = request.is_kv_written
         return decode_pb2.AbortResponse(is_found=request.request_id in self.reserved)
 
     @handle_errors
@@ -166,6 +169,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
         self.requests.append(request)
         await asyncio.sleep(self.script.prefill_delay_s)
+        if self.script.prefill_error is not None:
+            raise self.script.prefill_error
         first = self.script.output_ids[0]
         response = prefill_pb2.PrefillResponse(first_token_id=first, kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS)
         if first == EOS_ID:

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from services.common.errors import CapacityError, InvalidRequestError
+from services.common.errors import CapacityError, InvalidRequestError, UnavailableError
 from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
@@ -64,6 +64,15 @@ async def test_max_tokens_one_is_answered_by_prefill_and_decode_is_aborted(http,
     assert body["choices"][0]["message"]["content"] == "H"
     assert body["choices"][0]["finish_reason"] == "length"
     await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+    assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, True)  # decode frees at once
+
+
+async def test_prefill_failure_aborts_decode_with_kv_not_written(http, cluster):
+    cluster.script.prefill_error = UnavailableError("decode's transfer engine is unreachable")
+    response = await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10})
+    assert response.status_code == 503
+    await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+    assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, False)  # decode quarantines
 
 
 async def test_max_tokens_is_capped_by_the_context(http, cluster, router):
@@ -159,6 +168,7 @@ async def test_stop_strings(http, cluster, chunk_size, stream):
     assert text == "Hello th"
     if chunk_size < 100:  # decode was still generating: the router stops it
         await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+        assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, True)
     else:  # the stop string came in decode's last message: nothing to abort
         assert not cluster.aborted()
 

@@ -119,6 +119,7 @@ async def test_deadline_is_a_504_and_decode_is_aborted(cluster):
                 events = [line async for line in stream.aiter_lines() if line]
             assert '"type":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
             await wait_until(lambda: len(cluster.aborted()) == 2)
+            assert list(cluster.is_kv_written().values()) == [True, True]  # both timed out after prefill
     finally:
         await stop_router(app)
 
@@ -134,6 +135,20 @@ async def test_client_disconnect_while_streaming_aborts_decode(served, cluster):
             for _ in range(3):
                 await anext(lines)
     await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+    assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, True)
+
+
+async def test_client_disconnect_during_prefill_aborts_decode_with_kv_not_written(served, cluster):
+    _, url = served
+    cluster.script.prefill_delay_s = 60
+    async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
+        request = asyncio.create_task(http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES}))
+        await wait_until(lambda: bool(cluster.prefill.requests))
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
+    assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, False)  # prefill may still write
 
 
 async def test_client_disconnect_while_waiting_aborts_decode(served, cluster):
