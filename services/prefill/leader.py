@@ -201,7 +201,9 @@ class PrefillLeader:
         def forward_done(done: PrefillPlan) -> None:  # on the rank thread
             loop.call_soon_threadsafe(self._on_forward_done, done)
 
-        future = loop.run_in_executor(self._executor, self.worker.execute, plan, forward_done)
+        future = loop.run_in_executor(
+            self._executor, self.worker.execute, plan, forward_done, self.scheduler.is_aborted
+        )
         future.add_done_callback(lambda f: self._on_plan_done(plan, f))
 
     def _on_forward_done(self, plan: PrefillPlan) -> None:

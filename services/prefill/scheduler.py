@@ -203,6 +203,11 @@ class PrefillScheduler:
         finished = [self._finish(self._entries[i], RequestOutcome(i, error=error)) for i in plan.request_ids]
         return [o for o in finished if o is not None]
 
+    def is_aborted(self, request_id: str) -> bool:
+        """Whether the caller of ``request_id`` is gone (read by the worker thread before it sends KV)."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.is_aborted
+
     def abort(self, request_id: str, error: StageServeError) -> None:
         """Drop a request in any state: now if it holds no one's attention, else when its step returns."""
         entry = self._entries.get(request_id)

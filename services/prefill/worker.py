@@ -18,7 +18,7 @@ import torch
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.errors import StageServeError
+from services.common.errors import AbortedError, StageServeError
 from services.common.types import FinishReason
 from services.engine.attention import ForwardMode
 from services.engine.model.rope import ImageSpan, mrope_positions
@@ -69,12 +69,17 @@ class PrefillRankWorker:
         kv_sender.register(runner.kv_pool)
 
     def execute(
-        self, plan: PrefillPlan, on_forward_done: Callable[[PrefillPlan], None] = lambda plan: None
+        self,
+        plan: PrefillPlan,
+        on_forward_done: Callable[[PrefillPlan], None] = lambda plan: None,
+        is_aborted: Callable[[str], bool] = lambda request_id: False,
     ) -> PrefillOutput:
         """Run ``plan``; per-request transfer failures become error outcomes, anything else raises.
 
         ``on_forward_done`` is called once the first tokens are sampled (the embedding rows
-        are no longer read), before the KV transfers start.
+        are no longer read), before the KV transfers start. A request whose caller is gone
+        by then (``is_aborted``) sends nothing: decode may already have given its pages to
+        the quarantine, and no write may start after that.
         """
         table = self.runner.page_table
         try:
@@ -84,7 +89,11 @@ class PrefillRankWorker:
             token_ids = self._forward_and_sample(plan)
             forward_s = time.perf_counter() - start
             on_forward_done(plan)
-            outcomes = tuple(self._send(p.request, t) for p, t in zip(plan.requests, token_ids, strict=True))
+            outcomes = tuple(
+                RequestOutcome(p.request.request_id, error=AbortedError(f"{p.request.request_id} was aborted"))
+                if is_aborted(p.request.request_id) else self._send(p.request, t)
+                for p, t in zip(plan.requests, token_ids, strict=True)
+            )
         finally:
             for request_id in plan.request_ids:
                 table.release(request_id)

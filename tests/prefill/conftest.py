@@ -287,10 +287,10 @@ def gate_worker(harness: Harness) -> tuple[Callable[[], None], list[list[str]]]:
     worker = harness.app.leader.worker
     execute, opened, plans = worker.execute, threading.Event(), []
 
-    def gated(plan, on_forward_done):
+    def gated(plan, *args):
         plans.append(plan.request_ids)
         opened.wait(30)
-        return execute(plan, on_forward_done)
+        return execute(plan, *args)
 
     worker.execute = gated
     return opened.set, plans

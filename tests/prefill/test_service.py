@@ -212,3 +212,25 @@ async def test_forward_and_transfer_spans_continue_the_callers_trace(pipeline, h
         assert spans[name].context.trace_id == parent.get_span_context().trace_id, name
         assert spans[name].parent.span_id == parent.get_span_context().span_id, name
     assert spans["kv.transfer"].attributes["kv.num_bytes"] > 0
+
+
+async def test_request_aborted_during_its_forward_sends_no_kv(pipeline, harness: Harness) -> None:
+    sender = harness.app.leader.worker.kv_sender
+    sent, send = [], sender.send
+
+    def counting_send(request_id, *args):
+        sent.append(request_id)
+        return send(request_id, *args)
+
+    sender.send = counting_send
+    release, plans = gate_worker(harness)
+    task = asyncio.create_task(harness.prefill(standard_cases(pipeline)[0], deadline_in_s=1.0))
+    while not plans:  # the plan is held in the worker until the caller has given up
+        await asyncio.sleep(0.01)
+    with pytest.raises(DeadlineExceededError):
+        await task
+    release()
+    while harness.scheduler.num_live:
+        await asyncio.sleep(0.01)
+    assert sent == []  # decode may already have quarantined the pages: no write may start
+    harness.assert_all_free()
