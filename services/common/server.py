@@ -77,6 +77,10 @@ class HealthState(health_pb2_grpc.HealthServicer):
     def is_serving(self) -> bool:
         return self._is_serving
 
+    @property
+    def is_shutting_down(self) -> bool:
+        return self._is_shutting_down
+
     def add_service_names(self, names: Iterable[str]) -> None:
         self._service_names.update(names)
 

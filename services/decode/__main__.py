@@ -7,7 +7,6 @@ loaded, the KV pool registered with the transfer engine and the engine loop runn
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 
@@ -17,21 +16,9 @@ from services.common.server import HealthState, create_server, serve_until_signa
 from services.common.service_main import print_ready, setup_logging, start_telemetry
 from services.decode.builder import build_engine
 from services.decode.config import DecodeConfig, parse_config
-from services.decode.engine import DecodeEngine
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 
 logger = logging.getLogger("services.decode")
-HEALTH_POLL_S = 1.0
-
-
-async def watch_health(engine: DecodeEngine, health: HealthState, interval_s: float = HEALTH_POLL_S) -> None:
-    """Readiness follows the engine loop: NOT_SERVING while it is stuck or dead."""
-    while True:
-        is_healthy = engine.is_healthy()
-        if is_healthy != health.is_serving:
-            logger.warning("decode engine %s", "recovered" if is_healthy else "stuck or stopped: NOT_SERVING")
-        health.set_serving(is_healthy)
-        await asyncio.sleep(interval_s)
 
 
 async def serve(config: DecodeConfig) -> None:
@@ -46,14 +33,12 @@ async def serve(config: DecodeConfig) -> None:
     engine = await asyncio.to_thread(build_engine, config)
     servicer.attach(engine)
     engine.start()
-    watchdog = asyncio.create_task(watch_health(engine, health))
     health.set_serving(True)
+    engine.progress.start(health)  # readiness follows the engine loop: NOT_SERVING while stuck or dead
     print_ready("decode", port=port, metrics_port=metrics_port)
 
     async def release() -> None:
-        watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watchdog
+        engine.progress.stop()
         await asyncio.to_thread(engine.stop)
         engine.receiver.close()
 

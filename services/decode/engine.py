@@ -24,6 +24,7 @@ from services.common.errors import (
     NotFoundError,
     UnavailableError,
 )
+from services.common.progress import ProgressWatchdog
 from services.decode import metrics
 from services.decode.scheduler import DecodePlan, DecodeRequest, DecodeScheduler, ReqStatus, TokenEvent
 from services.decode.stream import DecodeEvent, EndKind, RequestEnded
@@ -60,7 +61,6 @@ class DecodeEngine:
         self.scheduler = scheduler
         self.worker = worker
         self.receiver = receiver
-        self.watchdog_s = watchdog_s
         self.sweep_interval_s = sweep_interval_s
         self._clock = clock
         self._cond = threading.Condition(threading.RLock())  # re-entered by session release callbacks
@@ -68,8 +68,11 @@ class DecodeEngine:
         self._last_token_s: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._is_stopping = False
-        self._last_tick_s = clock()
         self._next_sweep_s = 0.0
+        self.progress = ProgressWatchdog(
+            "decode", watchdog_s, lambda: self.scheduler.has_work, is_alive=self._is_running, clock=clock,
+            stalled_gauge=metrics.STALLED,
+        )
 
     def start(self) -> None:
         assert self._thread is None, "start the engine once"
@@ -91,9 +94,7 @@ class DecodeEngine:
 
         Lock-free on purpose: a loop stuck while holding the lock must not stall the caller.
         """
-        if self._thread is None or not self._thread.is_alive() or self._is_stopping:
-            return False
-        return not self.scheduler.has_work or self._clock() - self._last_tick_s <= self.watchdog_s
+        return self.progress.is_healthy()
 
     def reserve(self, request: DecodeRequest, deadline_s: float) -> KvDestination:
         """Validate, take the pages, open the transfer session; where prefill writes the prompt's KV.
@@ -206,8 +207,11 @@ class DecodeEngine:
                 f"{kv.num_total_pages}", param="max_new_tokens",
             )
 
+    def _is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._is_stopping
+
     def _check_running(self) -> None:
-        if self._thread is None or not self._thread.is_alive() or self._is_stopping:
+        if not self._is_running():
             raise UnavailableError("the decode engine is not running")
 
     def _release_reserved(self, request_id: str, page_ids: tuple[int, ...]) -> None:
@@ -238,8 +242,8 @@ class DecodeEngine:
             return None
 
     def _tick(self) -> None:
+        self.progress.tick()
         now = self._clock()
-        self._last_tick_s = now
         if now < self._next_sweep_s:
             return
         self._next_sweep_s = now + self.sweep_interval_s
@@ -255,8 +259,8 @@ class DecodeEngine:
         result = self.worker.execute(plan)
         with self._cond:
             events = self.scheduler.update_from_output(plan, result.token_ids)
+            self.progress.tick()
             now = self._clock()
-            self._last_tick_s = now
             for event in events:
                 self._deliver(event, now)
             self._update_gauges()

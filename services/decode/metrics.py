@@ -14,6 +14,9 @@ KV_PAGES_FREE = telemetry.gauge("decode_kv_pages_free", "KV pages free")
 KV_PAGES_QUARANTINED = telemetry.gauge(
     "decode_kv_pages_quarantined", "KV pages of failed reservations resting until no late KV write can land"
 )
+STALLED = telemetry.gauge(
+    "decode_stalled", "1 while the engine loop is stuck (work, no step for --watchdog-s) or dead; 0 otherwise"
+)
 INTER_TOKEN_LATENCY = telemetry.histogram(
     "decode_inter_token_latency_seconds", "Time between two tokens of one request (the first from Generate)"
 )
