@@ -38,8 +38,10 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
                    help="rows of a timed-out Encode wait this long before reuse")
     p.add_argument("--peer-ready-timeout-s", type=float, default=120.0,
                    help="how long to wait at start for the vision encoder to be SERVING")
+    p.add_argument("--watchdog-s", type=float, default=30.0,
+                   help="health turns NOT_SERVING when the worker has a batch but makes no progress for this long")
     args = p.parse_args(argv)
-    for name in ("num_pages", "page_size", "embedding_rows", "max_batch_tokens", "max_queued_requests"):
+    for name in ("num_pages", "page_size", "embedding_rows", "max_batch_tokens", "max_queued_requests", "watchdog_s"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     return PrefillConfig(**vars(args))
@@ -62,6 +64,7 @@ async def serve(config: PrefillConfig) -> int:
     await app.start()
     servicer.attach(app.leader)
     health.set_serving(True)
+    app.leader.progress.start(health)  # readiness follows the rank worker: NOT_SERVING while it is stuck
     print_ready("prefill", port=port, metrics_port=metrics_port)
 
     async def release() -> None:

@@ -62,7 +62,7 @@ class PrefillApp:
             config.max_batch_tokens, config.max_queued_requests, config.embedding_quarantine_s,
         )
         worker = PrefillRankWorker(runner, kv_sender, buffer)
-        leader = PrefillLeader(scheduler, worker, embedding_receiver, encoder)
+        leader = PrefillLeader(scheduler, worker, embedding_receiver, encoder, watchdog_s=config.watchdog_s)
         return cls(leader, kv_sender, embedding_receiver)
 
     async def start(self) -> None:

@@ -21,6 +21,7 @@ class PrefillConfig(ServiceConfig):
     default_timeout_s: float = 300.0  # requests that carry no deadline at all
     embedding_quarantine_s: float = 30.0  # rows of a timed-out Encode rest this long before reuse
     peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
+    watchdog_s: float = 30.0  # NOT_SERVING while the worker has work but makes no progress this long
 
     @property
     def advertised_hostname(self) -> str:

@@ -5,7 +5,8 @@ thread. The rank worker's ``execute(plan)`` runs on its own thread (a one-thread
 executor); its "forward done" signal and its result come back through the loop
 (``call_soon_threadsafe``). Each caller awaits its request's future until the request's
 deadline; a caller that gives up (deadline, cancellation) aborts its request, whose
-resources are then released wherever it is.
+resources are then released wherever it is. ``progress`` ticks when a plan is launched,
+its forward is done and the plan is done; readiness follows it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.common.errors import (
     StageServeError,
     UnavailableError,
 )
+from services.common.progress import ProgressWatchdog
 from services.prefill import metrics
 from services.prefill.request import PrefillInput, PrefillOutput, PrefillPlan, ReqStatus, RequestOutcome
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
@@ -69,6 +71,8 @@ class PrefillLeader:
         embedding_receiver: BaseEmbeddingReceiver,
         encoder: Encoder | None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        watchdog_s: float = 30.0,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
@@ -83,6 +87,10 @@ class PrefillLeader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._is_stopping = False
+        # Progress: a plan launched, its forward done, the plan done. Run by the caller (``progress.start``).
+        self.progress = ProgressWatchdog(
+            "prefill", watchdog_s, lambda: scheduler.has_worker_work, clock=clock, stalled_gauge=metrics.STALLED
+        )
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -91,6 +99,7 @@ class PrefillLeader:
     async def stop(self) -> None:
         """Fail every live request (UNAVAILABLE), wait for the running plan, stop the rank thread."""
         self._is_stopping = True
+        self.progress.stop()
         if self._ticker is not None:
             self._ticker.cancel()
         for request_id, future in list(self._futures.items()):
@@ -194,6 +203,7 @@ class PrefillLeader:
 
     def _launch(self, plan: PrefillPlan) -> None:
         assert self._loop is not None
+        self.progress.tick()
         metrics.BATCH_SIZE.observe(len(plan.requests))
         metrics.BATCH_TOKENS.observe(plan.num_tokens)
         loop = self._loop
@@ -207,10 +217,12 @@ class PrefillLeader:
         future.add_done_callback(lambda f: self._on_plan_done(plan, f))
 
     def _on_forward_done(self, plan: PrefillPlan) -> None:
+        self.progress.tick()
         self.scheduler.mark_sending(plan)
         self._pump()
 
     def _on_plan_done(self, plan: PrefillPlan, future: asyncio.Future[PrefillOutput]) -> None:
+        self.progress.tick()
         if future.cancelled():
             outcomes = self.scheduler.fail_plan(plan, UnavailableError("prefill worker shut down mid-batch"))
         elif (exc := future.exception()) is not None:

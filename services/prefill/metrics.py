@@ -27,6 +27,10 @@ EMBEDDING_ROWS_USED = telemetry.gauge(
 )
 QUEUED = telemetry.gauge("prefill_queued_requests", "Requests waiting for a batch (queued, encoding or ready)")
 
+STALLED = telemetry.gauge(
+    "prefill_stalled", "1 while the rank worker is stuck (a plan in flight, no progress for --watchdog-s); 0 otherwise"
+)
+
 
 def outcome_label(error: BaseException | None) -> str:
     if error is None:

@@ -93,6 +93,14 @@ class PrefillScheduler:
     def num_in(self, status: ReqStatus) -> int:
         return sum(e.status is status for e in self._entries.values())
 
+    @property
+    def has_worker_work(self) -> bool:
+        """A plan is in flight or READY requests wait for one: the rank worker should be progressing.
+
+        Requests still QUEUED or ENCODING wait on the vision encoder (or its rows), not on this worker.
+        """
+        return self._in_flight is not None or any(e.status is ReqStatus.READY for e in self._entries.values())
+
     def get(self, request_id: str) -> SchedEntry | None:
         return self._entries.get(request_id)
 

@@ -56,6 +56,7 @@ from tests.conftest import TINY_MODEL_DIR, image_bytes
 
 PAGE_SIZE = 4  # the session pipeline's page size: prompts span many pages
 KV_ATOL = 1e-5
+WATCHDOG_POLL_S = 0.01
 
 
 @pytest.fixture(scope="session")
@@ -196,6 +197,7 @@ class Harness:
     client: PrefillClient
     encoder: FakeVisionEncoder
     decode: DecodePool
+    health: HealthState
     servers: list[grpc.aio.Server] = field(default_factory=list)
 
     @property
@@ -253,13 +255,15 @@ async def start_harness(
     await app.start()
     servicer = PrefillServicer(config.default_timeout_s)
     servicer.attach(app.leader)
+    health = HealthState()
     server, port = create_server(
-        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], service_names=[SERVICE_NAME],
-        health=HealthState(),
+        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], service_names=[SERVICE_NAME], health=health,
     )
     await server.start()
+    health.set_serving(True)
+    app.leader.progress.start(health, interval_s=WATCHDOG_POLL_S)  # as services.prefill.__main__ does
     decode = DecodePool(language_model.config, kv_fabric)
-    return Harness(app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, [server, *servers])
+    return Harness(app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, health, [server, *servers])
 
 
 async def stop_harness(harness: Harness) -> None:
