@@ -14,6 +14,7 @@ work that arrives after a quiet hour gets a full ``stall_s``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -105,5 +106,8 @@ class ProgressWatchdog:
         self._task = asyncio.get_running_loop().create_task(self.run(health, interval_s), name=f"{self.name}-watchdog")
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        """Cancel the ``run`` task started by ``start``; from any thread."""
+        if self._task is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the task is gone with it
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)

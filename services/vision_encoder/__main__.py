@@ -28,13 +28,17 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
     p.add_argument("--max-batch-images", type=int, default=32, help="images one ViT batch takes at most")
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024, help="size limit of one compressed image")
     p.add_argument("--default-timeout-s", type=float, default=60.0, help="deadline of a call that carries none")
+    p.add_argument("--watchdog-s", type=float, default=30.0,
+                   help="health turns NOT_SERVING when encodes wait but no batch starts or ends for this long")
     a = p.parse_args(argv)
+    if a.watchdog_s <= 0:
+        p.error("--watchdog-s must be > 0")
     return VisionEncoderConfig(
         model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, device=a.device, dtype=a.dtype,
         log_level=a.log_level.upper(), transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
         transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows, cache_bytes=a.cache_bytes,
         max_batch_images=a.max_batch_images, max_image_bytes=a.max_image_bytes,
-        default_timeout_s=a.default_timeout_s,
+        default_timeout_s=a.default_timeout_s, watchdog_s=a.watchdog_s,
     )
 
 
@@ -46,6 +50,7 @@ async def serve(config: VisionEncoderConfig) -> None:
     await server.start()
     await asyncio.to_thread(app.worker.warmup)
     health.set_serving(True)
+    app.leader.progress.start(health)  # readiness follows the engine thread: NOT_SERVING while it is stuck
     logger.info("serving on %s:%d (transfer %s)", config.host, port, config.transfer_backend)
     print_ready("vision_encoder", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, app.close)

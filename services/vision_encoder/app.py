@@ -62,7 +62,7 @@ def build_app(
         model, ImageProcessor.from_dir(config.model), EmbeddingCacheManager(config.cache_bytes), sender,
         config.max_image_bytes,
     )
-    leader = EncoderLeader(EncodeScheduler(config.max_batch_images), [worker], metrics)
+    leader = EncoderLeader(EncodeScheduler(config.max_batch_images), [worker], metrics, watchdog_s=config.watchdog_s)
     limits = JobLimits(worker.merge_size, worker.hidden_size, sender.backend)
     servicer = VisionEncoderServicer(leader, limits, config.default_timeout_s)
     leader.start()

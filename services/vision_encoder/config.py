@@ -17,4 +17,5 @@ class VisionEncoderConfig(ServiceConfig):
     max_batch_images: int = 32  # images (spans) one ViT batch takes at most
     max_image_bytes: int = 20 * 1024 * 1024  # compressed size limit of one image
     default_timeout_s: float = 60.0  # deadline of a call that carries none
+    watchdog_s: float = 30.0  # NOT_SERVING while encodes wait but no batch starts or ends this long
     world_size: int = 1  # encoder ranks (owner election); only 1 runs in this version

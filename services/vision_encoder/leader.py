@@ -4,7 +4,8 @@ The batch loop runs on one thread (``vision-encoder-engine``), so the asyncio ev
 never blocks on preprocessing, the ViT or a transfer, and two ViT forwards never run at
 once. Results go back to the caller's event loop with ``call_soon_threadsafe``. Every
 job ends with its results or an error: expired in the queue, failed in the batch, or
-refused at shutdown.
+refused at shutdown. ``progress`` ticks when a batch is taken and when it ends; readiness
+follows it while encodes are queued or in flight.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 from services.common.clients.vision_encoder import SpanResult
 from services.common.errors import DeadlineExceededError, UnavailableError
+from services.common.progress import ProgressWatchdog
 from services.vision_encoder.job import EncodeJob
 from services.vision_encoder.metrics import VisionEncoderMetrics
 from services.vision_encoder.plan import make_plan
@@ -35,7 +37,14 @@ class _Pending:
 
 
 class EncoderLeader:
-    def __init__(self, scheduler: EncodeScheduler, workers: Sequence[EncoderWorker], metrics: VisionEncoderMetrics) -> None:
+    def __init__(
+        self,
+        scheduler: EncodeScheduler,
+        workers: Sequence[EncoderWorker],
+        metrics: VisionEncoderMetrics,
+        *,
+        watchdog_s: float = 30.0,
+    ) -> None:
         assert [w.rank for w in workers] == list(range(len(workers)))
         self.scheduler = scheduler
         self.workers = list(workers)
@@ -46,6 +55,10 @@ class EncoderLeader:
         self._job_ids = itertools.count()
         self._num_evictions_seen = 0
         self._thread = threading.Thread(target=self._run, name="vision-encoder-engine", daemon=True)
+        self.progress = ProgressWatchdog(  # run by the caller (``progress.start``)
+            "vision encoder", watchdog_s, lambda: bool(self._pending), is_alive=self._thread.is_alive,
+            stalled_gauge=metrics.stalled,
+        )
 
     @property
     def world_size(self) -> int:
@@ -59,6 +72,7 @@ class EncoderLeader:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Finish the batch in progress, fail every waiting job with ``UnavailableError``, join the thread."""
+        self.progress.stop()
         with self._cond:
             self._is_stopping = True
             self._cond.notify_all()
@@ -89,10 +103,12 @@ class EncoderLeader:
                     break
                 batch = self.scheduler.schedule(time.monotonic())
                 self.metrics.queue_depth.set(self.scheduler.num_waiting)
+            self.progress.tick()
             for job in batch.expired:
                 self._finish(job, DeadlineExceededError(f"encode of {job.request_id} waited past its deadline"))
             if batch.jobs:
                 self._run_batch(batch)
+                self.progress.tick()
         for job in refused:
             self._finish(job, UnavailableError("the vision encoder is shutting down"))
 

@@ -30,6 +30,11 @@ class VisionEncoderMetrics:
         self.requests = telemetry.counter(
             "vision_encoder_requests", "Encode calls by outcome (ok or the error class)", ["outcome"], registry=r
         )
+        self.stalled = telemetry.gauge(
+            "vision_encoder_stalled",
+            "1 while the engine thread is stuck (encodes waiting, no batch for --watchdog-s) or dead; 0 otherwise",
+            registry=r,
+        )
         self.queue_depth = telemetry.gauge("vision_encoder_queue_depth", "Encode calls waiting for a batch", registry=r)
         self.encode_latency = telemetry.histogram(
             "vision_encoder_encode_seconds", "Encode call latency, arrival to rows written", registry=r

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 import pytest
@@ -25,6 +26,8 @@ from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
 from tests.conftest import TINY_MODEL_DIR
+
+WATCHDOG_POLL_S = 0.01
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +70,7 @@ class Encoder:
     rows: EmbeddingRowManager
     address: str
     fabric: EmbeddingFabric
+    health: HealthState
 
     def counter(self, name: str) -> float:
         return self.registry.get_sample_value(f"stageserve_vision_encoder_{name}_total") or 0.0
@@ -87,11 +91,29 @@ async def running_encoder(model, **overrides) -> AsyncIterator[Encoder]:
     server, port = create_grpc_server(app, config, health)
     await server.start()
     health.set_serving(True)
+    app.leader.progress.start(health, interval_s=WATCHDOG_POLL_S)  # as services.vision_encoder.__main__ does
     client = VisionEncoderClient(f"127.0.0.1:{port}")
     try:
-        yield Encoder(app, client, metrics, registry, receiver, buffer, EmbeddingRowManager(4096), f"127.0.0.1:{port}", fabric)
+        yield Encoder(
+            app, client, metrics, registry, receiver, buffer, EmbeddingRowManager(4096), f"127.0.0.1:{port}", fabric,
+            health,
+        )
     finally:
         await client.close()
         await server.stop(1.0)
         app.close()
         receiver.close()
+
+
+def gate_worker(encoder: Encoder) -> tuple[Callable[[], None], list[list[str]]]:
+    """Hold the rank worker's first batch until ``release()``; records every batch's request ids."""
+    worker = encoder.app.worker
+    execute, opened, batches = worker.execute, threading.Event(), []
+
+    def gated(batch, plan):
+        batches.append([job.request_id for job in batch.jobs])
+        opened.wait(30)
+        return execute(batch, plan)
+
+    worker.execute = gated
+    return opened.set, batches
