@@ -33,11 +33,11 @@ class ServiceConfig:
     log_level: str = "INFO"
 
 
-def add_common_args(
-    parser: argparse.ArgumentParser, *, runs_model: bool = True, log_level_default: str | None = "INFO"
-) -> None:
+def add_common_args(parser: argparse.ArgumentParser, *, runs_model: bool = True, envs: Envs | None = None) -> None:
     """Add the flags every service takes. Without ``runs_model``, ``--device`` and ``--dtype`` are
-    accepted and unused; ``log_level_default=None`` leaves the level to ``STAGESERVE_LOG_LEVEL``."""
+    accepted and unused. ``--log-level`` defaults to ``envs.log_level`` (``STAGESERVE_LOG_LEVEL``, else
+    INFO); ``envs`` defaults to ``Envs.from_environ()``."""
+    envs = envs if envs is not None else Envs.from_environ()
     p = parser
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC and metrics servers bind")
@@ -49,8 +49,8 @@ def add_common_args(
     else:
         p.add_argument("--device", default="cpu", help="unused (this service runs no model); accepted for uniformity")
         p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
-    levels = "DEBUG, INFO, ..." + (" (default: STAGESERVE_LOG_LEVEL or INFO)" if log_level_default is None else "")
-    p.add_argument("--log-level", default=log_level_default, help=levels)
+    p.add_argument("--log-level", type=str.upper, default=envs.log_level,
+                   help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)")
 
 
 def setup_logging(level: str) -> None:

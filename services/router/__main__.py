@@ -22,9 +22,9 @@ from services.router.config import LimitsConfig, PolicyName, RouterConfig, Worke
 logger = logging.getLogger("services.router")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
-    add_common_args(p, runs_model=False, log_level_default=None)
+    add_common_args(p, runs_model=False, envs=envs)
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the dir name)")
     p.add_argument("--max-context-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
@@ -49,7 +49,7 @@ def _context_len(model_dir: Path) -> int:
     return ModelConfig.from_dir(model_dir).text.max_position_embeddings
 
 
-def config_from_args(args: argparse.Namespace, envs: Envs) -> RouterConfig:
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
     model_dir = args.model.resolve()
     return RouterConfig(
         model_dir=model_dir,
@@ -71,7 +71,7 @@ def config_from_args(args: argparse.Namespace, envs: Envs) -> RouterConfig:
         http_host=args.http_host or args.host,
         http_port=args.http_port,
         metrics_port=args.metrics_port,
-        log_level=(args.log_level or envs.log_level).upper(),
+        log_level=args.log_level.upper(),
     )
 
 
@@ -94,9 +94,8 @@ async def serve(cfg: RouterConfig, metrics_port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     envs = Envs.from_environ()
-    cfg = config_from_args(args, envs)
+    cfg = config_from_args(build_parser(envs).parse_args(argv))
     setup_logging(cfg.log_level)
     metrics_port = start_telemetry("router", envs, cfg.host, cfg.metrics_port)
     asyncio.run(serve(cfg, metrics_port))

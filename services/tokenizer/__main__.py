@@ -27,9 +27,9 @@ from services.tokenizer.workers import WorkerPool
 logger = logging.getLogger("services.tokenizer")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
-    add_common_args(p, runs_model=False, log_level_default=None)
+    add_common_args(p, runs_model=False, envs=envs)
     p.add_argument("--num-workers", type=int, default=1,
                    help="worker processes for tokenization and image decoding (0: one thread in this process)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
-    parser = build_parser()
+    parser = build_parser(envs)
     args = parser.parse_args(argv)
     for flag in ("num_workers", "max_image_bytes", "max_image_pixels"):
         if getattr(args, flag) < (0 if flag == "num_workers" else 1):
@@ -55,7 +55,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
         port=args.port,
         metrics_port=args.metrics_port,
         num_workers=args.num_workers,
-        log_level=(args.log_level or envs.log_level).upper(),
+        log_level=args.log_level.upper(),
     )
 
 
