@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from benchmarks.measure import Ceilings, decode_floor_bytes, prefill_flops, time_ms, vit_flops
@@ -58,7 +60,7 @@ def decode_rows(
     contexts: tuple[int, ...] = DECODE_CONTEXTS,
     batches: tuple[int, ...] = DECODE_BATCHES,
 ) -> list[Row]:
-    """One step = plan + graph replay + argmax + sync, as the engine runs it (host work included)."""
+    """Time per step of a pipelined greedy decode loop (``decode_loop_ms``), host work included."""
     rows = []
     for context_len in contexts:
         request_ids = [f"decode-{context_len}-{i}" for i in range(max(batches))]
@@ -73,15 +75,49 @@ def decode_rows(
     return rows
 
 
+def decode_loop(runner: ModelRunner, steps: list[StepInput], num_steps: int) -> list[list[int]]:
+    """A greedy decode loop as a serving loop runs it, pipelined: the host plans step N+1 while
+    the GPU runs step N. Each step's argmax stays on the device and is the next step's input;
+    its copy to pinned host memory is read one step late (the only host sync). Returns the
+    tokens of every step, as the host read them."""
+    n = len(steps)
+    host = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+    copied = [torch.cuda.Event(), torch.cuda.Event()]
+    out: list[list[int]] = []
+    tokens = None
+    for i in range(num_steps):
+        tokens = runner.forward(ForwardMode.DECODE, steps, input_ids=tokens).argmax(-1)
+        host[i % 2].copy_(tokens, non_blocking=True)
+        copied[i % 2].record()
+        if i > 0:  # step i-1's tokens, while step i runs
+            copied[(i - 1) % 2].synchronize()
+            out.append(host[(i - 1) % 2].tolist())
+    copied[(num_steps - 1) % 2].synchronize()
+    out.append(host[(num_steps - 1) % 2].tolist())
+    return out
+
+
+def decode_loop_ms(runner: ModelRunner, steps: list[StepInput], num_steps: int = 40, warmup: int = 5) -> float:
+    """Steady-state wall time per step of ``decode_loop``: every step of a ``num_steps`` loop
+    (fill and drain included), host clock from the first call to the last token read."""
+    decode_loop(runner, steps, warmup)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    decode_loop(runner, steps, num_steps)
+    return (time.perf_counter() - start) * 1e3 / num_steps
+
+
 def _decode_row(runner: ModelRunner, ceilings: Ceilings, request_ids: list[str], context_len: int) -> Row:
     batch_size = len(request_ids)
     steps = _decode_steps(request_ids, context_len)
-    ms = time_ms(lambda: runner.forward(ForwardMode.DECODE, steps).argmax(-1), warmup=3, iters=20)
+    ms = decode_loop_ms(runner, steps)
+    sync_ms = time_ms(lambda: runner.forward(ForwardMode.DECODE, steps).argmax(-1).cpu(), warmup=3, iters=20)
     note = ""
     if runner.cuda_graph is not None and runner.cuda_graph.can_run(batch_size):
         graph = runner.cuda_graph
         replay_ms = time_ms(lambda: graph.replay(batch_size), warmup=2, iters=20)
         note = f"graph replay alone {replay_ms:.3f} ms; "
+    note += f"unpipelined step {sync_ms:.3f} ms; "
     floor = decode_floor_bytes(runner.model, batch_size, context_len + 1) / ceilings.copy_bytes_per_s * 1e3
     note += f"{batch_size / ms * 1e3:.0f} tok/s"
     return Row("decode", decode_row_name(batch_size, context_len), ms, floor, note=note)

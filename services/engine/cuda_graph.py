@@ -7,9 +7,14 @@ there and never into a real request's pages. Inputs travel in one host-to-device
 copy into fixed buffers; attention metadata is re-planned into the backend's fixed
 buffers; then the graph replays. Batches above the largest size run eagerly.
 
-The returned logits are a view of the graph's output: valid until the next ``run``.
-The pinned host staging is rewritten each step, so callers consume each step's
-logits (a sampler does, synchronizing) before starting the next.
+The returned logits are a view of the graph's output: valid until the next ``run``'s
+replay, in stream order, so a caller consumes them on the stream (argmax) before the
+next ``run``. Token ids may come as a device tensor (the previous step's argmax): they
+are copied into the fixed buffer on the stream, so no host sync is needed between steps.
+``run`` never synchronizes with the GPU, so the host can plan step N+1 while step N
+replays: every device-side write of ``run`` (input upload, attention metadata) is
+stream-ordered after step N's replay, and the only thing the host rewrites early, the
+pinned staging memory, is guarded by an event recorded after its upload.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class CudaGraphDecodeRunner:
         # rows: input ids, positions (3 rows), out slots; [5, max_batch_size] int64
         self._inputs = torch.zeros(5, self.max_batch_size, dtype=torch.long, device=device)
         self._inputs_host = torch.zeros(5, self.max_batch_size, dtype=torch.long, pin_memory=True)
+        self._staged = torch.cuda.Event()  # recorded after the last upload from the pinned staging
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}  # [B, vocab] fp32, graph outputs
         self._pool: tuple[int, int] | None = None
@@ -78,14 +84,18 @@ class CudaGraphDecodeRunner:
     def run(
         self,
         batch: AttentionBatch,  # DECODE, len(seq_lens) <= max_batch_size; out_slots on any device
-        input_ids: torch.Tensor,  # [n] int64, CPU
+        input_ids: torch.Tensor,  # [n] int64, CPU, or on the graph's device (copied on the stream)
         positions: torch.Tensor,  # [3, n] int64, CPU
     ) -> torch.Tensor:  # [n, vocab] fp32, a view of the graph output
         assert batch.mode is ForwardMode.DECODE
         n = len(batch.seq_lens)
         size = self.graph_size(n)
         assert size in self._graphs, "capture() must run before run()"
-        self._stage_inputs(size, input_ids, positions, batch.out_slots.cpu())
+        on_device = input_ids.device.type != "cpu"
+        host_ids = torch.zeros(n, dtype=torch.long) if on_device else input_ids
+        self._stage_inputs(size, host_ids, positions, batch.out_slots.cpu())
+        if on_device:
+            self._inputs[_IDS, :n].copy_(input_ids, non_blocking=True)
         self.attention.plan_cuda_graph(self._padded_batch(size, batch.seq_lens, batch.page_tables))
         self._graphs[size].replay()
         return self._logits[size][:n]
@@ -105,12 +115,14 @@ class CudaGraphDecodeRunner:
     ) -> None:
         n = input_ids.numel()
         host = self._inputs_host
+        self._staged.synchronize()  # the previous upload has left the pinned staging (no-op before the first)
         host[:, n:size] = 0
         host[_SLOTS, n:size] = self.scratch_page * self.page_size
         host[_IDS, :n] = input_ids
         host[_POS, :n] = positions
         host[_SLOTS, :n] = out_slots
         self._inputs.copy_(host, non_blocking=True)
+        self._staged.record()
 
     def _padded_batch(self, size: int, seq_lens: list[int], page_tables: list[list[int]]) -> AttentionBatch:
         num_padding = size - len(seq_lens)

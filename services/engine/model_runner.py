@@ -78,15 +78,32 @@ class ModelRunner:
         return self.model.encode_images(pixel_values.to(self.device), grids)
 
     @torch.inference_mode()
-    def forward(self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool = False) -> torch.Tensor:
-        """Logits ``[num_requests, vocab]`` (last new token of each) or ``[num_tokens, vocab]`` fp32."""
+    def forward(
+        self,
+        mode: ForwardMode,
+        inputs: list[StepInput],
+        all_logits: bool = False,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[num_requests, vocab]`` (last new token of each) or ``[num_tokens, vocab]`` fp32.
+
+        ``input_ids`` (DECODE only): the step's token ids already on the runner's device,
+        ``[num_requests]`` int64 (e.g. the previous step's argmax); they replace each
+        StepInput's ``input_ids[0]``, so a decode loop never waits on the host for its tokens.
+        Nothing here synchronizes with the GPU: a loop may enqueue step N+1 before reading
+        step N's results (consume each step's logits on the stream before the next call).
+        """
+        if input_ids is not None:
+            assert mode is ForwardMode.DECODE and input_ids.shape == (len(inputs),)
+            input_ids = input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
         batch = self._attention_batch(mode, inputs)
         graph = self.cuda_graph
         if mode is ForwardMode.DECODE and graph is not None and graph.can_run(len(inputs)) and not all_logits:
-            input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
+            if input_ids is None:
+                input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
             return graph.run(batch, input_ids, torch.cat([s.positions for s in inputs], dim=1))
         self.attention.plan(batch)
-        embeds = self._embed(inputs)
+        embeds = self.model.embed(input_ids) if input_ids is not None else self._embed(inputs)
         positions = torch.cat([s.positions for s in inputs], dim=1).to(self.device)
         logits_indices = None
         if not all_logits:

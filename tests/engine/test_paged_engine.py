@@ -88,3 +88,27 @@ def test_batched_generate_equals_each_alone(pipeline):
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     assert [len(o.token_ids) for o in batched] == [5, 17, 9, 11]
     assert engine.runner.page_manager.num_free_pages == free_before
+
+
+def test_decode_with_device_token_ids_equals_host_ids(pipeline):
+    """``forward(..., input_ids=tensor)`` (a loop feeding the previous argmax back) = StepInput ids."""
+    engine, runner = pipeline.engine, pipeline.engine.runner
+    requests = [text_request(pipeline, f"dev{i}", text) for i, text in enumerate(["Hi there.", "Count to three."])]
+    try:
+        steps = []
+        for request in requests:
+            runner.page_table.reserve(request.request_id, len(request.prompt_ids) + 1)
+            steps.append(engine.prefill_input(request, None)[0])
+        tokens = runner.forward(ForwardMode.EXTEND, steps).argmax(-1)
+        decode = [
+            StepInput(r.request_id, [0], torch.full((3, 1), len(r.prompt_ids), dtype=torch.long), len(r.prompt_ids))
+            for r in requests
+        ]
+        from_device = runner.forward(ForwardMode.DECODE, decode, input_ids=tokens).clone()
+        for step, token in zip(decode, tokens.tolist(), strict=True):
+            step.input_ids = [token]
+        from_host = runner.forward(ForwardMode.DECODE, decode)
+    finally:
+        for request in requests:
+            runner.page_table.release(request.request_id)
+    assert torch.equal(from_device, from_host)

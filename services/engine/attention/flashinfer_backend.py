@@ -106,6 +106,9 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         self._indices_stage: torch.Tensor | None = None  # [max pages] int32 on device
         self._active: Any = None
         self._out_slots: torch.Tensor | None = None
+        # plan() writes pinned host memory (flashinfer's plan info, our page indices) and uploads it
+        # asynchronously; before the next plan rewrites it, the previous upload must have run.
+        self._planned = torch.cuda.Event()
 
     def _plan_kwargs(self) -> dict[str, Any]:
         dtype = self.kv_pool.dtype
@@ -121,6 +124,7 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         assert batch.page_size == self.kv_pool.page_size, "batch and pool page sizes differ"
         assert batch.out_slots.shape == (batch.num_tokens,)
         meta = paged_kv_metadata(batch)
+        self._planned.synchronize()
         if batch.mode is ForwardMode.DECODE:
             assert all(e == 1 for e in batch.extend_lens), "DECODE brings one token per request"
             self._plan_decode(self.decode_wrapper, meta, meta.kv_indices)
@@ -132,6 +136,7 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
                 causal=True, **self._plan_kwargs(),
             )
             self._active = self.prefill_wrapper
+        self._planned.record()
         self._out_slots = batch.out_slots.to(device=self.device, dtype=torch.long, non_blocking=True)
 
     def forward(
@@ -166,8 +171,10 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         n = meta.kv_indices.numel()
         assert n <= self._indices_host.numel(), f"{n} pages exceed the graph's {self._indices_host.numel()}"
         # pinned staging keeps the upload asynchronous (flashinfer copies a CPU index list synchronously)
+        self._planned.synchronize()
         self._indices_host[:n].copy_(meta.kv_indices)
         self._indices_stage[:n].copy_(self._indices_host[:n], non_blocking=True)
         self._plan_decode(wrapper, meta, self._indices_stage[:n])
+        self._planned.record()
         self._active = wrapper
         self._out_slots = batch.out_slots
