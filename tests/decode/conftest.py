@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,7 @@ from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSend
 from tests.conftest import TINY_MODEL_DIR
 
 PAGE_SIZE = 4
+EOS = 2
 WAIT_S = 20.0  # bound on every wait: a hang fails the test instead of stalling it
 
 
@@ -164,3 +166,8 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
         await server.stop(0)
         harness.engine.stop()
         harness.engine.receiver.close()
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2048) for _ in range(length)]
