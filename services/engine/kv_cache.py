@@ -13,6 +13,7 @@ import heapq
 import torch
 
 from services.common.errors import CapacityError
+from services.engine import ops
 
 
 class KVPageManager:
@@ -115,8 +116,7 @@ class KVPool:
         """Store row ``i`` of ``k``/``v`` at flat slot ``slots[i]`` of layer ``layer_id``."""
         assert k.shape == v.shape and k.shape[0] == slots.shape[0]
         slots = slots.to(device=self.device, dtype=torch.long)
-        self.k_slots(layer_id).index_copy_(0, slots, k.to(self.dtype))
-        self.v_slots(layer_id).index_copy_(0, slots, v.to(self.dtype))
+        ops.store_kv(self.k_slots(layer_id), self.v_slots(layer_id), slots, k.to(self.dtype), v.to(self.dtype))
 
 
 class RequestPageTable:

@@ -1,4 +1,4 @@
-"""Elementwise steps of the decoder, fused on CUDA and plain torch everywhere else.
+"""Elementwise steps of the decoder (and its one-row matmuls), fused on CUDA and plain torch elsewhere.
 
 Each function has one torch definition (the reference, used on CPU); on a CUDA tensor
 it runs one Triton kernel instead, with the same rounding points in bf16. Triton is
@@ -88,3 +88,55 @@ def gated_act(gate_up: torch.Tensor, act_name: str, act) -> torch.Tensor:
         return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
+
+
+def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
+    """The Triton module when ``x @ weight.T`` is one bf16/fp16 CUDA row (decode at batch 1)."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if weight.dtype != x.dtype or not weight.is_contiguous() or not x.is_contiguous():
+        return None
+    return _fused(x)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; a single CUDA row runs as one GEMV kernel (cuBLAS splits K there and reduces apart)."""
+    kernels = _gemv_kernels(x, weight)
+    if kernels is not None:
+        return kernels.gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def gated_linear(
+    gate_up: torch.Tensor, act_name: str, act, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``linear(gated_act(gate_up), weight, bias)``; one CUDA row fuses the activation into the GEMV."""
+    kernels = _gemv_kernels(gate_up, weight)
+    if kernels is not None and act_name == "silu":
+        return kernels.gemv(gate_up, weight, bias, gated=True)
+    return linear(gated_act(gate_up, act_name, act), weight, bias)
+
+
+def store_kv(
+    k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """``k_slots[slots[i]] = k[i]`` and the same for v; slots/k/v on the pool's device and dtype."""
+    kernels = _fused(k)
+    if kernels is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
+        kernels.store_kv(k_slots, v_slots, slots, k, v)
+        return
+    k_slots.index_copy_(0, slots, k)
+    v_slots.index_copy_(0, slots, v)
+
+
+def copy_pages(
+    src_k: torch.Tensor, src_v: torch.Tensor, src_pages: torch.Tensor,
+    dst_k: torch.Tensor, dst_v: torch.Tensor, dst_pages: torch.Tensor,
+) -> None:
+    """Pool pages ``src_pages[i]`` -> ``dst_pages[i]`` for every layer of K and V (buffers ``[L, P, S, H, D]``)."""
+    kernels = _fused(src_k)
+    if kernels is not None:
+        kernels.copy_pages(src_k, src_v, src_pages, dst_k, dst_v, dst_pages)
+        return
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        dst.index_copy_(1, dst_pages.long(), src.index_select(1, src_pages.long()))

@@ -121,3 +121,138 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         gate_up, out, gate_up.stride(0), n_cols, BLOCK=block, num_warps=4
     )
     return out
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # y[n] = sum_k w[n, k] * x[k] (+ b[n]); GATED: x is [gate | up] and the input is silu(gate) * up
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * k_in
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < k_in
+        w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+        if GATED:  # same rounding points as silu_mul: act in fp32 -> dtype, product -> dtype
+            gate = x.to(tl.float32)
+            up = tl.load(x_ptr + k_in + cols, mask=col_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = (act * up).to(x_ptr.dtype.element_ty)
+        acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _gemv_config(n_out: int, k_in: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), from a sweep on H200 over the 7B decoder's shapes.
+
+    Long rows (down projection) want wide K tiles; very wide outputs (gate/up, LM head)
+    want software pipelining; narrow outputs (o projection) want many small programs so
+    every SM has loads in flight.
+    """
+    if k_in >= 8192:
+        return 16, 1024, 8, 1
+    if n_out >= 16384:
+        return 8, 512, 4, 3
+    if n_out <= 4096:
+        return 2, 512, 4, 1
+    return 8, 512, 8, 1
+
+
+def gemv(
+    x: torch.Tensor,  # [1, K], or [1, 2K] = [gate | up] when gated
+    weight: torch.Tensor,  # [N, K], contiguous
+    bias: torch.Tensor | None,  # [N] or None
+    gated: bool = False,
+) -> torch.Tensor:  # [1, N]
+    """One-row ``F.linear`` (decode at batch 1) as a bandwidth-bound GEMV: no split-K, bias fused."""
+    n_out, k_in = weight.shape
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
+    assert x.shape[1] == (2 * k_in if gated else k_in), (x.shape, weight.shape, gated)
+    y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = _gemv_config(n_out, k_in)
+    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n_out, k_in,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, slot_ptr, k_dst, v_dst, k_stride, v_stride, row_size, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < row_size
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    tl.store(k_dst + slot * row_size + cols, tl.load(k_ptr + t * k_stride + cols, mask=mask), mask=mask)
+    tl.store(v_dst + slot * row_size + cols, tl.load(v_ptr + t * v_stride + cols, mask=mask), mask=mask)
+
+
+def store_kv(
+    k_slots: torch.Tensor,  # [num_slots, Hkv, D], contiguous (one layer of the pool)
+    v_slots: torch.Tensor,
+    slots: torch.Tensor,  # [T] int
+    k: torch.Tensor,  # [T, Hkv, D]; each token's heads contiguous (a view of qkv is fine)
+    v: torch.Tensor,
+) -> None:
+    """K and V of every token to its slot in one launch (two ``index_copy_`` otherwise)."""
+    n = k.shape[0]
+    row_size = k.shape[1] * k.shape[2]
+    assert k_slots.is_contiguous() and v_slots.is_contiguous() and k_slots.shape[1:] == k.shape[1:]
+    for t in (k, v):
+        assert t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.dtype == k_slots.dtype
+    if n == 0:
+        return
+    _store_kv_kernel[(n,)](
+        k, v, slots, k_slots, v_slots, k.stride(0), v.stride(0), row_size,
+        BLOCK=triton.next_power_of_2(row_size), num_warps=4,
+    )
+
+
+@triton.jit
+def _copy_pages_kernel(
+    src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_layer_stride, dst_layer_stride,
+    PAGE_NUMEL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # one program per (request page, layer, K or V): PAGE_NUMEL contiguous elements
+    i = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    src_off = layer * src_layer_stride + tl.load(src_pages + i).to(tl.int64) * PAGE_NUMEL
+    dst_off = layer * dst_layer_stride + tl.load(dst_pages + i).to(tl.int64) * PAGE_NUMEL
+    for start in tl.static_range(0, PAGE_NUMEL, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < PAGE_NUMEL
+        if tl.program_id(2) == 0:
+            tl.store(dst_k + dst_off + offs, tl.load(src_k + src_off + offs, mask=mask), mask=mask)
+        else:
+            tl.store(dst_v + dst_off + offs, tl.load(src_v + src_off + offs, mask=mask), mask=mask)
+
+
+def copy_pages(
+    src_k: torch.Tensor,  # [L, P_src, S, H, D] (a KV pool's buffers)
+    src_v: torch.Tensor,
+    src_pages: torch.Tensor,  # [n] int, on the source device
+    dst_k: torch.Tensor,  # [L, P_dst, S, H, D]; may be another GPU's memory mapped into this device
+    dst_v: torch.Tensor,
+    dst_pages: torch.Tensor,  # [n] int
+) -> None:
+    """Page ``src_pages[i]`` of every layer of K and V to ``dst_pages[i]``: one launch, no staging."""
+    num_layers, page_numel, n = src_k.shape[0], src_k[0, 0].numel(), src_pages.shape[0]
+    for t in (src_k, src_v, dst_k, dst_v):
+        assert t.is_contiguous() and t.shape[0] == num_layers and t[0, 0].numel() == page_numel
+    if n == 0:
+        return
+    _copy_pages_kernel[(n, num_layers, 2)](
+        src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_k[0].numel(), dst_k[0].numel(),
+        PAGE_NUMEL=page_numel, BLOCK=min(2048, triton.next_power_of_2(page_numel)), num_warps=4,
+    )

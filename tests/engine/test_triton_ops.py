@@ -61,3 +61,42 @@ def test_silu_mul():
     out = ops.gated_act(gate_up, "silu", torch.nn.functional.silu)
     gate, up = gate_up.float().cpu().chunk(2, dim=-1)
     _close(out, torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize(("n_out", "k_in", "bias"), [(4608, 3584, True), (3584, 3584, False), (37888, 3584, False),
+                                                     (3584, 18944, False), (1000, 130, True), (64, 64, False)])
+def test_one_row_linear_is_the_gemv_kernel_and_matches_fp32(n_out, k_in, bias):
+    x = torch.randn(1, k_in, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16) / k_in**0.5
+    b = torch.randn(n_out, device="cuda", dtype=torch.bfloat16) if bias else None
+    ref = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    out = ops.linear(x, weight, b)
+    assert out.shape == (1, n_out) and out.dtype == torch.bfloat16
+    _close(out, ref)
+    # two rows take cuBLAS; both paths agree on the shared row
+    _close(ops.linear(torch.cat([x, x]), weight, b)[:1], out)
+
+
+@pytest.mark.parametrize(("n_out", "inter"), [(3584, 18944), (64, 96)])
+def test_gated_linear_fuses_silu_mul_into_the_gemv(n_out, inter):
+    gate_up = torch.randn(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(n_out, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
+    act = torch.nn.functional.silu
+    ref = torch.nn.functional.linear(ops.gated_act(gate_up, "silu", act).float(), weight.float())
+    _close(ops.gated_linear(gate_up, "silu", act, weight), ref)
+
+
+@pytest.mark.parametrize(("num_kv", "head_dim"), [(4, 128), (2, 16)])
+def test_store_kv_writes_each_token_to_its_slot(num_kv, head_dim):
+    num_q, n, num_slots = 7 * num_kv, 9, 64
+    qkv = torch.randn(n, (num_q + 2 * num_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
+    _, k, v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+    k, v = k.view(n, num_kv, head_dim), v.view(n, num_kv, head_dim)  # strided views, as after rotary
+    slots = torch.randperm(num_slots, device="cuda")[:n]
+    k_slots = torch.zeros(num_slots, num_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_slots = torch.zeros_like(k_slots)
+    ops.store_kv(k_slots, v_slots, slots, k, v)
+    ref_k, ref_v = torch.zeros_like(k_slots), torch.zeros_like(v_slots)
+    ref_k.index_copy_(0, slots, k)
+    ref_v.index_copy_(0, slots, v)
+    assert torch.equal(k_slots, ref_k) and torch.equal(v_slots, ref_v)

@@ -7,7 +7,6 @@ tensor; the attention backend holds the step's layout (see attention/base.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine import ops
@@ -40,11 +39,12 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         q, k, v = ops.rotary_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.forward(self.layer_id, q, k, v).reshape(n, -1))
+        out = attn.forward(self.layer_id, q, k, v).reshape(n, -1)
+        return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine import ops
@@ -70,5 +69,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        return self.down_proj(ops.gated_act(gate_up, self.act_name, self.act))
+        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return ops.gated_linear(gate_up, self.act_name, self.act, self.down_proj.weight, self.down_proj.bias)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.engine import ops
 from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import ModelConfig
 from services.engine.model.language import LanguageModel
@@ -61,4 +62,4 @@ class Qwen2_5_VLModel(nn.Module):
         hidden = self.model(input_embeds, positions, attn)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.lm_head(hidden).float()  # [rows, vocab] fp32
+        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [rows, vocab] fp32
