@@ -1,10 +1,12 @@
-"""KV transfer between two GPUs of one host: raw NCCL send/recv, then the NCCL KV backend.
+"""KV transfer between two GPUs of one host: raw NCCL send/recv, then the NCCL and CUDA IPC KV backends.
 
-One process per GPU. Rank 0 is prefill (sender), rank 1 decode (receiver, listener
-thread). Pools have the 7B layout (28 layers, 4 KV heads, head dim 128, bf16, 16-token
-pages); a request's source pages are contiguous, its destination pages shuffled. Each
-sample starts at a gloo barrier and ends when rank 1's session is SUCCESS (pages
-written), timed on rank 1; the median of several samples is reported.
+One process per GPU. Rank 0 is prefill (sender), rank 1 decode (receiver). Pools have
+the 7B layout (28 layers, 4 KV heads, head dim 128, bf16, 16-token pages); a request's
+source pages are contiguous, its destination pages shuffled. Each sample starts at a
+gloo barrier; it ends when the pages hold the KV: for NCCL (two-sided) when rank 1's
+session is SUCCESS after its scatter, for CUDA IPC (one-sided) when rank 0's ``send``
+returns after its copy kernel finished. The median of several samples is reported, and
+each size's last transfer is checked page by page on rank 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ SIZES_MIB = (16, 64, 256, 1024)
 NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 28, 16, 4, 128
 RAW_BYTES = 1 << 30
 SAMPLES = 7
+BACKENDS = ("nccl", "cuda_ipc")
 JOIN_TIMEOUT_S = 120
 
 
@@ -60,11 +63,19 @@ def _raw_ms(rank: int, ctrl: Any, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int) -> list[tuple[int, int, float]]:
-    from services.transfer.nccl_backend import NcclKVReceiver
+def _page_sums(pool: Any, pages: list[int]) -> torch.Tensor:  # [2, n]: per page, K and V summed over layers
+    index = torch.tensor(pages, device=pool.device)
+    return torch.stack([buf[:, index].float().sum(dim=(0, 2, 3, 4)) for buf in (pool.k_buffer, pool.v_buffer)]).cpu()
+
+
+def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> list[tuple[int, int, float]]:
+    """Rank 1. nccl: time from the barrier to the session's SUCCESS (scatter done) on this rank.
+    cuda_ipc: the sender's time from the barrier to ``send`` returning (its kernel finished); the
+    session is completed afterwards, as ``Generate`` does. Each size's last sample is checked page by page."""
+    from services.transfer import create_kv_receiver
 
     pool = _pool(device, num_pages)
-    receiver = NcclKVReceiver(peer_rank=0)
+    receiver = create_kv_receiver(backend, **({"peer_rank": 0} if backend == "nccl" else {}))
     receiver.register(pool)
     out = []
     for mib in SIZES_MIB:
@@ -76,21 +87,33 @@ def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int) -> list[t
             dist.broadcast_object_list([msgspec.msgpack.encode(session.destination)], src=1, group=ctrl)
             dist.barrier(group=ctrl)
             start = time.perf_counter()
-            state = session.wait(time.monotonic() + 60)
-            assert state.name == "SUCCESS", f"transfer of {mib} MiB ended {state}"
+            if backend == "nccl":
+                state = session.wait(time.monotonic() + 60)
+                elapsed_ms = (time.perf_counter() - start) * 1e3
+            else:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, src=0, group=ctrl)  # the sender's time, once the bytes landed
+                elapsed_ms = box[0]
+                receiver.sessions.complete(session.request_id)
+                state = session.state
+            assert state.name == "SUCCESS", f"{backend} transfer of {mib} MiB ended {state}"
             if sample:
-                times.append((time.perf_counter() - start) * 1e3)
+                times.append(elapsed_ms)
+            if sample == SAMPLES:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=ctrl)
+                assert torch.allclose(_page_sums(pool, pages), box[0], rtol=1e-3, atol=1e-2), f"{backend} {mib} MiB"
         out.append((mib, n * _bytes_per_page(), statistics.median(times)))
     receiver.close()
     return out
 
 
-def _sender_samples(ctrl: Any, device: torch.device, num_pages: int) -> None:
+def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> None:
+    from services.transfer import create_kv_sender
     from services.transfer.base import KvDestination
-    from services.transfer.nccl_backend import NcclKVSender
 
     pool = _pool(device, num_pages)
-    sender = NcclKVSender(peer_rank=1)
+    sender = create_kv_sender(backend, **({"peer_rank": 1} if backend == "nccl" else {}))
     for mib in SIZES_MIB:
         n = max(1, round(mib * (1 << 20) / _bytes_per_page()))
         for sample in range(SAMPLES + 1):
@@ -98,7 +121,13 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int) -> None:
             dist.broadcast_object_list(box, src=1, group=ctrl)
             dest = msgspec.msgpack.decode(box[0], type=KvDestination)
             dist.barrier(group=ctrl)
+            start = time.perf_counter()
             sender.send(f"{mib}-{sample}", pool, list(range(n)), dest, time.monotonic() + 60)
+            if backend != "nccl":
+                dist.broadcast_object_list([(time.perf_counter() - start) * 1e3], src=0, group=ctrl)
+            if sample == SAMPLES:
+                dist.broadcast_object_list([_page_sums(pool, list(range(n)))], src=0, group=ctrl)
+    sender.close()
 
 
 def _worker(rank: int, port: int, queue: Any) -> None:
@@ -111,10 +140,14 @@ def _worker(rank: int, port: int, queue: Any) -> None:
     try:
         raw_ms = _raw_ms(rank, ctrl, device)
         num_pages = -(-max(SIZES_MIB) * (1 << 20) // _bytes_per_page()) + 64
-        if rank == 0:
-            _sender_samples(ctrl, device, num_pages)
-        else:
-            queue.put({"raw_ms": raw_ms, "sizes": _receiver_samples(ctrl, device, num_pages)})
+        sizes = {}
+        for backend in BACKENDS:
+            if rank == 0:
+                _sender_samples(ctrl, device, num_pages, backend)
+            else:
+                sizes[backend] = _receiver_samples(ctrl, device, num_pages, backend)
+        if rank == 1:
+            queue.put({"raw_ms": raw_ms, "sizes": sizes})
         dist.barrier(group=ctrl)
     finally:
         dist.destroy_process_group()
@@ -136,9 +169,10 @@ def run_transfer_benchmark() -> list[Row]:
     raw_ms = result["raw_ms"]
     raw_bw = RAW_BYTES / (raw_ms / 1e3)
     rows = [Row("transfer", "raw NCCL send/recv 1 GiB (ceiling)", raw_ms, raw_ms, note=f"{raw_bw / 1e9:.0f} GB/s")]
-    for mib, num_bytes, ms in result["sizes"]:
-        rows.append(Row(
-            "transfer", f"KV {mib} MiB", ms, num_bytes / raw_bw * 1e3,
-            note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; {num_bytes // _bytes_per_page()} pages, shuffled",
-        ))
+    for backend, sizes in result["sizes"].items():
+        for mib, num_bytes, ms in sizes:
+            rows.append(Row(
+                "transfer", f"KV {mib} MiB, {backend}", ms, num_bytes / raw_bw * 1e3,
+                note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; {num_bytes // _bytes_per_page()} pages, shuffled",
+            ))
     return rows

@@ -32,16 +32,18 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
 
 
 # "nccl" needs a torch.distributed group spanning prefill and decode (GPUs of one host):
-# create it with peer_rank= and group=.
+# create it with peer_rank= and group=. "cuda_ipc" (GPUs of one host, peers) needs nothing.
 _SENDER_FACTORIES: dict[str, Callable[..., BaseKVSender]] = {
     "mooncake": _factory("mooncake_backend", "MooncakeKVSender"),
     "inprocess": _factory("inprocess_backend", "InProcessKVSender"),
     "nccl": _factory("nccl_backend", "NcclKVSender"),
+    "cuda_ipc": _factory("cuda_ipc_backend", "CudaIpcKVSender"),
 }
 _RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
     "mooncake": _factory("mooncake_backend", "MooncakeKVReceiver"),
     "inprocess": _factory("inprocess_backend", "InProcessKVReceiver"),
     "nccl": _factory("nccl_backend", "NcclKVReceiver"),
+    "cuda_ipc": _factory("cuda_ipc_backend", "CudaIpcKVReceiver"),
 }
 
 

@@ -1,0 +1,211 @@
+"""CUDA IPC backend: prefill writes KV straight into decode's pages on another GPU of the host.
+
+Decode exports its pool's K and V allocations once (CUDA IPC handles, inside its
+``session_id``); prefill maps them into its own GPU's address space (peer access over
+NVLink, enabled by the driver when the handle is opened) and moves a request with one
+kernel: every ``(page, layer, K|V)`` block is read from prefill's pool and stored into
+decode's page, so there is no staging copy, no per-page call and no receiver thread.
+
+It is one-sided like Mooncake: ``send`` returns once the kernel finished (the bytes are
+in decode's memory); decode learns it from the request protocol (``Generate``), as for
+Mooncake. A send that misses its deadline cannot be stopped: its kernel still runs to the
+end (milliseconds), which decode's page quarantine already covers (see base.py).
+
+Both processes must see both GPUs (no disjoint ``CUDA_VISIBLE_DEVICES``) and the GPUs
+must be peers; otherwise ``send`` fails with ``UnavailableError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import torch
+
+from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.engine import ops
+from services.engine.kv_cache import KVPool
+from services.transfer.base import (
+    BaseKVReceiver,
+    BaseKVSender,
+    KvDestination,
+    TransferResult,
+    check_compatible,
+    check_deadline,
+    pool_layout,
+)
+
+SESSION_PREFIX = "cuda-ipc:"
+
+
+class IpcBuffer(msgspec.Struct, frozen=True, array_like=True):
+    """One exported CUDA allocation region (the fields of torch's ``UntypedStorage._share_cuda_``)."""
+
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+
+
+class IpcPool(msgspec.Struct, frozen=True, array_like=True):
+    """What decode publishes in its ``session_id``: where its pool lives and its shape."""
+
+    device_uuid: str
+    shape: tuple[int, ...]  # [L, P, S, H, D] of each of K and V
+    dtype: str
+    k: IpcBuffer
+    v: IpcBuffer
+
+
+def encode_session_id(pool: IpcPool) -> str:
+    return SESSION_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(pool)).decode("ascii")
+
+
+def decode_session_id(session_id: str) -> IpcPool:
+    if not session_id.startswith(SESSION_PREFIX):
+        raise InvalidRequestError(f"not a CUDA IPC KV destination: {session_id[:64]!r}")
+    try:
+        return msgspec.msgpack.decode(base64.urlsafe_b64decode(session_id[len(SESSION_PREFIX):]), type=IpcPool)
+    except (ValueError, msgspec.DecodeError) as exc:
+        raise InvalidRequestError(f"malformed CUDA IPC KV destination: {exc}") from exc
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def export_buffer(buf: torch.Tensor) -> IpcBuffer:
+    assert buf.is_cuda and buf.is_contiguous() and buf.storage_offset() == 0
+    _, handle, size, offset, ref_handle, ref_offset, _, _ = buf.untyped_storage()._share_cuda_()
+    return IpcBuffer(handle, size, offset, ref_handle, ref_offset)
+
+
+def open_buffer(buf: IpcBuffer, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Map an exported allocation into ``device``'s context (peer memory when it lives on another GPU)."""
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device.index, buf.handle, buf.storage_size_bytes, buf.storage_offset_bytes,
+        buf.ref_counter_handle, buf.ref_counter_offset, None, False,  # decode synchronized before exporting
+    )
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))
+
+
+class CudaIpcKVReceiver(BaseKVReceiver):
+    """Decode side: exports the pool at ``register``; completion comes from the request protocol."""
+
+    backend = "cuda_ipc"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._session_id: str | None = None
+
+    @property
+    def session_id(self) -> str:
+        assert self._session_id is not None, "register(pool) first"
+        return self._session_id
+
+    def _register_memory(self, pool: KVPool) -> None:
+        if pool.device.type != "cuda":
+            raise ValueError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {pool.device}")
+        torch.cuda.synchronize(pool.k_buffer.device)  # the exported memory is initialized before anyone maps it
+        self._session_id = encode_session_id(IpcPool(
+            device_uuid(pool.k_buffer.device), tuple(pool.k_buffer.shape), str(pool.dtype).removeprefix("torch."),
+            export_buffer(pool.k_buffer), export_buffer(pool.v_buffer),
+        ))
+
+    def _unregister_memory(self, pool: KVPool) -> None:
+        del pool
+        self._session_id = None
+
+
+class CudaIpcKVSender(BaseKVSender):
+    """Prefill side: maps each decode pool once, then one page-copy kernel per request."""
+
+    backend = "cuda_ipc"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._peers: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def send(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> TransferResult:
+        start = time.monotonic()
+        if dst.backend != self.backend:
+            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender")
+        check_compatible(pool_layout(src_pool), src_pages, dst)
+        if src_pool.device.type != "cuda":
+            raise InvalidRequestError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}")
+        check_deadline(request_id, deadline)
+        dst_k, dst_v = self._peer(dst, src_pool)
+        done = self._launch(src_pool, src_pages, dst_k, dst_v, dst.page_ids)
+        while not done.query():
+            if time.monotonic() >= deadline:  # the kernel still finishes; decode quarantines the pages
+                raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
+            time.sleep(0)  # yield the GIL; a transfer of a few ms is expected
+        num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
+        return TransferResult(request_id, num_bytes, 1 if src_pages else 0, time.monotonic() - start)
+
+    def _peer(self, dst: KvDestination, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode's K and V mapped into this GPU (opened once per pool), checked against ``dst.layout``."""
+        key = (dst.session_id, src_pool.k_buffer.device)
+        with self._lock:
+            peer = self._peers.get(key)
+            if peer is None:
+                peer = self._peers[key] = self._open(decode_session_id(dst.session_id), src_pool)
+        layout = dst.layout
+        expected = (layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        if tuple(peer[0].shape) != expected or peer[0].dtype != src_pool.dtype:
+            raise InvalidRequestError(
+                f"{dst.request_id}: destination layout {expected} {layout.dtype} does not match the "
+                f"exported pool {tuple(peer[0].shape)} {peer[0].dtype}"
+            )
+        return peer
+
+    def _open(self, exported: IpcPool, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        if exported.dtype != str(src_pool.dtype).removeprefix("torch."):
+            raise InvalidRequestError(f"decode's KV pool is {exported.dtype}, this one {src_pool.dtype}")
+        device = src_pool.k_buffer.device  # with its index, unlike a pool made on "cuda"
+        peer_index = _visible_index(exported.device_uuid)
+        if peer_index is None:
+            raise UnavailableError(f"decode's GPU {exported.device_uuid} is not visible to this process")
+        if peer_index != device.index and not torch.cuda.can_device_access_peer(device.index, peer_index):
+            raise UnavailableError(f"GPU {device.index} cannot access decode's GPU {peer_index} as a peer")
+        try:
+            return (open_buffer(exported.k, exported.shape, src_pool.dtype, device),
+                    open_buffer(exported.v, exported.shape, src_pool.dtype, device))
+        except RuntimeError as exc:
+            raise UnavailableError(f"cannot map decode's KV pool on GPU {peer_index}: {exc}") from exc
+
+    def _launch(
+        self, src_pool: KVPool, src_pages: Sequence[int], dst_k: torch.Tensor, dst_v: torch.Tensor,
+        dst_pages: Sequence[int],
+    ) -> torch.cuda.Event:
+        device = src_pool.k_buffer.device
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams.setdefault(device, torch.cuda.Stream(device=device))
+        stream.wait_stream(torch.cuda.current_stream(device))  # the KV was computed on the current stream
+        with torch.cuda.stream(stream):  # index tensors live on this stream: reused only after the copy
+            pages = torch.tensor([list(src_pages), list(dst_pages)], dtype=torch.int32).pin_memory()
+            pages = pages.to(device, non_blocking=True)
+            ops.copy_pages(src_pool.k_buffer, src_pool.v_buffer, pages[0], dst_k, dst_v, pages[1])
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            self._peers.clear()
+
+
+def _visible_index(uuid: str) -> int | None:
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", index)) == uuid:
+            return index
+    return None
