@@ -16,6 +16,7 @@ import faulthandler
 import os
 import socket
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 28, 16, 4, 128
 RAW_BYTES = 1 << 30
 SAMPLES = 7
 BACKENDS = ("nccl", "cuda_ipc")
+CONCURRENT = 4  # requests in flight at once (4 sending threads), one-sided backend
 JOIN_TIMEOUT_S = 120
 
 
@@ -68,42 +70,51 @@ def _page_sums(pool: Any, pages: list[int]) -> torch.Tensor:  # [2, n]: per page
     return torch.stack([buf[:, index].float().sum(dim=(0, 2, 3, 4)) for buf in (pool.k_buffer, pool.v_buffer)]).cpu()
 
 
-def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> list[tuple[int, int, float]]:
+def _cases(backend: str) -> list[tuple[int, int]]:
+    """(MiB per request, requests in flight): one request per size, then 4 at once (one-sided backend only)."""
+    return [(mib, 1) for mib in SIZES_MIB] + ([(mib, CONCURRENT) for mib in (64, 256)] if backend != "nccl" else [])
+
+
+def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> list[tuple[int, int, int, float]]:
     """Rank 1. nccl: time from the barrier to the session's SUCCESS (scatter done) on this rank.
-    cuda_ipc: the sender's time from the barrier to ``send`` returning (its kernel finished); the
-    session is completed afterwards, as ``Generate`` does. Each size's last sample is checked page by page."""
+    cuda_ipc: the sender's time from the barrier to ``send`` returning (its kernel finished) in every
+    sending thread; the sessions are completed afterwards, as ``Generate`` does. Each case's last
+    sample is checked page by page."""
     from services.transfer import create_kv_receiver
 
     pool = _pool(device, num_pages)
     receiver = create_kv_receiver(backend, **({"peer_rank": 0} if backend == "nccl" else {}))
     receiver.register(pool)
     out = []
-    for mib in SIZES_MIB:
+    for mib, k in _cases(backend):
         n = max(1, round(mib * (1 << 20) / _bytes_per_page()))
         times = []
         for sample in range(SAMPLES + 1):
-            pages = torch.randperm(num_pages)[:n].tolist()
-            session = receiver.open_session(f"{mib}-{sample}", pages, time.monotonic() + 60, lambda r, p: None)
-            dist.broadcast_object_list([msgspec.msgpack.encode(session.destination)], src=1, group=ctrl)
+            pages = torch.randperm(num_pages)[: k * n].view(k, n).tolist()
+            sessions = [receiver.open_session(f"{mib}-{k}-{sample}-{i}", pages[i], time.monotonic() + 60,
+                                              lambda r, p: None) for i in range(k)]
+            dist.broadcast_object_list([[msgspec.msgpack.encode(s.destination) for s in sessions]], src=1, group=ctrl)
             dist.barrier(group=ctrl)
             start = time.perf_counter()
             if backend == "nccl":
-                state = session.wait(time.monotonic() + 60)
+                states = [s.wait(time.monotonic() + 60) for s in sessions]
                 elapsed_ms = (time.perf_counter() - start) * 1e3
             else:
                 box: list[Any] = [None]
                 dist.broadcast_object_list(box, src=0, group=ctrl)  # the sender's time, once the bytes landed
                 elapsed_ms = box[0]
-                receiver.sessions.complete(session.request_id)
-                state = session.state
-            assert state.name == "SUCCESS", f"{backend} transfer of {mib} MiB ended {state}"
+                for session in sessions:
+                    receiver.sessions.complete(session.request_id)
+                states = [s.state for s in sessions]
+            assert all(s.name == "SUCCESS" for s in states), f"{backend} transfer of {k} x {mib} MiB ended {states}"
             if sample:
                 times.append(elapsed_ms)
             if sample == SAMPLES:
                 box = [None]
                 dist.broadcast_object_list(box, src=0, group=ctrl)
-                assert torch.allclose(_page_sums(pool, pages), box[0], rtol=1e-3, atol=1e-2), f"{backend} {mib} MiB"
-        out.append((mib, n * _bytes_per_page(), statistics.median(times)))
+                got = _page_sums(pool, pages[-1])
+                assert torch.allclose(got, box[0], rtol=1e-3, atol=1e-2), f"{backend} {k} x {mib} MiB: wrong bytes"
+        out.append((mib, k, k * n * _bytes_per_page(), statistics.median(times)))
     receiver.close()
     return out
 
@@ -114,19 +125,28 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
 
     pool = _pool(device, num_pages)
     sender = create_kv_sender(backend, **({"peer_rank": 1} if backend == "nccl" else {}))
-    for mib in SIZES_MIB:
+    for mib, k in _cases(backend):
         n = max(1, round(mib * (1 << 20) / _bytes_per_page()))
+        src_pages = [list(range(i * n, (i + 1) * n)) for i in range(k)]
         for sample in range(SAMPLES + 1):
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=1, group=ctrl)
-            dest = msgspec.msgpack.decode(box[0], type=KvDestination)
+            dests = [msgspec.msgpack.decode(raw, type=KvDestination) for raw in box[0]]
+            threads = [threading.Thread(target=sender.send, args=(d.request_id, pool, src_pages[i], d,
+                                                                   time.monotonic() + 60)) for i, d in enumerate(dests)]
             dist.barrier(group=ctrl)
             start = time.perf_counter()
-            sender.send(f"{mib}-{sample}", pool, list(range(n)), dest, time.monotonic() + 60)
+            if k == 1:
+                sender.send(dests[0].request_id, pool, src_pages[0], dests[0], time.monotonic() + 60)
+            else:
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
             if backend != "nccl":
                 dist.broadcast_object_list([(time.perf_counter() - start) * 1e3], src=0, group=ctrl)
             if sample == SAMPLES:
-                dist.broadcast_object_list([_page_sums(pool, list(range(n)))], src=0, group=ctrl)
+                dist.broadcast_object_list([_page_sums(pool, src_pages[-1])], src=0, group=ctrl)
     sender.close()
 
 
@@ -170,9 +190,10 @@ def run_transfer_benchmark() -> list[Row]:
     raw_bw = RAW_BYTES / (raw_ms / 1e3)
     rows = [Row("transfer", "raw NCCL send/recv 1 GiB (ceiling)", raw_ms, raw_ms, note=f"{raw_bw / 1e9:.0f} GB/s")]
     for backend, sizes in result["sizes"].items():
-        for mib, num_bytes, ms in sizes:
+        for mib, k, num_bytes, ms in sizes:
             rows.append(Row(
-                "transfer", f"KV {mib} MiB, {backend}", ms, num_bytes / raw_bw * 1e3,
+                "transfer", f"KV {mib} MiB, {backend}" if k == 1 else f"KV {k} x {mib} MiB in flight, {backend}",
+                ms, num_bytes / raw_bw * 1e3,
                 note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; {num_bytes // _bytes_per_page()} pages, shuffled",
             ))
     return rows

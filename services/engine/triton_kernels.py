@@ -126,9 +126,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # y[n] = sum_k w[n, k] * x[k] (+ b[n]); GATED: x is [gate | up] and the input is silu(gate) * up
+    # y[n] = sum_k w[n, k] * x[k] (+ b[n])
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
     w_rows = w_ptr + rows[:, None].to(tl.int64) * k_in
@@ -138,11 +138,6 @@ def _gemv_kernel(
         col_mask = cols < k_in
         w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
-        if GATED:  # same rounding points as silu_mul: act in fp32 -> dtype, product -> dtype
-            gate = x.to(tl.float32)
-            up = tl.load(x_ptr + k_in + cols, mask=col_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -167,20 +162,19 @@ def _gemv_config(n_out: int, k_in: int) -> tuple[int, int, int, int]:
 
 
 def gemv(
-    x: torch.Tensor,  # [1, K], or [1, 2K] = [gate | up] when gated
+    x: torch.Tensor,  # [1, K]
     weight: torch.Tensor,  # [N, K], contiguous
     bias: torch.Tensor | None,  # [N] or None
-    gated: bool = False,
 ) -> torch.Tensor:  # [1, N]
     """One-row ``F.linear`` (decode at batch 1) as a bandwidth-bound GEMV: no split-K, bias fused."""
     n_out, k_in = weight.shape
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous()
-    assert x.shape[1] == (2 * k_in if gated else k_in), (x.shape, weight.shape, gated)
+    assert x.shape[1] == k_in, (x.shape, weight.shape)
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = _gemv_config(n_out, k_in)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x, weight, bias if bias is not None else weight, y, n_out, k_in,
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
     )
     return y
@@ -229,13 +223,12 @@ def _copy_pages_kernel(
     layer = tl.program_id(1).to(tl.int64)
     src_off = layer * src_layer_stride + tl.load(src_pages + i).to(tl.int64) * PAGE_NUMEL
     dst_off = layer * dst_layer_stride + tl.load(dst_pages + i).to(tl.int64) * PAGE_NUMEL
-    for start in tl.static_range(0, PAGE_NUMEL, BLOCK):
+    for start in tl.static_range(0, PAGE_NUMEL, BLOCK):  # BLOCK divides PAGE_NUMEL: no mask, wide accesses
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < PAGE_NUMEL
         if tl.program_id(2) == 0:
-            tl.store(dst_k + dst_off + offs, tl.load(src_k + src_off + offs, mask=mask), mask=mask)
+            tl.store(dst_k + dst_off + offs, tl.load(src_k + src_off + offs))
         else:
-            tl.store(dst_v + dst_off + offs, tl.load(src_v + src_off + offs, mask=mask), mask=mask)
+            tl.store(dst_v + dst_off + offs, tl.load(src_v + src_off + offs))
 
 
 def copy_pages(
@@ -254,5 +247,5 @@ def copy_pages(
         return
     _copy_pages_kernel[(n, num_layers, 2)](
         src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_k[0].numel(), dst_k[0].numel(),
-        PAGE_NUMEL=page_numel, BLOCK=min(2048, triton.next_power_of_2(page_numel)), num_warps=4,
+        PAGE_NUMEL=page_numel, BLOCK=min(2048, page_numel & -page_numel), num_warps=4,  # largest 2^k dividing it
     )

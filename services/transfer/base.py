@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 import msgspec
+import numpy as np
 
 from services.common.errors import AbortedError, DeadlineExceededError, InvalidRequestError, StageServeError
 from services.engine.kv_cache import KVPool
@@ -119,11 +120,12 @@ def check_compatible(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestina
         raise InvalidRequestError(
             f"{dst.request_id}: {len(src_pages)} source pages for {len(dst.page_ids)} destination pages"
         )
-    if len(set(dst.page_ids)) != len(dst.page_ids):
+    dst_pages = np.asarray(dst.page_ids, dtype=np.int64)  # numpy: a long prompt has thousands of pages
+    if np.unique(dst_pages).size != dst_pages.size:
         raise InvalidRequestError(f"{dst.request_id}: duplicate destination pages {dst.page_ids}")
-    for pages, num_pages in ((src_pages, src.num_pages), (dst.page_ids, dst.layout.num_pages)):
-        if any(not 0 <= page < num_pages for page in pages):
-            raise InvalidRequestError(f"{dst.request_id}: page outside [0, {num_pages}) in {list(pages)}")
+    for pages, num_pages in ((np.asarray(src_pages, dtype=np.int64), src.num_pages), (dst_pages, dst.layout.num_pages)):
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            raise InvalidRequestError(f"{dst.request_id}: page outside [0, {num_pages}) in {pages.tolist()}")
 
 
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -18,12 +18,14 @@ must be peers; otherwise ``send`` fails with ``UnavailableError``.
 from __future__ import annotations
 
 import base64
+import os
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
@@ -50,6 +52,7 @@ class IpcBuffer(msgspec.Struct, frozen=True, array_like=True):
     storage_offset_bytes: int
     ref_counter_handle: bytes
     ref_counter_offset: int
+    event_handle: bytes | None
 
 
 class IpcPool(msgspec.Struct, frozen=True, array_like=True):
@@ -81,15 +84,16 @@ def device_uuid(device: torch.device) -> str:
 
 def export_buffer(buf: torch.Tensor) -> IpcBuffer:
     assert buf.is_cuda and buf.is_contiguous() and buf.storage_offset() == 0
-    _, handle, size, offset, ref_handle, ref_offset, _, _ = buf.untyped_storage()._share_cuda_()
-    return IpcBuffer(handle, size, offset, ref_handle, ref_offset)
+    _, handle, size, offset, ref_handle, ref_offset, event_handle, _ = buf.untyped_storage()._share_cuda_()
+    return IpcBuffer(handle, size, offset, ref_handle, ref_offset, event_handle)
 
 
 def open_buffer(buf: IpcBuffer, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Map an exported allocation into ``device``'s context (peer memory when it lives on another GPU)."""
     storage = torch.UntypedStorage._new_shared_cuda(
         device.index, buf.handle, buf.storage_size_bytes, buf.storage_offset_bytes,
-        buf.ref_counter_handle, buf.ref_counter_offset, None, False,  # decode synchronized before exporting
+        buf.ref_counter_handle, buf.ref_counter_offset, buf.event_handle,
+        False,  # no event wait: decode synchronized before exporting
     )
     return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))
 
@@ -147,7 +151,7 @@ class CudaIpcKVSender(BaseKVSender):
         while not done.query():
             if time.monotonic() >= deadline:  # the kernel still finishes; decode quarantines the pages
                 raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
-            time.sleep(0)  # yield the GIL; a transfer of a few ms is expected
+            os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
         return TransferResult(request_id, num_bytes, 1 if src_pages else 0, time.monotonic() - start)
 
@@ -192,7 +196,7 @@ class CudaIpcKVSender(BaseKVSender):
             stream = self._streams.setdefault(device, torch.cuda.Stream(device=device))
         stream.wait_stream(torch.cuda.current_stream(device))  # the KV was computed on the current stream
         with torch.cuda.stream(stream):  # index tensors live on this stream: reused only after the copy
-            pages = torch.tensor([list(src_pages), list(dst_pages)], dtype=torch.int32).pin_memory()
+            pages = torch.from_numpy(np.array([src_pages, dst_pages], dtype=np.int32)).pin_memory()
             pages = pages.to(device, non_blocking=True)
             ops.copy_pages(src_pool.k_buffer, src_pool.v_buffer, pages[0], dst_k, dst_v, pages[1])
             done = torch.cuda.Event()

@@ -78,7 +78,7 @@ def test_one_row_linear_is_the_gemv_kernel_and_matches_fp32(n_out, k_in, bias):
 
 
 @pytest.mark.parametrize(("n_out", "inter"), [(3584, 18944), (64, 96)])
-def test_gated_linear_fuses_silu_mul_into_the_gemv(n_out, inter):
+def test_gated_linear_is_silu_mul_then_the_gemv(n_out, inter):
     gate_up = torch.randn(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n_out, inter, device="cuda", dtype=torch.bfloat16) / inter**0.5
     act = torch.nn.functional.silu

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import faulthandler
 import time
+import traceback
 
 import msgspec
 import pytest
@@ -61,7 +62,7 @@ def test_copy_pages_moves_every_layer_of_each_page_and_nothing_else():
 
 
 def test_session_id_round_trips_and_rejects_garbage():
-    buf = IpcBuffer(b"\x00\x01" * 32, 4096, 512, b"/torch_123_4", 7)
+    buf = IpcBuffer(b"\x00\x01" * 32, 4096, 512, b"/torch_123_4", 7, None)
     pool = IpcPool("GPU-abc", (3, 12, 4, 2, 8), "bfloat16", buf, buf)
     assert decode_session_id(encode_session_id(pool)) == pool
     for bad in ("mooncake:127.0.0.1:1234", "cuda-ipc:not base64!", "cuda-ipc:" + "QUJD"):
@@ -108,12 +109,7 @@ def _decode(device_index: int, to_prefill: mp.Queue, from_prefill: mp.Queue) -> 
     receiver.close()
 
 
-def _prefill(to_prefill: mp.Queue, from_prefill: mp.Queue, out: mp.Queue) -> None:
-    faulthandler.dump_traceback_later(100, exit=True)
-    device = torch.device("cuda", 0)
-    pool = _pool(device, seed=1, dtype=torch.bfloat16)
-    dests = {d.request_id: d for d in (msgspec.msgpack.decode(raw, type=KvDestination) for raw in to_prefill.get())}
-    sender = CudaIpcKVSender()
+def _prefill_sends(sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDestination]) -> tuple[list, list]:
     errors = []
     try:
         sender.send("a", pool, SRC_PAGES["a"], dests["a"], time.monotonic() - 1)
@@ -125,8 +121,22 @@ def _prefill(to_prefill: mp.Queue, from_prefill: mp.Queue, out: mp.Queue) -> Non
     except InvalidRequestError:
         errors.append("layout")
     results = [sender.send(name, pool, SRC_PAGES[name], dests[name], time.monotonic() + 30) for name in ("a", "b")]
+    return errors, [r.num_bytes for r in results]
+
+
+def _prefill(to_prefill: mp.Queue, from_prefill: mp.Queue, out: mp.Queue) -> None:
+    faulthandler.dump_traceback_later(100, exit=True)
+    pool = _pool(torch.device("cuda", 0), seed=1, dtype=torch.bfloat16)
+    dests = {d.request_id: d for d in (msgspec.msgpack.decode(raw, type=KvDestination) for raw in to_prefill.get())}
+    sender = CudaIpcKVSender()
+    try:
+        errors, num_bytes = _prefill_sends(sender, pool, dests)
+    except BaseException:  # report it at once: decode must not wait for a "sent" that never comes
+        from_prefill.put([])
+        out.put((["crashed: " + traceback.format_exc()], [], (None, False, [])))
+        raise
     from_prefill.put(["a", "b"])
-    out.put((errors, [r.num_bytes for r in results], to_prefill.get(timeout=90)))
+    out.put((errors, num_bytes, to_prefill.get(timeout=90)))
     sender.close()
 
 
