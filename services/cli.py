@@ -7,6 +7,12 @@ import sys
 from pathlib import Path
 
 from services.common.errors import StageServeError
+from services.common.kv_transfer import (
+    KV_BACKEND_HELP,
+    SERVICE_KV_BACKENDS,
+    check_embedding_backend,
+    check_kv_backend,
+)
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.5-vl"
 
@@ -60,7 +66,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--transfer-backend", default="mooncake", help="KV/embedding transfer: mooncake | inprocess")
+    p.add_argument("--transfer-backend", default="mooncake",
+                   help="embedding transfer (and KV unless --kv-transfer-backend): mooncake | inprocess")
+    p.add_argument("--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP)
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
     p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")
     p.add_argument("--page-size", type=int, default=16)
@@ -73,9 +81,16 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     from services.launcher import LaunchConfig, run_up
 
+    try:  # fail here, not as a service that exits before READY
+        check_embedding_backend(args.transfer_backend)
+        check_kv_backend(args.kv_transfer_backend, args.transfer_backend, args.device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return run_up(LaunchConfig(
         model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device, dtype=args.dtype,
-        transfer_backend=args.transfer_backend, attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
+        transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
+        attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
         ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
     ))
 

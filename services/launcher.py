@@ -37,6 +37,7 @@ class LaunchConfig:
     device: str = "cpu"
     dtype: str | None = None
     transfer_backend: str = "mooncake"
+    kv_transfer_backend: str | None = None  # prefill and decode's KV handoff; None: transfer_backend
     attention_backend: str = "torch"
     num_pages: int = 16384
     page_size: int = 16
@@ -112,15 +113,16 @@ class Launcher:
     def start_all(self) -> Child:
         cfg = self.cfg
         transfer = ["--transfer-backend", cfg.transfer_backend]
+        kv = [] if cfg.kv_transfer_backend is None else ["--kv-transfer-backend", cfg.kv_transfer_backend]
         tokenizer = self.start("tokenizer", [])
         encoder = self.start("vision_encoder", transfer)
         decode = self.start("decode", [
-            *transfer, "--num-pages", str(cfg.num_pages), "--page-size", str(cfg.page_size),
+            *transfer, *kv, "--num-pages", str(cfg.num_pages), "--page-size", str(cfg.page_size),
             "--attention-backend", cfg.attention_backend,
         ])
         self.wait_ready([tokenizer, encoder, decode])
         pages = ["--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend]
-        prefill = self.start("prefill", [*transfer, *pages, "--encoder-address", encoder.address])
+        prefill = self.start("prefill", [*transfer, *kv, *pages, "--encoder-address", encoder.address])
         self.wait_ready([prefill])
         router = self.start("router", [
             "--http-host", cfg.host, "--http-port", str(cfg.http_port),

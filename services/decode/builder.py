@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.kv_transfer import check_kv_backend
 from services.decode.config import DecodeConfig
 from services.decode.engine import DecodeEngine
 from services.decode.kv_manager import KVReservationManager
@@ -34,9 +35,11 @@ def eos_token_ids(model_dir: Path, config: ModelConfig) -> frozenset[int]:
 
 
 def create_receiver(config: DecodeConfig, **kwargs: Any) -> BaseKVReceiver:
-    if config.transfer_backend == "mooncake":
+    """The KV receiver of ``config.kv_backend``; ``ValueError`` for a backend the service cannot run."""
+    backend = check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
+    if backend == "mooncake":
         kwargs.setdefault("hostname", config.transfer_host or config.host)
-    return create_kv_receiver(config.transfer_backend, **kwargs)
+    return create_kv_receiver(backend, **kwargs)
 
 
 def build_engine(
@@ -49,8 +52,11 @@ def build_engine(
 
     ``model``: an already loaded language model to share (tests); ``receiver``: one built
     by the caller (tests pass an in-process one on their own fabric); ``quarantine_clock``:
-    when quarantined KV pages are due back (tests move it forward).
+    when quarantined KV pages are due back (tests move it forward). Without ``receiver``,
+    an unsupported KV backend fails before the model loads.
     """
+    if receiver is None:
+        check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
     if model is None:
         model = load_model(config.model, device=config.device, dtype=config.dtype, components=("language",))
     runner = ModelRunner(model, KVCacheConfig(config.num_pages, config.page_size), config.attention_backend)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.cli import BUNDLED_MODEL
+from services.common.kv_transfer import KV_BACKEND_HELP, check_kv_backend, resolve_kv_backend
 from services.common.service_main import ServiceConfig, add_common_args
 
 
@@ -18,12 +19,18 @@ class DecodeConfig(ServiceConfig):
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_running_requests: int = 256
     attention_backend: str = "torch"
-    transfer_backend: str = "mooncake"
+    transfer_backend: str = "mooncake"  # the KV backend unless kv_transfer_backend
+    kv_transfer_backend: str | None = None  # KV handoff backend; None = same as transfer_backend
     transfer_host: str | None = None  # None: --host; the address prefill's transfer engine reaches
     watchdog_s: float = 30.0
     sweep_interval_s: float = 0.5
     reservation_timeout_s: float = 60.0  # a Reserve without a deadline expires after this
     kv_quarantine_s: float = 35.0  # pages of a reservation that failed before its KV was ready rest this long
+
+    @property
+    def kv_backend(self) -> str:
+        """The KV handoff backend; ``ValueError`` for one the service cannot run."""
+        return resolve_kv_backend(self.kv_transfer_backend, self.transfer_backend)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context limit, prompt + generated tokens (default: max_position_embeddings)")
     p.add_argument("--max-running-requests", type=int, default=256, help="largest decode batch")
     p.add_argument("--attention-backend", default="torch", help="torch | flashinfer")
-    p.add_argument("--transfer-backend", default="mooncake", help="KV transfer: mooncake | inprocess")
+    p.add_argument("--transfer-backend", default="mooncake",
+                   help="transfer backend: mooncake | inprocess; the KV one unless --kv-transfer-backend")
+    p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
     p.add_argument("--transfer-host", default=None,
                    help="hostname the transfer engine advertises to prefill (default: --host)")
     p.add_argument("--watchdog-s", type=float, default=30.0,
@@ -68,3 +77,7 @@ def _check(config: DecodeConfig) -> None:
         raise SystemExit(f"--kv-quarantine-s must be >= 0, got {config.kv_quarantine_s}")
     if config.max_model_len is not None and config.max_model_len < 2:
         raise SystemExit(f"--max-model-len must be >= 2, got {config.max_model_len}")
+    try:
+        check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None

@@ -11,6 +11,7 @@ from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.errors import StageServeError
+from services.common.kv_transfer import KV_BACKEND_HELP, check_embedding_backend, check_kv_backend
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
 from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
@@ -25,7 +26,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
     add_common_args(p)
     p.add_argument("--encoder-address", default="", help="vision encoder host:port (empty: text-only prompts)")
-    p.add_argument("--transfer-backend", default="mooncake", help="KV and embedding transfer: mooncake | inprocess")
+    p.add_argument("--transfer-backend", default="mooncake",
+                   help="embedding rows from the encoder (and KV unless --kv-transfer-backend): mooncake | inprocess")
+    p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
     p.add_argument("--transfer-host", "--transfer-hostname", dest="transfer_hostname", default="", help="address the transfer engine advertises (default --host)")
     p.add_argument("--num-pages", type=int, default=1024, help="pages of the local KV pool")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page; must equal decode's")
@@ -44,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     for name in ("num_pages", "page_size", "embedding_rows", "max_batch_tokens", "max_queued_requests", "watchdog_s"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    try:
+        check_embedding_backend(args.transfer_backend)
+        check_kv_backend(args.kv_transfer_backend, args.transfer_backend, args.device)
+    except ValueError as exc:
+        p.error(str(exc))
     return PrefillConfig(**vars(args))
 
 

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.kv_transfer import check_embedding_backend, check_kv_backend
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
@@ -20,9 +21,21 @@ from services.transfer.embeddings import BaseEmbeddingReceiver, EmbeddingBuffer,
 logger = logging.getLogger(__name__)
 
 
-def _engine_kwargs(config: PrefillConfig) -> dict[str, Any]:
-    """Constructor arguments of the transfer endpoints; only Mooncake's advertise a hostname."""
-    return {"hostname": config.advertised_hostname} if config.transfer_backend == "mooncake" else {}
+def _engine_kwargs(config: PrefillConfig, backend: str) -> dict[str, Any]:
+    """Constructor arguments of a transfer endpoint on ``backend``; only Mooncake's advertise a hostname."""
+    return {"hostname": config.advertised_hostname} if backend == "mooncake" else {}
+
+
+def build_kv_sender(config: PrefillConfig) -> BaseKVSender:
+    """The KV sender of ``config.kv_backend``; ``ValueError`` for a backend the service cannot run."""
+    backend = check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
+    return create_kv_sender(backend, **_engine_kwargs(config, backend))
+
+
+def build_embedding_receiver(config: PrefillConfig) -> BaseEmbeddingReceiver:
+    """The embedding receiver of ``config.transfer_backend``; ``ValueError`` for an unknown one."""
+    backend = check_embedding_backend(config.transfer_backend)
+    return create_embedding_receiver(backend, **_engine_kwargs(config, backend))
 
 
 @dataclass
@@ -43,8 +56,13 @@ class PrefillApp:
     ) -> PrefillApp:
         """Load the language model (unless ``model`` is given) and build every part; blocking.
 
-        ``kv_sender`` / ``embedding_receiver`` default to ``config.transfer_backend``'s.
+        ``kv_sender`` defaults to ``config.kv_backend``'s, ``embedding_receiver`` to
+        ``config.transfer_backend``'s; an unsupported backend fails before the model loads.
         """
+        if kv_sender is None:
+            check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
+        if embedding_receiver is None:
+            check_embedding_backend(config.transfer_backend)
         if model is None:
             model = load_model(config.model, device=config.device, dtype=config.dtype, components=("language",))
         runner = ModelRunner(
@@ -52,9 +70,9 @@ class PrefillApp:
             cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
         )
         if kv_sender is None:
-            kv_sender = create_kv_sender(config.transfer_backend, **_engine_kwargs(config))
+            kv_sender = build_kv_sender(config)
         if embedding_receiver is None:
-            embedding_receiver = create_embedding_receiver(config.transfer_backend, **_engine_kwargs(config))
+            embedding_receiver = build_embedding_receiver(config)
         buffer = EmbeddingBuffer(config.embedding_rows, model.config.text.hidden_size, runner.dtype, runner.device)
         embedding_receiver.register(buffer)
         scheduler = PrefillScheduler(

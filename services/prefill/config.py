@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.kv_transfer import resolve_kv_backend
 from services.common.service_main import ServiceConfig
 
 
 @dataclass(frozen=True)
 class PrefillConfig(ServiceConfig):
     encoder_address: str = ""  # vision encoder "host:port"; empty: text-only prompts
-    transfer_backend: str = "mooncake"  # KV to decode and embedding rows from the encoder
+    transfer_backend: str = "mooncake"  # embedding rows from the encoder (and KV unless kv_transfer_backend)
+    kv_transfer_backend: str | None = None  # KV handoff backend; None = same as transfer_backend
     transfer_hostname: str = ""  # address the transfer engine advertises; empty: --host
     num_pages: int = 1024  # local KV pool: the batch's KV is computed here, then copied to decode
     page_size: int = 16  # must equal decode's page size
@@ -22,6 +24,11 @@ class PrefillConfig(ServiceConfig):
     embedding_quarantine_s: float = 30.0  # rows of a timed-out Encode rest this long before reuse
     peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
     watchdog_s: float = 30.0  # NOT_SERVING while the worker has work but makes no progress this long
+
+    @property
+    def kv_backend(self) -> str:
+        """The KV handoff backend; ``ValueError`` for one the service cannot run."""
+        return resolve_kv_backend(self.kv_transfer_backend, self.transfer_backend)
 
     @property
     def advertised_hostname(self) -> str:

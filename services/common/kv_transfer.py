@@ -1,0 +1,51 @@
+"""Which transfer backends the prefill and decode services run: ``--kv-transfer-backend``.
+
+The KV handoff (prefill -> decode) and the embedding rows (vision encoder -> prefill)
+pick their backends separately: ``--transfer-backend`` names the embedding one (and the
+KV one unless ``--kv-transfer-backend`` is given). Kept free of heavy imports: the
+``stageserve`` command line reads it.
+"""
+
+from __future__ import annotations
+
+# KV backends a service can build on its own. "nccl" is registered in services.transfer but
+# needs a torch.distributed group spanning prefill and decode, which the services do not build.
+SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc")
+EMBEDDING_BACKENDS = ("mooncake", "inprocess")
+
+KV_BACKEND_HELP = (
+    "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc (cuda_ipc = CUDA IPC between GPUs "
+    "of one host, needs --device cuda); default: --transfer-backend"
+)
+
+
+def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -> str:
+    """The KV backend to run (``kv_transfer_backend``, else ``transfer_backend``); ``ValueError`` if unsupported."""
+    name = transfer_backend if kv_transfer_backend is None else kv_transfer_backend
+    choices = ", ".join(SERVICE_KV_BACKENDS)
+    if name == "nccl":
+        raise ValueError(
+            "the nccl KV transfer backend needs a torch.distributed group spanning prefill and decode, "
+            f"which the services do not build; supported: {choices}"
+        )
+    if name not in SERVICE_KV_BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {name!r}; supported: {choices}")
+    return name
+
+
+def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, device: str) -> str:
+    """``resolve_kv_backend``, and cuda_ipc only on a CUDA ``device``; ``ValueError`` otherwise."""
+    name = resolve_kv_backend(kv_transfer_backend, transfer_backend)
+    if name == "cuda_ipc" and not device.startswith("cuda"):
+        raise ValueError(f"the cuda_ipc KV transfer backend needs a CUDA device (--device cuda), got {device!r}")
+    return name
+
+
+def check_embedding_backend(transfer_backend: str) -> str:
+    """``transfer_backend`` if embedding rows can travel over it; ``ValueError`` naming the choices otherwise."""
+    if transfer_backend not in EMBEDDING_BACKENDS:
+        raise ValueError(
+            f"embedding transfer backend {transfer_backend!r} is not supported; supported: "
+            f"{', '.join(EMBEDDING_BACKENDS)} (choose the KV backend with --kv-transfer-backend)"
+        )
+    return transfer_backend

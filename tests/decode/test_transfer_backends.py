@@ -1,0 +1,84 @@
+"""``--kv-transfer-backend``: decode's KV receiver, chosen apart from ``--transfer-backend``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from services.decode import builder
+from services.decode.builder import build_engine, create_receiver
+from services.decode.config import DecodeConfig, parse_config
+from services.transfer.inprocess_backend import InProcessKVReceiver
+from tests.decode.conftest import BASE_CONFIG
+
+CHOICES = "mooncake, inprocess, cuda_ipc"
+
+
+def test_flag_parses_and_defaults_to_transfer_backend() -> None:
+    config = parse_config(["--kv-transfer-backend", "inprocess"])
+    assert (config.transfer_backend, config.kv_transfer_backend, config.kv_backend) == ("mooncake", "inprocess",
+                                                                                         "inprocess")
+    assert parse_config([]).kv_transfer_backend is None
+    assert parse_config([]).kv_backend == "mooncake"
+    assert parse_config(["--transfer-backend", "inprocess"]).kv_backend == "inprocess"
+    assert parse_config(["--kv-transfer-backend", "cuda_ipc", "--device", "cuda:1"]).kv_backend == "cuda_ipc"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--kv-transfer-backend", "nccl"], f"torch.distributed group spanning prefill and decode, which the "
+                                            f"services do not build; supported: {CHOICES}"),
+        (["--transfer-backend", "nccl"], f"supported: {CHOICES}"),
+        (["--kv-transfer-backend", "rdma"], f"unknown KV transfer backend 'rdma'; supported: {CHOICES}"),
+        (["--kv-transfer-backend", "cuda_ipc"], "needs a CUDA device (--device cuda), got 'cpu'"),
+    ],
+)
+def test_unsupported_backends_are_rejected_at_startup(argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_config(argv)
+    assert message in str(exc.value.code)
+
+
+@pytest.mark.parametrize("name", ["nccl", "rdma"])
+def test_build_rejects_an_unsupported_kv_backend_before_loading_the_model(name) -> None:
+    config = replace(BASE_CONFIG, kv_transfer_backend=name)
+    with pytest.raises(ValueError, match=f"supported: {CHOICES}"):
+        create_receiver(config)
+    with pytest.raises(ValueError, match=f"supported: {CHOICES}"):
+        build_engine(config)  # no model given: the check comes first
+
+
+def test_inprocess_kv_backend_beside_a_mooncake_transfer_backend() -> None:
+    receiver = create_receiver(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend="inprocess"))
+    try:
+        assert isinstance(receiver, InProcessKVReceiver)
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize(
+    ("transfer", "kv", "expected"),
+    [
+        ("mooncake", None, ("mooncake", {"hostname": "h"})),
+        ("inprocess", "mooncake", ("mooncake", {"hostname": "h"})),
+        ("mooncake", "inprocess", ("inprocess", {})),
+        ("mooncake", "cuda_ipc", ("cuda_ipc", {})),
+    ],
+)
+def test_mooncake_hostname_only_for_a_mooncake_kv_backend(monkeypatch, transfer, kv, expected) -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+    monkeypatch.setattr(builder, "create_kv_receiver", lambda name, **kw: calls.append((name, kw)))
+    create_receiver(DecodeConfig(transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda"))
+    assert calls == [expected]
+
+
+def test_cuda_ipc_on_a_cpu_device_fails_at_build(language_model) -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        build_engine(replace(BASE_CONFIG, kv_transfer_backend="cuda_ipc"), language_model)
+    receiver = create_receiver(DecodeConfig(kv_transfer_backend="cuda_ipc", device="cuda"))
+    assert receiver.backend == "cuda_ipc"
+    with pytest.raises(ValueError, match="needs a CUDA KV pool"):  # the pool itself is on the CPU
+        build_engine(BASE_CONFIG, language_model, receiver)
