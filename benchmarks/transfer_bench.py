@@ -32,7 +32,10 @@ NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 28, 16, 4, 128
 RAW_BYTES = 1 << 30
 SAMPLES = 7
 BACKENDS = ("nccl", "cuda_ipc")
-CONCURRENT = 4  # requests in flight at once (4 sending threads), one-sided backend
+# Requests in flight at once (one sending thread each) for extra rows; 1 = none. At 4, on 2 x H200 (commit
+# 1a5578f), cuda_ipc moved 4 x 64 MiB at 82 GB/s and 4 x 256 MiB at 224 GB/s, below one request at a
+# time: the sending threads' polling loops contend for the GIL. Kept off; prefill sends one at a time.
+CONCURRENT = 1
 JOIN_TIMEOUT_S = 120
 
 
@@ -71,8 +74,8 @@ def _page_sums(pool: Any, pages: list[int]) -> torch.Tensor:  # [2, n]: per page
 
 
 def _cases(backend: str) -> list[tuple[int, int]]:
-    """(MiB per request, requests in flight): one request per size, then 4 at once (one-sided backend only)."""
-    return [(mib, 1) for mib in SIZES_MIB] + ([(mib, CONCURRENT) for mib in (64, 256)] if backend != "nccl" else [])
+    """(MiB per request, requests in flight): one request per size; ``CONCURRENT`` at once when given."""
+    return [(mib, 1) for mib in SIZES_MIB] + ([(mib, CONCURRENT) for mib in (64, 256)] if CONCURRENT > 1 else [])
 
 
 def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> list[tuple[int, int, int, float]]:

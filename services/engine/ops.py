@@ -59,26 +59,35 @@ def rotary_qk(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (k_slots, v_slots, slots)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotary applied to the q and k heads; returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
 
-    On CUDA the rotation is done in place in ``qkv`` and q/k/v are views of it.
+    With ``kv_store``, the rotated k and v of token i are also stored at ``slots[i]`` of the
+    pool layer ``(k_slots, v_slots)`` (``[num_slots, Hkv, D]`` each). On CUDA the rotation
+    is done in place in ``qkv`` (q/k/v are views of it) and the store is part of the same kernel.
     """
     n = qkv.shape[0]
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
     kernels = _fused(qkv)
     if kernels is not None:
-        kernels.rotary_inplace(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim)
+        fused_store = kv_store is not None and kv_store[0].dtype == qkv.dtype
+        kernels.rotary_inplace(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim,
+                               kv_store if fused_store else None, num_kv_heads)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        return (
-            q.view(n, num_q_heads, head_dim),
-            k.view(n, num_kv_heads, head_dim),
-            v.view(n, num_kv_heads, head_dim),
-        )
+        q, k, v = q.view(n, num_q_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+        if kv_store is not None and not fused_store:
+            k_slots, v_slots, slots = kv_store
+            store_kv(k_slots, v_slots, slots, k.to(k_slots.dtype), v.to(v_slots.dtype))
+        return q, k, v
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(n, num_q_heads, head_dim)
-    k = k.reshape(n, num_kv_heads, head_dim)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.reshape(n, num_kv_heads, head_dim)
+    k = apply_rotary(k.reshape(n, num_kv_heads, head_dim), cos, sin)
+    v = v.reshape(n, num_kv_heads, head_dim)
+    if kv_store is not None:
+        k_slots, v_slots, slots = kv_store
+        store_kv(k_slots, v_slots, slots.long(), k.to(k_slots.dtype), v.to(v_slots.dtype))
+    return apply_rotary(q, cos, sin), k, v
 
 
 def gated_act(gate_up: torch.Tensor, act_name: str, act) -> torch.Tensor:

@@ -61,20 +61,39 @@ def rms_norm(
 @triton.jit
 def _rotary_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cos_stride, sin_stride, num_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    k_dst, v_dst, slot_ptr, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_KV: tl.constexpr,
 ):
+    # rotates heads [0, num_heads) of token t in place; STORE_KV: the last num_kv_heads of them (k)
+    # and the num_kv_heads heads after them (v) also go to slot slot_ptr[t] of k_dst / v_dst
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     offs = tl.arange(0, HALF)[None, :]  # [1, HALF]
     mask = heads < num_heads
-    first = qkv_ptr + t * qkv_stride + heads * (2 * HALF) + offs
+    row = qkv_ptr + t * qkv_stride
+    first = row + heads * (2 * HALF) + offs
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + t * cos_stride + offs).to(tl.float32)
     s = tl.load(sin_ptr + t * sin_stride + offs).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
-    tl.store(first, (x1 * c - x2 * s).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
+    out1 = (x1 * c - x2 * s).to(dtype)
+    out2 = (x2 * c + x1 * s).to(dtype)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        kv_row = num_kv_heads * 2 * HALF
+        k_head = heads - (num_heads - num_kv_heads)  # k heads are the last rotated ones
+        k_mask = mask & (k_head >= 0)
+        k_out = k_dst + slot * kv_row + k_head * (2 * HALF) + offs
+        tl.store(k_out, out1, mask=k_mask)
+        tl.store(k_out + HALF, out2, mask=k_mask)
+        v_heads = tl.arange(0, BLOCK_KV)[:, None]
+        v_cols = tl.arange(0, 2 * HALF)[None, :]
+        v_mask = v_heads < num_kv_heads
+        v = tl.load(row + (num_heads + v_heads) * (2 * HALF) + v_cols, mask=v_mask, other=0.0)
+        tl.store(v_dst + slot * kv_row + v_heads * (2 * HALF) + v_cols, v, mask=v_mask)
 
 
 def rotary_inplace(
@@ -83,17 +102,29 @@ def rotary_inplace(
     sin: torch.Tensor,  # [T, head_dim]
     num_heads: int,
     head_dim: int,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (k_slots, v_slots, slots)
+    num_kv_heads: int = 0,  # with kv_store: the last num_kv_heads rotated heads are k, the next ones v
 ) -> None:
     n = qkv.shape[0]
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
     assert cos.shape[0] == n and head_dim % 2 == 0
     half = head_dim // 2
     assert half & (half - 1) == 0, f"rotary kernel needs a power-of-two half head dim, got {half}"
+    if kv_store is not None:
+        k_slots, v_slots, slots = kv_store
+        assert 0 < num_kv_heads <= num_heads and qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim
+        for dst in (k_slots, v_slots):
+            assert dst.is_contiguous() and dst.dtype == qkv.dtype and dst.shape[1:] == (num_kv_heads, head_dim)
+        assert slots.shape == (n,)
+    else:
+        k_slots = v_slots = slots = qkv  # unused
     if n == 0:
         return
     _rotary_kernel[(n,)](
         qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), num_heads,
-        HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), num_warps=4,
+        k_slots, v_slots, slots, num_kv_heads,
+        HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), STORE_KV=kv_store is not None,
+        BLOCK_KV=triton.next_power_of_2(max(num_kv_heads, 1)), num_warps=4,
     )
 
 

@@ -50,10 +50,19 @@ def test_rotary_in_place_matches_reference(num_q, num_kv, head_dim):
         cos.float().cpu(), sin.float().cpu(),
     )
     v_ref = ref[:, (num_q + num_kv) * head_dim :].view(n, num_kv, head_dim)
-    q, k, v = ops.rotary_qk(qkv, cos, sin, num_q, num_kv, head_dim)
+    num_slots = 64
+    k_slots = torch.zeros(num_slots, num_kv, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_slots = torch.zeros_like(k_slots)
+    slots = torch.randperm(num_slots, device="cuda")[:n]
+    q, k, v = ops.rotary_qk(qkv, cos, sin, num_q, num_kv, head_dim, (k_slots, v_slots, slots))
     _close(q, q_ref)
     _close(k, k_ref)
     assert torch.equal(v.float().cpu(), v_ref)
+    # the fused store put exactly the returned (rotated) k and v at each token's slot, nothing elsewhere
+    assert torch.equal(k_slots[slots], k) and torch.equal(v_slots[slots], v)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert not k_slots[untouched].any() and not v_slots[untouched].any()
 
 
 def test_silu_mul():

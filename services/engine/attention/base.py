@@ -63,8 +63,16 @@ class BaseAttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-        """Write the new K/V of ``layer_id`` into the pool, then attend over each request's pages."""
+        """Write the new K/V of ``layer_id`` into the pool (unless ``kv_stored``: the caller wrote them
+        to ``kv_store_target``), then attend over each request's pages."""
+
+    def kv_store_target(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(k_slots, v_slots, out_slots)`` of this step for a caller that stores K/V itself (fused with
+        rotary), or None: ``forward`` writes them. Default None."""
+        del layer_id
+        return None
 
     def init_cuda_graph(self, batch_sizes: Sequence[int], max_num_pages: int) -> None:
         """Allocate fixed-address DECODE metadata for each of ``batch_sizes`` (before any capture).

@@ -145,11 +145,18 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         assert self._active is not None and self._out_slots is not None, "plan(batch) must run before forward"
-        self.kv_pool.write(layer_id, self._out_slots, k, v)
+        if not kv_stored:
+            self.kv_pool.write(layer_id, self._out_slots, k, v)
         kv_cache = (self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id])  # NHD, per layer
         return self._active.run(q, kv_cache)
+
+    def kv_store_target(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The pool's slots for this step: the decoder stores K/V in its rotary kernel (one launch fewer)."""
+        assert self._out_slots is not None, "plan(batch) must run before kv_store_target"
+        return self.kv_pool.k_slots(layer_id), self.kv_pool.v_slots(layer_id), self._out_slots
 
     def init_cuda_graph(self, batch_sizes: list[int] | tuple[int, ...], max_num_pages: int) -> None:
         self._indices_host = torch.zeros(max_num_pages, dtype=torch.int32, pin_memory=True)

@@ -97,11 +97,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         plan = self._plan
         assert plan is not None, "plan(batch) must run before forward"
         assert q.shape == (plan.num_tokens, self.num_q_heads, self.head_dim), tuple(q.shape)
-        self.kv_pool.write(layer_id, plan.out_slots, k, v)
+        if not kv_stored:
+            self.kv_pool.write(layer_id, plan.out_slots, k, v)
         k_slots = self.kv_pool.k_slots(layer_id)  # [num_slots, num_kv_heads, head_dim]
         v_slots = self.kv_pool.v_slots(layer_id)
         out = torch.empty_like(q)
