@@ -105,7 +105,7 @@ def _add_hf_rows(rows: list[Row], model: Qwen2_5_VLModel, config_dir: str, quick
         row = by_key.get((section, name))
         if row is None:
             continue
-        row.hf_ms = _guarded("transformers", lambda m=measure: [Row("", "", m(), None)])[0].ms
+        row.hf_ms = _guarded("transformers", lambda m=measure, r=row: [Row(r.section, f"{r.name} (transformers)", m(), None)])[0].ms
         if row.hf_ms is None:
             failed.append(Row("transformers", f"{section} {name}", None, None, note="failed (traceback in the log)"))
         torch.cuda.empty_cache()

@@ -271,12 +271,13 @@ def copy_pages(
     dst_pages: torch.Tensor,  # [n] int
 ) -> None:
     """Page ``src_pages[i]`` of every layer of K and V to ``dst_pages[i]``: one launch, no staging."""
-    num_layers, page_numel, n = src_k.shape[0], src_k[0, 0].numel(), src_pages.shape[0]
-    for t in (src_k, src_v, dst_k, dst_v):
-        assert t.is_contiguous() and t.shape[0] == num_layers and t[0, 0].numel() == page_numel
+    num_layers, n = src_k.shape[0], src_pages.shape[0]
+    page_numel = src_k.stride(1)  # contiguous [L, P, S, H, D]: one page of one layer
+    for t in (src_k, src_v, dst_k, dst_v):  # shape arithmetic only: this runs once per request on the host
+        assert t.is_contiguous() and t.shape[0] == num_layers and t.stride(1) == page_numel
     if n == 0:
         return
     _copy_pages_kernel[(n, num_layers, 2)](
-        src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_k[0].numel(), dst_k[0].numel(),
+        src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_k.stride(0), dst_k.stride(0),
         PAGE_NUMEL=page_numel, BLOCK=min(2048, page_numel & -page_numel), num_warps=4,  # largest 2^k dividing it
     )
