@@ -21,6 +21,7 @@ import base64
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from services.transfer.base import (
 )
 
 SESSION_PREFIX = "cuda-ipc:"
+MAX_PEERS = 16  # decode pools kept mapped per sender; the least recently used is unmapped beyond it
 
 
 class IpcBuffer(msgspec.Struct, frozen=True, array_like=True):
@@ -131,10 +133,15 @@ class CudaIpcKVSender(BaseKVSender):
 
     backend = "cuda_ipc"
 
-    def __init__(self) -> None:
+    def __init__(self, max_peers: int = MAX_PEERS) -> None:
+        assert max_peers > 0
+        self.max_peers = max_peers
         self._lock = threading.Lock()
-        self._peers: dict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (session id, this GPU) -> decode's K and V mapped here; least recently used first
+        self._peers: OrderedDict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # copies that outlived their deadline, with the mappings they write through: kept until done
+        self._late: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
 
     def send(
         self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
@@ -150,6 +157,8 @@ class CudaIpcKVSender(BaseKVSender):
         done = self._launch(src_pool, src_pages, dst_k, dst_v, dst.page_ids)
         while not done.query():
             if time.monotonic() >= deadline:  # the kernel still finishes; decode quarantines the pages
+                with self._lock:
+                    self._late.append((done, (dst_k, dst_v)))  # its mapping stays open until it has
                 raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
             os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
@@ -159,9 +168,13 @@ class CudaIpcKVSender(BaseKVSender):
         """Decode's K and V mapped into this GPU (opened once per pool), checked against ``dst.layout``."""
         key = (dst.session_id, src_pool.k_buffer.device)
         with self._lock:
+            self._late = [(done, peer) for done, peer in self._late if not done.query()]
             peer = self._peers.get(key)
             if peer is None:
                 peer = self._peers[key] = self._open(decode_session_id(dst.session_id), src_pool)
+                while len(self._peers) > self.max_peers:  # a restarted decode exports a new pool: the
+                    self._peers.popitem(last=False)  # old mapping goes (closed once nothing uses it)
+            self._peers.move_to_end(key)
         layout = dst.layout
         expected = (layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
         if tuple(peer[0].shape) != expected or peer[0].dtype != src_pool.dtype:
@@ -205,7 +218,7 @@ class CudaIpcKVSender(BaseKVSender):
 
     def close(self) -> None:
         with self._lock:
-            self._peers.clear()
+            self._peers.clear()  # a late copy's mapping stays in _late until its kernel is done
 
 
 def _visible_index(uuid: str) -> int | None:

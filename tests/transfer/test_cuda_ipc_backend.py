@@ -90,6 +90,33 @@ def test_cpu_pools_are_refused_with_a_clear_error():
         CudaIpcKVSender().send("a", src, SRC_PAGES["b"], dest, time.monotonic() + 5)
 
 
+def test_sender_keeps_the_most_recent_pools_mapped_and_checks_each_destination(monkeypatch):
+    src = _pool(torch.device("cpu"), seed=1)
+    opened: list[str] = []
+
+    def fake_open(self, exported, src_pool):  # CPU stand-in for mapping decode's pool over CUDA IPC
+        opened.append(exported.device_uuid)
+        return torch.zeros(exported.shape), torch.zeros(exported.shape)
+
+    monkeypatch.setattr(CudaIpcKVSender, "_open", fake_open)
+    sender = CudaIpcKVSender(max_peers=2)
+    buf = IpcBuffer(b"h", 1, 0, b"r", 0, None)
+    shape = (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    dests = {
+        name: KvDestination("cuda_ipc", encode_session_id(IpcPool(name, shape, "float32", buf, buf)), "a",
+                            pool_layout(src), tuple(DST_PAGES["a"]))
+        for name in ("gpu-a", "gpu-b", "gpu-c")
+    }
+    for name in ("gpu-a", "gpu-b", "gpu-a", "gpu-c", "gpu-a", "gpu-b"):
+        sender._peer(dests[name], src)
+    # a and b mapped; c evicted b (least recently used); b mapped again evicted c
+    assert opened == ["gpu-a", "gpu-b", "gpu-c", "gpu-b"]
+    assert [key[0] for key in sender._peers] == [dests["gpu-a"].session_id, dests["gpu-b"].session_id]
+    wrong = msgspec.structs.replace(dests["gpu-a"], layout=msgspec.structs.replace(dests["gpu-a"].layout, num_pages=99))
+    with pytest.raises(InvalidRequestError, match="does not match the exported pool"):
+        sender._peer(wrong, src)  # checked on every send, not only when the pool was first mapped
+
+
 def _decode(device_index: int, to_prefill: mp.Queue, from_prefill: mp.Queue) -> None:
     faulthandler.dump_traceback_later(100, exit=True)
     device = torch.device("cuda", device_index)
