@@ -17,11 +17,9 @@ from services.transfer.base import (
     KvPoolLayout,
     TransferPlan,
     TransferResult,
-    TransferSession,
-    TransferSessionManager,
-    TransferState,
 )
 from services.transfer.embeddings import BaseEmbeddingReceiver, BaseEmbeddingSender, EmbeddingDestination
+from services.transfer.sessions import TransferSession, TransferSessionManager, TransferState
 
 
 def _factory(module: str, cls: str) -> Callable[..., Any]:

@@ -19,31 +19,16 @@ release puts them in quarantine (``--kv-quarantine-s``) rather than on the free 
 
 from __future__ import annotations
 
-import enum
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
-from services.common.errors import AbortedError, DeadlineExceededError, InvalidRequestError, StageServeError
+from services.common.errors import DeadlineExceededError, InvalidRequestError
 from services.engine.kv_cache import KVPool
-
-Clock = Callable[[], float]  # monotonic seconds; deadlines below are on this clock
-ReleaseFn = Callable[[str, tuple[int, ...]], None]  # (request_id, page_ids) -> pages go back
-
-
-class TransferState(enum.Enum):
-    BOOTSTRAPPING = "bootstrapping"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (TransferState.SUCCESS, TransferState.FAILED)
+from services.transfer.sessions import Clock, ReleaseFn, TransferSession, TransferSessionManager
 
 
 class KvPoolLayout(msgspec.Struct, frozen=True):
@@ -170,153 +155,22 @@ def check_deadline(request_id: str, deadline: float, clock: Clock = time.monoton
     return remaining
 
 
-class TransferSession:
-    """One request's KV handoff on the decode side; FAILED runs ``release`` exactly once."""
+class PendingSend(ABC):
+    """A KV write ``BaseKVSender.start`` began; ``wait`` returns once its bytes landed."""
 
-    def __init__(
-        self,
-        request_id: str,
-        page_ids: Sequence[int],
-        deadline: float,
-        release: ReleaseFn,
-        clock: Clock = time.monotonic,
-        on_terminal: Callable[[TransferSession], None] = lambda session: None,
-    ) -> None:
-        self.request_id = request_id
-        self.page_ids = tuple(page_ids)
-        self.deadline = deadline
-        self.destination: KvDestination | None = None
-        self.error: StageServeError | None = None
-        self._release = release
-        self._clock = clock
-        self._on_terminal = on_terminal
-        self._state = TransferState.BOOTSTRAPPING
-        self._cond = threading.Condition()
-
-    @property
-    def state(self) -> TransferState:
-        return self._state
-
-    def mark_transferring(self) -> None:
-        """BOOTSTRAPPING -> TRANSFERRING; a no-op once TRANSFERRING or terminal."""
-        with self._cond:
-            if self._state is TransferState.BOOTSTRAPPING:
-                self._state = TransferState.TRANSFERRING
-
-    def mark_done(self) -> None:
-        """-> SUCCESS. Completing a finished session raises (``InvalidRequestError``, or its failure)."""
-        with self._cond:
-            if self._state is TransferState.SUCCESS:
-                raise InvalidRequestError(f"KV transfer for {self.request_id} completed twice")
-            if self._state is TransferState.FAILED:
-                assert self.error is not None
-                raise type(self.error)(
-                    f"KV for {self.request_id} arrived after the transfer failed: {self.error.message}"
-                )
-            self._state = TransferState.SUCCESS
-            self._cond.notify_all()
-        self._on_terminal(self)
-
-    def mark_failed(self, error: StageServeError) -> bool:
-        """-> FAILED and release the pages; False (nothing done) when already terminal."""
-        with self._cond:
-            if self._state.is_terminal:
-                return False
-            self._state = TransferState.FAILED
-            self.error = error
-            self._cond.notify_all()
-        self._on_terminal(self)
-        self._release(self.request_id, self.page_ids)
-        return True
-
-    def abort(self) -> bool:
-        return self.mark_failed(AbortedError(f"KV transfer for {self.request_id} aborted"))
-
-    def expire_if_due(self) -> bool:
-        if self._clock() < self.deadline:
-            return False
-        return self.mark_failed(DeadlineExceededError(f"KV transfer for {self.request_id} timed out"))
-
-    def wait(self, deadline: float) -> TransferState:
-        """Block until terminal or ``deadline`` (same clock); past the session's own deadline -> FAILED."""
-        with self._cond:
-            while not self._state.is_terminal:
-                remaining = min(deadline, self.deadline) - self._clock()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-        self.expire_if_due()
-        return self._state
+    @abstractmethod
+    def wait(self) -> TransferResult:
+        """Block until the write finished; raises what ``send`` raises (the request's deadline holds)."""
 
 
-class TransferSessionManager:
-    """Single owner of in-flight transfer sessions; a session leaves when it turns terminal."""
+class CompletedSend(PendingSend):
+    """A write that already finished when ``start`` returned."""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
-        self._clock = clock
-        self._sessions: dict[str, TransferSession] = {}
-        self._lock = threading.Lock()
+    def __init__(self, result: TransferResult) -> None:
+        self.result = result
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._sessions)
-
-    def start(
-        self, request_id: str, page_ids: Sequence[int], deadline: float, release: ReleaseFn
-    ) -> TransferSession:
-        """Open a BOOTSTRAPPING session; ``InvalidRequestError`` if ``request_id`` is already in flight."""
-        session = TransferSession(request_id, page_ids, deadline, release, self._clock, self._drop)
-        with self._lock:
-            if request_id in self._sessions:
-                raise InvalidRequestError(f"KV transfer for {request_id} is already in flight")
-            self._sessions[request_id] = session
-        return session
-
-    def get(self, request_id: str) -> TransferSession | None:
-        with self._lock:
-            return self._sessions.get(request_id)
-
-    def mark_transferring(self, request_id: str) -> None:
-        self._in_flight(request_id).mark_transferring()
-
-    def complete(self, request_id: str) -> TransferSession:
-        """Mark ``request_id`` SUCCESS; ``InvalidRequestError`` if it is not in flight (done twice, expired)."""
-        session = self._in_flight(request_id)
-        session.mark_done()
-        return session
-
-    def fail(self, request_id: str, error: StageServeError) -> bool:
-        """Mark FAILED and release its pages; False when ``request_id`` is not in flight."""
-        session = self.get(request_id)
-        return session is not None and session.mark_failed(error)
-
-    def abort(self, request_id: str) -> bool:
-        session = self.get(request_id)
-        return session is not None and session.abort()
-
-    def abort_all(self) -> int:
-        with self._lock:
-            sessions = list(self._sessions.values())
-        return sum(session.abort() for session in sessions)
-
-    def expire(self) -> list[str]:
-        """Fail every session past its deadline (releasing its pages); returns their request ids."""
-        with self._lock:
-            sessions = list(self._sessions.values())
-        return [s.request_id for s in sessions if s.expire_if_due()]
-
-    def _in_flight(self, request_id: str) -> TransferSession:
-        session = self.get(request_id)
-        if session is None:
-            raise InvalidRequestError(
-                f"no KV transfer in flight for {request_id} (finished, expired or unknown)"
-            )
-        return session
-
-    def _drop(self, session: TransferSession) -> None:
-        with self._lock:
-            if self._sessions.get(session.request_id) is session:
-                del self._sessions[session.request_id]
+    def wait(self) -> TransferResult:
+        return self.result
 
 
 class BaseKVSender(ABC):
@@ -338,6 +192,18 @@ class BaseKVSender(ABC):
         ``InvalidRequestError`` (layouts or page counts disagree), ``UnavailableError`` (peer
         unreachable or the write failed) or ``DeadlineExceededError``.
         """
+
+    def start(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> PendingSend:
+        """Begin the write ``send`` does; ``wait()`` on the result finishes it.
+
+        A caller with several requests starts them all, then waits for each: a backend whose
+        writes run asynchronously (``cuda_ipc``) queues them back to back, so one request's
+        host work overlaps another's bytes on the link. Errors found before the write began
+        raise here, the rest from ``wait``. Default: the whole write happens here.
+        """
+        return CompletedSend(self.send(request_id, src_pool, src_pages, dst, deadline))
 
     def close(self) -> None:
         """Release engine resources; the sender is unusable afterwards. Default: nothing held."""

@@ -21,7 +21,8 @@ import torch.multiprocessing as mp
 
 from services.common.errors import DeadlineExceededError, UnavailableError
 from services.engine.kv_cache import KVPool
-from services.transfer.base import KvDestination, TransferState
+from services.transfer.base import KvDestination
+from services.transfer.sessions import TransferState
 
 NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 SRC_PAGES = {"a": [0, 1, 2, 7], "b": [3, 4], "c": [5, 6, 8]}
