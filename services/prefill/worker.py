@@ -25,7 +25,7 @@ from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.model_runner import ModelRunner, StepInput
 from services.engine.sampler import Sampler, SamplingParams, make_generator
 from services.prefill.request import PlannedRequest, PrefillInput, PrefillOutput, PrefillPlan, RequestOutcome
-from services.transfer.base import BaseKVSender
+from services.transfer.base import BaseKVSender, PendingSend
 from services.transfer.embeddings import EmbeddingBuffer
 
 logger = logging.getLogger(__name__)
@@ -89,10 +89,15 @@ class PrefillRankWorker:
             token_ids = self._forward_and_sample(plan)
             forward_s = time.perf_counter() - start
             on_forward_done(plan)
+            # every write starts before any is awaited: an asynchronous backend queues them back to back
+            started = [
+                None if is_aborted(p.request.request_id) else self._start_send(p.request)
+                for p in plan.requests
+            ]
             outcomes = tuple(
                 RequestOutcome(p.request.request_id, error=AbortedError(f"{p.request.request_id} was aborted"))
-                if is_aborted(p.request.request_id) else self._send(p.request, t)
-                for p, t in zip(plan.requests, token_ids, strict=True)
+                if send is None else self._finish_send(p.request, t, *send)
+                for p, t, send in zip(plan.requests, token_ids, started, strict=True)
             )
         finally:
             for request_id in plan.request_ids:
@@ -128,27 +133,39 @@ class PrefillRankWorker:
             embeds = self.embeddings.rows(planned.row_start, request.num_image_tokens)  # [n, hidden]
         return prefill_step(request, embeds, self.spatial_merge_size)
 
-    def _send(self, request: PrefillInput, token_id: int) -> RequestOutcome:
+    def _start_send(self, request: PrefillInput) -> tuple[trace.Span, PendingSend | StageServeError]:
+        """Open the request's ``kv.transfer`` span and start its write (or keep why it could not start)."""
+        pages = self.runner.page_table.pages(request.request_id)
+        span = _tracer.start_span(
+            "kv.transfer", context=telemetry.extract_context(request.trace_carrier.items()),
+            attributes={"request_id": request.request_id, "kv.num_pages": len(pages),
+                        "kv.backend": self.kv_sender.backend},
+        )
+        try:
+            return span, self.kv_sender.start(request.request_id, self.runner.kv_pool, pages, request.kv_dst,
+                                              request.deadline)
+        except StageServeError as exc:
+            return span, exc
+        except BaseException:
+            span.end()
+            raise
+
+    def _finish_send(
+        self, request: PrefillInput, token_id: int, span: trace.Span, send: PendingSend | StageServeError
+    ) -> RequestOutcome:
         finish_reason = first_token_finish_reason(
             token_id, request.params, request.num_tokens, self.eos_token_ids, self.max_context_len
         )
-        pages = self.runner.page_table.pages(request.request_id)
-        context = telemetry.extract_context(request.trace_carrier.items())
-        with _tracer.start_as_current_span(
-            "kv.transfer", context=context, record_exception=False, set_status_on_exception=False,
-            attributes={"request_id": request.request_id, "kv.num_pages": len(pages),
-                        "kv.backend": self.kv_sender.backend},
-        ) as span:
-            try:
-                result = self.kv_sender.send(request.request_id, self.runner.kv_pool, pages, request.kv_dst,
-                                             request.deadline)
-            except StageServeError as exc:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
-                logger.warning("KV transfer of %s failed: %s", request.request_id, exc.message)
-                outcome = RequestOutcome(request.request_id, token_id, finish_reason, error=exc)
-            else:
-                span.set_attribute("kv.num_bytes", result.num_bytes)
-                outcome = RequestOutcome(
-                    request.request_id, token_id, finish_reason, result.num_bytes, result.elapsed_s
-                )
-        return outcome
+        try:
+            if isinstance(send, StageServeError):
+                raise send
+            result = send.wait()
+        except StageServeError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            logger.warning("KV transfer of %s failed: %s", request.request_id, exc.message)
+            return RequestOutcome(request.request_id, token_id, finish_reason, error=exc)
+        else:
+            span.set_attribute("kv.num_bytes", result.num_bytes)
+            return RequestOutcome(request.request_id, token_id, finish_reason, result.num_bytes, result.elapsed_s)
+        finally:
+            span.end()

@@ -8,7 +8,8 @@ decode's page, so there is no staging copy, no per-page call and no receiver thr
 
 It is one-sided like Mooncake: ``send`` returns once the kernel finished (the bytes are
 in decode's memory); decode learns it from the request protocol (``Generate``), as for
-Mooncake. A send that misses its deadline cannot be stopped: its kernel still runs to the
+Mooncake. ``start`` only queues the kernel: a batch's requests go back to back on the
+link, each one's host work overlapping the previous one's bytes. A send that misses its deadline cannot be stopped: its kernel still runs to the
 end (milliseconds), which decode's page quarantine already covers (see base.py).
 
 Both processes must see both GPUs (no disjoint ``CUDA_VISIBLE_DEVICES``) and the GPUs
@@ -36,6 +37,7 @@ from services.transfer.base import (
     BaseKVReceiver,
     BaseKVSender,
     KvDestination,
+    PendingSend,
     TransferResult,
     check_compatible,
     check_deadline,
@@ -146,6 +148,12 @@ class CudaIpcKVSender(BaseKVSender):
     def send(
         self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
     ) -> TransferResult:
+        return self.start(request_id, src_pool, src_pages, dst, deadline).wait()
+
+    def start(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> PendingSend:
+        """Check, map decode's pool if new, and queue the copy kernel on this sender's stream."""
         start = time.monotonic()
         if dst.backend != self.backend:
             raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender")
@@ -153,16 +161,20 @@ class CudaIpcKVSender(BaseKVSender):
         if src_pool.device.type != "cuda":
             raise InvalidRequestError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}")
         check_deadline(request_id, deadline)
-        dst_k, dst_v = self._peer(dst, src_pool)
-        done = self._launch(src_pool, src_pages, dst_k, dst_v, dst.page_ids)
-        while not done.query():
-            if time.monotonic() >= deadline:  # the kernel still finishes; decode quarantines the pages
-                with self._lock:
-                    self._late.append((done, (dst_k, dst_v)))  # its mapping stays open until it has
-                raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
-            os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
+        peer = self._peer(dst, src_pool)
+        done = self._launch(src_pool, src_pages, peer[0], peer[1], dst.page_ids)
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
-        return TransferResult(request_id, num_bytes, 1 if src_pages else 0, time.monotonic() - start)
+        return _IpcSend(self, request_id, num_bytes, done, peer, start, deadline)
+
+    def _wait(self, pending: _IpcSend) -> TransferResult:
+        while not pending.done.query():
+            if time.monotonic() >= pending.deadline:  # the kernel still finishes; decode quarantines the pages
+                with self._lock:
+                    self._late.append((pending.done, pending.peer))  # its mapping stays open until it has
+                raise DeadlineExceededError(f"KV transfer for {pending.request_id} passed its deadline")
+            os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
+        elapsed = time.monotonic() - pending.started
+        return TransferResult(pending.request_id, pending.num_bytes, 1 if pending.num_bytes else 0, elapsed)
 
     def _peer(self, dst: KvDestination, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's K and V mapped into this GPU (opened once per pool), checked against ``dst.layout``."""
@@ -219,6 +231,21 @@ class CudaIpcKVSender(BaseKVSender):
     def close(self) -> None:
         with self._lock:
             self._peers.clear()  # a late copy's mapping stays in _late until its kernel is done
+
+
+class _IpcSend(PendingSend):
+    """One queued copy kernel: ``done`` fires when decode's pages hold the bytes."""
+
+    def __init__(
+        self, sender: CudaIpcKVSender, request_id: str, num_bytes: int, done: torch.cuda.Event,
+        peer: tuple[torch.Tensor, torch.Tensor], started: float, deadline: float,
+    ) -> None:
+        self.sender, self.request_id, self.num_bytes = sender, request_id, num_bytes
+        self.done, self.peer = done, peer  # the mapping stays open while the copy may run
+        self.started, self.deadline = started, deadline
+
+    def wait(self) -> TransferResult:
+        return self.sender._wait(self)
 
 
 def _visible_index(uuid: str) -> int | None:

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
 from services.common.types import FinishReason, TokenizedPrompt
 from services.engine.sampler import SamplingParams
+from services.transfer.base import PendingSend
 from tests.conftest import image_bytes
 from tests.prefill.conftest import (
     KV_ATOL,
@@ -233,4 +234,47 @@ async def test_request_aborted_during_its_forward_sends_no_kv(pipeline, harness:
     while harness.scheduler.num_live:
         await asyncio.sleep(0.01)
     assert sent == []  # decode may already have quarantined the pages: no write may start
+    harness.assert_all_free()
+
+
+async def test_a_batch_starts_every_kv_write_before_awaiting_one(pipeline, harness: Harness) -> None:
+    """The worker starts each request's write, then waits for each; one failing write fails only its request."""
+    sender = harness.app.leader.worker.kv_sender
+    events: list[tuple[str, str]] = []
+
+    class Deferred(PendingSend):  # what an asynchronous backend returns: the bytes move by wait()
+        def __init__(self, request_id, args):
+            self.request_id, self.args = request_id, args
+
+        def wait(self):
+            events.append(("wait", self.request_id))
+            if self.request_id == "text":
+                raise UnavailableError("the link went down")
+            return sender.send(self.request_id, *self.args)
+
+    def start(request_id, *args):
+        events.append(("start", request_id))
+        return Deferred(request_id, args)
+
+    sender.start = start
+    cases = standard_cases(pipeline)
+    release, plans = gate_worker(harness)
+    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
+    while not plans:
+        await asyncio.sleep(0.01)
+    tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
+    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < 2:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    release()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await blocker
+    batch = plans[1]
+    assert len(batch) == len(cases) >= 2
+    assert events[-2 * len(batch):] == [("start", r) for r in batch] + [("wait", r) for r in batch]
+    for case, result in zip(cases, results, strict=True):
+        if case.request.request_id == "text":
+            assert isinstance(result, UnavailableError) and "the link went down" in result.message
+        else:
+            assert_matches(harness, case, *result, reference(pipeline, case))
     harness.assert_all_free()

@@ -147,7 +147,9 @@ def _prefill_sends(sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDes
         sender.send("b", pool, SRC_PAGES["b"], bad, time.monotonic() + 30)
     except InvalidRequestError:
         errors.append("layout")
-    results = [sender.send(name, pool, SRC_PAGES[name], dests[name], time.monotonic() + 30) for name in ("a", "b")]
+    # both copies queued before either is awaited, as the prefill worker does with a batch
+    pending = [sender.start(name, pool, SRC_PAGES[name], dests[name], time.monotonic() + 30) for name in ("a", "b")]
+    results = [p.wait() for p in pending]
     return errors, [r.num_bytes for r in results]
 
 
