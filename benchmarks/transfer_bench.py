@@ -6,7 +6,13 @@ source pages are contiguous, its destination pages shuffled. Each sample starts 
 gloo barrier; it ends when the pages hold the KV: for NCCL (two-sided) when rank 1's
 session is SUCCESS after its scatter, for CUDA IPC (one-sided) when rank 0's ``send``
 returns after its copy kernel finished. The median of several samples is reported, and
-each size's last transfer is checked page by page on rank 1.
+each case's last transfer is checked page by page on rank 1.
+
+Two kinds of case: one request after the barrier (its latency, with the link idle since
+the previous sample), and ``STREAM`` requests started back to back, then awaited (what the
+prefill worker does with a batch: ``BaseKVSender.start`` for each, then ``wait``), timed
+until the last one landed. Raw NCCL is timed the same way for 1 GiB (the ceiling every
+ratio uses) and for one 64 MiB message (what a lone request costs NCCL itself).
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ import faulthandler
 import os
 import socket
 import statistics
-import threading
 import time
 from typing import Any
 
@@ -30,12 +35,13 @@ from benchmarks.report import Row
 SIZES_MIB = (16, 64, 256, 1024)
 NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 28, 16, 4, 128
 RAW_BYTES = 1 << 30
+RAW_SMALL_BYTES = 64 << 20
 SAMPLES = 7
 BACKENDS = ("nccl", "cuda_ipc")
-# Requests in flight at once (one sending thread each) for extra rows; 1 = none. At 4, on 2 x H200 (commit
-# 1a5578f), cuda_ipc moved 4 x 64 MiB at 82 GB/s and 4 x 256 MiB at 224 GB/s, below one request at a
-# time: the sending threads' polling loops contend for the GIL. Kept off; prefill sends one at a time.
-CONCURRENT = 1
+# Requests per back-to-back case. Sending from one thread per request instead was slower (1a5578f, 2 x H200:
+# 4 x 64 MiB at 82 GB/s): the threads' completion polls contend for the GIL. start()/wait() needs none.
+STREAM = 8
+STREAM_SIZES_MIB = (16, 64, 256)
 JOIN_TIMEOUT_S = 120
 
 
@@ -52,8 +58,8 @@ def _bytes_per_page() -> int:
     return 2 * NUM_LAYERS * PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
 
 
-def _raw_ms(rank: int, ctrl: Any, device: torch.device) -> float:
-    buf = torch.empty(RAW_BYTES, dtype=torch.uint8, device=device)
+def _raw_ms(rank: int, ctrl: Any, device: torch.device, num_bytes: int) -> float:
+    buf = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     times = []
     for sample in range(SAMPLES + 1):  # the first sample also sets up the NCCL communicator
         dist.barrier(group=ctrl)
@@ -73,24 +79,28 @@ def _page_sums(pool: Any, pages: list[int]) -> torch.Tensor:  # [2, n]: per page
     return torch.stack([buf[:, index].float().sum(dim=(0, 2, 3, 4)) for buf in (pool.k_buffer, pool.v_buffer)]).cpu()
 
 
-def _cases(backend: str) -> list[tuple[int, int]]:
-    """(MiB per request, requests in flight): one request per size; ``CONCURRENT`` at once when given."""
-    return [(mib, 1) for mib in SIZES_MIB] + ([(mib, CONCURRENT) for mib in (64, 256)] if CONCURRENT > 1 else [])
+def _cases() -> list[tuple[int, int]]:
+    """(MiB per request, requests): one request per size, then ``STREAM`` back to back."""
+    return [(mib, 1) for mib in SIZES_MIB] + [(mib, STREAM) for mib in STREAM_SIZES_MIB]
+
+
+def _num_pages(mib: int) -> int:
+    return max(1, round(mib * (1 << 20) / _bytes_per_page()))
 
 
 def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> list[tuple[int, int, int, float]]:
     """Rank 1. nccl: time from the barrier to the session's SUCCESS (scatter done) on this rank.
-    cuda_ipc: the sender's time from the barrier to ``send`` returning (its kernel finished) in every
-    sending thread; the sessions are completed afterwards, as ``Generate`` does. Each case's last
-    sample is checked page by page."""
+    cuda_ipc: the sender's time from the barrier to its last request landing (``send`` or the last
+    ``wait`` returned: the kernels finished); the sessions are completed afterwards, as ``Generate``
+    does. Each case's last sample is checked page by page."""
     from services.transfer import create_kv_receiver
 
     pool = _pool(device, num_pages)
     receiver = create_kv_receiver(backend, **({"peer_rank": 0} if backend == "nccl" else {}))
     receiver.register(pool)
     out = []
-    for mib, k in _cases(backend):
-        n = max(1, round(mib * (1 << 20) / _bytes_per_page()))
+    for mib, k in _cases():
+        n = _num_pages(mib)
         times = []
         for sample in range(SAMPLES + 1):
             pages = torch.randperm(num_pages)[: k * n].view(k, n).tolist()
@@ -128,24 +138,22 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
 
     pool = _pool(device, num_pages)
     sender = create_kv_sender(backend, **({"peer_rank": 1} if backend == "nccl" else {}))
-    for mib, k in _cases(backend):
-        n = max(1, round(mib * (1 << 20) / _bytes_per_page()))
+    for mib, k in _cases():
+        n = _num_pages(mib)
         src_pages = [list(range(i * n, (i + 1) * n)) for i in range(k)]
         for sample in range(SAMPLES + 1):
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=1, group=ctrl)
             dests = [msgspec.msgpack.decode(raw, type=KvDestination) for raw in box[0]]
-            threads = [threading.Thread(target=sender.send, args=(d.request_id, pool, src_pages[i], d,
-                                                                   time.monotonic() + 60)) for i, d in enumerate(dests)]
             dist.barrier(group=ctrl)
             start = time.perf_counter()
             if k == 1:
                 sender.send(dests[0].request_id, pool, src_pages[0], dests[0], time.monotonic() + 60)
-            else:
-                for thread in threads:
-                    thread.start()
-                for thread in threads:
-                    thread.join()
+            else:  # as the prefill worker does with a batch: start every write, then wait for each
+                pending = [sender.start(d.request_id, pool, src_pages[i], d, time.monotonic() + 60)
+                           for i, d in enumerate(dests)]
+                for send in pending:
+                    send.wait()
             if backend != "nccl":
                 dist.broadcast_object_list([(time.perf_counter() - start) * 1e3], src=0, group=ctrl)
             if sample == SAMPLES:
@@ -161,8 +169,9 @@ def _worker(rank: int, port: int, queue: Any) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=2, timeout=datetime.timedelta(hours=1))
     ctrl = dist.new_group(backend="gloo")
     try:
-        raw_ms = _raw_ms(rank, ctrl, device)
-        num_pages = -(-max(SIZES_MIB) * (1 << 20) // _bytes_per_page()) + 64
+        raw_ms = _raw_ms(rank, ctrl, device, RAW_BYTES)
+        raw_small_ms = _raw_ms(rank, ctrl, device, RAW_SMALL_BYTES)
+        num_pages = max(k * _num_pages(mib) for mib, k in _cases()) + 64
         sizes = {}
         for backend in BACKENDS:
             if rank == 0:
@@ -170,7 +179,7 @@ def _worker(rank: int, port: int, queue: Any) -> None:
             else:
                 sizes[backend] = _receiver_samples(ctrl, device, num_pages, backend)
         if rank == 1:
-            queue.put({"raw_ms": raw_ms, "sizes": sizes})
+            queue.put({"raw_ms": raw_ms, "raw_small_ms": raw_small_ms, "sizes": sizes})
         dist.barrier(group=ctrl)
     finally:
         dist.destroy_process_group()
@@ -191,11 +200,16 @@ def run_transfer_benchmark() -> list[Row]:
     result = queue.get()
     raw_ms = result["raw_ms"]
     raw_bw = RAW_BYTES / (raw_ms / 1e3)
-    rows = [Row("transfer", "raw NCCL send/recv 1 GiB (ceiling)", raw_ms, raw_ms, note=f"{raw_bw / 1e9:.0f} GB/s")]
+    small_ms = result["raw_small_ms"]
+    rows = [
+        Row("transfer", "raw NCCL send/recv 1 GiB (ceiling)", raw_ms, raw_ms, note=f"{raw_bw / 1e9:.0f} GB/s"),
+        Row("transfer", "raw NCCL send/recv 64 MiB, one message", small_ms, RAW_SMALL_BYTES / raw_bw * 1e3,
+            note=f"{RAW_SMALL_BYTES / (small_ms / 1e3) / 1e9:.0f} GB/s"),
+    ]
     for backend, sizes in result["sizes"].items():
         for mib, k, num_bytes, ms in sizes:
             rows.append(Row(
-                "transfer", f"KV {mib} MiB, {backend}" if k == 1 else f"KV {k} x {mib} MiB in flight, {backend}",
+                "transfer", f"KV {mib} MiB, {backend}" if k == 1 else f"KV {k} x {mib} MiB back to back, {backend}",
                 ms, num_bytes / raw_bw * 1e3,
                 note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; {num_bytes // _bytes_per_page()} pages, shuffled",
             ))
