@@ -265,7 +265,7 @@ def _copy_pages_kernel(
 def copy_pages(
     src_k: torch.Tensor,  # [L, P_src, S, H, D] (a KV pool's buffers)
     src_v: torch.Tensor,
-    src_pages: torch.Tensor,  # [n] int, on the source device
+    src_pages: torch.Tensor,  # [n] int32, on the source device or pinned host memory (read over PCIe)
     dst_k: torch.Tensor,  # [L, P_dst, S, H, D]; may be another GPU's memory mapped into this device
     dst_v: torch.Tensor,
     dst_pages: torch.Tensor,  # [n] int

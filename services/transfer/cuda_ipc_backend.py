@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
@@ -141,9 +140,9 @@ class CudaIpcKVSender(BaseKVSender):
         self._lock = threading.Lock()
         # (session id, this GPU) -> decode's K and V mapped here; least recently used first
         self._peers: OrderedDict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        # copies that outlived their deadline, with the mappings they write through: kept until done
-        self._late: list[tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = []
+        # queued copies with what they read and write through (decode's mapping, the page numbers):
+        # kept until their event fired, whether or not anyone still waits for them
+        self._in_flight: list[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = []
 
     def send(
         self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
@@ -153,7 +152,7 @@ class CudaIpcKVSender(BaseKVSender):
     def start(
         self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
     ) -> PendingSend:
-        """Check, map decode's pool if new, and queue the copy kernel on this sender's stream."""
+        """Check, map decode's pool if new, and queue the copy kernel."""
         start = time.monotonic()
         if dst.backend != self.backend:
             raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender")
@@ -162,25 +161,17 @@ class CudaIpcKVSender(BaseKVSender):
             raise InvalidRequestError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}")
         check_deadline(request_id, deadline)
         peer = self._peer(dst, src_pool)
-        done = self._launch(src_pool, src_pages, peer[0], peer[1], dst.page_ids)
+        done, pages = self._launch(src_pool, src_pages, peer[0], peer[1], dst.page_ids)
+        with self._lock:
+            self._in_flight.append((done, (*peer, pages)))
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
-        return _IpcSend(self, request_id, num_bytes, done, peer, start, deadline)
-
-    def _wait(self, pending: _IpcSend) -> TransferResult:
-        while not pending.done.query():
-            if time.monotonic() >= pending.deadline:  # the kernel still finishes; decode quarantines the pages
-                with self._lock:
-                    self._late.append((pending.done, pending.peer))  # its mapping stays open until it has
-                raise DeadlineExceededError(f"KV transfer for {pending.request_id} passed its deadline")
-            os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
-        elapsed = time.monotonic() - pending.started
-        return TransferResult(pending.request_id, pending.num_bytes, 1 if pending.num_bytes else 0, elapsed)
+        return _IpcSend(request_id, num_bytes, done, start, deadline)
 
     def _peer(self, dst: KvDestination, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's K and V mapped into this GPU (opened once per pool), checked against ``dst.layout``."""
         key = (dst.session_id, src_pool.k_buffer.device)
         with self._lock:
-            self._late = [(done, peer) for done, peer in self._late if not done.query()]
+            self._in_flight = [(done, keep) for done, keep in self._in_flight if not done.query()]
             peer = self._peers.get(key)
             if peer is None:
                 peer = self._peers[key] = self._open(decode_session_id(dst.session_id), src_pool)
@@ -214,38 +205,41 @@ class CudaIpcKVSender(BaseKVSender):
     def _launch(
         self, src_pool: KVPool, src_pages: Sequence[int], dst_k: torch.Tensor, dst_v: torch.Tensor,
         dst_pages: Sequence[int],
-    ) -> torch.cuda.Event:
-        device = src_pool.k_buffer.device
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams.setdefault(device, torch.cuda.Stream(device=device))
-        stream.wait_stream(torch.cuda.current_stream(device))  # the KV was computed on the current stream
-        with torch.cuda.stream(stream):  # index tensors live on this stream: reused only after the copy
-            pages = torch.from_numpy(np.array([src_pages, dst_pages], dtype=np.int32)).pin_memory()
-            pages = pages.to(device, non_blocking=True)
+    ) -> tuple[torch.cuda.Event, torch.Tensor]:
+        """Queue the copy on the caller's stream, behind the forward that wrote the KV.
+
+        The page numbers stay in pinned host memory that the kernel reads directly (no upload
+        on the stream: a request's host path is a fill and one launch); they must outlive the
+        copy (``_in_flight``).
+        """
+        pages = torch.empty((2, len(src_pages)), dtype=torch.int32, pin_memory=True)
+        numbers = pages.numpy()
+        numbers[0], numbers[1] = src_pages, dst_pages
+        with torch.cuda.device(src_pool.k_buffer.device):  # Triton launches on the current device's stream
             ops.copy_pages(src_pool.k_buffer, src_pool.v_buffer, pages[0], dst_k, dst_v, pages[1])
             done = torch.cuda.Event()
-            done.record(stream)
-        return done
+            done.record()
+        return done, pages
 
     def close(self) -> None:
         with self._lock:
-            self._peers.clear()  # a late copy's mapping stays in _late until its kernel is done
+            self._peers.clear()  # a queued copy's mapping stays in _in_flight until its kernel is done
 
 
 class _IpcSend(PendingSend):
     """One queued copy kernel: ``done`` fires when decode's pages hold the bytes."""
 
-    def __init__(
-        self, sender: CudaIpcKVSender, request_id: str, num_bytes: int, done: torch.cuda.Event,
-        peer: tuple[torch.Tensor, torch.Tensor], started: float, deadline: float,
-    ) -> None:
-        self.sender, self.request_id, self.num_bytes = sender, request_id, num_bytes
-        self.done, self.peer = done, peer  # the mapping stays open while the copy may run
+    def __init__(self, request_id: str, num_bytes: int, done: torch.cuda.Event, started: float, deadline: float) -> None:
+        self.request_id, self.num_bytes, self.done = request_id, num_bytes, done
         self.started, self.deadline = started, deadline
 
     def wait(self) -> TransferResult:
-        return self.sender._wait(self)
+        while not self.done.query():
+            if time.monotonic() >= self.deadline:  # the kernel still finishes; decode quarantines the pages
+                raise DeadlineExceededError(f"KV transfer for {self.request_id} passed its deadline")
+            os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
+        elapsed = time.monotonic() - self.started
+        return TransferResult(self.request_id, self.num_bytes, 1 if self.num_bytes else 0, elapsed)
 
 
 def _visible_index(uuid: str) -> int | None:
