@@ -52,6 +52,8 @@ class ModelRunner:
         self.model = model
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
+        if self.device.type == "cuda":  # Triton and flashinfer launch on the current device: this one
+            torch.cuda.set_device(self.device)
         self.page_size = kv_config.page_size
         self.kv_pool = KVPool(
             text.num_hidden_layers, kv_config.num_pages, kv_config.page_size,
