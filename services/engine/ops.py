@@ -119,8 +119,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def gated_linear(
     gate_up: torch.Tensor, act_name: str, act, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``linear(gated_act(gate_up), weight, bias)`` (the activation stays its own kernel: fused into the
-    GEMV, every program recomputed it and the down projection ran 45% slower on H200)."""
+    """``linear(gated_act(gate_up), weight, bias)``. The activation stays its own kernel on H200: fused
+    into the down GEMV every program recomputed it (45% slower); applied by the gate/up GEMV to its own
+    outputs (each program reading gate and up rows) it was 66-82 us per layer against 66 us apart."""
     return linear(gated_act(gate_up, act_name, act), weight, bias)
 
 
