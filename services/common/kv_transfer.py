@@ -8,6 +8,8 @@ KV one unless ``--kv-transfer-backend`` is given). Kept free of heavy imports: t
 
 from __future__ import annotations
 
+import importlib.metadata
+
 # KV backends a service can build on its own. "nccl" is registered in services.transfer but
 # needs a torch.distributed group spanning prefill and decode, which the services do not build.
 SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc")
@@ -17,6 +19,22 @@ KV_BACKEND_HELP = (
     "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc (cuda_ipc = CUDA IPC between GPUs "
     "of one host, needs --device cuda); default: --transfer-backend"
 )
+
+
+MOONCAKE_HOST_ONLY_BUILD = "mooncake-transfer-engine-non-cuda"
+
+
+def mooncake_moves_device_memory() -> bool:
+    """Whether the installed Mooncake build reads and writes GPU memory.
+
+    ``mooncake-transfer-engine`` (the CUDA build) does; ``mooncake-transfer-engine-non-cuda``
+    moves host memory only: its TCP transport fails a GPU address with EFAULT ("Bad address").
+    """
+    try:
+        importlib.metadata.distribution(MOONCAKE_HOST_ONLY_BUILD)
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    return False
 
 
 def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -> str:
@@ -34,10 +52,17 @@ def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -
 
 
 def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, device: str) -> str:
-    """``resolve_kv_backend``, and cuda_ipc only on a CUDA ``device``; ``ValueError`` otherwise."""
+    """``resolve_kv_backend``; cuda_ipc only on a CUDA ``device``, and Mooncake on one only with a
+    build that moves GPU memory (the KV pool lives there); ``ValueError`` otherwise."""
     name = resolve_kv_backend(kv_transfer_backend, transfer_backend)
     if name == "cuda_ipc" and not device.startswith("cuda"):
         raise ValueError(f"the cuda_ipc KV transfer backend needs a CUDA device (--device cuda), got {device!r}")
+    if name == "mooncake" and device.startswith("cuda") and not mooncake_moves_device_memory():
+        raise ValueError(
+            f"the installed Mooncake build ({MOONCAKE_HOST_ONLY_BUILD}) moves host memory only and the KV "
+            f"pool is on {device!r}: use --kv-transfer-backend cuda_ipc (GPUs of one host) or install "
+            "mooncake-transfer-engine (the CUDA build)"
+        )
     return name
 
 

@@ -73,7 +73,11 @@ class PrefillApp:
             kv_sender = build_kv_sender(config)
         if embedding_receiver is None:
             embedding_receiver = build_embedding_receiver(config)
-        buffer = EmbeddingBuffer(config.embedding_rows, model.config.text.hidden_size, runner.dtype, runner.device)
+        buffer_device = embedding_receiver.buffer_device(runner.device)
+        buffer = EmbeddingBuffer(
+            config.embedding_rows, model.config.text.hidden_size, runner.dtype, buffer_device,
+            pin_memory=buffer_device.type == "cpu" and runner.device.type == "cuda",
+        )
         embedding_receiver.register(buffer)
         scheduler = PrefillScheduler(
             EmbeddingRowManager(config.embedding_rows), config.num_pages, config.page_size,

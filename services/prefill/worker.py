@@ -131,6 +131,7 @@ class PrefillRankWorker:
         embeds = None
         if request.num_image_tokens:
             embeds = self.embeddings.rows(planned.row_start, request.num_image_tokens)  # [n, hidden]
+            embeds = embeds.to(self.runner.device)  # a host-memory buffer (host-only transfer engine)
         return prefill_step(request, embeds, self.spatial_merge_size)
 
     def _start_send(self, request: PrefillInput) -> tuple[trace.Span, PendingSend | StageServeError]:

@@ -60,10 +60,11 @@ class EmbeddingBuffer:
     """One contiguous ``[num_rows, hidden_size]`` tensor a prefill rank registers once."""
 
     def __init__(
-        self, num_rows: int, hidden_size: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+        self, num_rows: int, hidden_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+        pin_memory: bool = False,  # host rows a GPU reads (needs CUDA)
     ) -> None:
         assert num_rows > 0 and hidden_size > 0
-        self.tensor = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device)  # [num_rows, hidden]
+        self.tensor = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device, pin_memory=pin_memory)
 
     @property
     def num_rows(self) -> int:
@@ -247,6 +248,10 @@ class BaseEmbeddingReceiver(ABC):
 
     @abstractmethod
     def _unregister_memory(self, buffer: EmbeddingBuffer) -> None: ...
+
+    def buffer_device(self, compute_device: torch.device) -> torch.device:
+        """Where this backend can receive rows for a model on ``compute_device``. Default: there."""
+        return compute_device
 
     def register(self, buffer: EmbeddingBuffer) -> None:
         """Register ``buffer`` with the engine; once per receiver, before any ``destination``."""

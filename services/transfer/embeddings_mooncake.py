@@ -6,6 +6,10 @@ The encoder copies a request's rows into a staging buffer it registered once (ro
 coalesced run with one ``batch_transfer_sync_write``. A send that does not fit the
 staging buffer right now registers its own copy of the rows for that one write.
 
+With the host-only Mooncake build (``mooncake-transfer-engine-non-cuda``) every registered
+region is host memory: the encoder stages GPU rows in pinned host memory, and prefill's
+buffer lives there too (``buffer_device``), its rows moved to the GPU when a step is built.
+
 The engine call blocks (GIL released) until the bytes land, the peer fails, or the
 engine's own timeout passes; it runs on a daemon thread and the caller stops waiting at
 the deadline (``DeadlineExceededError``). The staging rows of an abandoned write go back
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from services.common.errors import CapacityError
+from services.common.kv_transfer import mooncake_moves_device_memory
 from services.transfer.base import TransferResult
 from services.transfer.embeddings import (
     BaseEmbeddingReceiver,
@@ -50,6 +55,9 @@ class MooncakeEmbeddingReceiver(BaseEmbeddingReceiver):
     @property
     def session_id(self) -> str:
         return self._engine.session_id
+
+    def buffer_device(self, compute_device: torch.device) -> torch.device:
+        return compute_device if mooncake_moves_device_memory() else torch.device("cpu")
 
     def _register_memory(self, buffer: EmbeddingBuffer) -> None:
         self._engine.register([buffer.memory_region()])
@@ -114,17 +122,29 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
                     view = staging.rows(first, num_rows)
                     view.copy_(rows)
                     return view, lambda: self._staging_manager.free(first, num_rows)
-        own = rows.clone()  # not in staging: register a private copy for this one write
+        own = torch.empty_like(rows, device=self._staging_device(rows), pin_memory=self._pinned(rows))
+        own.copy_(rows)  # not in staging: register a private copy for this one write
         self._engine.register([(own.data_ptr(), own.numel() * own.element_size())])
         return own, lambda: self._engine.unregister([own.data_ptr()])
 
     def _staging_for(self, rows: torch.Tensor) -> EmbeddingBuffer | None:
+        device = self._staging_device(rows)
         if self._staging is None:
-            self._staging = EmbeddingBuffer(self._staging_rows, rows.shape[1], rows.dtype, rows.device)
+            self._staging = EmbeddingBuffer(
+                self._staging_rows, rows.shape[1], rows.dtype, device, pin_memory=self._pinned(rows)
+            )
             self._engine.register([self._staging.memory_region()])
         staging = self._staging
-        same = (staging.hidden_size, staging.dtype, staging.tensor.device) == (rows.shape[1], rows.dtype, rows.device)
+        same = (staging.hidden_size, staging.dtype, staging.tensor.device) == (rows.shape[1], rows.dtype, device)
         return staging if same else None
+
+    @staticmethod
+    def _staging_device(rows: torch.Tensor) -> torch.device:
+        """Where registered rows must live: host memory unless this Mooncake build moves GPU memory."""
+        return rows.device if mooncake_moves_device_memory() else torch.device("cpu")
+
+    def _pinned(self, rows: torch.Tensor) -> bool:  # GPU rows staged on the host: pinned for the copy
+        return rows.is_cuda and self._staging_device(rows).type == "cpu"
 
     def close(self) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from services.common import kv_transfer
 from services.decode import builder
 from services.decode.builder import build_engine, create_receiver
 from services.decode.config import DecodeConfig, parse_config
@@ -69,6 +70,7 @@ def test_inprocess_kv_backend_beside_a_mooncake_transfer_backend() -> None:
     ],
 )
 def test_mooncake_hostname_only_for_a_mooncake_kv_backend(monkeypatch, transfer, kv, expected) -> None:
+    monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)  # as with the CUDA build
     calls: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(builder, "create_kv_receiver", lambda name, **kw: calls.append((name, kw)))
     create_receiver(DecodeConfig(transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda"))

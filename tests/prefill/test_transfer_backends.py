@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from services.common import kv_transfer
 from services.prefill import app as prefill_app
 from services.prefill.__main__ import parse_args
 from services.prefill.app import PrefillApp, build_embedding_receiver, build_kv_sender
@@ -76,8 +77,21 @@ def record_factories(monkeypatch) -> list[tuple[str, str, dict[str, Any]]]:
     ],
 )
 def test_mooncake_hostname_goes_only_to_mooncake_endpoints(monkeypatch, transfer, kv, expected) -> None:
+    monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)  # as with the CUDA build
     calls = record_factories(monkeypatch)
     config = prefill_config(transfer_backend=transfer, kv_transfer_backend=kv, transfer_hostname="h", device="cuda")
     build_kv_sender(config)
     build_embedding_receiver(config)
     assert calls == expected
+
+
+def test_the_host_only_mooncake_build_is_refused_for_a_gpu_kv_pool(monkeypatch) -> None:
+    # this machine has mooncake-transfer-engine-non-cuda: its TCP transport cannot read GPU memory
+    assert not kv_transfer.mooncake_moves_device_memory()
+    with pytest.raises(ValueError, match="moves host memory only and the KV pool is on 'cuda:1': use "
+                                         "--kv-transfer-backend cuda_ipc"):
+        kv_transfer.check_kv_backend(None, "mooncake", "cuda:1")
+    assert kv_transfer.check_kv_backend(None, "mooncake", "cpu") == "mooncake"
+    assert kv_transfer.check_kv_backend("cuda_ipc", "mooncake", "cuda:1") == "cuda_ipc"
+    monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)
+    assert kv_transfer.check_kv_backend(None, "mooncake", "cuda:1") == "mooncake"

@@ -254,3 +254,23 @@ def test_mooncake_silent_peer_hits_the_deadline() -> None:
         spawn(ctx, sender_main, msgspec.msgpack.encode(dst), 1.0, results)
         status, message, _ = results.get(timeout=QUEUE_TIMEOUT_S)
     assert status == "DeadlineExceededError" and "did not finish before its deadline" in message
+
+
+@needs_mooncake
+def test_host_only_mooncake_keeps_registered_rows_in_host_memory(monkeypatch) -> None:
+    from services.common import kv_transfer
+    from services.transfer import embeddings_mooncake
+
+    assert not kv_transfer.mooncake_moves_device_memory()  # this machine has the -non-cuda build
+    gpu = torch.device("cuda", 0)
+    gpu_rows = torch.empty(2, HIDDEN, device="meta")  # stands for rows on a GPU: only its device is read
+    stage = embeddings_mooncake.MooncakeEmbeddingSender._staging_device
+    receiver = embeddings_mooncake.MooncakeEmbeddingReceiver()
+    try:
+        assert receiver.buffer_device(gpu) == torch.device("cpu")  # prefill's buffer: host memory
+        assert stage(gpu_rows) == torch.device("cpu")  # the encoder stages GPU rows on the host
+        monkeypatch.setattr(embeddings_mooncake, "mooncake_moves_device_memory", lambda: True)  # CUDA build
+        assert receiver.buffer_device(gpu) == gpu
+        assert stage(gpu_rows) == gpu_rows.device
+    finally:
+        receiver.close()
