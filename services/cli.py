@@ -64,7 +64,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address the services and the HTTP API bind")
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="where the models run (each of the next three overrides it)")
+    p.add_argument("--encoder-device", default=None, help="the vision encoder's device (default: --device)")
+    p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
+    p.add_argument("--decode-device", default=None, help="decode's device, e.g. cuda:1 (default: --device)")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transfer-backend", default="mooncake",
                    help="embedding transfer (and KV unless --kv-transfer-backend): mooncake | inprocess")
@@ -79,20 +82,23 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from services.launcher import LaunchConfig, run_up
+    from services.launcher import LaunchConfig, device_of, run_up
 
+    cfg = LaunchConfig(
+        model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
+        encoder_device=args.encoder_device, prefill_device=args.prefill_device, decode_device=args.decode_device,
+        dtype=args.dtype, transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
+        attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
+        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
+    )
     try:  # fail here, not as a service that exits before READY
         check_embedding_backend(args.transfer_backend)
-        check_kv_backend(args.kv_transfer_backend, args.transfer_backend, args.device)
+        for name in ("prefill", "decode"):  # the two ends of the KV handoff
+            check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run_up(LaunchConfig(
-        model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device, dtype=args.dtype,
-        transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
-        attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
-        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
-    ))
+    return run_up(cfg)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

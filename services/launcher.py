@@ -35,6 +35,10 @@ class LaunchConfig:
     http_port: int = 8000
     grpc_port: int = 0
     device: str = "cpu"
+    # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
+    encoder_device: str | None = None
+    prefill_device: str | None = None
+    decode_device: str | None = None
     dtype: str | None = None
     transfer_backend: str = "mooncake"
     kv_transfer_backend: str | None = None  # prefill and decode's KV handoff; None: transfer_backend
@@ -65,8 +69,15 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _common_args(cfg: LaunchConfig) -> list[str]:
-    args = ["--model", str(cfg.model), "--host", cfg.host, "--port", "0", "--metrics-port", "0", "--device", cfg.device]
+def device_of(cfg: LaunchConfig, name: str) -> str:
+    """The device service ``name`` runs its model on (tokenizer and router run none)."""
+    override = {"vision_encoder": cfg.encoder_device, "prefill": cfg.prefill_device, "decode": cfg.decode_device}
+    return override.get(name) or cfg.device
+
+
+def common_args(cfg: LaunchConfig, name: str) -> list[str]:
+    args = ["--model", str(cfg.model), "--host", cfg.host, "--port", "0", "--metrics-port", "0",
+            "--device", device_of(cfg, name)]
     return args + (["--dtype", cfg.dtype] if cfg.dtype else [])
 
 
@@ -76,7 +87,7 @@ class Launcher:
         self.children: list[Child] = []
 
     def start(self, name: str, extra_args: list[str]) -> Child:
-        cmd = [sys.executable, "-m", f"services.{name}", *_common_args(self.cfg), *extra_args]
+        cmd = [sys.executable, "-m", f"services.{name}", *common_args(self.cfg, name), *extra_args]
         stderr = subprocess.DEVNULL
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
