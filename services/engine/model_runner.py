@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine import ops
 from services.engine.attention import AttentionBatch, ForwardMode, create_attention_backend
 from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphDecodeRunner
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
@@ -52,8 +53,6 @@ class ModelRunner:
         self.model = model
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        if self.device.type == "cuda":  # Triton and flashinfer launch on the current device: this one
-            torch.cuda.set_device(self.device)
         self.page_size = kv_config.page_size
         self.kv_pool = KVPool(
             text.num_hidden_layers, kv_config.num_pages, kv_config.page_size,
@@ -72,12 +71,14 @@ class ModelRunner:
                 model, self.attention, self.page_size, scratch_page, kv_config.num_pages,
                 cuda_graph_batch_sizes,
             )
-            self.cuda_graph.capture()
+            with ops.on_device(self.device):
+                self.cuda_graph.capture()
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """ViT forward; [num_image_tokens, hidden] in image order, on the runner's device."""
-        return self.model.encode_images(pixel_values.to(self.device), grids)
+        with ops.on_device(self.device):
+            return self.model.encode_images(pixel_values.to(self.device), grids)
 
     @torch.inference_mode()
     def forward(
@@ -95,6 +96,12 @@ class ModelRunner:
         Nothing here synchronizes with the GPU: a loop may enqueue step N+1 before reading
         step N's results (consume each step's logits on the stream before the next call).
         """
+        with ops.on_device(self.device):  # the calling thread's current device may be another GPU
+            return self._forward(mode, inputs, all_logits, input_ids)
+
+    def _forward(
+        self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool, input_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         if input_ids is not None:
             assert mode is ForwardMode.DECODE and input_ids.shape == (len(inputs),)
             input_ids = input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)

@@ -7,6 +7,7 @@ imported on first CUDA use only, so CPU processes never need it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import ModuleType
 
@@ -26,6 +27,13 @@ def _triton_kernels() -> ModuleType | None:
 
 def _fused(x: torch.Tensor) -> ModuleType | None:
     return _triton_kernels() if x.is_cuda else None
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for this thread while a model runs: Triton launches on the current
+    device (each thread has its own, cuda:0 by default), so a model on cuda:1 driven from a worker
+    thread would otherwise launch on GPU 0 with GPU 1's pointers."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

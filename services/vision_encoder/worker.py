@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 
 from services.common.errors import InvalidRequestError, StageServeError
+from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.processing.image import ImageProcessor, ProcessedImage, decode_image
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
@@ -131,7 +132,8 @@ class EncoderWorker:
     def _vit(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
         pixels = torch.cat([p.pixel_values for p in images]).to(self.device)
         grids = [p.grid_thw for p in images]
-        embeds = self.model.encode_images(pixels, grids)  # [sum of image tokens, hidden]
+        with ops.on_device(self.device):  # on the engine thread, whose current device is GPU 0
+            embeds = self.model.encode_images(pixels, grids)  # [sum of image tokens, hidden]
         return list(embeds.split([self.processor.num_image_tokens(g) for g in grids]))
 
     def _send(self, job: EncodeJob, rows_by_hash: dict[str, torch.Tensor]) -> int:
