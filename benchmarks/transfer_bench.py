@@ -13,6 +13,12 @@ the previous sample), and ``STREAM`` requests started back to back, then awaited
 prefill worker does with a batch: ``BaseKVSender.start`` for each, then ``wait``), timed
 until the last one landed. Raw NCCL is timed the same way for 1 GiB (the ceiling every
 ratio uses) and for one 64 MiB message (what a lone request costs NCCL itself).
+
+Last, what a 64 MiB request's KV adds to its prefill: a stand-in 28-layer forward (one
+0.55 TFLOP GEMM per layer, ~0.7 ms on H200) is timed alone, then with the KV sent by
+CUDA IPC after it (``send``: the link idled through the forward) and layer by layer
+during it (``start_layerwise``, what the prefill worker does with cuda_ipc); the rows give
+each one's time beyond the forward alone.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ BACKENDS = ("nccl", "cuda_ipc")
 # 4 x 64 MiB at 82 GB/s): the threads' completion polls contend for the GIL. start()/wait() needs none.
 STREAM = 8
 STREAM_SIZES_MIB = (16, 64, 256)
-JOIN_TIMEOUT_S = 120
+JOIN_TIMEOUT_S = 150
+OVERLAP_MIB = 64  # the request of the prefill-plus-transfer case
+OVERLAP_MODES = ("forward only", "after", "layerwise")  # KV: not sent; sent after the forward; layer by layer
 
 
 def _pool(device: torch.device, num_pages: int) -> Any:
@@ -161,6 +169,76 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
     sender.close()
 
 
+def _stand_in_layer(device: torch.device) -> Any:
+    """One prefill layer's work for a 1170-token (64 MiB of KV) prompt on the 7B shapes: ~0.55 TFLOP of GEMM."""
+    x = torch.randn(_num_pages(OVERLAP_MIB) * PAGE_SIZE, 3584, device=device, dtype=torch.bfloat16)
+    w = torch.randn(3584, 65024, device=device, dtype=torch.bfloat16)
+    return lambda: torch.mm(x, w)
+
+
+def _overlap_sender(ctrl: Any, device: torch.device, num_pages: int) -> None:
+    """Rank 0: a 28-layer stand-in forward alone, then with the request's KV sent after it, then layer by layer."""
+    from services.transfer import create_kv_sender
+    from services.transfer.base import KvDestination
+
+    pool, layer = _pool(device, num_pages), _stand_in_layer(device)
+    sender, src_pages = create_kv_sender("cuda_ipc"), list(range(_num_pages(OVERLAP_MIB)))
+    for mode in OVERLAP_MODES:
+        for sample in range(SAMPLES + 1):
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=1, group=ctrl)
+            dst = msgspec.msgpack.decode(box[0], type=KvDestination)
+            dist.barrier(group=ctrl)
+            start = time.perf_counter()
+            streamed = sender.start_layerwise(dst.request_id, pool, src_pages, dst, time.monotonic() + 60) \
+                if mode == "layerwise" else None
+            for i in range(NUM_LAYERS):
+                layer()
+                if streamed is not None:
+                    streamed.layer_done(i)
+            torch.cuda.current_stream(device).synchronize()  # the forward ends (prefill reads its first tokens)
+            forward_ms = (time.perf_counter() - start) * 1e3
+            if mode == "after":
+                sender.send(dst.request_id, pool, src_pages, dst, time.monotonic() + 60)
+            elif streamed is not None:
+                streamed.finish().wait()
+            dist.broadcast_object_list([((time.perf_counter() - start) * 1e3, forward_ms)], src=0, group=ctrl)
+            if sample == SAMPLES:
+                dist.broadcast_object_list([_page_sums(pool, src_pages)], src=0, group=ctrl)
+    sender.close()
+
+
+def _overlap_receiver(ctrl: Any, device: torch.device, num_pages: int) -> dict[str, tuple[float, float]]:
+    """Rank 1: {mode: (median ms until the KV landed, median ms of the forward alone)}; last sample checked."""
+    from services.transfer import create_kv_receiver
+
+    pool, n = _pool(device, num_pages), _num_pages(OVERLAP_MIB)
+    receiver = create_kv_receiver("cuda_ipc")
+    receiver.register(pool)
+    out = {}
+    for mode in OVERLAP_MODES:
+        totals, forwards = [], []
+        for sample in range(SAMPLES + 1):
+            pages = torch.randperm(num_pages)[:n].tolist()
+            session = receiver.open_session(f"overlap-{mode}-{sample}", pages, time.monotonic() + 60, lambda r, p: None)
+            dist.broadcast_object_list([msgspec.msgpack.encode(session.destination)], src=1, group=ctrl)
+            dist.barrier(group=ctrl)
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=ctrl)
+            receiver.sessions.complete(session.request_id)
+            if sample:
+                totals.append(box[0][0])
+                forwards.append(box[0][1])
+            if sample == SAMPLES:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=ctrl)
+                if mode != "forward only":
+                    assert torch.allclose(_page_sums(pool, pages), box[0], rtol=1e-3, atol=1e-2), f"{mode}: wrong bytes"
+        out[mode] = (statistics.median(totals), statistics.median(forwards))
+    receiver.close()
+    return out
+
+
 def _worker(rank: int, port: int, queue: Any) -> None:
     faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 10, exit=True)  # a hang prints every thread's stack
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -178,8 +256,9 @@ def _worker(rank: int, port: int, queue: Any) -> None:
                 _sender_samples(ctrl, device, num_pages, backend)
             else:
                 sizes[backend] = _receiver_samples(ctrl, device, num_pages, backend)
+        overlap = _overlap_sender(ctrl, device, num_pages) if rank == 0 else _overlap_receiver(ctrl, device, num_pages)
         if rank == 1:
-            queue.put({"raw_ms": raw_ms, "raw_small_ms": raw_small_ms, "sizes": sizes})
+            queue.put({"raw_ms": raw_ms, "raw_small_ms": raw_small_ms, "sizes": sizes, "overlap": overlap})
         dist.barrier(group=ctrl)
     finally:
         dist.destroy_process_group()
@@ -213,4 +292,12 @@ def run_transfer_benchmark() -> list[Row]:
                 ms, num_bytes / raw_bw * 1e3,
                 note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; {num_bytes // _bytes_per_page()} pages, shuffled",
             ))
+    forward_ms = result["overlap"]["forward only"][1]
+    for mode in OVERLAP_MODES[1:]:
+        total_ms = result["overlap"][mode][0]
+        rows.append(Row(
+            "transfer", f"KV {OVERLAP_MIB} MiB behind a 28-layer prefill forward, cuda_ipc, {mode}",
+            total_ms - forward_ms, None,
+            note=f"time the KV adds after the forward ({forward_ms:.2f} ms alone, {total_ms:.2f} ms with it)",
+        ))
     return rows

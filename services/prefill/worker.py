@@ -25,11 +25,12 @@ from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.model_runner import ModelRunner, StepInput
 from services.engine.sampler import Sampler, SamplingParams, make_generator
 from services.prefill.request import PlannedRequest, PrefillInput, PrefillOutput, PrefillPlan, RequestOutcome
-from services.transfer.base import BaseKVSender, PendingSend
+from services.transfer.base import BaseKVSender, LayerwiseSend, PendingSend
 from services.transfer.embeddings import EmbeddingBuffer
 
 logger = logging.getLogger(__name__)
 _tracer = telemetry.tracer("prefill")
+Begun = PendingSend | LayerwiseSend | StageServeError  # a request's write once started, or why it did not start
 
 
 def prefill_step(request: PrefillInput, image_embeds: torch.Tensor | None, spatial_merge_size: int) -> StepInput:
@@ -82,29 +83,59 @@ class PrefillRankWorker:
         the quarantine, and no write may start after that.
         """
         table = self.runner.page_table
+        early: dict[str, tuple[trace.Span, Begun]] = {}
         try:
             for planned in plan.requests:
                 table.reserve(planned.request.request_id, planned.request.num_tokens)
+            for p in plan.requests:  # a backend that streams layers begins now (cuda_ipc)
+                if self.kv_sender.streams_layers and not is_aborted(p.request.request_id):
+                    early[p.request.request_id] = self._start_send(p.request, layerwise=True)
             start = time.perf_counter()
-            token_ids = self._forward_and_sample(plan)
+            token_ids = self._forward_and_sample(plan, early)
             forward_s = time.perf_counter() - start
             on_forward_done(plan)
             # every write starts before any is awaited: an asynchronous backend queues them back to back
-            started = [
-                None if is_aborted(p.request.request_id) else self._start_send(p.request)
-                for p in plan.requests
-            ]
+            started = [self._start_or_finish(p.request, early.pop(p.request.request_id, None), is_aborted)
+                       for p in plan.requests]
             outcomes = tuple(
                 RequestOutcome(p.request.request_id, error=AbortedError(f"{p.request.request_id} was aborted"))
                 if send is None else self._finish_send(p.request, t, *send)
                 for p, t, send in zip(plan.requests, token_ids, started, strict=True)
             )
         finally:
+            for span, send in early.values():  # the forward failed: the layers already queued still land
+                if isinstance(send, LayerwiseSend):
+                    send.cancel()
+                span.end()
             for request_id in plan.request_ids:
                 table.release(request_id)
         return PrefillOutput(plan.plan_id, outcomes, forward_s)
 
-    def _forward_and_sample(self, plan: PrefillPlan) -> list[int]:
+    def _start_or_finish(
+        self, request: PrefillInput, early: tuple[trace.Span, Begun] | None,
+        is_aborted: Callable[[str], bool],
+    ) -> tuple[trace.Span, Begun] | None:
+        """After the forward: the request's write started (or why not), or None when it was aborted.
+
+        A write that went out layer by layer is finished (its last layers queued) even when the
+        request was aborted meanwhile: its pages already took layers, which decode's quarantine covers.
+        """
+        if early is None:
+            return None if is_aborted(request.request_id) else self._start_send(request)
+        span, send = early
+        if isinstance(send, LayerwiseSend):
+            try:
+                send = send.finish()
+            except StageServeError as exc:
+                send = exc
+        if is_aborted(request.request_id):
+            span.end()
+            return None
+        return span, send
+
+    def _forward_and_sample(
+        self, plan: PrefillPlan, early: dict[str, tuple[trace.Span, Begun]]
+    ) -> list[int]:
         spans = [
             _tracer.start_span(
                 "prefill.forward", context=telemetry.extract_context(p.request.trace_carrier.items()),
@@ -115,7 +146,15 @@ class PrefillRankWorker:
         ]
         try:
             steps = [self._step(p) for p in plan.requests]
-            logits = self.runner.forward(ForwardMode.EXTEND, steps)  # [num_requests, vocab] fp32
+            sends = [send for _, send in early.values() if isinstance(send, LayerwiseSend)]
+
+            def layer_done(layer: int) -> None:
+                for send in sends:
+                    send.layer_done(layer)
+
+            logits = self.runner.forward(  # [num_requests, vocab] fp32
+                ForwardMode.EXTEND, steps, on_layer_done=layer_done if sends else None
+            )
             requests = [p.request for p in plan.requests]
             generators = [make_generator(r.params.seed, self.runner.device) for r in requests]
             return self.sampler.sample(
@@ -134,17 +173,20 @@ class PrefillRankWorker:
             embeds = embeds.to(self.runner.device)  # a host-memory buffer (host-only transfer engine)
         return prefill_step(request, embeds, self.spatial_merge_size)
 
-    def _start_send(self, request: PrefillInput) -> tuple[trace.Span, PendingSend | StageServeError]:
-        """Open the request's ``kv.transfer`` span and start its write (or keep why it could not start)."""
+    def _start_send(self, request: PrefillInput, layerwise: bool = False) -> tuple[trace.Span, Begun]:
+        """Open the request's ``kv.transfer`` span and start its write (or keep why it could not start).
+
+        ``layerwise`` (a backend that ``streams_layers``, before the forward): ``start_layerwise``.
+        """
         pages = self.runner.page_table.pages(request.request_id)
         span = _tracer.start_span(
             "kv.transfer", context=telemetry.extract_context(request.trace_carrier.items()),
             attributes={"request_id": request.request_id, "kv.num_pages": len(pages),
-                        "kv.backend": self.kv_sender.backend},
+                        "kv.backend": self.kv_sender.backend, "kv.layerwise": layerwise},
         )
+        start = self.kv_sender.start_layerwise if layerwise else self.kv_sender.start
         try:
-            return span, self.kv_sender.start(request.request_id, self.runner.kv_pool, pages, request.kv_dst,
-                                              request.deadline)
+            return span, start(request.request_id, self.runner.kv_pool, pages, request.kv_dst, request.deadline)
         except StageServeError as exc:
             return span, exc
         except BaseException:
@@ -152,7 +194,7 @@ class PrefillRankWorker:
             raise
 
     def _finish_send(
-        self, request: PrefillInput, token_id: int, span: trace.Span, send: PendingSend | StageServeError
+        self, request: PrefillInput, token_id: int, span: trace.Span, send: Begun
     ) -> RequestOutcome:
         finish_reason = first_token_finish_reason(
             token_id, request.params, request.num_tokens, self.eos_token_ids, self.max_context_len

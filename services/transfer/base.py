@@ -172,10 +172,31 @@ class CompletedSend(PendingSend):
         return self.result
 
 
+class LayerwiseSend(ABC):
+    """A KV write that goes out while the forward filling the pages still runs (``start_layerwise``).
+
+    The forward calls ``layer_done(i)`` once layer i's kernels are queued; the backend may
+    queue that layer's copy behind them right away (the link then carries the KV while later
+    layers compute and stays awake). ``finish`` queues what is left and returns the write as
+    ``start`` would; ``cancel`` queues nothing more (the forward failed). Either must be called
+    once: both leave the pages safe to free and reuse on the forward's stream.
+    """
+
+    @abstractmethod
+    def layer_done(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def finish(self) -> PendingSend: ...
+
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+
 class BaseKVSender(ABC):
     """Prefill side: writes a request's KV pages into a remote decode pool."""
 
     backend: str
+    streams_layers = False  # whether prefill should use start_layerwise (before the forward) over start
 
     def register(self, pool: KVPool) -> None:
         """Make ``pool`` a valid source (register its memory); idempotent. Default: nothing to do."""
@@ -203,6 +224,18 @@ class BaseKVSender(ABC):
         raise here, the rest from ``wait``. Default: the whole write happens here.
         """
         return CompletedSend(self.send(request_id, src_pool, src_pages, dst, deadline))
+
+    def start_layerwise(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> LayerwiseSend:
+        """Begin the write before the forward that fills ``src_pages`` (see ``LayerwiseSend``).
+
+        Only for a backend that ``streams_layers`` (``cuda_ipc``: a GPU kernel on the forward's
+        device is as cheap to queue early as late); checks and errors as ``start``. A request
+        aborted mid-forward may still have layers land in decode's pages: decode's quarantine
+        covers them as it covers a write that missed its deadline.
+        """
+        raise NotImplementedError(f"the {self.backend} KV backend writes after the forward (streams_layers is False)")
 
     def close(self) -> None:
         """Release engine resources; the sender is unusable afterwards. Default: nothing held."""

@@ -12,6 +12,12 @@ Mooncake. ``start`` only queues the kernel: a batch's requests go back to back o
 link, each one's host work overlapping the previous one's bytes. A send that misses its deadline cannot be stopped: its kernel still runs to the
 end (milliseconds), which decode's page quarantine already covers (see base.py).
 
+Prefill streams a request layer by layer (``start_layerwise``): each chunk of layers is
+copied on a side stream as soon as the forward queued those layers, so the link carries
+the KV while later layers compute (and does not go idle, which makes a lone copy after
+the forward up to ~2x slower on H200 NVLink); only the last chunk is left when the
+forward ends.
+
 Both processes must see both GPUs (no disjoint ``CUDA_VISIBLE_DEVICES``) and the GPUs
 must be peers; otherwise ``send`` fails with ``UnavailableError``.
 """
@@ -36,6 +42,7 @@ from services.transfer.base import (
     BaseKVReceiver,
     BaseKVSender,
     KvDestination,
+    LayerwiseSend,
     PendingSend,
     TransferResult,
     check_compatible,
@@ -45,6 +52,7 @@ from services.transfer.base import (
 
 SESSION_PREFIX = "cuda-ipc:"
 MAX_PEERS = 16  # decode pools kept mapped per sender; the least recently used is unmapped beyond it
+LAYER_CHUNK_BYTES = 8 << 20  # least bytes per copy when a request goes out layer by layer
 
 
 class IpcBuffer(msgspec.Struct, frozen=True, array_like=True):
@@ -133,6 +141,7 @@ class CudaIpcKVSender(BaseKVSender):
     """Prefill side: maps each decode pool once, then one page-copy kernel per request."""
 
     backend = "cuda_ipc"
+    streams_layers = True
 
     def __init__(self, max_peers: int = MAX_PEERS) -> None:
         assert max_peers > 0
@@ -143,6 +152,7 @@ class CudaIpcKVSender(BaseKVSender):
         # queued copies with what they read and write through (decode's mapping, the page numbers):
         # kept until their event fired, whether or not anyone still waits for them
         self._in_flight: list[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = []
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def send(
         self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
@@ -152,8 +162,32 @@ class CudaIpcKVSender(BaseKVSender):
     def start(
         self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
     ) -> PendingSend:
-        """Check, map decode's pool if new, and queue the copy kernel."""
+        """Check, map decode's pool if new, and queue the copy kernel on the caller's stream."""
         start = time.monotonic()
+        peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline)
+        with torch.cuda.device(src_pool.k_buffer.device):  # Triton launches on the current device's stream
+            ops.copy_pages(src_pool.k_buffer, src_pool.v_buffer, pages[0], peer[0], peer[1], pages[1])
+            done = torch.cuda.Event()
+            done.record()
+        self._track(done, (*peer, pages))
+        return _IpcSend(request_id, _num_bytes(src_pool, src_pages), done, start, deadline)
+
+    def start_layerwise(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> LayerwiseSend:
+        """Check and map as ``start``; the copies are queued as the forward's layers finish."""
+        start = time.monotonic()
+        peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline)
+        return _LayerwiseIpcSend(self, request_id, src_pool, peer, pages, start, deadline)
+
+    def _prepare(
+        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Decode's K and V mapped here, and the page numbers ``[2, n]`` (source, destination) in pinned memory.
+
+        The kernel reads the page numbers straight from pinned host memory (no upload on the
+        stream); they and the mapping must outlive the copy (``_track``).
+        """
         if dst.backend != self.backend:
             raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender")
         check_compatible(pool_layout(src_pool), src_pages, dst)
@@ -161,11 +195,22 @@ class CudaIpcKVSender(BaseKVSender):
             raise InvalidRequestError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}")
         check_deadline(request_id, deadline)
         peer = self._peer(dst, src_pool)
-        done, pages = self._launch(src_pool, src_pages, peer[0], peer[1], dst.page_ids)
+        pages = torch.empty((2, len(src_pages)), dtype=torch.int32, pin_memory=True)
+        numbers = pages.numpy()
+        numbers[0], numbers[1] = src_pages, dst.page_ids
+        return peer, pages
+
+    def _track(self, done: torch.cuda.Event, keep: tuple[torch.Tensor, ...]) -> None:
         with self._lock:
-            self._in_flight.append((done, (*peer, pages)))
-        num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
-        return _IpcSend(request_id, num_bytes, done, start, deadline)
+            self._in_flight.append((done, keep))
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream layer-by-layer copies run on (one per GPU), beside the forward's."""
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            return stream
 
     def _peer(self, dst: KvDestination, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode's K and V mapped into this GPU (opened once per pool), checked against ``dst.layout``."""
@@ -202,25 +247,6 @@ class CudaIpcKVSender(BaseKVSender):
         except RuntimeError as exc:
             raise UnavailableError(f"cannot map decode's KV pool on GPU {peer_index}: {exc}") from exc
 
-    def _launch(
-        self, src_pool: KVPool, src_pages: Sequence[int], dst_k: torch.Tensor, dst_v: torch.Tensor,
-        dst_pages: Sequence[int],
-    ) -> tuple[torch.cuda.Event, torch.Tensor]:
-        """Queue the copy on the caller's stream, behind the forward that wrote the KV.
-
-        The page numbers stay in pinned host memory that the kernel reads directly (no upload
-        on the stream: a request's host path is a fill and one launch); they must outlive the
-        copy (``_in_flight``).
-        """
-        pages = torch.empty((2, len(src_pages)), dtype=torch.int32, pin_memory=True)
-        numbers = pages.numpy()
-        numbers[0], numbers[1] = src_pages, dst_pages
-        with torch.cuda.device(src_pool.k_buffer.device):  # Triton launches on the current device's stream
-            ops.copy_pages(src_pool.k_buffer, src_pool.v_buffer, pages[0], dst_k, dst_v, pages[1])
-            done = torch.cuda.Event()
-            done.record()
-        return done, pages
-
     def close(self) -> None:
         with self._lock:
             self._peers.clear()  # a queued copy's mapping stays in _in_flight until its kernel is done
@@ -240,6 +266,70 @@ class _IpcSend(PendingSend):
             os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
         elapsed = time.monotonic() - self.started
         return TransferResult(self.request_id, self.num_bytes, 1 if self.num_bytes else 0, elapsed)
+
+
+class _LayerwiseIpcSend(LayerwiseSend):
+    """Copies layers ``[queued, i]`` on the sender's side stream once the forward queued layer i.
+
+    Each chunk waits (an event on the forward's stream) for its layers' KV, then reads those
+    layers of every page of the request. Chunks hold at least ``LAYER_CHUNK_BYTES`` (each launch
+    costs ~70 us of host time), so a small request goes in one copy after its last layer.
+    """
+
+    def __init__(
+        self, sender: CudaIpcKVSender, request_id: str, src_pool: KVPool,
+        peer: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, started: float, deadline: float,
+    ) -> None:
+        self.sender, self.request_id, self.src_pool, self.peer, self.pages = sender, request_id, src_pool, peer, pages
+        self.started, self.deadline = started, deadline
+        self.device = src_pool.k_buffer.device
+        self.stream = sender._side_stream(self.device)
+        self.num_layers = src_pool.num_layers
+        layer_bytes = 2 * pages.shape[1] * src_pool.page_nbytes
+        self.chunk_layers = max(1, -(-LAYER_CHUNK_BYTES // max(layer_bytes, 1)))
+        self.queued = 0  # layers [0, queued) have their copy queued
+        self.ended = False
+
+    def layer_done(self, layer: int) -> None:
+        assert not self.ended and self.queued <= layer < self.num_layers, (layer, self.queued)
+        if layer + 1 - self.queued >= self.chunk_layers:
+            self._queue(layer + 1)
+
+    def _queue(self, end: int) -> None:
+        first, self.queued = self.queued, end
+        with torch.cuda.device(self.device):
+            ready = torch.cuda.Event()
+            ready.record()  # the forward's (current) stream, behind layer end - 1
+            self.stream.wait_event(ready)
+            with torch.cuda.stream(self.stream):
+                ops.copy_pages(self.src_pool.k_buffer[first:end], self.src_pool.v_buffer[first:end], self.pages[0],
+                               self.peer[0][first:end], self.peer[1][first:end], self.pages[1])
+
+    def _end(self) -> torch.cuda.Event:
+        self.ended = True
+        with torch.cuda.device(self.device):
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            torch.cuda.current_stream().wait_event(done)  # pages freed after this are reused only behind the copies
+        self.sender._track(done, (*self.peer, self.pages))
+        return done
+
+    def finish(self) -> PendingSend:
+        assert not self.ended
+        try:
+            if self.queued < self.num_layers:
+                self._queue(self.num_layers)
+        finally:
+            done = self._end()
+        return _IpcSend(self.request_id, _num_bytes(self.src_pool, self.pages[0]), done, self.started, self.deadline)
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self._end()
+
+
+def _num_bytes(pool: KVPool, pages: Sequence[int] | torch.Tensor) -> int:
+    return 2 * pool.num_layers * len(pages) * pool.page_nbytes
 
 
 def _visible_index(uuid: str) -> int | None:

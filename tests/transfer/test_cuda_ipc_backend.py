@@ -1,8 +1,9 @@
 """The CUDA IPC KV backend: wire format and refusals on CPU; two processes on GPUs (gpu marker).
 
 On the GPU, decode (a zeroed pool, on the last visible GPU) exports its pool and prefill
-(a seeded pool on GPU 0) writes two requests into shuffled pages: the right bytes land in
-the right pages and every other page stays zero; a passed deadline and a destination whose
+(a seeded pool on GPU 0) writes two requests into shuffled pages, one after its stand-in
+forward and one layer by layer during it: the right bytes land in the right pages and
+every other page stays zero; a passed deadline and a destination whose
 layout disagrees with the exported pool are refused before anything is written.
 """
 
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 from services.common.errors import DeadlineExceededError, InvalidRequestError
 from services.engine import ops
 from services.engine.kv_cache import KVPool
-from services.transfer import create_kv_receiver, create_kv_sender
+from services.transfer import create_kv_receiver, create_kv_sender, cuda_ipc_backend
 from services.transfer.base import KvDestination, pool_layout
 from services.transfer.cuda_ipc_backend import (
     CudaIpcKVReceiver,
@@ -147,8 +148,22 @@ def _prefill_sends(sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDes
         sender.send("b", pool, SRC_PAGES["b"], bad, time.monotonic() + 30)
     except InvalidRequestError:
         errors.append("layout")
-    # both copies queued before either is awaited, as the prefill worker does with a batch
-    pending = [sender.start(name, pool, SRC_PAGES[name], dests[name], time.monotonic() + 30) for name in ("a", "b")]
+    # "a" queued after its forward, "b" layer by layer during a stand-in forward that writes each of
+    # its layers after a ~1 ms busy kernel; neither awaited before both are queued (a batch)
+    truth = pool.k_buffer.clone(), pool.v_buffer.clone()
+    b_pages = torch.tensor(SRC_PAGES["b"], device=pool.device)
+    for buf in (pool.k_buffer, pool.v_buffer):
+        buf[:, b_pages] = 0
+    pending = [sender.start("a", pool, SRC_PAGES["a"], dests["a"], time.monotonic() + 30)]
+    layerwise = sender.start_layerwise("b", pool, SRC_PAGES["b"], dests["b"], time.monotonic() + 30)
+    for layer in range(NUM_LAYERS):
+        torch.cuda._sleep(1_000_000)
+        for buf, full in zip((pool.k_buffer, pool.v_buffer), truth, strict=True):
+            buf[layer, b_pages] = full[layer, b_pages]
+        layerwise.layer_done(layer)  # a copy per layer (LAYER_CHUNK_BYTES is 1 here), behind that write
+    pending.append(layerwise.finish())
+    for buf in (pool.k_buffer, pool.v_buffer):  # the next forward reuses the pages: behind the copies
+        buf[:, b_pages] = 0
     results = [p.wait() for p in pending]
     return errors, [r.num_bytes for r in results]
 
@@ -158,6 +173,7 @@ def _prefill(to_prefill: mp.Queue, from_prefill: mp.Queue, out: mp.Queue) -> Non
     pool = _pool(torch.device("cuda", 0), seed=1, dtype=torch.bfloat16)
     dests = {d.request_id: d for d in (msgspec.msgpack.decode(raw, type=KvDestination) for raw in to_prefill.get())}
     sender = CudaIpcKVSender()
+    cuda_ipc_backend.LAYER_CHUNK_BYTES = 1  # one copy per layer
     try:
         errors, num_bytes = _prefill_sends(sender, pool, dests)
     except BaseException:  # report it at once: decode must not wait for a "sent" that never comes

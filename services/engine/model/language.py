@@ -6,6 +6,8 @@ tensor; the attention backend holds the step's layout (see attention/base.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -85,13 +87,20 @@ class LanguageModel(nn.Module):
         self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
     def forward(
-        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: BaseAttentionBackend
+        self,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: BaseAttentionBackend,
+        on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         # input_embeds [T, hidden], positions [3, T] -> hidden states [T, hidden]
+        # on_layer_done(i): called once layer i's kernels (its KV store included) are queued
         cos, sin = self.rotary(positions, input_embeds.dtype)  # [T, D] each, once per step
         x, residual = input_embeds, None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, attn)
+            if on_layer_done is not None:
+                on_layer_done(i)
         if residual is None:
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]
