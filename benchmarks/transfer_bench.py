@@ -14,8 +14,9 @@ prefill worker does with a batch: ``BaseKVSender.start`` for each, then ``wait``
 until the last one landed. Raw NCCL is timed the same way for 1 GiB (the ceiling every
 ratio uses) and for one 64 MiB message (what a lone request costs NCCL itself).
 
-Last, what a 64 MiB request's KV adds to its prefill: a stand-in 28-layer forward (one
-0.55 TFLOP GEMM per layer, ~0.7 ms on H200) is timed alone, then with the KV sent by
+Last, what a 64 MiB request's KV adds to its prefill: a stand-in 28-layer forward (per
+layer a GEMM for attention, then the layer's KV counts as stored, then one for the MLP:
+0.55 TFLOP, ~0.75 ms on H200) is timed alone, then with the KV sent by
 CUDA IPC after it (``send``: the link idled through the forward) and layer by layer
 during it (``start_layerwise``, what the prefill worker does with cuda_ipc), the three modes
 interleaved sample by sample; the rows give each one's time beyond the forward alone and
@@ -170,11 +171,14 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
     sender.close()
 
 
-def _stand_in_layer(device: torch.device) -> Any:
-    """One prefill layer's work for a 1170-token (64 MiB of KV) prompt on the 7B shapes: ~0.55 TFLOP of GEMM."""
+def _stand_in_layer(device: torch.device) -> tuple[Any, Any]:
+    """One prefill layer of the 7B for a 1170-token (64 MiB of KV) prompt, as its two GEMM parts:
+    q/k/v + o (8192 output columns, ~0.07 TFLOP), after which the layer's KV is stored, then the
+    MLP (gate/up + down, 56832 columns, ~0.48 TFLOP)."""
     x = torch.randn(_num_pages(OVERLAP_MIB) * PAGE_SIZE, 3584, device=device, dtype=torch.bfloat16)
-    w = torch.randn(3584, 65024, device=device, dtype=torch.bfloat16)
-    return lambda: torch.mm(x, w)
+    w_attn = torch.randn(3584, 8192, device=device, dtype=torch.bfloat16)
+    w_mlp = torch.randn(3584, 56832, device=device, dtype=torch.bfloat16)
+    return (lambda: torch.mm(x, w_attn)), (lambda: torch.mm(x, w_mlp))
 
 
 def _overlap_sender(ctrl: Any, device: torch.device, num_pages: int) -> None:
@@ -182,7 +186,7 @@ def _overlap_sender(ctrl: Any, device: torch.device, num_pages: int) -> None:
     from services.transfer import create_kv_sender
     from services.transfer.base import KvDestination
 
-    pool, layer = _pool(device, num_pages), _stand_in_layer(device)
+    pool, (attention, mlp) = _pool(device, num_pages), _stand_in_layer(device)
     sender, src_pages = create_kv_sender("cuda_ipc"), list(range(_num_pages(OVERLAP_MIB)))
     for sample in range(SAMPLES + 1):
         for mode in OVERLAP_MODES:  # interleaved: a clock drift under the GEMM load hits every mode alike
@@ -193,10 +197,11 @@ def _overlap_sender(ctrl: Any, device: torch.device, num_pages: int) -> None:
             start = time.perf_counter()
             streamed = sender.start_layerwise(dst.request_id, pool, src_pages, dst, time.monotonic() + 60) \
                 if mode == "layerwise" else None
-            for i in range(NUM_LAYERS):
-                layer()
+            for i in range(NUM_LAYERS):  # as the model's forward: each layer's KV is ready before its MLP
+                attention()
                 if streamed is not None:
                     streamed.layer_done(i)
+                mlp()
             torch.cuda.current_stream(device).synchronize()  # the forward ends (prefill reads its first tokens)
             forward_ms = (time.perf_counter() - start) * 1e3
             if mode == "after":

@@ -88,7 +88,7 @@ class ModelRunner:
         inputs: list[StepInput],
         all_logits: bool = False,
         input_ids: torch.Tensor | None = None,
-        on_layer_done: Callable[[int], None] | None = None,
+        on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits ``[num_requests, vocab]`` (last new token of each) or ``[num_tokens, vocab]`` fp32.
 
@@ -97,15 +97,16 @@ class ModelRunner:
         StepInput's ``input_ids[0]``, so a decode loop never waits on the host for its tokens.
         Nothing here synchronizes with the GPU: a loop may enqueue step N+1 before reading
         step N's results (consume each step's logits on the stream before the next call).
-        ``on_layer_done(i)`` (eager steps only, e.g. prefill) runs on this thread once layer i's
-        kernels are queued on the current stream: prefill queues that layer's KV copy there.
+        ``on_layer_kv(i)`` (eager steps only, e.g. prefill) runs on this thread once layer i's
+        attention (its KV store) is queued on the current stream, before its MLP: prefill queues
+        that layer's KV copy to decode there.
         """
         with ops.on_device(self.device):  # the calling thread's current device may be another GPU
-            return self._forward(mode, inputs, all_logits, input_ids, on_layer_done)
+            return self._forward(mode, inputs, all_logits, input_ids, on_layer_kv)
 
     def _forward(
         self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool, input_ids: torch.Tensor | None,
-        on_layer_done: Callable[[int], None] | None = None,
+        on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         if input_ids is not None:
             assert mode is ForwardMode.DECODE and input_ids.shape == (len(inputs),)
@@ -113,7 +114,7 @@ class ModelRunner:
         batch = self._attention_batch(mode, inputs)
         graph = self.cuda_graph
         if (mode is ForwardMode.DECODE and graph is not None and graph.can_run(len(inputs)) and not all_logits
-                and on_layer_done is None):
+                and on_layer_kv is None):
             if input_ids is None:
                 input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
             return graph.run(batch, input_ids, torch.cat([s.positions for s in inputs], dim=1))
@@ -124,7 +125,7 @@ class ModelRunner:
         if not all_logits:
             ends = torch.tensor([len(s.input_ids) for s in inputs]).cumsum(0) - 1
             logits_indices = ends.to(self.device)
-        return self.model(embeds, positions, self.attention, logits_indices, on_layer_done)
+        return self.model(embeds, positions, self.attention, logits_indices, on_layer_kv)
 
     def _attention_batch(self, mode: ForwardMode, inputs: list[StepInput]) -> AttentionBatch:
         seq_lens, extend_lens, page_tables, slots = [], [], [], []

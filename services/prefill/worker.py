@@ -3,8 +3,8 @@
 ``execute(plan)``: reserve local pages -> build every request's EXTEND input (image rows
 from the embedding buffer merged at their request-global token indices) -> one forward
 -> sample each first token with the request's own generator -> one batched KV write per
-request into decode's pages (with the request's deadline) -> free the local pages
-(``finally``). With context parallelism each rank runs the same plan on its shard
+request into decode's pages (with the request's deadline; a backend that ``streams_layers``
+writes each layer during the forward instead) -> free the local pages (``finally``). With context parallelism each rank runs the same plan on its shard
 (token ``i`` on rank ``i % C``) after the merge; this single-rank worker is rank 0 of 1.
 """
 
@@ -80,7 +80,9 @@ class PrefillRankWorker:
         ``on_forward_done`` is called once the first tokens are sampled (the embedding rows
         are no longer read), before the KV transfers start. A request whose caller is gone
         by then (``is_aborted``) sends nothing: decode may already have given its pages to
-        the quarantine, and no write may start after that.
+        the quarantine, and no write may start after that. With a layer-streaming backend
+        the writes begin with the forward (for requests not aborted then): one aborted during
+        the forward still has its layers land within that forward, inside the quarantine.
         """
         table = self.runner.page_table
         early: dict[str, tuple[trace.Span, Begun]] = {}
@@ -153,7 +155,7 @@ class PrefillRankWorker:
                     send.layer_done(layer)
 
             logits = self.runner.forward(  # [num_requests, vocab] fp32
-                ForwardMode.EXTEND, steps, on_layer_done=layer_done if sends else None
+                ForwardMode.EXTEND, steps, on_layer_kv=layer_done if sends else None
             )
             requests = [p.request for p in plan.requests]
             generators = [make_generator(r.params.seed, self.runner.device) for r in requests]

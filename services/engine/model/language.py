@@ -65,12 +65,15 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: BaseAttentionBackend,
+        on_kv: Callable[[], None] | None = None,  # called once this layer's KV store is queued
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, residual stream before it)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, attn)
+        if on_kv is not None:
+            on_kv()
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
@@ -91,16 +94,16 @@ class LanguageModel(nn.Module):
         input_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: BaseAttentionBackend,
-        on_layer_done: Callable[[int], None] | None = None,
+        on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         # input_embeds [T, hidden], positions [3, T] -> hidden states [T, hidden]
-        # on_layer_done(i): called once layer i's kernels (its KV store included) are queued
+        # on_layer_kv(i): called once layer i's attention (its KV store included) is queued, before
+        # its MLP: a copy of that KV queued then on another stream overlaps the MLP
         cos, sin = self.rotary(positions, input_embeds.dtype)  # [T, D] each, once per step
         x, residual = input_embeds, None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, attn)
-            if on_layer_done is not None:
-                on_layer_done(i)
+            on_kv = None if on_layer_kv is None else (lambda i=i: on_layer_kv(i))
+            x, residual = layer(x, residual, cos, sin, attn, on_kv)
         if residual is None:
             return self.norm(x)
         return self.norm.add_forward(x, residual)[0]

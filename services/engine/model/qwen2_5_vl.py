@@ -60,9 +60,9 @@ class Qwen2_5_VLModel(nn.Module):
         positions: torch.Tensor,  # [3, T] int64
         attn: BaseAttentionBackend,  # planned for this step
         logits_indices: torch.Tensor | None = None,  # rows whose logits are wanted; None = all
-        on_layer_done: Callable[[int], None] | None = None,  # see LanguageModel.forward
+        on_layer_kv: Callable[[int], None] | None = None,  # see LanguageModel.forward
     ) -> torch.Tensor:
-        hidden = self.model(input_embeds, positions, attn, on_layer_done)
+        hidden = self.model(input_embeds, positions, attn, on_layer_kv)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [rows, vocab] fp32
