@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from services.engine.model.rope import apply_rotary
+from services.engine.model.rope import apply_rotary, rotate_half
 
 
 @functools.cache
@@ -96,6 +96,28 @@ def rotary_qk(
         k_slots, v_slots, slots = kv_store
         store_kv(k_slots, v_slots, slots.long(), k.to(k_slots.dtype), v.to(v_slots.dtype))
     return apply_rotary(q, cos, sin), k, v
+
+
+def rotary_qk_fp32(
+    qkv: torch.Tensor,  # [T, 3 * H * D]: q heads, k heads, v heads (the ViT's qkv projection)
+    cos: torch.Tensor,  # [T, D] fp32, both halves equal
+    sin: torch.Tensor,  # [T, D] fp32
+    num_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary of q and k computed in fp32 and rounded once; returns q, k, v [T, H, D] (views of qkv on CUDA,
+    where the rotation is one in-place kernel instead of a dozen elementwise ones)."""
+    n = qkv.shape[0]
+    kernels = _fused(qkv)
+    if kernels is not None and qkv.stride(1) == 1:
+        kernels.rotary_inplace(qkv, cos, sin, 2 * num_heads, head_dim)
+        q, k, v = qkv.view(n, 3, num_heads, head_dim).unbind(1)
+        return q, k, v
+    q, k, v = qkv.view(n, 3, num_heads, head_dim).unbind(1)
+    dtype, cos, sin = q.dtype, cos[:, None, :], sin[:, None, :]
+    q = (q.float() * cos + rotate_half(q.float()) * sin).to(dtype)
+    k = (k.float() * cos + rotate_half(k.float()) * sin).to(dtype)
+    return q, k, v
 
 
 def gated_act(gate_up: torch.Tensor, act_name: str, act) -> torch.Tensor:

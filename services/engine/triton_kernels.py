@@ -99,21 +99,29 @@ def _rotary_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cos_stride, sin_stride, num_heads,
     k_dst, v_dst, slot_ptr, num_kv_heads,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_KV: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     # rotates heads [0, num_heads) of token t in place; STORE_KV: the last num_kv_heads of them (k)
-    # and the num_kv_heads heads after them (v) also go to slot slot_ptr[t] of k_dst / v_dst
+    # and the num_kv_heads heads after them (v) also go to slot slot_ptr[t] of k_dst / v_dst.
+    # BLOCK_HALF: HALF rounded up to a power of two (the ViT's head dim 80 has HALF 40)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    offs = tl.arange(0, HALF)[None, :]  # [1, HALF]
-    mask = heads < num_heads
+    offs = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    if BLOCK_HALF == HALF:
+        mask = heads < num_heads
+    else:
+        mask = (heads < num_heads) & (offs < HALF)
     row = qkv_ptr + t * qkv_stride
     _pdl_begin(PDL)
     first = row + heads * (2 * HALF) + offs
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + t * cos_stride + offs).to(tl.float32)
-    s = tl.load(sin_ptr + t * sin_stride + offs).to(tl.float32)
+    if BLOCK_HALF == HALF:
+        c = tl.load(cos_ptr + t * cos_stride + offs).to(tl.float32)
+        s = tl.load(sin_ptr + t * sin_stride + offs).to(tl.float32)
+    else:
+        c = tl.load(cos_ptr + t * cos_stride + offs, mask=offs < HALF, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * sin_stride + offs, mask=offs < HALF, other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
     out1 = (x1 * c - x2 * s).to(dtype)
     out2 = (x2 * c + x1 * s).to(dtype)
@@ -147,8 +155,8 @@ def rotary_inplace(
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride(1) == 1
     assert cos.shape[0] == n and head_dim % 2 == 0
     half = head_dim // 2
-    assert half & (half - 1) == 0, f"rotary kernel needs a power-of-two half head dim, got {half}"
     if kv_store is not None:
+        assert half & (half - 1) == 0, f"the fused KV store needs a power-of-two half head dim, got {half}"
         k_slots, v_slots, slots = kv_store
         assert 0 < num_kv_heads <= num_heads and qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim
         for dst in (k_slots, v_slots):
@@ -163,7 +171,7 @@ def rotary_inplace(
         k_slots, v_slots, slots, num_kv_heads,
         HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), STORE_KV=kv_store is not None,
         BLOCK_KV=triton.next_power_of_2(max(num_kv_heads, 1)), num_warps=4,
-        **_pdl_args(qkv),
+        BLOCK_HALF=triton.next_power_of_2(half), **_pdl_args(qkv),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.engine import ops
@@ -33,3 +34,20 @@ def test_one_row_linear_on_cpu_is_f_linear():
     gate_up, down = torch.randn(1, 2 * 24), torch.randn(10, 24)
     expected = torch.nn.functional.linear(ops.gated_act(gate_up, "silu", torch.nn.functional.silu), down)
     assert torch.equal(ops.gated_linear(gate_up, "silu", torch.nn.functional.silu, down), expected)
+
+
+@pytest.mark.parametrize(("inter", "bias"), [(36, True), (100, False), (64, True)])
+def test_fused_mlp_pads_its_intermediate_size_without_changing_the_output(inter, bias):
+    from services.engine.model.layers import PAD_INTERMEDIATE, GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(24, inter, "silu", bias=bias)
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        expected = mlp(x)  # not fused yet: three separate matmuls
+        mlp.fuse_projections()
+        padded = -(-inter // PAD_INTERMEDIATE) * PAD_INTERMEDIATE
+        assert mlp.gate_up_weight.shape == (2 * padded, 24) and mlp.down_weight.shape == (24, padded)
+        assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (inter, 24)  # the checkpoint's names
+        assert mlp.down_proj.weight.shape == (24, inter)
+        torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=1e-5)

@@ -109,3 +109,17 @@ def test_store_kv_writes_each_token_to_its_slot(num_kv, head_dim):
     ref_k.index_copy_(0, slots, k)
     ref_v.index_copy_(0, slots, v)
     assert torch.equal(k_slots, ref_k) and torch.equal(v_slots, ref_v)
+
+
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(16, 80), (2, 16)])  # the 7B ViT (half 40), the tiny one
+def test_vision_rotary_kernel_matches_the_fp32_reference(num_heads, head_dim):
+    n = 300
+    qkv = torch.randn(n, 3 * num_heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    angles = torch.rand(n, head_dim // 2, device="cuda") * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ref = ops.rotary_qk_fp32(qkv.cpu(), cos.cpu(), sin.cpu(), num_heads, head_dim)
+    out = ops.rotary_qk_fp32(qkv.clone(), cos, sin, num_heads, head_dim)
+    for got, want in zip(out, ref, strict=True):
+        assert got.shape == want.shape == (n, num_heads, head_dim)
+        _close(got, want)
+    assert torch.equal(out[2].cpu(), ref[2])  # v untouched

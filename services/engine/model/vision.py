@@ -12,28 +12,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine import ops
 from services.engine.config import VisionConfig
 from services.engine.model.layers import GatedMLP, RMSNorm
-from services.engine.model.rope import VisionRotaryEmbedding, rotate_half
+from services.engine.model.rope import VisionRotaryEmbedding
 
 GridList = list[tuple[int, int, int]]
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-    """Non-causal attention inside each segment ``[cu[i], cu[i+1])``; q/k/v [N, H, D]."""
+class Segments:
+    """Attention segments ``[cu[i], cu[i+1])`` of a sequence, grouped by length for batched attention.
+
+    Built once per ViT forward (on the host, index tensors uploaded once) and used by every
+    block with that layout: the per-layer work is then a gather, attention and a scatter per
+    distinct length, or none of the gathers when the segments already tile the sequence in
+    equal lengths (one image in the full-attention blocks).
+    """
+
+    def __init__(self, cu_seqlens: list[int], device: torch.device) -> None:
+        starts_by_len: dict[int, list[int]] = {}
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+            assert b >= a, f"cu_seqlens must not decrease: {cu_seqlens}"
+            if b > a:
+                starts_by_len.setdefault(b - a, []).append(a)
+        self.num_tokens = cu_seqlens[-1]
+        self.tiled_length: int | None = None  # set: equal segments covering [0, N) in order, no gather
+        self.groups: list[tuple[int, int, torch.Tensor]] = []  # (length, count, token index [count * length])
+        if len(starts_by_len) == 1:
+            (length, starts), = starts_by_len.items()
+            if starts == list(range(0, self.num_tokens, length)):
+                self.tiled_length = length
+                return
+        for length, starts in starts_by_len.items():
+            index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1)
+            self.groups.append((length, len(starts), index.to(device)))
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """Non-causal attention inside each segment; q/k/v [N, H, D] -> [N, H, D]."""
+    n, heads, dim = q.shape
+    assert n == segments.num_tokens, (n, segments.num_tokens)
+    if segments.tiled_length is not None:
+        length = segments.tiled_length
+        qs, ks, vs = (t.view(n // length, length, heads, dim).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, heads, dim)
     out = torch.empty_like(q)
-    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
-    starts = cu_seqlens[:-1]
-    by_len: dict[int, list[int]] = {}
-    for start, length in zip(starts, lengths, strict=True):
-        if length:
-            by_len.setdefault(length, []).append(start)
-    for length, seg_starts in by_len.items():
-        # segments of equal length run as one batch: index [num_segments, length]
-        index = (torch.tensor(seg_starts, device=q.device)[:, None] + torch.arange(length, device=q.device)).reshape(-1)
-        qs, ks, vs = (t[index].view(len(seg_starts), length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs)  # [S, H, L, D]
-        out[index] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+    for length, count, index in segments.groups:  # segments of equal length run as one batch
+        qs, ks, vs = (t[index].view(count, length, heads, dim).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)  # [count, H, L, D]
+        out[index] = o.transpose(1, 2).reshape(-1, heads, dim)
     return out
 
 
@@ -45,14 +72,10 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, cfg.hidden_size * 3, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D] each
-        dtype = q.dtype
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos + rotate_half(q.float()) * sin).to(dtype)
-        k = (k.float() * cos + rotate_half(k.float()) * sin).to(dtype)
-        return self.proj(segment_attention(q, k, v, cu_seqlens).reshape(n, -1))
+        q, k, v = ops.rotary_qk_fp32(self.qkv(x), cos, sin, self.num_heads, self.head_dim)  # [N, H, D] each
+        return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
@@ -63,8 +86,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -145,8 +168,11 @@ class VisionTransformer(nn.Module):
         window_index, cu_window = window_layout(grids, merge, window_units)
         window_index = window_index.to(pixel_values.device)
         cu_full = [0]
-        for t, h, w in grids:
-            cu_full.extend(cu_full[-1] + h * w * (i + 1) for i in range(t))
+        for t, h, w in grids:  # full attention within each frame
+            for _ in range(t):
+                cu_full.append(cu_full[-1] + h * w)
+        full = Segments(cu_full, pixel_values.device)
+        windowed = Segments(cu_window, pixel_values.device)
 
         x = self.patch_embed(pixel_values)  # [N, hidden]
         n = x.shape[0]
@@ -157,7 +183,6 @@ class VisionTransformer(nn.Module):
 
         x, cos, sin = permute(x), permute(cos), permute(sin)
         for i, block in enumerate(self.blocks):
-            cu = cu_full if i in self.cfg.fullatt_block_indexes else cu_window
-            x = block(x, cos, sin, cu)
+            x = block(x, cos, sin, full if i in self.cfg.fullatt_block_indexes else windowed)
         merged = self.merger(x)  # [N / unit, out_hidden] in window order
         return merged[torch.argsort(window_index)]
