@@ -298,3 +298,22 @@ def gate_worker(harness: Harness) -> tuple[Callable[[], None], list[list[str]]]:
 
     worker.execute = gated
     return opened.set, plans
+
+
+async def prefill_as_one_batch(harness: Harness, pipeline, cases: list[Case]) -> tuple[list, list[str]]:
+    """Prefill ``cases`` in one plan: a first request holds the worker while they all queue.
+
+    Returns each case's result (or exception) and the request ids of their plan.
+    """
+    release, plans = gate_worker(harness)
+    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
+    while not plans:
+        await asyncio.sleep(0.01)
+    tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
+    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < 2:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    release()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    await blocker
+    return results, plans[1]

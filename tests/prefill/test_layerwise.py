@@ -12,9 +12,8 @@ import asyncio
 import pytest
 
 from services.common.errors import DeadlineExceededError, StageServeError
-from services.engine.sampler import SamplingParams
 from services.transfer.base import CompletedSend, LayerwiseSend, TransferResult
-from tests.prefill.conftest import Harness, gate_worker, make_case, reference, standard_cases
+from tests.prefill.conftest import Harness, gate_worker, prefill_as_one_batch, reference, standard_cases
 from tests.prefill.test_service import assert_matches
 
 
@@ -72,18 +71,8 @@ def stream_layers(harness: Harness, faults: dict | None = None) -> list:
 async def test_each_layer_goes_out_during_the_forward_and_decode_gets_the_offline_kv(pipeline, harness):
     events = stream_layers(harness)
     cases = standard_cases(pipeline)
-    release, plans = gate_worker(harness)
-    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
-    while not plans:
-        await asyncio.sleep(0.01)
-    tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
-    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < 2:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    release()
-    results = await asyncio.gather(*tasks)
-    await blocker
-    batch, num_layers = plans[1], harness.runner.kv_pool.num_layers
+    results, batch = await prefill_as_one_batch(harness, pipeline, cases)
+    num_layers = harness.runner.kv_pool.num_layers
     assert len(batch) == len(cases) >= 2
     log = events[events.index(("begin", batch[0])):]  # the batch's plan
     assert log[:len(batch) + 1] == [("begin", r) for r in batch] + [("forward", None)]
@@ -93,6 +82,7 @@ async def test_each_layer_goes_out_during_the_forward_and_decode_gets_the_offlin
     assert all(log.index(e) < done for e in layers)
     assert log[done + 1:] == [("finish", r) for r in batch]
     for case, result in zip(cases, results, strict=True):
+        assert not isinstance(result, BaseException), result
         assert_matches(harness, case, *result, reference(pipeline, case))
     harness.assert_all_free()
 

@@ -25,6 +25,7 @@ from tests.prefill.conftest import (
     Harness,
     gate_worker,
     make_case,
+    prefill_as_one_batch,
     prefill_config,
     reference,
     standard_cases,
@@ -258,18 +259,7 @@ async def test_a_batch_starts_every_kv_write_before_awaiting_one(pipeline, harne
 
     sender.start = start
     cases = standard_cases(pipeline)
-    release, plans = gate_worker(harness)
-    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
-    while not plans:
-        await asyncio.sleep(0.01)
-    tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
-    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < 2:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    release()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    await blocker
-    batch = plans[1]
+    results, batch = await prefill_as_one_batch(harness, pipeline, cases)
     assert len(batch) == len(cases) >= 2
     assert events[-2 * len(batch):] == [("start", r) for r in batch] + [("wait", r) for r in batch]
     for case, result in zip(cases, results, strict=True):
