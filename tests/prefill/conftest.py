@@ -31,7 +31,7 @@ from services.common.clients.vision_encoder import (
     encode_span_from_proto,
     span_result_to_proto,
 )
-from services.common.errors import UnavailableError
+from services.common.errors import DeadlineExceededError, UnavailableError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc, vision_encoder_pb2, vision_encoder_pb2_grpc
 from services.common.server import HealthState, create_server
@@ -317,3 +317,17 @@ async def prefill_as_one_batch(harness: Harness, pipeline, cases: list[Case]) ->
     results = await asyncio.gather(*tasks, return_exceptions=True)
     await blocker
     return results, plans[1]
+
+
+async def prefill_abandoned_while_held(harness: Harness, case: Case) -> None:
+    """Prefill ``case`` with a 1 s deadline while its plan is held in the worker: the caller gets
+    DEADLINE_EXCEEDED first, then the plan runs and the service goes idle."""
+    release, plans = gate_worker(harness)
+    task = asyncio.create_task(harness.prefill(case, deadline_in_s=1.0))
+    while not plans:  # the plan is held in the worker until the caller has given up
+        await asyncio.sleep(0.01)
+    with pytest.raises(DeadlineExceededError):
+        await task
+    release()
+    while harness.scheduler.num_live:
+        await asyncio.sleep(0.01)

@@ -7,13 +7,17 @@ comes after that layer's KV was stored (and before the forward ends).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from services.common.errors import DeadlineExceededError, StageServeError
+from services.common.errors import StageServeError
 from services.transfer.base import CompletedSend, LayerwiseSend, TransferResult
-from tests.prefill.conftest import Harness, gate_worker, prefill_as_one_batch, reference, standard_cases
+from tests.prefill.conftest import (
+    Harness,
+    prefill_abandoned_while_held,
+    prefill_as_one_batch,
+    reference,
+    standard_cases,
+)
 from tests.prefill.test_service import assert_matches
 
 
@@ -89,15 +93,7 @@ async def test_each_layer_goes_out_during_the_forward_and_decode_gets_the_offlin
 
 async def test_a_request_aborted_before_its_forward_begins_no_write(pipeline, harness):
     events = stream_layers(harness)
-    release, plans = gate_worker(harness)
-    task = asyncio.create_task(harness.prefill(standard_cases(pipeline)[0], deadline_in_s=1.0))
-    while not plans:  # held until the caller has given up
-        await asyncio.sleep(0.01)
-    with pytest.raises(DeadlineExceededError):
-        await task
-    release()
-    while harness.scheduler.num_live:
-        await asyncio.sleep(0.01)
+    await prefill_abandoned_while_held(harness, standard_cases(pipeline)[0])
     assert [e for e in events if e[0] in ("begin", "layer", "finish")] == []
     harness.assert_all_free()
 

@@ -25,6 +25,7 @@ from tests.prefill.conftest import (
     Harness,
     gate_worker,
     make_case,
+    prefill_abandoned_while_held,
     prefill_as_one_batch,
     prefill_config,
     reference,
@@ -225,15 +226,7 @@ async def test_request_aborted_during_its_forward_sends_no_kv(pipeline, harness:
         return send(request_id, *args)
 
     sender.send = counting_send
-    release, plans = gate_worker(harness)
-    task = asyncio.create_task(harness.prefill(standard_cases(pipeline)[0], deadline_in_s=1.0))
-    while not plans:  # the plan is held in the worker until the caller has given up
-        await asyncio.sleep(0.01)
-    with pytest.raises(DeadlineExceededError):
-        await task
-    release()
-    while harness.scheduler.num_live:
-        await asyncio.sleep(0.01)
+    await prefill_abandoned_while_held(harness, standard_cases(pipeline)[0])
     assert sent == []  # decode may already have quarantined the pages: no write may start
     harness.assert_all_free()
 
