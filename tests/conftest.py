@@ -13,6 +13,47 @@ REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / "models" / "tiny-qwen2.5-vl"
 
 
+def _mooncake_import_error() -> str | None:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:  # the wheel or one of its shared libraries is missing
+        return str(exc)
+    return None
+
+
+MOONCAKE_ERROR = _mooncake_import_error()
+needs_mooncake = pytest.mark.skipif(
+    MOONCAKE_ERROR is not None,
+    reason=f"mooncake not importable ({MOONCAKE_ERROR}): install mooncake-transfer-engine-non-cuda "
+    "and libibverbs1 librdmacm1 libnuma1",
+)
+
+
+def sdk_provider():
+    """The OpenTelemetry SDK tracer provider, installed as the global one if it is not yet."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    return provider
+
+
+def count_progress_checks(progress) -> list[int]:
+    """Count a ``ProgressWatchdog``'s health checks from now on; the returned ``[n]`` grows."""
+    polls, check = [0], progress.check
+
+    def counted(health) -> None:
+        polls[0] += 1
+        check(health)
+
+    progress.check = counted
+    return polls
+
+
 def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
     """A deterministic image with smooth gradients and noise, so resizing and patches matter."""
     rng = np.random.default_rng(seed)

@@ -9,7 +9,6 @@ import msgspec
 import pytest
 import torch
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
@@ -18,7 +17,7 @@ from services.common.errors import DeadlineExceededError, InvalidRequestError, U
 from services.common.types import FinishReason, TokenizedPrompt
 from services.engine.sampler import SamplingParams
 from services.transfer.base import PendingSend
-from tests.conftest import image_bytes
+from tests.conftest import image_bytes, sdk_provider
 from tests.prefill.conftest import (
     KV_ATOL,
     Case,
@@ -192,15 +191,6 @@ async def test_small_token_budget_splits_batches(pipeline, language_model) -> No
         h.assert_all_free()
     finally:
         await stop_harness(h)
-
-
-def sdk_provider() -> TracerProvider:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider)
-    return provider
 
 
 async def test_forward_and_transfer_spans_continue_the_callers_trace(pipeline, harness: Harness) -> None:

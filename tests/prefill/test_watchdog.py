@@ -8,6 +8,7 @@ from collections.abc import Callable
 from prometheus_client import REGISTRY
 
 from services.engine.sampler import SamplingParams
+from tests.conftest import count_progress_checks
 from tests.prefill.conftest import gate_worker, make_case, prefill_config, start_harness, stop_harness
 
 WAIT_S = 30.0
@@ -45,14 +46,7 @@ async def test_a_stuck_worker_flips_readiness_until_it_moves_again(pipeline, lan
 async def test_an_idle_worker_stays_serving(pipeline, language_model) -> None:
     harness = await start_harness(pipeline, language_model, prefill_config(watchdog_s=0.05))
     try:
-        polls = [0]
-        check = harness.app.leader.progress.check
-
-        def counted(health) -> None:
-            polls[0] += 1
-            check(health)
-
-        harness.app.leader.progress.check = counted  # type: ignore[method-assign]
+        polls = count_progress_checks(harness.app.leader.progress)
         await wait_until(lambda: polls[0] >= 20)  # many polls over several stall periods, no work
         assert harness.health.is_serving
     finally:

@@ -9,14 +9,13 @@ import signal
 import msgspec
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.errors import UnavailableError
 from services.common.types import ChatMessage, TextPart, TokenizedPrompt
 from services.tokenizer.workers import ChatJob, Job, JobDone, JobRejected, JobResult, PromptJob
-from tests.conftest import image_bytes
+from tests.conftest import image_bytes, sdk_provider
 from tests.tokenizer.conftest import TIMEOUT_S, start_served, stop_served, user
 
 CHATS = [
@@ -79,15 +78,6 @@ async def test_dead_worker_fails_its_request_and_the_pool_recovers(served_proces
     assert failures == 1
     prompt = await served_processes.client.tokenize_chat("r", CHATS[1], timeout_s=TIMEOUT_S)
     assert len(prompt.spans) == 1
-
-
-def sdk_provider() -> TracerProvider:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider)
-    return provider
 
 
 async def test_tokenize_span_continues_the_callers_trace(served):

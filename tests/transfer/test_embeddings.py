@@ -19,17 +19,8 @@ from services.transfer.embeddings import (
     plan_row_transfer,
 )
 from services.transfer.embeddings_inprocess import EmbeddingFabric
+from tests.conftest import needs_mooncake
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    MOONCAKE_ERROR = None
-except ImportError as exc:  # the wheel or one of its shared libraries is missing
-    MOONCAKE_ERROR = str(exc)
-
-needs_mooncake = pytest.mark.skipif(
-    MOONCAKE_ERROR is not None, reason=f"mooncake not importable ({MOONCAKE_ERROR})"
-)
 QUEUE_TIMEOUT_S = 45  # a hang fails the test instead of blocking it
 
 

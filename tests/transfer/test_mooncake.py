@@ -11,22 +11,9 @@ import torch
 
 from services.engine.kv_cache import KVPool
 from services.transfer.base import KvDestination, TransferResult
+from tests.conftest import needs_mooncake
 
-try:
-    import mooncake.engine  # noqa: F401
-
-    MOONCAKE_ERROR = None
-except ImportError as exc:  # the wheel or one of its shared libraries is missing
-    MOONCAKE_ERROR = str(exc)
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        MOONCAKE_ERROR is not None,
-        reason=f"mooncake not importable ({MOONCAKE_ERROR}): install mooncake-transfer-engine-non-cuda "
-        "and libibverbs1 librdmacm1 libnuma1",
-    ),
-]
+pytestmark = [pytest.mark.integration, needs_mooncake]
 
 SRC_PAGES = [0, 1, 2, 3, 10, 20, 21, 5]
 DST_PAGES = [40, 41, 42, 43, 7, 30, 31, 3]

@@ -19,20 +19,10 @@ from services.common.clients.vision_encoder import SpanStatus, VisionEncoderClie
 from services.common.errors import UnavailableError
 from services.engine.processing.image import decode_image
 from services.transfer.embeddings import EmbeddingBuffer
-from tests.conftest import REPO, image_bytes
+from tests.conftest import REPO, image_bytes, needs_mooncake
 from tests.vision_encoder.conftest import span_input
 
-try:
-    from services.transfer.embeddings_mooncake import MooncakeEmbeddingReceiver
-
-    MOONCAKE_ERROR = None
-except ImportError as exc:  # the wheel or one of its shared libraries is missing
-    MOONCAKE_ERROR = str(exc)
-
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(MOONCAKE_ERROR is not None, reason=f"mooncake not importable ({MOONCAKE_ERROR})"),
-]
+pytestmark = [pytest.mark.integration, needs_mooncake]
 READY_TIMEOUT_S = 120
 
 
@@ -68,6 +58,8 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     client = VisionEncoderClient(address)
+    from services.transfer.embeddings_mooncake import MooncakeEmbeddingReceiver
+
     receiver = MooncakeEmbeddingReceiver()  # this test process plays prefill
     buffer = EmbeddingBuffer(256, vision_model.config.vision.out_hidden_size, torch.float32)
     receiver.register(buffer)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from services.common.clients.vision_encoder import SpanStatus
-from tests.conftest import image_bytes
+from tests.conftest import count_progress_checks, image_bytes
 from tests.vision_encoder.conftest import gate_worker, running_encoder, span_input
 
 WAIT_S = 30.0
@@ -41,14 +41,7 @@ async def test_a_stuck_batch_flips_readiness_until_it_ends(vision_model, image_p
 
 async def test_an_idle_encoder_stays_serving(vision_model) -> None:
     async with running_encoder(vision_model, watchdog_s=0.05) as enc:
-        polls = [0]
-        check = enc.app.leader.progress.check
-
-        def counted(health) -> None:
-            polls[0] += 1
-            check(health)
-
-        enc.app.leader.progress.check = counted  # type: ignore[method-assign]
+        polls = count_progress_checks(enc.app.leader.progress)
         await wait_until(lambda: polls[0] >= 20)  # many polls over several stall periods, no work
         assert enc.health.is_serving
         assert enc.registry.get_sample_value("stageserve_vision_encoder_stalled") == 0
