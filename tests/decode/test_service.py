@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
@@ -18,6 +17,7 @@ from services.common.errors import (
 from services.common.types import FinishReason, Usage
 from services.decode.scheduler import DecodePlan
 from services.engine.sampler import SamplingParams
+from tests.conftest import sdk_provider
 from tests.decode.conftest import EOS, WAIT_S, MakeDecode, offline_tokens, prompt_of
 
 
@@ -197,12 +197,8 @@ async def test_watchdog_flags_a_stuck_loop(make_decode: MakeDecode) -> None:
 
 
 async def test_generate_span_continues_the_callers_trace(make_decode: MakeDecode) -> None:
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
     exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sdk_provider().add_span_processor(SimpleSpanProcessor(exporter))
     harness = await make_decode()
     with trace.get_tracer("test").start_as_current_span("router.request") as parent:
         await harness.run("traced", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=5))
