@@ -32,6 +32,9 @@ class Envs:
     log_level: str = "INFO"  # STAGESERVE_LOG_LEVEL
     otlp_endpoint: str = ""  # OTEL_EXPORTER_OTLP_ENDPOINT: export spans over OTLP when set
     trace_console: bool = False  # STAGESERVE_TRACE_CONSOLE=1: print finished spans (debugging)
+    # STAGESERVE_INTERNAL_TOKEN: the shared secret internal gRPC calls carry and KV references are
+    # signed with; `stageserve up` generates one for its children.
+    internal_token: str = ""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Envs:
@@ -40,4 +43,5 @@ class Envs:
             log_level=env.get("STAGESERVE_LOG_LEVEL", "INFO").upper(),
             otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
             trace_console=env.get("STAGESERVE_TRACE_CONSOLE", "") == "1",
+            internal_token=env.get("STAGESERVE_INTERNAL_TOKEN", ""),
         )

@@ -48,6 +48,26 @@ class CapacityError(StageServeError):
     openai_type = "server_overloaded"
 
 
+class OverloadedError(CapacityError):
+    """The service admits no more requests right now; the caller should retry after ``retry_after_s``."""
+
+    http_status = 429
+    openai_type = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
+class UnauthenticatedError(StageServeError):
+    """The caller presented no credentials or wrong ones."""
+
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+    openai_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
 class UnavailableError(StageServeError):
     """A peer is down, not ready, or went away mid-request."""
 

@@ -38,6 +38,7 @@ _CLASS_BY_CODE: dict[grpc.StatusCode, type[StageServeError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.CANCELLED: errors.AbortedError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.ModelLoadError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

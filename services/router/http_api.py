@@ -10,6 +10,7 @@ event. A client that goes away, while waiting or while streaming, cancels its re
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -230,7 +231,9 @@ def create_app(api: OpenAIApi) -> FastAPI:
 
     @app.exception_handler(StageServeError)
     async def _stageserve_error(request: Request, exc: StageServeError) -> JSONResponse:
-        return JSONResponse(error_body_of(exc), status_code=exc.http_status)
+        retry_after_s = getattr(exc, "retry_after_s", None)
+        headers = None if retry_after_s is None else {"retry-after": str(max(1, math.ceil(retry_after_s)))}
+        return JSONResponse(error_body_of(exc), status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
