@@ -10,6 +10,7 @@ import asyncio
 import logging
 import sys
 
+from services.common import signing
 from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
@@ -22,9 +23,12 @@ logger = logging.getLogger("services.decode")
 
 
 async def serve(config: DecodeConfig) -> None:
-    metrics_port = start_telemetry("decode", Envs.from_environ(), config.host, config.metrics_port)
+    envs = Envs.from_environ()
+    metrics_port = start_telemetry("decode", envs, config.host, config.metrics_port)
     health = HealthState()
-    servicer = DecodeServicer(config.reservation_timeout_s)
+    servicer = DecodeServicer(
+        config.reservation_timeout_s, config.max_reservation_s, signing.key_of(envs.internal_token)
+    )
     server, port = create_server(
         [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], config.port, config.host,
         [SERVICE_NAME], health=health,

@@ -25,6 +25,7 @@ class DecodeConfig(ServiceConfig):
     watchdog_s: float = 30.0
     sweep_interval_s: float = 0.5
     reservation_timeout_s: float = 60.0  # a Reserve without a deadline expires after this
+    max_reservation_s: float = 300.0  # no reservation outlives this, whatever its Reserve asks
     kv_quarantine_s: float = 35.0  # pages of a reservation that failed before its KV was ready rest this long
 
     @property
@@ -53,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often expired reservations are released")
     p.add_argument("--reservation-timeout-s", type=float, default=60.0,
                    help="lifetime of a reservation whose request carries no deadline")
+    p.add_argument("--max-reservation-s", type=float, default=300.0,
+                   help="longest a reservation lives before Generate, whatever deadline its "
+                        "Reserve asks (keep it at or above the router's --request-timeout-s)")
     p.add_argument("--kv-quarantine-s", type=float, default=35.0,
                    help="how long the pages of a reservation aborted or expired before its KV was ready "
                         "wait before reuse, since an abandoned transfer may still write them; keep it above "
@@ -69,10 +73,15 @@ def parse_config(argv: list[str] | None = None) -> DecodeConfig:
 
 def _check(config: DecodeConfig) -> None:
     positives = ("num_pages", "page_size", "max_running_requests", "watchdog_s", "sweep_interval_s",
-                 "reservation_timeout_s")
+                 "reservation_timeout_s", "max_reservation_s")
     for name in positives:
         if getattr(config, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(config, name)}")
+    if config.reservation_timeout_s > config.max_reservation_s:
+        raise SystemExit(
+            f"--reservation-timeout-s ({config.reservation_timeout_s}) must be <= "
+            f"--max-reservation-s ({config.max_reservation_s})"
+        )
     if config.kv_quarantine_s < 0:
         raise SystemExit(f"--kv-quarantine-s must be >= 0, got {config.kv_quarantine_s}")
     if config.max_model_len is not None and config.max_model_len < 2:

@@ -130,8 +130,14 @@ class DecodeEngine:
             assert session.destination is not None
             return session.destination
 
-    def generate(self, request_id: str, first_token_id: int, sink: EventSink) -> None:
-        """Mark the KV written and admit the request; its events go to ``sink`` from now on."""
+    def generate(
+        self, request_id: str, first_token_id: int, kv_written_proof: bytes, sink: EventSink
+    ) -> None:
+        """Mark the KV written and admit the request; its events go to ``sink`` from now on.
+
+        ``kv_written_proof`` must be what prefill returned for the reservation; without it
+        (``InvalidRequestError``) the reservation stays as it was.
+        """
         with self._cond:
             self._check_running()
             if not 0 <= first_token_id < self.worker.vocab_size:
@@ -143,6 +149,7 @@ class DecodeEngine:
                 raise NotFoundError(f"no reserved request {request_id} on decode (unknown, expired or aborted)")
             if status is not ReqStatus.RESERVED:
                 raise InvalidRequestError(f"Generate already started for {request_id}", param="request_id")
+            self.scheduler.check_kv_written(request_id, kv_written_proof)
             self.receiver.sessions.complete(request_id)
             event = self.scheduler.start(request_id, first_token_id)
             if event is not None:  # the first token already finished it

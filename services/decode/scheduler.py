@@ -4,8 +4,9 @@ Request lifecycle (``ReqStatus``):
 
   RESERVED  add(): pages taken for min(prompt_len + max_new_tokens, max_model_len)
             positions; prefill writes the prompt's KV into the first of them.
-              -> WAITING   start(): Generate arrived (the KV is written); the first token,
-                           sampled by prefill, becomes output token 1
+              -> WAITING   start(): Generate arrived with prefill's proof that the KV is
+                           written (check_kv_written); the first token, sampled by
+                           prefill, becomes output token 1
               -> FINISHED  start(): that first token already ends the request
               -> ABORTED   abort(): the router aborted, or the transfer session expired.
                            When the session failed, prefill may still be writing the pages:
@@ -31,6 +32,7 @@ worker which requests it ran are gone, so it drops their state (random generator
 from __future__ import annotations
 
 import enum
+import hmac
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +59,8 @@ class DecodeRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     rope_delta: int  # M-RoPE position delta of the prompt
+    # What prefill returns once the KV landed (signing.kv_written_proof); b"" accepts no proof
+    kv_written_proof: bytes = b""
     status: ReqStatus = ReqStatus.RESERVED
     output_ids: list[int] = field(default_factory=list)  # the first token from prefill included
 
@@ -157,6 +161,25 @@ class DecodeScheduler:
         pages = self.kv.allocate(request_id, self.num_positions(len(request.prompt_ids), request.params))
         self._requests[request_id] = request
         return pages
+
+    def check_kv_written(self, request_id: str, kv_written_proof: bytes) -> None:
+        """``InvalidRequestError`` unless ``kv_written_proof`` is the request's: prefill wrote its KV."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFoundError(
+                f"no reserved request {request_id} on decode (unknown, expired or aborted)"
+            )
+        if not kv_written_proof:
+            raise InvalidRequestError(
+                f"Generate for {request_id} carries no kv_written_proof: decode starts a "
+                "reservation only once prefill reported its KV written", param="kv_written_proof",
+            )
+        expected = request.kv_written_proof
+        if not expected or not hmac.compare_digest(kv_written_proof, expected):
+            raise InvalidRequestError(
+                f"kv_written_proof is not the one prefill returned for {request_id}'s reservation",
+                param="kv_written_proof",
+            )
 
     def start(self, request_id: str, first_token_id: int) -> TokenEvent | None:
         """RESERVED -> WAITING with the first token; the finishing event if that token ends it."""

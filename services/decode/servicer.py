@@ -9,10 +9,10 @@ from typing import Any
 
 from opentelemetry.trace import Status, StatusCode
 
-from services.common import telemetry
+from services.common import signing, telemetry
 from services.common.clients.decode import (
     FINISH_REASON_TO_PROTO,
-    kv_ref_from_destination,
+    issue_kv_ref,
     kv_ref_to_proto,
     sampling_params_from_proto,
 )
@@ -52,10 +52,23 @@ def _response(events: list[DecodeEvent]) -> tuple[decode_pb2.DecodeGenerateRespo
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Serves one engine; registered before the model loads, UNAVAILABLE until ``attach``."""
+    """Serves one engine; registered before the model loads, UNAVAILABLE until ``attach``.
 
-    def __init__(self, reservation_timeout_s: float, engine: DecodeEngine | None = None) -> None:
+    Signs every KvRef it issues with ``kv_ref_key`` (the internal secret's key) and starts
+    a reservation only with the proof prefill derives from it (``signing.kv_written_proof``).
+    """
+
+    def __init__(
+        self,
+        reservation_timeout_s: float,
+        max_reservation_s: float,
+        kv_ref_key: bytes,
+        engine: DecodeEngine | None = None,
+    ) -> None:
+        assert 0 < reservation_timeout_s <= max_reservation_s
         self._reservation_timeout_s = reservation_timeout_s
+        self._max_reservation_s = max_reservation_s
+        self._kv_ref_key = kv_ref_key
         self._attached = engine
 
     def attach(self, engine: DecodeEngine) -> None:
@@ -67,37 +80,49 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise UnavailableError("decode is still loading its model")
         return self._attached
 
-    def _deadline(self, deadline_unix_ms: int) -> float:
-        """The request's deadline on the engine's monotonic clock (a default lifetime when unset)."""
-        now = time.monotonic()
-        if deadline_unix_ms <= 0:
-            return now + self._reservation_timeout_s
-        return now + deadline_unix_ms / 1000.0 - time.time()
+    def _lifetime(self, deadline_unix_ms: int) -> tuple[float, int]:
+        """When the reservation expires: on the engine's monotonic clock, and in Unix ms (KvRef).
+
+        The request's deadline (``reservation_timeout_s`` from now when unset), and never
+        later than ``max_reservation_s`` from now.
+        """
+        now_mono, now_unix = time.monotonic(), time.time()
+        asked_s = self._reservation_timeout_s
+        if deadline_unix_ms > 0:
+            asked_s = deadline_unix_ms / 1000 - now_unix
+        lifetime_s = min(asked_s, self._max_reservation_s)
+        return now_mono + lifetime_s, int((now_unix + lifetime_s) * 1000)
 
     @handle_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:
-        """Take pages and open the KV transfer session; returns the KvRef prefill writes to."""
+        """Take pages and open the KV transfer session; returns the signed KvRef for prefill."""
+        nonce = signing.new_nonce()
+        deadline_s, expires_unix_ms = self._lifetime(request.deadline_unix_ms)
         decode_request = DecodeRequest(
             request_id=request.request_id,
             prompt_ids=tuple(request.prompt_token_ids),
             params=sampling_params_from_proto(request.sampling_params),
             rope_delta=request.mrope_position_delta,
+            kv_written_proof=signing.kv_written_proof(self._kv_ref_key, request.request_id, nonce),
         )
-        destination = self._engine.reserve(decode_request, self._deadline(request.deadline_unix_ms))
-        return decode_pb2.ReserveResponse(kv_ref=kv_ref_to_proto(kv_ref_from_destination(destination)))
+        destination = self._engine.reserve(decode_request, deadline_s)
+        kv_ref = issue_kv_ref(destination, self._kv_ref_key, nonce, expires_unix_ms)
+        return decode_pb2.ReserveResponse(kv_ref=kv_ref_to_proto(kv_ref))
 
     @handle_errors
     async def Generate(
         self, request: decode_pb2.DecodeGenerateRequest, context: Any
     ) -> AsyncIterator[decode_pb2.DecodeGenerateResponse]:
-        """Admit the reserved request and stream its tokens; cancelling the call aborts it."""
+        """Admit the reservation (its KV proven written), stream its tokens; cancelling aborts it."""
         parent = telemetry.extract_context(context.invocation_metadata())
         span = _tracer.start_span("decode.generate", context=parent, attributes={"request_id": request.request_id})
         stream = RequestStream(asyncio.get_running_loop())
         is_admitted = is_done = False
         num_streamed = 0
         try:
-            self._engine.generate(request.request_id, request.first_token_id, stream.push)
+            self._engine.generate(
+                request.request_id, request.first_token_id, request.kv_written_proof, stream.push
+            )
             is_admitted = True
             while not is_done:
                 message, is_done = _response(await stream.next_events())

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from services.common import signing
 from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
@@ -17,6 +18,7 @@ from services.common.server import HealthState, create_server, serve_until_signa
 from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
+from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 
 logger = logging.getLogger("services.prefill")
@@ -43,8 +45,13 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
                    help="how long to wait at start for the vision encoder to be SERVING")
     p.add_argument("--watchdog-s", type=float, default=30.0,
                    help="health turns NOT_SERVING when the worker has a batch but makes no progress for this long")
+    p.add_argument("--max-kv-ref-nonces", type=int, default=262144,
+                   help="nonces of used KvRefs kept (each until its KvRef expires, for replay "
+                        "checks); when full, new requests get RESOURCE_EXHAUSTED")
     args = p.parse_args(argv)
-    for name in ("num_pages", "page_size", "embedding_rows", "max_batch_tokens", "max_queued_requests", "watchdog_s"):
+    positives = ("num_pages", "page_size", "embedding_rows", "max_batch_tokens",
+                 "max_queued_requests", "watchdog_s", "max_kv_ref_nonces")
+    for name in positives:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     try:
@@ -56,9 +63,11 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
 
 
 async def serve(config: PrefillConfig) -> int:
-    metrics_port = start_telemetry("prefill", Envs.from_environ(), config.host, config.metrics_port)
+    envs = Envs.from_environ()
+    metrics_port = start_telemetry("prefill", envs, config.host, config.metrics_port)
     health = HealthState()
-    servicer = PrefillServicer(config.default_timeout_s)
+    kv_refs = KvRefVerifier(signing.key_of(envs.internal_token), config.max_kv_ref_nonces)
+    servicer = PrefillServicer(config.default_timeout_s, kv_refs)
     server, port = create_server(
         [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], config.port, config.host,
         [SERVICE_NAME], health=health,

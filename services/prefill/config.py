@@ -24,6 +24,7 @@ class PrefillConfig(ServiceConfig):
     embedding_quarantine_s: float = 30.0  # rows of a timed-out Encode rest this long before reuse
     peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
     watchdog_s: float = 30.0  # NOT_SERVING while the worker has work but makes no progress this long
+    max_kv_ref_nonces: int = 262144  # used KvRef nonces kept, each until its KvRef expires
 
     @property
     def kv_backend(self) -> str:

@@ -171,15 +171,21 @@ class GenerationPipeline:
                 return
             flow.emit(output.add_tokens([result.first_token_id]))
             if not output.is_finished:
-                is_decode_done = await self._stream_decode(flow, decode, result.first_token_id)
+                is_decode_done = await self._stream_decode(
+                    flow, decode, result.first_token_id, result.kv_written_proof
+                )
         finally:
             if not is_decode_done:
                 abort = _abort(decode, request_id, "the router ended the request", is_kv_written)
                 self._spawn(abort, f"abort-{request_id}")
 
-    async def _stream_decode(self, flow: _Flow, decode: DecodePeer, first_token_id: int) -> bool:
+    async def _stream_decode(
+        self, flow: _Flow, decode: DecodePeer, first_token_id: int, kv_written_proof: bytes
+    ) -> bool:
         """Relay decode's tokens until the request finishes; True when decode finished it itself."""
-        stream = decode.generate(flow.request_id, first_token_id, _remaining(flow.deadline_s))
+        stream = decode.generate(
+            flow.request_id, first_token_id, _remaining(flow.deadline_s), kv_written_proof=kv_written_proof
+        )
         try:
             async for chunk in stream:
                 if chunk.finish_reason is not None:

@@ -27,7 +27,7 @@ class TokenizerPeer(Protocol):
 class PrefillPeer(Protocol):
     async def prefill(
         self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams, kv_ref: Any, deadline_s: float
-    ) -> Any: ...  # PrefillResult: first_token_id, finish_reason, num_cached_image_tokens
+    ) -> Any: ...  # PrefillResult: first_token_id, finish_reason, kv_written_proof, ...
 
     async def close(self) -> None: ...
 
@@ -39,7 +39,7 @@ class DecodePeer(Protocol):
     ) -> Any: ...  # KvRefInfo: where prefill writes the prompt's KV
 
     def generate(
-        self, request_id: str, first_token_id: int, timeout_s: float
+        self, request_id: str, first_token_id: int, timeout_s: float, *, kv_written_proof: bytes
     ) -> AsyncIterator[Any]: ...  # DecodeChunk: token_ids, finish_reason and usage on the last one
 
     async def abort(self, request_id: str, reason: str = "", *, is_kv_written: bool = False) -> Any: ...

@@ -63,6 +63,11 @@ def test_messages_carry_no_opaque_payloads() -> None:
         "stageserve.v1.ImageData.data",
         "stageserve.v1.ImageInput.data",
         "stageserve.v1.EncodeSpan.image_data",
+        # MACs and nonces of the KV path (services/common/signing.py): 16 or 32 bytes, never a payload
+        "stageserve.v1.KvRef.nonce",
+        "stageserve.v1.KvRef.mac",
+        "stageserve.v1.PrefillResponse.kv_written_proof",
+        "stageserve.v1.DecodeGenerateRequest.kv_written_proof",
     }
     modules = (common_pb2, decode_pb2, prefill_pb2, router_pb2, tokenizer_pb2, vision_encoder_pb2)
     for module in modules:

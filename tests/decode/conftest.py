@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
+from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeClient, KvRefInfo
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, create_server
@@ -30,6 +31,7 @@ from tests.conftest import TINY_MODEL_DIR
 
 PAGE_SIZE = 4
 EOS = 2
+KEY = signing.key_of("decode-test-token")  # the internal secret the harness's decode signs with
 WAIT_S = 20.0  # bound on every wait: a hang fails the test instead of stalling it
 
 
@@ -67,7 +69,7 @@ class FakePrefill:
             logits = self.runner.forward(ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)])
             generator = None if params.is_greedy else make_generator(params.seed, "cpu")
             token = self.sampler.sample(logits, [params], [prompt], [[]], [generator]).item()
-            destination = kv_ref.to_destination(request_id)
+            destination = kv_ref.to_destination()
             self.sender.send(request_id, self.runner.kv_pool, table.pages(request_id), destination, time.monotonic() + 10)
             return token
         finally:
@@ -104,10 +106,15 @@ class DecodeHarness:
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, deadline_in_s: float = 30.0):
         return await self.client.reserve(request_id, prompt, 0, params, time.time() + deadline_in_s)
 
+    def generate(self, kv_ref: KvRefInfo, first_token_id: int) -> AsyncIterator[DecodeChunk]:
+        """Generate for ``kv_ref``'s request with the proof prefill returns once its KV landed."""
+        proof = signing.kv_written_proof(KEY, kv_ref.request_id, kv_ref.nonce)
+        return self.client.generate(kv_ref.request_id, first_token_id, timeout_s=WAIT_S, kv_written_proof=proof)
+
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams) -> Result:
         kv_ref = await self.reserve(request_id, prompt, params)
         first = self.prefill.prefill(request_id, prompt, params, kv_ref)
-        chunks = [chunk async for chunk in self.client.generate(request_id, first, timeout_s=WAIT_S)]
+        chunks = [chunk async for chunk in self.generate(kv_ref, first)]
         tokens = [first] + [t for chunk in chunks for t in chunk.token_ids]
         assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])
         return Result(tokens, chunks[-1].finish_reason, chunks[-1].usage, chunks)
@@ -146,9 +153,10 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
         receiver = create_kv_receiver("inprocess", fabric=fabric)
         engine = build_engine(config, language_model, receiver, quarantine_clock=clock)
         engine.start()
+        servicer = DecodeServicer(config.reservation_timeout_s, config.max_reservation_s, KEY, engine)
         server, port = create_server(
-            [(decode_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(config.reservation_timeout_s, engine))],
-            0, "127.0.0.1", [SERVICE_NAME], health=HealthState(),
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], 0, "127.0.0.1", [SERVICE_NAME],
+            health=HealthState(),
         )
         await server.start()
         harness = DecodeHarness(

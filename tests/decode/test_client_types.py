@@ -6,12 +6,14 @@ import msgspec
 import pytest
 import torch
 
+from services.common import signing
 from services.common.clients.decode import (
     DecodeChunk,
     DecodeRankStats,
     DecodeStats,
+    KvBufferInfo,
     KvRefInfo,
-    kv_ref_from_destination,
+    issue_kv_ref,
     kv_ref_from_proto,
     kv_ref_to_proto,
     sampling_params_from_proto,
@@ -33,9 +35,18 @@ def destination():
     return pool, receiver.destination("req-1", [4, 2, 7])
 
 
+KEY = signing.key_of("client-types-token")
+NONCE = bytes(range(16))
+
+
+def issued(dest) -> KvRefInfo:
+    return issue_kv_ref(dest, KEY, NONCE, expires_unix_ms=1_700_000_000_000)
+
+
 def test_kv_ref_round_trips_through_proto_back_to_the_destination() -> None:
     pool, dest = destination()
-    info = kv_ref_from_destination(dest, dp_rank=0)
+    info = issued(dest)
+    assert info.request_id == "req-1" and info.session_id == dest.session_id and info.has_valid_mac(KEY)
     assert info.page_ids == (4, 2, 7) and info.dtype == "bfloat16" and info.page_size == 4
     k = info.buffer("k")
     assert k.base_address == pool.k_buffer.data_ptr()
@@ -45,15 +56,42 @@ def test_kv_ref_round_trips_through_proto_back_to_the_destination() -> None:
     assert k.slot_stride_bytes == pool.k_buffer[0, 0, 1].data_ptr() - pool.k_buffer[0, 0, 0].data_ptr()
     wire = kv_ref_to_proto(info).SerializeToString()
     back = kv_ref_from_proto(common_pb2.KvRef.FromString(wire))
-    assert back == info
-    assert back.to_destination("req-1") == dest
+    assert back == info and back.has_valid_mac(KEY)
+    assert back.to_destination() == dest
     assert dest.layout == pool_layout(pool)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(info), type=KvRefInfo) == info
 
 
+def _changed(value: object) -> object:
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    if isinstance(value, bytes):
+        return value + b"x"
+    if isinstance(value, tuple) and value and isinstance(value[0], KvBufferInfo):
+        return (msgspec.structs.replace(value[0], base_address=value[0].base_address + 4096), *value[1:])
+    assert isinstance(value, tuple)
+    return (*value[:-1], value[-1] + 1)
+
+
+def test_the_mac_covers_every_field_and_the_key() -> None:
+    _, dest = destination()
+    info = issued(dest)
+    names = [n for n in KvRefInfo.__struct_fields__ if n != "mac"]
+    assert len(info.signed_fields()) == len(names)
+    for name in names:
+        forged = msgspec.structs.replace(info, **{name: _changed(getattr(info, name))})
+        assert forged != info and not forged.has_valid_mac(KEY), name
+    assert not info.has_valid_mac(signing.key_of("another-token"))
+    assert not info.has_valid_mac(b"")
+    insecure = issue_kv_ref(dest, b"", NONCE, expires_unix_ms=1)  # empty secret: the explicit insecure mode
+    assert insecure.has_valid_mac(b"") and not insecure.has_valid_mac(KEY)
+
+
 def test_kv_ref_without_both_buffers_is_invalid() -> None:
     _, dest = destination()
-    message = kv_ref_to_proto(kv_ref_from_destination(dest))
+    message = kv_ref_to_proto(issued(dest))
     del message.buffers[1]
     with pytest.raises(InvalidRequestError) as caught:
         kv_ref_from_proto(message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import signing
 from services.common.client import create_channel
 from services.common.clients.decode import DecodeClient
 from services.decode.servicer import SERVICE_NAME
@@ -19,6 +21,7 @@ from services.engine.sampler import SamplingParams
 from tests.conftest import REPO
 
 READY_TIMEOUT_S = 120.0
+TOKEN = "decode-main-test-token"
 READY = re.compile(r"^READY decode port=(\d+) metrics_port=(\d+)$")
 
 
@@ -41,6 +44,7 @@ def test_process_serves_then_stops_on_sigterm(tmp_path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.decode", "--port", "0", "--num-pages", "64", "--transfer-backend", "mooncake"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        env={**os.environ, "STAGESERVE_INTERNAL_TOKEN": TOKEN},
     )
     try:
         port = int(read_ready_line(process, READY_TIMEOUT_S).group(1))
@@ -66,7 +70,8 @@ async def check_serving(address: str) -> None:
     client = DecodeClient(address)
     try:
         kv_ref = await client.reserve("r", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30)
-        assert kv_ref.backend == "mooncake" and kv_ref.engine_address and len(kv_ref.page_ids) == 1
+        assert kv_ref.backend == "mooncake" and kv_ref.session_id and len(kv_ref.page_ids) == 1
+        assert kv_ref.has_valid_mac(signing.key_of(TOKEN))  # signed with STAGESERVE_INTERNAL_TOKEN
         assert (await client.stats()).num_reserved_requests == 1
         assert await client.abort("r", "test")  # never written: quarantined for --kv-quarantine-s (35)
         stats = await client.stats()

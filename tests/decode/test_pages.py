@@ -14,7 +14,7 @@ from services.common.errors import (
     NotFoundError,
 )
 from services.engine.sampler import SamplingParams
-from tests.decode.conftest import WAIT_S, MakeDecode, prompt_of
+from tests.decode.conftest import MakeDecode, prompt_of
 
 
 async def test_capacity_is_resource_exhausted_until_pages_come_back(make_decode: MakeDecode) -> None:
@@ -41,7 +41,7 @@ async def test_abort_mid_stream_ends_it_cancelled_and_frees_pages(make_decode: M
     prompt = prompt_of(8, 1)
     kv_ref = await harness.reserve("r", prompt, params)
     first = harness.prefill.prefill("r", prompt, params, kv_ref)
-    stream = harness.client.generate("r", first, timeout_s=WAIT_S)
+    stream = harness.generate(kv_ref, first)
     assert (await anext(stream)).finish_reason is None
     assert await harness.client.abort("r", "client went away")
     with pytest.raises(AbortedError, match="client went away"):
@@ -59,7 +59,7 @@ async def test_cancelled_stream_aborts_the_request(make_decode: MakeDecode) -> N
     prompt = prompt_of(8, 1)
     kv_ref = await harness.reserve("r", prompt, params)
     first = harness.prefill.prefill("r", prompt, params, kv_ref)
-    async for _ in harness.client.generate("r", first, timeout_s=WAIT_S):
+    async for _ in harness.generate(kv_ref, first):
         break  # the router's client disconnected
     await harness.wait_for(lambda: harness.engine.stats().num_running_requests == 0)
     await harness.wait_all_pages_free()
@@ -78,14 +78,14 @@ async def page_counts(harness) -> tuple[int, int, int]:
 async def test_abort_reserved_request_quarantines_its_pages(make_decode: MakeDecode) -> None:
     harness = await make_decode()
     start = harness.num_start_free_pages
-    await harness.reserve("r", prompt_of(8, 1), SamplingParams(max_new_tokens=12))  # 20 positions: 5 pages
+    kv_ref = await harness.reserve("r", prompt_of(8, 1), SamplingParams(max_new_tokens=12))  # 20 positions: 5 pages
     assert (await harness.client.stats()).num_reserved_requests == 1
     assert await page_counts(harness) == (start - 5, 5, 0)
     assert await harness.client.abort("r", "prefill failed")  # prefill may still be writing its KV
     assert await page_counts(harness) == (start - 5, 0, 5)
     assert (await harness.client.stats()).num_reserved_requests == 0
     with pytest.raises(NotFoundError):
-        async for _ in harness.client.generate("r", 7, timeout_s=WAIT_S):
+        async for _ in harness.generate(kv_ref, 7):
             pass
     await harness.reserve("r", prompt_of(8, 1), SamplingParams(max_new_tokens=12))  # the id is free again
     assert await page_counts(harness) == (start - 10, 5, 5)
@@ -110,7 +110,7 @@ async def test_abort_of_a_running_request_frees_at_once(make_decode: MakeDecode)
     params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
     prompt = prompt_of(8, 2)
     kv_ref = await harness.reserve("r", prompt, params)
-    stream = harness.client.generate("r", harness.prefill.prefill("r", prompt, params, kv_ref), timeout_s=WAIT_S)
+    stream = harness.generate(kv_ref, harness.prefill.prefill("r", prompt, params, kv_ref))
     assert (await anext(stream)).finish_reason is None
     assert await harness.client.abort("r", "a stop string matched")  # running: no is_kv_written needed
     with pytest.raises(AbortedError):
@@ -123,11 +123,11 @@ async def test_abort_of_a_running_request_frees_at_once(make_decode: MakeDecode)
 async def test_reservation_expires_at_its_deadline(make_decode: MakeDecode) -> None:
     harness = await make_decode()
     start = harness.num_start_free_pages
-    await harness.reserve("r", prompt_of(8, 1), SamplingParams(max_new_tokens=12), deadline_in_s=0.2)
+    kv_ref = await harness.reserve("r", prompt_of(8, 1), SamplingParams(max_new_tokens=12), deadline_in_s=0.2)
     await harness.wait_for(lambda: harness.engine.stats().num_reserved_requests == 0)
     assert await page_counts(harness) == (start - 5, 0, 5)  # a late write may still land: quarantined
     with pytest.raises(NotFoundError, match="unknown, expired or aborted"):
-        async for _ in harness.client.generate("r", 7, timeout_s=WAIT_S):
+        async for _ in harness.generate(kv_ref, 7):
             pass
     await harness.pass_quarantine()
     assert await page_counts(harness) == (start, 0, 0)
@@ -145,7 +145,7 @@ async def test_free_pages_return_after_a_mixed_workload(make_decode: MakeDecode)
         params = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)  # 17 pages
         kv_ref = await harness.reserve(f"abort-{i}", prompt_of(6, i), params)
         first = harness.prefill.prefill(f"abort-{i}", prompt_of(6, i), params, kv_ref)
-        async for _ in harness.client.generate(f"abort-{i}", first, timeout_s=WAIT_S):
+        async for _ in harness.generate(kv_ref, first):
             await harness.client.abort(f"abort-{i}", "test")
 
     async def never_generated(i: int) -> None:

@@ -62,7 +62,7 @@ async def test_continuous_batching_matches_offline_engine(make_decode: MakeDecod
         kv_ref = await harness.reserve(request_id, prompt, params)
         first = harness.prefill.prefill(request_id, prompt, params, kv_ref)
         tokens = [first]
-        async for chunk in harness.client.generate(request_id, first, timeout_s=WAIT_S):
+        async for chunk in harness.generate(kv_ref, first):
             tokens += chunk.token_ids
             first_running.set()
         results[request_id] = tokens
@@ -109,11 +109,11 @@ async def test_first_token_can_finish_the_request(make_decode: MakeDecode) -> No
         ("stop-id", SamplingParams(temperature=0.0, stop_token_ids=(7,)), 7, FinishReason.STOP),
     ]
     for request_id, params, first, reason in cases:
-        await harness.reserve(request_id, prompt, params)
-        chunks = [c async for c in harness.client.generate(request_id, first, timeout_s=WAIT_S)]
+        kv_ref = await harness.reserve(request_id, prompt, params)
+        chunks = [c async for c in harness.generate(kv_ref, first)]
         assert [(c.token_ids, c.finish_reason, c.usage) for c in chunks] == [((), reason, Usage(5, 1))]
-    await harness.reserve("ignore", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=3))
-    chunks = [c async for c in harness.client.generate("ignore", EOS, timeout_s=WAIT_S)]
+    kv_ref = await harness.reserve("ignore", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=3))
+    chunks = [c async for c in harness.generate(kv_ref, EOS)]
     assert sum(len(c.token_ids) for c in chunks) == 2 and chunks[-1].finish_reason is FinishReason.LENGTH
 
 
@@ -140,18 +140,18 @@ async def test_duplicate_ids_and_bad_generate_calls(make_decode: MakeDecode) -> 
     harness = await make_decode()
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     prompt = prompt_of(5, 1)
-    await harness.reserve("r", prompt, params)
+    kv_ref = await harness.reserve("r", prompt, params)
     with pytest.raises(InvalidRequestError, match="already live"):
         await harness.reserve("r", prompt, params)
     with pytest.raises(InvalidRequestError, match="first_token_id"):
-        async for _ in harness.client.generate("r", 99999, timeout_s=WAIT_S):
+        async for _ in harness.generate(kv_ref, 99999):
             pass
     with pytest.raises(InvalidRequestError, match="token ids must be"):
         await harness.reserve("bad-token", [1, 99999], params)
-    stream = harness.client.generate("r", 7, timeout_s=WAIT_S)
+    stream = harness.generate(kv_ref, 7)
     first_chunk = await anext(stream)
     with pytest.raises(InvalidRequestError, match="already started"):
-        async for _ in harness.client.generate("r", 7, timeout_s=WAIT_S):
+        async for _ in harness.generate(kv_ref, 7):
             pass
     rest = [c async for c in stream]  # the first stream is unaffected
     assert (rest or [first_chunk])[-1].finish_reason is not None
@@ -166,9 +166,9 @@ async def test_engine_failure_fails_live_requests_and_health(make_decode: MakeDe
 
     harness.engine.worker.execute = broken
     await harness.reserve("reserved", prompt_of(5, 1), SamplingParams())
-    await harness.reserve("r", prompt_of(5, 2), SamplingParams(temperature=0.0))
+    kv_ref = await harness.reserve("r", prompt_of(5, 2), SamplingParams(temperature=0.0))
     with pytest.raises(UnavailableError, match="decode engine stopped"):
-        async for _ in harness.client.generate("r", 7, timeout_s=WAIT_S):
+        async for _ in harness.generate(kv_ref, 7):
             pass
     assert not harness.engine.is_healthy()
     with pytest.raises(UnavailableError, match="not running"):

@@ -21,7 +21,8 @@ import msgspec
 import pytest
 import torch
 
-from services.common.clients.decode import kv_ref_from_destination
+from services.common import signing
+from services.common.clients.decode import KvRefInfo, issue_kv_ref
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.vision_encoder import (
     SpanResult,
@@ -45,6 +46,7 @@ from services.engine.processing.image import content_hash
 from services.engine.sampler import SamplingParams
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
+from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.transfer.embeddings_inprocess import (
     EmbeddingFabric,
@@ -55,6 +57,7 @@ from services.transfer.inprocess_backend import InProcessFabric, InProcessKVRece
 from tests.conftest import TINY_MODEL_DIR, image_bytes
 
 PAGE_SIZE = 4  # the session pipeline's page size: prompts span many pages
+KEY = signing.key_of("prefill-test-token")  # the internal secret the fake decode signs with
 KV_ATOL = 1e-5
 WATCHDOG_POLL_S = 0.01
 
@@ -144,6 +147,12 @@ class DecodePool:
         self._rng.shuffle(pages)
         return self.receiver.destination(request_id, pages)
 
+    @staticmethod
+    def kv_ref(dst, expires_in_s: float = 60.0, key: bytes = KEY) -> KvRefInfo:
+        """The KvRef decode issues for ``dst``: signed, with a fresh nonce."""
+        expires_unix_ms = int((time.time() + expires_in_s) * 1000)
+        return issue_kv_ref(dst, key, signing.new_nonce(), expires_unix_ms)
+
     def kv(self, dst, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(num_tokens)
         slots = torch.tensor(dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
@@ -217,7 +226,7 @@ class Harness:
 
     async def prefill(self, case: Case, deadline_in_s: float = 30.0, extra_pages: int = 2):
         dst = self.decode.reserve(case.request.request_id, len(case.prompt.token_ids), extra_pages)
-        kv_ref = kv_ref_from_destination(dst)  # what the router holds: DecodeClient.reserve's answer
+        kv_ref = self.decode.kv_ref(dst)  # what the router holds: DecodeClient.reserve's answer
         result = await self.client.prefill(
             case.request.request_id, case.prompt, case.request.params, kv_ref, time.time() + deadline_in_s
         )
@@ -253,7 +262,7 @@ async def start_harness(
         kv_sender=InProcessKVSender(kv_fabric), embedding_receiver=InProcessEmbeddingReceiver(embedding_fabric),
     )
     await app.start()
-    servicer = PrefillServicer(config.default_timeout_s)
+    servicer = PrefillServicer(config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces))
     servicer.attach(app.leader)
     health = HealthState()
     server, port = create_server(
@@ -282,6 +291,21 @@ async def harness(pipeline, language_model) -> AsyncIterator[Harness]:
         yield h
     finally:
         await stop_harness(h)
+
+
+def record_sends(harness: Harness) -> list[str]:
+    """Request ids of every KV write the worker begins (the only way it reaches a transfer engine)."""
+    sender = harness.app.leader.worker.kv_sender
+    calls: list[str] = []
+    for name in ("start", "start_layerwise"):  # the worker begins every write with one of them
+        method = getattr(sender, name)
+
+        def recording(request_id, *args, _method=method):
+            calls.append(request_id)
+            return _method(request_id, *args)
+
+        setattr(sender, name, recording)
+    return calls
 
 
 def gate_worker(harness: Harness) -> tuple[Callable[[], None], list[list[str]]]:

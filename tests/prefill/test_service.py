@@ -133,7 +133,9 @@ async def test_kv_transfer_failure_is_unavailable_and_frees_pages(pipeline, harn
     dst = harness.decode.reserve("text", len(case.prompt.token_ids))
     harness.decode.receiver.close()  # decode's pool is gone
     with pytest.raises(UnavailableError, match="no in-process KV pool"):
-        await harness.client.prefill("text", case.prompt, case.request.params, dst, time.time() + 30)
+        await harness.client.prefill(
+            "text", case.prompt, case.request.params, harness.decode.kv_ref(dst), time.time() + 30
+        )
     harness.assert_all_free()
 
 
@@ -153,19 +155,19 @@ async def test_bad_requests_are_invalid_argument(pipeline, harness: Harness) -> 
         "token out of vocab": TokenizedPrompt((1, 2, 999_999)),
     }
     for name, prompt in bad_prompts.items():
-        dst = harness.decode.reserve(f"bad-{name}", max(len(prompt.token_ids), 1))
+        kv_ref = harness.decode.kv_ref(harness.decode.reserve(f"bad-{name}", max(len(prompt.token_ids), 1)))
         with pytest.raises(InvalidRequestError):
-            await harness.client.prefill(f"bad-{name}", prompt, case.request.params, dst, time.time() + 30)
+            await harness.client.prefill(f"bad-{name}", prompt, case.request.params, kv_ref, time.time() + 30)
     text = standard_cases(pipeline)[0]
     n = len(text.prompt.token_ids)
-    short = msgspec.structs.replace(harness.decode.reserve("short", n), page_ids=(0,))
+    short = harness.decode.kv_ref(msgspec.structs.replace(harness.decode.reserve("short", n), page_ids=(0,)))
     with pytest.raises(InvalidRequestError, match="pages") as info:
         await harness.client.prefill("short", text.prompt, text.request.params, short, time.time() + 30)
     assert info.value.param == "kv_ref"
     with pytest.raises(InvalidRequestError) as info:
         await harness.client.prefill(
-            "hot", text.prompt, SamplingParams(temperature=-1.0), harness.decode.reserve("hot", n),
-            time.time() + 30,
+            "hot", text.prompt, SamplingParams(temperature=-1.0),
+            harness.decode.kv_ref(harness.decode.reserve("hot", n)), time.time() + 30,
         )
     assert info.value.param == "temperature"
     harness.assert_all_free()

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from services.common import signing
 from services.common.errors import AbortedError, InvalidRequestError, NotFoundError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import (
@@ -89,15 +90,18 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         return response
 
 
-def _kv_ref(num_pages: int) -> common_pb2.KvRef:
+FAKE_KEY = b"fake-internal-token"  # the key the fake decode and prefill share
+
+
+def _kv_ref(request_id: str, num_pages: int) -> common_pb2.KvRef:
     buffers = [
         common_pb2.KvBuffer(kind=kind, base_address=4096 * kind, size_bytes=1024, layer_stride_bytes=512,
                             page_stride_bytes=64, slot_stride_bytes=4)
         for kind in (common_pb2.KV_BUFFER_KIND_K, common_pb2.KV_BUFFER_KIND_V)
     ]
-    return common_pb2.KvRef(backend="inprocess", engine_address="fake", session_id="fake",
+    return common_pb2.KvRef(request_id=request_id, backend="inprocess", session_id="fake",
                             page_ids=list(range(num_pages)), page_size=16, num_layers=2, num_kv_heads=1,
-                            head_dim=4, dtype="float32", buffers=buffers)
+                            head_dim=4, dtype="float32", buffers=buffers, nonce=signing.new_nonce())
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
@@ -106,6 +110,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.reserved: dict[str, decode_pb2.ReserveRequest] = {}
         self.aborted: list[str] = []
         self.is_kv_written: dict[str, bool] = {}  # AbortRequest.is_kv_written, by request id
+        self.proofs: dict[str, bytes] = {}  # the kv_written_proof Generate must carry, by request id
         self.generate_started = asyncio.Event()
         self.server: grpc.aio.Server | None = None  # set by start_worker, stopped by decode_fail_after
         self.stopping: asyncio.Task | None = None
@@ -118,13 +123,17 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         if self.script.reserve_error is not None:
             raise self.script.reserve_error
         self.reserved[request.request_id] = request
-        return decode_pb2.ReserveResponse(kv_ref=_kv_ref(1 + len(request.prompt_token_ids) // 16))
+        kv_ref = _kv_ref(request.request_id, 1 + len(request.prompt_token_ids) // 16)
+        self.proofs[request.request_id] = signing.kv_written_proof(FAKE_KEY, request.request_id, kv_ref.nonce)
+        return decode_pb2.ReserveResponse(kv_ref=kv_ref)
 
     @handle_errors
     async def Generate(self, request: Any, context: Any):
         reserve = self.reserved.get(request.request_id)
         if reserve is None:
             raise NotFoundError(f"no reservation for {request.request_id}")
+        if request.kv_written_proof != self.proofs[request.request_id]:
+            raise InvalidRequestError("kv_written_proof is not prefill's", param="kv_written_proof")
         self.generate_started.set()
         limit = reserve.sampling_params.max_new_tokens
         ids = self.script.output_ids[1:limit]
@@ -172,7 +181,10 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         if self.script.prefill_error is not None:
             raise self.script.prefill_error
         first = self.script.output_ids[0]
-        response = prefill_pb2.PrefillResponse(first_token_id=first, kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS)
+        proof = signing.kv_written_proof(FAKE_KEY, request.kv_ref.request_id, request.kv_ref.nonce)
+        response = prefill_pb2.PrefillResponse(
+            first_token_id=first, kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS, kv_written_proof=proof
+        )
         if first == EOS_ID:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
         elif request.sampling_params.max_new_tokens == 1:

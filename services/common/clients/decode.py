@@ -1,10 +1,10 @@
 """Typed client of the decode service, and the proto <-> domain conversions around it.
 
-``KvRefInfo`` is the domain form of ``stageserve.v1.KvRef``: the router gets it from
-``DecodeClient.reserve`` and hands it unchanged to the prefill client
-(``kv_ref_to_proto``); prefill turns it back into a ``KvDestination``
-(``KvRefInfo.to_destination``) to write the KV. Importing this module does not import
-torch: only ``to_destination`` / ``kv_ref_from_destination`` touch ``services.transfer``.
+``KvRefInfo`` is the domain form of ``stageserve.v1.KvRef``: decode issues it signed
+(``issue_kv_ref``), the router gets it from ``DecodeClient.reserve`` and hands it
+unchanged to the prefill client (``kv_ref_to_proto``); prefill checks its MAC and turns it
+back into a ``KvDestination`` (``KvRefInfo.to_destination``) to write the KV. Importing
+this module does not import torch: only ``to_destination`` touches ``services.transfer``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import grpc
 import msgspec
 
-from services.common import telemetry
+from services.common import signing, telemetry
 from services.common.client import create_channel
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
@@ -43,11 +43,16 @@ class KvBufferInfo(msgspec.Struct, frozen=True):
 
 
 class KvRefInfo(msgspec.Struct, frozen=True):
-    """Where prefill writes one request's prompt KV (mirrors the proto ``KvRef``)."""
+    """Where prefill writes one request's prompt KV (mirrors the proto ``KvRef``), signed by decode.
 
+    ``mac`` covers every other field (``signed_fields``), so prefill trusts a KvRef only
+    when ``has_valid_mac``: the pages, the layout and the endpoint are the ones decode
+    issued for ``request_id``, until ``expires_unix_ms``.
+    """
+
+    request_id: str
     backend: str  # transfer backend name as services.transfer knows it ("mooncake", "inprocess")
-    engine_address: str  # decode's transfer-engine endpoint (Mooncake: "host:rpc_port")
-    session_id: str  # transfer-engine session id of the owning decode rank
+    session_id: str  # the owning decode rank's transfer-engine endpoint (Mooncake: "host:rpc_port")
     dp_rank: int
     page_ids: tuple[int, ...]  # the prompt's pages, position order
     page_size: int
@@ -56,11 +61,21 @@ class KvRefInfo(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str  # torch dtype name without prefix
     buffers: tuple[KvBufferInfo, ...]  # one "k", one "v"
+    nonce: bytes  # signing.NONCE_BYTES random bytes, one per reservation
+    expires_unix_ms: int  # the reservation's deadline, ms since the Unix epoch
+    mac: bytes  # signing.sign(key, KV_REF, signed_fields())
 
     def buffer(self, kind: str) -> KvBufferInfo:
         return next(b for b in self.buffers if b.kind == kind)
 
-    def to_destination(self, request_id: str) -> KvDestination:
+    def signed_fields(self) -> tuple[object, ...]:
+        """Every field but ``mac``, in declaration order: what the MAC covers."""
+        return tuple(getattr(self, name) for name in self.__struct_fields__ if name != "mac")
+
+    def has_valid_mac(self, key: bytes) -> bool:
+        return signing.verify(key, signing.KV_REF, self.signed_fields(), self.mac)
+
+    def to_destination(self) -> KvDestination:
         """The ``services.transfer`` destination prefill's KV sender writes to."""
         from services.transfer.base import KvDestination, KvPoolLayout
 
@@ -76,10 +91,13 @@ class KvRefInfo(msgspec.Struct, frozen=True):
             dtype=self.dtype,
             page_nbytes=k.page_stride_bytes,
         )
-        return KvDestination(self.backend, self.session_id, request_id, layout, self.page_ids)
+        return KvDestination(self.backend, self.session_id, self.request_id, layout, self.page_ids)
 
 
-def kv_ref_from_destination(destination: KvDestination, dp_rank: int = 0) -> KvRefInfo:
+def issue_kv_ref(
+    destination: KvDestination, key: bytes, nonce: bytes, expires_unix_ms: int, dp_rank: int = 0
+) -> KvRefInfo:
+    """Decode's signed KvRef of ``destination`` (a reservation of ``destination.request_id``)."""
     layout = destination.layout
     layer_stride = layout.num_pages * layout.page_nbytes
     buffers = tuple(
@@ -93,9 +111,9 @@ def kv_ref_from_destination(destination: KvDestination, dp_rank: int = 0) -> KvR
         )
         for kind, base in (("k", layout.k_base), ("v", layout.v_base))
     )
-    return KvRefInfo(
+    unsigned = KvRefInfo(
+        request_id=destination.request_id,
         backend=destination.backend,
-        engine_address=destination.session_id,
         session_id=destination.session_id,
         dp_rank=dp_rank,
         page_ids=tuple(destination.page_ids),
@@ -105,7 +123,12 @@ def kv_ref_from_destination(destination: KvDestination, dp_rank: int = 0) -> KvR
         head_dim=layout.head_dim,
         dtype=layout.dtype,
         buffers=buffers,
+        nonce=nonce,
+        expires_unix_ms=expires_unix_ms,
+        mac=b"",
     )
+    mac = signing.sign(key, signing.KV_REF, unsigned.signed_fields())
+    return msgspec.structs.replace(unsigned, mac=mac)
 
 
 _BUFFER_KINDS = {"k": common_pb2.KV_BUFFER_KIND_K, "v": common_pb2.KV_BUFFER_KIND_V}
@@ -114,8 +137,8 @@ _BUFFER_KIND_NAMES = {code: name for name, code in _BUFFER_KINDS.items()}
 
 def kv_ref_to_proto(info: KvRefInfo) -> common_pb2.KvRef:
     return common_pb2.KvRef(
+        request_id=info.request_id,
         backend=info.backend,
-        engine_address=info.engine_address,
         session_id=info.session_id,
         dp_rank=info.dp_rank,
         page_ids=info.page_ids,
@@ -135,6 +158,9 @@ def kv_ref_to_proto(info: KvRefInfo) -> common_pb2.KvRef:
             )
             for b in info.buffers
         ],
+        nonce=info.nonce,
+        expires_unix_ms=info.expires_unix_ms,
+        mac=info.mac,
     )
 
 
@@ -146,8 +172,8 @@ def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
     if kinds != ["k", "v"] or message.page_size == 0 or any(b.page_stride_bytes == 0 for b in message.buffers):
         raise InvalidRequestError("kv_ref must carry one K and one V buffer and a page size", param="kv_ref")
     return KvRefInfo(
+        request_id=message.request_id,
         backend=message.backend,
-        engine_address=message.engine_address,
         session_id=message.session_id,
         dp_rank=message.dp_rank,
         page_ids=tuple(message.page_ids),
@@ -167,6 +193,9 @@ def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
             )
             for b in message.buffers
         ),
+        nonce=message.nonce,
+        expires_unix_ms=message.expires_unix_ms,
+        mac=message.mac,
     )
 
 
@@ -299,15 +328,21 @@ class DecodeClient:
             raise error_from_rpc(exc) from exc
         return kv_ref_from_proto(reply.kv_ref)
 
-    async def generate(self, request_id: str, first_token_id: int, timeout_s: float) -> AsyncIterator[DecodeChunk]:
+    async def generate(
+        self, request_id: str, first_token_id: int, timeout_s: float, *, kv_written_proof: bytes
+    ) -> AsyncIterator[DecodeChunk]:
         """Stream the tokens after ``first_token_id`` until the request finishes.
 
-        Leaving the iteration early (``break``, ``aclose``, cancellation) cancels the call,
-        which aborts the request on decode and frees its pages. Raises ``NotFoundError``
-        (unknown or expired request), ``AbortedError`` (aborted meanwhile),
-        ``DeadlineExceededError`` (``timeout_s`` passed), ``UnavailableError``.
+        ``kv_written_proof``: what prefill returned for this request (``PrefillResult``);
+        decode starts no reservation without it. Leaving the iteration early (``break``,
+        ``aclose``, cancellation) cancels the call, which aborts the request on decode and
+        frees its pages. Raises ``NotFoundError`` (unknown or expired request),
+        ``InvalidRequestError`` (missing or wrong proof), ``AbortedError`` (aborted
+        meanwhile), ``DeadlineExceededError`` (``timeout_s`` passed), ``UnavailableError``.
         """
-        request = decode_pb2.DecodeGenerateRequest(request_id=request_id, first_token_id=first_token_id)
+        request = decode_pb2.DecodeGenerateRequest(
+            request_id=request_id, first_token_id=first_token_id, kv_written_proof=kv_written_proof
+        )
         call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata(request_id))
         try:
             async for message in call:

@@ -17,12 +17,7 @@ import msgspec
 
 from services.common import telemetry
 from services.common.client import create_channel
-from services.common.clients.decode import (
-    KvRefInfo,
-    kv_ref_from_destination,
-    kv_ref_to_proto,
-    sampling_params_to_proto,
-)
+from services.common.clients.decode import KvRefInfo, kv_ref_to_proto, sampling_params_to_proto
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -31,7 +26,6 @@ from services.common.types import FinishReason, ImageSpanRef, TokenizedPrompt
 
 if TYPE_CHECKING:
     from services.engine.sampler import SamplingParams
-    from services.transfer.base import KvDestination
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -40,6 +34,7 @@ class PrefillResult(msgspec.Struct, frozen=True):
     first_token_id: int
     num_kv_bytes: int
     kv_transfer_us: int
+    kv_written_proof: bytes  # hand to DecodeClient.generate: decode starts the request only with it
     num_cached_image_tokens: int = 0
     # Set when the first token already ends the request (EOS / stop token,
     # max_new_tokens == 1, context limit): the router aborts decode's reservation.
@@ -59,13 +54,13 @@ class PrefillClient:
         request_id: str,
         prompt: TokenizedPrompt,
         params: SamplingParams,
-        kv_ref: KvRefInfo | KvDestination,
+        kv_ref: KvRefInfo,
         deadline_s: float,
     ) -> PrefillResult:
         """Prefill ``prompt`` and write its KV into ``kv_ref``'s pages, by ``deadline_s``.
 
-        ``kv_ref`` is what ``DecodeClient.reserve`` returned (or the ``KvDestination`` of
-        an in-process decode pool).
+        ``kv_ref`` is what ``DecodeClient.reserve`` returned, signed by decode; prefill
+        accepts it once, for ``request_id``, until it expires.
 
         ``deadline_s`` is absolute: seconds since the Unix epoch (``time.time()`` clock).
         Raises the ``StageServeError`` the worker answered with (``InvalidRequestError``,
@@ -97,11 +92,12 @@ _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 
 def prefill_request_to_proto(
-    request_id: str, prompt: TokenizedPrompt, params: SamplingParams, kv_ref: KvRefInfo | KvDestination,
+    request_id: str,
+    prompt: TokenizedPrompt,
+    params: SamplingParams,
+    kv_ref: KvRefInfo,
     deadline_s: float,
 ) -> prefill_pb2.PrefillRequest:
-    if not isinstance(kv_ref, KvRefInfo):
-        kv_ref = kv_ref_from_destination(kv_ref)
     return prefill_pb2.PrefillRequest(
         request_id=request_id,
         token_ids=prompt.token_ids,
@@ -121,6 +117,7 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         num_kv_bytes=result.num_kv_bytes,
         kv_transfer_us=result.kv_transfer_us,
         num_cached_image_tokens=result.num_cached_image_tokens,
+        kv_written_proof=result.kv_written_proof,
     )
 
 
@@ -129,6 +126,7 @@ def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillR
         first_token_id=response.first_token_id,
         num_kv_bytes=response.num_kv_bytes,
         kv_transfer_us=response.kv_transfer_us,
+        kv_written_proof=response.kv_written_proof,
         num_cached_image_tokens=response.num_cached_image_tokens,
         finish_reason=_FINISH_FROM_PROTO.get(response.finish_reason),
     )

@@ -143,9 +143,8 @@ class KvBuffer(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvBufferKind, str]] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class KvRef(_message.Message):
-    __slots__ = ("backend", "engine_address", "session_id", "dp_rank", "page_ids", "page_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "buffers")
+    __slots__ = ("backend", "session_id", "dp_rank", "page_ids", "page_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "buffers", "request_id", "nonce", "expires_unix_ms", "mac")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    ENGINE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -155,8 +154,11 @@ class KvRef(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     backend: str
-    engine_address: str
     session_id: str
     dp_rank: int
     page_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -166,7 +168,11 @@ class KvRef(_message.Message):
     head_dim: int
     dtype: str
     buffers: _containers.RepeatedCompositeFieldContainer[KvBuffer]
-    def __init__(self, backend: _Optional[str] = ..., engine_address: _Optional[str] = ..., session_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[KvBuffer, _Mapping]]] = ...) -> None: ...
+    request_id: str
+    nonce: bytes
+    expires_unix_ms: int
+    mac: bytes
+    def __init__(self, backend: _Optional[str] = ..., session_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[KvBuffer, _Mapping]]] = ..., request_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class EmbeddingRef(_message.Message):
     __slots__ = ("backend", "engine_address", "session_id", "cp_rank", "base_address", "num_rows", "row_stride_bytes", "hidden_size", "dtype")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/decode.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xae\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14mrope_position_delta\x18\x03 \x01(\x11\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"7\n\x0fReserveResponse\x12$\n\x06kv_ref\x18\x01 \x01(\x0b\x32\x14.stageserve.v1.KvRef\"C\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\"\x84\x01\n\x16\x44\x65\x63odeGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.stageserve.v1.Usage\"I\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\ris_kv_written\x18\x03 \x01(\x08\"!\n\rAbortResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\x0f\x44\x65\x63odeRankStats\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12\x1d\n\x15num_quarantined_pages\x18\x07 \x01(\r\"\xf6\x01\n\rStatsResponse\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12-\n\x05ranks\x18\x07 \x03(\x0b\x32\x1e.stageserve.v1.DecodeRankStats\x12\x1d\n\x15num_quarantined_pages\x18\x08 \x01(\r2\xb5\x02\n\x06\x44\x65\x63ode\x12H\n\x07Reserve\x12\x1d.stageserve.v1.ReserveRequest\x1a\x1e.stageserve.v1.ReserveResponse\x12Y\n\x08Generate\x12$.stageserve.v1.DecodeGenerateRequest\x1a%.stageserve.v1.DecodeGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.stageserve.v1.AbortRequest\x1a\x1c.stageserve.v1.AbortResponse\x12\x42\n\x05Stats\x12\x1b.stageserve.v1.StatsRequest\x1a\x1c.stageserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/decode.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xae\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14mrope_position_delta\x18\x03 \x01(\x11\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"7\n\x0fReserveResponse\x12$\n\x06kv_ref\x18\x01 \x01(\x0b\x32\x14.stageserve.v1.KvRef\"]\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10kv_written_proof\x18\x03 \x01(\x0c\"\x84\x01\n\x16\x44\x65\x63odeGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.stageserve.v1.Usage\"I\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\ris_kv_written\x18\x03 \x01(\x08\"!\n\rAbortResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc7\x01\n\x0f\x44\x65\x63odeRankStats\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12\x1d\n\x15num_quarantined_pages\x18\x07 \x01(\r\"\xf6\x01\n\rStatsResponse\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12-\n\x05ranks\x18\x07 \x03(\x0b\x32\x1e.stageserve.v1.DecodeRankStats\x12\x1d\n\x15num_quarantined_pages\x18\x08 \x01(\r2\xb5\x02\n\x06\x44\x65\x63ode\x12H\n\x07Reserve\x12\x1d.stageserve.v1.ReserveRequest\x1a\x1e.stageserve.v1.ReserveResponse\x12Y\n\x08Generate\x12$.stageserve.v1.DecodeGenerateRequest\x1a%.stageserve.v1.DecodeGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.stageserve.v1.AbortRequest\x1a\x1c.stageserve.v1.AbortResponse\x12\x42\n\x05Stats\x12\x1b.stageserve.v1.StatsRequest\x1a\x1c.stageserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESERVERESPONSE']._serialized_start=250
   _globals['_RESERVERESPONSE']._serialized_end=305
   _globals['_DECODEGENERATEREQUEST']._serialized_start=307
-  _globals['_DECODEGENERATEREQUEST']._serialized_end=374
-  _globals['_DECODEGENERATERESPONSE']._serialized_start=377
-  _globals['_DECODEGENERATERESPONSE']._serialized_end=509
-  _globals['_ABORTREQUEST']._serialized_start=511
-  _globals['_ABORTREQUEST']._serialized_end=584
-  _globals['_ABORTRESPONSE']._serialized_start=586
-  _globals['_ABORTRESPONSE']._serialized_end=619
-  _globals['_STATSREQUEST']._serialized_start=621
-  _globals['_STATSREQUEST']._serialized_end=635
-  _globals['_DECODERANKSTATS']._serialized_start=638
-  _globals['_DECODERANKSTATS']._serialized_end=837
-  _globals['_STATSRESPONSE']._serialized_start=840
-  _globals['_STATSRESPONSE']._serialized_end=1086
-  _globals['_DECODE']._serialized_start=1089
-  _globals['_DECODE']._serialized_end=1398
+  _globals['_DECODEGENERATEREQUEST']._serialized_end=400
+  _globals['_DECODEGENERATERESPONSE']._serialized_start=403
+  _globals['_DECODEGENERATERESPONSE']._serialized_end=535
+  _globals['_ABORTREQUEST']._serialized_start=537
+  _globals['_ABORTREQUEST']._serialized_end=610
+  _globals['_ABORTRESPONSE']._serialized_start=612
+  _globals['_ABORTRESPONSE']._serialized_end=645
+  _globals['_STATSREQUEST']._serialized_start=647
+  _globals['_STATSREQUEST']._serialized_end=661
+  _globals['_DECODERANKSTATS']._serialized_start=664
+  _globals['_DECODERANKSTATS']._serialized_end=863
+  _globals['_STATSRESPONSE']._serialized_start=866
+  _globals['_STATSRESPONSE']._serialized_end=1112
+  _globals['_DECODE']._serialized_start=1115
+  _globals['_DECODE']._serialized_end=1424
 # @@protoc_insertion_point(module_scope)

@@ -28,12 +28,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, kv_ref: _Optional[_Union[_common_pb2.KvRef, _Mapping]] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id")
+    __slots__ = ("request_id", "first_token_id", "kv_written_proof")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_WRITTEN_PROOF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    kv_written_proof: bytes
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_written_proof: _Optional[bytes] = ...) -> None: ...
 
 class DecodeGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "usage")

@@ -78,8 +78,9 @@ class DecodeServicer:
         plus max_new_tokens (capped by the context length, so a running request never runs
         out of pages), opens the transfer session (BOOTSTRAPPING) and returns where prefill
         writes. RESOURCE_EXHAUSTED when no rank has enough free pages right now;
-        INVALID_ARGUMENT for a bad request or a duplicate request_id. The pages are
-        quarantined if Generate has not started by the deadline.
+        INVALID_ARGUMENT for a bad request or a duplicate request_id. The reservation
+        expires at the request's deadline or after decode's --max-reservation-s, whichever
+        comes first; its pages are quarantined if Generate has not started by then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,7 +88,9 @@ class DecodeServicer:
 
     def Generate(self, request, context):
         """Starts decoding a reserved request whose KV prefill has fully written, and streams
-        its tokens until it finishes. NOT_FOUND for an unknown or expired request_id.
+        its tokens until it finishes. NOT_FOUND for an unknown or expired request_id;
+        INVALID_ARGUMENT (param kv_written_proof) when kv_written_proof is missing or is not
+        the one prefill returned for this reservation (the reservation stays as it was).
         Cancelling the call aborts the request and frees its pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
