@@ -139,6 +139,9 @@ class PrefillLeader:
             return await self._wait(request, future)
         finally:
             self._futures.pop(request.request_id, None)
+            if not future.done():  # the caller gave up (deadline, cancellation) or an error
+                gone = AbortedError(f"the caller of {request.request_id} is gone")
+                self._abort(request.request_id, gone)
 
     def _validated(self, request: PrefillInput, images: dict[str, bytes]) -> PrefillInput:
         validate_prompt(request.token_ids, request.spans, images, request.params, self.limits)
@@ -156,11 +159,7 @@ class PrefillLeader:
             async with asyncio.timeout(max(request.deadline - self._clock(), 0.0)):
                 outcome = await asyncio.shield(future)
         except TimeoutError:
-            self._abort(request_id, DeadlineExceededError(f"prefill of {request_id} passed its deadline"))
             raise DeadlineExceededError(f"prefill of {request_id} passed its deadline") from None
-        except asyncio.CancelledError:
-            self._abort(request_id, AbortedError(f"prefill of {request_id} was cancelled by the caller"))
-            raise
         if outcome.error is not None:
             raise outcome.error
         return outcome
@@ -191,9 +190,13 @@ class PrefillLeader:
         metrics.QUEUED.set(sum(self.scheduler.num_in(s) for s in (ReqStatus.QUEUED, ReqStatus.ENCODING, ReqStatus.READY)))
 
     async def _tick_forever(self) -> None:
+        """Pump every ``TICK_S``; a failing pump is logged and retried (expiry and quarantine need it)."""
         while True:
             await asyncio.sleep(TICK_S)
-            self._pump()
+            try:
+                self._pump()
+            except Exception:  # the ticker's last resort: dead, it would leak every later deadline
+                logger.exception("prefill scheduler tick failed")
 
     def _spawn(self, coro: object) -> None:
         assert self._loop is not None
@@ -243,29 +246,50 @@ class PrefillLeader:
         self._pump()
 
     async def _encode(self, entry: SchedEntry) -> None:
-        assert self.encoder is not None
+        """Encode ``entry``'s spans into its rows; ``finish_encoding`` runs on every path.
+
+        Until the encoder answered it may still be writing the rows (timeout, cancellation,
+        an unexpected failure), so they are quarantined then, freed otherwise.
+        """
         request = entry.input
         error: StageServeError | None = None
-        num_cached, may_still_write = 0, False
+        num_cached, may_still_write = 0, True
         token = otel_context.attach(telemetry.extract_context(request.trace_carrier.items()))
         try:
-            spans, dest_row = [], 0
-            for span in request.spans:
-                spans.append(EncodeSpanInput(span, entry.images[span.content_hash], dest_row))
-                dest_row += span.length
-            destination = self.embedding_receiver.destination(request.request_id, entry.row_start, dest_row)
-            results = await self.encoder.encode(
-                request.request_id, spans, destination, timeout_s=request.deadline - self._clock()
-            )
-            error = spans_error(request, results)
+            results = await self._call_encoder(entry)
+            error, may_still_write = spans_error(request, results), False
             num_cached = sum(s.length for s, r in zip(request.spans, results, strict=False) if r.is_cache_hit)
         except DeadlineExceededError as exc:  # the encoder may still be writing the rows
-            error, may_still_write = exc, True
-        except StageServeError as exc:
             error = exc
+        except StageServeError as exc:
+            error, may_still_write = exc, False
+        except asyncio.CancelledError:  # the leader is stopping
+            error = UnavailableError(f"prefill shut down while encoding {request.request_id}'s images")
+            raise
+        except Exception as exc:  # a bug here or in the encoder client: fail the request, keep serving
+            logger.exception("encoding the images of %s failed", request.request_id)
+            error = StageServeError(
+                f"prefill failed to encode the images of {request.request_id}: internal error "
+                f"({type(exc).__name__}; see prefill's log)"
+            )
         finally:
             otel_context.detach(token)
-        outcome = self.scheduler.finish_encoding(request.request_id, error, num_cached, may_still_write)
-        if outcome is not None:
-            self._resolve([outcome])
-        self._pump()
+            outcome = self.scheduler.finish_encoding(
+                request.request_id, error, num_cached, may_still_write
+            )
+            if outcome is not None:
+                self._resolve([outcome])
+            self._pump()
+
+    async def _call_encoder(self, entry: SchedEntry) -> list[SpanResult]:
+        assert self.encoder is not None
+        request = entry.input
+        spans, dest_row = [], 0
+        for span in request.spans:
+            spans.append(EncodeSpanInput(span, entry.images[span.content_hash], dest_row))
+            dest_row += span.length
+        receiver = self.embedding_receiver
+        destination = receiver.destination(request.request_id, entry.row_start, dest_row)
+        return await self.encoder.encode(
+            request.request_id, spans, destination, timeout_s=request.deadline - self._clock()
+        )
