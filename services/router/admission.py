@@ -52,7 +52,7 @@ class TicketState(enum.Enum):
 class RejectReason(enum.Enum):
     QUEUE_FULL = "queue_full"  # the queue held max_queued requests when it arrived
     QUEUE_TIMEOUT = "queue_timeout"  # it waited queue_timeout_s for a slot
-    KV_CAPACITY = "kv_capacity"  # it waited queue_timeout_s, decode refusing it KV pages
+    KV_CAPACITY = "kv_capacity"  # it waited queue_timeout_s while decode had no KV pages for it or those ahead
 
 
 class AdmissionSnapshot(msgspec.Struct, frozen=True):
@@ -73,7 +73,7 @@ class Ticket:
         self.seq = seq  # arrival order: the queue's key
         self.wait_deadline = wait_deadline  # event-loop clock
         self.state = TicketState.NEW
-        self.refusal: CapacityError | None = None  # decode's last RESOURCE_EXHAUSTED
+        self.refusal: CapacityError | None = None  # why it waits for KV pages, if it does
         self.waited_s = 0.0
         self.is_wait_observed = False
         self.granted: asyncio.Future[None] | None = None
@@ -102,6 +102,7 @@ class AdmissionManager:
         self._window = max_running  # while kv-limited: granted tickets awaiting their Reserve result
         self._trying: set[Ticket] = set()
         self._num_refusals = 0  # in a row, for the backoff
+        self._last_refusal: CapacityError | None = None
         self._backoff: asyncio.TimerHandle | None = None
 
     def snapshot(self) -> AdmissionSnapshot:
@@ -138,7 +139,7 @@ class AdmissionManager:
     def refused(self, ticket: Ticket, error: CapacityError) -> None:
         """Every decode worker refused ``ticket`` KV pages: back to its place in the queue."""
         assert ticket.state is TicketState.RUNNING
-        ticket.refusal = error
+        ticket.refusal = self._last_refusal = error
         self._trying.discard(ticket)
         self._num_running -= 1
         self._enqueue(ticket)
@@ -203,6 +204,8 @@ class AdmissionManager:
                 await ticket.granted
         except TimeoutError:
             if ticket.state is not TicketState.RUNNING:  # granted just as the limit passed: run
+                if ticket.refusal is None and self._is_kv_limited:  # held back by the KV gate
+                    ticket.refusal = self._last_refusal
                 self._unqueue(ticket)
                 reason = RejectReason.QUEUE_TIMEOUT if ticket.refusal is None else RejectReason.KV_CAPACITY
                 self._reject(ticket, reason)

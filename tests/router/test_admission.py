@@ -192,3 +192,17 @@ async def test_waiting_for_kv_pages_past_the_limit_is_a_429(requests_of):
             refuse(admission, ticket)
     assert metric(admission, "admission_rejected_total", reason="kv_capacity") == 1
     assert admission.snapshot().num_queued == 0 and admission.snapshot().num_running == 0
+
+
+async def test_a_wait_behind_the_kv_gate_past_the_limit_is_a_kv_capacity_429(requests_of):
+    admission = manager(max_running=4, max_queued=8, queue_timeout_s=0.3)
+    requests = requests_of(admission)
+    await requests.arrive(1)
+    await wait_until(lambda: requests.running() == [0])
+    refuse(admission, requests.tickets[0])
+    [later] = await requests.arrive()  # free slots, but the gate holds it behind request 0
+    await wait_until(lambda: requests.running() == [0])  # request 0 tries again and never hears back
+    with pytest.raises(OverloadedError, match="for KV pages on decode: no free KV pages"):
+        await later
+    assert metric(admission, "admission_rejected_total", reason="kv_capacity") == 1
+    assert metric(admission, "admission_rejected_total", reason="queue_timeout") == 0
