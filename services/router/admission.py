@@ -52,7 +52,7 @@ class TicketState(enum.Enum):
 class RejectReason(enum.Enum):
     QUEUE_FULL = "queue_full"  # the queue held max_queued requests when it arrived
     QUEUE_TIMEOUT = "queue_timeout"  # it waited queue_timeout_s for a slot
-    KV_CAPACITY = "kv_capacity"  # it waited queue_timeout_s while decode had no KV pages for it or those ahead
+    KV_CAPACITY = "kv_capacity"  # it waited queue_timeout_s while decode had no KV pages
 
 
 class AdmissionSnapshot(msgspec.Struct, frozen=True):
@@ -207,8 +207,8 @@ class AdmissionManager:
                 if ticket.refusal is None and self._is_kv_limited:  # held back by the KV gate
                     ticket.refusal = self._last_refusal
                 self._unqueue(ticket)
-                reason = RejectReason.QUEUE_TIMEOUT if ticket.refusal is None else RejectReason.KV_CAPACITY
-                self._reject(ticket, reason)
+                is_kv = ticket.refusal is not None
+                self._reject(ticket, RejectReason.KV_CAPACITY if is_kv else RejectReason.QUEUE_TIMEOUT)
         finally:
             ticket.granted = None
 
@@ -228,7 +228,7 @@ class AdmissionManager:
     def _reject_message(self, ticket: Ticket, reason: RejectReason) -> str:
         load = f"{self._num_running} running, {self._num_waiting} queued"
         if reason is RejectReason.QUEUE_FULL:
-            return f"the router is at capacity ({load}, the queue limit is {self.max_queued}); retry later"
+            return f"the router is at capacity ({load}; queue limit {self.max_queued}); retry later"
         waited = f"request {ticket.request_id} waited {ticket.waited_s:.1f} s (--queue-timeout-s)"
         if reason is RejectReason.KV_CAPACITY:
             return f"{waited} for KV pages on decode: {ticket.refusal}"

@@ -49,7 +49,9 @@ class FlowConfig:
         if not self.stall_timeout_s > 0:
             raise ValueError(f"--stall-timeout-s must be > 0, got {self.stall_timeout_s}")
         if self.max_concurrent_requests < 1:
-            raise ValueError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
+            raise ValueError(
+                f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}"
+            )
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if not self.queue_timeout_s >= 0:

@@ -90,9 +90,11 @@ class Placer:
                 reservation.is_kv_written = True  # prefill answers only after the whole KV landed
                 return reservation, result
             except UnavailableError as exc:
-                if prefill is None or failed or not self._registry.has_ready(WorkerKind.PREFILL, [prefill]):
+                has_other = prefill is not None and self._registry.has_ready(WorkerKind.PREFILL, [prefill])
+                if failed or not has_other:
                     self.end(reservation)
                     raise
+                assert prefill is not None
                 failed.append(prefill)
                 error = exc
             except BaseException:
@@ -142,7 +144,7 @@ class Placer:
                 self._metrics.kv_refusals.labels(worker.address).inc()
                 refusal = exc
             except UnavailableError:
-                self.end(Reservation(job.request_id, worker, None))  # it may have reserved before failing
+                self.end(Reservation(job.request_id, worker, None))  # it may have reserved anyway
                 num_unavailable += 1
                 if num_unavailable > 1 or not self._registry.has_ready(WorkerKind.DECODE, tried):
                     if refusal is not None:

@@ -45,6 +45,5 @@ class StallBound:
             if not bound.expired():
                 raise
             self._registry.record_stall(worker, hop)
-            raise UnavailableError(
-                f"request {request_id}: {_SILENCE[hop]} for {self.stall_timeout_s:g} s (--stall-timeout-s)"
-            ) from None
+            silence = f"{_SILENCE[hop]} for {self.stall_timeout_s:g} s (--stall-timeout-s)"
+            raise UnavailableError(f"request {request_id}: {silence}") from None

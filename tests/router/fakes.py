@@ -154,7 +154,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             raise self.script.reserve_error
         if self.capacity is not None and len(self.holding) >= self.capacity:
             self.num_refused += 1
-            raise CapacityError(f"{request.request_id} needs pages; {len(self.holding)} requests hold them all")
+            raise CapacityError(f"no pages for {request.request_id}: {len(self.holding)} requests hold them")
         self.holding.add(request.request_id)
         self.ended.discard(request.request_id)  # decode forgets an aborted id: it may reserve again
         self.reserved[request.request_id] = request

@@ -21,8 +21,10 @@ def test_defaults():
 
 
 def test_flags_reach_the_config():
-    flow = flow_of("--stall-timeout-s", "2.5", "--max-concurrent-requests", "8", "--max-queued-requests", "0",
-                   "--queue-timeout-s", "0")
+    flow = flow_of(
+        "--stall-timeout-s", "2.5", "--max-concurrent-requests", "8", "--max-queued-requests", "0",
+        "--queue-timeout-s", "0",
+    )
     assert flow == FlowConfig(
         stall_timeout_s=2.5, max_concurrent_requests=8, max_queued_requests=0, queue_timeout_s=0.0
     )

@@ -41,7 +41,8 @@ async def test_a_frozen_decode_ends_its_live_stream_within_the_stall_bound():
     app = None
     try:
         decode_port = (await read_ready(decode, "decode"))["port"]
-        cfg = router_config(Cluster(script, tokenizer, [prefill], []), flow=FlowConfig(stall_timeout_s=STALL_S))
+        flow = FlowConfig(stall_timeout_s=STALL_S)
+        cfg = router_config(Cluster(script, tokenizer, [prefill], []), flow=flow)
         cfg = replace(cfg, workers=replace(cfg.workers, decode=(f"127.0.0.1:{decode_port}",)))
         app, url = await serve_http(cfg)
         async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
@@ -63,7 +64,8 @@ async def test_a_frozen_decode_ends_its_live_stream_within_the_stall_bound():
             await wait_until(lambda: not app.registry.is_ready)  # the health poll ejects it too
             decode.send_signal(signal.SIGCONT)
             await wait_until(lambda: app.registry.is_ready)
-            reply = await http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
+            body = {**body, "stream": False, "max_tokens": 3}
+            reply = await http.post("/v1/chat/completions", json=body)
             assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Hxx"
     finally:
         if app is not None:

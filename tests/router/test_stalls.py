@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -19,50 +17,27 @@ import pytest
 
 from services.common.client import create_channel
 from services.common.pb.stageserve.v1 import router_pb2, router_pb2_grpc
-from services.router.app import RouterApp
 from services.router.config import FlowConfig, LimitsConfig
-from tests.router.conftest import (
-    BOUND_S,
-    MODEL_NAME,
-    Cluster,
-    router_config,
-    start_cluster,
-    start_router,
-    stop_router,
-    wait_until,
-)
+from tests.router.conftest import BOUND_S, MODEL_NAME, wait_until
 from tests.router.fakes import Script
+from tests.router.served import Served
+from tests.router.served import serve as serve_flow
 
 STALL_S = 1.0
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
 
 
-@dataclass
-class Served:
-    cluster: Cluster
-    app: RouterApp
-    http: httpx.AsyncClient
-
-    def stalls(self, hop: str, address: str) -> float:
-        labels = {"hop": hop, "address": address}
-        return self.app.metrics.registry.get_sample_value("stageserve_router_worker_stalls_total", labels) or 0.0
-
-    def only_request_id(self) -> str:
-        [request_id] = self.cluster.decode.reserved
-        return request_id
+def stalls(served: Served, hop: str, address: str) -> float:
+    return served.metric("worker_stalls_total", hop=hop, address=address)
 
 
-@contextlib.asynccontextmanager
-async def serve(script: Script | None = None, **overrides) -> AsyncIterator[Served]:
-    cluster = await start_cluster(script or Script(chunk_size=1))
-    app = await start_router(router_config(cluster, flow=FlowConfig(stall_timeout_s=STALL_S), **overrides))
-    transport = httpx.ASGITransport(app=app.http_app)
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as http:
-            yield Served(cluster, app, http)
-    finally:
-        await stop_router(app)
-        await cluster.stop()
+def only_request_id(served: Served) -> str:
+    [request_id] = served.cluster.decode.reserved
+    return request_id
+
+
+def serve(script: Script | None = None, **overrides) -> contextlib.AbstractAsyncContextManager[Served]:
+    return serve_flow(FlowConfig(stall_timeout_s=STALL_S), script or Script(chunk_size=1), **overrides)
 
 
 async def timed_post(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
@@ -87,7 +62,7 @@ async def test_a_stalled_tokenizer_ends_the_request():
         assert_stall_503(response, elapsed_s, "the tokenizer worker answered nothing")
         [request] = tokenizer.servicer.requests
         await wait_until(lambda: tokenizer.servicer.cancelled == [request.request_id])  # cancelled there
-        assert served.stalls("tokenize", tokenizer.address) == 1
+        assert stalls(served, "tokenize", tokenizer.address) == 1
         assert not served.cluster.decode.reserved
         workers = (await served.http.get("/health")).json()["workers"]
         assert [w["stalls"] for w in workers if w["kind"] == "tokenizer"] == [1]
@@ -101,7 +76,7 @@ async def test_a_stalled_reserve_ends_the_request_and_aborts_it_on_decode():
         assert_stall_503(response, elapsed_s, "the decode worker answered no Reserve")
         await wait_until(lambda: len(decode.cancelled) == 1)
         await wait_until(lambda: served.cluster.is_kv_written() == {decode.cancelled[0]: False})
-        assert served.stalls("reserve", served.cluster.decodes[0].address) == 1
+        assert stalls(served, "reserve", served.cluster.decodes[0].address) == 1
         assert not served.cluster.prefill.requests
 
 
@@ -111,10 +86,10 @@ async def test_a_stalled_prefill_is_cancelled_there_and_the_pages_are_quarantine
         prefill.hang = True
         response, elapsed_s = await timed_post(served.http, CHAT)
         assert_stall_503(response, elapsed_s, "the prefill worker sent no first token")
-        request_id = served.only_request_id()
-        await wait_until(lambda: prefill.cancelled == [request_id])  # the cancelled call aborts it at prefill
+        request_id = only_request_id(served)
+        await wait_until(lambda: prefill.cancelled == [request_id])  # the call is cancelled at prefill
         await wait_until(lambda: served.cluster.is_kv_written() == {request_id: False})
-        assert served.stalls("prefill", served.cluster.prefills[0].address) == 1
+        assert stalls(served, "prefill", served.cluster.prefills[0].address) == 1
 
 
 @pytest.mark.parametrize("num_messages", [0, 3])
@@ -124,10 +99,11 @@ async def test_a_stalled_decode_stream_ends_the_request_and_aborts_it(num_messag
         decode.hang_after = num_messages
         response, elapsed_s = await timed_post(served.http, CHAT)
         assert_stall_503(response, elapsed_s, "the decode worker sent nothing")
-        request_id = served.only_request_id()
+        request_id = only_request_id(served)
         await wait_until(lambda: decode.cancelled == [request_id])
-        await wait_until(lambda: served.cluster.is_kv_written() == {request_id: True})  # prefill had written
-        assert served.stalls("generate", served.cluster.decodes[0].address) == 1
+        # prefill had written: decode frees the pages at once
+        await wait_until(lambda: served.cluster.is_kv_written() == {request_id: True})
+        assert stalls(served, "generate", served.cluster.decodes[0].address) == 1
 
 
 async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
@@ -143,7 +119,7 @@ async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
         error = chunks[-1]["error"]
         assert error["type"] == "service_unavailable"
         assert "the decode worker sent nothing for 1 s" in error["message"]
-        request_id = served.only_request_id()
+        request_id = only_request_id(served)
         await wait_until(lambda: served.cluster.is_kv_written() == {request_id: True})
 
 
@@ -169,4 +145,4 @@ async def test_a_slow_but_moving_stream_is_bounded_by_the_request_deadline():
         response = await served.http.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 504, response.text
         assert "deadline" in response.json()["error"]["message"]
-        assert served.stalls("generate", served.cluster.decodes[0].address) == 0
+        assert stalls(served, "generate", served.cluster.decodes[0].address) == 0
