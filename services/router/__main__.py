@@ -17,7 +17,7 @@ from pathlib import Path
 from services.common.envs import Envs
 from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
 from services.router.app import GRPC_GRACE_S, RouterApp
-from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
+from services.router.config import FlowConfig, LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 
 logger = logging.getLogger("services.router")
 
@@ -40,7 +40,32 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
     p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
     p.add_argument("--default-max-tokens", type=int, default=0, help="when a request sets none; 0 = up to the context")
+    add_flow_args(p)
     return p
+
+
+def add_flow_args(p: argparse.ArgumentParser) -> None:
+    """Progress bound and admission flags (``FlowConfig``)."""
+    defaults = FlowConfig()
+    p.add_argument("--stall-timeout-s", type=float, default=defaults.stall_timeout_s,
+                   help="each hop (tokenize, Reserve, prefill, each gap between decode messages) must "
+                        "answer within this, else the request ends UNAVAILABLE")
+    p.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests,
+                   help="requests past tokenization in flight at once")
+    p.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
+                   help="requests waiting for a slot; more get 429 at once")
+    p.add_argument("--queue-timeout-s", type=float, default=defaults.queue_timeout_s,
+                   help="how long a request may wait for a slot and for KV pages in all, then 429")
+
+
+def flow_config_from_args(args: argparse.Namespace) -> FlowConfig:
+    try:
+        return FlowConfig(
+            stall_timeout_s=args.stall_timeout_s, max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _context_len(model_dir: Path) -> int:
@@ -63,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             request_timeout_s=args.request_timeout_s, max_image_bytes=args.max_image_bytes,
             image_fetch_timeout_s=args.image_fetch_timeout_s, default_max_tokens=args.default_max_tokens,
         ),
+        flow=flow_config_from_args(args),
         policy=PolicyName(args.policy),
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,

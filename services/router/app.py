@@ -77,7 +77,8 @@ class RouterApp:
         )
         limits = cfg.limits
         self.pipeline = GenerationPipeline(
-            self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens
+            self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens,
+            flow=cfg.flow,
         )
         self.images = images or ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
         self.api = OpenAIApi(

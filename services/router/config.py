@@ -35,12 +35,37 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class FlowConfig:
+    """How the router bounds each hop's progress and admits requests under load."""
+
+    # The tokenize call, Reserve, the prefill call and each gap between two decode
+    # messages must answer within this, else the request ends UNAVAILABLE.
+    stall_timeout_s: float = 10.0
+    max_concurrent_requests: int = 256  # requests past tokenization in flight at once
+    max_queued_requests: int = 1024  # requests waiting for a slot; more get 429 at once
+    queue_timeout_s: float = 30.0  # a request waits this long in all (slot, KV pages), then 429
+
+    def __post_init__(self) -> None:
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"--stall-timeout-s must be > 0, got {self.stall_timeout_s}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}"
+            )
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+        if not self.queue_timeout_s >= 0:
+            raise ValueError(f"--queue-timeout-s must be >= 0, got {self.queue_timeout_s}")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     model_dir: Path
     served_model_name: str
     max_context_len: int  # prompt + generated tokens may not exceed this
     workers: WorkerAddresses = field(default_factory=WorkerAddresses)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
     policy: PolicyName = PolicyName.ROUND_ROBIN
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0

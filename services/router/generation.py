@@ -2,20 +2,25 @@
 
 Request lifecycle in the router:
   tokenize   -> a tokenizer worker turns the prompt or chat (images as bytes) into ids
-  route      -> the policy picks a ready prefill and a ready decode worker
-  reserve    -> decode reserves KV pages for prompt + max_new_tokens (or refuses)
+  admit      -> the request takes one of the admission slots, or waits in the FIFO
+                admission queue, or gets 429 (admission.py)
+  reserve    -> a decode worker reserves KV pages for prompt + max_new_tokens; when every
+                decode worker is out of pages the request waits in the queue again
   prefill    -> prefill writes the prompt's KV into those pages, returns the first token
+                (placement.py: which workers, and the one retry on another worker)
   generate   -> decode streams the remaining tokens; each batch is detokenized, checked
                 for stop strings and handed to the API layer as a GenerationDelta
   finished   -> EOS / stop token / length reported by decode, or a stop string matched
 Each request runs in its own task (the producer) and hands deltas to the API layer
 through a queue, so the API side can be cancelled (client disconnect) at any point
-without interrupting clean-up. The producer runs under the request's deadline; when
-anything ends it early (error, deadline, disconnect, stop string, prefill finishing
-the request), decode's Abort is sent in the background (idempotent, frees the pages).
-The Abort says ``is_kv_written`` exactly when prefill returned successfully: its KV write
-has landed, so decode frees the pages at once instead of quarantining them against a
-late write.
+without interrupting clean-up. The producer runs under the request's deadline, and each
+hop (tokenize, Reserve, prefill, each gap between decode messages) under the stall bound
+(progress.py): a frozen worker ends the request with UNAVAILABLE naming the hop. When
+anything ends it early (error, stall, deadline, disconnect, stop string, prefill
+finishing the request), decode's Abort is sent in the background (idempotent, frees the
+pages). The Abort says ``is_kv_written`` exactly when prefill returned successfully: its
+KV write has landed, so decode frees the pages at once instead of quarantining them
+against a late write.
 """
 
 from __future__ import annotations
@@ -39,16 +44,19 @@ from services.common.errors import (
 from services.common.server import current_request_id
 from services.common.types import TokenizedPrompt
 from services.engine.sampler import SamplingParams
+from services.router.admission import AdmissionManager
+from services.router.config import FlowConfig
 from services.router.metrics import RouterMetrics
 from services.router.output import DetokenizerFactory, OutputAssembler
-from services.router.peers import DecodePeer, PrefillPeer, TokenizerPeer
+from services.router.peers import DecodePeer, TokenizerPeer
+from services.router.placement import KvJob, Placer, Reservation
+from services.router.progress import StallBound
 from services.router.registry import WorkerRegistry
 from services.router.types import GenerationDelta, GenerationRequest
-from services.router.workers import WorkerKind
+from services.router.workers import Hop, Worker, WorkerKind
 
 logger = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 5.0
 _tracer = telemetry.tracer("router")
 
 Emit = Callable[["GenerationDelta | StageServeError"], None]
@@ -62,6 +70,7 @@ class GenerationPipeline:
         max_context_len: int,
         metrics: RouterMetrics,
         default_max_tokens: int = 0,
+        flow: FlowConfig = FlowConfig(),
     ) -> None:
         self._registry = registry
         self._detokenizer_factory = detokenizer_factory
@@ -69,6 +78,11 @@ class GenerationPipeline:
         self._default_max_tokens = default_max_tokens
         self._metrics = metrics
         self._tasks: set[asyncio.Task] = set()  # producers and aborts still running
+        self.admission = AdmissionManager(
+            flow.max_concurrent_requests, flow.max_queued_requests, flow.queue_timeout_s, metrics
+        )
+        self._bound = StallBound(registry, flow.stall_timeout_s)
+        self._placer = Placer(registry, self.admission, self._bound, metrics, self._spawn)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """The request's deltas, the last with finish_reason and usage.
@@ -131,18 +145,25 @@ class GenerationPipeline:
         prompt = await self._tokenize(request, deadline_s)
         params = self._bounded_params(request, prompt)
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
-        flow = _Flow(request.request_id, prompt, params, deadline_s, output, emit)
-        with self._registry.lease(WorkerKind.PREFILL) as prefill, self._registry.lease(WorkerKind.DECODE) as decode:
-            await self._prefill_and_decode(flow, prefill.client, decode.client)
+        job = KvJob(request.request_id, prompt, params, deadline_s)
+        with self.admission.ticket(request.request_id) as ticket:
+            reservation, result = await self._placer.place(job, ticket)
+            is_decode_done = False
+            try:
+                is_decode_done = await self._generate(_Flow(job, output, emit), reservation, result)
+            finally:
+                self._placer.end(reservation, is_decode_done=is_decode_done)
 
     async def _tokenize(self, request: GenerationRequest, deadline_s: float) -> TokenizedPrompt:
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_s)
             if request.messages is not None:
-                return await tokenizer.tokenize_chat(request.request_id, request.messages, timeout_s=timeout_s)
-            assert request.prompt is not None
-            return await tokenizer.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
+                call = tokenizer.tokenize_chat(request.request_id, request.messages, timeout_s=timeout_s)
+            else:
+                assert request.prompt is not None
+                call = tokenizer.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
+            return await self._bound.call(Hop.TOKENIZE, worker, request.request_id, call)
 
     def _bounded_params(self, request: GenerationRequest, prompt: TokenizedPrompt) -> SamplingParams:
         """The request's sampling parameters with max_new_tokens fitted to the context."""
@@ -156,38 +177,35 @@ class GenerationPipeline:
         wanted = request.max_tokens or self._default_max_tokens or room
         return msgspec.structs.replace(request.params, max_new_tokens=min(wanted, room))
 
-    async def _prefill_and_decode(self, flow: _Flow, prefill: PrefillPeer, decode: DecodePeer) -> None:
-        request_id, output = flow.request_id, flow.output
-        is_decode_done = is_kv_written = False
-        try:  # reserve inside: a reservation answered after a cancellation must be aborted too
-            kv_ref = await decode.reserve(
-                request_id, flow.prompt.token_ids, flow.prompt.mrope_position_delta, flow.params, flow.deadline_s
-            )
-            result = await prefill.prefill(request_id, flow.prompt, flow.params, kv_ref, flow.deadline_s)
-            is_kv_written = True  # prefill answers only after the whole KV landed in decode's pages
-            output.num_cached_image_tokens = result.num_cached_image_tokens
-            if result.finish_reason is not None:
-                flow.emit(output.finish(result.finish_reason, [result.first_token_id]))
-                return
-            flow.emit(output.add_tokens([result.first_token_id]))
-            if not output.is_finished:
-                is_decode_done = await self._stream_decode(
-                    flow, decode, result.first_token_id, result.kv_written_proof
-                )
-        finally:
-            if not is_decode_done:
-                abort = _abort(decode, request_id, "the router ended the request", is_kv_written)
-                self._spawn(abort, f"abort-{request_id}")
+    async def _generate(self, flow: _Flow, reservation: Reservation, result: Any) -> bool:
+        """Emit prefill's first token, then decode's; True when decode finished the request itself."""
+        output = flow.output
+        output.num_cached_image_tokens = result.num_cached_image_tokens
+        if result.finish_reason is not None:
+            flow.emit(output.finish(result.finish_reason, [result.first_token_id]))
+            return False
+        flow.emit(output.add_tokens([result.first_token_id]))
+        if output.is_finished:
+            return False
+        return await self._stream_decode(
+            flow, reservation.worker, result.first_token_id, result.kv_written_proof
+        )
 
     async def _stream_decode(
-        self, flow: _Flow, decode: DecodePeer, first_token_id: int, kv_written_proof: bytes
+        self, flow: _Flow, decode: Worker, first_token_id: int, kv_written_proof: bytes
     ) -> bool:
         """Relay decode's tokens until the request finishes; True when decode finished it itself."""
-        stream = decode.generate(
-            flow.request_id, first_token_id, _remaining(flow.deadline_s), kv_written_proof=kv_written_proof
+        request_id = flow.job.request_id
+        client: DecodePeer = decode.client
+        stream = client.generate(
+            request_id, first_token_id, _remaining(flow.job.deadline_s), kv_written_proof=kv_written_proof
         )
         try:
-            async for chunk in stream:
+            while True:
+                try:  # each gap between two messages is bounded, the first one included
+                    chunk = await self._bound.call(Hop.GENERATE, decode, request_id, anext(stream))
+                except StopAsyncIteration:
+                    break
                 if chunk.finish_reason is not None:
                     flow.emit(flow.output.finish(chunk.finish_reason, chunk.token_ids))
                     return True
@@ -198,17 +216,14 @@ class GenerationPipeline:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
-        raise UnavailableError(f"decode ended the stream of {flow.request_id} without a finish reason")
+        raise UnavailableError(f"decode ended the stream of {request_id} without a finish reason")
 
 
 @dataclass
 class _Flow:
-    """One request on its way through prefill and decode."""
+    """One placed request on its way through decode."""
 
-    request_id: str
-    prompt: TokenizedPrompt
-    params: SamplingParams
-    deadline_s: float
+    job: KvJob
     output: OutputAssembler
     emit: _TimedEmit
 
@@ -252,11 +267,3 @@ def _remaining(deadline_s: float) -> float:
     if remaining <= 0:
         raise DeadlineExceededError("the request's deadline has passed")
     return remaining
-
-
-async def _abort(decode: DecodePeer, request_id: str, reason: str, is_kv_written: bool) -> None:
-    try:
-        async with asyncio.timeout(ABORT_TIMEOUT_S):
-            await decode.abort(request_id, reason, is_kv_written=is_kv_written)
-    except (StageServeError, TimeoutError) as exc:  # a dead decode frees the pages by dying
-        logger.info("abort of %s on decode failed: %s", request_id, exc)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -121,16 +122,18 @@ class OpenAIApi:
         return {"object": "list", "data": [model]}
 
     def health(self) -> JSONResponse:
+        """200 while every needed kind has a ready worker, else 503; the body details workers and load."""
         missing = [k.value for k in self.registry.missing_kinds()]
         workers = [
             {"kind": w.kind.value, "address": w.address, "state": w.state.value, "in_flight": w.num_in_flight,
-             **({"error": w.last_error} if w.last_error else {})}
+             "stalls": w.num_stalls, **({"error": w.last_error} if w.last_error else {})}
             for w in self.registry.workers()
         ]
+        admission = msgspec.to_builtins(self.pipeline.admission.snapshot())
         if missing:
-            body = {"status": "unavailable", "missing": missing, "workers": workers}
+            body = {"status": "unavailable", "missing": missing, "workers": workers, "admission": admission}
             return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "workers": workers})
+        return JSONResponse({"status": "ok", "workers": workers, "admission": admission})
 
     def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

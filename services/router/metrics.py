@@ -55,6 +55,39 @@ class RouterMetrics:
             "router_worker_requests_in_flight", "Requests this router has routed to the worker and not "
             "finished.", ("kind", "address"), registry=registry,
         )
+        self._add_flow_metrics(registry)
+
+    def _add_flow_metrics(self, registry: CollectorRegistry) -> None:
+        """Admission (slots, queue, 429s), stalls and retries on another worker."""
+        self.admission_running = telemetry.gauge(
+            "router_admission_running", "Requests past tokenization holding one of the "
+            "--max-concurrent-requests slots.", registry=registry,
+        )
+        self.admission_queued = telemetry.gauge(
+            "router_admission_queued", "Requests waiting in the admission queue, for a slot or for "
+            "decode's KV pages.", registry=registry,
+        )
+        self.admission_rejected = telemetry.counter(
+            "router_admission_rejected_total", "Requests refused with 429, by reason (queue_full, "
+            "queue_timeout, kv_capacity).", ("reason",), registry=registry,
+        )
+        self.admission_wait = telemetry.histogram(
+            "router_admission_wait_seconds", "Time a request waited in the admission queue in all "
+            "(for a slot and for KV pages), observed once it stops waiting.", registry=registry,
+        )
+        self.kv_refusals = telemetry.counter(
+            "router_kv_refusals_total", "Reserve calls a decode worker answered RESOURCE_EXHAUSTED.",
+            ("address",), registry=registry,
+        )
+        self.worker_stalls = telemetry.counter(
+            "router_worker_stalls_total", "Calls a worker made no progress on within "
+            "--stall-timeout-s, by hop (tokenize, reserve, prefill, generate).", ("hop", "address"),
+            registry=registry,
+        )
+        self.worker_retries = telemetry.counter(
+            "router_worker_retries_total", "Requests moved to another worker of the kind after an "
+            "unavailable or stalled call.", ("kind",), registry=registry,
+        )
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""

@@ -3,7 +3,9 @@
 A background task polls each worker's ``grpc.health.v1`` ``Check`` every interval. A
 worker that fails (no answer in time, or not SERVING) is ejected: no new request is
 routed to it. It is readmitted as soon as a check passes again. Requests already on a
-worker that dies fail through their own calls, not through the registry.
+worker that dies or stalls fail through their own calls (the pipeline bounds each one),
+not through the registry; the pipeline records a stall here (``record_stall``) and may
+ask for another worker of the kind (``acquire(kind, exclude=...)``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -20,7 +22,7 @@ from services.common.client import create_channel
 from services.common.errors import UnavailableError
 from services.router.metrics import RouterMetrics
 from services.router.policy import BaseRoutingPolicy
-from services.router.workers import Worker, WorkerKind, WorkerState
+from services.router.workers import Hop, Worker, WorkerKind, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +95,23 @@ class WorkerRegistry:
 
     # ------------------------------------------------------------ routing
 
-    def acquire(self, kind: WorkerKind) -> Worker:
-        """Choose a ready worker of ``kind`` and count one more request on it.
+    def has_ready(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> bool:
+        """Whether a ready worker of ``kind`` outside ``exclude`` exists now."""
+        return any(w not in exclude for w in self.ready_workers(kind))
+
+    def acquire(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> Worker:
+        """Choose a ready worker of ``kind`` (not one in ``exclude``) and count one more request on it.
 
         ``UnavailableError`` at once when none is ready. Pair with ``release``.
         """
-        candidates = self.ready_workers(kind)
+        ready = self.ready_workers(kind)
+        candidates = [w for w in ready if w not in exclude]
         if not candidates:
             configured = len(self.workers(kind))
-            raise UnavailableError(f"no ready {kind.value} worker ({configured} configured, 0 ready)")
+            other = " other" if exclude else ""
+            raise UnavailableError(
+                f"no{other} ready {kind.value} worker ({configured} configured, {len(ready)} ready)"
+            )
         worker = self._policy.choose(kind, candidates)
         worker.num_in_flight += 1
         self._metrics.worker_in_flight.labels(kind.value, worker.address).set(worker.num_in_flight)
@@ -111,6 +121,12 @@ class WorkerRegistry:
         assert worker.num_in_flight > 0, f"release without acquire on {worker.address}"
         worker.num_in_flight -= 1
         self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(worker.num_in_flight)
+
+    def record_stall(self, worker: Worker, hop: Hop) -> None:
+        """Count a call ``worker`` made no progress on within the stall bound (metric, /health)."""
+        worker.num_stalls += 1
+        self._metrics.worker_stalls.labels(hop.value, worker.address).inc()
+        logger.warning("%s worker %s stalled in %s", worker.kind.value, worker.address, hop.value)
 
     @contextlib.contextmanager
     def lease(self, kind: WorkerKind) -> Iterator[Worker]:

@@ -14,6 +14,15 @@ class WorkerKind(enum.Enum):
     ENCODER = "vision_encoder"  # polled for health only; prefill calls it itself
 
 
+class Hop(enum.Enum):
+    """A call on a request's path that must make progress within the router's stall bound."""
+
+    TOKENIZE = "tokenize"  # tokenizer: the Tokenize call
+    RESERVE = "reserve"  # decode: the Reserve call
+    PREFILL = "prefill"  # prefill: the Prefill call, until it returns the first token
+    GENERATE = "generate"  # decode: each gap between two messages of the Generate stream
+
+
 class WorkerState(enum.Enum):
     UNKNOWN = "unknown"  # not polled yet
     READY = "ready"  # its last health check said SERVING
@@ -30,6 +39,7 @@ class Worker:
     state: WorkerState = WorkerState.UNKNOWN
     num_in_flight: int = 0  # requests this router routed here and not finished
     last_error: str = ""  # why the last health check failed
+    num_stalls: int = 0  # calls it made no progress on within the stall bound
 
     @property
     def is_ready(self) -> bool:

@@ -5,6 +5,12 @@ The output of every request comes from one ``Script``: the token ids the model
 and paces them, and how it fails. The tokenizer fake encodes prompt text with the tiny
 checkpoint's tokenizer and gives each image a fixed number of placeholder tokens.
 
+Each fake also has per-worker knobs (set on its servicer) for fault tests: ``hang`` makes
+a call answer nothing until the caller cancels it (a frozen worker: its gRPC port still
+accepts calls; decode's Abort still answers), ``cancelled`` lists the request ids whose
+call the caller cancelled, and decode's ``capacity`` refuses Reserve (RESOURCE_EXHAUSTED)
+while that many requests hold pages.
+
 ``python -m tests.router.fakes decode`` runs a decode fake alone (for kill tests).
 """
 
@@ -18,7 +24,7 @@ from typing import Any
 import grpc
 
 from services.common import signing
-from services.common.errors import AbortedError, InvalidRequestError, NotFoundError
+from services.common.errors import AbortedError, CapacityError, InvalidRequestError, NotFoundError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import (
     common_pb2,
@@ -59,14 +65,29 @@ class Script:
     tokenize_error: Exception | None = None
 
 
+HANG_S = 3600.0  # "forever": a hanging call ends when its caller cancels it
+
+
+async def hang_until_cancelled(cancelled: list[str], request_id: str) -> None:
+    try:
+        await asyncio.sleep(HANG_S)
+    except asyncio.CancelledError:
+        cancelled.append(request_id)
+        raise
+
+
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[tokenizer_pb2.TokenizeRequest] = []
+        self.hang = False
+        self.cancelled: list[str] = []
 
     @handle_errors
     async def Tokenize(self, request: Any, context: Any) -> tokenizer_pb2.TokenizeResponse:
         self.requests.append(request)
+        if self.hang:
+            await hang_until_cancelled(self.cancelled, request.request_id)
         if self.script.tokenize_error is not None:
             raise self.script.tokenize_error
         if request.WhichOneof("input") == "prompt":
@@ -114,14 +135,33 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.generate_started = asyncio.Event()
         self.server: grpc.aio.Server | None = None  # set by start_worker, stopped by decode_fail_after
         self.stopping: asyncio.Task | None = None
+        self.reserve_errors: list[Exception] = []  # raised by the next Reserve calls, one each
+        self.hang_reserve = False
+        self.hang_after: int | None = None  # Generate sends this many messages, then nothing
+        self.capacity: int | None = None  # requests that may hold pages at once
+        self.holding: set[str] = set()  # requests holding pages (reserved, not ended or aborted)
+        self.num_refused = 0
+        self.release = asyncio.Event()  # Generate waits for it before its first message
+        self.release.set()
+        self.cancelled: list[str] = []  # Reserve or Generate calls the caller cancelled
+        self.ended: set[str] = set()  # aborted and not reserved again
 
     def max_new_tokens(self, request_id: str) -> int:
         return self.reserved[request_id].sampling_params.max_new_tokens
 
     @handle_errors
     async def Reserve(self, request: Any, context: Any) -> decode_pb2.ReserveResponse:
+        if self.reserve_errors:
+            raise self.reserve_errors.pop(0)
+        if self.hang_reserve:
+            await hang_until_cancelled(self.cancelled, request.request_id)
         if self.script.reserve_error is not None:
             raise self.script.reserve_error
+        if self.capacity is not None and len(self.holding) >= self.capacity:
+            self.num_refused += 1
+            raise CapacityError(f"no pages for {request.request_id}: {len(self.holding)} requests hold them")
+        self.holding.add(request.request_id)
+        self.ended.discard(request.request_id)  # decode forgets an aborted id: it may reserve again
         self.reserved[request.request_id] = request
         kv_ref = _kv_ref(request.request_id, 1 + len(request.prompt_token_ids) // 16)
         self.proofs[request.request_id] = signing.kv_written_proof(FAKE_KEY, request.request_id, kv_ref.nonce)
@@ -135,13 +175,26 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         if request.kv_written_proof != self.proofs[request.request_id]:
             raise InvalidRequestError("kv_written_proof is not prefill's", param="kv_written_proof")
         self.generate_started.set()
+        try:
+            await self.release.wait()
+            async for message in self._generate(request, reserve):
+                yield message
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        finally:
+            self.holding.discard(request.request_id)
+
+    async def _generate(self, request: Any, reserve: Any):
         limit = reserve.sampling_params.max_new_tokens
         ids = self.script.output_ids[1:limit]
         num_messages = 0
         for start in range(0, max(len(ids), 1), self.script.chunk_size):
             await asyncio.sleep(self.script.chunk_delay_s)
-            if request.request_id in self.aborted:
+            if request.request_id in self.ended:
                 raise AbortedError(f"{request.request_id} was aborted")
+            if self.hang_after is not None and num_messages >= self.hang_after:
+                await asyncio.sleep(HANG_S)
             if self.script.decode_fail_after is not None and num_messages >= self.script.decode_fail_after:
                 assert self.server is not None
                 self.stopping = asyncio.create_task(self.server.stop(None))  # cancels this call too
@@ -162,6 +215,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Abort(self, request: Any, context: Any) -> decode_pb2.AbortResponse:
         self.aborted.append(request.request_id)
         self.is_kv_written[request.request_id] = request.is_kv_written
+        self.holding.discard(request.request_id)
+        self.ended.add(request.request_id)
         return decode_pb2.AbortResponse(is_found=request.request_id in self.reserved)
 
     @handle_errors
@@ -173,11 +228,18 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[prefill_pb2.PrefillRequest] = []
+        self.hang = False
+        self.error: Exception | None = None  # this worker's failure (over the script's)
+        self.cancelled: list[str] = []
 
     @handle_errors
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
         self.requests.append(request)
+        if self.hang:
+            await hang_until_cancelled(self.cancelled, request.request_id)
         await asyncio.sleep(self.script.prefill_delay_s)
+        if self.error is not None:
+            raise self.error
         if self.script.prefill_error is not None:
             raise self.script.prefill_error
         first = self.script.output_ids[0]

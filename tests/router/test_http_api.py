@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from services.common.errors import CapacityError, InvalidRequestError, UnavailableError
+from services.common.errors import InvalidRequestError, UnavailableError
 from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
@@ -259,15 +259,6 @@ async def test_bad_completion_prompt(http):
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     response = await http.post("/v1/completions", json={"model": MODEL_NAME})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
-
-
-async def test_decode_out_of_pages_is_a_503(http, cluster):
-    cluster.script.reserve_error = CapacityError("no free KV pages")
-    response = await http.post("/v1/chat/completions", json=CHAT)
-    assert response.status_code == 503
-    assert response.json()["error"]["type"] == "server_overloaded"
-    response = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
-    assert response.status_code == 503  # before the first token: a plain HTTP error, not a stream
 
 
 async def test_image_over_http_is_fetched_with_a_limit(cluster):

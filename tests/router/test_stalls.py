@@ -1,0 +1,148 @@
+"""The per-hop progress bound over fake workers that answer nothing (frozen, port still open).
+
+Each hop that stalls ends the request within the bound (+1 s) with UNAVAILABLE naming the
+hop, cancels the call on the worker, aborts the request on decode with the right
+``is_kv_written``, and counts the stall; the request deadline still bounds the whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+
+from services.common.client import create_channel
+from services.common.pb.stageserve.v1 import router_pb2, router_pb2_grpc
+from services.router.config import FlowConfig, LimitsConfig
+from tests.router.conftest import BOUND_S, MODEL_NAME, wait_until
+from tests.router.fakes import Script
+from tests.router.served import Served
+from tests.router.served import serve as serve_flow
+
+STALL_S = 1.0
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
+
+
+def stalls(served: Served, hop: str, address: str) -> float:
+    return served.metric("worker_stalls_total", hop=hop, address=address)
+
+
+def only_request_id(served: Served) -> str:
+    [request_id] = served.cluster.decode.reserved
+    return request_id
+
+
+def serve(script: Script | None = None, **overrides) -> contextlib.AbstractAsyncContextManager[Served]:
+    return serve_flow(FlowConfig(stall_timeout_s=STALL_S), script or Script(chunk_size=1), **overrides)
+
+
+async def timed_post(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
+    started = time.monotonic()
+    response = await http.post("/v1/chat/completions", json=body)
+    return response, time.monotonic() - started
+
+
+def assert_stall_503(response: httpx.Response, elapsed_s: float, silence: str) -> None:
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["type"] == "service_unavailable"
+    assert f"{silence} for 1 s (--stall-timeout-s)" in error["message"], error
+    assert STALL_S <= elapsed_s < STALL_S + 1.0, elapsed_s
+
+
+async def test_a_stalled_tokenizer_ends_the_request():
+    async with serve() as served:
+        tokenizer = served.cluster.tokenizer
+        tokenizer.servicer.hang = True
+        response, elapsed_s = await timed_post(served.http, CHAT)
+        assert_stall_503(response, elapsed_s, "the tokenizer worker answered nothing")
+        [request] = tokenizer.servicer.requests
+        await wait_until(lambda: tokenizer.servicer.cancelled == [request.request_id])  # cancelled there
+        assert stalls(served, "tokenize", tokenizer.address) == 1
+        assert not served.cluster.decode.reserved
+        workers = (await served.http.get("/health")).json()["workers"]
+        assert [w["stalls"] for w in workers if w["kind"] == "tokenizer"] == [1]
+
+
+async def test_a_stalled_reserve_ends_the_request_and_aborts_it_on_decode():
+    async with serve() as served:
+        decode = served.cluster.decode
+        decode.hang_reserve = True
+        response, elapsed_s = await timed_post(served.http, CHAT)
+        assert_stall_503(response, elapsed_s, "the decode worker answered no Reserve")
+        await wait_until(lambda: len(decode.cancelled) == 1)
+        await wait_until(lambda: served.cluster.is_kv_written() == {decode.cancelled[0]: False})
+        assert stalls(served, "reserve", served.cluster.decodes[0].address) == 1
+        assert not served.cluster.prefill.requests
+
+
+async def test_a_stalled_prefill_is_cancelled_there_and_the_pages_are_quarantined():
+    async with serve() as served:
+        prefill = served.cluster.prefill
+        prefill.hang = True
+        response, elapsed_s = await timed_post(served.http, CHAT)
+        assert_stall_503(response, elapsed_s, "the prefill worker sent no first token")
+        request_id = only_request_id(served)
+        await wait_until(lambda: prefill.cancelled == [request_id])  # the call is cancelled at prefill
+        await wait_until(lambda: served.cluster.is_kv_written() == {request_id: False})
+        assert stalls(served, "prefill", served.cluster.prefills[0].address) == 1
+
+
+@pytest.mark.parametrize("num_messages", [0, 3])
+async def test_a_stalled_decode_stream_ends_the_request_and_aborts_it(num_messages):
+    async with serve() as served:
+        decode = served.cluster.decode
+        decode.hang_after = num_messages
+        response, elapsed_s = await timed_post(served.http, CHAT)
+        assert_stall_503(response, elapsed_s, "the decode worker sent nothing")
+        request_id = only_request_id(served)
+        await wait_until(lambda: decode.cancelled == [request_id])
+        # prefill had written: decode frees the pages at once
+        await wait_until(lambda: served.cluster.is_kv_written() == {request_id: True})
+        assert stalls(served, "generate", served.cluster.decodes[0].address) == 1
+
+
+async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
+    async with serve() as served:
+        served.cluster.decode.hang_after = 3
+        response, elapsed_s = await timed_post(served.http, {**CHAT, "stream": True})
+        assert response.status_code == 200 and elapsed_s < STALL_S + 1.0
+        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.strip()]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if "choices" in c)
+        assert text == "Hell"  # prefill's token and three decode messages
+        error = chunks[-1]["error"]
+        assert error["type"] == "service_unavailable"
+        assert "the decode worker sent nothing for 1 s" in error["message"]
+        request_id = only_request_id(served)
+        await wait_until(lambda: served.cluster.is_kv_written() == {request_id: True})
+
+
+async def test_a_stall_over_grpc_is_unavailable():
+    async with serve() as served:
+        served.cluster.decode.hang_after = 1
+        channel = create_channel(f"127.0.0.1:{served.app.grpc_port}")
+        try:
+            stub = router_pb2_grpc.RouterStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="hi"), timeout=BOUND_S):
+                    pass
+        finally:
+            await channel.close()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the decode worker sent nothing for 1 s" in info.value.details()
+
+
+async def test_a_slow_but_moving_stream_is_bounded_by_the_request_deadline():
+    script = Script(chunk_size=1, chunk_delay_s=0.2)  # each gap well inside the stall bound
+    limits = LimitsConfig(request_timeout_s=1.5, max_image_bytes=64 * 1024)
+    async with serve(script, limits=limits) as served:
+        response = await served.http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 504, response.text
+        assert "deadline" in response.json()["error"]["message"]
+        assert stalls(served, "generate", served.cluster.decodes[0].address) == 0
