@@ -45,6 +45,7 @@ class System:
     workdir: Path
     state: dict = field(default_factory=dict)
     output: list[str] = field(default_factory=list)
+    output_mono: list[float] = field(default_factory=list)  # when each output line arrived
     seen_pids: set[int] = field(default_factory=set)  # every child pid any state file named
 
     @property
@@ -84,13 +85,16 @@ class System:
         samples = re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
         return sum(float(m.group(1)) for m in samples)
 
-    def wait_for_output(self, text: str, start: int = 0, timeout_s: float = READY_TIMEOUT_S) -> str:
-        """The first launcher output line from index ``start`` on that contains ``text``."""
+    def wait_for_output(
+        self, text: str, start: int = 0, timeout_s: float = READY_TIMEOUT_S
+    ) -> tuple[str, float]:
+        """The first launcher output line from index ``start`` on that contains ``text``, and
+        when it arrived (``time.monotonic()``)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for line in self.output[start:]:
-                if text in line:
-                    return line
+            for index in range(start, len(self.output_mono)):
+                if text in self.output[index]:
+                    return self.output[index], self.output_mono[index]
             time.sleep(0.1)
         raise AssertionError(f"no launcher line with {text!r} in {timeout_s:.0f} s:\n" + "\n".join(self.output))
 
@@ -116,6 +120,7 @@ def start_system(workdir: Path, *extra_args: str) -> System:
         assert process.stdout is not None
         for line in process.stdout:
             system.output.append(line.rstrip())
+            system.output_mono.append(time.monotonic())  # after the line: a reader sees both
             if line.startswith("stageserve is up"):
                 up.set()
 

@@ -61,7 +61,7 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         assert not any(t.is_alive() for t in threads), "a request hung after its decode died"
         assert len(outcomes) == 4 and all(o.startswith("error") for o in outcomes), outcomes
 
-        line = system.wait_for_output("decode exited with code -9; restarting in", num_lines, BOUND_S)
+        line, _ = system.wait_for_output("decode exited with code -9; restarting in", num_lines, BOUND_S)
         assert line.endswith("(restart 1)"), line
         system.wait_for_output("decode is ready again (pid", num_lines, BOUND_S)
         new = system.reload_state()["decode"]
