@@ -140,7 +140,7 @@ def port_args(ports: Mapping[str, int]) -> list[str]:
     return [arg for key, port in ports.items() for arg in (f"--{key.replace('_', '-')}", str(port))]
 
 
-def optional_arg(flag: str, value: float | None) -> list[str]:
+def optional_arg(flag: str, value: float | str | None) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
@@ -212,13 +212,14 @@ class Launcher:
                     )
             if time.monotonic() > deadline:
                 late = [c.name for c in children if not c.ready]
-                raise UnavailableError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {', '.join(late)}")
+                timeout_s = self.cfg.ready_timeout_s
+                raise UnavailableError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
             time.sleep(0.05)
 
     def start_all(self) -> Child:
         cfg = self.cfg
         transfer = ("--transfer-backend", cfg.transfer_backend)
-        kv = () if cfg.kv_transfer_backend is None else ("--kv-transfer-backend", cfg.kv_transfer_backend)
+        kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
         pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
         tokenizer = self.start(ChildSpec("tokenizer"))
         encoder = self.start(ChildSpec("vision_encoder", transfer))
@@ -247,7 +248,8 @@ class Launcher:
         return router
 
     def write_state(self) -> None:
-        """Pids and ports of the current children as JSON, replaced atomically (readers never see half)."""
+        """Pids and ports of the current children as JSON, replaced atomically (no reader sees
+        half a file)."""
         if self.cfg.state_file is None:
             return
         state = {c.name: {"pid": c.process.pid, **c.ready} for c in self.children}
@@ -327,7 +329,8 @@ class Supervisor:
         code = child.process.poll()
         if watch.state is WatchState.RUNNING:
             if code is not None:
-                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=now - watch.since)
+                up_s = now - watch.since
+                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s)
         elif watch.state is WatchState.WAITING:
             if now >= watch.restart_at:
                 self._launcher.restart(child)

@@ -60,7 +60,9 @@ def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
     assert args["prefill"][:2] == args["decode"][:2] == ["--transfer-backend", "inprocess"]
 
 
-FAULT_FLAGS = {"router": "--stall-timeout-s", "decode": "--kv-quarantine-s", "prefill": "--embedding-quarantine-s"}
+FAULT_FLAGS = {
+    "router": "--stall-timeout-s", "decode": "--kv-quarantine-s", "prefill": "--embedding-quarantine-s"
+}
 
 
 def test_fault_bounds_reach_their_service_only_when_given(monkeypatch) -> None:
@@ -81,8 +83,11 @@ def test_up_turns_the_fault_flags_into_the_config(monkeypatch) -> None:
                  "1.5", "--transfer-backend", "inprocess"]) == 0
     assert main(["up", "--transfer-backend", "inprocess"]) == 0
     given, default = configs
-    assert (given.stall_timeout_s, given.kv_quarantine_s, given.embedding_quarantine_s) == (3.0, 2.0, 1.5)
-    assert (default.stall_timeout_s, default.kv_quarantine_s, default.embedding_quarantine_s) == (None,) * 3
+    def bounds(cfg: LaunchConfig) -> tuple:
+        return cfg.stall_timeout_s, cfg.kv_quarantine_s, cfg.embedding_quarantine_s
+
+    assert bounds(given) == (3.0, 2.0, 1.5)
+    assert bounds(default) == (None, None, None)
 
 
 def test_each_model_service_can_get_its_own_device() -> None:
@@ -139,7 +144,9 @@ class FakeSystem:
         self.stop = threading.Event()
         self.out = io.StringIO()
         monkeypatch.setattr(self.launcher, "_spawn", self.spawn)
-        monkeypatch.setattr(self.launcher, "wait_ready", lambda children: [self.ready(c) for c in children])
+        monkeypatch.setattr(
+            self.launcher, "wait_ready", lambda children: [self.ready(c) for c in children]
+        )
         self.launcher.start_all()
         self.supervisor = Supervisor(self.launcher, self.stop, clock=lambda: self.now, out=self.out)
 
@@ -165,7 +172,7 @@ class FakeSystem:
         return lines
 
 
-def test_an_exited_child_is_restarted_on_the_same_ports_and_the_state_file_follows(tmp_path, monkeypatch):
+def test_an_exited_child_is_restarted_on_its_ports_and_the_state_file_follows(tmp_path, monkeypatch):
     system = FakeSystem(tmp_path, monkeypatch)
     old = system.child("decode")
     first_ports = old.bound_ports()
@@ -231,7 +238,8 @@ def test_a_restart_that_misses_the_ready_timeout_is_killed_and_retried(tmp_path,
     system.poll_at(0.5)
     stuck = system.child("tokenizer")
     assert system.poll_at(5.5) == []
-    assert system.poll_at(5.6) == ["tokenizer was not ready after 5 s (killed); restarting in 1.0 s (restart 2)"]
+    assert system.poll_at(5.6) == [
+        "tokenizer was not ready after 5 s (killed); restarting in 1.0 s (restart 2)"]
     assert stuck.process.returncode == -9
     system.poll_at(6.6)
     assert system.child("tokenizer") is not stuck
@@ -266,8 +274,9 @@ def test_a_restart_gets_the_same_command_ports_and_environment(tmp_path, monkeyp
     launcher.wait_ready([second])
     assert launcher.children == [second]
     cmds = [p["cmd"] for p in popens]
-    assert cmds[0][cmds[0].index("--port"):] == ["--port", "0", "--metrics-port", "0", "--num-pages", "8"]
-    assert cmds[1][cmds[1].index("--port"):] == ["--port", "41000", "--metrics-port", "41001", "--num-pages", "8"]
+    tails = [cmd[cmd.index("--port"):] for cmd in cmds]
+    assert tails[0] == ["--port", "0", "--metrics-port", "0", "--num-pages", "8"]
+    assert tails[1] == ["--port", "41000", "--metrics-port", "41001", "--num-pages", "8"]
     assert cmds[0][:cmds[0].index("--port")] == cmds[1][:cmds[1].index("--port")]
     assert popens[0]["env"] is popens[1]["env"] is launcher.env
     assert all(p["stderr"].closed for p in popens)  # the launcher keeps no log file open per restart

@@ -96,7 +96,8 @@ class System:
                 if text in self.output[index]:
                     return self.output[index], self.output_mono[index]
             time.sleep(0.1)
-        raise AssertionError(f"no launcher line with {text!r} in {timeout_s:.0f} s:\n" + "\n".join(self.output))
+        output = "\n".join(self.output)
+        raise AssertionError(f"no launcher line with {text!r} in {timeout_s:.0f} s:\n{output}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.workdir / "logs").glob("*.log")))

@@ -95,7 +95,10 @@ class Stream:
             self.ended_mono = time.monotonic()
 
     def _read(self) -> None:
-        with httpx.Client(timeout=HANG_S) as client, client.stream("POST", self.url, json=self.body) as reply:
+        with (
+            httpx.Client(timeout=HANG_S) as client,
+            client.stream("POST", self.url, json=self.body) as reply,
+        ):
             if reply.status_code != 200:
                 error = json.loads(reply.read())["error"]
                 self.outcome = f"http {reply.status_code} {error['type']}"
@@ -175,12 +178,19 @@ def serve_again(system: System, model: str, seed: int) -> int:
 
 
 def resources(system: System) -> dict[str, float]:
-    pages = {k: system.metric("decode", f"stageserve_decode_kv_pages_{k}") for k in ("free", "used", "quarantined")}
-    return {**pages, "embedding_rows": system.metric("prefill", "stageserve_prefill_embedding_rows_used")}
+    pages = {
+        k: system.metric("decode", f"stageserve_decode_kv_pages_{k}") for k in ("free", "used", "quarantined")
+    }
+    rows = system.metric("prefill", "stageserve_prefill_embedding_rows_used")
+    return {**pages, "embedding_rows": rows}
+
+
+def settled_resources(start_rows: float) -> dict[str, float]:
+    return {"free": NUM_PAGES, "used": 0, "quarantined": 0, "embedding_rows": start_rows}
 
 
 def wait_resources(system: System, start_rows: float) -> dict[str, float]:
-    settled = {"free": NUM_PAGES, "used": 0, "quarantined": 0, "embedding_rows": start_rows}
+    settled = settled_resources(start_rows)
     deadline = time.monotonic() + SETTLE_S
     while True:
         try:
@@ -320,4 +330,4 @@ def test_fault(system, records, model, start_rows, service, fault):
     settle_mono = time.monotonic()
     settled = wait_resources(system, start_rows)
     record["resources_settled_s"] = since(settle_mono, time.monotonic())
-    assert settled == {"free": NUM_PAGES, "used": 0, "quarantined": 0, "embedding_rows": start_rows}, record
+    assert settled == settled_resources(start_rows), record
