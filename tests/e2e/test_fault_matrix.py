@@ -274,8 +274,9 @@ def records(system, request):
     yield records
     (system.workdir / "fault_matrix.json").write_text(json.dumps(records, indent=2))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    for record in records:
-        reporter.write_line("fault matrix: " + json.dumps(record))
+    with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
+        for record in records:
+            reporter.write_line("fault matrix: " + json.dumps(record))
 
 
 @pytest.fixture(scope="module")
