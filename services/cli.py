@@ -60,7 +60,9 @@ SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start every service as its own process on this machine")
+    p = sub.add_parser(
+        "up", help="start every service as its own process on this machine; restart any that exits"
+    )
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address the services and the HTTP API bind")
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
@@ -75,9 +77,17 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
     p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument("--stall-timeout-s", type=float, default=None,
+                   help="the router's per-hop progress bound (default: the router's)")
+    p.add_argument("--kv-quarantine-s", type=float, default=None,
+                   help="decode's rest for the pages of a failed reservation (default: decode's)")
+    p.add_argument("--embedding-quarantine-s", type=float, default=None,
+                   help="prefill's rest for the embedding rows of a timed-out Encode (default: prefill's)")
+    p.add_argument("--ready-timeout-s", type=float, default=300.0,
+                   help="how long a service may take to print READY, at start and after a restart")
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: discard)")
-    p.add_argument("--state-file", type=Path, default=None, help="write pids and ports as JSON once ready")
+    p.add_argument("--state-file", type=Path, default=None,
+                   help="write pids and ports as JSON once ready (rewritten after a restart)")
     p.set_defaults(func=_run_up)
 
 
@@ -89,6 +99,8 @@ def _run_up(args: argparse.Namespace) -> int:
         encoder_device=args.encoder_device, prefill_device=args.prefill_device, decode_device=args.decode_device,
         dtype=args.dtype, transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
         attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
+        stall_timeout_s=args.stall_timeout_s, kv_quarantine_s=args.kv_quarantine_s,
+        embedding_quarantine_s=args.embedding_quarantine_s,
         ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
     )
     try:  # fail here, not as a service that exits before READY

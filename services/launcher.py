@@ -1,18 +1,25 @@
-"""``stageserve up``: every service as its own OS process on one machine.
+"""``stageserve up``: every service as its own OS process on one machine, supervised.
 
 Start order follows the dependencies: tokenizer, vision encoder and decode first
 (in parallel), then prefill (needs the encoder), then the router (needs everyone).
 Each child binds port 0 and reports ``READY <name> port=... metrics_port=...`` on
 stdout; the launcher waits for that line (bounded), then passes the addresses on.
+A child that exits before it was ever ready fails start-up.
+
+Once everything is up, the ``Supervisor`` restarts a child that exits (any code, any
+signal) after a bounded exponential backoff, on the ports it had, so every address the
+others hold stays valid (their channels reconnect by themselves), and rewrites the
+state file when the new process is ready.
 
 Children die with the launcher: they are asked for SIGTERM on the launcher's death
-(``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM the launcher stops them in reverse
-order (SIGTERM, grace, then SIGKILL), so no process outlives it.
+(``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM the launcher stops supervising, then
+stops them in reverse order (SIGTERM, grace, then SIGKILL), so no process outlives it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import json
 import os
 import signal
@@ -20,12 +27,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from services.common.errors import UnavailableError
 
 _PR_SET_PDEATHSIG = 1
+POLL_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Delay before restarting a child: ``initial_backoff_s``, doubling per exit up to
+    ``max_backoff_s``; a child that stayed up ``stable_s`` starts again from the initial delay."""
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    stable_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -33,7 +53,6 @@ class LaunchConfig:
     model: Path
     host: str = "127.0.0.1"
     http_port: int = 8000
-    grpc_port: int = 0
     device: str = "cpu"
     # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
     encoder_device: str | None = None
@@ -45,23 +64,51 @@ class LaunchConfig:
     attention_backend: str = "torch"
     num_pages: int = 16384
     page_size: int = 16
+    # passed on only when set (None: the service's own default)
+    stall_timeout_s: float | None = None  # router: per-hop progress bound
+    kv_quarantine_s: float | None = None  # decode
+    embedding_quarantine_s: float | None = None  # prefill
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
     state_file: Path | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to start one service: its own flags, and the ports it binds.
+
+    ``ports`` maps a READY-line key to its first value (0: any free port); a restart
+    binds the ports the first process reported, each as ``--<key with dashes>``.
+    """
+
+    name: str
+    args: tuple[str, ...] = ()
+    ports: Mapping[str, int] = field(default_factory=lambda: {"port": 0, "metrics_port": 0})
 
 
 @dataclass
 class Child:
-    name: str
+    """One process of a service; a restart makes a new ``Child`` with the same spec."""
+
+    spec: ChildSpec
     process: subprocess.Popen
+    ports: Mapping[str, int]  # what it was started with (0: any free port)
     ready: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
-    is_exit_reported: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.ready['port']}"
+
+    def bound_ports(self) -> dict[str, int]:
+        """The ports it binds: the ones it was given, else (0) the ones its READY line named."""
+        return {key: port or int(self.ready[key]) for key, port in self.ports.items()}
 
 
 def _die_with_parent() -> None:
@@ -69,36 +116,76 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def child_environment() -> dict[str, str]:
+    """The environment every child gets (the launcher's own)."""
+    return dict(os.environ)
+
+
 def device_of(cfg: LaunchConfig, name: str) -> str:
     """The device service ``name`` runs its model on (tokenizer and router run none)."""
-    override = {"vision_encoder": cfg.encoder_device, "prefill": cfg.prefill_device, "decode": cfg.decode_device}
+    override = {
+        "vision_encoder": cfg.encoder_device,
+        "prefill": cfg.prefill_device,
+        "decode": cfg.decode_device,
+    }
     return override.get(name) or cfg.device
 
 
 def common_args(cfg: LaunchConfig, name: str) -> list[str]:
-    args = ["--model", str(cfg.model), "--host", cfg.host, "--port", "0", "--metrics-port", "0",
-            "--device", device_of(cfg, name)]
+    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device_of(cfg, name)]
     return args + (["--dtype", cfg.dtype] if cfg.dtype else [])
 
 
+def port_args(ports: Mapping[str, int]) -> list[str]:
+    return [arg for key, port in ports.items() for arg in (f"--{key.replace('_', '-')}", str(port))]
+
+
+def optional_arg(flag: str, value: float | str | None) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
 class Launcher:
+    """Starts, restarts and stops the children; ``children`` is in start order."""
+
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
         self.children: list[Child] = []
+        # Built once: a restarted child must get what the first one got (e.g. a shared token).
+        self.env = child_environment()
 
-    def start(self, name: str, extra_args: list[str]) -> Child:
-        cmd = [sys.executable, "-m", f"services.{name}", *common_args(self.cfg, name), *extra_args]
+    def start(self, spec: ChildSpec) -> Child:
+        child = self._spawn(spec, spec.ports)
+        self.children.append(child)
+        return child
+
+    def restart(self, old: Child) -> Child:
+        """Start ``old``'s service again on the ports ``old`` bound; it takes ``old``'s place."""
+        child = self._spawn(old.spec, old.bound_ports())
+        self.children[self.children.index(old)] = child
+        return child
+
+    def _spawn(self, spec: ChildSpec, ports: Mapping[str, int]) -> Child:
+        # Called from the main thread only: PR_SET_PDEATHSIG fires when the forking thread ends.
+        cmd = [
+            sys.executable, "-m", f"services.{spec.name}",
+            *common_args(self.cfg, spec.name), *port_args(ports), *spec.args,
+        ]
         stderr = subprocess.DEVNULL
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
-        process = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-            text=True, preexec_fn=_die_with_parent,
-        )
-        child = Child(name, process)
-        self.children.append(child)
-        threading.Thread(target=self._read_stdout, args=(child,), daemon=True, name=f"stdout-{name}").start()
+            stderr = open(self.cfg.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 (closed below)
+        try:
+            process = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                text=True, env=self.env, preexec_fn=_die_with_parent,
+            )
+        finally:
+            if stderr is not subprocess.DEVNULL:
+                stderr.close()  # the child holds its own copy
+        child = Child(spec, process, dict(ports))
+        threading.Thread(
+            target=self._read_stdout, args=(child,), daemon=True, name=f"stdout-{spec.name}"
+        ).start()
         return child
 
     @staticmethod
@@ -107,49 +194,75 @@ class Launcher:
         for line in child.process.stdout:
             child.lines.append(line.rstrip())
             words = line.split()
-            if len(words) >= 2 and words[0] == "READY" and words[1] == child.name and not child.ready:
+            is_ready_line = len(words) >= 2 and words[0] == "READY" and words[1] == child.name
+            if is_ready_line and not child.ready:
                 child.ready = dict(w.split("=", 1) for w in words[2:] if "=" in w)
+
+    def log_hint(self, name: str) -> str:
+        return "" if self.cfg.log_dir is None else f" (log: {self.cfg.log_dir / f'{name}.log'})"
 
     def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         while not all(c.ready for c in children):
             for c in children:
                 if not c.ready and c.process.poll() is not None:
-                    raise UnavailableError(f"{c.name} exited with code {c.process.returncode} before it was ready")
+                    raise UnavailableError(
+                        f"{c.name} exited with code {c.process.returncode} before it was ready"
+                        + self.log_hint(c.name)
+                    )
             if time.monotonic() > deadline:
                 late = [c.name for c in children if not c.ready]
-                raise UnavailableError(f"not ready after {self.cfg.ready_timeout_s:.0f} s: {', '.join(late)}")
+                timeout_s = self.cfg.ready_timeout_s
+                raise UnavailableError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
             time.sleep(0.05)
 
     def start_all(self) -> Child:
         cfg = self.cfg
-        transfer = ["--transfer-backend", cfg.transfer_backend]
-        kv = [] if cfg.kv_transfer_backend is None else ["--kv-transfer-backend", cfg.kv_transfer_backend]
-        tokenizer = self.start("tokenizer", [])
-        encoder = self.start("vision_encoder", transfer)
-        decode = self.start("decode", [
-            *transfer, *kv, "--num-pages", str(cfg.num_pages), "--page-size", str(cfg.page_size),
-            "--attention-backend", cfg.attention_backend,
-        ])
+        transfer = ("--transfer-backend", cfg.transfer_backend)
+        kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
+        pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
+        tokenizer = self.start(ChildSpec("tokenizer"))
+        encoder = self.start(ChildSpec("vision_encoder", transfer))
+        decode = self.start(ChildSpec("decode", (
+            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages,
+            *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
+        )))
         self.wait_ready([tokenizer, encoder, decode])
-        pages = ["--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend]
-        prefill = self.start("prefill", [*transfer, *kv, *pages, "--encoder-address", encoder.address])
+        prefill = self.start(ChildSpec("prefill", (
+            *transfer, *kv, *pages, "--encoder-address", encoder.address,
+            *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
+        )))
         self.wait_ready([prefill])
-        router = self.start("router", [
-            "--http-host", cfg.host, "--http-port", str(cfg.http_port),
-            "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
-            "--decode-address", decode.address, "--encoder-address", encoder.address,
-        ])
+        router = self.start(ChildSpec(
+            "router",
+            (
+                "--http-host", cfg.host,
+                "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
+                "--decode-address", decode.address, "--encoder-address", encoder.address,
+                *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
+            ),
+            {"port": 0, "metrics_port": 0, "http_port": cfg.http_port},
+        ))
         self.wait_ready([router])
         self.write_state()
         return router
 
     def write_state(self) -> None:
+        """Pids and ports of the current children as JSON, replaced atomically (no reader sees
+        half a file)."""
         if self.cfg.state_file is None:
             return
         state = {c.name: {"pid": c.process.pid, **c.ready} for c in self.children}
-        state["launcher"] = {"pid": os.getpid(), "config": json.loads(json.dumps(asdict(self.cfg), default=str))}
-        self.cfg.state_file.write_text(json.dumps(state, indent=2))
+        config = json.loads(json.dumps(asdict(self.cfg), default=str))
+        state["launcher"] = {"pid": os.getpid(), "config": config}
+        partial = self.cfg.state_file.with_name(self.cfg.state_file.name + ".partial")
+        partial.write_text(json.dumps(state, indent=2))
+        partial.replace(self.cfg.state_file)
+
+    @staticmethod
+    def kill(child: Child) -> None:
+        child.process.kill()
+        child.process.wait()
 
     def stop_all(self) -> None:
         """SIGTERM every child (router first), wait ``stop_grace_s``, SIGKILL what is left."""
@@ -161,8 +274,87 @@ class Launcher:
             try:
                 c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                c.process.kill()
-                c.process.wait()
+                self.kill(c)
+
+
+class WatchState(enum.Enum):
+    RUNNING = "running"  # ready; an exit schedules a restart
+    WAITING = "waiting"  # exited; restarts at ``restart_at``
+    STARTING = "starting"  # restarted; waiting for its READY line
+
+
+@dataclass
+class _Watch:
+    backoff_s: float
+    since: float  # when ``state`` was entered
+    state: WatchState = WatchState.RUNNING
+    restart_at: float = 0.0
+    num_restarts: int = 0
+
+
+class Supervisor:
+    """Restarts the launcher's children when they exit after start-up.
+
+    Call ``poll`` from the main thread (it spawns processes) until ``stop`` is set; no
+    restart starts once it is. Lines go to ``out``: the exit and the delay, then
+    ``<name> is ready again (pid N)``. A restart that exits or misses ``ready_timeout_s``
+    before its READY line counts as another exit (the delay keeps growing).
+    """
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        stop: threading.Event,
+        clock: Callable[[], float] = time.monotonic,
+        out: TextIO | None = None,
+    ) -> None:
+        self._launcher = launcher
+        self._policy = launcher.cfg.restart
+        self._stop = stop
+        self._clock = clock
+        self._out = out
+        now = clock()
+        self._watches = {c.name: _Watch(self._policy.initial_backoff_s, now) for c in launcher.children}
+
+    def _say(self, line: str) -> None:
+        print(line, file=self._out if self._out is not None else sys.stderr, flush=True)
+
+    def poll(self) -> None:
+        for child in list(self._launcher.children):
+            if self._stop.is_set():
+                return
+            self._step(child, self._watches[child.name], self._clock())
+
+    def _step(self, child: Child, watch: _Watch, now: float) -> None:
+        code = child.process.poll()
+        if watch.state is WatchState.RUNNING:
+            if code is not None:
+                up_s = now - watch.since
+                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s)
+        elif watch.state is WatchState.WAITING:
+            if now >= watch.restart_at:
+                self._launcher.restart(child)
+                watch.state, watch.since = WatchState.STARTING, now
+        elif child.ready:
+            watch.state, watch.since = WatchState.RUNNING, now
+            self._launcher.write_state()
+            self._say(f"{child.name} is ready again (pid {child.process.pid})")
+        elif code is not None:
+            hint = self._launcher.log_hint(child.name)
+            self._schedule(child.name, watch, now, f"exited with code {code} before it was ready{hint}")
+        elif now - watch.since > self._launcher.cfg.ready_timeout_s:
+            self._launcher.kill(child)
+            timeout_s = self._launcher.cfg.ready_timeout_s
+            self._schedule(child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)")
+
+    def _schedule(self, name: str, watch: _Watch, now: float, what: str, up_s: float = 0.0) -> None:
+        if up_s >= self._policy.stable_s:
+            watch.backoff_s = self._policy.initial_backoff_s
+        delay_s = watch.backoff_s
+        watch.backoff_s = min(delay_s * 2, self._policy.max_backoff_s)
+        watch.num_restarts += 1
+        watch.state, watch.restart_at, watch.since = WatchState.WAITING, now + delay_s, now
+        self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts})")
 
 
 def run_up(cfg: LaunchConfig) -> int:
@@ -172,14 +364,14 @@ def run_up(cfg: LaunchConfig) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         router = launcher.start_all()
-        print(f"stageserve is up: OpenAI API at http://{cfg.host}:{router.ready.get('http_port')}/v1", flush=True)
+        http_port = router.ready.get("http_port")
+        print(f"stageserve is up: OpenAI API at http://{cfg.host}:{http_port}/v1", flush=True)
         for c in launcher.children:
-            print(f"  {c.name:<15} pid={c.process.pid} " + " ".join(f"{k}={v}" for k, v in c.ready.items()), flush=True)
-        while not stop.wait(0.5):
-            for c in launcher.children:
-                if c.process.poll() is not None and not c.is_exit_reported:
-                    print(f"{c.name} exited with code {c.process.returncode}", file=sys.stderr, flush=True)
-                    c.is_exit_reported = True
+            ports = " ".join(f"{k}={v}" for k, v in c.ready.items())
+            print(f"  {c.name:<15} pid={c.process.pid} {ports}", flush=True)
+        supervisor = Supervisor(launcher, stop)
+        while not stop.wait(POLL_INTERVAL_S):
+            supervisor.poll()
         return 0
     except UnavailableError as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)

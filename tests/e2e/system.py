@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,8 @@ class System:
     workdir: Path
     state: dict = field(default_factory=dict)
     output: list[str] = field(default_factory=list)
+    output_mono: list[float] = field(default_factory=list)  # when each output line arrived
+    seen_pids: set[int] = field(default_factory=set)  # every child pid any state file named
 
     @property
     def base_url(self) -> str:
@@ -54,7 +59,45 @@ class System:
         return f"http://127.0.0.1:{self.state[service]['metrics_port']}/metrics"
 
     def child_pids(self) -> list[int]:
-        return [v["pid"] for k, v in self.state.items() if k != "launcher"]
+        """Every child pid seen, restarted ones included."""
+        return sorted(self.seen_pids)
+
+    def reload_state(self) -> dict:
+        """Read the state file again (the launcher rewrites it after a restart)."""
+        self.state = json.loads((self.workdir / "state.json").read_text())
+        self.seen_pids.update(v["pid"] for k, v in self.state.items() if k != "launcher")
+        return self.state
+
+    def health(self) -> int:
+        """The router's ``/health`` status code (0: no answer)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=5) as reply:
+                return reply.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return 0
+
+    def metric(self, service: str, name: str) -> float:
+        """The sum of a Prometheus metric's samples on ``service``'s metrics port."""
+        with urllib.request.urlopen(self.metrics_url(service), timeout=10) as reply:
+            text = reply.read().decode()
+        samples = re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        return sum(float(m.group(1)) for m in samples)
+
+    def wait_for_output(
+        self, text: str, start: int = 0, timeout_s: float = READY_TIMEOUT_S
+    ) -> tuple[str, float]:
+        """The first launcher output line from index ``start`` on that contains ``text``, and
+        when it arrived (``time.monotonic()``)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for index in range(start, len(self.output_mono)):
+                if text in self.output[index]:
+                    return self.output[index], self.output_mono[index]
+            time.sleep(0.1)
+        output = "\n".join(self.output)
+        raise AssertionError(f"no launcher line with {text!r} in {timeout_s:.0f} s:\n{output}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.workdir / "logs").glob("*.log")))
@@ -78,6 +121,7 @@ def start_system(workdir: Path, *extra_args: str) -> System:
         assert process.stdout is not None
         for line in process.stdout:
             system.output.append(line.rstrip())
+            system.output_mono.append(time.monotonic())  # after the line: a reader sees both
             if line.startswith("stageserve is up"):
                 up.set()
 
@@ -87,5 +131,5 @@ def start_system(workdir: Path, *extra_args: str) -> System:
         if process.poll() is not None or time.monotonic() > deadline:
             system.stop()
             raise RuntimeError("system did not come up:\n" + "\n".join(system.output) + "\n" + system.logs())
-    system.state = json.loads(state_file.read_text())
+    system.reload_state()
     return system
