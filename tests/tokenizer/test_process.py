@@ -11,8 +11,9 @@ import pytest
 
 from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
+from services.common.errors import UnauthenticatedError
 from services.tokenizer.servicer import SERVICE_NAME
-from tests.conftest import REPO, image_bytes
+from tests.conftest import INTERNAL_AUTH, REPO, image_bytes
 from tests.tokenizer.conftest import TIMEOUT_S, user
 
 READY_TIMEOUT_S = 120.0
@@ -35,10 +36,13 @@ async def test_ready_serving_and_sigterm(tmp_path):
         await wait_ready(channel, TIMEOUT_S)
         await wait_ready(channel, TIMEOUT_S, service=SERVICE_NAME)
         await channel.close()
-        client = TokenizerClient(address)
+        client = TokenizerClient(address, auth=INTERNAL_AUTH)
         prompt = await client.tokenize_chat("r", [user(image_bytes(56, 56), "hi")], timeout_s=TIMEOUT_S)
+        async with client.detokenize_stream("r", timeout_s=TIMEOUT_S) as stream:  # stream-stream carries it too
+            text = await stream.send(prompt.token_ids[-3:]) + await stream.finish()
         await client.close()
-        assert len(prompt.spans) == 1
+        assert len(prompt.spans) == 1 and text
+        await check_unauthenticated(address)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), EXIT_TIMEOUT_S) == 0
     finally:
@@ -46,3 +50,16 @@ async def test_ready_serving_and_sigterm(tmp_path):
             proc.kill()
             await proc.wait()
         stderr.close()
+
+
+async def check_unauthenticated(address: str) -> None:
+    """The process requires the token the test session exports: a client without it is refused."""
+    anonymous = TokenizerClient(address)
+    try:
+        with pytest.raises(UnauthenticatedError, match="missing or invalid internal credentials"):
+            await anonymous.tokenize_prompt("anon", "hi", timeout_s=TIMEOUT_S)
+        async with anonymous.detokenize_stream("anon", timeout_s=TIMEOUT_S) as stream:
+            with pytest.raises(UnauthenticatedError):
+                await stream.send([40])
+    finally:
+        await anonymous.close()
