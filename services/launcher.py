@@ -20,9 +20,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from services.common.auth import child_environment
 from services.common.errors import UnavailableError
 
 _PR_SET_PDEATHSIG = 1
@@ -82,8 +84,10 @@ def common_args(cfg: LaunchConfig, name: str) -> list[str]:
 
 
 class Launcher:
-    def __init__(self, cfg: LaunchConfig) -> None:
+    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
+        # The children's environment (default: ours plus a fresh internal token): secrets travel here, not in argv.
+        self.env = dict(env) if env is not None else child_environment(os.environ)
         self.children: list[Child] = []
 
     def start(self, name: str, extra_args: list[str]) -> Child:
@@ -94,7 +98,7 @@ class Launcher:
             stderr = open(self.cfg.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
         process = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-            text=True, preexec_fn=_die_with_parent,
+            text=True, preexec_fn=_die_with_parent, env=self.env,
         )
         child = Child(name, process)
         self.children.append(child)
@@ -165,8 +169,8 @@ class Launcher:
                 c.process.wait()
 
 
-def run_up(cfg: LaunchConfig) -> int:
-    launcher = Launcher(cfg)
+def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
+    launcher = Launcher(cfg, env)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
