@@ -86,7 +86,7 @@ def common_args(cfg: LaunchConfig, name: str) -> list[str]:
 class Launcher:
     def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
-        # The children's environment (default: ours plus a fresh internal token): secrets travel here, not in argv.
+        # Children's environment (ours + a new internal token by default): secrets go here, not argv.
         self.env = dict(env) if env is not None else child_environment(os.environ)
         self.children: list[Child] = []
 

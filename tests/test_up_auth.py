@@ -1,4 +1,4 @@
-"""``stageserve up``: the children get the internal token (and the API key) in their environment, never argv."""
+"""``stageserve up``: children get the internal token (and API key) in their environment, not argv."""
 
 from __future__ import annotations
 

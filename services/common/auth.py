@@ -24,7 +24,7 @@ from services.common.envs import API_KEY_ENV, INTERNAL_TOKEN_ENV, Envs
 
 logger = logging.getLogger(__name__)
 
-AUTHORIZATION_KEY = "authorization"  # gRPC metadata key and HTTP header (lower case, as gRPC sends it)
+AUTHORIZATION_KEY = "authorization"  # gRPC metadata key and HTTP header, lower case as on the wire
 EXEMPT_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 INTERNAL = "internal credentials"
 API_KEY = "API key"
@@ -78,7 +78,6 @@ def _check_token(token: str, what: str) -> None:
         raise AuthConfigError(f"the {what} must be printable ASCII without spaces")
 
 
-
 def load_token_file(path: Path, what: str) -> str:
     """The secret stored in ``path``, surrounding whitespace stripped."""
     try:
@@ -110,7 +109,7 @@ def internal_credentials(
     except AuthConfigError as exc:
         raise AuthConfigError(f"{INTERNAL_TOKEN_ENV} / --internal-token-file: {exc}") from None
     if allow_unauthenticated:
-        logger.warning("--allow-unauthenticated has no effect: an internal token is set, so it is required")
+        logger.warning("--allow-unauthenticated has no effect: an internal token is set")
     return credentials
 
 
@@ -130,18 +129,12 @@ def child_environment(environ: Mapping[str, str], *, api_key: str | None = None)
     return env
 
 
-def _metadata_value(metadata: Any, key: str) -> str | bytes | None:
-    for item_key, value in metadata or ():
-        if item_key == key:
-            return value
-    return None
-
-
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects, with UNAUTHENTICATED, every call without ``credentials`` except health checks.
+    """Rejects, with UNAUTHENTICATED, every call but health checks that lacks ``credentials``.
 
-    A rejected call's request is never read or deserialized; the status message says
-    nothing about what was wrong (``Credentials.denied_message``).
+    A call must carry exactly one ``authorization`` value, ``Bearer <token>``. A rejected
+    call's request is never read or deserialized; the status message says nothing about
+    what was wrong (``Credentials.denied_message``).
     """
 
     def __init__(self, credentials: Credentials) -> None:
@@ -151,10 +144,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(EXEMPT_METHOD_PREFIXES):
             return handler  # None: UNIMPLEMENTED for anyone (method names are in the public protos)
-        if self._credentials.accepts(_metadata_value(details.invocation_metadata, AUTHORIZATION_KEY)):
+        metadata = details.invocation_metadata or ()
+        values = [value for key, value in metadata if key == AUTHORIZATION_KEY]
+        if len(values) == 1 and self._credentials.accepts(values[0]):
             return handler
         return grpc.stream_stream_rpc_method_handler(self._reject)
 
-    async def _reject(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def _reject(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._credentials.denied_message)
         yield  # unreachable: makes this a streaming handler that never reads the request

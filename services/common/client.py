@@ -52,7 +52,7 @@ def _with_request_id(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCall
     return details._replace(metadata=metadata)
 
 
-def _with_credentials(details: grpc.aio.ClientCallDetails, auth: Credentials) -> grpc.aio.ClientCallDetails:
+def _with_credentials(details: grpc.aio.ClientCallDetails, auth: Credentials) -> Any:
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
     metadata[AUTHORIZATION_KEY] = auth.header_value
     return details._replace(metadata=metadata)
@@ -78,16 +78,16 @@ class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
     def __init__(self, edit: DetailsEdit) -> None:
         self._edit = edit
 
-    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._edit(details), request_iterator)
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._edit(details), requests)
 
 
 class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
     def __init__(self, edit: DetailsEdit) -> None:
         self._edit = edit
 
-    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._edit(details), request_iterator)
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._edit(details), requests)
 
 
 def details_interceptors(edit: DetailsEdit) -> list[grpc.aio.ClientInterceptor]:
@@ -112,7 +112,9 @@ def create_channel(
     chain = details_interceptors(_with_request_id)
     if auth is not None:
         chain += details_interceptors(functools.partial(_with_credentials, auth=auth))
-    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=[*chain, *interceptors])
+    return grpc.aio.insecure_channel(
+        target, options=CHANNEL_OPTIONS, interceptors=[*chain, *interceptors]
+    )
 
 
 async def wait_ready(

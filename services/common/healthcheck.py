@@ -1,4 +1,4 @@
-"""``python -m services.common.healthcheck HOST:PORT [SERVICE] [--token-file PATH]``: exit 0 when SERVING.
+"""``python -m services.common.healthcheck HOST:PORT [SERVICE] [--token-file PATH]``: 0 if SERVING.
 
 For container health checks where no native gRPC probe exists (docker compose). Health
 checks need no credentials; with ``--token-file`` the internal token is sent anyway.
@@ -33,8 +33,8 @@ def is_serving(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.common.healthcheck", description=__doc__)
     p.add_argument("address", metavar="HOST:PORT")
-    p.add_argument("service", nargs="?", default="", help="service name (default: the whole server)")
-    p.add_argument("--token-file", type=Path, default=None, help="send the internal token stored here")
+    p.add_argument("service", nargs="?", default="", help="service name (default: the server)")
+    p.add_argument("--token-file", type=Path, default=None, help="send the token in this file")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:  # usage errors exit 2, like the positional-only CLI before

@@ -3,9 +3,9 @@
 ``create_server`` builds a ``grpc.aio`` server with the service's servicers, the
 standard ``grpc.health.v1`` health service, the telemetry interceptor, bearer-token
 authentication (``services.common.auth``; health is exempt) and, when asked,
-reflection, and binds it (port 0 picks a free port and returns it). ``serve_until_signal`` runs it
-until SIGTERM/SIGINT, then shuts down in order: health NOT_SERVING -> ``server.stop``
-with grace -> the release callback.
+reflection, and binds it (port 0 picks a free port and returns it).
+``serve_until_signal`` runs it until SIGTERM/SIGINT, then shuts down in order: health
+NOT_SERVING -> ``server.stop`` with grace -> the release callback.
 
 Health: liveness is the process answering ``Check`` at all; readiness is ``SERVING``,
 which ``HealthState`` reports only after the service calls ``set_serving(True)``

@@ -57,7 +57,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, runs_model: bool = True,
     p.add_argument("--log-level", type=str.upper, default=envs.log_level,
                    help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)")
     p.add_argument("--internal-token-file", type=Path, default=None, metavar="PATH",
-                   help=f"file holding the shared internal gRPC token (wins over {INTERNAL_TOKEN_ENV})")
+                   help=f"file holding the internal gRPC token (wins over {INTERNAL_TOKEN_ENV})")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="start without an internal token: internal gRPC calls are neither "
                         "checked nor sent with credentials")

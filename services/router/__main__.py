@@ -90,7 +90,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
     """The router's secrets; exits with one error line when the internal token is missing or a
     secret is unusable."""
-    internal = internal_credentials_or_exit("router", envs, args.internal_token_file, args.allow_unauthenticated)
+    internal = internal_credentials_or_exit(
+        "router", envs, args.internal_token_file, args.allow_unauthenticated
+    )
     api_key = None
     if args.api_key:
         try:
@@ -98,8 +100,8 @@ def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
         except AuthConfigError as exc:
             raise SystemExit(f"router: error: --api-key / {API_KEY_ENV}: {exc}") from None
     else:
-        logger.warning("no API key (--api-key / %s): anyone reaching the HTTP or gRPC port may call the API",
-                       API_KEY_ENV)
+        logger.warning("no API key (--api-key / %s): anyone who reaches the HTTP or gRPC port "
+                       "may call the API", API_KEY_ENV)
     return RouterAccess(internal, api_key, args.enable_reflection)
 
 

@@ -105,7 +105,10 @@ class RouterApp:
 
     @classmethod
     def build(
-        cls, cfg: RouterConfig, metrics: RouterMetrics | None = None, images: ImageLoader | None = None,
+        cls,
+        cfg: RouterConfig,
+        metrics: RouterMetrics | None = None,
+        images: ImageLoader | None = None,
         access: RouterAccess | None = None,
     ) -> RouterApp:
         """A router detokenizing locally with the model directory's tokenizer.

@@ -34,7 +34,13 @@ from services.common.pb.stageserve.v1 import (
     vision_encoder_pb2,
     vision_encoder_pb2_grpc,
 )
-from services.common.server import REQUEST_ID_KEY, HealthState, RpcMetrics, create_server, current_request_id
+from services.common.server import (
+    REQUEST_ID_KEY,
+    HealthState,
+    RpcMetrics,
+    create_server,
+    current_request_id,
+)
 from services.decode.servicer import DecodeServicer
 from services.prefill.servicer import PrefillServicer
 
@@ -61,8 +67,8 @@ KINDS = [
          decode_pb2.DESCRIPTOR.services_by_name["Decode"]),
     Kind("prefill", prefill_pb2_grpc.add_PrefillServicer_to_server, lambda: PrefillServicer(60.0),
          prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]),
-    Kind("tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer_pb2_grpc.TokenizerServicer,
-         tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"]),
+    Kind("tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+         tokenizer_pb2_grpc.TokenizerServicer, tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"]),
     Kind("vision_encoder", vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server,
          vision_encoder_pb2_grpc.VisionEncoderServicer,
          vision_encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]),
@@ -94,16 +100,18 @@ async def served(request) -> AsyncIterator[Served]:
         await server.stop(None)
 
 
-async def call_method(channel: grpc.aio.Channel, service: str, method: Any) -> grpc.StatusCode:
+async def call_method(
+    channel: grpc.aio.Channel, service: str, method: Any, metadata: tuple[tuple[str, str], ...] = ()
+) -> grpc.StatusCode:
     """Call ``method`` (any of the four kinds) with an empty request; return its status code."""
     path = f"/{service}/{method.name}"
     try:
         if method.client_streaming:
             multi = channel.stream_stream if method.server_streaming else channel.stream_unary
-            call = multi(path)(iter([b""]), timeout=TIMEOUT_S)
+            call = multi(path)(iter([b""]), metadata=metadata, timeout=TIMEOUT_S)
         else:
             multi = channel.unary_stream if method.server_streaming else channel.unary_unary
-            call = multi(path)(b"", timeout=TIMEOUT_S)
+            call = multi(path)(b"", metadata=metadata, timeout=TIMEOUT_S)
         if method.server_streaming:
             async for _ in call:
                 pass
@@ -138,6 +146,18 @@ async def test_the_token_lets_every_method_through(served: Served) -> None:
         for method in service.methods:
             code = await call_method(channel, service.full_name, method)
             assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED), (method.name, code)
+    finally:
+        await channel.close()
+
+
+async def test_exactly_one_authorization_value_is_accepted(served: Served) -> None:
+    service = served.kind.descriptor
+    channel = create_channel(f"127.0.0.1:{served.port}")
+    try:
+        for times in (1, 2):
+            metadata = (("authorization", TOKEN.header_value),) * times
+            code = await call_method(channel, service.full_name, service.methods[0], metadata)
+            assert (code == grpc.StatusCode.UNAUTHENTICATED) == (times == 2), times
     finally:
         await channel.close()
 
@@ -188,16 +208,16 @@ async def test_channel_sends_token_and_request_id_on_all_four_call_kinds() -> No
     kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
     handlers = {kind: getattr(grpc, f"{kind}_rpc_method_handler")(record(kind)) for kind in kinds}
     generic = grpc.method_handlers_generic_handler("test.Kinds", handlers)
-    server, port = create_server(
-        [(lambda _servicer, srv: srv.add_generic_rpc_handlers((generic,)), None)], health=HealthState(), auth=TOKEN
-    )
+    register = (lambda _servicer, srv: srv.add_generic_rpc_handlers((generic,)), None)
+    server, port = create_server([register], health=HealthState(), auth=TOKEN)
     await server.start()
     channel = create_channel(f"127.0.0.1:{port}", auth=TOKEN)
     request_id = current_request_id.set("req-7")  # as inside a handler: forwarded on every kind
     try:
         assert await channel.unary_unary("/test.Kinds/unary_unary")(b"", timeout=TIMEOUT_S) == b"ok"
         assert [r async for r in channel.unary_stream("/test.Kinds/unary_stream")(b"", timeout=TIMEOUT_S)]
-        assert await channel.stream_unary("/test.Kinds/stream_unary")(iter([b""]), timeout=TIMEOUT_S) == b"ok"
+        stream_unary = channel.stream_unary("/test.Kinds/stream_unary")
+        assert await stream_unary(iter([b""]), timeout=TIMEOUT_S) == b"ok"
         call = channel.stream_stream("/test.Kinds/stream_stream")(timeout=TIMEOUT_S)
         await call.write(b"")  # the write()/read() style the tokenizer's Detokenize client uses
         assert await call.read() == b"ok"
@@ -215,10 +235,13 @@ async def test_channel_sends_token_and_request_id_on_all_four_call_kinds() -> No
 def test_credentials_accept_only_the_bearer_token() -> None:
     assert TOKEN.accepts("Bearer s3cret-token_for-tests")
     assert TOKEN.accepts(b"bearer s3cret-token_for-tests")  # the scheme is case-insensitive
-    for value in (None, "", "Bearer", "Bearer ", "s3cret-token_for-tests", "Basic s3cret-token_for-tests",
-                  "Bearer s3cret-token_for-test", "Bearer s3cret-token_for-testsX", "Bearer  s3cret-token_for-tests"):
+    refused = (None, "", "Bearer", "Bearer ", "s3cret-token_for-tests", "Basic s3cret-token_for-tests",
+               "Bearer s3cret-token_for-test", "Bearer s3cret-token_for-testsX",
+               "Bearer  s3cret-token_for-tests")
+    for value in refused:
         assert not TOKEN.accepts(value), value
-    assert "s3cret" not in repr(TOKEN) and "s3cret" not in repr(Envs(internal_token="s3cret", api_key="s3cret"))
+    assert "s3cret" not in repr(TOKEN)
+    assert "s3cret" not in repr(Envs(internal_token="s3cret", api_key="s3cret"))
     assert TOKEN.denied_message == DENIED
     assert Credentials("k", API_KEY).denied_message == "missing or invalid API key"
 

@@ -83,7 +83,8 @@ async def test_two_authorization_headers_are_refused(http) -> None:
 async def test_api_with_the_key_serves_and_health_stays_open(http, secured_cluster) -> None:
     models = await http.get("/v1/models", headers=bearer(API.token))
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL_NAME
-    reply = await http.post("/v1/chat/completions", json=CHAT, headers={"authorization": "bearer sk-test-key"})
+    lower_case = {"authorization": "bearer sk-test-key"}
+    reply = await http.post("/v1/chat/completions", json=CHAT, headers=lower_case)
     assert reply.status_code == 200, reply.text  # the workers accepted the router's internal token
     assert reply.json()["choices"][0]["message"]["content"]
     health = await http.get("/health")  # no key: probes stay open
@@ -99,7 +100,9 @@ def generate_request() -> router_pb2.GenerateRequest:
     )
 
 
-@pytest.mark.parametrize("auth", [None, Credentials("sk-wrong", API_KEY), INTERNAL], ids=["none", "wrong", "internal"])
+@pytest.mark.parametrize(
+    "auth", [None, Credentials("sk-wrong", API_KEY), INTERNAL], ids=["none", "wrong", "internal"]
+)
 async def test_grpc_generate_without_the_key_is_unauthenticated(secured_router, secured_cluster, auth) -> None:
     channel = create_channel(f"127.0.0.1:{secured_router.grpc_port}", auth=auth)
     try:
@@ -148,7 +151,8 @@ def test_api_key_flag_defaults_to_the_environment() -> None:
     assert access_of([], token) == RouterAccess(Credentials("t0ken"), None, False)
     from_env = access_of([], {**token, "STAGESERVE_API_KEY": "sk-env"})
     assert from_env.api_key == Credentials("sk-env", API_KEY)
-    from_flag = access_of(["--api-key", "sk-flag", "--enable-reflection"], {**token, "STAGESERVE_API_KEY": "sk-env"})
+    from_flag = access_of(["--api-key", "sk-flag", "--enable-reflection"],
+                          {**token, "STAGESERVE_API_KEY": "sk-env"})
     assert from_flag == RouterAccess(Credentials("t0ken"), Credentials("sk-flag", API_KEY), True)
 
 
