@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import sys
 
+import grpc
 import pytest
 
 from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.errors import UnauthenticatedError
+from services.common.pb.stageserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.servicer import SERVICE_NAME
 from tests.conftest import INTERNAL_AUTH, REPO, image_bytes
 from tests.tokenizer.conftest import TIMEOUT_S, user
@@ -58,8 +61,14 @@ async def check_unauthenticated(address: str) -> None:
     try:
         with pytest.raises(UnauthenticatedError, match="missing or invalid internal credentials"):
             await anonymous.tokenize_prompt("anon", "hi", timeout_s=TIMEOUT_S)
-        async with anonymous.detokenize_stream("anon", timeout_s=TIMEOUT_S) as stream:
-            with pytest.raises(UnauthenticatedError):
-                await stream.send([40])
     finally:
         await anonymous.close()
+    channel = create_channel(address)
+    try:
+        call = tokenizer_pb2_grpc.TokenizerStub(channel).Detokenize(timeout=TIMEOUT_S)
+        with contextlib.suppress(asyncio.InvalidStateError):  # the server may end it before the write
+            await call.write(tokenizer_pb2.DetokenizeRequest(token_ids=[40]))
+        assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert await call.details() == "missing or invalid internal credentials"
+    finally:
+        await channel.close()
