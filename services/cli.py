@@ -88,10 +88,15 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: discard)")
     p.add_argument("--state-file", type=Path, default=None,
                    help="write pids and ports as JSON once ready (rewritten after a restart)")
+    p.add_argument("--api-key", default=None,
+                   help="key the API requires (passed to the router as STAGESERVE_API_KEY; default: that variable)")
     p.set_defaults(func=_run_up)
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    import os
+
+    from services.common.auth import child_environment
     from services.launcher import LaunchConfig, device_of, run_up
 
     cfg = LaunchConfig(
@@ -107,10 +112,11 @@ def _run_up(args: argparse.Namespace) -> int:
         check_embedding_backend(args.transfer_backend)
         for name in ("prefill", "decode"):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))
+        env = child_environment(os.environ, api_key=args.api_key)  # AuthConfigError: a bad --api-key
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return run_up(cfg)
+    return run_up(cfg, env)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

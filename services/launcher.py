@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from services.common.auth import child_environment
 from services.common.errors import UnavailableError
 
 _PR_SET_PDEATHSIG = 1
@@ -116,11 +117,6 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def child_environment() -> dict[str, str]:
-    """The environment every child gets (the launcher's own)."""
-    return dict(os.environ)
-
-
 def device_of(cfg: LaunchConfig, name: str) -> str:
     """The device service ``name`` runs its model on (tokenizer and router run none)."""
     override = {
@@ -147,11 +143,12 @@ def optional_arg(flag: str, value: float | str | None) -> list[str]:
 class Launcher:
     """Starts, restarts and stops the children; ``children`` is in start order."""
 
-    def __init__(self, cfg: LaunchConfig) -> None:
+    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> None:
         self.cfg = cfg
+        # Children's environment (ours + a new internal token by default): secrets go here, not argv.
+        # Built once: a restarted child must get what the first one got (the same token).
+        self.env = dict(env) if env is not None else child_environment(os.environ)
         self.children: list[Child] = []
-        # Built once: a restarted child must get what the first one got (e.g. a shared token).
-        self.env = child_environment()
 
     def start(self, spec: ChildSpec) -> Child:
         child = self._spawn(spec, spec.ports)
@@ -357,8 +354,8 @@ class Supervisor:
         self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts})")
 
 
-def run_up(cfg: LaunchConfig) -> int:
-    launcher = Launcher(cfg)
+def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
+    launcher = Launcher(cfg, env)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

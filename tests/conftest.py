@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from services.common.auth import Credentials
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO / "models" / "tiny-qwen2.5-vl"
+
+# Set at import time, so every service a test starts as a process inherits it (and requires it);
+# in-process servers take INTERNAL_AUTH explicitly, or None on both sides.
+os.environ["STAGESERVE_INTERNAL_TOKEN"] = "test-internal-token"
+os.environ.pop("STAGESERVE_API_KEY", None)  # the router's API is open unless a test sets a key
+INTERNAL_AUTH = Credentials(os.environ["STAGESERVE_INTERNAL_TOKEN"])
 
 
 def _mooncake_import_error() -> str | None:

@@ -2,18 +2,21 @@
 
 Channels made here forward the ``x-request-id`` of the RPC being handled (see
 ``services.common.server.current_request_id``) on every call, so one request id
-follows a request across hops.
+follows a request across hops, and carry the caller's ``Credentials`` (if any) on
+every call of every kind.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import AUTHORIZATION_KEY, Credentials
 from services.common.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from services.common.server import MAX_MESSAGE_BYTES, REQUEST_ID_KEY, current_request_id
 
@@ -37,6 +40,9 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
+DetailsEdit = Callable[[grpc.aio.ClientCallDetails], grpc.aio.ClientCallDetails]
+
+
 def _with_request_id(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     request_id = current_request_id.get()
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
@@ -46,22 +52,68 @@ def _with_request_id(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCall
     return details._replace(metadata=metadata)
 
 
-class RequestIdInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds the current request id to outgoing unary and server-streaming calls."""
+def _with_credentials(details: grpc.aio.ClientCallDetails, auth: Credentials) -> Any:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    metadata[AUTHORIZATION_KEY] = auth.header_value
+    return details._replace(metadata=metadata)
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, edit: DetailsEdit) -> None:
+        self._edit = edit
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_request_id(details), request)
+        return await continuation(self._edit(details), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, edit: DetailsEdit) -> None:
+        self._edit = edit
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(_with_request_id(details), request)
+        return await continuation(self._edit(details), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, edit: DetailsEdit) -> None:
+        self._edit = edit
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._edit(details), requests)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, edit: DetailsEdit) -> None:
+        self._edit = edit
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._edit(details), requests)
+
+
+def details_interceptors(edit: DetailsEdit) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors applying ``edit`` to the details (metadata) of every call, of all four kinds.
+
+    One object per kind: ``grpc.aio`` files an interceptor under the first kind it
+    implements only, so one class implementing several would skip the others.
+    """
+    return [cls(edit) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
 def create_channel(
-    target: str, *, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+    target: str,
+    *,
+    auth: Credentials | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
-    """An insecure ``grpc.aio`` channel to ``target`` ("host:port") with ``CHANNEL_OPTIONS``."""
+    """An insecure ``grpc.aio`` channel to ``target`` ("host:port") with ``CHANNEL_OPTIONS``.
+
+    ``auth``: the bearer token sent on every call (None: no ``authorization`` metadata).
+    """
+    chain = details_interceptors(_with_request_id)
+    if auth is not None:
+        chain += details_interceptors(functools.partial(_with_credentials, auth=auth))
     return grpc.aio.insecure_channel(
-        target, options=CHANNEL_OPTIONS, interceptors=[RequestIdInterceptor(), *interceptors]
+        target, options=CHANNEL_OPTIONS, interceptors=[*chain, *interceptors]
     )
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+INTERNAL_TOKEN_ENV = "STAGESERVE_INTERNAL_TOKEN"
+API_KEY_ENV = "STAGESERVE_API_KEY"
 
 # Mooncake Transfer Engine tuning, read by the library itself (documented here only):
 #   MC_TRANSFER_TIMEOUT                    seconds before a stuck transfer fails (default 30). A KV
@@ -34,7 +37,9 @@ class Envs:
     trace_console: bool = False  # STAGESERVE_TRACE_CONSOLE=1: print finished spans (debugging)
     # STAGESERVE_INTERNAL_TOKEN: the shared secret internal gRPC calls carry and KV references are
     # signed with; `stageserve up` generates one for its children.
-    internal_token: str = ""
+    internal_token: str = field(default="", repr=False)
+    # STAGESERVE_API_KEY: the key the router's public API requires (the default of its --api-key).
+    api_key: str = field(default="", repr=False)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Envs:
@@ -43,5 +48,6 @@ class Envs:
             log_level=env.get("STAGESERVE_LOG_LEVEL", "INFO").upper(),
             otlp_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
             trace_console=env.get("STAGESERVE_TRACE_CONSOLE", "") == "1",
-            internal_token=env.get("STAGESERVE_INTERNAL_TOKEN", ""),
+            internal_token=env.get(INTERNAL_TOKEN_ENV, "").strip(),
+            api_key=env.get(API_KEY_ENV, "").strip(),
         )

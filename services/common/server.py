@@ -1,10 +1,11 @@
 """The one gRPC server skeleton every service runs on.
 
 ``create_server`` builds a ``grpc.aio`` server with the service's servicers, the
-standard ``grpc.health.v1`` health service, reflection and the telemetry interceptor,
-and binds it (port 0 picks a free port and returns it). ``serve_until_signal`` runs it
-until SIGTERM/SIGINT, then shuts down in order: health NOT_SERVING -> ``server.stop``
-with grace -> the release callback.
+standard ``grpc.health.v1`` health service, the telemetry interceptor, bearer-token
+authentication (``services.common.auth``; health is exempt) and, when asked,
+reflection, and binds it (port 0 picks a free port and returns it).
+``serve_until_signal`` runs it until SIGTERM/SIGINT, then shuts down in order: health
+NOT_SERVING -> ``server.stop`` with grace -> the release callback.
 
 Health: liveness is the process answering ``Check`` at all; readiness is ``SERVING``,
 which ``HealthState`` reports only after the service calls ``set_serving(True)``
@@ -29,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.auth import AuthInterceptor, Credentials
 from services.common.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -238,22 +240,31 @@ def create_server(
     health: HealthState,
     metrics: RpcMetrics | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    auth: Credentials | None = None,
+    enable_reflection: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
     """Build and bind (not start) a server; returns it and the bound port.
 
     ``servicers`` are ``(add_XServicer_to_server, servicer)`` pairs; ``service_names``
     their full names (``stageserve.v1.Decode``) for health and reflection. ``health``
-    starts NOT_SERVING; call ``health.set_serving(True)`` when ready. Port 0 binds a
-    free port. Raises ``UnavailableError`` when the address cannot be bound.
+    starts NOT_SERVING; call ``health.set_serving(True)`` when ready. ``auth``: the
+    bearer token every call but a health check must carry (None: no authentication).
+    Reflection is served only with ``enable_reflection``. Port 0 binds a free port.
+    Raises ``UnavailableError`` when the address cannot be bound.
     """
-    telemetry = TelemetryInterceptor(metrics if metrics is not None else RpcMetrics())
-    server = grpc.aio.server(interceptors=[telemetry, *interceptors], options=SERVER_OPTIONS)
+    chain: list[grpc.aio.ServerInterceptor] = [
+        TelemetryInterceptor(metrics if metrics is not None else RpcMetrics())
+    ]
+    if auth is not None:
+        chain.append(AuthInterceptor(auth))
+    server = grpc.aio.server(interceptors=[*chain, *interceptors], options=SERVER_OPTIONS)
     for add_to_server, servicer in servicers:
         add_to_server(servicer, server)
     health.add_service_names(service_names)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflected = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-    reflection.enable_server_reflection([*reflected, reflection.SERVICE_NAME], server)
+    if enable_reflection:
+        reflected = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection.enable_server_reflection([*reflected, reflection.SERVICE_NAME], server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound_port = server.add_insecure_port(address)

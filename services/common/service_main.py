@@ -1,7 +1,8 @@
 """What every service's ``__main__`` shares: the common flags, logging, telemetry, the READY line.
 
 Each service accepts ``--model --host --port --metrics-port --device --dtype --log-level``
-(the launcher passes the first five to all of them) and prints one
+(the launcher passes the first five to all of them), ``--internal-token-file``,
+``--allow-unauthenticated`` and ``--enable-reflection``, and prints one
 ``READY <service> port=<grpc> ... metrics_port=<port>`` line on stdout once it serves.
 """
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from services.cli import BUNDLED_MODEL
 from services.common import telemetry
-from services.common.envs import Envs
+from services.common.auth import AuthConfigError, Credentials, internal_credentials
+from services.common.envs import INTERNAL_TOKEN_ENV, Envs
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -31,6 +33,9 @@ class ServiceConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's
     log_level: str = "INFO"
+    internal_token_file: Path | None = None  # wins over STAGESERVE_INTERNAL_TOKEN
+    allow_unauthenticated: bool = False  # start without an internal token (no authentication)
+    enable_reflection: bool = False  # serve gRPC server reflection
 
 
 def add_common_args(parser: argparse.ArgumentParser, *, runs_model: bool = True, envs: Envs | None = None) -> None:
@@ -51,6 +56,22 @@ def add_common_args(parser: argparse.ArgumentParser, *, runs_model: bool = True,
         p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
     p.add_argument("--log-level", type=str.upper, default=envs.log_level,
                    help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)")
+    p.add_argument("--internal-token-file", type=Path, default=None, metavar="PATH",
+                   help=f"file holding the internal gRPC token (wins over {INTERNAL_TOKEN_ENV})")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="start without an internal token: internal gRPC calls are neither "
+                        "checked nor sent with credentials")
+    p.add_argument("--enable-reflection", action="store_true", help="serve gRPC server reflection")
+
+
+def internal_credentials_or_exit(
+    service: str, envs: Envs, token_file: Path | None, allow_unauthenticated: bool
+) -> Credentials | None:
+    """``auth.internal_credentials``, or exit with one ``<service>: error: ...`` line on stderr."""
+    try:
+        return internal_credentials(envs, token_file, allow_unauthenticated=allow_unauthenticated)
+    except AuthConfigError as exc:
+        raise SystemExit(f"{service}: error: {exc}") from None
 
 
 def setup_logging(level: str) -> None:

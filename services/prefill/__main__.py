@@ -8,6 +8,7 @@ import logging
 import sys
 
 from services.common import signing
+from services.common.auth import Credentials
 from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
@@ -15,7 +16,13 @@ from services.common.errors import StageServeError
 from services.common.kv_transfer import KV_BACKEND_HELP, check_embedding_backend, check_kv_backend
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
-from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
+from services.common.service_main import (
+    add_common_args,
+    internal_credentials_or_exit,
+    print_ready,
+    setup_logging,
+    start_telemetry,
+)
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.kv_refs import KvRefVerifier
@@ -62,20 +69,19 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     return PrefillConfig(**vars(args))
 
 
-async def serve(config: PrefillConfig) -> int:
-    envs = Envs.from_environ()
+async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> int:
     metrics_port = start_telemetry("prefill", envs, config.host, config.metrics_port)
     health = HealthState()
-    kv_refs = KvRefVerifier(signing.key_of(envs.internal_token), config.max_kv_ref_nonces)
+    kv_refs = KvRefVerifier(signing.key_of(auth.token if auth else ""), config.max_kv_ref_nonces)
     servicer = PrefillServicer(config.default_timeout_s, kv_refs)
     server, port = create_server(
         [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], config.port, config.host,
-        [SERVICE_NAME], health=health,
+        [SERVICE_NAME], health=health, auth=auth, enable_reflection=config.enable_reflection,
     )
     await server.start()
     encoder = None
     if config.encoder_address:
-        encoder = VisionEncoderClient(config.encoder_address)
+        encoder = VisionEncoderClient(config.encoder_address, auth=auth)
         await _wait_encoder_ready(config)
     app = await asyncio.to_thread(PrefillApp.build, config, encoder=encoder)
     await app.start()
@@ -104,8 +110,10 @@ async def _wait_encoder_ready(config: PrefillConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging(config.log_level)
+    envs = Envs.from_environ()
+    auth = internal_credentials_or_exit("prefill", envs, config.internal_token_file, config.allow_unauthenticated)
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, envs, auth))
     except StageServeError as exc:
         logger.error("prefill worker failed to start: %s", exc.message)
         return 1

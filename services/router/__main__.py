@@ -14,9 +14,17 @@ import socket
 import sys
 from pathlib import Path
 
-from services.common.envs import Envs
-from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
+from services.common.auth import API_KEY, AuthConfigError, Credentials
+from services.common.envs import API_KEY_ENV, Envs
+from services.common.service_main import (
+    add_common_args,
+    internal_credentials_or_exit,
+    print_ready,
+    setup_logging,
+    start_telemetry,
+)
 from services.router.app import GRPC_GRACE_S, RouterApp
+from services.router.auth import RouterAccess
 from services.router.config import FlowConfig, LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 
 logger = logging.getLogger("services.router")
@@ -25,11 +33,15 @@ logger = logging.getLogger("services.router")
 def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     add_common_args(p, runs_model=False, envs=envs)
+    envs = envs if envs is not None else Envs.from_environ()
+    p.add_argument("--api-key", default=envs.api_key,
+                   help=f"key API callers must send as 'Authorization: Bearer <key>' on /v1/* and "
+                        f"gRPC Router (default: {API_KEY_ENV}; empty: the API is open)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the dir name)")
     p.add_argument("--max-context-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI HTTP port (0 = any free port); also serves /metrics")
+                   help="OpenAI HTTP port (0 = any free port); /metrics is on --metrics-port")
     for kind in ("tokenizer", "prefill", "decode", "encoder"):
         p.add_argument(f"--{kind}-address", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {kind} worker (repeatable)")
@@ -101,6 +113,24 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
+    """The router's secrets; exits with one error line when the internal token is missing or a
+    secret is unusable."""
+    internal = internal_credentials_or_exit(
+        "router", envs, args.internal_token_file, args.allow_unauthenticated
+    )
+    api_key = None
+    if args.api_key:
+        try:
+            api_key = Credentials(args.api_key.strip(), API_KEY)
+        except AuthConfigError as exc:
+            raise SystemExit(f"router: error: --api-key / {API_KEY_ENV}: {exc}") from None
+    else:
+        logger.warning("no API key (--api-key / %s): anyone who reaches the HTTP or gRPC port "
+                       "may call the API", API_KEY_ENV)
+    return RouterAccess(internal, api_key, args.enable_reflection)
+
+
 def bind_http_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -109,10 +139,10 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(cfg: RouterConfig, metrics_port: int) -> None:
+async def serve(cfg: RouterConfig, metrics_port: int, access: RouterAccess) -> None:
     from services.common.server import serve_until_signal
 
-    app = RouterApp.build(cfg)
+    app = RouterApp.build(cfg, access=access)
     http_socket = bind_http_socket(cfg.http_host, cfg.http_port)
     await app.start(http_socket)
     print_ready("router", port=app.grpc_port, http_port=http_socket.getsockname()[1], metrics_port=metrics_port)
@@ -121,10 +151,12 @@ async def serve(cfg: RouterConfig, metrics_port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
-    cfg = config_from_args(build_parser(envs).parse_args(argv))
+    args = build_parser(envs).parse_args(argv)
+    cfg = config_from_args(args)
     setup_logging(cfg.log_level)
+    access = access_from_args(args, envs)
     metrics_port = start_telemetry("router", envs, cfg.host, cfg.metrics_port)
-    asyncio.run(serve(cfg, metrics_port))
+    asyncio.run(serve(cfg, metrics_port, access))
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Callable, Iterator
@@ -12,12 +13,14 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from services.common.auth import Credentials
 from services.common.clients.decode import DecodeClient
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.pb.stageserve.v1 import router_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.engine.processing import TextProcessor
+from services.router.auth import RouterAccess, require_api_key
 from services.router.config import RouterConfig
 from services.router.generation import GenerationPipeline
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
@@ -36,7 +39,7 @@ SERVICE_NAME = "stageserve.v1.Router"
 GRPC_GRACE_S = 3.0
 HTTP_GRACE_S = 3.0
 DRAIN_S = 2.0
-CLIENTS: dict[WorkerKind, Callable[[str], Any]] = {
+CLIENTS: dict[WorkerKind, Callable[..., Any]] = {  # (address, *, auth) -> client
     WorkerKind.TOKENIZER: TokenizerClient,
     WorkerKind.PREFILL: PrefillClient,
     WorkerKind.DECODE: DecodeClient,
@@ -51,13 +54,14 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-def make_workers(cfg: RouterConfig) -> list[Worker]:
+def make_workers(cfg: RouterConfig, auth: Credentials | None = None) -> list[Worker]:
+    """One ``Worker`` per configured address; its client sends ``auth`` (the internal token)."""
     addresses = {
         WorkerKind.TOKENIZER: cfg.workers.tokenizer, WorkerKind.PREFILL: cfg.workers.prefill,
         WorkerKind.DECODE: cfg.workers.decode, WorkerKind.ENCODER: cfg.workers.encoder,
     }
     return [
-        Worker(kind, address, CLIENTS[kind](address) if kind in CLIENTS else None)
+        Worker(kind, address, CLIENTS[kind](address, auth=auth) if kind in CLIENTS else None)
         for kind, kind_addresses in addresses.items()
         for address in kind_addresses
     ]
@@ -66,13 +70,15 @@ def make_workers(cfg: RouterConfig) -> list[Worker]:
 class RouterApp:
     def __init__(
         self, cfg: RouterConfig, metrics: RouterMetrics, detokenizer_factory: DetokenizerFactory,
-        images: ImageLoader | None = None,
+        images: ImageLoader | None = None, access: RouterAccess | None = None,
     ) -> None:
+        access = access if access is not None else RouterAccess()
         self.cfg = cfg
         self.metrics = metrics
         self.health = HealthState()
         self.registry = WorkerRegistry(
-            make_workers(cfg), make_policy(cfg.policy), metrics, HealthProbe(cfg.health_timeout_s),
+            make_workers(cfg, access.internal), make_policy(cfg.policy), metrics,
+            HealthProbe(cfg.health_timeout_s, auth=access.internal),
             on_poll=self._update_health,
         )
         limits = cfg.limits
@@ -86,24 +92,33 @@ class RouterApp:
             ApiLimits(limits.request_timeout_s, limits.max_stop_strings),
         )
         self.http_app: FastAPI = create_app(self.api)
+        require_api_key(self.http_app, access.api_key)
         servicer = RouterServicer(
             self.pipeline, metrics, cfg.served_model_name, limits.request_timeout_s,
             limits.max_stop_strings, limits.max_image_bytes,
         )
         self.grpc_server, self.grpc_port = create_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)], cfg.port, cfg.host, [SERVICE_NAME],
-            health=self.health,
+            health=self.health, auth=access.api_key, enable_reflection=access.enable_reflection,
         )
         self._http_server: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task | None = None
 
     @classmethod
     def build(
-        cls, cfg: RouterConfig, metrics: RouterMetrics | None = None, images: ImageLoader | None = None
+        cls,
+        cfg: RouterConfig,
+        metrics: RouterMetrics | None = None,
+        images: ImageLoader | None = None,
+        access: RouterAccess | None = None,
     ) -> RouterApp:
-        """A router detokenizing locally with the model directory's tokenizer."""
+        """A router detokenizing locally with the model directory's tokenizer.
+
+        ``access``: API key, internal token and reflection (default: none of them).
+        """
         text = TextProcessor.from_dir(cfg.model_dir)
-        return cls(cfg, metrics or RouterMetrics(), lambda: text.detokenizer(skip_special_tokens=True), images)
+        detokenizer = functools.partial(text.detokenizer, skip_special_tokens=True)
+        return cls(cfg, metrics or RouterMetrics(), detokenizer, images, access)
 
     def _update_health(self) -> None:
         self.health.set_serving(self.registry.is_ready)

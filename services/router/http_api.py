@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health, metrics.
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health.
 
 Streams are server-sent events ending in ``data: [DONE]``. Errors before the first
 token (bad input, no worker, deadline) are plain HTTP errors with an OpenAI error
@@ -21,7 +21,6 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import AbortedError, StageServeError
@@ -135,9 +134,6 @@ class OpenAIApi:
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok", "workers": workers, "admission": admission})
 
-    def metrics_text(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
 
 class _SSEResponse(StreamingResponse):
     """Closes its event generator however the response ends (a disconnect cancels mid-send)."""
@@ -247,5 +243,4 @@ def create_app(api: OpenAIApi) -> FastAPI:
     app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
-    app.add_api_route("/metrics", api.metrics_text, methods=["GET"], response_model=None)
     return app

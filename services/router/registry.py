@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import UnavailableError
 from services.router.metrics import RouterMetrics
@@ -32,14 +33,16 @@ ROUTED_KINDS = (WorkerKind.TOKENIZER, WorkerKind.PREFILL, WorkerKind.DECODE)
 class HealthProbe:
     """``grpc.health.v1`` ``Check`` of whole workers (service ""), one channel per address."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, auth: Credentials | None = None) -> None:
+        """``auth``: the internal token its channels send (health itself needs none)."""
         self._timeout_s = timeout_s
+        self._auth = auth
         self._stubs: dict[str, health_pb2_grpc.HealthStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def _stub(self, address: str) -> health_pb2_grpc.HealthStub:
         if address not in self._stubs:
-            channel = create_channel(address)
+            channel = create_channel(address, auth=self._auth)
             self._channels.append(channel)
             self._stubs[address] = health_pb2_grpc.HealthStub(channel)
         return self._stubs[address]

@@ -12,11 +12,18 @@ import asyncio
 import logging
 import sys
 
+from services.common.auth import Credentials
 from services.common.envs import Envs
 from services.common.errors import StageServeError
 from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
-from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
+from services.common.service_main import (
+    add_common_args,
+    internal_credentials_or_exit,
+    print_ready,
+    setup_logging,
+    start_telemetry,
+)
 from services.engine.processing import TextProcessor
 from services.tokenizer.config import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Limits, TokenizerConfig
 from services.tokenizer.metrics import TokenizerMetrics
@@ -39,7 +46,8 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
+def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, argparse.Namespace]:
+    """The tokenizer's config, and the parsed flags (``main`` reads the common auth flags there)."""
     parser = build_parser(envs)
     args = parser.parse_args(argv)
     for flag in ("num_workers", "max_image_bytes", "max_image_pixels"):
@@ -48,7 +56,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
     max_model_len = args.max_model_len if args.max_model_len is not None else max_model_len_of(args.model)
     if max_model_len < 2:
         parser.error(f"--max-model-len must be at least 2, got {max_model_len}")
-    return TokenizerConfig(
+    config = TokenizerConfig(
         model_dir=args.model,
         limits=Limits(max_model_len, args.max_image_bytes, args.max_image_pixels),
         host=args.host,
@@ -57,9 +65,12 @@ def parse_config(argv: list[str] | None, envs: Envs) -> TokenizerConfig:
         num_workers=args.num_workers,
         log_level=args.log_level.upper(),
     )
+    return config, args
 
 
-async def serve(config: TokenizerConfig, envs: Envs) -> None:
+async def serve(
+    config: TokenizerConfig, envs: Envs, auth: Credentials | None, *, enable_reflection: bool = False
+) -> None:
     metrics_port = start_telemetry("tokenizer", envs, config.host, config.metrics_port)
     text = TextProcessor.from_dir(config.model_dir)
     pool = WorkerPool(config.model_dir, config.limits, config.num_workers)
@@ -67,7 +78,8 @@ async def serve(config: TokenizerConfig, envs: Envs) -> None:
     health = HealthState()
     server, port = create_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)],
-        config.port, config.host, [SERVICE_NAME], health=health,
+        config.port, config.host, [SERVICE_NAME], health=health, auth=auth,
+        enable_reflection=enable_reflection,
     )
     await server.start()  # live (NOT_SERVING) while the workers load
     try:
@@ -86,9 +98,12 @@ async def serve(config: TokenizerConfig, envs: Envs) -> None:
 def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
     try:
-        config = parse_config(argv, envs)
+        config, args = parse_config(argv, envs)
         setup_logging(config.log_level)
-        asyncio.run(serve(config, envs))
+        auth = internal_credentials_or_exit(
+            "tokenizer", envs, args.internal_token_file, args.allow_unauthenticated
+        )
+        asyncio.run(serve(config, envs, auth, enable_reflection=args.enable_reflection))
     except StageServeError as exc:
         print(f"tokenizer: error: {exc.message}", file=sys.stderr)
         return 2

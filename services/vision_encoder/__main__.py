@@ -7,9 +7,16 @@ import asyncio
 import logging
 import sys
 
+from services.common.auth import Credentials
 from services.common.envs import Envs
 from services.common.server import HealthState, serve_until_signal
-from services.common.service_main import add_common_args, print_ready, setup_logging, start_telemetry
+from services.common.service_main import (
+    add_common_args,
+    internal_credentials_or_exit,
+    print_ready,
+    setup_logging,
+    start_telemetry,
+)
 from services.vision_encoder.app import build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
@@ -39,14 +46,16 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
         transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows, cache_bytes=a.cache_bytes,
         max_batch_images=a.max_batch_images, max_image_bytes=a.max_image_bytes,
         default_timeout_s=a.default_timeout_s, watchdog_s=a.watchdog_s,
+        internal_token_file=a.internal_token_file, allow_unauthenticated=a.allow_unauthenticated,
+        enable_reflection=a.enable_reflection,
     )
 
 
-async def serve(config: VisionEncoderConfig) -> None:
-    metrics_port = start_telemetry("vision_encoder", Envs.from_environ(), config.host, config.metrics_port)
+async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | None) -> None:
+    metrics_port = start_telemetry("vision_encoder", envs, config.host, config.metrics_port)
     app = await asyncio.to_thread(build_app, config, VisionEncoderMetrics())
     health = HealthState()
-    server, port = create_grpc_server(app, config, health)
+    server, port = create_grpc_server(app, config, health, auth)
     await server.start()
     await asyncio.to_thread(app.worker.warmup)
     health.set_serving(True)
@@ -59,7 +68,11 @@ async def serve(config: VisionEncoderConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging(config.log_level)
-    asyncio.run(serve(config))
+    envs = Envs.from_environ()
+    auth = internal_credentials_or_exit(
+        "vision_encoder", envs, config.internal_token_file, config.allow_unauthenticated
+    )
+    asyncio.run(serve(config, envs, auth))
     return 0
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.auth import Credentials
 from services.common.pb.stageserve.v1 import vision_encoder_pb2, vision_encoder_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.engine.loader import load_model
@@ -69,8 +70,12 @@ def build_app(
     return VisionEncoderApp(leader, worker, sender, servicer)
 
 
-def create_grpc_server(app: VisionEncoderApp, config: VisionEncoderConfig, health: HealthState) -> tuple[grpc.aio.Server, int]:
+def create_grpc_server(
+    app: VisionEncoderApp, config: VisionEncoderConfig, health: HealthState, auth: Credentials | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """The encoder's gRPC server; ``auth``: the internal token callers must send (None: none)."""
     return create_server(
         [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, app.servicer)],
         port=config.port, host=config.host, service_names=[SERVICE_NAME], health=health,
+        auth=auth, enable_reflection=config.enable_reflection,
     )

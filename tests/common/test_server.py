@@ -1,4 +1,4 @@
-"""The shared gRPC skeleton: health, reflection, error mapping, telemetry, graceful stop."""
+"""The shared gRPC skeleton: health, reflection (off unless enabled), error mapping, telemetry, graceful stop."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from services.common.auth import Credentials
 from services.common.client import create_channel, wait_ready
 from services.common.errors import (
     CapacityError,
@@ -158,13 +159,40 @@ async def test_wait_ready_on_unreachable_peer_raises_unavailable() -> None:
         await channel.close()
 
 
-async def test_reflection_lists_services(served: Served) -> None:
-    call = reflection_pb2_grpc.ServerReflectionStub(served.channel).ServerReflectionInfo(timeout=TIMEOUT_S)
+async def _list_services(channel: grpc.aio.Channel) -> set[str]:
+    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=TIMEOUT_S)
     await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
     reply = await call.read()
     await call.done_writing()
-    names = {s.name for s in reply.list_services_response.service}
-    assert {DECODE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    return {s.name for s in reply.list_services_response.service}
+
+
+async def test_reflection_is_off_by_default(served: Served) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _list_services(served.channel)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("with_auth", [False, True])
+async def test_reflection_lists_services_when_enabled(with_auth: bool) -> None:
+    auth = Credentials("reflection-test-token") if with_auth else None
+    server, port = create_server(
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode())], service_names=[DECODE],
+        health=HealthState(), auth=auth, enable_reflection=True,
+    )
+    await server.start()
+    anonymous, channel = create_channel(f"127.0.0.1:{port}"), create_channel(f"127.0.0.1:{port}", auth=auth)
+    try:
+        names = await _list_services(channel)
+        assert {DECODE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+        if with_auth:  # reflection is no health check: it needs the token too
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _list_services(anonymous)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await anonymous.close()
+        await channel.close()
+        await server.stop(None)
 
 
 @pytest.mark.parametrize(

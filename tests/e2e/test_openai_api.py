@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.engine.sampler import SamplingParams
-from tests.conftest import image_bytes
+from tests.conftest import INTERNAL_AUTH, image_bytes
 from tests.e2e.system import pid_alive, start_system
 from tests.engine.test_model_parity import hf_inputs
 
@@ -69,7 +69,7 @@ def decode_stats(system):
     from services.common.clients.decode import DecodeClient
 
     async def stats():
-        client = DecodeClient(system.address("decode"))
+        client = DecodeClient(system.address("decode"), auth=INTERNAL_AUTH)
         try:
             return await client.stats()
         finally:

@@ -10,10 +10,13 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import Credentials
 from services.common.client import create_channel
+from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.conftest import REPO
 
 READY_TIMEOUT_S = 120.0
@@ -54,6 +57,8 @@ async def test_ready_health_and_sigterm() -> None:
             for service in ("", "stageserve.v1.Prefill"):
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            for auth in (None, Credentials("not-the-token")):  # the process requires the session's token
+                await _check_unauthenticated(f"127.0.0.1:{match.group(1)}", auth)
         finally:
             await channel.close()
         process.send_signal(signal.SIGTERM)
@@ -62,3 +67,14 @@ async def test_ready_health_and_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+async def _check_unauthenticated(address: str, auth: Credentials | None) -> None:
+    channel = create_channel(address, auth=auth)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(), timeout=10)
+    finally:
+        await channel.close()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert info.value.details() == "missing or invalid internal credentials"

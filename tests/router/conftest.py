@@ -11,11 +11,13 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common.auth import Credentials
 from services.router.app import RouterApp
+from services.router.auth import RouterAccess
 from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
-from tests.conftest import TINY_MODEL_DIR
+from tests.conftest import INTERNAL_AUTH, TINY_MODEL_DIR
 from tests.router.fakes import FakeDecode, FakePrefill, FakeTokenizer, FakeWorker, Script, start_worker
 
 MODEL_NAME = "tiny-qwen2.5-vl"
@@ -51,10 +53,13 @@ class Cluster:
             await worker.server.stop(None)
 
 
-async def start_cluster(script: Script, num_prefills: int = 1, num_decodes: int = 1) -> Cluster:
-    tokenizer = await start_worker(FakeTokenizer(script))
-    prefills = [await start_worker(FakePrefill(script)) for _ in range(num_prefills)]
-    decodes = [await start_worker(FakeDecode(script)) for _ in range(num_decodes)]
+async def start_cluster(
+    script: Script, num_prefills: int = 1, num_decodes: int = 1, auth: Credentials | None = None
+) -> Cluster:
+    """Fake workers; ``auth``: the internal token they require (None: none)."""
+    tokenizer = await start_worker(FakeTokenizer(script), auth)
+    prefills = [await start_worker(FakePrefill(script), auth) for _ in range(num_prefills)]
+    decodes = [await start_worker(FakeDecode(script), auth) for _ in range(num_decodes)]
     return Cluster(script, tokenizer, prefills, decodes)
 
 
@@ -71,8 +76,10 @@ def router_config(cluster: Cluster, **overrides) -> RouterConfig:
     return replace(cfg, **overrides)
 
 
-async def start_router(cfg: RouterConfig, images: ImageLoader | None = None) -> RouterApp:
-    app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()), images)
+async def start_router(
+    cfg: RouterConfig, images: ImageLoader | None = None, access: RouterAccess | None = None
+) -> RouterApp:
+    app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()), images, access)
     await app.start(None)
     return app
 
@@ -107,6 +114,14 @@ def script() -> Script:
 @pytest.fixture
 async def cluster(script: Script) -> AsyncIterator[Cluster]:
     cluster = await start_cluster(script)
+    yield cluster
+    await cluster.stop()
+
+
+@pytest.fixture
+async def secured_cluster() -> AsyncIterator[Cluster]:
+    """Fake workers that require the test session's internal token (``INTERNAL_AUTH``)."""
+    cluster = await start_cluster(Script(), auth=INTERNAL_AUTH)
     yield cluster
     await cluster.stop()
 

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from services.common import signing
+from services.common.auth import Credentials
 from services.common.errors import AbortedError, CapacityError, InvalidRequestError, NotFoundError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import (
@@ -273,10 +274,11 @@ _REGISTRARS = {
 }
 
 
-async def start_worker(servicer: Any) -> FakeWorker:
+async def start_worker(servicer: Any, auth: Credentials | None = None) -> FakeWorker:
+    """A served fake; ``auth``: the internal token it requires (None: none)."""
     add, name = _REGISTRARS[type(servicer)]
     health = HealthState()
-    server, port = create_server([(add, servicer)], 0, health=health, service_names=[name])
+    server, port = create_server([(add, servicer)], 0, health=health, service_names=[name], auth=auth)
     await server.start()
     health.set_serving(True)
     if isinstance(servicer, FakeDecode):

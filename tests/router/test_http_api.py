@@ -138,13 +138,14 @@ async def test_completions(http, cluster):
     assert chunks[-1]["usage"]["completion_tokens"] == len(cluster.script.output_ids)
 
 
-async def test_models_health_metrics(http, cluster):
+async def test_models_health_metrics(http, router, cluster):
     models = (await http.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == [MODEL_NAME] and models["object"] == "list"
     health = await http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     await http.post("/v1/chat/completions", json=CHAT)
-    metrics = (await http.get("/metrics")).text
+    assert (await http.get("/metrics")).status_code == 404  # served on --metrics-port only
+    metrics = router.metrics.render().decode()
     assert 'stageserve_router_requests_total{endpoint="/v1/chat/completions",outcome="ok"} 1.0' in metrics
     for name in ("router_time_to_first_token_seconds", "router_inter_token_latency_seconds",
                  "router_e2e_latency_seconds", "router_requests_in_flight", "router_worker_ready"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -40,12 +41,13 @@ async def read_ready(process: asyncio.subprocess.Process, name: str) -> dict[str
                 return dict(w.split("=", 1) for w in words[2:])
 
 
-async def test_router_process_ready_health_and_sigterm(cluster):
+async def test_router_process_ready_health_and_sigterm(secured_cluster):
+    cluster = secured_cluster  # requires the internal token the router process inherits
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.router", "--port", "0", "--http-port", "0", "--metrics-port", "0",
         "--tokenizer-address", cluster.tokenizer.address, "--prefill-address", cluster.prefills[0].address,
         "--decode-address", cluster.decodes[0].address, "--health-interval-s", "0.2",
-        cwd=REPO, stdout=asyncio.subprocess.PIPE,
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, env={**os.environ, "STAGESERVE_API_KEY": "sk-process"},
     )
     try:
         ready = await read_ready(process, "router")
@@ -56,10 +58,13 @@ async def test_router_process_ready_health_and_sigterm(cluster):
         finally:
             await channel.close()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ready['http_port']}", timeout=BOUND_S) as http:
-            assert (await http.get("/health")).status_code == 200
-            reply = await http.post("/v1/chat/completions", json={
-                "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+            assert (await http.get("/health")).status_code == 200  # open without the key
+            chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 401
+            key = {"authorization": "Bearer sk-process"}  # from STAGESERVE_API_KEY
+            reply = await http.post("/v1/chat/completions", json=chat, headers=key)
             assert reply.json()["choices"][0]["message"]["content"] == "Hello"
+            assert (await http.get("/metrics", headers=key)).status_code == 404  # not on the API port
             metrics = (await http.get(f"http://127.0.0.1:{ready['metrics_port']}/metrics")).text
             assert "stageserve_router_requests_total" in metrics
         process.send_signal(signal.SIGTERM)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import sys
 
+import grpc
 import pytest
 
 from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
+from services.common.errors import UnauthenticatedError
+from services.common.pb.stageserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.servicer import SERVICE_NAME
-from tests.conftest import REPO, image_bytes
+from tests.conftest import INTERNAL_AUTH, REPO, image_bytes
 from tests.tokenizer.conftest import TIMEOUT_S, user
 
 READY_TIMEOUT_S = 120.0
@@ -35,10 +39,13 @@ async def test_ready_serving_and_sigterm(tmp_path):
         await wait_ready(channel, TIMEOUT_S)
         await wait_ready(channel, TIMEOUT_S, service=SERVICE_NAME)
         await channel.close()
-        client = TokenizerClient(address)
+        client = TokenizerClient(address, auth=INTERNAL_AUTH)
         prompt = await client.tokenize_chat("r", [user(image_bytes(56, 56), "hi")], timeout_s=TIMEOUT_S)
+        async with client.detokenize_stream("r", timeout_s=TIMEOUT_S) as stream:  # stream-stream carries it too
+            text = await stream.send(prompt.token_ids[-3:]) + await stream.finish()
         await client.close()
-        assert len(prompt.spans) == 1
+        assert len(prompt.spans) == 1 and text
+        await check_unauthenticated(address)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), EXIT_TIMEOUT_S) == 0
     finally:
@@ -46,3 +53,22 @@ async def test_ready_serving_and_sigterm(tmp_path):
             proc.kill()
             await proc.wait()
         stderr.close()
+
+
+async def check_unauthenticated(address: str) -> None:
+    """The process requires the token the test session exports: a client without it is refused."""
+    anonymous = TokenizerClient(address)
+    try:
+        with pytest.raises(UnauthenticatedError, match="missing or invalid internal credentials"):
+            await anonymous.tokenize_prompt("anon", "hi", timeout_s=TIMEOUT_S)
+    finally:
+        await anonymous.close()
+    channel = create_channel(address)
+    try:
+        call = tokenizer_pb2_grpc.TokenizerStub(channel).Detokenize(timeout=TIMEOUT_S)
+        with contextlib.suppress(asyncio.InvalidStateError):  # the server may end it before the write
+            await call.write(tokenizer_pb2.DetokenizeRequest(token_ids=[40]))
+        assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert await call.details() == "missing or invalid internal credentials"
+    finally:
+        await channel.close()

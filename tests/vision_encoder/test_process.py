@@ -19,7 +19,7 @@ from services.common.clients.vision_encoder import SpanStatus, VisionEncoderClie
 from services.common.errors import UnavailableError
 from services.engine.processing.image import decode_image
 from services.transfer.embeddings import EmbeddingBuffer
-from tests.conftest import REPO, image_bytes, needs_mooncake
+from tests.conftest import INTERNAL_AUTH, REPO, image_bytes, needs_mooncake
 from tests.vision_encoder.conftest import span_input
 
 pytestmark = [pytest.mark.integration, needs_mooncake]
@@ -57,7 +57,7 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    client = VisionEncoderClient(address)
+    client = VisionEncoderClient(address, auth=INTERNAL_AUTH)
     from services.transfer.embeddings_mooncake import MooncakeEmbeddingReceiver
 
     receiver = MooncakeEmbeddingReceiver()  # this test process plays prefill

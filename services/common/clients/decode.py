@@ -17,6 +17,7 @@ import grpc
 import msgspec
 
 from services.common import signing, telemetry
+from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
@@ -284,10 +285,13 @@ def _stats_fields(message: object, struct: type[msgspec.Struct]) -> dict[str, in
 class DecodeClient:
     """Async client of one decode service at ``address`` ("host:port")."""
 
-    def __init__(self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, address: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, auth: Credentials | None = None
+    ) -> None:
+        """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = create_channel(address)
+        self._channel = create_channel(address, auth=auth)
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
 
     @staticmethod

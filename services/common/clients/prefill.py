@@ -16,6 +16,7 @@ import grpc
 import msgspec
 
 from services.common import telemetry
+from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.clients.decode import KvRefInfo, kv_ref_to_proto, sampling_params_to_proto
 from services.common.errors import DeadlineExceededError
@@ -44,9 +45,10 @@ class PrefillResult(msgspec.Struct, frozen=True):
 class PrefillClient:
     """Client of one prefill worker at ``address`` ("host:port")."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, auth: Credentials | None = None) -> None:
+        """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
-        self._channel = create_channel(address)
+        self._channel = create_channel(address, auth=auth)
         self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
 
     async def prefill(

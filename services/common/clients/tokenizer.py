@@ -22,6 +22,7 @@ from types import TracebackType
 import grpc
 
 from services.common import telemetry
+from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import UnavailableError
 from services.common.grpc_errors import error_from_rpc
@@ -136,9 +137,10 @@ class DetokenizeStream:
 class TokenizerClient:
     """Calls one tokenizer service at ``address`` ("host:port")."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, auth: Credentials | None = None) -> None:
+        """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
-        self._channel = create_channel(address)
+        self._channel = create_channel(address, auth=auth)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
 
     async def tokenize_chat(

@@ -16,6 +16,7 @@ import grpc
 import msgspec
 
 from services.common import telemetry
+from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
@@ -50,9 +51,10 @@ class SpanResult(msgspec.Struct, frozen=True):
 class VisionEncoderClient:
     """Client of one vision encoder at ``address`` ("host:port")."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, auth: Credentials | None = None) -> None:
+        """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
-        self._channel = create_channel(address)
+        self._channel = create_channel(address, auth=auth)
         self._stub = vision_encoder_pb2_grpc.VisionEncoderStub(self._channel)
 
     async def encode(
