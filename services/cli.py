@@ -79,6 +79,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--stall-timeout-s", type=float, default=None,
                    help="the router's per-hop progress bound (default: the router's)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="the router's admission slots (default: the router's)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests waiting for a slot before 429 (default: the router's)")
+    p.add_argument("--queue-timeout-s", type=float, default=None,
+                   help="a request's wait limit in the admission queue before 429 (default: the router's)")
     p.add_argument("--kv-quarantine-s", type=float, default=None,
                    help="decode's rest for the pages of a failed reservation (default: decode's)")
     p.add_argument("--embedding-quarantine-s", type=float, default=None,
@@ -105,6 +111,8 @@ def _run_up(args: argparse.Namespace) -> int:
         dtype=args.dtype, transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
         attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
         stall_timeout_s=args.stall_timeout_s, kv_quarantine_s=args.kv_quarantine_s,
+        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout_s,
         embedding_quarantine_s=args.embedding_quarantine_s,
         ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
     )

@@ -60,13 +60,16 @@ class LaunchConfig:
     prefill_device: str | None = None
     decode_device: str | None = None
     dtype: str | None = None
-    transfer_backend: str = "mooncake"
+    transfer_backend: str = "shm"
     kv_transfer_backend: str | None = None  # prefill and decode's KV handoff; None: transfer_backend
     attention_backend: str = "torch"
     num_pages: int = 16384
     page_size: int = 16
     # passed on only when set (None: the service's own default)
     stall_timeout_s: float | None = None  # router: per-hop progress bound
+    max_concurrent_requests: int | None = None  # router: admission slots
+    max_queued_requests: int | None = None  # router: admission queue
+    queue_timeout_s: float | None = None  # router: wait limit in the admission queue
     kv_quarantine_s: float | None = None  # decode
     embedding_quarantine_s: float | None = None  # prefill
     ready_timeout_s: float = 300.0
@@ -237,6 +240,9 @@ class Launcher:
                 "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
                 "--decode-address", decode.address, "--encoder-address", encoder.address,
                 *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
+                *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
+                *optional_arg("--max-queued-requests", cfg.max_queued_requests),
+                *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
             ),
             {"port": 0, "metrics_port": 0, "http_port": cfg.http_port},
         ))

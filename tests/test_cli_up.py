@@ -76,18 +76,32 @@ def test_fault_bounds_reach_their_service_only_when_given(monkeypatch) -> None:
     assert not [f for a in defaults.values() for f in a if f in FAULT_FLAGS.values()]
 
 
+ADMISSION_FLAGS = ("--max-concurrent-requests", "--max-queued-requests", "--queue-timeout-s")
+
+
+def test_admission_limits_reach_the_router_only_when_given(monkeypatch) -> None:
+    cfg = LaunchConfig(Path("m"), max_concurrent_requests=8, max_queued_requests=0, queue_timeout_s=5.0)
+    args = service_args(cfg, monkeypatch)
+    assert [args["router"][args["router"].index(f) + 1] for f in ADMISSION_FLAGS] == ["8", "0", "5.0"]
+    assert [n for n, a in args.items() if any(f in a for f in ADMISSION_FLAGS)] == ["router"]
+    defaults = service_args(LaunchConfig(Path("m")), monkeypatch)
+    assert not [f for a in defaults.values() for f in a if f in ADMISSION_FLAGS]
+
+
 def test_up_turns_the_fault_flags_into_the_config(monkeypatch) -> None:
     configs: list[LaunchConfig] = []
-    monkeypatch.setattr(launcher_module, "run_up", lambda cfg: configs.append(cfg) or 0)
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
     assert main(["up", "--stall-timeout-s", "3", "--kv-quarantine-s", "2", "--embedding-quarantine-s",
-                 "1.5", "--transfer-backend", "inprocess"]) == 0
+                 "1.5", "--max-concurrent-requests", "8", "--max-queued-requests", "4",
+                 "--queue-timeout-s", "5", "--transfer-backend", "inprocess"]) == 0
     assert main(["up", "--transfer-backend", "inprocess"]) == 0
     given, default = configs
     def bounds(cfg: LaunchConfig) -> tuple:
-        return cfg.stall_timeout_s, cfg.kv_quarantine_s, cfg.embedding_quarantine_s
+        return (cfg.stall_timeout_s, cfg.kv_quarantine_s, cfg.embedding_quarantine_s,
+                cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout_s)
 
-    assert bounds(given) == (3.0, 2.0, 1.5)
-    assert bounds(default) == (None, None, None)
+    assert bounds(given) == (3.0, 2.0, 1.5, 8, 4, 5.0)
+    assert bounds(default) == (None,) * 6
 
 
 def test_each_model_service_can_get_its_own_device() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import services.launcher
 from services.cli import main
-from services.launcher import LaunchConfig, Launcher
+from services.launcher import ChildSpec, LaunchConfig, Launcher
 
 
 def test_every_child_gets_the_same_token_through_its_environment(monkeypatch) -> None:
@@ -23,8 +23,8 @@ def test_every_child_gets_the_same_token_through_its_environment(monkeypatch) ->
 
     monkeypatch.setattr(services.launcher.subprocess, "Popen", popen)
     launcher = Launcher(LaunchConfig(Path("m")))
-    launcher.start("tokenizer", [])
-    launcher.start("decode", [])
+    launcher.start(ChildSpec("tokenizer", (), {"port": 0}))
+    launcher.start(ChildSpec("decode", (), {"port": 0}))
     token = launcher.env["STAGESERVE_INTERNAL_TOKEN"]
     assert len(token) >= 43  # secrets.token_urlsafe(32)
     assert [env["STAGESERVE_INTERNAL_TOKEN"] for _, env in popens] == [token, token]

@@ -42,6 +42,7 @@ from services.common.server import (
     current_request_id,
 )
 from services.decode.servicer import DecodeServicer
+from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import PrefillServicer
 
 TOKEN = Credentials("s3cret-token_for-tests")
@@ -63,9 +64,9 @@ class Kind:
 # Decode and prefill run their real servicers (not attached to an engine: an accepted call
 # reaches them and gets UNAVAILABLE); the others their generated method table (UNIMPLEMENTED).
 KINDS = [
-    Kind("decode", decode_pb2_grpc.add_DecodeServicer_to_server, lambda: DecodeServicer(60.0),
+    Kind("decode", decode_pb2_grpc.add_DecodeServicer_to_server, lambda: DecodeServicer(60.0, 300.0, b"k"),
          decode_pb2.DESCRIPTOR.services_by_name["Decode"]),
-    Kind("prefill", prefill_pb2_grpc.add_PrefillServicer_to_server, lambda: PrefillServicer(60.0),
+    Kind("prefill", prefill_pb2_grpc.add_PrefillServicer_to_server, lambda: PrefillServicer(60.0, KvRefVerifier(b"k", 16)),
          prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]),
     Kind("tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
          tokenizer_pb2_grpc.TokenizerServicer, tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"]),
