@@ -5,8 +5,8 @@ and publishes ``shm:<name>@<buffer base>`` as its ``session_id``; a destination'
 ``base_address`` then says which window of the segment the request owns. The encoder
 maps each segment once and copies every coalesced run of rows with one slice copy: GPU
 rows go straight from the GPU into the mapping. The buffer is host memory on every host
-(``buffer_device``); on a GPU host it is page-locked after the move, as before it, so
-prefill's copies to the GPU stay asynchronous.
+(``buffer_device``) and, once moved into the segment, pageable: on a GPU host the driver
+stages prefill's copy of a request's rows to the GPU.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
         super().__init__(**kwargs)
         self._segment: ShmSegment | None = None
         self._session_id: str | None = None
-        self._pinned: int | None = None  # address this receiver page-locked with cudaHostRegister
 
     @property
     def session_id(self) -> str:
@@ -59,18 +58,15 @@ class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
         return self._session_id
 
     def buffer_device(self, compute_device: torch.device) -> torch.device:
+        del compute_device  # host memory, whatever device the model runs on
         return torch.device("cpu")
 
     def _register_memory(self, buffer: EmbeddingBuffer) -> None:
         if buffer.tensor.device.type != "cpu":
             raise ValueError(f"the shm embedding backend needs a host buffer, got one on {buffer.tensor.device}")
-        was_pinned = buffer.tensor.is_pinned()
         segment = ShmSegment("emb", buffer.num_bytes, BUFFER)
         try:
             buffer.reallocate(lambda shape, dtype: typed_view(segment.tensor, 0, shape, dtype, BUFFER))
-            if was_pinned:
-                _cuda_check(torch.cuda.cudart().cudaHostRegister(buffer.base_address, buffer.num_bytes, 0))
-                self._pinned = buffer.base_address
         except BaseException:
             segment.close()
             raise
@@ -83,17 +79,6 @@ class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
             self._segment.close()
             self._segment = None
         self._session_id = None
-
-    def close(self) -> None:
-        super().close()
-        if self._pinned is not None:  # the mapping lives on, only no longer page-locked
-            _cuda_check(torch.cuda.cudart().cudaHostUnregister(self._pinned))
-            self._pinned = None
-
-
-def _cuda_check(status: Any) -> None:
-    if int(status) != 0:
-        raise RuntimeError(f"CUDA error {int(status)} page-locking the shared embedding buffer")
 
 
 class ShmEmbeddingSender(BaseEmbeddingSender):
