@@ -63,7 +63,9 @@ class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
 
     def _register_memory(self, buffer: EmbeddingBuffer) -> None:
         if buffer.tensor.device.type != "cpu":
-            raise ValueError(f"the shm embedding backend needs a host buffer, got one on {buffer.tensor.device}")
+            raise ValueError(
+                f"the shm embedding backend needs a host buffer, got one on {buffer.tensor.device}"
+            )
         segment = ShmSegment("emb", buffer.num_bytes, BUFFER)
         try:
             buffer.reallocate(lambda shape, dtype: typed_view(segment.tensor, 0, shape, dtype, BUFFER))
@@ -90,11 +92,16 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
         self._peers = ShmPeers(max_peers)
 
     def send_runs(
-        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination, deadline: float
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        runs: Sequence[RowRun],
+        dst: EmbeddingDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         if dst.backend != self.backend:
-            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the shm sender")
+            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination for the shm sender")
         check_rows(request_id, rows, runs, dst)
         merged = coalesce_runs(runs)
         check_deadline(request_id, deadline)
@@ -109,11 +116,13 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
         return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
 
     def _window(self, request_id: str, dst: EmbeddingDestination) -> torch.Tensor:
-        """The destination's rows as mapped here: ``[num_rows, hidden]`` with the buffer's row stride."""
+        """The destination's rows mapped here: ``[num_rows, hidden]``, the buffer's row stride."""
         ref = decode_session_id(dst.session_id)
         dtype = getattr(torch, dst.dtype)  # check_rows made it the rows' dtype
         if dst.row_stride_bytes % dtype.itemsize:
-            raise InvalidRequestError(f"{request_id}: row stride {dst.row_stride_bytes} is not whole elements")
+            raise InvalidRequestError(
+                f"{request_id}: row stride {dst.row_stride_bytes} is not whole elements"
+            )
         mapping = self._peers.open(ref.name, BUFFER)
         padded = typed_view(
             mapping.tensor, dst.base_address - ref.base_address,

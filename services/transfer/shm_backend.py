@@ -89,7 +89,7 @@ class ShmKVReceiver(BaseKVReceiver):
 
 
 class ShmKVSender(BaseKVSender):
-    """Prefill side: maps each decode pool once (LRU of ``max_peers``), then slice copies per page run."""
+    """Prefill side: maps each decode pool once (LRU of ``max_peers``), then copies page runs."""
 
     backend = "shm"
 
@@ -97,11 +97,16 @@ class ShmKVSender(BaseKVSender):
         self._peers = ShmPeers(max_peers)
 
     def send(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         if dst.backend != self.backend:
-            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the shm sender")
+            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination for the shm sender")
         check_compatible(pool_layout(src_pool), src_pages, dst)
         check_deadline(request_id, deadline)
         dst_k, dst_v = self._pool_of(dst)
@@ -109,26 +114,32 @@ class ShmKVSender(BaseKVSender):
         for src_page, dst_page, num_pages in runs:
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
+            src, dst_run = slice(src_page, src_page + num_pages), slice(dst_page, dst_page + num_pages)
             # [L, num_pages, S, Hkv, D]: every layer of one run in one copy, for K and for V
-            dst_k[:, dst_page : dst_page + num_pages].copy_(src_pool.k_buffer[:, src_page : src_page + num_pages])
-            dst_v[:, dst_page : dst_page + num_pages].copy_(src_pool.v_buffer[:, src_page : src_page + num_pages])
+            dst_k[:, dst_run].copy_(src_pool.k_buffer[:, src])
+            dst_v[:, dst_run].copy_(src_pool.v_buffer[:, src])
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
         return TransferResult(request_id, num_bytes, 2 * len(runs), time.monotonic() - start)
 
     def _pool_of(self, dst: KvDestination) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode's K and V, ``[L, P, S, Hkv, D]`` each, as mapped here; checked against ``dst.layout``."""
+        """Decode's K and V (``[L, P, S, Hkv, D]`` each) mapped here, checked against ``dst.layout``."""
         ref = decode_session_id(dst.session_id)
         layout = dst.layout
         half = layout.num_layers * layout.num_pages * layout.page_nbytes
         if (layout.k_base, layout.v_base) != (ref.base_address, ref.base_address + half):
-            raise InvalidRequestError(f"{dst.request_id}: the KV layout does not match the shared pool it names")
+            raise InvalidRequestError(
+                f"{dst.request_id}: the KV layout does not match the shared pool it names"
+            )
         mapping = self._peers.open(ref.name, POOL)
         if mapping.num_bytes != 2 * half:
             raise InvalidRequestError(
-                f"{dst.request_id}: the destination layout needs {2 * half} bytes, {POOL} has {mapping.num_bytes}"
+                f"{dst.request_id}: the destination layout needs {2 * half} bytes, "
+                f"{POOL} has {mapping.num_bytes}"
             )
         dtype = getattr(torch, layout.dtype)  # check_compatible made it this pool's dtype
-        shape = (layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        shape = (
+            layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
+        )
         return (typed_view(mapping.tensor, 0, shape, dtype, dst.request_id),
                 typed_view(mapping.tensor, half, shape, dtype, dst.request_id))
 

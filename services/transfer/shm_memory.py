@@ -56,7 +56,10 @@ def encode_session_id(ref: ShmRef) -> str:
 
 
 def decode_session_id(session_id: str) -> ShmRef:
-    """The segment a session id names; ``InvalidRequestError`` unless it is one ``encode_session_id`` made."""
+    """The segment ``session_id`` names; ``InvalidRequestError`` unless ``encode_session_id`` made it.
+
+    The name must match ``NAME_RE`` exactly: a peer never opens a path it was sent.
+    """
     match = SESSION_RE.fullmatch(session_id)
     if match is None or NAME_RE.fullmatch(match.group(1)) is None:
         raise InvalidRequestError(f"not a shared-memory transfer destination: {session_id[:96]!r}")
@@ -92,7 +95,7 @@ def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
     pid_namespace, uid = _pid_namespace(), os.geteuid()
     for entry in os.scandir(directory):
         match = NAME_RE.fullmatch(entry.name)
-        if match is None or int(match.group(2)) != pid_namespace:  # another namespace's pids mean nothing here
+        if match is None or int(match.group(2)) != pid_namespace:  # another namespace's pid: unknowable
             continue
         try:
             if entry.stat(follow_symlinks=False).st_uid != uid:
@@ -127,17 +130,18 @@ class ShmSegment:
         self.name = new_name(kind)
         self.path = os.path.join(SHM_DIR, self.name)
         self.num_bytes = num_bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _OWNER_ONLY)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.path, flags, _OWNER_ONLY)
         try:
             os.fchmod(fd, _OWNER_ONLY)  # the umask may only have narrowed it; state it exactly
             _reserve(fd, num_bytes, what)
-            memory = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            memory = _map(fd, num_bytes)
         except BaseException:
             os.unlink(self.path)
             raise
         finally:
             os.close(fd)  # the mapping holds the file
-        self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # [num_bytes]; keeps the mapping alive
+        self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # [num_bytes]; holds the mapping
         self._unlink = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid())  # also at exit
 
     def close(self) -> None:
@@ -152,8 +156,9 @@ def _reserve(fd: int, num_bytes: int, what: str) -> None:
         free = os.statvfs(SHM_DIR)
         raise CapacityError(
             f"{what} needs {num_bytes / 2**20:.0f} MiB in {SHM_DIR} for the shm transfer backend, "
-            f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB are free ({exc.strerror}): enlarge {SHM_DIR} "
-            "(docker --shm-size; Kubernetes: an emptyDir with medium Memory) or make the buffer smaller"
+            f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB are free ({exc.strerror}): enlarge "
+            f"{SHM_DIR} (docker --shm-size; Kubernetes: an emptyDir with medium Memory) or make the "
+            "buffer smaller"
         ) from exc
 
 
@@ -172,7 +177,10 @@ class PeerMapping:
 
 
 class ShmPeers:
-    """Owners' segments this process writes into, mapped once each, least recently used first. Thread-safe."""
+    """Owners' segments this process writes into, each mapped once, least recently used first.
+
+    Thread-safe.
+    """
 
     def __init__(self, max_peers: int = MAX_PEERS) -> None:
         assert max_peers > 0
@@ -214,7 +222,9 @@ def _open_mapping(name: str, what: str) -> PeerMapping:
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError as exc:
-        raise UnavailableError(f"{what} ({name}) no longer exists: its owner closed it or exited") from exc
+        raise UnavailableError(
+            f"{what} ({name}) no longer exists: its owner closed it or exited"
+        ) from exc
     except OSError as exc:  # ELOOP for a symbolic link, EACCES for another user's file
         raise UnavailableError(f"cannot open {what} ({name}): {exc.strerror}") from exc
     try:
@@ -225,11 +235,15 @@ def _open_mapping(name: str, what: str) -> PeerMapping:
             raise UnavailableError(f"{what} ({name}) has mode {stat.S_IMODE(info.st_mode):o}, not 600")
         if info.st_size == 0:
             raise UnavailableError(f"{what} ({name}) is empty")
-        memory = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        memory = _map(fd, info.st_size)
     except BaseException:
         os.close(fd)
         raise
     return PeerMapping(name, fd, torch.frombuffer(memory, dtype=torch.uint8))
+
+
+def _map(fd: int, num_bytes: int) -> mmap.mmap:
+    return mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def typed_view(
@@ -244,6 +258,7 @@ def typed_view(
         num_bytes *= size
     if offset < 0 or offset % dtype.itemsize or offset + num_bytes > mapping.numel():
         raise InvalidRequestError(
-            f"{what}: {num_bytes} bytes at offset {offset} do not fit the {mapping.numel()}-byte shared segment"
+            f"{what}: {num_bytes} bytes at offset {offset} do not fit the "
+            f"{mapping.numel()}-byte shared segment"
         )
     return mapping[offset : offset + num_bytes].view(dtype).view(shape)

@@ -78,7 +78,8 @@ def is_loopback_only(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
 
 
 def segments() -> dict[str, os.stat_result]:
-    return {e.name: e.stat(follow_symlinks=False) for e in os.scandir(SHM_DIR) if NAME_RE.fullmatch(e.name)}
+    entries = [e for e in os.scandir(SHM_DIR) if NAME_RE.fullmatch(e.name)]
+    return {e.name: e.stat(follow_symlinks=False) for e in entries}
 
 
 def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(tmp_path):
@@ -99,9 +100,11 @@ def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(t
 
         created = {name: info for name, info in segments().items() if name not in segments_before}
         assert sorted(NAME_RE.fullmatch(name).group(1) for name in created) == ["emb", "kv"]
-        assert all(stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid() for info in created.values())
+        assert all(stat.S_IMODE(i.st_mode) == 0o600 and i.st_uid == os.geteuid() for i in created.values())
 
-        client = openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        client = openai.OpenAI(
+            base_url=system.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S
+        )
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
             model=model, max_tokens=MAX_TOKENS, temperature=0,
@@ -121,7 +124,7 @@ def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(t
         code = system.stop()
     assert code == 0, system.logs()
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]
-    assert not [name for name in segments() if name not in segments_before]  # every owner unlinked its file
+    assert not [name for name in segments() if name not in segments_before]  # all owners unlinked
 
 
 def _not_reachable_from_outside(sockets) -> bool:

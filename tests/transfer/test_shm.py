@@ -1,4 +1,4 @@
-"""Shared-memory transfer (shm): decode's KV pool and prefill's embedding buffer mapped from /dev/shm."""
+"""The shm transfer backend: decode's KV pool and prefill's embedding buffer mapped from /dev/shm."""
 
 import multiprocessing as mp
 import os
@@ -71,7 +71,8 @@ def source_rows(dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 def rows_landed(buffer: EmbeddingBuffer, start: int, before: torch.Tensor, rows: torch.Tensor) -> bool:
-    landed = all(same(buffer.tensor[start + d : start + d + n], rows[s : s + n]) for s, d, n in ROW_RUNS)
+    got = buffer.tensor
+    landed = all(same(got[start + d : start + d + n], rows[s : s + n]) for s, d, n in ROW_RUNS)
     written = {start + d + i for _, d, n in ROW_RUNS for i in range(n)}
     others = [r for r in range(buffer.num_rows) if r not in written]
     return landed and same(buffer.tensor[others], before[others])
@@ -102,12 +103,13 @@ def test_another_process_writes_kv_pages_and_rows_byte_exact(dtype) -> None:
     try:
         kv_receiver.register(pool)
         emb_receiver.register(buffer)
-        assert same(pool.k_buffer, before_kv[0]) and same(buffer.tensor, before_rows)  # the move kept them
+        assert same(pool.k_buffer, before_kv[0]) and same(buffer.tensor, before_rows)  # kept by the move
         kv_dst = msgspec.msgpack.encode(kv_receiver.destination("req-1", DST_PAGES))
         emb_dst = msgspec.msgpack.encode(emb_receiver.destination("req-1", 30, 30))
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        process = ctx.Process(target=sender_main, args=(kv_dst, emb_dst, str(dtype).removeprefix("torch."), results))
+        dtype_name = str(dtype).removeprefix("torch.")
+        process = ctx.Process(target=sender_main, args=(kv_dst, emb_dst, dtype_name, results))
         process.start()
         counts = results.get(timeout=WAIT_S)
         process.join(timeout=WAIT_S)
@@ -138,7 +140,8 @@ def test_pages_land_across_runs_and_layers(kv_pair) -> None:
     before = (pool.k_buffer.clone(), pool.v_buffer.clone())
     receiver.register(pool)
     src = make_pool(32, torch.bfloat16, seed=1)
-    sender.send("req-1", src, SRC_PAGES, receiver.destination("req-1", DST_PAGES), time.monotonic() + WAIT_S)
+    dst = receiver.destination("req-1", DST_PAGES)
+    sender.send("req-1", src, SRC_PAGES, dst, time.monotonic() + WAIT_S)
     assert pages_landed(pool, before, src)
     k_addr, k_bytes = pool.memory_regions()[0]
     v_addr, _ = pool.memory_regions()[1]
@@ -153,11 +156,12 @@ def test_segment_is_owner_only_with_an_unguessable_name(kv_pair) -> None:
     try:
         path = segment_path(receiver.session_id)
         info = os.stat(path, follow_symlinks=False)
-        assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+        assert stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+        assert info.st_uid == os.geteuid()
         assert info.st_size == 2 * 4 * 4 * 4 * 2 * 8 * 4  # K and V: [4, 4, 4, 2, 8] fp32 each
         names = [decode_session_id(r.session_id).name for r in (receiver, other)]
         tokens = [NAME_RE.fullmatch(name).group(5) for name in names]
-        assert all(len(token) == 32 for token in tokens) and tokens[0] != tokens[1]  # 128 random bits each
+        assert all(len(token) == 32 for token in tokens) and tokens[0] != tokens[1]  # 128 random bits
     finally:
         other.close()
 
@@ -223,7 +227,10 @@ def test_peer_refuses_files_that_are_not_an_owners_segment() -> None:
     finally:
         os.unlink(path)
     assert len(peers) == 0
-    for bad in ("shm:../../etc/passwd@0", "shm:stageserve-kv-1-2-3-x@0", "127.0.0.1:15000", "shm:stageserve-kv@zz"):
+    bad_ids = (
+        "shm:../../etc/passwd@0", "shm:stageserve-kv-1-2-3-x@0", "127.0.0.1:15000", "shm:stageserve-kv@zz",
+    )
+    for bad in bad_ids:
         with pytest.raises(InvalidRequestError, match="not a shared-memory transfer destination"):
             decode_session_id(bad)
 
@@ -237,9 +244,9 @@ def test_close_unlinks_and_senders_then_fail_unavailable(kv_pair) -> None:
     sender.send("req-1", src, [2], dst, time.monotonic() + WAIT_S)  # mapped now
     path = segment_path(receiver.session_id)
     released: list[str] = []
-    receiver.open_session("req-2", [3], time.monotonic() + WAIT_S, lambda rid, pages: released.append(rid))
+    receiver.open_session("req-2", [3], time.monotonic() + WAIT_S, lambda rid, _: released.append(rid))
     receiver.close()
-    assert not os.path.exists(path) and released == ["req-2"]  # in-flight sessions aborted, pages released
+    assert not os.path.exists(path) and released == ["req-2"]  # live sessions aborted, pages released
     pool.k_buffer[:, 5] = 1.0  # decode's own mapping stays valid while it shuts down
     with pytest.raises(UnavailableError, match="was closed by its owner"):
         sender.send("req-1", src, [2], dst, time.monotonic() + WAIT_S)
@@ -258,21 +265,22 @@ def test_deadline_and_destination_checks(kv_pair) -> None:
         sender.send("req-1", src, [0, 1], dst, time.monotonic() - 1)
     assert same(pool.k_buffer, before)
     layout = dst.layout
-    smaller = msgspec.structs.replace(layout, num_pages=6, v_base=layout.k_base + 4 * 6 * layout.page_nbytes)
+    replace = msgspec.structs.replace
+    smaller = replace(layout, num_pages=6, v_base=layout.k_base + 4 * 6 * layout.page_nbytes)
     with pytest.raises(InvalidRequestError, match="needs .* bytes, decode's KV pool has"):
-        sender.send("req-1", src, [0, 1], msgspec.structs.replace(dst, layout=smaller), time.monotonic() + WAIT_S)
-    moved = msgspec.structs.replace(layout, k_base=layout.k_base + 64)
+        sender.send("req-1", src, [0, 1], replace(dst, layout=smaller), time.monotonic() + WAIT_S)
+    moved = replace(layout, k_base=layout.k_base + 64)
     with pytest.raises(InvalidRequestError, match="does not match the shared pool"):
-        sender.send("req-1", src, [0, 1], msgspec.structs.replace(dst, layout=moved), time.monotonic() + WAIT_S)
-    with pytest.raises(InvalidRequestError, match="a inprocess destination"):
-        sender.send("req-1", src, [0, 1], msgspec.structs.replace(dst, backend="inprocess"), time.monotonic() + 9)
+        sender.send("req-1", src, [0, 1], replace(dst, layout=moved), time.monotonic() + WAIT_S)
+    with pytest.raises(InvalidRequestError, match="a inprocess destination for the shm sender"):
+        sender.send("req-1", src, [0, 1], replace(dst, backend="inprocess"), time.monotonic() + WAIT_S)
     assert same(pool.k_buffer, before)
 
 
 def test_a_gpu_pool_is_refused_naming_cuda_ipc() -> None:
     receiver = ShmKVReceiver()
     with pytest.raises(ValueError, match="moves host memory .* use --kv-transfer-backend cuda_ipc"):
-        receiver.register(KVPool(2, 4, 4, 2, 8, torch.float32, "meta"))  # stands for a pool off the host
+        receiver.register(KVPool(2, 4, 4, 2, 8, torch.float32, "meta"))  # a pool off the host
 
 
 def test_peers_keep_the_most_recently_used_mappings() -> None:
@@ -306,7 +314,8 @@ def test_rows_land_in_the_window_and_tampered_windows_are_refused() -> None:
         result = sender.send_runs("req-1", rows, ROW_RUNS, dst, time.monotonic() + WAIT_S)
         assert (result.num_descriptors, result.num_bytes) == (2, 11 * HIDDEN * 4)
         assert rows_landed(buffer, 30, before, rows)
-        past_end = msgspec.structs.replace(dst, base_address=dst.base_address + 40 * dst.row_stride_bytes)
+        moved = dst.base_address + 40 * dst.row_stride_bytes
+        past_end = msgspec.structs.replace(dst, base_address=moved)
         with pytest.raises(InvalidRequestError, match="do not fit"):
             sender.send_rows("req-1", rows, past_end, 0, time.monotonic() + WAIT_S)
         with pytest.raises(DeadlineExceededError):
@@ -334,7 +343,8 @@ if sys.argv[1] == "wait":
 
 
 def start_owner(how: str) -> tuple[subprocess.Popen, str]:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, how], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, "-c", OWNER, how]
+    owner = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True)
     return owner, segment_path(owner.stdout.readline().strip())
 
 
