@@ -92,6 +92,8 @@ def new_name(kind: str) -> str:
 def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
     """Unlink this user's segments whose owner process is gone (killed before it could); their names."""
     removed: list[str] = []
+    if _start_time(os.getpid()) is None:  # no /proc to tell a live owner from a dead one: keep all
+        return removed
     pid_namespace, uid = _pid_namespace(), os.geteuid()
     for entry in os.scandir(directory):
         match = NAME_RE.fullmatch(entry.name)
@@ -189,14 +191,16 @@ class ShmPeers:
         self._mappings: OrderedDict[str, PeerMapping] = OrderedDict()
 
     def open(self, name: str, what: str) -> PeerMapping:
-        """The mapping of segment ``name``; ``UnavailableError`` once its owner closed it or exited.
+        """The mapping of segment ``name``; ``UnavailableError`` once it is unlinked (closed, swept).
 
         ``what`` names the memory in errors ("decode's KV pool"). A file that is not a regular
         file of this user with mode 0600 is refused (``UnavailableError``) before it is mapped.
         """
         with self._lock:
             mapping = self._mappings.get(name)
-            if mapping is None:
+            if mapping is None:  # a new owner, maybe one restarted: let go of segments already unlinked
+                for gone in [m for m in self._mappings.values() if m.is_unlinked()]:
+                    os.close(self._mappings.pop(gone.name).fd)
                 mapping = self._mappings[name] = _open_mapping(name, what)
                 while len(self._mappings) > self.max_peers:
                     os.close(self._mappings.popitem(last=False)[1].fd)  # unmapped once no copy uses it

@@ -293,6 +293,13 @@ def test_peers_keep_the_most_recently_used_mappings() -> None:
         assert all(int(segment.tensor[0]) == 7 for segment in segments)
         peers.open(segments[0].name, "a test segment").tensor[1] = 8  # reopened after its eviction
         assert int(segments[0].tensor[1]) == 8 and len(peers) == 2
+        roomy = ShmPeers(max_peers=8)
+        roomy.open(segments[0].name, "a test segment")
+        roomy.open(segments[1].name, "a test segment")
+        segments[0].close()  # its owner went away (a decode that restarts gets a new segment)
+        roomy.open(segments[2].name, "a test segment")
+        assert len(roomy) == 2  # a new owner's first open let go of the unlinked one
+        roomy.close()
     finally:
         peers.close()
         for segment in segments:
