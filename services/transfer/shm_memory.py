@@ -12,20 +12,25 @@ Lifecycle of one segment (decode owns its KV pool's, prefill its embedding buffe
          stay valid until they are dropped, so a peer in the middle of a write never faults
 
 Naming rule: ``stageserve-<kind>-<pid namespace>-<pid>-<start time>-<128 random bits>``. A name
-lives as long as its owner process, since any peer may still have to open it (a restarted
-prefill reopens decode's pool). An owner that could not unlink (SIGKILL, OOM kill) leaves its
-file behind: every new segment, and ``sweep_stale_segments``, removes this user's files whose
-owner (same pid namespace, pid and start time) no longer runs. A peer's open file or mapping
-keeps the memory alive after the unlink; it is freed when the last one goes.
+lives exactly as long as its owner process, since any peer may still have to open it (a
+restarted prefill reopens decode's pool). For an owner that cannot unlink (SIGKILL, OOM kill)
+a reaper does: a ``/bin/sh`` started with the segment blocks reading a pipe only the owner
+holds and removes the name at end of file, which comes when the owner closes the segment or
+dies however it dies. Should the reaper die too, every new segment, and
+``sweep_stale_segments``, removes this user's files whose owner (same pid namespace, pid and
+start time) no longer runs. A peer's open file or mapping keeps the memory alive after the
+unlink; it is freed when the last one goes.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
 import secrets
 import stat
+import subprocess
 import threading
 import weakref
 from collections import OrderedDict
@@ -34,6 +39,8 @@ import msgspec
 import torch
 
 from services.common.errors import CapacityError, InvalidRequestError, UnavailableError
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SESSION_PREFIX = "shm:"
@@ -114,12 +121,43 @@ def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _unlink_if_owner(path: str, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:  # a forked child exiting must not remove its parent's segment
+# The reaper's script: block until the pipe on stdin reaches end of file, then remove the name ($1).
+_REAPER_SCRIPT = 'read -r _; rm -f -- "$1"'
+
+
+def _start_reaper(path: str) -> tuple[subprocess.Popen | None, int | None]:
+    """A process that unlinks ``path`` once the returned pipe end is closed in every process."""
+    read_end, write_end = os.pipe()  # neither is inherited by programs this process starts later
+    try:
+        reaper = subprocess.Popen(
+            ["/bin/sh", "-c", _REAPER_SCRIPT, "stageserve-shm-reaper", path],
+            stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C to the service's process group leaves it to finish
+        )
+    except OSError as exc:
+        os.close(write_end)
+        logger.warning("no reaper for %s (%s): a killed owner leaves it to the next sweep", path, exc)
+        return None, None
+    finally:
+        os.close(read_end)
+    return reaper, write_end
+
+
+def _release(path: str, owner_pid: int, reaper: subprocess.Popen | None, pipe_end: int | None) -> None:
+    """Unlink ``path`` (in its owner only: a forked child exiting leaves its parent's segment alone)."""
+    if pipe_end is not None:
+        os.close(pipe_end)  # this process's copy: the reaper sees end of file once every copy is gone
+    if os.getpid() != owner_pid:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    if reaper is not None:
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            reaper.wait(timeout=5)  # it exits at once (end of file, nothing left to remove)
+        except subprocess.TimeoutExpired:
+            logger.warning("the reaper of %s did not exit", path)
 
 
 class ShmSegment:
@@ -144,11 +182,14 @@ class ShmSegment:
         finally:
             os.close(fd)  # the mapping holds the file
         self.tensor = torch.frombuffer(memory, dtype=torch.uint8)  # [num_bytes]; holds the mapping
-        self._unlink = weakref.finalize(self, _unlink_if_owner, self.path, os.getpid())  # also at exit
+        reaper, pipe_end = _start_reaper(self.path)
+        self.reaper_pid = None if reaper is None else reaper.pid
+        # runs at close(), when the segment is collected, or at interpreter exit
+        self._release = weakref.finalize(self, _release, self.path, os.getpid(), reaper, pipe_end)
 
     def close(self) -> None:
         """Unlink the name: no new peer can open it. Mappings (``tensor`` and peers') stay valid."""
-        self._unlink()
+        self._release()
 
 
 def _reserve(fd: int, num_bytes: int, what: str) -> None:

@@ -349,6 +349,14 @@ if sys.argv[1] == "wait":
 """
 
 
+def pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def start_owner(how: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-c", OWNER, how]
     owner = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -356,34 +364,49 @@ def start_owner(how: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.slow
-def test_an_owner_that_exits_unlinks_and_a_killed_ones_file_is_swept() -> None:
+def test_an_owner_that_exits_or_is_killed_leaves_no_file() -> None:
     owner, path = start_owner("exit")  # exits without close(): the finalizer unlinks at exit
     assert owner.wait(timeout=WAIT_S) == 0 and not os.path.exists(path)
     owner, path = start_owner("wait")
     try:
         assert os.path.exists(path)
-        live = ShmSegment("kv", 4096, "a test segment")  # its sweep leaves a running owner's file alone
-        assert os.path.exists(path)
-        os.kill(owner.pid, signal.SIGKILL)
+        os.kill(owner.pid, signal.SIGKILL)  # nothing runs in the owner: its reaper removes the name
         owner.wait(timeout=WAIT_S)
-        assert os.path.exists(path)  # nothing ran at the kill
-        assert os.path.basename(path) in shm_memory.sweep_stale_segments()
-        assert not os.path.exists(path) and os.path.exists(live.path)
-        live.close()
+        deadline = time.monotonic() + WAIT_S
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path)
     finally:
         owner.kill()
         owner.wait(timeout=WAIT_S)
 
 
+def test_sweep_removes_only_files_of_owners_that_no_longer_run() -> None:
+    live = ShmSegment("kv", 4096, "a test segment")
+    kind, namespace, pid, start, token = NAME_RE.fullmatch(live.name).groups()
+    stale = f"stageserve-{kind}-{namespace}-{pid}-{int(start) + 1}-{token}"  # this pid, another process
+    foreign = f"stageserve-{kind}-{int(namespace) + 1}-{pid}-0-{token}"  # a pid of another namespace
+    for name in (stale, foreign):
+        os.close(os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    try:
+        removed = shm_memory.sweep_stale_segments()
+        assert stale in removed and live.name not in removed and foreign not in removed
+        assert os.path.exists(live.path) and os.path.exists(os.path.join(SHM_DIR, foreign))
+    finally:
+        os.unlink(os.path.join(SHM_DIR, foreign))
+        live.close()
+
+
 def test_a_forked_child_does_not_unlink_its_parents_segment() -> None:
     segment = ShmSegment("emb", 4096, "a test segment")
+    assert segment.reaper_pid is not None and pid_running(segment.reaper_pid)
     try:
         pid = os.fork()
         if pid == 0:  # what the finalizer does at the child's exit
-            segment._unlink()
+            segment._release()
             os._exit(0)
         assert os.waitpid(pid, 0)[1] == 0
         assert os.path.exists(segment.path)
     finally:
         segment.close()
-    assert not os.path.exists(segment.path)
+    assert not os.path.exists(segment.path) and not pid_running(segment.reaper_pid)  # reaper waited for
