@@ -96,13 +96,13 @@ def new_name(kind: str) -> str:
     return f"stageserve-{kind}-{_pid_namespace()}-{pid}-{_start_time(pid)}-{secrets.token_hex(16)}"
 
 
-def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
+def sweep_stale_segments() -> list[str]:
     """Unlink this user's segments whose owner process is gone (killed before it could); their names."""
     removed: list[str] = []
     if _start_time(os.getpid()) is None:  # no /proc to tell a live owner from a dead one: keep all
         return removed
     pid_namespace, uid = _pid_namespace(), os.geteuid()
-    for entry in os.scandir(directory):
+    for entry in os.scandir(SHM_DIR):
         match = NAME_RE.fullmatch(entry.name)
         if match is None or int(match.group(2)) != pid_namespace:  # another namespace's pid: unknowable
             continue
