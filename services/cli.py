@@ -71,8 +71,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
     p.add_argument("--decode-device", default=None, help="decode's device, e.g. cuda:1 (default: --device)")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--transfer-backend", default="mooncake",
-                   help="embedding transfer (and KV unless --kv-transfer-backend): mooncake | inprocess")
+    p.add_argument("--transfer-backend", default="shm",
+                   help="embedding transfer (and KV unless --kv-transfer-backend): shm | mooncake | inprocess; "
+                   "shm: /dev/shm shared by this host's processes, no network port (default)")
     p.add_argument("--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP)
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
     p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")

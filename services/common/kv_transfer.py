@@ -12,12 +12,13 @@ import importlib.metadata
 
 # KV backends a service can build on its own. "nccl" is registered in services.transfer but
 # needs a torch.distributed group spanning prefill and decode, which the services do not build.
-SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc")
-EMBEDDING_BACKENDS = ("mooncake", "inprocess")
+SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc", "shm")
+EMBEDDING_BACKENDS = ("mooncake", "inprocess", "shm")
 
 KV_BACKEND_HELP = (
-    "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc (cuda_ipc = CUDA IPC between GPUs "
-    "of one host, needs --device cuda); default: --transfer-backend"
+    "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc | shm (cuda_ipc = CUDA IPC between "
+    "GPUs of one host, needs --device cuda; shm = host memory shared through /dev/shm by processes of "
+    "one host and user, no network port, CPU KV pools only); default: --transfer-backend"
 )
 
 
@@ -52,11 +53,16 @@ def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -
 
 
 def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, device: str) -> str:
-    """``resolve_kv_backend``; cuda_ipc only on a CUDA ``device``, and Mooncake on one only with a
-    build that moves GPU memory (the KV pool lives there); ``ValueError`` otherwise."""
+    """``resolve_kv_backend``; cuda_ipc only on a CUDA ``device``, shm only off one, and Mooncake on
+    one only with a build that moves GPU memory (the KV pool lives there); ``ValueError`` otherwise."""
     name = resolve_kv_backend(kv_transfer_backend, transfer_backend)
     if name == "cuda_ipc" and not device.startswith("cuda"):
         raise ValueError(f"the cuda_ipc KV transfer backend needs a CUDA device (--device cuda), got {device!r}")
+    if name == "shm" and device.startswith("cuda"):
+        raise ValueError(
+            f"the shm KV transfer backend moves host memory and the KV pool is on {device!r}: use "
+            "--kv-transfer-backend cuda_ipc (GPUs of one host)"
+        )
     if name == "mooncake" and device.startswith("cuda") and not mooncake_moves_device_memory():
         raise ValueError(
             f"the installed Mooncake build ({MOONCAKE_HOST_ONLY_BUILD}) moves host memory only and the KV "

@@ -9,6 +9,7 @@ free list; ``RequestPageTable`` holds pages on behalf of requests and returns th
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import torch
 
@@ -61,6 +62,11 @@ class KVPageManager:
             heapq.heappush(self._free_heap, page)
 
 
+# (shape, dtype) -> zeroed contiguous K and V buffers of that shape on the pool's device, wherever the
+# allocator keeps them (the shm transfer backend maps them from a file in /dev/shm)
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
 class KVPool:
     """K and V tensors of every layer, each one contiguous buffer (one memory region per K and V)."""
 
@@ -82,10 +88,31 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, P, S, Hkv, D]
+        self._set_buffers(
+            torch.zeros(shape, dtype=dtype, device=self.device),
+            torch.zeros(shape, dtype=dtype, device=self.device),
+        )
+
+    def _set_buffers(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
+        self.k_buffer = k_buffer  # [L, P, S, Hkv, D]
+        self.v_buffer = v_buffer  # [L, P, S, Hkv, D]
         self.k_cache = list(self.k_buffer.unbind(0))  # L x [P, S, Hkv, D], views into k_buffer
         self.v_cache = list(self.v_buffer.unbind(0))  # L x [P, S, Hkv, D], views into v_buffer
+
+    def reallocate(self, allocator: KVAllocator) -> None:
+        """Move K and V into buffers from ``allocator``, contents kept; the old buffers are dropped.
+
+        For a transfer backend that owns the pool's memory (``shm``), at registration: before
+        anything but this pool holds views of the buffers (a CUDA graph, another thread).
+        """
+        shape = tuple(self.k_buffer.shape)
+        k_buffer, v_buffer = allocator(shape, self.dtype)
+        for new in (k_buffer, v_buffer):
+            assert new.shape == shape and new.dtype == self.dtype and new.device == self.device
+            assert new.is_contiguous()
+        k_buffer.copy_(self.k_buffer)
+        v_buffer.copy_(self.v_buffer)
+        self._set_buffers(k_buffer, v_buffer)
 
     @property
     def num_slots(self) -> int:

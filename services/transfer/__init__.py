@@ -30,18 +30,21 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
 
 
 # "nccl" needs a torch.distributed group spanning prefill and decode (GPUs of one host):
-# create it with peer_rank= and group=. "cuda_ipc" (GPUs of one host, peers) needs nothing.
+# create it with peer_rank= and group=. "cuda_ipc" (GPUs of one host, peers) and "shm" (host
+# memory shared by the processes of one host, through /dev/shm) need nothing.
 _SENDER_FACTORIES: dict[str, Callable[..., BaseKVSender]] = {
     "mooncake": _factory("mooncake_backend", "MooncakeKVSender"),
     "inprocess": _factory("inprocess_backend", "InProcessKVSender"),
     "nccl": _factory("nccl_backend", "NcclKVSender"),
     "cuda_ipc": _factory("cuda_ipc_backend", "CudaIpcKVSender"),
+    "shm": _factory("shm_backend", "ShmKVSender"),
 }
 _RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
     "mooncake": _factory("mooncake_backend", "MooncakeKVReceiver"),
     "inprocess": _factory("inprocess_backend", "InProcessKVReceiver"),
     "nccl": _factory("nccl_backend", "NcclKVReceiver"),
     "cuda_ipc": _factory("cuda_ipc_backend", "CudaIpcKVReceiver"),
+    "shm": _factory("shm_backend", "ShmKVReceiver"),
 }
 
 
@@ -49,10 +52,12 @@ _RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
 _EMBEDDING_SENDER_FACTORIES: dict[str, Callable[..., BaseEmbeddingSender]] = {
     "mooncake": _factory("embeddings_mooncake", "MooncakeEmbeddingSender"),
     "inprocess": _factory("embeddings_inprocess", "InProcessEmbeddingSender"),
+    "shm": _factory("embeddings_shm", "ShmEmbeddingSender"),
 }
 _EMBEDDING_RECEIVER_FACTORIES: dict[str, Callable[..., BaseEmbeddingReceiver]] = {
     "mooncake": _factory("embeddings_mooncake", "MooncakeEmbeddingReceiver"),
     "inprocess": _factory("embeddings_inprocess", "InProcessEmbeddingReceiver"),
+    "shm": _factory("embeddings_shm", "ShmEmbeddingReceiver"),
 }
 
 

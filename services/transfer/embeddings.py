@@ -23,7 +23,7 @@ import bisect
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import torch
@@ -65,6 +65,16 @@ class EmbeddingBuffer:
     ) -> None:
         assert num_rows > 0 and hidden_size > 0
         self.tensor = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device, pin_memory=pin_memory)
+
+    def reallocate(self, allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        """Move the rows into a zeroed contiguous tensor from ``allocator(shape, dtype)``, contents kept.
+
+        For a transfer backend that owns the buffer's memory (``shm``), at registration.
+        """
+        new = allocator(tuple(self.tensor.shape), self.dtype)
+        assert new.shape == self.tensor.shape and new.dtype == self.dtype and new.is_contiguous()
+        new.copy_(self.tensor)
+        self.tensor = new
 
     @property
     def num_rows(self) -> int:

@@ -12,6 +12,12 @@ engine's own timeout passes (``MC_TRANSFER_TIMEOUT``; a peer that accepts TCP bu
 answers the handshake holds it for about 60 s). ``write_within`` runs it on a daemon
 thread and stops waiting at the caller's deadline, so a slow peer becomes
 ``DeadlineExceededError``.
+
+``hostname`` is only the address the engine advertises (its ``session_id``): Mooncake binds
+its handshake port and its TCP data port on every interface (0.0.0.0 and [::]) and has no
+setting that changes it (MC_TCP_BIND_ADDRESS, MC_LEGACY_RPC_PORT_BINDING, MC_USE_IPV6 do not),
+and anyone who reaches them can read and write the registered memory. Between the processes
+of one host use the ``shm`` backend; across hosts, fence the ports off (NetworkPolicy, firewall).
 """
 
 from __future__ import annotations

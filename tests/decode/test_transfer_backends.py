@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -12,9 +13,11 @@ from services.decode import builder
 from services.decode.builder import build_engine, create_receiver
 from services.decode.config import DecodeConfig, parse_config
 from services.transfer.inprocess_backend import InProcessKVReceiver
+from services.transfer.shm_backend import ShmKVReceiver
+from services.transfer.shm_memory import SHM_DIR, decode_session_id
 from tests.decode.conftest import BASE_CONFIG
 
-CHOICES = "mooncake, inprocess, cuda_ipc"
+CHOICES = "mooncake, inprocess, cuda_ipc, shm"
 
 
 def test_flag_parses_and_defaults_to_transfer_backend() -> None:
@@ -25,6 +28,7 @@ def test_flag_parses_and_defaults_to_transfer_backend() -> None:
     assert parse_config([]).kv_backend == "mooncake"
     assert parse_config(["--transfer-backend", "inprocess"]).kv_backend == "inprocess"
     assert parse_config(["--kv-transfer-backend", "cuda_ipc", "--device", "cuda:1"]).kv_backend == "cuda_ipc"
+    assert parse_config(["--transfer-backend", "shm"]).kv_backend == "shm"
 
 
 @pytest.mark.parametrize(
@@ -35,6 +39,9 @@ def test_flag_parses_and_defaults_to_transfer_backend() -> None:
         (["--transfer-backend", "nccl"], f"supported: {CHOICES}"),
         (["--kv-transfer-backend", "rdma"], f"unknown KV transfer backend 'rdma'; supported: {CHOICES}"),
         (["--kv-transfer-backend", "cuda_ipc"], "needs a CUDA device (--device cuda), got 'cpu'"),
+        (["--kv-transfer-backend", "shm", "--device", "cuda:1"], "the shm KV transfer backend moves host memory "
+                                                                 "and the KV pool is on 'cuda:1': use "
+                                                                 "--kv-transfer-backend cuda_ipc"),
     ],
 )
 def test_unsupported_backends_are_rejected_at_startup(argv, message) -> None:
@@ -52,12 +59,28 @@ def test_build_rejects_an_unsupported_kv_backend_before_loading_the_model(name) 
         build_engine(config)  # no model given: the check comes first
 
 
-def test_inprocess_kv_backend_beside_a_mooncake_transfer_backend() -> None:
-    receiver = create_receiver(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend="inprocess"))
+@pytest.mark.parametrize(("kv", "receiver_type"), [("inprocess", InProcessKVReceiver), ("shm", ShmKVReceiver)])
+def test_kv_backend_beside_a_mooncake_transfer_backend(kv, receiver_type) -> None:
+    receiver = create_receiver(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend=kv))
     try:
-        assert isinstance(receiver, InProcessKVReceiver)
+        assert isinstance(receiver, receiver_type)
     finally:
         receiver.close()
+
+
+def test_shm_engine_keeps_its_pool_in_the_segment(language_model) -> None:
+    engine = build_engine(replace(BASE_CONFIG, kv_transfer_backend="shm"), language_model)
+    try:
+        pool = engine.worker.runner.kv_pool
+        ref = decode_session_id(engine.receiver.session_id)
+        (k_addr, k_bytes), (v_addr, v_bytes) = pool.memory_regions()
+        assert ref.base_address == k_addr and v_addr == k_addr + k_bytes
+        assert os.stat(os.path.join(SHM_DIR, ref.name)).st_size == k_bytes + v_bytes
+        assert [t.data_ptr() for t in pool.k_cache] == [k_addr + i * k_bytes // pool.num_layers
+                                                         for i in range(pool.num_layers)]
+    finally:
+        engine.receiver.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, ref.name))
 
 
 @pytest.mark.parametrize(

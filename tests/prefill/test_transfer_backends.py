@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -11,9 +12,11 @@ from services.prefill import app as prefill_app
 from services.prefill.__main__ import parse_args
 from services.prefill.app import PrefillApp, build_embedding_receiver, build_kv_sender
 from services.transfer.inprocess_backend import InProcessKVSender
+from services.transfer.shm_backend import ShmKVSender
+from services.transfer.shm_memory import SHM_DIR, decode_session_id
 from tests.prefill.conftest import prefill_config
 
-CHOICES = "mooncake, inprocess, cuda_ipc"
+CHOICES = "mooncake, inprocess, cuda_ipc, shm"
 
 
 def test_flag_parses_and_defaults_to_transfer_backend() -> None:
@@ -33,9 +36,12 @@ def test_flag_parses_and_defaults_to_transfer_backend() -> None:
                                             f"services do not build; supported: {CHOICES}"),
         (["--kv-transfer-backend", "rdma"], f"unknown KV transfer backend 'rdma'; supported: {CHOICES}"),
         (["--transfer-backend", "nccl"], "embedding transfer backend 'nccl' is not supported; supported: "
-                                         "mooncake, inprocess"),
+                                         "mooncake, inprocess, shm"),
         (["--transfer-backend", "cuda_ipc", "--device", "cuda"], "embedding transfer backend 'cuda_ipc'"),
         (["--kv-transfer-backend", "cuda_ipc"], "needs a CUDA device (--device cuda), got 'cpu'"),
+        (["--transfer-backend", "shm", "--device", "cuda"], "the shm KV transfer backend moves host memory and "
+                                                            "the KV pool is on 'cuda': use --kv-transfer-backend "
+                                                            "cuda_ipc"),
     ],
 )
 def test_unsupported_backends_are_rejected_at_startup(argv, message, capsys) -> None:
@@ -51,10 +57,11 @@ def test_build_rejects_an_unsupported_kv_backend_before_loading_the_model(name) 
         PrefillApp.build(prefill_config(kv_transfer_backend=name))  # no model given: the check comes first
 
 
-def test_kv_sender_uses_the_kv_backend() -> None:
-    sender = build_kv_sender(prefill_config(transfer_backend="mooncake", kv_transfer_backend="inprocess"))
+@pytest.mark.parametrize(("kv", "sender_type"), [("inprocess", InProcessKVSender), ("shm", ShmKVSender)])
+def test_kv_sender_uses_the_kv_backend(kv, sender_type) -> None:
+    sender = build_kv_sender(prefill_config(transfer_backend="mooncake", kv_transfer_backend=kv))
     try:
-        assert isinstance(sender, InProcessKVSender)
+        assert isinstance(sender, sender_type)
     finally:
         sender.close()
 
@@ -74,6 +81,7 @@ def record_factories(monkeypatch) -> list[tuple[str, str, dict[str, Any]]]:
         ("mooncake", "inprocess", [("kv", "inprocess", {}), ("embedding", "mooncake", {"hostname": "h"})]),
         ("inprocess", "mooncake", [("kv", "mooncake", {"hostname": "h"}), ("embedding", "inprocess", {})]),
         ("mooncake", "cuda_ipc", [("kv", "cuda_ipc", {}), ("embedding", "mooncake", {"hostname": "h"})]),
+        ("shm", "cuda_ipc", [("kv", "cuda_ipc", {}), ("embedding", "shm", {})]),
     ],
 )
 def test_mooncake_hostname_goes_only_to_mooncake_endpoints(monkeypatch, transfer, kv, expected) -> None:
@@ -95,3 +103,18 @@ def test_the_host_only_mooncake_build_is_refused_for_a_gpu_kv_pool(monkeypatch) 
     assert kv_transfer.check_kv_backend("cuda_ipc", "mooncake", "cuda:1") == "cuda_ipc"
     monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)
     assert kv_transfer.check_kv_backend(None, "mooncake", "cuda:1") == "mooncake"
+
+
+def test_shm_embedding_buffer_lives_in_the_segment(language_model) -> None:
+    app = PrefillApp.build(prefill_config(transfer_backend="shm"), model=language_model)
+    receiver = app.embedding_receiver
+    try:
+        ref = decode_session_id(receiver.session_id)
+        buffer = receiver.buffer
+        assert ref.base_address == buffer.base_address and buffer.tensor.device.type == "cpu"
+        assert os.stat(os.path.join(SHM_DIR, ref.name)).st_size == buffer.num_bytes
+        assert isinstance(app.kv_sender, ShmKVSender)
+    finally:
+        app.kv_sender.close()
+        receiver.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, ref.name))

@@ -1,4 +1,4 @@
-"""Embedding rows handoff: row bookkeeping, descriptors, in-process copies, and Mooncake across two processes."""
+"""Embedding rows handoff: row bookkeeping, descriptors, torch copies (inprocess, shm), and Mooncake across two processes."""
 
 import multiprocessing as mp
 import os
@@ -86,11 +86,20 @@ def test_padded_destination_rows_get_one_descriptor_each() -> None:
     assert plan.src_addrs == (0, 16, 32) and plan.lengths == (16, 16, 16)
 
 
-# --- in-process backend --------------------------------------------------------------
+# --- backends that copy with torch (inprocess: one process; shm: /dev/shm between processes) ---
+
+COPYING_BACKENDS = ["inprocess", "shm"]
 
 
-def test_destination_is_a_window_of_the_buffer() -> None:
-    receiver = create_embedding_receiver("inprocess", fabric=EmbeddingFabric(), cp_rank=2)
+def endpoints(backend: str, **receiver_kwargs):
+    """A receiver and a sender that reach each other (in-process ones share a fresh fabric)."""
+    kwargs = {"fabric": EmbeddingFabric()} if backend == "inprocess" else {}
+    return create_embedding_receiver(backend, **kwargs, **receiver_kwargs), create_embedding_sender(backend, **kwargs)
+
+
+@pytest.mark.parametrize("backend", COPYING_BACKENDS)
+def test_destination_is_a_window_of_the_buffer(backend) -> None:
+    receiver, _ = endpoints(backend, cp_rank=2)
     buffer = EmbeddingBuffer(32, 8, torch.bfloat16)
     receiver.register(buffer)
     dst = receiver.destination("req-1", 10, 5)
@@ -102,14 +111,14 @@ def test_destination_is_a_window_of_the_buffer() -> None:
     receiver.close()
 
 
-def test_inprocess_rows_land_in_place_and_nothing_else_changes() -> None:
-    fabric = EmbeddingFabric()
-    receiver = create_embedding_receiver("inprocess", fabric=fabric)
-    sender = create_embedding_sender("inprocess", fabric=fabric)
+@pytest.mark.parametrize("backend", COPYING_BACKENDS)
+def test_rows_land_in_place_and_nothing_else_changes(backend) -> None:
+    receiver, sender = endpoints(backend)
     buffer = EmbeddingBuffer(40, 16, torch.float32)
     buffer.tensor.copy_(torch.randn(40, 16))
     before = buffer.tensor.clone()
     receiver.register(buffer)
+    assert torch.equal(buffer.tensor, before)  # registering keeps the rows, wherever they now live
     dst = receiver.destination("req-1", 20, 12)
     rows = torch.randn(7, 16)
     result = sender.send_runs("req-1", rows, [(0, 0, 4), (4, 4, 3)], dst, time.monotonic() + 10)
@@ -121,10 +130,9 @@ def test_inprocess_rows_land_in_place_and_nothing_else_changes() -> None:
     receiver.close()
 
 
-def test_inprocess_errors() -> None:
-    fabric = EmbeddingFabric()
-    receiver = create_embedding_receiver("inprocess", fabric=fabric)
-    sender = create_embedding_sender("inprocess", fabric=fabric)
+@pytest.mark.parametrize("backend", COPYING_BACKENDS)
+def test_copying_backend_errors(backend) -> None:
+    receiver, sender = endpoints(backend)
     receiver.register(EmbeddingBuffer(8, 4, torch.float32))
     dst = receiver.destination("req-1", 0, 4)
     with pytest.raises(InvalidRequestError, match="outside the 4 rows"):

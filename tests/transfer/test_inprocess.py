@@ -1,3 +1,5 @@
+"""KV backends that copy with torch (inprocess: one process; shm: /dev/shm between processes)."""
+
 import time
 
 import pytest
@@ -7,6 +9,9 @@ from services.common.errors import DeadlineExceededError, UnavailableError
 from services.engine.kv_cache import KVPool
 from services.transfer import create_kv_receiver, create_kv_sender
 from services.transfer.inprocess_backend import InProcessFabric
+
+COPYING_BACKENDS = ["inprocess", "shm"]
+GONE = {"inprocess": "no in-process KV pool", "shm": "decode's KV pool .* no longer exists"}
 
 
 def make_pool(num_pages: int, seed: int | None) -> KVPool:
@@ -26,10 +31,15 @@ def make_pool(num_pages: int, seed: int | None) -> KVPool:
     return pool
 
 
-def test_pages_land_in_place_and_other_pages_are_untouched() -> None:
-    fabric = InProcessFabric()
-    receiver = create_kv_receiver("inprocess", fabric=fabric)
-    sender = create_kv_sender("inprocess", fabric=fabric)
+def endpoints(backend: str):
+    """A receiver and a sender that reach each other (in-process ones share a fresh fabric)."""
+    kwargs = {"fabric": InProcessFabric()} if backend == "inprocess" else {}
+    return create_kv_receiver(backend, **kwargs), create_kv_sender(backend, **kwargs)
+
+
+@pytest.mark.parametrize("backend", COPYING_BACKENDS)
+def test_pages_land_in_place_and_other_pages_are_untouched(backend) -> None:
+    receiver, sender = endpoints(backend)
     src_pool, dst_pool = make_pool(8, seed=1), make_pool(12, seed=2)
     receiver.register(dst_pool)
     dst_before_k, dst_before_v = dst_pool.k_buffer.clone(), dst_pool.v_buffer.clone()
@@ -49,17 +59,16 @@ def test_pages_land_in_place_and_other_pages_are_untouched() -> None:
     receiver.close()
 
 
-def test_unknown_peer_and_passed_deadline_are_errors() -> None:
-    fabric = InProcessFabric()
-    receiver = create_kv_receiver("inprocess", fabric=fabric)
-    sender = create_kv_sender("inprocess", fabric=fabric)
+@pytest.mark.parametrize("backend", COPYING_BACKENDS)
+def test_unknown_peer_and_passed_deadline_are_errors(backend) -> None:
+    receiver, sender = endpoints(backend)
     receiver.register(make_pool(4, seed=None))
     dst = receiver.destination("req-1", [0])
     src_pool = make_pool(4, seed=3)
     with pytest.raises(DeadlineExceededError):
         sender.send("req-1", src_pool, [1], dst, deadline=time.monotonic() - 1)
     receiver.close()
-    with pytest.raises(UnavailableError, match="no in-process KV pool"):
+    with pytest.raises(UnavailableError, match=GONE[backend]):
         sender.send("req-1", src_pool, [1], dst, deadline=time.monotonic() + 10)
 
 

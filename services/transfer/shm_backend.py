@@ -1,0 +1,147 @@
+"""Shared-memory KV backend: prefill writes straight into decode's pool, mapped from /dev/shm.
+
+Decode's receiver moves its pool into one segment at ``register`` (``[K | V]``, each
+``[L, P, S, Hkv, D]``; see ``shm_memory`` for how segments are named, guarded and
+removed) and publishes ``shm:<name>@<k_base>`` as its ``session_id``. Prefill's sender maps
+the segment once and copies each run of pages with one slice copy of every layer of K and
+one of V, so nothing listens on a network port and no byte leaves the host's memory.
+
+Writes are one-sided, as with Mooncake: ``send`` returns once the bytes are in decode's
+pages, and decode learns it from the request protocol. The deadline is checked before
+each run: a write stopped there leaves its earlier runs in the pages, which decode's
+quarantine covers as it covers any late write (see base.py). Both processes must run on
+one host as the same user; a GPU pool needs ``cuda_ipc``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from services.common.errors import DeadlineExceededError, InvalidRequestError
+from services.engine.kv_cache import KVPool
+from services.transfer.base import (
+    BaseKVReceiver,
+    BaseKVSender,
+    KvDestination,
+    TransferResult,
+    check_compatible,
+    check_deadline,
+    page_runs,
+    pool_layout,
+)
+from services.transfer.shm_memory import (
+    MAX_PEERS,
+    ShmPeers,
+    ShmRef,
+    ShmSegment,
+    decode_session_id,
+    encode_session_id,
+    typed_view,
+)
+
+POOL = "decode's KV pool"
+
+
+class ShmKVReceiver(BaseKVReceiver):
+    """Decode side: the pool's K and V move into a segment at ``register``; ``close`` unlinks it."""
+
+    backend = "shm"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._segment: ShmSegment | None = None
+        self._session_id: str | None = None
+
+    @property
+    def session_id(self) -> str:
+        assert self._session_id is not None, "register(pool) first"
+        return self._session_id
+
+    def _register_memory(self, pool: KVPool) -> None:
+        if pool.device.type != "cpu":
+            raise ValueError(
+                f"the shm KV backend moves host memory and this KV pool is on {pool.device}: "
+                "use --kv-transfer-backend cuda_ipc (GPUs of one host)"
+            )
+        half = pool.k_buffer.numel() * pool.k_buffer.element_size()
+        segment = ShmSegment("kv", 2 * half, POOL)
+        try:
+            pool.reallocate(lambda shape, dtype: (
+                typed_view(segment.tensor, 0, shape, dtype, POOL),
+                typed_view(segment.tensor, half, shape, dtype, POOL),
+            ))
+        except BaseException:
+            segment.close()
+            raise
+        self._segment = segment
+        self._session_id = encode_session_id(ShmRef(segment.name, pool.k_buffer.data_ptr()))
+
+    def _unregister_memory(self, pool: KVPool) -> None:
+        del pool  # it keeps its mapping: the engine may still read it while shutting down
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        self._session_id = None
+
+
+class ShmKVSender(BaseKVSender):
+    """Prefill side: maps each decode pool once (LRU of ``max_peers``), then copies page runs."""
+
+    backend = "shm"
+
+    def __init__(self, max_peers: int = MAX_PEERS) -> None:
+        self._peers = ShmPeers(max_peers)
+
+    def send(
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
+    ) -> TransferResult:
+        start = time.monotonic()
+        if dst.backend != self.backend:
+            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination for the shm sender")
+        check_compatible(pool_layout(src_pool), src_pages, dst)
+        check_deadline(request_id, deadline)
+        dst_k, dst_v = self._pool_of(dst)
+        runs = page_runs(src_pages, dst.page_ids)
+        for src_page, dst_page, num_pages in runs:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
+            src, dst_run = slice(src_page, src_page + num_pages), slice(dst_page, dst_page + num_pages)
+            # [L, num_pages, S, Hkv, D]: every layer of one run in one copy, for K and for V
+            dst_k[:, dst_run].copy_(src_pool.k_buffer[:, src])
+            dst_v[:, dst_run].copy_(src_pool.v_buffer[:, src])
+        num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
+        return TransferResult(request_id, num_bytes, 2 * len(runs), time.monotonic() - start)
+
+    def _pool_of(self, dst: KvDestination) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode's K and V (``[L, P, S, Hkv, D]`` each) mapped here, checked against ``dst.layout``."""
+        ref = decode_session_id(dst.session_id)
+        layout = dst.layout
+        half = layout.num_layers * layout.num_pages * layout.page_nbytes
+        if (layout.k_base, layout.v_base) != (ref.base_address, ref.base_address + half):
+            raise InvalidRequestError(
+                f"{dst.request_id}: the KV layout does not match the shared pool it names"
+            )
+        mapping = self._peers.open(ref.name, POOL)
+        if mapping.num_bytes != 2 * half:
+            raise InvalidRequestError(
+                f"{dst.request_id}: the destination layout needs {2 * half} bytes, "
+                f"{POOL} has {mapping.num_bytes}"
+            )
+        dtype = getattr(torch, layout.dtype)  # check_compatible made it this pool's dtype
+        shape = (
+            layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
+        )
+        return (typed_view(mapping.tensor, 0, shape, dtype, dst.request_id),
+                typed_view(mapping.tensor, half, shape, dtype, dst.request_id))
+
+    def close(self) -> None:
+        self._peers.close()
