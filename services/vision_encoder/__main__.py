@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
     p = argparse.ArgumentParser(prog="python -m services.vision_encoder", description=__doc__)
     add_common_args(p)
     p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "inprocess", "shm"])
-    p.add_argument("--transfer-host", default="127.0.0.1", help="address the transfer engine binds (Mooncake)")
+    p.add_argument("--transfer-host", default="127.0.0.1", help="address the transfer engine advertises to peers (Mooncake; it listens on every interface)")
     p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
     p.add_argument("--staging-rows", type=int, default=8192, help="rows of the registered send staging buffer")
     p.add_argument("--cache-bytes", type=int, default=256 * 1024 * 1024, help="embedding cache budget, bytes")

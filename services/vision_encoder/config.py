@@ -9,8 +9,8 @@ from services.common.service_main import ServiceConfig
 
 @dataclass(frozen=True)
 class VisionEncoderConfig(ServiceConfig):
-    transfer_backend: str = "mooncake"  # embedding rows to prefill: "mooncake" | "inprocess"
-    transfer_host: str = "127.0.0.1"  # address this process's transfer engine binds (Mooncake)
+    transfer_backend: str = "mooncake"  # embedding rows to prefill: "mooncake" | "inprocess" | "shm"
+    transfer_host: str = "127.0.0.1"  # address this process's transfer engine advertises to peers (Mooncake)
     transfer_protocol: str = "tcp"  # Mooncake transport: "tcp" | "rdma"
     staging_rows: int = 8192  # rows of the registered staging buffer sends go through (Mooncake)
     cache_bytes: int = 256 * 1024 * 1024  # embedding cache budget

@@ -14,12 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import signing
+from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.clients.decode import DecodeClient
 from services.common.errors import UnauthenticatedError
 from services.decode.servicer import SERVICE_NAME
 from services.engine.sampler import SamplingParams
-from tests.conftest import INTERNAL_AUTH, REPO
+from tests.conftest import REPO
 
 READY_TIMEOUT_S = 120.0
 TOKEN = "decode-main-test-token"
@@ -68,13 +69,13 @@ async def check_serving(address: str) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await channel.close()
-    anonymous = DecodeClient(address)  # the process requires the token the test session exports
+    anonymous = DecodeClient(address)  # the process requires its token
     try:
         with pytest.raises(UnauthenticatedError, match="missing or invalid internal credentials"):
             await anonymous.stats()
     finally:
         await anonymous.close()
-    client = DecodeClient(address, auth=INTERNAL_AUTH)
+    client = DecodeClient(address, auth=Credentials(TOKEN))
     try:
         kv_ref = await client.reserve("r", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30)
         assert kv_ref.backend == "mooncake" and kv_ref.session_id and len(kv_ref.page_ids) == 1
