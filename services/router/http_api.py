@@ -204,12 +204,23 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
+def _is_field(part: str | int) -> bool:
+    """False for "body" and for pydantic's union-member labels in an error location
+    (``str``, ``list[ContentPartBody]``, ``ImageUrl``): body fields are snake_case names."""
+    if isinstance(part, int):
+        return True
+    return part.isidentifier() and not part[:1].isupper() and part not in _TYPE_LABELS
+
+
+_TYPE_LABELS = {"body", "str", "int", "float", "bool", "none"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "the request body is invalid", None
     first = errors[0]
-    loc = [part for part in first.get("loc", ()) if part != "body"]
+    loc = [part for part in first.get("loc", ()) if _is_field(part)]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None

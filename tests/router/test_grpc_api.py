@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import AsyncIterator
 
 import grpc
@@ -64,6 +66,13 @@ async def test_generate_prompt_with_stop_string_and_default_max_tokens(stub, clu
         ({"model": "other", "prompt": "x"}, grpc.StatusCode.NOT_FOUND),
         ({}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(temperature=math.inf)},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(repetition_penalty=math.inf)},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(top_p=math.nan)},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(top_k=2**31)}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"chat": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="wizard")])},
          grpc.StatusCode.INVALID_ARGUMENT),
@@ -108,3 +117,21 @@ async def test_generate_without_workers_is_unavailable(stub, cluster, router):
         async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="a"), timeout=BOUND_S):
             pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", math.inf), ("temperature", 2.5), ("top_p", 0.0), ("min_p", math.nan),
+     ("repetition_penalty", math.inf), ("frequency_penalty", -3.0), ("top_k", 2**31)],
+)
+async def test_http_and_grpc_refuse_sampling_values_alike(stub, http, field, value):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        params = common_pb2.SamplingParams(**{field: value})
+        async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="x", sampling_params=params), timeout=BOUND_S):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    body = json.dumps({"model": MODEL_NAME, "prompt": "x", field: value}).encode()
+    response = await http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field
+    assert response.json()["error"]["message"] == info.value.details()

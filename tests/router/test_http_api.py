@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 
 import httpx
 import pytest
@@ -200,6 +201,11 @@ async def test_image_data_url_reaches_tokenizer_and_prefill(http, cluster):
     assert prefill.images[0].data == image and prefill.image_spans[0].length == NUM_IMAGE_TOKENS
 
 
+def _raw(body: dict) -> bytes:
+    """``body`` as JSON with NaN/Infinity literals and escaped lone surrogates, as a client may send."""
+    return json.dumps(body).encode()
+
+
 BAD_REQUESTS = {
     "malformed_json": (b'{"model": "x", "messages": [', None),
     "not_an_object": (b"[1, 2]", None),
@@ -224,6 +230,32 @@ BAD_REQUESTS = {
     "image_too_large": (_image_chat(_data_url(b"\x89PNG" + bytes(100 * 1024))), "messages[0].content[0].image_url"),
     "bad_image_scheme": (_image_chat("ftp://example.com/a.png"), "messages[0].content[0].image_url"),
     "prompt_too_long": ({**CHAT, "messages": [{"role": "user", "content": "7" * 5000}]}, "messages"),
+    "surrogate_in_content": (_raw({**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]}),
+                             "messages[0].content"),
+    "surrogate_in_text_part": (_raw({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}]}), "messages[0].content[1].text"),
+    "surrogate_in_stop": (_raw({**CHAT, "stop": ["ok", "\ud800"]}), "stop[1]"),
+    "surrogate_in_single_stop": (_raw({**CHAT, "stop": "x\ud800"}), "stop"),
+    "surrogate_in_image_url": (_raw(_image_chat("data:image/png;base64,AAAA\ud800")),
+                               "messages[0].content[0].image_url"),
+    "top_k_above_int32": ({**CHAT, "top_k": 2**31}, "top_k"),
+    "top_k_above_uint32": ({**CHAT, "top_k": 2**40}, "top_k"),
+    "top_k_below_minus_one": ({**CHAT, "top_k": -2}, "top_k"),
+    "repetition_penalty_infinity": (_raw({**CHAT, "repetition_penalty": math.inf}), "repetition_penalty"),
+    "repetition_penalty_tiny": ({**CHAT, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    "temperature_nan": (_raw({**CHAT, "temperature": math.nan}), "temperature"),
+    "temperature_infinity": (_raw({**CHAT, "temperature": math.inf}), "temperature"),
+    "min_p_negative_infinity": (_raw({**CHAT, "min_p": -math.inf}), "min_p"),
+    "stream_yes": ({**CHAT, "stream": "yes"}, "stream"),
+    "stream_one": ({**CHAT, "stream": 1}, "stream"),
+    "seed_true": ({**CHAT, "seed": True}, "seed"),
+    "ignore_eos_no": ({**CHAT, "ignore_eos": "no"}, "ignore_eos"),
+    "include_usage_string": ({**CHAT, "stream": True, "stream_options": {"include_usage": "true"}},
+                             "stream_options.include_usage"),
+    "max_tokens_fraction": ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
+    "max_tokens_float": ({**CHAT, "max_tokens": 10.0}, "max_tokens"),
+    "temperature_string": ({**CHAT, "temperature": "0.5"}, "temperature"),
+    "content_number": ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
 }
 
 
@@ -259,6 +291,23 @@ async def test_bad_completion_prompt(http):
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     response = await http.post("/v1/completions", json={"model": MODEL_NAME})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(("prompt", "param"), [("a\ud800", "prompt"), (["\ud800b"], "prompt[0]")])
+async def test_completion_prompt_with_a_lone_surrogate_is_a_400(http, cluster, prompt, param):
+    body = _raw({"model": MODEL_NAME, "prompt": prompt})
+    response = await http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone surrogate" in error["message"]
+    assert not cluster.tokenizer.servicer.requests  # refused before the tokenizer
+
+
+async def test_numbers_may_be_integers_and_top_k_minus_one_is_off(http, cluster):
+    reply = await http.post("/v1/chat/completions", json={**CHAT, "temperature": 1, "top_p": 1, "top_k": -1})
+    assert reply.status_code == 200, reply.text
+    params = next(iter(cluster.decode.reserved.values())).sampling_params
+    assert params.temperature == 1.0 and params.top_k == 0
 
 
 async def test_decode_out_of_pages_is_a_503(http, cluster):
