@@ -10,6 +10,7 @@ event. A client that goes away, while waiting or while streaming, cancels its re
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,7 +28,13 @@ from services.common.errors import AbortedError, StageServeError
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
-from services.router.openai_format import ResponseFormatter, error_body, error_body_of, sse
+from services.router.openai_format import (
+    OpenAIJSONResponse,
+    ResponseFormatter,
+    error_body,
+    error_body_of,
+    sse,
+)
 from services.router.openai_schema import (
     ChatCompletionBody,
     CompletionBody,
@@ -39,6 +46,7 @@ from services.router.openai_schema import (
 from services.router.registry import WorkerRegistry
 from services.router.types import GenerationDelta, GenerationRequest
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -106,7 +114,7 @@ class OpenAIApi:
             text, last = await _until_disconnect(request, _collect(deltas))
             assert last.finish_reason is not None and last.usage is not None
             tracker.finish("ok", last.usage)
-            return JSONResponse(formatter.full(text, last.finish_reason, last.usage))
+            return OpenAIJSONResponse(formatter.full(text, last.finish_reason, last.usage))
         # The first delta comes before the headers, so errors up to prefill are plain HTTP errors.
         first = await _until_disconnect(request, anext(deltas))
         include_usage = bool(stream_options and stream_options.include_usage)
@@ -120,7 +128,7 @@ class OpenAIApi:
         }
         return {"object": "list", "data": [model]}
 
-    def health(self) -> JSONResponse:
+    def health(self) -> OpenAIJSONResponse:
         missing = [k.value for k in self.registry.missing_kinds()]
         workers = [
             {"kind": w.kind.value, "address": w.address, "state": w.state.value, "in_flight": w.num_in_flight,
@@ -129,8 +137,8 @@ class OpenAIApi:
         ]
         if missing:
             body = {"status": "unavailable", "missing": missing, "workers": workers}
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({"status": "ok", "workers": workers})
+            return OpenAIJSONResponse(body, status_code=503)
+        return OpenAIJSONResponse({"status": "ok", "workers": workers})
 
     def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -232,24 +240,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(api: OpenAIApi) -> FastAPI:
-    app = FastAPI(title="stageserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="stageserve", docs_url=None, redoc_url=None, openapi_url=None,
+        default_response_class=OpenAIJSONResponse,
+    )
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> OpenAIJSONResponse:
         message, param = _validation_message(exc)
         RequestTracker(api.metrics, request.url.path).finish("invalid_request_error")
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return OpenAIJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(StageServeError)
-    async def _stageserve_error(request: Request, exc: StageServeError) -> JSONResponse:
+    async def _stageserve_error(request: Request, exc: StageServeError) -> OpenAIJSONResponse:
         retry_after_s = getattr(exc, "retry_after_s", None)
         headers = None if retry_after_s is None else {"retry-after": str(max(1, math.ceil(retry_after_s)))}
-        return JSONResponse(error_body_of(exc), status_code=exc.http_status, headers=headers)
+        return OpenAIJSONResponse(error_body_of(exc), status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> OpenAIJSONResponse:
         error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return JSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
+        return OpenAIJSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> OpenAIJSONResponse:
+        logger.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
+        return OpenAIJSONResponse(error_body("internal error in the router", "internal_error"), status_code=500)
 
     app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None)
     app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from services.common.errors import CapacityError, InvalidRequestError, UnavailableError
+from services.router.http_api import create_app
 from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
@@ -348,3 +349,42 @@ async def test_body_without_json_content_type_gets_a_clear_400(http):
     response = await http.post("/v1/chat/completions", content=b'{"model": "m", "messages": []}')
     assert response.status_code == 400
     assert "content-type: application/json" in response.json()["error"]["message"]
+
+
+LINE_BREAKING_TEXT = "one\u2028two\u2029three\x85four\nfive"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_survives_str_splitlines(http, cluster, path):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines (httpx aiter_lines): escaped."""
+    cluster.script.output_ids = [*TEXT.encode(LINE_BREAKING_TEXT), EOS_ID]
+    body = {**CHAT, "stream": True} if "chat" in path else {"model": MODEL_NAME, "prompt": "x", "stream": True}
+    response = await http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    lines = [line for line in response.text.splitlines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    choices = [c["choices"][0] for c in chunks]
+    text = "".join(c["delta"].get("content", "") if "delta" in c else c["text"] for c in choices)
+    assert text == LINE_BREAKING_TEXT
+
+
+async def test_full_response_keeps_line_breaking_text(http, cluster):
+    cluster.script.output_ids = [*TEXT.encode(LINE_BREAKING_TEXT), EOS_ID]
+    response = await http.post("/v1/chat/completions", json=CHAT)
+    assert "\u2028" not in response.text and "\x85" not in response.text
+    assert response.json()["choices"][0]["message"]["content"] == LINE_BREAKING_TEXT
+
+
+async def test_unexpected_exception_is_an_openai_500(router, monkeypatch):
+    def broken() -> dict:
+        raise RuntimeError("secret internals at 0x7f00")
+
+    monkeypatch.setattr(router.api, "models", broken)
+    transport = httpx.ASGITransport(app=create_app(router.api), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        response = await client.get("/v1/models")
+    assert response.status_code == 500
+    assert response.json() == {"error": {"message": "internal error in the router", "type": "internal_error",
+                                         "param": None, "code": None}}
