@@ -10,11 +10,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 
 import httpx
 from PIL import Image, UnidentifiedImageError
 
 from services.common.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class ImageLoader:
@@ -73,7 +76,10 @@ class ImageLoader:
 
 
 def check_image(data: bytes, max_image_bytes: int, param: str) -> None:
-    """``InvalidRequestError`` unless ``data`` is an image file of at most ``max_image_bytes``."""
+    """``InvalidRequestError`` unless ``data`` is an image file of at most ``max_image_bytes``.
+
+    The messages never quote PIL's (they name Python objects, e.g. ``<_io.BytesIO ...>``).
+    """
     if len(data) > max_image_bytes:
         raise InvalidRequestError(f"the image is larger than the limit of {max_image_bytes} bytes", param=param)
     if not data:
@@ -81,5 +87,15 @@ def check_image(data: bytes, max_image_bytes: int, param: str) -> None:
     try:
         with Image.open(io.BytesIO(data)) as image:  # reads the header only
             image.size  # noqa: B018
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise InvalidRequestError(f"the image_url bytes are not an image PIL can read: {exc}", param=param) from exc
+    except Image.DecompressionBombError as exc:  # PIL's own limit: over 2 * Image.MAX_IMAGE_PIXELS
+        logger.debug("image header of %s refused: %s", param, exc)
+        raise InvalidRequestError("the image has too many pixels", param=param) from None
+    except UnidentifiedImageError as exc:
+        logger.debug("image header of %s refused: %s", param, exc)
+        raise InvalidRequestError(
+            "the image bytes are not an image in a format this server reads (PNG, JPEG, GIF, WebP, ...)",
+            param=param,
+        ) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        logger.debug("image header of %s refused: %s", param, exc)
+        raise InvalidRequestError("the image header is truncated or corrupt", param=param) from None

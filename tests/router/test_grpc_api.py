@@ -14,6 +14,7 @@ from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_
 from tests.conftest import image_bytes
 from tests.router.conftest import BOUND_S, MODEL_NAME, wait_until
 from tests.router.fakes import EOS_ID, char_ids
+from tests.router.hostile import png_bomb
 
 EXPECTED = "Hello there, world!"
 
@@ -77,6 +78,7 @@ async def test_generate_prompt_with_stop_string_and_default_max_tokens(stub, clu
         ({"chat": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="wizard")])},
          grpc.StatusCode.INVALID_ARGUMENT),
         ({"chat": chat("x", b"not an image")}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"chat": chat("x", png_bomb())}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "7" * 5000}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )

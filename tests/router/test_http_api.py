@@ -15,6 +15,7 @@ from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
 from tests.router.fakes import EOS_ID, NUM_IMAGE_TOKENS, TEXT, char_ids
+from tests.router.hostile import png_bomb
 
 EXPECTED = "Hello there, world!"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}]}
@@ -230,6 +231,8 @@ BAD_REQUESTS = {
     "not_image_mime": (_image_chat(_data_url(b"abc", "text/plain")), "messages[0].content[0].image_url"),
     "image_too_large": (_image_chat(_data_url(b"\x89PNG" + bytes(100 * 1024))), "messages[0].content[0].image_url"),
     "bad_image_scheme": (_image_chat("ftp://example.com/a.png"), "messages[0].content[0].image_url"),
+    "decompression_bomb": (_image_chat(_data_url(png_bomb())), "messages[0].content[0].image_url"),
+    "truncated_png_header": (_image_chat(_data_url(png_bomb()[:20])), "messages[0].content[0].image_url"),
     "prompt_too_long": ({**CHAT, "messages": [{"role": "user", "content": "7" * 5000}]}, "messages"),
     "surrogate_in_content": (_raw({**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]}),
                              "messages[0].content"),
@@ -272,6 +275,7 @@ async def test_bad_input_gets_400_and_router_keeps_answering(http, cluster, case
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
+    assert " at 0x" not in error["message"]  # no Python reprs (PIL's messages carry them)
     if case == "unknown_model":
         assert error["code"] == "model_not_found"
     assert not cluster.decode.reserved  # nothing reached decode

@@ -9,8 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.common.errors import InvalidRequestError
-from services.router.images import ImageLoader
+from services.router.images import ImageLoader, check_image
 from tests.conftest import image_bytes
+from tests.router.hostile import png_bomb
 
 PNG = image_bytes(40, 30, seed=1)
 
@@ -67,3 +68,19 @@ async def test_bad_urls_are_invalid_requests(base_url, path, message):
         assert info.value.param == "messages[0].content[0].image_url"
     finally:
         await loader.close()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (png_bomb(), "too many pixels"),
+        (b"valid base64, but not an image", "not an image in a format this server reads"),
+        (png_bomb()[:20], "truncated or corrupt"),
+        (b"", "empty"),
+    ],
+)
+def test_check_image_refuses_without_quoting_pil(data, message):
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        check_image(data, 1024, "image")
+    assert "0x" not in info.value.message and "BytesIO" not in info.value.message
+    assert info.value.param == "image"
