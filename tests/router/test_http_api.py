@@ -392,3 +392,21 @@ async def test_unexpected_exception_is_an_openai_500(router, monkeypatch):
     assert response.status_code == 500
     assert response.json() == {"error": {"message": "internal error in the router", "type": "internal_error",
                                          "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "prefill", "decode"])
+async def test_dead_worker_503_names_no_internal_address(cluster, kind):
+    app = await start_router(router_config(cluster, health_interval_s=3600.0))  # no poll notices the death
+    worker = {"tokenizer": cluster.tokenizer, "prefill": cluster.prefills[0], "decode": cluster.decodes[0]}[kind]
+    try:
+        await worker.server.stop(None)
+        transport = httpx.ASGITransport(app=app.http_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            response = await http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable"
+        assert "127.0.0.1" not in error["message"] and "ipv4" not in error["message"], error["message"]
+        assert str(worker.port) not in error["message"]
+    finally:
+        await stop_router(app)
