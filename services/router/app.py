@@ -82,7 +82,7 @@ class RouterApp:
         self.images = images or ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
         self.api = OpenAIApi(
             self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
-            ApiLimits(limits.request_timeout_s, limits.max_stop_strings),
+            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),
         )
         self.http_app: FastAPI = create_app(self.api)
         servicer = RouterServicer(

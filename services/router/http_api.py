@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import AbortedError, StageServeError
+from services.router.body_limit import BodyLimitMiddleware
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
@@ -56,6 +57,7 @@ COMPLETIONS_PATH = "/v1/completions"
 class ApiLimits:
     request_timeout_s: float
     max_stop_strings: int
+    max_request_bytes: int  # larger HTTP bodies get 413 (BodyLimitMiddleware)
 
 
 class OpenAIApi:
@@ -267,6 +269,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
         logger.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
         return OpenAIJSONResponse(error_body("internal error in the router", "internal_error"), status_code=500)
 
+    app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
     app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None)
     app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
