@@ -79,7 +79,7 @@ class RouterApp:
         self.pipeline = GenerationPipeline(
             self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens
         )
-        self.images = images or ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
+        self.images = images or ImageLoader.from_limits(limits)
         self.api = OpenAIApi(
             self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
             ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),

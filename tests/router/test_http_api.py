@@ -11,11 +11,13 @@ import pytest
 
 from services.common.errors import CapacityError, InvalidRequestError, UnavailableError
 from services.router.http_api import create_app
+from services.router.image_fetch import GuardedBackend
 from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
 from tests.router.fakes import EOS_ID, NUM_IMAGE_TOKENS, TEXT, char_ids
 from tests.router.hostile import png_bomb
+from tests.router.net_fakes import PUBLIC_IP, FakeNetwork, FakeResolver, http_response, redirect
 
 EXPECTED = "Hello there, world!"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}]}
@@ -327,24 +329,30 @@ async def test_decode_out_of_pages_is_a_503(http, cluster):
 async def test_image_over_http_is_fetched_with_a_limit(cluster):
     image = image_bytes(20, 20)
 
-    def serve(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/big.png":
-            return httpx.Response(200, content=b"\x89PNG" + bytes(200 * 1024))
-        if request.url.path == "/missing.png":
-            return httpx.Response(404)
-        return httpx.Response(200, content=image)
+    def serve(path: str) -> bytes:
+        if path == "/big.png":
+            return http_response(200, b"\x89PNG" + bytes(200 * 1024))
+        if path == "/missing.png":
+            return http_response(404)
+        if path == "/to-metadata":
+            return redirect("http://169.254.169.254/latest/meta-data/")
+        return http_response(200, image)
 
-    images = ImageLoader(64 * 1024, 5.0, httpx.AsyncClient(transport=httpx.MockTransport(serve)))
-    app = await start_router(router_config(cluster), images)
+    network = FakeNetwork({PUBLIC_IP: serve, "169.254.169.254": serve})
+    cfg = router_config(cluster)
+    backend = GuardedBackend(False, FakeResolver({"images.test": [PUBLIC_IP]}), network)
+    app = await start_router(cfg, ImageLoader.from_limits(cfg.limits, backend))
     try:
         transport = httpx.ASGITransport(app=app.http_app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
             ok = await http.post("/v1/chat/completions", json=_image_chat("https://images.test/cat.png"))
             assert ok.status_code == 200, ok.text
             assert cluster.tokenizer.servicer.requests[0].chat.messages[0].content[0].image.data == image
-            for path in ("/big.png", "/missing.png"):
+            for path in ("/big.png", "/missing.png", "/to-metadata"):
                 bad = await http.post("/v1/chat/completions", json=_image_chat(f"https://images.test{path}"))
                 assert bad.status_code == 400, bad.text
+                assert bad.json()["error"]["param"] == "messages[0].content[0].image_url"
+        assert network.attempted_ips() == {PUBLIC_IP}
     finally:
         await stop_router(app)
 
