@@ -14,12 +14,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -39,6 +40,7 @@ from services.router.openai_format import (
 from services.router.openai_schema import (
     ChatCompletionBody,
     CompletionBody,
+    ErrorResponse,
     chat_messages,
     check_model,
     completion_prompt,
@@ -241,11 +243,41 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
+# Documented answers of the generation routes besides 200 (FastAPI's 422 is never sent).
+_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the completion; server-sent events when stream is true",
+          "content": {"text/event-stream": {}}},
+    400: {"model": ErrorResponse, "description": "malformed JSON, or a field missing, mistyped or out of range"},
+    413: {"model": ErrorResponse, "description": "the body is over --max-request-bytes"},
+    429: {"model": ErrorResponse, "description": "overloaded; retry after the Retry-After header"},
+    503: {"model": ErrorResponse, "description": "no ready worker, or no capacity for the request"},
+    504: {"model": ErrorResponse, "description": "the request's deadline passed"},
+}
+
+
+def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema from the real bodies, less its 422 answers: validation errors are 400."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def create_app(api: OpenAIApi) -> FastAPI:
     app = FastAPI(
-        title="stageserve", docs_url=None, redoc_url=None, openapi_url=None,
+        title="stageserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
         default_response_class=OpenAIJSONResponse,
     )
+    app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> OpenAIJSONResponse:
@@ -270,8 +302,10 @@ def create_app(api: OpenAIApi) -> FastAPI:
         return OpenAIJSONResponse(error_body("internal error in the router", "internal_error"), status_code=500)
 
     app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
-    app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None)
-    app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None)
+    app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None,
+                      responses=_GENERATION_RESPONSES)
+    app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None,
+                      responses=_GENERATION_RESPONSES)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"], response_model=None)

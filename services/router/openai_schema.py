@@ -76,6 +76,19 @@ class CompletionBody(_GenerationBody):
     prompt: StrictStr | list[StrictStr]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (documented in /openapi.json; the handlers write it with ``error_body``)."""
+
+    error: ErrorDetail
+
+
 class ModelNotFoundError(InvalidRequestError):
     """The request names a model this router does not serve (HTTP 400, code model_not_found)."""
 

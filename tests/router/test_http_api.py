@@ -418,3 +418,23 @@ async def test_dead_worker_503_names_no_internal_address(cluster, kind):
         assert str(worker.port) not in error["message"]
     finally:
         await stop_router(app)
+
+
+async def test_openapi_schema_is_served_from_the_real_bodies(http):
+    response = await http.get("/openapi.json")
+    assert response.status_code == 200
+    schema = response.json()
+    components = schema["components"]["schemas"]
+    for path, body in (("/v1/chat/completions", "ChatCompletionBody"), ("/v1/completions", "CompletionBody")):
+        operation = schema["paths"][path]["post"]
+        ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{body}"
+        assert "422" not in operation["responses"]
+        for status in ("400", "413", "503"):
+            error = operation["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert error == "#/components/schemas/ErrorResponse"
+    assert "HTTPValidationError" not in components
+    chat = components["ChatCompletionBody"]
+    assert "messages" in chat["required"]
+    assert chat["properties"]["stream"]["type"] == "boolean"
+    assert components["ErrorDetail"]["required"] == ["message", "type", "param", "code"]
