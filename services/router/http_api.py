@@ -236,7 +236,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-    if not loc and first.get("type") == "model_attributes_type":
+    if not loc and first.get("type") in ("model_attributes_type", "missing"):
         return "the request body must be a JSON object sent with content-type: application/json", None
     if first.get("type") == "missing":
         return f"{param} is required", param

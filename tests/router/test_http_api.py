@@ -213,6 +213,7 @@ def _raw(body: dict) -> bytes:
 BAD_REQUESTS = {
     "malformed_json": (b'{"model": "x", "messages": [', None),
     "not_an_object": (b"[1, 2]", None),
+    "empty_body": (b"", None),
     "missing_messages": ({"model": MODEL_NAME}, "messages"),
     "empty_messages": ({**CHAT, "messages": []}, "messages"),
     "unknown_model": ({**CHAT, "model": "gpt-9"}, "model"),
