@@ -98,7 +98,8 @@ def error_from_rpc(rpc_error: grpc.RpcError, service: str = "") -> StageServeErr
         message = rpc_error.details() or code.name
         error = cls(message, param=_metadata_value(trailing, ERROR_PARAM_KEY))
     else:
-        logger.info("gRPC call to %s failed: %s: %s", service or "a service", code, rpc_error.details())
+        details = rpc_error.details()
+        logger.info("gRPC call to %s failed: %s: %s", service or "a service", code, details)
         error = _CLASS_BY_CODE.get(code, StageServeError)(_generic_message(code, service))
     error.__cause__ = rpc_error
     return error

@@ -52,7 +52,8 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
                    help="largest HTTP request body, else 413 (default: one --max-image-bytes image "
                         "as base64 + 1 MiB)")
     p.add_argument("--allow-private-image-urls", action="store_true",
-                   help="also fetch image URLs on private, loopback, link-local and other non-public addresses")
+                   help="also fetch image URLs on private, loopback, link-local and other "
+                        "non-public addresses")
     p.add_argument("--max-image-redirects", type=_non_negative_int, default=3,
                    help="redirects followed when fetching an image URL")
     return p

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 UNREACHABLE = "fetching the image failed: the URL could not be fetched"
+NON_PUBLIC = "image_url names a private, loopback, link-local or otherwise non-public address"
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
@@ -108,7 +109,9 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         errors = []
         for ip in allowed:
             try:
-                stream = await self._inner.connect_tcp(str(ip), port, timeout, local_address, socket_options)
+                stream = await self._inner.connect_tcp(
+                    str(ip), port, timeout, local_address, socket_options
+                )
             except httpcore.ConnectError as exc:
                 errors.append(f"{ip}: {exc}")
                 continue
@@ -129,8 +132,12 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
 
 # What a connection or an HTTP exchange can fail with: all become the one message.
 _FETCH_ERRORS = (
-    httpcore.NetworkError, httpcore.TimeoutException, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
-    OSError, TimeoutError,
+    httpcore.NetworkError,
+    httpcore.TimeoutException,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+    OSError,
+    TimeoutError,
 )
 
 
@@ -145,7 +152,9 @@ class ImageFetcher:
         self._timeout_s = timeout_s
         self._max_redirects = max_redirects
         # No proxy (the environment's would resolve names for us) and no retries.
-        self._pool = httpcore.AsyncConnectionPool(network_backend=backend, max_connections=100, retries=0)
+        self._pool = httpcore.AsyncConnectionPool(
+            network_backend=backend, max_connections=100, retries=0
+        )
 
     async def fetch(self, url: str, param: str) -> bytes:
         """The body of ``url`` (HTTP 200); ``InvalidRequestError`` on ``param`` for anything else."""
@@ -161,18 +170,20 @@ class ImageFetcher:
         for _ in range(self._max_redirects + 1):
             core_url = httpcore.URL(scheme=target.raw_scheme, host=target.raw_host, port=target.port,
                                     target=target.raw_path)
-            async with self._pool.stream("GET", core_url, headers=[(b"accept", b"image/*")]) as response:
+            headers = [(b"accept", b"image/*")]
+            async with self._pool.stream("GET", core_url, headers=headers) as response:
                 if response.status in REDIRECT_STATUSES:
                     target = self._checked_url(_location(response, param), param, base=target)
                     continue
                 if response.status != 200:
-                    raise InvalidRequestError(f"fetching the image failed: HTTP {response.status}", param=param)
+                    message = f"fetching the image failed: HTTP {response.status}"
+                    raise InvalidRequestError(message, param=param)
                 return await self._read_body(response, param)
-        raise InvalidRequestError(f"fetching the image failed: more than {self._max_redirects} redirects",
-                                  param=param)
+        message = f"fetching the image failed: more than {self._max_redirects} redirects"
+        raise InvalidRequestError(message, param=param)
 
     def _checked_url(self, text: str, param: str, base: httpx.URL | None = None) -> httpx.URL:
-        """``text`` (relative to ``base``) parsed; refused unless http(s) to an allowed literal or a name."""
+        """``text`` (relative to ``base``) parsed; refused unless http(s) to a name or an allowed IP."""
         try:
             url = httpx.URL(text) if base is None else base.join(text)
         except (httpx.InvalidURL, UnicodeError, ValueError):
@@ -184,9 +195,7 @@ class ImageFetcher:
         except ValueError:
             return url  # a name: GuardedBackend checks what it resolves to
         if not self._backend.is_allowed(literal):
-            raise InvalidRequestError(
-                "image_url names a private, loopback, link-local or otherwise non-public address", param=param
-            )
+            raise InvalidRequestError(NON_PUBLIC, param=param)
         return url
 
     async def _read_body(self, response: httpcore.Response, param: str) -> bytes:
@@ -203,8 +212,8 @@ class ImageFetcher:
         return b"".join(chunks)
 
     def too_large(self, param: str) -> InvalidRequestError:
-        return InvalidRequestError(f"the image is larger than the limit of {self._max_image_bytes} bytes",
-                                   param=param)
+        message = f"the image is larger than the limit of {self._max_image_bytes} bytes"
+        return InvalidRequestError(message, param=param)
 
     async def close(self) -> None:
         await self._pool.aclose()
@@ -221,6 +230,6 @@ def _header(response: httpcore.Response, name: bytes) -> str | None:
 def _location(response: httpcore.Response, param: str) -> str:
     location = _header(response, b"location")
     if not location:
-        raise InvalidRequestError(f"fetching the image failed: HTTP {response.status} without a Location",
-                                  param=param)
+        message = f"fetching the image failed: HTTP {response.status} without a Location"
+        raise InvalidRequestError(message, param=param)
     return location
