@@ -10,6 +10,7 @@ import time
 import pytest
 
 from services.common.errors import InvalidRequestError
+from services.router.config import LimitsConfig
 from services.router.image_fetch import (
     NON_PUBLIC,
     UNREACHABLE,
@@ -17,6 +18,7 @@ from services.router.image_fetch import (
     ImageFetcher,
     is_public_address,
 )
+from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.net_fakes import (
     OTHER_PUBLIC_IP,
@@ -214,15 +216,15 @@ async def test_a_dripping_server_is_cut_at_the_total_deadline():
 
     server = await asyncio.start_server(drip, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    fetcher = ImageFetcher(GuardedBackend(allow_private=True), max_image_bytes=4096, timeout_s=1.5,
-                           max_redirects=3)
+    limits = LimitsConfig(max_image_bytes=4096, image_fetch_timeout_s=1.5, allow_private_image_urls=True)
+    loader = ImageLoader.from_limits(limits)  # the real resolver and sockets, loopback allowed
     started = time.monotonic()
     try:
         with pytest.raises(InvalidRequestError) as info:
-            await fetcher.fetch(f"http://127.0.0.1:{port}/drip", PARAM)
+            await loader.load(f"http://127.0.0.1:{port}/drip", PARAM)
         elapsed_s = time.monotonic() - started
     finally:
-        await fetcher.close()
+        await loader.close()
         server.close()
         await server.wait_closed()
     assert info.value.message == UNREACHABLE
