@@ -50,7 +50,7 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     # The public input surface: HTTP bodies and image URLs.
     p.add_argument("--max-request-bytes", type=_positive_int, default=None,
                    help="largest HTTP request body, else 413 (default: one --max-image-bytes image "
-                        "as base64 + 1 MiB)")
+                        "as base64 + 4 MiB)")
     p.add_argument("--allow-private-image-urls", action="store_true",
                    help="also fetch image URLs on private, loopback, link-local and other "
                         "non-public addresses")

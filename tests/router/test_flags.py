@@ -17,14 +17,14 @@ def limits(*argv: str) -> LimitsConfig:
 
 def test_defaults():
     got = limits()
-    assert got.max_request_bytes == default_max_request_bytes(20 * 1024 * 1024) == 29_010_604
+    assert got.max_request_bytes == default_max_request_bytes(20 * 1024 * 1024) == 32_156_332
     assert got == LimitsConfig()  # the flags' defaults are the config's
     assert not got.allow_private_image_urls and got.max_image_redirects == 3
     assert got.image_fetch_timeout_s == 10.0
 
 
 def test_the_default_body_limit_follows_max_image_bytes():
-    assert limits("--max-image-bytes", "3000000").max_request_bytes == 4_000_000 + 1024 * 1024
+    assert limits("--max-image-bytes", "3000000").max_request_bytes == 4_000_000 + 4 * 1024 * 1024
 
 
 def test_explicit_values():
