@@ -68,6 +68,10 @@ class UnauthenticatedError(StageServeError):
     code = "invalid_api_key"
 
 
+class CredentialsRefusedError(StageServeError):
+    """A peer refused this service's internal credentials: a deployment error, never the end client's."""
+
+
 class UnavailableError(StageServeError):
     """A peer is down, not ready, or went away mid-request."""
 

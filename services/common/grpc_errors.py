@@ -3,8 +3,11 @@
 Server side: ``abort_with_error`` ends an RPC with the error's ``grpc_code`` and message,
 and ``handle_errors`` wraps every servicer method (coroutine or async generator) so a
 ``StageServeError`` becomes its mapped status and anything else becomes ``INTERNAL``
-with the traceback logged. The error's class name and ``param`` ride in trailing
-metadata, so ``error_from_rpc`` on the client rebuilds the same class.
+with the traceback logged (its text is not sent: it can name internals). The error's
+class name and ``param`` ride in trailing metadata, so ``error_from_rpc`` on the client
+rebuilds the same class; a failure without them (the transport's, the caller's own
+deadline, a foreign server) gets a generic message, since gRPC's details name internal
+addresses (``ipv4:10.0.0.7:50051: Connection refused``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ _CLASS_BY_CODE: dict[grpc.StatusCode, type[StageServeError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.CANCELLED: errors.AbortedError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.ModelLoadError,
-    grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -81,23 +83,49 @@ def _metadata_value(metadata: Any, key: str) -> str | None:
     return None
 
 
-def error_from_rpc(rpc_error: grpc.RpcError) -> StageServeError:
-    """The ``StageServeError`` a failed call stands for (by class name, else by status code)."""
+def error_from_rpc(rpc_error: grpc.RpcError, service: str = "") -> StageServeError:
+    """The ``StageServeError`` a failed call to ``service`` (a kind: "decode") stands for.
+
+    With the server's error class in the trailing metadata: that class, the server's
+    message and ``param``. Without it: the class of the status code and a generic message
+    naming ``service``; gRPC's details are logged, never put in the message.
+    """
     code = rpc_error.code()
-    message = rpc_error.details() or (code.name if code is not None else "unknown gRPC error")
     trailing = rpc_error.trailing_metadata()
+    if code == grpc.StatusCode.UNAUTHENTICATED:  # our own credentials: a deployment error, not the caller's
+        name = f"the {service} service" if service else "a backend service"
+        error = errors.CredentialsRefusedError(
+            f"{name} refused this service's internal credentials (check STAGESERVE_INTERNAL_TOKEN)"
+        )
+        error.__cause__ = rpc_error
+        return error
     cls = _known_classes().get(_metadata_value(trailing, ERROR_TYPE_KEY) or "")
-    if cls is None or cls.grpc_code != getattr(code, "name", None):
-        cls = _CLASS_BY_CODE.get(code, StageServeError)
-    error = cls(message, param=_metadata_value(trailing, ERROR_PARAM_KEY))
+    if cls is not None and cls.grpc_code == getattr(code, "name", None):
+        message = rpc_error.details() or code.name
+        error = cls(message, param=_metadata_value(trailing, ERROR_PARAM_KEY))
+    else:
+        details = rpc_error.details()
+        logger.info("gRPC call to %s failed: %s: %s", service or "a service", code, details)
+        error = _CLASS_BY_CODE.get(code, StageServeError)(_generic_message(code, service))
     error.__cause__ = rpc_error
     return error
 
 
+def _generic_message(code: grpc.StatusCode | None, service: str) -> str:
+    name = f"the {service} service" if service else "a backend service"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"{name} is unavailable"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{name} did not answer before the deadline"
+    if code == grpc.StatusCode.CANCELLED:
+        return f"the call to {name} was cancelled"
+    return f"the call to {name} failed ({getattr(code, 'name', 'unknown status')})"
+
+
 async def _abort_unexpected(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> NoReturn:
     logger.exception("unexpected error in %s", name)
-    message = f"internal error in {name}: {type(exc).__name__}: {exc}"
-    await context.abort(grpc.StatusCode.INTERNAL, message)
+    error = StageServeError(f"internal error in {name} (the service log has the details)")
+    await context.abort(grpc.StatusCode.INTERNAL, error.message, error_metadata(error))
     raise AssertionError("context.abort returned")
 
 

@@ -35,23 +35,39 @@ class SamplingParams(msgspec.Struct, frozen=True):
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ``InvalidRequestError`` (with ``param``) for the first out-of-range field."""
-        checks: list[tuple[bool, str, str]] = [
-            (self.temperature >= 0.0, "temperature", "must be >= 0"),
-            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be >= 0 (0 disables top-k)"),
-            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
-            (self.max_new_tokens > 0, "max_new_tokens", "must be > 0"),
+        """Raise ``InvalidRequestError`` (with ``param``) for the first field out of its range.
+
+        The one owner of the sampling rules: both router APIs, prefill and decode call it.
+        Every range is bounded, so NaN and infinities fail too.
+        """
+        for param, low, high, is_low_open in _FLOAT_RANGES:
+            value = getattr(self, param)
+            if not (low < value <= high if is_low_open else low <= value <= high):  # False for NaN
+                bound = f"{'(' if is_low_open else '['}{low:g}, {high:g}]"
+                raise InvalidRequestError(f"{param} must be in {bound}, got {value!r}", param=param)
+        int_checks: list[tuple[bool, str, str]] = [
+            (0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [0, {MAX_TOP_K}] (0 disables top-k)"),
+            (0 < self.max_new_tokens < 2**32, "max_new_tokens", "must be in [1, 2**32)"),
             (self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0"),
+            (all(0 <= t < 2**32 for t in self.stop_token_ids), "stop_token_ids", "must be in [0, 2**32)"),
         ]
-        for is_ok, param, rule in checks:
+        for is_ok, param, rule in int_checks:
             if not is_ok:
                 value = getattr(self, param)
                 raise InvalidRequestError(f"{param} {rule}, got {value!r}", param=param)
+
+
+MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
+# (field, low, high, is the low end open): every float field's range.
+_FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (
+    ("temperature", 0.0, 2.0, False),
+    ("top_p", 0.0, 1.0, True),
+    ("min_p", 0.0, 1.0, False),
+    # Logits are divided by it: a penalty near 0 turns them into inf (NaN probabilities).
+    ("repetition_penalty", 0.01, 2.0, False),
+    ("frequency_penalty", -2.0, 2.0, False),
+    ("presence_penalty", -2.0, 2.0, False),
+)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

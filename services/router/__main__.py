@@ -25,7 +25,14 @@ from services.common.service_main import (
 )
 from services.router.app import GRPC_GRACE_S, RouterApp
 from services.router.auth import RouterAccess
-from services.router.config import FlowConfig, LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
+from services.router.config import (
+    FlowConfig,
+    LimitsConfig,
+    PolicyName,
+    RouterConfig,
+    WorkerAddresses,
+    default_max_request_bytes,
+)
 
 logger = logging.getLogger("services.router")
 
@@ -50,8 +57,18 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p.add_argument("--health-timeout-s", type=float, default=1.0, help="timeout of one health check")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request deadline")
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0)
+    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0,
+                   help="total time for fetching one image URL, redirects and body included")
     p.add_argument("--default-max-tokens", type=int, default=0, help="when a request sets none; 0 = up to the context")
+    # The public input surface: HTTP bodies and image URLs.
+    p.add_argument("--max-request-bytes", type=_positive_int, default=None,
+                   help="largest HTTP request body, else 413 (default: one --max-image-bytes image "
+                        "as base64 + 4 MiB)")
+    p.add_argument("--allow-private-image-urls", action="store_true",
+                   help="also fetch image URLs on private, loopback, link-local and other "
+                        "non-public addresses")
+    p.add_argument("--max-image-redirects", type=_non_negative_int, default=3,
+                   help="redirects followed when fetching an image URL")
     add_flow_args(p)
     return p
 
@@ -80,6 +97,20 @@ def flow_config_from_args(args: argparse.Namespace) -> FlowConfig:
         raise SystemExit(str(exc)) from None
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _context_len(model_dir: Path) -> int:
     from services.engine.config import ModelConfig
 
@@ -99,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         limits=LimitsConfig(
             request_timeout_s=args.request_timeout_s, max_image_bytes=args.max_image_bytes,
             image_fetch_timeout_s=args.image_fetch_timeout_s, default_max_tokens=args.default_max_tokens,
+            max_request_bytes=args.max_request_bytes or default_max_request_bytes(args.max_image_bytes),
+            allow_private_image_urls=args.allow_private_image_urls, max_image_redirects=args.max_image_redirects,
         ),
         flow=flow_config_from_args(args),
         policy=PolicyName(args.policy),

@@ -86,10 +86,10 @@ class RouterApp:
             self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens,
             flow=cfg.flow,
         )
-        self.images = images or ImageLoader(limits.max_image_bytes, limits.image_fetch_timeout_s)
+        self.images = images or ImageLoader.from_limits(limits)
         self.api = OpenAIApi(
             self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
-            ApiLimits(limits.request_timeout_s, limits.max_stop_strings),
+            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),
         )
         self.http_app: FastAPI = create_app(self.api)
         require_api_key(self.http_app, access.api_key)

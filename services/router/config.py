@@ -22,16 +22,30 @@ class WorkerAddresses:
     encoder: tuple[str, ...] = ()  # polled for /health only; prefill calls the encoder itself
 
 
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+
+
+def default_max_request_bytes(max_image_bytes: int) -> int:
+    """One image of the largest size as a base64 data URL (4/3 of its bytes) plus 4 MiB for
+    text, JSON and a margin, so an image a little over the limit still gets the precise
+    per-image 400; several smaller images fit too. 32,156,332 bytes for 20 MiB images."""
+    return (max_image_bytes + 2) // 3 * 4 + 4 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class LimitsConfig:
     """Per-request bounds the router enforces before anything reaches a worker."""
 
     request_timeout_s: float = 300.0
-    max_image_bytes: int = 20 * 1024 * 1024
-    image_fetch_timeout_s: float = 10.0
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    image_fetch_timeout_s: float = 10.0  # the whole fetch of one image URL, redirects included
     max_stop_strings: int = 4
     # Generation budget when the client names none; 0 = up to the context limit.
     default_max_tokens: int = 0
+    # The public input surface: HTTP bodies and image URLs.
+    max_request_bytes: int = default_max_request_bytes(MAX_IMAGE_BYTES)  # HTTP 413 above
+    allow_private_image_urls: bool = False  # fetch image URLs on private/loopback/... addresses
+    max_image_redirects: int = 3
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+from starlette.responses import JSONResponse
 
 from services.common.errors import StageServeError
 from services.common.types import FinishReason, Usage
+
+# What json.dumps(ensure_ascii=False) leaves raw that breaks clients: the line breaks that
+# str.splitlines() splits on besides \n and \r (U+0085, U+2028, U+2029; json escapes the
+# others) and lone surrogates (not encodable as UTF-8). They only occur inside JSON strings.
+_UNSAFE_IN_JSON = re.compile("[\u0085\u2028\u2029\ud800-\udfff]")
+
+
+def dump_json(payload: Any) -> str:
+    """Compact JSON, non-ASCII text kept, with the characters above written as ``\\uXXXX``."""
+    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return _UNSAFE_IN_JSON.sub(lambda match: f"\\u{ord(match.group()):04x}", text)
+
+
+class OpenAIJSONResponse(JSONResponse):
+    """A JSON response written by ``dump_json``."""
+
+    def render(self, content: Any) -> bytes:
+        return dump_json(content).encode("utf-8")
 
 
 def usage_body(usage: Usage) -> dict[str, int]:
@@ -27,7 +48,7 @@ def error_body_of(error: StageServeError) -> dict[str, Any]:
 
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event carrying ``payload`` (JSON) or a literal like ``[DONE]``."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    data = payload if isinstance(payload, str) else dump_json(payload)
     return f"data: {data}\n\n"
 
 

@@ -2,14 +2,17 @@
 
 Shape errors (missing or mistyped fields) are FastAPI's validation errors; range and
 consistency errors are ``InvalidRequestError`` raised here with the offending ``param``.
-Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
+Types are strict: a boolean is ``true``/``false``, an integer is an integer (not ``1.0``,
+``"1"`` or ``true``); a number field takes integers too. Sampling ranges are
+``SamplingParams.validate``'s, the same for HTTP and gRPC. Unknown fields are accepted
+and ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
@@ -24,53 +27,66 @@ class _Body(BaseModel):
 
 
 class ImageUrl(_Body):
-    url: str
-    detail: str | None = None
+    url: StrictStr
+    detail: StrictStr | None = None
 
 
 class ContentPartBody(_Body):
-    type: str
-    text: str | None = None
-    image_url: ImageUrl | str | None = None
+    type: StrictStr
+    text: StrictStr | None = None
+    image_url: ImageUrl | StrictStr | None = None
 
 
 class ChatMessageBody(_Body):
-    role: str
-    content: str | list[ContentPartBody] | None = None
-    name: str | None = None
+    role: StrictStr
+    content: StrictStr | list[ContentPartBody] | None = None
+    name: StrictStr | None = None
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _GenerationBody(_Body):
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM-style); -1 or 0 = off
-    min_p: float | None = None  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = None
-    stream: bool = False
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # extension (vLLM-style); -1 or 0 = off
+    min_p: StrictFloat | None = None  # extension
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    n: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None  # extension
-    ignore_eos: bool = False  # extension
+    frequency_penalty: StrictFloat | None = None
+    presence_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # extension
+    ignore_eos: StrictBool = False  # extension
     logprobs: Any = None
-    user: str | None = None
+    user: StrictStr | None = None
 
 
 class ChatCompletionBody(_GenerationBody):
     messages: list[ChatMessageBody]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
 
 class CompletionBody(_GenerationBody):
-    prompt: str | list[str]
+    prompt: StrictStr | list[StrictStr]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error body (documented in /openapi.json; the handlers write it with ``error_body``)."""
+
+    error: ErrorDetail
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -95,12 +111,15 @@ def check_model(model: str | None, served_model_name: str) -> None:
         )
 
 
-def _check_range(value: float | None, param: str, low: float, high: float, *, low_open: bool = False) -> None:
-    if value is None:
-        return
-    if value < low or value > high or (low_open and value == low):
-        bound = f"({low:g}, {high:g}]" if low_open else f"[{low:g}, {high:g}]"
-        raise InvalidRequestError(f"{param} must be in {bound}, got {value!r}", param=param)
+def check_text(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON ``"\\ud800"``) is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: it holds a lone surrogate at index {exc.start}", param=param
+        ) from None
+    return text
 
 
 def _max_tokens(body: _GenerationBody) -> int | None:
@@ -118,7 +137,8 @@ def _stop_strings(stop: str | list[str] | None, max_stop_strings: int) -> tuple[
         raise InvalidRequestError(f"stop takes at most {max_stop_strings} strings, got {len(strings)}", param="stop")
     if any(not s for s in strings):
         raise InvalidRequestError("stop strings must not be empty", param="stop")
-    return tuple(dict.fromkeys(strings))
+    params = ["stop"] if isinstance(stop, str) else [f"stop[{i}]" for i in range(len(strings))]
+    return tuple(dict.fromkeys(check_text(s, param) for s, param in zip(strings, params, strict=True)))
 
 
 def generation_options(body: _GenerationBody, max_stop_strings: int) -> GenerationOptions:
@@ -127,34 +147,25 @@ def generation_options(body: _GenerationBody, max_stop_strings: int) -> Generati
         raise InvalidRequestError(f"only n=1 is supported, got n={body.n}", param="n")
     if body.logprobs not in (None, False, 0):
         raise InvalidRequestError("logprobs are not supported", param="logprobs")
-    _check_range(body.temperature, "temperature", 0.0, 2.0)
-    _check_range(body.top_p, "top_p", 0.0, 1.0, low_open=True)
-    _check_range(body.min_p, "min_p", 0.0, 1.0)
-    _check_range(body.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    _check_range(body.presence_penalty, "presence_penalty", -2.0, 2.0)
-    if body.repetition_penalty is not None and body.repetition_penalty <= 0:
-        raise InvalidRequestError(f"repetition_penalty must be > 0, got {body.repetition_penalty}",
-                                  param="repetition_penalty")
-    if body.top_k is not None and body.top_k < -1:
-        raise InvalidRequestError(f"top_k must be -1 or 0 (off) or > 0, got {body.top_k}", param="top_k")
     fields: dict[str, Any] = {
         "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
         "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
         "repetition_penalty": body.repetition_penalty,
-        "top_k": None if body.top_k is None else max(body.top_k, 0),
+        "top_k": 0 if body.top_k == -1 else body.top_k,  # -1 = off, as in vLLM
         "seed": None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be negative
     }
     params = SamplingParams(**{k: v for k, v in fields.items() if v is not None}, ignore_eos=body.ignore_eos)
+    params.validate()
     return GenerationOptions(params, _max_tokens(body), _stop_strings(body.stop, max_stop_strings))
 
 
 def completion_prompt(body: CompletionBody) -> str:
     if isinstance(body.prompt, str):
-        return body.prompt
+        return check_text(body.prompt, "prompt")
     if len(body.prompt) != 1:
         raise InvalidRequestError(f"prompt must be a string or a list of one string, got {len(body.prompt)}",
                                   param="prompt")
-    return body.prompt[0]
+    return check_text(body.prompt[0], "prompt[0]")
 
 
 async def chat_messages(messages: list[ChatMessageBody], images: ImageLoader) -> tuple[ChatMessage, ...]:
@@ -176,14 +187,14 @@ async def _content(content: str | list[ContentPartBody] | None, param: str, imag
     if content is None:
         return ()
     if isinstance(content, str):
-        return (TextPart(content),)
+        return (TextPart(check_text(content, param)),)
     parts: list[ContentPart] = []
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
         if part.type == "text":
             if part.text is None:
                 raise InvalidRequestError("a text part needs a text field", param=f"{where}.text")
-            parts.append(TextPart(part.text))
+            parts.append(TextPart(check_text(part.text, f"{where}.text")))
         elif part.type == "image_url":
             if part.image_url is None:
                 raise InvalidRequestError("an image_url part needs an image_url field", param=f"{where}.image_url")

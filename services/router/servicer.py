@@ -1,13 +1,21 @@
-"""gRPC ``stageserve.v1.Router``: proto in, the shared generation pipeline, proto out."""
+"""gRPC ``stageserve.v1.Router``: proto in, the shared generation pipeline, proto out.
+
+The router names every request itself (``gen-<uuid>``). A client's ``request_id`` is a
+label: echoed in its responses and recorded on the request's span, never used inside,
+so two calls with one label are two requests and neither can abort the other.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
+from services.common import telemetry
 from services.common.errors import InvalidRequestError, NotFoundError, StageServeError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -20,6 +28,9 @@ from services.router.openai_schema import ROLES
 from services.router.types import GenerationDelta, GenerationRequest
 
 GRPC_ENDPOINT = "grpc:Generate"
+MAX_CLIENT_REQUEST_ID_LEN = 256
+_tracer = telemetry.tracer("router")
+logger = logging.getLogger(__name__)
 _FINISH_TO_PROTO = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -50,13 +61,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Tokenize, route, prefill and decode one request; stream its text as it is generated."""
         tracker = RequestTracker(self._metrics, GRPC_ENDPOINT)
         outcome = "internal_error"  # unless it ends otherwise
+        parent = telemetry.extract_context(context.invocation_metadata())
+        span = _tracer.start_span("router.generate_rpc", context=parent,
+                                  attributes={"client_request_id": request.request_id})
+        deltas: AsyncIterator[GenerationDelta] | None = None
         try:
             generation = await self._to_generation(request, context)
-            async for delta in self._pipeline.stream(generation):
-                yield _to_proto(generation.request_id, delta)
+            span.set_attribute("request_id", generation.request_id)
+            label = request.request_id or generation.request_id  # what the client sees
+            deltas = self._pipeline.stream(generation)
+            with trace.use_span(span):  # the pipeline's spans start under this one
+                delta = await anext(deltas)
+            while True:
+                yield _to_proto(label, delta)
                 if delta.finish_reason is not None:
                     outcome = "ok"
                     tracker.finish(outcome, delta.usage)
+                    return
+                delta = await anext(deltas)
         except StageServeError as exc:
             outcome = exc.openai_type
             raise
@@ -65,6 +87,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         finally:
             tracker.finish(outcome)
+            span.end()
+            if deltas is not None:
+                await deltas.aclose()  # type: ignore[attr-defined]
 
     async def _to_generation(
         self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -82,7 +107,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, remaining)
-        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        if len(request.request_id) > MAX_CLIENT_REQUEST_ID_LEN:
+            raise InvalidRequestError(
+                f"request_id has {len(request.request_id)} characters; the limit is {MAX_CLIENT_REQUEST_ID_LEN}",
+                param="request_id",
+            )
+        request_id = f"gen-{uuid.uuid4().hex}"  # never the client's: see the module docstring
+        logger.debug("request %s has the client request_id %r", request_id, request.request_id)
         common = {"params": params, "max_tokens": params.max_new_tokens, "stop": stop, "timeout_s": timeout_s}
         if request.WhichOneof("input") == "prompt":
             return GenerationRequest(request_id, prompt=request.prompt, **common)

@@ -200,7 +200,7 @@ async def test_reflection_lists_services_when_enabled(with_auth: bool) -> None:
     [
         ("invalid", grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
         ("capacity", grpc.StatusCode.RESOURCE_EXHAUSTED, "need 4 KV pages, only 1 of 8 free"),
-        ("crash", grpc.StatusCode.INTERNAL, "RuntimeError: bookkeeping bug"),
+        ("crash", grpc.StatusCode.INTERNAL, "internal error in FakeDecode.Reserve"),
     ],
 )
 async def test_unary_errors_map_to_status(

@@ -17,7 +17,7 @@ from services.common import signing
 from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.clients.decode import DecodeClient
-from services.common.errors import UnauthenticatedError
+from services.common.errors import CredentialsRefusedError
 from services.decode.servicer import SERVICE_NAME
 from services.engine.sampler import SamplingParams
 from tests.conftest import REPO
@@ -71,7 +71,7 @@ async def check_serving(address: str) -> None:
         await channel.close()
     anonymous = DecodeClient(address)  # the process requires its token
     try:
-        with pytest.raises(UnauthenticatedError, match="missing or invalid internal credentials"):
+        with pytest.raises(CredentialsRefusedError, match="refused this service's internal credentials"):
             await anonymous.stats()
     finally:
         await anonymous.close()

@@ -143,6 +143,20 @@ def test_sampling_follows_distribution() -> None:
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"seed": -1}, "seed"),
         ({"stop_token_ids": (3, -4)}, "stop_token_ids"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": math.inf}, "min_p"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"max_new_tokens": 2**32}, "max_new_tokens"),
+        ({"seed": 2**64}, "seed"),
+        ({"stop_token_ids": (2**32,)}, "stop_token_ids"),
     ],
 )
 def test_validate_rejects(kwargs: dict[str, object], param: str) -> None:
@@ -157,6 +171,11 @@ def test_validate_accepts_edges() -> None:
     SamplingParams(
         temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0, seed=0
     ).validate()
+    SamplingParams(
+        temperature=2.0, top_p=1e-9, top_k=2**31 - 1, min_p=0.0, repetition_penalty=0.01, frequency_penalty=2.0,
+        presence_penalty=-2.0, seed=2**64 - 1, max_new_tokens=2**32 - 1, stop_token_ids=(0, 2**32 - 1),
+    ).validate()
+    SamplingParams(repetition_penalty=2.0).validate()
 
 
 def test_msgpack_round_trip() -> None:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.client import create_channel
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.conftest import image_bytes
+from tests.conftest import image_bytes, sdk_provider
 from tests.router.conftest import BOUND_S, MODEL_NAME, wait_until
 from tests.router.fakes import EOS_ID, char_ids
+from tests.router.hostile import png_bomb
 
 EXPECTED = "Hello there, world!"
 
@@ -44,7 +50,9 @@ async def test_generate_streams_text_and_usage(stub, cluster):
     assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
     usage = responses[-1].usage
     assert usage.num_completion_tokens == len(cluster.script.output_ids)
-    assert usage.num_prompt_tokens == len(cluster.decode.reserved["req-1"].prompt_token_ids)
+    [reserve] = cluster.decode.reserved.values()
+    assert usage.num_prompt_tokens == len(reserve.prompt_token_ids)
+    assert reserve.request_id.startswith("gen-")  # the router's own id, not the client's label
     assert len(cluster.prefill.requests[0].images) == 1
 
 
@@ -64,10 +72,18 @@ async def test_generate_prompt_with_stop_string_and_default_max_tokens(stub, clu
         ({"model": "other", "prompt": "x"}, grpc.StatusCode.NOT_FOUND),
         ({}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(temperature=math.inf)},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(repetition_penalty=math.inf)},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(top_p=math.nan)},
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "x", "sampling_params": common_pb2.SamplingParams(top_k=2**31)}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"chat": common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="wizard")])},
          grpc.StatusCode.INVALID_ARGUMENT),
         ({"chat": chat("x", b"not an image")}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"chat": chat("x", png_bomb())}, grpc.StatusCode.INVALID_ARGUMENT),
         ({"prompt": "7" * 5000}, grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
@@ -108,3 +124,81 @@ async def test_generate_without_workers_is_unavailable(stub, cluster, router):
         async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="a"), timeout=BOUND_S):
             pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", math.inf), ("temperature", 2.5), ("top_p", 0.0), ("min_p", math.nan),
+     ("repetition_penalty", math.inf), ("frequency_penalty", -3.0), ("top_k", 2**31)],
+)
+async def test_http_and_grpc_refuse_sampling_values_alike(stub, http, field, value):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        params = common_pb2.SamplingParams(**{field: value})
+        async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="x", sampling_params=params), timeout=BOUND_S):
+            pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    body = json.dumps({"model": MODEL_NAME, "prompt": "x", field: value}).encode()
+    response = await http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field
+    assert response.json()["error"]["message"] == info.value.details()
+
+
+async def test_one_client_request_id_on_two_concurrent_calls_makes_two_requests(stub, cluster):
+    cluster.script.chunk_size, cluster.script.chunk_delay_s = 1, 0.01
+    request = router_pb2.GenerateRequest(request_id="dup-1", prompt="a",
+                                         sampling_params=common_pb2.SamplingParams(max_new_tokens=100))
+
+    async def call() -> list[router_pb2.GenerateResponse]:
+        return [r async for r in stub.Generate(request, timeout=BOUND_S)]
+
+    results = await asyncio.gather(call(), call())
+    for responses in results:
+        assert all(r.request_id == "dup-1" for r in responses)
+        assert "".join(r.text_delta for r in responses) == EXPECTED
+    internal_ids = list(cluster.decode.reserved)
+    assert len(internal_ids) == 2 and "dup-1" not in internal_ids
+
+
+async def test_a_cancelled_call_cannot_abort_another_call_with_its_request_id(stub, cluster):
+    cluster.script.output_ids = [*char_ids("z" * 60), EOS_ID]
+    cluster.script.chunk_size, cluster.script.chunk_delay_s = 1, 0.02
+    request = router_pb2.GenerateRequest(request_id="shared", prompt="a",
+                                         sampling_params=common_pb2.SamplingParams(max_new_tokens=100))
+    survivor = asyncio.ensure_future(_collect(stub.Generate(request, timeout=BOUND_S)))
+    await wait_until(lambda: len(cluster.decode.reserved) == 1)
+    victim = stub.Generate(request, timeout=BOUND_S)
+    await victim.read()
+    victim.cancel()  # its clean-up aborts its own request on decode
+    await wait_until(lambda: len(cluster.aborted()) == 1)
+    responses = await survivor
+    assert "".join(r.text_delta for r in responses) == "z" * 60
+    assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    [survivor_id, victim_id] = list(cluster.decode.reserved)
+    assert cluster.aborted() == [victim_id]
+
+
+async def _collect(call) -> list[router_pb2.GenerateResponse]:
+    return [r async for r in call]
+
+
+async def test_overlong_client_request_id_is_invalid(stub, cluster):
+    request = router_pb2.GenerateRequest(request_id="x" * 257, prompt="a")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub.Generate(request, timeout=BOUND_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not cluster.decode.reserved
+
+
+async def test_client_request_id_is_a_span_attribute_of_the_request(stub, cluster):
+    exporter = InMemorySpanExporter()
+    sdk_provider().add_span_processor(SimpleSpanProcessor(exporter))
+    request = router_pb2.GenerateRequest(request_id="client-label-7", prompt="a")
+    await _collect(stub.Generate(request, timeout=BOUND_S))
+    exporter.shutdown()
+    spans = exporter.get_finished_spans()
+    (rpc,) = [s for s in spans if s.attributes.get("client_request_id") == "client-label-7"]
+    [internal_id] = list(cluster.decode.reserved)
+    assert rpc.attributes["request_id"] == internal_id
+    (inner,) = [s for s in spans if s.name == "router.request" and s.attributes["request_id"] == internal_id]
+    assert inner.parent.span_id == rpc.context.span_id

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 
 import httpx
 import pytest
 
 from services.common.errors import InvalidRequestError, UnavailableError
+from services.router.http_api import create_app
+from services.router.image_fetch import GuardedBackend
 from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME, Cluster, router_config, start_router, stop_router, wait_until
 from tests.router.fakes import EOS_ID, NUM_IMAGE_TOKENS, TEXT, char_ids
+from tests.router.hostile import png_bomb
+from tests.router.net_fakes import PUBLIC_IP, FakeNetwork, FakeResolver, http_response, redirect
 
 EXPECTED = "Hello there, world!"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}]}
@@ -201,9 +206,15 @@ async def test_image_data_url_reaches_tokenizer_and_prefill(http, cluster):
     assert prefill.images[0].data == image and prefill.image_spans[0].length == NUM_IMAGE_TOKENS
 
 
+def _raw(body: dict) -> bytes:
+    """``body`` as JSON with NaN/Infinity literals and escaped lone surrogates, as a client may send."""
+    return json.dumps(body).encode()
+
+
 BAD_REQUESTS = {
     "malformed_json": (b'{"model": "x", "messages": [', None),
     "not_an_object": (b"[1, 2]", None),
+    "empty_body": (b"", None),
     "missing_messages": ({"model": MODEL_NAME}, "messages"),
     "empty_messages": ({**CHAT, "messages": []}, "messages"),
     "unknown_model": ({**CHAT, "model": "gpt-9"}, "model"),
@@ -224,7 +235,35 @@ BAD_REQUESTS = {
     "not_image_mime": (_image_chat(_data_url(b"abc", "text/plain")), "messages[0].content[0].image_url"),
     "image_too_large": (_image_chat(_data_url(b"\x89PNG" + bytes(100 * 1024))), "messages[0].content[0].image_url"),
     "bad_image_scheme": (_image_chat("ftp://example.com/a.png"), "messages[0].content[0].image_url"),
+    "decompression_bomb": (_image_chat(_data_url(png_bomb())), "messages[0].content[0].image_url"),
+    "truncated_png_header": (_image_chat(_data_url(png_bomb()[:20])), "messages[0].content[0].image_url"),
     "prompt_too_long": ({**CHAT, "messages": [{"role": "user", "content": "7" * 5000}]}, "messages"),
+    "surrogate_in_content": (_raw({**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]}),
+                             "messages[0].content"),
+    "surrogate_in_text_part": (_raw({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, {"type": "text", "text": "\udfff"}]}]}), "messages[0].content[1].text"),
+    "surrogate_in_stop": (_raw({**CHAT, "stop": ["ok", "\ud800"]}), "stop[1]"),
+    "surrogate_in_single_stop": (_raw({**CHAT, "stop": "x\ud800"}), "stop"),
+    "surrogate_in_image_url": (_raw(_image_chat("data:image/png;base64,AAAA\ud800")),
+                               "messages[0].content[0].image_url"),
+    "top_k_above_int32": ({**CHAT, "top_k": 2**31}, "top_k"),
+    "top_k_above_uint32": ({**CHAT, "top_k": 2**40}, "top_k"),
+    "top_k_below_minus_one": ({**CHAT, "top_k": -2}, "top_k"),
+    "repetition_penalty_infinity": (_raw({**CHAT, "repetition_penalty": math.inf}), "repetition_penalty"),
+    "repetition_penalty_tiny": ({**CHAT, "repetition_penalty": 1e-300}, "repetition_penalty"),
+    "temperature_nan": (_raw({**CHAT, "temperature": math.nan}), "temperature"),
+    "temperature_infinity": (_raw({**CHAT, "temperature": math.inf}), "temperature"),
+    "min_p_negative_infinity": (_raw({**CHAT, "min_p": -math.inf}), "min_p"),
+    "stream_yes": ({**CHAT, "stream": "yes"}, "stream"),
+    "stream_one": ({**CHAT, "stream": 1}, "stream"),
+    "seed_true": ({**CHAT, "seed": True}, "seed"),
+    "ignore_eos_no": ({**CHAT, "ignore_eos": "no"}, "ignore_eos"),
+    "include_usage_string": ({**CHAT, "stream": True, "stream_options": {"include_usage": "true"}},
+                             "stream_options.include_usage"),
+    "max_tokens_fraction": ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
+    "max_tokens_float": ({**CHAT, "max_tokens": 10.0}, "max_tokens"),
+    "temperature_string": ({**CHAT, "temperature": "0.5"}, "temperature"),
+    "content_number": ({**CHAT, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
 }
 
 
@@ -240,6 +279,7 @@ async def test_bad_input_gets_400_and_router_keeps_answering(http, cluster, case
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
+    assert " at 0x" not in error["message"]  # no Python reprs (PIL's messages carry them)
     if case == "unknown_model":
         assert error["code"] == "model_not_found"
     assert not cluster.decode.reserved  # nothing reached decode
@@ -262,27 +302,50 @@ async def test_bad_completion_prompt(http):
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
 
 
+@pytest.mark.parametrize(("prompt", "param"), [("a\ud800", "prompt"), (["\ud800b"], "prompt[0]")])
+async def test_completion_prompt_with_a_lone_surrogate_is_a_400(http, cluster, prompt, param):
+    body = _raw({"model": MODEL_NAME, "prompt": prompt})
+    response = await http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "lone surrogate" in error["message"]
+    assert not cluster.tokenizer.servicer.requests  # refused before the tokenizer
+
+
+async def test_numbers_may_be_integers_and_top_k_minus_one_is_off(http, cluster):
+    reply = await http.post("/v1/chat/completions", json={**CHAT, "temperature": 1, "top_p": 1, "top_k": -1})
+    assert reply.status_code == 200, reply.text
+    params = next(iter(cluster.decode.reserved.values())).sampling_params
+    assert params.temperature == 1.0 and params.top_k == 0
+
+
 async def test_image_over_http_is_fetched_with_a_limit(cluster):
     image = image_bytes(20, 20)
 
-    def serve(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/big.png":
-            return httpx.Response(200, content=b"\x89PNG" + bytes(200 * 1024))
-        if request.url.path == "/missing.png":
-            return httpx.Response(404)
-        return httpx.Response(200, content=image)
+    def serve(path: str) -> bytes:
+        if path == "/big.png":
+            return http_response(200, b"\x89PNG" + bytes(200 * 1024))
+        if path == "/missing.png":
+            return http_response(404)
+        if path == "/to-metadata":
+            return redirect("http://169.254.169.254/latest/meta-data/")
+        return http_response(200, image)
 
-    images = ImageLoader(64 * 1024, 5.0, httpx.AsyncClient(transport=httpx.MockTransport(serve)))
-    app = await start_router(router_config(cluster), images)
+    network = FakeNetwork({PUBLIC_IP: serve, "169.254.169.254": serve})
+    cfg = router_config(cluster)
+    backend = GuardedBackend(False, FakeResolver({"images.test": [PUBLIC_IP]}), network)
+    app = await start_router(cfg, ImageLoader.from_limits(cfg.limits, backend))
     try:
         transport = httpx.ASGITransport(app=app.http_app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
             ok = await http.post("/v1/chat/completions", json=_image_chat("https://images.test/cat.png"))
             assert ok.status_code == 200, ok.text
             assert cluster.tokenizer.servicer.requests[0].chat.messages[0].content[0].image.data == image
-            for path in ("/big.png", "/missing.png"):
+            for path in ("/big.png", "/missing.png", "/to-metadata"):
                 bad = await http.post("/v1/chat/completions", json=_image_chat(f"https://images.test{path}"))
                 assert bad.status_code == 400, bad.text
+                assert bad.json()["error"]["param"] == "messages[0].content[0].image_url"
+        assert network.attempted_ips() == {PUBLIC_IP}
     finally:
         await stop_router(app)
 
@@ -291,3 +354,80 @@ async def test_body_without_json_content_type_gets_a_clear_400(http):
     response = await http.post("/v1/chat/completions", content=b'{"model": "m", "messages": []}')
     assert response.status_code == 400
     assert "content-type: application/json" in response.json()["error"]["message"]
+
+
+LINE_BREAKING_TEXT = "one\u2028two\u2029three\x85four\nfive"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_stream_survives_str_splitlines(http, cluster, path):
+    """U+2028, U+2029 and U+0085 are line breaks to str.splitlines (httpx aiter_lines): escaped."""
+    cluster.script.output_ids = [*TEXT.encode(LINE_BREAKING_TEXT), EOS_ID]
+    body = {**CHAT, "stream": True} if "chat" in path else {"model": MODEL_NAME, "prompt": "x", "stream": True}
+    response = await http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    lines = [line for line in response.text.splitlines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    choices = [c["choices"][0] for c in chunks]
+    text = "".join(c["delta"].get("content", "") if "delta" in c else c["text"] for c in choices)
+    assert text == LINE_BREAKING_TEXT
+
+
+async def test_full_response_keeps_line_breaking_text(http, cluster):
+    cluster.script.output_ids = [*TEXT.encode(LINE_BREAKING_TEXT), EOS_ID]
+    response = await http.post("/v1/chat/completions", json=CHAT)
+    assert "\u2028" not in response.text and "\x85" not in response.text
+    assert response.json()["choices"][0]["message"]["content"] == LINE_BREAKING_TEXT
+
+
+async def test_unexpected_exception_is_an_openai_500(router, monkeypatch):
+    def broken() -> dict:
+        raise RuntimeError("secret internals at 0x7f00")
+
+    monkeypatch.setattr(router.api, "models", broken)
+    transport = httpx.ASGITransport(app=create_app(router.api), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        response = await client.get("/v1/models")
+    assert response.status_code == 500
+    assert response.json() == {"error": {"message": "internal error in the router", "type": "internal_error",
+                                         "param": None, "code": None}}
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "prefill", "decode"])
+async def test_dead_worker_503_names_no_internal_address(cluster, kind):
+    app = await start_router(router_config(cluster, health_interval_s=3600.0))  # no poll notices the death
+    worker = {"tokenizer": cluster.tokenizer, "prefill": cluster.prefills[0], "decode": cluster.decodes[0]}[kind]
+    try:
+        await worker.server.stop(None)
+        transport = httpx.ASGITransport(app=app.http_app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+            response = await http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable"
+        assert "127.0.0.1" not in error["message"] and "ipv4" not in error["message"], error["message"]
+        assert str(worker.port) not in error["message"]
+    finally:
+        await stop_router(app)
+
+
+async def test_openapi_schema_is_served_from_the_real_bodies(http):
+    response = await http.get("/openapi.json")
+    assert response.status_code == 200
+    schema = response.json()
+    components = schema["components"]["schemas"]
+    for path, body in (("/v1/chat/completions", "ChatCompletionBody"), ("/v1/completions", "CompletionBody")):
+        operation = schema["paths"][path]["post"]
+        ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{body}"
+        assert "422" not in operation["responses"]
+        for status in ("400", "413", "503"):
+            error = operation["responses"][status]["content"]["application/json"]["schema"]["$ref"]
+            assert error == "#/components/schemas/ErrorResponse"
+    assert "HTTPValidationError" not in components
+    chat = components["ChatCompletionBody"]
+    assert "messages" in chat["required"]
+    assert chat["properties"]["stream"]["type"] == "boolean"
+    assert components["ErrorDetail"]["required"] == ["message", "type", "param", "code"]

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
-from services.common.errors import UnauthenticatedError
+from services.common.errors import CredentialsRefusedError
 from services.common.pb.stageserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.servicer import SERVICE_NAME
 from tests.conftest import INTERNAL_AUTH, REPO, image_bytes
@@ -59,7 +59,7 @@ async def check_unauthenticated(address: str) -> None:
     """The process requires the token the test session exports: a client without it is refused."""
     anonymous = TokenizerClient(address)
     try:
-        with pytest.raises(UnauthenticatedError, match="missing or invalid internal credentials"):
+        with pytest.raises(CredentialsRefusedError, match="refused this service's internal credentials"):
             await anonymous.tokenize_prompt("anon", "hi", timeout_s=TIMEOUT_S)
     finally:
         await anonymous.close()

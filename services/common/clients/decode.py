@@ -329,7 +329,7 @@ class DecodeClient:
                 request, timeout=min(remaining_s, self._timeout_s), metadata=self._metadata(request_id)
             )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, service="decode") from exc
         return kv_ref_from_proto(reply.kv_ref)
 
     async def generate(
@@ -352,7 +352,7 @@ class DecodeClient:
             async for message in call:
                 yield _chunk_from_proto(message)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, service="decode") from exc
         finally:
             call.cancel()  # a no-op once the stream ended
 
@@ -367,7 +367,7 @@ class DecodeClient:
         try:
             reply = await self._stub.Abort(request, timeout=self._timeout_s, metadata=self._metadata(request_id))
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, service="decode") from exc
         return reply.is_found
 
     async def stats(self) -> DecodeStats:
@@ -376,7 +376,7 @@ class DecodeClient:
                 decode_pb2.StatsRequest(), timeout=self._timeout_s, metadata=telemetry.inject_metadata()
             )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, service="decode") from exc
         ranks = tuple(DecodeRankStats(**_stats_fields(r, DecodeRankStats)) for r in reply.ranks)
         return DecodeStats(**_stats_fields(reply, DecodeStats), ranks=ranks)
 

@@ -76,7 +76,7 @@ class PrefillClient:
         try:
             response = await self._stub.Prefill(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, service="prefill") from exc
         return prefill_result_from_proto(response)
 
     async def close(self) -> None:

@@ -91,7 +91,7 @@ class DetokenizeStream:
             response = await self._call.read()
         except grpc.RpcError as exc:
             self._is_done = True
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, service="tokenizer") from None
         except asyncio.InvalidStateError as exc:  # the call had already ended with OK
             self._is_done = True
             raise UnavailableError("the tokenizer closed the detokenize stream") from exc
@@ -114,7 +114,7 @@ class DetokenizeStream:
             while (response := await self._call.read()) is not grpc.aio.EOF:
                 texts.append(response.text_delta)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, service="tokenizer") from None
         except asyncio.InvalidStateError as exc:
             raise UnavailableError("the tokenizer closed the detokenize stream") from exc
         return "".join(texts)
@@ -172,7 +172,7 @@ class TokenizerClient:
                 request, timeout=timeout_s, metadata=_metadata(request.request_id)
             )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, service="tokenizer") from None
         return prompt_from_proto(response)
 
     def detokenize_stream(

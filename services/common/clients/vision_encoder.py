@@ -81,7 +81,7 @@ class VisionEncoderClient:
         try:
             response = await self._stub.Encode(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, service="vision_encoder") from exc
         return [span_result_from_proto(r) for r in response.results]
 
     async def close(self) -> None:
