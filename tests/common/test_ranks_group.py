@@ -19,6 +19,7 @@ from services.common.errors import CapacityError, UnavailableError
 from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
 from services.common.ranks.errors import RankStartError, StepFailedError
 from services.common.ranks.group import RankGroup
+from services.common.ranks.rank_loop import STUCK_EXIT_GRACE_S, LoopExit
 from tests.common.test_ranks_steps import TARGET, EchoInit, EchoPayload, EchoResult, Garbage
 
 pytestmark = pytest.mark.slow
@@ -196,6 +197,7 @@ def free_port() -> int:
 
 
 async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_path) -> None:
+    """A deployment's ranks: env:// rendezvous, then the same path; stuck ones exit by themselves."""
     control_addr = f"ipc://{tmp_path}/control"
     master_port = str(free_port())
     ranks = []
@@ -212,11 +214,29 @@ async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_pa
             results = await group.step(EchoPayload(value=4))
             assert [(r.rank, r.world_size, r.device_total, r.cpu_total) for r in results] == [(0, 2, 8, 8), (1, 2, 8, 8)]
             assert [r.pid for r in results] == [p.pid for p in ranks]
+            # Stuck past the deadline: the leader fail-stops; the ranks, which it cannot kill, end themselves.
+            with pytest.raises(UnavailableError, match="did not finish step 2 within its 1.0 s deadline"):
+                await group.step(EchoPayload(value=1, sleep_s=60.0), timeout_s=1.0)
+            assert not group.is_ready
+            codes = [await asyncio.to_thread(p.wait, 1.0 + STUCK_EXIT_GRACE_S + 10.0) for p in ranks]
+            assert codes == [LoopExit.STUCK, LoopExit.STUCK]
         finally:
-            await group.aclose()  # tells the ranks to Shutdown
-        assert [await asyncio.to_thread(p.wait, 30) for p in ranks] == [0, 0]
+            await group.aclose()
     finally:
         for process in ranks:  # exactly the processes this test started
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_gpus", [1, 2])
+async def test_cuda_ranks_bind_their_device_and_all_reduce_over_nccl(num_gpus: int) -> None:
+    import torch
+
+    if torch.cuda.device_count() < num_gpus:
+        pytest.skip(f"needs {num_gpus} CUDA devices")
+    async with running(tuple(f"cuda:{i}" for i in range(num_gpus))) as run:
+        results = await run.group.step(EchoPayload(value=3))
+        assert [(r.rank, r.device_total, r.cpu_total) for r in results] == [(r, 3 * num_gpus, 3 * num_gpus)
+                                                                           for r in range(num_gpus)]

@@ -3,7 +3,7 @@ loop driven in this process (one gloo rank): OK, a raising step, a malformed pay
 wrong result type, a malformed control message, a StageServeError's class.
 
 ``EchoStep`` (``tests.common.test_ranks_steps:EchoStep``) runs an all-reduce on each of its
-groups, then does what the payload asks of its rank: raise, SIGKILL or SIGSTOP itself,
+groups (on its device for the device group: NCCL on CUDA ranks), then does what the payload asks of its rank: raise, SIGKILL or SIGSTOP itself,
 sleep, or return the wrong type. Every result reports the last agreed error the rank saw.
 """
 
@@ -76,6 +76,8 @@ class EchoStep(BaseRankStep):
         torch.set_num_threads(1)
         if init.fail_on_rank == ctx.rank:
             raise MemoryError("injected out of memory while loading")
+        if ctx.device != "cpu":  # rank_main made it the current device
+            assert torch.cuda.current_device() == torch.device(ctx.device).index
         self.ctx = ctx
         self.init = init
         self.num_executed = 0
@@ -93,8 +95,8 @@ class EchoStep(BaseRankStep):
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(payload.sleep_s)
         totals = []
-        for group in (self.ctx.device_group, self.ctx.cpu_group):
-            value = torch.tensor([payload.value])
+        for group, device in ((self.ctx.device_group, self.ctx.device), (self.ctx.cpu_group, "cpu")):
+            value = torch.tensor([payload.value], device=device)
             dist.all_reduce(value, group=group)
             totals.append(int(value.item()))
         if payload.raise_on_rank == rank:

@@ -8,7 +8,9 @@ failed on this rank. An exchange that cannot complete (a peer dead or stuck, a d
 makes this rank reply BROKEN and leave: the group is restarted as a whole.
 
 The loop also leaves when the leader says Shutdown, when its parent (spawn mode) is gone,
-and when the leader has been silent for ``leader_timeout_s`` (it pings idle ranks).
+and when the leader has been silent for ``leader_timeout_s`` (it pings idle ranks). A step
+still running ``STUCK_EXIT_GRACE_S`` past its deadline (the leader has given up on it)
+ends the process from a watchdog thread: in join mode nobody else would.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -44,15 +48,40 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 logger = logging.getLogger(__name__)
-POLL_S = 0.5  # how often an idle rank checks on its leader
+POLL_S = 0.5  # how often an idle rank checks on its leader, and the watchdog on a step
+STUCK_EXIT_GRACE_S = 2.0
 
 
 class LoopExit(enum.IntEnum):
     """The rank process's exit code."""
 
     SHUTDOWN = 0
-    BROKEN = 1
+    BROKEN = 1  # also: start-up failed
     ORPHANED = 2
+    STUCK = 3
+
+
+class StepWatchdog:
+    """Ends the process when an armed deadline is ``STUCK_EXIT_GRACE_S`` behind."""
+
+    def __init__(self) -> None:
+        self._deadline_mono: float | None = None  # written by the step loop only
+        threading.Thread(target=self._run, name="rank-step-watchdog", daemon=True).start()
+
+    def arm(self, deadline_mono: float) -> None:
+        self._deadline_mono = deadline_mono
+
+    def disarm(self) -> None:
+        self._deadline_mono = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            deadline = self._deadline_mono
+            if deadline is not None and time.monotonic() > deadline + STUCK_EXIT_GRACE_S:
+                logger.critical("a step is %.1f s past its deadline: exiting", time.monotonic() - deadline)
+                sys.stderr.flush()
+                os._exit(LoopExit.STUCK)
 
 
 class RankLoop:
@@ -74,6 +103,7 @@ class RankLoop:
         self._next_step = setup.first_step
 
     def serve(self) -> LoopExit:
+        watchdog = StepWatchdog()
         last_heard_s = time.monotonic()
         while True:
             message = self.channel.receive(POLL_S)
@@ -91,8 +121,11 @@ class RankLoop:
             if isinstance(message, Setup):
                 logger.error("ignored a second Setup from the leader (a bug)")
                 continue
+            timeout_s = message.timeout_s if isinstance(message, StepRequest) else self.setup.collective_timeout_s
+            watchdog.arm(now + timeout_s)
             reply = self.run_step(message)
             self.channel.send(reply)
+            watchdog.disarm()
             if reply.status is StepStatus.BROKEN:
                 logger.error("leaving the group: %s", reply.error)
                 return LoopExit.BROKEN

@@ -2,9 +2,10 @@
 
 Start-up, in order; a failure at any stage reaches the leader as StartFailed naming this
 rank, the stage and the cause, and the process exits 1:
-  spawn: device -> (rank 0: a TCPStore on a free port) -> Hello -> Setup -> rendezvous
-  join:  rendezvous (env://: torch reads MASTER_ADDR/PORT, RANK, WORLD_SIZE) -> device -> Hello -> Setup
-  both:  groups -> import -> construct -> warmup -> barrier -> Ready, then the step loop.
+  spawn: device -> (rank 0: a TCPStore on a free port) -> Hello -> Setup -> import -> rendezvous
+  join:  rendezvous (env://: torch reads MASTER_ADDR/PORT, RANK, WORLD_SIZE) -> device -> Hello
+         -> Setup -> import
+  both:  groups -> construct -> warmup -> barrier -> Ready, then the step loop.
 The leader spawns ranks itself; a deployment starts a joining one with
 ``--join --leader tcp://LEADER:PORT --device cuda:0``. Exit codes: ``LoopExit``.
 """
@@ -149,6 +150,8 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
                        token=Envs.from_environ().internal_token))
     with _stage(StartStage.SETUP, rank):
         setup = _await_setup(channel, args.rendezvous_timeout_s)
+    with _stage(StartStage.IMPORT, rank):  # before the rendezvous: a bad target fails at once
+        cls = import_step(setup.step_target)
     if not args.is_join:
         with _stage(StartStage.RENDEZVOUS, rank):
             if store is None:
@@ -156,15 +159,13 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
                                       timeout=_timeout(args.rendezvous_timeout_s))
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=_timeout(setup.collective_timeout_s))
-    return _Started(rank, setup, _build_step(args.device, rank, world_size, setup))
+    return _Started(rank, setup, _build_step(cls, args.device, rank, world_size, setup))
 
 
-def _build_step(device: str, rank: int, world_size: int, setup: Setup) -> BaseRankStep:
+def _build_step(cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup) -> BaseRankStep:
     with _stage(StartStage.GROUPS, rank):
         cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
     ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
-    with _stage(StartStage.IMPORT, rank):
-        cls = import_step(setup.step_target)
     with _stage(StartStage.CONSTRUCT, rank):
         step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))
     try:
