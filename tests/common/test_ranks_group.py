@@ -32,7 +32,9 @@ START_TIMEOUT_S = 120.0  # several torch imports at once on a loaded 2-core mach
 def rank_env(monkeypatch):
     """What the spawned ranks inherit: one thread each, and this repo importable."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    )
 
 
 def rank_children() -> list[int]:
@@ -56,8 +58,16 @@ def is_gone(pid: int) -> bool:
 
 
 def config(devices: tuple[str, ...], **overrides) -> RankGroupConfig:
-    settings = dict(devices=devices, step_timeout_s=3.0, start_timeout_s=START_TIMEOUT_S, collective_timeout_s=5.0,
-                    heartbeat_s=0.5, leader_timeout_s=10.0, restart_backoff_s=0.1, stop_grace_s=3.0)
+    settings = dict(
+        devices=devices,
+        step_timeout_s=3.0,
+        start_timeout_s=START_TIMEOUT_S,
+        collective_timeout_s=5.0,
+        heartbeat_s=0.5,
+        leader_timeout_s=10.0,
+        restart_backoff_s=0.1,
+        stop_grace_s=3.0,
+    )
     settings.update(overrides)
     return RankGroupConfig(**settings)
 
@@ -68,10 +78,15 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def running(devices: tuple[str, ...] = ("cpu", "cpu"), init: EchoInit = EchoInit(), **overrides):
+async def running(
+    devices: tuple[str, ...] = ("cpu", "cpu"), init: EchoInit = EchoInit(), **overrides
+):
     readiness: list[bool] = []
-    group = RankGroup(config(devices, **overrides), StepSpec(TARGET, EchoResult, init),
-                      on_ready_change=readiness.append)
+    group = RankGroup(
+        config(devices, **overrides),
+        StepSpec(TARGET, EchoResult, init),
+        on_ready_change=readiness.append,
+    )
     try:
         await group.start()
         yield Running(group, readiness)
@@ -89,10 +104,14 @@ async def wait_for(predicate, timeout_s: float) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-async def test_steps_return_every_ranks_result_in_order_while_the_loop_runs(world_size: int) -> None:
+async def test_steps_return_every_ranks_result_in_order_while_the_loop_runs(
+    world_size: int,
+) -> None:
     async with running(("cpu",) * world_size) as run:
         pids = run.group.rank_pids
-        assert len(set(pids)) == world_size and os.getpid() not in pids  # R = 1 too: its own process
+        assert (
+            len(set(pids)) == world_size and os.getpid() not in pids
+        )  # R = 1 too: its own process
         ticks = 0
 
         async def ticker() -> None:
@@ -103,14 +122,18 @@ async def test_steps_return_every_ranks_result_in_order_while_the_loop_runs(worl
 
         ticking = asyncio.ensure_future(ticker())
         try:
-            results = await asyncio.gather(*(run.group.step(EchoPayload(value=v, sleep_s=0.1)) for v in range(4)))
+            results = await asyncio.gather(
+                *(run.group.step(EchoPayload(value=v, sleep_s=0.1)) for v in range(4))
+            )
         finally:
             ticking.cancel()
         for i, per_rank in enumerate(results):
-            assert [(r.step, r.rank, r.world_size) for r in per_rank] == [(i + 1, r, world_size)
-                                                                         for r in range(world_size)]
+            assert [(r.step, r.rank, r.world_size) for r in per_rank] == [
+                (i + 1, r, world_size) for r in range(world_size)
+            ]
             assert {(r.value, r.device_total, r.cpu_total, r.num_executed) for r in per_rank} == {
-                (i, i * world_size, i * world_size, i + 1)}
+                (i, i * world_size, i * world_size, i + 1)
+            }
             assert tuple(r.pid for r in per_rank) == pids
         assert ticks >= 10  # four steps of >= 0.1 s each ran beside the ticker, not instead of it
         assert run.readiness == [True]
@@ -125,12 +148,22 @@ async def test_a_rank_failing_mid_step_fails_it_alike_everywhere_and_the_next_st
         assert caught.value.message == text
         after = await run.group.step(EchoPayload(value=1))
         assert [r.last_error for r in after] == [text, text]  # every rank was told the same text
-        with pytest.raises(CapacityError, match=r"^step 3 failed on rank 0: CapacityError: injected: no pages left$"):
+        with pytest.raises(
+            CapacityError,
+            match=r"^step 3 failed on rank 0: CapacityError: injected: no pages left$",
+        ):
             await run.group.step(EchoPayload(value=1, capacity_error_on_rank=0))
-        with pytest.raises(StepFailedError, match=r"^step 4 failed on rank 0: malformed step payload: .*`value`"):
-            await run.group.step(Garbage(junk="not an EchoPayload"))  # a garbage payload: agreed, not fatal
+        with pytest.raises(
+            StepFailedError, match=r"^step 4 failed on rank 0: malformed step payload: .*`value`"
+        ):
+            await run.group.step(
+                Garbage(junk="not an EchoPayload")
+            )  # a garbage payload: agreed, not fatal
         last = await run.group.step(EchoPayload(value=2))
-        assert [(r.step, r.device_total, r.num_executed) for r in last] == [(5, 4, 4), (5, 4, 4)]  # 4 never ran
+        assert [(r.step, r.device_total, r.num_executed) for r in last] == [
+            (5, 4, 4),
+            (5, 4, 4),
+        ]  # 4 never ran
         assert last[0].last_error.startswith("step 4 failed on rank 0: malformed step payload")
         assert run.group.is_ready and run.readiness == [True]
 
@@ -139,13 +172,18 @@ async def test_a_sigkilled_rank_fails_the_step_unavailable_and_the_group_reforms
     async with running(("cpu", "cpu")) as run:
         old_pids = run.group.rank_pids
         start = asyncio.get_running_loop().time()
-        with pytest.raises(UnavailableError, match=r"rank 1 \(cpu, pid \d+\) exited with signal SIGKILL during step 1"):
+        with pytest.raises(
+            UnavailableError,
+            match=r"rank 1 \(cpu, pid \d+\) exited with signal SIGKILL during step 1",
+        ):
             await run.group.step(EchoPayload(value=1, kill_on_rank=1))
         assert asyncio.get_running_loop().time() - start < 3.0  # within the step deadline
         assert run.readiness == [True, False] and not run.group.is_ready
         with pytest.raises(UnavailableError, match="re-forming after: rank 1"):
             await run.group.step(EchoPayload(value=1))
-        await wait_for(lambda: all(is_gone(pid) for pid in old_pids), 10.0)  # rank 0 went down with it
+        await wait_for(
+            lambda: all(is_gone(pid) for pid in old_pids), 10.0
+        )  # rank 0 went down with it
         await wait_for(lambda: run.group.is_ready, START_TIMEOUT_S)
         assert run.readiness == [True, False, True]
         results = await run.group.step(EchoPayload(value=3))
@@ -160,7 +198,9 @@ async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_kille
         step = asyncio.ensure_future(run.group.step(EchoPayload(value=1, stop_on_rank=1)))
         await wait_for(run.group.progress.is_stalled, 1.8)  # the watchdogs see the stall first
         assert run.group.rank_progress[1].is_stalled()
-        with pytest.raises(UnavailableError, match=r"did not finish step 1 within its 2.0 s deadline"):
+        with pytest.raises(
+            UnavailableError, match=r"did not finish step 1 within its 2.0 s deadline"
+        ):
             await step
         assert asyncio.get_running_loop().time() - start < 2.0 + 1.0
         assert run.readiness == [True, False]
@@ -172,18 +212,34 @@ async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_kille
 @pytest.mark.parametrize(
     ("devices", "target", "init", "expected"),
     [
-        (("cpu", "cuda:3"), TARGET, EchoInit(),
-         r"rank 1 \(cuda:3, pid \d+\) failed to start at device: RuntimeError: cuda:3: CUDA is not available"),
-        (("cpu", "cpu"), TARGET, EchoInit(fail_on_rank=1),
-         r"rank 1 \(cpu, pid \d+\) failed to start at construct: MemoryError: injected out of memory while loading"),
-        (("cpu",), "tests.common.no_such_module:Step", EchoInit(),
-         r"rank 0 \(cpu, pid \d+\) failed to start at import: ModuleNotFoundError: .*tests.common.no_such_module"),
+        (
+            ("cpu", "cuda:3"),
+            TARGET,
+            EchoInit(),
+            r"rank 1 \(cuda:3, pid \d+\) failed to start at device: RuntimeError: cuda:3: CUDA is not available",
+        ),
+        (
+            ("cpu", "cpu"),
+            TARGET,
+            EchoInit(fail_on_rank=1),
+            r"rank 1 \(cpu, pid \d+\) failed to start at construct: MemoryError: injected out of memory while loading",
+        ),
+        (
+            ("cpu",),
+            "tests.common.no_such_module:Step",
+            EchoInit(),
+            r"rank 0 \(cpu, pid \d+\) failed to start at import: ModuleNotFoundError: .*tests.common.no_such_module",
+        ),
     ],
     ids=["bad-device", "constructor-raises", "import-error"],
 )
-async def test_a_rank_that_cannot_start_fails_the_start_naming_it(devices, target, init, expected) -> None:
+async def test_a_rank_that_cannot_start_fails_the_start_naming_it(
+    devices, target, init, expected
+) -> None:
     readiness: list[bool] = []
-    group = RankGroup(config(devices), StepSpec(target, EchoResult, init), on_ready_change=readiness.append)
+    group = RankGroup(
+        config(devices), StepSpec(target, EchoResult, init), on_ready_change=readiness.append
+    )
     with pytest.raises(RankStartError, match=expected):
         await group.start()
     assert readiness == [] and group.state.value == "stopped"
@@ -203,22 +259,45 @@ async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_pa
     ranks = []
     try:
         for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
-            argv = [sys.executable, "-m", RANK_MAIN, "--join", "--leader", control_addr, "--device", "cpu",
-                    "--rendezvous-timeout-s", str(START_TIMEOUT_S)]
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=master_port,
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                RANK_MAIN,
+                "--join",
+                "--leader",
+                control_addr,
+                "--device",
+                "cpu",
+                "--rendezvous-timeout-s",
+                str(START_TIMEOUT_S),
+            ]
             ranks.append(subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL))
         join = config((), mode=RankMode.JOIN, world_size=2, control_addr=control_addr)
         group = RankGroup(join, StepSpec(TARGET, EchoResult, EchoInit()))
         await group.start()
         try:
             results = await group.step(EchoPayload(value=4))
-            assert [(r.rank, r.world_size, r.device_total, r.cpu_total) for r in results] == [(0, 2, 8, 8), (1, 2, 8, 8)]
+            assert [(r.rank, r.world_size, r.device_total, r.cpu_total) for r in results] == [
+                (0, 2, 8, 8),
+                (1, 2, 8, 8),
+            ]
             assert [r.pid for r in results] == [p.pid for p in ranks]
             # Stuck past the deadline: the leader fail-stops; the ranks, which it cannot kill, end themselves.
-            with pytest.raises(UnavailableError, match="did not finish step 2 within its 1.0 s deadline"):
+            with pytest.raises(
+                UnavailableError, match="did not finish step 2 within its 1.0 s deadline"
+            ):
                 await group.step(EchoPayload(value=1, sleep_s=60.0), timeout_s=1.0)
             assert not group.is_ready
-            codes = [await asyncio.to_thread(p.wait, 1.0 + STUCK_EXIT_GRACE_S + 10.0) for p in ranks]
+            codes = [
+                await asyncio.to_thread(p.wait, 1.0 + STUCK_EXIT_GRACE_S + 10.0) for p in ranks
+            ]
             assert codes == [LoopExit.STUCK, LoopExit.STUCK]
         finally:
             await group.aclose()
@@ -238,5 +317,6 @@ async def test_cuda_ranks_bind_their_device_and_all_reduce_over_nccl(num_gpus: i
         pytest.skip(f"needs {num_gpus} CUDA devices")
     async with running(tuple(f"cuda:{i}" for i in range(num_gpus))) as run:
         results = await run.group.step(EchoPayload(value=3))
-        assert [(r.rank, r.device_total, r.cpu_total) for r in results] == [(r, 3 * num_gpus, 3 * num_gpus)
-                                                                           for r in range(num_gpus)]
+        assert [(r.rank, r.device_total, r.cpu_total) for r in results] == [
+            (r, 3 * num_gpus, 3 * num_gpus) for r in range(num_gpus)
+        ]

@@ -15,7 +15,13 @@ import pytest
 import zmq
 
 from services.common.errors import CapacityError, UnavailableError
-from services.common.ranks.agreement import STATUS_BYTES, DesyncError, agree, pack_status, unpack_status
+from services.common.ranks.agreement import (
+    STATUS_BYTES,
+    DesyncError,
+    agree,
+    pack_status,
+    unpack_status,
+)
 from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
 from services.common.ranks.errors import RankStartError, StepFailedError
 from services.common.ranks.group import RankGroup
@@ -75,7 +81,13 @@ def test_messages_to_a_rank_round_trip(message: ToRank) -> None:
         Ready(rank=1),
         Executed(step=4, rank=1),
         StepReply(step=4, rank=1, status=StepStatus.OK, result=encode_raw(Value(2))),
-        StepReply(step=4, rank=1, status=StepStatus.FAILED, error="step 4 failed on rank 0: x", error_type="X"),
+        StepReply(
+            step=4,
+            rank=1,
+            status=StepStatus.FAILED,
+            error="step 4 failed on rank 0: x",
+            error_type="X",
+        ),
     ],
 )
 def test_messages_to_the_leader_round_trip(message: ToLeader) -> None:
@@ -94,7 +106,9 @@ def test_a_message_of_the_other_direction_or_garbage_does_not_decode() -> None:
 def test_error_texts_are_cut_to_fit_a_status_row() -> None:
     text = error_text(RuntimeError("é" * 10 * MAX_ERROR_CHARS))
     assert len(text) == MAX_ERROR_CHARS and text.endswith("...")
-    row = pack_status(RankStatus(step=1, rank=0, is_ok=False, error=text, error_type="CapacityError"))
+    row = pack_status(
+        RankStatus(step=1, rank=0, is_ok=False, error=text, error_type="CapacityError")
+    )
     assert len(row) == STATUS_BYTES
     assert unpack_status(row).error == text
 
@@ -135,24 +149,39 @@ def reply_ok(rank: int, value: msgspec.Struct) -> StepReply:
 
 
 def reply_failed(rank: int, error: str, error_type: str = "") -> StepReply:
-    return StepReply(step=4, rank=rank, status=StepStatus.FAILED, error=error, error_type=error_type)
+    return StepReply(
+        step=4, rank=rank, status=StepStatus.FAILED, error=error, error_type=error_type
+    )
 
 
 def test_outcome_is_every_ranks_result_in_rank_order() -> None:
-    assert step_outcome(4, [reply_ok(0, Value(1)), reply_ok(1, Value(2))], DECODER) == [Value(1), Value(2)]
+    assert step_outcome(4, [reply_ok(0, Value(1)), reply_ok(1, Value(2))], DECODER) == [
+        Value(1),
+        Value(2),
+    ]
 
 
 def test_outcome_of_a_failed_step_is_the_agreed_error_as_its_class() -> None:
     text = "step 4 failed on rank 1: CapacityError: no pages"
-    error = step_outcome(4, [reply_failed(0, text, "CapacityError"), reply_failed(1, text, "CapacityError")], DECODER)
+    error = step_outcome(
+        4, [reply_failed(0, text, "CapacityError"), reply_failed(1, text, "CapacityError")], DECODER
+    )
     assert isinstance(error, CapacityError) and error.message == text
     plain = step_outcome(4, [reply_failed(0, "step 4 failed on rank 0: RuntimeError: x")], DECODER)
-    assert type(plain) is StepFailedError and plain.message == "step 4 failed on rank 0: RuntimeError: x"
+    assert (
+        type(plain) is StepFailedError
+        and plain.message == "step 4 failed on rank 0: RuntimeError: x"
+    )
 
 
 def test_outcome_of_a_malformed_reply_or_result_names_the_rank() -> None:
-    malformed = step_outcome(4, [reply_ok(0, Value(1)), "rank 1 sent a malformed control message"], DECODER)
-    assert isinstance(malformed, StepFailedError) and malformed.message == "rank 1 sent a malformed control message"
+    malformed = step_outcome(
+        4, [reply_ok(0, Value(1)), "rank 1 sent a malformed control message"], DECODER
+    )
+    assert (
+        isinstance(malformed, StepFailedError)
+        and malformed.message == "rank 1 sent a malformed control message"
+    )
     wrong = step_outcome(4, [reply_ok(0, Value(1)), reply_ok(1, Ping(step=1))], DECODER)
     assert isinstance(wrong, StepFailedError)
     assert wrong.message.startswith("rank 1 sent a malformed result for step 4: ")
@@ -171,8 +200,14 @@ def test_outcome_of_a_malformed_reply_or_result_names_the_rank() -> None:
         ({"devices": ("cpu",), "step_timeout_s": 0}, "step_timeout_s must be > 0"),
         ({"devices": ("cpu",), "heartbeat_s": 5, "leader_timeout_s": 5}, "must exceed heartbeat_s"),
         ({"mode": RankMode.JOIN, "world_size": 2}, "needs control_addr"),
-        ({"mode": RankMode.JOIN, "control_addr": "tcp://*:5000", "world_size": 2}, "never a wildcard"),
-        ({"mode": RankMode.JOIN, "control_addr": "ipc:///tmp/x", "devices": ("cpu",)}, "leave devices empty"),
+        (
+            {"mode": RankMode.JOIN, "control_addr": "tcp://*:5000", "world_size": 2},
+            "never a wildcard",
+        ),
+        (
+            {"mode": RankMode.JOIN, "control_addr": "ipc:///tmp/x", "devices": ("cpu",)},
+            "leave devices empty",
+        ),
         ({"mode": RankMode.JOIN, "control_addr": "ipc:///tmp/x"}, "world_size >= 1"),
     ],
 )
@@ -187,8 +222,14 @@ def test_a_step_target_must_name_a_class() -> None:
 
 
 def test_restart_backoff_doubles_up_to_its_cap_and_attempts_are_bounded() -> None:
-    policy = RestartPolicy(RankGroupConfig(devices=("cpu",), max_restart_attempts=4, restart_backoff_s=1.0,
-                                           max_restart_backoff_s=3.0))
+    policy = RestartPolicy(
+        RankGroupConfig(
+            devices=("cpu",),
+            max_restart_attempts=4,
+            restart_backoff_s=1.0,
+            max_restart_backoff_s=3.0,
+        )
+    )
     assert [policy.next_backoff_s() for _ in range(5)] == [1.0, 2.0, 3.0, 3.0, None]
     policy.reset()
     assert policy.next_backoff_s() == 1.0
@@ -224,8 +265,17 @@ class FakeRank:
         raise TimeoutError(f"fake rank {self.rank}: nothing from the leader within {timeout_s} s")
 
     def hello(self) -> None:
-        self.send(Hello(rank=self.rank, world_size=self.world_size, generation=-1, pid=os.getpid(),
-                        device="cpu", store_port=0, token=self.token))
+        self.send(
+            Hello(
+                rank=self.rank,
+                world_size=self.world_size,
+                generation=-1,
+                pid=os.getpid(),
+                device="cpu",
+                store_port=0,
+                token=self.token,
+            )
+        )
 
     def join(self) -> Setup:
         self.hello()
@@ -241,7 +291,11 @@ class FakeRank:
 
     def answer(self, request: StepRequest, value: msgspec.Struct) -> None:
         self.send(Executed(step=request.step, rank=self.rank))
-        self.send(StepReply(step=request.step, rank=self.rank, status=StepStatus.OK, result=encode_raw(value)))
+        self.send(
+            StepReply(
+                step=request.step, rank=self.rank, status=StepStatus.OK, result=encode_raw(value)
+            )
+        )
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -249,9 +303,18 @@ class FakeRank:
 
 
 def join_config(tmp_path, world_size: int, **overrides) -> RankGroupConfig:
-    settings = dict(mode=RankMode.JOIN, world_size=world_size, control_addr=f"ipc://{tmp_path}/control",
-                    step_timeout_s=2.0, start_timeout_s=5.0, heartbeat_s=0.2, leader_timeout_s=5.0,
-                    restart_backoff_s=0.05, max_restart_attempts=2, stop_grace_s=0.5)
+    settings = dict(
+        mode=RankMode.JOIN,
+        world_size=world_size,
+        control_addr=f"ipc://{tmp_path}/control",
+        step_timeout_s=2.0,
+        start_timeout_s=5.0,
+        heartbeat_s=0.2,
+        leader_timeout_s=5.0,
+        restart_backoff_s=0.05,
+        max_restart_attempts=2,
+        stop_grace_s=0.5,
+    )
     settings.update(overrides)
     return RankGroupConfig(**settings)
 
@@ -262,14 +325,19 @@ class Joined:
     def __init__(self, config: RankGroupConfig) -> None:
         self.config = config
         self.readiness: list[bool] = []
-        self.group = RankGroup(config, StepSpec("tests.common.test_ranks_steps:EchoStep", Value, Value(0)),
-                               on_ready_change=self.readiness.append)
+        self.group = RankGroup(
+            config,
+            StepSpec("tests.common.test_ranks_steps:EchoStep", Value, Value(0)),
+            on_ready_change=self.readiness.append,
+        )
         self.ranks: list[FakeRank] = []
 
     async def form(self, token: str = "") -> list[Setup]:
         """Start the group (first time) or wait for its re-form, with fresh fake ranks."""
-        self.ranks = [FakeRank(self.config.control_addr, r, self.config.world_size, token)
-                      for r in range(self.config.world_size)]
+        self.ranks = [
+            FakeRank(self.config.control_addr, r, self.config.world_size, token)
+            for r in range(self.config.world_size)
+        ]
         if self.group.state.value == "forming" and not self.readiness:
             start = asyncio.ensure_future(self.group.start())
             setups = await asyncio.gather(*(asyncio.to_thread(r.join) for r in self.ranks))
@@ -307,7 +375,10 @@ async def test_joined_ranks_get_their_setup_and_every_step_in_order(joined: Join
     setups = await joined.form()
     assert setups[0] == setups[1]
     assert (setups[0].step_target, setups[0].first_step, setups[0].store_host) == (
-        "tests.common.test_ranks_steps:EchoStep", 1, "")
+        "tests.common.test_ranks_steps:EchoStep",
+        1,
+        "",
+    )
     assert joined.readiness == [True]
     futures = [joined.group.submit(Value(v)) for v in (10, 20)]
     for expected_step, value in ((1, 10), (2, 20)):  # the second waits until the first is answered
@@ -316,7 +387,10 @@ async def test_joined_ranks_get_their_setup_and_every_step_in_order(joined: Join
         assert msgspec.msgpack.decode(requests[0].payload, type=Value) == Value(value)
         for rank, request in zip(joined.ranks, requests, strict=True):
             rank.answer(request, Value(value + rank.rank))
-    assert [await asyncio.wrap_future(f) for f in futures] == [[Value(10), Value(11)], [Value(20), Value(21)]]
+    assert [await asyncio.wrap_future(f) for f in futures] == [
+        [Value(10), Value(11)],
+        [Value(20), Value(21)],
+    ]
 
 
 @pytest.mark.parametrize("joined", [(1, {})], indirect=True)
@@ -326,7 +400,9 @@ async def test_garbage_from_a_rank_fails_that_step_and_the_leader_serves_on(join
     future = joined.group.submit(Value(1))
     request = await asyncio.to_thread(rank.next_step)
     rank.send_raw(b"\xff\x00 not msgpack")
-    with pytest.raises(StepFailedError, match=r"^rank 0 sent a malformed control message during step 1: "):
+    with pytest.raises(
+        StepFailedError, match=r"^rank 0 sent a malformed control message during step 1: "
+    ):
         await asyncio.wrap_future(future)
     rank.answer(request, Value(1))  # late: dropped, not taken for step 2
     future = joined.group.submit(Value(2))
@@ -357,8 +433,15 @@ async def test_an_agreed_failure_reaches_the_caller_as_its_class(joined: Joined)
     text = "step 1 failed on rank 1: CapacityError: no pages"
     for rank in joined.ranks:
         request = await asyncio.to_thread(rank.next_step)
-        rank.send(StepReply(step=request.step, rank=rank.rank, status=StepStatus.FAILED, error=text,
-                            error_type="CapacityError"))
+        rank.send(
+            StepReply(
+                step=request.step,
+                rank=rank.rank,
+                status=StepStatus.FAILED,
+                error=text,
+                error_type="CapacityError",
+            )
+        )
     with pytest.raises(CapacityError) as caught:
         await asyncio.wrap_future(future)
     assert caught.value.message == text and joined.group.is_ready
@@ -369,9 +452,17 @@ async def test_a_broken_rank_fail_stops_the_group_which_reforms_and_serves(joine
     future = joined.group.submit(Value(1))
     requests = [await asyncio.to_thread(r.next_step) for r in joined.ranks]
     joined.ranks[0].answer(requests[0], Value(1))
-    joined.ranks[1].send(StepReply(step=1, rank=1, status=StepStatus.BROKEN,
-                                   error="rank 1: status exchange of step 1 failed: timed out"))
-    with pytest.raises(UnavailableError, match="rank 1: status exchange of step 1 failed: timed out"):
+    joined.ranks[1].send(
+        StepReply(
+            step=1,
+            rank=1,
+            status=StepStatus.BROKEN,
+            error="rank 1: status exchange of step 1 failed: timed out",
+        )
+    )
+    with pytest.raises(
+        UnavailableError, match="rank 1: status exchange of step 1 failed: timed out"
+    ):
         await asyncio.wrap_future(future)
     assert joined.readiness == [True, False] and not joined.group.is_ready
     for rank in joined.ranks:  # the old generation is told to leave
@@ -395,23 +486,35 @@ async def test_a_missed_deadline_fail_stops_naming_the_late_rank(joined: Joined)
     start = asyncio.get_running_loop().time()
     future = joined.group.submit(Value(1))
     request = await asyncio.to_thread(joined.ranks[0].next_step)
-    joined.ranks[0].send(Executed(step=request.step, rank=0))  # rank 0 waits in the exchange; rank 1 is silent
-    with pytest.raises(UnavailableError, match=r"rank 1 did not finish step 1 within its 0.5 s deadline"):
+    joined.ranks[0].send(
+        Executed(step=request.step, rank=0)
+    )  # rank 0 waits in the exchange; rank 1 is silent
+    with pytest.raises(
+        UnavailableError, match=r"rank 1 did not finish step 1 within its 0.5 s deadline"
+    ):
         await asyncio.wrap_future(future)
     assert asyncio.get_running_loop().time() - start < 0.5 + 1.0
     assert joined.readiness == [True, False]
 
 
-@pytest.mark.parametrize("joined", [(1, {"max_restart_attempts": 1, "start_timeout_s": 0.3})], indirect=True)
+@pytest.mark.parametrize(
+    "joined", [(1, {"max_restart_attempts": 1, "start_timeout_s": 0.3})], indirect=True
+)
 async def test_re_forms_are_bounded(joined: Joined) -> None:
     await joined.form()
     future = joined.group.submit(Value(1))
     request = await asyncio.to_thread(joined.ranks[0].next_step)
-    joined.ranks[0].send(StepReply(step=request.step, rank=0, status=StepStatus.BROKEN, error="rank 0: gone"))
+    joined.ranks[0].send(
+        StepReply(step=request.step, rank=0, status=StepStatus.BROKEN, error="rank 0: gone")
+    )
     with pytest.raises(UnavailableError):
         await asyncio.wrap_future(future)
-    await wait_for(lambda: joined.group.state.value == "failed")  # nobody re-joined within start_timeout_s
-    with pytest.raises(UnavailableError, match="failed for good after: the group did not form within 0.3 s"):
+    await wait_for(
+        lambda: joined.group.state.value == "failed"
+    )  # nobody re-joined within start_timeout_s
+    with pytest.raises(
+        UnavailableError, match="failed for good after: the group did not form within 0.3 s"
+    ):
         await joined.group.step(Value(2))
 
 
@@ -432,8 +535,14 @@ async def test_a_rank_that_fails_to_start_fails_the_start_naming_it(joined: Join
     start = asyncio.ensure_future(joined.group.start())
     ranks[0].hello()
     ranks[1].hello()
-    ranks[1].send(StartFailed(rank=1, generation=-1, stage=StartStage.CONSTRUCT, error="MemoryError: no memory"))
-    with pytest.raises(RankStartError, match=r"rank 1 \(cpu\) failed to start at construct: MemoryError: no memory"):
+    ranks[1].send(
+        StartFailed(
+            rank=1, generation=-1, stage=StartStage.CONSTRUCT, error="MemoryError: no memory"
+        )
+    )
+    with pytest.raises(
+        RankStartError, match=r"rank 1 \(cpu\) failed to start at construct: MemoryError: no memory"
+    ):
         await start
     assert joined.readiness == [] and joined.group.state.value == "stopped"
 

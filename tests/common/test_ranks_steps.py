@@ -95,7 +95,10 @@ class EchoStep(BaseRankStep):
             os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(payload.sleep_s)
         totals = []
-        for group, device in ((self.ctx.device_group, self.ctx.device), (self.ctx.cpu_group, "cpu")):
+        for group, device in (
+            (self.ctx.device_group, self.ctx.device),
+            (self.ctx.cpu_group, "cpu"),
+        ):
             value = torch.tensor([payload.value], device=device)
             dist.all_reduce(value, group=group)
             totals.append(int(value.item()))
@@ -105,8 +108,17 @@ class EchoStep(BaseRankStep):
             raise CapacityError("injected: no pages left")
         if payload.wrong_result_on_rank == rank:
             return Garbage(junk="not an EchoResult")
-        return EchoResult(step, rank, self.ctx.world_size, payload.value, totals[0], totals[1],
-                          self.num_executed, self.last_error, os.getpid())
+        return EchoResult(
+            step,
+            rank,
+            self.ctx.world_size,
+            payload.value,
+            totals[0],
+            totals[1],
+            self.num_executed,
+            self.last_error,
+            os.getpid(),
+        )
 
     def on_failed(self, step: int, error: str) -> None:
         self.last_error = error
@@ -124,7 +136,9 @@ class FakeChannel:
 @pytest.fixture(scope="module")
 def world_of_one(tmp_path_factory):
     store = dist.FileStore(str(tmp_path_factory.mktemp("gloo") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=5))
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=5)
+    )
     try:
         yield dist.group.WORLD
     finally:
@@ -133,8 +147,15 @@ def world_of_one(tmp_path_factory):
 
 def make_loop(group) -> tuple[RankLoop, FakeChannel]:
     ctx = RankContext(0, 1, "cpu", group, group, 5.0)
-    setup = Setup(step_target=TARGET, init=encode_raw(EchoInit()), first_step=7, store_host="", store_port=0,
-                  collective_timeout_s=5.0, leader_timeout_s=10.0)
+    setup = Setup(
+        step_target=TARGET,
+        init=encode_raw(EchoInit()),
+        first_step=7,
+        store_host="",
+        store_port=0,
+        collective_timeout_s=5.0,
+        leader_timeout_s=10.0,
+    )
     channel = FakeChannel()
     return RankLoop(channel, EchoStep(ctx, EchoInit()), group, 0, setup, 0), channel  # type: ignore[arg-type]
 
@@ -160,7 +181,9 @@ def test_a_raising_step_fails_with_the_agreed_text_and_the_next_succeeds(world_o
     assert failed.error_type == ""
     ok = loop.run_step(request(8, EchoPayload(value=2)))
     assert ok.status is StepStatus.OK
-    assert msgspec.msgpack.decode(ok.result, type=EchoResult).last_error == failed.error  # on_failed ran
+    assert (
+        msgspec.msgpack.decode(ok.result, type=EchoResult).last_error == failed.error
+    )  # on_failed ran
 
 
 def test_a_stageserve_error_keeps_its_class_name(world_of_one) -> None:
@@ -173,12 +196,19 @@ def test_a_stageserve_error_keeps_its_class_name(world_of_one) -> None:
 @pytest.mark.parametrize(
     ("payload", "expected"),
     [
-        (Garbage(junk="x"), "step 7 failed on rank 0: malformed step payload: Object missing required field `value`"),
-        (EchoPayload(value=1, wrong_result_on_rank=0),
-         "step 7 failed on rank 0: execute returned Garbage, expected EchoResult"),
+        (
+            Garbage(junk="x"),
+            "step 7 failed on rank 0: malformed step payload: Object missing required field `value`",
+        ),
+        (
+            EchoPayload(value=1, wrong_result_on_rank=0),
+            "step 7 failed on rank 0: execute returned Garbage, expected EchoResult",
+        ),
     ],
 )
-def test_a_payload_or_result_of_the_wrong_shape_fails_the_step(world_of_one, payload, expected) -> None:
+def test_a_payload_or_result_of_the_wrong_shape_fails_the_step(
+    world_of_one, payload, expected
+) -> None:
     loop, _ = make_loop(world_of_one)
     reply = loop.run_step(request(7, payload))
     assert (reply.status, reply.error) == (StepStatus.FAILED, expected)

@@ -59,7 +59,9 @@ def agree(statuses: Sequence[RankStatus], step: int) -> RankStatus | None:
     text = f"step {step} failed on rank {first.rank}: {first.error}"
     if len(failed) > 1:
         text += f" (ranks {', '.join(str(s.rank) for s in failed[1:])} failed too)"
-    return RankStatus(step=step, rank=first.rank, is_ok=False, error=text, error_type=first.error_type)
+    return RankStatus(
+        step=step, rank=first.rank, is_ok=False, error=text, error_type=first.error_type
+    )
 
 
 def exchange(group: ProcessGroup, status: RankStatus, timeout_s: float) -> list[RankStatus]:

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from services.common.ranks.messages import ToLeader, ToRank, decode_to_leader, decode_to_rank, encode
+from services.common.ranks.messages import (
+    ToLeader,
+    ToRank,
+    decode_to_leader,
+    decode_to_rank,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 RANK_LINGER_MS = 2000  # a rank's last words (StartFailed, a BROKEN reply) get out before it exits

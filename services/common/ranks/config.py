@@ -24,7 +24,9 @@ class StepSpec:
     """The step every rank runs, and the types the leader needs of it."""
 
     target: str  # "package.module:ClassName", a BaseRankStep subclass, imported by each rank
-    result_type: type[msgspec.Struct]  # that class's result_type: the leader decodes replies with it
+    result_type: type[
+        msgspec.Struct
+    ]  # that class's result_type: the leader decodes replies with it
     init: msgspec.Struct  # that class's init_type instance, handed to its constructor on every rank
 
     def __post_init__(self) -> None:
@@ -57,14 +59,24 @@ class RankGroupConfig:
     def __post_init__(self) -> None:
         self._check_ranks()
         self._check_control_addr()
-        for field in ("step_timeout_s", "start_timeout_s", "collective_timeout_s", "heartbeat_s",
-                      "leader_timeout_s", "restart_backoff_s", "stop_grace_s", "watchdog_s"):
+        for field in (
+            "step_timeout_s",
+            "start_timeout_s",
+            "collective_timeout_s",
+            "heartbeat_s",
+            "leader_timeout_s",
+            "restart_backoff_s",
+            "stop_grace_s",
+            "watchdog_s",
+        ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
         if self.max_restart_attempts < 0:
             raise ValueError(f"max_restart_attempts must be >= 0, got {self.max_restart_attempts}")
         if self.leader_timeout_s <= self.heartbeat_s:
-            raise ValueError("leader_timeout_s must exceed heartbeat_s (ranks would leave an idle leader)")
+            raise ValueError(
+                "leader_timeout_s must exceed heartbeat_s (ranks would leave an idle leader)"
+            )
 
     @property
     def num_ranks(self) -> int:
@@ -75,14 +87,18 @@ class RankGroupConfig:
             if not self.devices:
                 raise ValueError("spawn mode needs at least one device (e.g. devices=('cpu',))")
             if self.world_size not in (0, len(self.devices)):
-                raise ValueError(f"spawn mode: world_size is len(devices)={len(self.devices)}; "
-                                 f"leave it 0, got {self.world_size}")
+                raise ValueError(
+                    f"spawn mode: world_size is len(devices)={len(self.devices)}; "
+                    f"leave it 0, got {self.world_size}"
+                )
             bad = [d for d in self.devices if not _DEVICE.match(d)]
             if bad:
                 raise ValueError(f"devices must be 'cpu' or 'cuda:N', got {bad}")
         else:
             if self.devices:
-                raise ValueError("join mode: each rank names its own device (--device); leave devices empty")
+                raise ValueError(
+                    "join mode: each rank names its own device (--device); leave devices empty"
+                )
             if self.world_size < 1:
                 raise ValueError(f"join mode needs world_size >= 1, got {self.world_size}")
 
@@ -101,4 +117,6 @@ class RankGroupConfig:
         if host in _WILDCARD_HOSTS:
             raise ValueError(f"control_addr {addr!r}: bind a named interface, never a wildcard")
         if self.mode is RankMode.SPAWN and host not in _LOOPBACK_HOSTS:
-            raise ValueError(f"spawn mode: control_addr {addr!r} must be loopback (the ranks are local)")
+            raise ValueError(
+                f"spawn mode: control_addr {addr!r} must be loopback (the ranks are local)"
+            )

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from services.common.ranks.channel import LeaderChannel
 from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
-from services.common.ranks.messages import Hello, Setup, Shutdown, encode_raw
+from services.common.ranks.messages import Hello, Setup, Shutdown, StartFailed, encode_raw
 from services.common.ranks.procs import RankLaunch, RankProcess, kill_all, stop_all
+
+EXIT_GRACE_S = 0.5  # a rank that exits while starting gets this long for its StartFailed to arrive
 
 
 def describe_exit(code: int) -> str:
@@ -57,8 +59,14 @@ class Generation:
         """Start one process per rank (spawn mode); raises OSError."""
         assert self.is_spawn
         for slot in self.slots:
-            launch = RankLaunch(control_addr, self.number, slot.rank, len(self.slots), slot.device,
-                                self.config.start_timeout_s)
+            launch = RankLaunch(
+                control_addr,
+                self.number,
+                slot.rank,
+                len(self.slots),
+                slot.device,
+                self.config.start_timeout_s,
+            )
             slot.process = RankProcess(launch)
 
     def rank_of(self, peer: bytes) -> int | None:
@@ -69,7 +77,9 @@ class Generation:
         if not hmac.compare_digest(hello.token.encode(), self.config.internal_token.encode()):
             return "its internal token does not match"
         if hello.world_size != len(self.slots) or not 0 <= hello.rank < len(self.slots):
-            return f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.slots)}"
+            return (
+                f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.slots)}"
+            )
         expected = self.number if self.is_spawn else -1
         if hello.generation != expected:
             return f"generation {hello.generation}, expected {expected}"
@@ -78,6 +88,50 @@ class Generation:
             return "that rank has joined already"
         if slot.process is not None and slot.process.pid != hello.pid:
             return f"rank {hello.rank} is pid {slot.process.pid}"
+        return None
+
+    def take_hello(self, peer: bytes, hello: Hello) -> str | None:
+        """Give ``hello``'s rank its slot; or why it cannot have it (the caller refuses it)."""
+        problem = self.hello_problem(hello)
+        if problem is None:
+            self.accept(peer, hello)
+        return problem
+
+    def start_failure(self, failed: StartFailed) -> str | None:
+        """This generation's failure for ``failed``; None when it is another generation's."""
+        if self.is_spawn and failed.generation != self.number:
+            return None
+        if 0 <= failed.rank < len(self.slots):
+            who = self.slots[failed.rank].who
+        else:
+            who = "a joining rank (before it knew its rank)"
+        return f"{who} failed to start at {failed.stage.value}: {failed.error}"
+
+    def mark_ready(self, rank: int) -> bool:
+        """Whether every rank is ready now."""
+        self.slots[rank].is_ready = True
+        return self.is_ready()
+
+    def next_timer_mono(self) -> float:
+        """When ``forming_failure`` may next have news."""
+        exits = [
+            s.exited_at_mono + EXIT_GRACE_S for s in self.slots if s.exited_at_mono is not None
+        ]
+        return min([self.deadline_mono, *exits])
+
+    def forming_failure(self, now: float) -> str | None:
+        """Why forming has failed by ``now`` (a rank exited, the deadline passed), or None."""
+        for slot in self.slots:
+            if slot.exited_at_mono is not None and now >= slot.exited_at_mono + EXIT_GRACE_S:
+                return f"{slot.who} exited during start-up{self.exit_text(slot)}"
+        return self.forming_timeout_reason() if now >= self.deadline_mono else None
+
+    def exit_cause(self, step: int | None) -> str | None:
+        """A spawned rank that has exited (lowest first), as a fail-stop reason; or None."""
+        for slot in self.slots:
+            if slot.process is not None and slot.process.exit_code() is not None:
+                during = f" during step {step}" if step is not None else ""
+                return f"{slot.who} exited{self.exit_text(slot)}{during}"
         return None
 
     def accept(self, peer: bytes, hello: Hello) -> None:
@@ -109,18 +163,15 @@ class Generation:
 
     def exit_watch(self) -> dict[int, Slot]:
         """pidfd -> slot of every spawned process not yet seen exiting."""
-        return {s.process.exit_fd: s for s in self.slots if s.process is not None and s.exited_at_mono is None}
+        return {
+            s.process.exit_fd: s
+            for s in self.slots
+            if s.process is not None and s.exited_at_mono is None
+        }
 
     def exit_text(self, slot: Slot) -> str:
         code = slot.process.exit_code() if slot.process is not None else None
         return f" with {describe_exit(code)}" if code is not None else ""
-
-    def first_exited(self) -> Slot | None:
-        """A rank whose process has exited (spawn), lowest rank first."""
-        for slot in self.slots:
-            if slot.process is not None and slot.process.exit_code() is not None:
-                return slot
-        return None
 
     def forming_timeout_reason(self) -> str:
         no_hello = [s.rank for s in self.slots if s.peer is None]

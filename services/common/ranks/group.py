@@ -16,16 +16,15 @@ The leader imports no torch and touches no device.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import msgspec
 
-from services.common.progress import ProgressWatchdog
 from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.handover import Results
 from services.common.ranks.messages import encode_raw
-from services.common.ranks.supervisor import GroupState, Results, Supervisor
+from services.common.ranks.supervisor import GroupState, Supervisor
 
 
 def _ignore(is_ready: bool) -> None:
@@ -44,19 +43,13 @@ class RankGroup:
     ) -> None:
         self.config = config
         self.num_ranks = config.num_ranks
-        watchdog_s = config.watchdog_s
-        # Ticked for the leader loop (a step sent, a step done) and for each rank (it executed, it replied).
-        self._supervisor: Supervisor
-        self.progress = ProgressWatchdog(
-            f"{config.name} leader", watchdog_s, lambda: self._supervisor.has_work(),
-            is_alive=lambda: self._thread.is_alive() or not self._is_started,
-        )
-        self.rank_progress = tuple(
-            ProgressWatchdog(f"{config.name} rank {rank}", watchdog_s, lambda: self._supervisor.is_step_in_flight())
-            for rank in range(self.num_ranks)
-        )
-        self._supervisor = Supervisor(config, spec, on_ready_change, self.progress, self.rank_progress)
-        self._thread = threading.Thread(target=self._supervisor.run, name=f"{config.name}-supervisor", daemon=True)
+        self._supervisor = Supervisor(config, spec, on_ready_change)
+        self.progress = (
+            self._supervisor.progress
+        )  # the leader loop: ticks when a step is sent and done
+        self.rank_progress = (
+            self._supervisor.rank_progress
+        )  # each rank: ticks when it executed, replied
         self._is_started = False
 
     @property
@@ -81,7 +74,7 @@ class RankGroup:
         """Form the first generation; on failure stop everything and raise ``RankStartError``."""
         assert not self._is_started, "start a rank group once"
         self._is_started = True
-        self._thread.start()
+        self._supervisor.start()
         try:
             await asyncio.wrap_future(self._supervisor.started)
         except BaseException:
@@ -106,11 +99,7 @@ class RankGroup:
         self.progress.stop()
         for watchdog in self.rank_progress:
             watchdog.stop()
-        self._supervisor.request_stop()
-        if self._is_started:
-            self._thread.join()
-        else:
-            self._supervisor.finish()
+        self._supervisor.stop()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.stop)

@@ -34,14 +34,23 @@ class RankLaunch:
 
     def argv(self) -> list[str]:
         return [
-            sys.executable, "-m", RANK_MAIN,
-            "--leader", self.control_addr,
-            "--generation", str(self.generation),
-            "--rank", str(self.rank),
-            "--world-size", str(self.world_size),
-            "--device", self.device,
-            "--parent-pid", str(os.getpid()),
-            "--rendezvous-timeout-s", str(self.rendezvous_timeout_s),
+            sys.executable,
+            "-m",
+            RANK_MAIN,
+            "--leader",
+            self.control_addr,
+            "--generation",
+            str(self.generation),
+            "--rank",
+            str(self.rank),
+            "--world-size",
+            str(self.world_size),
+            "--device",
+            self.device,
+            "--parent-pid",
+            str(os.getpid()),
+            "--rendezvous-timeout-s",
+            str(self.rendezvous_timeout_s),
         ]
 
 
@@ -69,7 +78,9 @@ class RankProcess:
         try:
             self._popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            logger.error("rank %d (pid %d) did not exit %.0f s after SIGKILL", self.rank, self.pid, timeout_s)
+            logger.error(
+                "rank %d (pid %d) did not exit %.0f s after SIGKILL", self.rank, self.pid, timeout_s
+            )
         if self.exit_fd >= 0:
             os.close(self.exit_fd)
             self.exit_fd = -1
@@ -90,4 +101,3 @@ def kill_all(processes: Sequence[RankProcess]) -> None:
         process.kill()
     for process in processes:
         process.reap()
-

@@ -79,7 +79,9 @@ class StepWatchdog:
             time.sleep(POLL_S)
             deadline = self._deadline_mono
             if deadline is not None and time.monotonic() > deadline + STUCK_EXIT_GRACE_S:
-                logger.critical("a step is %.1f s past its deadline: exiting", time.monotonic() - deadline)
+                logger.critical(
+                    "a step is %.1f s past its deadline: exiting", time.monotonic() - deadline
+                )
                 sys.stderr.flush()
                 os._exit(LoopExit.STUCK)
 
@@ -121,11 +123,16 @@ class RankLoop:
             if isinstance(message, Setup):
                 logger.error("ignored a second Setup from the leader (a bug)")
                 continue
-            timeout_s = message.timeout_s if isinstance(message, StepRequest) else self.setup.collective_timeout_s
+            timeout_s = (
+                message.timeout_s
+                if isinstance(message, StepRequest)
+                else self.setup.collective_timeout_s
+            )
             watchdog.arm(now + timeout_s)
             reply = self.run_step(message)
             self.channel.send(reply)
             watchdog.disarm()
+            last_heard_s = time.monotonic()  # the leader does not ping a rank busy with its step
             if reply.status is StepStatus.BROKEN:
                 logger.error("leaving the group: %s", reply.error)
                 return LoopExit.BROKEN
@@ -134,8 +141,12 @@ class RankLoop:
         start_s = time.monotonic()
         if isinstance(message, Malformed):  # it stood where the next step was due
             step, timeout_s = self._next_step, self.setup.collective_timeout_s
-            logger.error("malformed control message where step %d was due: %s", step, message.reason)
-            status, result = self._failed(step, f"malformed control message from the leader: {message.reason}")
+            logger.error(
+                "malformed control message where step %d was due: %s", step, message.reason
+            )
+            status, result = self._failed(
+                step, f"malformed control message from the leader: {message.reason}"
+            )
         else:
             step, timeout_s = message.step, message.timeout_s
             status, result = self._execute(step, message.payload)
@@ -156,7 +167,11 @@ class RankLoop:
             cause = f"rank {self.rank}: on_failed of step {step} raised {error_text(exc)}"
             return StepReply(step=step, rank=self.rank, status=StepStatus.BROKEN, error=cause)
         return StepReply(
-            step=step, rank=self.rank, status=StepStatus.FAILED, error=agreed.error, error_type=agreed.error_type
+            step=step,
+            rank=self.rank,
+            status=StepStatus.FAILED,
+            error=agreed.error,
+            error_type=agreed.error_type,
         )
 
     def _execute(self, step: int, raw: msgspec.Raw) -> tuple[RankStatus, msgspec.Raw]:
@@ -174,14 +189,20 @@ class RankLoop:
             return self._failed(step, error_text(exc), error_type)
         if not isinstance(result, cls.result_type):
             expected = cls.result_type.__name__
-            return self._failed(step, f"execute returned {type(result).__name__}, expected {expected}")
+            return self._failed(
+                step, f"execute returned {type(result).__name__}, expected {expected}"
+            )
         try:
             return RankStatus(step=step, rank=self.rank, is_ok=True), encode_raw(result)
         except (TypeError, msgspec.EncodeError) as exc:
             return self._failed(step, f"result does not encode: {error_text(exc)}")
 
-    def _failed(self, step: int, error: str, error_type: str = "") -> tuple[RankStatus, msgspec.Raw]:
-        return RankStatus(step=step, rank=self.rank, is_ok=False, error=cut(error), error_type=error_type), NIL
+    def _failed(
+        self, step: int, error: str, error_type: str = ""
+    ) -> tuple[RankStatus, msgspec.Raw]:
+        return RankStatus(
+            step=step, rank=self.rank, is_ok=False, error=cut(error), error_type=error_type
+        ), NIL
 
     def _is_orphaned(self, silent_s: float) -> bool:
         if self.parent_pid and os.getppid() != self.parent_pid:

@@ -28,7 +28,15 @@ import torch.distributed as dist
 
 from services.common.envs import Envs
 from services.common.ranks.channel import Malformed, RankChannel
-from services.common.ranks.messages import Hello, Ready, Setup, Shutdown, StartFailed, StartStage, error_text
+from services.common.ranks.messages import (
+    Hello,
+    Ready,
+    Setup,
+    Shutdown,
+    StartFailed,
+    StartStage,
+    error_text,
+)
 from services.common.ranks.rank_loop import LoopExit, RankLoop
 from services.common.ranks.step import BaseRankStep, RankContext
 
@@ -50,8 +58,12 @@ class RankArgs:
 
 def parse_args(argv: list[str] | None = None) -> RankArgs:
     p = argparse.ArgumentParser(prog="rank_main", description=__doc__.splitlines()[0])
-    p.add_argument("--leader", required=True, help="the leader's control address (ipc:// or tcp://)")
-    p.add_argument("--join", action="store_true", help="join through env:// (RANK, WORLD_SIZE, MASTER_*)")
+    p.add_argument(
+        "--leader", required=True, help="the leader's control address (ipc:// or tcp://)"
+    )
+    p.add_argument(
+        "--join", action="store_true", help="join through env:// (RANK, WORLD_SIZE, MASTER_*)"
+    )
     p.add_argument("--generation", type=int, default=-1)
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--world-size", type=int, default=0)
@@ -62,8 +74,17 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
     a = p.parse_args(argv)
     if not a.join and not 0 <= a.rank < a.world_size:
         p.error("spawn mode needs --rank R --world-size W with 0 <= R < W (or --join)")
-    return RankArgs(a.leader, a.join, a.generation, a.rank, a.world_size, a.device, a.parent_pid,
-                    a.rendezvous_timeout_s, a.log_level)
+    return RankArgs(
+        a.leader,
+        a.join,
+        a.generation,
+        a.rank,
+        a.world_size,
+        a.device,
+        a.parent_pid,
+        a.rendezvous_timeout_s,
+        a.log_level,
+    )
 
 
 class _StartFailure(Exception):
@@ -137,17 +158,33 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
     rank, world_size, store = args.rank, args.world_size, None
     if args.is_join:
         with _stage(StartStage.RENDEZVOUS, rank):
-            dist.init_process_group("gloo", init_method="env://", timeout=_timeout(args.rendezvous_timeout_s))
+            dist.init_process_group(
+                "gloo", init_method="env://", timeout=_timeout(args.rendezvous_timeout_s)
+            )
             rank, world_size = dist.get_rank(), dist.get_world_size()
     with _stage(StartStage.DEVICE, rank):
         bind_device(args.device)
     if not args.is_join and rank == 0:
         with _stage(StartStage.RENDEZVOUS, rank):
-            store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=_timeout(args.rendezvous_timeout_s))
-    channel.send(Hello(rank=rank, world_size=world_size, generation=args.generation, pid=os.getpid(),
-                       device=args.device, store_port=store.port if store is not None else 0,
-                       token=Envs.from_environ().internal_token))
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_timeout(args.rendezvous_timeout_s),
+            )
+    channel.send(
+        Hello(
+            rank=rank,
+            world_size=world_size,
+            generation=args.generation,
+            pid=os.getpid(),
+            device=args.device,
+            store_port=store.port if store is not None else 0,
+            token=Envs.from_environ().internal_token,
+        )
+    )
     with _stage(StartStage.SETUP, rank):
         setup = _await_setup(channel, args.rendezvous_timeout_s)
     with _stage(StartStage.IMPORT, rank):  # before the rendezvous: a bad target fails at once
@@ -155,14 +192,26 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
     if not args.is_join:
         with _stage(StartStage.RENDEZVOUS, rank):
             if store is None:
-                store = dist.TCPStore(setup.store_host, setup.store_port, world_size, is_master=False,
-                                      timeout=_timeout(args.rendezvous_timeout_s))
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=_timeout(setup.collective_timeout_s))
+                store = dist.TCPStore(
+                    setup.store_host,
+                    setup.store_port,
+                    world_size,
+                    is_master=False,
+                    timeout=_timeout(args.rendezvous_timeout_s),
+                )
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=_timeout(setup.collective_timeout_s),
+            )
     return _Started(rank, setup, _build_step(cls, args.device, rank, world_size, setup))
 
 
-def _build_step(cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup) -> BaseRankStep:
+def _build_step(
+    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
+) -> BaseRankStep:
     with _stage(StartStage.GROUPS, rank):
         cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
     ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
@@ -172,7 +221,9 @@ def _build_step(cls: type[BaseRankStep], device: str, rank: int, world_size: int
         with _stage(StartStage.WARMUP, rank):
             step_fn.warmup()
         with _stage(StartStage.BARRIER, rank):  # names every rank that did not come
-            dist.monitored_barrier(timeout=_timeout(setup.collective_timeout_s), wait_all_ranks=True)
+            dist.monitored_barrier(
+                timeout=_timeout(setup.collective_timeout_s), wait_all_ranks=True
+            )
     except _StartFailure:
         step_fn.close()
         raise
@@ -190,8 +241,11 @@ class _RankField(logging.Filter):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank_field = _RankField()
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s rank %(rank)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s rank %(rank)s %(name)s: %(message)s",
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(rank_field)
     rank_field.rank = str(args.rank) if args.rank >= 0 else "?"
@@ -201,12 +255,20 @@ def main(argv: list[str] | None = None) -> int:
             started = _start(args, channel)
         except _StartFailure as failure:
             logger.error("start-up failed at %s", failure.stage.value, exc_info=failure.cause)
-            channel.send(StartFailed(rank=failure.rank, generation=args.generation, stage=failure.stage,
-                                     error=error_text(failure.cause)))
+            channel.send(
+                StartFailed(
+                    rank=failure.rank,
+                    generation=args.generation,
+                    stage=failure.stage,
+                    error=error_text(failure.cause),
+                )
+            )
             return int(LoopExit.BROKEN)
         rank_field.rank = str(started.rank)
         channel.send(Ready(rank=started.rank))
-        loop = RankLoop(channel, started.step_fn, dist.group.WORLD, started.rank, started.setup, args.parent_pid)
+        loop = RankLoop(
+            channel, started.step_fn, dist.group.WORLD, started.rank, started.setup, args.parent_pid
+        )
         exit_code = loop.serve()
         started.step_fn.close()
         if exit_code is LoopExit.SHUTDOWN:  # a broken group's collectives may never return

@@ -13,7 +13,7 @@ Lifecycle of a generation (one formation of the group):
            forms: new processes, a new rendezvous. Steps submitted meanwhile fail at once.
   BACKOFF -> FORMING (join mode: at once when a rank says Hello); FAILED after
            ``max_restart_attempts`` consecutive failed re-forms.
-  STOPPED  after ``request_stop``: queued and in-flight steps fail, ranks get Shutdown,
+  STOPPED  after ``stop``: queued and in-flight steps fail, ranks get Shutdown,
            the ones still running after ``stop_grace_s`` are killed; all are reaped.
 Callers hand steps over through a queue (and a wake-up pipe); results go back through
 ``concurrent.futures.Future``. Everything else here belongs to the supervisor thread.
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import msgspec
@@ -45,15 +46,20 @@ from services.common.ranks.messages import (
     Shutdown,
     StartFailed,
     StepReply,
-    StepRequest,
     StepStatus,
     ToLeader,
 )
-from services.common.ranks.outcome import InFlight
 from services.common.ranks.restarts import RestartPolicy
+from services.common.ranks.steps import StepRunner
 
 logger = logging.getLogger(__name__)
-EXIT_GRACE_S = 0.5  # a rank that exits while starting gets this long for its StartFailed to arrive
+
+
+class _Named(logging.LoggerAdapter):
+    def process(self, msg, kwargs):  # type: ignore[no-untyped-def]
+        return f"{self.extra['name']}: {msg}", kwargs  # type: ignore[index]
+
+
 MAX_POLL_S = 1.0
 
 
@@ -71,16 +77,28 @@ class Supervisor:
         config: RankGroupConfig,
         spec: StepSpec,
         on_ready_change: Callable[[bool], None],
-        progress: ProgressWatchdog,
-        rank_progress: Sequence[ProgressWatchdog],
     ) -> None:
         self.config = config
         self.spec = spec
         self.num_ranks = config.num_ranks
         self._on_ready_change = on_ready_change
-        self._progress = progress
-        self._rank_progress = tuple(rank_progress)
-        self._decoder = msgspec.msgpack.Decoder(spec.result_type)
+        self._log = _Named(logger, {"name": config.name})
+        self._thread = threading.Thread(
+            target=self._run, name=f"{config.name}-supervisor", daemon=True
+        )
+        # Ticked for the leader loop (a step sent, a step done) and for each rank (executed, replied).
+        self.progress = ProgressWatchdog(
+            f"{config.name} leader", config.watchdog_s, self.has_work, is_alive=self._is_alive
+        )
+        self.rank_progress = tuple(
+            ProgressWatchdog(
+                f"{config.name} rank {rank}", config.watchdog_s, self.is_step_in_flight
+            )
+            for rank in range(self.num_ranks)
+        )
+        self._steps = StepRunner(
+            self.num_ranks, spec.result_type, self.progress, self.rank_progress
+        )
         self._handover = StepHandover()
         self._is_stopping = False
         self._is_finished = False
@@ -92,8 +110,6 @@ class Supervisor:
         self._channel: LeaderChannel | None = None
         self._gen: Generation | None = None
         self._num_generations = 0
-        self._inflight: InFlight | None = None
-        self._next_step = 1
         self._restarts = RestartPolicy(config)
         self._restart_at_mono = 0.0
         self._last_ping_mono = 0.0
@@ -103,30 +119,43 @@ class Supervisor:
     def submit(self, payload: msgspec.Raw, timeout_s: float) -> Future[Results]:
         return self._handover.submit(payload, timeout_s)
 
-    def request_stop(self) -> None:
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (it shuts the ranks down) and wait for it; blocks."""
         self._is_stopping = True
         self._handover.wake()
+        if self._thread.ident is not None:  # started: it finishes on its way out
+            self._thread.join()
+        else:
+            self.finish()
+
+    def _is_alive(self) -> bool:
+        return self._thread.is_alive() or self._thread.ident is None  # not started is not dead
 
     def has_work(self) -> bool:
-        return self._inflight is not None or not self._handover.is_empty()
+        return self._steps.inflight is not None or not self._handover.is_empty()
 
     def is_step_in_flight(self) -> bool:
-        return self._inflight is not None
+        return self._steps.inflight is not None
 
     # --- the supervisor thread --------------------------------------------------------
-    def run(self) -> None:
+    def _run(self) -> None:
         try:
             try:
                 self._channel = LeaderChannel(self.config.control_addr)
             except zmq.ZMQError as exc:
-                raise RankStartError(f"{self.config.name}: cannot bind {self.config.control_addr}: {exc}") from exc
+                raise RankStartError(
+                    f"{self.config.name}: cannot bind {self.config.control_addr}: {exc}"
+                ) from exc
             self.control_addr = self._channel.addr
             self._begin_generation()
             while not self._is_stopping:
                 self._poll_once()
         except BaseException as exc:  # a bug here must still end every caller and every rank
             if not isinstance(exc, RankStartError):
-                logger.exception("%s: the supervisor failed", self.config.name)
+                self._log.exception("the supervisor failed")
             if not self.started.done():
                 self.started.set_exception(exc)
         finally:
@@ -158,12 +187,11 @@ class Supervisor:
         timers = [time.monotonic() + MAX_POLL_S]
         gen = self._gen
         if self.state is GroupState.FORMING and gen is not None:
-            timers.append(gen.deadline_mono)
-            timers += [s.exited_at_mono + EXIT_GRACE_S for s in gen.slots if s.exited_at_mono is not None]
+            timers.append(gen.next_timer_mono())
         elif self.state is GroupState.BACKOFF:
             timers.append(self._restart_at_mono)
-        if self._inflight is not None:
-            timers.append(self._inflight.deadline_mono)
+        if self._steps.inflight is not None:
+            timers.append(self._steps.inflight.deadline_mono)
         elif self.state is GroupState.READY:
             timers.append(self._last_ping_mono + self.config.heartbeat_s)
         return min(timers)
@@ -171,17 +199,15 @@ class Supervisor:
     def _on_timers(self, now: float) -> None:
         gen = self._gen
         if self.state is GroupState.FORMING and gen is not None:
-            for slot in gen.slots:
-                if slot.exited_at_mono is not None and now >= slot.exited_at_mono + EXIT_GRACE_S:
-                    self._generation_failed(f"{slot.who} exited during start-up{gen.exit_text(slot)}")
-                    return
-            if now >= gen.deadline_mono:
-                self._generation_failed(gen.forming_timeout_reason())
+            if (failure := gen.forming_failure(now)) is not None:
+                self._generation_failed(failure)
         elif self.state is GroupState.BACKOFF and now >= self._restart_at_mono:
             self._begin_generation()
-        elif self._inflight is not None and now >= self._inflight.deadline_mono:
-            self._fail_stop(self._inflight.deadline_reason())
-        elif self.state is GroupState.READY and now >= self._last_ping_mono + self.config.heartbeat_s:
+        elif self._steps.inflight is not None and now >= self._steps.inflight.deadline_mono:
+            self._fail_stop(self._steps.deadline_reason())
+        elif (
+            self.state is GroupState.READY and now >= self._last_ping_mono + self.config.heartbeat_s
+        ):
             self._ping(now)
 
     # --- messages ----------------------------------------------------------------------
@@ -194,28 +220,27 @@ class Supervisor:
         elif isinstance(message, StartFailed) and rank in (None, message.rank):
             self._on_start_failed(message)
         elif rank is None:
-            logger.warning("%s: dropped %s from an unknown peer", self.config.name, type(message).__name__)
+            self._log.warning("dropped %s from an unknown peer", type(message).__name__)
         elif message.rank != rank:
             self._on_malformed(rank, f"{type(message).__name__} claims rank {message.rank}")
         elif isinstance(message, Ready):
             self._on_ready(rank)
         elif isinstance(message, Executed):
-            self._on_executed(rank, message)
+            self._steps.on_executed(rank, message.step)
         elif isinstance(message, StepReply):
             self._on_reply(rank, message)
 
     def _on_malformed(self, rank: int | None, reason: str) -> None:
         if rank is None:
-            logger.warning("%s: dropped a malformed message from an unknown peer: %s", self.config.name, reason)
+            self._log.warning("dropped a malformed message from an unknown peer: %s", reason)
             return
-        logger.error("%s: rank %d sent a malformed control message: %s", self.config.name, rank, reason)
-        inflight = self._inflight
+        self._log.error("rank %d sent a malformed control message: %s", rank, reason)
         if self.state is GroupState.FORMING:
-            self._generation_failed(f"rank {rank} sent a malformed control message during start-up: {reason}")
-        elif inflight is not None and rank not in inflight.replies:
-            step = inflight.step
-            inflight.add(rank, f"rank {rank} sent a malformed control message during step {step}: {reason}")
-            self._maybe_finish()
+            self._generation_failed(
+                f"rank {rank} sent a malformed control message during start-up: {reason}"
+            )
+        else:
+            self._steps.on_malformed(rank, reason)
 
     def _on_hello(self, peer: bytes, hello: Hello) -> None:
         assert self._channel is not None
@@ -225,19 +250,18 @@ class Supervisor:
         if self.state is not GroupState.FORMING or gen is None:
             problem: str | None = f"the group is {self.state.value}, not forming"
         else:
-            problem = gen.hello_problem(hello)
+            problem = gen.take_hello(peer, hello)
         if problem is not None:
-            logger.warning("%s: refused the Hello of rank %d (pid %d): %s",
-                           self.config.name, hello.rank, hello.pid, problem)
-            self._channel.send(peer, Shutdown(step=self._next_step - 1))
-            return
-        assert gen is not None
-        gen.accept(peer, hello)
-        self._send_setups(gen)
+            self._log.warning(
+                "refused the Hello of rank %d (pid %d): %s", hello.rank, hello.pid, problem
+            )
+            self._channel.send(peer, Shutdown(step=self._steps.last_step))
+        elif gen is not None:
+            self._send_setups(gen)
 
     def _send_setups(self, gen: Generation) -> None:
         assert self._channel is not None
-        setup = gen.setup(self.spec, self._next_step)
+        setup = gen.setup(self.spec, self._steps.next_step)
         for slot in gen.needing_setup():
             assert slot.peer is not None
             if not self._channel.send(slot.peer, setup):
@@ -247,37 +271,29 @@ class Supervisor:
 
     def _on_start_failed(self, failed: StartFailed) -> None:
         gen = self._gen
-        is_current = gen is not None and (not gen.is_spawn or failed.generation == gen.number)
-        if self.state is not GroupState.FORMING or gen is None or not is_current:
-            logger.warning("%s: stale start failure of rank %d: %s", self.config.name, failed.rank, failed.error)
-            return
-        in_range = 0 <= failed.rank < len(gen.slots)
-        who = gen.slots[failed.rank].who if in_range else "a joining rank (before it knew its rank)"
-        self._generation_failed(f"{who} failed to start at {failed.stage.value}: {failed.error}")
+        failure = gen.start_failure(failed) if gen is not None else None
+        if self.state is not GroupState.FORMING or failure is None:
+            self._log.warning("stale start failure of rank %d: %s", failed.rank, failed.error)
+        else:
+            self._generation_failed(failure)
 
     def _on_ready(self, rank: int) -> None:
-        if self.state is not GroupState.FORMING or self._gen is None:
-            return
-        self._gen.slots[rank].is_ready = True
-        if self._gen.is_ready():
+        if (
+            self.state is GroupState.FORMING
+            and self._gen is not None
+            and self._gen.mark_ready(rank)
+        ):
             self._become_ready()
 
-    def _on_executed(self, rank: int, executed: Executed) -> None:
-        if self._inflight is not None and executed.step == self._inflight.step:
-            self._inflight.executed.add(rank)
-            self._rank_progress[rank].tick()
-
     def _on_reply(self, rank: int, reply: StepReply) -> None:
-        inflight = self._inflight
-        if inflight is None or reply.step != inflight.step:
-            logger.warning("%s: dropped rank %d's reply to step %d (not in flight)", self.config.name, rank, reply.step)
-            return
-        self._rank_progress[rank].tick()
-        if reply.status is StepStatus.BROKEN:
+        if not self._steps.is_current(reply.step):
+            self._log.warning(
+                "dropped rank %d's reply to step %d (not in flight)", rank, reply.step
+            )
+        elif reply.status is StepStatus.BROKEN:
             self._fail_stop(reply.error)
-            return
-        inflight.add(rank, reply)
-        self._maybe_finish()
+        else:
+            self._steps.on_reply(rank, reply)
 
     def _on_exit(self, slot: Slot) -> None:
         slot.exited_at_mono = time.monotonic()
@@ -286,7 +302,7 @@ class Supervisor:
 
     # --- steps -------------------------------------------------------------------------
     def _pump(self) -> None:
-        while self._inflight is None and (item := self._handover.take()) is not None:
+        while self._steps.inflight is None and (item := self._handover.take()) is not None:
             if self.state is GroupState.READY:
                 self._send_step(item)
             else:
@@ -294,32 +310,19 @@ class Supervisor:
 
     def _send_step(self, item: Submitted) -> None:
         assert self._channel is not None and self._gen is not None
-        step = self._next_step
-        self._next_step += 1
-        deadline = time.monotonic() + item.timeout_s
-        self._inflight = InFlight(step, self.num_ranks, item.timeout_s, deadline, item.future)
-        self._progress.tick()
-        request = StepRequest(step=step, timeout_s=item.timeout_s, payload=item.payload)
+        request = self._steps.begin(item)
         for slot in self._gen.slots:
             assert slot.peer is not None
             if not self._channel.send(slot.peer, request):
-                self._fail_stop(f"{slot.who} is unreachable at step {step}")
+                self._fail_stop(f"{slot.who} is unreachable at step {request.step}")
                 return
-
-    def _maybe_finish(self) -> None:
-        inflight = self._inflight
-        if inflight is None or not inflight.is_complete():
-            return
-        self._inflight = None
-        self._progress.tick()
-        inflight.resolve(self._decoder)
 
     def _ping(self, now: float) -> None:
         assert self._channel is not None and self._gen is not None
         self._last_ping_mono = now
         for slot in self._gen.slots:
             assert slot.peer is not None
-            if not self._channel.send(slot.peer, Ping(step=self._next_step - 1)):
+            if not self._channel.send(slot.peer, Ping(step=self._steps.last_step)):
                 self._fail_stop(f"{slot.who} is unreachable (its connection is gone)")
                 return
 
@@ -327,9 +330,11 @@ class Supervisor:
     def _begin_generation(self) -> None:
         assert self._channel is not None
         self._num_generations += 1
-        gen = Generation(self._num_generations, self.config, time.monotonic() + self.config.start_timeout_s)
+        gen = Generation(
+            self._num_generations, self.config, time.monotonic() + self.config.start_timeout_s
+        )
         self._gen, self.state = gen, GroupState.FORMING
-        logger.info("%s: forming generation %d (%d ranks)", self.config.name, gen.number, self.num_ranks)
+        self._log.info("forming generation %d (%d ranks)", gen.number, self.num_ranks)
         if gen.is_spawn:
             try:
                 gen.spawn(self.control_addr)
@@ -343,14 +348,14 @@ class Supervisor:
         self.state, self._last_error = GroupState.READY, ""
         self._restarts.reset()
         self._last_ping_mono = time.monotonic()
-        logger.info("%s: generation %d is ready", self.config.name, self._gen.number)
+        self._log.info("generation %d is ready", self._gen.number)
         self._notify_ready(True)
         if not self.started.done():
             self.started.set_result(None)
 
     def _generation_failed(self, reason: str) -> None:
         assert self._gen is not None
-        logger.error("%s: generation %d failed to form: %s", self.config.name, self._gen.number, reason)
+        self._log.error("generation %d failed to form: %s", self._gen.number, reason)
         self._end_generation()
         if not self.started.done():  # the first start is not retried: its error is the caller's
             self.state, self._last_error = GroupState.FAILED, reason
@@ -360,26 +365,22 @@ class Supervisor:
 
     def _fail_stop(self, reason: str) -> None:
         """Readiness off, the step's caller failed, the generation killed, a re-form scheduled."""
-        gen = self._gen
-        exited = gen.first_exited() if gen is not None else None
-        if exited is not None and gen is not None:  # the likeliest cause: name it
-            during = f" during step {self._inflight.step}" if self._inflight is not None else ""
-            reason = f"{exited.who} exited{gen.exit_text(exited)}{during}"
-        logger.error("%s: fail-stop: %s", self.config.name, reason)
+        inflight = self._steps.inflight
+        exited = self._gen.exit_cause(inflight.step if inflight else None) if self._gen else None
+        reason = exited or reason  # a rank that exited is the likeliest cause: name it
+        self._log.error("fail-stop: %s", reason)
         was_ready = self.state is GroupState.READY
-        self.state, self._last_error = GroupState.BACKOFF, reason  # not ready before anyone hears of it
+        self.state, self._last_error = GroupState.BACKOFF, reason  # not ready before anyone hears
         if was_ready:
             self._notify_ready(False)
-        if self._inflight is not None:
-            self._inflight.future.set_exception(UnavailableError(f"{self.config.name}: {reason}"))
-            self._inflight = None
+        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
         self._end_generation()
         self._schedule_restart(reason)
 
     def _end_generation(self, grace_s: float = 0.0) -> None:
         assert self._channel is not None
         if self._gen is not None:
-            self._gen.end(self._channel, self._next_step - 1, grace_s)
+            self._gen.end(self._channel, self._steps.last_step, grace_s)
         self._gen, self.rank_pids = None, ()
 
     def _schedule_restart(self, reason: str) -> None:
@@ -387,17 +388,21 @@ class Supervisor:
         backoff_s = self._restarts.next_backoff_s()
         if backoff_s is None:
             self.state = GroupState.FAILED
-            logger.error("%s: giving up after %d failed re-forms", self.config.name, self._restarts.max_attempts)
+            self._log.error("giving up after %d failed re-forms", self._restarts.max_attempts)
             return
         self.state, self._restart_at_mono = GroupState.BACKOFF, time.monotonic() + backoff_s
-        logger.warning("%s: re-forming in %.1f s (attempt %d of %d)", self.config.name, backoff_s,
-                       self._restarts.num_attempts, self._restarts.max_attempts)
+        self._log.warning(
+            "re-forming in %.1f s (attempt %d of %d)",
+            backoff_s,
+            self._restarts.num_attempts,
+            self._restarts.max_attempts,
+        )
 
     def _notify_ready(self, is_ready: bool) -> None:
         try:
             self._on_ready_change(is_ready)
         except Exception:  # a callback's bug must not stop the supervisor
-            logger.exception("%s: the readiness callback raised", self.config.name)
+            self._log.exception("the readiness callback raised")
 
     def _unready_text(self) -> str:
         name, why = self.config.name, f" after: {self._last_error}" if self._last_error else ""
@@ -416,13 +421,13 @@ class Supervisor:
         self.state = GroupState.STOPPED
         stopped = UnavailableError(f"{self.config.name}: the rank group is stopped")
         self._handover.close(stopped)
-        if self._inflight is not None:
-            self._inflight.future.set_exception(stopped)
-            self._inflight = None
+        self._steps.fail(stopped)
         if self._channel is not None:
             self._end_generation(self.config.stop_grace_s)
             self._channel.close()
         if was_ready:
             self._notify_ready(False)
         if not self.started.done():
-            self.started.set_exception(RankStartError(f"{self.config.name}: stopped before the group formed"))
+            self.started.set_exception(
+                RankStartError(f"{self.config.name}: stopped before the group formed")
+            )
