@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -141,7 +142,7 @@ async def test_steps_return_every_ranks_result_in_order_while_the_loop_runs(
 
 
 async def test_a_rank_failing_mid_step_fails_it_alike_everywhere_and_the_next_step_runs() -> None:
-    async with running(("cpu", "cpu")) as run:
+    async with running(("cpu", "cpu"), heartbeat_s=0.5, leader_timeout_s=1.5) as run:
         with pytest.raises(StepFailedError) as caught:
             await run.group.step(EchoPayload(value=5, raise_on_rank=1))
         text = "step 1 failed on rank 1: RuntimeError: injected failure at value 5"
@@ -165,6 +166,9 @@ async def test_a_rank_failing_mid_step_fails_it_alike_everywhere_and_the_next_st
             (5, 4, 4),
         ]  # 4 never ran
         assert last[0].last_error.startswith("step 4 failed on rank 0: malformed step payload")
+        # A step longer than leader_timeout_s (no pings while busy) does not orphan the ranks.
+        await run.group.step(EchoPayload(value=1, sleep_s=2.0))
+        assert [r.num_executed for r in await run.group.step(EchoPayload(value=1))] == [6, 6]
         assert run.group.is_ready and run.readiness == [True]
 
 
@@ -320,3 +324,53 @@ async def test_cuda_ranks_bind_their_device_and_all_reduce_over_nccl(num_gpus: i
         assert [(r.rank, r.device_total, r.cpu_total) for r in results] == [
             (r, 3 * num_gpus, 3 * num_gpus) for r in range(num_gpus)
         ]
+
+
+LEADER = """
+import asyncio
+from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.group import RankGroup
+from tests.common.test_ranks_steps import TARGET, EchoInit, EchoResult
+
+async def main():
+    config = RankGroupConfig(devices=("cpu", "cpu"), start_timeout_s=300)
+    group = RankGroup(config, StepSpec(TARGET, EchoResult, EchoInit(warmup_sleep_s=300)))
+    starting = asyncio.ensure_future(group.start())
+    while not group.rank_pids:
+        await asyncio.sleep(0.01)
+    print(*group.rank_pids, flush=True)
+    await starting
+
+asyncio.run(main())
+"""
+
+
+def is_dead(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (its parent, the leader, is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def test_ranks_die_with_their_leader_even_while_starting() -> None:
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    rank_pids: list[int] = []
+    try:
+        line = await asyncio.to_thread(leader.stdout.readline)
+        rank_pids += [int(p) for p in line.split()]
+        assert len(rank_pids) == 2
+        await asyncio.sleep(1.0)  # the ranks are importing torch or warming up (300 s)
+        leader.kill()
+        await asyncio.to_thread(leader.wait, 10)
+        await wait_for(lambda: all(is_dead(pid) for pid in rank_pids), 30.0)
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+        for pid in rank_pids:  # on failure: exactly the ranks that leader started
+            if not is_dead(pid):
+                os.kill(pid, signal.SIGKILL)

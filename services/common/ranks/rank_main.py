@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from services.common.ranks.rank_loop import LoopExit, RankLoop
 from services.common.ranks.step import BaseRankStep, RankContext
 
 logger = logging.getLogger("services.common.ranks.rank")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,18 @@ def _build_step(
     return step_fn
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """Spawn mode: SIGKILL this process when its leader dies (Linux), even in the middle of start-up."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    except (OSError, AttributeError) as exc:  # the step loop's parent check still applies
+        logger.warning("cannot tie this rank to its leader's life: %s", exc)
+    if os.getppid() != parent_pid:  # it died before the prctl
+        sys.exit(int(LoopExit.ORPHANED))
+
+
 class _RankField(logging.Filter):
     rank = "?"
 
@@ -249,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(rank_field)
     rank_field.rank = str(args.rank) if args.rank >= 0 else "?"
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
     channel = RankChannel(args.leader)
     try:
         try:
