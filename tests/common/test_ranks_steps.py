@@ -3,8 +3,9 @@ loop driven in this process (one gloo rank): OK, a raising step, a malformed pay
 wrong result type, a malformed control message, a StageServeError's class.
 
 ``EchoStep`` (``tests.common.test_ranks_steps:EchoStep``) runs an all-reduce on each of its
-groups (on its device for the device group: NCCL on CUDA ranks), then does what the payload asks of its rank: raise, SIGKILL or SIGSTOP itself,
-sleep, or return the wrong type. Every result reports the last agreed error the rank saw.
+groups (on its device for the device group: NCCL on CUDA ranks), then does what the payload
+asks of its rank: raise, SIGKILL or SIGSTOP itself, sleep, or return the wrong type. Every
+result reports the last agreed error the rank saw.
 """
 
 from __future__ import annotations
