@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -338,7 +340,7 @@ async def main():
     starting = asyncio.ensure_future(group.start())
     while not group.rank_pids:
         await asyncio.sleep(0.01)
-    print(*group.rank_pids, flush=True)
+    print(group.control_addr, *group.rank_pids, flush=True)
     await starting
 
 asyncio.run(main())
@@ -359,9 +361,11 @@ async def test_ranks_die_with_their_leader_even_while_starting() -> None:
         [sys.executable, "-c", LEADER], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
     rank_pids: list[int] = []
+    control_dir = ""
     try:
-        line = await asyncio.to_thread(leader.stdout.readline)
-        rank_pids += [int(p) for p in line.split()]
+        control_addr, *pids = (await asyncio.to_thread(leader.stdout.readline)).split()
+        control_dir = os.path.dirname(control_addr.removeprefix("ipc://"))
+        rank_pids += [int(p) for p in pids]
         assert len(rank_pids) == 2
         await asyncio.sleep(1.0)  # the ranks are importing torch or warming up (300 s)
         leader.kill()
@@ -374,3 +378,5 @@ async def test_ranks_die_with_their_leader_even_while_starting() -> None:
         for pid in rank_pids:  # on failure: exactly the ranks that leader started
             if not is_dead(pid):
                 os.kill(pid, signal.SIGKILL)
+        if control_dir.startswith(tempfile.gettempdir()):  # the killed leader could not remove it
+            shutil.rmtree(control_dir, ignore_errors=True)
