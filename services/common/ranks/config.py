@@ -46,7 +46,7 @@ class RankGroupConfig:
     control_addr: str = ""
     step_timeout_s: float = 30.0  # a step's deadline unless its caller gives one
     start_timeout_s: float = 300.0  # spawn to Ready on every rank (model load, warm-up)
-    collective_timeout_s: float = 30.0  # rendezvous, the ranks' groups, the start-up barrier
+    collective_timeout_s: float = 30.0  # the ranks' process groups and their start-up barrier
     heartbeat_s: float = 1.0  # the leader pings idle ranks this often
     leader_timeout_s: float = 10.0  # a rank that hears nothing from its leader this long exits
     max_restart_attempts: int = 5  # consecutive failed re-forms before the group gives up
