@@ -1,0 +1,196 @@
+"""One formation of a rank group: its slots, their processes (spawn mode) and their zmq peers.
+
+A generation is born FORMING (spawned, or waiting for joiners), accepts one Hello per
+rank, and ends for good: its processes are killed and reaped (spawn) or told to Shutdown
+(join). A re-formed group is a new generation with new processes and a new rendezvous.
+Owned by the supervisor thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import signal
+from dataclasses import dataclass
+
+from services.common.ranks.channel import LeaderChannel
+from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
+from services.common.ranks.messages import Hello, Setup, Shutdown, StartFailed, encode_raw
+from services.common.ranks.procs import RankLaunch, RankProcess, kill_all, stop_all
+
+EXIT_GRACE_S = 0.5  # a rank that exits while starting gets this long for its StartFailed to arrive
+
+
+def describe_exit(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+@dataclass
+class Slot:
+    rank: int
+    device: str  # spawn: from the config; join: "?" until its Hello names it
+    process: RankProcess | None = None  # spawn mode
+    peer: bytes | None = None  # its zmq routing id, from its Hello
+    is_setup_sent: bool = False
+    is_ready: bool = False
+    exited_at_mono: float | None = None
+
+    @property
+    def who(self) -> str:
+        pid = f", pid {self.process.pid}" if self.process is not None else ""
+        return f"rank {self.rank} ({self.device}{pid})"
+
+
+class Generation:
+    def __init__(self, number: int, config: RankGroupConfig, deadline_mono: float) -> None:
+        self.number = number
+        self.config = config
+        self.deadline_mono = deadline_mono  # FORMING must end by then
+        self.is_spawn = config.mode is RankMode.SPAWN
+        devices = config.devices if self.is_spawn else ("?",) * config.world_size
+        self.slots = [Slot(rank, device) for rank, device in enumerate(devices)]
+        self.store_port = 0  # spawn: rank 0's TCPStore, from its Hello
+        self._peers: dict[bytes, int] = {}
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(s.process.pid for s in self.slots if s.process is not None)
+
+    def spawn(self, control_addr: str) -> None:
+        """Start one process per rank (spawn mode); raises OSError."""
+        assert self.is_spawn
+        for slot in self.slots:
+            launch = RankLaunch(
+                control_addr,
+                self.number,
+                slot.rank,
+                len(self.slots),
+                slot.device,
+                self.config.start_timeout_s,
+            )
+            slot.process = RankProcess(launch)
+
+    def rank_of(self, peer: bytes) -> int | None:
+        return self._peers.get(peer)
+
+    def hello_problem(self, hello: Hello) -> str | None:
+        """Why this Hello cannot take its rank's slot, or None."""
+        if not hmac.compare_digest(hello.token.encode(), self.config.internal_token.encode()):
+            return "its internal token does not match"
+        if hello.world_size != len(self.slots) or not 0 <= hello.rank < len(self.slots):
+            return (
+                f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.slots)}"
+            )
+        expected = self.number if self.is_spawn else -1
+        if hello.generation != expected:
+            return f"generation {hello.generation}, expected {expected}"
+        slot = self.slots[hello.rank]
+        if slot.peer is not None:
+            return "that rank has joined already"
+        if slot.process is not None and slot.process.pid != hello.pid:
+            return f"rank {hello.rank} is pid {slot.process.pid}"
+        return None
+
+    def take_hello(self, peer: bytes, hello: Hello) -> str | None:
+        """Give ``hello``'s rank its slot; or why it cannot have it (the caller refuses it)."""
+        problem = self.hello_problem(hello)
+        if problem is None:
+            self.accept(peer, hello)
+        return problem
+
+    def start_failure(self, failed: StartFailed) -> str | None:
+        """This generation's failure for ``failed``; None when it is another generation's."""
+        if self.is_spawn and failed.generation != self.number:
+            return None
+        if 0 <= failed.rank < len(self.slots):
+            who = self.slots[failed.rank].who
+        else:
+            who = "a joining rank (before it knew its rank)"
+        return f"{who} failed to start at {failed.stage.value}: {failed.error}"
+
+    def mark_ready(self, rank: int) -> bool:
+        """Whether every rank is ready now."""
+        self.slots[rank].is_ready = True
+        return self.is_ready()
+
+    def next_timer_mono(self) -> float:
+        """When ``forming_failure`` may next have news."""
+        exits = [
+            s.exited_at_mono + EXIT_GRACE_S for s in self.slots if s.exited_at_mono is not None
+        ]
+        return min([self.deadline_mono, *exits])
+
+    def forming_failure(self, now: float) -> str | None:
+        """Why forming has failed by ``now`` (a rank exited, the deadline passed), or None."""
+        for slot in self.slots:
+            if slot.exited_at_mono is not None and now >= slot.exited_at_mono + EXIT_GRACE_S:
+                return f"{slot.who} exited during start-up{self.exit_text(slot)}"
+        return self.forming_timeout_reason() if now >= self.deadline_mono else None
+
+    def exit_cause(self, step: int | None) -> str | None:
+        """A spawned rank that has exited (lowest first), as a fail-stop reason; or None."""
+        for slot in self.slots:
+            if slot.process is not None and slot.process.exit_code() is not None:
+                during = f" during step {step}" if step is not None else ""
+                return f"{slot.who} exited{self.exit_text(slot)}{during}"
+        return None
+
+    def accept(self, peer: bytes, hello: Hello) -> None:
+        slot = self.slots[hello.rank]
+        slot.peer, slot.device = peer, hello.device
+        self._peers[peer] = hello.rank
+        if self.is_spawn and hello.rank == 0:
+            self.store_port = hello.store_port
+
+    def needing_setup(self) -> list[Slot]:
+        """Slots whose Setup can go out now (spawn: once rank 0 named its store)."""
+        if self.is_spawn and self.slots[0].peer is None:
+            return []
+        return [s for s in self.slots if s.peer is not None and not s.is_setup_sent]
+
+    def setup(self, spec: StepSpec, first_step: int) -> Setup:
+        return Setup(
+            step_target=spec.target,
+            init=encode_raw(spec.init),
+            first_step=first_step,
+            store_host="127.0.0.1" if self.is_spawn else "",  # join: env:// did the rendezvous
+            store_port=self.store_port,
+            collective_timeout_s=self.config.collective_timeout_s,
+            leader_timeout_s=self.config.leader_timeout_s,
+        )
+
+    def is_ready(self) -> bool:
+        return all(s.is_ready for s in self.slots)
+
+    def exit_watch(self) -> dict[int, Slot]:
+        """pidfd -> slot of every spawned process not yet seen exiting."""
+        return {
+            s.process.exit_fd: s
+            for s in self.slots
+            if s.process is not None and s.exited_at_mono is None
+        }
+
+    def exit_text(self, slot: Slot) -> str:
+        code = slot.process.exit_code() if slot.process is not None else None
+        return f" with {describe_exit(code)}" if code is not None else ""
+
+    def forming_timeout_reason(self) -> str:
+        no_hello = [s.rank for s in self.slots if s.peer is None]
+        not_ready = [s.rank for s in self.slots if s.peer is not None and not s.is_ready]
+        parts = []
+        if no_hello:
+            parts.append(f"no Hello from ranks {no_hello}")
+        if not_ready:
+            parts.append(f"no Ready from ranks {not_ready}")
+        return f"the group did not form within {self.config.start_timeout_s:.1f} s ({'; '.join(parts)})"
+
+    def end(self, channel: LeaderChannel, last_step: int, grace_s: float = 0.0) -> None:
+        """Tell every joined rank to Shutdown; spawn: wait ``grace_s`` for exits, kill the rest, reap."""
+        for slot in self.slots:
+            if slot.peer is not None:
+                channel.send(slot.peer, Shutdown(step=last_step))
+        processes = [s.process for s in self.slots if s.process is not None]
+        if grace_s > 0:
+            stop_all(processes, grace_s)
+        else:
+            kill_all(processes)
+        self._peers.clear()

@@ -1,0 +1,160 @@
+"""The control channel's messages: leader <-> rank, msgpack on the wire, never pickle.
+
+Two tagged unions, one per direction (``ToRank``, ``ToLeader``), so a message names its
+own kind and a decoder rejects anything else. A step's payload and result are the step
+class's own msgspec structs, carried as raw msgpack inside the envelope: a payload a rank
+cannot decode still leaves the step number readable, so that step fails like any other.
+
+``RankStatus`` is what the ranks all-gather after each step (the agreement, see
+``agreement.py``); it never travels to the leader.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+NIL = msgspec.Raw(b"\xc0")  # msgpack nil: the result of a step that did not succeed
+MAX_ERROR_CHARS = 1000  # an error text longer than this is cut (it must fit a RankStatus)
+
+
+class StartStage(enum.Enum):
+    """Where a rank's start-up failed; named in its start error."""
+
+    DEVICE = "device"
+    RENDEZVOUS = "rendezvous"
+    SETUP = "setup"
+    IMPORT = "import"
+    GROUPS = "groups"
+    CONSTRUCT = "construct"
+    WARMUP = "warmup"
+    BARRIER = "barrier"
+
+
+class StepStatus(enum.Enum):
+    """A rank's answer to one step."""
+
+    OK = "ok"  # every rank succeeded: the reply carries this rank's result
+    FAILED = "failed"  # some rank failed: the reply carries the agreed error, the group is fine
+    BROKEN = "broken"  # this rank could not agree (collective timeout, desync): restart the group
+
+
+# --- leader -> rank -------------------------------------------------------------------
+class Setup(msgspec.Struct, frozen=True, tag="setup"):
+    """What a rank needs after its Hello: the rendezvous (spawn), its step class and its init."""
+
+    step_target: str  # "package.module:ClassName", a BaseRankStep subclass
+    init: msgspec.Raw  # msgpack of the step class's init_type
+    first_step: int  # the step number the first StepRequest will carry
+    store_host: str  # spawn: rank 0's TCPStore; join: "" (the env:// rendezvous is done)
+    store_port: int
+    collective_timeout_s: float
+    leader_timeout_s: float  # a rank that hears nothing from the leader this long exits
+
+
+class StepRequest(msgspec.Struct, frozen=True, tag="step"):
+    step: int
+    timeout_s: float  # the step's deadline, relative to its receipt
+    payload: msgspec.Raw  # msgpack of the step class's payload_type
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping"):
+    """The leader is alive; sent while no step is in flight. ``step``: the last one sent."""
+
+    step: int
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    step: int  # the last step sent
+
+
+ToRank = Setup | StepRequest | Ping | Shutdown
+
+
+# --- rank -> leader -------------------------------------------------------------------
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """First message of a rank process; spawn mode's rank 0 names its TCPStore port."""
+
+    rank: int
+    world_size: int
+    generation: int  # spawn: the generation the leader started it for; join: -1
+    pid: int
+    device: str
+    store_port: int  # spawn, rank 0: its TCPStore; else 0
+    token: str  # STAGESERVE_INTERNAL_TOKEN as the rank sees it
+
+
+class StartFailed(msgspec.Struct, frozen=True, tag="start_failed"):
+    rank: int
+    generation: int
+    stage: StartStage
+    error: str  # "ExceptionType: message"
+
+
+class Ready(msgspec.Struct, frozen=True, tag="ready"):
+    """Groups formed, step class constructed, warm-up done, every rank past the barrier."""
+
+    rank: int
+
+
+class Executed(msgspec.Struct, frozen=True, tag="executed"):
+    """This rank finished ``execute`` for ``step`` and entered the status exchange."""
+
+    step: int
+    rank: int
+
+
+class StepReply(msgspec.Struct, frozen=True, tag="step_reply"):
+    step: int
+    rank: int
+    status: StepStatus
+    result: msgspec.Raw = NIL  # OK: msgpack of the step class's result_type
+    error: str = ""  # FAILED: the agreed text (identical on every rank); BROKEN: this rank's cause
+    error_type: str = ""  # FAILED: the StageServeError class the failing rank raised, or ""
+
+
+ToLeader = Hello | StartFailed | Ready | Executed | StepReply
+
+
+# --- rank <-> rank (all-gathered, see agreement.py) ------------------------------------
+class RankStatus(msgspec.Struct, frozen=True):
+    step: int
+    rank: int
+    is_ok: bool
+    error: str = ""
+    error_type: str = ""
+
+
+_to_rank = msgspec.msgpack.Decoder(ToRank)
+_to_leader = msgspec.msgpack.Decoder(ToLeader)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def encode_raw(value: msgspec.Struct) -> msgspec.Raw:
+    """A payload, result or init struct, to be nested in an envelope as is."""
+    return msgspec.Raw(_encoder.encode(value))
+
+
+def decode_to_rank(data: bytes) -> ToRank:
+    """Raises ``msgspec.DecodeError`` (incl. ``ValidationError``) on anything malformed."""
+    return _to_rank.decode(data)
+
+
+def decode_to_leader(data: bytes) -> ToLeader:
+    """Raises ``msgspec.DecodeError`` (incl. ``ValidationError``) on anything malformed."""
+    return _to_leader.decode(data)
+
+
+def cut(text: str) -> str:
+    """``text``, cut to ``MAX_ERROR_CHARS``."""
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message``, cut to ``MAX_ERROR_CHARS``."""
+    return cut(f"{type(exc).__name__}: {exc}")

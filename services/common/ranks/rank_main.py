@@ -1,0 +1,299 @@
+"""A rank process: ``python -m services.common.ranks.rank_main --leader ADDR ...``.
+
+Start-up, in order; a failure at any stage reaches the leader as StartFailed naming this
+rank, the stage and the cause, and the process exits 1:
+  spawn: device -> (rank 0: a TCPStore on a free port) -> Hello -> Setup -> import -> rendezvous
+  join:  rendezvous (env://: torch reads MASTER_ADDR/PORT, RANK, WORLD_SIZE) -> device -> Hello
+         -> Setup -> import
+  both:  groups -> construct -> warmup -> barrier -> Ready, then the step loop.
+The leader spawns ranks itself; a deployment starts a joining one with
+``--join --leader tcp://LEADER:PORT --device cuda:0``. Exit codes: ``LoopExit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from services.common.envs import Envs
+from services.common.ranks.channel import Malformed, RankChannel
+from services.common.ranks.messages import (
+    Hello,
+    Ready,
+    Setup,
+    Shutdown,
+    StartFailed,
+    StartStage,
+    error_text,
+)
+from services.common.ranks.rank_loop import LoopExit, RankLoop
+from services.common.ranks.step import BaseRankStep, RankContext
+
+logger = logging.getLogger("services.common.ranks.rank")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    leader: str
+    is_join: bool
+    generation: int  # spawn: the leader's generation; join: -1
+    rank: int  # spawn: this rank; join: -1 (torch's RANK decides)
+    world_size: int  # spawn: the group's size; join: 0 (torch's WORLD_SIZE decides)
+    device: str
+    parent_pid: int  # spawn: the leader (this rank leaves when it is gone); join: 0
+    rendezvous_timeout_s: float
+    log_level: str
+
+
+def parse_args(argv: list[str] | None = None) -> RankArgs:
+    p = argparse.ArgumentParser(prog="rank_main", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--leader", required=True, help="the leader's control address (ipc:// or tcp://)"
+    )
+    p.add_argument(
+        "--join", action="store_true", help="join through env:// (RANK, WORLD_SIZE, MASTER_*)"
+    )
+    p.add_argument("--generation", type=int, default=-1)
+    p.add_argument("--rank", type=int, default=-1)
+    p.add_argument("--world-size", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument("--rendezvous-timeout-s", type=float, default=300.0)
+    p.add_argument("--log-level", type=str.upper, default=Envs.from_environ().log_level)
+    a = p.parse_args(argv)
+    if not a.join and not 0 <= a.rank < a.world_size:
+        p.error("spawn mode needs --rank R --world-size W with 0 <= R < W (or --join)")
+    return RankArgs(
+        a.leader,
+        a.join,
+        a.generation,
+        a.rank,
+        a.world_size,
+        a.device,
+        a.parent_pid,
+        a.rendezvous_timeout_s,
+        a.log_level,
+    )
+
+
+class _StartFailure(Exception):
+    def __init__(self, stage: StartStage, rank: int, cause: BaseException) -> None:
+        super().__init__(f"{stage.value}: {error_text(cause)}")
+        self.stage, self.rank, self.cause = stage, rank, cause
+
+
+@contextlib.contextmanager
+def _stage(stage: StartStage, rank: int) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:  # any cause; it becomes this rank's start error
+        raise _StartFailure(stage, rank, exc) from exc
+
+
+@dataclass(frozen=True)
+class _Started:
+    rank: int
+    setup: Setup
+    step_fn: BaseRankStep
+
+
+def bind_device(device: str) -> None:
+    """Make ``device`` this process's current device; raises with the reason it cannot be."""
+    parsed = torch.device(device)
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda" or parsed.index is None:
+        raise ValueError(f"device {device!r} is not 'cpu' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{device}: CUDA is not available on this host")
+    if parsed.index >= torch.cuda.device_count():
+        raise RuntimeError(f"{device}: this host has {torch.cuda.device_count()} CUDA devices")
+    torch.cuda.set_device(parsed.index)
+
+
+def import_step(target: str) -> type[BaseRankStep]:
+    module_name, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), name)
+    if not (isinstance(cls, type) and issubclass(cls, BaseRankStep)):
+        raise TypeError(f"{target} is not a BaseRankStep subclass")
+    return cls
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _await_setup(channel: RankChannel, timeout_s: float) -> Setup:
+    message = channel.receive(timeout_s)
+    if isinstance(message, Setup):
+        return message
+    if message is None:
+        raise TimeoutError(f"no Setup from the leader within {timeout_s:.0f} s")
+    if isinstance(message, Malformed):
+        raise ValueError(f"malformed Setup: {message.reason}")
+    what = "Shutdown" if isinstance(message, Shutdown) else type(message).__name__
+    raise RuntimeError(f"the leader sent {what} before Setup")
+
+
+def _form_groups(device: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    cpu_group = dist.new_group(backend="gloo", timeout=_timeout(timeout_s))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    device_group = dist.new_group(backend=backend, timeout=_timeout(timeout_s))
+    assert cpu_group is not None and device_group is not None
+    return cpu_group, device_group
+
+
+def _start(args: RankArgs, channel: RankChannel) -> _Started:
+    rank, world_size, store = args.rank, args.world_size, None
+    if args.is_join:
+        with _stage(StartStage.RENDEZVOUS, rank):
+            dist.init_process_group(
+                "gloo", init_method="env://", timeout=_timeout(args.rendezvous_timeout_s)
+            )
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+    with _stage(StartStage.DEVICE, rank):
+        bind_device(args.device)
+    if not args.is_join and rank == 0:
+        with _stage(StartStage.RENDEZVOUS, rank):
+            store = dist.TCPStore(
+                "127.0.0.1",
+                0,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_timeout(args.rendezvous_timeout_s),
+            )
+    channel.send(
+        Hello(
+            rank=rank,
+            world_size=world_size,
+            generation=args.generation,
+            pid=os.getpid(),
+            device=args.device,
+            store_port=store.port if store is not None else 0,
+            token=Envs.from_environ().internal_token,
+        )
+    )
+    with _stage(StartStage.SETUP, rank):
+        setup = _await_setup(channel, args.rendezvous_timeout_s)
+    with _stage(StartStage.IMPORT, rank):  # before the rendezvous: a bad target fails at once
+        cls = import_step(setup.step_target)
+    if not args.is_join:
+        with _stage(StartStage.RENDEZVOUS, rank):
+            if store is None:
+                store = dist.TCPStore(
+                    setup.store_host,
+                    setup.store_port,
+                    world_size,
+                    is_master=False,
+                    timeout=_timeout(args.rendezvous_timeout_s),
+                )
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=_timeout(setup.collective_timeout_s),
+            )
+    return _Started(rank, setup, _build_step(cls, args.device, rank, world_size, setup))
+
+
+def _build_step(
+    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
+) -> BaseRankStep:
+    with _stage(StartStage.GROUPS, rank):
+        cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
+    ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
+    with _stage(StartStage.CONSTRUCT, rank):
+        step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))
+    try:
+        with _stage(StartStage.WARMUP, rank):
+            step_fn.warmup()
+        with _stage(StartStage.BARRIER, rank):  # names every rank that did not come
+            dist.monitored_barrier(
+                timeout=_timeout(setup.collective_timeout_s), wait_all_ranks=True
+            )
+    except _StartFailure:
+        step_fn.close()
+        raise
+    return step_fn
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Spawn mode: SIGKILL this process when its leader dies (Linux), even in the middle of start-up."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    except (OSError, AttributeError) as exc:  # the step loop's parent check still applies
+        logger.warning("cannot tie this rank to its leader's life: %s", exc)
+    if os.getppid() != parent_pid:  # it died before the prctl
+        sys.exit(int(LoopExit.ORPHANED))
+
+
+class _RankField(logging.Filter):
+    rank = "?"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank_field = _RankField()
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s rank %(rank)s %(name)s: %(message)s",
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(rank_field)
+    rank_field.rank = str(args.rank) if args.rank >= 0 else "?"
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
+    channel = RankChannel(args.leader)
+    try:
+        try:
+            started = _start(args, channel)
+        except _StartFailure as failure:
+            logger.error("start-up failed at %s", failure.stage.value, exc_info=failure.cause)
+            channel.send(
+                StartFailed(
+                    rank=failure.rank,
+                    generation=args.generation,
+                    stage=failure.stage,
+                    error=error_text(failure.cause),
+                )
+            )
+            return int(LoopExit.BROKEN)
+        rank_field.rank = str(started.rank)
+        channel.send(Ready(rank=started.rank))
+        loop = RankLoop(
+            channel, started.step_fn, dist.group.WORLD, started.rank, started.setup, args.parent_pid
+        )
+        exit_code = loop.serve()
+        started.step_fn.close()
+        if exit_code is LoopExit.SHUTDOWN:  # a broken group's collectives may never return
+            dist.destroy_process_group()
+        return int(exit_code)
+    finally:
+        channel.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""What a rank runs: a ``BaseRankStep`` subclass, named by import path, built in the rank process.
+
+Contract, per rank process and in this order: ``__init__(ctx, init)`` builds the rank's
+state (model, cache) from the leader's ``init`` struct; ``warmup()`` runs once before the
+group reports ready; then ``execute(step, payload)`` once per step, in step order; after a
+step the ranks agreed failed, ``on_failed(step, error)`` lets each rank drop what that step
+left behind; ``close()`` at exit. Payloads, results and the init are msgspec structs of the
+class's ``payload_type``, ``result_type`` and ``init_type``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """This rank's place in the group and its process groups (formed before ``__init__``)."""
+
+    rank: int
+    world_size: int
+    device: str  # "cpu" or "cuda:N", already the current device
+    cpu_group: ProcessGroup  # gloo: CPU collectives (manifests, agreement of the step's own)
+    device_group: ProcessGroup  # tensors: NCCL on CUDA ranks, gloo on CPU ranks
+    collective_timeout_s: float  # both groups' timeout
+
+
+class BaseRankStep(abc.ABC):
+    """One rank's step function; subclasses set the three struct types."""
+
+    init_type: ClassVar[type[msgspec.Struct]]
+    payload_type: ClassVar[type[msgspec.Struct]]
+    result_type: ClassVar[type[msgspec.Struct]]
+
+    @abc.abstractmethod
+    def __init__(self, ctx: RankContext, init: Any) -> None:
+        """Build this rank's state; an exception fails the group's start, naming this rank."""
+
+    def warmup(self) -> None:  # noqa: B027 (a hook: most steps need no warm-up)
+        """Compile, capture, run one forward of each kind: after it the first step is as fast as any."""
+
+    @abc.abstractmethod
+    def execute(self, step: int, payload: Any) -> msgspec.Struct:
+        """Run one step; return a ``result_type`` struct or raise (the step then fails on every rank)."""
+
+    def on_failed(self, step: int, error: str) -> None:  # noqa: B027 (a hook)
+        """The ranks agreed that ``step`` failed with ``error`` (the same text on every rank)."""
+
+    def close(self) -> None:  # noqa: B027 (a hook)
+        """Release what ``__init__`` took; called once at exit."""

@@ -1,0 +1,433 @@
+"""The leader's side of a rank group: one thread owns the control socket and the rank processes.
+
+Lifecycle of a generation (one formation of the group):
+  FORMING  spawn W ranks (join: wait for W Hellos); Hello -> Setup (spawn: once rank 0
+           named its TCPStore); Ready from every rank -> READY. A StartFailed, a rank's exit
+           or ``start_timeout_s`` fails it: the first start raises ``RankStartError``; a
+           re-form counts one attempt.
+  READY    one step at a time, in submission order: StepRequest to every rank, replies
+           gathered until the step's deadline. Idle ranks are pinged every ``heartbeat_s``.
+  fail-stop  a rank exited, missed the deadline, broke the status exchange or is
+           unreachable: the step's caller gets ``UnavailableError``, readiness goes false,
+           the generation is killed (join: told to Shutdown), and after a backoff a new one
+           forms: new processes, a new rendezvous. Steps submitted meanwhile fail at once.
+  BACKOFF -> FORMING (join mode: at once when a rank says Hello); FAILED after
+           ``max_restart_attempts`` consecutive failed re-forms.
+  STOPPED  after ``stop``: queued and in-flight steps fail, ranks get Shutdown,
+           the ones still running after ``stop_grace_s`` are killed; all are reaped.
+Callers hand steps over through a queue (and a wake-up pipe); results go back through
+``concurrent.futures.Future``. Everything else here belongs to the supervisor thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import msgspec
+import zmq
+
+from services.common.errors import UnavailableError
+from services.common.progress import ProgressWatchdog
+from services.common.ranks.channel import LeaderChannel, Malformed
+from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
+from services.common.ranks.errors import RankStartError
+from services.common.ranks.generation import Generation, Slot
+from services.common.ranks.handover import Results, StepHandover, Submitted
+from services.common.ranks.messages import (
+    Executed,
+    Hello,
+    Ping,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StepReply,
+    StepStatus,
+    ToLeader,
+)
+from services.common.ranks.restarts import RestartPolicy
+from services.common.ranks.steps import StepRunner
+
+logger = logging.getLogger(__name__)
+
+
+class _Named(logging.LoggerAdapter):
+    def process(self, msg, kwargs):  # type: ignore[no-untyped-def]
+        return f"{self.extra['name']}: {msg}", kwargs  # type: ignore[index]
+
+
+MAX_POLL_S = 1.0
+
+
+class GroupState(enum.Enum):
+    FORMING = "forming"
+    READY = "ready"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: RankGroupConfig,
+        spec: StepSpec,
+        on_ready_change: Callable[[bool], None],
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.num_ranks = config.num_ranks
+        self._on_ready_change = on_ready_change
+        self._log = _Named(logger, {"name": config.name})
+        self._thread = threading.Thread(
+            target=self._run, name=f"{config.name}-supervisor", daemon=True
+        )
+        # Ticked for the leader loop (a step sent, a step done) and for each rank (executed, replied).
+        self.progress = ProgressWatchdog(
+            f"{config.name} leader", config.watchdog_s, self.has_work, is_alive=self._is_alive
+        )
+        self.rank_progress = tuple(
+            ProgressWatchdog(
+                f"{config.name} rank {rank}", config.watchdog_s, self.is_step_in_flight
+            )
+            for rank in range(self.num_ranks)
+        )
+        self._steps = StepRunner(
+            self.num_ranks, spec.result_type, self.progress, self.rank_progress
+        )
+        self._handover = StepHandover()
+        self._is_stopping = False
+        self._is_finished = False
+        self.started: Future[None] = Future()  # the first generation formed, or could not
+        # Written by the supervisor thread only; read elsewhere as a snapshot.
+        self.state = GroupState.FORMING
+        self.control_addr = ""
+        self.rank_pids: tuple[int, ...] = ()
+        self._channel: LeaderChannel | None = None
+        self._gen: Generation | None = None
+        self._num_generations = 0
+        self._restarts = RestartPolicy(config)
+        self._restart_at_mono = 0.0
+        self._last_ping_mono = 0.0
+        self._last_error = ""
+
+    # --- any thread -----------------------------------------------------------------
+    def submit(self, payload: msgspec.Raw, timeout_s: float) -> Future[Results]:
+        return self._handover.submit(payload, timeout_s)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (it shuts the ranks down) and wait for it; blocks."""
+        self._is_stopping = True
+        self._handover.wake()
+        if self._thread.ident is not None:  # started: it finishes on its way out
+            self._thread.join()
+        else:
+            self.finish()
+
+    def _is_alive(self) -> bool:
+        return self._thread.is_alive() or self._thread.ident is None  # not started is not dead
+
+    def has_work(self) -> bool:
+        return self._steps.inflight is not None or not self._handover.is_empty()
+
+    def is_step_in_flight(self) -> bool:
+        return self._steps.inflight is not None
+
+    # --- the supervisor thread --------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            try:
+                self._channel = LeaderChannel(self.config.control_addr)
+            except zmq.ZMQError as exc:
+                raise RankStartError(
+                    f"{self.config.name}: cannot bind {self.config.control_addr}: {exc}"
+                ) from exc
+            self.control_addr = self._channel.addr
+            self._begin_generation()
+            while not self._is_stopping:
+                self._poll_once()
+        except BaseException as exc:  # a bug here must still end every caller and every rank
+            if not isinstance(exc, RankStartError):
+                self._log.exception("the supervisor failed")
+            if not self.started.done():
+                self.started.set_exception(exc)
+        finally:
+            self.finish()
+
+    def _poll_once(self) -> None:
+        assert self._channel is not None
+        poller = zmq.Poller()
+        poller.register(self._channel.socket, zmq.POLLIN)
+        poller.register(self._handover.wake_fd, zmq.POLLIN)
+        gen = self._gen
+        watched = gen.exit_watch() if gen is not None else {}
+        for fd in watched:
+            poller.register(fd, zmq.POLLIN)
+        timeout_ms = max(0.0, self._next_timer_mono() - time.monotonic()) * 1000
+        events = dict(poller.poll(timeout_ms))
+        if self._channel.socket in events:
+            for peer, message in self._channel.receive_ready():
+                self._on_message(peer, message)
+        if self._handover.wake_fd in events:
+            self._handover.clear_wake()
+        for fd, slot in watched.items():
+            if fd in events and self._gen is gen:  # still the same generation
+                self._on_exit(slot)
+        self._on_timers(time.monotonic())
+        self._pump()
+
+    def _next_timer_mono(self) -> float:
+        timers = [time.monotonic() + MAX_POLL_S]
+        gen = self._gen
+        if self.state is GroupState.FORMING and gen is not None:
+            timers.append(gen.next_timer_mono())
+        elif self.state is GroupState.BACKOFF:
+            timers.append(self._restart_at_mono)
+        if self._steps.inflight is not None:
+            timers.append(self._steps.inflight.deadline_mono)
+        elif self.state is GroupState.READY:
+            timers.append(self._last_ping_mono + self.config.heartbeat_s)
+        return min(timers)
+
+    def _on_timers(self, now: float) -> None:
+        gen = self._gen
+        if self.state is GroupState.FORMING and gen is not None:
+            if (failure := gen.forming_failure(now)) is not None:
+                self._generation_failed(failure)
+        elif self.state is GroupState.BACKOFF and now >= self._restart_at_mono:
+            self._begin_generation()
+        elif self._steps.inflight is not None and now >= self._steps.inflight.deadline_mono:
+            self._fail_stop(self._steps.deadline_reason())
+        elif (
+            self.state is GroupState.READY and now >= self._last_ping_mono + self.config.heartbeat_s
+        ):
+            self._ping(now)
+
+    # --- messages ----------------------------------------------------------------------
+    def _on_message(self, peer: bytes, message: ToLeader | Malformed) -> None:
+        rank = self._gen.rank_of(peer) if self._gen is not None else None
+        if isinstance(message, Malformed):
+            self._on_malformed(rank, message.reason)
+        elif isinstance(message, Hello):
+            self._on_hello(peer, message)
+        elif isinstance(message, StartFailed) and rank in (None, message.rank):
+            self._on_start_failed(message)
+        elif rank is None:
+            self._log.warning("dropped %s from an unknown peer", type(message).__name__)
+        elif message.rank != rank:
+            self._on_malformed(rank, f"{type(message).__name__} claims rank {message.rank}")
+        elif isinstance(message, Ready):
+            self._on_ready(rank)
+        elif isinstance(message, Executed):
+            self._steps.on_executed(rank, message.step)
+        elif isinstance(message, StepReply):
+            self._on_reply(rank, message)
+
+    def _on_malformed(self, rank: int | None, reason: str) -> None:
+        if rank is None:
+            self._log.warning("dropped a malformed message from an unknown peer: %s", reason)
+            return
+        self._log.error("rank %d sent a malformed control message: %s", rank, reason)
+        if self.state is GroupState.FORMING:
+            self._generation_failed(
+                f"rank {rank} sent a malformed control message during start-up: {reason}"
+            )
+        else:
+            self._steps.on_malformed(rank, reason)
+
+    def _on_hello(self, peer: bytes, hello: Hello) -> None:
+        assert self._channel is not None
+        if self.state is GroupState.BACKOFF and self.config.mode is RankMode.JOIN:
+            self._begin_generation()  # the deployment restarted its ranks: it paces the re-forms
+        gen = self._gen
+        if self.state is not GroupState.FORMING or gen is None:
+            problem: str | None = f"the group is {self.state.value}, not forming"
+        else:
+            problem = gen.take_hello(peer, hello)
+        if problem is not None:
+            self._log.warning(
+                "refused the Hello of rank %d (pid %d): %s", hello.rank, hello.pid, problem
+            )
+            self._channel.send(peer, Shutdown(step=self._steps.last_step))
+        elif gen is not None:
+            self._send_setups(gen)
+
+    def _send_setups(self, gen: Generation) -> None:
+        assert self._channel is not None
+        setup = gen.setup(self.spec, self._steps.next_step)
+        for slot in gen.needing_setup():
+            assert slot.peer is not None
+            if not self._channel.send(slot.peer, setup):
+                self._generation_failed(f"{slot.who} is unreachable during start-up")
+                return
+            slot.is_setup_sent = True
+
+    def _on_start_failed(self, failed: StartFailed) -> None:
+        gen = self._gen
+        failure = gen.start_failure(failed) if gen is not None else None
+        if self.state is not GroupState.FORMING or failure is None:
+            self._log.warning("stale start failure of rank %d: %s", failed.rank, failed.error)
+        else:
+            self._generation_failed(failure)
+
+    def _on_ready(self, rank: int) -> None:
+        if (
+            self.state is GroupState.FORMING
+            and self._gen is not None
+            and self._gen.mark_ready(rank)
+        ):
+            self._become_ready()
+
+    def _on_reply(self, rank: int, reply: StepReply) -> None:
+        if not self._steps.is_current(reply.step):
+            self._log.warning(
+                "dropped rank %d's reply to step %d (not in flight)", rank, reply.step
+            )
+        elif reply.status is StepStatus.BROKEN:
+            self._fail_stop(reply.error)
+        else:
+            self._steps.on_reply(rank, reply)
+
+    def _on_exit(self, slot: Slot) -> None:
+        slot.exited_at_mono = time.monotonic()
+        if self.state is GroupState.READY:
+            self._fail_stop(f"{slot.who} exited")  # _fail_stop names the exit code and the step
+
+    # --- steps -------------------------------------------------------------------------
+    def _pump(self) -> None:
+        while self._steps.inflight is None and (item := self._handover.take()) is not None:
+            if self.state is GroupState.READY:
+                self._send_step(item)
+            else:
+                item.future.set_exception(UnavailableError(self._unready_text()))
+
+    def _send_step(self, item: Submitted) -> None:
+        assert self._channel is not None and self._gen is not None
+        request = self._steps.begin(item)
+        for slot in self._gen.slots:
+            assert slot.peer is not None
+            if not self._channel.send(slot.peer, request):
+                self._fail_stop(f"{slot.who} is unreachable at step {request.step}")
+                return
+
+    def _ping(self, now: float) -> None:
+        assert self._channel is not None and self._gen is not None
+        self._last_ping_mono = now
+        for slot in self._gen.slots:
+            assert slot.peer is not None
+            if not self._channel.send(slot.peer, Ping(step=self._steps.last_step)):
+                self._fail_stop(f"{slot.who} is unreachable (its connection is gone)")
+                return
+
+    # --- generations, fail-stop, restarts ----------------------------------------------
+    def _begin_generation(self) -> None:
+        assert self._channel is not None
+        self._num_generations += 1
+        gen = Generation(
+            self._num_generations, self.config, time.monotonic() + self.config.start_timeout_s
+        )
+        self._gen, self.state = gen, GroupState.FORMING
+        self._log.info("forming generation %d (%d ranks)", gen.number, self.num_ranks)
+        if gen.is_spawn:
+            try:
+                gen.spawn(self.control_addr)
+            except OSError as exc:
+                self._generation_failed(f"cannot start the rank processes: {exc}")
+                return
+            self.rank_pids = gen.pids
+
+    def _become_ready(self) -> None:
+        assert self._gen is not None
+        self.state, self._last_error = GroupState.READY, ""
+        self._restarts.reset()
+        self._last_ping_mono = time.monotonic()
+        self._log.info("generation %d is ready", self._gen.number)
+        self._notify_ready(True)
+        if not self.started.done():
+            self.started.set_result(None)
+
+    def _generation_failed(self, reason: str) -> None:
+        assert self._gen is not None
+        self._log.error("generation %d failed to form: %s", self._gen.number, reason)
+        self._end_generation()
+        if not self.started.done():  # the first start is not retried: its error is the caller's
+            self.state, self._last_error = GroupState.FAILED, reason
+            self.started.set_exception(RankStartError(f"{self.config.name}: {reason}"))
+            return
+        self._schedule_restart(reason)
+
+    def _fail_stop(self, reason: str) -> None:
+        """Readiness off, the step's caller failed, the generation killed, a re-form scheduled."""
+        inflight = self._steps.inflight
+        exited = self._gen.exit_cause(inflight.step if inflight else None) if self._gen else None
+        reason = exited or reason  # a rank that exited is the likeliest cause: name it
+        self._log.error("fail-stop: %s", reason)
+        was_ready = self.state is GroupState.READY
+        self.state, self._last_error = GroupState.BACKOFF, reason  # not ready before anyone hears
+        if was_ready:
+            self._notify_ready(False)
+        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
+        self._end_generation()
+        self._schedule_restart(reason)
+
+    def _end_generation(self, grace_s: float = 0.0) -> None:
+        assert self._channel is not None
+        if self._gen is not None:
+            self._gen.end(self._channel, self._steps.last_step, grace_s)
+        self._gen, self.rank_pids = None, ()
+
+    def _schedule_restart(self, reason: str) -> None:
+        self._last_error = reason
+        backoff_s = self._restarts.next_backoff_s()
+        if backoff_s is None:
+            self.state = GroupState.FAILED
+            self._log.error("giving up after %d failed re-forms", self._restarts.max_attempts)
+            return
+        self.state, self._restart_at_mono = GroupState.BACKOFF, time.monotonic() + backoff_s
+        self._log.warning(
+            "re-forming in %.1f s (attempt %d of %d)",
+            backoff_s,
+            self._restarts.num_attempts,
+            self._restarts.max_attempts,
+        )
+
+    def _notify_ready(self, is_ready: bool) -> None:
+        try:
+            self._on_ready_change(is_ready)
+        except Exception:  # a callback's bug must not stop the supervisor
+            self._log.exception("the readiness callback raised")
+
+    def _unready_text(self) -> str:
+        name, why = self.config.name, f" after: {self._last_error}" if self._last_error else ""
+        if self.state is GroupState.FAILED:
+            return f"{name}: the rank group failed for good{why}"
+        if not self.started.done():
+            return f"{name}: the rank group is still starting"
+        return f"{name}: the rank group is re-forming{why}"
+
+    def finish(self) -> None:
+        """Fail every step, shut the ranks down (kill after the grace), release everything; idempotent."""
+        if self._is_finished:
+            return
+        self._is_finished = True
+        was_ready = self.state is GroupState.READY
+        self.state = GroupState.STOPPED
+        stopped = UnavailableError(f"{self.config.name}: the rank group is stopped")
+        self._handover.close(stopped)
+        self._steps.fail(stopped)
+        if self._channel is not None:
+            self._end_generation(self.config.stop_grace_s)
+            self._channel.close()
+        if was_ready:
+            self._notify_ready(False)
+        if not self.started.done():
+            self.started.set_exception(
+                RankStartError(f"{self.config.name}: stopped before the group formed")
+            )
