@@ -66,7 +66,7 @@ async def abort_with_error(context: grpc.aio.ServicerContext, error: StageServeE
     raise AssertionError("context.abort returned")  # grpc raises AbortError above
 
 
-def _known_classes() -> dict[str, type[StageServeError]]:
+def known_error_classes() -> dict[str, type[StageServeError]]:
     found: dict[str, type[StageServeError]] = {}
     pending: list[type[StageServeError]] = [StageServeError]
     while pending:
@@ -99,7 +99,7 @@ def error_from_rpc(rpc_error: grpc.RpcError, service: str = "") -> StageServeErr
         )
         error.__cause__ = rpc_error
         return error
-    cls = _known_classes().get(_metadata_value(trailing, ERROR_TYPE_KEY) or "")
+    cls = known_error_classes().get(_metadata_value(trailing, ERROR_TYPE_KEY) or "")
     if cls is not None and cls.grpc_code == getattr(code, "name", None):
         message = rpc_error.details() or code.name
         error = cls(message, param=_metadata_value(trailing, ERROR_PARAM_KEY))

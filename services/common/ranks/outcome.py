@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from services.common.errors import StageServeError
-from services.common.grpc_errors import _known_classes
+from services.common.grpc_errors import known_error_classes
 from services.common.ranks.errors import StepFailedError
 from services.common.ranks.messages import StepReply, StepStatus
 
@@ -23,7 +23,7 @@ Reply = StepReply | str  # str: why the rank's message for this step was malform
 
 def agreed_error(error_type: str, text: str) -> StageServeError:
     """The agreed error as the class the failing rank raised (a StageServeError), else StepFailedError."""
-    cls = _known_classes().get(error_type) if error_type else None
+    cls = known_error_classes().get(error_type) if error_type else None
     return (cls or StepFailedError)(text)
 
 
