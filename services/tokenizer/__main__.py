@@ -25,7 +25,14 @@ from services.common.service_main import (
     start_telemetry,
 )
 from services.engine.processing import TextProcessor
-from services.tokenizer.config import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, Limits, TokenizerConfig
+from services.tokenizer.config import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_QUEUED_BYTES,
+    Limits,
+    TokenizerConfig,
+    default_num_workers,
+)
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.pipeline import max_model_len_of
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
@@ -37,8 +44,12 @@ logger = logging.getLogger("services.tokenizer")
 def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
     add_common_args(p, runs_model=False, envs=envs)
-    p.add_argument("--num-workers", type=int, default=1,
-                   help="worker processes for tokenization and image decoding (0: one thread in this process)")
+    p.add_argument("--num-workers", type=int, default=default_num_workers(),
+                   help="worker processes for tokenization and image decoding (default: one per CPU, "
+                        "at most 4; 0: one thread in this process)")
+    p.add_argument("--max-queued-bytes", type=int, default=MAX_QUEUED_BYTES,
+                   help="encoded requests waiting for or held by the workers; past it a request is "
+                        "refused as overloaded (RESOURCE_EXHAUSTED)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompts must be shorter than this many tokens (default: config.json max_position_embeddings)")
     p.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES, help="largest compressed image")
@@ -50,7 +61,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
     """The tokenizer's config, and the parsed flags (``main`` reads the common auth flags there)."""
     parser = build_parser(envs)
     args = parser.parse_args(argv)
-    for flag in ("num_workers", "max_image_bytes", "max_image_pixels"):
+    for flag in ("num_workers", "max_image_bytes", "max_image_pixels", "max_queued_bytes"):
         if getattr(args, flag) < (0 if flag == "num_workers" else 1):
             parser.error(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
     max_model_len = args.max_model_len if args.max_model_len is not None else max_model_len_of(args.model)
@@ -63,6 +74,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
         port=args.port,
         metrics_port=args.metrics_port,
         num_workers=args.num_workers,
+        max_queued_bytes=args.max_queued_bytes,
         log_level=args.log_level.upper(),
     )
     return config, args
@@ -73,7 +85,7 @@ async def serve(
 ) -> None:
     metrics_port = start_telemetry("tokenizer", envs, config.host, config.metrics_port)
     text = TextProcessor.from_dir(config.model_dir)
-    pool = WorkerPool(config.model_dir, config.limits, config.num_workers)
+    pool = WorkerPool(config.model_dir, config.limits, config.num_workers, config.max_queued_bytes)
     servicer = TokenizerServicer(pool, text, TokenizerMetrics())
     health = HealthState()
     server, port = create_server(
@@ -89,8 +101,8 @@ async def serve(
         await server.stop(None)
         raise
     health.set_serving(True)
-    logger.info("serving %s on %s:%d with %d workers, %s", config.model_dir, config.host, port,
-                config.num_workers, config.limits)
+    logger.info("serving %s on %s:%d with %d workers (queue %d bytes), %s", config.model_dir, config.host,
+                port, config.num_workers, config.max_queued_bytes, config.limits)
     print_ready("tokenizer", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, pool.close)
 

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1000 * 1000
+MAX_QUEUED_BYTES = 256 * 1024 * 1024  # four of the largest gRPC messages (64 MiB)
+MAX_DEFAULT_WORKERS = 4
+
+
+def default_num_workers() -> int:
+    """One worker process per CPU this process may run on, at most ``MAX_DEFAULT_WORKERS``."""
+    try:
+        num_cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        num_cpus = os.cpu_count() or 1
+    return max(1, min(num_cpus, MAX_DEFAULT_WORKERS))
 
 
 @dataclass(frozen=True)
@@ -25,5 +37,7 @@ class TokenizerConfig:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
-    num_workers: int = 1  # worker processes for CPU-heavy work; 0 = one thread in this process
+    # Worker processes for CPU-heavy work; 0 = one thread in this process.
+    num_workers: int = field(default_factory=default_num_workers)
+    max_queued_bytes: int = MAX_QUEUED_BYTES  # encoded jobs waiting or running, all workers together
     log_level: str = "INFO"

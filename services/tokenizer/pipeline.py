@@ -6,6 +6,11 @@ grid (no pixel preprocessing: the vision encoder does that from the same bytes),
 its compressed bytes, expand each placeholder to the image's token count, and compute
 the M-RoPE position delta. Images leave as their compressed bytes, each distinct one
 once.
+
+The context limit is checked on the text first, with work bounded by the limit: a
+prompt or chat that certainly needs ``max_model_len`` tokens or more is refused before
+it is tokenized whole and before any image is decoded (``TextProcessor.encode`` with
+``max_len``), and once more after the image placeholders are expanded.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart
 from services.engine.config import ModelConfig
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.processing import ImageProcessor, TextProcessor, content_hash, decode_image
+from services.engine.processing.text import prompt_too_long
 from services.tokenizer.config import Limits
 
 
@@ -37,8 +43,8 @@ class TokenizePipeline:
     def tokenize_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> TokenizedPrompt:
         """Token ids with expanded placeholders, one span per image part, distinct images' bytes."""
         template_messages, image_parts = _template_messages(messages)
-        ids = self.text.encode_chat(template_messages, add_generation_prompt)
-        self._check_len(len(ids), "messages")  # before decoding: each image adds tokens
+        # The text is checked before any image is decoded: each image only adds tokens.
+        ids = self.text.encode_chat(template_messages, add_generation_prompt, self.limits.max_model_len)
         grids: dict[str, tuple[int, int, int]] = {}  # content hash -> patch grid
         images: dict[str, bytes] = {}  # content hash -> compressed bytes, first appearance first
         hashes = []
@@ -50,7 +56,8 @@ class TokenizePipeline:
             hashes.append(key)
         counts = [self.images.num_image_tokens(grids[key]) for key in hashes]
         ids, placeholders = self.text.expand_image_placeholders(ids, counts)
-        self._check_len(len(ids), "messages")
+        if len(ids) >= self.limits.max_model_len:
+            raise prompt_too_long(len(ids), self.limits.max_model_len, "messages")
         spans = tuple(
             ImageSpanRef(offset=p.offset, length=p.length, content_hash=key, grid_thw=grids[key])
             for p, key in zip(placeholders, hashes, strict=True)
@@ -61,7 +68,7 @@ class TokenizePipeline:
 
     def tokenize_prompt(self, prompt: str) -> TokenizedPrompt:
         """Token ids of a raw prompt; special-token strings in it are parsed (no template here)."""
-        ids = self.text.encode(prompt)
+        ids = self.text.encode(prompt, self.limits.max_model_len)
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
         vision_ids = {self.text.image_token_id, self.text.video_token_id}
@@ -71,14 +78,7 @@ class TokenizePipeline:
                 "(send images as chat messages)",
                 param="prompt",
             )
-        self._check_len(len(ids), "prompt")
         return TokenizedPrompt(token_ids=tuple(ids))
-
-    def _check_len(self, num_tokens: int, param: str) -> None:
-        if num_tokens >= self.limits.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {num_tokens} tokens; the context limit is {self.limits.max_model_len}", param=param
-            )
 
     def _grid(self, data: bytes, param: str) -> tuple[int, int, int]:
         try:

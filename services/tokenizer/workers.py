@@ -2,10 +2,16 @@
 
 ``num_workers`` > 0: that many worker processes, forked from a fork server, each with
 its own pipeline (the ``tokenizers`` BPE holds the GIL while it encodes, so threads
-would not run in parallel). A worker exits by itself soon after the server process is
-gone, even one killed without a chance to stop its pool. ``num_workers`` == 0: one
-thread in this process (tests, debugging).
+would not run in parallel). Each job goes to the next idle worker, so a slow job (a big
+image) holds one worker and the others keep serving. A worker exits by itself soon
+after the server process is gone, even one killed without a chance to stop its pool.
+``num_workers`` == 0: one thread in this process (tests, debugging).
 Jobs and results cross the process boundary as msgpack-encoded ``msgspec`` structs.
+
+When every worker is busy, jobs wait in a queue bounded by their encoded size
+(``max_queued_bytes``, counting the running ones): a job that would pass it is refused
+with ``OverloadedError`` (retry later), so a burst of big requests cannot grow the
+server's memory without bound. A lone job is always admitted.
 
 A worker that dies (killed, out of memory) fails the jobs it held with
 ``UnavailableError`` (retryable) and the pool is rebuilt for the next job.
@@ -27,9 +33,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.errors import InvalidRequestError, OverloadedError, UnavailableError
 from services.common.types import ChatMessage, TokenizedPrompt
-from services.tokenizer.config import Limits
+from services.tokenizer.config import MAX_QUEUED_BYTES, Limits
 from services.tokenizer.pipeline import TokenizePipeline
 
 logger = logging.getLogger(__name__)
@@ -129,13 +135,29 @@ def _worker_context() -> multiprocessing.context.BaseContext:
 class WorkerPool:
     """Tokenize jobs on ``num_workers`` processes (0: one thread); ``start`` before ``run``."""
 
-    def __init__(self, model_dir: str | Path, limits: Limits, num_workers: int = 1) -> None:
-        assert num_workers >= 0, num_workers
+    def __init__(
+        self,
+        model_dir: str | Path,
+        limits: Limits,
+        num_workers: int,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
+    ) -> None:
+        assert num_workers >= 0 and max_queued_bytes > 0, (num_workers, max_queued_bytes)
         self.model_dir = str(model_dir)
         self.limits = limits
         self.num_workers = num_workers
+        self.max_queued_bytes = max_queued_bytes
         self._executor: concurrent.futures.Executor | None = None
         self._run = _run_in_worker
+        # Encoded bytes of the jobs admitted and not finished; released by the executor's
+        # thread when a job ends, so guarded by a lock.
+        self._queued_bytes = 0
+        self._queued_lock = threading.Lock()
+
+    @property
+    def queued_bytes(self) -> int:
+        with self._queued_lock:
+            return self._queued_bytes
 
     async def start(self) -> None:
         """Create the workers and wait until each has loaded its tokenizer."""
@@ -158,12 +180,12 @@ class WorkerPool:
         )
 
     async def run(self, job: Job) -> TokenizedPrompt:
-        """The job's prompt; ``InvalidRequestError`` for bad input, ``UnavailableError`` if its worker died."""
+        """The job's prompt; ``InvalidRequestError`` for bad input, ``OverloadedError`` when the
+        queue is full, ``UnavailableError`` if its worker died."""
         executor = self._executor
         assert executor is not None, "WorkerPool.start() first"
-        loop = asyncio.get_running_loop()
         try:
-            result_bytes = await loop.run_in_executor(executor, self._run, _job_encoder.encode(job))
+            result_bytes = await self._submit(executor, _job_encoder.encode(job))
         except BrokenProcessPool as exc:
             self._replace_broken(executor)
             raise UnavailableError("a tokenizer worker process died while handling the request") from exc
@@ -171,6 +193,31 @@ class WorkerPool:
         if isinstance(result, JobRejected):
             raise InvalidRequestError(result.message, param=result.param)
         return result.prompt
+
+    def _submit(self, executor: concurrent.futures.Executor, job_bytes: bytes) -> asyncio.Future[bytes]:
+        num_bytes = len(job_bytes)
+        self._admit(num_bytes)
+        try:
+            future = executor.submit(self._run, job_bytes)
+        except BaseException:
+            self._release(num_bytes)
+            raise
+        future.add_done_callback(lambda _: self._release(num_bytes))  # done, failed or cancelled
+        return asyncio.wrap_future(future)
+
+    def _admit(self, num_bytes: int) -> None:
+        with self._queued_lock:
+            queued = self._queued_bytes
+            if queued and queued + num_bytes > self.max_queued_bytes:
+                raise OverloadedError(
+                    f"the tokenizer is busy: {queued} bytes of requests wait for its "
+                    f"{max(self.num_workers, 1)} workers (limit {self.max_queued_bytes}); retry later"
+                )
+            self._queued_bytes = queued + num_bytes
+
+    def _release(self, num_bytes: int) -> None:
+        with self._queued_lock:
+            self._queued_bytes -= num_bytes
 
     def _replace_broken(self, broken: concurrent.futures.Executor) -> None:
         if self._executor is not broken:

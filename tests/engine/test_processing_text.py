@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,45 @@ def test_bad_messages_raise(processor, messages, param):
         processor.render_chat(messages)
     assert info.value.param == param
     assert param.split(".")[-1].split("[")[0] in info.value.message
+
+
+LONG_TEXTS = [
+    "hello world, how are you? " * 60,
+    "x" * 3000,
+    "今天天气很好，我们去公园散步。" * 100,
+    "line one\nline two\r\n\tindented <|im_end|> 12345 🙂 e\u0301 " * 40,
+]
+
+
+@pytest.mark.parametrize("text", TEXTS + LONG_TEXTS)
+def test_encode_under_a_limit_equals_encode(processor, text):
+    ids = processor.encode(text)
+    assert processor.encode(text, max_len=len(ids) + 1) == ids
+    chat = [{"role": "user", "content": text}]
+    chat_ids = processor.encode_chat(chat)
+    assert processor.encode_chat(chat, max_len=len(chat_ids) + 1) == chat_ids
+
+
+@pytest.mark.parametrize("text", LONG_TEXTS)
+def test_a_prompt_at_the_limit_is_refused_with_its_length(processor, text):
+    for encode, param in (
+        (lambda max_len: processor.encode(text, max_len=max_len), "prompt"),
+        (lambda max_len: processor.encode_chat([{"role": "user", "content": text}], max_len=max_len), "messages"),
+    ):
+        num_tokens = len(encode(None))
+        with pytest.raises(InvalidRequestError) as info:
+            encode(num_tokens)
+        assert info.value.message == f"prompt has {num_tokens} tokens; the context limit is {num_tokens}"
+        assert info.value.param == param
+
+
+@pytest.mark.parametrize("text", ["x" * (50 << 20), "hello world " * (4 << 20)])
+def test_a_huge_text_is_refused_without_tokenizing_it(processor, text):
+    start = time.monotonic()
+    for call in (
+        lambda: processor.encode(text, max_len=4096),
+        lambda: processor.encode_chat([{"role": "user", "content": text}], max_len=4096),
+    ):
+        with pytest.raises(InvalidRequestError, match=r"^prompt has at least \d+ tokens; the context limit is 4096$"):
+            call()
+    assert time.monotonic() - start < 5.0  # tokenizing it whole takes minutes

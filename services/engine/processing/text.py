@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 
 from services.common.errors import InvalidRequestError, ModelLoadError
 from services.engine.processing.detokenize import IncrementalDetokenizer, token_bytes_table
+from services.engine.processing.token_bound import TokenBound
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -130,6 +131,17 @@ def mask_message_texts(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict
             ]
         masked.append({**message, "content": content})
     return masked, texts
+
+
+def prompt_too_long(
+    num_tokens: int, max_len: int, param: str, *, at_least: bool = False
+) -> InvalidRequestError:
+    """The error for a prompt of ``num_tokens`` (or more, ``at_least``) tokens: a prompt
+    must be shorter than ``max_len``."""
+    qualifier = "at least " if at_least else ""
+    return InvalidRequestError(
+        f"prompt has {qualifier}{num_tokens} tokens; the context limit is {max_len}", param=param
+    )
 
 
 # ---------------------------------------------------------------- placeholders
@@ -252,6 +264,7 @@ class TextProcessor:
             token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special
         )
         self._token_bytes = token_bytes_table(tokenizer)
+        self._bound = TokenBound.from_tokenizer(tokenizer, self._token_bytes)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TextProcessor:
@@ -298,10 +311,18 @@ class TextProcessor:
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from e
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, max_len: int | None = None) -> list[int]:
+        """Token ids of a text, special-token strings parsed. With ``max_len``: raises
+        InvalidRequestError (param ``prompt``) unless it is shorter, after work bounded
+        by ``max_len`` however long the text is."""
+        return self._encode_pieces([text], self._tokenizer, max_len, "prompt")
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        max_len: int | None = None,
+    ) -> list[int]:
         """Token ids of a chat where only the template's markers are special tokens.
 
         The template renders with sentinels in place of the messages' texts; the result
@@ -310,20 +331,38 @@ class TextProcessor:
         texts put back, is encoded with special-token matching off. Equal to
         ``encode(render_chat(messages))`` when no text holds a special-token string;
         otherwise such strings become plain-text tokens. Assumes the template writes
-        message texts verbatim (Qwen2.5-VL's does).
+        message texts verbatim (Qwen2.5-VL's does). ``max_len`` as for ``encode``
+        (param ``messages``).
         """
         validate_messages(messages)
         masked, texts = mask_message_texts(messages)
         rendered = self.render_chat(masked, add_generation_prompt)
         marker_re, marker_ids = self._special_markers
-        pieces = marker_re.split(rendered) if marker_re is not None else [rendered]
-        ids: list[int] = []
-        for i, piece in enumerate(pieces):
+        pieces: list[str | int] = []
+        for i, piece in enumerate(marker_re.split(rendered) if marker_re is not None else [rendered]):
             if i % 2:  # a captured marker
-                ids.append(marker_ids[piece])
+                pieces.append(marker_ids[piece])
             elif piece:
-                text = _TEXT_SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], piece)
-                ids.extend(self._plain_tokenizer.encode(text, add_special_tokens=False).ids)
+                pieces.append(_TEXT_SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], piece))
+        return self._encode_pieces(pieces, self._plain_tokenizer, max_len, "messages")
+
+    def _encode_pieces(
+        self, pieces: Sequence[str | int], tokenizer: Tokenizer, max_len: int | None, param: str
+    ) -> list[int]:
+        # The one place the context limit is applied to text: early when the bound proves
+        # the prompt too long, else on the exact ids.
+        if max_len is not None:
+            count = self._bound.count_until(pieces, tokenizer, max_len)
+            if count is not None and count.num_tokens >= max_len:
+                raise prompt_too_long(count.num_tokens, max_len, param, at_least=not count.is_exact)
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                ids.append(piece)
+            else:
+                ids.extend(tokenizer.encode(piece, add_special_tokens=False).ids)
+        if max_len is not None and len(ids) >= max_len:
+            raise prompt_too_long(len(ids), max_len, param)
         return ids
 
     @functools.cached_property
