@@ -125,3 +125,26 @@ async def test_refused_internal_credentials_are_a_deployment_error_not_the_calle
     finally:
         await channel.close()
         await server.stop(None)
+
+
+async def test_an_overloaded_peer_stays_overloaded_across_the_hop() -> None:
+    """OverloadedError keeps its class over gRPC, so the router answers 429 with Retry-After."""
+    from services.common.errors import OverloadedError
+
+    class Busy(decode_pb2_grpc.DecodeServicer):
+        @handle_errors
+        async def Stats(self, request: Any, context: Any) -> decode_pb2.StatsResponse:
+            raise OverloadedError("the decode is busy")
+
+    server, port = create_server([(decode_pb2_grpc.add_DecodeServicer_to_server, Busy())], 0, health=HealthState())
+    await server.start()
+    channel = create_channel(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.StatsRequest(), timeout=TIMEOUT_S)
+        error = error_from_rpc(info.value, service="decode")
+        assert type(error) is OverloadedError and error.http_status == 429 and error.retry_after_s > 0
+        assert error.message == "the decode is busy"
+    finally:
+        await channel.close()
+        await server.stop(None)

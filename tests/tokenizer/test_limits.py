@@ -171,8 +171,9 @@ async def test_when_every_worker_is_busy_jobs_queue_within_a_byte_bound(two_work
 
 def test_default_num_workers_follows_the_cpus():
     assert default_num_workers() == max(1, min(len(os.sched_getaffinity(0)), 4))
-    config = parse_config([], Envs())
+    config, _ = parse_config([], Envs())
     assert (config.num_workers, config.max_queued_bytes) == (default_num_workers(), MAX_QUEUED_BYTES)
-    assert parse_config(["--num-workers", "0", "--max-queued-bytes", "1000"], Envs()).max_queued_bytes == 1000
+    config, _ = parse_config(["--num-workers", "0", "--max-queued-bytes", "1000"], Envs())
+    assert config.max_queued_bytes == 1000
     with pytest.raises(SystemExit):
         parse_config(["--max-queued-bytes", "0"], Envs())
