@@ -17,6 +17,7 @@ from services.engine.config import ModelConfig
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.sampler import Sampler
 from services.transfer import BaseKVReceiver, create_kv_receiver
 from services.transfer.base import Clock
 
@@ -63,13 +64,14 @@ def build_engine(
     receiver = receiver if receiver is not None else create_receiver(config)
     receiver.register(runner.kv_pool)
     text = model.config.text
+    eos_ids = eos_token_ids(config.model, model.config)
     scheduler = DecodeScheduler(
         KVReservationManager(runner.page_table, config.kv_quarantine_s, quarantine_clock),
-        eos_token_ids(config.model, model.config),
+        eos_ids,
         config.max_model_len or text.max_position_embeddings,
         config.max_running_requests,
     )
     return DecodeEngine(
-        scheduler, DecodeWorker(runner), receiver,
+        scheduler, DecodeWorker(runner, Sampler(eos_ids)), receiver,
         watchdog_s=config.watchdog_s, sweep_interval_s=config.sweep_interval_s,
     )

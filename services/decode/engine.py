@@ -193,6 +193,7 @@ class DecodeEngine:
 
     def _validate(self, request: DecodeRequest) -> None:
         request.params.validate()
+        request.params.check_vocab(self.worker.vocab_size)
         prompt_len, max_len = len(request.prompt_ids), self.scheduler.max_model_len
         if not request.request_id:
             raise InvalidRequestError("request_id is empty", param="request_id")

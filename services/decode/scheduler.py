@@ -101,7 +101,9 @@ class TokenEvent(msgspec.Struct, frozen=True):
 
 
 def _uses_history(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+    """Whether sampling reads the request's tokens (penalties, and the min_tokens mask's count)."""
+    is_penalized = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+    return is_penalized or params.presence_penalty != 0.0 or params.min_tokens > 0
 
 
 class DecodeScheduler:

@@ -67,9 +67,9 @@ class LLMEngine:
     def __init__(self, runner: ModelRunner, max_context_len: int | None = None) -> None:
         self.runner = runner
         self.config = runner.model.config
-        self.sampler = Sampler()
         self.max_context_len = max_context_len or self.config.text.max_position_embeddings
         self.eos_token_ids = set(self.config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
 
     @classmethod
     def from_dir(

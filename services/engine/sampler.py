@@ -1,7 +1,8 @@
 """Sampling parameters and the batched sampler.
 
 Logits pass through, in order: repetition penalty (prompt + output tokens,
-HF-style), frequency and presence penalties (output tokens, OpenAI-style),
+HF-style), frequency and presence penalties (output tokens, OpenAI-style), logit bias,
+the min_tokens mask (EOS and stop tokens out until min_tokens were generated),
 temperature, top-k, top-p, min-p. Greedy rows (temperature 0) take the argmax of the
 penalized logits. Random rows draw their noise only from their own generator, so a
 seeded request gets the same tokens whatever else is in the batch.
@@ -9,7 +10,9 @@ seeded request gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Collection
 
 import msgspec
 import torch
@@ -29,6 +32,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens were generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids distinct
 
     @property
     def is_greedy(self) -> bool:
@@ -50,13 +55,35 @@ class SamplingParams(msgspec.Struct, frozen=True):
             (0 < self.max_new_tokens < 2**32, "max_new_tokens", "must be in [1, 2**32)"),
             (self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)"),
             (all(0 <= t < 2**32 for t in self.stop_token_ids), "stop_token_ids", "must be in [0, 2**32)"),
+            (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens", "must be in [0, max_new_tokens]"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens"),
         ]
         for is_ok, param, rule in int_checks:
             if not is_ok:
                 value = getattr(self, param)
                 raise InvalidRequestError(f"{param} {rule}, got {value!r}", param=param)
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        token_ids = [token_id for token_id, _ in self.logit_bias]
+        if len(set(token_ids)) != len(token_ids):
+            raise InvalidRequestError("logit_bias names a token twice", param="logit_bias")
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < 2**32:
+                raise InvalidRequestError(f"logit_bias token ids must be >= 0, got {token_id}", param="logit_bias")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r}",
+                                          param="logit_bias")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """``InvalidRequestError`` when a token id of these params is outside the vocabulary."""
+        for param, token_ids in (("logit_bias", [t for t, _ in self.logit_bias]),
+                                 ("stop_token_ids", self.stop_token_ids)):
+            if any(t >= vocab_size for t in token_ids):
+                raise InvalidRequestError(f"{param} token ids must be < {vocab_size}", param=param)
 
 
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
 # (field, low, high, is the low end open): every float field's range.
 _FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (
@@ -100,14 +127,21 @@ def _column(values: list[float], logits: torch.Tensor) -> torch.Tensor:  # [B, 1
 
 
 class Sampler:
-    """Turns one step's logits into one token per row."""
+    """Turns one step's logits into one token per row.
+
+    ``eos_token_ids``: the model's EOS ids, masked (with each request's stop tokens) until the
+    request has generated ``min_tokens`` tokens.
+    """
+
+    def __init__(self, eos_token_ids: Collection[int] = ()) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
 
     def apply_penalties(
         self,
         logits: torch.Tensor,  # [B, V]
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
-        output_ids: list[list[int]],
+        output_ids: list[list[int]],  # each request's output so far (its length counts for min_tokens)
     ) -> torch.Tensor:  # [B, V] float32, a new tensor
         logits = logits.float().clone()
         vocab_size = logits.shape[1]
@@ -121,6 +155,15 @@ class Sampler:
             counts = _row_token_mask(output_ids, vocab_size, logits.device, counts=True)
             logits -= _column([p.frequency_penalty for p in params], logits) * counts
             logits -= _column([p.presence_penalty for p in params], logits) * (counts > 0).float()
+        for row, p in enumerate(params):
+            if p.logit_bias:
+                token_ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+                biases = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32, device=logits.device)
+                logits[row].index_add_(0, token_ids, biases)
+            if len(output_ids[row]) < p.min_tokens:
+                banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
+                if banned:
+                    logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
         return logits
 
     def apply_temperature_and_filters(

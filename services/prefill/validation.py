@@ -35,6 +35,7 @@ def validate_prompt(
 ) -> None:
     """``InvalidRequestError`` (with ``param``) for the first problem of the prompt or its parameters."""
     params.validate()
+    params.check_vocab(limits.vocab_size)
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", param="token_ids")
     if len(token_ids) >= limits.max_context_len:

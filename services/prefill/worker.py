@@ -63,9 +63,9 @@ class PrefillRankWorker:
         self.runner = runner
         self.kv_sender = kv_sender
         self.embeddings = embeddings
-        self.sampler = Sampler()
         self.spatial_merge_size = config.vision.spatial_merge_size
         self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
         self.max_context_len = config.text.max_position_embeddings
         kv_sender.register(runner.kv_pool)
 

@@ -16,6 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common import telemetry
+from services.common.clients.decode import sampling_params_from_proto
 from services.common.errors import InvalidRequestError, NotFoundError, StageServeError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -36,10 +37,6 @@ _FINISH_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
 }
-_SAMPLING_OPTIONAL = (
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-    "seed", "max_new_tokens",
-)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -145,8 +142,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def _sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take the engine defaults (the proto's documented ones)."""
-    fields = {name: getattr(message, name) for name in _SAMPLING_OPTIONAL if message.HasField(name)}
-    params = SamplingParams(**fields, stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos)
+    params = sampling_params_from_proto(message)
     params.validate()
     return params
 

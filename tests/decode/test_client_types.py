@@ -106,6 +106,7 @@ def test_kv_ref_without_both_buffers_is_invalid() -> None:
         SamplingParams(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125, repetition_penalty=1.5,
                        frequency_penalty=-0.5, presence_penalty=2.0, seed=2**64 - 1, max_new_tokens=99,
                        stop_token_ids=(3, 4), ignore_eos=True),
+        SamplingParams(min_tokens=3, logit_bias=((2, -100.0), (17, 0.5))),
     ],
 )
 def test_sampling_params_round_trip(params: SamplingParams) -> None:

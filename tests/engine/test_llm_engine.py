@@ -104,3 +104,13 @@ def test_generate_command_rejects_non_image(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "not an image" in done.stderr
+
+
+def test_min_tokens_holds_back_an_eos_that_logit_bias_forces(small_engine):
+    eos = min(small_engine.eos_token_ids)
+    forced = {"temperature": 0.0, "max_new_tokens": 8, "logit_bias": ((eos, 100.0),)}
+    at_once = small_engine.generate([request(range(10, 30), **forced)])[0]
+    assert (at_once.token_ids, at_once.finish_reason) == ([eos], FinishReason.STOP)
+    held = small_engine.generate([request(range(10, 30), **forced, min_tokens=4)])[0]
+    assert len(held.token_ids) == 5 and held.token_ids[-1] == eos and eos not in held.token_ids[:-1]
+    assert held.finish_reason is FinishReason.STOP

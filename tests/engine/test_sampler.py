@@ -209,3 +209,45 @@ def test_skip_advances_past_one_random_row() -> None:
     resumed = make_generator(5, "cpu")
     sampler.skip(resumed, VOCAB_SIZE)
     assert [sampler.sample(row[None], params, [[]], [[]], [resumed]).item() for row in logits[1:]] == expected[1:]
+
+
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    forced = SamplingParams(temperature=0.0, logit_bias=((2, 100.0),))
+    banned = SamplingParams(temperature=0.0, logit_bias=((1, -100.0),))
+    sampler = Sampler()
+    assert sampler.sample(logits, [forced], [[]], [[]], [None]).tolist() == [2]
+    assert sampler.sample(logits, [banned], [[]], [[]], [None]).tolist() == [3]
+    assert logits.tolist() == [[0.0, 5.0, 1.0, 2.0]]  # the input is not changed
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]] * 3)  # 1 is EOS, 2 a stop token, 3 the best other
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(2,))
+    sampler = Sampler(eos_token_ids=(1,))
+    outputs = [[], [7], [7, 7]]  # 0, 1, 2 tokens generated so far
+    assert sampler.sample(logits, [params] * 3, [[]] * 3, outputs, [None] * 3).tolist() == [3, 3, 1]
+    ignoring = msgspec.structs.replace(params, ignore_eos=True)  # EOS is no stop then: only 2 is masked
+    assert sampler.sample(logits[:1], [ignoring], [[]], [[]], [None]).tolist() == [1]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+    ({"logit_bias": ((3, float("nan")),)}, "logit_bias"),
+    ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ({"min_tokens": 17, "max_new_tokens": 16}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+])
+def test_bad_bias_and_min_tokens_are_refused(fields, param) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**fields).validate()
+    assert info.value.param == param
+
+
+def test_token_ids_outside_the_vocabulary_are_refused() -> None:
+    SamplingParams(logit_bias=((9, 1.0),), stop_token_ids=(9,)).check_vocab(10)
+    for fields, param in (({"logit_bias": ((10, 1.0),)}, "logit_bias"), ({"stop_token_ids": (10,)}, "stop_token_ids")):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**fields).check_vocab(10)
+        assert info.value.param == param

@@ -64,7 +64,7 @@ async def test_an_error_on_the_callers_path_drops_its_request(pipeline, harness:
         return admit()
 
     scheduler.admit = admit_failing_once
-    with pytest.raises(StageServeError, match="RuntimeError"):
+    with pytest.raises(StageServeError, match="internal error in PrefillServicer.Prefill"):
         await harness.prefill(standard_cases(pipeline)[0])
     await asyncio.sleep(10 * TICK_S)  # ticks that would have run a request left behind
     assert raised and sends == []

@@ -209,6 +209,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         max_new_tokens=params.max_new_tokens,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
         **{name: getattr(params, name) for name in _FLOAT_FIELDS},
     )
     if params.seed is not None:
@@ -223,7 +225,9 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
     optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens")
     values = {name: getattr(message, name) for name in optional if message.HasField(name)}
     return SamplingParams(
-        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos, **values
+        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
+        min_tokens=message.min_tokens, logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
+        **values
     )
 
 
