@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from services.common.paths import BUNDLED_MODEL
+
 REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL_DIR = REPO / "models" / "tiny-qwen2.5-vl"
+TINY_MODEL_DIR = BUNDLED_MODEL  # the package data of services/assets/
 
 
 def _mooncake_import_error() -> str | None:

@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
 from services.common import telemetry
 from services.common.envs import Envs
+from services.common.paths import BUNDLED_MODEL
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
