@@ -1,9 +1,9 @@
 """A platform engineer's install: sdist -> wheel -> a fresh venv outside the source tree.
 
 The sdist is built from a copy of the source tree, the wheel from that sdist alone (so
-the sdist is complete), and the wheel installed with its ``cpu`` extra into a new venv
-(no system site-packages; torch 2.13.0 from the local wheel, the rest from pip's cache or
-the index). Every command then runs from a temporary directory with no ``PYTHONPATH``,
+the sdist is complete), and the wheel installed with the CPU image's extras and
+deploy/constraints.txt into a new venv (no system site-packages; torch 2.13.0 from the local
+wheel, the rest from pip's cache or the index). Every command then runs from a temporary directory with no ``PYTHONPATH``,
 so nothing can come from the checkout.
 """
 
@@ -79,7 +79,8 @@ def install(tmp_path_factory) -> Install:
     env_dir = root / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False, symlinks=True).create(env_dir)
     pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    run([*pip, "torch==2.13.0", f"{wheel}[cpu]"], workdir, INSTALL_TIMEOUT_S)
+    constraints = ["--constraint", str(REPO / "deploy" / "constraints.txt")]  # as deploy/Dockerfile.cpu
+    run([*pip, *constraints, "torch==2.13.0", f"{wheel}[cpu,otlp]"], workdir, INSTALL_TIMEOUT_S)
     return Install(sdist, wheel, env_dir, workdir)
 
 
@@ -99,7 +100,8 @@ def test_wheel_carries_the_model_and_type_information(install: Install) -> None:
 
 
 def test_everything_is_imported_from_the_venv(install: Install) -> None:
-    probe = "import services.common.paths as p; print(p.__file__); print(p.BUNDLED_MODEL)"
+    probe = ("import services.common.paths as p; print(p.__file__); print(p.BUNDLED_MODEL); "
+             "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter")  # the otlp extra
     module_file, model_dir = run([install.bin("python"), "-c", probe], install.workdir, 60).stdout.split()
     site = install.venv / "lib"
     assert Path(module_file).is_relative_to(site) and Path(model_dir).is_relative_to(site)
