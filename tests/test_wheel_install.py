@@ -2,9 +2,9 @@
 
 The sdist is built from a copy of the source tree, the wheel from that sdist alone (so
 the sdist is complete), and the wheel installed with the CPU image's extras and
-deploy/constraints.txt into a new venv (no system site-packages; torch 2.13.0 from the local
-wheel, the rest from pip's cache or the index). Every command then runs from a temporary directory with no ``PYTHONPATH``,
-so nothing can come from the checkout.
+deploy/constraints.txt into a new venv (no system site-packages; torch 2.13.0 from the
+local wheel, the rest from pip's cache or the index). Every command then runs from a
+temporary directory with no ``PYTHONPATH``, so nothing can come from the checkout.
 """
 
 from __future__ import annotations
@@ -33,11 +33,26 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 INSTALL_TIMEOUT_S = 900
 UP_TIMEOUT_S = 300
-ASSET_FILES = ("config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json",
-               "tokenizer.json", "tokenizer_config.json")
+ASSET_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 # Not part of a source distribution (and large: the checkout's .venv is over a gigabyte).
 COPY_IGNORE = shutil.ignore_patterns(
-    ".venv", ".git", "__pycache__", "*.egg-info", "build", "dist", ".*_cache", ".whl", ".gl", "*.pyc"
+    ".venv",
+    ".git",
+    "__pycache__",
+    "*.egg-info",
+    "build",
+    "dist",
+    ".*_cache",
+    ".whl",
+    ".gl",
+    "*.pyc",
 )
 
 
@@ -53,14 +68,20 @@ class Install:
 
 
 def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+    }
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
 
 
 def run(cmd: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout_s)
-    assert done.returncode == 0, f"{cmd} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    done = subprocess.run(
+        cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, (
+        f"{cmd} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return done
 
 
@@ -73,13 +94,30 @@ def install(tmp_path_factory) -> Install:
     workdir.mkdir()
     build_sdist = f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"
     sdist = dist / run([sys.executable, "-c", build_sdist], src, 300).stdout.split()[-1]
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist),
-         str(sdist)], workdir, 300)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(sdist),
+        ],
+        workdir,
+        300,
+    )
     (wheel,) = dist.glob("stageserve-*.whl")
     env_dir = root / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False, symlinks=True).create(env_dir)
     pip = [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    constraints = ["--constraint", str(REPO / "deploy" / "constraints.txt")]  # as deploy/Dockerfile.cpu
+    constraints = [
+        "--constraint",
+        str(REPO / "deploy" / "constraints.txt"),
+    ]  # as deploy/Dockerfile.cpu
     run([*pip, *constraints, "torch==2.13.0", f"{wheel}[cpu,otlp]"], workdir, INSTALL_TIMEOUT_S)
     return Install(sdist, wheel, env_dir, workdir)
 
@@ -100,20 +138,31 @@ def test_wheel_carries_the_model_and_type_information(install: Install) -> None:
 
 
 def test_everything_is_imported_from_the_venv(install: Install) -> None:
-    probe = ("import services.common.paths as p; print(p.__file__); print(p.BUNDLED_MODEL); "
-             "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter")  # the otlp extra
-    module_file, model_dir = run([install.bin("python"), "-c", probe], install.workdir, 60).stdout.split()
+    probe = (
+        "import services.common.paths as p; print(p.__file__); print(p.BUNDLED_MODEL); "
+        "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+    )  # the otlp extra
+    module_file, model_dir = run(
+        [install.bin("python"), "-c", probe], install.workdir, 60
+    ).stdout.split()
     site = install.venv / "lib"
     assert Path(module_file).is_relative_to(site) and Path(model_dir).is_relative_to(site)
     assert (Path(model_dir) / "model.safetensors").is_file()
 
 
 def test_version(install: Install) -> None:
-    assert run([install.bin("stageserve"), "--version"], install.workdir, 60).stdout.strip() == "stageserve 0.1.0"
+    assert (
+        run([install.bin("stageserve"), "--version"], install.workdir, 60).stdout.strip()
+        == "stageserve 0.1.0"
+    )
 
 
 def test_generate_on_the_bundled_model(install: Install) -> None:
-    done = run([install.bin("stageserve"), "generate", "--prompt", "hi", "--max-tokens", "4"], install.workdir, 300)
+    done = run(
+        [install.bin("stageserve"), "generate", "--prompt", "hi", "--max-tokens", "4"],
+        install.workdir,
+        300,
+    )
     assert " generated, finish_reason=" in done.stderr
     num_generated = int(done.stderr.split(" generated")[0].rsplit(" ", 1)[-1])
     assert 1 <= num_generated <= 4
@@ -121,12 +170,28 @@ def test_generate_on_the_bundled_model(install: Install) -> None:
 
 def test_up_serves_a_chat(install: Install) -> None:
     port, state_file = free_port(), install.workdir / "state.json"
-    cmd = [install.bin("stageserve"), "up", "--port", str(port), "--state-file", str(state_file),
-           "--log-dir", str(install.workdir / "logs")]
-    process = subprocess.Popen(cmd, cwd=install.workdir, env=clean_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        install.bin("stageserve"),
+        "up",
+        "--port",
+        str(port),
+        "--state-file",
+        str(state_file),
+        "--log-dir",
+        str(install.workdir / "logs"),
+    ]
+    process = subprocess.Popen(
+        cmd,
+        cwd=install.workdir,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output: list[str] = []
-    threading.Thread(target=lambda: output.extend(line.rstrip() for line in process.stdout), daemon=True).start()
+    threading.Thread(
+        target=lambda: output.extend(line.rstrip() for line in process.stdout), daemon=True
+    ).start()
     child_pids: list[int] = []
     try:
         deadline = time.monotonic() + UP_TIMEOUT_S
@@ -135,8 +200,11 @@ def test_up_serves_a_chat(install: Install) -> None:
             time.sleep(0.2)
         state = json.loads(state_file.read_text())
         child_pids = [v["pid"] for k, v in state.items() if k != "launcher"]
-        body = {"model": "tiny-qwen2.5-vl", "max_tokens": 4,
-                "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": "tiny-qwen2.5-vl",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert 1 <= reply.json()["usage"]["completion_tokens"] <= 4

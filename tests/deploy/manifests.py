@@ -31,8 +31,13 @@ OVERLAYS = ("cpu", "gpu")
 SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
 KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 # Strategic-merge keys of the lists deploy/k8s patches (others are replaced whole).
-MERGE_KEYS = {"containers": "name", "env": "name", "volumes": "name", "volumeMounts": "mountPath",
-              "ports": "containerPort"}
+MERGE_KEYS = {
+    "containers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 
 
@@ -44,7 +49,9 @@ def _merge(target: Any, patch: Any, key: str = "") -> Any:
     if isinstance(target, dict) and isinstance(patch, dict):
         assert not any(k.startswith("$") for k in patch), f"unsupported patch directive in {patch}"
         for name, value in patch.items():
-            target[name] = _merge(target[name], value, name) if name in target else copy.deepcopy(value)
+            target[name] = (
+                _merge(target[name], value, name) if name in target else copy.deepcopy(value)
+            )
         return target
     merge_key = MERGE_KEYS.get(key)
     if isinstance(target, list) and isinstance(patch, list) and merge_key:
@@ -143,7 +150,9 @@ POD_IP = "192.0.2.10"  # a documentation address: only parsed, never dialled
 
 
 def rendered_containers(docs: list[dict]) -> list[Container]:
-    config_maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    config_maps = {
+        d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"
+    }
     found = []
     for workload in workloads(docs):
         for spec in workload["spec"]["template"]["spec"]["containers"]:
@@ -180,7 +189,9 @@ def parse_service_args(service: str, args: list[str]) -> argparse.Namespace | An
                 return module.parse_config(args)
             return module.parse_args(args)
     except SystemExit as exc:
-        raise AssertionError(f"{service} rejects {shlex.join(args)}: {exc} {stderr.getvalue()}") from None
+        raise AssertionError(
+            f"{service} rejects {shlex.join(args)}: {exc} {stderr.getvalue()}"
+        ) from None
 
 
 _VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
@@ -213,7 +224,8 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def merge_compose(base: dict, override: dict) -> dict:
-    """``docker compose -f base -f override``: mappings merge, volumes add up, the rest is replaced."""
+    """``docker compose -f base -f override``: mappings merge, volumes add up, the rest is
+    replaced."""
     merged = copy.deepcopy(base)
     for name, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(name), dict):
@@ -233,9 +245,13 @@ class Instruction:
 
 def dockerfile(path: Path) -> list[Instruction]:
     """Instructions with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(
-        line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
-    ))
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(
+            line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")
+        ),
+    )
     found = []
     for line in text.splitlines():
         if line.strip():

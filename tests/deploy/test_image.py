@@ -34,12 +34,18 @@ def test_cpu_image_serves_a_chat() -> None:
     from testcontainers.core.image import DockerImage
     from testcontainers.core.waiting_utils import wait_for_logs
 
-    with DockerImage(path=str(REPO), dockerfile_path="deploy/Dockerfile.cpu", tag="stageserve:test-cpu") as image:
+    with DockerImage(
+        path=str(REPO), dockerfile_path="deploy/Dockerfile.cpu", tag="stageserve:test-cpu"
+    ) as image:
         container = DockerContainer(str(image)).with_exposed_ports(8000).with_kwargs(shm_size="1g")
         with container:
             wait_for_logs(container, "stageserve is up", timeout=UP_TIMEOUT_S, raise_on_exit=True)
             url = f"http://{container.get_container_host_ip()}:{container.get_exposed_port(8000)}"
-            body = {"model": "tiny-qwen2.5-vl", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+            body = {
+                "model": "tiny-qwen2.5-vl",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
             reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
             assert reply.status_code == 200, reply.text
             assert 1 <= reply.json()["usage"]["completion_tokens"] <= 4

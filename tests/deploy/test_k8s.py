@@ -39,8 +39,12 @@ from tests.deploy.manifests import (
 # schema kubernetes-validate ships.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 WORKERS = ("tokenizer", "vision_encoder", "prefill", "decode")
-ADDRESS_FLAGS = {"--tokenizer-address": "tokenizer", "--encoder-address": "vision_encoder",
-                 "--prefill-address": "prefill", "--decode-address": "decode"}
+ADDRESS_FLAGS = {
+    "--tokenizer-address": "tokenizer",
+    "--encoder-address": "vision_encoder",
+    "--prefill-address": "prefill",
+    "--decode-address": "decode",
+}
 GPU_WORKERS = ("vision_encoder", "prefill", "decode")
 GRPC_PORT, METRICS_PORT, HTTP_PORT = 50051, 9090, 8000
 
@@ -66,14 +70,23 @@ def by_service(docs) -> dict[str, Container]:
 def gpu_mooncake(monkeypatch, overlay) -> None:
     """The GPU image's Mooncake moves GPU memory (test_dockerfiles checks it installs that build)."""
     if overlay == "gpu":
-        monkeypatch.setattr("services.common.kv_transfer.mooncake_moves_device_memory", lambda: True)
+        monkeypatch.setattr(
+            "services.common.kv_transfer.mooncake_moves_device_memory", lambda: True
+        )
 
 
 def test_renders_like_kubectl_kustomize(overlay, docs) -> None:
     if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed: the render is checked by this test's own renderer only")
-    rendered = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
-                              capture_output=True, text=True, timeout=120, check=True).stdout
+        pytest.skip(
+            "kubectl is not installed: the render is checked by this test's own renderer only"
+        )
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     theirs = sorted((d for d in yaml.safe_load_all(rendered) if d), key=key)
     assert [normalized(d) for d in sorted(docs, key=key)] == [normalized(d) for d in theirs]
@@ -85,8 +98,10 @@ def test_every_object_passes_the_strict_schema(docs, version) -> None:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): {exc.message} "
-                        f"at {'.'.join(map(str, exc.path))}")
+            pytest.fail(
+                f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): {exc.message} "
+                f"at {'.'.join(map(str, exc.path))}"
+            )
 
 
 def test_every_service_accepts_its_arguments(by_service, gpu_mooncake) -> None:
@@ -100,18 +115,29 @@ def test_ports_probes_and_annotations_match_the_flags(docs, by_service) -> None:
         assert flag(args, "--port") == [str(GRPC_PORT)] == [str(c.port("grpc"))]
         assert flag(args, "--metrics-port") == [str(METRICS_PORT)] == [str(c.port("metrics"))]
         assert c.pod["metadata"]["annotations"] == {
-            "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(METRICS_PORT),
+            "prometheus.io/path": "/metrics",
+        }
         assert c.spec["livenessProbe"]["grpc"] == {"port": GRPC_PORT, "service": LIVENESS_SERVICE}
         if service == "router":
             assert flag(args, "--http-port") == [str(HTTP_PORT)] == [str(c.port("http"))]
             assert c.spec["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-            assert "startupProbe" not in c.spec  # it answers at once; readiness waits for the workers
+            assert (
+                "startupProbe" not in c.spec
+            )  # it answers at once; readiness waits for the workers
         else:  # readiness and startup ask for the server's status: the model is loaded and warm
-            assert c.spec["readinessProbe"]["grpc"] == c.spec["startupProbe"]["grpc"] == {"port": GRPC_PORT}
+            assert (
+                c.spec["readinessProbe"]["grpc"]
+                == c.spec["startupProbe"]["grpc"]
+                == {"port": GRPC_PORT}
+            )
         for svc in (d for d in docs if d["kind"] == "Service"):
             if svc["spec"]["selector"] == c.pod["metadata"]["labels"]:
                 for port in svc["spec"]["ports"]:
-                    assert port["targetPort"] in {p["name"] for p in c.spec["ports"]}, svc["metadata"]["name"]
+                    assert port["targetPort"] in {p["name"] for p in c.spec["ports"]}, svc[
+                        "metadata"
+                    ]["name"]
 
 
 def test_router_health_path_exists() -> None:
@@ -122,7 +148,11 @@ def _pod_names(docs: list[dict], service_name: str) -> list[str]:
     """The stable DNS names (``<pod>.<headless service>``) of the pods behind ``service_name``."""
     svc = find(docs, "Service", service_name)
     assert svc["spec"]["clusterIP"] == "None", f"{service_name}: a worker needs one address per pod"
-    (sts,) = [w for w in workloads(docs) if w["spec"]["template"]["metadata"]["labels"] == svc["spec"]["selector"]]
+    (sts,) = [
+        w
+        for w in workloads(docs)
+        if w["spec"]["template"]["metadata"]["labels"] == svc["spec"]["selector"]
+    ]
     assert sts["kind"] == "StatefulSet" and sts["spec"]["serviceName"] == service_name
     return [f"{sts['metadata']['name']}-{i}.{service_name}" for i in range(sts["spec"]["replicas"])]
 
@@ -147,7 +177,10 @@ def test_secrets_config_and_volumes_are_wired(docs, by_service) -> None:
         if service == "router":
             api_key = env["STAGESERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
             assert api_key == {"name": "stageserve-secrets", "key": "api-key", "optional": True}
-        assert {s["configMapRef"]["name"] for s in c.spec["envFrom"]} == {"stageserve-env", "stageserve-flags"}
+        assert {s["configMapRef"]["name"] for s in c.spec["envFrom"]} == {
+            "stageserve-env",
+            "stageserve-flags",
+        }
         assert {s["configMapRef"]["name"] for s in c.spec["envFrom"]} <= config_maps
         volumes = {v["name"]: v for v in c.pod["spec"]["volumes"]}
         for mount in c.spec["volumeMounts"]:
@@ -180,10 +213,16 @@ def test_containers_are_non_root_with_resources(by_service, overlay) -> None:
     uid = int(user.split(":")[0])
     for service, c in by_service.items():
         pod = c.pod["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == uid
+        assert (
+            pod["securityContext"]["runAsNonRoot"] is True
+            and pod["securityContext"]["runAsUser"] == uid
+        )
         assert pod["automountServiceAccountToken"] is False
         assert c.spec["securityContext"] == {
-            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
         for kind in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(c.spec["resources"][kind]), (service, kind)
         gpus = c.spec["resources"]["limits"].get("nvidia.com/gpu")
@@ -196,14 +235,22 @@ def test_the_image_is_named_once_per_overlay(overlay, by_service) -> None:
     kustomization = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
     (image,) = kustomization["images"]
     assert image["newTag"] == f"{version('stageserve')}-{overlay}" and "/" in image["newName"]
-    assert {c.spec["image"] for c in by_service.values()} == {f"{image['newName']}:{image['newTag']}"}
+    assert {c.spec["image"] for c in by_service.values()} == {
+        f"{image['newName']}:{image['newTag']}"
+    }
 
 
 def test_the_models_and_the_jit_cache_are_where_the_images_put_them(overlay, by_service) -> None:
-    image = {i.keyword: i.value for i in dockerfile(DEPLOY / f"Dockerfile.{overlay}") if i.keyword != "RUN"}
+    image = {
+        i.keyword: i.value
+        for i in dockerfile(DEPLOY / f"Dockerfile.{overlay}")
+        if i.keyword != "RUN"
+    }
     model = by_service["decode"].env["ARG_MODEL"]
     if overlay == "cpu":
-        assert model in " ".join(i.value for i in dockerfile(DEPLOY / "Dockerfile.cpu") if i.keyword == "RUN")
+        assert model in " ".join(
+            i.value for i in dockerfile(DEPLOY / "Dockerfile.cpu") if i.keyword == "RUN"
+        )
     else:
         assert model.startswith("/models/")
         assert "FLASHINFER_WORKSPACE_BASE=/var/cache/stageserve" in image["ENV"]

@@ -33,7 +33,10 @@ def test_liveness_is_serving_in_every_readiness_state() -> None:
     health.set_serving(False)
     assert health.status(LIVENESS_SERVICE) == SERVING
     health.enter_shutdown()
-    assert (health.status("stageserve.v1.Decode"), health.status(LIVENESS_SERVICE)) == (NOT_SERVING, SERVING)
+    assert (health.status("stageserve.v1.Decode"), health.status(LIVENESS_SERVICE)) == (
+        NOT_SERVING,
+        SERVING,
+    )
     assert health.status("stageserve.v1.Nope") == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 
@@ -48,10 +51,17 @@ def unreachable_router_config() -> RouterConfig:
     """Every worker kind at a loopback port nothing listens on."""
     dead = tuple(f"127.0.0.1:{free_port()}" for _ in range(4))
     return RouterConfig(
-        model_dir=TINY_MODEL_DIR, served_model_name="tiny-qwen2.5-vl", max_context_len=4096,
-        workers=WorkerAddresses(tokenizer=dead[:1], prefill=dead[1:2], decode=dead[2:3], encoder=dead[3:]),
-        limits=LimitsConfig(request_timeout_s=5.0), health_interval_s=0.1, health_timeout_s=0.5,
-        policy=PolicyName.ROUND_ROBIN, http_port=0,
+        model_dir=TINY_MODEL_DIR,
+        served_model_name="tiny-qwen2.5-vl",
+        max_context_len=4096,
+        workers=WorkerAddresses(
+            tokenizer=dead[:1], prefill=dead[1:2], decode=dead[2:3], encoder=dead[3:]
+        ),
+        limits=LimitsConfig(request_timeout_s=5.0),
+        health_interval_s=0.1,
+        health_timeout_s=0.5,
+        policy=PolicyName.ROUND_ROBIN,
+        http_port=0,
     )
 
 
