@@ -1,6 +1,6 @@
 """Regenerate the bundled tiny Qwen2.5-VL checkpoint bit for bit.
 
-    python scripts/make_tiny_checkpoint.py [--out models/tiny-qwen2.5-vl]
+    python scripts/make_tiny_checkpoint.py [--out services/assets/tiny-qwen2.5-vl]
 
 Same architecture as Qwen2.5-VL with small dimensions and seeded random weights, plus
 the project's own small BPE tokenizer (scripts/tiny_tokenizer.py). The directory is a
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_tokenizer import build_tokenizer_files  # noqa: E402
+from tiny_tokenizer import DEFAULT_OUT_DIR, build_tokenizer_files  # noqa: E402
 
 SEED = 20261130
 SPECIAL_IDS = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<|vision_start|>": 3,
@@ -112,7 +112,7 @@ def build(out_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.5-vl")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
     build(parser.parse_args().out)
 
 

@@ -1,6 +1,6 @@
 """Build the tokenizer and processor files of the bundled tiny Qwen2.5-VL checkpoint.
 
-Writes into a directory (default ``models/tiny-qwen2.5-vl``):
+Writes into a directory (default ``services/assets/tiny-qwen2.5-vl``, the package data):
 
 - ``tokenizer.json``: a byte-level BPE trained on ``scripts/tiny_corpus.txt``, with the
   Qwen-style special tokens at fixed ids 0..6;
@@ -33,7 +33,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS_PATH = REPO_ROOT / "scripts" / "tiny_corpus.txt"
-DEFAULT_OUT_DIR = REPO_ROOT / "models" / "tiny-qwen2.5-vl"
+DEFAULT_OUT_DIR = REPO_ROOT / "services" / "assets" / "tiny-qwen2.5-vl"  # the source tree's copy
 
 # Fixed order: the position is the token id.
 SPECIAL_TOKENS = (

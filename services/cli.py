@@ -13,8 +13,7 @@ from services.common.kv_transfer import (
     check_embedding_backend,
     check_kv_backend,
 )
-
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.5-vl"
+from services.common.paths import BUNDLED_MODEL
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -155,8 +154,18 @@ def _run_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"benchmarks.{args.kind}").main(args.bench_args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stageserve")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "unknown (stageserve is not installed: no package metadata)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stageserve", description="Disaggregated multimodal LLM serving.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_up(sub)

@@ -11,9 +11,10 @@ import pytest
 from PIL import Image
 
 from services.common.auth import Credentials
+from services.common.paths import BUNDLED_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL_DIR = REPO / "models" / "tiny-qwen2.5-vl"
+TINY_MODEL_DIR = BUNDLED_MODEL  # the package data of services/assets/
 
 # Set at import time, so every service a test starts as a process inherits it (and requires it);
 # in-process servers take INTERNAL_AUTH explicitly, or None on both sides.

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY_MODEL_DIR
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "scripts" / "tiny_tokenizer.py"
-TINY_DIR = REPO_ROOT / "models" / "tiny-qwen2.5-vl"
+TINY_DIR = TINY_MODEL_DIR
 FILES = ["tokenizer.json", "tokenizer_config.json", "preprocessor_config.json"]
 
 

@@ -10,7 +10,9 @@ NOT_SERVING -> ``server.stop`` with grace -> the release callback.
 Health: liveness is the process answering ``Check`` at all; readiness is ``SERVING``,
 which ``HealthState`` reports only after the service calls ``set_serving(True)``
 (model loaded, rank group formed, peers reachable). After shutdown starts it stays
-NOT_SERVING for good.
+NOT_SERVING for good. The health service name ``liveness`` answers SERVING whenever the
+process answers at all, whatever readiness says: liveness probes ask for it, so a
+process is never restarted for a peer's failure.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
 )
 
+LIVENESS_SERVICE = "liveness"  # the health service name liveness probes ask for
 Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any]  # (add_XServicer_to_server, servicer)
 _HEALTH = health_pb2.HealthCheckResponse
 
@@ -66,11 +69,12 @@ class HealthState(health_pb2_grpc.HealthServicer):
 
     Every registered service name (and ``""``, the whole server) shares one status.
     Call its methods from the event loop's thread. ``Watch`` streams end after they
-    report the final NOT_SERVING of a shutdown.
+    report the final NOT_SERVING of a shutdown. ``LIVENESS_SERVICE`` is SERVING for as
+    long as the server answers, before readiness, while not ready and during shutdown.
     """
 
     def __init__(self) -> None:
-        self._service_names: set[str] = {""}
+        self._service_names: set[str] = {"", LIVENESS_SERVICE}
         self._is_serving = False
         self._is_shutting_down = False
         self._changed = asyncio.Event()  # replaced on every change; watchers wait on it
@@ -103,6 +107,8 @@ class HealthState(health_pb2_grpc.HealthServicer):
     def status(self, service: str) -> int:
         if service not in self._service_names:
             return _HEALTH.SERVICE_UNKNOWN
+        if service == LIVENESS_SERVICE:
+            return _HEALTH.SERVING
         return _HEALTH.SERVING if self._is_serving else _HEALTH.NOT_SERVING
 
     def _notify(self) -> None:

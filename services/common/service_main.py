@@ -14,10 +14,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
 from services.common import telemetry
 from services.common.auth import AuthConfigError, Credentials, internal_credentials
 from services.common.envs import INTERNAL_TOKEN_ENV, Envs
+from services.common.paths import BUNDLED_MODEL
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.cli import BUNDLED_MODEL
 from services.common.kv_transfer import KV_BACKEND_HELP, check_kv_backend, resolve_kv_backend
+from services.common.paths import BUNDLED_MODEL
 from services.common.service_main import ServiceConfig, add_common_args
 
 

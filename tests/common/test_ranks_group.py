@@ -271,6 +271,7 @@ async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_pa
                 WORLD_SIZE="2",
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=master_port,
+                STAGESERVE_INTERNAL_TOKEN="join-token",  # what the deployment gives every pod
             )
             argv = [
                 sys.executable,
@@ -285,7 +286,9 @@ async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_pa
                 str(START_TIMEOUT_S),
             ]
             ranks.append(subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL))
-        join = config((), mode=RankMode.JOIN, world_size=2, control_addr=control_addr)
+        join = config(
+            (), mode=RankMode.JOIN, world_size=2, control_addr=control_addr, internal_token="join-token"
+        )
         group = RankGroup(join, StepSpec(TARGET, EchoResult, EchoInit()))
         await group.start()
         try:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from services.common.errors import ModelLoadError
 from services.engine.config import ModelConfig
 from services.engine.loader import load_model
+from tests.conftest import TINY_MODEL_DIR
 
 
 def copy_checkpoint(src: Path, dst: Path) -> dict[str, torch.Tensor]:
@@ -90,7 +91,7 @@ def test_unknown_architecture_names_supported(tiny_model_dir, tmp_path):
 def test_missing_files_are_clear(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path)
-    (tmp_path / "config.json").write_text((Path(__file__).parents[2] / "models/tiny-qwen2.5-vl/config.json").read_text())
+    (tmp_path / "config.json").write_text((TINY_MODEL_DIR / "config.json").read_text())
     with pytest.raises(ModelLoadError, match="no .safetensors files"):
         load_model(tmp_path)
 

@@ -4,14 +4,14 @@ and special-token text typed into a message stays plain text."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from services.common.errors import InvalidRequestError
 from services.engine.processing.text import TextProcessor, mask_message_texts
+from tests.conftest import TINY_MODEL_DIR
 
-TINY_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2.5-vl"
+TINY_DIR = TINY_MODEL_DIR
 IMAGE = {"type": "image"}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")

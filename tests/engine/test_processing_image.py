@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,8 +19,9 @@ from services.engine.processing.image import (
     smart_resize,
     to_rgb,
 )
+from tests.conftest import TINY_MODEL_DIR
 
-TINY_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2.5-vl"
+TINY_DIR = TINY_MODEL_DIR
 SIZES = [(50, 80), (224, 224), (300, 97), (640, 480), (10, 30), (28, 28), (1000, 40)]  # (width, height)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 
 import pytest
 from tokenizers import pre_tokenizers
@@ -17,8 +16,9 @@ from services.engine.processing.text import (
     expand_image_placeholders,
     iter_image_parts,
 )
+from tests.conftest import TINY_MODEL_DIR
 
-TINY_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2.5-vl"
+TINY_DIR = TINY_MODEL_DIR
 
 TEXTS = [
     "Hello, world! How are you today?",

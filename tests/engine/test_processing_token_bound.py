@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import unicodedata
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
@@ -20,9 +19,10 @@ from services.engine.processing.token_bound import (
     QWEN2_PATTERN,
     TokenBound,
 )
+from tests.conftest import TINY_MODEL_DIR
 
 TINY_JSON = json.loads(
-    (Path(__file__).resolve().parents[2] / "models" / "tiny-qwen2.5-vl" / "tokenizer.json").read_text()
+    (TINY_MODEL_DIR / "tokenizer.json").read_text()
 )
 
 

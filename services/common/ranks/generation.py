@@ -66,6 +66,7 @@ class Generation:
                 len(self.slots),
                 slot.device,
                 self.config.start_timeout_s,
+                self.config.internal_token,
             )
             slot.process = RankProcess(launch)
 

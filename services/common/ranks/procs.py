@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.envs import INTERNAL_TOKEN_ENV
+
 logger = logging.getLogger(__name__)
 RANK_MAIN = "services.common.ranks.rank_main"
 REAP_TIMEOUT_S = 10.0  # a SIGKILLed process is gone long before this
@@ -31,6 +33,14 @@ class RankLaunch:
     world_size: int
     device: str
     rendezvous_timeout_s: float
+    internal_token: str = ""  # the group's; the rank's Hello carries it (environment, never argv)
+
+    def environment(self) -> dict[str, str]:
+        """Ours, with the group's internal token (not whatever token this process inherited)."""
+        env = {k: v for k, v in os.environ.items() if k != INTERNAL_TOKEN_ENV}
+        if self.internal_token:
+            env[INTERNAL_TOKEN_ENV] = self.internal_token
+        return env
 
     def argv(self) -> list[str]:
         return [
@@ -60,7 +70,9 @@ class RankProcess:
     def __init__(self, launch: RankLaunch) -> None:
         self.rank = launch.rank
         self.device = launch.device
-        self._popen = subprocess.Popen(launch.argv(), stdin=subprocess.DEVNULL, close_fds=True)
+        self._popen = subprocess.Popen(
+            launch.argv(), stdin=subprocess.DEVNULL, close_fds=True, env=launch.environment()
+        )
         self.pid = self._popen.pid
         self.exit_fd = os.pidfd_open(self.pid)
 
