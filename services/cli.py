@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from services.common.errors import StageServeError
@@ -58,13 +60,58 @@ def _run_generate(args: argparse.Namespace) -> int:
 SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _check_up(args: argparse.Namespace) -> None:
+    """What `up` can tell before starting anything: ``ValueError`` naming the cause."""
+    if not (args.model / "config.json").is_file():
+        raise ValueError(f"no config.json in model directory {args.model}")
+    if args.port:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((args.host, args.port))
+            except OSError as exc:
+                raise ValueError(f"cannot bind the HTTP port {args.host}:{args.port}: {exc.strerror}") from None
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "up", help="start every service as its own process on this machine; restart any that exits"
     )
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address the services and the HTTP API bind")
-    p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
+    p.add_argument("--port", type=_port, default=8000, help="OpenAI-compatible HTTP port")
     p.add_argument("--device", default="cpu", help="where the models run (each of the next three overrides it)")
     p.add_argument("--encoder-device", default=None, help="the vision encoder's device (default: --device)")
     p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
@@ -75,23 +122,30 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    "shm: /dev/shm shared by this host's processes, no network port (default)")
     p.add_argument("--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP)
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
-    p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--stall-timeout-s", type=float, default=None,
+    p.add_argument("--num-pages", type=_at_least(1), default=16384, help="decode KV pages")
+    p.add_argument("--page-size", type=_at_least(1), default=16)
+    p.add_argument("--stall-timeout-s", type=_positive, default=None,
                    help="the router's per-hop progress bound (default: the router's)")
-    p.add_argument("--max-concurrent-requests", type=int, default=None,
+    p.add_argument("--max-concurrent-requests", type=_at_least(1), default=None,
                    help="the router's admission slots (default: the router's)")
-    p.add_argument("--max-queued-requests", type=int, default=None,
+    p.add_argument("--max-queued-requests", type=_at_least(0), default=None,
                    help="requests waiting for a slot before 429 (default: the router's)")
-    p.add_argument("--queue-timeout-s", type=float, default=None,
+    p.add_argument("--queue-timeout-s", type=_non_negative, default=None,
                    help="a request's wait limit in the admission queue before 429 (default: the router's)")
-    p.add_argument("--kv-quarantine-s", type=float, default=None,
+    p.add_argument("--kv-quarantine-s", type=_non_negative, default=None,
                    help="decode's rest for the pages of a failed reservation (default: decode's)")
-    p.add_argument("--embedding-quarantine-s", type=float, default=None,
+    p.add_argument("--embedding-quarantine-s", type=_non_negative, default=None,
                    help="prefill's rest for the embedding rows of a timed-out Encode (default: prefill's)")
-    p.add_argument("--ready-timeout-s", type=float, default=300.0,
+    p.add_argument("--ready-timeout-s", type=_positive, default=300.0,
                    help="how long a service may take to print READY, at start and after a restart")
-    p.add_argument("--log-dir", type=Path, default=None, help="write each service's log here (default: discard)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="each service's log goes to <dir>/<service>.log (default: a new run directory "
+                   "under the temporary directory, printed at start)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the model dir's)")
+    p.add_argument("--max-model-len", type=_at_least(2), default=None,
+                   help="context limit, prompt + generated tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--log-level", type=str.upper, default=None,
+                   help="every service's log level: DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)")
     p.add_argument("--state-file", type=Path, default=None,
                    help="write pids and ports as JSON once ready (rewritten after a restart)")
     p.add_argument("--api-key", default=None,
@@ -103,7 +157,7 @@ def _run_up(args: argparse.Namespace) -> int:
     import os
 
     from services.common.auth import child_environment
-    from services.launcher import LaunchConfig, device_of, run_up
+    from services.launcher import LaunchConfig, device_of, new_run_dir, run_up
 
     cfg = LaunchConfig(
         model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
@@ -114,9 +168,11 @@ def _run_up(args: argparse.Namespace) -> int:
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         queue_timeout_s=args.queue_timeout_s,
         embedding_quarantine_s=args.embedding_quarantine_s,
-        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
+        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir or new_run_dir(), state_file=args.state_file,
+        served_model_name=args.served_model_name, max_model_len=args.max_model_len, log_level=args.log_level,
     )
     try:  # fail here, not as a service that exits before READY
+        _check_up(args)
         check_embedding_backend(args.transfer_backend)
         for name in ("prefill", "decode"):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))
@@ -128,9 +184,10 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start one service (multi-machine deployments)", add_help=False)
+    p = sub.add_parser("serve", help="start one service (multi-machine deployments)",
+                       description="Start one service; `stageserve serve SERVICE --help` lists its flags.")
     p.add_argument("service", choices=SERVICES)
-    p.add_argument("service_args", nargs=argparse.REMAINDER, help="the service's own flags (see --help)")
+    p.add_argument("service_args", nargs=argparse.REMAINDER, help="the service's own flags")
     p.set_defaults(func=_run_serve)
 
 
@@ -142,9 +199,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: 'serve' (any OpenAI endpoint) or 'engine' (GPU)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: 'serve' (any OpenAI endpoint) or 'engine' (GPU)",
+                       description="Run a benchmark; `stageserve bench KIND --help` lists its flags.")
     p.add_argument("kind", choices=("serve", "engine"))
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     p.set_defaults(func=_run_bench)
 
 

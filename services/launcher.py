@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +38,43 @@ from services.common.errors import UnavailableError
 
 _PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
+LOG_TAIL_LINES = 12  # of a failed child's log, printed on the console
+
+
+class StartInterrupted(Exception):
+    """Ctrl-C / SIGTERM arrived while the services were starting."""
+
+
+def new_run_dir() -> Path:
+    """A fresh directory for one ``up``'s logs: <tmp>/stageserve-<date>-<time>-<pid>."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(tempfile.gettempdir()) / f"stageserve-{stamp}-{os.getpid()}"
+
+
+def failure_lines(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
+    """Why a child failed, from its log: its error lines (ERROR log lines, argument errors) up to
+    the exception of its first traceback, the last three of them; else the log's last ``num_lines``.
+
+    What a failing process logs while it dies (its shutdown's own tracebacks) follows the cause
+    and is left out.
+    """
+    try:
+        lines = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except FileNotFoundError:
+        return []
+    causes: list[str] = []
+    in_traceback = False
+    for line in lines:
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and not line[0].isspace():
+            causes.append(line)
+            break  # the first uncaught exception ends the story; later ones are its fallout
+        elif " ERROR " in line or ": error:" in line:
+            causes.append(line)
+    if causes:
+        return list(dict.fromkeys(causes))[-3:]
+    return lines[-num_lines:]
 
 
 @dataclass(frozen=True)
@@ -70,6 +108,9 @@ class LaunchConfig:
     max_concurrent_requests: int | None = None  # router: admission slots
     max_queued_requests: int | None = None  # router: admission queue
     queue_timeout_s: float | None = None  # router: wait limit in the admission queue
+    served_model_name: str | None = None  # router
+    max_model_len: int | None = None  # tokenizer, decode and router (--max-context-len)
+    log_level: str | None = None  # every service
     kv_quarantine_s: float | None = None  # decode
     embedding_quarantine_s: float | None = None  # prefill
     ready_timeout_s: float = 300.0
@@ -132,7 +173,7 @@ def device_of(cfg: LaunchConfig, name: str) -> str:
 
 def common_args(cfg: LaunchConfig, name: str) -> list[str]:
     args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device_of(cfg, name)]
-    return args + (["--dtype", cfg.dtype] if cfg.dtype else [])
+    return args + (["--dtype", cfg.dtype] if cfg.dtype else []) + optional_arg("--log-level", cfg.log_level)
 
 
 def port_args(ports: Mapping[str, int]) -> list[str]:
@@ -146,12 +187,15 @@ def optional_arg(flag: str, value: float | str | None) -> list[str]:
 class Launcher:
     """Starts, restarts and stops the children; ``children`` is in start order."""
 
-    def __init__(self, cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, cfg: LaunchConfig, env: Mapping[str, str] | None = None, stop: threading.Event | None = None
+    ) -> None:
         self.cfg = cfg
         # Children's environment (ours + a new internal token by default): secrets go here, not argv.
         # Built once: a restarted child must get what the first one got (the same token).
         self.env = dict(env) if env is not None else child_environment(os.environ)
         self.children: list[Child] = []
+        self.stop = stop if stop is not None else threading.Event()  # set: start-up is abandoned
 
     def start(self, spec: ChildSpec) -> Child:
         child = self._spawn(spec, spec.ports)
@@ -198,17 +242,29 @@ class Launcher:
             if is_ready_line and not child.ready:
                 child.ready = dict(w.split("=", 1) for w in words[2:] if "=" in w)
 
+    def log_path(self, name: str) -> Path | None:
+        return None if self.cfg.log_dir is None else self.cfg.log_dir / f"{name}.log"
+
     def log_hint(self, name: str) -> str:
-        return "" if self.cfg.log_dir is None else f" (log: {self.cfg.log_dir / f'{name}.log'})"
+        path = self.log_path(name)
+        return "" if path is None else f" (log: {path})"
+
+    def why(self, name: str) -> str:
+        """The end of ``name``'s log, indented, for the console: the real cause of a failure."""
+        path = self.log_path(name)
+        lines = [] if path is None else failure_lines(path)
+        return "".join(f"\n    {line}" for line in lines)
 
     def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         while not all(c.ready for c in children):
+            if self.stop.is_set():  # checked first: a Ctrl-C also stops the children themselves
+                raise StartInterrupted()
             for c in children:
                 if not c.ready and c.process.poll() is not None:
                     raise UnavailableError(
                         f"{c.name} exited with code {c.process.returncode} before it was ready"
-                        + self.log_hint(c.name)
+                        + self.log_hint(c.name) + self.why(c.name)
                     )
             if time.monotonic() > deadline:
                 late = [c.name for c in children if not c.ready]
@@ -221,10 +277,11 @@ class Launcher:
         transfer = ("--transfer-backend", cfg.transfer_backend)
         kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
         pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
-        tokenizer = self.start(ChildSpec("tokenizer"))
+        max_len = optional_arg("--max-model-len", cfg.max_model_len)
+        tokenizer = self.start(ChildSpec("tokenizer", tuple(max_len)))
         encoder = self.start(ChildSpec("vision_encoder", transfer))
         decode = self.start(ChildSpec("decode", (
-            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages,
+            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *max_len,
             *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
         )))
         self.wait_ready([tokenizer, encoder, decode])
@@ -239,6 +296,8 @@ class Launcher:
                 "--http-host", cfg.host,
                 "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
                 "--decode-address", decode.address, "--encoder-address", encoder.address,
+                *optional_arg("--served-model-name", cfg.served_model_name),
+                *optional_arg("--max-context-len", cfg.max_model_len),
                 *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
                 *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
                 *optional_arg("--max-queued-requests", cfg.max_queued_requests),
@@ -333,7 +392,8 @@ class Supervisor:
         if watch.state is WatchState.RUNNING:
             if code is not None:
                 up_s = now - watch.since
-                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s)
+                what = f"exited with code {code}{self._launcher.log_hint(child.name)}"
+                self._schedule(child.name, watch, now, what + self._launcher.why(child.name), up_s=up_s)
         elif watch.state is WatchState.WAITING:
             if now >= watch.restart_at:
                 self._launcher.restart(child)
@@ -343,7 +403,7 @@ class Supervisor:
             self._launcher.write_state()
             self._say(f"{child.name} is ready again (pid {child.process.pid})")
         elif code is not None:
-            hint = self._launcher.log_hint(child.name)
+            hint = self._launcher.log_hint(child.name) + self._launcher.why(child.name)
             self._schedule(child.name, watch, now, f"exited with code {code} before it was ready{hint}")
         elif now - watch.since > self._launcher.cfg.ready_timeout_s:
             self._launcher.kill(child)
@@ -361,10 +421,12 @@ class Supervisor:
 
 
 def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
-    launcher = Launcher(cfg, env)
     stop = threading.Event()
+    launcher = Launcher(cfg, env, stop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if cfg.log_dir is not None:
+        print(f"logs: {cfg.log_dir}", flush=True)
     try:
         router = launcher.start_all()
         http_port = router.ready.get("http_port")
@@ -376,6 +438,9 @@ def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         while not stop.wait(POLL_INTERVAL_S):
             supervisor.poll()
         return 0
+    except StartInterrupted:
+        print("interrupted while starting: stopping the services", file=sys.stderr, flush=True)
+        return 130
     except UnavailableError as exc:
         print(f"error: {exc.message}", file=sys.stderr, flush=True)
         return 1

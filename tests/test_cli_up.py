@@ -45,7 +45,7 @@ def test_up_rejects_other_names(name, capsys) -> None:
 
 
 def test_up_rejects_cuda_ipc_on_the_cpu_before_starting_anything(capsys) -> None:
-    assert main(["up", "--kv-transfer-backend", "cuda_ipc"]) == 2
+    assert main(["up", "--port", "0", "--kv-transfer-backend", "cuda_ipc"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
@@ -91,10 +91,10 @@ def test_admission_limits_reach_the_router_only_when_given(monkeypatch) -> None:
 def test_up_turns_the_fault_flags_into_the_config(monkeypatch) -> None:
     configs: list[LaunchConfig] = []
     monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
-    assert main(["up", "--stall-timeout-s", "3", "--kv-quarantine-s", "2", "--embedding-quarantine-s",
+    assert main(["up", "--port", "0", "--stall-timeout-s", "3", "--kv-quarantine-s", "2", "--embedding-quarantine-s",
                  "1.5", "--max-concurrent-requests", "8", "--max-queued-requests", "4",
                  "--queue-timeout-s", "5", "--transfer-backend", "inprocess"]) == 0
-    assert main(["up", "--transfer-backend", "inprocess"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "inprocess"]) == 0
     given, default = configs
     def bounds(cfg: LaunchConfig) -> tuple:
         return (cfg.stall_timeout_s, cfg.kv_quarantine_s, cfg.embedding_quarantine_s,
@@ -119,9 +119,9 @@ def test_each_model_service_can_get_its_own_device() -> None:
 
 
 def test_up_checks_the_kv_backend_against_both_ends_devices(capsys) -> None:
-    assert main(["up", "--device", "cuda:0", "--decode-device", "cpu", "--kv-transfer-backend", "cuda_ipc"]) == 2
+    assert main(["up", "--port", "0", "--device", "cuda:0", "--decode-device", "cpu", "--kv-transfer-backend", "cuda_ipc"]) == 2
     assert "needs a CUDA device (--device cuda), got 'cpu'" in capsys.readouterr().err
-    assert main(["up", "--prefill-device", "cuda:1", "--kv-transfer-backend", "mooncake"]) == 2  # -non-cuda build
+    assert main(["up", "--port", "0", "--prefill-device", "cuda:1", "--kv-transfer-backend", "mooncake"]) == 2  # -non-cuda build
     assert "moves host memory only and the KV pool is on 'cuda:1'" in capsys.readouterr().err
 
 
