@@ -392,8 +392,7 @@ class Supervisor:
         if watch.state is WatchState.RUNNING:
             if code is not None:
                 up_s = now - watch.since
-                what = f"exited with code {code}{self._launcher.log_hint(child.name)}"
-                self._schedule(child.name, watch, now, what + self._launcher.why(child.name), up_s=up_s)
+                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s)
         elif watch.state is WatchState.WAITING:
             if now >= watch.restart_at:
                 self._launcher.restart(child)
@@ -403,8 +402,7 @@ class Supervisor:
             self._launcher.write_state()
             self._say(f"{child.name} is ready again (pid {child.process.pid})")
         elif code is not None:
-            hint = self._launcher.log_hint(child.name) + self._launcher.why(child.name)
-            self._schedule(child.name, watch, now, f"exited with code {code} before it was ready{hint}")
+            self._schedule(child.name, watch, now, f"exited with code {code} before it was ready")
         elif now - watch.since > self._launcher.cfg.ready_timeout_s:
             self._launcher.kill(child)
             timeout_s = self._launcher.cfg.ready_timeout_s
@@ -417,7 +415,8 @@ class Supervisor:
         watch.backoff_s = min(delay_s * 2, self._policy.max_backoff_s)
         watch.num_restarts += 1
         watch.state, watch.restart_at, watch.since = WatchState.WAITING, now + delay_s, now
-        self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts})")
+        why = self._launcher.log_hint(name) + self._launcher.why(name)
+        self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts}){why}")
 
 
 def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:

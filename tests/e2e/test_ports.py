@@ -77,13 +77,13 @@ def is_loopback_only(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
     return address == LOOPBACK
 
 
-def segments() -> dict[str, os.stat_result]:
-    entries = [e for e in os.scandir(SHM_DIR) if NAME_RE.fullmatch(e.name)]
+def segments(owners: set[int]) -> dict[str, os.stat_result]:
+    """The segments whose owner pid is in ``owners`` (other systems on this host have their own)."""
+    entries = [e for e in os.scandir(SHM_DIR) if (m := NAME_RE.fullmatch(e.name)) and int(m.group(3)) in owners]
     return {e.name: e.stat(follow_symlinks=False) for e in entries}
 
 
 def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(tmp_path):
-    segments_before = segments()
     image = tmp_path / "image.png"
     image.write_bytes(image_bytes(300, 97, seed=11))
     system = start_system(tmp_path / "system", "--num-pages", "256")
@@ -98,7 +98,7 @@ def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(t
         assert not any(exposed.values()), exposed
         assert _not_reachable_from_outside(sockets)
 
-        created = {name: info for name, info in segments().items() if name not in segments_before}
+        created = segments(set(pids))
         assert sorted(NAME_RE.fullmatch(name).group(1) for name in created) == ["emb", "kv"]
         assert all(stat.S_IMODE(i.st_mode) == 0o600 and i.st_uid == os.geteuid() for i in created.values())
 
@@ -124,7 +124,7 @@ def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(t
         code = system.stop()
     assert code == 0, system.logs()
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]
-    assert not [name for name in segments() if name not in segments_before]  # all owners unlinked
+    assert not segments(set(pids) | set(system.child_pids()))  # every owner unlinked its segment
 
 
 def _not_reachable_from_outside(sockets) -> bool:
