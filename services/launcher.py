@@ -392,7 +392,7 @@ class Supervisor:
         if watch.state is WatchState.RUNNING:
             if code is not None:
                 up_s = now - watch.since
-                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s)
+                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s, code=code)
         elif watch.state is WatchState.WAITING:
             if now >= watch.restart_at:
                 self._launcher.restart(child)
@@ -402,20 +402,23 @@ class Supervisor:
             self._launcher.write_state()
             self._say(f"{child.name} is ready again (pid {child.process.pid})")
         elif code is not None:
-            self._schedule(child.name, watch, now, f"exited with code {code} before it was ready")
+            self._schedule(child.name, watch, now, f"exited with code {code} before it was ready", code=code)
         elif now - watch.since > self._launcher.cfg.ready_timeout_s:
             self._launcher.kill(child)
             timeout_s = self._launcher.cfg.ready_timeout_s
             self._schedule(child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)")
 
-    def _schedule(self, name: str, watch: _Watch, now: float, what: str, up_s: float = 0.0) -> None:
+    def _schedule(
+        self, name: str, watch: _Watch, now: float, what: str, up_s: float = 0.0, code: int = 0
+    ) -> None:
+        """``code`` > 0: the child exited by itself, so its log says why (printed after the line)."""
         if up_s >= self._policy.stable_s:
             watch.backoff_s = self._policy.initial_backoff_s
         delay_s = watch.backoff_s
         watch.backoff_s = min(delay_s * 2, self._policy.max_backoff_s)
         watch.num_restarts += 1
         watch.state, watch.restart_at, watch.since = WatchState.WAITING, now + delay_s, now
-        why = self._launcher.log_hint(name) + self._launcher.why(name)
+        why = self._launcher.log_hint(name) + self._launcher.why(name) if code > 0 else ""
         self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts}){why}")
 
 
