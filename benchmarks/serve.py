@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenizer.json (or a model directory) to count tokens; default: POST /tokenize")
     p.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
     p.add_argument("--dataset-path", type=Path, default=None, help="a local ShareGPT JSON file")
-    p.add_argument("--sharegpt-output-len", type=int, default=None, help="max_tokens (default: the reply's tokens)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="max_tokens (default: the reply's tokens)")
     p.add_argument("--sharegpt-context-len", type=int, default=None, help="skip longer prompt + reply pairs")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens, chat template not included")
     p.add_argument("--input-len-range", default=None, metavar="A:B", help="uniform random prompt length")
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len-range", default=None, metavar="A:B", help="uniform random max_tokens")
     p.add_argument("--images-per-request", default="0", metavar="N|A:B", help="images per request")
     p.add_argument("--image-size", default="640x480", metavar="WxH", help="or 4k, 1080p, 720p, 360p")
-    p.add_argument("--image-kind", choices=IMAGE_KINDS, default="noise", help="pixels: random noise by default")
+    p.add_argument("--image-kind", choices=IMAGE_KINDS, default="noise", help="pixels (default: noise)")
     p.add_argument("--image-format", choices=IMAGE_FORMATS, default="jpeg", help="jpeg (quality 90) or png")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -282,7 +283,8 @@ def describe(cfg: BenchConfig, model: str) -> str:
         if w.num_images.high else "no images"
     )
     eos = " (ignore_eos)" if w.ignore_eos else ""
-    return f"{model} @ {cfg.base_url} ({w.backend}): {cfg.num_requests} requests, {load}, {prompts}{eos}, {images}"
+    head = f"{model} @ {cfg.base_url} ({w.backend}): {cfg.num_requests} requests, {load}"
+    return f"{head}, {prompts}{eos}, {images}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,10 +47,16 @@ def load_sharegpt(path: Path) -> list[tuple[str, str]]:
         raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations")
     pairs = []
     for entry in data:
-        turns = (entry.get("conversations") or entry.get("conversation") or []) if isinstance(entry, dict) else []
-        if len(turns) >= 2 and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
+        if not isinstance(entry, dict):
+            continue
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        if len(turns) >= 2 and all(_is_turn(t) for t in turns[:2]):
             pairs.append((turns[0]["value"], turns[1]["value"]))
     return pairs
+
+
+def _is_turn(turn: object) -> bool:
+    return isinstance(turn, dict) and isinstance(turn.get("value"), str)
 
 
 async def sharegpt_prompts(
@@ -76,7 +82,8 @@ async def sharegpt_prompts(
             if len(out) == num_requests:
                 return out
     raise ValueError(
-        f"--dataset-path {dataset.path}: {len(out)} usable conversations, fewer than --num-requests {num_requests}"
+        f"--dataset-path {dataset.path}: {len(out)} usable conversations, "
+        f"fewer than --num-requests {num_requests}"
     )
 
 

@@ -32,7 +32,8 @@ def parse_size(text: str) -> tuple[int, int]:
     width, _, height = text.lower().partition("x")
     size = (int(width), int(height))
     if min(size) <= 0:
-        raise ValueError(f"bad image size {text!r}: need WxH with W, H > 0, or one of {', '.join(RESOLUTIONS)}")
+        presets = ", ".join(RESOLUTIONS)
+        raise ValueError(f"bad image size {text!r}: need WxH with W, H > 0, or one of {presets}")
     return size
 
 

@@ -79,7 +79,8 @@ def chat_body(
         content.append({"type": "text", "text": prompt})
     else:
         content = prompt  # plain string: accepted by every OpenAI-compatible server, even text-only ones
-    return _streamed({"model": model, "messages": [{"role": "user", "content": content}]}, max_tokens, workload)
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    return _streamed(body, max_tokens, workload)
 
 
 def completion_body(model: str, prompt: str, max_tokens: int, workload: WorkloadSpec) -> dict:
@@ -99,7 +100,8 @@ async def make_requests(
 ) -> list[RequestSpec]:
     """All requests of a run, deterministic in ``seed`` (and the tokenizer)."""
     rng = np.random.default_rng(seed)
-    lengths = [(workload.input_len.sample(rng), workload.output_len.sample(rng), workload.num_images.sample(rng))
+    w = workload
+    lengths = [(w.input_len.sample(rng), w.output_len.sample(rng), w.num_images.sample(rng))
                for _ in range(num_requests)]
     if workload.dataset is not None:
         prompts = await sharegpt_prompts(workload.dataset, num_requests, seed, counter)
@@ -110,7 +112,8 @@ async def make_requests(
     for index, (prompt, (_, _, num_images)) in enumerate(zip(prompts, lengths, strict=True)):
         image_seeds = [seed * 1_000_003 + index * max_images + j for j in range(num_images)]
         body = _body(model, prompt, image_seeds, workload)
-        specs.append(RequestSpec(index, prompt.input_len, prompt.output_len, num_images, json.dumps(body).encode()))
+        encoded = json.dumps(body).encode()
+        specs.append(RequestSpec(index, prompt.input_len, prompt.output_len, num_images, encoded))
     return specs
 
 

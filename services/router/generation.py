@@ -154,7 +154,9 @@ class GenerationPipeline:
             finally:
                 self._placer.end(reservation, is_decode_done=is_decode_done)
 
-    async def tokenize(self, request: GenerationRequest, *, add_generation_prompt: bool = True) -> TokenizedPrompt:
+    async def tokenize(
+        self, request: GenerationRequest, *, add_generation_prompt: bool = True
+    ) -> TokenizedPrompt:
         """The request's prompt as generation would tokenize it, under its timeout (``/tokenize``)."""
         try:
             async with asyncio.timeout(request.timeout_s):

@@ -43,7 +43,9 @@ def generation_options(body: GenerationBody, max_stop_strings: int) -> Generatio
     """Check the fields every generation endpoint shares; ``InvalidRequestError`` on the first bad one."""
     refuse_unsupported(body)
     if body.stream_options is not None and not body.stream:
-        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
     max_tokens_param, max_tokens = _max_tokens(body)
     if body.min_tokens is not None and max_tokens is not None and body.min_tokens > max_tokens:
         raise InvalidRequestError(

@@ -67,7 +67,8 @@ class _GenerationBody(Body):
 
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
         ("n", lambda v: v in (None, 1), "only n=1 is supported (one choice per request)"),
-        ("service_tier", lambda v: v in (None, "auto", "default"), "only the default service tier is supported"),
+        ("service_tier", lambda v: v in (None, "auto", "default"),
+         "only the default service tier is supported"),
     )
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None

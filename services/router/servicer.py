@@ -121,7 +121,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         logger.debug("request %s has the client request_id %r", request_id, request.request_id)
         common = {
             "params": params, "max_tokens": params.max_new_tokens, "stop": stop, "timeout_s": timeout_s,
-            "max_tokens_param": "max_new_tokens" if request.sampling_params.HasField("max_new_tokens") else None,
+            "max_tokens_param": (
+                "max_new_tokens" if request.sampling_params.HasField("max_new_tokens") else None
+            ),
         }
         if request.WhichOneof("input") == "prompt":
             return GenerationRequest(request_id, prompt=request.prompt, **common)

@@ -161,12 +161,14 @@ def run(base_url: str, tmp_path, *args: str, tokenizer: bool = True) -> tuple[in
     """One benchmark run; ``tokenizer=False`` counts tokens with the server's /tokenize."""
     out = tmp_path / "run.json"
     count_with = ["--tokenizer", str(WORD_TOKENIZER)] if tokenizer else []
-    rc = main(["--base-url", base_url, "--output-json", str(out), "--request-timeout-s", "10", *count_with, *args])
+    common = ["--base-url", base_url, "--output-json", str(out), "--request-timeout-s", "10"]
+    rc = main([*common, *count_with, *args])
     return rc, json.loads(out.read_text())
 
 
 def test_records_from_a_streamed_run(base_url, tmp_path, state):
-    args = ["--num-requests", "4", "--input-len", "8", "--output-len", "5", "--ignore-eos", "--api-key", "sk-test"]
+    args = ["--num-requests", "4", "--input-len", "8", "--output-len", "5", "--ignore-eos",
+            "--api-key", "sk-test"]
     rc, report = run(base_url, tmp_path, *args, tokenizer=False)  # counted with the server's /tokenize
     assert rc == 0
     assert report["config"]["model"] == "fake-model"  # the first of GET /v1/models
@@ -324,7 +326,8 @@ def _neighbour_difference(image: Image.Image) -> float:
 
 
 def test_the_default_image_is_a_noise_jpeg_of_the_requested_size(base_url, tmp_path, state):
-    rc, _ = run(base_url, tmp_path, "--num-requests", "1", "--images-per-request", "1", "--image-size", "320x200")
+    rc, _ = run(base_url, tmp_path, "--num-requests", "1", "--images-per-request", "1",
+                "--image-size", "320x200")
     assert rc == 0
     [url] = _image_urls(state.bodies[0])
     image = _decode_data_url(url)
@@ -337,8 +340,8 @@ def test_the_default_image_is_a_noise_jpeg_of_the_requested_size(base_url, tmp_p
 @pytest.mark.parametrize(("kind", "fmt", "max_difference"), [("gradient", "png", 10), ("blank", "png", 1),
                                                              ("gradient", "jpeg", 10), ("noise", "png", 256)])
 def test_other_image_kinds_and_formats(base_url, tmp_path, state, kind, fmt, max_difference):
-    rc, _ = run(base_url, tmp_path, "--num-requests", "1", "--images-per-request", "1", "--image-size", "360p",
-                "--image-kind", kind, "--image-format", fmt)
+    rc, _ = run(base_url, tmp_path, "--num-requests", "1", "--images-per-request", "1",
+                "--image-size", "360p", "--image-kind", kind, "--image-format", fmt)
     assert rc == 0
     [url] = _image_urls(state.bodies[0])
     image = _decode_data_url(url)
@@ -367,10 +370,11 @@ def test_sharegpt_dataset_gives_its_prompts_and_reply_lengths(base_url, tmp_path
                      "--num-requests", "3")
     assert rc == 0 and report["summary"]["num_ok"] == 3
     conversations = [c for c in json.loads(SHAREGPT.read_text()) if isinstance(c, dict)]
-    usable = {  # one-turn, short-reply ("Yes": 1 token) and no-value are skipped
-        turns[0]["value"]: len(turns[1]["value"].split())
-        for c in conversations if c["id"] in {"a", "b", "c", "d"} for turns in [c.get("conversations") or c["conversation"]]
-    }
+    usable = {}  # one-turn, short-reply ("Yes": 1 token) and no-value are skipped
+    for c in conversations:
+        if c["id"] in {"a", "b", "c", "d"}:
+            turns = c.get("conversations") or c["conversation"]
+            usable[turns[0]["value"]] = len(turns[1]["value"].split())
     assert len(usable) == 4
     prompts = [body["messages"][0]["content"] for body in state.bodies]
     assert len(set(prompts)) == 3 and set(prompts) <= set(usable)

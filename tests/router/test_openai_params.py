@@ -98,7 +98,8 @@ UNKNOWN = [
     ({**CHAT, "echo": True}, "echo"),  # completions only
     ({**CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
-    ({**CHAT, "messages": [{"role": "assistant", "content": "hi", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({**CHAT, "messages": [{"role": "assistant", "content": "hi", "tool_calls": []}]},
+     "messages[0].tool_calls"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]},
      "messages[0].content[0].cache"),
     ({**CHAT, "messages": [{"role": "user", "content": [
@@ -160,7 +161,8 @@ async def test_logit_bias_min_tokens_and_stop_token_ids_reach_prefill_and_decode
 
 BAD_LOGIT_BIAS = [
     ({"abc": 1}, "abc"), ({"-1": 1}, "-1"), ({" 1": 1}, " 1"), ({"1.5": 1}, "1.5"), ({"": 1}, "''"),
-    ({"1_0": 1}, "1_0"), ({"\u0661": 1}, "decimal"), ({"7": 101}, "[-100, 100]"), ({"7": -100.5}, "[-100, 100]"),
+    ({"1_0": 1}, "1_0"), ({"\u0661": 1}, "decimal"),
+    ({"7": 101}, "[-100, 100]"), ({"7": -100.5}, "[-100, 100]"),
     ({"7": 1, "07": 2}, "twice"), ({str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, "at most"),
     ({"99999999999": 1}, "decimal"),
 ]
