@@ -66,7 +66,7 @@ class _GenerationBody(Body):
     """The fields chat and text completions share (OpenAI's, then vLLM-style extensions)."""
 
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
-        ("n", lambda v: v in (None, 1), "only n=1 is supported (one choice per request)"),
+        ("n", lambda v: v in (None, 1), "n > 1 (several choices) is not supported yet"),
         ("service_tier", lambda v: v in (None, "auto", "default"),
          "only the default service tier is supported"),
     )
@@ -143,7 +143,7 @@ class CompletionBody(_GenerationBody):
         *_GenerationBody.REFUSALS,
         # Any value asks for something: 0 still means "the sampled token's logprob".
         ("logprobs", _unset, "logprobs are not supported yet"),
-        ("best_of", lambda v: v in (None, 1), "only best_of=1 is supported"),
+        ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported yet"),
         ("suffix", lambda v: v in (None, ""), "suffix is not supported yet"),
     )
     prompt: StrictStr | list[StrictStr]
