@@ -5,6 +5,13 @@
         --images-per-request 0:2 --image-size 640x480 --slo-ttft-ms 500 --slo-tpot-ms 50 \\
         --output-json run.json --markdown docs/benchmarks.md
 
+Workload, as vLLM's and sglang's clients build it at the same flags: ``--input-len`` is
+prompt tokens counted with the model's tokenizer (``--tokenizer``, else the server's
+``/tokenize``), the chat template's tokens coming on top; images are random-noise JPEGs
+(quality 90) unless ``--image-kind`` / ``--image-format`` say otherwise;
+``--dataset-name sharegpt --dataset-path FILE`` takes prompts from a local ShareGPT
+file; ``--backend openai-chat`` (default) or ``openai`` (text completions).
+
 Load: ``--request-rate R`` sends on a Poisson process (``inf``, the default, sends all at
 once); ``--max-concurrency C`` caps requests in flight (alone it is a closed loop of C
 clients); both together give Poisson arrivals with a cap. Requests and images are built
@@ -28,14 +35,24 @@ from pathlib import Path
 import httpx
 
 from benchmarks.serve_client import Outcome, RequestRecord, new_record, send_request
+from benchmarks.serve_dataset import DatasetSpec
+from benchmarks.serve_images import IMAGE_FORMATS, IMAGE_KINDS, parse_size
 from benchmarks.serve_metrics import Slo, Summary, format_table, markdown_table, summarize
+from benchmarks.serve_tokens import (
+    LocalTokenCounter,
+    ServerTokenCounter,
+    TokenCounter,
+    TokenCountError,
+    tokenize_url,
+)
 from benchmarks.serve_workload import (
+    BACKENDS,
+    ENDPOINTS,
     IntRange,
     RequestSpec,
     WorkloadSpec,
     arrival_offsets,
     make_requests,
-    parse_size,
 )
 
 
@@ -44,6 +61,7 @@ class BenchConfig:
     base_url: str
     model: str | None  # None: the first of GET /models
     api_key: str | None
+    tokenizer: Path | None  # a tokenizer.json (or its directory); None: the server's /tokenize
     request_rate: float  # req/s; inf = all at once
     max_concurrency: int | None
     num_requests: int
@@ -67,12 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (approximate; words)")
+    p.add_argument("--backend", choices=BACKENDS, default="openai-chat",
+                   help="openai-chat: /chat/completions; openai: /completions (no template, no images)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="tokenizer.json (or a model directory) to count tokens; default: POST /tokenize")
+    p.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
+    p.add_argument("--dataset-path", type=Path, default=None, help="a local ShareGPT JSON file")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="max_tokens (default: the reply's tokens)")
+    p.add_argument("--sharegpt-context-len", type=int, default=None, help="skip longer prompt + reply pairs")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens, chat template not included")
     p.add_argument("--input-len-range", default=None, metavar="A:B", help="uniform random prompt length")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens")
     p.add_argument("--output-len-range", default=None, metavar="A:B", help="uniform random max_tokens")
     p.add_argument("--images-per-request", default="0", metavar="N|A:B", help="images per request")
-    p.add_argument("--image-size", default="640x480", metavar="WxH")
+    p.add_argument("--image-size", default="640x480", metavar="WxH", help="or 4k, 1080p, 720p, 360p")
+    p.add_argument("--image-kind", choices=IMAGE_KINDS, default="noise", help="pixels (default: noise)")
+    p.add_argument("--image-format", choices=IMAGE_FORMATS, default="jpeg", help="jpeg (quality 90) or png")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0)
@@ -85,6 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dataset(args: argparse.Namespace) -> DatasetSpec | None:
+    if args.dataset_name == "random":
+        if args.dataset_path or args.sharegpt_output_len or args.sharegpt_context_len:
+            raise ValueError("--dataset-path and --sharegpt-* need --dataset-name sharegpt")
+        return None
+    if args.dataset_path is None:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)")
+    if args.input_len_range or args.output_len_range:
+        raise ValueError("--input-len-range / --output-len-range apply to --dataset-name random")
+    if (args.sharegpt_output_len or 1) < 1:
+        raise ValueError("--sharegpt-output-len must be >= 1")
+    return DatasetSpec(args.dataset_path, args.sharegpt_output_len, args.sharegpt_context_len)
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     workload = WorkloadSpec(
         input_len=IntRange.parse(args.input_len_range or str(args.input_len)),
@@ -93,9 +136,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         image_size=parse_size(args.image_size),
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        backend=args.backend,
+        image_kind=args.image_kind,
+        image_format=args.image_format,
+        dataset=_dataset(args),
     )
     if workload.output_len.low < 1:
         raise ValueError("output lengths must be >= 1")
+    if workload.backend == "openai" and workload.num_images.high:
+        raise ValueError("--backend openai sends text completions: no images (use openai-chat)")
     if args.request_rate <= 0 or args.num_requests < 1 or (args.max_concurrency or 1) < 1:
         raise ValueError("--request-rate, --num-requests and --max-concurrency must be positive")
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
@@ -103,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         base_url=args.base_url.rstrip("/"),
         model=args.model,
         api_key=args.api_key,
+        tokenizer=args.tokenizer,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
         num_requests=args.num_requests,
@@ -138,7 +188,7 @@ class _Run:
         self.cfg = cfg
         self.client = client
         self.headers = headers
-        self.url = f"{cfg.base_url}/chat/completions"
+        self.url = cfg.base_url + ENDPOINTS[cfg.workload.backend]
         self.slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.started: set[int] = set()
         self.t0 = 0.0
@@ -186,7 +236,11 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[str, list[RequestRecord], flo
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = cfg.model or await first_model(client, cfg.base_url, headers)
         print(f"preparing {cfg.num_requests} requests for {model!r} at {cfg.base_url}", file=sys.stderr)
-        specs = make_requests(model, cfg.workload, cfg.num_requests, cfg.seed)
+        counter: TokenCounter = (
+            LocalTokenCounter(cfg.tokenizer) if cfg.tokenizer
+            else ServerTokenCounter(client, tokenize_url(cfg.base_url), model, headers)
+        )
+        specs = await make_requests(model, cfg.workload, cfg.num_requests, cfg.seed, counter)
         records, duration_s = await _Run(cfg, client, headers).run(specs)
     return model, records, duration_s
 
@@ -220,15 +274,17 @@ def describe(cfg: BenchConfig, model: str) -> str:
         f", concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
     )
     w = cfg.workload
-    return (
-        f"{model} @ {cfg.base_url}: {cfg.num_requests} requests, {load}, input {w.input_len}, "
-        f"output {w.output_len}{' (ignore_eos)' if w.ignore_eos else ''}, "
-        + (
-            f"images {w.num_images} of {w.image_size[0]}x{w.image_size[1]}"
-            if w.num_images.high
-            else "no images"
-        )
+    prompts = (
+        f"sharegpt {w.dataset.path.name}" if w.dataset
+        else f"input {w.input_len} tokens, output {w.output_len}"
     )
+    images = (
+        f"images {w.num_images} of {w.image_size[0]}x{w.image_size[1]} {w.image_kind} {w.image_format}"
+        if w.num_images.high else "no images"
+    )
+    eos = " (ignore_eos)" if w.ignore_eos else ""
+    head = f"{model} @ {cfg.base_url} ({w.backend}): {cfg.num_requests} requests, {load}"
+    return f"{head}, {prompts}{eos}, {images}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))  # exits with status 2
     try:
         model, records, duration_s = asyncio.run(run_benchmark(cfg))
-    except EndpointError as exc:
+    except (EndpointError, TokenCountError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a dataset file that cannot serve the run
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     summary = summarize(records, duration_s, cfg.slo, cfg.num_requests)
     title = describe(cfg, model)
     print(f"\n{title}\n{format_table(summary)}")

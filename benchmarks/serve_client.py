@@ -1,10 +1,11 @@
-"""One streaming chat completion against any OpenAI-compatible server, timed.
+"""One streaming chat or text completion against any OpenAI-compatible server, timed.
 
 What is measured, per request (all clocks are ``time.perf_counter`` on the client):
 
 - start: just before the POST is sent (after any wait for a concurrency slot).
-- TTFT: start → the first SSE chunk whose ``delta`` has non-empty ``content`` (or
-  ``reasoning_content``, which reasoning parsers stream before the answer).
+- TTFT: start → the first SSE chunk with text: a chat chunk whose ``delta`` has
+  non-empty ``content`` (or ``reasoning_content``, which reasoning parsers stream before
+  the answer), a completion chunk with non-empty ``text``.
 - E2E: start → the end of the stream (``[DONE]`` or the connection closing), so it
   includes the final usage chunk.
 - prompt/completion tokens: the server's ``usage`` (``stream_options.include_usage``);
@@ -48,7 +49,7 @@ class Outcome(enum.StrEnum):
 @dataclass
 class RequestRecord:
     index: int
-    input_len: int  # requested (prompt words)
+    input_len: int  # prompt text tokens (counted with the model's tokenizer)
     output_len: int  # requested (max_tokens)
     num_images: int
     outcome: Outcome = Outcome.FAILED
@@ -106,7 +107,7 @@ class _Stream:
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("reasoning_content"):
+            if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
                 self.chunk_times.append(now)
                 break
         return True
@@ -120,7 +121,7 @@ async def send_request(
     timeout_s: float,
     t0: float,
 ) -> RequestRecord:
-    """POST one streaming chat completion and time it; never raises except on cancellation."""
+    """POST one streaming completion and time it; never raises except on cancellation."""
     record = new_record(spec)
     stream = _Stream()
     start = time.perf_counter()

@@ -1,42 +1,26 @@
-"""Synthetic chat-completion requests for the serving benchmark.
+"""The serving benchmark's requests: prompts, images and the JSON bodies of either backend.
 
-Prompts are random words from a fixed list of common English words, one word per
-requested input token: most BPE vocabularies encode each as a single token (with its
-leading space), so the prompt is close to the requested length plus the chat template's
-few tokens. The server's ``usage.prompt_tokens`` is what gets reported.
-
-Images are PNGs generated in memory (no Pillow needed), different for every request
-and image slot so that embedding or prefix caches on the server cannot hit.
+Backends (vLLM's names): ``openai-chat`` posts to ``/chat/completions`` (images as data
+URLs before the text, the prompt as the user message), ``openai`` to ``/completions``
+(the prompt as is: no chat template, no images). Every body streams with
+``stream_options.include_usage``, so the server's token counts are what gets reported.
+Prompts come from ``serve_dataset`` (exact token lengths, or ShareGPT), images from
+``serve_images``; everything is built before the clock starts.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-WORDS = (
-    "time year people way day man thing woman life child world school state family student group "
-    "country problem hand part place case week company system program question work government number "
-    "night point home water room mother area money story fact month lot right study book eye job word "
-    "business issue side kind head house service friend father power hour game line end member law car "
-    "city community name president team minute idea kid body information back parent face others level "
-    "office door health person art war history party result change morning reason research girl guy "
-    "moment air teacher force education foot boy age policy music market sense nation plan college "
-    "interest death experience effect class control care field development role effort rate heart drug "
-    "show leader light voice wife police mind price report decision son view relationship town road "
-    "arm difference value building action model season society tax director position player record "
-    "paper space ground form event official matter center couple site project activity star table need "
-    "court oil situation cost industry figure street image phone data picture practice piece land "
-    "product doctor wall patient worker news test movie north love support technology step baby "
-    "computer type attention film tree source organization hair window evidence population "
-    "blue green red small large early young important few public bad same able long great little own "
-    "other old big high different local sure free better true whole real best hard major clear late"
-).split()
+from benchmarks.serve_dataset import DatasetSpec, PromptSpec, random_prompts, sharegpt_prompts
+from benchmarks.serve_images import image_data_url
+from benchmarks.serve_tokens import TokenCounter
+
+BACKENDS = ("openai-chat", "openai")
+ENDPOINTS = {"openai-chat": "/chat/completions", "openai": "/completions"}
 
 
 @dataclass(frozen=True)
@@ -64,12 +48,16 @@ class IntRange:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    input_len: IntRange
-    output_len: IntRange
+    input_len: IntRange  # prompt text tokens (random prompts)
+    output_len: IntRange  # max_tokens (random prompts)
     num_images: IntRange
     image_size: tuple[int, int]  # (width, height)
     ignore_eos: bool
     temperature: float
+    backend: str = "openai-chat"
+    image_kind: str = "noise"
+    image_format: str = "jpeg"
+    dataset: DatasetSpec | None = None  # None: random prompts of input_len tokens
 
 
 @dataclass(frozen=True)
@@ -77,55 +65,10 @@ class RequestSpec:
     """One request, encoded before the run starts so encoding never sits inside a timing."""
 
     index: int
-    input_len: int  # words in the prompt (requested tokens)
+    input_len: int  # prompt text tokens, counted with the model's tokenizer (chat template not included)
     output_len: int  # max_tokens
     num_images: int
     body: bytes  # the JSON body
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    width, _, height = text.lower().partition("x")
-    size = (int(width), int(height))
-    if min(size) <= 0:
-        raise ValueError(f"bad image size {text!r}: need WxH with W, H > 0")
-    return size
-
-
-def synth_prompt(num_words: int, rng: np.random.Generator) -> str:
-    picks = rng.integers(0, len(WORDS), size=num_words)
-    return " ".join(WORDS[i] for i in picks)
-
-
-def png_bytes(width: int, height: int, seed: int) -> bytes:
-    """A deterministic RGB PNG: seed-shifted gradients, with the seed written into the first pixels."""
-    x, y = np.arange(width), np.arange(height)[:, None]
-    pixels = np.empty((height, width, 3), np.uint8)  # [height, width, 3] uint8
-    pixels[:, :, 0] = (x + seed * 7) % 256
-    pixels[:, :, 1] = (y + seed * 13) % 256
-    pixels[:, :, 2] = ((x // 8 + y // 8) * (seed % 31 + 1)) % 256
-    seed_bytes = np.frombuffer(struct.pack(">Q", seed), dtype=np.uint8)
-    flat = pixels.reshape(-1)
-    flat[: min(len(flat), len(seed_bytes))] = seed_bytes[: len(flat)]
-    scan = pixels.reshape(height, width * 3)
-    sub = scan.copy()
-    # PNG "Sub" filter: each byte minus the same channel's left neighbour (mod 256)
-    sub[:, 3:] -= scan[:, :-3]
-    rows = np.concatenate([np.ones((height, 1), np.uint8), sub], axis=1)  # filter type 1 on every row
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + _png_chunk(b"IHDR", header)
-        + _png_chunk(b"IDAT", zlib.compress(rows.tobytes(), 1))
-        + _png_chunk(b"IEND", b"")
-    )
-
-
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def png_data_url(width: int, height: int, seed: int) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(width, height, seed)).decode("ascii")
 
 
 def chat_body(
@@ -136,35 +79,51 @@ def chat_body(
         content.append({"type": "text", "text": prompt})
     else:
         content = prompt  # plain string: accepted by every OpenAI-compatible server, even text-only ones
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "temperature": workload.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {"model": model, "messages": [{"role": "user", "content": content}]}
+    return _streamed(body, max_tokens, workload)
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, workload: WorkloadSpec) -> dict:
+    return _streamed({"model": model, "prompt": prompt}, max_tokens, workload)
+
+
+def _streamed(body: dict, max_tokens: int, workload: WorkloadSpec) -> dict:
+    body.update(max_tokens=max_tokens, temperature=workload.temperature, stream=True,
+                stream_options={"include_usage": True})
     if workload.ignore_eos:
         body["ignore_eos"] = True  # extension accepted by vLLM, SGLang and stageserve
     return body
 
 
-def make_requests(model: str, workload: WorkloadSpec, num_requests: int, seed: int) -> list[RequestSpec]:
-    """All requests of a run, deterministic in ``seed``."""
+async def make_requests(
+    model: str, workload: WorkloadSpec, num_requests: int, seed: int, counter: TokenCounter
+) -> list[RequestSpec]:
+    """All requests of a run, deterministic in ``seed`` (and the tokenizer)."""
     rng = np.random.default_rng(seed)
-    width, height = workload.image_size
+    w = workload
+    lengths = [(w.input_len.sample(rng), w.output_len.sample(rng), w.num_images.sample(rng))
+               for _ in range(num_requests)]
+    if workload.dataset is not None:
+        prompts = await sharegpt_prompts(workload.dataset, num_requests, seed, counter)
+    else:
+        prompts = await random_prompts([n for n, _, _ in lengths], [m for _, m, _ in lengths], rng, counter)
     max_images = max(workload.num_images.high, 1)
     specs = []
-    for index in range(num_requests):
-        input_len = workload.input_len.sample(rng)
-        output_len = workload.output_len.sample(rng)
-        num_images = workload.num_images.sample(rng)
-        urls = [
-            png_data_url(width, height, seed * 1_000_003 + index * max_images + j) for j in range(num_images)
-        ]
-        body = chat_body(model, synth_prompt(input_len, rng), urls, output_len, workload)
-        specs.append(RequestSpec(index, input_len, output_len, num_images, json.dumps(body).encode()))
+    for index, (prompt, (_, _, num_images)) in enumerate(zip(prompts, lengths, strict=True)):
+        image_seeds = [seed * 1_000_003 + index * max_images + j for j in range(num_images)]
+        body = _body(model, prompt, image_seeds, workload)
+        encoded = json.dumps(body).encode()
+        specs.append(RequestSpec(index, prompt.input_len, prompt.output_len, num_images, encoded))
     return specs
+
+
+def _body(model: str, prompt: PromptSpec, image_seeds: list[int], workload: WorkloadSpec) -> dict:
+    if workload.backend == "openai":
+        assert not image_seeds, "the openai (completions) backend sends no images"
+        return completion_body(model, prompt.text, prompt.output_len, workload)
+    width, height = workload.image_size
+    urls = [image_data_url(workload.image_kind, workload.image_format, width, height, s) for s in image_seeds]
+    return chat_body(model, prompt.text, urls, prompt.output_len, workload)
 
 
 def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:

@@ -26,7 +26,6 @@ from services.router.generation import GenerationPipeline
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
-from services.router.output import DetokenizerFactory
 from services.router.policy import make_policy
 from services.router.registry import HealthProbe, WorkerRegistry
 from services.router.servicer import RouterServicer
@@ -69,7 +68,7 @@ def make_workers(cfg: RouterConfig, auth: Credentials | None = None) -> list[Wor
 
 class RouterApp:
     def __init__(
-        self, cfg: RouterConfig, metrics: RouterMetrics, detokenizer_factory: DetokenizerFactory,
+        self, cfg: RouterConfig, metrics: RouterMetrics, text: TextProcessor,
         images: ImageLoader | None = None, access: RouterAccess | None = None,
     ) -> None:
         access = access if access is not None else RouterAccess()
@@ -82,6 +81,7 @@ class RouterApp:
             on_poll=self._update_health,
         )
         limits = cfg.limits
+        detokenizer_factory = functools.partial(text.detokenizer, skip_special_tokens=True)
         self.pipeline = GenerationPipeline(
             self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens,
             flow=cfg.flow,
@@ -89,7 +89,7 @@ class RouterApp:
         self.images = images or ImageLoader.from_limits(limits)
         self.api = OpenAIApi(
             self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
-            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),
+            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes), text,
         )
         self.http_app: FastAPI = create_app(self.api)
         require_api_key(self.http_app, access.api_key)
@@ -116,9 +116,7 @@ class RouterApp:
 
         ``access``: API key, internal token and reflection (default: none of them).
         """
-        text = TextProcessor.from_dir(cfg.model_dir)
-        detokenizer = functools.partial(text.detokenizer, skip_special_tokens=True)
-        return cls(cfg, metrics or RouterMetrics(), detokenizer, images, access)
+        return cls(cfg, metrics or RouterMetrics(), TextProcessor.from_dir(cfg.model_dir), images, access)
 
     def _update_health(self) -> None:
         self.health.set_serving(self.registry.is_ready)

@@ -154,19 +154,36 @@ class GenerationPipeline:
             finally:
                 self._placer.end(reservation, is_decode_done=is_decode_done)
 
-    async def _tokenize(self, request: GenerationRequest, deadline_s: float) -> TokenizedPrompt:
+    async def tokenize(
+        self, request: GenerationRequest, *, add_generation_prompt: bool = True
+    ) -> TokenizedPrompt:
+        """The request's prompt as generation would tokenize it, under its timeout (``/tokenize``)."""
+        try:
+            async with asyncio.timeout(request.timeout_s):
+                return await self._tokenize(request, time.time() + request.timeout_s, add_generation_prompt)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"request {request.request_id} passed its deadline of {request.timeout_s:g} s"
+            ) from None
+
+    async def _tokenize(
+        self, request: GenerationRequest, deadline_s: float, add_generation_prompt: bool = True
+    ) -> TokenizedPrompt:
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_s)
             if request.messages is not None:
-                call = tokenizer.tokenize_chat(request.request_id, request.messages, timeout_s=timeout_s)
+                call = tokenizer.tokenize_chat(
+                    request.request_id, request.messages, add_generation_prompt, timeout_s=timeout_s
+                )
             else:
                 assert request.prompt is not None
                 call = tokenizer.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
             return await self._bound.call(Hop.TOKENIZE, worker, request.request_id, call)
 
     def _bounded_params(self, request: GenerationRequest, prompt: TokenizedPrompt) -> SamplingParams:
-        """The request's sampling parameters with max_new_tokens fitted to the context."""
+        """The request's sampling parameters with max_new_tokens set: the client's max_tokens when
+        the context has room for it (else a 400, as vLLM answers), a default fitted to the room."""
         prompt_len = len(prompt.token_ids)
         room = self._max_context_len - prompt_len
         if room <= 0:
@@ -174,8 +191,17 @@ class GenerationPipeline:
                 f"the prompt has {prompt_len} tokens; this model's context is {self._max_context_len} tokens",
                 param=request.prompt_param,
             )
+        param = request.max_tokens_param
+        if request.max_tokens is not None and param is not None and request.max_tokens > room:
+            raise InvalidRequestError(
+                f"{param} is {request.max_tokens}, but the prompt has {prompt_len} tokens and this "
+                f"model's context is {self._max_context_len} tokens: at most {room} can be generated",
+                param=param,
+            )
         wanted = request.max_tokens or self._default_max_tokens or room
-        return msgspec.structs.replace(request.params, max_new_tokens=min(wanted, room))
+        params = msgspec.structs.replace(request.params, max_new_tokens=min(wanted, room))
+        params.validate()  # min_tokens against the budget it got
+        return params
 
     async def _generate(self, flow: _Flow, reservation: Reservation, result: Any) -> bool:
         """Emit prefill's first token, then decode's; True when decode finished the request itself."""

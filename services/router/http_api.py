@@ -10,6 +10,7 @@ event. A client that goes away, while waiting or while streaming, cancels its re
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import math
 import time
@@ -23,9 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import AbortedError, StageServeError
+from services.engine.processing import TextProcessor
 from services.router.body_limit import BodyLimitMiddleware
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader
@@ -37,6 +40,7 @@ from services.router.openai_format import (
     error_body_of,
     sse,
 )
+from services.router.openai_params import GenerationOptions, generation_options
 from services.router.openai_schema import (
     ChatCompletionBody,
     CompletionBody,
@@ -44,9 +48,9 @@ from services.router.openai_schema import (
     chat_messages,
     check_model,
     completion_prompt,
-    generation_options,
 )
 from services.router.registry import WorkerRegistry
+from services.router.tokenize_api import TokenizeApi
 from services.router.types import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -62,12 +66,17 @@ class ApiLimits:
     max_request_bytes: int  # larger HTTP bodies get 413 (BodyLimitMiddleware)
 
 
+class VersionResponse(BaseModel):
+    version: str
+
+
 class OpenAIApi:
-    """The handlers; ``create_app`` wires them into a FastAPI app."""
+    """The handlers; ``create_app`` wires them into a FastAPI app. ``text``: the router's copy
+    of the model's tokenizer (``/detokenize``)."""
 
     def __init__(
         self, pipeline: GenerationPipeline, registry: WorkerRegistry, images: ImageLoader, metrics: RouterMetrics,
-        served_model_name: str, max_context_len: int, limits: ApiLimits,
+        served_model_name: str, max_context_len: int, limits: ApiLimits, text: TextProcessor,
     ) -> None:
         self.pipeline = pipeline
         self.registry = registry
@@ -77,6 +86,9 @@ class OpenAIApi:
         self.max_context_len = max_context_len
         self.limits = limits
         self.created = int(time.time())
+        self.tokens = TokenizeApi(
+            pipeline, images, text, served_model_name, max_context_len, limits.request_timeout_s
+        )
 
     async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
         tracker = RequestTracker(self.metrics, CHAT_PATH)
@@ -84,11 +96,7 @@ class OpenAIApi:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
             messages = await _until_disconnect(request, chat_messages(body.messages, self.images))
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            generation = GenerationRequest(
-                request_id, messages=messages, params=options.params, max_tokens=options.max_tokens,
-                stop=options.stop, timeout_s=self.limits.request_timeout_s,
-            )
+            generation = self._generation(f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages)
             return await self._respond(generation, body.stream, body.stream_options, request, tracker, is_chat=True)
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
@@ -99,31 +107,44 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
-            generation = GenerationRequest(
-                f"cmpl-{uuid.uuid4().hex}", prompt=completion_prompt(body), params=options.params,
-                max_tokens=options.max_tokens, stop=options.stop, timeout_s=self.limits.request_timeout_s,
+            prompt = completion_prompt(body)
+            generation = self._generation(f"cmpl-{uuid.uuid4().hex}", options, prompt=prompt)
+            echo = prompt if body.echo else ""
+            return await self._respond(
+                generation, body.stream, body.stream_options, request, tracker, is_chat=False, echo=echo
             )
-            return await self._respond(generation, body.stream, body.stream_options, request, tracker, is_chat=False)
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
             raise
 
+    def _generation(self, request_id: str, options: GenerationOptions, **prompt: Any) -> GenerationRequest:
+        return GenerationRequest(
+            request_id, **prompt, params=options.params, max_tokens=options.max_tokens,
+            max_tokens_param=options.max_tokens_param, stop=options.stop,
+            timeout_s=self.limits.request_timeout_s,
+        )
+
     async def _respond(
         self, generation: GenerationRequest, stream: bool, stream_options: Any, request: Request,
-        tracker: RequestTracker, *, is_chat: bool,
+        tracker: RequestTracker, *, is_chat: bool, echo: str = "",
     ) -> Response:
+        """``echo``: text the output starts with (completions' echo: the prompt)."""
         formatter = ResponseFormatter(generation.request_id, self.served_model_name, int(time.time()), is_chat=is_chat)
         deltas = self.pipeline.stream(generation)
         if not stream:
             text, last = await _until_disconnect(request, _collect(deltas))
             assert last.finish_reason is not None and last.usage is not None
             tracker.finish("ok", last.usage)
-            return OpenAIJSONResponse(formatter.full(text, last.finish_reason, last.usage))
+            return OpenAIJSONResponse(formatter.full(echo + text, last.finish_reason, last.usage))
         # The first delta comes before the headers, so errors up to prefill are plain HTTP errors.
         first = await _until_disconnect(request, anext(deltas))
         include_usage = bool(stream_options and stream_options.include_usage)
-        events = _sse_events(formatter, first, deltas, include_usage, tracker)
+        events = _sse_events(formatter, first, deltas, include_usage, tracker, echo)
         return _SSEResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    def version(self) -> VersionResponse:
+        """The installed stageserve package's version (vLLM's ``GET /version``)."""
+        return VersionResponse(version=importlib.metadata.version("stageserve"))
 
     def models(self) -> dict[str, Any]:
         model = {
@@ -168,12 +189,14 @@ async def _collect(deltas: AsyncIterator[GenerationDelta]) -> tuple[str, Generat
 
 async def _sse_events(
     formatter: ResponseFormatter, first: GenerationDelta, deltas: AsyncIterator[GenerationDelta],
-    include_usage: bool, tracker: RequestTracker,
+    include_usage: bool, tracker: RequestTracker, echo: str,
 ) -> AsyncIterator[str]:
     outcome = "cancelled"  # unless the stream reaches its end
     try:
         if formatter.is_chat:
             yield sse(formatter.chunk("", role=True, with_usage_field=include_usage))
+        if echo:
+            yield sse(formatter.chunk(echo, with_usage_field=include_usage))
         delta = first
         while True:
             if delta.text:
@@ -226,12 +249,17 @@ def _is_field(part: str | int) -> bool:
 _TYPE_LABELS = {"body", "str", "int", "float", "bool", "none"}
 
 
+def _field_loc(error: Any) -> list[str | int]:
+    return [part for part in error.get("loc", ()) if _is_field(part)]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "the request body is invalid", None
-    first = errors[0]
-    loc = [part for part in first.get("loc", ()) if _is_field(part)]
+    # A union field fails once per member; the error that got deepest names the real problem.
+    first = max(errors, key=lambda error: len(_field_loc(error)))
+    loc = _field_loc(first)
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
@@ -239,6 +267,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "the request body must be a JSON object sent with content-type: application/json", None
     if first.get("type") == "missing":
         return f"{param} is required", param
+    if first.get("type") == "extra_forbidden":
+        return f"{param} is not a field this server knows (unknown fields are refused, not ignored)", param
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
@@ -251,6 +281,15 @@ _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
     429: {"model": ErrorResponse, "description": "overloaded; retry after the Retry-After header"},
     503: {"model": ErrorResponse, "description": "no ready worker, or no capacity for the request"},
     504: {"model": ErrorResponse, "description": "the request's deadline passed"},
+}
+
+
+_TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "a field missing, mistyped or out of range"},
+    413: _GENERATION_RESPONSES[413],
+    429: _GENERATION_RESPONSES[429],
+    503: {"model": ErrorResponse, "description": "no ready tokenizer worker"},
+    504: _GENERATION_RESPONSES[504],
 }
 
 
@@ -306,5 +345,8 @@ def create_app(api: OpenAIApi) -> FastAPI:
     app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None,
                       responses=_GENERATION_RESPONSES)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokens.tokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES)
+    app.add_api_route("/detokenize", api.tokens.detokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES)
+    app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
     return app

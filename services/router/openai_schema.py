@@ -1,79 +1,156 @@
 """OpenAI request bodies (pydantic, parsed by FastAPI) and their checks into router types.
 
 Shape errors (missing or mistyped fields) are FastAPI's validation errors; range and
-consistency errors are ``InvalidRequestError`` raised here with the offending ``param``.
+consistency errors are ``InvalidRequestError`` raised with the offending ``param``.
 Types are strict: a boolean is ``true``/``false``, an integer is an integer (not ``1.0``,
-``"1"`` or ``true``); a number field takes integers too. Sampling ranges are
-``SamplingParams.validate``'s, the same for HTTP and gRPC. Unknown fields are accepted
-and ignored, as OpenAI-compatible servers do.
+``"1"`` or ``true``); a number field takes integers too.
+
+Nothing a client sends is ignored. A field this server does not know is refused with a
+400 naming it, as OpenAI does (vLLM logs and ignores them instead): a client that sends
+a field expects its effect, and an ignored one gives a 200 without it. Every field
+OpenAI defines is either honoured or refused with a message saying it is not supported
+(``openai_params.py`` holds the refusals and the sampling fields' conversion).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
-from services.engine.sampler import SamplingParams
 from services.router.images import ImageLoader
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# The image is processed at the model's own resolution limit, which is what "high" asks for.
+IMAGE_DETAILS = (None, "auto", "high")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Body(BaseModel):
+    """A request body (or part of one): unknown fields are a 400, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
-class ImageUrl(_Body):
+class ImageUrl(Body):
     url: StrictStr
-    detail: StrictStr | None = None
+    detail: StrictStr | None = None  # auto or high; low (a downscaled image) is refused
 
 
-class ContentPartBody(_Body):
+class ContentPartBody(Body):
     type: StrictStr
     text: StrictStr | None = None
     image_url: ImageUrl | StrictStr | None = None
 
 
-class ChatMessageBody(_Body):
+class ChatMessageBody(Body):
     role: StrictStr
     content: StrictStr | list[ContentPartBody] | None = None
-    name: StrictStr | None = None
+    name: StrictStr | None = None  # refused: the chat template has no participant names
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class _GenerationBody(_Body):
+# (field, is its value one this server honours, why another value is refused)
+Refusal = tuple[str, Any, str]
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+class _GenerationBody(Body):
+    """The fields chat and text completions share (OpenAI's, then vLLM-style extensions)."""
+
+    REFUSALS: ClassVar[tuple[Refusal, ...]] = (
+        ("n", lambda v: v in (None, 1), "n > 1 (several choices) is not supported yet"),
+        ("service_tier", lambda v: v in (None, "auto", "default"),
+         "only the default service tier is supported"),
+    )
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
-    top_k: StrictInt | None = None  # extension (vLLM-style); -1 or 0 = off
-    min_p: StrictFloat | None = None  # extension
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt | None = None
     stream: StrictBool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # only with stream: true
     frequency_penalty: StrictFloat | None = None
     presence_penalty: StrictFloat | None = None
-    repetition_penalty: StrictFloat | None = None  # extension
-    ignore_eos: StrictBool = False  # extension
-    logprobs: Any = None
+    logit_bias: dict[StrictStr, StrictFloat] | None = None  # {"<token id>": bias in [-100, 100]}
+    # End-user ids OpenAI keeps for abuse monitoring; they never change the output.
     user: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    service_tier: StrictStr | None = None  # auto / default (the one tier)
+    # Extensions (vLLM's names and meanings).
+    top_k: StrictInt | None = None  # -1 or 0 = off
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt | None = None  # EOS and stop_token_ids are masked until this many tokens
+    stop_token_ids: list[StrictInt] | None = None  # token ids that end generation (kept in the output)
 
 
 class ChatCompletionBody(_GenerationBody):
+    REFUSALS: ClassVar[tuple[Refusal, ...]] = (
+        *_GenerationBody.REFUSALS,
+        ("logprobs", lambda v: not v, "logprobs are not supported yet"),
+        ("top_logprobs", _unset, "top_logprobs are not supported yet (logprobs are not supported)"),
+        ("response_format", lambda v: v in (None, {"type": "text"}),
+         'response_format json_object and json_schema are not supported yet; only {"type": "text"}'),
+        ("tools", _unset, "tools are not supported yet"),
+        ("tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported yet (no tools)"),
+        ("parallel_tool_calls", _unset, "parallel_tool_calls is not supported yet (no tools)"),
+        ("functions", _unset, "functions are not supported yet (no tools)"),
+        ("function_call", _unset, "function_call is not supported yet (no tools)"),
+        ("audio", _unset, "audio output is not supported"),
+        ("modalities", lambda v: v in (None, ["text"]), 'only text output (["text"]) is supported'),
+        ("prediction", _unset, "predicted outputs are not supported"),
+        ("reasoning_effort", _unset, "reasoning_effort is not supported (the model does not reason)"),
+        ("verbosity", _unset, "verbosity is not supported"),
+        ("web_search_options", _unset, "web search is not supported"),
+        ("store", lambda v: not v, "stored completions are not supported"),
+        ("metadata", _unset, "metadata is kept with stored completions, which are not supported"),
+        ("prompt_cache_key", _unset, "prompt_cache_key is not supported"),
+    )
     messages: list[ChatMessageBody]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[Any] | None = None
+    function_call: StrictStr | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[StrictStr] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: StrictStr | None = None
+    verbosity: StrictStr | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_cache_key: StrictStr | None = None
 
 
 class CompletionBody(_GenerationBody):
+    REFUSALS: ClassVar[tuple[Refusal, ...]] = (
+        *_GenerationBody.REFUSALS,
+        # Any value asks for something: 0 still means "the sampled token's logprob".
+        ("logprobs", _unset, "logprobs are not supported yet"),
+        ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported yet"),
+        ("suffix", lambda v: v in (None, ""), "suffix is not supported yet"),
+    )
     prompt: StrictStr | list[StrictStr]
+    echo: StrictBool = False  # the prompt text comes first in the output
+    logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
 
 
 class ErrorDetail(BaseModel):
@@ -95,15 +172,6 @@ class ModelNotFoundError(InvalidRequestError):
     code = "model_not_found"
 
 
-class GenerationOptions:
-    """What a body asks for, checked: sampling parameters, token budget and stop strings."""
-
-    def __init__(self, params: SamplingParams, max_tokens: int | None, stop: tuple[str, ...]) -> None:
-        self.params = params
-        self.max_tokens = max_tokens
-        self.stop = stop
-
-
 def check_model(model: str | None, served_model_name: str) -> None:
     if model not in (None, "", served_model_name):
         raise ModelNotFoundError(
@@ -120,43 +188,6 @@ def check_text(text: str, param: str) -> str:
             f"{param} is not valid Unicode: it holds a lone surrogate at index {exc.start}", param=param
         ) from None
     return text
-
-
-def _max_tokens(body: _GenerationBody) -> int | None:
-    param, value = "max_tokens", body.max_tokens
-    if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
-        param, value = "max_completion_tokens", body.max_completion_tokens
-    if value is not None and value <= 0:
-        raise InvalidRequestError(f"{param} must be > 0, got {value}", param=param)
-    return value
-
-
-def _stop_strings(stop: str | list[str] | None, max_stop_strings: int) -> tuple[str, ...]:
-    strings = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(strings) > max_stop_strings:
-        raise InvalidRequestError(f"stop takes at most {max_stop_strings} strings, got {len(strings)}", param="stop")
-    if any(not s for s in strings):
-        raise InvalidRequestError("stop strings must not be empty", param="stop")
-    params = ["stop"] if isinstance(stop, str) else [f"stop[{i}]" for i in range(len(strings))]
-    return tuple(dict.fromkeys(check_text(s, param) for s, param in zip(strings, params, strict=True)))
-
-
-def generation_options(body: _GenerationBody, max_stop_strings: int) -> GenerationOptions:
-    """Check the sampling fields every endpoint shares; ``InvalidRequestError`` on the first bad one."""
-    if body.n not in (None, 1):
-        raise InvalidRequestError(f"only n=1 is supported, got n={body.n}", param="n")
-    if body.logprobs not in (None, False, 0):
-        raise InvalidRequestError("logprobs are not supported", param="logprobs")
-    fields: dict[str, Any] = {
-        "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
-        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "top_k": 0 if body.top_k == -1 else body.top_k,  # -1 = off, as in vLLM
-        "seed": None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be negative
-    }
-    params = SamplingParams(**{k: v for k, v in fields.items() if v is not None}, ignore_eos=body.ignore_eos)
-    params.validate()
-    return GenerationOptions(params, _max_tokens(body), _stop_strings(body.stop, max_stop_strings))
 
 
 def completion_prompt(body: CompletionBody) -> str:
@@ -179,11 +210,18 @@ async def chat_messages(messages: list[ChatMessageBody], images: ImageLoader) ->
             raise InvalidRequestError(
                 f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role"
             )
+        if message.name is not None:
+            raise InvalidRequestError(
+                "message names are not supported: the chat template has no participant names",
+                param=f"messages[{i}].name",
+            )
         out.append(ChatMessage(role, await _content(message.content, f"messages[{i}].content", images)))
     return tuple(out)
 
 
-async def _content(content: str | list[ContentPartBody] | None, param: str, images: ImageLoader) -> tuple[ContentPart, ...]:
+async def _content(
+    content: str | list[ContentPartBody] | None, param: str, images: ImageLoader
+) -> tuple[ContentPart, ...]:
     if content is None:
         return ()
     if isinstance(content, str):
@@ -192,16 +230,34 @@ async def _content(content: str | list[ContentPartBody] | None, param: str, imag
     for j, part in enumerate(content):
         where = f"{param}[{j}]"
         if part.type == "text":
-            if part.text is None:
-                raise InvalidRequestError("a text part needs a text field", param=f"{where}.text")
+            _check_part_fields(part, where, needs="text", refuses="image_url")
+            assert part.text is not None
             parts.append(TextPart(check_text(part.text, f"{where}.text")))
         elif part.type == "image_url":
-            if part.image_url is None:
-                raise InvalidRequestError("an image_url part needs an image_url field", param=f"{where}.image_url")
-            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            parts.append(ImagePart(await images.load(url, f"{where}.image_url")))
+            _check_part_fields(part, where, needs="image_url", refuses="text")
+            parts.append(ImagePart(await _image(part.image_url, f"{where}.image_url", images)))
         else:
             raise InvalidRequestError(
                 f"unsupported content part type {part.type!r}; expected text or image_url", param=f"{where}.type"
             )
     return tuple(parts)
+
+
+def _check_part_fields(part: ContentPartBody, where: str, *, needs: str, refuses: str) -> None:
+    if getattr(part, needs) is None:
+        raise InvalidRequestError(f"a {part.type} part needs a {needs} field", param=f"{where}.{needs}")
+    if getattr(part, refuses) is not None:
+        raise InvalidRequestError(f"a {part.type} part takes no {refuses} field", param=f"{where}.{refuses}")
+
+
+async def _image(image_url: ImageUrl | str | None, param: str, images: ImageLoader) -> bytes:
+    assert image_url is not None
+    if isinstance(image_url, str):
+        return await images.load(image_url, param)
+    if image_url.detail not in IMAGE_DETAILS:
+        raise InvalidRequestError(
+            f"image detail {image_url.detail!r} is not supported; images are processed at the model's "
+            "full resolution (auto or high)",
+            param=f"{param}.detail",
+        )
+    return await images.load(image_url.url, param)

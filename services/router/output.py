@@ -51,10 +51,19 @@ class OutputAssembler:
         return GenerationDelta("".join(texts), tuple(taken))
 
     def finish(self, reason: FinishReason, token_ids: Iterable[int] = ()) -> GenerationDelta:
-        """The last delta: ``token_ids`` ended the request for ``reason`` (EOS, length)."""
-        delta = self.add_tokens(token_ids)
+        """The last delta: ``token_ids`` ended the request for ``reason`` (EOS, length).
+
+        STOP from a worker means the last id is the stop token (EOS or one of
+        ``stop_token_ids``): it counts as generated but its text is not shown, as in vLLM.
+        """
+        ids = list(token_ids)
+        stop_token = ids.pop() if reason is FinishReason.STOP and ids else None
+        delta = self.add_tokens(ids)
         if self.is_finished:  # a stop string matched inside token_ids
             return delta
+        if stop_token is not None:
+            self.num_completion_tokens += 1
+            delta = GenerationDelta(delta.text, (*delta.token_ids, stop_token))
         tail = self._detokenizer.finish()
         text = delta.text + self._stop.feed(tail) if tail else delta.text
         if self._stop.is_stopped:

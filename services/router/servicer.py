@@ -3,6 +3,11 @@
 The router names every request itself (``gen-<uuid>``). A client's ``request_id`` is a
 label: echoed in its responses and recorded on the request's span, never used inside,
 so two calls with one label are two requests and neither can abort the other.
+
+Fields follow the HTTP API's rules: nothing is ignored. A field this server's protos do
+not define (a newer client's) is INVALID_ARGUMENT naming its number; an explicit
+``sampling_params.max_new_tokens`` above what the context leaves is INVALID_ARGUMENT
+(unset, it is the documented 16, fitted to the context).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
 from services.common import telemetry
@@ -96,6 +103,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"the model {request.model!r} does not exist; this server serves {self._served_model_name!r}",
                 param="model",
             )
+        check_known_fields(request)
         params = _sampling_params(request.sampling_params)
         stop = tuple(request.stop)
         if len(stop) > self._max_stop_strings or not all(stop):
@@ -111,7 +119,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         request_id = f"gen-{uuid.uuid4().hex}"  # never the client's: see the module docstring
         logger.debug("request %s has the client request_id %r", request_id, request.request_id)
-        common = {"params": params, "max_tokens": params.max_new_tokens, "stop": stop, "timeout_s": timeout_s}
+        common = {
+            "params": params, "max_tokens": params.max_new_tokens, "stop": stop, "timeout_s": timeout_s,
+            "max_tokens_param": (
+                "max_new_tokens" if request.sampling_params.HasField("max_new_tokens") else None
+            ),
+        }
         if request.WhichOneof("input") == "prompt":
             return GenerationRequest(request_id, prompt=request.prompt, **common)
         if request.WhichOneof("input") == "chat":
@@ -138,6 +151,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("a content part needs text or an image", param=param)
         check_image(part.image.data, self._max_image_bytes, f"{param}.image.data")
         return ImagePart(part.image.data)
+
+
+def check_known_fields(message: Message, path: str = "") -> None:
+    """``InvalidRequestError`` when ``message`` or a message inside it carries fields unknown here."""
+    unknown = sorted({field.field_number for field in UnknownFieldSet(message)})
+    if unknown:
+        where = path or type(message).DESCRIPTOR.name
+        raise InvalidRequestError(
+            f"{where} has fields this server does not know (field numbers "
+            f"{', '.join(map(str, unknown))}); unknown fields are refused, not ignored",
+            param=path or None,
+        )
+    for descriptor, value in message.ListFields():
+        if descriptor.message_type is None:
+            continue
+        name = f"{path}.{descriptor.name}" if path else descriptor.name
+        if descriptor.is_repeated:
+            for i, item in enumerate(value):
+                check_known_fields(item, f"{name}[{i}]")
+        else:
+            check_known_fields(value, name)
 
 
 def _sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:

@@ -17,6 +17,9 @@ class GenerationRequest(msgspec.Struct, frozen=True):
     # max_new_tokens is ignored here: ``max_tokens`` below decides it against the context.
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     max_tokens: int | None = None  # None = the router's default (up to the context limit)
+    # The request field that set max_tokens: more than the context leaves is a 400 naming it.
+    # None: max_tokens is a default (gRPC's unset max_new_tokens), fitted to the context.
+    max_tokens_param: str | None = "max_tokens"
     stop: tuple[str, ...] = ()
     timeout_s: float = 300.0
 

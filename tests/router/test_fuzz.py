@@ -24,9 +24,10 @@ from tests.router.net_fakes import PUBLIC_IP, FakeNetwork, FakeResolver, http_re
 
 MAX_REQUEST_BYTES = 128 * 1024
 PATHS = ("/v1/chat/completions", "/v1/completions")
+TOKEN_PATHS = ("/tokenize", "/detokenize")
 NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs")
-OTHER_FIELDS = ("model", "stop", "stream", "stream_options", "ignore_eos", "user", "messages", "prompt")
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs", "min_tokens",
+                 "best_of", "top_logprobs")
 
 HOSTILE_NUMBERS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
@@ -87,6 +88,20 @@ FIELD_VALUES = {
     "user": HOSTILE,
     "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), HOSTILE, DEEP),
     "prompt": st.one_of(HOSTILE_TEXT, st.lists(HOSTILE_TEXT, max_size=2), HOSTILE, DEEP),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 3000).map(str), HOSTILE_TEXT),
+                                            st.one_of(HOSTILE_NUMBERS, HOSTILE), max_size=4), HOSTILE),
+    "stop_token_ids": st.one_of(st.lists(HOSTILE_NUMBERS, max_size=4), HOSTILE),
+    "echo": st.one_of(st.booleans(), HOSTILE),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), HOSTILE),
+    "tools": HOSTILE,
+    "suffix": st.one_of(HOSTILE_TEXT, HOSTILE),
+    "unknown_field": HOSTILE,
+}
+TOKENIZE_VALUES = {
+    "prompt": FIELD_VALUES["prompt"], "messages": FIELD_VALUES["messages"], "model": FIELD_VALUES["model"],
+    **{name: st.one_of(st.booleans(), HOSTILE) for name in (
+        "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")},
+    "tokens": st.one_of(st.lists(HOSTILE_NUMBERS, max_size=8), HOSTILE),
 }
 
 
@@ -126,7 +141,20 @@ def text_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, json.dumps({**base, "stop": [text] if where == "stop_list" else text}).encode()
 
 
-RAW_BODIES = st.tuples(st.sampled_from(PATHS), st.one_of(
+@st.composite
+def token_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A valid /tokenize (prompt or chat) or /detokenize body with one to three fields replaced or dropped."""
+    path = draw(st.sampled_from(TOKEN_PATHS))
+    if path == "/detokenize":
+        base: dict[str, Any] = {"model": MODEL_NAME, "tokens": [1, 2, 3]}
+    elif draw(st.booleans()):
+        base = {"prompt": "hi"}
+    else:
+        base = {"messages": [{"role": "user", "content": "hi"}]}
+    return path, json.dumps(draw(mutated(base, TOKENIZE_VALUES))).encode()
+
+
+RAW_BODIES = st.tuples(st.sampled_from(PATHS + TOKEN_PATHS), st.one_of(
     st.binary(max_size=64),
     st.integers(min_value=1, max_value=100_000).map(lambda n: b"[" * n),
     st.integers(min_value=1, max_value=100_000).map(lambda n: b'{"a":' * n),
@@ -162,6 +190,8 @@ def assert_well_formed(response: httpx.Response) -> None:
         assert lines[-1] == "data: [DONE]"
         for line in lines[:-1]:
             assert "error" not in json.loads(line.removeprefix("data: "))
+    elif response.request.url.path in TOKEN_PATHS:
+        assert set(response.json()) & {"tokens", "prompt"}
     else:
         assert response.json()["choices"]
 
@@ -174,7 +204,7 @@ FUZZ_SETTINGS = settings(
 
 @pytest.mark.slow
 @FUZZ_SETTINGS
-@given(request=st.one_of(json_bodies(), text_bodies(), RAW_BODIES))
+@given(request=st.one_of(json_bodies(), text_bodies(), token_bodies(), RAW_BODIES))
 async def test_fuzzed_bodies_never_get_a_5xx(fuzz_http, request):
     path, body = request
     response = await fuzz_http.post(path, content=body, headers={"content-type": "application/json"})
@@ -184,7 +214,8 @@ async def test_fuzzed_bodies_never_get_a_5xx(fuzz_http, request):
 @pytest.mark.slow
 @settings(FUZZ_SETTINGS, max_examples=60)
 @given(method=st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]),
-       path=st.sampled_from([*PATHS, "/v1/models", "/health", "/nope", "/v1/models/x", "/openapi.json"]))
+       path=st.sampled_from([*PATHS, *TOKEN_PATHS, "/v1/models", "/health", "/nope", "/v1/models/x",
+                             "/openapi.json", "/version"]))
 async def test_fuzzed_methods_and_paths_never_get_a_5xx(fuzz_http, method, path):
     response = await fuzz_http.request(method, path)
     assert response.status_code < 500

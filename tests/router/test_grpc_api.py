@@ -202,3 +202,74 @@ async def test_client_request_id_is_a_span_attribute_of_the_request(stub, cluste
     assert rpc.attributes["request_id"] == internal_id
     (inner,) = [s for s in spans if s.name == "router.request" and s.attributes["request_id"] == internal_id]
     assert inner.parent.span_id == rpc.context.span_id
+
+
+UNKNOWN_FIELD = bytes([0xF8, 0x06, 0x01])  # field 111, varint 1: no stageserve message defines it
+
+
+def with_unknown_field(message):
+    out = type(message)()
+    out.ParseFromString(message.SerializeToString() + UNKNOWN_FIELD)
+    return out
+
+
+def _unknown_in(where: str) -> router_pb2.GenerateRequest:
+    request = router_pb2.GenerateRequest(chat=chat("hi"), sampling_params=common_pb2.SamplingParams(temperature=0))
+    if where == "request":
+        return with_unknown_field(request)
+    if where == "sampling_params":
+        request.sampling_params.CopyFrom(with_unknown_field(request.sampling_params))
+    else:
+        request.chat.messages[0].content[0].CopyFrom(with_unknown_field(request.chat.messages[0].content[0]))
+    return request
+
+
+@pytest.mark.parametrize(("where", "named"), [
+    ("request", "GenerateRequest"), ("sampling_params", "sampling_params"),
+    ("content", "chat.messages[0].content[0]"),
+])
+async def test_generate_refuses_fields_it_does_not_know(stub, cluster, where, named):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub.Generate(_unknown_in(where), timeout=BOUND_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in info.value.details() and "111" in info.value.details()
+    assert not cluster.tokenizer.servicer.requests
+
+
+async def test_generate_max_new_tokens_above_the_context_is_invalid(stub, cluster):
+    prompt = "7" * 4085  # 4085 tokens: the context leaves 11
+    params = common_pb2.SamplingParams(max_new_tokens=12)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub.Generate(router_pb2.GenerateRequest(prompt=prompt, sampling_params=params),
+                                     timeout=BOUND_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_new_tokens is 12" in info.value.details() and "at most 11" in info.value.details()
+    assert not cluster.decode.reserved
+    responses = await _collect(stub.Generate(router_pb2.GenerateRequest(prompt=prompt), timeout=BOUND_S))
+    assert cluster.decode.max_new_tokens(responses[0].request_id) == 11  # the unset default, fitted
+
+
+async def test_generate_passes_logit_bias_min_tokens_and_stop_token_ids(stub, cluster):
+    params = common_pb2.SamplingParams(
+        max_new_tokens=20, min_tokens=4, stop_token_ids=[9, 10],
+        logit_bias=[common_pb2.LogitBias(token_id=7, bias=100), common_pb2.LogitBias(token_id=8, bias=-5)],
+    )
+    await _collect(stub.Generate(router_pb2.GenerateRequest(prompt="a", sampling_params=params), timeout=BOUND_S))
+    [reserve] = cluster.decode.reserved.values()
+    sent = reserve.sampling_params  # the defaults of the unset fields are written out
+    assert sent.max_new_tokens == 20 and sent.min_tokens == 4 and list(sent.stop_token_ids) == [9, 10]
+    assert [(b.token_id, b.bias) for b in sent.logit_bias] == [(7, 100.0), (8, -5.0)]
+    assert cluster.prefill.requests[0].sampling_params == sent
+
+
+@pytest.mark.parametrize("params", [
+    common_pb2.SamplingParams(logit_bias=[common_pb2.LogitBias(token_id=7, bias=1)] * 2),
+    common_pb2.SamplingParams(logit_bias=[common_pb2.LogitBias(token_id=7, bias=100.5)]),
+    common_pb2.SamplingParams(min_tokens=17),  # more than the unset max_new_tokens (16)
+    common_pb2.SamplingParams(max_new_tokens=4, min_tokens=5),
+])
+async def test_generate_refuses_bad_logit_bias_and_min_tokens(stub, cluster, params):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _collect(stub.Generate(router_pb2.GenerateRequest(prompt="a", sampling_params=params), timeout=BOUND_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not cluster.decode.reserved

@@ -80,11 +80,18 @@ async def test_prefill_failure_aborts_decode_with_kv_not_written(http, cluster):
     assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, False)  # decode quarantines
 
 
-async def test_max_tokens_is_capped_by_the_context(http, cluster, router):
-    body = (await http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100_000})).json()
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_above_the_context_is_a_400_naming_it(http, cluster, field):
+    num_prompt = len(TEXT.encode("<user>Say hello."))  # the fake tokenizer's chat rendering
+    room = 4096 - num_prompt
+    response = await http.post("/v1/chat/completions", json={**CHAT, field: room + 1})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and f"at most {room} can be generated" in error["message"]
+    assert not cluster.decode.reserved  # refused before Reserve
+    body = (await http.post("/v1/chat/completions", json={**CHAT, field: room})).json()
     assert body["choices"][0]["finish_reason"] == "stop"
-    request_id = next(iter(cluster.decode.reserved))
-    assert cluster.decode.max_new_tokens(request_id) == 4096 - prompt_len(cluster)
+    assert cluster.decode.max_new_tokens(next(iter(cluster.decode.reserved))) == room
 
 
 async def test_default_max_tokens_is_the_rest_of_the_context(http, cluster):

@@ -78,3 +78,14 @@ def test_output_assembler_text_equals_a_full_decode():
     output = OutputAssembler(TEXT.detokenizer(), (), num_prompt_tokens=1)
     text = "".join(output.add_tokens([i]).text for i in TEXT.encode("héllo wörld"))
     assert text + output.finish(FinishReason.LENGTH).text == "héllo wörld"
+
+
+def test_output_assembler_hides_the_stop_token_text_but_counts_it():
+    """A worker's STOP ends on its stop token (a stop_token_ids member here): not shown, as in vLLM."""
+    output = OutputAssembler(TEXT.detokenizer(), (), num_prompt_tokens=1)
+    assert output.add_tokens(char_ids("ab")).text == "ab"
+    last = output.finish(FinishReason.STOP, char_ids("cZ"))
+    assert last.text == "c" and last.token_ids == tuple(char_ids("cZ"))
+    assert last.usage.num_completion_tokens == 4
+    length = OutputAssembler(TEXT.detokenizer(), (), num_prompt_tokens=1)
+    assert length.finish(FinishReason.LENGTH, char_ids("cZ")).text == "cZ"  # no stop token: all shown

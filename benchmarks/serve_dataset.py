@@ -1,0 +1,95 @@
+"""Prompts for the serving benchmark: random words of an exact length, or a ShareGPT file.
+
+ShareGPT format (a local JSON file; nothing is downloaded): a list of
+``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``
+(``conversation`` is accepted too). As in vLLM's and sglang's clients: conversations with
+fewer than two turns are dropped, the first turn is the prompt and the second the
+reference reply, the list is shuffled (by ``--seed``), and a prompt or reply of fewer
+than ``MIN_SHAREGPT_TOKENS`` tokens is skipped, as is a pair longer than
+``--sharegpt-context-len`` when given. The output length is the reply's token count
+unless ``--sharegpt-output-len`` fixes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.serve_tokens import PromptBuilder, TokenCounter
+
+MIN_SHAREGPT_TOKENS = 2
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    path: Path
+    output_len: int | None  # None: each reply's token count
+    context_len: int | None  # None: no pair is too long
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    text: str
+    input_len: int  # the text's tokens, counted by the model's tokenizer
+    output_len: int  # max_tokens
+
+
+def load_sharegpt(path: Path) -> list[tuple[str, str]]:
+    """(first turn, second turn) of every conversation with at least two turns, in file order."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--dataset-path {path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations")
+    pairs = []
+    for entry in data:
+        if not isinstance(entry, dict):
+            continue
+        turns = entry.get("conversations") or entry.get("conversation") or []
+        if len(turns) >= 2 and all(_is_turn(t) for t in turns[:2]):
+            pairs.append((turns[0]["value"], turns[1]["value"]))
+    return pairs
+
+
+def _is_turn(turn: object) -> bool:
+    return isinstance(turn, dict) and isinstance(turn.get("value"), str)
+
+
+async def sharegpt_prompts(
+    dataset: DatasetSpec, num_requests: int, seed: int, counter: TokenCounter
+) -> list[PromptSpec]:
+    pairs = load_sharegpt(dataset.path)
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    pairs = [pairs[i] for i in order]
+    out: list[PromptSpec] = []
+    start = 0
+    while start < len(pairs):  # counted in batches: a full ShareGPT file has ~90k conversations
+        batch = pairs[start:start + max(64, 2 * (num_requests - len(out)))]
+        start += len(batch)
+        prompt_lens = await counter.count([prompt for prompt, _ in batch])
+        reply_lens = await counter.count([reply for _, reply in batch])
+        for (prompt, _), prompt_len, reply_len in zip(batch, prompt_lens, reply_lens, strict=True):
+            output_len = dataset.output_len or reply_len
+            if prompt_len < MIN_SHAREGPT_TOKENS or output_len < MIN_SHAREGPT_TOKENS:
+                continue
+            if dataset.context_len is not None and prompt_len + output_len > dataset.context_len:
+                continue
+            out.append(PromptSpec(prompt, prompt_len, output_len))
+            if len(out) == num_requests:
+                return out
+    raise ValueError(
+        f"--dataset-path {dataset.path}: {len(out)} usable conversations, "
+        f"fewer than --num-requests {num_requests}"
+    )
+
+
+async def random_prompts(
+    input_lens: list[int], output_lens: list[int], rng: np.random.Generator, counter: TokenCounter
+) -> list[PromptSpec]:
+    builder = await PromptBuilder.create(counter)
+    prompts = await builder.prompts(input_lens, rng)
+    return [PromptSpec(text, count, n) for (text, count), n in zip(prompts, output_lens, strict=True)]

@@ -1,0 +1,112 @@
+"""A generation body's fields, checked, into ``SamplingParams``, a token budget and stop strings.
+
+The order of checks: fields this server does not implement (each body's ``REFUSALS``:
+a 400 naming the field and saying what is not supported), then stream options, the
+token budget, logit_bias, and last the sampling ranges of ``SamplingParams.validate``
+(the same rules for HTTP and gRPC). The context check of ``max_tokens`` needs the
+prompt's length, so the pipeline makes it after tokenizing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidRequestError
+from services.engine.sampler import SamplingParams
+from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_text
+
+GenerationBody = ChatCompletionBody | CompletionBody
+MAX_NEW_TOKENS = 2**32 - 1  # SamplingParams' bound; a larger max_tokens fails the context check
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: no sign, space or underscore
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What a body asks for, checked: sampling parameters, token budget and stop strings."""
+
+    params: SamplingParams
+    max_tokens: int | None  # None: the router's default
+    max_tokens_param: str  # the field that set it: max_tokens or max_completion_tokens
+    stop: tuple[str, ...]
+
+
+def refuse_unsupported(body: GenerationBody) -> None:
+    """``InvalidRequestError`` naming the first field whose value asks for what is not built."""
+    for field, is_honoured, reason in body.REFUSALS:
+        if not is_honoured(getattr(body, field)):
+            raise InvalidRequestError(f"{field}: {reason}", param=field)
+
+
+def generation_options(body: GenerationBody, max_stop_strings: int) -> GenerationOptions:
+    """Check the fields every generation endpoint shares; ``InvalidRequestError`` on the first bad one."""
+    refuse_unsupported(body)
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError(
+            "stream_options is only allowed when stream is true", param="stream_options"
+        )
+    max_tokens_param, max_tokens = _max_tokens(body)
+    if body.min_tokens is not None and max_tokens is not None and body.min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
+            param="min_tokens",
+        )
+    fields: dict[str, Any] = {
+        "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
+        "top_k": 0 if body.top_k == -1 else body.top_k,  # -1 = off, as in vLLM
+        "seed": None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be negative
+    }
+    params = SamplingParams(
+        **{k: v for k, v in fields.items() if v is not None},
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        logit_bias=logit_bias(body.logit_bias),
+        # The pipeline sets the real budget; this one bounds min_tokens meanwhile.
+        max_new_tokens=min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
+    )
+    params.validate()
+    stop = _stop_strings(body.stop, max_stop_strings)
+    return GenerationOptions(params, max_tokens, max_tokens_param, stop)
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"<token id>": bias}`` as (token id, bias) pairs; keys must be decimal ids."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            shown = key if len(key) <= 20 else key[:20] + "..."
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids written as decimal integers, got {shown!r}",
+                param="logit_bias",
+            )
+        pairs.append((int(key), value))
+    return tuple(pairs)  # ranges and duplicates ("7" and "07"): SamplingParams.validate
+
+
+def _max_tokens(body: GenerationBody) -> tuple[str, int | None]:
+    param, value = "max_tokens", body.max_tokens
+    if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
+        if value is not None and value != body.max_completion_tokens:
+            raise InvalidRequestError(
+                "max_tokens and max_completion_tokens disagree; send one of them",
+                param="max_completion_tokens",
+            )
+        param, value = "max_completion_tokens", body.max_completion_tokens
+    if value is not None and value <= 0:
+        raise InvalidRequestError(f"{param} must be > 0, got {value}", param=param)
+    return param, value
+
+
+def _stop_strings(stop: str | list[str] | None, max_stop_strings: int) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > max_stop_strings:
+        raise InvalidRequestError(
+            f"stop takes at most {max_stop_strings} strings, got {len(strings)}", param="stop"
+        )
+    if any(not s for s in strings):
+        raise InvalidRequestError("stop strings must not be empty", param="stop")
+    params = ["stop"] if isinstance(stop, str) else [f"stop[{i}]" for i in range(len(strings))]
+    return tuple(dict.fromkeys(check_text(s, param) for s, param in zip(strings, params, strict=True)))

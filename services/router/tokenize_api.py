@@ -1,0 +1,113 @@
+"""``POST /tokenize`` and ``POST /detokenize`` in vLLM's request and response shapes.
+
+``/tokenize`` takes a ``prompt`` (as ``/v1/completions`` tokenizes it) or ``messages``
+(as ``/v1/chat/completions`` does: the chat template, images fetched and expanded to
+their placeholder tokens), and goes through a tokenizer worker like a generation, so
+``count`` is the ``usage.prompt_tokens`` the same input gets. A prompt of the context
+length or more is a 400 there too (the tokenizer bounds its work by the context).
+``add_special_tokens`` takes either value: the tokenizers this server loads (byte-level
+BPE, Qwen2.5-VL) add no special tokens, so both give the same ids, as in vLLM.
+``continue_final_message`` and ``return_token_strs`` are refused when true (not built).
+
+``/detokenize`` decodes token ids with the router's copy of the tokenizer, special
+tokens kept (vLLM's ``tokenizer.decode``); an id outside the vocabulary is a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
+
+from services.common.errors import InvalidRequestError
+from services.engine.processing import TextProcessor
+from services.router.generation import GenerationPipeline
+from services.router.images import ImageLoader
+from services.router.openai_schema import Body, ChatMessageBody, chat_messages, check_model, check_text
+from services.router.types import GenerationRequest
+
+
+class TokenizeBody(Body):
+    """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessageBody] | None = None
+    add_special_tokens: StrictBool | None = None  # either value: no special tokens are added
+    add_generation_prompt: StrictBool | None = None  # messages only; default true
+    continue_final_message: StrictBool | None = None  # messages only; true is refused
+    return_token_strs: StrictBool | None = None  # true is refused
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # never set: return_token_strs is refused
+
+
+class DetokenizeBody(Body):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizeApi:
+    """The two handlers; ``create_app`` routes them."""
+
+    def __init__(
+        self, pipeline: GenerationPipeline, images: ImageLoader, text: TextProcessor,
+        served_model_name: str, max_context_len: int, request_timeout_s: float,
+    ) -> None:
+        self._pipeline = pipeline
+        self._images = images
+        self._text = text
+        self._served_model_name = served_model_name
+        self._max_context_len = max_context_len
+        self._request_timeout_s = request_timeout_s
+
+    async def tokenize(self, body: TokenizeBody) -> TokenizeResponse:
+        check_model(body.model, self._served_model_name)
+        _check_tokenize_options(body)
+        request_id = f"tok-{uuid.uuid4().hex}"
+        if body.messages is not None:
+            messages = await chat_messages(body.messages, self._images)
+            request = GenerationRequest(request_id, messages=messages, timeout_s=self._request_timeout_s)
+        else:
+            assert body.prompt is not None
+            prompt = check_text(body.prompt, "prompt")
+            request = GenerationRequest(request_id, prompt=prompt, timeout_s=self._request_timeout_s)
+        add_generation_prompt = body.add_generation_prompt is not False
+        prompt_ids = await self._pipeline.tokenize(request, add_generation_prompt=add_generation_prompt)
+        tokens = list(prompt_ids.token_ids)
+        return TokenizeResponse(count=len(tokens), max_model_len=self._max_context_len, tokens=tokens)
+
+    async def detokenize(self, body: DetokenizeBody) -> DetokenizeResponse:
+        check_model(body.model, self._served_model_name)
+        vocab_size = self._text.vocab_size
+        for i, token_id in enumerate(body.tokens):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(
+                    f"tokens[{i}] is {token_id}; token ids are in [0, {vocab_size})", param=f"tokens[{i}]"
+                )
+        text = await asyncio.to_thread(self._text.decode, body.tokens)  # long lists stay off the loop
+        return DetokenizeResponse(prompt=text)
+
+
+def _check_tokenize_options(body: TokenizeBody) -> None:
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("send exactly one of prompt and messages", param="prompt")
+    if body.messages is None:
+        for field in ("add_generation_prompt", "continue_final_message"):
+            if getattr(body, field) is not None:
+                raise InvalidRequestError(f"{field} applies to messages, not to a prompt", param=field)
+    if body.continue_final_message:
+        raise InvalidRequestError(
+            "continue_final_message is not supported yet", param="continue_final_message"
+        )
+    if body.return_token_strs:
+        raise InvalidRequestError("return_token_strs is not supported yet", param="return_token_strs")
