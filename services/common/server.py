@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import telemetry
 from services.common.auth import AuthInterceptor, Credentials
 from services.common.errors import UnavailableError
 
@@ -55,6 +56,16 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     # answering them with GOAWAY "too_many_pings".
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+)
+
+# RpcMetrics in the Prometheus form, one set per process (every server of the process adds to it).
+_RPC_HANDLED = telemetry.counter(
+    "grpc_server_handled", "RPCs this process's gRPC servers completed, by method and status code.",
+    ("grpc_service", "grpc_method", "grpc_code"),
+)
+_RPC_SECONDS = telemetry.histogram(
+    "grpc_server_handling_seconds", "From an RPC's arrival to its end (a stream's last message), by method.",
+    ("grpc_service", "grpc_method"),
 )
 
 Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any]  # (add_XServicer_to_server, servicer)
@@ -136,7 +147,8 @@ class RpcStats:
 
 
 class RpcMetrics:
-    """Per-(method, status code) call counts and latencies, in seconds."""
+    """Per-(method, status code) call counts and latencies, in seconds; also exported as
+    ``stageserve_grpc_server_handled_total`` and ``stageserve_grpc_server_handling_seconds``."""
 
     def __init__(self) -> None:
         self._stats: dict[tuple[str, str], RpcStats] = {}
@@ -146,6 +158,9 @@ class RpcMetrics:
         stats.num_calls += 1
         stats.total_s += elapsed_s
         stats.max_s = max(stats.max_s, elapsed_s)
+        service, _, name = method.lstrip("/").rpartition("/")  # "/stageserve.v1.Decode/Reserve"
+        _RPC_HANDLED.labels(service, name, code).inc()
+        _RPC_SECONDS.labels(service, name).observe(elapsed_s)
 
     def snapshot(self) -> dict[tuple[str, str], RpcStats]:
         return {key: RpcStats(s.num_calls, s.total_s, s.max_s) for key, s in self._stats.items()}
