@@ -47,6 +47,7 @@ from services.router.openai_schema import (
     generation_options,
 )
 from services.router.registry import WorkerRegistry
+from services.router.tracing import TraceContextMiddleware
 from services.router.types import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -301,6 +302,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
         return OpenAIJSONResponse(error_body("internal error in the router", "internal_error"), status_code=500)
 
     app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
+    app.add_middleware(TraceContextMiddleware)  # outermost: the caller's traceparent, before anything
     app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None,
                       responses=_GENERATION_RESPONSES)
     app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None,
