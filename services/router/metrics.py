@@ -28,7 +28,7 @@ from services.common.telemetry import (
     buckets_up_to,
     count_buckets,
 )
-from services.common.types import Usage
+from services.common.types import FinishReason, Usage
 from services.router.types import GenerationDelta
 
 DEFAULT_MAX_LATENCY_S = 300.0  # the router's default --request-timeout-s
@@ -115,6 +115,8 @@ class RouterMetrics:
             "request_success_total", "Requests that finished, by finish reason (stop, length).",
             ("finished_reason",), registry=r,
         )
+        for reason in FinishReason:  # every series exists from the start, as vLLM's do
+            self.request_success.labels(reason.value)
         self.request_max_tokens = telemetry.histogram(
             "request_params_max_tokens", "The max_tokens a finished request asked for (requests that "
             "set it).", buckets=count_buckets(max_model_len), registry=r,
