@@ -119,7 +119,8 @@ def _run_up(args: argparse.Namespace) -> int:
     try:  # fail here, not as a service that exits before READY
         log_format = args.log_format or envs.log_format
         if log_format not in LOG_FORMATS:
-            raise ValueError(f"STAGESERVE_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+            formats = ", ".join(LOG_FORMATS)
+            raise ValueError(f"STAGESERVE_LOG_FORMAT must be one of {formats}, got {log_format!r}")
         tracing_plan(envs)  # the OTEL_* settings every service will read
         cfg = LaunchConfig(
             model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,

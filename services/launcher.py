@@ -91,8 +91,8 @@ class LaunchConfig:
             return
         last = base + len(METRICS_PORT_ORDER) - 1
         if not 1 <= base <= last <= MAX_PORT:
-            raise ValueError(f"--metrics-port-base must be in [1, {MAX_PORT - len(METRICS_PORT_ORDER) + 1}], "
-                             f"got {base}")
+            highest = MAX_PORT - len(METRICS_PORT_ORDER) + 1
+            raise ValueError(f"--metrics-port-base must be in [1, {highest}], got {base}")
         if base <= self.http_port <= last:
             raise ValueError(f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
                              f"the HTTP port {self.http_port}")
@@ -394,7 +394,8 @@ def ready_table(host: str, children: list[Child]) -> list[str]:
     for c in children:
         http = f"  (HTTP port {c.ready['http_port']})" if "http_port" in c.ready else ""
         metrics = f"http://{host}:{c.ready.get('metrics_port', '?')}/metrics"
-        lines.append(f"  {c.name:<15} {c.process.pid:>8} {c.ready.get('port', '?'):>6}  {metrics}{http}")
+        grpc = c.ready.get("port", "?")
+        lines.append(f"  {c.name:<15} {c.process.pid:>8} {grpc:>6}  {metrics}{http}")
     return lines
 
 

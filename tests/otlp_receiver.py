@@ -141,7 +141,9 @@ class _GrpcTraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, receiver: OtlpReceiver) -> None:
         self._receiver = receiver
 
-    def Export(self, request: Any, context: Any) -> trace_service_pb2.ExportTraceServiceResponse:  # noqa: N802
+    def Export(  # noqa: N802 (the proto's name)
+        self, request: Any, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         headers = {key.lower(): value for key, value in context.invocation_metadata()}
         self._receiver.add(request, headers)
         return trace_service_pb2.ExportTraceServiceResponse()

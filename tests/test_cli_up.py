@@ -370,4 +370,5 @@ def test_the_ready_table_shows_every_services_metrics_address() -> None:
     ])
     assert lines[0].split() == ["service", "pid", "grpc", "metrics"]
     assert lines[1].split() == ["tokenizer", "11", "5001", "http://127.0.0.1:9100/metrics"]
-    assert lines[2].split() == ["router", "15", "5005", "http://127.0.0.1:9104/metrics", "(HTTP", "port", "8000)"]
+    assert lines[2].split() == [
+        "router", "15", "5005", "http://127.0.0.1:9104/metrics", "(HTTP", "port", "8000)"]

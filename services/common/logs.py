@@ -43,7 +43,8 @@ class TextFormatter(logging.Formatter):
         super().__init__(TEXT_FORMAT)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        ids = [f"{key}={value}" for key in ("request_id", "trace_id") if (value := getattr(record, key, ""))]
+        values = {key: getattr(record, key, "") for key in ("request_id", "trace_id")}
+        ids = [f"{key}={value}" for key, value in values.items() if value]
         record.request_ids = f" [{' '.join(ids)}]" if ids else ""
         return super().formatMessage(record)
 

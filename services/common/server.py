@@ -65,7 +65,8 @@ _RPC_HANDLED = telemetry.counter(
     ("grpc_service", "grpc_method", "grpc_code"),
 )
 _RPC_SECONDS = telemetry.histogram(
-    "grpc_server_handling_seconds", "From an RPC's arrival to its end (a stream's last message), by method.",
+    "grpc_server_handling_seconds",
+    "From an RPC's arrival to its end (a stream's last message), by method.",
     ("grpc_service", "grpc_method"),
 )
 
@@ -212,7 +213,11 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         return handler._replace(**{kind: wrapped})
 
     def _wrap_unary(
-        self, behavior: Callable[..., Awaitable[Any]], method: str, request_id: str, caller: otel_context.Context
+        self,
+        behavior: Callable[..., Awaitable[Any]],
+        method: str,
+        request_id: str,
+        caller: otel_context.Context,
     ) -> Any:
         async def observed(request: Any, context: Any) -> Any:
             current_request_id.set(request_id)
@@ -234,7 +239,11 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         return observed
 
     def _wrap_stream(
-        self, behavior: Callable[..., AsyncIterator[Any]], method: str, request_id: str, caller: otel_context.Context
+        self,
+        behavior: Callable[..., AsyncIterator[Any]],
+        method: str,
+        request_id: str,
+        caller: otel_context.Context,
     ) -> Any:
         async def observed(request: Any, context: Any) -> AsyncIterator[Any]:
             current_request_id.set(request_id)

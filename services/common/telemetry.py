@@ -29,7 +29,15 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
 from prometheus_client.metrics_core import Metric
 
 from services.common.envs import Envs
@@ -106,17 +114,19 @@ def _check_sampler(envs: Envs) -> None:
     stageserve refuses to start instead."""
     sampler = envs.traces_sampler or "parentbased_always_on"
     if sampler not in SAMPLERS:
-        raise ValueError(f"OTEL_TRACES_SAMPLER: unsupported sampler {sampler!r} (supported: {', '.join(SAMPLERS)})")
+        raise ValueError(f"OTEL_TRACES_SAMPLER: unsupported sampler {sampler!r} "
+                         f"(supported: {', '.join(SAMPLERS)})")
     if not envs.traces_sampler_arg:
         return
     if sampler not in _RATIO_SAMPLERS:
-        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG is set but the sampler {sampler!r} takes no argument")
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG is set but the sampler {sampler!r} takes none")
     try:
         ratio = float(envs.traces_sampler_arg)
     except ValueError:
         ratio = -1.0
     if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number in [0, 1], got {envs.traces_sampler_arg!r}")
+        arg = envs.traces_sampler_arg
+        raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number in [0, 1], got {arg!r}")
 
 
 def init_tracing(service_name: str, envs: Envs) -> None:
@@ -172,7 +182,8 @@ def tracer(name: str) -> trace.Tracer:
 
 def mark_error(span: trace.Span, error: BaseException) -> None:
     """Status ERROR with the error's message, an exception event and ``error.type``."""
-    message = error.message if isinstance(error, StageServeError) else f"{type(error).__name__}: {error}"
+    is_ours = isinstance(error, StageServeError)
+    message = error.message if is_ours else f"{type(error).__name__}: {error}"
     span.record_exception(error)
     span.set_attribute("error.type", type(error).__name__)
     span.set_status(trace.Status(trace.StatusCode.ERROR, message))
@@ -180,7 +191,10 @@ def mark_error(span: trace.Span, error: BaseException) -> None:
 
 @contextlib.contextmanager
 def rpc_span(
-    tracer: trace.Tracer, name: str, metadata: Iterable[tuple[str, str | bytes]] | None, **attributes: Any
+    tracer: trace.Tracer,
+    name: str,
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    **attributes: Any,
 ) -> Iterator[trace.Span]:
     """The span of one RPC's handling: a child of the caller's context in ``metadata``, current
     while the block runs; an exception leaving the block marks it (``mark_error``)."""
@@ -256,12 +270,16 @@ class ModelLabelled:
             yield labelled
 
 
-def metrics_view(service: str, model_name: str, registry: CollectorRegistry = REGISTRY) -> CollectorRegistry:
+def metrics_view(
+    service: str, model_name: str, registry: CollectorRegistry = REGISTRY
+) -> CollectorRegistry:
     """What ``/metrics`` serves: ``registry`` with ``model_name`` on every sample, and
     ``stageserve_model_info{model_name, service, version} 1``."""
     view = CollectorRegistry(auto_describe=False)
     view.register(ModelLabelled(registry, model_name))
-    info = Info("stageserve_model", "The served model and this service's stageserve version.", registry=view)
+    info = Info(
+        "stageserve_model", "The served model and this service's stageserve version.", registry=view
+    )
     info.info({"model_name": model_name, "service": service, "version": package_version()})
     return view
 

@@ -12,7 +12,8 @@ RESERVED_REQUESTS = telemetry.gauge("decode_reserved_requests", "Requests holdin
 KV_PAGES_USED = telemetry.gauge("decode_kv_pages_used", "KV pages held by requests")
 KV_PAGES_FREE = telemetry.gauge("decode_kv_pages_free", "KV pages free")
 KV_CACHE_USAGE = telemetry.gauge(
-    "kv_cache_usage_perc", "Fraction of the KV pool not free (held by requests or quarantined); 1 = full"
+    "kv_cache_usage_perc",
+    "Fraction of the KV pool not free (held by requests or quarantined); 1 = full",
 )
 KV_PAGES_QUARANTINED = telemetry.gauge(
     "decode_kv_pages_quarantined", "KV pages of failed reservations resting until no late KV write can land"

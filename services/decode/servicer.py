@@ -131,7 +131,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 num_streamed += len(message.token_ids)
                 if is_done:
                     span.set_attribute("finish_reason", common_pb2.FinishReason.Name(message.finish_reason))
-                    span.set_attribute("gen_ai.usage.output_tokens", message.usage.num_completion_tokens)
+                    num_output = message.usage.num_completion_tokens
+                    span.set_attribute("gen_ai.usage.output_tokens", num_output)
                 yield message
         except StageServeError as exc:
             telemetry.mark_error(span, exc)

@@ -50,7 +50,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Prefill one prompt, write its KV into ``kv_ref``'s pages; the first token and the proof."""
         with telemetry.rpc_span(
             _tracer, "prefill.request", context.invocation_metadata(), request_id=request.request_id,
-            **{"gen_ai.usage.input_tokens": len(request.token_ids), "prefill.num_images": len(request.images)},
+            **{
+                "gen_ai.usage.input_tokens": len(request.token_ids),
+                "prefill.num_images": len(request.images),
+            },
         ) as span:  # queueing, the images' Encode, the forward and the KV write: all its children
             if self.leader is None:
                 raise UnavailableError("prefill worker is still loading its model")

@@ -119,7 +119,9 @@ class RouterApp:
         text = TextProcessor.from_dir(cfg.model_dir)
         detokenizer = functools.partial(text.detokenizer, skip_special_tokens=True)
         if metrics is None:
-            metrics = RouterMetrics(max_latency_s=cfg.limits.request_timeout_s, max_model_len=cfg.max_context_len)
+            metrics = RouterMetrics(
+                max_latency_s=cfg.limits.request_timeout_s, max_model_len=cfg.max_context_len
+            )
         return cls(cfg, metrics, detokenizer, images, access)
 
     def _update_health(self) -> None:

@@ -278,7 +278,7 @@ class _TimedEmit:
 
 
 def request_attributes(request: GenerationRequest, model_name: str) -> dict[str, Any]:
-    """The ``gen_ai.*`` request attributes of ``router.request`` (OpenTelemetry semantic conventions)."""
+    """The ``gen_ai.*`` request attributes of ``router.request`` (OpenTelemetry semconv)."""
     params = request.params
     attributes: dict[str, Any] = {
         "request_id": request.request_id,

@@ -49,14 +49,18 @@ class RouterMetrics:
         self._add_worker_metrics(registry)
         self._add_flow_metrics(registry)
 
-    def _add_api_metrics(self, registry: CollectorRegistry, max_latency_s: float, max_model_len: int) -> None:
+    def _add_api_metrics(
+        self, registry: CollectorRegistry, max_latency_s: float, max_model_len: int
+    ) -> None:
         """What ``RequestTracker`` records."""
         r, tokens = registry, count_buckets(max_model_len)
         self.requests = telemetry.counter(
             "router_requests_total", "Requests the router finished, by endpoint and outcome "
             "(ok or the error type).", ("endpoint", "outcome"), registry=r,
         )
-        self.in_flight = telemetry.gauge("router_requests_in_flight", "Requests being served now.", registry=r)
+        self.in_flight = telemetry.gauge(
+            "router_requests_in_flight", "Requests being served now.", registry=r
+        )
         self.e2e = telemetry.histogram(
             "e2e_request_latency_seconds", "From a request's arrival to its last byte, for requests "
             "that succeeded, by endpoint.", ("endpoint",),
@@ -69,14 +73,17 @@ class RouterMetrics:
             "generation_tokens_total", "Generated tokens of requests that succeeded.", registry=r
         )
         self.request_prompt_tokens = telemetry.histogram(
-            "request_prompt_tokens", "Prompt tokens per request that succeeded.", buckets=tokens, registry=r
+            "request_prompt_tokens", "Prompt tokens per request that succeeded.", buckets=tokens,
+            registry=r,
         )
         self.request_generation_tokens = telemetry.histogram(
             "request_generation_tokens", "Generated tokens per request that succeeded.", buckets=tokens,
             registry=r,
         )
 
-    def _add_request_metrics(self, registry: CollectorRegistry, max_latency_s: float, max_model_len: int) -> None:
+    def _add_request_metrics(
+        self, registry: CollectorRegistry, max_latency_s: float, max_model_len: int
+    ) -> None:
         """What ``RequestStats`` records (the phases in the module docstring)."""
         r = registry
         request_buckets = buckets_up_to(REQUEST_LATENCY_LADDER_S, max_latency_s)

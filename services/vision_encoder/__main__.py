@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
         p.error("--watchdog-s must be > 0")
     return VisionEncoderConfig(
         model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, device=a.device, dtype=a.dtype,
-        log_level=a.log_level.upper(), log_format=a.log_format, transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
+        log_level=a.log_level.upper(), log_format=a.log_format,
+        transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
         transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows, cache_bytes=a.cache_bytes,
         max_batch_images=a.max_batch_images, max_image_bytes=a.max_image_bytes,
         default_timeout_s=a.default_timeout_s, watchdog_s=a.watchdog_s,

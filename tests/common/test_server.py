@@ -82,7 +82,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     async def Abort(self, request: Any, context: Any) -> decode_pb2.AbortResponse:
         self.seen_request_ids.append(current_request_id.get())
         span_context = trace.get_current_span().get_span_context()
-        self.seen_trace_ids.append(trace.format_trace_id(span_context.trace_id) if span_context.is_valid else "")
+        trace_id = trace.format_trace_id(span_context.trace_id) if span_context.is_valid else ""
+        self.seen_trace_ids.append(trace_id)
         return decode_pb2.AbortResponse(is_found=False)
 
 

@@ -108,7 +108,8 @@ def test_every_service_takes_log_format_from_the_flag_or_stageserve_log_format(
 def test_a_service_refuses_an_otel_setting_it_cannot_honour() -> None:
     env = {**os.environ, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
     result = subprocess.run(
-        [sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0", "--num-workers", "0"],
+        [sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
+         "--num-workers", "0"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0 and "READY" not in result.stdout

@@ -51,7 +51,7 @@ def test_the_per_signal_protocol_wins() -> None:
         ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER: unsupported sampler"),
         ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "in [0, 1]"),
         ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"}, "in [0, 1]"),
-        ({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "0.5"}, "takes no argument"),
+        ({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "0.5"}, "takes none"),
     ],
 )
 def test_settings_the_sdk_cannot_honour_are_refused(env: dict[str, str], message: str) -> None:
@@ -60,7 +60,8 @@ def test_settings_the_sdk_cannot_honour_are_refused(env: dict[str, str], message
 
 
 def test_a_ratio_sampler_with_its_argument_is_accepted() -> None:
-    assert not plan(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.25").is_disabled
+    ratio = plan(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.25")
+    assert not ratio.is_disabled
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
@@ -108,8 +109,9 @@ def test_rpc_span_marks_an_error_and_continues_the_caller() -> None:
     tracer = provider.get_tracer("test")
     with tracer.start_as_current_span("caller") as caller:
         metadata = telemetry.inject_metadata([("x-request-id", "r1")])
-    with pytest.raises(CapacityError), telemetry.rpc_span(tracer, "decode.reserve", metadata, request_id="r1"):
-        raise CapacityError("no pages")
+    with pytest.raises(CapacityError):
+        with telemetry.rpc_span(tracer, "decode.reserve", metadata, request_id="r1"):
+            raise CapacityError("no pages")
     span = [s for s in exporter.get_finished_spans() if s.name == "decode.reserve"][0]
     assert span.parent.span_id == caller.get_span_context().span_id
     assert span.status.status_code is trace.StatusCode.ERROR and span.status.description == "no pages"

@@ -152,7 +152,8 @@ def test_log_lines_are_json_and_a_requests_lines_carry_its_ids(system) -> None:
     assert aborted["trace_id"] == trace_id and aborted["service"] == "decode"
     for name in METRICS_PORT_ORDER:  # every line of every service's log is one JSON object
         entries = log_entries(system, name)  # json.loads of each line
-        assert all({"time", "level", "logger", "message", "request_id", "trace_id"} <= e.keys() for e in entries)
+        keys = {"time", "level", "logger", "message", "request_id", "trace_id"}
+        assert all(keys <= e.keys() for e in entries), name
 
 
 def log_entries(system, service: str) -> list[dict]:

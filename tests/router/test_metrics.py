@@ -71,10 +71,13 @@ async def test_a_failed_request_is_counted_but_observes_no_latency() -> None:
     async with serve(FlowConfig(), script) as served:
         response = await served.http.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 503
-        assert served.metric("requests_total", endpoint="/v1/chat/completions", outcome="service_unavailable") == 1
-        for name in ("e2e_request_latency_seconds_count", "request_prefill_time_seconds_count",
-                     "time_to_first_token_seconds_count", "prompt_tokens_total"):
-            assert sample(served, name, **({"endpoint": "/v1/chat/completions"} if "e2e" in name else {})) == 0
+        endpoint = "/v1/chat/completions"
+        assert served.metric("requests_total", endpoint=endpoint, outcome="service_unavailable") == 1
+        assert sample(served, "e2e_request_latency_seconds_count", endpoint=endpoint) == 0
+        for name in ("request_prefill_time_seconds_count", "time_to_first_token_seconds_count",
+                     "prompt_tokens_total"):
+            assert sample(served, name) == 0, name
+        assert sample(served, "request_success_total", finished_reason="stop") == 0
 
 
 def bucket_bounds(metrics: RouterMetrics, name: str) -> list[float]:

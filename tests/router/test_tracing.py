@@ -89,7 +89,8 @@ async def stub(router) -> AsyncIterator[router_pb2_grpc.RouterStub]:
 
 async def test_grpc_generate_continues_the_callers_traceparent(stub, spans):
     request = router_pb2.GenerateRequest(prompt="Once")
-    responses = [r async for r in stub.Generate(request, timeout=BOUND_S, metadata=[("traceparent", TRACEPARENT)])]
+    metadata = [("traceparent", TRACEPARENT)]
+    responses = [r async for r in stub.Generate(request, timeout=BOUND_S, metadata=metadata)]
     assert responses[-1].usage.num_completion_tokens > 0
     rpc, inner = only(spans, "router.generate_rpc"), only(spans, "router.request")
     assert trace.format_trace_id(rpc.context.trace_id) == TRACE_ID
