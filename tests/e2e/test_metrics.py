@@ -95,8 +95,11 @@ def test_every_sample_of_every_service_has_the_model_label(system) -> None:
         assert info.labels["service"] == name and info.value == 1
         assert total(samples, "grpc_server_handled_total") > 0, name
         assert "stageserve_grpc_server_handling_seconds_bucket" in samples, name
-    usage = total(scrape(system, "decode"), "kv_cache_usage_perc")
-    assert 0.0 <= usage <= 1.0
+    decode = scrape(system, "decode")
+    (usage,) = decode["stageserve_kv_cache_usage_perc"]
+    assert 0.0 <= usage.value <= 1.0
+    encoder = scrape(system, "vision_encoder")
+    assert {"stageserve_mm_cache_queries_total", "stageserve_mm_cache_hits_total"} <= encoder.keys()
 
 
 async def health_check_router(system) -> None:
