@@ -146,6 +146,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="context limit, prompt + generated tokens (default: the model's max_position_embeddings)")
     p.add_argument("--log-level", type=str.upper, default=None,
                    help="every service's log level: DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)")
+    p.add_argument("--log-format", type=str.lower, choices=("text", "json"), default=None,
+                   help="every service's log format; json: one object per line with request_id and "
+                        "trace_id (default: STAGESERVE_LOG_FORMAT, else text)")
+    p.add_argument("--metrics-port-base", type=int, default=None, metavar="N",
+                   help="fixed /metrics ports N, N+1, ... for tokenizer, vision_encoder, prefill, "
+                        "decode, router (default: free ports, printed once ready)")
     p.add_argument("--state-file", type=Path, default=None,
                    help="write pids and ports as JSON once ready (rewritten after a restart)")
     p.add_argument("--api-key", default=None,
@@ -157,22 +163,32 @@ def _run_up(args: argparse.Namespace) -> int:
     import os
 
     from services.common.auth import child_environment
+    from services.common.envs import Envs
+    from services.common.logs import LOG_FORMATS
+    from services.common.telemetry import tracing_plan
     from services.launcher import LaunchConfig, device_of, new_run_dir, run_up
 
-    cfg = LaunchConfig(
-        model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
-        encoder_device=args.encoder_device, prefill_device=args.prefill_device, decode_device=args.decode_device,
-        dtype=args.dtype, transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
-        attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
-        stall_timeout_s=args.stall_timeout_s, kv_quarantine_s=args.kv_quarantine_s,
-        max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
-        queue_timeout_s=args.queue_timeout_s,
-        embedding_quarantine_s=args.embedding_quarantine_s,
-        ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir or new_run_dir(), state_file=args.state_file,
-        served_model_name=args.served_model_name, max_model_len=args.max_model_len, log_level=args.log_level,
-    )
+    envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
         _check_up(args)
+        log_format = args.log_format or envs.log_format
+        if log_format not in LOG_FORMATS:
+            formats = ", ".join(LOG_FORMATS)
+            raise ValueError(f"STAGESERVE_LOG_FORMAT must be one of {formats}, got {log_format!r}")
+        tracing_plan(envs)  # the OTEL_* settings every service will read
+        cfg = LaunchConfig(
+            model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
+            encoder_device=args.encoder_device, prefill_device=args.prefill_device,
+            decode_device=args.decode_device, dtype=args.dtype, transfer_backend=args.transfer_backend,
+            kv_transfer_backend=args.kv_transfer_backend, attention_backend=args.attention_backend,
+            num_pages=args.num_pages, page_size=args.page_size, stall_timeout_s=args.stall_timeout_s,
+            kv_quarantine_s=args.kv_quarantine_s, max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
+            embedding_quarantine_s=args.embedding_quarantine_s, ready_timeout_s=args.ready_timeout_s,
+            log_dir=args.log_dir or new_run_dir(), log_format=log_format, log_level=args.log_level,
+            metrics_port_base=args.metrics_port_base, state_file=args.state_file,
+            served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+        )
         check_embedding_backend(args.transfer_backend)
         for name in ("prefill", "decode"):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))

@@ -2,8 +2,10 @@
 
 Start order follows the dependencies: tokenizer, vision encoder and decode first
 (in parallel), then prefill (needs the encoder), then the router (needs everyone).
-Each child binds port 0 and reports ``READY <name> port=... metrics_port=...`` on
-stdout; the launcher waits for that line (bounded), then passes the addresses on.
+Each child binds port 0 (its metrics port: ``metrics_port_base`` + its place in
+``METRICS_PORT_ORDER`` when a base is given) and reports ``READY <name> port=...
+metrics_port=...`` on stdout; the launcher waits for that line (bounded), then passes the
+addresses on, and prints every service's ports once all are ready (``ready_table``).
 A child that exits before it was ever ready fails start-up.
 
 Once everything is up, the ``Supervisor`` restarts a child that exits (any code, any
@@ -75,6 +77,9 @@ def failure_lines(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
     if causes:
         return list(dict.fromkeys(causes))[-3:]
     return lines[-num_lines:]
+# --metrics-port-base N: the service at index i serves /metrics on port N + i.
+METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -116,8 +121,22 @@ class LaunchConfig:
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
+    log_format: str = "text"  # every service's --log-format: text | json
+    metrics_port_base: int | None = None  # None: every service picks a free metrics port
     state_file: Path | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:
+        base = self.metrics_port_base
+        if base is None:
+            return
+        last = base + len(METRICS_PORT_ORDER) - 1
+        if not 1 <= base <= last <= MAX_PORT:
+            highest = MAX_PORT - len(METRICS_PORT_ORDER) + 1
+            raise ValueError(f"--metrics-port-base must be in [1, {highest}], got {base}")
+        if base <= self.http_port <= last:
+            raise ValueError(f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
+                             f"the HTTP port {self.http_port}")
 
 
 @dataclass(frozen=True)
@@ -173,7 +192,15 @@ def device_of(cfg: LaunchConfig, name: str) -> str:
 
 def common_args(cfg: LaunchConfig, name: str) -> list[str]:
     args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device_of(cfg, name)]
+    args += ["--log-format", cfg.log_format]
     return args + (["--dtype", cfg.dtype] if cfg.dtype else []) + optional_arg("--log-level", cfg.log_level)
+
+
+def first_ports(cfg: LaunchConfig, name: str) -> dict[str, int]:
+    """The ports service ``name`` starts on: any free gRPC port; its metrics port from
+    ``metrics_port_base`` (0, any free one, without it)."""
+    base = cfg.metrics_port_base
+    return {"port": 0, "metrics_port": 0 if base is None else base + METRICS_PORT_ORDER.index(name)}
 
 
 def port_args(ports: Mapping[str, int]) -> list[str]:
@@ -278,17 +305,17 @@ class Launcher:
         kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
         pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
         max_len = optional_arg("--max-model-len", cfg.max_model_len)
-        tokenizer = self.start(ChildSpec("tokenizer", tuple(max_len)))
-        encoder = self.start(ChildSpec("vision_encoder", transfer))
+        tokenizer = self.start(ChildSpec("tokenizer", tuple(max_len), first_ports(cfg, "tokenizer")))
+        encoder = self.start(ChildSpec("vision_encoder", transfer, first_ports(cfg, "vision_encoder")))
         decode = self.start(ChildSpec("decode", (
             *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *max_len,
             *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
-        )))
+        ), first_ports(cfg, "decode")))
         self.wait_ready([tokenizer, encoder, decode])
         prefill = self.start(ChildSpec("prefill", (
             *transfer, *kv, *pages, "--encoder-address", encoder.address,
             *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
-        )))
+        ), first_ports(cfg, "prefill")))
         self.wait_ready([prefill])
         router = self.start(ChildSpec(
             "router",
@@ -303,7 +330,7 @@ class Launcher:
                 *optional_arg("--max-queued-requests", cfg.max_queued_requests),
                 *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
             ),
-            {"port": 0, "metrics_port": 0, "http_port": cfg.http_port},
+            {**first_ports(cfg, "router"), "http_port": cfg.http_port},
         ))
         self.wait_ready([router])
         self.write_state()
@@ -422,6 +449,18 @@ class Supervisor:
         self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts}){why}")
 
 
+def ready_table(host: str, children: list[Child]) -> list[str]:
+    """The lines ``up`` prints once every service is ready: each one's pid, gRPC port and
+    ``/metrics`` address (the router's also its HTTP port)."""
+    lines = [f"  {'service':<15} {'pid':>8} {'grpc':>6}  metrics"]
+    for c in children:
+        http = f"  (HTTP port {c.ready['http_port']})" if "http_port" in c.ready else ""
+        metrics = f"http://{host}:{c.ready.get('metrics_port', '?')}/metrics"
+        grpc = c.ready.get("port", "?")
+        lines.append(f"  {c.name:<15} {c.process.pid:>8} {grpc:>6}  {metrics}{http}")
+    return lines
+
+
 def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
     stop = threading.Event()
     launcher = Launcher(cfg, env, stop)
@@ -433,9 +472,8 @@ def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         router = launcher.start_all()
         http_port = router.ready.get("http_port")
         print(f"stageserve is up: OpenAI API at http://{cfg.host}:{http_port}/v1", flush=True)
-        for c in launcher.children:
-            ports = " ".join(f"{k}={v}" for k, v in c.ready.items())
-            print(f"  {c.name:<15} pid={c.process.pid} {ports}", flush=True)
+        for line in ready_table(cfg.host, launcher.children):
+            print(line, flush=True)
         supervisor = Supervisor(launcher, stop)
         while not stop.wait(POLL_INTERVAL_S):
             supervisor.poll()

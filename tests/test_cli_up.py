@@ -294,3 +294,81 @@ def test_a_restart_gets_the_same_command_ports_and_environment(tmp_path, monkeyp
     assert cmds[0][:cmds[0].index("--port")] == cmds[1][:cmds[1].index("--port")]
     assert popens[0]["env"] is popens[1]["env"] is launcher.env
     assert all(p["stderr"].closed for p in popens)  # the launcher keeps no log file open per restart
+
+
+# ------------------------------------------------------------------ observability
+
+
+def started_ports(cfg: LaunchConfig, monkeypatch) -> dict[str, dict[str, int]]:
+    """The ports ``start_all`` gives each service, without starting any process."""
+    ports: dict[str, dict[str, int]] = {}
+
+    def start(spec: ChildSpec) -> SimpleNamespace:
+        ports[spec.name] = dict(spec.ports)
+        return SimpleNamespace(name=spec.name, ready={"port": "1", "http_port": "2"}, address="127.0.0.1:1")
+
+    launcher = Launcher(cfg)
+    monkeypatch.setattr(launcher, "start", start)
+    monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
+    launcher.start_all()
+    return ports
+
+
+def test_metrics_port_base_gives_each_service_a_fixed_metrics_port(monkeypatch) -> None:
+    ports = started_ports(LaunchConfig(Path("m"), metrics_port_base=9100), monkeypatch)
+    assert {name: p["metrics_port"] for name, p in ports.items()} == {
+        "tokenizer": 9100, "vision_encoder": 9101, "decode": 9103, "prefill": 9102, "router": 9104}
+    assert all(p["port"] == 0 for p in ports.values()) and ports["router"]["http_port"] == 8000
+    defaults = started_ports(LaunchConfig(Path("m")), monkeypatch)
+    assert all(p["metrics_port"] == 0 for p in defaults.values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--metrics-port-base", "65533"], "--metrics-port-base must be in [1, 65531], got 65533"),
+        (["--metrics-port-base", "0"], "--metrics-port-base must be in [1, 65531], got 0"),
+        (["--port", "9102", "--metrics-port-base", "9100"], "include the HTTP port 9102"),
+    ],
+)
+def test_up_checks_the_metrics_port_base(argv, message, capsys) -> None:
+    assert main(["up", "--transfer-backend", "inprocess", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_log_format_reaches_every_service(monkeypatch, capsys) -> None:
+    configs: list[LaunchConfig] = []
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
+    monkeypatch.delenv("STAGESERVE_LOG_FORMAT", raising=False)
+    assert main(["up", "--transfer-backend", "inprocess"]) == 0
+    assert main(["up", "--transfer-backend", "inprocess", "--log-format", "json"]) == 0
+    monkeypatch.setenv("STAGESERVE_LOG_FORMAT", "json")
+    assert main(["up", "--transfer-backend", "inprocess"]) == 0
+    assert [c.log_format for c in configs] == ["text", "json", "json"]
+    for name in ("tokenizer", "vision_encoder", "prefill", "decode", "router"):
+        flags = common_args(configs[1], name)
+        assert flags[flags.index("--log-format") + 1] == "json"
+    monkeypatch.setenv("STAGESERVE_LOG_FORMAT", "xml")
+    assert main(["up", "--transfer-backend", "inprocess"]) == 2
+    assert "STAGESERVE_LOG_FORMAT must be one of text, json, got 'xml'" in capsys.readouterr().err
+
+
+def test_up_refuses_an_otel_setting_before_starting_anything(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: pytest.fail("started"))
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    assert main(["up", "--transfer-backend", "inprocess"]) == 2
+    assert "OTEL_TRACES_EXPORTER: unsupported exporter 'zipkin'" in capsys.readouterr().err
+
+
+def test_the_ready_table_shows_every_services_metrics_address() -> None:
+    def child(name: str, pid: int, **ready: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, process=SimpleNamespace(pid=pid), ready=ready)
+
+    lines = launcher_module.ready_table("127.0.0.1", [
+        child("tokenizer", 11, port="5001", metrics_port="9100"),
+        child("router", 15, port="5005", metrics_port="9104", http_port="8000"),
+    ])
+    assert lines[0].split() == ["service", "pid", "grpc", "metrics"]
+    assert lines[1].split() == ["tokenizer", "11", "5001", "http://127.0.0.1:9100/metrics"]
+    assert lines[2].split() == [
+        "router", "15", "5005", "http://127.0.0.1:9104/metrics", "(HTTP", "port", "8000)"]

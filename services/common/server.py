@@ -31,7 +31,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
 
+from services.common import telemetry
 from services.common.auth import AuthInterceptor, Credentials
 from services.common.errors import UnavailableError
 
@@ -60,6 +62,17 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 LIVENESS_SERVICE = "liveness"  # the health service name liveness probes ask for
+# RpcMetrics in the Prometheus form, one set per process (every server of the process adds to it).
+_RPC_HANDLED = telemetry.counter(
+    "grpc_server_handled", "RPCs this process's gRPC servers completed, by method and status code.",
+    ("grpc_service", "grpc_method", "grpc_code"),
+)
+_RPC_SECONDS = telemetry.histogram(
+    "grpc_server_handling_seconds",
+    "From an RPC's arrival to its end (a stream's last message), by method.",
+    ("grpc_service", "grpc_method"),
+)
+
 Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any]  # (add_XServicer_to_server, servicer)
 _HEALTH = health_pb2.HealthCheckResponse
 
@@ -142,7 +155,8 @@ class RpcStats:
 
 
 class RpcMetrics:
-    """Per-(method, status code) call counts and latencies, in seconds."""
+    """Per-(method, status code) call counts and latencies, in seconds; also exported as
+    ``stageserve_grpc_server_handled_total`` and ``stageserve_grpc_server_handling_seconds``."""
 
     def __init__(self) -> None:
         self._stats: dict[tuple[str, str], RpcStats] = {}
@@ -152,6 +166,9 @@ class RpcMetrics:
         stats.num_calls += 1
         stats.total_s += elapsed_s
         stats.max_s = max(stats.max_s, elapsed_s)
+        service, _, name = method.lstrip("/").rpartition("/")  # "/stageserve.v1.Decode/Reserve"
+        _RPC_HANDLED.labels(service, name, code).inc()
+        _RPC_SECONDS.labels(service, name).observe(elapsed_s)
 
     def snapshot(self) -> dict[tuple[str, str], RpcStats]:
         return {key: RpcStats(s.num_calls, s.total_s, s.max_s) for key, s in self._stats.items()}
@@ -173,11 +190,13 @@ def _code_name(context: Any) -> str:
 
 
 class TelemetryInterceptor(grpc.aio.ServerInterceptor):
-    """Records every RPC's status and latency into ``metrics``, and binds its request id.
+    """Records every RPC's status and latency into ``metrics``, and binds its request id
+    and its caller's trace context.
 
     The id comes from the ``x-request-id`` metadata key (a fresh one when absent) and
     is visible to the handler, and forwarded by ``services.common.client``, through
-    ``current_request_id``.
+    ``current_request_id``. The caller's W3C trace context (``traceparent``) is the
+    handler's current context, so its log lines carry the trace id even without a span.
     """
 
     def __init__(self, metrics: RpcMetrics) -> None:
@@ -188,19 +207,27 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         request_id = _metadata_value(details.invocation_metadata, REQUEST_ID_KEY) or uuid.uuid4().hex
+        caller = telemetry.extract_context(details.invocation_metadata)
         kind = next(
             k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k)
         )
         behavior = getattr(handler, kind)
         if inspect.isasyncgenfunction(behavior):
-            wrapped = self._wrap_stream(behavior, details.method, request_id)
+            wrapped = self._wrap_stream(behavior, details.method, request_id, caller)
         else:
-            wrapped = self._wrap_unary(behavior, details.method, request_id)
+            wrapped = self._wrap_unary(behavior, details.method, request_id, caller)
         return handler._replace(**{kind: wrapped})
 
-    def _wrap_unary(self, behavior: Callable[..., Awaitable[Any]], method: str, request_id: str) -> Any:
+    def _wrap_unary(
+        self,
+        behavior: Callable[..., Awaitable[Any]],
+        method: str,
+        request_id: str,
+        caller: otel_context.Context,
+    ) -> Any:
         async def observed(request: Any, context: Any) -> Any:
             current_request_id.set(request_id)
+            otel_context.attach(caller)  # the RPC's own task: nothing to detach
             start, code = time.perf_counter(), "UNKNOWN"
             try:
                 response = await behavior(request, context)
@@ -217,9 +244,16 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
 
         return observed
 
-    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], method: str, request_id: str) -> Any:
+    def _wrap_stream(
+        self,
+        behavior: Callable[..., AsyncIterator[Any]],
+        method: str,
+        request_id: str,
+        caller: otel_context.Context,
+    ) -> Any:
         async def observed(request: Any, context: Any) -> AsyncIterator[Any]:
             current_request_id.set(request_id)
+            otel_context.attach(caller)  # the RPC's own task: nothing to detach
             start, code = time.perf_counter(), "UNKNOWN"
             try:
                 async for response in behavior(request, context):

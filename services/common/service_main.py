@@ -1,25 +1,21 @@
 """What every service's ``__main__`` shares: the common flags, logging, telemetry, the READY line.
 
-Each service accepts ``--model --host --port --metrics-port --device --dtype --log-level``
-(the launcher passes the first five to all of them), ``--internal-token-file``,
-``--allow-unauthenticated`` and ``--enable-reflection``, and prints one
-``READY <service> port=<grpc> ... metrics_port=<port>`` line on stdout once it serves.
+Each service accepts ``--model --host --port --metrics-port --device --dtype --log-level
+--log-format`` (the launcher passes the first five and ``--log-format`` to all of them),
+``--internal-token-file``, ``--allow-unauthenticated`` and ``--enable-reflection``, and prints
+one ``READY <service> port=<grpc> ... metrics_port=<port>`` line on stdout once it serves.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common import telemetry
+from services.common import logs, telemetry
 from services.common.auth import AuthConfigError, Credentials, internal_credentials
 from services.common.envs import INTERNAL_TOKEN_ENV, Envs
 from services.common.paths import BUNDLED_MODEL
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -33,6 +29,7 @@ class ServiceConfig:
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json (one object per line)
     internal_token_file: Path | None = None  # wins over STAGESERVE_INTERNAL_TOKEN
     allow_unauthenticated: bool = False  # start without an internal token (no authentication)
     enable_reflection: bool = False  # serve gRPC server reflection
@@ -41,7 +38,8 @@ class ServiceConfig:
 def add_common_args(parser: argparse.ArgumentParser, *, runs_model: bool = True, envs: Envs | None = None) -> None:
     """Add the flags every service takes. Without ``runs_model``, ``--device`` and ``--dtype`` are
     accepted and unused. ``--log-level`` defaults to ``envs.log_level`` (``STAGESERVE_LOG_LEVEL``, else
-    INFO); ``envs`` defaults to ``Envs.from_environ()``."""
+    INFO), ``--log-format`` to ``envs.log_format`` (``STAGESERVE_LOG_FORMAT``, else text); ``envs``
+    defaults to ``Envs.from_environ()``."""
     envs = envs if envs is not None else Envs.from_environ()
     p = parser
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory")
@@ -56,6 +54,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, runs_model: bool = True,
         p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
     p.add_argument("--log-level", type=str.upper, default=envs.log_level,
                    help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)")
+    p.add_argument("--log-format", type=str.lower, choices=logs.LOG_FORMATS, default=envs.log_format,
+                   help="text, or json: one object per line with request_id and trace_id "
+                        "(default: STAGESERVE_LOG_FORMAT, else text)")
     p.add_argument("--internal-token-file", type=Path, default=None, metavar="PATH",
                    help=f"file holding the internal gRPC token (wins over {INTERNAL_TOKEN_ENV})")
     p.add_argument("--allow-unauthenticated", action="store_true",
@@ -74,14 +75,25 @@ def internal_credentials_or_exit(
         raise SystemExit(f"{service}: error: {exc}") from None
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
+def setup_logging(service: str, level: str, log_format: str) -> None:
+    """Log to stderr as ``--log-level`` and ``--log-format`` say (``services.common.logs``); exits
+    with one error line for a format it does not know (STAGESERVE_LOG_FORMAT is not checked by
+    the flag's choices)."""
+    try:
+        logs.configure(service, level, log_format)
+    except ValueError as exc:
+        raise SystemExit(f"{service}: error: --log-format / STAGESERVE_LOG_FORMAT: {exc}") from None
 
 
-def start_telemetry(service: str, envs: Envs, host: str, metrics_port: int) -> int:
-    """Start tracing and the ``/metrics`` server; returns the metrics port actually bound."""
-    telemetry.init_tracing(service, envs)
-    return telemetry.start_metrics_server(metrics_port, host)
+def start_telemetry(service: str, envs: Envs, host: str, metrics_port: int, *, model_name: str) -> int:
+    """Start tracing and the ``/metrics`` server (``model_name`` on every sample); returns the
+    metrics port actually bound. Exits with one ``<service>: error: ...`` line when an
+    ``OTEL_*`` setting cannot be honoured."""
+    try:
+        telemetry.init_tracing(service, envs)
+    except ValueError as exc:
+        raise SystemExit(f"{service}: error: {exc}") from None
+    return telemetry.start_metrics_server(metrics_port, host, service=service, model_name=model_name)
 
 
 def print_ready(service: str, **ports: int) -> None:

@@ -29,7 +29,9 @@ logger = logging.getLogger("services.decode")
 
 
 async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> None:
-    metrics_port = start_telemetry("decode", envs, config.host, config.metrics_port)
+    metrics_port = start_telemetry(
+        "decode", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
+    )
     health = HealthState()
     servicer = DecodeServicer(
         config.reservation_timeout_s, config.max_reservation_s, signing.key_of(auth.token if auth else "")
@@ -56,7 +58,7 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
-    setup_logging(config.log_level)
+    setup_logging("decode", config.log_level, config.log_format)
     envs = Envs.from_environ()
     auth = internal_credentials_or_exit("decode", envs, config.internal_token_file, config.allow_unauthenticated)
     asyncio.run(serve(config, envs, auth))

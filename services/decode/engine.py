@@ -322,3 +322,4 @@ class DecodeEngine:
         metrics.KV_PAGES_USED.set(kv.num_used_pages)
         metrics.KV_PAGES_FREE.set(kv.num_free_pages)
         metrics.KV_PAGES_QUARANTINED.set(kv.num_quarantined_pages)
+        metrics.KV_CACHE_USAGE.set(1.0 - kv.num_free_pages / kv.num_total_pages)

@@ -11,6 +11,10 @@ RUNNING_REQUESTS = telemetry.gauge("decode_running_requests", "Requests generati
 RESERVED_REQUESTS = telemetry.gauge("decode_reserved_requests", "Requests holding pages, waiting for KV")
 KV_PAGES_USED = telemetry.gauge("decode_kv_pages_used", "KV pages held by requests")
 KV_PAGES_FREE = telemetry.gauge("decode_kv_pages_free", "KV pages free")
+KV_CACHE_USAGE = telemetry.gauge(
+    "kv_cache_usage_perc",
+    "Fraction of the KV pool not free (held by requests or quarantined); 1 = full",
+)
 KV_PAGES_QUARANTINED = telemetry.gauge(
     "decode_kv_pages_quarantined", "KV pages of failed reservations resting until no late KV write can land"
 )

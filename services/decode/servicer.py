@@ -7,8 +7,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from opentelemetry.trace import Status, StatusCode
-
 from services.common import signing, telemetry
 from services.common.clients.decode import (
     FINISH_REASON_TO_PROTO,
@@ -96,17 +94,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @handle_errors
     async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:
         """Take pages and open the KV transfer session; returns the signed KvRef for prefill."""
-        nonce = signing.new_nonce()
-        deadline_s, expires_unix_ms = self._lifetime(request.deadline_unix_ms)
-        decode_request = DecodeRequest(
-            request_id=request.request_id,
-            prompt_ids=tuple(request.prompt_token_ids),
-            params=sampling_params_from_proto(request.sampling_params),
-            rope_delta=request.mrope_position_delta,
-            kv_written_proof=signing.kv_written_proof(self._kv_ref_key, request.request_id, nonce),
-        )
-        destination = self._engine.reserve(decode_request, deadline_s)
-        kv_ref = issue_kv_ref(destination, self._kv_ref_key, nonce, expires_unix_ms)
+        with telemetry.rpc_span(
+            _tracer, "decode.reserve", context.invocation_metadata(), request_id=request.request_id,
+            **{"gen_ai.usage.input_tokens": len(request.prompt_token_ids)},
+        ):
+            nonce = signing.new_nonce()
+            deadline_s, expires_unix_ms = self._lifetime(request.deadline_unix_ms)
+            decode_request = DecodeRequest(
+                request_id=request.request_id,
+                prompt_ids=tuple(request.prompt_token_ids),
+                params=sampling_params_from_proto(request.sampling_params),
+                rope_delta=request.mrope_position_delta,
+                kv_written_proof=signing.kv_written_proof(self._kv_ref_key, request.request_id, nonce),
+            )
+            destination = self._engine.reserve(decode_request, deadline_s)
+            kv_ref = issue_kv_ref(destination, self._kv_ref_key, nonce, expires_unix_ms)
         return decode_pb2.ReserveResponse(kv_ref=kv_ref_to_proto(kv_ref))
 
     @handle_errors
@@ -129,9 +131,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 num_streamed += len(message.token_ids)
                 if is_done:
                     span.set_attribute("finish_reason", common_pb2.FinishReason.Name(message.finish_reason))
+                    num_output = message.usage.num_completion_tokens
+                    span.set_attribute("gen_ai.usage.output_tokens", num_output)
                 yield message
         except StageServeError as exc:
-            span.set_status(Status(StatusCode.ERROR, exc.message))
+            telemetry.mark_error(span, exc)
             raise
         finally:
             if is_admitted and not is_done:  # error, abort, or the caller went away: free the pages

@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
 
 
 async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> int:
-    metrics_port = start_telemetry("prefill", envs, config.host, config.metrics_port)
+    metrics_port = start_telemetry(
+        "prefill", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
+    )
     health = HealthState()
     kv_refs = KvRefVerifier(signing.key_of(auth.token if auth else ""), config.max_kv_ref_nonces)
     servicer = PrefillServicer(config.default_timeout_s, kv_refs)
@@ -109,7 +111,7 @@ async def _wait_encoder_ready(config: PrefillConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    setup_logging(config.log_level)
+    setup_logging("prefill", config.log_level, config.log_format)
     envs = Envs.from_environ()
     auth = internal_credentials_or_exit("prefill", envs, config.internal_token_file, config.allow_unauthenticated)
     try:

@@ -19,6 +19,7 @@ from services.prefill.leader import PrefillLeader
 from services.prefill.request import PrefillInput
 
 SERVICE_NAME = prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name
+_tracer = telemetry.tracer("prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -47,10 +48,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
         """Prefill one prompt, write its KV into ``kv_ref``'s pages; the first token and the proof."""
-        if self.leader is None:
-            raise UnavailableError("prefill worker is still loading its model")
-        kv_ref, prefill_input, images = self._to_domain(request, context)
-        outcome = await self.leader.prefill(prefill_input, images)
+        with telemetry.rpc_span(
+            _tracer, "prefill.request", context.invocation_metadata(), request_id=request.request_id,
+            **{
+                "gen_ai.usage.input_tokens": len(request.token_ids),
+                "prefill.num_images": len(request.images),
+            },
+        ) as span:  # queueing, the images' Encode, the forward and the KV write: all its children
+            if self.leader is None:
+                raise UnavailableError("prefill worker is still loading its model")
+            kv_ref, prefill_input, images = self._to_domain(request, context)
+            outcome = await self.leader.prefill(prefill_input, images)
+            span.set_attribute("prefill.num_cached_image_tokens", outcome.num_cached_image_tokens)
         return prefill_result_to_proto(
             PrefillResult(
                 first_token_id=outcome.first_token_id,
@@ -72,7 +81,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         kv_ref = kv_ref_from_proto(request.kv_ref)
         self._kv_refs.verify(kv_ref, request.request_id)
         carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=telemetry.extract_context(context.invocation_metadata()))
+        propagate.inject(carrier)  # the current span: prefill.request
         prefill_input = PrefillInput(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids),

@@ -206,7 +206,7 @@ class PrefillRankWorker:
                 raise send
             result = send.wait()
         except StageServeError as exc:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            telemetry.mark_error(span, exc)
             logger.warning("KV transfer of %s failed: %s", request.request_id, exc.message)
             return RequestOutcome(request.request_id, token_id, finish_reason, error=exc)
         else:

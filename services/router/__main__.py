@@ -143,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         http_port=args.http_port,
         metrics_port=args.metrics_port,
         log_level=args.log_level.upper(),
+        log_format=args.log_format,
     )
 
 
@@ -186,9 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
     args = build_parser(envs).parse_args(argv)
     cfg = config_from_args(args)
-    setup_logging(cfg.log_level)
+    setup_logging("router", cfg.log_level, cfg.log_format)
     access = access_from_args(args, envs)
-    metrics_port = start_telemetry("router", envs, cfg.host, cfg.metrics_port)
+    metrics_port = start_telemetry(
+        "router", envs, cfg.host, cfg.metrics_port, model_name=cfg.served_model_name
+    )
     asyncio.run(serve(cfg, metrics_port, access))
     return 0
 

@@ -260,5 +260,4 @@ class AdmissionManager:
             self._metrics.admission_wait.observe(ticket.waited_s)
 
     def _publish(self) -> None:
-        self._metrics.admission_running.set(self._num_running)
-        self._metrics.admission_queued.set(self._num_waiting)
+        self._metrics.set_admission(self._num_running, self._num_waiting)

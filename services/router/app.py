@@ -84,7 +84,7 @@ class RouterApp:
         detokenizer_factory = functools.partial(text.detokenizer, skip_special_tokens=True)
         self.pipeline = GenerationPipeline(
             self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens,
-            flow=cfg.flow,
+            flow=cfg.flow, model_name=cfg.served_model_name,
         )
         self.images = images or ImageLoader.from_limits(limits)
         self.api = OpenAIApi(
@@ -116,7 +116,11 @@ class RouterApp:
 
         ``access``: API key, internal token and reflection (default: none of them).
         """
-        return cls(cfg, metrics or RouterMetrics(), TextProcessor.from_dir(cfg.model_dir), images, access)
+        if metrics is None:
+            metrics = RouterMetrics(
+                max_latency_s=cfg.limits.request_timeout_s, max_model_len=cfg.max_context_len
+            )
+        return cls(cfg, metrics, TextProcessor.from_dir(cfg.model_dir), images, access)
 
     def _update_health(self) -> None:
         self.health.set_serving(self.registry.is_ready)
@@ -127,6 +131,7 @@ class RouterApp:
         if http_socket is not None:
             config = uvicorn.Config(
                 self.http_app, lifespan="off", access_log=False, log_level=self.cfg.log_level.lower(),
+                log_config=None,  # uvicorn's loggers go through the service's handler (--log-format)
                 timeout_graceful_shutdown=HTTP_GRACE_S,
             )
             self._http_server = _EmbeddedUvicorn(config)

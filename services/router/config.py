@@ -89,3 +89,4 @@ class RouterConfig:
     http_port: int = 8000
     metrics_port: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json

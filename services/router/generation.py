@@ -21,6 +21,9 @@ finishing the request), decode's Abort is sent in the background (idempotent, fr
 pages). The Abort says ``is_kv_written`` exactly when prefill returned successfully: its
 KV write has landed, so decode frees the pages at once instead of quarantining them
 against a late write.
+
+The producer's ``router.request`` span (a child of the caller's trace context) is the
+parent of every worker's span; it ends with status ERROR when the request fails.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from services.common.types import TokenizedPrompt
 from services.engine.sampler import SamplingParams
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RequestStats, RouterMetrics
 from services.router.output import DetokenizerFactory, OutputAssembler
 from services.router.peers import DecodePeer, TokenizerPeer
 from services.router.placement import KvJob, Placer, Reservation
@@ -71,8 +74,11 @@ class GenerationPipeline:
         metrics: RouterMetrics,
         default_max_tokens: int = 0,
         flow: FlowConfig = FlowConfig(),
+        *,
+        model_name: str,
     ) -> None:
         self._registry = registry
+        self._model_name = model_name  # the served name, on the request's span
         self._detokenizer_factory = detokenizer_factory
         self._max_context_len = max_context_len
         self._default_max_tokens = default_max_tokens
@@ -126,20 +132,32 @@ class GenerationPipeline:
         """Run the request under its deadline; always emits exactly one terminal item."""
         current_request_id.set(request.request_id)
         state = _Terminal(emit)
-        timed = _TimedEmit(state.emit, self._metrics, time.perf_counter())
-        with _tracer.start_as_current_span("router.request", attributes={"request_id": request.request_id}):
+        with _tracer.start_as_current_span(
+            "router.request", attributes=request_attributes(request, self._model_name),
+            record_exception=False, set_status_on_exception=False,
+        ) as span:
+            stats = RequestStats(self._metrics, span, time.perf_counter())
+            timed = _TimedEmit(state.emit, stats, request.max_tokens)
+            error: BaseException | None = None
             try:
                 async with asyncio.timeout(request.timeout_s):
                     await self._run(request, time.time() + request.timeout_s, timed)
             except TimeoutError:
-                state.emit(DeadlineExceededError(
+                error = DeadlineExceededError(
                     f"request {request.request_id} passed its deadline of {request.timeout_s:g} s"
-                ))
+                )
+                state.emit(error)
             except StageServeError as exc:
+                error = exc
                 state.emit(exc)
+            except BaseException as exc:  # recorded on the span; re-raised (logged by _task_done)
+                error = exc
+                raise
             finally:
-                if not state.is_done:  # an unexpected exception (logged by _task_done) or cancellation
+                if not state.is_done:  # an unexpected exception or cancellation
                     state.emit(StageServeError(f"request {request.request_id} failed inside the router"))
+                if error is not None:
+                    telemetry.mark_error(span, error)
 
     async def _run(self, request: GenerationRequest, deadline_s: float, emit: _TimedEmit) -> None:
         prompt = await self._tokenize(request, deadline_s)
@@ -147,7 +165,9 @@ class GenerationPipeline:
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
         job = KvJob(request.request_id, prompt, params, deadline_s)
         with self.admission.ticket(request.request_id) as ticket:
+            place_started = time.perf_counter()
             reservation, result = await self._placer.place(job, ticket)
+            emit.stats.placed(ticket.waited_s, time.perf_counter() - place_started)
             is_decode_done = False
             try:
                 is_decode_done = await self._generate(_Flow(job, output, emit), reservation, result)
@@ -269,23 +289,43 @@ class _Terminal:
 
 
 class _TimedEmit:
-    """Emits deltas and records time to first token and between token messages."""
+    """Emits deltas and records when their tokens arrived (``RequestStats``)."""
 
-    def __init__(self, emit: Emit, metrics: RouterMetrics, started: float) -> None:
+    def __init__(self, emit: Emit, stats: RequestStats, max_tokens: int | None) -> None:
         self._emit = emit
-        self._metrics = metrics
-        self._last: float | None = None
-        self._started = started
+        self.stats = stats
+        self._max_tokens = max_tokens
 
     def __call__(self, delta: GenerationDelta) -> None:
-        now = time.perf_counter()
-        if delta.token_ids:
-            if self._last is None:
-                self._metrics.ttft.observe(now - self._started)
-            else:
-                self._metrics.inter_token.observe(now - self._last)
-            self._last = now
+        self.stats.tokens(len(delta.token_ids), time.perf_counter())
+        if delta.finish_reason is not None:
+            self.stats.finish(delta, self._max_tokens)
         self._emit(delta)
+
+
+def request_attributes(request: GenerationRequest, model_name: str) -> dict[str, Any]:
+    """The ``gen_ai.*`` request attributes of ``router.request`` (OpenTelemetry semconv)."""
+    params = request.params
+    attributes: dict[str, Any] = {
+        "request_id": request.request_id,
+        "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
+        "gen_ai.request.model": model_name,
+        "gen_ai.response.model": model_name,
+        "gen_ai.response.id": request.request_id,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.frequency_penalty": params.frequency_penalty,
+        "gen_ai.request.presence_penalty": params.presence_penalty,
+    }
+    if params.top_k:
+        attributes["gen_ai.request.top_k"] = params.top_k
+    if params.seed is not None:
+        attributes["gen_ai.request.seed"] = params.seed
+    if request.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = request.max_tokens
+    if request.stop:
+        attributes["gen_ai.request.stop_sequences"] = request.stop
+    return attributes
 
 
 def _remaining(deadline_s: float) -> float:

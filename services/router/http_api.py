@@ -51,6 +51,7 @@ from services.router.openai_schema import (
 )
 from services.router.registry import WorkerRegistry
 from services.router.tokenize_api import TokenizeApi
+from services.router.tracing import TraceContextMiddleware
 from services.router.types import GenerationDelta, GenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -340,6 +341,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
         return OpenAIJSONResponse(error_body("internal error in the router", "internal_error"), status_code=500)
 
     app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
+    app.add_middleware(TraceContextMiddleware)  # outermost: the caller's traceparent, before anything
     app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None,
                       responses=_GENERATION_RESPONSES)
     app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None,

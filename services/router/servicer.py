@@ -85,6 +85,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 delta = await anext(deltas)
         except StageServeError as exc:
             outcome = exc.openai_type
+            telemetry.mark_error(span, exc)
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"

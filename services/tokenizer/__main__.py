@@ -76,6 +76,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
         num_workers=args.num_workers,
         max_queued_bytes=args.max_queued_bytes,
         log_level=args.log_level.upper(),
+        log_format=args.log_format,
     )
     return config, args
 
@@ -83,7 +84,9 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
 async def serve(
     config: TokenizerConfig, envs: Envs, auth: Credentials | None, *, enable_reflection: bool = False
 ) -> None:
-    metrics_port = start_telemetry("tokenizer", envs, config.host, config.metrics_port)
+    metrics_port = start_telemetry(
+        "tokenizer", envs, config.host, config.metrics_port, model_name=config.model_dir.resolve().name
+    )
     text = TextProcessor.from_dir(config.model_dir)
     pool = WorkerPool(config.model_dir, config.limits, config.num_workers, config.max_queued_bytes)
     servicer = TokenizerServicer(pool, text, TokenizerMetrics())
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
     try:
         config, args = parse_config(argv, envs)
-        setup_logging(config.log_level)
+        setup_logging("tokenizer", config.log_level, config.log_format)
         auth = internal_credentials_or_exit(
             "tokenizer", envs, args.internal_token_file, args.allow_unauthenticated
         )

@@ -41,3 +41,4 @@ class TokenizerConfig:
     num_workers: int = field(default_factory=default_num_workers)
     max_queued_bytes: int = MAX_QUEUED_BYTES  # encoded jobs waiting or running, all workers together
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json

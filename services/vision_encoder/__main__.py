@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
         p.error("--watchdog-s must be > 0")
     return VisionEncoderConfig(
         model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, device=a.device, dtype=a.dtype,
-        log_level=a.log_level.upper(), transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
+        log_level=a.log_level.upper(), log_format=a.log_format,
+        transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
         transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows, cache_bytes=a.cache_bytes,
         max_batch_images=a.max_batch_images, max_image_bytes=a.max_image_bytes,
         default_timeout_s=a.default_timeout_s, watchdog_s=a.watchdog_s,
@@ -52,7 +53,9 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
 
 
 async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | None) -> None:
-    metrics_port = start_telemetry("vision_encoder", envs, config.host, config.metrics_port)
+    metrics_port = start_telemetry(
+        "vision_encoder", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
+    )
     app = await asyncio.to_thread(build_app, config, VisionEncoderMetrics())
     health = HealthState()
     server, port = create_grpc_server(app, config, health, auth)
@@ -67,7 +70,7 @@ async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | Non
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    setup_logging(config.log_level)
+    setup_logging("vision_encoder", config.log_level, config.log_format)
     envs = Envs.from_environ()
     auth = internal_credentials_or_exit(
         "vision_encoder", envs, config.internal_token_file, config.allow_unauthenticated

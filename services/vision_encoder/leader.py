@@ -163,6 +163,8 @@ class EncoderLeader:
             num_hits = sum(r.is_cache_hit for r in outcome)
             m.cache_hits.inc(num_hits)
             m.cache_misses.inc(len(outcome) - num_hits)
+            m.mm_cache_queries.inc(len(outcome))
+            m.mm_cache_hits.inc(num_hits)
         m.encode_latency.observe(time.monotonic() - pending.arrival)
         try:
             pending.loop.call_soon_threadsafe(_resolve, pending.future, outcome)

@@ -18,6 +18,12 @@ class VisionEncoderMetrics:
         self.cache_misses = telemetry.counter(
             "vision_encoder_cache_misses", "Image spans encoded by the ViT", registry=r
         )
+        self.mm_cache_queries = telemetry.counter(
+            "mm_cache_queries", "Image spans looked up in the embedding cache (vLLM's name)", registry=r
+        )
+        self.mm_cache_hits = telemetry.counter(
+            "mm_cache_hits", "Image spans found in the embedding cache (vLLM's name)", registry=r
+        )
         self.images_encoded = telemetry.counter(
             "vision_encoder_images_encoded", "Distinct images run through the ViT", registry=r
         )

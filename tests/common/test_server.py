@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry import trace
 
 from services.common.auth import Credentials
 from services.common.client import create_channel, wait_ready
@@ -49,6 +50,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     def __init__(self) -> None:
         self.seen_request_ids: list[str] = []
+        self.seen_trace_ids: list[str] = []  # of the current span context in Abort ("" when none)
 
     @handle_errors
     async def Stats(self, request: Any, context: Any) -> decode_pb2.StatsResponse:
@@ -79,6 +81,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
     @handle_errors
     async def Abort(self, request: Any, context: Any) -> decode_pb2.AbortResponse:
         self.seen_request_ids.append(current_request_id.get())
+        span_context = trace.get_current_span().get_span_context()
+        trace_id = trace.format_trace_id(span_context.trace_id) if span_context.is_valid else ""
+        self.seen_trace_ids.append(trace_id)
         return decode_pb2.AbortResponse(is_found=False)
 
 
@@ -290,6 +295,27 @@ async def test_request_id_is_bound_and_forwarded(served: Served) -> None:
     first, second, fresh = served.servicer.seen_request_ids
     assert (first, second) == ("req-1", "req-2")
     assert len(fresh) == 32  # made up by the server when the caller sent none
+
+
+async def test_the_callers_trace_context_is_current_in_the_handler(served: Served) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    metadata = (("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),)
+    await served.decode.Abort(decode_pb2.AbortRequest(), metadata=metadata, timeout=TIMEOUT_S)
+    await served.decode.Abort(decode_pb2.AbortRequest(), timeout=TIMEOUT_S)
+    assert served.servicer.seen_trace_ids == [trace_id, ""]  # so the handler's log lines carry it
+
+
+def test_rpc_metrics_are_exported_to_prometheus() -> None:
+    from prometheus_client import REGISTRY
+
+    labels = {"grpc_service": "stageserve.v1.Test", "grpc_method": "Ping"}
+    before = REGISTRY.get_sample_value("stageserve_grpc_server_handling_seconds_count", labels) or 0.0
+    RpcMetrics().record("/stageserve.v1.Test/Ping", "DEADLINE_EXCEEDED", 0.5)
+    handled = REGISTRY.get_sample_value(
+        "stageserve_grpc_server_handled_total", {**labels, "grpc_code": "DEADLINE_EXCEEDED"}
+    )
+    assert handled is not None and handled >= 1
+    assert REGISTRY.get_sample_value("stageserve_grpc_server_handling_seconds_count", labels) == before + 1
 
 
 async def test_graceful_shutdown_order(served: Served) -> None:

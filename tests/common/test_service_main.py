@@ -79,3 +79,40 @@ def test_a_service_without_a_token_refuses_to_start(service: str) -> None:
     assert result.returncode != 0
     assert "READY" not in result.stdout
     assert result.stderr.strip().splitlines() == [f"{service}: error: {NO_TOKEN_MESSAGE}"], result.stderr
+
+
+def test_every_service_takes_log_format_from_the_flag_or_stageserve_log_format(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.decode.config import parse_config as decode_config
+    from services.prefill.__main__ import parse_args as prefill_config
+    from services.router.__main__ import build_parser as router_parser
+    from services.router.__main__ import config_from_args as router_config
+    from services.tokenizer.__main__ import parse_config as tokenizer_config
+    from services.vision_encoder.__main__ import parse_args as vision_encoder_config
+
+    monkeypatch.setenv("STAGESERVE_LOG_FORMAT", "json")
+    envs = Envs.from_environ()
+    configs = [decode_config([]), prefill_config([]), vision_encoder_config([]), tokenizer_config([], envs)[0],
+               router_config(router_parser(envs).parse_args([]))]
+    assert [c.log_format for c in configs] == ["json"] * 5
+    flag = ["--log-format", "text"]
+    configs = [decode_config(flag), prefill_config(flag), vision_encoder_config(flag),
+               tokenizer_config(flag, envs)[0], router_config(router_parser(envs).parse_args(flag))]
+    assert [c.log_format for c in configs] == ["text"] * 5
+    with pytest.raises(SystemExit):
+        decode_config(["--log-format", "xml"])
+
+
+@pytest.mark.slow
+def test_a_service_refuses_an_otel_setting_it_cannot_honour() -> None:
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+    result = subprocess.run(
+        [sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
+         "--num-workers", "0"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0 and "READY" not in result.stdout
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "tokenizer: error: OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'http/json'"
+    ), result.stderr

@@ -196,18 +196,21 @@ async def test_watchdog_flags_a_stuck_loop(make_decode: MakeDecode) -> None:
     await harness.wait_for(harness.engine.is_healthy)
 
 
-async def test_generate_span_continues_the_callers_trace(make_decode: MakeDecode) -> None:
+async def test_reserve_and_generate_spans_continue_the_callers_trace(make_decode: MakeDecode) -> None:
     exporter = InMemorySpanExporter()
     sdk_provider().add_span_processor(SimpleSpanProcessor(exporter))
     harness = await make_decode()
     with trace.get_tracer("test").start_as_current_span("router.request") as parent:
         await harness.run("traced", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=5))
     exporter.shutdown()
-    (span,) = [s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "traced"]
-    assert span.name == "decode.generate"
-    assert span.context.trace_id == parent.get_span_context().trace_id
-    assert span.parent.span_id == parent.get_span_context().span_id
-    assert span.attributes["num_streamed_tokens"] == 4
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "traced"}
+    assert sorted(spans) == ["decode.generate", "decode.reserve"]
+    for span in spans.values():
+        assert span.context.trace_id == parent.get_span_context().trace_id
+        assert span.parent.span_id == parent.get_span_context().span_id
+    assert spans["decode.generate"].attributes["num_streamed_tokens"] == 4
+    assert spans["decode.generate"].attributes["gen_ai.usage.output_tokens"] == 5
+    assert spans["decode.reserve"].attributes["gen_ai.usage.input_tokens"] == 5
 
 
 async def test_metrics_count_outcomes_tokens_and_pages(make_decode: MakeDecode) -> None:

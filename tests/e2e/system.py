@@ -108,12 +108,15 @@ class System:
         return self.process.wait(timeout=timeout_s)
 
 
-def start_system(workdir: Path, *extra_args: str) -> System:
+def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = None) -> System:
+    """``stageserve up`` in ``workdir``; ``env``: the launcher's environment (default: this process's)."""
     port = free_port()
     state_file = workdir / "state.json"
     cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--state-file", str(state_file),
            "--log-dir", str(workdir / "logs"), *extra_args]
-    process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     system = System(process, port, workdir)
     up = threading.Event()
 

@@ -203,9 +203,12 @@ async def test_forward_and_transfer_spans_continue_the_callers_trace(pipeline, h
         await harness.prefill(case)
     exporter.shutdown()
     spans = {s.name: s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "one-image"}
+    request = spans["prefill.request"]  # the call's span, queueing included: the stages are its children
+    assert request.parent.span_id == parent.get_span_context().span_id
+    assert request.attributes["gen_ai.usage.input_tokens"] == len(case.prompt.token_ids)
     for name in ("prefill.forward", "kv.transfer"):
         assert spans[name].context.trace_id == parent.get_span_context().trace_id, name
-        assert spans[name].parent.span_id == parent.get_span_context().span_id, name
+        assert spans[name].parent.span_id == request.context.span_id, name
     assert spans["kv.transfer"].attributes["kv.num_bytes"] > 0
 
 

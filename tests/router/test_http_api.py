@@ -159,8 +159,8 @@ async def test_models_health_metrics(http, router, cluster):
     assert (await http.get("/metrics")).status_code == 404  # served on --metrics-port only
     metrics = router.metrics.render().decode()
     assert 'stageserve_router_requests_total{endpoint="/v1/chat/completions",outcome="ok"} 1.0' in metrics
-    for name in ("router_time_to_first_token_seconds", "router_inter_token_latency_seconds",
-                 "router_e2e_latency_seconds", "router_requests_in_flight", "router_worker_ready"):
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "router_requests_in_flight", "router_worker_ready"):
         assert f"stageserve_{name}" in metrics
 
 
