@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 
+from services.common.envs import Envs
 from services.common.errors import CapacityError, UnavailableError
 from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
 from services.common.ranks.errors import RankStartError, StepFailedError
@@ -70,6 +71,7 @@ def config(devices: tuple[str, ...], **overrides) -> RankGroupConfig:
         leader_timeout_s=10.0,
         restart_backoff_s=0.1,
         stop_grace_s=3.0,
+        internal_token=Envs.from_environ().internal_token,  # what the spawned ranks inherit
     )
     settings.update(overrides)
     return RankGroupConfig(**settings)
@@ -330,12 +332,14 @@ async def test_cuda_ranks_bind_their_device_and_all_reduce_over_nccl(num_gpus: i
 
 LEADER = """
 import asyncio
+from services.common.envs import Envs
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from tests.common.test_ranks_steps import TARGET, EchoInit, EchoResult
 
 async def main():
-    config = RankGroupConfig(devices=("cpu", "cpu"), start_timeout_s=300)
+    token = Envs.from_environ().internal_token
+    config = RankGroupConfig(devices=("cpu", "cpu"), start_timeout_s=300, internal_token=token)
     group = RankGroup(config, StepSpec(TARGET, EchoResult, EchoInit(warmup_sleep_s=300)))
     starting = asyncio.ensure_future(group.start())
     while not group.rank_pids:
