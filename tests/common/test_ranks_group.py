@@ -199,6 +199,22 @@ async def test_a_sigkilled_rank_fails_the_step_unavailable_and_the_group_reforms
         assert not set(r.pid for r in results) & set(old_pids)  # new processes
 
 
+async def test_the_caller_of_a_failed_step_hears_only_once_every_rank_is_gone() -> None:
+    """Rank 0 is still inside the step (it could be writing into a peer's memory) when rank 1
+    dies: by the time the caller's future fails, rank 0 is killed and reaped too."""
+    async with running(("cpu", "cpu")) as run:
+        pids = run.group.rank_pids
+        alive_when_failed: list[list[int]] = []
+        future = run.group.submit(EchoPayload(value=1, kill_on_rank=1, sleep_s=5.0))
+        # Runs in the thread that fails the future, at that very moment.
+        future.add_done_callback(
+            lambda _: alive_when_failed.append([p for p in pids if not is_gone(p)])
+        )
+        with pytest.raises(UnavailableError, match="rank 1"):
+            await asyncio.wrap_future(future)
+        assert alive_when_failed == [[]]
+
+
 async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_killed() -> None:
     async with running(("cpu", "cpu"), step_timeout_s=2.0, watchdog_s=0.5) as run:
         stopped_pid = run.group.rank_pids[1]

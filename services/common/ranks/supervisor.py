@@ -364,7 +364,7 @@ class Supervisor:
         self._schedule_restart(reason)
 
     def _fail_stop(self, reason: str) -> None:
-        """Readiness off, the step's caller failed, the generation killed, a re-form scheduled."""
+        """Readiness off, the generation killed, then the step's caller failed; a re-form scheduled."""
         inflight = self._steps.inflight
         exited = self._gen.exit_cause(inflight.step if inflight else None) if self._gen else None
         reason = exited or reason  # a rank that exited is the likeliest cause: name it
@@ -373,8 +373,10 @@ class Supervisor:
         self.state, self._last_error = GroupState.BACKOFF, reason  # not ready before anyone hears
         if was_ready:
             self._notify_ready(False)
-        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
+        # Every rank is dead and reaped before the caller hears: no write of the step (rows into a
+        # peer's memory) can land after the caller has released that memory.
         self._end_generation()
+        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
         self._schedule_restart(reason)
 
     def _end_generation(self, grace_s: float = 0.0) -> None:
@@ -421,10 +423,10 @@ class Supervisor:
         self.state = GroupState.STOPPED
         stopped = UnavailableError(f"{self.config.name}: the rank group is stopped")
         self._handover.close(stopped)
-        self._steps.fail(stopped)
-        if self._channel is not None:
+        if self._channel is not None:  # the ranks end before the step's caller hears (_fail_stop)
             self._end_generation(self.config.stop_grace_s)
             self._channel.close()
+        self._steps.fail(stopped)
         if was_ready:
             self._notify_ready(False)
         if not self.started.done():
