@@ -1,4 +1,4 @@
-"""The encoder's embedding cache: image embedding rows keyed by content hash, LRU under a byte budget."""
+"""A rank's embedding cache: image embedding rows keyed by content hash, LRU under a byte budget."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class EmbeddingCacheManager:
 
     Thread-safe. ``lookup`` counts hits and misses and refreshes recency; ``contains``
     (for manifests) does neither. An entry larger than the whole budget is not cached.
+    Every eviction is logged until ``take_evicted`` hands the log over (the rank reports it
+    to the leader's ledger); ``clear`` logs nothing.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -31,6 +33,7 @@ class EmbeddingCacheManager:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
         self._num_bytes = 0
+        self._evicted: list[str] = []
         self.num_hits = 0
         self.num_misses = 0
         self.num_evictions = 0
@@ -67,8 +70,11 @@ class EmbeddingCacheManager:
         """True when an entry of ``num_bytes`` fits the budget (after evicting others if needed)."""
         return num_bytes <= self.budget_bytes
 
-    def insert(self, content_hash: str, rows: torch.Tensor, grid_thw: tuple[int, int, int] = (0, 0, 0)) -> bool:
-        """Cache ``rows`` (a private copy when they share storage) under ``content_hash``; False when too large."""
+    def insert(
+        self, content_hash: str, rows: torch.Tensor, grid_thw: tuple[int, int, int] = (0, 0, 0)
+    ) -> bool:
+        """Cache ``rows`` (a private copy when they share storage) under ``content_hash``;
+        False when they are larger than the whole budget."""
         rows = rows if _owns_storage(rows) else rows.clone()
         entry = CacheEntry(rows, tuple(grid_thw))
         if not self.can_insert(entry.num_bytes):
@@ -78,12 +84,19 @@ class EmbeddingCacheManager:
             if old is not None:
                 self._num_bytes -= old.num_bytes
             while self._num_bytes + entry.num_bytes > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted_hash, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= evicted.num_bytes
+                self._evicted.append(evicted_hash)
                 self.num_evictions += 1
             self._entries[content_hash] = entry
             self._num_bytes += entry.num_bytes
         return True
+
+    def take_evicted(self) -> list[str]:
+        """The hashes evicted since the last call, oldest first."""
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
 
     def clear(self) -> None:
         with self._lock:

@@ -57,3 +57,14 @@ def test_reinserting_a_key_replaces_it() -> None:
     cache.insert("k", rows(2, 1.0))
     cache.insert("k", rows(3, 2.0))
     assert cache.num_entries == 1 and cache.num_bytes == 48
+
+
+def test_evictions_are_logged_until_taken_and_clear_logs_none() -> None:
+    cache = EmbeddingCacheManager(budget_bytes=2 * 64)
+    for name in "abc":
+        cache.insert(name, rows(4))
+    cache.insert("d", rows(8))  # needs the whole budget: b and c go
+    assert cache.take_evicted() == ["a", "b", "c"]
+    assert cache.take_evicted() == []
+    cache.clear()  # behind the ledger's back: the rank reports it as missing hits instead
+    assert cache.take_evicted() == [] and cache.num_entries == 0
