@@ -68,6 +68,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP port")
     p.add_argument("--device", default="cpu", help="where the models run (each of the next three overrides it)")
     p.add_argument("--encoder-device", default=None, help="the vision encoder's device (default: --device)")
+    p.add_argument("--encoder-ranks", type=int, default=None,
+                   help="the vision encoder's rank processes, all on its device (default: 1)")
     p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
     p.add_argument("--decode-device", default=None, help="decode's device, e.g. cuda:1 (default: --device)")
     p.add_argument("--dtype", default=None)
@@ -108,7 +110,8 @@ def _run_up(args: argparse.Namespace) -> int:
 
     cfg = LaunchConfig(
         model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
-        encoder_device=args.encoder_device, prefill_device=args.prefill_device, decode_device=args.decode_device,
+        encoder_device=args.encoder_device, encoder_ranks=args.encoder_ranks,
+        prefill_device=args.prefill_device, decode_device=args.decode_device,
         dtype=args.dtype, transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
         attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
         stall_timeout_s=args.stall_timeout_s, kv_quarantine_s=args.kv_quarantine_s,
@@ -118,6 +121,8 @@ def _run_up(args: argparse.Namespace) -> int:
         ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
     )
     try:  # fail here, not as a service that exits before READY
+        if args.encoder_ranks is not None and args.encoder_ranks < 1:
+            raise ValueError(f"--encoder-ranks must be >= 1, got {args.encoder_ranks}")
         check_embedding_backend(args.transfer_backend)
         for name in ("prefill", "decode"):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))

@@ -57,6 +57,7 @@ class LaunchConfig:
     device: str = "cpu"
     # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
     encoder_device: str | None = None
+    encoder_ranks: int | None = None  # the vision encoder's rank processes (--ranks; None: its default, 1)
     prefill_device: str | None = None
     decode_device: str | None = None
     dtype: str | None = None
@@ -222,7 +223,7 @@ class Launcher:
         kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
         pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
         tokenizer = self.start(ChildSpec("tokenizer"))
-        encoder = self.start(ChildSpec("vision_encoder", transfer))
+        encoder = self.start(ChildSpec("vision_encoder", (*transfer, *optional_arg("--ranks", cfg.encoder_ranks))))
         decode = self.start(ChildSpec("decode", (
             *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages,
             *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),

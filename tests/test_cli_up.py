@@ -294,3 +294,16 @@ def test_a_restart_gets_the_same_command_ports_and_environment(tmp_path, monkeyp
     assert cmds[0][:cmds[0].index("--port")] == cmds[1][:cmds[1].index("--port")]
     assert popens[0]["env"] is popens[1]["env"] is launcher.env
     assert all(p["stderr"].closed for p in popens)  # the launcher keeps no log file open per restart
+
+
+def test_encoder_ranks_reach_the_vision_encoder_only_when_given(monkeypatch, capsys) -> None:
+    configs: list[LaunchConfig] = []
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
+    assert main(["up", "--encoder-ranks", "2"]) == 0
+    assert configs[0].encoder_ranks == 2
+    args = service_args(configs[0], monkeypatch)
+    assert args["vision_encoder"] == ["--transfer-backend", "shm", "--ranks", "2"]
+    assert [n for n, a in args.items() if "--ranks" in a] == ["vision_encoder"]
+    assert "--ranks" not in service_args(LaunchConfig(Path("m")), monkeypatch)["vision_encoder"]
+    assert main(["up", "--encoder-ranks", "0"]) == 2
+    assert "--encoder-ranks must be >= 1" in capsys.readouterr().err
