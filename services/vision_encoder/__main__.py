@@ -1,4 +1,4 @@
-"""``python -m services.vision_encoder``: the vision encoder service (a leader and W rank processes)."""
+"""``python -m services.vision_encoder``: the vision encoder (a leader and W rank processes)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.vision_encoder", description=__doc__)
     add_common_args(p)
     p.add_argument("--devices", default=None, metavar="DEV,DEV,...",
-                   help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)")
+                   help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on "
+                        "--device)")
     p.add_argument("--ranks", type=int, default=None,
-                   help="rank processes, each on --device (default 1; with --devices: their number)")
-    p.add_argument("--transfer-backend", default="mooncake", choices=TRANSFER_BACKENDS)
-    p.add_argument("--transfer-host", default="127.0.0.1",
-                   help="address each rank's transfer engine advertises to peers (Mooncake; it "
-                        "listens on every interface)")
-    p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
-    p.add_argument("--staging-rows", type=int, default=8192,
-                   help="rows of each rank's registered send staging buffer (Mooncake)")
+                   help="rank processes, each on --device (default 1; with --devices: how many "
+                        "there are)")
     p.add_argument("--cache-bytes", type=int, default=256 * 1024 * 1024,
                    help="embedding cache budget of each rank, bytes (W ranks hold W times this)")
     p.add_argument("--max-batch-images", type=int, default=32,
@@ -53,7 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-s", type=float, default=30.0,
                    help="health turns NOT_SERVING when encodes wait but no batch starts or ends "
                         "for this long")
+    _add_transfer_args(p)
     return p
+
+
+def _add_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transfer-backend", default="mooncake", choices=TRANSFER_BACKENDS)
+    p.add_argument("--transfer-host", default="127.0.0.1",
+                   help="address each rank's transfer engine advertises to peers (Mooncake; it "
+                        "listens on every interface)")
+    p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
+    p.add_argument("--staging-rows", type=int, default=8192,
+                   help="rows of each rank's registered send staging buffer (Mooncake)")
 
 
 def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
@@ -61,16 +67,27 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
     a = p.parse_args(argv)
     try:
         config = VisionEncoderConfig(
-            model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, device=a.device,
-            dtype=a.dtype, log_level=a.log_level.upper(),
+            model=a.model,
+            host=a.host,
+            port=a.port,
+            metrics_port=a.metrics_port,
+            device=a.device,
+            dtype=a.dtype,
+            log_level=a.log_level.upper(),
             devices=rank_devices(a.devices, a.ranks, a.device),
-            transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
-            transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows,
-            cache_bytes=a.cache_bytes, max_batch_images=a.max_batch_images,
-            max_image_bytes=a.max_image_bytes, default_timeout_s=a.default_timeout_s,
-            step_timeout_s=a.step_timeout_s, watchdog_s=a.watchdog_s,
+            transfer_backend=a.transfer_backend,
+            transfer_host=a.transfer_host,
+            transfer_protocol=a.transfer_protocol,
+            staging_rows=a.staging_rows,
+            cache_bytes=a.cache_bytes,
+            max_batch_images=a.max_batch_images,
+            max_image_bytes=a.max_image_bytes,
+            default_timeout_s=a.default_timeout_s,
+            step_timeout_s=a.step_timeout_s,
+            watchdog_s=a.watchdog_s,
             internal_token_file=a.internal_token_file,
-            allow_unauthenticated=a.allow_unauthenticated, enable_reflection=a.enable_reflection,
+            allow_unauthenticated=a.allow_unauthenticated,
+            enable_reflection=a.enable_reflection,
         )
         rank_group_config(config, Envs())  # the devices, checked before anything starts
     except ValueError as exc:
@@ -90,8 +107,13 @@ async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | Non
         await server.stop(None)
         raise
     devices = ",".join(config.devices)
-    logger.info("serving on %s:%d (ranks on %s, transfer %s)", config.host, port, devices,
-                config.transfer_backend)
+    logger.info(
+        "serving on %s:%d (ranks on %s, transfer %s)",
+        config.host,
+        port,
+        devices,
+        config.transfer_backend,
+    )
     print_ready("vision_encoder", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, app.close)
 

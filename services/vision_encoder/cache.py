@@ -20,7 +20,7 @@ class CacheEntry:
 
 
 class EmbeddingCacheManager:
-    """Single owner of cached embeddings; evicts least-recently-used entries to stay within ``budget_bytes``.
+    """Single owner of cached embeddings; evicts the least recently used to fit ``budget_bytes``.
 
     Thread-safe. ``lookup`` counts hits and misses and refreshes recency; ``contains``
     (for manifests) does neither. An entry larger than the whole budget is not cached.
@@ -105,4 +105,7 @@ class EmbeddingCacheManager:
 
 
 def _owns_storage(rows: torch.Tensor) -> bool:
-    return rows.is_contiguous() and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+    return (
+        rows.is_contiguous()
+        and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+    )

@@ -1,4 +1,4 @@
-"""One Encode call inside the service (``EncodeJob``), and the checks it passes before it is queued."""
+"""One Encode call inside the service (``EncodeJob``), and the checks it passes before queueing."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ class EncodeJob(msgspec.Struct, frozen=True):
     spans: tuple[EncodeSpanInput, ...]  # prompt order
     destinations: tuple[EmbeddingDestination, ...]  # one per prefill rank; each gets every row
     deadline: float  # time.monotonic() seconds
-    num_replans: int = 0  # times it was planned again after a rank's cache disagreed with the ledger
+    num_replans: int = (
+        0  # times it was planned again after a rank's cache disagreed with the ledger
+    )
 
     @property
     def num_rows(self) -> int:

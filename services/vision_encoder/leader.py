@@ -118,7 +118,9 @@ class EncoderLeader:
                 self.metrics.queue_depth.set(self.scheduler.num_waiting)
                 self.progress.tick()
                 for job in batch.expired:
-                    error = DeadlineExceededError(f"encode of {job.request_id} waited past its deadline")
+                    error = DeadlineExceededError(
+                        f"encode of {job.request_id} waited past its deadline"
+                    )
                     self._finish(job, error)
                 if batch.jobs:
                     await self._run_batch(batch)
@@ -178,4 +180,3 @@ class EncoderLeader:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-

@@ -11,72 +11,60 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from services.common import telemetry
 from services.vision_encoder.rank_messages import EncodeStepResult
 
+_PREFIX = "vision_encoder_"
+RANK = ("rank",)
+
 
 class VisionEncoderMetrics:
     """One set per process (``REGISTRY``); tests pass their own registry."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        r = registry
-        rank = ["rank"]
-        self.cache_hits = telemetry.counter(
-            "vision_encoder_cache_hits",
-            "Image spans whose rows needed no ViT forward of their own",
-            registry=r,
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()):
+            return telemetry.counter(_PREFIX + name, doc, labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()):
+            return telemetry.gauge(_PREFIX + name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str):
+            return telemetry.histogram(_PREFIX + name, doc, registry=registry)
+
+        # calls, on the leader
+        self.requests = counter(
+            "requests", "Encode calls by outcome (ok or the error class)", ("outcome",)
         )
-        self.cache_misses = telemetry.counter(
-            "vision_encoder_cache_misses", "Image spans encoded by the ViT", registry=r
+        self.cache_hits = counter(
+            "cache_hits", "Image spans whose rows needed no ViT forward of their own"
         )
-        self.images_encoded = telemetry.counter(
-            "vision_encoder_images_encoded", "Distinct images run through the ViT", rank, registry=r
+        self.cache_misses = counter("cache_misses", "Image spans encoded by the ViT")
+        self.queue_depth = gauge("queue_depth", "Encode calls waiting for a batch")
+        self.stalled = gauge(
+            "stalled",
+            "1 while the batch loop is stuck (calls waiting, no batch for --watchdog-s) or dead",
         )
-        self.vit_forwards = telemetry.counter(
-            "vision_encoder_vit_forwards", "ViT forward calls (one per rank per batch)", rank, registry=r
+        self.encode_latency = histogram(
+            "encode_seconds", "Encode call latency, arrival to rows written"
         )
-        self.cache_bytes = telemetry.gauge(
-            "vision_encoder_cache_bytes", "Bytes held by the rank's embedding cache", rank, registry=r
+        # each rank's share of the steps
+        self.images_encoded = counter("images_encoded", "Distinct images run through the ViT", RANK)
+        self.vit_forwards = counter(
+            "vit_forwards", "ViT forward calls (one per rank per batch)", RANK
         )
-        self.cache_entries = telemetry.gauge(
-            "vision_encoder_cache_entries", "Images in the rank's embedding cache", rank, registry=r
+        self.cache_bytes = gauge("cache_bytes", "Bytes held by the rank's embedding cache", RANK)
+        self.cache_entries = gauge("cache_entries", "Images in the rank's embedding cache", RANK)
+        self.cache_evictions = counter(
+            "cache_evictions", "Cache entries evicted to stay within the rank's byte budget", RANK
         )
-        self.cache_evictions = telemetry.counter(
-            "vision_encoder_cache_evictions",
-            "Cache entries evicted to stay within the rank's byte budget",
-            rank,
-            registry=r,
+        self.ledger_misses = counter(
+            "ledger_misses",
+            "Planned cache hits the owner did not hold (the call was planned again)",
+            RANK,
         )
-        self.ledger_misses = telemetry.counter(
-            "vision_encoder_ledger_misses",
-            "Planned cache hits the owner rank did not hold (its call was planned again)",
-            rank,
-            registry=r,
+        self.preprocess_latency = histogram(
+            "preprocess_seconds", "Decoding and pixel preparation of one rank's encodes in a batch"
         )
-        self.requests = telemetry.counter(
-            "vision_encoder_requests",
-            "Encode calls by outcome (ok or the error class)",
-            ["outcome"],
-            registry=r,
-        )
-        self.stalled = telemetry.gauge(
-            "vision_encoder_stalled",
-            "1 while the batch loop is stuck (encodes waiting, no batch for --watchdog-s) or dead",
-            registry=r,
-        )
-        self.queue_depth = telemetry.gauge(
-            "vision_encoder_queue_depth", "Encode calls waiting for a batch", registry=r
-        )
-        self.encode_latency = telemetry.histogram(
-            "vision_encoder_encode_seconds", "Encode call latency, arrival to rows written", registry=r
-        )
-        self.preprocess_latency = telemetry.histogram(
-            "vision_encoder_preprocess_seconds",
-            "Decoding and pixel preparation of one rank's encodes in a batch",
-            registry=r,
-        )
-        self.vit_latency = telemetry.histogram(
-            "vision_encoder_vit_seconds", "ViT forward latency of one rank's batch", registry=r
-        )
-        self.transfer_bytes = telemetry.counter(
-            "vision_encoder_transfer_bytes", "Embedding bytes written to prefill buffers", registry=r
+        self.vit_latency = histogram("vit_seconds", "ViT forward latency of one rank's batch")
+        self.transfer_bytes = counter(
+            "transfer_bytes", "Embedding bytes written to prefill buffers"
         )
 
     def record_step(self, result: EncodeStepResult) -> None:

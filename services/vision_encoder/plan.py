@@ -91,13 +91,15 @@ class CacheLedger:
 
 
 def make_plan(content_hashes: Sequence[str], ledger: CacheLedger) -> EncodePlan:
-    """Each span's owner, and LOCAL_HIT where the ledger says the owner holds it, else OWNER_ENCODE."""
+    """Each span's owner; LOCAL_HIT where the ledger says the owner holds it, else OWNER_ENCODE."""
     spans = []
     for content_hash in content_hashes:
         owner = owner_rank(content_hash, ledger.world_size)
         is_hit = ledger.holds(owner, content_hash)
         spans.append(
-            SpanPlan(content_hash, owner, SpanAction.LOCAL_HIT if is_hit else SpanAction.OWNER_ENCODE)
+            SpanPlan(
+                content_hash, owner, SpanAction.LOCAL_HIT if is_hit else SpanAction.OWNER_ENCODE
+            )
         )
     return EncodePlan(ledger.world_size, tuple(spans))
 

@@ -89,7 +89,9 @@ class EncoderWorker:
                 num_bytes += self._send(job, step.rows, received_mono + job.timeout_s)
             except StageServeError as exc:
                 step.fail(job, exc)
-        held = dict.fromkeys(s.content_hash for _, s in owned if self.cache.contains(s.content_hash))
+        held = dict.fromkeys(
+            s.content_hash for _, s in owned if self.cache.contains(s.content_hash)
+        )
         manifest = RankManifest(tuple(held), tuple(self.cache.take_evicted()), tuple(step.missing))
         return EncodeStepResult(
             rank=self.rank,
@@ -109,7 +111,9 @@ class EncoderWorker:
         buf = io.BytesIO()
         Image.new("RGB", (56, 56), (127, 127, 127)).save(buf, format="PNG")
         image = decode_image(buf.getvalue(), self.max_image_bytes)
-        self._vit(prepare_pixels(self.processor, [image], self.device), [self.processor.grid_for(image)])
+        self._vit(
+            prepare_pixels(self.processor, [image], self.device), [self.processor.grid_for(image)]
+        )
 
     def _take_hits(self, owned: list[Owned], step: _Step) -> None:
         for job, span in owned:

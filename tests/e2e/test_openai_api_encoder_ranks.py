@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import image_bytes
 from tests.e2e.system import pid_alive, start_system
-from tests.e2e.test_openai_api import *  # noqa: F403 (the same tests, collected against this module's system)
+from tests.e2e.test_openai_api import *  # noqa: F403 (the same tests, run on this module's system)
 from tests.e2e.test_openai_api import chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024", "--encoder-ranks", "2")
+    system = start_system(
+        tmp_path_factory.mktemp("system"), "--num-pages", "1024", "--encoder-ranks", "2"
+    )
     yield system
     assert system.stop() == 0
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]
@@ -47,16 +49,28 @@ def test_y_a_jpeg_cut_in_its_pixel_data_is_a_400(system, model_name) -> None:
     url = "data:image/jpeg;base64," + base64.b64encode(cut).decode()
     body = {
         "model": model_name,
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"},
-        ]}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "what is it?"},
+                ],
+            }
+        ],
         "max_tokens": 4,
     }
     response = httpx.post(f"{system.base_url}/chat/completions", json=body, timeout=120)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "truncated or corrupt" in error["message"]
-    reply = httpx.post(f"{system.base_url}/chat/completions", json={
-        "model": model_name, "messages": chat("still there?", [image_bytes(64, 64, seed=4243)]), "max_tokens": 4,
-    }, timeout=120)
+    reply = httpx.post(
+        f"{system.base_url}/chat/completions",
+        json={
+            "model": model_name,
+            "messages": chat("still there?", [image_bytes(64, 64, seed=4243)]),
+            "max_tokens": 4,
+        },
+        timeout=120,
+    )
     assert reply.status_code == 200, reply.text

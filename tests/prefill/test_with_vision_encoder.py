@@ -47,20 +47,28 @@ async def start_prefill(language_model, encoder_address: str) -> Harness:
     kv_fabric = InProcessFabric()
     config = prefill_config(transfer_backend="shm", kv_transfer_backend="inprocess")
     app = PrefillApp.build(
-        config, encoder=VisionEncoderClient(encoder_address), model=language_model,
-        kv_sender=InProcessKVSender(kv_fabric), embedding_receiver=ShmEmbeddingReceiver(),
+        config,
+        encoder=VisionEncoderClient(encoder_address),
+        model=language_model,
+        kv_sender=InProcessKVSender(kv_fabric),
+        embedding_receiver=ShmEmbeddingReceiver(),
     )
     await app.start()
-    servicer = PrefillServicer(config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces))
+    servicer = PrefillServicer(
+        config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces)
+    )
     servicer.attach(app.leader)
     health = HealthState()
     server, port = create_server(
-        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], service_names=[SERVICE_NAME], health=health,
+        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+        service_names=[SERVICE_NAME],
+        health=health,
     )
     await server.start()
     health.set_serving(True)
     decode = DecodePool(language_model.config, kv_fabric)
-    return Harness(app, PrefillClient(f"127.0.0.1:{port}"), None, decode, health, [server])  # type: ignore[arg-type]
+    client = PrefillClient(f"127.0.0.1:{port}")
+    return Harness(app, client, None, decode, health, [server])  # type: ignore[arg-type]
 
 
 def rows_used() -> float:
@@ -90,7 +98,9 @@ async def test_real_encoder_rows_cache_hits_and_a_killed_rank(pipeline, language
             pids = encoder.app.group.rank_pids
             await encoder.on_loop(encoder.app.group.step(Delay(rank=1, seconds=30.0)))
             call = asyncio.ensure_future(harness.prefill(killed))
-            await wait_until(lambda: encoder.app.leader.num_pending == 1 and rows_used() > start_rows)
+            await wait_until(
+                lambda: encoder.app.leader.num_pending == 1 and rows_used() > start_rows
+            )
             await asyncio.sleep(0.3)  # rank 0 wrote its rows into prefill's buffer; rank 1 sleeps
             os.kill(pids[1], signal.SIGKILL)
             with pytest.raises(UnavailableError, match="rank 1"):

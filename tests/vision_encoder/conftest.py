@@ -54,9 +54,13 @@ def image_processor() -> ImageProcessor:
     return ImageProcessor.from_dir(TINY_MODEL_DIR)
 
 
-def span_input(processor: ImageProcessor, data: bytes, dest_row: int, offset: int = 0) -> EncodeSpanInput:
+def span_input(
+    processor: ImageProcessor, data: bytes, dest_row: int, offset: int = 0
+) -> EncodeSpanInput:
     grid = processor.grid_for(decode_image(data, 1 << 30))
-    span = ImageSpanRef(offset, processor.num_image_tokens(grid), hashlib.sha256(data).hexdigest(), grid)
+    span = ImageSpanRef(
+        offset, processor.num_image_tokens(grid), hashlib.sha256(data).hexdigest(), grid
+    )
     return EncodeSpanInput(span, data, dest_row)
 
 
@@ -169,7 +173,9 @@ class ServedEncoder:
         self.prefills.append(prefill)
         return prefill
 
-    async def encode(self, request_id: str, spans, destination, timeout_s: float = CALL_TIMEOUT_S) -> list[SpanResult]:
+    async def encode(
+        self, request_id: str, spans, destination, timeout_s: float = CALL_TIMEOUT_S
+    ) -> list[SpanResult]:
         client = VisionEncoderClient(self.address)
         try:
             return await client.encode(request_id, spans, destination, timeout_s)
@@ -195,7 +201,9 @@ class ServedEncoder:
 
 
 async def _start(config: VisionEncoderConfig, registry: CollectorRegistry, step_target: str):
-    app = build_app(config, VisionEncoderMetrics(registry), Envs.from_environ(), step_target=step_target)
+    app = build_app(
+        config, VisionEncoderMetrics(registry), Envs.from_environ(), step_target=step_target
+    )
     health = HealthState()
     server, port = create_grpc_server(app, config, health)
     await server.start()
@@ -208,10 +216,14 @@ async def _start(config: VisionEncoderConfig, registry: CollectorRegistry, step_
 
 
 @contextlib.contextmanager
-def serve_encoder(num_ranks: int = 1, *, step_target: str = HOOKED_STEP, **overrides) -> Iterator[ServedEncoder]:
+def serve_encoder(
+    num_ranks: int = 1, *, step_target: str = HOOKED_STEP, **overrides
+) -> Iterator[ServedEncoder]:
     """An encoder with ``num_ranks`` CPU rank processes; every rank is gone after it."""
     config = replace(
-        VisionEncoderConfig(model=TINY_MODEL_DIR, transfer_backend="shm", devices=("cpu",) * num_ranks),
+        VisionEncoderConfig(
+            model=TINY_MODEL_DIR, transfer_backend="shm", devices=("cpu",) * num_ranks
+        ),
         **overrides,
     )
     registry = CollectorRegistry()

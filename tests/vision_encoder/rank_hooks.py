@@ -14,7 +14,11 @@ import time
 import msgspec
 
 from services.common.ranks.step import RankContext
-from services.vision_encoder.rank_messages import EncoderRankInit, EncodeStepPayload, EncodeStepResult
+from services.vision_encoder.rank_messages import (
+    EncoderRankInit,
+    EncodeStepPayload,
+    EncodeStepResult,
+)
 from services.vision_encoder.rank_step import EncoderRankStep
 
 

@@ -29,9 +29,14 @@ def test_counters_and_entries() -> None:
     assert cache.lookup("x") is None
     cache.insert("x", rows(2, 1.5), (1, 2, 4))
     entry = cache.lookup_entry("x")
-    assert entry is not None and entry.grid_thw == (1, 2, 4) and torch.equal(entry.rows, rows(2, 1.5))
+    assert (
+        entry is not None and entry.grid_thw == (1, 2, 4) and torch.equal(entry.rows, rows(2, 1.5))
+    )
     assert (cache.num_hits, cache.num_misses) == (1, 1)
-    assert cache.contains("x") and (cache.num_hits, cache.num_misses) == (1, 1)  # contains counts nothing
+    assert cache.contains("x") and (cache.num_hits, cache.num_misses) == (
+        1,
+        1,
+    )  # contains counts nothing
 
 
 def test_an_entry_larger_than_the_budget_is_not_cached() -> None:

@@ -53,7 +53,9 @@ def test_plan_assigns_owners_and_actions_from_the_ledger(world_size: int) -> Non
         assert span.content_hash == x and span.owner_rank == int(x[:16], 16) % world_size
         assert span.action is (SpanAction.LOCAL_HIT if x in cached else SpanAction.OWNER_ENCODE)
     encoded = [x for rank in range(world_size) for x in plan.encode_hashes(rank)]
-    assert sorted(encoded) == sorted({x for x in hashes if x not in cached})  # each distinct miss once
+    assert sorted(encoded) == sorted(
+        {x for x in hashes if x not in cached}
+    )  # each distinct miss once
     assert len(encoded) == len(set(encoded))
     if world_size > 1:
         assert len({s.owner_rank for s in plan.spans}) > 1  # 14 spans spread over the ranks
@@ -88,12 +90,16 @@ def test_the_ledger_takes_each_ranks_manifest() -> None:
 
 
 def span(data: bytes, dest_row: int) -> EncodeSpanInput:
-    return EncodeSpanInput(ImageSpanRef(0, 6, hashlib.sha256(data).hexdigest(), (1, 4, 6)), data, dest_row)
+    return EncodeSpanInput(
+        ImageSpanRef(0, 6, hashlib.sha256(data).hexdigest(), (1, 4, 6)), data, dest_row
+    )
 
 
 def test_the_payload_carries_bytes_only_for_encodes() -> None:
     cached, fresh = b"cached image", b"fresh image"
-    job = EncodeJob(3, "req", (span(cached, 0), span(fresh, 6), span(fresh, 12)), (DST,), deadline=110.0)
+    job = EncodeJob(
+        3, "req", (span(cached, 0), span(fresh, 6), span(fresh, 12)), (DST,), deadline=110.0
+    )
     ledger = ledger_holding(2, {hashlib.sha256(cached).hexdigest()})
     hashes = [s.span.content_hash for s in job.spans]
     payload = step_payload([job], make_plan(hashes, ledger), now=100.0)
@@ -101,7 +107,9 @@ def test_the_payload_carries_bytes_only_for_encodes() -> None:
     [rank_job] = payload.jobs
     assert (rank_job.job_id, rank_job.request_id, rank_job.timeout_s) == (3, "req", 10.0)
     assert [(s.index, s.dest_row, s.action) for s in rank_job.spans] == [
-        (0, 0, SpanAction.LOCAL_HIT), (1, 6, SpanAction.OWNER_ENCODE), (2, 12, SpanAction.OWNER_ENCODE)
+        (0, 0, SpanAction.LOCAL_HIT),
+        (1, 6, SpanAction.OWNER_ENCODE),
+        (2, 12, SpanAction.OWNER_ENCODE),
     ]
     assert rank_job.destinations == (DST,)
     wire = msgspec.msgpack.encode(payload)

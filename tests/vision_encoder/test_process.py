@@ -49,10 +49,22 @@ def children_of(pid: int) -> list[int]:
 
 @needs_mooncake
 def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, vision_model) -> None:
-    cmd = [sys.executable, "-m", "services.vision_encoder", "--port", "0", "--metrics-port", "0",
-           "--transfer-backend", "mooncake", "--ranks", "2"]
-    process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, env=ENV)
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.vision_encoder",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--transfer-backend",
+        "mooncake",
+        "--ranks",
+        "2",
+    ]
+    process = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
     try:
@@ -74,7 +86,9 @@ def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, visio
 
 async def check_serving(address: str, image_processor, vision_model) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     client = VisionEncoderClient(address, auth=INTERNAL_AUTH)
     from services.transfer.embeddings_mooncake import MooncakeEmbeddingReceiver
@@ -87,13 +101,18 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
         spans = spans_for(image_processor, images)
         assert {owner_rank(s.span.content_hash, 2) for s in spans} == {0, 1}  # both ranks send
         num_rows = sum(s.span.length for s in spans)
-        results = await client.encode("real", spans, receiver.destination("real", 10, num_rows), timeout_s=30)
+        results = await client.encode(
+            "real", spans, receiver.destination("real", 10, num_rows), timeout_s=30
+        )
         assert [r.status for r in results] == [SpanStatus.WRITTEN] * 4
         expected = torch.cat(reference_rows(vision_model, image_processor, images))
         assert torch.equal(buffer.rows(10, num_rows), expected)
         # a destination on a port where no transfer engine listens: the peer is dead
-        dead = msgspec.structs.replace(receiver.destination("dead", 0, num_rows), engine_address="127.0.0.1:9",
-                                       session_id="127.0.0.1:9")
+        dead = msgspec.structs.replace(
+            receiver.destination("dead", 0, num_rows),
+            engine_address="127.0.0.1:9",
+            session_id="127.0.0.1:9",
+        )
         other = spans_for(image_processor, [image_bytes(56, 56, seed=99)])
         with pytest.raises(UnavailableError):
             await client.encode("dead-peer", other, dead, timeout_s=30)
@@ -103,9 +122,22 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
 
 
 def test_a_rank_that_cannot_start_is_one_clear_error() -> None:
-    cmd = [sys.executable, "-m", "services.vision_encoder", "--port", "0", "--metrics-port", "0",
-           "--transfer-backend", "shm", "--devices", "cpu,cuda:5"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=READY_TIMEOUT_S)
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.vision_encoder",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--transfer-backend",
+        "shm",
+        "--devices",
+        "cpu,cuda:5",
+    ]
+    done = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=READY_TIMEOUT_S
+    )
     assert done.returncode == 1 and "READY" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("vision_encoder: error: vision encoder: rank 1 (cuda:5, pid "), last

@@ -64,10 +64,14 @@ async def test_rows_equal_one_ranks_for_repeated_and_distinct_images(
         encoded = enc.per_rank("images_encoded")
         results = await enc.encode(f"mix-{w}", spans, prefill.destination("mix", 0, num_rows))
         assert [r.is_cache_hit for r in results] == [i in order[:k] for k, i in enumerate(order)]
-        assert [r.owner_rank for r in results] == [owner_rank(s.span.content_hash, w) for s in spans]
+        assert [r.owner_rank for r in results] == [
+            owner_rank(s.span.content_hash, w) for s in spans
+        ]
         per_rank = gained(enc.per_rank("images_encoded"), encoded)
         owners = [owner_rank(s.span.content_hash, w) for s in spans_for(image_processor, images)]
-        assert per_rank == [owners.count(r) for r in range(w)]  # each distinct image once, by its owner
+        assert per_rank == [
+            owners.count(r) for r in range(w)
+        ]  # each distinct image once, by its owner
         buffers.append(prefill.buffer.rows(0, num_rows))
     assert torch.equal(buffers[0], buffers[1])  # fp32, bit for bit
     expected = reference_rows(vision_model, image_processor, [images[i] for i in order])
@@ -93,20 +97,28 @@ async def test_a_batch_of_calls_encodes_each_image_once_across_ranks(
         start = 100 + 400 * k
         starts.append((start, spans))
         num_rows = sum(s.span.length for s in spans)
-        tasks.append(enc.encode(f"call-{k}", spans, prefill.destination(f"call-{k}", start, num_rows)))
+        tasks.append(
+            enc.encode(f"call-{k}", spans, prefill.destination(f"call-{k}", start, num_rows))
+        )
     results = await asyncio.gather(*tasks)
     await held
-    owners = [owner_rank(s.span.content_hash, num_ranks) for s in spans_for(image_processor, images)]
+    owners = [
+        owner_rank(s.span.content_hash, num_ranks) for s in spans_for(image_processor, images)
+    ]
     per_rank = gained(enc.per_rank("images_encoded"), encoded)
-    assert per_rank == [owners.count(r) + (r == owner_rank(blocker.span.content_hash, num_ranks))
-                        for r in range(num_ranks)]
+    assert per_rank == [
+        owners.count(r) + (r == owner_rank(blocker.span.content_hash, num_ranks))
+        for r in range(num_ranks)
+    ]
     assert all(n <= 2 for n in gained(enc.per_rank("vit_forwards"), forwards))  # blocker + batch
     hits = [r.is_cache_hit for call in results for r in call]
     assert hits.count(False) == len(images)  # the four calls ran as one batch
     reference = dict(enumerate(reference_rows(vision_model, image_processor, images)))
     for (start, spans), call in zip(starts, calls, strict=True):
         num_rows = sum(s.span.length for s in spans)
-        assert torch.equal(prefill.buffer.rows(start, num_rows), torch.cat([reference[i] for i in call]))
+        assert torch.equal(
+            prefill.buffer.rows(start, num_rows), torch.cat([reference[i] for i in call])
+        )
 
 
 async def test_a_cache_cleared_behind_the_leaders_back_is_encoded_again(
@@ -120,10 +132,14 @@ async def test_a_cache_cleared_behind_the_leaders_back_is_encoded_again(
     num_rows = sum(s.span.length for s in spans)
     prefill = enc.prefill()
     await enc.encode("warm", spans, prefill.destination("warm", 0, num_rows))
-    await enc.on_loop(enc.app.group.step(ClearCache(rank=1)))  # the leader still believes rank 1 holds its images
+    await enc.on_loop(
+        enc.app.group.step(ClearCache(rank=1))
+    )  # the leader still believes rank 1 holds its images
     misses, encoded = enc.per_rank("ledger_misses"), enc.per_rank("images_encoded")
     again = await enc.encode("again", spans, prefill.destination("again", 1000, num_rows))
-    assert [r.is_cache_hit for r in again] == [o == 0 for o in owners]  # rank 1's were encoded again
+    assert [r.is_cache_hit for r in again] == [
+        o == 0 for o in owners
+    ]  # rank 1's were encoded again
     assert gained(enc.per_rank("ledger_misses"), misses) == [0, owners.count(1)]
     assert gained(enc.per_rank("images_encoded"), encoded) == [0, owners.count(1)]
     expected = torch.cat(reference_rows(vision_model, image_processor, images))
@@ -132,12 +148,16 @@ async def test_a_cache_cleared_behind_the_leaders_back_is_encoded_again(
     assert all(r.is_cache_hit for r in third)  # the ledger is right again
 
 
-async def test_a_failing_rank_fails_its_step_alike_and_the_next_batch_runs(encoders, image_processor) -> None:
+async def test_a_failing_rank_fails_its_step_alike_and_the_next_batch_runs(
+    encoders, image_processor
+) -> None:
     enc = encoders[2]
     prefill = enc.prefill()
     span = span_input(image_processor, image_bytes(63, 77, seed=600), 0)
     await enc.on_loop(enc.app.group.step(Fail(rank=1)))
-    with pytest.raises(StageServeError, match=r"step \d+ failed on rank 1: RuntimeError: injected failure"):
+    with pytest.raises(
+        StageServeError, match=r"step \d+ failed on rank 1: RuntimeError: injected failure"
+    ):
         await enc.encode("fails", [span], prefill.destination("fails", 0, span.span.length))
     assert enc.health.is_serving and enc.app.group.is_ready
     results = await enc.encode("next", [span], prefill.destination("next", 0, span.span.length))
@@ -188,15 +208,18 @@ async def test_a_killed_rank_fails_its_calls_unavailable_and_the_group_reforms(
     await wait_until(lambda: is_holding_one_call(enc))
     await asyncio.sleep(0.3)  # ranks 0 and 1 have done their part; rank 2 sleeps
     os.kill(old_pids[2], signal.SIGKILL)
-    with pytest.raises(UnavailableError, match=r"rank 2 \(cpu, pid \d+\) exited with signal SIGKILL"):
+    with pytest.raises(
+        UnavailableError, match=r"rank 2 \(cpu, pid \d+\) exited with signal SIGKILL"
+    ):
         await call
     await wait_until(lambda: not enc.health.is_serving, 10.0)
     await wait_until(lambda: enc.health.is_serving, 300.0)  # re-formed and warmed up
     assert not set(enc.app.group.rank_pids) & set(old_pids)
     misses = enc.counter("ledger_misses")
     results = await enc.encode("after", spans, prefill.destination("after", 2000, num_rows))
-    assert [r.is_cache_hit for r in results] == [False] * 4  # new ranks, empty caches, a fresh ledger
+    assert [r.is_cache_hit for r in results] == [
+        False
+    ] * 4  # new ranks, empty caches, a fresh ledger
     assert enc.counter("ledger_misses") == misses
     expected = torch.cat(reference_rows(vision_model, image_processor, images))
     assert torch.equal(prefill.buffer.rows(2000, num_rows), expected)
-

@@ -21,7 +21,9 @@ LIMITS = JobLimits(merge_size=2, hidden_size=64, backend="shm")
 
 def span(data: bytes, dest_row: int = 0, grid: tuple[int, int, int] = (1, 4, 6)) -> EncodeSpanInput:
     length = grid[0] * grid[1] * grid[2] // 4
-    return EncodeSpanInput(ImageSpanRef(0, length, hashlib.sha256(data).hexdigest(), grid), data, dest_row)
+    return EncodeSpanInput(
+        ImageSpanRef(0, length, hashlib.sha256(data).hexdigest(), grid), data, dest_row
+    )
 
 
 def job(job_id: int, num_spans: int, deadline: float = 100.0) -> EncodeJob:
@@ -40,7 +42,9 @@ def test_schedule_takes_the_oldest_jobs_that_fit() -> None:
         scheduler.add(job(job_id, num_spans))
     assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [0, 1]
     assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [2]
-    assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [3]  # too big for a batch: alone
+    assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [
+        3
+    ]  # too big for a batch: alone
     assert scheduler.num_waiting == 0 and scheduler.schedule(0, ledger).jobs == ()
 
 
@@ -60,10 +64,13 @@ def test_update_from_output_marks_hits_repeats_and_errors() -> None:
     for j in (a, b, c):
         scheduler.add(j)
     batch = scheduler.schedule(0, ledger)
-    bad = JobError(2, "InvalidRequestError", "spans[0].image_data: not an image", "spans[0].image_data")
+    bad = JobError(
+        2, "InvalidRequestError", "spans[0].image_data: not an image", "spans[0].image_data"
+    )
     later = JobError(2, "UnavailableError", "prefill is gone")
     outcome = scheduler.update_from_output(
-        batch, results(2, r0=EncodeStepResult(0, errors=(bad,)), r1=EncodeStepResult(1, errors=(later,)))
+        batch,
+        results(2, r0=EncodeStepResult(0, errors=(bad,)), r1=EncodeStepResult(1, errors=(later,))),
     )
     outcomes = {j.job_id: o for j, o in outcome.finished}
     assert [r.is_cache_hit for r in outcomes[0]] == [False, False]
@@ -72,7 +79,9 @@ def test_update_from_output_marks_hits_repeats_and_errors() -> None:
     owners = [owner_rank(s.span.content_hash, 2) for s in a.spans]
     assert [r.owner_rank for r in outcomes[0]] == owners
     error = outcomes[2]
-    assert isinstance(error, InvalidRequestError) and error.param == "spans[0].image_data"  # lowest rank's
+    assert (
+        isinstance(error, InvalidRequestError) and error.param == "spans[0].image_data"
+    )  # lowest rank's
     assert outcome.replanned == []
 
 
@@ -106,7 +115,10 @@ def test_validate_job_accepts_a_good_job() -> None:
     ("make", "param"),
     [
         (lambda j: EncodeJob(0, "r", j.spans, (), 1.0), "embedding_refs"),
-        (lambda j: EncodeJob(0, "r", (j.spans[0], span(b"x", dest_row=3)), (DST,), 1.0), "spans[1].dest_row"),
+        (
+            lambda j: EncodeJob(0, "r", (j.spans[0], span(b"x", dest_row=3)), (DST,), 1.0),
+            "spans[1].dest_row",
+        ),
         (lambda j: EncodeJob(0, "r", (span(b"x", dest_row=95),), (DST,), 1.0), "spans[0].dest_row"),
         (lambda j: EncodeJob(0, "r", (span(b"x", grid=(1, 3, 6)),), (DST,), 1.0), "spans[0].span"),
     ],

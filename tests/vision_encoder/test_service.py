@@ -26,15 +26,21 @@ def enc():
 
 
 def offline_rows(pipeline, images: list[bytes]) -> torch.Tensor:
-    """The offline path: OfflinePipeline's pixel values through the model's ViT; [tokens, hidden]."""
+    """The offline path: OfflinePipeline's pixels through the model's ViT; [tokens, hidden]."""
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "describe"}]
-    request = pipeline.build_request([{"role": "user", "content": content}], images, SamplingParams())
+    request = pipeline.build_request(
+        [{"role": "user", "content": content}], images, SamplingParams()
+    )
     pixels = torch.cat(request.pixel_values)
     with torch.inference_mode(), rank_threads():
-        return pipeline.engine.runner.model.encode_images(pixels, [s.grid_thw for s in request.spans])
+        return pipeline.engine.runner.model.encode_images(
+            pixels, [s.grid_thw for s in request.spans]
+        )
 
 
-@pytest.mark.parametrize("sizes", [[(64, 48)], [(90, 60), (40, 120)]], ids=["one-image", "two-sizes"])
+@pytest.mark.parametrize(
+    "sizes", [[(64, 48)], [(90, 60), (40, 120)]], ids=["one-image", "two-sizes"]
+)
 async def test_written_rows_equal_the_offline_vit(enc, image_processor, pipeline, sizes) -> None:
     images = [image_bytes(w, h, seed=100 + i + len(sizes)) for i, (w, h) in enumerate(sizes)]
     expected = offline_rows(pipeline, images)
@@ -58,7 +64,9 @@ async def test_written_rows_equal_the_offline_vit(enc, image_processor, pipeline
 async def test_same_image_twice_is_encoded_once(enc, image_processor) -> None:
     image = image_bytes(80, 80, seed=3)
     prefill = enc.prefill()
-    encoded, hits, misses = (enc.counter(n) for n in ("images_encoded", "cache_hits", "cache_misses"))
+    encoded, hits, misses = (
+        enc.counter(n) for n in ("images_encoded", "cache_hits", "cache_misses")
+    )
     cache_bytes = enc.value("cache_bytes")
     span = span_input(image_processor, image, 0)
     first = await enc.encode("a", [span], prefill.destination("a", 0, span.span.length))
@@ -85,24 +93,32 @@ async def test_repeated_image_in_one_request_runs_the_vit_once(enc, image_proces
     assert torch.equal(rows(third.dest_row, third.span.length), rows(0, first.span.length))
 
 
-async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(enc, image_processor) -> None:
+async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(
+    enc, image_processor
+) -> None:
     good = span_input(image_processor, image_bytes(60, 60, seed=1), 0)
     not_image = b"definitely not an image"
     t, h, w = good.span.grid_thw
     replace = msgspec.structs.replace
     bad = {
         "bytes": replace(
-            good, image_data=not_image,
+            good,
+            image_data=not_image,
             span=replace(good.span, content_hash=hashlib.sha256(not_image).hexdigest()),
         ),
-        "grid": replace(good, span=replace(good.span, grid_thw=(t, h + 2, w), length=t * (h + 2) * w // 4)),
+        "grid": replace(
+            good, span=replace(good.span, grid_thw=(t, h + 2, w), length=t * (h + 2) * w // 4)
+        ),
         "length": replace(good, span=replace(good.span, length=good.span.length + 1)),
         "hash": replace(good, span=replace(good.span, content_hash="ab" * 32)),
         "rows": replace(good, dest_row=5),
     }
     params = {
-        "bytes": "spans[0].image_data", "grid": "spans[0].span", "length": "spans[0].span.length",
-        "hash": "spans[0].span.content_hash", "rows": "spans[0].dest_row",
+        "bytes": "spans[0].image_data",
+        "grid": "spans[0].span",
+        "length": "spans[0].span.length",
+        "hash": "spans[0].span.content_hash",
+        "rows": "spans[0].dest_row",
     }
     prefill = enc.prefill()
     dst = prefill.destination("r", 0, good.span.length + 4)
@@ -111,16 +127,20 @@ async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(en
             await enc.encode(f"bad-{name}", [span], dst)
         assert info.value.param == params[name], (name, info.value.message)
     results = await enc.encode("good", [good], dst)
-    assert results[0].status is SpanStatus.WRITTEN and not torch.isnan(prefill.buffer.rows(0, 1)).any()
+    assert (
+        results[0].status is SpanStatus.WRITTEN and not torch.isnan(prefill.buffer.rows(0, 1)).any()
+    )
 
 
 async def test_a_truncated_jpeg_is_invalid_argument(enc, image_processor) -> None:
-    """The tokenizer reads headers only: a file cut short reaches the encoder, which must refuse it."""
+    """The tokenizer reads headers only: a file cut short reaches the encoder, which refuses it."""
     whole = image_bytes(120, 90, seed=8, fmt="JPEG")
     cut = whole[: len(whole) // 2]
     good = span_input(image_processor, whole, 0)
     span = msgspec.structs.replace(
-        good, image_data=cut, span=msgspec.structs.replace(good.span, content_hash=hashlib.sha256(cut).hexdigest())
+        good,
+        image_data=cut,
+        span=msgspec.structs.replace(good.span, content_hash=hashlib.sha256(cut).hexdigest()),
     )
     prefill = enc.prefill()
     with pytest.raises(InvalidRequestError, match="truncated or corrupt") as info:
@@ -131,7 +151,9 @@ async def test_a_truncated_jpeg_is_invalid_argument(enc, image_processor) -> Non
 async def test_a_cached_image_with_the_wrong_grid_is_still_invalid(enc, image_processor) -> None:
     good = span_input(image_processor, image_bytes(60, 60, seed=2), 0)
     t, h, w = good.span.grid_thw
-    wrong_span = msgspec.structs.replace(good.span, grid_thw=(t, w + 2, h), length=t * (w + 2) * h // 4)
+    wrong_span = msgspec.structs.replace(
+        good.span, grid_thw=(t, w + 2, h), length=t * (w + 2) * h // 4
+    )
     wrong = msgspec.structs.replace(good, span=wrong_span)
     dst = enc.prefill().destination("r", 0, 64)
     await enc.encode("warm", [good], dst)
@@ -143,9 +165,12 @@ async def test_one_bad_request_does_not_fail_its_batch_neighbours(enc, image_pro
     junk = b"junk bytes"
     prefill = enc.prefill()
     encoded = enc.counter("images_encoded")
-    good = [span_input(image_processor, image_bytes(56, 56 + 28 * i, seed=20 + i), 0) for i in range(4)]
+    good = [
+        span_input(image_processor, image_bytes(56, 56 + 28 * i, seed=20 + i), 0) for i in range(4)
+    ]
     bad = msgspec.structs.replace(
-        good[0], image_data=junk,
+        good[0],
+        image_data=junk,
         span=msgspec.structs.replace(good[0].span, content_hash=hashlib.sha256(junk).hexdigest()),
     )
     dsts = [prefill.destination(f"r{i}", 200 * i, 200) for i in range(5)]

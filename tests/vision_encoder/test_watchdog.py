@@ -18,10 +18,14 @@ WAIT_S = 30.0
 
 
 @pytest.mark.slow
-async def test_a_stuck_batch_flips_readiness_until_it_ends_and_idle_stays_serving(image_processor) -> None:
+async def test_a_stuck_batch_flips_readiness_until_it_ends_and_idle_stays_serving(
+    image_processor,
+) -> None:
     with serve_encoder(1, watchdog_s=0.05) as enc:
         polls = count_progress_checks(enc.app.leader.progress)
-        await wait_until(lambda: polls[0] >= 20, WAIT_S)  # many polls over several stall periods, no work
+        await wait_until(
+            lambda: polls[0] >= 20, WAIT_S
+        )  # many polls over several stall periods, no work
         assert enc.health.is_serving and enc.value("stalled") == 0
 
         await enc.on_loop(enc.app.group.step(Delay(rank=0, seconds=2.0)))

@@ -33,8 +33,14 @@ def rig(vision_model, image_processor):
     buffer.tensor.fill_(float("nan"))
     receiver.register(buffer)
     workers = [
-        EncoderWorker(rank, vision_model, image_processor, EmbeddingCacheManager(1 << 20),
-                      InProcessEmbeddingSender(fabric), 1 << 20)
+        EncoderWorker(
+            rank,
+            vision_model,
+            image_processor,
+            EmbeddingCacheManager(1 << 20),
+            InProcessEmbeddingSender(fabric),
+            1 << 20,
+        )
         for rank in range(2)
     ]
     yield workers, receiver, buffer
@@ -51,12 +57,16 @@ def run_step(workers, jobs: list[EncodeJob], ledger: CacheLedger) -> list[Encode
     return results
 
 
-def test_each_rank_encodes_and_sends_only_the_images_it_owns(rig, vision_model, image_processor) -> None:
+def test_each_rank_encodes_and_sends_only_the_images_it_owns(
+    rig, vision_model, image_processor
+) -> None:
     workers, receiver, buffer = rig
     images = [image_bytes(56 + 14 * i, 70, seed=40 + i) for i in range(6)]
     spans = spans_for(image_processor, images)
     num_rows = sum(s.span.length for s in spans)
-    job = EncodeJob(0, "r", tuple(spans), (receiver.destination("r", 0, num_rows),), time.monotonic() + 30)
+    job = EncodeJob(
+        0, "r", tuple(spans), (receiver.destination("r", 0, num_rows),), time.monotonic() + 30
+    )
     ledger = CacheLedger(2)
     results = run_step(workers, [job], ledger)
     owners = [owner_rank(s.span.content_hash, 2) for s in spans]
@@ -66,7 +76,9 @@ def test_each_rank_encodes_and_sends_only_the_images_it_owns(rig, vision_model, 
         mine = {s.span.content_hash for s, o in zip(spans, owners, strict=True) if o == rank}
         assert set(result.manifest.held) == mine and result.manifest.missing == ()
         assert result.errors == ()
-    assert torch.equal(buffer.rows(0, num_rows), torch.cat(reference_rows(vision_model, image_processor, images)))
+    assert torch.equal(
+        buffer.rows(0, num_rows), torch.cat(reference_rows(vision_model, image_processor, images))
+    )
     again = run_step(workers, [job], ledger)
     assert [r.num_images_encoded for r in again] == [0, 0]  # every span a hit on its owner
 
@@ -79,7 +91,9 @@ def test_a_planned_hit_that_is_not_cached_is_reported_missing_and_sends_nothing(
     span = span_input(image_processor, data, 0)
     rank = owner_rank(span.span.content_hash, 2)
     ledger = CacheLedger(2)
-    job = EncodeJob(0, "r", (span,), (receiver.destination("r", 0, span.span.length),), time.monotonic() + 30)
+    job = EncodeJob(
+        0, "r", (span,), (receiver.destination("r", 0, span.span.length),), time.monotonic() + 30
+    )
     run_step(workers, [job], ledger)
     assert ledger.holds(rank, span.span.content_hash)
     workers[rank].cache.clear()  # behind the ledger's back
@@ -95,15 +109,24 @@ def test_a_bad_image_fails_its_jobs_only(rig, image_processor) -> None:
     good = span_input(image_processor, image_bytes(56, 56, seed=60), 0)
     junk = b"not an image at all"
     bad = msgspec.structs.replace(
-        good, image_data=junk, span=msgspec.structs.replace(good.span, content_hash=hashlib.sha256(junk).hexdigest())
+        good,
+        image_data=junk,
+        span=msgspec.structs.replace(good.span, content_hash=hashlib.sha256(junk).hexdigest()),
     )
     deadline = time.monotonic() + 30
     jobs = [
         EncodeJob(0, "good", (good,), (receiver.destination("good", 0, 4),), deadline),
-        EncodeJob(1, "bad", (good, msgspec.structs.replace(bad, dest_row=4)),
-                  (receiver.destination("bad", 100, 8),), deadline),
+        EncodeJob(
+            1,
+            "bad",
+            (good, msgspec.structs.replace(bad, dest_row=4)),
+            (receiver.destination("bad", 100, 8),),
+            deadline,
+        ),
     ]
     results = run_step(workers, jobs, CacheLedger(2))
     errors = [e for r in results for e in r.errors]
-    assert [(e.job_id, e.error_type, e.param) for e in errors] == [(1, "InvalidRequestError", "spans[1].image_data")]
+    assert [(e.job_id, e.error_type, e.param) for e in errors] == [
+        (1, "InvalidRequestError", "spans[1].image_data")
+    ]
     assert not torch.isnan(buffer.rows(0, 4)).any()
