@@ -215,6 +215,17 @@ async def test_the_caller_of_a_failed_step_hears_only_once_every_rank_is_gone() 
         assert alive_when_failed == [[]]
 
 
+async def test_a_rank_whose_connections_close_before_it_exits_is_named_as_the_cause() -> None:
+    """Rank 0's status exchange breaks on the lost connection before rank 1's exit shows:
+    the step's error still names rank 1 and its exit, not rank 0's broken exchange."""
+    async with running(("cpu", "cpu")) as run:
+        with pytest.raises(
+            UnavailableError, match=r"rank 1 \(cpu, pid \d+\) exited with code 7 during step 1"
+        ):
+            await run.group.step(EchoPayload(value=1, leave_on_rank=1))
+        await wait_for(lambda: run.group.is_ready, START_TIMEOUT_S)
+
+
 async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_killed() -> None:
     async with running(("cpu", "cpu"), step_timeout_s=2.0, watchdog_s=0.5) as run:
         stopped_pid = run.group.rank_pids[1]

@@ -61,6 +61,7 @@ class _Named(logging.LoggerAdapter):
 
 
 MAX_POLL_S = 1.0
+BROKEN_EXIT_GRACE_S = 0.5  # a BROKEN reply waits this long for a peer's exit to show (named then)
 
 
 class GroupState(enum.Enum):
@@ -290,8 +291,8 @@ class Supervisor:
             self._log.warning(
                 "dropped rank %d's reply to step %d (not in flight)", rank, reply.step
             )
-        elif reply.status is StepStatus.BROKEN:
-            self._fail_stop(reply.error)
+        elif reply.status is StepStatus.BROKEN:  # often a peer died: let its exit show, name it
+            self._fail_stop(reply.error, exit_grace_s=BROKEN_EXIT_GRACE_S)
         else:
             self._steps.on_reply(rank, reply)
 
@@ -363,10 +364,11 @@ class Supervisor:
             return
         self._schedule_restart(reason)
 
-    def _fail_stop(self, reason: str) -> None:
+    def _fail_stop(self, reason: str, exit_grace_s: float = 0.0) -> None:
         """Readiness off, the generation killed, then the step's caller failed; a re-form scheduled."""
         inflight = self._steps.inflight
-        exited = self._gen.exit_cause(inflight.step if inflight else None) if self._gen else None
+        step = inflight.step if inflight else None
+        exited = self._gen.exit_cause(step, exit_grace_s) if self._gen else None
         reason = exited or reason  # a rank that exited is the likeliest cause: name it
         self._log.error("fail-stop: %s", reason)
         was_ready = self.state is GroupState.READY
