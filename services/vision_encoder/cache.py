@@ -22,8 +22,8 @@ class CacheEntry:
 class EmbeddingCacheManager:
     """Single owner of cached embeddings; evicts the least recently used to fit ``budget_bytes``.
 
-    Thread-safe. ``lookup`` counts hits and misses and refreshes recency; ``contains``
-    (for manifests) does neither. An entry larger than the whole budget is not cached.
+    Thread-safe. ``lookup_entry`` refreshes recency; ``contains`` (for manifests) does not.
+    An entry larger than the whole budget is not cached.
     Every eviction is logged until ``take_evicted`` hands the log over (the rank reports it
     to the leader's ledger); ``clear`` logs nothing.
     """
@@ -34,9 +34,6 @@ class EmbeddingCacheManager:
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
         self._num_bytes = 0
         self._evicted: list[str] = []
-        self.num_hits = 0
-        self.num_misses = 0
-        self.num_evictions = 0
         self._lock = threading.Lock()
 
     @property
@@ -51,19 +48,12 @@ class EmbeddingCacheManager:
         with self._lock:
             return content_hash in self._entries
 
-    def lookup(self, content_hash: str) -> torch.Tensor | None:
-        """The cached rows (do not modify them), marked most recently used; None on a miss."""
-        entry = self.lookup_entry(content_hash)
-        return None if entry is None else entry.rows
-
     def lookup_entry(self, content_hash: str) -> CacheEntry | None:
+        """The cached entry (do not modify its rows), marked most recently used; None on a miss."""
         with self._lock:
             entry = self._entries.get(content_hash)
-            if entry is None:
-                self.num_misses += 1
-                return None
-            self._entries.move_to_end(content_hash)
-            self.num_hits += 1
+            if entry is not None:
+                self._entries.move_to_end(content_hash)
             return entry
 
     def can_insert(self, num_bytes: int) -> bool:
@@ -87,7 +77,6 @@ class EmbeddingCacheManager:
                 evicted_hash, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= evicted.num_bytes
                 self._evicted.append(evicted_hash)
-                self.num_evictions += 1
             self._entries[content_hash] = entry
             self._num_bytes += entry.num_bytes
         return True

@@ -19,13 +19,7 @@ class EncodeJob(msgspec.Struct, frozen=True):
     spans: tuple[EncodeSpanInput, ...]  # prompt order
     destinations: tuple[EmbeddingDestination, ...]  # one per prefill rank; each gets every row
     deadline: float  # time.monotonic() seconds
-    num_replans: int = (
-        0  # times it was planned again after a rank's cache disagreed with the ledger
-    )
-
-    @property
-    def num_rows(self) -> int:
-        return sum(s.span.length for s in self.spans)
+    num_replans: int = 0  # times planned again after a rank's cache disagreed with the ledger
 
 
 class JobLimits(msgspec.Struct, frozen=True):

@@ -45,15 +45,6 @@ class EncodePlan(msgspec.Struct, frozen=True):
     world_size: int
     spans: tuple[SpanPlan, ...]  # one per span of the batch: jobs in order, spans in order
 
-    def encode_hashes(self, rank: int) -> list[str]:
-        """Distinct images ``rank`` must encode, in first-appearance order (one ViT call)."""
-        hashes = (
-            s.content_hash
-            for s in self.spans
-            if s.owner_rank == rank and s.action is SpanAction.OWNER_ENCODE
-        )
-        return list(dict.fromkeys(hashes))
-
     def owned_hashes(self, rank: int) -> set[str]:
         return {s.content_hash for s in self.spans if s.owner_rank == rank}
 
@@ -68,9 +59,6 @@ class CacheLedger:
 
     def holds(self, rank: int, content_hash: str) -> bool:
         return content_hash in self._held[rank]
-
-    def num_entries(self, rank: int) -> int:
-        return len(self._held[rank])
 
     def update_from_results(self, plan: EncodePlan, results: Sequence[EncodeStepResult]) -> int:
         """Fold every rank's manifest in; returns how many planned hits a rank did not hold."""

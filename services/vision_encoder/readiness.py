@@ -20,10 +20,6 @@ class ReadinessGate:
         self._holders: set[int] = set()  # views holding readiness back
         self._num_views = 0
 
-    @property
-    def is_group_ready(self) -> bool:
-        return self._is_group_ready
-
     def set_group_ready(self, is_ready: bool) -> None:
         self._is_group_ready = is_ready
         self._apply()
