@@ -26,7 +26,12 @@ from services.vision_encoder.job import EncodeJob
 from services.vision_encoder.metrics import VisionEncoderMetrics
 from services.vision_encoder.plan import CacheLedger, step_payload
 from services.vision_encoder.rank_messages import EncodeStepResult
-from services.vision_encoder.scheduler import EncodeBatch, EncodeScheduler, JobOutcome
+from services.vision_encoder.scheduler import (
+    BatchOutcome,
+    EncodeBatch,
+    EncodeScheduler,
+    JobOutcome,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +137,7 @@ class EncoderLeader:
 
     async def _run_batch(self, batch: EncodeBatch) -> None:
         try:
-            results = await self._step(batch)
+            outcome = self._fold(batch, await self._step(batch))
         except StageServeError as exc:  # the step's agreed error, or UNAVAILABLE (a rank died)
             logger.warning("encode batch of %d calls failed: %s", len(batch.jobs), exc.message)
             for job in batch.jobs:
@@ -143,14 +148,17 @@ class EncoderLeader:
             for job in batch.jobs:
                 self._finish(job, exc)
             return
+        self.scheduler.requeue([j for j in outcome.replanned if j.job_id in self._pending])
+        for job, job_outcome in outcome.finished:
+            self._finish(job, job_outcome)
+
+    def _fold(self, batch: EncodeBatch, results: list[EncodeStepResult]) -> BatchOutcome:
+        """Every rank's result into the metrics, the ledger and the calls' outcomes."""
         for result in results:
             self.metrics.record_step(result)
         if self.ledger.update_from_results(batch.plan, results):
             logger.warning("a rank's cache disagreed with the ledger: its calls are planned again")
-        outcome = self.scheduler.update_from_output(batch, results)
-        self.scheduler.requeue([j for j in outcome.replanned if j.job_id in self._pending])
-        for job, job_outcome in outcome.finished:
-            self._finish(job, job_outcome)
+        return self.scheduler.update_from_output(batch, results)
 
     async def _step(self, batch: EncodeBatch) -> list[EncodeStepResult]:
         payload = step_payload(batch.jobs, batch.plan, time.monotonic())
