@@ -38,6 +38,7 @@ from services.vision_encoder.rank_messages import (
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Owned = tuple[RankJob, RankSpan]
+WARMUP_SIZES = ((56, 56), (448, 336))  # (width, height): a batch of two, as calls come
 
 
 @dataclass
@@ -107,13 +108,14 @@ class EncoderWorker:
         )
 
     def warmup(self) -> None:
-        """One ViT forward on a small synthetic image (nothing cached, nothing sent)."""
-        buf = io.BytesIO()
-        Image.new("RGB", (56, 56), (127, 127, 127)).save(buf, format="PNG")
-        image = decode_image(buf.getvalue(), self.max_image_bytes)
-        self._vit(
-            prepare_pixels(self.processor, [image], self.device), [self.processor.grid_for(image)]
-        )
+        """One ViT forward over two synthetic images of different sizes (nothing cached or sent)."""
+        images = []
+        for size in WARMUP_SIZES:
+            buf = io.BytesIO()
+            Image.new("RGB", size, (127, 127, 127)).save(buf, format="PNG")
+            images.append(decode_image(buf.getvalue(), self.max_image_bytes))
+        grids = [self.processor.grid_for(image) for image in images]
+        self._vit(prepare_pixels(self.processor, images, self.device), grids)
 
     def _take_hits(self, owned: list[Owned], step: _Step) -> None:
         for job, span in owned:
