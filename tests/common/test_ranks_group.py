@@ -145,6 +145,17 @@ async def test_steps_return_every_ranks_result_in_order_while_the_loop_runs(
     assert all(is_gone(pid) for pid in pids)
 
 
+async def test_the_ranks_listen_on_loopback_only() -> None:
+    """Rank 0's TCPStore (and the gloo pairs) accept no connection from another host."""
+    from tests.e2e.test_ports import is_loopback_only, listening_sockets
+
+    async with running(("cpu", "cpu")) as run:
+        found = {pid: listening_sockets(pid) for pid in run.group.rank_pids}
+        assert found[run.group.rank_pids[0]], "rank 0 serves the group's TCPStore"
+        exposed = {pid: [s for s in sockets if not is_loopback_only(s[0])] for pid, sockets in found.items()}
+        assert not any(exposed.values()), exposed
+
+
 async def test_a_rank_failing_mid_step_fails_it_alike_everywhere_and_the_next_step_runs() -> None:
     async with running(("cpu", "cpu"), heartbeat_s=0.5, leader_timeout_s=1.5) as run:
         with pytest.raises(StepFailedError) as caught:
