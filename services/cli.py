@@ -114,6 +114,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=_port, default=8000, help="OpenAI-compatible HTTP port")
     p.add_argument("--device", default="cpu", help="where the models run (each of the next three overrides it)")
     p.add_argument("--encoder-device", default=None, help="the vision encoder's device (default: --device)")
+    p.add_argument("--encoder-ranks", type=int, default=None,
+                   help="the vision encoder's rank processes, all on its device (default: 1)")
     p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
     p.add_argument("--decode-device", default=None, help="decode's device, e.g. cuda:1 (default: --device)")
     p.add_argument("--dtype", default=None)
@@ -171,6 +173,11 @@ def _run_up(args: argparse.Namespace) -> int:
     envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
         _check_up(args)
+        if args.transfer_backend == "inprocess":
+            raise ValueError("--transfer-backend inprocess moves tensors inside one process; up runs every "
+                             "service as its own process: use shm (one host) or mooncake")
+        if args.encoder_ranks is not None and args.encoder_ranks < 1:
+            raise ValueError(f"--encoder-ranks must be >= 1, got {args.encoder_ranks}")
         log_format = args.log_format or envs.log_format
         if log_format not in LOG_FORMATS:
             formats = ", ".join(LOG_FORMATS)
@@ -178,7 +185,8 @@ def _run_up(args: argparse.Namespace) -> int:
         tracing_plan(envs)  # the OTEL_* settings every service will read
         cfg = LaunchConfig(
             model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
-            encoder_device=args.encoder_device, prefill_device=args.prefill_device,
+            encoder_device=args.encoder_device, encoder_ranks=args.encoder_ranks,
+            prefill_device=args.prefill_device,
             decode_device=args.decode_device, dtype=args.dtype, transfer_backend=args.transfer_backend,
             kv_transfer_backend=args.kv_transfer_backend, attention_backend=args.attention_backend,
             num_pages=args.num_pages, page_size=args.page_size, stall_timeout_s=args.stall_timeout_s,

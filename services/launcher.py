@@ -100,6 +100,7 @@ class LaunchConfig:
     device: str = "cpu"
     # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
     encoder_device: str | None = None
+    encoder_ranks: int | None = None  # the vision encoder's rank processes (--ranks; None: its default, 1)
     prefill_device: str | None = None
     decode_device: str | None = None
     dtype: str | None = None
@@ -306,7 +307,8 @@ class Launcher:
         pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
         max_len = optional_arg("--max-model-len", cfg.max_model_len)
         tokenizer = self.start(ChildSpec("tokenizer", tuple(max_len), first_ports(cfg, "tokenizer")))
-        encoder = self.start(ChildSpec("vision_encoder", transfer, first_ports(cfg, "vision_encoder")))
+        encoder_args = (*transfer, *optional_arg("--ranks", cfg.encoder_ranks))
+        encoder = self.start(ChildSpec("vision_encoder", encoder_args, first_ports(cfg, "vision_encoder")))
         decode = self.start(ChildSpec("decode", (
             *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *max_len,
             *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),

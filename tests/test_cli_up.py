@@ -93,8 +93,8 @@ def test_up_turns_the_fault_flags_into_the_config(monkeypatch) -> None:
     monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
     assert main(["up", "--port", "0", "--stall-timeout-s", "3", "--kv-quarantine-s", "2", "--embedding-quarantine-s",
                  "1.5", "--max-concurrent-requests", "8", "--max-queued-requests", "4",
-                 "--queue-timeout-s", "5", "--transfer-backend", "inprocess"]) == 0
-    assert main(["up", "--port", "0", "--transfer-backend", "inprocess"]) == 0
+                 "--queue-timeout-s", "5", "--transfer-backend", "shm"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "shm"]) == 0
     given, default = configs
     def bounds(cfg: LaunchConfig) -> tuple:
         return (cfg.stall_timeout_s, cfg.kv_quarantine_s, cfg.embedding_quarantine_s,
@@ -332,7 +332,7 @@ def test_metrics_port_base_gives_each_service_a_fixed_metrics_port(monkeypatch) 
     ],
 )
 def test_up_checks_the_metrics_port_base(argv, message, capsys) -> None:
-    assert main(["up", "--transfer-backend", "inprocess", *argv]) == 2
+    assert main(["up", "--port", "0", "--transfer-backend", "shm", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -340,23 +340,23 @@ def test_log_format_reaches_every_service(monkeypatch, capsys) -> None:
     configs: list[LaunchConfig] = []
     monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
     monkeypatch.delenv("STAGESERVE_LOG_FORMAT", raising=False)
-    assert main(["up", "--transfer-backend", "inprocess"]) == 0
-    assert main(["up", "--transfer-backend", "inprocess", "--log-format", "json"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "shm"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "shm", "--log-format", "json"]) == 0
     monkeypatch.setenv("STAGESERVE_LOG_FORMAT", "json")
-    assert main(["up", "--transfer-backend", "inprocess"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "shm"]) == 0
     assert [c.log_format for c in configs] == ["text", "json", "json"]
     for name in ("tokenizer", "vision_encoder", "prefill", "decode", "router"):
         flags = common_args(configs[1], name)
         assert flags[flags.index("--log-format") + 1] == "json"
     monkeypatch.setenv("STAGESERVE_LOG_FORMAT", "xml")
-    assert main(["up", "--transfer-backend", "inprocess"]) == 2
+    assert main(["up", "--port", "0", "--transfer-backend", "shm"]) == 2
     assert "STAGESERVE_LOG_FORMAT must be one of text, json, got 'xml'" in capsys.readouterr().err
 
 
 def test_up_refuses_an_otel_setting_before_starting_anything(monkeypatch, capsys) -> None:
     monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: pytest.fail("started"))
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
-    assert main(["up", "--transfer-backend", "inprocess"]) == 2
+    assert main(["up", "--port", "0", "--transfer-backend", "shm"]) == 2
     assert "OTEL_TRACES_EXPORTER: unsupported exporter 'zipkin'" in capsys.readouterr().err
 
 
@@ -372,3 +372,16 @@ def test_the_ready_table_shows_every_services_metrics_address() -> None:
     assert lines[1].split() == ["tokenizer", "11", "5001", "http://127.0.0.1:9100/metrics"]
     assert lines[2].split() == [
         "router", "15", "5005", "http://127.0.0.1:9104/metrics", "(HTTP", "port", "8000)"]
+
+
+def test_encoder_ranks_reach_the_vision_encoder_only_when_given(monkeypatch, capsys) -> None:
+    configs: list[LaunchConfig] = []
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
+    assert main(["up", "--port", "0", "--encoder-ranks", "2"]) == 0
+    assert configs[0].encoder_ranks == 2
+    args = service_args(configs[0], monkeypatch)
+    assert args["vision_encoder"] == ["--transfer-backend", "shm", "--ranks", "2"]
+    assert [n for n, a in args.items() if "--ranks" in a] == ["vision_encoder"]
+    assert "--ranks" not in service_args(LaunchConfig(Path("m")), monkeypatch)["vision_encoder"]
+    assert main(["up", "--port", "0", "--encoder-ranks", "0"]) == 2
+    assert "--encoder-ranks must be >= 1" in capsys.readouterr().err

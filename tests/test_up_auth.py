@@ -36,15 +36,15 @@ def test_every_child_gets_the_same_token_through_its_environment(monkeypatch) ->
 def test_up_passes_the_api_key_and_keeps_an_existing_token(monkeypatch) -> None:
     envs: list[dict[str, str]] = []
     monkeypatch.setattr(services.launcher, "run_up", lambda cfg, env: envs.append(dict(env)) or 0)
-    assert main(["up", "--port", "0", "--transfer-backend", "inprocess", "--api-key", "sk-up"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "shm", "--api-key", "sk-up"]) == 0
     assert envs[0]["STAGESERVE_API_KEY"] == "sk-up"
     assert envs[0]["STAGESERVE_INTERNAL_TOKEN"] == os.environ["STAGESERVE_INTERNAL_TOKEN"]
-    assert main(["up", "--port", "0", "--transfer-backend", "inprocess"]) == 0
+    assert main(["up", "--port", "0", "--transfer-backend", "shm"]) == 0
     assert "STAGESERVE_API_KEY" not in envs[1]
 
 
 @pytest.mark.parametrize("key", ["", "two words"])
 def test_up_refuses_an_unusable_api_key_before_starting_anything(monkeypatch, capsys, key) -> None:
     monkeypatch.setattr(services.launcher, "run_up", lambda cfg, env: pytest.fail("started"))
-    assert main(["up", "--port", "0", "--transfer-backend", "inprocess", "--api-key", key]) == 2
+    assert main(["up", "--port", "0", "--transfer-backend", "shm", "--api-key", key]) == 2
     assert "API key" in capsys.readouterr().err

@@ -116,3 +116,8 @@ def test_serve_passes_help_to_the_service(capsys) -> None:
         main(["serve", "decode", "--help"])
     assert info.value.code == 0
     assert "--num-pages" in capsys.readouterr().out
+
+
+def test_the_in_process_backend_is_refused_by_up(capsys) -> None:
+    assert main(["up", "--port", "0", "--transfer-backend", "inprocess"]) == 2
+    assert "up runs every service as its own process: use shm (one host) or mooncake" in capsys.readouterr().err

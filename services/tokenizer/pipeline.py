@@ -1,11 +1,11 @@
 """All CPU work of one Tokenize call: chat or prompt in, ``TokenizedPrompt`` out.
 
 Chat: render the template with the messages' texts kept as plain text
-(``TextProcessor.encode_chat``), decode each distinct image once to find its patch
-grid (no pixel preprocessing: the vision encoder does that from the same bytes), hash
-its compressed bytes, expand each placeholder to the image's token count, and compute
-the M-RoPE position delta. Images leave as their compressed bytes, each distinct one
-once.
+(``TextProcessor.encode_chat``), read each distinct image's size from its header to
+find its patch grid (no pixel decode: the vision encoder decodes the same bytes, and
+refuses a file whose pixel data is cut short), hash its compressed bytes, expand each
+placeholder to the image's token count, and compute the M-RoPE position delta. Images
+leave as their compressed bytes, each distinct one once.
 
 The context limit is checked on the text first, with work bounded by the limit: a
 prompt or chat that certainly needs ``max_model_len`` tokens or more is refused before
@@ -23,7 +23,8 @@ from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart, TokenizedPrompt
 from services.engine.config import ModelConfig
 from services.engine.model.rope import ImageSpan, mrope_positions
-from services.engine.processing import ImageProcessor, TextProcessor, content_hash, decode_image
+from services.engine.processing import ImageProcessor, TextProcessor, content_hash
+from services.engine.processing.image import image_size
 from services.engine.processing.text import prompt_too_long
 from services.tokenizer.config import Limits
 
@@ -82,8 +83,8 @@ class TokenizePipeline:
 
     def _grid(self, data: bytes, param: str) -> tuple[int, int, int]:
         try:
-            image = decode_image(data, self.limits.max_image_bytes, self.limits.max_image_pixels)
-            return self.images.grid_for(image)
+            height, width = image_size(data, self.limits.max_image_bytes, self.limits.max_image_pixels)
+            return self.images.grid_for_size(height, width)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{param}: {exc.message}", param=param) from exc
 

@@ -1,4 +1,4 @@
-"""``python -m services.vision_encoder``: the vision encoder service."""
+"""``python -m services.vision_encoder``: the vision encoder (a leader and W rank processes)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 from services.common.auth import Credentials
 from services.common.envs import Envs
+from services.common.ranks.errors import RankStartError
 from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import (
     add_common_args,
@@ -17,53 +18,105 @@ from services.common.service_main import (
     setup_logging,
     start_telemetry,
 )
-from services.vision_encoder.app import build_app, create_grpc_server
-from services.vision_encoder.config import VisionEncoderConfig
+from services.vision_encoder.app import build_app, create_grpc_server, rank_group_config
+from services.vision_encoder.config import TRANSFER_BACKENDS, VisionEncoderConfig, rank_devices
 from services.vision_encoder.metrics import VisionEncoderMetrics
 
 logger = logging.getLogger("services.vision_encoder")
 
 
-def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.vision_encoder", description=__doc__)
     add_common_args(p)
-    p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "inprocess", "shm"])
-    p.add_argument("--transfer-host", default="127.0.0.1", help="address the transfer engine advertises to peers (Mooncake; it listens on every interface)")
-    p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
-    p.add_argument("--staging-rows", type=int, default=8192, help="rows of the registered send staging buffer")
-    p.add_argument("--cache-bytes", type=int, default=256 * 1024 * 1024, help="embedding cache budget, bytes")
-    p.add_argument("--max-batch-images", type=int, default=32, help="images one ViT batch takes at most")
-    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024, help="size limit of one compressed image")
-    p.add_argument("--default-timeout-s", type=float, default=60.0, help="deadline of a call that carries none")
+    p.add_argument("--devices", default=None, metavar="DEV,DEV,...",
+                   help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on "
+                        "--device)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="rank processes, each on --device (default 1; with --devices: how many "
+                        "there are)")
+    p.add_argument("--cache-bytes", type=int, default=256 * 1024 * 1024,
+                   help="embedding cache budget of each rank, bytes (W ranks hold W times this)")
+    p.add_argument("--max-batch-images", type=int, default=32,
+                   help="images one batch takes at most, over all ranks")
+    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
+                   help="size limit of one compressed image")
+    p.add_argument("--default-timeout-s", type=float, default=60.0,
+                   help="deadline of a call that carries none")
+    p.add_argument("--step-timeout-s", type=float, default=60.0,
+                   help="a batch's limit on the ranks: a rank past it is declared dead, the rank "
+                        "group restarts")
     p.add_argument("--watchdog-s", type=float, default=30.0,
-                   help="health turns NOT_SERVING when encodes wait but no batch starts or ends for this long")
+                   help="health turns NOT_SERVING when encodes wait but no batch starts or ends "
+                        "for this long")
+    _add_transfer_args(p)
+    return p
+
+
+def _add_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transfer-backend", default="mooncake", choices=TRANSFER_BACKENDS)
+    p.add_argument("--transfer-host", default="127.0.0.1",
+                   help="address each rank's transfer engine advertises to peers (Mooncake; it "
+                        "listens on every interface)")
+    p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
+    p.add_argument("--staging-rows", type=int, default=8192,
+                   help="rows of each rank's registered send staging buffer (Mooncake)")
+
+
+def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
+    p = _parser()
     a = p.parse_args(argv)
-    if a.watchdog_s <= 0:
-        p.error("--watchdog-s must be > 0")
-    return VisionEncoderConfig(
-        model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port, device=a.device, dtype=a.dtype,
-        log_level=a.log_level.upper(), log_format=a.log_format,
-        transfer_backend=a.transfer_backend, transfer_host=a.transfer_host,
-        transfer_protocol=a.transfer_protocol, staging_rows=a.staging_rows, cache_bytes=a.cache_bytes,
-        max_batch_images=a.max_batch_images, max_image_bytes=a.max_image_bytes,
-        default_timeout_s=a.default_timeout_s, watchdog_s=a.watchdog_s,
-        internal_token_file=a.internal_token_file, allow_unauthenticated=a.allow_unauthenticated,
-        enable_reflection=a.enable_reflection,
-    )
+    try:
+        config = VisionEncoderConfig(
+            model=a.model,
+            host=a.host,
+            port=a.port,
+            metrics_port=a.metrics_port,
+            device=a.device,
+            dtype=a.dtype,
+            log_level=a.log_level.upper(),
+            log_format=a.log_format,
+            devices=rank_devices(a.devices, a.ranks, a.device),
+            transfer_backend=a.transfer_backend,
+            transfer_host=a.transfer_host,
+            transfer_protocol=a.transfer_protocol,
+            staging_rows=a.staging_rows,
+            cache_bytes=a.cache_bytes,
+            max_batch_images=a.max_batch_images,
+            max_image_bytes=a.max_image_bytes,
+            default_timeout_s=a.default_timeout_s,
+            step_timeout_s=a.step_timeout_s,
+            watchdog_s=a.watchdog_s,
+            internal_token_file=a.internal_token_file,
+            allow_unauthenticated=a.allow_unauthenticated,
+            enable_reflection=a.enable_reflection,
+        )
+        rank_group_config(config, Envs())  # the devices, checked before anything starts
+    except ValueError as exc:
+        p.error(str(exc))
+    return config
 
 
 async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | None) -> None:
     metrics_port = start_telemetry(
         "vision_encoder", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
     )
-    app = await asyncio.to_thread(build_app, config, VisionEncoderMetrics())
+    app = build_app(config, VisionEncoderMetrics(), envs)
     health = HealthState()
     server, port = create_grpc_server(app, config, health, auth)
     await server.start()
-    await asyncio.to_thread(app.worker.warmup)
-    health.set_serving(True)
-    app.leader.progress.start(health)  # readiness follows the engine thread: NOT_SERVING while it is stuck
-    logger.info("serving on %s:%d (transfer %s)", config.host, port, config.transfer_backend)
+    try:
+        await app.start(health)  # SERVING once every rank is loaded and warmed up
+    except RankStartError:
+        await server.stop(None)
+        raise
+    devices = ",".join(config.devices)
+    logger.info(
+        "serving on %s:%d (ranks on %s, transfer %s)",
+        config.host,
+        port,
+        devices,
+        config.transfer_backend,
+    )
     print_ready("vision_encoder", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, app.close)
 
@@ -75,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     auth = internal_credentials_or_exit(
         "vision_encoder", envs, config.internal_token_file, config.allow_unauthenticated
     )
-    asyncio.run(serve(config, envs, auth))
+    try:
+        asyncio.run(serve(config, envs, auth))
+    except RankStartError as exc:
+        print(f"vision_encoder: error: {exc.message}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -1,81 +1,136 @@
-"""Wiring: config -> model, cache, sender, rank worker, scheduler, leader, servicer."""
+"""Wiring of the leader process: config -> rank group, scheduler, leader, servicer, readiness.
+
+The leader process reads the checkpoint's config only (the limits every call is checked
+against); each rank process loads the vision tower (``rank_step``). Readiness follows
+the rank group and the progress watchdogs (``readiness.ReadinessGate``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 import grpc
 
 from services.common.auth import Credentials
+from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import vision_encoder_pb2, vision_encoder_pb2_grpc
+from services.common.progress import ProgressWatchdog
+from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, create_server
-from services.engine.loader import load_model
-from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.processing.image import ImageProcessor
-from services.transfer import create_embedding_sender
-from services.transfer.embeddings import BaseEmbeddingSender
-from services.vision_encoder.cache import EmbeddingCacheManager
+from services.engine.config import ModelConfig
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.job import JobLimits
 from services.vision_encoder.leader import EncoderLeader
 from services.vision_encoder.metrics import VisionEncoderMetrics
+from services.vision_encoder.rank_messages import EncoderRankInit, EncodeStepResult, TransferSpec
+from services.vision_encoder.readiness import ReadinessGate
 from services.vision_encoder.scheduler import EncodeScheduler
 from services.vision_encoder.servicer import VisionEncoderServicer
-from services.vision_encoder.worker import EncoderWorker
 
 SERVICE_NAME = vision_encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
+STEP_TARGET = "services.vision_encoder.rank_step:EncoderRankStep"  # imported by the ranks only
 
 
 @dataclass
 class VisionEncoderApp:
     leader: EncoderLeader
-    worker: EncoderWorker
-    sender: BaseEmbeddingSender
     servicer: VisionEncoderServicer
+    limits: JobLimits
+    _loop: asyncio.AbstractEventLoop | None = None
+    _gate: ReadinessGate | None = None
+    _watchdogs: list[ProgressWatchdog] = field(default_factory=list)
 
-    def close(self) -> None:
-        """Stop the batch loop (waiting calls fail UNAVAILABLE), then release the transfer engine."""
-        self.leader.stop()
-        self.sender.close()
+    @property
+    def group(self) -> RankGroup:
+        return self.leader.group
+
+    async def start(self, health: HealthState, watchdog_poll_s: float = 1.0) -> None:
+        """Form the rank group (every rank loaded and warmed up; ``RankStartError`` naming the
+        rank and cause), start the batch loop; readiness follows the group and the watchdogs."""
+        self._loop = asyncio.get_running_loop()
+        self._gate = ReadinessGate(health)
+        await self.leader.start()
+        group = self.leader.group
+        self._watchdogs = [self.leader.progress, group.progress, *group.rank_progress]
+        for watchdog in self._watchdogs:
+            watchdog.start(self._gate.view(), interval_s=watchdog_poll_s)  # type: ignore[arg-type]
+
+    def on_ready_change(self, is_ready: bool) -> None:
+        """The rank group's readiness (called from its thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._apply_ready, is_ready)
+
+    def _apply_ready(self, is_ready: bool) -> None:
+        if not is_ready:
+            self.leader.on_group_down()
+        if self._gate is not None:
+            self._gate.set_group_ready(is_ready)
+
+    async def close(self) -> None:
+        """Stop the ranks and the batch loop; every call still waiting fails UNAVAILABLE."""
+        for watchdog in self._watchdogs:
+            watchdog.stop()
+        await self.leader.stop()
 
 
-def create_sender(config: VisionEncoderConfig) -> BaseEmbeddingSender:
-    if config.transfer_backend == "mooncake":
-        return create_embedding_sender(
-            "mooncake", hostname=config.transfer_host, protocol=config.transfer_protocol,
-            staging_rows=config.staging_rows,
-        )
-    return create_embedding_sender(config.transfer_backend)
+def rank_group_config(config: VisionEncoderConfig, envs: Envs) -> RankGroupConfig:
+    return RankGroupConfig(
+        name="vision encoder",
+        devices=config.devices,
+        step_timeout_s=config.step_timeout_s,
+        watchdog_s=config.watchdog_s,
+        internal_token=envs.internal_token,  # what the spawned ranks inherit and send back
+    )
+
+
+def rank_init(config: VisionEncoderConfig) -> EncoderRankInit:
+    transfer = TransferSpec(
+        config.transfer_backend, config.transfer_host, config.transfer_protocol, config.staging_rows
+    )
+    return EncoderRankInit(
+        str(config.model), config.dtype, config.cache_bytes, config.max_image_bytes, transfer
+    )
 
 
 def build_app(
     config: VisionEncoderConfig,
     metrics: VisionEncoderMetrics,
-    sender: BaseEmbeddingSender | None = None,
-    model: Qwen2_5_VLModel | None = None,
+    envs: Envs | None = None,
+    *,
+    step_target: str = STEP_TARGET,
 ) -> VisionEncoderApp:
-    """Load the vision tower (unless ``model`` is given) and wire one rank; the leader is started."""
-    if config.world_size != 1:
-        raise ValueError(f"world_size {config.world_size}: only a single encoder rank is supported yet")
-    model = model if model is not None else load_model(config.model, config.device, config.dtype, components=("vision",))
-    sender = sender if sender is not None else create_sender(config)
-    worker = EncoderWorker(
-        model, ImageProcessor.from_dir(config.model), EmbeddingCacheManager(config.cache_bytes), sender,
-        config.max_image_bytes,
+    """Everything but the ranks (``start`` forms them); ``step_target``: the rank step class."""
+    envs = envs if envs is not None else Envs.from_environ()
+    vision = ModelConfig.from_dir(config.model).vision
+    limits = JobLimits(vision.spatial_merge_size, vision.out_hidden_size, config.transfer_backend)
+    spec = StepSpec(step_target, EncodeStepResult, rank_init(config))
+    app: VisionEncoderApp  # the group calls back only once started, when ``app`` exists
+    group = RankGroup(
+        rank_group_config(config, envs), spec, on_ready_change=lambda r: app.on_ready_change(r)
     )
-    leader = EncoderLeader(EncodeScheduler(config.max_batch_images), [worker], metrics, watchdog_s=config.watchdog_s)
-    limits = JobLimits(worker.merge_size, worker.hidden_size, sender.backend)
+    leader = EncoderLeader(
+        EncodeScheduler(config.max_batch_images), group, metrics, watchdog_s=config.watchdog_s
+    )
     servicer = VisionEncoderServicer(leader, limits, config.default_timeout_s)
-    leader.start()
-    return VisionEncoderApp(leader, worker, sender, servicer)
+    app = VisionEncoderApp(leader, servicer, limits)
+    return app
 
 
 def create_grpc_server(
-    app: VisionEncoderApp, config: VisionEncoderConfig, health: HealthState, auth: Credentials | None = None
+    app: VisionEncoderApp,
+    config: VisionEncoderConfig,
+    health: HealthState,
+    auth: Credentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The encoder's gRPC server; ``auth``: the internal token callers must send (None: none)."""
     return create_server(
         [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, app.servicer)],
-        port=config.port, host=config.host, service_names=[SERVICE_NAME], health=health,
-        auth=auth, enable_reflection=config.enable_reflection,
+        port=config.port,
+        host=config.host,
+        service_names=[SERVICE_NAME],
+        health=health,
+        auth=auth,
+        enable_reflection=config.enable_reflection,
     )

@@ -1,4 +1,4 @@
-"""The encoder's embedding cache: image embedding rows keyed by content hash, LRU under a byte budget."""
+"""A rank's embedding cache: image embedding rows keyed by content hash, LRU under a byte budget."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ class CacheEntry:
 
 
 class EmbeddingCacheManager:
-    """Single owner of cached embeddings; evicts least-recently-used entries to stay within ``budget_bytes``.
+    """Single owner of cached embeddings; evicts the least recently used to fit ``budget_bytes``.
 
-    Thread-safe. ``lookup`` counts hits and misses and refreshes recency; ``contains``
-    (for manifests) does neither. An entry larger than the whole budget is not cached.
+    Thread-safe. ``lookup_entry`` refreshes recency; ``contains`` (for manifests) does not.
+    An entry larger than the whole budget is not cached.
+    Every eviction is logged until ``take_evicted`` hands the log over (the rank reports it
+    to the leader's ledger); ``clear`` logs nothing.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -31,9 +33,7 @@ class EmbeddingCacheManager:
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()  # oldest first
         self._num_bytes = 0
-        self.num_hits = 0
-        self.num_misses = 0
-        self.num_evictions = 0
+        self._evicted: list[str] = []
         self._lock = threading.Lock()
 
     @property
@@ -48,27 +48,23 @@ class EmbeddingCacheManager:
         with self._lock:
             return content_hash in self._entries
 
-    def lookup(self, content_hash: str) -> torch.Tensor | None:
-        """The cached rows (do not modify them), marked most recently used; None on a miss."""
-        entry = self.lookup_entry(content_hash)
-        return None if entry is None else entry.rows
-
     def lookup_entry(self, content_hash: str) -> CacheEntry | None:
+        """The cached entry (do not modify its rows), marked most recently used; None on a miss."""
         with self._lock:
             entry = self._entries.get(content_hash)
-            if entry is None:
-                self.num_misses += 1
-                return None
-            self._entries.move_to_end(content_hash)
-            self.num_hits += 1
+            if entry is not None:
+                self._entries.move_to_end(content_hash)
             return entry
 
     def can_insert(self, num_bytes: int) -> bool:
         """True when an entry of ``num_bytes`` fits the budget (after evicting others if needed)."""
         return num_bytes <= self.budget_bytes
 
-    def insert(self, content_hash: str, rows: torch.Tensor, grid_thw: tuple[int, int, int] = (0, 0, 0)) -> bool:
-        """Cache ``rows`` (a private copy when they share storage) under ``content_hash``; False when too large."""
+    def insert(
+        self, content_hash: str, rows: torch.Tensor, grid_thw: tuple[int, int, int] = (0, 0, 0)
+    ) -> bool:
+        """Cache ``rows`` (a private copy when they share storage) under ``content_hash``;
+        False when they are larger than the whole budget."""
         rows = rows if _owns_storage(rows) else rows.clone()
         entry = CacheEntry(rows, tuple(grid_thw))
         if not self.can_insert(entry.num_bytes):
@@ -78,12 +74,18 @@ class EmbeddingCacheManager:
             if old is not None:
                 self._num_bytes -= old.num_bytes
             while self._num_bytes + entry.num_bytes > self.budget_bytes:
-                _, evicted = self._entries.popitem(last=False)
+                evicted_hash, evicted = self._entries.popitem(last=False)
                 self._num_bytes -= evicted.num_bytes
-                self.num_evictions += 1
+                self._evicted.append(evicted_hash)
             self._entries[content_hash] = entry
             self._num_bytes += entry.num_bytes
         return True
+
+    def take_evicted(self) -> list[str]:
+        """The hashes evicted since the last call, oldest first."""
+        with self._lock:
+            evicted, self._evicted = self._evicted, []
+        return evicted
 
     def clear(self) -> None:
         with self._lock:
@@ -92,4 +94,7 @@ class EmbeddingCacheManager:
 
 
 def _owns_storage(rows: torch.Tensor) -> bool:
-    return rows.is_contiguous() and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+    return (
+        rows.is_contiguous()
+        and rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+    )

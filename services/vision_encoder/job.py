@@ -1,4 +1,4 @@
-"""One Encode call inside the service (``EncodeJob``), and the checks it passes before it is queued."""
+"""One Encode call inside the service (``EncodeJob``), and the checks it passes before queueing."""
 
 from __future__ import annotations
 
@@ -17,12 +17,9 @@ class EncodeJob(msgspec.Struct, frozen=True):
     job_id: int
     request_id: str
     spans: tuple[EncodeSpanInput, ...]  # prompt order
-    destinations: tuple[EmbeddingDestination, ...]  # one per prefill rank; each gets every span's rows
+    destinations: tuple[EmbeddingDestination, ...]  # one per prefill rank; each gets every row
     deadline: float  # time.monotonic() seconds
-
-    @property
-    def num_rows(self) -> int:
-        return sum(s.span.length for s in self.spans)
+    num_replans: int = 0  # times planned again after a rank's cache disagreed with the ledger
 
 
 class JobLimits(msgspec.Struct, frozen=True):
@@ -35,18 +32,21 @@ def validate_job(job: EncodeJob, limits: JobLimits) -> None:
     """``InvalidRequestError`` naming the offending field unless ``job`` is well formed.
 
     Checks every destination, and every span's hash (SHA-256 of its bytes), grid,
-    length and destination rows; the image bytes themselves are decoded by the worker.
+    length and destination rows; the image bytes themselves are decoded by the owner rank.
     """
     if job.spans and not job.destinations:
-        raise InvalidRequestError("embedding_refs is empty: nowhere to write the rows", param="embedding_refs")
+        raise InvalidRequestError(
+            "embedding_refs is empty: nowhere to write the rows", param="embedding_refs"
+        )
     for k, dst in enumerate(job.destinations):
         _check_destination(dst, k, limits)
     for i, span in enumerate(job.spans):
         _check_span(span, i, limits.merge_size)
+        end = span.dest_row + span.span.length
         for dst in job.destinations:
-            if span.dest_row + span.span.length > dst.num_rows:
+            if end > dst.num_rows:
                 raise InvalidRequestError(
-                    f"spans[{i}] rows [{span.dest_row}, {span.dest_row + span.span.length}) do not fit the "
+                    f"spans[{i}] rows [{span.dest_row}, {end}) do not fit the "
                     f"{dst.num_rows} destination rows",
                     param=f"spans[{i}].dest_row",
                 )
@@ -56,14 +56,14 @@ def validate_job(job: EncodeJob, limits: JobLimits) -> None:
 def _check_destination(dst: EmbeddingDestination, k: int, limits: JobLimits) -> None:
     if dst.backend != limits.backend:
         raise InvalidRequestError(
-            f"embedding_refs[{k}] uses transfer backend {dst.backend!r}; this encoder sends through "
-            f"{limits.backend!r}",
+            f"embedding_refs[{k}] uses transfer backend {dst.backend!r}; this encoder sends "
+            f"through {limits.backend!r}",
             param=f"embedding_refs[{k}].backend",
         )
     if dst.hidden_size != limits.hidden_size:
         raise InvalidRequestError(
-            f"embedding_refs[{k}] rows hold {dst.hidden_size} elements; the model's embeddings have "
-            f"{limits.hidden_size}",
+            f"embedding_refs[{k}] rows hold {dst.hidden_size} elements; the model's embeddings "
+            f"have {limits.hidden_size}",
             param=f"embedding_refs[{k}].hidden_size",
         )
     if dst.dtype not in _DTYPES:
@@ -76,17 +76,21 @@ def _check_destination(dst: EmbeddingDestination, k: int, limits: JobLimits) -> 
 def _check_span(span: EncodeSpanInput, i: int, merge: int) -> None:
     if hashlib.sha256(span.image_data).hexdigest() != span.span.content_hash:
         raise InvalidRequestError(
-            f"spans[{i}].span.content_hash is not the SHA-256 of its image_data", param=f"spans[{i}].span.content_hash"
+            f"spans[{i}].span.content_hash is not the SHA-256 of its image_data",
+            param=f"spans[{i}].span.content_hash",
         )
     t, h, w = span.span.grid_thw
     if min(t, h, w) <= 0 or h % merge or w % merge:
         raise InvalidRequestError(
-            f"spans[{i}] grid {t}x{h}x{w} must be positive with height and width multiples of {merge}",
+            f"spans[{i}] grid {t}x{h}x{w} must be positive with height and width multiples "
+            f"of {merge}",
             param=f"spans[{i}].span",
         )
-    if span.span.length != t * h * w // merge**2:
+    num_tokens = t * h * w // merge**2
+    if span.span.length != num_tokens:
         raise InvalidRequestError(
-            f"spans[{i}].span.length is {span.span.length}; grid {t}x{h}x{w} gives {t * h * w // merge**2} tokens",
+            f"spans[{i}].span.length is {span.span.length}; grid {t}x{h}x{w} gives "
+            f"{num_tokens} tokens",
             param=f"spans[{i}].span.length",
         )
 

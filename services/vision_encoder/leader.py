@@ -1,11 +1,13 @@
-"""Leader: queues Encode calls, plans each batch from the ranks' manifests, drives the rank worker.
+"""The encoder's leader: queues Encode calls, plans each batch, runs it as one step on its ranks.
 
-The batch loop runs on one thread (``vision-encoder-engine``), so the asyncio event loop
-never blocks on preprocessing, the ViT or a transfer, and two ViT forwards never run at
-once. Results go back to the caller's event loop with ``call_soon_threadsafe``. Every
-job ends with its results or an error: expired in the queue, failed in the batch, or
-refused at shutdown. ``progress`` ticks when a batch is taken and when it ends; readiness
-follows it while encodes are queued or in flight.
+The batch loop is one asyncio task on the server's event loop: it takes a batch from the
+scheduler, plans it from the cache ledger, hands it to the rank group as one step (the
+payload is encoded on a worker thread; the group's own thread does the waiting) and
+turns every rank's result into the jobs' outcomes, so the loop never blocks and no two
+batches run at once. Every job ends with its results or an error: expired in the queue,
+failed in its step (a rank's error for that job, or the step's agreed error for all of
+them, or UNAVAILABLE when a rank died), or refused at shutdown. The leader never touches
+a device. ``progress`` ticks when a batch is taken and when it ends.
 """
 
 from __future__ import annotations
@@ -13,148 +15,164 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Sequence
+from concurrent.futures import Future
 
 from services.common.clients.vision_encoder import SpanResult
-from services.common.errors import DeadlineExceededError, UnavailableError
+from services.common.errors import DeadlineExceededError, StageServeError, UnavailableError
 from services.common.progress import ProgressWatchdog
+from services.common.ranks.group import RankGroup
 from services.vision_encoder.job import EncodeJob
 from services.vision_encoder.metrics import VisionEncoderMetrics
-from services.vision_encoder.plan import make_plan
-from services.vision_encoder.scheduler import BatchResult, EncodeBatch, EncodeScheduler, JobOutcome
-from services.vision_encoder.worker import EncoderWorker
+from services.vision_encoder.plan import CacheLedger, step_payload
+from services.vision_encoder.rank_messages import EncodeStepResult
+from services.vision_encoder.scheduler import (
+    BatchOutcome,
+    EncodeBatch,
+    EncodeScheduler,
+    JobOutcome,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class _Pending:
-    def __init__(self, loop: asyncio.AbstractEventLoop, arrival: float) -> None:
-        self.loop = loop
-        self.future: asyncio.Future[list[SpanResult]] = loop.create_future()
-        self.arrival = arrival
 
 
 class EncoderLeader:
     def __init__(
         self,
         scheduler: EncodeScheduler,
-        workers: Sequence[EncoderWorker],
+        group: RankGroup,
         metrics: VisionEncoderMetrics,
         *,
         watchdog_s: float = 30.0,
     ) -> None:
-        assert [w.rank for w in workers] == list(range(len(workers)))
         self.scheduler = scheduler
-        self.workers = list(workers)
+        self.group = group
+        self.ledger = CacheLedger(group.num_ranks)
         self.metrics = metrics
-        self._pending: dict[int, _Pending] = {}
-        self._cond = threading.Condition()
+        self._pending: dict[int, tuple[asyncio.Future[list[SpanResult]], float]] = {}
+        self._wake = asyncio.Event()
         self._is_stopping = False
         self._job_ids = itertools.count()
-        self._num_evictions_seen = 0
-        self._thread = threading.Thread(target=self._run, name="vision-encoder-engine", daemon=True)
+        self._task: asyncio.Task[None] | None = None
         self.progress = ProgressWatchdog(  # run by the caller (``progress.start``)
-            "vision encoder", watchdog_s, lambda: bool(self._pending), is_alive=self._thread.is_alive,
+            "vision encoder",
+            watchdog_s,
+            lambda: bool(self._pending),
+            is_alive=self._is_alive,
             stalled_gauge=metrics.stalled,
         )
 
     @property
-    def world_size(self) -> int:
-        return len(self.workers)
+    def num_ranks(self) -> int:
+        return self.group.num_ranks
+
+    @property
+    def num_pending(self) -> int:
+        """Calls waiting for a batch or in one."""
+        return len(self._pending)
 
     def next_job_id(self) -> int:
         return next(self._job_ids)
 
-    def start(self) -> None:
-        self._thread.start()
+    async def start(self) -> None:
+        """Form the rank group (``RankStartError`` naming the rank and cause), then run the loop."""
+        await self.group.start()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="encoder-batches")
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the batch in progress, fail every waiting job with ``UnavailableError``, join the thread."""
+    def on_group_down(self) -> None:
+        """The rank group fail-stopped: its ranks come back with empty caches."""
+        self.ledger.clear()
+        for rank in range(self.num_ranks):
+            self.metrics.cache_bytes.labels(rank=str(rank)).set(0)
+            self.metrics.cache_entries.labels(rank=str(rank)).set(0)
+
+    async def stop(self) -> None:
+        """Stop the rank group (the batch in flight fails UNAVAILABLE), fail every waiting job."""
         self.progress.stop()
-        with self._cond:
-            self._is_stopping = True
-            self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        self._is_stopping = True
+        self._wake.set()
+        await self.group.aclose()
+        if self._task is not None:
+            await self._task
 
     async def encode(self, job: EncodeJob) -> list[SpanResult]:
         """Queue ``job`` (already validated) and wait for its span results, or raise its error."""
         if not job.spans:
             return []
-        pending = _Pending(asyncio.get_running_loop(), time.monotonic())
-        with self._cond:
-            if self._is_stopping:
-                raise UnavailableError("the vision encoder is shutting down")
-            self._pending[job.job_id] = pending
-            self.scheduler.add(job)
-            self.metrics.queue_depth.set(self.scheduler.num_waiting)
-            self._cond.notify()
-        return await pending.future
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._is_stopping and not self.scheduler.num_waiting:
-                    self._cond.wait()
-                if self._is_stopping:
-                    refused = self.scheduler.drain()
-                    break
-                batch = self.scheduler.schedule(time.monotonic())
-                self.metrics.queue_depth.set(self.scheduler.num_waiting)
-            self.progress.tick()
-            for job in batch.expired:
-                self._finish(job, DeadlineExceededError(f"encode of {job.request_id} waited past its deadline"))
-            if batch.jobs:
-                self._run_batch(batch)
-                self.progress.tick()
-        for job in refused:
-            self._finish(job, UnavailableError("the vision encoder is shutting down"))
-
-    def _run_batch(self, batch: EncodeBatch) -> None:
+        if self._is_stopping:
+            raise UnavailableError("the vision encoder is shutting down")
+        future: asyncio.Future[list[SpanResult]] = asyncio.get_running_loop().create_future()
+        self._pending[job.job_id] = (future, time.monotonic())
+        self.scheduler.add(job)
+        self.metrics.queue_depth.set(self.scheduler.num_waiting)
+        self._wake.set()
         try:
-            hashes = batch.content_hashes
-            plan = make_plan(hashes, [w.manifest(hashes) for w in self.workers], self.world_size)
-            result = BatchResult()
-            for worker in self.workers:  # one rank here; more ranks run this on their own process
-                self._merge(result, worker.execute(batch, plan))
-            outcomes = self.scheduler.update_from_output(batch, plan, result)
-        except BaseException as exc:  # handed to every caller of the batch; they raise it
-            logger.exception("encode batch of %d jobs failed", len(batch.jobs))
-            outcomes = [(job, exc) for job in batch.jobs]
-            result = BatchResult()
-        self._record(result)
-        for job, outcome in outcomes:
-            self._finish(job, outcome)
+            return await future
+        finally:
+            self._pending.pop(job.job_id, None)  # its caller is gone: its outcome goes nowhere
 
-    @staticmethod
-    def _merge(total: BatchResult, part: BatchResult) -> None:
-        for job_id, error in part.errors.items():
-            total.errors.setdefault(job_id, error)
-        total.num_images_encoded += part.num_images_encoded
-        total.num_vit_forwards += part.num_vit_forwards
-        total.vit_s = max(total.vit_s, part.vit_s)
-        total.num_bytes_sent += part.num_bytes_sent
+    def _is_alive(self) -> bool:
+        return self._task is None or not self._task.done()
 
-    def _record(self, result: BatchResult) -> None:
-        m = self.metrics
-        m.images_encoded.inc(result.num_images_encoded)
-        m.vit_forwards.inc(result.num_vit_forwards)
-        if result.num_vit_forwards:
-            m.vit_latency.observe(result.vit_s)
-        m.transfer_bytes.inc(result.num_bytes_sent)
-        cache = self.workers[0].cache
-        m.cache_bytes.set(cache.num_bytes)
-        m.cache_entries.set(cache.num_entries)
-        m.cache_evictions.inc(cache.num_evictions - self._num_evictions_seen)
-        self._num_evictions_seen = cache.num_evictions
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while not self._is_stopping and self.scheduler.num_waiting:
+                batch = self.scheduler.schedule(time.monotonic(), self.ledger)
+                self.metrics.queue_depth.set(self.scheduler.num_waiting)
+                self.progress.tick()
+                for job in batch.expired:
+                    error = DeadlineExceededError(
+                        f"encode of {job.request_id} waited past its deadline"
+                    )
+                    self._finish(job, error)
+                if batch.jobs:
+                    await self._run_batch(batch)
+                    self.progress.tick()
+            if self._is_stopping:
+                for job in self.scheduler.drain():
+                    self._finish(job, UnavailableError("the vision encoder is shutting down"))
+                return
+
+    async def _run_batch(self, batch: EncodeBatch) -> None:
+        try:
+            outcome = self._fold(batch, await self._step(batch))
+        except StageServeError as exc:  # the step's agreed error, or UNAVAILABLE (a rank died)
+            logger.warning("encode batch of %d calls failed: %s", len(batch.jobs), exc.message)
+            for job in batch.jobs:
+                self._finish(job, exc)
+            return
+        except Exception as exc:  # a bug here must still end every call of the batch
+            logger.exception("encode batch of %d calls failed", len(batch.jobs))
+            for job in batch.jobs:
+                self._finish(job, exc)
+            return
+        self.scheduler.requeue([j for j in outcome.replanned if j.job_id in self._pending])
+        for job, job_outcome in outcome.finished:
+            self._finish(job, job_outcome)
+
+    def _fold(self, batch: EncodeBatch, results: list[EncodeStepResult]) -> BatchOutcome:
+        """Every rank's result into the metrics, the ledger and the calls' outcomes."""
+        for result in results:
+            self.metrics.record_step(result)
+        if self.ledger.update_from_results(batch.plan, results):
+            logger.warning("a rank's cache disagreed with the ledger: its calls are planned again")
+        return self.scheduler.update_from_output(batch, results)
+
+    async def _step(self, batch: EncodeBatch) -> list[EncodeStepResult]:
+        payload = step_payload(batch.jobs, batch.plan, time.monotonic())
+        # Encoding the payload copies every image's bytes: off the event loop.
+        future: Future = await asyncio.to_thread(self.group.submit, payload)
+        results = await asyncio.wrap_future(future)
+        assert all(isinstance(r, EncodeStepResult) for r in results)
+        return results
 
     def _finish(self, job: EncodeJob, outcome: JobOutcome) -> None:
-        with self._cond:
-            pending = self._pending.pop(job.job_id, None)
-        if pending is None:
+        entry = self._pending.pop(job.job_id, None)
+        if entry is None:  # the caller went away
             return
+        future, arrival = entry
         m = self.metrics
         if isinstance(outcome, BaseException):
             m.requests.labels(outcome=type(outcome).__name__).inc()
@@ -165,17 +183,10 @@ class EncoderLeader:
             m.cache_misses.inc(len(outcome) - num_hits)
             m.mm_cache_queries.inc(len(outcome))
             m.mm_cache_hits.inc(num_hits)
-        m.encode_latency.observe(time.monotonic() - pending.arrival)
-        try:
-            pending.loop.call_soon_threadsafe(_resolve, pending.future, outcome)
-        except RuntimeError:  # the caller's event loop is closed: nobody is waiting
-            logger.debug("dropped the outcome of %s: its event loop is closed", job.request_id)
-
-
-def _resolve(future: asyncio.Future[list[SpanResult]], outcome: JobOutcome) -> None:
-    if future.done():  # the caller went away
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
+        m.encode_latency.observe(time.monotonic() - arrival)
+        if future.done():
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)

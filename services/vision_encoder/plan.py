@@ -1,36 +1,38 @@
-"""Owner-elected encoding plan for a batch of image spans across the encoder's W ranks.
+"""Owner-elected encoding across the encoder's W ranks: owners, the leader's cache ledger, plans.
 
-Each rank reports a manifest: for the batch's span hashes (same list, same order on
-every rank), which ones its cache holds. The leader checks the manifests agree and
-plans every span: its owner is ``int(hash[:16], 16) % W``; the action is LOCAL_HIT
-when the owner's cache holds it (the owner sends cached rows) else OWNER_ENCODE (the
-owner runs the ViT once per distinct image, then sends). Only owners cache an image,
-so a rank reporting a hash it does not own means the ranks diverged: the plan fails.
+Every image has one owner, ``int(hash[:16], 16) % W``: only the owner encodes it (whole,
+in its one ViT call of the step), caches it and sends its rows; a cache hit is served
+from the owner's cache. So each distinct image is encoded once while it stays cached,
+and W ranks hold W times the cache of one.
+
+The leader plans alone, from its ``CacheLedger`` (which rank holds which image), so the
+ranks never decide anything that another rank waits on. The ledger is what the ranks
+reported in their manifests after each step: the step's images each owner holds
+afterwards and what it evicted. When a rank's cache disagrees with the ledger (a planned
+hit is missing: a restarted rank, an eviction the leader did not hear of), the ledger
+takes the rank's word and the affected calls are planned again, as encodes.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import msgspec
 
-from services.common.errors import StageServeError
+from services.vision_encoder.job import EncodeJob
+from services.vision_encoder.rank_messages import (
+    EncodeStepPayload,
+    EncodeStepResult,
+    RankJob,
+    RankSpan,
+    SpanAction,
+)
 
 
-class PlanError(StageServeError):
-    """The ranks' manifests disagree; no plan is safe to execute."""
-
-
-class SpanAction(enum.Enum):
-    LOCAL_HIT = "local_hit"
-    OWNER_ENCODE = "owner_encode"
-
-
-class Manifest(msgspec.Struct, frozen=True):
-    rank: int
-    content_hashes: tuple[str, ...]  # the batch's span hashes as this rank saw them
-    is_cached: tuple[bool, ...]  # per hash: held in this rank's cache
+def owner_rank(content_hash: str, world_size: int) -> int:
+    """The rank that encodes and caches ``content_hash`` (its first 64 bits, modulo W)."""
+    assert world_size > 0
+    return int(content_hash[:16], 16) % world_size
 
 
 class SpanPlan(msgspec.Struct, frozen=True):
@@ -41,47 +43,78 @@ class SpanPlan(msgspec.Struct, frozen=True):
 
 class EncodePlan(msgspec.Struct, frozen=True):
     world_size: int
-    spans: tuple[SpanPlan, ...]  # one per batch span, same order
+    spans: tuple[SpanPlan, ...]  # one per span of the batch: jobs in order, spans in order
 
-    def encode_hashes(self, rank: int) -> list[str]:
-        """Distinct images ``rank`` must encode, in first-appearance order (one ViT call)."""
-        hashes = (s.content_hash for s in self.spans if s.owner_rank == rank and s.action is SpanAction.OWNER_ENCODE)
-        return list(dict.fromkeys(hashes))
-
-    def hit_hashes(self, rank: int) -> list[str]:
-        hashes = (s.content_hash for s in self.spans if s.owner_rank == rank and s.action is SpanAction.LOCAL_HIT)
-        return list(dict.fromkeys(hashes))
+    def owned_hashes(self, rank: int) -> set[str]:
+        return {s.content_hash for s in self.spans if s.owner_rank == rank}
 
 
-def owner_rank(content_hash: str, world_size: int) -> int:
-    """The rank that encodes and caches ``content_hash`` (its first 64 bits, modulo W)."""
-    assert world_size > 0
-    return int(content_hash[:16], 16) % world_size
+class CacheLedger:
+    """Which rank's cache holds which image, as the ranks last reported; the leader's only."""
+
+    def __init__(self, world_size: int) -> None:
+        assert world_size > 0
+        self.world_size = world_size
+        self._held: list[set[str]] = [set() for _ in range(world_size)]
+
+    def holds(self, rank: int, content_hash: str) -> bool:
+        return content_hash in self._held[rank]
+
+    def update_from_results(self, plan: EncodePlan, results: Sequence[EncodeStepResult]) -> int:
+        """Fold every rank's manifest in; returns how many planned hits a rank did not hold."""
+        assert [r.rank for r in results] == list(range(self.world_size))
+        num_missing = 0
+        for result in results:
+            held, manifest = self._held[result.rank], result.manifest
+            held.difference_update(manifest.evicted)
+            held.difference_update(plan.owned_hashes(result.rank))
+            held.update(manifest.held)
+            num_missing += len(manifest.missing)
+        return num_missing
+
+    def clear(self) -> None:
+        """Forget everything (the ranks restarted with empty caches)."""
+        for held in self._held:
+            held.clear()
 
 
-def make_plan(content_hashes: Sequence[str], manifests: Sequence[Manifest], world_size: int) -> EncodePlan:
-    """Plan every span of a batch; ``PlanError`` when the manifests do not agree."""
-    check_manifests(content_hashes, manifests, world_size)
-    by_rank = {m.rank: m for m in manifests}
+def make_plan(content_hashes: Sequence[str], ledger: CacheLedger) -> EncodePlan:
+    """Each span's owner; LOCAL_HIT where the ledger says the owner holds it, else OWNER_ENCODE."""
     spans = []
-    for i, content_hash in enumerate(content_hashes):
-        owner = owner_rank(content_hash, world_size)
-        action = SpanAction.LOCAL_HIT if by_rank[owner].is_cached[i] else SpanAction.OWNER_ENCODE
-        spans.append(SpanPlan(content_hash, owner, action))
-    return EncodePlan(world_size, tuple(spans))
+    for content_hash in content_hashes:
+        owner = owner_rank(content_hash, ledger.world_size)
+        is_hit = ledger.holds(owner, content_hash)
+        spans.append(
+            SpanPlan(
+                content_hash, owner, SpanAction.LOCAL_HIT if is_hit else SpanAction.OWNER_ENCODE
+            )
+        )
+    return EncodePlan(ledger.world_size, tuple(spans))
 
 
-def check_manifests(content_hashes: Sequence[str], manifests: Sequence[Manifest], world_size: int) -> None:
-    ranks = sorted(m.rank for m in manifests)
-    if ranks != list(range(world_size)):
-        raise PlanError(f"expected one manifest per rank 0..{world_size - 1}, got ranks {ranks}")
-    expected = tuple(content_hashes)
-    for m in manifests:
-        if m.content_hashes != expected or len(m.is_cached) != len(expected):
-            raise PlanError(f"rank {m.rank}'s manifest lists a different batch than the leader's")
-        for content_hash, is_cached in zip(m.content_hashes, m.is_cached, strict=True):
-            if is_cached and owner_rank(content_hash, world_size) != m.rank:
-                raise PlanError(
-                    f"rank {m.rank} caches {content_hash[:16]}..., owned by rank "
-                    f"{owner_rank(content_hash, world_size)}: the ranks' caches diverged"
+def step_payload(jobs: Sequence[EncodeJob], plan: EncodePlan, now: float) -> EncodeStepPayload:
+    """The step every rank gets: the jobs with their spans' plans, and the bytes of each encode."""
+    plans = iter(plan.spans)
+    rank_jobs, images = [], {}
+    for job in jobs:
+        spans = []
+        for i, span in enumerate(job.spans):
+            span_plan = next(plans)
+            assert span_plan.content_hash == span.span.content_hash
+            if span_plan.action is SpanAction.OWNER_ENCODE:
+                images[span_plan.content_hash] = span.image_data
+            spans.append(
+                RankSpan(
+                    index=i,
+                    content_hash=span_plan.content_hash,
+                    grid_thw=span.span.grid_thw,
+                    length=span.span.length,
+                    dest_row=span.dest_row,
+                    owner_rank=span_plan.owner_rank,
+                    action=span_plan.action,
                 )
+            )
+        rank_jobs.append(
+            RankJob(job.job_id, job.request_id, job.deadline - now, tuple(spans), job.destinations)
+        )
+    return EncodeStepPayload(tuple(rank_jobs), images)

@@ -1,44 +1,48 @@
-"""Encode batching on the leader: CPU bookkeeping only (no model, no sockets).
+"""Encode batching on the leader: CPU bookkeeping only (no model, no sockets, no device).
 
 Lifecycle of an Encode call:
   servicer: proto -> EncodeJob, validate_job -> leader.encode(job) -> scheduler.add   WAITING (FIFO)
-  schedule(now): jobs past their deadline leave as ``expired``; the oldest waiting jobs
-      join one EncodeBatch while their spans fit ``max_batch_images`` (the first always does)
-  leader: every rank's manifest -> make_plan -> worker.execute(batch, plan) -> BatchResult
-  update_from_output(batch, plan, result): every job of the batch is FINISHED, with its
-      per-span results or its error; nothing stays in flight.
+  schedule(now, ledger): jobs past their deadline leave as ``expired``; the oldest waiting
+      jobs join one EncodeBatch while their spans fit ``max_batch_images`` (the first
+      always does), planned from the ledger (``plan.make_plan``)
+  leader: one step on every rank -> every rank's EncodeStepResult, or the step's one error
+      (then every job of the batch FINISHES with it)
+  update_from_output(batch, results): a job some rank failed FINISHES with that rank's error
+      (the lowest rank's); a job with a planned hit that its owner did not hold goes back to
+      the head of the queue (WAITING, planned again from the corrected ledger, at most
+      ``MAX_REPLANS`` times); every other job FINISHES with its span results.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.common.clients.vision_encoder import SpanResult, SpanStatus
-from services.vision_encoder.job import EncodeJob
-from services.vision_encoder.plan import EncodePlan, SpanAction
+import msgspec
 
+from services.common.clients.vision_encoder import SpanResult, SpanStatus
+from services.common.errors import StageServeError, UnavailableError
+from services.common.grpc_errors import known_error_classes
+from services.vision_encoder.job import EncodeJob
+from services.vision_encoder.plan import CacheLedger, EncodePlan, make_plan
+from services.vision_encoder.rank_messages import EncodeStepResult, JobError, SpanAction
+
+MAX_REPLANS = 2  # a cache that keeps losing planned hits is a fault, not a reason to loop
 JobOutcome = list[SpanResult] | BaseException  # a job's span results, or the error it fails with
 
 
 @dataclass(frozen=True)
 class EncodeBatch:
     jobs: tuple[EncodeJob, ...]
+    plan: EncodePlan
     expired: tuple[EncodeJob, ...] = ()
-
-    @property
-    def content_hashes(self) -> list[str]:
-        """Every span's hash, jobs in order, spans in order (the plan's span order)."""
-        return [s.span.content_hash for job in self.jobs for s in job.spans]
 
 
 @dataclass
-class BatchResult:
-    errors: dict[int, BaseException] = field(default_factory=dict)  # job_id -> why it failed
-    num_images_encoded: int = 0
-    num_vit_forwards: int = 0
-    vit_s: float = 0.0
-    num_bytes_sent: int = 0
+class BatchOutcome:
+    finished: list[tuple[EncodeJob, JobOutcome]] = field(default_factory=list)
+    replanned: list[EncodeJob] = field(default_factory=list)
 
 
 class EncodeScheduler:
@@ -54,12 +58,16 @@ class EncodeScheduler:
     def add(self, job: EncodeJob) -> None:
         self._waiting.append(job)
 
+    def requeue(self, jobs: Sequence[EncodeJob]) -> None:
+        """Put ``jobs`` back at the head of the queue, in their order."""
+        self._waiting.extendleft(reversed(jobs))
+
     def drain(self) -> list[EncodeJob]:
         """Remove and return every waiting job (shutdown)."""
         jobs, self._waiting = list(self._waiting), deque()
         return jobs
 
-    def schedule(self, now: float) -> EncodeBatch:
+    def schedule(self, now: float, ledger: CacheLedger) -> EncodeBatch:
         jobs: list[EncodeJob] = []
         expired: list[EncodeJob] = []
         num_images = 0
@@ -72,25 +80,59 @@ class EncodeScheduler:
                 break
             jobs.append(self._waiting.popleft())
             num_images += len(job.spans)
-        return EncodeBatch(tuple(jobs), tuple(expired))
+        hashes = [s.span.content_hash for job in jobs for s in job.spans]
+        return EncodeBatch(tuple(jobs), make_plan(hashes, ledger), tuple(expired))
 
     def update_from_output(
-        self, batch: EncodeBatch, plan: EncodePlan, result: BatchResult
-    ) -> list[tuple[EncodeJob, JobOutcome]]:
-        """Each job's outcome. A span is a cache hit when its rows needed no ViT run of their own:
-        cached on its owner, or a repeat of an image encoded earlier in the same batch."""
-        outcomes: list[tuple[EncodeJob, JobOutcome]] = []
+        self, batch: EncodeBatch, results: Sequence[EncodeStepResult]
+    ) -> BatchOutcome:
+        """Each job's outcome (see the module docstring). A span is a cache hit when its rows
+        needed no ViT run of their own: cached on its owner, or a repeat of an image encoded
+        earlier in the same batch."""
+        errors: dict[int, JobError] = {}
+        missing: dict[str, int] = {}  # planned hit the owner did not hold -> that owner
+        for result in results:  # rank order: the lowest rank's error wins
+            for error in result.errors:
+                errors.setdefault(error.job_id, error)
+            missing.update(dict.fromkeys(result.manifest.missing, result.rank))
+        outcome = BatchOutcome()
         seen: set[str] = set()
-        plans = iter(plan.spans)
+        plans = iter(batch.plan.spans)
         for job in batch.jobs:
-            results = []
-            for span in job.spans:
-                span_plan = next(plans)
-                assert span_plan.content_hash == span.span.content_hash
-                is_hit = span_plan.action is SpanAction.LOCAL_HIT or span_plan.content_hash in seen
-                seen.add(span_plan.content_hash)
-                results.append(SpanResult(span_plan.content_hash, SpanStatus.WRITTEN, is_hit, span_plan.owner_rank))
-            error = result.errors.get(job.job_id)
-            outcomes.append((job, error if error is not None else results))
-        return outcomes
+            span_plans = [next(plans) for _ in job.spans]
+            lost = [p for p in span_plans if p.content_hash in missing]
+            if job.job_id in errors:
+                outcome.finished.append((job, job_error(errors[job.job_id])))
+            elif lost and job.num_replans >= MAX_REPLANS:
+                ranks = sorted({missing[p.content_hash] for p in lost})
+                outcome.finished.append((job, _lost_again(job, ranks)))
+            elif lost:
+                replanned = msgspec.structs.replace(job, num_replans=job.num_replans + 1)
+                outcome.replanned.append(replanned)
+            else:
+                outcome.finished.append((job, _span_results(span_plans, seen)))
+            seen.update(p.content_hash for p in span_plans)
+        return outcome
 
+
+def _span_results(span_plans: Sequence, seen: set[str]) -> list[SpanResult]:
+    results, local_seen = [], set(seen)
+    for plan in span_plans:
+        is_hit = plan.action is SpanAction.LOCAL_HIT or plan.content_hash in local_seen
+        local_seen.add(plan.content_hash)
+        results.append(SpanResult(plan.content_hash, SpanStatus.WRITTEN, is_hit, plan.owner_rank))
+    return results
+
+
+def _lost_again(job: EncodeJob, ranks: list[int]) -> UnavailableError:
+    who = ", ".join(str(r) for r in ranks)
+    return UnavailableError(
+        f"encode of {job.request_id}: the cache of encoder rank {who} lost planned hits "
+        f"{job.num_replans + 1} times"
+    )
+
+
+def job_error(error: JobError) -> StageServeError:
+    """The error a rank reported for a job, as the class it raised (StageServeError if unknown)."""
+    cls = known_error_classes().get(error.error_type, StageServeError)
+    return cls(error.message, param=error.param)

@@ -43,17 +43,21 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
             span.set_attribute("num_cache_hits", sum(r.is_cache_hit for r in results))
         return vision_encoder_pb2.EncodeResponse(results=[span_result_to_proto(r) for r in results])
 
-    def _job_from_proto(self, request: vision_encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext) -> EncodeJob:
+    def _job_from_proto(
+        self, request: vision_encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> EncodeJob:
+        timeout_s = self._timeout_s(request.deadline_unix_ms, context.time_remaining())
         return EncodeJob(
             job_id=self._leader.next_job_id(),
             request_id=request.request_id,
             spans=tuple(encode_span_from_proto(s) for s in request.spans),
             destinations=tuple(embedding_destination_from_proto(r) for r in request.embedding_refs),
-            deadline=time.monotonic() + self._timeout_s(request.deadline_unix_ms, context.time_remaining()),
+            deadline=time.monotonic() + timeout_s,
         )
 
     def _timeout_s(self, deadline_unix_ms: int, grpc_remaining_s: float | None) -> float:
-        """Seconds left: the earlier of the request's own deadline and the gRPC deadline, else the default."""
+        """Seconds left: the earlier of the request's own deadline and the gRPC deadline, else
+        the default."""
         remaining = [math.inf]
         if deadline_unix_ms > 0:
             remaining.append(deadline_unix_ms / 1000 - time.time())

@@ -1,17 +1,20 @@
-"""Rank worker: owns the ViT, this rank's embedding cache and the transfer sender; executes plans.
+"""One encoder rank's share of a step: its cache hits, its encodes (one ViT call), its sends.
 
-``execute(batch, plan)`` for one rank: take the cached rows of the spans this rank owns
-(LOCAL_HIT), decode and preprocess the images it must encode, run ONE ViT forward over
-all of them, cache the new rows, then write each job's rows (every span, coalesced) into
-each of its destinations with one batched transfer. A job's failure (bad image, grid
-mismatch, transfer error) is recorded for that job only; the other jobs go on.
+``EncoderWorker.execute(payload, received_mono)`` works on the spans this rank owns: it
+takes the cached rows of its LOCAL_HIT spans (one that is not cached goes into the
+manifest as missing, and this rank sends nothing for its job: the leader plans the job
+again), decodes the images it must encode, turns them into pixels and runs ONE ViT
+forward over all of them, caches the new rows, then writes each job's owned rows into
+each of the job's destinations with one batched transfer. A job's failure (bad image,
+grid mismatch, transfer error) is reported for that job only; the other jobs go on.
+Anything else it raises fails the step on every rank (the agreed error).
 """
 
 from __future__ import annotations
 
 import io
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
@@ -19,144 +22,186 @@ from PIL import Image
 from services.common.errors import InvalidRequestError, StageServeError
 from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.processing.image import ImageProcessor, ProcessedImage, decode_image
+from services.engine.processing.image import ImageProcessor, decode_image
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
 from services.vision_encoder.cache import EmbeddingCacheManager
-from services.vision_encoder.job import EncodeJob
-from services.vision_encoder.plan import EncodePlan, Manifest, PlanError, SpanAction
-from services.vision_encoder.scheduler import BatchResult, EncodeBatch
+from services.vision_encoder.pixels import prepare_pixels
+from services.vision_encoder.rank_messages import (
+    EncodeStepPayload,
+    EncodeStepResult,
+    JobError,
+    RankJob,
+    RankManifest,
+    RankSpan,
+    SpanAction,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Located = tuple[EncodeJob, int]  # (job, span index)
+Owned = tuple[RankJob, RankSpan]
+WARMUP_SIZES = ((56, 56), (448, 336))  # (width, height): a batch of two, as calls come
+
+
+@dataclass
+class _Step:
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)  # hash -> [length, hidden]
+    errors: dict[int, JobError] = field(default_factory=dict)  # job_id -> its first error
+    missing: dict[str, None] = field(default_factory=dict)  # planned hits not cached
+    skipped: set[int] = field(default_factory=set)  # jobs with a missing hit: replanned
+    num_encoded: int = 0
+    num_forwards: int = 0
+    preprocess_s: float = 0.0
+    vit_s: float = 0.0
+
+    def fail(self, job: RankJob, exc: StageServeError) -> None:
+        if job.job_id not in self.errors:
+            error = JobError(job.job_id, type(exc).__name__, exc.message, exc.param)
+            self.errors[job.job_id] = error
 
 
 class EncoderWorker:
     def __init__(
         self,
+        rank: int,
         model: Qwen2_5_VLModel,
         processor: ImageProcessor,
         cache: EmbeddingCacheManager,
         sender: BaseEmbeddingSender,
         max_image_bytes: int,
-        rank: int = 0,
     ) -> None:
         assert model.visual is not None, "the encoder needs the vision tower"
+        self.rank = rank
         self.model = model
         self.processor = processor
         self.cache = cache
         self.sender = sender
         self.max_image_bytes = max_image_bytes
-        self.rank = rank
-        param = next(model.visual.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.hidden_size = model.config.vision.out_hidden_size
-        self.merge_size = model.config.vision.spatial_merge_size
+        self.device = next(model.visual.parameters()).device
 
-    def manifest(self, content_hashes: Sequence[str]) -> Manifest:
-        """Which of ``content_hashes`` this rank's cache holds."""
-        return Manifest(self.rank, tuple(content_hashes), tuple(self.cache.contains(h) for h in content_hashes))
-
-    def execute(self, batch: EncodeBatch, plan: EncodePlan) -> BatchResult:
-        located = [(job, i) for job in batch.jobs for i in range(len(job.spans))]  # parallel to plan.spans
-        result = BatchResult()
-        rows: dict[str, torch.Tensor] = {}  # content hash -> [length, hidden]
-        self._take_hits(located, plan, rows, result.errors)
-        self._encode_misses(located, plan, rows, result)
-        for job in batch.jobs:
-            if job.job_id in result.errors:
+    def execute(self, payload: EncodeStepPayload, received_mono: float) -> EncodeStepResult:
+        owned = [(j, s) for j in payload.jobs for s in j.spans if s.owner_rank == self.rank]
+        step = _Step()
+        self._take_hits(owned, step)
+        self._encode(owned, payload.images, step)
+        num_bytes = 0
+        for job in payload.jobs:
+            if job.job_id in step.errors or job.job_id in step.skipped:
                 continue
             try:
-                result.num_bytes_sent += self._send(job, rows)
+                num_bytes += self._send(job, step.rows, received_mono + job.timeout_s)
             except StageServeError as exc:
-                result.errors[job.job_id] = exc
-        return result
+                step.fail(job, exc)
+        held = dict.fromkeys(
+            s.content_hash for _, s in owned if self.cache.contains(s.content_hash)
+        )
+        manifest = RankManifest(tuple(held), tuple(self.cache.take_evicted()), tuple(step.missing))
+        return EncodeStepResult(
+            rank=self.rank,
+            errors=tuple(step.errors.values()),
+            manifest=manifest,
+            num_images_encoded=step.num_encoded,
+            num_vit_forwards=step.num_forwards,
+            preprocess_s=step.preprocess_s,
+            vit_s=step.vit_s,
+            num_bytes_sent=num_bytes,
+            cache_bytes=self.cache.num_bytes,
+            cache_entries=self.cache.num_entries,
+        )
 
     def warmup(self) -> None:
-        """One ViT forward on a small synthetic image (nothing cached, nothing sent)."""
-        buf = io.BytesIO()
-        Image.new("RGB", (56, 56), (127, 127, 127)).save(buf, format="PNG")
-        processed = self._preprocess(buf.getvalue())
-        self._vit([processed])
+        """One ViT forward over two synthetic images of different sizes (nothing cached or sent)."""
+        images = []
+        for size in WARMUP_SIZES:
+            buf = io.BytesIO()
+            Image.new("RGB", size, (127, 127, 127)).save(buf, format="PNG")
+            images.append(decode_image(buf.getvalue(), self.max_image_bytes))
+        grids = [self.processor.grid_for(image) for image in images]
+        self._vit(prepare_pixels(self.processor, images, self.device), grids)
 
-    def _take_hits(
-        self, located: list[Located], plan: EncodePlan, rows: dict[str, torch.Tensor], errors: dict[int, BaseException]
-    ) -> None:
-        for (job, i), span_plan in zip(located, plan.spans, strict=True):
-            if span_plan.owner_rank != self.rank or span_plan.action is not SpanAction.LOCAL_HIT:
+    def _take_hits(self, owned: list[Owned], step: _Step) -> None:
+        for job, span in owned:
+            if span.action is not SpanAction.LOCAL_HIT:
                 continue
-            entry = self.cache.lookup_entry(span_plan.content_hash)
-            if entry is None:  # nothing evicts between manifest and execute on this thread
-                errors[job.job_id] = PlanError(f"planned cache hit {span_plan.content_hash[:16]}... is not cached")
+            entry = self.cache.lookup_entry(span.content_hash)
+            if entry is None:  # the ledger is wrong (an eviction it missed, a restarted rank)
+                step.missing[span.content_hash] = None
+                step.skipped.add(job.job_id)
                 continue
-            if entry.grid_thw != job.spans[i].span.grid_thw:
-                errors[job.job_id] = _grid_mismatch(job, i, entry.grid_thw)
-            rows[span_plan.content_hash] = entry.rows
+            if entry.grid_thw != span.grid_thw:
+                step.fail(job, _grid_mismatch(span, entry.grid_thw))
+            step.rows[span.content_hash] = entry.rows
 
-    def _encode_misses(
-        self, located: list[Located], plan: EncodePlan, rows: dict[str, torch.Tensor], result: BatchResult
-    ) -> None:
-        by_hash: dict[str, list[Located]] = {}
-        for (job, i), span_plan in zip(located, plan.spans, strict=True):
-            by_hash.setdefault(span_plan.content_hash, []).append((job, i))
-        todo: list[tuple[str, ProcessedImage]] = []
-        for content_hash in plan.encode_hashes(self.rank):
-            users = by_hash[content_hash]
-            first_job, first_i = users[0]
-            try:
-                processed = self._preprocess(first_job.spans[first_i].image_data)
-            except InvalidRequestError as exc:
-                for job, i in users:
-                    result.errors[job.job_id] = InvalidRequestError(
-                        f"spans[{i}].image_data: {exc.message}", param=f"spans[{i}].image_data"
-                    )
-                continue
-            for job, i in users:
-                if job.spans[i].span.grid_thw != processed.grid_thw:
-                    result.errors[job.job_id] = _grid_mismatch(job, i, processed.grid_thw)
-            todo.append((content_hash, processed))
-        if not todo:
-            return
+    def _encode(self, owned: list[Owned], images: dict[str, bytes], step: _Step) -> None:
+        users: dict[str, list[Owned]] = {}
+        for job, span in owned:
+            if span.action is SpanAction.OWNER_ENCODE:
+                users.setdefault(span.content_hash, []).append((job, span))
         start = time.perf_counter()
-        embeds = self._vit([p for _, p in todo])
-        result.vit_s += time.perf_counter() - start
-        result.num_vit_forwards += 1
-        result.num_images_encoded += len(todo)
-        for (content_hash, processed), chunk in zip(todo, embeds, strict=True):
-            rows[content_hash] = chunk
-            self.cache.insert(content_hash, chunk, processed.grid_thw)
-
-    def _preprocess(self, data: bytes) -> ProcessedImage:
-        return self.processor.preprocess(decode_image(data, self.max_image_bytes))
+        decoded: dict[str, Image.Image] = {}
+        grids: list[tuple[int, int, int]] = []
+        for content_hash, spans in users.items():  # first appearance order
+            try:
+                image = decode_image(images[content_hash], self.max_image_bytes)
+            except InvalidRequestError as exc:
+                for job, span in spans:
+                    step.fail(job, _bad_image(span, exc))
+                continue
+            grid = self.processor.grid_for(image)
+            for job, span in spans:
+                if span.grid_thw != grid:
+                    step.fail(job, _grid_mismatch(span, grid))
+            decoded[content_hash] = image
+            grids.append(grid)
+        if not decoded:
+            return
+        pixels = prepare_pixels(self.processor, list(decoded.values()), self.device)
+        vit_start = time.perf_counter()
+        embeds = self._vit(pixels, grids)
+        step.preprocess_s += vit_start - start
+        step.vit_s += time.perf_counter() - vit_start
+        step.num_forwards += 1
+        step.num_encoded += len(decoded)
+        for content_hash, grid, rows in zip(decoded, grids, embeds, strict=True):
+            step.rows[content_hash] = rows
+            self.cache.insert(content_hash, rows, grid)
 
     @torch.inference_mode()
-    def _vit(self, images: list[ProcessedImage]) -> list[torch.Tensor]:
-        pixels = torch.cat([p.pixel_values for p in images]).to(self.device)
-        grids = [p.grid_thw for p in images]
-        with ops.on_device(self.device):  # on the engine thread, whose current device is GPU 0
+    def _vit(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        with ops.on_device(self.device):
             embeds = self.model.encode_images(pixels, grids)  # [sum of image tokens, hidden]
+            if self.device.type == "cuda":  # the ViT's time, not its launch (the sends wait anyway)
+                torch.cuda.synchronize(self.device)
         return list(embeds.split([self.processor.num_image_tokens(g) for g in grids]))
 
-    def _send(self, job: EncodeJob, rows_by_hash: dict[str, torch.Tensor]) -> int:
-        if not job.spans:
+    def _send(self, job: RankJob, rows_by_hash: dict[str, torch.Tensor], deadline: float) -> int:
+        """Write this rank's spans of ``job`` into every destination; bytes written."""
+        mine = [s for s in job.spans if s.owner_rank == self.rank]
+        if not mine:
             return 0
-        parts = [rows_by_hash[s.span.content_hash] for s in job.spans]
+        parts = [rows_by_hash[s.content_hash] for s in mine]
         runs: list[RowRun] = []
         offset = 0
-        for span, part in zip(job.spans, parts, strict=True):
-            assert part.shape[0] == span.span.length
-            runs.append((offset, span.dest_row, span.span.length))
-            offset += span.span.length
-        rows = torch.cat(parts)  # [job.num_rows, hidden]
+        for span, part in zip(mine, parts, strict=True):
+            assert part.shape[0] == span.length
+            runs.append((offset, span.dest_row, span.length))
+            offset += span.length
+        rows = torch.cat(parts)  # [rows of this rank's spans, hidden]
         num_bytes = 0
         for dst in job.destinations:
             out = rows.to(_DTYPES[dst.dtype]).contiguous()
-            num_bytes += self.sender.send_runs(job.request_id, out, runs, dst, job.deadline).num_bytes
+            result = self.sender.send_runs(job.request_id, out, runs, dst, deadline)
+            num_bytes += result.num_bytes
         return num_bytes
 
 
-def _grid_mismatch(job: EncodeJob, i: int, grid: tuple[int, int, int]) -> InvalidRequestError:
-    t, h, w = job.spans[i].span.grid_thw
+def _grid_mismatch(span: RankSpan, grid: tuple[int, int, int]) -> InvalidRequestError:
+    t, h, w = span.grid_thw
     return InvalidRequestError(
-        f"spans[{i}] grid {t}x{h}x{w} does not match the image's grid {grid[0]}x{grid[1]}x{grid[2]}",
-        param=f"spans[{i}].span",
+        f"spans[{span.index}] grid {t}x{h}x{w} does not match the image's grid "
+        f"{grid[0]}x{grid[1]}x{grid[2]}",
+        param=f"spans[{span.index}].span",
     )
+
+
+def _bad_image(span: RankSpan, exc: InvalidRequestError) -> InvalidRequestError:
+    param = f"spans[{span.index}].image_data"
+    return InvalidRequestError(f"{param}: {exc.message}", param=param)

@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 
+from services.common.envs import Envs
 from services.common.errors import CapacityError, UnavailableError
 from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
 from services.common.ranks.errors import RankStartError, StepFailedError
@@ -70,6 +71,7 @@ def config(devices: tuple[str, ...], **overrides) -> RankGroupConfig:
         leader_timeout_s=10.0,
         restart_backoff_s=0.1,
         stop_grace_s=3.0,
+        internal_token=Envs.from_environ().internal_token,  # what the spawned ranks inherit
     )
     settings.update(overrides)
     return RankGroupConfig(**settings)
@@ -143,6 +145,17 @@ async def test_steps_return_every_ranks_result_in_order_while_the_loop_runs(
     assert all(is_gone(pid) for pid in pids)
 
 
+async def test_the_ranks_listen_on_loopback_only() -> None:
+    """Rank 0's TCPStore (and the gloo pairs) accept no connection from another host."""
+    from tests.e2e.test_ports import is_loopback_only, listening_sockets
+
+    async with running(("cpu", "cpu")) as run:
+        found = {pid: listening_sockets(pid) for pid in run.group.rank_pids}
+        assert found[run.group.rank_pids[0]], "rank 0 serves the group's TCPStore"
+        exposed = {pid: [s for s in sockets if not is_loopback_only(s[0])] for pid, sockets in found.items()}
+        assert not any(exposed.values()), exposed
+
+
 async def test_a_rank_failing_mid_step_fails_it_alike_everywhere_and_the_next_step_runs() -> None:
     async with running(("cpu", "cpu"), heartbeat_s=0.5, leader_timeout_s=1.5) as run:
         with pytest.raises(StepFailedError) as caught:
@@ -195,6 +208,33 @@ async def test_a_sigkilled_rank_fails_the_step_unavailable_and_the_group_reforms
         results = await run.group.step(EchoPayload(value=3))
         assert [(r.rank, r.device_total, r.num_executed) for r in results] == [(0, 6, 1), (1, 6, 1)]
         assert not set(r.pid for r in results) & set(old_pids)  # new processes
+
+
+async def test_the_caller_of_a_failed_step_hears_only_once_every_rank_is_gone() -> None:
+    """Rank 0 is still inside the step (it could be writing into a peer's memory) when rank 1
+    dies: by the time the caller's future fails, rank 0 is killed and reaped too."""
+    async with running(("cpu", "cpu")) as run:
+        pids = run.group.rank_pids
+        alive_when_failed: list[list[int]] = []
+        future = run.group.submit(EchoPayload(value=1, kill_on_rank=1, sleep_s=5.0))
+        # Runs in the thread that fails the future, at that very moment.
+        future.add_done_callback(
+            lambda _: alive_when_failed.append([p for p in pids if not is_gone(p)])
+        )
+        with pytest.raises(UnavailableError, match="rank 1"):
+            await asyncio.wrap_future(future)
+        assert alive_when_failed == [[]]
+
+
+async def test_a_rank_whose_connections_close_before_it_exits_is_named_as_the_cause() -> None:
+    """Rank 0's status exchange breaks on the lost connection before rank 1's exit shows:
+    the step's error still names rank 1 and its exit, not rank 0's broken exchange."""
+    async with running(("cpu", "cpu")) as run:
+        with pytest.raises(
+            UnavailableError, match=r"rank 1 \(cpu, pid \d+\) exited with code 7 during step 1"
+        ):
+            await run.group.step(EchoPayload(value=1, leave_on_rank=1))
+        await wait_for(lambda: run.group.is_ready, START_TIMEOUT_S)
 
 
 async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_killed() -> None:
@@ -333,12 +373,14 @@ async def test_cuda_ranks_bind_their_device_and_all_reduce_over_nccl(num_gpus: i
 
 LEADER = """
 import asyncio
+from services.common.envs import Envs
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from tests.common.test_ranks_steps import TARGET, EchoInit, EchoResult
 
 async def main():
-    config = RankGroupConfig(devices=("cpu", "cpu"), start_timeout_s=300)
+    token = Envs.from_environ().internal_token
+    config = RankGroupConfig(devices=("cpu", "cpu"), start_timeout_s=300, internal_token=token)
     group = RankGroup(config, StepSpec(TARGET, EchoResult, EchoInit(warmup_sleep_s=300)))
     starting = asyncio.ensure_future(group.start())
     while not group.rank_pids:

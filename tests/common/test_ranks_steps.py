@@ -49,6 +49,7 @@ class EchoPayload(msgspec.Struct, frozen=True):
     kill_on_rank: int = -1
     stop_on_rank: int = -1
     wrong_result_on_rank: int = -1
+    leave_on_rank: int = -1  # after its all-reduces: close its groups, then exit 7 shortly after
     sleep_s: float = 0.0
 
 
@@ -103,6 +104,10 @@ class EchoStep(BaseRankStep):
             value = torch.tensor([payload.value], device=device)
             dist.all_reduce(value, group=group)
             totals.append(int(value.item()))
+        if payload.leave_on_rank == rank:  # its peers see a lost connection before the exit
+            dist.destroy_process_group()
+            time.sleep(0.1)
+            os._exit(7)
         if payload.raise_on_rank == rank:
             raise RuntimeError(f"injected failure at value {payload.value}")
         if payload.capacity_error_on_rank == rank:

@@ -8,13 +8,14 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageFile
 
 from services.common.errors import InvalidRequestError
 from services.engine.processing.image import (
     ImageProcessor,
     content_hash,
     decode_image,
+    image_size,
     pixel_hash,
     smart_resize,
     to_rgb,
@@ -185,3 +186,103 @@ def test_pixel_hash_ignores_container_format(processor):
     bmp = decode_image(encode(image, "BMP"), max_bytes=1 << 20)
     assert content_hash(encode(image, "PNG")) != content_hash(encode(image, "BMP"))
     assert pixel_hash(processor.preprocess(png)) == pixel_hash(processor.preprocess(bmp))
+
+
+# --- image_size: decode_image's size from the header ------------------------------------------
+
+def with_exif(image: Image.Image, fmt: str, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, exif=exif)
+    return buffer.getvalue()
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    import zlib
+
+    return len(body).to_bytes(4, "big") + kind + body + zlib.crc32(kind + body).to_bytes(4, "big")
+
+
+def png_with_late_exif(image: Image.Image, orientation: int) -> bytes:
+    """A PNG whose eXIf chunk follows its pixel data (PIL sees it only when it decodes)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(image)
+    iend = data.rindex(b"IEND") - 4
+    return data[:iend] + png_chunk(b"eXIf", exif.tobytes()) + data[iend:]
+
+
+def xmp_jpeg(image: Image.Image, orientation: int) -> bytes:
+    buffer = io.BytesIO()
+    xmp = f'<x:xmpmeta><rdf:Description tiff:Orientation="{orientation}"/></x:xmpmeta>'.encode()
+    image.save(buffer, format="JPEG", xmp=xmp)
+    return buffer.getvalue()
+
+
+IMAGE = make_rgb(60, 24)
+SIZE_CASES = {
+    **{f"jpeg-exif-{o}": with_exif(IMAGE, "JPEG", o) for o in range(1, 9)},
+    "jpeg-xmp-6": xmp_jpeg(IMAGE, 6),
+    "webp-exif-8": with_exif(IMAGE, "WEBP", 8),
+    "png": encode(IMAGE),
+    "png-exif-6": with_exif(IMAGE, "PNG", 6),
+    "png-late-exif-6": png_with_late_exif(IMAGE, 6),
+    "png-cut-before-iend": encode(IMAGE)[:-12],
+    "gif": encode(IMAGE.quantize(colors=16), "GIF"),
+    "bmp": encode(IMAGE, "BMP"),
+    "tiff-exif-5": with_exif(IMAGE, "TIFF", 5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZE_CASES))
+def test_image_size_is_decode_images_size(name):
+    data = SIZE_CASES[name]
+    decoded = decode_image(data, max_bytes=1 << 20)
+    assert image_size(data, max_bytes=1 << 20) == (decoded.height, decoded.width)
+
+
+def test_the_orientations_that_transpose_swap_the_size():
+    for orientation in range(1, 9):
+        size = image_size(SIZE_CASES[f"jpeg-exif-{orientation}"], max_bytes=1 << 20)
+        assert size == ((60, 24) if orientation >= 5 else (24, 60))
+    assert decode_image(SIZE_CASES["png-late-exif-6"], max_bytes=1 << 20).size == (24, 60)
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "match"),
+    [
+        (b"", {}, "empty"),
+        (b"this is not an image at all", {}, "not an image"),
+        (b"x" * 2048, {"max_bytes": 1024}, "limit is 1024 bytes"),
+        (encode(make_rgb(200, 100)), {"max_pixels": 10_000}, "the limit is 10000"),
+        (encode(make_rgb(64, 64))[:200], {}, "truncated or corrupt"),  # a PNG cut in its pixel data
+    ],
+    ids=["empty", "not-an-image", "too-many-bytes", "too-many-pixels", "cut-png"],
+)
+def test_image_size_refuses_what_decode_image_refuses(data, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        image_size(data, **{"max_bytes": 1 << 20, **kwargs})
+    with pytest.raises(InvalidRequestError, match=match):
+        decode_image(data, **{"max_bytes": 1 << 20, **kwargs})
+
+
+def test_a_jpeg_cut_in_its_pixel_data_has_a_size_but_no_decode():
+    data = encode(make_rgb(200, 150), "JPEG")
+    cut = data[: len(data) // 2]
+    assert image_size(cut, max_bytes=1 << 20) == (150, 200)  # the tokenizer reads the header only
+    with pytest.raises(InvalidRequestError, match="truncated or corrupt"):
+        decode_image(cut, max_bytes=1 << 20)  # the encoder refuses it (INVALID_ARGUMENT, a 400)
+
+
+@pytest.mark.parametrize("name", ["jpeg-exif-6", "jpeg-xmp-6", "webp-exif-8", "png", "png-exif-6"])
+def test_image_size_decodes_no_pixels_where_the_header_says_everything(name, monkeypatch):
+    def no_decode(self):
+        raise AssertionError("decoded the pixels")
+
+    expected = image_size(SIZE_CASES[name], max_bytes=1 << 20)
+    monkeypatch.setattr(Image.Image, "load", no_decode)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decode)
+    assert image_size(SIZE_CASES[name], max_bytes=1 << 20) == expected
+    with pytest.raises(AssertionError, match="decoded the pixels"):  # the trap works
+        decode_image(SIZE_CASES[name], max_bytes=1 << 20)

@@ -1,48 +1,119 @@
-"""Prefill against the real vision encoder service (in process, rows through the in-process fabric)."""
+"""Prefill (in process) against the real vision encoder on two rank processes, rows over shared
+memory: outputs equal the offline engine with cache hits, and an encoder rank killed mid-batch
+fails the request UNAVAILABLE without leaking one of prefill's embedding rows."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY
 
-from services.common.server import HealthState
-from services.engine.loader import load_model
+from services.common.clients.prefill import PrefillClient
+from services.common.clients.vision_encoder import VisionEncoderClient
+from services.common.errors import UnavailableError
+from services.common.pb.stageserve.v1 import prefill_pb2_grpc
+from services.common.server import HealthState, create_server
+from services.engine.processing.image import content_hash
 from services.engine.sampler import SamplingParams
-from services.transfer.embeddings_inprocess import EmbeddingFabric, InProcessEmbeddingSender
-from services.vision_encoder.app import build_app, create_grpc_server
-from services.vision_encoder.config import VisionEncoderConfig
-from services.vision_encoder.metrics import VisionEncoderMetrics
-from tests.conftest import TINY_MODEL_DIR, image_bytes
-from tests.prefill.conftest import make_case, prefill_config, reference, start_harness, stop_harness
+from services.prefill.app import PrefillApp
+from services.prefill.kv_refs import KvRefVerifier
+from services.prefill.servicer import SERVICE_NAME, PrefillServicer
+from services.transfer.embeddings_shm import ShmEmbeddingReceiver
+from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
+from services.vision_encoder.plan import owner_rank
+from tests.conftest import image_bytes
+from tests.prefill.conftest import (
+    KEY,
+    DecodePool,
+    Harness,
+    make_case,
+    prefill_config,
+    reference,
+    stop_harness,
+)
 from tests.prefill.test_service import assert_matches
+from tests.vision_encoder.conftest import serve_encoder, wait_until
+from tests.vision_encoder.rank_hooks import Delay
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0.0)
 
 
-async def test_real_encoder_rows_and_cache_hits(pipeline, language_model) -> None:
-    fabric = EmbeddingFabric()
-    config = VisionEncoderConfig(model=TINY_MODEL_DIR, transfer_backend="inprocess")
-    vision_model = load_model(TINY_MODEL_DIR, components=("vision",))
-    encoder = build_app(config, VisionEncoderMetrics(CollectorRegistry()), InProcessEmbeddingSender(fabric), vision_model)
-    server, port = create_grpc_server(encoder, config, HealthState())
-    await server.start()
-    harness = await start_harness(
-        pipeline, language_model, prefill_config(), embedding_fabric=fabric, encoder_address=f"127.0.0.1:{port}"
+async def start_prefill(language_model, encoder_address: str) -> Harness:
+    """Prefill over gRPC with a shared-memory embedding buffer the encoder's ranks write into."""
+    kv_fabric = InProcessFabric()
+    config = prefill_config(transfer_backend="shm", kv_transfer_backend="inprocess")
+    app = PrefillApp.build(
+        config,
+        encoder=VisionEncoderClient(encoder_address),
+        model=language_model,
+        kv_sender=InProcessKVSender(kv_fabric),
+        embedding_receiver=ShmEmbeddingReceiver(),
     )
-    try:
-        first, second = image_bytes(120, 80, seed=1), image_bytes(64, 200, seed=2)
-        cases = [
-            make_case(pipeline, "a", "What is in this picture?", [first], GREEDY),
-            make_case(pipeline, "b", "And now?", [second, first], GREEDY),  # `first` is cached
-        ]
-        for case, num_cached in zip(cases, (0, cases[0].prompt.spans[0].length), strict=True):
-            ref = reference(pipeline, case)
-            result, dst = await harness.prefill(case)
-            assert_matches(harness, case, result, dst, ref)
-            assert result.num_cached_image_tokens == num_cached
-        harness.assert_all_free()
-    finally:
-        await stop_harness(harness)
-        await server.stop(None)
-        encoder.close()
+    await app.start()
+    servicer = PrefillServicer(
+        config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces)
+    )
+    servicer.attach(app.leader)
+    health = HealthState()
+    server, port = create_server(
+        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+        service_names=[SERVICE_NAME],
+        health=health,
+    )
+    await server.start()
+    health.set_serving(True)
+    decode = DecodePool(language_model.config, kv_fabric)
+    client = PrefillClient(f"127.0.0.1:{port}")
+    return Harness(app, client, None, decode, health, [server])  # type: ignore[arg-type]
+
+
+def rows_used() -> float:
+    return REGISTRY.get_sample_value("stageserve_prefill_embedding_rows_used") or 0.0
+
+
+async def test_real_encoder_rows_cache_hits_and_a_killed_rank(pipeline, language_model) -> None:
+    with serve_encoder(2) as encoder:
+        harness = await start_prefill(language_model, encoder.address)
+        try:
+            first, second = image_bytes(120, 80, seed=1), image_bytes(64, 200, seed=2)
+            cases = [
+                make_case(pipeline, "a", "What is in this picture?", [first], GREEDY),
+                make_case(pipeline, "b", "And now?", [second, first], GREEDY),  # `first` is cached
+            ]
+            for case, num_cached in zip(cases, (0, cases[0].prompt.spans[0].length), strict=True):
+                ref = reference(pipeline, case)
+                result, dst = await harness.prefill(case)
+                assert_matches(harness, case, result, dst, ref)
+                assert result.num_cached_image_tokens == num_cached
+            harness.assert_all_free()
+
+            start_rows = rows_used()
+            images = [image_bytes(90, 90, seed=s) for s in (3, 4, 7, 8)]
+            assert {owner_rank(content_hash(data), 2) for data in images} == {0, 1}
+            killed = make_case(pipeline, "killed", "Describe them.", images, GREEDY)
+            pids = encoder.app.group.rank_pids
+            await encoder.on_loop(encoder.app.group.step(Delay(rank=1, seconds=30.0)))
+            call = asyncio.ensure_future(harness.prefill(killed))
+            await wait_until(
+                lambda: encoder.app.leader.num_pending == 1 and rows_used() > start_rows
+            )
+            await asyncio.sleep(0.3)  # rank 0 wrote its rows into prefill's buffer; rank 1 sleeps
+            os.kill(pids[1], signal.SIGKILL)
+            with pytest.raises(UnavailableError, match="rank 1"):
+                await call
+            await wait_until(lambda: rows_used() == start_rows, 10.0)  # freed at once, none leaked
+            harness.assert_all_free()
+
+            await wait_until(lambda: encoder.health.is_serving, 300.0)  # the ranks re-formed
+            again = make_case(pipeline, "again", "Describe them.", images, GREEDY)
+            result, dst = await harness.prefill(again)
+            assert_matches(harness, again, result, dst, reference(pipeline, again))
+            assert result.num_cached_image_tokens == 0  # new ranks: empty caches
+            harness.assert_all_free()
+            assert rows_used() == start_rows
+        finally:
+            await stop_harness(harness)

@@ -1,32 +1,44 @@
-"""Fixtures: the tiny vision tower (loaded once), and an in-process encoder behind a real gRPC server."""
+"""Fixtures: the tiny vision tower (in this process, for references) and real encoders.
+
+``serve_encoder(num_ranks)`` runs the encoder's leader and gRPC server on an event loop of
+their own thread, with W real rank processes (gloo on CPU, each loading the tiny tower),
+and rows over shared memory into a prefill-like receiver of this process. Rank processes
+take a few seconds each to start on a loaded machine, so test modules share one encoder
+(module-scoped fixtures) and count metrics as deltas. The ranks run the hooked step of
+``rank_hooks.py`` (the real step plus test hooks).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import os
 import threading
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from services.common.clients.vision_encoder import EncodeSpanInput, VisionEncoderClient
+from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, VisionEncoderClient
+from services.common.envs import Envs
 from services.common.server import HealthState
 from services.common.types import ImageSpanRef
 from services.engine.processing.image import ImageProcessor, decode_image
-from services.transfer.embeddings import EmbeddingBuffer, EmbeddingRowManager
-from services.transfer.embeddings_inprocess import (
-    EmbeddingFabric,
-    InProcessEmbeddingReceiver,
-    InProcessEmbeddingSender,
-)
+from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination, EmbeddingRowManager
+from services.transfer.embeddings_shm import ShmEmbeddingReceiver
 from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
-from tests.conftest import TINY_MODEL_DIR
+from tests.conftest import REPO, TINY_MODEL_DIR
 
+HOOKED_STEP = "tests.vision_encoder.rank_hooks:HookedEncoderStep"
+RANK_MAIN = "services.common.ranks.rank_main"
+START_TIMEOUT_S = 300.0  # W torch imports at once on a loaded 2-core machine
+CALL_TIMEOUT_S = 60.0
 WATCHDOG_POLL_S = 0.01
 
 
@@ -42,9 +54,13 @@ def image_processor() -> ImageProcessor:
     return ImageProcessor.from_dir(TINY_MODEL_DIR)
 
 
-def span_input(processor: ImageProcessor, data: bytes, dest_row: int, offset: int = 0) -> EncodeSpanInput:
+def span_input(
+    processor: ImageProcessor, data: bytes, dest_row: int, offset: int = 0
+) -> EncodeSpanInput:
     grid = processor.grid_for(decode_image(data, 1 << 30))
-    span = ImageSpanRef(offset, processor.num_image_tokens(grid), hashlib.sha256(data).hexdigest(), grid)
+    span = ImageSpanRef(
+        offset, processor.num_image_tokens(grid), hashlib.sha256(data).hexdigest(), grid
+    )
     return EncodeSpanInput(span, data, dest_row)
 
 
@@ -57,63 +73,187 @@ def spans_for(processor: ImageProcessor, images: list[bytes]) -> list[EncodeSpan
     return spans
 
 
+@contextlib.contextmanager
+def rank_threads() -> Iterator[None]:
+    """Compute as the test ranks do, on one thread: fp32 GEMMs round differently on two."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def reference_rows(model, processor: ImageProcessor, images: list[bytes]) -> list[torch.Tensor]:
+    """Each image's rows from the tiny tower in this process (one ViT call per image)."""
+    rows = []
+    for data in images:
+        processed = processor.preprocess(decode_image(data, 1 << 30))
+        with torch.inference_mode(), rank_threads():
+            rows.append(model.encode_images(processed.pixel_values, [processed.grid_thw]))
+    return rows
+
+
+@contextlib.contextmanager
+def rank_environment() -> Iterator[None]:
+    """What spawned ranks inherit: one thread each, and this repo importable (the hooked step)."""
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), saved["PYTHONPATH"]) if p)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def rank_children() -> list[int]:
+    """Rank processes (and zombies) whose parent is this test process."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        if int(fields[1]) == os.getpid() and (RANK_MAIN.encode() in cmdline or fields[0] == "Z"):
+            found.append(int(entry))
+    return found
+
+
+class Prefill:
+    """A prefill-like receiver: one registered shared-memory buffer (NaN until written)."""
+
+    def __init__(self, hidden_size: int, num_rows: int = 4096, dtype=torch.float32) -> None:
+        self.receiver = ShmEmbeddingReceiver()
+        self.buffer = EmbeddingBuffer(num_rows, hidden_size, dtype)
+        self.buffer.tensor.fill_(float("nan"))
+        self.receiver.register(self.buffer)
+        self.rows = EmbeddingRowManager(num_rows)
+
+    def destination(self, request_id: str, start: int, num_rows: int) -> EmbeddingDestination:
+        return self.receiver.destination(request_id, start, num_rows)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
 @dataclass
-class Encoder:
-    """A running encoder (real gRPC, in-process transfer) and a prefill-like receiver."""
+class ServedEncoder:
+    """A running encoder: its app and gRPC server on ``loop`` (a thread of its own)."""
 
     app: VisionEncoderApp
-    client: VisionEncoderClient
-    metrics: VisionEncoderMetrics
+    config: VisionEncoderConfig
     registry: CollectorRegistry
-    receiver: InProcessEmbeddingReceiver
-    buffer: EmbeddingBuffer
-    rows: EmbeddingRowManager
-    address: str
-    fabric: EmbeddingFabric
     health: HealthState
+    address: str
+    loop: asyncio.AbstractEventLoop
+    prefills: list[Prefill] = field(default_factory=list)
 
-    def counter(self, name: str) -> float:
-        return self.registry.get_sample_value(f"stageserve_vision_encoder_{name}_total") or 0.0
+    @property
+    def num_ranks(self) -> int:
+        return self.config.num_ranks
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        """Run ``coro`` on the encoder's loop and wait for it (blocking)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def on_loop(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Await ``coro`` run on the encoder's loop, from another loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def prefill(self, **kwargs: Any) -> Prefill:
+        """A new receiver, closed with the encoder."""
+        prefill = Prefill(self.app.limits.hidden_size, **kwargs)
+        self.prefills.append(prefill)
+        return prefill
+
+    async def encode(
+        self, request_id: str, spans, destination, timeout_s: float = CALL_TIMEOUT_S
+    ) -> list[SpanResult]:
+        client = VisionEncoderClient(self.address)
+        try:
+            return await client.encode(request_id, spans, destination, timeout_s)
+        finally:
+            await client.close()
+
+    def value(self, name: str, **labels: str) -> float:
+        """A metric's value summed over every sample matching ``labels`` (0 when none)."""
+        total = 0.0
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                if sample.name == f"stageserve_vision_encoder_{name}" and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    total += sample.value
+        return total
+
+    def counter(self, name: str, **labels: str) -> float:
+        return self.value(f"{name}_total", **labels)
+
+    def per_rank(self, name: str) -> list[float]:
+        return [self.counter(name, rank=str(r)) for r in range(self.num_ranks)]
 
 
-@contextlib.asynccontextmanager
-async def running_encoder(model, **overrides) -> AsyncIterator[Encoder]:
-    fabric = EmbeddingFabric()
-    config = replace(VisionEncoderConfig(model=TINY_MODEL_DIR, transfer_backend="inprocess"), **overrides)
-    registry = CollectorRegistry()
-    metrics = VisionEncoderMetrics(registry)
-    app = build_app(config, metrics, sender=InProcessEmbeddingSender(fabric), model=model)
-    receiver = InProcessEmbeddingReceiver(fabric)
-    buffer = EmbeddingBuffer(4096, app.worker.hidden_size, torch.float32)
-    buffer.tensor.fill_(float("nan"))
-    receiver.register(buffer)
+async def _start(config: VisionEncoderConfig, registry: CollectorRegistry, step_target: str):
+    app = build_app(
+        config, VisionEncoderMetrics(registry), Envs.from_environ(), step_target=step_target
+    )
     health = HealthState()
     server, port = create_grpc_server(app, config, health)
     await server.start()
-    health.set_serving(True)
-    app.leader.progress.start(health, interval_s=WATCHDOG_POLL_S)  # as services.vision_encoder.__main__ does
-    client = VisionEncoderClient(f"127.0.0.1:{port}")
     try:
-        yield Encoder(
-            app, client, metrics, registry, receiver, buffer, EmbeddingRowManager(4096), f"127.0.0.1:{port}", fabric,
-            health,
-        )
+        await app.start(health, watchdog_poll_s=WATCHDOG_POLL_S)
+    except BaseException:
+        await server.stop(None)
+        raise
+    return app, health, server, port
+
+
+@contextlib.contextmanager
+def serve_encoder(
+    num_ranks: int = 1, *, step_target: str = HOOKED_STEP, **overrides
+) -> Iterator[ServedEncoder]:
+    """An encoder with ``num_ranks`` CPU rank processes; every rank is gone after it."""
+    config = replace(
+        VisionEncoderConfig(
+            model=TINY_MODEL_DIR, transfer_backend="shm", devices=("cpu",) * num_ranks
+        ),
+        **overrides,
+    )
+    registry = CollectorRegistry()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="encoder-loop", daemon=True)
+    thread.start()
+    served: ServedEncoder | None = None
+    try:
+        with rank_environment():
+            started = asyncio.run_coroutine_threadsafe(_start(config, registry, step_target), loop)
+            app, health, server, port = started.result(START_TIMEOUT_S)
+        served = ServedEncoder(app, config, registry, health, f"127.0.0.1:{port}", loop)
+        pids = set(app.group.rank_pids)
+        try:
+            yield served
+        finally:
+            pids.update(app.group.rank_pids)  # a re-formed group's too
+            served.run(server.stop(None))
+            served.run(app.close())
+        assert [pid for pid in pids if pid in rank_children()] == []
     finally:
-        await client.close()
-        await server.stop(1.0)
-        app.close()
-        receiver.close()
+        if served is not None:
+            for prefill in served.prefills:
+                prefill.close()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
 
 
-def gate_worker(encoder: Encoder) -> tuple[Callable[[], None], list[list[str]]]:
-    """Hold the rank worker's first batch until ``release()``; records every batch's request ids."""
-    worker = encoder.app.worker
-    execute, opened, batches = worker.execute, threading.Event(), []
-
-    def gated(batch, plan):
-        batches.append([job.request_id for job in batch.jobs])
-        opened.wait(30)
-        return execute(batch, plan)
-
-    worker.execute = gated
-    return opened.set, batches
+async def wait_until(predicate, timeout_s: float = 60.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)

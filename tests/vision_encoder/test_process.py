@@ -1,8 +1,11 @@
-"""``python -m services.vision_encoder`` as a process: READY, health SERVING, rows over Mooncake, SIGTERM exit 0."""
+"""``python -m services.vision_encoder --ranks 2`` as a process: READY, health SERVING, rows over
+Mooncake from both ranks, a dead peer, SIGTERM exit 0 with no rank left; a rank that cannot
+start is one clear error line."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import signal
 import subprocess
@@ -17,13 +20,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.clients.vision_encoder import SpanStatus, VisionEncoderClient
 from services.common.errors import UnavailableError
-from services.engine.processing.image import decode_image
 from services.transfer.embeddings import EmbeddingBuffer
+from services.vision_encoder.plan import owner_rank
 from tests.conftest import INTERNAL_AUTH, REPO, image_bytes, needs_mooncake
-from tests.vision_encoder.conftest import span_input
+from tests.vision_encoder.conftest import reference_rows, spans_for
 
-pytestmark = [pytest.mark.integration, needs_mooncake]
-READY_TIMEOUT_S = 120
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+READY_TIMEOUT_S = 300
+ENV = dict(os.environ, OMP_NUM_THREADS="1")  # as the references are computed (rank_threads)
 
 
 def read_lines(stream, lines: queue.Queue) -> None:
@@ -31,10 +35,36 @@ def read_lines(stream, lines: queue.Queue) -> None:
         lines.put(line.rstrip())
 
 
-def test_process_serves_and_stops_on_sigterm(image_processor, vision_model) -> None:
-    cmd = [sys.executable, "-m", "services.vision_encoder", "--port", "0", "--metrics-port", "0",
-           "--transfer-backend", "mooncake"]
-    process = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+@needs_mooncake
+def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, vision_model) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.vision_encoder",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--transfer-backend",
+        "mooncake",
+        "--ranks",
+        "2",
+    ]
+    process = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
     try:
@@ -42,11 +72,12 @@ def test_process_serves_and_stops_on_sigterm(image_processor, vision_model) -> N
         words = ready.split()
         assert words[:2] == ["READY", "vision_encoder"], ready
         fields = dict(w.split("=", 1) for w in words[2:])
-        address = f"127.0.0.1:{fields['port']}"
-        assert int(fields["metrics_port"]) > 0
-        asyncio.run(check_serving(address, image_processor, vision_model))
+        ranks = children_of(process.pid)
+        assert len(ranks) == 2
+        asyncio.run(check_serving(f"127.0.0.1:{fields['port']}", image_processor, vision_model))
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
     finally:
         if process.poll() is None:
             process.kill()
@@ -55,7 +86,9 @@ def test_process_serves_and_stops_on_sigterm(image_processor, vision_model) -> N
 
 async def check_serving(address: str, image_processor, vision_model) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     client = VisionEncoderClient(address, auth=INTERNAL_AUTH)
     from services.transfer.embeddings_mooncake import MooncakeEmbeddingReceiver
@@ -64,19 +97,48 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
     buffer = EmbeddingBuffer(256, vision_model.config.vision.out_hidden_size, torch.float32)
     receiver.register(buffer)
     try:
-        data = image_bytes(70, 98, seed=9)
-        span = span_input(image_processor, data, 3)
-        results = await client.encode("real", [span], receiver.destination("real", 10, 64), timeout_s=30)
-        assert results[0].status is SpanStatus.WRITTEN
-        processed = image_processor.preprocess(decode_image(data, 1 << 30))
-        with torch.inference_mode():
-            expected = vision_model.encode_images(processed.pixel_values, [processed.grid_thw])
-        assert torch.equal(buffer.rows(13, span.span.length), expected)
+        images = [image_bytes(70, 98, seed=s) for s in range(9, 13)]
+        spans = spans_for(image_processor, images)
+        assert {owner_rank(s.span.content_hash, 2) for s in spans} == {0, 1}  # both ranks send
+        num_rows = sum(s.span.length for s in spans)
+        results = await client.encode(
+            "real", spans, receiver.destination("real", 10, num_rows), timeout_s=30
+        )
+        assert [r.status for r in results] == [SpanStatus.WRITTEN] * 4
+        expected = torch.cat(reference_rows(vision_model, image_processor, images))
+        assert torch.equal(buffer.rows(10, num_rows), expected)
         # a destination on a port where no transfer engine listens: the peer is dead
-        dead = msgspec.structs.replace(receiver.destination("dead", 0, 64), engine_address="127.0.0.1:9",
-                                       session_id="127.0.0.1:9")
+        dead = msgspec.structs.replace(
+            receiver.destination("dead", 0, num_rows),
+            engine_address="127.0.0.1:9",
+            session_id="127.0.0.1:9",
+        )
+        other = spans_for(image_processor, [image_bytes(56, 56, seed=99)])
         with pytest.raises(UnavailableError):
-            await client.encode("dead-peer", [span], dead, timeout_s=30)
+            await client.encode("dead-peer", other, dead, timeout_s=30)
     finally:
         await client.close()
         receiver.close()
+
+
+def test_a_rank_that_cannot_start_is_one_clear_error() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.vision_encoder",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--transfer-backend",
+        "shm",
+        "--devices",
+        "cpu,cuda:5",
+    ]
+    done = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=READY_TIMEOUT_S
+    )
+    assert done.returncode == 1 and "READY" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("vision_encoder: error: vision encoder: rank 1 (cuda:5, pid "), last
+    assert "failed to start at device: RuntimeError: cuda:5: CUDA is not available" in last

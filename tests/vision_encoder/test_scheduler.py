@@ -1,4 +1,4 @@
-"""Encode batching bookkeeping and job validation, without a model or a server."""
+"""Encode batching bookkeeping and job validation, without a model, a rank or a server."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.types import ImageSpanRef
 from services.transfer.embeddings import EmbeddingDestination
 from services.vision_encoder.job import EncodeJob, JobLimits, validate_job
-from services.vision_encoder.plan import Manifest, make_plan
-from services.vision_encoder.scheduler import BatchResult, EncodeScheduler
+from services.vision_encoder.plan import CacheLedger, owner_rank
+from services.vision_encoder.rank_messages import EncodeStepResult, JobError, RankManifest
+from services.vision_encoder.scheduler import MAX_REPLANS, EncodeScheduler
 
-DST = EmbeddingDestination("inprocess", "", "s", 0, 4096, 100, 256, 64, "float32")
-LIMITS = JobLimits(merge_size=2, hidden_size=64, backend="inprocess")
+DST = EmbeddingDestination("shm", "", "s", 0, 4096, 100, 256, 64, "float32")
+LIMITS = JobLimits(merge_size=2, hidden_size=64, backend="shm")
 
 
 def span(data: bytes, dest_row: int = 0, grid: tuple[int, int, int] = (1, 4, 6)) -> EncodeSpanInput:
     length = grid[0] * grid[1] * grid[2] // 4
-    return EncodeSpanInput(ImageSpanRef(0, length, hashlib.sha256(data).hexdigest(), grid), data, dest_row)
+    return EncodeSpanInput(
+        ImageSpanRef(0, length, hashlib.sha256(data).hexdigest(), grid), data, dest_row
+    )
 
 
 def job(job_id: int, num_spans: int, deadline: float = 100.0) -> EncodeJob:
@@ -28,41 +31,80 @@ def job(job_id: int, num_spans: int, deadline: float = 100.0) -> EncodeJob:
     return EncodeJob(job_id, f"req-{job_id}", spans, (DST,), deadline)
 
 
+def results(world_size: int, **by_rank) -> list[EncodeStepResult]:
+    """Every rank's result; ``by_rank``: ``r1=EncodeStepResult(...)`` replaces rank 1's."""
+    return [by_rank.get(f"r{r}", EncodeStepResult(r)) for r in range(world_size)]
+
+
 def test_schedule_takes_the_oldest_jobs_that_fit() -> None:
-    scheduler = EncodeScheduler(max_batch_images=4)
+    scheduler, ledger = EncodeScheduler(max_batch_images=4), CacheLedger(1)
     for job_id, num_spans in enumerate([3, 1, 2, 9]):
         scheduler.add(job(job_id, num_spans))
-    assert [j.job_id for j in scheduler.schedule(now=0).jobs] == [0, 1]
-    assert [j.job_id for j in scheduler.schedule(now=0).jobs] == [2]
-    assert [j.job_id for j in scheduler.schedule(now=0).jobs] == [3]  # too big for a batch: runs alone
-    assert scheduler.num_waiting == 0 and scheduler.schedule(now=0).jobs == ()
+    assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [0, 1]
+    assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [2]
+    assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [
+        3
+    ]  # too big for a batch: alone
+    assert scheduler.num_waiting == 0 and scheduler.schedule(0, ledger).jobs == ()
 
 
 def test_jobs_past_their_deadline_leave_as_expired() -> None:
     scheduler = EncodeScheduler(max_batch_images=8)
     scheduler.add(job(0, 1, deadline=5.0))
     scheduler.add(job(1, 1, deadline=50.0))
-    batch = scheduler.schedule(now=10.0)
+    batch = scheduler.schedule(now=10.0, ledger=CacheLedger(1))
     assert [j.job_id for j in batch.expired] == [0] and [j.job_id for j in batch.jobs] == [1]
 
 
 def test_update_from_output_marks_hits_repeats_and_errors() -> None:
-    scheduler = EncodeScheduler(max_batch_images=8)
-    a, b = job(0, 2), job(1, 1)
+    scheduler, ledger = EncodeScheduler(max_batch_images=8), CacheLedger(2)
+    a = job(0, 2)
     b = EncodeJob(1, "req-1", (a.spans[0],), (DST,), 100.0)  # the same image as a's first span
     c = job(2, 1)
     for j in (a, b, c):
         scheduler.add(j)
-    batch = scheduler.schedule(now=0)
-    hashes = batch.content_hashes
-    cached = {a.spans[1].span.content_hash}
-    plan = make_plan(hashes, [Manifest(0, tuple(hashes), tuple(x in cached for x in hashes))], 1)
-    error = UnavailableError("prefill is gone")
-    outcomes = dict((j.job_id, o) for j, o in scheduler.update_from_output(batch, plan, BatchResult(errors={2: error})))
-    assert [r.is_cache_hit for r in outcomes[0]] == [False, True]
+    batch = scheduler.schedule(0, ledger)
+    bad = JobError(
+        2, "InvalidRequestError", "spans[0].image_data: not an image", "spans[0].image_data"
+    )
+    later = JobError(2, "UnavailableError", "prefill is gone")
+    outcome = scheduler.update_from_output(
+        batch,
+        results(2, r0=EncodeStepResult(0, errors=(bad,)), r1=EncodeStepResult(1, errors=(later,))),
+    )
+    outcomes = {j.job_id: o for j, o in outcome.finished}
+    assert [r.is_cache_hit for r in outcomes[0]] == [False, False]
     assert [r.is_cache_hit for r in outcomes[1]] == [True]  # rows reused from a's encode
-    assert all(r.status is SpanStatus.WRITTEN and r.owner_rank == 0 for r in outcomes[0] + outcomes[1])
-    assert outcomes[2] is error
+    assert all(r.status is SpanStatus.WRITTEN for r in outcomes[0] + outcomes[1])
+    owners = [owner_rank(s.span.content_hash, 2) for s in a.spans]
+    assert [r.owner_rank for r in outcomes[0]] == owners
+    error = outcomes[2]
+    assert (
+        isinstance(error, InvalidRequestError) and error.param == "spans[0].image_data"
+    )  # lowest rank's
+    assert outcome.replanned == []
+
+
+def test_a_missing_planned_hit_plans_its_job_again_until_the_bound() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=8), CacheLedger(1)
+    lost, fine = job(0, 2), job(1, 1)
+    scheduler.add(lost)
+    scheduler.add(fine)
+    gone = lost.spans[1].span.content_hash
+    missing = EncodeStepResult(0, manifest=RankManifest((), (), (gone,)))
+    for attempt in range(MAX_REPLANS):
+        batch = scheduler.schedule(0, ledger)
+        outcome = scheduler.update_from_output(batch, [missing])
+        assert [j.job_id for j in outcome.replanned] == [0]
+        assert outcome.replanned[0].num_replans == attempt + 1
+        assert [j.job_id for j, _ in outcome.finished] == ([1] if attempt == 0 else [])
+        scheduler.requeue(outcome.replanned)
+    scheduler.add(job(2, 1))
+    batch = scheduler.schedule(0, ledger)
+    assert [j.job_id for j in batch.jobs] == [0, 2]  # the replanned job went back to the head
+    outcome = scheduler.update_from_output(batch, [missing])
+    error = dict((j.job_id, o) for j, o in outcome.finished)[0]
+    assert isinstance(error, UnavailableError) and "lost planned hits 3 times" in error.message
 
 
 def test_validate_job_accepts_a_good_job() -> None:
@@ -73,7 +115,10 @@ def test_validate_job_accepts_a_good_job() -> None:
     ("make", "param"),
     [
         (lambda j: EncodeJob(0, "r", j.spans, (), 1.0), "embedding_refs"),
-        (lambda j: EncodeJob(0, "r", (j.spans[0], span(b"x", dest_row=3)), (DST,), 1.0), "spans[1].dest_row"),
+        (
+            lambda j: EncodeJob(0, "r", (j.spans[0], span(b"x", dest_row=3)), (DST,), 1.0),
+            "spans[1].dest_row",
+        ),
         (lambda j: EncodeJob(0, "r", (span(b"x", dest_row=95),), (DST,), 1.0), "spans[0].dest_row"),
         (lambda j: EncodeJob(0, "r", (span(b"x", grid=(1, 3, 6)),), (DST,), 1.0), "spans[0].span"),
     ],

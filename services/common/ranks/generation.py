@@ -9,7 +9,9 @@ Owned by the supervisor thread.
 from __future__ import annotations
 
 import hmac
+import select
 import signal
+import time
 from dataclasses import dataclass
 
 from services.common.ranks.channel import LeaderChannel
@@ -127,13 +129,23 @@ class Generation:
                 return f"{slot.who} exited during start-up{self.exit_text(slot)}"
         return self.forming_timeout_reason() if now >= self.deadline_mono else None
 
-    def exit_cause(self, step: int | None) -> str | None:
-        """A spawned rank that has exited (lowest first), as a fail-stop reason; or None."""
-        for slot in self.slots:
-            if slot.process is not None and slot.process.exit_code() is not None:
-                during = f" during step {step}" if step is not None else ""
-                return f"{slot.who} exited{self.exit_text(slot)}{during}"
-        return None
+    def exit_cause(self, step: int | None, grace_s: float = 0.0) -> str | None:
+        """A spawned rank that has exited (lowest first), as a fail-stop reason; or None.
+
+        ``grace_s``: how long to wait for an exit to show (a peer saw its connections close
+        first: the kernel closes a dying process's sockets before its exit can be reaped).
+        """
+        deadline_mono = time.monotonic() + grace_s
+        while True:
+            for slot in self.slots:
+                if slot.process is not None and slot.process.exit_code() is not None:
+                    during = f" during step {step}" if step is not None else ""
+                    return f"{slot.who} exited{self.exit_text(slot)}{during}"
+            remaining_s = deadline_mono - time.monotonic()
+            exit_fds = list(self.exit_watch())
+            if remaining_s <= 0 or not exit_fds:
+                return None
+            select.select(exit_fds, [], [], remaining_s)  # a pidfd turns readable at exit
 
     def accept(self, peer: bytes, hello: Hello) -> None:
         slot = self.slots[hello.rank]

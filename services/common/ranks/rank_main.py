@@ -20,6 +20,7 @@ import importlib
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from services.common.ranks.step import BaseRankStep, RankContext
 
 logger = logging.getLogger("services.common.ranks.rank")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+LISTEN_BACKLOG = 128
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,29 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Spawn mode, rank 0: the group's TCPStore on a free port of 127.0.0.1 only.
+
+    A TCPStore given a port binds every interface; its socket is made here instead.
+    """
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(LISTEN_BACKLOG)
+        port = listener.getsockname()[1]
+        return dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_timeout(timeout_s),
+            master_listen_fd=listener.detach(),  # the store owns the socket from here on
+        )
+    finally:
+        listener.close()  # no-op once detached
+
+
 def _await_setup(channel: RankChannel, timeout_s: float) -> Setup:
     message = channel.receive(timeout_s)
     if isinstance(message, Setup):
@@ -169,14 +194,7 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         bind_device(args.device)
     if not args.is_join and rank == 0:
         with _stage(StartStage.RENDEZVOUS, rank):
-            store = dist.TCPStore(
-                "127.0.0.1",
-                0,
-                world_size,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=_timeout(args.rendezvous_timeout_s),
-            )
+            store = loopback_store(world_size, args.rendezvous_timeout_s)
     channel.send(
         Hello(
             rank=rank,

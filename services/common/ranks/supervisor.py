@@ -61,6 +61,7 @@ class _Named(logging.LoggerAdapter):
 
 
 MAX_POLL_S = 1.0
+BROKEN_EXIT_GRACE_S = 0.5  # a BROKEN reply waits this long for a peer's exit to show (named then)
 
 
 class GroupState(enum.Enum):
@@ -290,8 +291,8 @@ class Supervisor:
             self._log.warning(
                 "dropped rank %d's reply to step %d (not in flight)", rank, reply.step
             )
-        elif reply.status is StepStatus.BROKEN:
-            self._fail_stop(reply.error)
+        elif reply.status is StepStatus.BROKEN:  # often a peer died: let its exit show, name it
+            self._fail_stop(reply.error, exit_grace_s=BROKEN_EXIT_GRACE_S)
         else:
             self._steps.on_reply(rank, reply)
 
@@ -363,18 +364,21 @@ class Supervisor:
             return
         self._schedule_restart(reason)
 
-    def _fail_stop(self, reason: str) -> None:
-        """Readiness off, the step's caller failed, the generation killed, a re-form scheduled."""
+    def _fail_stop(self, reason: str, exit_grace_s: float = 0.0) -> None:
+        """Readiness off, the generation killed, then the step's caller failed; a re-form scheduled."""
         inflight = self._steps.inflight
-        exited = self._gen.exit_cause(inflight.step if inflight else None) if self._gen else None
+        step = inflight.step if inflight else None
+        exited = self._gen.exit_cause(step, exit_grace_s) if self._gen else None
         reason = exited or reason  # a rank that exited is the likeliest cause: name it
         self._log.error("fail-stop: %s", reason)
         was_ready = self.state is GroupState.READY
         self.state, self._last_error = GroupState.BACKOFF, reason  # not ready before anyone hears
         if was_ready:
             self._notify_ready(False)
-        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
+        # Every rank is dead and reaped before the caller hears: no write of the step (rows into a
+        # peer's memory) can land after the caller has released that memory.
         self._end_generation()
+        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
         self._schedule_restart(reason)
 
     def _end_generation(self, grace_s: float = 0.0) -> None:
@@ -421,10 +425,10 @@ class Supervisor:
         self.state = GroupState.STOPPED
         stopped = UnavailableError(f"{self.config.name}: the rank group is stopped")
         self._handover.close(stopped)
-        self._steps.fail(stopped)
-        if self._channel is not None:
+        if self._channel is not None:  # the ranks end before the step's caller hears (_fail_stop)
             self._end_generation(self.config.stop_grace_s)
             self._channel.close()
+        self._steps.fail(stopped)
         if was_ready:
             self._notify_ready(False)
         if not self.started.done():

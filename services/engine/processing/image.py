@@ -1,8 +1,9 @@
 """Image side of preprocessing for Qwen2-VL / Qwen2.5-VL.
 
 Two consumers, two costs:
-- the tokenizer service needs only an image's size: ``grid_for`` (or ``grid_for_size``)
-  gives the patch grid, hence the number of placeholder tokens, without pixel work;
+- the tokenizer service needs only an image's size: ``image_size`` reads it from the
+  header (no pixel decode where the header says everything), and ``grid_for_size``
+  turns it into the patch grid, hence the number of placeholder tokens;
 - the vision encoder needs pixels: ``preprocess`` resizes (PIL bicubic), rescales,
   normalizes and patchifies, equal to ``transformers``' ``Qwen2VLImageProcessorPil``.
 
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from services.common.errors import InvalidRequestError, ModelLoadError
 
@@ -37,6 +38,11 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_ASPECT_RATIO = 200
 # Errors PIL raises on bytes that are not a (complete) image of a known format.
 _PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
+# Formats whose header (what Image.open reads) holds every orientation source (EXIF, XMP).
+_HEADER_COMPLETE_FORMATS = ("JPEG", "MPO", "WEBP")
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+_PNG_SIGNATURE_LEN = 8
+_PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # read only on a full decode after IDAT
 
 
 def smart_resize(
@@ -67,12 +73,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> Image.Image:
-    """Decode compressed image bytes into an RGB image (EXIF orientation applied).
-
-    Raises InvalidRequestError for empty or oversized data, bytes that are not an image
-    of a format PIL reads, truncated or corrupt data, and images over ``max_pixels``.
-    """
+def _open_image(data: bytes, max_bytes: int, max_pixels: int | None) -> Image.Image:
+    """``Image.open`` (the header only) with the size and pixel limits checked."""
     if not data:
         raise InvalidRequestError("image data is empty", param="image")
     if len(data) > max_bytes:
@@ -94,12 +96,68 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> 
             f"image is {image.width}x{image.height} = {num_pixels} pixels; the limit is {max_pixels}",
             param="image",
         )
+    return image
+
+
+def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> Image.Image:
+    """Decode compressed image bytes into an RGB image (EXIF orientation applied).
+
+    Raises InvalidRequestError for empty or oversized data, bytes that are not an image
+    of a format PIL reads, truncated or corrupt data, and images over ``max_pixels``.
+    """
+    image = _open_image(data, max_bytes, max_pixels)
     try:
         image.load()
         image = ImageOps.exif_transpose(image)
     except _PIL_DECODE_ERRORS as e:
         raise InvalidRequestError(f"image data is truncated or corrupt: {e}", param="image") from e
     return to_rgb(image)
+
+
+def image_size(data: bytes, max_bytes: int, max_pixels: int | None = None) -> tuple[int, int]:
+    """(height, width) of ``decode_image(data, ...)``, from the header where it says everything.
+
+    JPEG, MPO and WebP headers carry every orientation source; a PNG's do unless metadata
+    follows its pixel data. Any other file, or a PNG whose chunks are cut or corrupt, is
+    decoded in full, so the size and the errors are ``decode_image``'s. Pixel data that is
+    cut short or corrupt after an intact header is found only by the decode (the encoder's).
+    """
+    image = _open_image(data, max_bytes, max_pixels)
+    if image.format == "PNG" and _png_header_is_complete(data):
+        exif = Image.Image.getexif(image)  # the base method: PNG's own would decode to look further
+    elif image.format in _HEADER_COMPLETE_FORMATS:
+        exif = _header_exif(image)
+    else:
+        decoded = decode_image(data, max_bytes, max_pixels)
+        return decoded.height, decoded.width
+    is_transposed = exif.get(ExifTags.Base.Orientation, 1) in _TRANSPOSING_ORIENTATIONS
+    return (image.width, image.height) if is_transposed else (image.height, image.width)
+
+
+def _header_exif(image: Image.Image) -> Image.Exif:
+    try:
+        return image.getexif()
+    except _PIL_DECODE_ERRORS as e:
+        raise InvalidRequestError(f"image data is truncated or corrupt: {e}", param="image") from e
+
+
+def _png_header_is_complete(data: bytes) -> bool:
+    """Whether the chunks are whole up to IEND and no metadata chunk follows the first IDAT."""
+    pos, is_past_pixels = _PNG_SIGNATURE_LEN, False
+    while pos + 8 <= len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind = data[pos + 4 : pos + 8]
+        end = pos + 12 + length  # length, type, data, CRC
+        if end > len(data):
+            return False
+        if kind == b"IEND":
+            return True
+        if kind == b"IDAT":
+            is_past_pixels = True
+        elif is_past_pixels and kind in _PNG_LATE_METADATA:
+            return False
+        pos = end
+    return False
 
 
 def content_hash(data: bytes) -> str:

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class VisionEncoderStub:
-    """Computes image embeddings; each distinct image is encoded once while it stays cached.
+    """Computes image embeddings on W ranks; each distinct image is encoded once, whole, by its
+    owner rank, while it stays in that rank's cache.
     """
 
     def __init__(self, channel):
@@ -43,12 +44,15 @@ class VisionEncoderStub:
 
 
 class VisionEncoderServicer:
-    """Computes image embeddings; each distinct image is encoded once while it stays cached.
+    """Computes image embeddings on W ranks; each distinct image is encoded once, whole, by its
+    owner rank, while it stays in that rank's cache.
     """
 
     def Encode(self, request, context):
         """Makes sure every span's embedding rows are written to the given destinations:
-        from the cache where present, else by encoding the image on its owner rank.
+        from the owner rank's cache where present, else by encoding the image on its owner
+        rank; the owner writes the rows. UNAVAILABLE also when an encoder rank died during
+        the call (the encoder restarts its ranks).
         Returns once every span is written. A span that cannot be served (undecodable
         image, grid, length or hash mismatch, rows outside the destination) fails the whole
         call with INVALID_ARGUMENT naming the span, since the prompt is unusable without
@@ -76,7 +80,8 @@ def add_VisionEncoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VisionEncoder:
-    """Computes image embeddings; each distinct image is encoded once while it stays cached.
+    """Computes image embeddings on W ranks; each distinct image is encoded once, whole, by its
+    owner rank, while it stays in that rank's cache.
     """
 
     @staticmethod

@@ -1,0 +1,33 @@
+"""GPU (run through the device tool, never in CI): W = 2 with both ranks on cuda:0 gives the
+rows of W = 1 within bf16 tolerance, and the leader (this process) never touches CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import image_bytes
+from tests.vision_encoder.conftest import serve_encoder, spans_for
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-2
+
+
+async def test_two_ranks_on_one_gpu_write_one_ranks_rows(image_processor) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    sizes = [(640, 480), (200, 150), (56, 56), (300, 97), (640, 480), (1000, 40)]
+    images = [image_bytes(w, h, seed=900 + i) for i, (w, h) in enumerate(sizes)]
+    images.append(images[0])  # a repeat in the call
+    spans = spans_for(image_processor, images)
+    num_rows = sum(s.span.length for s in spans)
+    rows = {}
+    for devices in (("cuda:0",), ("cuda:0", "cuda:0")):
+        with serve_encoder(len(devices), devices=devices, dtype="bfloat16") as enc:
+            prefill = enc.prefill(dtype=torch.bfloat16)
+            results = await enc.encode("gpu", spans, prefill.destination("gpu", 0, num_rows))
+            assert [r.is_cache_hit for r in results] == [False] * 6 + [True]
+            rows[len(devices)] = prefill.buffer.rows(0, num_rows).float().clone()
+            assert not torch.isnan(rows[len(devices)]).any()
+    torch.testing.assert_close(rows[2], rows[1], rtol=BF16_RTOL, atol=BF16_ATOL)
+    assert not torch.cuda.is_initialized()  # the leader ran in this process
