@@ -25,6 +25,14 @@ class PrefillConfig(ServiceConfig):
     peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
     watchdog_s: float = 30.0  # NOT_SERVING while the worker has work but makes no progress this long
     max_kv_ref_nonces: int = 262144  # used KvRef nonces kept, each until its KvRef expires
+    devices: tuple[str, ...] = ("cpu",)  # one rank process per entry: C = len(devices) CP ranks
+    cp_block_tokens: int = 64  # block b of a pass's tokens goes to CP rank b % C (1 or k * page_size)
+    cp_min_tokens: int = 2048  # a batch with fewer prompt tokens runs on one rank
+    step_timeout_s: float = 60.0  # a plan's deadline on the ranks; a rank past it is declared dead
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.devices)
 
     @property
     def kv_backend(self) -> str:

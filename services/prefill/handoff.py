@@ -5,7 +5,7 @@ Every rank that ran the plan holds the whole KV of each request; of its pages ``
 rank runs alone: that rank writes them all). Writes are begun for every request before
 any is awaited, so an asynchronous backend queues them back to back; a backend that
 ``streams_layers`` is begun before the forward (``begin_layerwise``) and fed each layer.
-``close`` cancels what a failed forward left begun and ends every span.
+``close`` cancels what a failed forward left begun.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
-from opentelemetry import trace
 
-from services.common import telemetry
 from services.common.errors import StageServeError
 from services.engine.model_runner import ModelRunner
 from services.prefill.messages import RankOutcome, RankRequest
 from services.transfer.base import BaseKVSender, KvDestination, LayerwiseSend, PendingSend
 
 logger = logging.getLogger(__name__)
-_tracer = telemetry.tracer("prefill")
 
 
 def owned_pages(num_pages: int, writer: int, num_writers: int) -> list[int]:
@@ -34,7 +31,6 @@ def owned_pages(num_pages: int, writer: int, num_writers: int) -> list[int]:
 
 @dataclass
 class _Write:
-    span: trace.Span
     handle: PendingSend | LayerwiseSend | None = None  # None: nothing of this request is ours
     error: StageServeError | None = None  # it could not start
 
@@ -74,11 +70,10 @@ class KvHandoff:
         return tuple(self._wait(r, token_ids.get(r.request_id, -1)) for r in requests)
 
     def close(self) -> None:
-        """Cancel layer-streamed writes still open (a failed forward) and end every span."""
+        """Cancel layer-streamed writes still open (a failed forward)."""
         for write in self._writes.values():
             if isinstance(write.handle, LayerwiseSend):
                 write.handle.cancel()  # the layers already queued still land (decode quarantines)
-            write.span.end()
         self._writes.clear()
 
     def _mine(self, request: RankRequest) -> tuple[list[int], KvDestination]:
@@ -91,12 +86,7 @@ class KvHandoff:
 
     def _begin(self, request: RankRequest, layerwise: bool) -> None:
         src, dst = self._mine(request)
-        span = _tracer.start_span(
-            "kv.transfer", context=telemetry.extract_context(request.trace_carrier.items()),
-            attributes={"request_id": request.request_id, "kv.num_pages": len(src),
-                        "kv.backend": self.sender.backend, "kv.layerwise": layerwise},
-        )
-        write = self._writes[request.request_id] = _Write(span)
+        write = self._writes[request.request_id] = _Write()
         if not src:
             return
         start = self.sender.start_layerwise if layerwise else self.sender.start
@@ -115,13 +105,9 @@ class KvHandoff:
             if not isinstance(write.handle, PendingSend):
                 return RankOutcome(request.request_id, token_id)
             result = write.handle.wait()
-            write.span.set_attribute("kv.num_bytes", result.num_bytes)
         except StageServeError as exc:
-            write.span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             logger.warning("KV transfer of %s failed: %s", request.request_id, exc.message)
             return RankOutcome(
                 request.request_id, token_id, error=exc.message, error_type=type(exc).__name__
             )
-        finally:
-            write.span.end()
         return RankOutcome(request.request_id, token_id, result.num_bytes, result.elapsed_s)

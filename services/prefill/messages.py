@@ -28,7 +28,7 @@ class RankRequest(msgspec.Struct, frozen=True):
     spans: tuple[ImageSpanRef, ...]  # prompt order, request-global offsets
     params: SamplingParams
     kv_dst: KvDestination  # decode's pages for the prompt, position order
-    timeout_s: float  # seconds left when the plan was sent: the deadline of its KV write
+    deadline_unix_s: float  # wall clock (the KvRef's expiry is too): no KV write starts after it
     row_start: int  # first embedding-buffer row of its image tokens (every rank's buffer); -1: none
     trace_carrier: dict[str, str] = {}
     # [num_tokens, hidden] little-endian rows of ``embeds_dtype`` overriding the token embeddings

@@ -48,6 +48,9 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     transfer_backend: str  # embedding rows
     kv_backend: str
     transfer_hostname: str  # Mooncake endpoints advertise it
+    # CP all-gathers over the CPU (gloo) group, through host memory: ranks that share a GPU
+    # (NCCL needs one GPU per rank)
+    kv_exchange_over_cpu: bool = False
 
 
 def _engine_kwargs(backend: str, hostname: str) -> dict[str, Any]:
@@ -81,8 +84,10 @@ class PrefillRankStep(BaseRankStep):
             pin_memory=device.type == "cpu" and runner.device.type == "cuda",
         )
         self.receiver.register(buffer)
+        group = ctx.cpu_group if init.kv_exchange_over_cpu else ctx.device_group
         self.worker = PrefillRankWorker(
-            runner, self.kv_sender, buffer, ctx.rank, ctx.world_size, ctx.device_group
+            runner, self.kv_sender, buffer, ctx.rank, ctx.world_size, group,
+            exchange_device="cpu" if init.kv_exchange_over_cpu else None,
         )
 
     def warmup(self) -> None:
@@ -93,7 +98,7 @@ class PrefillRankStep(BaseRankStep):
         layout = pool_layout(runner.kv_pool)
         request = RankRequest(
             "warmup", tuple(range(num_tokens)), (), SamplingParams(temperature=0.0),
-            KvDestination(self.kv_sender.backend, "", "warmup", layout, tuple(range(pages))), 60.0, -1,
+            KvDestination(self.kv_sender.backend, "", "warmup", layout, tuple(range(pages))), 0.0, -1,
         )
         plan = RankPlan(-1, (request,), ((PassSegment(0, 0, num_tokens),),), SHARDED, WARMUP_TOKENS)
         self.worker.execute(plan, write_kv=False)

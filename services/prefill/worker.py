@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common import telemetry
 from services.common.types import FinishReason
 from services.engine import ops
 from services.engine.attention.context_parallel import ContextParallelAttention, CpShard, KvExchange
@@ -32,7 +31,6 @@ from services.transfer.base import BaseKVSender
 from services.transfer.embeddings import EmbeddingBuffer
 
 logger = logging.getLogger(__name__)
-_tracer = telemetry.tracer("prefill")
 
 
 def first_token_finish_reason(
@@ -58,13 +56,14 @@ class PrefillRankWorker:
 
     def __init__(
         self, runner: ModelRunner, kv_sender: BaseKVSender, embeddings: EmbeddingBuffer,
-        rank: int = 0, world_size: int = 1, group: object = None,
+        rank: int = 0, world_size: int = 1, group: object = None, exchange_device: str | None = None,
     ) -> None:
         config = runner.model.config
         self.runner = runner
         self.kv_sender = kv_sender
         self.embeddings = embeddings
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.exchange_device = torch.device(exchange_device) if exchange_device else runner.device
         self.spatial_merge_size = config.vision.spatial_merge_size
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
@@ -83,8 +82,8 @@ class PrefillRankWorker:
             return Executed(())
         sharded = plan.solo_rank == SHARDED and self.world_size > 1
         shard = CpShard(self.rank, self.world_size, plan.block_tokens) if sharded else CpShard(0, 1, 1)
-        now = time.monotonic()
-        deadlines = {r.request_id: now + r.timeout_s for r in plan.requests}
+        to_mono = time.monotonic() - time.time()
+        deadlines = {r.request_id: r.deadline_unix_s + to_mono for r in plan.requests}
         handoff = KvHandoff(self.runner, self.kv_sender, shard.rank, shard.world_size, deadlines)
         table = self.runner.page_table
         try:
@@ -113,33 +112,22 @@ class PrefillRankWorker:
 
     def _run(self, plan: RankPlan, shard: CpShard, handoff: KvHandoff) -> dict[str, int] | None:
         """Every pass, then the first tokens this rank samples; None when a peer failed."""
-        spans = [
-            _tracer.start_span(
-                "prefill.forward", context=telemetry.extract_context(r.trace_carrier.items()),
-                attributes={"request_id": r.request_id, "prefill.batch_size": len(plan.requests),
-                            "prefill.cp_size": shard.world_size},
-            )
-            for r in plan.requests
-        ]
-        try:
-            rows = [self._rows(r) for r in plan.requests]
-            logits, owners = [], []
-            for segments in plan.passes:
-                exchange = self._exchange(shard, sum(s.end - s.start for s in segments))
-                try:
-                    inp = build_pass(self.runner, shard, plan.requests, rows, segments)
-                    logits.append(self._forward(inp, exchange, handoff))
-                except BaseException:
-                    if exchange is not None:
-                        exchange.poison_rest()  # the peers wait in this pass's next all-gather
-                    raise
-                if exchange is not None and exchange.peer_failed():
-                    return None
-                owners += inp.logits_requests
-            return self._sample(plan.requests, torch.cat(logits), owners)
-        finally:
-            for span in spans:
-                span.end()
+        rows: list[RequestRows] = []
+        logits, owners = [], []
+        for segments in plan.passes:
+            exchange = self._exchange(shard, sum(s.end - s.start for s in segments))
+            try:
+                rows = rows or [self._rows(r) for r in plan.requests]
+                inp = build_pass(self.runner, shard, plan.requests, rows, segments)
+                logits.append(self._forward(inp, exchange, handoff))
+            except BaseException:
+                if exchange is not None:
+                    exchange.poison_rest()  # the peers wait in this pass's next all-gather
+                raise
+            if exchange is not None and exchange.peer_failed():
+                return None
+            owners += inp.logits_requests
+        return self._sample(plan.requests, torch.cat(logits), owners)
 
     def _exchange(self, shard: CpShard, num_tokens: int) -> KvExchange | None:
         if shard.world_size == 1:
@@ -147,7 +135,7 @@ class PrefillRankWorker:
         num_layers = self.runner.model.config.text.num_hidden_layers
         return KvExchange(
             self.group, shard.rank, shard.sizes(num_tokens), num_layers, self._kv_width,
-            self.runner.dtype, self.runner.device,
+            self.runner.dtype, self.exchange_device,
         )
 
     def _rows(self, request: RankRequest) -> RequestRows:

@@ -6,6 +6,8 @@ alone. One group per C serves every case (block sizes 1 and 16 are per plan).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ class Runner:
             write_rows(self.ranks.descriptions, request.request_id, row_start, embeds.float())
         rank_request = RankRequest(
             request.request_id, tuple(request.prompt_ids), case.prompt.spans, request.params,
-            dst, 60.0, row_start,
+            dst, time.time() + 60, row_start,
         )
         self.num_plans += 1
         results = await self.ranks.run(plan_of(self.num_plans, [rank_request], **plan_kwargs))

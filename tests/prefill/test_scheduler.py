@@ -101,12 +101,25 @@ def test_lifecycle_rows_and_one_plan_in_flight() -> None:
     assert plan is not None and plan.request_ids == ["a", "t"]
     assert plan.requests[0] == PlannedRequest(s.get("a").input, 0)
     assert s.schedule() is None  # one plan in flight
-    s.mark_sending(plan)
-    assert s.get("a").status is ReqStatus.SENDING and s.num_rows_used == 0
-    assert [e.request_id for e in s.admit()] == ["b"]  # rows are free again
+    assert s.admit() == []  # b waits for a's rows
     outcomes = s.update_from_output(plan, ok_output(plan))
     assert [(o.request_id, o.first_token_id, o.num_cached_image_tokens) for o in outcomes] == [("a", 7, 6), ("t", 7, 0)]
-    assert s.num_live == 1
+    assert s.num_live == 1 and s.num_rows_used == 0
+    assert [e.request_id for e in s.admit()] == ["b"]  # rows are free again
+
+
+def test_a_re_formed_group_fails_the_requests_holding_rows() -> None:
+    s = make_scheduler(num_rows=20)
+    s.add(make_input("ready", 12, num_image_tokens=6), {"h": b"x"})
+    s.add(make_input("encoding", 12, num_image_tokens=6), {"h": b"x"})
+    s.add(make_input("text", 5), {})
+    s.admit()
+    s.finish_encoding("ready")
+    gone = UnavailableError("rows gone")
+    assert [o.request_id for o in s.fail_row_holders(gone)] == ["ready"]
+    outcome = s.finish_encoding("encoding")  # its Encode returns: it fails too
+    assert outcome is not None and outcome.error is gone
+    assert s.num_rows_used == 0 and [e.request_id for e in s._entries.values()] == ["text"]
 
 
 def test_max_batch_tokens_and_pool_limit_the_plan() -> None:

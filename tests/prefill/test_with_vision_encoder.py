@@ -1,4 +1,4 @@
-"""Prefill against the real vision encoder service (in process, rows through the in-process fabric)."""
+"""Prefill (two CP ranks) against the real vision encoder service (in process), rows over shm to both ranks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from services.common.server import HealthState
 from services.engine.loader import load_model
 from services.engine.sampler import SamplingParams
-from services.transfer.embeddings_inprocess import EmbeddingFabric, InProcessEmbeddingSender
+from services.transfer.embeddings_shm import ShmEmbeddingSender
 from services.vision_encoder.app import build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
@@ -21,14 +21,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 async def test_real_encoder_rows_and_cache_hits(pipeline, language_model) -> None:
-    fabric = EmbeddingFabric()
-    config = VisionEncoderConfig(model=TINY_MODEL_DIR, transfer_backend="inprocess")
+    config = VisionEncoderConfig(model=TINY_MODEL_DIR, transfer_backend="shm")
     vision_model = load_model(TINY_MODEL_DIR, components=("vision",))
-    encoder = build_app(config, VisionEncoderMetrics(CollectorRegistry()), InProcessEmbeddingSender(fabric), vision_model)
+    encoder = build_app(config, VisionEncoderMetrics(CollectorRegistry()), ShmEmbeddingSender(), vision_model)
     server, port = create_grpc_server(encoder, config, HealthState())
     await server.start()
     harness = await start_harness(
-        pipeline, language_model, prefill_config(), embedding_fabric=fabric, encoder_address=f"127.0.0.1:{port}"
+        pipeline, language_model, prefill_config(devices=("cpu", "cpu")), encoder_address=f"127.0.0.1:{port}"
     )
     try:
         first, second = image_bytes(120, 80, seed=1), image_bytes(64, 200, seed=2)

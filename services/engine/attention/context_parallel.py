@@ -158,7 +158,7 @@ class ContextParallelAttention(BaseAttentionBackend):
         assert not kv_stored, "the gathered K/V are stored here"
         n, heads, dim = k.shape
         local = torch.cat([k.reshape(n, heads * dim), v.reshape(n, heads * dim)], dim=1)  # [n, 2 Hkv D]
-        gathered = exchange.gather(local.to(exchange.dtype))  # [total, 2 * Hkv * D]
+        gathered = exchange.gather(local.to(exchange.device, exchange.dtype)).to(k.device)  # [total, 2 Hkv D]
         k_all, v_all = gathered.split(heads * dim, dim=1)
         total = gathered.shape[0]
         self.kv_pool.write(
