@@ -72,13 +72,14 @@ class PrefillApp:
         encoder: Encoder | None = None,
         group: RankGroupConfig | None = None,
         step_target: str = STEP_TARGET,
+        result_type: type[RankResult] = RankResult,
     ) -> PrefillApp:
         """Build every part (nothing starts); ``ValueError`` for a configuration that cannot run.
 
-        ``group`` overrides the rank group's configuration; ``step_target`` the ranks' step
-        class (tests inject faults through a subclass).
+        ``group`` overrides the rank group's configuration; ``step_target`` and ``result_type``
+        the ranks' step class and its result (a subclass that injects faults, in tests).
         """
-        spec = StepSpec(step_target, RankResult, rank_init(config))
+        spec = StepSpec(step_target, result_type, rank_init(config))
         holder: list[PrefillLeader] = []
         ranks = RankGroup(
             group or group_config(config, internal_token), spec,

@@ -53,7 +53,7 @@ from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.transfer.embeddings_shm import ShmEmbeddingSender
 from services.transfer.shm_backend import ShmKVReceiver
 from tests.conftest import TINY_MODEL_DIR, image_bytes
-from tests.prefill.cp_ranks import TARGET, group_config, rank_env
+from tests.prefill.cp_ranks import TARGET, RecordingResult, group_config, rank_env
 
 PAGE_SIZE = 4  # the session pipeline's page size: prompts span many pages
 KEY = signing.key_of("prefill-test-token")  # the internal secret the fake decode signs with
@@ -281,6 +281,7 @@ async def start_harness(
     app = PrefillApp.build(
         config, internal_token=os.environ["STAGESERVE_INTERNAL_TOKEN"],
         encoder=VisionEncoderClient(encoder_address), group=group, step_target=step_target,
+        result_type=RecordingResult,
     )
     health = HealthState()
     app.leader.on_serving = health.set_serving

@@ -48,6 +48,8 @@ _FAULT = re.compile(r"(raise|stop)-r(\d+)(?:-l(\d+))?")
 
 class RecordingResult(RankResult, frozen=True):
     logits: dict[str, list[float]] = {}  # request_id -> the first-token logits this rank sampled from
+    last_error: str = ""  # the agreed error of the last failed step, as this rank heard it
+    num_free_pages: int = 0  # this rank's free local KV pages after the step
 
 
 class RecordingStep(PrefillRankStep):
@@ -57,6 +59,7 @@ class RecordingStep(PrefillRankStep):
         super().__init__(ctx, init)
         self._logits: dict[str, list[float]] = {}
         self._faults: list[tuple[str, int]] = []
+        self._last_error = ""
         sample = self.worker._sample
 
         def recording_sample(requests, logits, owners):
@@ -88,7 +91,13 @@ class RecordingStep(PrefillRankStep):
                 if match and int(match[2]) == self.ctx.rank:
                     self._faults.append((match[1], int(match[3] or 0)))
         result = super().execute(step, payload)
-        return RecordingResult(**msgspec.structs.asdict(result), logits=self._logits)
+        return RecordingResult(
+            **msgspec.structs.asdict(result), logits=self._logits, last_error=self._last_error,
+            num_free_pages=self.worker.runner.page_manager.num_free_pages,
+        )
+
+    def on_failed(self, step: int, error: str) -> None:
+        self._last_error = error
 
 
 def rank_init(**overrides) -> PrefillRankInit:
