@@ -72,6 +72,9 @@ class LaunchConfig:
     queue_timeout_s: float | None = None  # router: wait limit in the admission queue
     kv_quarantine_s: float | None = None  # decode
     embedding_quarantine_s: float | None = None  # prefill
+    prefill_cp: int = 1  # prefill's CP rank processes (its --ranks)
+    prefill_cp_block_tokens: int | None = None  # prefill's --cp-block-tokens
+    prefill_cp_min_tokens: int | None = None  # prefill's --cp-min-tokens
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -231,6 +234,9 @@ class Launcher:
         prefill = self.start(ChildSpec("prefill", (
             *transfer, *kv, *pages, "--encoder-address", encoder.address,
             *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
+            "--ranks", str(cfg.prefill_cp),
+            *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
+            *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
         )))
         self.wait_ready([prefill])
         router = self.start(ChildSpec(

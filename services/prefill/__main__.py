@@ -24,7 +24,7 @@ from services.common.service_main import (
     start_telemetry,
 )
 from services.prefill.app import PrefillApp, check_backends
-from services.prefill.config import PrefillConfig
+from services.prefill.config import PrefillConfig, check_block_tokens, rank_devices
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 
@@ -83,31 +83,6 @@ def add_cp_args(p: argparse.ArgumentParser) -> None:
                    help="a batch with fewer prompt tokens runs on one rank (no CP collectives)")
     p.add_argument("--step-timeout-s", type=float, default=60.0,
                    help="a batch's deadline on the ranks: a rank past it is declared dead and the group re-formed")
-
-
-def rank_devices(device: str, devices: str, ranks: int) -> tuple[str, ...]:
-    """One device per CP rank from ``--devices`` or ``--ranks`` x ``--device``; ``ValueError`` naming the value."""
-    if devices:
-        named = tuple(d.strip() for d in devices.split(","))
-        if ranks not in (1, len(named)):
-            raise ValueError(f"--ranks {ranks} does not match the {len(named)} --devices {devices!r}")
-        return named
-    if device == "cuda":
-        import torch
-
-        if ranks > torch.cuda.device_count():
-            raise ValueError(f"--ranks {ranks} needs {ranks} GPUs; this host has {torch.cuda.device_count()}")
-        return tuple(f"cuda:{i}" for i in range(ranks))
-    if device.startswith("cuda:") and ranks > 1:
-        raise ValueError(f"--ranks {ranks} with --device {device}: name each rank's GPU with --devices")
-    return (device,) * ranks
-
-
-def check_block_tokens(block_tokens: int, page_size: int) -> None:
-    if block_tokens != 1 and (block_tokens <= 0 or block_tokens % page_size):
-        raise ValueError(
-            f"--cp-block-tokens {block_tokens} must be 1 or a positive multiple of --page-size {page_size}"
-        )
 
 
 async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> int:

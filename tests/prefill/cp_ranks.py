@@ -50,6 +50,7 @@ class RecordingResult(RankResult, frozen=True):
     logits: dict[str, list[float]] = {}  # request_id -> the first-token logits this rank sampled from
     last_error: str = ""  # the agreed error of the last failed step, as this rank heard it
     num_free_pages: int = 0  # this rank's free local KV pages after the step
+    drain_len: int = 0  # a fake rank-local drain queue, different on every rank (never in a plan)
 
 
 class RecordingStep(PrefillRankStep):
@@ -60,6 +61,7 @@ class RecordingStep(PrefillRankStep):
         self._logits: dict[str, list[float]] = {}
         self._faults: list[tuple[str, int]] = []
         self._last_error = ""
+        self._drain_rng, self._drain_len = random.Random(ctx.rank), 3 * ctx.rank
         sample = self.worker._sample
 
         def recording_sample(requests, logits, owners):
@@ -93,8 +95,12 @@ class RecordingStep(PrefillRankStep):
         result = super().execute(step, payload)
         return RecordingResult(
             **msgspec.structs.asdict(result), logits=self._logits, last_error=self._last_error,
-            num_free_pages=self.worker.runner.page_manager.num_free_pages,
+            num_free_pages=self.worker.runner.page_manager.num_free_pages, drain_len=self._drain(),
         )
+
+    def _drain(self) -> int:
+        self._drain_len = max(0, self._drain_len + self._drain_rng.choice((-1, 0, 1, 2)))
+        return self._drain_len
 
     def on_failed(self, step: int, error: str) -> None:
         self._last_error = error
