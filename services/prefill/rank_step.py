@@ -63,7 +63,7 @@ class PrefillRankStep(BaseRankStep):
     result_type = RankResult
 
     def __init__(self, ctx: RankContext, init: PrefillRankInit) -> None:
-        if ctx.device == "cpu":  # C ranks share the host's cores
+        if ctx.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # C ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
         self.ctx = ctx
         model = load_model(init.model, device=ctx.device, dtype=init.dtype, components=("language",))

@@ -134,6 +134,7 @@ class ContextParallelAttention(BaseAttentionBackend):
         self.kv_pool = kv_pool
         self._exchange: KvExchange | None = None
         self._slots: torch.Tensor | None = None
+        self._has_queries = False
 
     def begin_pass(self, exchange: KvExchange, gathered_slots: torch.Tensor) -> None:
         """``gathered_slots`` [sum(sizes)] int64: the pool slot of each gathered row."""
@@ -142,8 +143,11 @@ class ContextParallelAttention(BaseAttentionBackend):
         self._slots = gathered_slots.to(device=self.kv_pool.device, dtype=torch.long)
 
     def plan(self, batch: AttentionBatch) -> None:
+        """Plan the local queries; a rank with none still stores and gathers (no kernel planned)."""
         assert batch.mode is ForwardMode.EXTEND, "context parallelism shards EXTEND passes only"
-        self.inner.plan(batch)
+        self._has_queries = bool(batch.seq_lens)
+        if self._has_queries:
+            self.inner.plan(batch)
 
     def forward(
         self,
@@ -165,4 +169,6 @@ class ContextParallelAttention(BaseAttentionBackend):
             layer_id, slots, k_all.reshape(total, heads, dim).to(k.dtype),
             v_all.reshape(total, heads, dim).to(v.dtype),
         )
+        if not self._has_queries:
+            return torch.empty_like(q)
         return self.inner.forward(layer_id, q, k, v, kv_stored=True)
