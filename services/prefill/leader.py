@@ -42,7 +42,12 @@ from services.prefill.messages import Describe, RankDescription, RankPlan, RankR
 from services.prefill.planning import CpPolicy, merge_results, rank_plan
 from services.prefill.request import PrefillInput, PrefillOutput, PrefillPlan, ReqStatus, RequestOutcome
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
-from services.prefill.validation import PromptLimits, prompt_destination, validate_prompt
+from services.prefill.validation import (
+    PromptLimits,
+    prompt_destination,
+    validate_prompt,
+    validate_prompt_embeds,
+)
 from services.transfer.embeddings import EmbeddingDestination
 
 logger = logging.getLogger(__name__)
@@ -234,13 +239,16 @@ class PrefillLeader:
 
     def _validated(self, request: PrefillInput, images: dict[str, bytes]) -> PrefillInput:
         validate_prompt(request.token_ids, request.spans, images, request.params, self.limits)
+        validate_prompt_embeds(
+            request.prompt_embeds, request.embeds_dtype, request.num_tokens, len(request.spans), self.limits
+        )
         if request.spans and self.encoder is None:
             raise UnavailableError("this prefill worker has no vision encoder (--encoder-address)")
         if not self.descriptions:
             raise UnavailableError("the prefill rank group is re-forming")
         local = self.descriptions[0]
         kv_dst = prompt_destination(request.kv_dst, local.kv_layout, request.num_tokens, local.kv_backend)
-        kind = PrefillScheduler.kind_of(request.num_image_tokens)
+        kind = PrefillScheduler.kind_of(request.num_image_tokens, bool(request.prompt_embeds))
         return msgspec.structs.replace(request, kv_dst=kv_dst, kind=kind)
 
     async def _wait(self, request: PrefillInput, future: asyncio.Future[RequestOutcome]) -> RequestOutcome:

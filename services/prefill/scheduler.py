@@ -277,5 +277,7 @@ class PrefillScheduler:
             self.rows.free(item.start, item.num_rows)
 
     @staticmethod
-    def kind_of(num_image_tokens: int) -> BatchKind:
+    def kind_of(num_image_tokens: int, has_embeds: bool = False) -> BatchKind:
+        if has_embeds:
+            return BatchKind.EMBEDDING_OVERRIDE
         return BatchKind.IMAGE if num_image_tokens else BatchKind.TEXT

@@ -155,6 +155,11 @@ class GenerationPipeline:
                 self._placer.end(reservation, is_decode_done=is_decode_done)
 
     async def _tokenize(self, request: GenerationRequest, deadline_s: float) -> TokenizedPrompt:
+        embeds = request.prompt_embeds
+        if embeds is not None:  # no tokens: placeholder ids (0) carry the length, the rows the content
+            return TokenizedPrompt(
+                (0,) * embeds.num_tokens, prompt_embeds=embeds.data, prompt_embeds_dtype=embeds.dtype
+            )
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_s)

@@ -43,7 +43,7 @@ from services.router.openai_schema import (
     ErrorResponse,
     chat_messages,
     check_model,
-    completion_prompt,
+    completion_input,
     generation_options,
 )
 from services.router.registry import WorkerRegistry
@@ -99,8 +99,10 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
+            given = completion_input(body)
+            prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
             generation = GenerationRequest(
-                f"cmpl-{uuid.uuid4().hex}", prompt=completion_prompt(body), params=options.params,
+                f"cmpl-{uuid.uuid4().hex}", prompt=prompt, prompt_embeds=embeds, params=options.params,
                 max_tokens=options.max_tokens, stop=options.stop, timeout_s=self.limits.request_timeout_s,
             )
             return await self._respond(generation, body.stream, body.stream_options, request, tracker, is_chat=False)

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
 from services.engine.sampler import SamplingParams
+from services.router import prompt_embeds
 from services.router.images import ImageLoader
+from services.router.prompt_embeds import PromptEmbeds
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -73,7 +75,9 @@ class ChatCompletionBody(_GenerationBody):
 
 
 class CompletionBody(_GenerationBody):
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | None = None
+    # vLLM's format: base64 of torch.save of a [num_tokens, hidden] float32/bfloat16/float16 tensor
+    prompt_embeds: StrictStr | None = None
 
 
 class ErrorDetail(BaseModel):
@@ -159,7 +163,17 @@ def generation_options(body: _GenerationBody, max_stop_strings: int) -> Generati
     return GenerationOptions(params, _max_tokens(body), _stop_strings(body.stop, max_stop_strings))
 
 
+def completion_input(body: CompletionBody) -> str | PromptEmbeds:
+    """The completion's one input: its prompt text, or its ``prompt_embeds`` unpacked."""
+    if (body.prompt is None) == (body.prompt_embeds is None):
+        raise InvalidRequestError("give exactly one of prompt and prompt_embeds", param="prompt")
+    if body.prompt_embeds is not None:
+        return prompt_embeds.from_base64(body.prompt_embeds)
+    return completion_prompt(body)
+
+
 def completion_prompt(body: CompletionBody) -> str:
+    assert body.prompt is not None
     if isinstance(body.prompt, str):
         return check_text(body.prompt, "prompt")
     if len(body.prompt) != 1:
