@@ -212,6 +212,7 @@ class GenerationPipeline:
                 except StopAsyncIteration:
                     break
                 if chunk.finish_reason is not None:
+                    self._registry.record_completed(decode)
                     flow.emit(flow.output.finish(chunk.finish_reason, chunk.token_ids))
                     return True
                 flow.emit(flow.output.add_tokens(chunk.token_ids))
