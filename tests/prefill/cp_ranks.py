@@ -152,6 +152,7 @@ class Ranks:
 
 @contextlib.asynccontextmanager
 async def started_ranks(num_ranks: int, init: PrefillRankInit | None = None, **overrides):
+    """A group of ``num_ranks`` CPU ranks (``devices=`` in ``overrides`` names others)."""
     readiness: list[bool] = []
     with environ(rank_env()):
         group = RankGroup(
