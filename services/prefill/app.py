@@ -29,7 +29,9 @@ STEP_TARGET = "services.prefill.rank_step:PrefillRankStep"
 def check_backends(config: PrefillConfig) -> tuple[str, str]:
     """``(embedding backend, KV backend)`` the ranks run; ``ValueError`` for one they cannot."""
     embedding = check_embedding_backend(config.transfer_backend)
-    kv_backend = check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.devices[0])
+    kv_backend = check_kv_backend(
+        config.kv_transfer_backend, config.transfer_backend, config.devices[0]
+    )
     if "inprocess" in (embedding, kv_backend):
         raise ValueError(
             "the inprocess transfer backend moves data within one process, and prefill's ranks are "
@@ -42,10 +44,14 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
     """What every rank builds itself from; ``ValueError`` for a backend the service cannot run."""
     embedding, kv_backend = check_backends(config)
     return PrefillRankInit(
-        model=str(config.model), dtype=config.dtype, num_pages=config.num_pages,
-        page_size=config.page_size, embedding_rows=config.embedding_rows,
+        model=str(config.model),
+        dtype=config.dtype,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        embedding_rows=config.embedding_rows,
         attention_backend=config.attention_backend,
-        transfer_backend=embedding, kv_backend=kv_backend,
+        transfer_backend=embedding,
+        kv_backend=kv_backend,
         transfer_hostname=config.advertised_hostname,
         kv_exchange_over_cpu=len(set(config.devices)) < len(config.devices),
     )
@@ -53,8 +59,11 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
 
 def group_config(config: PrefillConfig, internal_token: str) -> RankGroupConfig:
     return RankGroupConfig(
-        name="prefill", devices=config.devices, step_timeout_s=config.step_timeout_s,
-        watchdog_s=config.watchdog_s, internal_token=internal_token,
+        name="prefill",
+        devices=config.devices,
+        step_timeout_s=config.step_timeout_s,
+        watchdog_s=config.watchdog_s,
+        internal_token=internal_token,
     )
 
 
@@ -82,16 +91,23 @@ class PrefillApp:
         spec = StepSpec(step_target, result_type, rank_init(config))
         holder: list[PrefillLeader] = []
         ranks = RankGroup(
-            group or group_config(config, internal_token), spec,
+            group or group_config(config, internal_token),
+            spec,
             on_ready_change=lambda is_ready: holder[0].on_group_ready(is_ready) if holder else None,
         )
         scheduler = PrefillScheduler(
-            EmbeddingRowManager(config.embedding_rows), config.num_pages, config.page_size,
-            config.max_batch_tokens, config.max_queued_requests, config.embedding_quarantine_s,
+            EmbeddingRowManager(config.embedding_rows),
+            config.num_pages,
+            config.page_size,
+            config.max_batch_tokens,
+            config.max_queued_requests,
+            config.embedding_quarantine_s,
         )
         policy = CpPolicy(config.cp_block_tokens, config.cp_min_tokens, config.max_batch_tokens)
         options = LeaderOptions(policy, config.step_timeout_s, config.watchdog_s)
-        leader = PrefillLeader(scheduler, ranks, ModelConfig.from_dir(config.model), encoder, options)
+        leader = PrefillLeader(
+            scheduler, ranks, ModelConfig.from_dir(config.model), encoder, options
+        )
         holder.append(leader)
         return cls(leader, ranks)
 

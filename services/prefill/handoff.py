@@ -37,7 +37,11 @@ class _Write:
 
 class KvHandoff:
     def __init__(
-        self, runner: ModelRunner, sender: BaseKVSender, writer: int, num_writers: int,
+        self,
+        runner: ModelRunner,
+        sender: BaseKVSender,
+        writer: int,
+        num_writers: int,
         deadlines: dict[str, float],
     ) -> None:
         self.runner, self.sender = runner, sender
@@ -66,7 +70,9 @@ class KvHandoff:
                 except StageServeError as exc:
                     write.handle, write.error = None, exc
 
-    def wait(self, requests: Sequence[RankRequest], token_ids: dict[str, int]) -> tuple[RankOutcome, ...]:
+    def wait(
+        self, requests: Sequence[RankRequest], token_ids: dict[str, int]
+    ) -> tuple[RankOutcome, ...]:
         return tuple(self._wait(r, token_ids.get(r.request_id, -1)) for r in requests)
 
     def close(self) -> None:
@@ -92,7 +98,11 @@ class KvHandoff:
         start = self.sender.start_layerwise if layerwise else self.sender.start
         try:
             write.handle = start(
-                request.request_id, self.runner.kv_pool, src, dst, self._deadlines[request.request_id]
+                request.request_id,
+                self.runner.kv_pool,
+                src,
+                dst,
+                self._deadlines[request.request_id],
             )
         except StageServeError as exc:
             write.error = exc

@@ -31,7 +31,9 @@ class RequestRows:
 
 
 def request_rows(
-    request: RankRequest, image_embeds: torch.Tensor | None, override: torch.Tensor | None,
+    request: RankRequest,
+    image_embeds: torch.Tensor | None,
+    override: torch.Tensor | None,
     spatial_merge_size: int,
 ) -> RequestRows:
     spans = [ImageSpan(s.offset, s.length, s.grid_thw) for s in request.spans]
@@ -47,12 +49,18 @@ def chunk_input(request: RankRequest, rows: RequestRows, start: int, end: int) -
     if picked and rows.image_embeds is not None:
         embeds = rows.image_embeds[torch.tensor([i for i, _ in picked], dtype=torch.long)]
     return StepInput(
-        request.request_id, list(request.token_ids[start:end]), rows.positions[:, start:end], start,
-        embeds, [r for _, r in picked] or None,
+        request.request_id,
+        list(request.token_ids[start:end]),
+        rows.positions[:, start:end],
+        start,
+        embeds,
+        [r for _, r in picked] or None,
     )
 
 
-def merged_embeds(runner: ModelRunner, request: RankRequest, rows: RequestRows, start: int, end: int) -> torch.Tensor:
+def merged_embeds(
+    runner: ModelRunner, request: RankRequest, rows: RequestRows, start: int, end: int
+) -> torch.Tensor:
     """[end - start, hidden]: token embeddings with image or override rows merged in."""
     device = runner.device
     if rows.override is not None:
@@ -79,7 +87,10 @@ class PassInput:
 
 
 def build_pass(
-    runner: ModelRunner, shard: CpShard, requests: Sequence[RankRequest], rows: Sequence[RequestRows],
+    runner: ModelRunner,
+    shard: CpShard,
+    requests: Sequence[RankRequest],
+    rows: Sequence[RequestRows],
     segments: Sequence[PassSegment],
 ) -> PassInput:
     table, page_size = runner.page_table, runner.page_size
@@ -102,7 +113,9 @@ def build_pass(
             chunk = merged_embeds(runner, request, req_rows, seg.start, seg.end)
             embeds.append(chunk[index.to(chunk.device)])
             positions.append(req_rows.positions[:, seg.start : seg.end][:, index])
-            runs = local_runs([seg.start + i for i in mine], table.pages(request.request_id), page_size)
+            runs = local_runs(
+                [seg.start + i for i in mine], table.pages(request.request_id), page_size
+            )
             seq_lens += runs[0]
             extend_lens += runs[1]
             page_tables += runs[2]
@@ -115,12 +128,23 @@ def build_pass(
     order = [i for r in range(shard.world_size) for i in shard.local_indices(num_tokens, r)]
     hidden = runner.model.config.text.hidden_size
     batch = AttentionBatch(
-        ForwardMode.EXTEND, seq_lens, extend_lens, page_tables, page_size,
-        packed_slots[torch.tensor(local, dtype=torch.long)] if local else torch.zeros(0, dtype=torch.long),
+        ForwardMode.EXTEND,
+        seq_lens,
+        extend_lens,
+        page_tables,
+        page_size,
+        packed_slots[torch.tensor(local, dtype=torch.long)]
+        if local
+        else torch.zeros(0, dtype=torch.long),
     )
     return PassInput(
-        torch.cat(embeds) if embeds else torch.zeros(0, hidden, dtype=runner.dtype, device=runner.device),
+        torch.cat(embeds)
+        if embeds
+        else torch.zeros(0, hidden, dtype=runner.dtype, device=runner.device),
         torch.cat(positions, dim=1) if positions else torch.zeros(3, 0, dtype=torch.long),
-        batch, packed_slots[torch.tensor(order, dtype=torch.long)], shard.sizes(num_tokens),
-        logits_rows, logits_requests,
+        batch,
+        packed_slots[torch.tensor(order, dtype=torch.long)],
+        shard.sizes(num_tokens),
+        logits_rows,
+        logits_requests,
     )

@@ -36,12 +36,16 @@ class CpPolicy:
         return plan_id % num_ranks
 
 
-def plan_passes(num_tokens: Sequence[int], max_batch_tokens: int) -> tuple[tuple[PassSegment, ...], ...]:
+def plan_passes(
+    num_tokens: Sequence[int], max_batch_tokens: int
+) -> tuple[tuple[PassSegment, ...], ...]:
     if sum(num_tokens) <= max_batch_tokens:
         return (tuple(PassSegment(i, 0, n) for i, n in enumerate(num_tokens)),)
     assert len(num_tokens) == 1, "only a batch of one prompt passes max_batch_tokens"
     n = num_tokens[0]
-    return tuple((PassSegment(0, s, min(s + max_batch_tokens, n)),) for s in range(0, n, max_batch_tokens))
+    return tuple(
+        (PassSegment(0, s, min(s + max_batch_tokens, n)),) for s in range(0, n, max_batch_tokens)
+    )
 
 
 def rank_plan(plan: PrefillPlan, policy: CpPolicy, num_ranks: int, now_mono: float) -> RankPlan:
@@ -49,8 +53,16 @@ def rank_plan(plan: PrefillPlan, policy: CpPolicy, num_ranks: int, now_mono: flo
     to_unix = time.time() - now_mono
     requests = tuple(
         RankRequest(
-            r.request_id, r.token_ids, r.spans, r.params, r.kv_dst, r.deadline + to_unix,
-            p.row_start, r.trace_carrier, r.prompt_embeds, r.embeds_dtype,
+            r.request_id,
+            r.token_ids,
+            r.spans,
+            r.params,
+            r.kv_dst,
+            r.deadline + to_unix,
+            p.row_start,
+            r.trace_carrier,
+            r.prompt_embeds,
+            r.embeds_dtype,
         )
         for p in plan.requests
         for r in (p.request,)
@@ -71,20 +83,33 @@ def merge_results(
     outcomes = []
     for planned in plan.requests:
         request = planned.request
-        mine = [(rank, p[request.request_id]) for rank, p in enumerate(parts) if request.request_id in p]
+        mine = [
+            (rank, p[request.request_id]) for rank, p in enumerate(parts) if request.request_id in p
+        ]
         tokens = [o.first_token_id for _, o in mine if o.first_token_id >= 0]
-        assert len(tokens) == 1, f"{request.request_id}: {len(tokens)} ranks sampled its first token"
+        assert len(tokens) == 1, (
+            f"{request.request_id}: {len(tokens)} ranks sampled its first token"
+        )
         failed = [(rank, o) for rank, o in mine if o.error]
         finish = first_token_finish_reason(
-            tokens[0], request.params, request.num_tokens, config.eos_token_ids,
+            tokens[0],
+            request.params,
+            request.num_tokens,
+            config.eos_token_ids,
             config.text.max_position_embeddings,
         )
         error = None
         if failed:
             rank, o = failed[0]
             error = agreed_error(o.error_type, f"rank {rank}: {o.error}")
-        outcomes.append(RequestOutcome(
-            request.request_id, tokens[0], finish, sum(o.num_kv_bytes for _, o in mine),
-            max(o.kv_transfer_s for _, o in mine), error=error,
-        ))
+        outcomes.append(
+            RequestOutcome(
+                request.request_id,
+                tokens[0],
+                finish,
+                sum(o.num_kv_bytes for _, o in mine),
+                max(o.kv_transfer_s for _, o in mine),
+                error=error,
+            )
+        )
     return PrefillOutput(plan.plan_id, tuple(outcomes), max(r.forward_s for r in results))

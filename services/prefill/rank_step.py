@@ -66,27 +66,40 @@ class PrefillRankStep(BaseRankStep):
         if ctx.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # C ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
         self.ctx = ctx
-        model = load_model(init.model, device=ctx.device, dtype=init.dtype, components=("language",))
+        model = load_model(
+            init.model, device=ctx.device, dtype=init.dtype, components=("language",)
+        )
         runner = ModelRunner(
-            model, KVCacheConfig(init.num_pages, init.page_size), init.attention_backend,
+            model,
+            KVCacheConfig(init.num_pages, init.page_size),
+            init.attention_backend,
             cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
         )
         self.kv_sender = create_kv_sender(
             init.kv_backend, **_engine_kwargs(init.kv_backend, init.transfer_hostname)
         )
         self.receiver = create_embedding_receiver(
-            init.transfer_backend, cp_rank=ctx.rank,
+            init.transfer_backend,
+            cp_rank=ctx.rank,
             **_engine_kwargs(init.transfer_backend, init.transfer_hostname),
         )
         device = self.receiver.buffer_device(runner.device)
         buffer = EmbeddingBuffer(
-            init.embedding_rows, model.config.text.hidden_size, runner.dtype, device,
+            init.embedding_rows,
+            model.config.text.hidden_size,
+            runner.dtype,
+            device,
             pin_memory=device.type == "cpu" and runner.device.type == "cuda",
         )
         self.receiver.register(buffer)
         group = ctx.cpu_group if init.kv_exchange_over_cpu else ctx.device_group
         self.worker = PrefillRankWorker(
-            runner, self.kv_sender, buffer, ctx.rank, ctx.world_size, group,
+            runner,
+            self.kv_sender,
+            buffer,
+            ctx.rank,
+            ctx.world_size,
+            group,
             exchange_device="cpu" if init.kv_exchange_over_cpu else None,
         )
 
@@ -97,8 +110,13 @@ class PrefillRankStep(BaseRankStep):
         pages = -(-num_tokens // runner.page_size)
         layout = pool_layout(runner.kv_pool)
         request = RankRequest(
-            "warmup", tuple(range(num_tokens)), (), SamplingParams(temperature=0.0),
-            KvDestination(self.kv_sender.backend, "", "warmup", layout, tuple(range(pages))), 0.0, -1,
+            "warmup",
+            tuple(range(num_tokens)),
+            (),
+            SamplingParams(temperature=0.0),
+            KvDestination(self.kv_sender.backend, "", "warmup", layout, tuple(range(pages))),
+            0.0,
+            -1,
         )
         plan = RankPlan(-1, (request,), ((PassSegment(0, 0, num_tokens),),), SHARDED, WARMUP_TOKENS)
         self.worker.execute(plan, write_kv=False)
@@ -116,18 +134,23 @@ class PrefillRankStep(BaseRankStep):
         buffer = self.receiver.buffer
         return RankDescription(
             self.receiver.destination("", 0, buffer.num_rows),
-            pool_layout(self.worker.runner.kv_pool), self.kv_sender.backend,
+            pool_layout(self.worker.runner.kv_pool),
+            self.kv_sender.backend,
         )
 
     def _agree_on(self, payload: RankPlan | Describe) -> tuple[bytes, ...]:
         """Every rank's digest of ``payload`` (rank order); raises unless they are all equal."""
-        digest = RankPlan.digest(payload) if isinstance(payload, RankPlan) else b"describe".ljust(16)
+        digest = (
+            RankPlan.digest(payload) if isinstance(payload, RankPlan) else b"describe".ljust(16)
+        )
         mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
         rows = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(rows, mine, group=self.ctx.cpu_group)
         digests = tuple(r.numpy().tobytes() for r in rows)
         if len(set(digests)) > 1:
-            raise RuntimeError(f"the ranks were handed different plans (digests {[d.hex() for d in digests]})")
+            raise RuntimeError(
+                f"the ranks were handed different plans (digests {[d.hex() for d in digests]})"
+            )
         return digests
 
     def close(self) -> None:

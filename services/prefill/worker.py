@@ -34,7 +34,11 @@ logger = logging.getLogger(__name__)
 
 
 def first_token_finish_reason(
-    token_id: int, params: SamplingParams, num_prompt_tokens: int, eos_token_ids: Iterable[int], max_context_len: int
+    token_id: int,
+    params: SamplingParams,
+    num_prompt_tokens: int,
+    eos_token_ids: Iterable[int],
+    max_context_len: int,
 ) -> FinishReason | None:
     """Whether the first token already ends the request (the offline engine's rule after one token)."""
     if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
@@ -55,8 +59,14 @@ class PrefillRankWorker:
     """Executes plans on one rank's ``ModelRunner``; ``group`` is the CP device group (None: C = 1)."""
 
     def __init__(
-        self, runner: ModelRunner, kv_sender: BaseKVSender, embeddings: EmbeddingBuffer,
-        rank: int = 0, world_size: int = 1, group: object = None, exchange_device: str | None = None,
+        self,
+        runner: ModelRunner,
+        kv_sender: BaseKVSender,
+        embeddings: EmbeddingBuffer,
+        rank: int = 0,
+        world_size: int = 1,
+        group: object = None,
+        exchange_device: str | None = None,
     ) -> None:
         config = runner.model.config
         self.runner = runner
@@ -81,7 +91,9 @@ class PrefillRankWorker:
         if plan.solo_rank not in (SHARDED, self.rank):
             return Executed(())
         sharded = plan.solo_rank == SHARDED and self.world_size > 1
-        shard = CpShard(self.rank, self.world_size, plan.block_tokens) if sharded else CpShard(0, 1, 1)
+        shard = (
+            CpShard(self.rank, self.world_size, plan.block_tokens) if sharded else CpShard(0, 1, 1)
+        )
         to_mono = time.monotonic() - time.time()
         deadlines = {r.request_id: r.deadline_unix_s + to_mono for r in plan.requests}
         handoff = KvHandoff(self.runner, self.kv_sender, shard.rank, shard.world_size, deadlines)
@@ -134,20 +146,29 @@ class PrefillRankWorker:
             return None
         num_layers = self.runner.model.config.text.num_hidden_layers
         return KvExchange(
-            self.group, shard.rank, shard.sizes(num_tokens), num_layers, self._kv_width,
-            self.runner.dtype, self.exchange_device,
+            self.group,
+            shard.rank,
+            shard.sizes(num_tokens),
+            num_layers,
+            self._kv_width,
+            self.runner.dtype,
+            self.exchange_device,
         )
 
     def _rows(self, request: RankRequest) -> RequestRows:
         embeds = override = None
         if request.num_image_tokens:
-            embeds = self.embeddings.rows(request.row_start, request.num_image_tokens)  # [n, hidden]
+            embeds = self.embeddings.rows(
+                request.row_start, request.num_image_tokens
+            )  # [n, hidden]
         if request.prompt_embeds:
             override = override_rows(request, self.runner.model.config.text.hidden_size)
         return request_rows(request, embeds, override, self.spatial_merge_size)
 
     @torch.inference_mode()
-    def _forward(self, inp: PassInput, exchange: KvExchange | None, handoff: KvHandoff) -> torch.Tensor:
+    def _forward(
+        self, inp: PassInput, exchange: KvExchange | None, handoff: KvHandoff
+    ) -> torch.Tensor:
         """Logits [len(inp.logits_rows), vocab] fp32 of one pass."""
         runner = self.runner
         with ops.on_device(runner.device):
@@ -169,8 +190,11 @@ class PrefillRankWorker:
         picked = [requests[i] for i in owners]
         generators = [make_generator(r.params.seed, self.runner.device) for r in picked]
         token_ids = self.sampler.sample(
-            logits, [r.params for r in picked], [list(r.token_ids) for r in picked],
-            [[] for _ in picked], generators,
+            logits,
+            [r.params for r in picked],
+            [list(r.token_ids) for r in picked],
+            [[] for _ in picked],
+            generators,
         ).tolist()
         return {r.request_id: t for r, t in zip(picked, token_ids, strict=True)}
 

@@ -34,7 +34,11 @@ HEALTH_ID_PREFIX = "health-"
 
 class HealthGenerateChecker:
     def __init__(
-        self, registry: WorkerRegistry, pipeline: GenerationPipeline, interval_s: float, timeout_s: float,
+        self,
+        registry: WorkerRegistry,
+        pipeline: GenerationPipeline,
+        interval_s: float,
+        timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert interval_s > 0 and timeout_s > 0
@@ -47,7 +51,9 @@ class HealthGenerateChecker:
         """Workers that answer health checks but completed nothing for ``interval_s``, or are ejected."""
         now = self._clock()
         return [
-            w for kind in ROUTED_KINDS for w in self._registry.workers(kind)
+            w
+            for kind in ROUTED_KINDS
+            for w in self._registry.workers(kind)
             if w.state is WorkerState.READY
             and (w.generate_error or now - w.last_completed_mono >= self.interval_s)
         ]
@@ -58,12 +64,16 @@ class HealthGenerateChecker:
     async def check(self, worker: Worker) -> None:
         """One generate pinned to ``worker``; its outcome ejects or readmits it."""
         request = GenerationRequest(
-            f"{HEALTH_ID_PREFIX}{uuid.uuid4().hex}", prompt=HEALTH_PROMPT,
-            params=SamplingParams(temperature=0.0, ignore_eos=True), max_tokens=HEALTH_TOKENS,
+            f"{HEALTH_ID_PREFIX}{uuid.uuid4().hex}",
+            prompt=HEALTH_PROMPT,
+            params=SamplingParams(temperature=0.0, ignore_eos=True),
+            max_tokens=HEALTH_TOKENS,
             timeout_s=self.timeout_s,
         )
         error = ""
-        with self._registry.pin(worker) as check:  # the pipeline's task starts inside: it inherits the pin
+        with self._registry.pin(
+            worker
+        ) as check:  # the pipeline's task starts inside: it inherits the pin
             try:
                 async for delta in self._pipeline.stream(request):
                     if delta.finish_reason is not None:
@@ -79,7 +89,9 @@ class HealthGenerateChecker:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.check_once()
-            except Exception:  # the checker's last resort: dead, no idle worker would be checked again
+            except (
+                Exception
+            ):  # the checker's last resort: dead, no idle worker would be checked again
                 logger.exception("health-check generate round failed")
 
     def start(self) -> None:

@@ -42,23 +42,35 @@ def from_saved(raw: bytes) -> PromptEmbeds:
     try:
         tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception:  # any malformed or hostile file: torch raises many types
-        raise InvalidRequestError("prompt_embeds is not a tensor saved with torch.save", param=PARAM) from None
+        raise InvalidRequestError(
+            "prompt_embeds is not a tensor saved with torch.save", param=PARAM
+        ) from None
     if not isinstance(tensor, torch.Tensor):
-        raise InvalidRequestError(f"prompt_embeds holds a {type(tensor).__name__}, not a tensor", param=PARAM)
+        raise InvalidRequestError(
+            f"prompt_embeds holds a {type(tensor).__name__}, not a tensor", param=PARAM
+        )
     if tensor.layout is not torch.strided:
-        raise InvalidRequestError(f"prompt_embeds must be a dense tensor, got {tensor.layout}", param=PARAM)
+        raise InvalidRequestError(
+            f"prompt_embeds must be a dense tensor, got {tensor.layout}", param=PARAM
+        )
     if tensor.dtype not in DTYPES:
         raise InvalidRequestError(
-            f"prompt_embeds dtype {tensor.dtype} is not one of float32, bfloat16, float16", param=PARAM
+            f"prompt_embeds dtype {tensor.dtype} is not one of float32, bfloat16, float16",
+            param=PARAM,
         )
     if tensor.dim() == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.dim() != 2 or tensor.shape[0] == 0 or tensor.shape[1] == 0:
         raise InvalidRequestError(
-            f"prompt_embeds must be [num_tokens, hidden] with both > 0, got {list(tensor.shape)}", param=PARAM
+            f"prompt_embeds must be [num_tokens, hidden] with both > 0, got {list(tensor.shape)}",
+            param=PARAM,
         )
     if not bool(torch.isfinite(tensor).all()):
         raise InvalidRequestError("prompt_embeds holds NaN or infinite values", param=PARAM)
     rows = tensor.contiguous()
-    data = rows.view(torch.uint8).numpy().tobytes() if rows.dtype is torch.bfloat16 else rows.numpy().tobytes()
+    data = (
+        rows.view(torch.uint8).numpy().tobytes()
+        if rows.dtype is torch.bfloat16
+        else rows.numpy().tobytes()
+    )
     return PromptEmbeds(data, DTYPES[rows.dtype], rows.shape[0], rows.shape[1])

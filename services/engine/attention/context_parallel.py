@@ -48,7 +48,8 @@ class CpShard:
         rank = self.rank if rank is None else rank
         block, step = self.block_tokens, self.block_tokens * self.world_size
         return [
-            i for start in range(rank * block, num_tokens, step)
+            i
+            for start in range(rank * block, num_tokens, step)
             for i in range(start, min(start + block, num_tokens))
         ]
 
@@ -83,8 +84,14 @@ class KvExchange:
     """
 
     def __init__(
-        self, group: ProcessGroup | None, rank: int, sizes: Sequence[int], num_gathers: int,
-        width: int, dtype: torch.dtype, device: torch.device,
+        self,
+        group: ProcessGroup | None,
+        rank: int,
+        sizes: Sequence[int],
+        num_gathers: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.group, self.rank, self.sizes = group, rank, list(sizes)
         self.num_gathers, self.width = num_gathers, width
@@ -161,12 +168,18 @@ class ContextParallelAttention(BaseAttentionBackend):
         assert exchange is not None and slots is not None, "begin_pass before forward"
         assert not kv_stored, "the gathered K/V are stored here"
         n, heads, dim = k.shape
-        local = torch.cat([k.reshape(n, heads * dim), v.reshape(n, heads * dim)], dim=1)  # [n, 2 Hkv D]
-        gathered = exchange.gather(local.to(exchange.device, exchange.dtype)).to(k.device)  # [total, 2 Hkv D]
+        local = torch.cat(
+            [k.reshape(n, heads * dim), v.reshape(n, heads * dim)], dim=1
+        )  # [n, 2 Hkv D]
+        gathered = exchange.gather(local.to(exchange.device, exchange.dtype)).to(
+            k.device
+        )  # [total, 2 Hkv D]
         k_all, v_all = gathered.split(heads * dim, dim=1)
         total = gathered.shape[0]
         self.kv_pool.write(
-            layer_id, slots, k_all.reshape(total, heads, dim).to(k.dtype),
+            layer_id,
+            slots,
+            k_all.reshape(total, heads, dim).to(k.dtype),
             v_all.reshape(total, heads, dim).to(v.dtype),
         )
         if not self._has_queries:
