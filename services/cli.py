@@ -138,6 +138,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="decode's rest for the pages of a failed reservation (default: decode's)")
     p.add_argument("--embedding-quarantine-s", type=_non_negative, default=None,
                    help="prefill's rest for the embedding rows of a timed-out Encode (default: prefill's)")
+    p.add_argument("--prefill-cp", type=_at_least(1), default=1,
+                   help="prefill's context-parallel ranks, one process each (on --prefill-device; cuda: "
+                   "cuda:0 .. cuda:C-1)")
+    p.add_argument("--prefill-cp-block-tokens", type=_at_least(1), default=None,
+                   help="prefill's --cp-block-tokens (default: prefill's)")
+    p.add_argument("--prefill-cp-min-tokens", type=_at_least(0), default=None,
+                   help="prefill's --cp-min-tokens: smaller batches run on one rank (default: prefill's)")
     p.add_argument("--ready-timeout-s", type=_positive, default=300.0,
                    help="how long a service may take to print READY, at start and after a restart")
     p.add_argument("--log-dir", type=Path, default=None,
@@ -193,10 +200,13 @@ def _run_up(args: argparse.Namespace) -> int:
             kv_quarantine_s=args.kv_quarantine_s, max_concurrent_requests=args.max_concurrent_requests,
             max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
             embedding_quarantine_s=args.embedding_quarantine_s, ready_timeout_s=args.ready_timeout_s,
+            prefill_cp=args.prefill_cp, prefill_cp_block_tokens=args.prefill_cp_block_tokens,
+            prefill_cp_min_tokens=args.prefill_cp_min_tokens,
             log_dir=args.log_dir or new_run_dir(), log_format=log_format, log_level=args.log_level,
             metrics_port_base=args.metrics_port_base, state_file=args.state_file,
             served_model_name=args.served_model_name, max_model_len=args.max_model_len,
         )
+        check_prefill_cp(cfg)
         check_embedding_backend(args.transfer_backend)
         for name in ("prefill", "decode"):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))
@@ -205,6 +215,18 @@ def _run_up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return run_up(cfg, env)
+
+
+def check_prefill_cp(cfg) -> None:
+    """``ValueError`` naming ``--prefill-cp`` (or its block size) when prefill could not start with it."""
+    from services.launcher import device_of
+    from services.prefill.config import check_block_tokens, rank_devices
+
+    if cfg.prefill_cp < 1:
+        raise ValueError(f"--prefill-cp {cfg.prefill_cp} must be >= 1")
+    rank_devices(device_of(cfg, "prefill"), "", cfg.prefill_cp, flag="--prefill-cp")
+    if cfg.prefill_cp_block_tokens is not None:
+        check_block_tokens(cfg.prefill_cp_block_tokens, cfg.page_size)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

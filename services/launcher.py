@@ -119,6 +119,9 @@ class LaunchConfig:
     log_level: str | None = None  # every service
     kv_quarantine_s: float | None = None  # decode
     embedding_quarantine_s: float | None = None  # prefill
+    prefill_cp: int = 1  # prefill's CP rank processes (its --ranks)
+    prefill_cp_block_tokens: int | None = None  # prefill's --cp-block-tokens
+    prefill_cp_min_tokens: int | None = None  # prefill's --cp-min-tokens
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -317,6 +320,9 @@ class Launcher:
         prefill = self.start(ChildSpec("prefill", (
             *transfer, *kv, *pages, "--encoder-address", encoder.address,
             *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
+            "--ranks", str(cfg.prefill_cp),
+            *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
+            *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
         ), first_ports(cfg, "prefill")))
         self.wait_ready([prefill])
         router = self.start(ChildSpec(

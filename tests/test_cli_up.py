@@ -381,7 +381,8 @@ def test_encoder_ranks_reach_the_vision_encoder_only_when_given(monkeypatch, cap
     assert configs[0].encoder_ranks == 2
     args = service_args(configs[0], monkeypatch)
     assert args["vision_encoder"] == ["--transfer-backend", "shm", "--ranks", "2"]
-    assert [n for n, a in args.items() if "--ranks" in a] == ["vision_encoder"]
+    assert [n for n, a in args.items() if "--ranks" in a] == ["vision_encoder", "prefill"]  # prefill: its CP ranks
+    assert args["prefill"][args["prefill"].index("--ranks") + 1] == "1"
     assert "--ranks" not in service_args(LaunchConfig(Path("m")), monkeypatch)["vision_encoder"]
     assert main(["up", "--port", "0", "--encoder-ranks", "0"]) == 2
     assert "--encoder-ranks must be >= 1" in capsys.readouterr().err

@@ -41,6 +41,10 @@ class TokenizedPrompt(msgspec.Struct, frozen=True):
     spans: tuple[ImageSpanRef, ...] = ()
     images: dict[str, bytes] = {}  # content_hash -> compressed bytes, each distinct image once
     mrope_position_delta: int = 0
+    # [len(token_ids), hidden] little-endian rows replacing the token embeddings (the token ids
+    # are placeholders then); b"" = none
+    prompt_embeds: bytes = b""
+    prompt_embeds_dtype: str = ""  # "float32" | "bfloat16" | "float16" when prompt_embeds is set
 
 
 class FinishReason(enum.Enum):

@@ -1,4 +1,4 @@
-"""``python -m services.prefill``: one prefill worker (leader + rank 0) serving gRPC ``Prefill``."""
+"""``python -m services.prefill``: one prefill worker (a leader + C CP rank processes) serving gRPC ``Prefill``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.errors import StageServeError
-from services.common.kv_transfer import KV_BACKEND_HELP, check_embedding_backend, check_kv_backend
+from services.common.kv_transfer import KV_BACKEND_HELP
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
 from services.common.service_main import (
@@ -23,8 +23,8 @@ from services.common.service_main import (
     setup_logging,
     start_telemetry,
 )
-from services.prefill.app import PrefillApp
-from services.prefill.config import PrefillConfig
+from services.prefill.app import PrefillApp, check_backends
+from services.prefill.config import PrefillConfig, check_block_tokens, rank_devices
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 
@@ -55,18 +55,34 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument("--max-kv-ref-nonces", type=int, default=262144,
                    help="nonces of used KvRefs kept (each until its KvRef expires, for replay "
                         "checks); when full, new requests get RESOURCE_EXHAUSTED")
+    add_cp_args(p)
     args = p.parse_args(argv)
     positives = ("num_pages", "page_size", "embedding_rows", "max_batch_tokens",
-                 "max_queued_requests", "watchdog_s", "max_kv_ref_nonces")
+                 "max_queued_requests", "watchdog_s", "max_kv_ref_nonces", "ranks",
+                 "cp_min_tokens", "step_timeout_s")
     for name in positives:
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     try:
-        check_embedding_backend(args.transfer_backend)
-        check_kv_backend(args.kv_transfer_backend, args.transfer_backend, args.device)
+        args.devices = rank_devices(args.device, args.devices, args.ranks)
+        check_block_tokens(args.cp_block_tokens, args.page_size)
+        check_backends(PrefillConfig(**{k: v for k, v in vars(args).items() if k != "ranks"}))
     except ValueError as exc:
         p.error(str(exc))
+    del args.ranks
     return PrefillConfig(**vars(args))
+
+
+def add_cp_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=1,
+                   help="CP rank processes on --device (cuda: cuda:0 .. cuda:C-1); or name them with --devices")
+    p.add_argument("--devices", default="", help="comma-separated devices, one CP rank each (cuda:0,cuda:1)")
+    p.add_argument("--cp-block-tokens", type=int, default=64,
+                   help="CP shard: block b of a pass's tokens goes to rank b %% C (1, or a multiple of --page-size)")
+    p.add_argument("--cp-min-tokens", type=int, default=2048,
+                   help="a batch with fewer prompt tokens runs on one rank (no CP collectives)")
+    p.add_argument("--step-timeout-s", type=float, default=60.0,
+                   help="a batch's deadline on the ranks: a rank past it is declared dead and the group re-formed")
 
 
 async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> int:
@@ -85,11 +101,11 @@ async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> 
     if config.encoder_address:
         encoder = VisionEncoderClient(config.encoder_address, auth=auth)
         await _wait_encoder_ready(config)
-    app = await asyncio.to_thread(PrefillApp.build, config, encoder=encoder)
+    app = PrefillApp.build(config, internal_token=envs.internal_token, encoder=encoder)
+    app.leader.on_serving = health.set_serving  # SERVING once the rank group formed and described itself
     await app.start()
     servicer.attach(app.leader)
-    health.set_serving(True)
-    app.leader.progress.start(health)  # readiness follows the rank worker: NOT_SERVING while it is stuck
+    app.leader.progress.start(health)  # readiness follows the ranks: NOT_SERVING while a plan is stuck
     print_ready("prefill", port=port, metrics_port=metrics_port)
 
     async def release() -> None:

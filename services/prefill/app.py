@@ -1,97 +1,126 @@
-"""Wiring of one prefill worker: model, local KV pool, transfer endpoints, rank worker and leader."""
+"""Wiring of one prefill worker: the scheduler, the rank group (C processes) and the leader.
+
+The leader's process loads no weights and touches no device: the model, the local KV
+pools, the KV senders and the embedding receivers live in the rank processes
+(``rank_step.PrefillRankStep``), one per entry of ``config.devices``.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from services.common.kv_transfer import check_embedding_backend, check_kv_backend
-from services.engine.loader import load_model
-from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.group import RankGroup
+from services.engine.config import ModelConfig
 from services.prefill.config import PrefillConfig
-from services.prefill.leader import Encoder, PrefillLeader
+from services.prefill.leader import Encoder, LeaderOptions, PrefillLeader
+from services.prefill.messages import RankResult
+from services.prefill.planning import CpPolicy
+from services.prefill.rank_step import PrefillRankInit
 from services.prefill.scheduler import PrefillScheduler
-from services.prefill.worker import PrefillRankWorker
-from services.transfer import create_embedding_receiver, create_kv_sender
-from services.transfer.base import BaseKVSender
-from services.transfer.embeddings import BaseEmbeddingReceiver, EmbeddingBuffer, EmbeddingRowManager
+from services.transfer.embeddings import EmbeddingRowManager
 
 logger = logging.getLogger(__name__)
+STEP_TARGET = "services.prefill.rank_step:PrefillRankStep"
 
 
-def _engine_kwargs(config: PrefillConfig, backend: str) -> dict[str, Any]:
-    """Constructor arguments of a transfer endpoint on ``backend``; only Mooncake's advertise a hostname."""
-    return {"hostname": config.advertised_hostname} if backend == "mooncake" else {}
+def check_backends(config: PrefillConfig) -> tuple[str, str]:
+    """``(embedding backend, KV backend)`` the ranks run; ``ValueError`` for one they cannot."""
+    embedding = check_embedding_backend(config.transfer_backend)
+    kv_backend = check_kv_backend(
+        config.kv_transfer_backend, config.transfer_backend, config.devices[0]
+    )
+    if "inprocess" in (embedding, kv_backend):
+        raise ValueError(
+            "the inprocess transfer backend moves data within one process, and prefill's ranks are "
+            "rank processes of their own: use shm (one host) or mooncake"
+        )
+    return embedding, kv_backend
 
 
-def build_kv_sender(config: PrefillConfig) -> BaseKVSender:
-    """The KV sender of ``config.kv_backend``; ``ValueError`` for a backend the service cannot run."""
-    backend = check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
-    return create_kv_sender(backend, **_engine_kwargs(config, backend))
+def rank_init(config: PrefillConfig) -> PrefillRankInit:
+    """What every rank builds itself from; ``ValueError`` for a backend the service cannot run."""
+    embedding, kv_backend = check_backends(config)
+    return PrefillRankInit(
+        model=str(config.model),
+        dtype=config.dtype,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        embedding_rows=config.embedding_rows,
+        attention_backend=config.attention_backend,
+        transfer_backend=embedding,
+        kv_backend=kv_backend,
+        transfer_hostname=config.advertised_hostname,
+        kv_exchange_over_cpu=len(set(config.devices)) < len(config.devices),
+    )
 
 
-def build_embedding_receiver(config: PrefillConfig) -> BaseEmbeddingReceiver:
-    """The embedding receiver of ``config.transfer_backend``; ``ValueError`` for an unknown one."""
-    backend = check_embedding_backend(config.transfer_backend)
-    return create_embedding_receiver(backend, **_engine_kwargs(config, backend))
+def group_config(config: PrefillConfig, internal_token: str) -> RankGroupConfig:
+    return RankGroupConfig(
+        name="prefill",
+        devices=config.devices,
+        step_timeout_s=config.step_timeout_s,
+        watchdog_s=config.watchdog_s,
+        internal_token=internal_token,
+    )
 
 
 @dataclass
 class PrefillApp:
     leader: PrefillLeader
-    kv_sender: BaseKVSender
-    embedding_receiver: BaseEmbeddingReceiver
+    ranks: RankGroup
 
     @classmethod
     def build(
         cls,
         config: PrefillConfig,
         *,
+        internal_token: str,
         encoder: Encoder | None = None,
-        model: Qwen2_5_VLModel | None = None,
-        kv_sender: BaseKVSender | None = None,
-        embedding_receiver: BaseEmbeddingReceiver | None = None,
+        group: RankGroupConfig | None = None,
+        step_target: str = STEP_TARGET,
+        result_type: type[RankResult] = RankResult,
     ) -> PrefillApp:
-        """Load the language model (unless ``model`` is given) and build every part; blocking.
+        """Build every part (nothing starts); ``ValueError`` for a configuration that cannot run.
 
-        ``kv_sender`` defaults to ``config.kv_backend``'s, ``embedding_receiver`` to
-        ``config.transfer_backend``'s; an unsupported backend fails before the model loads.
+        ``group`` overrides the rank group's configuration; ``step_target`` and ``result_type``
+        the ranks' step class and its result (a subclass that injects faults, in tests).
         """
-        if kv_sender is None:
-            check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
-        if embedding_receiver is None:
-            check_embedding_backend(config.transfer_backend)
-        if model is None:
-            model = load_model(config.model, device=config.device, dtype=config.dtype, components=("language",))
-        runner = ModelRunner(
-            model, KVCacheConfig(config.num_pages, config.page_size), config.attention_backend,
-            cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
+        spec = StepSpec(step_target, result_type, rank_init(config))
+        holder: list[PrefillLeader] = []
+        ranks = RankGroup(
+            group or group_config(config, internal_token),
+            spec,
+            on_ready_change=lambda is_ready: holder[0].on_group_ready(is_ready) if holder else None,
         )
-        if kv_sender is None:
-            kv_sender = build_kv_sender(config)
-        if embedding_receiver is None:
-            embedding_receiver = build_embedding_receiver(config)
-        buffer_device = embedding_receiver.buffer_device(runner.device)
-        buffer = EmbeddingBuffer(
-            config.embedding_rows, model.config.text.hidden_size, runner.dtype, buffer_device,
-            pin_memory=buffer_device.type == "cpu" and runner.device.type == "cuda",
-        )
-        embedding_receiver.register(buffer)
         scheduler = PrefillScheduler(
-            EmbeddingRowManager(config.embedding_rows), config.num_pages, config.page_size,
-            config.max_batch_tokens, config.max_queued_requests, config.embedding_quarantine_s,
+            EmbeddingRowManager(config.embedding_rows),
+            config.num_pages,
+            config.page_size,
+            config.max_batch_tokens,
+            config.max_queued_requests,
+            config.embedding_quarantine_s,
         )
-        worker = PrefillRankWorker(runner, kv_sender, buffer)
-        leader = PrefillLeader(scheduler, worker, embedding_receiver, encoder, watchdog_s=config.watchdog_s)
-        return cls(leader, kv_sender, embedding_receiver)
+        policy = CpPolicy(config.cp_block_tokens, config.cp_min_tokens, config.max_batch_tokens)
+        options = LeaderOptions(policy, config.step_timeout_s, config.watchdog_s)
+        leader = PrefillLeader(
+            scheduler, ranks, ModelConfig.from_dir(config.model), encoder, options
+        )
+        holder.append(leader)
+        return cls(leader, ranks)
 
     async def start(self) -> None:
-        await self.leader.start()
+        """Form the rank group (load, warm up), then start the leader; ``RankStartError`` on failure."""
+        await self.ranks.start()
+        try:
+            await self.leader.start()
+        except BaseException:
+            await self.ranks.aclose()
+            raise
 
     async def close(self) -> None:
-        """Stop the leader (failing live requests), then release the transfer endpoints."""
+        """Stop the leader (failing live requests), then the rank group."""
         await self.leader.stop()
-        self.kv_sender.close()
-        self.embedding_receiver.close()
+        await self.ranks.aclose()

@@ -25,6 +25,14 @@ class PrefillConfig(ServiceConfig):
     peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
     watchdog_s: float = 30.0  # NOT_SERVING while the worker has work but makes no progress this long
     max_kv_ref_nonces: int = 262144  # used KvRef nonces kept, each until its KvRef expires
+    devices: tuple[str, ...] = ("cpu",)  # one rank process per entry: C = len(devices) CP ranks
+    cp_block_tokens: int = 64  # block b of a pass's tokens goes to CP rank b % C (1 or k * page_size)
+    cp_min_tokens: int = 2048  # a batch with fewer prompt tokens runs on one rank
+    step_timeout_s: float = 60.0  # a plan's deadline on the ranks; a rank past it is declared dead
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.devices)
 
     @property
     def kv_backend(self) -> str:
@@ -34,3 +42,29 @@ class PrefillConfig(ServiceConfig):
     @property
     def advertised_hostname(self) -> str:
         return self.transfer_hostname or self.host
+
+
+def rank_devices(device: str, devices: str, ranks: int, flag: str = "--ranks") -> tuple[str, ...]:
+    """One device per CP rank from ``--devices`` or ``ranks`` x ``--device``; ``ValueError`` naming the
+    value (``flag``: the flag that gave ``ranks``)."""
+    if devices:
+        named = tuple(d.strip() for d in devices.split(","))
+        if ranks not in (1, len(named)):
+            raise ValueError(f"{flag} {ranks} does not match the {len(named)} --devices {devices!r}")
+        return named
+    if device == "cuda":
+        import torch
+
+        if ranks > torch.cuda.device_count():
+            raise ValueError(f"{flag} {ranks} needs {ranks} GPUs; this host has {torch.cuda.device_count()}")
+        return tuple(f"cuda:{i}" for i in range(ranks))
+    if device.startswith("cuda:") and ranks > 1:
+        raise ValueError(f"{flag} {ranks} with device {device}: name each rank's GPU (prefill --devices)")
+    return (device,) * ranks
+
+
+def check_block_tokens(block_tokens: int, page_size: int) -> None:
+    if block_tokens != 1 and (block_tokens <= 0 or block_tokens % page_size):
+        raise ValueError(
+            f"--cp-block-tokens {block_tokens} must be 1 or a positive multiple of --page-size {page_size}"
+        )

@@ -1,12 +1,16 @@
-"""Prefill leader: admits requests, drives Encode calls, hands plans to the rank worker, answers callers.
+"""Prefill leader: admits requests, drives Encode calls, hands plans to the rank group, answers callers.
 
-Runs on the event loop; everything that touches the scheduler happens on the loop's
-thread. The rank worker's ``execute(plan)`` runs on its own thread (a one-thread
-executor); its "forward done" signal and its result come back through the loop
-(``call_soon_threadsafe``). Each caller awaits its request's future until the request's
-deadline; a caller that gives up (deadline, cancellation) aborts its request, whose
-resources are then released wherever it is. ``progress`` ticks when a plan is launched,
-its forward is done and the plan is done; readiness follows it.
+Runs on the event loop and touches no torch device: every decision (admission, batches,
+chunks, whether a plan is sharded over the C ranks or run by one) is made here from the
+leader's own state and travels to every rank in the plan (``RankPlan``). One plan is in
+flight at a time: ``RankGroup.step`` runs it on every rank and returns every rank's result
+(or the one agreed error) to the loop. Each caller awaits its request's future until the
+request's deadline; a caller that gives up aborts its request, whose resources are then
+released wherever it is (a running request's write was decided with its plan and still
+lands, inside decode's quarantine). ``progress`` ticks when a plan is launched and done.
+After every (re-)formation of the rank group the leader asks each rank where it receives
+image rows (``Describe``) before it plans again; a re-formed group lost the rows of the
+requests that were encoding, which fail.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, SpanStatus
@@ -31,15 +36,22 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.progress import ProgressWatchdog
+from services.engine.config import ModelConfig
 from services.prefill import metrics
+from services.prefill.messages import Describe, RankDescription, RankPlan, RankResult
+from services.prefill.planning import CpPolicy, merge_results, rank_plan
 from services.prefill.request import PrefillInput, PrefillOutput, PrefillPlan, ReqStatus, RequestOutcome
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
-from services.prefill.validation import PromptLimits, prompt_destination, validate_prompt
-from services.prefill.worker import PrefillRankWorker
-from services.transfer.base import pool_layout
-from services.transfer.embeddings import BaseEmbeddingReceiver, EmbeddingDestination
+from services.prefill.validation import (
+    PromptLimits,
+    prompt_destination,
+    validate_prompt,
+    validate_prompt_embeds,
+)
+from services.transfer.embeddings import EmbeddingDestination
 
 logger = logging.getLogger(__name__)
+_tracer = telemetry.tracer("prefill")
 TICK_S = 0.05  # deadline sweep and row-quarantine release period
 
 
@@ -47,8 +59,17 @@ class Encoder(Protocol):
     """What the leader needs of the vision encoder (``VisionEncoderClient`` is one)."""
 
     async def encode(
-        self, request_id: str, spans: Sequence[EncodeSpanInput], destination: EmbeddingDestination, timeout_s: float
+        self, request_id: str, spans: Sequence[EncodeSpanInput],
+        destination: Sequence[EmbeddingDestination], timeout_s: float,
     ) -> list[SpanResult]: ...
+
+
+class Ranks(Protocol):
+    """What the leader needs of its rank group (``RankGroup`` is one)."""
+
+    num_ranks: int
+
+    async def step(self, payload: msgspec.Struct, timeout_s: float | None = None) -> list: ...
 
 
 def spans_error(request: PrefillInput, results: Sequence[SpanResult]) -> StageServeError | None:
@@ -63,41 +84,114 @@ def spans_error(request: PrefillInput, results: Sequence[SpanResult]) -> StageSe
     return None
 
 
+def forward_spans(plan: PrefillPlan, payload: RankPlan, num_ranks: int) -> list[trace.Span]:
+    """A ``prefill.forward`` span per request, child of its caller's span, for the plan's step."""
+    cp_size = num_ranks if payload.solo_rank < 0 else 1
+    return [
+        _tracer.start_span(
+            "prefill.forward", context=telemetry.extract_context(p.request.trace_carrier.items()),
+            attributes={"request_id": p.request.request_id, "prefill.batch_size": len(plan.requests),
+                        "prefill.batch_tokens": plan.num_tokens, "prefill.cp_size": cp_size},
+        )
+        for p in plan.requests
+    ]
+
+
+def transfer_spans(plan: PrefillPlan, output: PrefillOutput, end_ns: int) -> None:
+    """A ``kv.transfer`` span per request: its ranks' KV write time, ending with the step."""
+    for planned, outcome in zip(plan.requests, output.outcomes, strict=True):
+        span = _tracer.start_span(
+            "kv.transfer", context=telemetry.extract_context(planned.request.trace_carrier.items()),
+            start_time=end_ns - int(outcome.kv_transfer_s * 1e9),
+            attributes={"request_id": outcome.request_id, "kv.num_bytes": outcome.num_kv_bytes},
+        )
+        if outcome.error is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error.message))
+        span.end(end_ns)
+
+
+def window(whole: EmbeddingDestination, start_row: int, num_rows: int) -> EmbeddingDestination:
+    """Rows ``[start_row, start_row + num_rows)`` of a rank's buffer (``whole`` is all of it)."""
+    assert 0 <= start_row and start_row + num_rows <= whole.num_rows
+    return msgspec.structs.replace(
+        whole, base_address=whole.base_address + start_row * whole.row_stride_bytes, num_rows=num_rows
+    )
+
+
+@dataclass(frozen=True)
+class LeaderOptions:
+    cp: CpPolicy
+    step_timeout_s: float = 60.0  # a plan's deadline on the ranks
+    watchdog_s: float = 30.0
+
+
 class PrefillLeader:
     def __init__(
         self,
         scheduler: PrefillScheduler,
-        worker: PrefillRankWorker,
-        embedding_receiver: BaseEmbeddingReceiver,
+        ranks: Ranks,
+        model_config: ModelConfig,
         encoder: Encoder | None,
+        options: LeaderOptions,
         clock: Callable[[], float] = time.monotonic,
-        *,
-        watchdog_s: float = 30.0,
     ) -> None:
         self.scheduler = scheduler
-        self.worker = worker
-        self.embedding_receiver = embedding_receiver
+        self.ranks = ranks
         self.encoder = encoder
-        self.limits = PromptLimits.from_config(worker.runner.model.config)
-        self._local_layout = pool_layout(worker.runner.kv_pool)
+        self.options = options
+        self.model_config = model_config
+        self.limits = PromptLimits.from_config(model_config)
+        self.descriptions: list[RankDescription] = []  # empty while the group (re-)forms
+        self.on_serving: Callable[[bool], None] = lambda is_serving: None  # health, set by the caller
         self._clock = clock
         self._futures: dict[str, asyncio.Future[RequestOutcome]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-rank0")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._is_stopping = False
-        # Progress: a plan launched, its forward done, the plan done. Run by the caller (``progress.start``).
+        # Progress: a plan launched, a plan done. Run by the caller (``progress.start``).
         self.progress = ProgressWatchdog(
-            "prefill", watchdog_s, lambda: scheduler.has_worker_work, clock=clock, stalled_gauge=metrics.STALLED
+            "prefill", options.watchdog_s, lambda: scheduler.has_worker_work, clock=clock,
+            stalled_gauge=metrics.STALLED,
         )
 
     async def start(self) -> None:
+        """Describe the ranks (the group has formed) and start the ticker."""
         self._loop = asyncio.get_running_loop()
+        await self._describe()
         self._ticker = self._loop.create_task(self._tick_forever())
 
+    def on_group_ready(self, is_ready: bool) -> None:
+        """The rank group's readiness changed (from its thread): serve only after a fresh Describe."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._group_ready_changed, is_ready)
+
+    def _group_ready_changed(self, is_ready: bool) -> None:
+        if self._is_stopping:
+            return
+        if not is_ready:
+            self.descriptions = []
+            self.on_serving(False)
+            error = UnavailableError("the prefill rank group re-formed; the image rows it held are gone")
+            self._resolve(self.scheduler.fail_row_holders(error))
+            return
+        self._spawn(self._redescribe())
+
+    async def _redescribe(self) -> None:
+        try:
+            await self._describe()
+        except StageServeError as exc:  # the new group failed again: its next formation retries
+            logger.error("describing the re-formed prefill ranks failed: %s", exc.message)
+
+    async def _describe(self) -> None:
+        results: list[RankResult] = await self.ranks.step(Describe(), self.options.step_timeout_s)
+        self.descriptions = [r.description for r in results if r.description is not None]
+        assert len(self.descriptions) == self.ranks.num_ranks, "every rank describes itself"
+        self.on_serving(True)
+        self._pump()
+
     async def stop(self) -> None:
-        """Fail every live request (UNAVAILABLE), wait for the running plan, stop the rank thread."""
+        """Fail every live request (UNAVAILABLE) and stop the tasks; the caller stops the group."""
         self._is_stopping = True
         self.progress.stop()
         if self._ticker is not None:
@@ -107,7 +201,7 @@ class PrefillLeader:
                 future.set_exception(UnavailableError(f"prefill worker shut down before {request_id} finished"))
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.to_thread(self._executor.shutdown, wait=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # --- the caller's side -----------------------------------------------------------
     async def prefill(self, request: PrefillInput, images: dict[str, bytes]) -> RequestOutcome:
@@ -145,12 +239,16 @@ class PrefillLeader:
 
     def _validated(self, request: PrefillInput, images: dict[str, bytes]) -> PrefillInput:
         validate_prompt(request.token_ids, request.spans, images, request.params, self.limits)
+        validate_prompt_embeds(
+            request.prompt_embeds, request.embeds_dtype, request.num_tokens, len(request.spans), self.limits
+        )
         if request.spans and self.encoder is None:
             raise UnavailableError("this prefill worker has no vision encoder (--encoder-address)")
-        kv_dst = prompt_destination(
-            request.kv_dst, self._local_layout, request.num_tokens, self.worker.kv_sender.backend
-        )
-        kind = PrefillScheduler.kind_of(request.num_image_tokens)
+        if not self.descriptions:
+            raise UnavailableError("the prefill rank group is re-forming")
+        local = self.descriptions[0]
+        kv_dst = prompt_destination(request.kv_dst, local.kv_layout, request.num_tokens, local.kv_backend)
+        kind = PrefillScheduler.kind_of(request.num_image_tokens, bool(request.prompt_embeds))
         return msgspec.structs.replace(request, kv_dst=kv_dst, kind=kind)
 
     async def _wait(self, request: PrefillInput, future: asyncio.Future[RequestOutcome]) -> RequestOutcome:
@@ -177,15 +275,16 @@ class PrefillLeader:
 
     # --- driving the scheduler ---------------------------------------------------------
     def _pump(self) -> None:
-        """Expire, admit (start Encodes), and launch a plan if the worker is idle."""
+        """Expire, admit (start Encodes), and launch a plan if none is in flight."""
         if self._is_stopping:
             return
         self._resolve(self.scheduler.expire())
-        for entry in self.scheduler.admit():
-            self._spawn(self._encode(entry))
-        plan = self.scheduler.schedule()
-        if plan is not None:
-            self._launch(plan)
+        if self.descriptions:  # rows and plans need a formed, described group
+            for entry in self.scheduler.admit():
+                self._spawn(self._encode(entry))
+            plan = self.scheduler.schedule()
+            if plan is not None:
+                self._launch(plan)
         metrics.EMBEDDING_ROWS_USED.set(self.scheduler.num_rows_used)
         metrics.QUEUED.set(sum(self.scheduler.num_in(s) for s in (ReqStatus.QUEUED, ReqStatus.ENCODING, ReqStatus.READY)))
 
@@ -205,45 +304,45 @@ class PrefillLeader:
         task.add_done_callback(self._tasks.discard)
 
     def _launch(self, plan: PrefillPlan) -> None:
-        assert self._loop is not None
         self.progress.tick()
         metrics.BATCH_SIZE.observe(len(plan.requests))
         metrics.BATCH_TOKENS.observe(plan.num_tokens)
-        loop = self._loop
+        payload = rank_plan(plan, self.options.cp, self.ranks.num_ranks, self._clock())
+        self._spawn(self._run_plan(plan, payload))
 
-        def forward_done(done: PrefillPlan) -> None:  # on the rank thread
-            loop.call_soon_threadsafe(self._on_forward_done, done)
-
-        future = loop.run_in_executor(
-            self._executor, self.worker.execute, plan, forward_done, self.scheduler.is_aborted
-        )
-        future.add_done_callback(lambda f: self._on_plan_done(plan, f))
-
-    def _on_forward_done(self, plan: PrefillPlan) -> None:
-        self.progress.tick()
-        self.scheduler.mark_sending(plan)
-        self._pump()
-
-    def _on_plan_done(self, plan: PrefillPlan, future: asyncio.Future[PrefillOutput]) -> None:
-        self.progress.tick()
-        if future.cancelled():
-            outcomes = self.scheduler.fail_plan(plan, UnavailableError("prefill worker shut down mid-batch"))
-        elif (exc := future.exception()) is not None:
-            logger.error("prefill batch %d failed", plan.plan_id, exc_info=exc)
-            error = exc if isinstance(exc, StageServeError) else StageServeError(
-                f"prefill forward failed: {type(exc).__name__}: {exc}"
-            )
-            outcomes = self.scheduler.fail_plan(plan, error)
-        else:
-            output = future.result()
+    async def _run_plan(self, plan: PrefillPlan, payload: RankPlan) -> None:
+        """One step on every rank; the scheduler hears the outcome on every path."""
+        outcomes: list[RequestOutcome] = []
+        spans = forward_spans(plan, payload, self.ranks.num_ranks)
+        try:
+            try:
+                results = await self.ranks.step(payload, self.options.step_timeout_s)
+                output = merge_results(plan, payload, results, self.model_config)
+            finally:
+                end_ns = time.time_ns()
+                for span in spans:
+                    span.end(end_ns)
+            transfer_spans(plan, output, end_ns)
             metrics.FORWARD_S.observe(output.forward_s)
             for outcome in output.outcomes:
                 if outcome.is_ok:
                     metrics.KV_BYTES.inc(outcome.num_kv_bytes)
                     metrics.KV_TRANSFER_S.observe(outcome.kv_transfer_s)
             outcomes = self.scheduler.update_from_output(plan, output)
-        self._resolve(outcomes)
-        self._pump()
+        except asyncio.CancelledError:
+            outcomes = self.scheduler.fail_plan(plan, UnavailableError("prefill worker shut down mid-batch"))
+            raise
+        except StageServeError as exc:
+            logger.error("prefill batch %d failed: %s", plan.plan_id, exc.message)
+            outcomes = self.scheduler.fail_plan(plan, exc)
+        except Exception as exc:  # a bug merging the results: fail the batch, keep serving
+            logger.exception("prefill batch %d failed", plan.plan_id)
+            error = StageServeError(f"prefill batch failed: internal error ({type(exc).__name__})")
+            outcomes = self.scheduler.fail_plan(plan, error)
+        finally:
+            self.progress.tick()
+            self._resolve(outcomes)
+            self._pump()
 
     async def _encode(self, entry: SchedEntry) -> None:
         """Encode ``entry``'s spans into its rows; ``finish_encoding`` runs on every path.
@@ -288,8 +387,9 @@ class PrefillLeader:
         for span in request.spans:
             spans.append(EncodeSpanInput(span, entry.images[span.content_hash], dest_row))
             dest_row += span.length
-        receiver = self.embedding_receiver
-        destination = receiver.destination(request.request_id, entry.row_start, dest_row)
+        if not self.descriptions:
+            raise UnavailableError("the prefill rank group is re-forming")
+        destinations = [window(d.embeddings, entry.row_start, dest_row) for d in self.descriptions]
         return await self.encoder.encode(
-            request.request_id, spans, destination, timeout_s=request.deadline - self._clock()
+            request.request_id, spans, destinations, timeout_s=request.deadline - self._clock()
         )

@@ -18,7 +18,6 @@ class ReqStatus(enum.Enum):
     ENCODING = "encoding"
     READY = "ready"
     RUNNING = "running"
-    SENDING = "sending"
     DONE = "done"
     FAILED = "failed"
 
@@ -32,9 +31,7 @@ class BatchKind(enum.Enum):
 
     TEXT = "text"  # token ids only
     IMAGE = "image"  # image placeholder tokens, their rows merged from the embedding buffer
-    # Reserved: a request carrying precomputed input embeddings that override token
-    # embeddings (not accepted by the API yet).
-    EMBEDDING_OVERRIDE = "embedding_override"
+    EMBEDDING_OVERRIDE = "embedding_override"  # prompt embeddings given in place of the tokens' own
 
 
 _INCOMPATIBLE_KINDS = frozenset({frozenset({BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE})})
@@ -43,8 +40,8 @@ _INCOMPATIBLE_KINDS = frozenset({frozenset({BatchKind.IMAGE, BatchKind.EMBEDDING
 def can_share_batch(a: BatchKind, b: BatchKind) -> bool:
     """True when requests of kinds ``a`` and ``b`` may run in one prefill batch.
 
-    Invariant from production: requests with image placeholders and requests with
-    embedding overrides never share a prefill batch. Every other pair may.
+    Requests with image placeholders and requests with embedding overrides never share a
+    prefill batch. Every other pair may.
     """
     return frozenset({a, b}) not in _INCOMPATIBLE_KINDS
 
@@ -60,6 +57,9 @@ class PrefillInput(msgspec.Struct, frozen=True):
     deadline: float  # time.monotonic() seconds
     kind: BatchKind = BatchKind.TEXT
     trace_carrier: dict[str, str] = {}  # W3C trace context of the caller (traceparent)
+    # [num_tokens, hidden] little-endian rows of ``embeds_dtype`` replacing the token embeddings
+    prompt_embeds: bytes = b""
+    embeds_dtype: str = ""  # torch dtype name ("float32", "bfloat16") when prompt_embeds is set
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +76,7 @@ class PlannedRequest(msgspec.Struct, frozen=True):
 
 
 class PrefillPlan(msgspec.Struct, frozen=True):
-    """One EXTEND batch for the rank worker(s); identical on every rank."""
+    """One EXTEND batch the scheduler picked (the leader turns it into the ranks' ``RankPlan``)."""
 
     plan_id: int
     requests: tuple[PlannedRequest, ...]

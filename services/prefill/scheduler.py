@@ -8,12 +8,11 @@ Request lifecycle (one table, FIFO order of arrival):
                requests skip ENCODING and go straight to READY. An image request that
                finds no rows waits (and so do the image requests behind it).
   READY     -> ``finish_encoding`` after every span's rows are written.
-  RUNNING   -> ``schedule``: picked into the one EXTEND batch (``PrefillPlan``) handed to
-               the rank worker. At most one plan is in flight.
-  SENDING   -> ``mark_sending``: the forward is done and the first tokens sampled; the
-               embedding rows are free again; the worker writes each request's KV pages.
-  DONE / FAILED -> ``update_from_output`` (per-request outcome), ``fail_plan`` (the worker
-               raised), ``abort`` (deadline passed or caller gone) or a failed Encode.
+  RUNNING   -> ``schedule``: picked into the one EXTEND batch (``PrefillPlan``) the ranks
+               run (forward, first token, KV write). At most one plan is in flight.
+  DONE / FAILED -> ``update_from_output`` (per-request outcome; rows freed), ``fail_plan``
+               (the step failed), ``abort`` (deadline passed or caller gone), a failed
+               Encode, or ``fail_row_holders`` (the ranks holding the rows re-formed).
 
 Batch rule: a plan only holds requests whose kinds pairwise ``can_share_batch`` (image
 placeholders and embedding overrides never mix). A plan holds the oldest READY request
@@ -58,6 +57,7 @@ class SchedEntry:
     row_start: int = -1  # -1: no rows held
     num_cached_image_tokens: int = 0
     is_aborted: bool = False  # the caller is gone; the outcome is dropped
+    failure: StageServeError | None = None  # fails when its Encode returns (its rows are gone)
 
     @property
     def request_id(self) -> str:
@@ -158,6 +158,7 @@ class PrefillScheduler:
         """
         entry = self._entries[request_id]
         assert entry.status is ReqStatus.ENCODING, f"{request_id} is {entry.status}"
+        error = error or entry.failure
         if error is None and not entry.is_aborted:
             entry.status = ReqStatus.READY
             entry.num_cached_image_tokens = num_cached_image_tokens
@@ -189,14 +190,6 @@ class PrefillScheduler:
         self._in_flight = PrefillPlan(next(self._plan_ids), planned)
         return self._in_flight
 
-    def mark_sending(self, plan: PrefillPlan) -> None:
-        """RUNNING -> SENDING for ``plan``'s requests; their embedding rows are read, so freed."""
-        for request_id in plan.request_ids:
-            entry = self._entries.get(request_id)
-            if entry is not None and entry.status is ReqStatus.RUNNING:
-                entry.status = ReqStatus.SENDING
-                self._free_rows(entry, quarantine=False)
-
     def update_from_output(self, plan: PrefillPlan, output: PrefillOutput) -> list[RequestOutcome]:
         """Every request of ``plan`` -> DONE or FAILED; returns the outcomes of those not aborted."""
         assert self._in_flight is plan and output.plan_id == plan.plan_id
@@ -211,10 +204,22 @@ class PrefillScheduler:
         finished = [self._finish(self._entries[i], RequestOutcome(i, error=error)) for i in plan.request_ids]
         return [o for o in finished if o is not None]
 
-    def is_aborted(self, request_id: str) -> bool:
-        """Whether the caller of ``request_id`` is gone (read by the worker thread before it sends KV)."""
-        entry = self._entries.get(request_id)
-        return entry is not None and entry.is_aborted
+    def fail_row_holders(self, error: StageServeError) -> list[RequestOutcome]:
+        """Every request waiting with image rows -> FAILED with ``error`` (the rows are gone).
+
+        One still encoding fails when its Encode returns; a running one with its plan.
+        """
+        outcomes = []
+        for entry in list(self._entries.values()):
+            if not entry.input.num_image_tokens:
+                continue
+            if entry.status is ReqStatus.ENCODING:
+                entry.failure = error
+            elif entry.status is ReqStatus.READY:
+                outcome = self._finish(entry, RequestOutcome(entry.request_id, error=error))
+                if outcome is not None:
+                    outcomes.append(outcome)
+        return outcomes
 
     def abort(self, request_id: str, error: StageServeError) -> None:
         """Drop a request in any state: now if it holds no one's attention, else when its step returns."""
@@ -272,5 +277,7 @@ class PrefillScheduler:
             self.rows.free(item.start, item.num_rows)
 
     @staticmethod
-    def kind_of(num_image_tokens: int) -> BatchKind:
+    def kind_of(num_image_tokens: int, has_embeds: bool = False) -> BatchKind:
+        if has_embeds:
+            return BatchKind.EMBEDDING_OVERRIDE
         return BatchKind.IMAGE if num_image_tokens else BatchKind.TEXT

@@ -92,6 +92,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request.deadline_unix_ms, context.time_remaining(), kv_ref.expires_unix_ms
             ),
             trace_carrier=carrier,
+            prompt_embeds=request.prompt_embeds,
+            embeds_dtype=request.prompt_embeds_dtype,
         )
         return kv_ref, prefill_input, {image.content_hash: image.data for image in request.images}
 

@@ -13,6 +13,8 @@ from services.engine.config import ModelConfig
 from services.engine.sampler import SamplingParams
 from services.transfer.base import KvDestination, KvPoolLayout, check_compatible
 
+EMBEDS_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # prompt_embeds dtypes
+
 
 @dataclass(frozen=True)
 class PromptLimits:
@@ -20,12 +22,38 @@ class PromptLimits:
     image_token_id: int
     spatial_merge_size: int
     max_context_len: int
+    hidden_size: int = 0
 
     @classmethod
     def from_config(cls, config: ModelConfig) -> PromptLimits:
         return cls(
             config.text.vocab_size, config.image_token_id, config.vision.spatial_merge_size,
-            config.text.max_position_embeddings,
+            config.text.max_position_embeddings, config.text.hidden_size,
+        )
+
+
+def validate_prompt_embeds(
+    embeds: bytes, dtype: str, num_tokens: int, num_spans: int, limits: PromptLimits
+) -> None:
+    """``InvalidRequestError`` (param ``prompt_embeds``) unless ``embeds`` is [num_tokens, hidden]
+    rows of an accepted dtype, for a prompt without images."""
+    if not embeds:
+        if dtype:
+            raise InvalidRequestError("prompt_embeds_dtype is set without prompt_embeds", param="prompt_embeds")
+        return
+    if dtype not in EMBEDS_DTYPE_BYTES:
+        raise InvalidRequestError(
+            f"prompt_embeds dtype {dtype!r} is not one of {', '.join(EMBEDS_DTYPE_BYTES)}", param="prompt_embeds"
+        )
+    if num_spans:
+        raise InvalidRequestError("a prompt has either prompt_embeds or images, not both", param="prompt_embeds")
+    row_bytes = limits.hidden_size * EMBEDS_DTYPE_BYTES[dtype]
+    if len(embeds) != num_tokens * row_bytes:
+        rows, rest = divmod(len(embeds), num_tokens * EMBEDS_DTYPE_BYTES[dtype])
+        got = f"hidden size {rows}" if not rest else f"{len(embeds)} bytes"
+        raise InvalidRequestError(
+            f"prompt_embeds must be [{num_tokens}, {limits.hidden_size}] {dtype} (this model's hidden size "
+            f"is {limits.hidden_size}); got {got}", param="prompt_embeds",
         )
 
 

@@ -55,6 +55,12 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=[n.value for n in PolicyName], default=PolicyName.ROUND_ROBIN.value)
     p.add_argument("--health-interval-s", type=float, default=1.0, help="seconds between worker health polls")
     p.add_argument("--health-timeout-s", type=float, default=1.0, help="timeout of one health check")
+    p.add_argument("--health-generate-interval-s", type=_non_negative_float, default=30.0,
+                   help="a worker that completed no request for this long runs a one-token health-check "
+                        "generate through tokenizer, prefill and decode; failing it ejects the worker "
+                        "until one passes (0: never)")
+    p.add_argument("--health-generate-timeout-s", type=_positive_float, default=30.0,
+                   help="a health-check generate that takes longer fails")
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request deadline")
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
     p.add_argument("--image-fetch-timeout-s", type=float, default=10.0,
@@ -104,6 +110,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -137,6 +157,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=PolicyName(args.policy),
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
+        health_generate_interval_s=args.health_generate_interval_s,
+        health_generate_timeout_s=args.health_generate_timeout_s,
         host=args.host,
         port=args.port,
         http_host=args.http_host or args.host,

@@ -23,6 +23,7 @@ from services.engine.processing import TextProcessor
 from services.router.auth import RouterAccess, require_api_key
 from services.router.config import RouterConfig
 from services.router.generation import GenerationPipeline
+from services.router.health_generate import HealthGenerateChecker
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
@@ -86,6 +87,11 @@ class RouterApp:
             self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens,
             flow=cfg.flow, model_name=cfg.served_model_name,
         )
+        self.health_generate = None
+        if cfg.health_generate_interval_s > 0:
+            self.health_generate = HealthGenerateChecker(
+                self.registry, self.pipeline, cfg.health_generate_interval_s, cfg.health_generate_timeout_s
+            )
         self.images = images or ImageLoader.from_limits(limits)
         self.api = OpenAIApi(
             self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
@@ -143,12 +149,16 @@ class RouterApp:
                 await asyncio.sleep(0.01)
         await self.registry.poll_once()
         self.registry.start(self.cfg.health_interval_s)
+        if self.health_generate is not None:
+            self.health_generate.start()
 
     async def stop(self) -> None:
         """Release everything (the gRPC server is already stopped by the skeleton)."""
         if self._http_server is not None and self._http_task is not None:
             self._http_server.should_exit = True
             await self._http_task
+        if self.health_generate is not None:
+            await self.health_generate.close()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(DRAIN_S):
                 await self.pipeline.wait_idle()

@@ -83,6 +83,9 @@ class RouterConfig:
     policy: PolicyName = PolicyName.ROUND_ROBIN
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
+    # a worker that completed no request for this long runs a health-check generate; 0 = never
+    health_generate_interval_s: float = 30.0
+    health_generate_timeout_s: float = 30.0  # a health-check generate slower than this ejects
     host: str = "127.0.0.1"  # gRPC
     port: int = 0  # gRPC
     http_host: str = "127.0.0.1"

@@ -189,6 +189,11 @@ class GenerationPipeline:
     async def _tokenize(
         self, request: GenerationRequest, deadline_s: float, add_generation_prompt: bool = True
     ) -> TokenizedPrompt:
+        embeds = request.prompt_embeds
+        if embeds is not None:  # no tokens: placeholder ids (0) carry the length, the rows the content
+            return TokenizedPrompt(
+                (0,) * embeds.num_tokens, prompt_embeds=embeds.data, prompt_embeds_dtype=embeds.dtype
+            )
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_s)
@@ -253,6 +258,7 @@ class GenerationPipeline:
                 except StopAsyncIteration:
                     break
                 if chunk.finish_reason is not None:
+                    self._registry.record_completed(decode)
                     flow.emit(flow.output.finish(chunk.finish_reason, chunk.token_ids))
                     return True
                 flow.emit(flow.output.add_tokens(chunk.token_ids))

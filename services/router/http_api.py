@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.errors import AbortedError, StageServeError
+from services.common.errors import AbortedError, InvalidRequestError, StageServeError
 from services.engine.processing import TextProcessor
 from services.router.body_limit import BodyLimitMiddleware
 from services.router.generation import GenerationPipeline
@@ -47,7 +47,7 @@ from services.router.openai_schema import (
     ErrorResponse,
     chat_messages,
     check_model,
-    completion_prompt,
+    completion_input,
 )
 from services.router.registry import WorkerRegistry
 from services.router.tokenize_api import TokenizeApi
@@ -108,8 +108,13 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
-            prompt = completion_prompt(body)
-            generation = self._generation(f"cmpl-{uuid.uuid4().hex}", options, prompt=prompt)
+            given = completion_input(body)
+            prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
+            if embeds is not None and body.echo:
+                raise InvalidRequestError("echo needs a text prompt, not prompt_embeds", param="echo")
+            generation = self._generation(
+                f"cmpl-{uuid.uuid4().hex}", options, prompt=prompt, prompt_embeds=embeds
+            )
             echo = prompt if body.echo else ""
             return await self._respond(
                 generation, body.stream, body.stream_options, request, tracker, is_chat=False, echo=echo

@@ -20,7 +20,9 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, 
 
 from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
+from services.router import prompt_embeds
 from services.router.images import ImageLoader
+from services.router.prompt_embeds import PromptEmbeds
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # The image is processed at the model's own resolution limit, which is what "high" asks for.
@@ -146,7 +148,9 @@ class CompletionBody(_GenerationBody):
         ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported yet"),
         ("suffix", lambda v: v in (None, ""), "suffix is not supported yet"),
     )
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | None = None
+    # vLLM's format: base64 of torch.save of a [num_tokens, hidden] float32/bfloat16/float16 tensor
+    prompt_embeds: StrictStr | None = None
     echo: StrictBool = False  # the prompt text comes first in the output
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
@@ -190,7 +194,17 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
+def completion_input(body: CompletionBody) -> str | PromptEmbeds:
+    """The completion's one input: its prompt text, or its ``prompt_embeds`` unpacked."""
+    if (body.prompt is None) == (body.prompt_embeds is None):
+        raise InvalidRequestError("give exactly one of prompt and prompt_embeds", param="prompt")
+    if body.prompt_embeds is not None:
+        return prompt_embeds.from_base64(body.prompt_embeds)
+    return completion_prompt(body)
+
+
 def completion_prompt(body: CompletionBody) -> str:
+    assert body.prompt is not None
     if isinstance(body.prompt, str):
         return check_text(body.prompt, "prompt")
     if len(body.prompt) != 1:

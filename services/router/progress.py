@@ -26,6 +26,9 @@ _SILENCE = {
 }
 
 
+_COMPLETES = (Hop.TOKENIZE, Hop.PREFILL)  # decode completes with its stream's finish (generation.py)
+
+
 class StallBound:
     def __init__(self, registry: WorkerRegistry, stall_timeout_s: float) -> None:
         assert stall_timeout_s > 0
@@ -40,10 +43,14 @@ class StallBound:
         """
         try:
             async with asyncio.timeout(self.stall_timeout_s) as bound:
-                return await awaitable
-        except TimeoutError:
-            if not bound.expired():
+                result = await awaitable
+        except BaseException as exc:  # the call failed, stalled or was cancelled while in flight
+            self._registry.record_failure(worker)
+            if not isinstance(exc, TimeoutError) or not bound.expired():
                 raise
             self._registry.record_stall(worker, hop)
             silence = f"{_SILENCE[hop]} for {self.stall_timeout_s:g} s (--stall-timeout-s)"
             raise UnavailableError(f"request {request_id}: {silence}") from None
+        if hop in _COMPLETES:  # the worker's whole part of the request (health-check piggyback)
+            self._registry.record_completed(worker)
+        return result

@@ -6,14 +6,24 @@ routed to it. It is readmitted as soon as a check passes again. Requests already
 worker that dies or stalls fail through their own calls (the pipeline bounds each one),
 not through the registry; the pipeline records a stall here (``record_stall``) and may
 ask for another worker of the kind (``acquire(kind, exclude=...)``).
+
+Health-check generate (``health_generate.py``): each worker's part of a completed request
+is recorded (``record_completed``); a worker that completed nothing for a while gets a
+one-token generate pinned to it (``pin``: within that generate's task, ``acquire`` of its
+kind returns it). A failed generate ejects the worker whose call failed or was in flight
+(``record_failure``; the pinned one when none was) until a generate passes
+(``record_generate``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +38,22 @@ from services.router.workers import Hop, Worker, WorkerKind, WorkerState
 logger = logging.getLogger(__name__)
 
 ROUTED_KINDS = (WorkerKind.TOKENIZER, WorkerKind.PREFILL, WorkerKind.DECODE)
+
+
+@dataclass
+class PinnedCheck:
+    """One health-check generate: its worker, and the workers whose calls failed in it (in order)."""
+
+    worker: Worker
+    failed: list[Worker] = field(default_factory=list)  # shared with the generate's child tasks
+
+    @property
+    def culprit(self) -> Worker:
+        return self.failed[-1] if self.failed else self.worker
+
+
+# The health-check generate running in this task (and the tasks it starts), if any
+_PINNED: contextvars.ContextVar[PinnedCheck | None] = contextvars.ContextVar("pinned_check", default=None)
 
 
 class HealthProbe:
@@ -99,14 +125,24 @@ class WorkerRegistry:
     # ------------------------------------------------------------ routing
 
     def has_ready(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> bool:
-        """Whether a ready worker of ``kind`` outside ``exclude`` exists now."""
+        """Whether a ready worker of ``kind`` outside ``exclude`` exists now (inside ``pin``: the pinned one)."""
+        check = _PINNED.get()
+        if check is not None and check.worker.kind is kind:
+            return check.worker not in exclude
         return any(w not in exclude for w in self.ready_workers(kind))
 
     def acquire(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> Worker:
         """Choose a ready worker of ``kind`` (not one in ``exclude``) and count one more request on it.
 
-        ``UnavailableError`` at once when none is ready. Pair with ``release``.
+        ``UnavailableError`` at once when none is ready. Pair with ``release``. Inside ``pin(w)``,
+        ``acquire(w.kind)`` is ``w`` whatever its state (a health-check generate targets it).
         """
+        check = _PINNED.get()
+        pinned = check.worker if check is not None else None
+        if pinned is not None and pinned.kind is kind:
+            if pinned in exclude:
+                raise UnavailableError(f"the health-check generate's {kind.value} worker {pinned.address} failed")
+            return self._count(pinned)
         ready = self.ready_workers(kind)
         candidates = [w for w in ready if w not in exclude]
         if not candidates:
@@ -115,9 +151,11 @@ class WorkerRegistry:
             raise UnavailableError(
                 f"no{other} ready {kind.value} worker ({configured} configured, {len(ready)} ready)"
             )
-        worker = self._policy.choose(kind, candidates)
+        return self._count(self._policy.choose(kind, candidates))
+
+    def _count(self, worker: Worker) -> Worker:
         worker.num_in_flight += 1
-        self._metrics.worker_in_flight.labels(kind.value, worker.address).set(worker.num_in_flight)
+        self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(worker.num_in_flight)
         return worker
 
     def release(self, worker: Worker) -> None:
@@ -130,6 +168,40 @@ class WorkerRegistry:
         worker.num_stalls += 1
         self._metrics.worker_stalls.labels(hop.value, worker.address).inc()
         logger.warning("%s worker %s stalled in %s", worker.kind.value, worker.address, hop.value)
+
+    def record_completed(self, worker: Worker) -> None:
+        """``worker`` completed its part of a request (tokenized, prefilled, or decoded to the end)."""
+        worker.last_completed_mono = time.monotonic()
+
+    def record_generate(self, worker: Worker, error: str) -> None:
+        """The outcome of a health-check generate on ``worker``: "" readmits it, a reason ejects it."""
+        if error and not worker.generate_error:
+            logger.warning("%s worker %s failed its health-check generate: %s", worker.kind.value,
+                           worker.address, error)
+        elif not error and worker.generate_error:
+            logger.info("%s worker %s passed its health-check generate", worker.kind.value, worker.address)
+        worker.generate_error = error
+        if not error:
+            self.record_completed(worker)
+        self._publish()
+        if self._on_poll is not None:
+            self._on_poll()
+
+    def record_failure(self, worker: Worker) -> None:
+        """A call on ``worker`` failed or was cancelled; inside ``pin``, its check blames it."""
+        check = _PINNED.get()
+        if check is not None:
+            check.failed.append(worker)
+
+    @contextlib.contextmanager
+    def pin(self, worker: Worker) -> Iterator[PinnedCheck]:
+        """Route this task's calls of ``worker.kind`` (and those of tasks it starts) to ``worker``."""
+        check = PinnedCheck(worker)
+        token = _PINNED.set(check)
+        try:
+            yield check
+        finally:
+            _PINNED.reset(token)
 
     @contextlib.contextmanager
     def lease(self, kind: WorkerKind) -> Iterator[Worker]:

@@ -29,6 +29,7 @@ from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.types import ChatMessage, ContentPart, FinishReason, ImagePart, TextPart, Usage
 from services.engine.sampler import SamplingParams
+from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline
 from services.router.images import check_image
 from services.router.metrics import RequestTracker, RouterMetrics
@@ -130,7 +131,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return GenerationRequest(request_id, prompt=request.prompt, **common)
         if request.WhichOneof("input") == "chat":
             return GenerationRequest(request_id, messages=await self._messages(request.chat), **common)
-        raise InvalidRequestError("the request needs a prompt or a chat", param="input")
+        if request.WhichOneof("input") == "prompt_embeds":
+            embeds = prompt_embeds.from_saved(request.prompt_embeds)
+            return GenerationRequest(request_id, prompt_embeds=embeds, **common)
+        raise InvalidRequestError("the request needs a prompt, a chat or prompt_embeds", param="input")
 
     async def _messages(self, chat: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
         if not chat.messages:

@@ -6,14 +6,16 @@ import msgspec
 
 from services.common.types import ChatMessage, FinishReason, Usage
 from services.engine.sampler import SamplingParams
+from services.router.prompt_embeds import PromptEmbeds
 
 
 class GenerationRequest(msgspec.Struct, frozen=True):
-    """One request, already validated. Exactly one of ``prompt`` and ``messages`` is set."""
+    """One request, already validated. Exactly one of ``prompt``, ``messages`` and ``prompt_embeds`` is set."""
 
     request_id: str
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
+    prompt_embeds: PromptEmbeds | None = None
     # max_new_tokens is ignored here: ``max_tokens`` below decides it against the context.
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     max_tokens: int | None = None  # None = the router's default (up to the context limit)
@@ -26,6 +28,8 @@ class GenerationRequest(msgspec.Struct, frozen=True):
     @property
     def prompt_param(self) -> str:
         """The request field a prompt-length error points at."""
+        if self.prompt_embeds is not None:
+            return "prompt_embeds"
         return "messages" if self.messages is not None else "prompt"
 
 

@@ -68,6 +68,10 @@ def test_messages_carry_no_opaque_payloads() -> None:
         "stageserve.v1.KvRef.mac",
         "stageserve.v1.PrefillResponse.kv_written_proof",
         "stageserve.v1.DecodeGenerateRequest.kv_written_proof",
+        # prompt embeddings a client sends (torch.save, loaded weights-only by the router) and their
+        # rows on to prefill (raw little-endian, shape and dtype checked); bounded by the body limit
+        "stageserve.v1.GenerateRequest.prompt_embeds",
+        "stageserve.v1.PrefillRequest.prompt_embeds",
     }
     modules = (common_pb2, decode_pb2, prefill_pb2, router_pb2, tokenizer_pb2, vision_encoder_pb2)
     for module in modules:

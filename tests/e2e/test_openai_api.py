@@ -42,9 +42,11 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024")
+# cp2: prefill as two CP rank processes, every batch sharded (--prefill-cp-min-tokens 1)
+@pytest.fixture(scope="module", params=[(), ("--prefill-cp", "2", "--prefill-cp-min-tokens", "1")],
+                ids=["cp1", "cp2"])
+def system(request, tmp_path_factory):
+    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024", *request.param)
     yield system
     assert system.stop() == 0
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]

@@ -1,8 +1,9 @@
-"""An in-process prefill service wired to a fake vision encoder and a fake decode pool.
+"""A prefill service (leader in process, C rank processes) wired to a fake vision encoder and a
+fake decode pool.
 
 The fake encoder is a real gRPC ``VisionEncoder`` server that runs the real vision tower
-(the offline pipeline's) and writes rows through the in-process embedding sender. The
-"decode" side is a KV pool registered with an in-process KV receiver. References come
+(the offline pipeline's) and writes rows into every rank's buffer over shm. The "decode"
+side is a KV pool registered with a shm KV receiver, in this process. References come
 from the offline engine on the same checkpoint.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -48,13 +50,10 @@ from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
-from services.transfer.embeddings_inprocess import (
-    EmbeddingFabric,
-    InProcessEmbeddingReceiver,
-    InProcessEmbeddingSender,
-)
-from services.transfer.inprocess_backend import InProcessFabric, InProcessKVReceiver, InProcessKVSender
+from services.transfer.embeddings_shm import ShmEmbeddingSender
+from services.transfer.shm_backend import ShmKVReceiver
 from tests.conftest import TINY_MODEL_DIR, image_bytes
+from tests.prefill.cp_ranks import TARGET, RecordingResult, group_config, rank_env
 
 PAGE_SIZE = 4  # the session pipeline's page size: prompts span many pages
 KEY = signing.key_of("prefill-test-token")  # the internal secret the fake decode signs with
@@ -67,8 +66,14 @@ def language_model():
     return load_model(TINY_MODEL_DIR, components=("language",))
 
 
-# --- prompts and references ---------------------------------------------------------
+@pytest.fixture(autouse=True)
+def prefill_rank_env(monkeypatch):
+    """What the spawned rank processes inherit: one thread each, and this repo importable."""
+    for key, value in rank_env().items():
+        monkeypatch.setenv(key, value)
 
+
+# --- prompts and references ---------------------------------------------------------
 @dataclass
 class Case:
     request: EngineRequest  # the offline engine's view
@@ -131,20 +136,23 @@ def reference(pipeline, case: Case) -> Reference:
 # --- the fake decode pool -------------------------------------------------------------
 
 class DecodePool:
-    """Decode's registered KV pool: pages handed out shuffled, so position order matters."""
+    """Decode's registered KV pool (shm): pages handed out shuffled and zeroed, so position
+    order matters and a page nobody wrote reads as zeros."""
 
-    def __init__(self, model_config, fabric: InProcessFabric, num_pages: int = 512) -> None:
+    def __init__(self, model_config, num_pages: int = 512) -> None:
         text = model_config.text
         self.pool = KVPool(text.num_hidden_layers, num_pages, PAGE_SIZE, text.num_key_value_heads,
                            text.head_dim, torch.float32, "cpu")
         self.pages = KVPageManager(num_pages, PAGE_SIZE)
-        self.receiver = InProcessKVReceiver(fabric)
+        self.receiver = ShmKVReceiver()
         self.receiver.register(self.pool)
         self._rng = random.Random(0)
 
     def reserve(self, request_id: str, num_tokens: int, extra_pages: int = 2):
         pages = self.pages.allocate(-(-num_tokens // PAGE_SIZE) + extra_pages)
         self._rng.shuffle(pages)
+        self.pool.k_buffer[:, pages] = 0
+        self.pool.v_buffer[:, pages] = 0
         return self.receiver.destination(request_id, pages)
 
     @staticmethod
@@ -160,18 +168,28 @@ class DecodePool:
         v = torch.stack([self.pool.v_slots(layer)[slots] for layer in range(self.pool.num_layers)])
         return k, v
 
+    def is_written(self, dst) -> bool:
+        """Whether any byte of ``dst``'s pages changed since ``reserve`` zeroed them."""
+        pages = list(dst.page_ids)
+        return bool(self.pool.k_buffer[:, pages].any() or self.pool.v_buffer[:, pages].any())
+
+    def close(self) -> None:
+        self.receiver.close()
+
 
 # --- the fake vision encoder ------------------------------------------------------------
 
 class FakeVisionEncoder(vision_encoder_pb2_grpc.VisionEncoderServicer):
-    """Encodes every span with the real ViT (no cache) and writes rows in process; ``mode`` injects faults."""
+    """Encodes every span with the real ViT (no cache), writes rows to every destination over shm;
+    ``mode`` injects faults."""
 
-    def __init__(self, pipeline, fabric: EmbeddingFabric) -> None:
+    def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
-        self.sender = InProcessEmbeddingSender(fabric)
+        self.sender = ShmEmbeddingSender()
         self.mode = "ok"  # ok | unavailable | invalid | slow
         self.delay_s = 0.0
         self.num_calls = 0
+        self.num_destinations: list[int] = []
 
     @handle_errors
     async def Encode(self, request: Any, context: Any) -> vision_encoder_pb2.EncodeResponse:
@@ -181,14 +199,16 @@ class FakeVisionEncoder(vision_encoder_pb2_grpc.VisionEncoderServicer):
         if self.mode == "slow":
             await asyncio.sleep(self.delay_s)
         spans = [encode_span_from_proto(s) for s in request.spans]
-        [dst] = [embedding_destination_from_proto(ref) for ref in request.embedding_refs]
+        destinations = [embedding_destination_from_proto(ref) for ref in request.embedding_refs]
+        self.num_destinations.append(len(destinations))
         results = []
         for span in spans:
             if self.mode == "invalid":
                 results.append(SpanResult(span.span.content_hash, SpanStatus.INVALID_IMAGE, False, 0, "not an image"))
                 continue
             rows = self._encode(span.image_data)
-            self.sender.send_rows(request.request_id, rows, dst, span.dest_row, time.monotonic() + 10)
+            for dst in destinations:
+                self.sender.send_rows(request.request_id, rows, dst, span.dest_row, time.monotonic() + 10)
             results.append(SpanResult(span.span.content_hash, SpanStatus.WRITTEN, is_cache_hit=False))
         return vision_encoder_pb2.EncodeResponse(results=[span_result_to_proto(r) for r in results])
 
@@ -210,16 +230,14 @@ class Harness:
     servers: list[grpc.aio.Server] = field(default_factory=list)
 
     @property
-    def runner(self):
-        return self.app.leader.worker.runner
+    def leader(self):
+        return self.app.leader
 
     @property
     def scheduler(self):
         return self.app.leader.scheduler
 
     def assert_all_free(self) -> None:
-        assert self.runner.page_manager.num_free_pages == self.runner.page_manager.num_pages
-        assert len(self.runner.page_table) == 0
         rows = self.scheduler.rows
         assert rows.num_free_rows == rows.num_rows and rows.num_allocations == 0
         assert self.scheduler.num_live == 0
@@ -235,20 +253,20 @@ class Harness:
 
 def prefill_config(**overrides: Any) -> PrefillConfig:
     values: dict[str, Any] = dict(
-        model=TINY_MODEL_DIR, transfer_backend="inprocess", num_pages=256, page_size=PAGE_SIZE,
-        embedding_rows=512, max_batch_tokens=2048, embedding_quarantine_s=0.0,
+        model=TINY_MODEL_DIR, transfer_backend="shm", num_pages=256, page_size=PAGE_SIZE,
+        embedding_rows=512, max_batch_tokens=2048, embedding_quarantine_s=0.0, cp_min_tokens=1,
+        cp_block_tokens=PAGE_SIZE,
     )
     values.update(overrides)
     return PrefillConfig(**values)
 
 
 async def start_harness(
-    pipeline, language_model, config: PrefillConfig, *, embedding_fabric: EmbeddingFabric | None = None,
-    encoder_address: str | None = None,
+    pipeline, language_model, config: PrefillConfig, *, encoder_address: str | None = None,
+    step_target: str = TARGET, **group_overrides: Any,
 ) -> Harness:
-    """Prefill over gRPC; the fake encoder unless ``encoder_address`` names a real one on ``embedding_fabric``."""
-    kv_fabric, embedding_fabric = InProcessFabric(), embedding_fabric or EmbeddingFabric()
-    encoder = FakeVisionEncoder(pipeline, embedding_fabric)
+    """Prefill over gRPC on ``config.devices``; the fake encoder unless ``encoder_address`` names a real one."""
+    encoder = FakeVisionEncoder(pipeline)
     servers = []
     if encoder_address is None:
         encoder_server, encoder_port = create_server(
@@ -257,21 +275,25 @@ async def start_harness(
         await encoder_server.start()
         servers.append(encoder_server)
         encoder_address = f"127.0.0.1:{encoder_port}"
-    app = PrefillApp.build(
-        config, encoder=VisionEncoderClient(encoder_address), model=language_model,
-        kv_sender=InProcessKVSender(kv_fabric), embedding_receiver=InProcessEmbeddingReceiver(embedding_fabric),
+    group = dataclasses.replace(
+        group_config(config.num_ranks, **group_overrides), devices=config.devices, name="prefill"
     )
+    app = PrefillApp.build(
+        config, internal_token=os.environ["STAGESERVE_INTERNAL_TOKEN"],
+        encoder=VisionEncoderClient(encoder_address), group=group, step_target=step_target,
+        result_type=RecordingResult,
+    )
+    health = HealthState()
+    app.leader.on_serving = health.set_serving
     await app.start()
     servicer = PrefillServicer(config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces))
     servicer.attach(app.leader)
-    health = HealthState()
     server, port = create_server(
         [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], service_names=[SERVICE_NAME], health=health,
     )
     await server.start()
-    health.set_serving(True)
     app.leader.progress.start(health, interval_s=WATCHDOG_POLL_S)  # as services.prefill.__main__ does
-    decode = DecodePool(language_model.config, kv_fabric)
+    decode = DecodePool(language_model.config)
     return Harness(app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, health, [server, *servers])
 
 
@@ -282,6 +304,8 @@ async def stop_harness(harness: Harness) -> None:
     await harness.app.close()
     assert isinstance(harness.app.leader.encoder, VisionEncoderClient)
     await harness.app.leader.encoder.close()
+    harness.encoder.sender.close()
+    harness.decode.close()
 
 
 @pytest.fixture
@@ -294,38 +318,40 @@ async def harness(pipeline, language_model) -> AsyncIterator[Harness]:
 
 
 def record_sends(harness: Harness) -> list[str]:
-    """Request ids of every KV write the worker begins (the only way it reaches a transfer engine)."""
-    sender = harness.app.leader.worker.kv_sender
-    calls: list[str] = []
-    for name in ("start", "start_layerwise"):  # the worker begins every write with one of them
-        method = getattr(sender, name)
+    """Request ids of every plan the leader sends to the ranks (the only way a request reaches a
+    rank, and so a transfer engine)."""
+    ranks = harness.app.leader.ranks
+    step, sent = ranks.step, []
 
-        def recording(request_id, *args, _method=method):
-            calls.append(request_id)
-            return _method(request_id, *args)
+    async def recording(payload, *args):
+        sent.extend(r.request_id for r in getattr(payload, "requests", ()))
+        return await step(payload, *args)
 
-        setattr(sender, name, recording)
-    return calls
+    ranks.step = recording
+    return sent
 
 
 def gate_worker(harness: Harness) -> tuple[Callable[[], None], list[list[str]]]:
-    """Hold the rank worker's first plan until ``release()``; records every plan's request ids."""
+    """Hold the leader's next plan before it reaches the ranks until ``release()``; records every
+    plan's request ids (Describe steps pass)."""
     import threading
 
-    worker = harness.app.leader.worker
-    execute, opened, plans = worker.execute, threading.Event(), []
+    ranks = harness.app.leader.ranks
+    step, opened, plans = ranks.step, threading.Event(), []
 
-    def gated(plan, *args):
-        plans.append(plan.request_ids)
-        opened.wait(30)
-        return execute(plan, *args)
+    async def gated(payload, *args):
+        if hasattr(payload, "requests"):
+            plans.append([r.request_id for r in payload.requests])
+            while not opened.is_set():
+                await asyncio.sleep(0.01)
+        return await step(payload, *args)
 
-    worker.execute = gated
+    ranks.step = gated
     return opened.set, plans
 
 
 async def prefill_as_one_batch(harness: Harness, pipeline, cases: list[Case]) -> tuple[list, list[str]]:
-    """Prefill ``cases`` in one plan: a first request holds the worker while they all queue.
+    """Prefill ``cases`` in one plan: a first request holds the ranks while they all queue.
 
     Returns each case's result (or exception) and the request ids of their plan.
     """
@@ -334,7 +360,8 @@ async def prefill_as_one_batch(harness: Harness, pipeline, cases: list[Case]) ->
     while not plans:
         await asyncio.sleep(0.01)
     tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
-    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < 2:
+    num_image = sum(bool(c.prompt.spans) for c in cases)
+    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < num_image:
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
     release()
@@ -343,15 +370,20 @@ async def prefill_as_one_batch(harness: Harness, pipeline, cases: list[Case]) ->
     return results, plans[1]
 
 
-async def prefill_abandoned_while_held(harness: Harness, case: Case) -> None:
-    """Prefill ``case`` with a 1 s deadline while its plan is held in the worker: the caller gets
-    DEADLINE_EXCEEDED first, then the plan runs and the service goes idle."""
+async def prefill_abandoned_while_held(harness: Harness, case: Case):
+    """Prefill ``case`` with a 1 s deadline while its plan is held before the ranks: the caller gets
+    DEADLINE_EXCEEDED first, then the plan runs and the service goes idle. Returns its KV
+    destination."""
     release, plans = gate_worker(harness)
-    task = asyncio.create_task(harness.prefill(case, deadline_in_s=1.0))
-    while not plans:  # the plan is held in the worker until the caller has given up
+    dst = harness.decode.reserve(case.request.request_id, len(case.prompt.token_ids))
+    task = asyncio.create_task(harness.client.prefill(
+        case.request.request_id, case.prompt, case.request.params, harness.decode.kv_ref(dst), time.time() + 1.0
+    ))
+    while not plans:  # the plan is held until the caller has given up
         await asyncio.sleep(0.01)
     with pytest.raises(DeadlineExceededError):
         await task
     release()
     while harness.scheduler.num_live:
         await asyncio.sleep(0.01)
+    return dst

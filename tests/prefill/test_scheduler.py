@@ -101,12 +101,25 @@ def test_lifecycle_rows_and_one_plan_in_flight() -> None:
     assert plan is not None and plan.request_ids == ["a", "t"]
     assert plan.requests[0] == PlannedRequest(s.get("a").input, 0)
     assert s.schedule() is None  # one plan in flight
-    s.mark_sending(plan)
-    assert s.get("a").status is ReqStatus.SENDING and s.num_rows_used == 0
-    assert [e.request_id for e in s.admit()] == ["b"]  # rows are free again
+    assert s.admit() == []  # b waits for a's rows
     outcomes = s.update_from_output(plan, ok_output(plan))
     assert [(o.request_id, o.first_token_id, o.num_cached_image_tokens) for o in outcomes] == [("a", 7, 6), ("t", 7, 0)]
-    assert s.num_live == 1
+    assert s.num_live == 1 and s.num_rows_used == 0
+    assert [e.request_id for e in s.admit()] == ["b"]  # rows are free again
+
+
+def test_a_re_formed_group_fails_the_requests_holding_rows() -> None:
+    s = make_scheduler(num_rows=20)
+    s.add(make_input("ready", 12, num_image_tokens=6), {"h": b"x"})
+    s.add(make_input("encoding", 12, num_image_tokens=6), {"h": b"x"})
+    s.add(make_input("text", 5), {})
+    s.admit()
+    s.finish_encoding("ready")
+    gone = UnavailableError("rows gone")
+    assert [o.request_id for o in s.fail_row_holders(gone)] == ["ready"]
+    outcome = s.finish_encoding("encoding")  # its Encode returns: it fails too
+    assert outcome is not None and outcome.error is gone
+    assert s.num_rows_used == 0 and [e.request_id for e in s._entries.values()] == ["text"]
 
 
 def test_max_batch_tokens_and_pool_limit_the_plan() -> None:
@@ -203,3 +216,34 @@ def test_plan_round_trips_through_msgpack() -> None:
     s.finish_encoding("a")
     plan = s.schedule()
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=PrefillPlan) == plan
+
+
+def test_a_mixed_stream_of_image_and_override_requests_never_mixes_and_never_starves() -> None:
+    """FCFS across kinds: every plan holds the oldest READY request, so neither kind waits for
+    the other to run dry; no plan holds both kinds."""
+    s = make_scheduler(num_rows=4096, max_batch_tokens=64)
+    kinds = [BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE, BatchKind.EMBEDDING_OVERRIDE, BatchKind.TEXT] * 6
+    arrivals = {}
+    for i, kind in enumerate(kinds):
+        request_id = f"{kind.value}-{i}"
+        image_tokens = 2 if kind is BatchKind.IMAGE else 0
+        s.add(make_input(request_id, 8, num_image_tokens=image_tokens, kind=kind), {"h": b"x"})
+        arrivals[request_id] = i
+    for entry in s.admit():
+        s.finish_encoding(entry.request_id)
+    num_plans, waited = 0, {}
+    while s.num_live:
+        oldest = min((e for e in s._entries.values() if e.status is ReqStatus.READY), key=lambda e: arrivals[e.request_id])
+        plan = s.schedule()
+        assert plan is not None and oldest.request_id in plan.request_ids
+        kinds_in_plan = {r.request.kind for r in plan.requests}
+        assert not {BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE} <= kinds_in_plan, plan.request_ids
+        for request_id in plan.request_ids:
+            waited[request_id] = num_plans
+        s.update_from_output(plan, ok_output(plan))
+        num_plans += 1
+    assert len(waited) == len(kinds)
+    for kind in (BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE):  # each kind keeps getting plans
+        plans_of_kind = sorted({waited[r] for r in waited if r.startswith(kind.value)})
+        gaps = [b - a for a, b in zip(plans_of_kind, plans_of_kind[1:], strict=False)]
+        assert plans_of_kind[0] <= 1 and max(gaps) <= 2

@@ -1,6 +1,6 @@
-"""Prefill (in process) against the real vision encoder on two rank processes, rows over shared
-memory: outputs equal the offline engine with cache hits, and an encoder rank killed mid-batch
-fails the request UNAVAILABLE without leaking one of prefill's embedding rows."""
+"""Prefill on two CP rank processes against the real vision encoder on two rank processes, rows over
+shared memory to both prefill ranks: outputs equal the offline engine with cache hits, and an encoder
+rank killed mid-batch fails the request UNAVAILABLE without leaking one of prefill's embedding rows."""
 
 from __future__ import annotations
 
@@ -11,29 +11,12 @@ import signal
 import pytest
 from prometheus_client import REGISTRY
 
-from services.common.clients.prefill import PrefillClient
-from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.errors import UnavailableError
-from services.common.pb.stageserve.v1 import prefill_pb2_grpc
-from services.common.server import HealthState, create_server
 from services.engine.processing.image import content_hash
 from services.engine.sampler import SamplingParams
-from services.prefill.app import PrefillApp
-from services.prefill.kv_refs import KvRefVerifier
-from services.prefill.servicer import SERVICE_NAME, PrefillServicer
-from services.transfer.embeddings_shm import ShmEmbeddingReceiver
-from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
 from services.vision_encoder.plan import owner_rank
 from tests.conftest import image_bytes
-from tests.prefill.conftest import (
-    KEY,
-    DecodePool,
-    Harness,
-    make_case,
-    prefill_config,
-    reference,
-    stop_harness,
-)
+from tests.prefill.conftest import make_case, prefill_config, reference, start_harness, stop_harness
 from tests.prefill.test_service import assert_matches
 from tests.vision_encoder.conftest import serve_encoder, wait_until
 from tests.vision_encoder.rank_hooks import Delay
@@ -42,42 +25,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0.0)
 
 
-async def start_prefill(language_model, encoder_address: str) -> Harness:
-    """Prefill over gRPC with a shared-memory embedding buffer the encoder's ranks write into."""
-    kv_fabric = InProcessFabric()
-    config = prefill_config(transfer_backend="shm", kv_transfer_backend="inprocess")
-    app = PrefillApp.build(
-        config,
-        encoder=VisionEncoderClient(encoder_address),
-        model=language_model,
-        kv_sender=InProcessKVSender(kv_fabric),
-        embedding_receiver=ShmEmbeddingReceiver(),
-    )
-    await app.start()
-    servicer = PrefillServicer(
-        config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces)
-    )
-    servicer.attach(app.leader)
-    health = HealthState()
-    server, port = create_server(
-        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
-        service_names=[SERVICE_NAME],
-        health=health,
-    )
-    await server.start()
-    health.set_serving(True)
-    decode = DecodePool(language_model.config, kv_fabric)
-    client = PrefillClient(f"127.0.0.1:{port}")
-    return Harness(app, client, None, decode, health, [server])  # type: ignore[arg-type]
-
-
 def rows_used() -> float:
     return REGISTRY.get_sample_value("stageserve_prefill_embedding_rows_used") or 0.0
 
 
 async def test_real_encoder_rows_cache_hits_and_a_killed_rank(pipeline, language_model) -> None:
     with serve_encoder(2) as encoder:
-        harness = await start_prefill(language_model, encoder.address)
+        harness = await start_harness(
+            pipeline, language_model, prefill_config(devices=("cpu", "cpu")), encoder_address=encoder.address
+        )
         try:
             first, second = image_bytes(120, 80, seed=1), image_bytes(64, 200, seed=2)
             cases = [

@@ -108,6 +108,8 @@ def prefill_request_to_proto(
         sampling_params=sampling_params_to_proto(params),
         kv_ref=kv_ref_to_proto(kv_ref),
         deadline_unix_ms=int(deadline_s * 1000),
+        prompt_embeds=prompt.prompt_embeds,
+        prompt_embeds_dtype=prompt.prompt_embeds_dtype,
     )
 
 

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "image_spans", "images", "sampling_params", "kv_ref", "deadline_unix_ms")
+    __slots__ = ("request_id", "token_ids", "image_spans", "images", "sampling_params", "kv_ref", "deadline_unix_ms", "prompt_embeds", "prompt_embeds_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SPANS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class PrefillRequest(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_REF_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     image_spans: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageSpan]
@@ -23,7 +25,9 @@ class PrefillRequest(_message.Message):
     sampling_params: _common_pb2.SamplingParams
     kv_ref: _common_pb2.KvRef
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageData, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_ref: _Optional[_Union[_common_pb2.KvRef, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    prompt_embeds: bytes
+    prompt_embeds_dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageData, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_ref: _Optional[_Union[_common_pb2.KvRef, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., prompt_embeds: _Optional[bytes] = ..., prompt_embeds_dtype: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "finish_reason", "kv_state", "num_kv_bytes", "kv_transfer_us", "num_cached_image_tokens", "kv_written_proof")

@@ -1,0 +1,100 @@
+"""What the prefill leader and its rank processes exchange: one step = one ``RankPlan``.
+
+The leader makes every decision (which requests run, how they are chunked into passes,
+whether the plan is sharded over every rank or run by one) and sends it in the plan; a
+rank only executes it. Every rank answers with a ``RankResult`` (rank order at the
+leader); the plan's digest, all-gathered, proves every rank ran the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from services.common.types import ImageSpanRef
+from services.engine.sampler import SamplingParams
+from services.transfer.base import KvDestination, KvPoolLayout
+from services.transfer.embeddings import EmbeddingDestination
+
+SHARDED = -1  # RankPlan.solo_rank: every rank runs its shard of the plan
+
+
+class RankRequest(msgspec.Struct, frozen=True):
+    """One planned request as a rank needs it (no image bytes, no caller state)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    spans: tuple[ImageSpanRef, ...]  # prompt order, request-global offsets
+    params: SamplingParams
+    kv_dst: KvDestination  # decode's pages for the prompt, position order
+    deadline_unix_s: float  # wall clock (the KvRef's expiry is too): no KV write starts after it
+    row_start: int  # first embedding-buffer row of its image tokens (every rank's buffer); -1: none
+    trace_carrier: dict[str, str] = {}
+    # [num_tokens, hidden] little-endian rows of ``embeds_dtype`` overriding the token embeddings
+    prompt_embeds: bytes = b""
+    embeds_dtype: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(span.length for span in self.spans)
+
+
+class PassSegment(msgspec.Struct, frozen=True, array_like=True):
+    """Tokens ``[start, end)`` of ``plan.requests[request]`` in one forward pass."""
+
+    request: int
+    start: int
+    end: int
+
+
+class RankPlan(msgspec.Struct, frozen=True, tag="plan"):
+    """One prefill batch: its passes run in order (a long prompt's chunks are passes)."""
+
+    plan_id: int
+    requests: tuple[RankRequest, ...]
+    passes: tuple[tuple[PassSegment, ...], ...]
+    solo_rank: int  # SHARDED, or the one rank that runs the whole plan (the others idle)
+    block_tokens: int  # sharded: block b of a pass's packed tokens goes to rank b % C
+
+    def digest(self) -> bytes:
+        return hashlib.sha256(msgspec.msgpack.encode(self)).digest()[:16]
+
+
+class Describe(msgspec.Struct, frozen=True, tag="describe"):
+    """Asks each rank for the endpoints the leader hands out (once, after the group formed)."""
+
+
+RankPayload = RankPlan | Describe
+
+
+class RankDescription(msgspec.Struct, frozen=True):
+    """Where a rank receives image rows and what its KV pool looks like."""
+
+    embeddings: EmbeddingDestination  # the whole buffer as one window
+    kv_layout: KvPoolLayout
+    kv_backend: str
+
+
+class RankOutcome(msgspec.Struct, frozen=True, array_like=True):
+    """This rank's part of one request: its first token (if it sampled it) and its KV write."""
+
+    request_id: str
+    first_token_id: int = -1  # -1: another rank holds the last token
+    num_kv_bytes: int = 0
+    kv_transfer_s: float = 0.0
+    error: str = ""  # this rank's KV write failed: the error text
+    error_type: str = ""  # its StageServeError class name
+
+
+class RankResult(msgspec.Struct, frozen=True):
+    rank: int
+    digests: tuple[bytes, ...] = ()  # every rank's digest of the payload, all-gathered (rank order)
+    outcomes: tuple[RankOutcome, ...] = ()  # plan order; () when this rank did not run the plan
+    forward_s: float = 0.0
+    description: RankDescription | None = None
+    peer_failed: bool = False  # another rank failed mid-pass: this rank stopped, its result is void

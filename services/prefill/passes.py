@@ -1,0 +1,150 @@
+"""One forward pass of a plan on one rank: its inputs, whole or as this rank's CP shard.
+
+Every rank builds the pass's full packed sequence first: token embeddings with the
+request's image (or override) rows merged at their request-global positions, and M-RoPE
+positions computed on the whole prompt. Only then does a sharded pass keep this rank's
+tokens (``CpShard``): nothing is merged after the shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.attention import AttentionBatch, ForwardMode
+from services.engine.attention.context_parallel import CpShard, local_runs
+from services.engine.model.rope import ImageSpan, mrope_positions
+from services.engine.model_runner import ModelRunner, StepInput
+from services.prefill.messages import PassSegment, RankRequest
+
+
+@dataclass
+class RequestRows:
+    """A request's prompt as every rank sees it before any shard."""
+
+    positions: torch.Tensor  # [3, num_tokens] int64, the whole prompt
+    image_embeds: torch.Tensor | None  # [num_image_tokens, hidden] in span order
+    image_positions: list[int]  # prompt position of each image row
+    override: torch.Tensor | None  # [num_tokens, hidden]: replaces the token embeddings
+
+
+def request_rows(
+    request: RankRequest,
+    image_embeds: torch.Tensor | None,
+    override: torch.Tensor | None,
+    spatial_merge_size: int,
+) -> RequestRows:
+    spans = [ImageSpan(s.offset, s.length, s.grid_thw) for s in request.spans]
+    positions, _delta = mrope_positions(request.num_tokens, spans, spatial_merge_size)
+    image_positions = [s.offset + i for s in request.spans for i in range(s.length)]
+    return RequestRows(positions, image_embeds, image_positions, override)
+
+
+def chunk_input(request: RankRequest, rows: RequestRows, start: int, end: int) -> StepInput:
+    """Tokens ``[start, end)`` as an EXTEND input over the prefix ``[0, start)``."""
+    picked = [(i, p - start) for i, p in enumerate(rows.image_positions) if start <= p < end]
+    embeds = None
+    if picked and rows.image_embeds is not None:
+        embeds = rows.image_embeds[torch.tensor([i for i, _ in picked], dtype=torch.long)]
+    return StepInput(
+        request.request_id,
+        list(request.token_ids[start:end]),
+        rows.positions[:, start:end],
+        start,
+        embeds,
+        [r for _, r in picked] or None,
+    )
+
+
+def merged_embeds(
+    runner: ModelRunner, request: RankRequest, rows: RequestRows, start: int, end: int
+) -> torch.Tensor:
+    """[end - start, hidden]: token embeddings with image or override rows merged in."""
+    device = runner.device
+    if rows.override is not None:
+        return rows.override[start:end].to(device=device, dtype=runner.dtype)
+    step = chunk_input(request, rows, start, end)
+    ids = torch.tensor(step.input_ids, dtype=torch.long, device=device)
+    if step.image_embeds is None or not step.image_rows:
+        return runner.model.embed(ids)
+    row_index = torch.tensor(step.image_rows, dtype=torch.long, device=device)
+    return runner.model.embed(ids, step.image_embeds.to(device), row_index)
+
+
+@dataclass
+class PassInput:
+    """This rank's share of one pass (all of it when ``shard.world_size`` is 1)."""
+
+    embeds: torch.Tensor  # [num_local, hidden]
+    positions: torch.Tensor  # [3, num_local] int64
+    batch: AttentionBatch  # the local runs as EXTEND requests (unsharded: one per segment)
+    gathered_slots: torch.Tensor  # [num_tokens] int64: pool slot of each gathered row, rank-major
+    sizes: list[int]  # tokens of each rank
+    logits_rows: list[int]  # local rows whose logits this rank samples
+    logits_requests: list[int]  # plan request index of each
+
+
+def build_pass(
+    runner: ModelRunner,
+    shard: CpShard,
+    requests: Sequence[RankRequest],
+    rows: Sequence[RequestRows],
+    segments: Sequence[PassSegment],
+) -> PassInput:
+    table, page_size = runner.page_table, runner.page_size
+    num_tokens = sum(s.end - s.start for s in segments)
+    local = shard.local_indices(num_tokens)
+    slots, embeds, positions = [], [], []
+    seq_lens: list[int] = []
+    extend_lens: list[int] = []
+    page_tables: list[list[int]] = []
+    logits_rows: list[int] = []
+    logits_requests: list[int] = []
+    local_of = {packed: row for row, packed in enumerate(local)}
+    offset = 0
+    for seg in segments:
+        request, req_rows = requests[seg.request], rows[seg.request]
+        mine = [i - offset for i in local if offset <= i < offset + seg.end - seg.start]
+        slots.append(table.slots(request.request_id, seg.start, seg.end))
+        if mine:
+            index = torch.tensor(mine, dtype=torch.long)
+            chunk = merged_embeds(runner, request, req_rows, seg.start, seg.end)
+            embeds.append(chunk[index.to(chunk.device)])
+            positions.append(req_rows.positions[:, seg.start : seg.end][:, index])
+            runs = local_runs(
+                [seg.start + i for i in mine], table.pages(request.request_id), page_size
+            )
+            seq_lens += runs[0]
+            extend_lens += runs[1]
+            page_tables += runs[2]
+        last = offset + seg.end - seg.start - 1
+        if seg.end == request.num_tokens and last in local_of:
+            logits_rows.append(local_of[last])
+            logits_requests.append(seg.request)
+        offset += seg.end - seg.start
+    packed_slots = torch.cat(slots)
+    order = [i for r in range(shard.world_size) for i in shard.local_indices(num_tokens, r)]
+    hidden = runner.model.config.text.hidden_size
+    batch = AttentionBatch(
+        ForwardMode.EXTEND,
+        seq_lens,
+        extend_lens,
+        page_tables,
+        page_size,
+        packed_slots[torch.tensor(local, dtype=torch.long)]
+        if local
+        else torch.zeros(0, dtype=torch.long),
+    )
+    return PassInput(
+        torch.cat(embeds)
+        if embeds
+        else torch.zeros(0, hidden, dtype=runner.dtype, device=runner.device),
+        torch.cat(positions, dim=1) if positions else torch.zeros(3, 0, dtype=torch.long),
+        batch,
+        packed_slots[torch.tensor(order, dtype=torch.long)],
+        shard.sizes(num_tokens),
+        logits_rows,
+        logits_requests,
+    )

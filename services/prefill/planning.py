@@ -1,0 +1,115 @@
+"""The leader's part of a plan the ranks run: passes, CP on or off, and the merge of results.
+
+Pure functions of the leader's state: ``rank_plan`` turns the scheduler's batch into the
+``RankPlan`` every rank gets (a batch over ``max_batch_tokens`` is one long prompt, run
+as chunks of at most ``max_batch_tokens``: one pass each); ``merge_results`` turns the
+ranks' replies into one outcome per request (the first token from the rank that holds
+the last token, the KV write failed if any rank's part failed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.errors import StageServeError
+from services.common.ranks.outcome import agreed_error
+from services.engine.config import ModelConfig
+from services.prefill.messages import SHARDED, PassSegment, RankPlan, RankRequest, RankResult
+from services.prefill.request import PrefillOutput, PrefillPlan, RequestOutcome
+from services.prefill.worker import first_token_finish_reason
+
+
+@dataclass(frozen=True)
+class CpPolicy:
+    """How the leader uses its C ranks: ``--cp-block-tokens`` and ``--cp-min-tokens``."""
+
+    block_tokens: int = 64  # block b of a pass's tokens goes to rank b % C
+    min_tokens: int = 2048  # a plan with fewer prompt tokens runs on one rank
+    max_batch_tokens: int = 8192  # tokens per pass: a longer prompt runs as chunks
+
+    def solo_rank(self, plan_id: int, num_tokens: int, num_ranks: int) -> int:
+        """SHARDED, or the rank that runs a small plan alone (rotating, so every rank serves)."""
+        if num_ranks > 1 and num_tokens >= self.min_tokens:
+            return SHARDED
+        return plan_id % num_ranks
+
+
+def plan_passes(
+    num_tokens: Sequence[int], max_batch_tokens: int
+) -> tuple[tuple[PassSegment, ...], ...]:
+    if sum(num_tokens) <= max_batch_tokens:
+        return (tuple(PassSegment(i, 0, n) for i, n in enumerate(num_tokens)),)
+    assert len(num_tokens) == 1, "only a batch of one prompt passes max_batch_tokens"
+    n = num_tokens[0]
+    return tuple(
+        (PassSegment(0, s, min(s + max_batch_tokens, n)),) for s in range(0, n, max_batch_tokens)
+    )
+
+
+def rank_plan(plan: PrefillPlan, policy: CpPolicy, num_ranks: int, now_mono: float) -> RankPlan:
+    """The ranks' plan; deadlines go to the wall clock (ranks may live on other hosts)."""
+    to_unix = time.time() - now_mono
+    requests = tuple(
+        RankRequest(
+            r.request_id,
+            r.token_ids,
+            r.spans,
+            r.params,
+            r.kv_dst,
+            r.deadline + to_unix,
+            p.row_start,
+            r.trace_carrier,
+            r.prompt_embeds,
+            r.embeds_dtype,
+        )
+        for p in plan.requests
+        for r in (p.request,)
+    )
+    passes = plan_passes([r.num_tokens for r in requests], policy.max_batch_tokens)
+    solo = policy.solo_rank(plan.plan_id, plan.num_tokens, num_ranks)
+    return RankPlan(plan.plan_id, requests, passes, solo, policy.block_tokens)
+
+
+def merge_results(
+    plan: PrefillPlan, payload: RankPlan, results: Sequence[RankResult], config: ModelConfig
+) -> PrefillOutput:
+    """One outcome per request (plan order); raises if the ranks ran a different plan."""
+    digest = payload.digest()
+    if any(d != digest for r in results for d in r.digests) or any(r.peer_failed for r in results):
+        raise StageServeError(f"the prefill ranks did not all run plan {payload.plan_id}")
+    parts = [{o.request_id: o for o in r.outcomes} for r in results]
+    outcomes = []
+    for planned in plan.requests:
+        request = planned.request
+        mine = [
+            (rank, p[request.request_id]) for rank, p in enumerate(parts) if request.request_id in p
+        ]
+        tokens = [o.first_token_id for _, o in mine if o.first_token_id >= 0]
+        assert len(tokens) == 1, (
+            f"{request.request_id}: {len(tokens)} ranks sampled its first token"
+        )
+        failed = [(rank, o) for rank, o in mine if o.error]
+        finish = first_token_finish_reason(
+            tokens[0],
+            request.params,
+            request.num_tokens,
+            config.eos_token_ids,
+            config.text.max_position_embeddings,
+        )
+        error = None
+        if failed:
+            rank, o = failed[0]
+            error = agreed_error(o.error_type, f"rank {rank}: {o.error}")
+        outcomes.append(
+            RequestOutcome(
+                request.request_id,
+                tokens[0],
+                finish,
+                sum(o.num_kv_bytes for _, o in mine),
+                max(o.kv_transfer_s for _, o in mine),
+                error=error,
+            )
+        )
+    return PrefillOutput(plan.plan_id, tuple(outcomes), max(r.forward_s for r in results))

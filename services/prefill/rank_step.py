@@ -1,0 +1,158 @@
+"""A prefill rank process's step class (``services.prefill.rank_step:PrefillRankStep``).
+
+Built in each rank process by ``services.common.ranks.rank_main``: loads the language
+model on the rank's device, its local KV pool, its KV sender and its embedding receiver
+(one buffer per rank: the encoder writes every image row to every rank). Each step first
+all-gathers the payload's digest over the CPU group: ranks that were handed different
+plans fail the step together instead of diverging in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from services.common.ranks.step import BaseRankStep, RankContext
+from services.engine.loader import load_model
+from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.sampler import SamplingParams
+from services.prefill.messages import (
+    SHARDED,
+    Describe,
+    PassSegment,
+    RankDescription,
+    RankPayload,
+    RankPlan,
+    RankRequest,
+    RankResult,
+)
+from services.prefill.worker import PrefillRankWorker
+from services.transfer import create_embedding_receiver, create_kv_sender
+from services.transfer.base import KvDestination, pool_layout
+from services.transfer.embeddings import EmbeddingBuffer
+
+WARMUP_TOKENS = 8  # tokens per rank of the warm-up pass
+
+
+class PrefillRankInit(msgspec.Struct, frozen=True):
+    model: str
+    dtype: str | None
+    num_pages: int
+    page_size: int
+    embedding_rows: int
+    attention_backend: str
+    transfer_backend: str  # embedding rows
+    kv_backend: str
+    transfer_hostname: str  # Mooncake endpoints advertise it
+    # CP all-gathers over the CPU (gloo) group, through host memory: ranks that share a GPU
+    # (NCCL needs one GPU per rank)
+    kv_exchange_over_cpu: bool = False
+
+
+def _engine_kwargs(backend: str, hostname: str) -> dict[str, Any]:
+    return {"hostname": hostname} if backend == "mooncake" else {}
+
+
+class PrefillRankStep(BaseRankStep):
+    init_type = PrefillRankInit
+    payload_type = RankPayload
+    result_type = RankResult
+
+    def __init__(self, ctx: RankContext, init: PrefillRankInit) -> None:
+        if ctx.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # C ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+        self.ctx = ctx
+        model = load_model(
+            init.model, device=ctx.device, dtype=init.dtype, components=("language",)
+        )
+        runner = ModelRunner(
+            model,
+            KVCacheConfig(init.num_pages, init.page_size),
+            init.attention_backend,
+            cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
+        )
+        self.kv_sender = create_kv_sender(
+            init.kv_backend, **_engine_kwargs(init.kv_backend, init.transfer_hostname)
+        )
+        self.receiver = create_embedding_receiver(
+            init.transfer_backend,
+            cp_rank=ctx.rank,
+            **_engine_kwargs(init.transfer_backend, init.transfer_hostname),
+        )
+        device = self.receiver.buffer_device(runner.device)
+        buffer = EmbeddingBuffer(
+            init.embedding_rows,
+            model.config.text.hidden_size,
+            runner.dtype,
+            device,
+            pin_memory=device.type == "cpu" and runner.device.type == "cuda",
+        )
+        self.receiver.register(buffer)
+        group = ctx.cpu_group if init.kv_exchange_over_cpu else ctx.device_group
+        self.worker = PrefillRankWorker(
+            runner,
+            self.kv_sender,
+            buffer,
+            ctx.rank,
+            ctx.world_size,
+            group,
+            exchange_device="cpu" if init.kv_exchange_over_cpu else None,
+        )
+
+    def warmup(self) -> None:
+        """One sharded pass (every rank's collectives) of a text prompt, written nowhere."""
+        runner = self.worker.runner
+        num_tokens = WARMUP_TOKENS * self.ctx.world_size
+        pages = -(-num_tokens // runner.page_size)
+        layout = pool_layout(runner.kv_pool)
+        request = RankRequest(
+            "warmup",
+            tuple(range(num_tokens)),
+            (),
+            SamplingParams(temperature=0.0),
+            KvDestination(self.kv_sender.backend, "", "warmup", layout, tuple(range(pages))),
+            0.0,
+            -1,
+        )
+        plan = RankPlan(-1, (request,), ((PassSegment(0, 0, num_tokens),),), SHARDED, WARMUP_TOKENS)
+        self.worker.execute(plan, write_kv=False)
+
+    def execute(self, step: int, payload: RankPlan | Describe) -> RankResult:
+        digests = self._agree_on(payload)
+        if isinstance(payload, Describe):
+            return RankResult(self.ctx.rank, digests, description=self.describe())
+        done = self.worker.execute(payload)
+        return RankResult(
+            self.ctx.rank, digests, done.outcomes, done.forward_s, peer_failed=done.peer_failed
+        )
+
+    def describe(self) -> RankDescription:
+        buffer = self.receiver.buffer
+        return RankDescription(
+            self.receiver.destination("", 0, buffer.num_rows),
+            pool_layout(self.worker.runner.kv_pool),
+            self.kv_sender.backend,
+        )
+
+    def _agree_on(self, payload: RankPlan | Describe) -> tuple[bytes, ...]:
+        """Every rank's digest of ``payload`` (rank order); raises unless they are all equal."""
+        digest = (
+            RankPlan.digest(payload) if isinstance(payload, RankPlan) else b"describe".ljust(16)
+        )
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        rows = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+        dist.all_gather(rows, mine, group=self.ctx.cpu_group)
+        digests = tuple(r.numpy().tobytes() for r in rows)
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"the ranks were handed different plans (digests {[d.hex() for d in digests]})"
+            )
+        return digests
+
+    def close(self) -> None:
+        self.kv_sender.close()
+        self.receiver.close()

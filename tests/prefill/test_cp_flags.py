@@ -1,0 +1,43 @@
+"""``--ranks`` / ``--devices`` / ``--cp-block-tokens`` / ``--cp-min-tokens``: parsed into one device
+per CP rank, and bad values are a startup error naming the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.prefill.__main__ import parse_args
+
+
+def test_ranks_and_devices_give_one_device_per_rank(monkeypatch) -> None:
+    import torch
+
+    assert parse_args([]).devices == ("cpu",)
+    assert parse_args(["--ranks", "3"]).devices == ("cpu", "cpu", "cpu")
+    assert parse_args(["--devices", "cuda:0,cuda:1", "--kv-transfer-backend", "cuda_ipc"]).devices == (
+        "cuda:0", "cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = parse_args(["--ranks", "2", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"])
+    assert config.devices == ("cuda:0", "cuda:1") and config.num_ranks == 2
+    config = parse_args(["--cp-block-tokens", "1", "--cp-min-tokens", "512"])
+    assert (config.cp_block_tokens, config.cp_min_tokens) == (1, 512)
+    assert parse_args([]).cp_block_tokens == 64 and parse_args([]).cp_min_tokens == 2048
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cp-block-tokens", "24"], "--cp-block-tokens 24 must be 1 or a positive multiple of --page-size 16"),
+        (["--cp-block-tokens", "0"], "--cp-block-tokens 0 must be 1 or a positive multiple"),
+        (["--cp-block-tokens", "-16"], "--cp-block-tokens -16 must be 1 or a positive multiple"),
+        (["--ranks", "3", "--devices", "cuda:0,cuda:1"], "--ranks 3 does not match the 2 --devices 'cuda:0,cuda:1'"),
+        (["--ranks", "4", "--device", "cuda"], "--ranks 4 needs 4 GPUs; this host has 0"),
+        (["--ranks", "2", "--device", "cuda:1"], "--ranks 2 with device cuda:1: name each rank's GPU (prefill --devices)"),
+        (["--ranks", "0"], "--ranks must be > 0"),
+        (["--cp-min-tokens", "0"], "--cp-min-tokens must be > 0"),
+    ],
+)
+def test_bad_cp_flags_are_startup_errors_naming_the_value(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

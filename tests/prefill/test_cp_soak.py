@@ -1,0 +1,98 @@
+"""A randomized soak of the CP service (C = 2): health-check-shaped one-token requests, live
+requests (text and images), callers that give up or cancel mid-flight, and rank-local state
+that differs by rank (each rank's fake drain queue). Every step, every rank's digest of the
+plan it ran is all-gathered and equal to the leader's; every request ends; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from services.common.errors import StageServeError
+from services.engine.sampler import SamplingParams
+from services.prefill.messages import RankPlan
+from tests.conftest import image_bytes
+from tests.prefill.conftest import make_case, prefill_config, start_harness, stop_harness
+
+pytestmark = pytest.mark.slow
+MIN_STEPS = 500
+SOAK_TIMEOUT_S = 600.0
+
+
+async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model) -> None:
+    h = await start_harness(pipeline, language_model, prefill_config(devices=("cpu", "cpu"), max_batch_tokens=256))
+    steps: list[tuple[bytes, list]] = []
+    step = h.leader.ranks.step
+
+    async def recording(payload, *args):
+        results = await step(payload, *args)
+        if isinstance(payload, RankPlan):
+            steps.append((payload.digest(), results))
+        return results
+
+    h.leader.ranks.step = recording
+    rng = random.Random(13)
+    greedy = SamplingParams(temperature=0.0)
+    shapes = [
+        ("health", lambda i: make_case(pipeline, f"health-{i}", "Hi", [], SamplingParams(max_new_tokens=1))),
+        ("text", lambda i: make_case(pipeline, f"live-{i}", "Say something about boats. " * rng.randint(1, 4),
+                                     [], greedy)),
+        ("image", lambda i: make_case(pipeline, f"img-{i}", "What is it?", [image_bytes(60, 60, seed=i % 3)],
+                                      greedy)),
+    ]
+    outcomes = {"ok": 0, "error": 0, "cancelled": 0}
+
+    async def prefill(case, deadline_in_s: float = 30.0):
+        dst = h.decode.reserve(case.request.request_id, len(case.prompt.token_ids), 0)
+        try:
+            return await h.client.prefill(
+                case.request.request_id, case.prompt, case.request.params, h.decode.kv_ref(dst),
+                time.time() + deadline_in_s,
+            )
+        finally:
+            h.decode.pages.free(list(dst.page_ids))
+
+    async def one(i: int) -> None:
+        kind, make = rng.choices(shapes, weights=(3, 6, 1))[0]
+        case = make(i)
+        give_up = rng.random()
+        try:
+            if give_up < 0.1:  # the caller cancels mid-flight
+                task = asyncio.create_task(prefill(case))
+                await asyncio.sleep(rng.uniform(0.0, 0.05))
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                outcomes["cancelled"] += 1
+                return
+            deadline = rng.uniform(0.02, 0.2) if give_up < 0.2 else 30.0  # some pass their deadline
+            await prefill(case, deadline)
+            outcomes["ok"] += 1
+        except StageServeError:
+            outcomes["error"] += 1
+
+    try:
+        async with asyncio.timeout(SOAK_TIMEOUT_S):  # zero hangs
+            i = 0
+            while len(steps) < MIN_STEPS:
+                await asyncio.gather(*(one(i + k) for k in range(rng.randint(1, 6))))
+                i += 6
+        async with asyncio.timeout(30):
+            while h.scheduler.num_live:
+                await asyncio.sleep(0.01)
+        h.assert_all_free()
+    finally:
+        await stop_harness(h)
+    drains = set()
+    for digest, results in steps:
+        assert [r.rank for r in results] == [0, 1]
+        for r in results:
+            assert r.digests == (digest, digest)  # all-gathered on the ranks, equal to what was sent
+        drains.add(tuple(r.drain_len for r in results))
+    assert any(a != b for a, b in drains)  # the ranks' local state did differ
+    assert outcomes["ok"] > MIN_STEPS // 2 and outcomes["error"] + outcomes["cancelled"] > 0, outcomes
+    num_pages = prefill_config().num_pages  # every rank freed its local pages after every step
+    assert all(r.num_free_pages == num_pages for _, results in steps for r in results)
