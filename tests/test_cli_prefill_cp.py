@@ -29,7 +29,6 @@ def test_prefill_gets_its_ranks_and_cp_flags(monkeypatch) -> None:
          "--prefill-cp 3 needs 3 GPUs; this host has 0"),
         (["--prefill-cp", "2", "--prefill-device", "cuda:1", "--kv-transfer-backend", "cuda_ipc"],
          "--prefill-cp 2 with device cuda:1: name each rank's GPU"),
-        (["--prefill-cp", "0"], "--prefill-cp 0 must be >= 1"),
         (["--prefill-cp", "2", "--prefill-cp-block-tokens", "20"],
          "--cp-block-tokens 20 must be 1 or a positive multiple of --page-size 16"),
     ],
@@ -37,3 +36,10 @@ def test_prefill_gets_its_ranks_and_cp_flags(monkeypatch) -> None:
 def test_a_prefill_cp_prefill_cannot_run_is_refused_before_starting_anything(argv, message, capsys) -> None:
     assert main(["up", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_prefill_cp_below_one_is_an_argument_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["up", "--prefill-cp", "0"])
+    assert exc.value.code == 2
+    assert "argument --prefill-cp: must be >= 1, got 0" in capsys.readouterr().err
