@@ -1,9 +1,9 @@
 """A decode rank: its KV pool and receiver, its scheduler and its step loop, one step per command batch.
 
 ``DecodeRank.execute(commands)`` is one iteration of the rank's loop, in this order:
-  1. apply the commands in arrival order (Reserve, Start, Abort; an abort of a request
-     in the step not read yet waits until after step 4, as it would arrive after that
-     step's read in a synchronous loop)
+  1. apply the commands in arrival order (Reserve, Start, Abort). An abort takes effect at
+     once: the tokens a step not read yet made for the request are dropped when read, so
+     the caller gets exactly the tokens it had, as from a synchronous loop
   2. expire overdue reservations, return quarantined pages that are due
   3. plan step N+1 and launch it on the device
   4. read step N (overlapped; synchronous: step N+1 itself) and apply the stop rules
@@ -81,22 +81,12 @@ class DecodeRank:
         self._last_read_s = 0.0
 
     def execute(self, payload: RankCommands) -> RankReport:
-        replies: list[Reply | None] = []
-        deferred: list[tuple[int, AbortCommand]] = []
         finished: list[Finished] = []
-        for command in payload.commands:
-            if isinstance(command, AbortCommand) and self.scheduler.is_in_flight(command.request_id):
-                deferred.append((len(replies), command))
-                replies.append(None)
-            else:
-                replies.append(self._apply(command, finished))
+        replies = tuple(self._apply(command, finished) for command in payload.commands)
         expired = self.scheduler.expire(self._clock())
         self.scheduler.kv.release_quarantined()
         output = self._step()
-        for index, command in deferred:
-            replies[index] = self._abort(command)
-        assert all(reply is not None for reply in replies)
-        return self._report(tuple(r for r in replies if r is not None), output, finished + output.finished, expired)
+        return self._report(replies, output, finished + output.finished, expired)
 
     def reset(self) -> None:
         """After a failed step: every live request ends (the leader fails them), the loop restarts."""

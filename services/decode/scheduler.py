@@ -177,11 +177,6 @@ class DecodeScheduler:
     def num_positions(self, prompt_len: int, params: SamplingParams) -> int:
         return min(prompt_len + params.max_new_tokens, self.max_model_len)
 
-    def is_in_flight(self, request_id: str) -> bool:
-        """It ran in a step whose tokens are not read yet."""
-        request = self._requests.get(request_id)
-        return request is not None and request.last_step > self._last_read_step
-
     def add(self, request: DecodeRequest) -> list[int]:
         """RESERVED, with pages for every position it can write; returns them in position order.
 

@@ -197,7 +197,6 @@ def test_abort_during_a_step_frees_pages_and_slot_only_after_it() -> None:
     started(scheduler, request("a"), request("b"))
     steps = Steps(scheduler)
     plan = steps.plan()
-    assert scheduler.is_in_flight("a")
     assert scheduler.abort("a")
     assert scheduler.kv.num_used_pages == 8 and scheduler.slots.num_free == 6  # a's step still writes them
     with pytest.raises(InvalidRequestError):
