@@ -76,7 +76,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    "shm: /dev/shm shared by this host's processes, no network port (default)")
     p.add_argument("--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP)
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
-    p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages")
+    p.add_argument("--num-pages", type=int, default=16384, help="decode KV pages (per decode rank)")
+    p.add_argument("--decode-dp", type=int, default=1,
+                   help="decode's data-parallel ranks, each its own process with its own KV pool and "
+                        "batch, all on --decode-device")
+    p.add_argument("--router-workers", type=int, default=None,
+                   help="router processes sharing the HTTP port (default: one per 8 CPUs, 1 to 4)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--stall-timeout-s", type=float, default=None,
                    help="the router's per-hop progress bound (default: the router's)")
@@ -104,13 +109,19 @@ def _run_up(args: argparse.Namespace) -> int:
     import os
 
     from services.common.auth import child_environment
-    from services.launcher import LaunchConfig, device_of, run_up
+    from services.launcher import LaunchConfig, default_router_workers, device_of, run_up
+
+    for flag, value in (("--decode-dp", args.decode_dp), ("--router-workers", args.router_workers)):
+        if value is not None and value < 1:
+            print(f"error: {flag} must be >= 1, got {value}", file=sys.stderr)
+            return 2
 
     cfg = LaunchConfig(
         model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
         encoder_device=args.encoder_device, prefill_device=args.prefill_device, decode_device=args.decode_device,
         dtype=args.dtype, transfer_backend=args.transfer_backend, kv_transfer_backend=args.kv_transfer_backend,
         attention_backend=args.attention_backend, num_pages=args.num_pages, page_size=args.page_size,
+        decode_dp=args.decode_dp, router_workers=args.router_workers or default_router_workers(),
         stall_timeout_s=args.stall_timeout_s, kv_quarantine_s=args.kv_quarantine_s,
         max_concurrent_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
         queue_timeout_s=args.queue_timeout_s,

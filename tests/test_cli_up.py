@@ -294,3 +294,46 @@ def test_a_restart_gets_the_same_command_ports_and_environment(tmp_path, monkeyp
     assert cmds[0][:cmds[0].index("--port")] == cmds[1][:cmds[1].index("--port")]
     assert popens[0]["env"] is popens[1]["env"] is launcher.env
     assert all(p["stderr"].closed for p in popens)  # the launcher keeps no log file open per restart
+
+
+# ------------------------------------------------------------------ DP decode and router workers
+
+
+def test_decode_dp_and_router_workers_reach_their_processes(monkeypatch) -> None:
+    specs: list[ChildSpec] = []
+
+    def start(spec: ChildSpec) -> SimpleNamespace:
+        specs.append(spec)
+        return SimpleNamespace(name=spec.name, ready={"port": "1", "http_port": "8123"}, address="127.0.0.1:1")
+
+    launcher = Launcher(LaunchConfig(Path("m"), decode_dp=3, router_workers=3, http_port=0))
+    monkeypatch.setattr(launcher, "start", start)
+    monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
+    launcher.start_all()
+    by_name = {spec.name: spec for spec in specs}
+    decode = list(by_name["decode"].args)
+    assert decode[decode.index("--ranks") + 1] == "3"
+    routers = [spec for spec in specs if spec.module == "services.router"]
+    assert [spec.name for spec in routers] == ["router", "router-2", "router-3"]
+    assert all("--http-reuse-port" in spec.args for spec in routers)
+    assert [spec.ports["http_port"] for spec in routers] == [0, 8123, 8123]  # the first one's port, shared
+    assert routers[1].args == routers[0].args
+    single = service_args(LaunchConfig(Path("m")), monkeypatch)
+    assert "--http-reuse-port" not in single["router"] and single["decode"][single["decode"].index("--ranks") + 1] == "1"
+
+
+def test_router_workers_default_to_the_machine_size() -> None:
+    assert [launcher_module.default_router_workers(n) for n in (1, 2, 8, 16, 31, 64, 256)] == [1, 1, 1, 2, 3, 4, 4]
+
+
+def test_up_takes_decode_dp_and_router_workers(monkeypatch, capsys) -> None:
+    configs: list[LaunchConfig] = []
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
+    assert main(["up", "--decode-dp", "2", "--router-workers", "3", "--transfer-backend", "inprocess"]) == 0
+    assert main(["up", "--transfer-backend", "inprocess"]) == 0
+    (given, default) = configs
+    assert (given.decode_dp, given.router_workers) == (2, 3)
+    assert (default.decode_dp, default.router_workers) == (1, launcher_module.default_router_workers())
+    for flag in ("--decode-dp", "--router-workers"):
+        assert main(["up", flag, "0"]) == 2
+        assert f"{flag} must be >= 1" in capsys.readouterr().err
