@@ -374,7 +374,7 @@ class DecodeLeader:
         if report.expired:
             metrics.REQUESTS.labels("expired").inc(len(report.expired))
         if report.num_read_rows:
-            metrics.STEPS.inc()
+            metrics.STEPS.labels(str(rank.dp_rank)).inc()
             metrics.STEP_TIME.observe(report.read_step_s)
             metrics.BATCH_SIZE.observe(report.num_read_rows)
             metrics.TOKENS_GENERATED.inc(len(report.token_ids))

@@ -26,7 +26,9 @@ BATCH_SIZE = telemetry.histogram(
     "decode_batch_size", "Requests in one decode step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 )
 TOKENS_GENERATED = telemetry.counter("decode_tokens_generated_total", "Tokens sampled by decode steps")
-STEPS = telemetry.counter("decode_steps_total", "Decode steps read (each one rank's whole running batch)")
+STEPS = telemetry.counter(
+    "decode_steps_total", "Decode steps read (each one rank's whole running batch)", ["dp_rank"]
+)
 STREAM_MESSAGES = telemetry.counter(
     "decode_stream_messages_total", "Messages decode sent on Stream calls (each: every new token of its stream)"
 )

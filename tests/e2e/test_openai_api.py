@@ -1,6 +1,7 @@
 """The whole system through the official ``openai`` client, checked against transformers.
 
-One system (``stageserve up`` on the bundled tiny model) serves every test in this
+One system (``stageserve up --decode-dp 2 --router-workers 2`` on the bundled tiny model:
+two decode ranks, two router processes on one HTTP port) serves every test in this
 module; the last test checks that no KV page was lost over all of them.
 """
 
@@ -44,7 +45,9 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024")
+    system = start_system(
+        tmp_path_factory.mktemp("system"), "--num-pages", "1024", "--decode-dp", "2", "--router-workers", "2"
+    )
     yield system
     assert system.stop() == 0
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]
@@ -135,6 +138,21 @@ def _metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values)
+
+
+def test_both_decode_ranks_and_both_router_processes_served(system):
+    """After the sixteen concurrent requests: each router process took some, each rank ran some."""
+    stats = decode_stats(system)
+    assert [r.is_serving for r in stats.ranks] == [True, True]
+    routers = [name for name in system.state if name.startswith("router")]
+    assert sorted(routers) == ["router", "router-2"]
+    assert len({system.state[name]["http_port"] for name in routers}) == 1  # one shared HTTP port
+    for name in routers:
+        assert _metric(system.metrics_url(name), "stageserve_router_requests_total") > 0, name
+    text = urllib.request.urlopen(system.metrics_url("decode"), timeout=10).read().decode()
+    steps = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith("stageserve_decode_steps_total{")}
+    assert sorted(steps) == ["0", "1"] and min(steps.values()) > 0, steps
 
 
 def test_same_image_twice_is_encoded_once(system, client, model_name):
