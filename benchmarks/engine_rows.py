@@ -131,7 +131,8 @@ def decode_loop_ms(
     (fill and drain included), host clock from the first call to the last token read."""
     batch = decode_batch(runner, steps)
     decode_loop(runner, steps, warmup, batch, is_overlapped)
-    torch.cuda.synchronize()
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     start = time.perf_counter()
     decode_loop(runner, steps, num_steps, batch, is_overlapped)
     return (time.perf_counter() - start) * 1e3 / num_steps

@@ -66,6 +66,11 @@ class DecodeBatchRunner:
         ]
         self._events = [torch.cuda.Event() if is_cuda else None for _ in range(NUM_HOST_BUFFERS)]
         self._next_buffer = 0
+        # The step's slot indices go up through pinned memory (a pageable upload may wait for the
+        # stream); the staging is rewritten only once the previous upload has left it.
+        self._slots_host = torch.zeros(num_slots, dtype=torch.long, pin_memory=is_cuda)
+        self._slots = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [S] int64
+        self._slots_staged = torch.cuda.Event() if is_cuda else None
 
     @torch.inference_mode()
     def launch(self, plan: DecodePlan) -> LaunchedStep:
@@ -73,7 +78,7 @@ class DecodeBatchRunner:
         launch_s = time.monotonic()
         if plan.joined:
             self._join(plan.joined)
-        slots = torch.from_numpy(plan.slots).to(self.device, non_blocking=True)  # [B] int64
+        slots = self._upload_slots(plan.slots)  # [B] int64 on the device
         logits = self.runner.forward_decode(self._inputs(plan, slots))  # [B, V] fp32
         tokens = self._sample(plan, slots, logits)  # [B] int64 on the device
         self._last_tokens.index_copy_(0, slots, tokens)
@@ -100,10 +105,26 @@ class DecodeBatchRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _upload_slots(self, slots: np.ndarray) -> torch.Tensor:
+        if self._slots_staged is None:  # CPU: the array itself
+            return torch.from_numpy(slots)
+        n = len(slots)
+        self._slots_staged.synchronize()
+        self._slots_host[:n] = torch.from_numpy(slots)
+        self._slots[:n].copy_(self._slots_host[:n], non_blocking=True)  # after the last step's reads of it
+        self._slots_staged.record()
+        return self._slots[:n]
+
+    def _to_device(self, values: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """A small int64 tensor on the device, uploaded from (cached) pinned memory on CUDA."""
+        tensor = torch.tensor(values, dtype=torch.long)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     def _join(self, joined: tuple[JoinedRow, ...]) -> None:
-        slots = [row.slot for row in joined]
-        first = torch.tensor([row.first_token_id for row in joined], dtype=torch.long)
-        self._last_tokens.index_copy_(0, torch.tensor(slots, device=self.device), first.to(self.device))
+        slots = self._to_device([row.slot for row in joined])
+        self._last_tokens.index_copy_(0, slots, self._to_device([row.first_token_id for row in joined]))
         for row in joined:
             slot = row.slot
             assert len(row.pages) <= self._page_table.shape[1], "more pages than a slot holds"
@@ -137,7 +158,7 @@ class DecodeBatchRunner:
         self._output_counts[slot, row.first_token_id] = 1.0
         self._is_prompt[slot].zero_()
         if row.prompt_ids:
-            self._is_prompt[slot, torch.tensor(row.prompt_ids, device=self.device)] = True
+            self._is_prompt[slot, self._to_device(row.prompt_ids)] = True
 
     def _inputs(self, plan: DecodePlan, slots: torch.Tensor) -> DecodeInputs:
         page_size = self.page_size

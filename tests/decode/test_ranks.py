@@ -33,6 +33,7 @@ from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.model.rope import mrope_positions
 from services.engine.offline import OfflinePipeline
 from services.engine.sampler import SamplingParams, make_generator
+from services.transfer import BaseKVSender
 from services.transfer.shm_backend import ShmKVSender
 from tests.conftest import REPO, TINY_MODEL_DIR, image_bytes
 from tests.decode.conftest import PAGE_SIZE, prompt_of
@@ -72,15 +73,14 @@ class Decode:
         return pids
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda d: f"D{d}")
-def decode(request, tmp_path_factory) -> Iterator[Decode]:
-    num_ranks = request.param
-    log = (tmp_path_factory.mktemp(f"decode-d{num_ranks}") / "decode.log").open("w")
+@contextlib.contextmanager
+def decode_process(num_ranks: int, log_path, *flags: str) -> Iterator[Decode]:
+    """``python -m services.decode --ranks num_ranks`` with ``flags``, until SIGTERM (exit 0)."""
+    log = log_path.open("w")
     env = {**os.environ, "STAGESERVE_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.decode", "--ranks", str(num_ranks), "--transfer-backend", "shm",
-         "--num-pages", "1024", "--page-size", str(PAGE_SIZE), "--kv-quarantine-s", "0.5",
-         "--sweep-interval-s", "0.05"],
+        [sys.executable, "-m", "services.decode", "--ranks", str(num_ranks), "--num-pages", "1024",
+         "--page-size", str(PAGE_SIZE), "--kv-quarantine-s", "0.5", "--sweep-interval-s", "0.05", *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
     )
     try:
@@ -95,22 +95,33 @@ def decode(request, tmp_path_factory) -> Iterator[Decode]:
         log.close()
 
 
-@pytest.fixture(scope="module")
-def pipeline() -> OfflinePipeline:
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda d: f"D{d}")
+def decode(request, tmp_path_factory) -> Iterator[Decode]:
+    log_path = tmp_path_factory.mktemp(f"decode-d{request.param}") / "decode.log"
+    with decode_process(request.param, log_path, "--transfer-backend", "shm") as running:
+        yield running
+
+
+def make_pipeline(device: str = "cpu", **engine_kwargs) -> OfflinePipeline:
     """The offline engine (the reference) and the stand-in prefill's model."""
-    result = OfflinePipeline.from_dir(TINY_MODEL_DIR, page_size=PAGE_SIZE)
     from services.decode.rank import eos_token_ids
 
+    result = OfflinePipeline.from_dir(TINY_MODEL_DIR, page_size=PAGE_SIZE, device=device, **engine_kwargs)
     result.engine.eos_token_ids = set(eos_token_ids(TINY_MODEL_DIR, result.engine.config))
     return result
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> OfflinePipeline:
+    return make_pipeline()
 
 
 class Prefill:
     """What the prefill service does: the prompt's EXTEND (image embeddings merged), first token, KV sent."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, sender: BaseKVSender | None = None) -> None:
         self.engine = engine
-        self.sender = ShmKVSender()
+        self.sender = sender or ShmKVSender()
 
     def rope_delta(self, request: EngineRequest) -> int:
         merge = self.engine.config.vision.spatial_merge_size
@@ -123,7 +134,7 @@ class Prefill:
             step, _ = engine.prefill_input(request, engine.image_embeddings([request])[0])
             logits = engine.runner.forward(ForwardMode.EXTEND, [step])
             params = request.params
-            generator = None if params.is_greedy else make_generator(params.seed, "cpu")
+            generator = None if params.is_greedy else make_generator(params.seed, engine.runner.device)
             token = engine.sampler.sample(logits, [params], [request.prompt_ids], [[]], [generator]).item()
             pages = table.pages(request.request_id)
             self.sender.send(request.request_id, engine.runner.kv_pool, pages, kv_ref.to_destination(),
