@@ -55,18 +55,37 @@ class Level:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.system", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, short requests, c = 1, 4")
-    p.add_argument("--out", default="docs/benchmarks.md", help="markdown report whose section is written")
-    p.add_argument("--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random")
+    p.add_argument(
+        "--quick", action="store_true", help="CPU smoke run: tiny model, short requests, c = 1, 4"
+    )
+    p.add_argument(
+        "--out", default="docs/benchmarks.md", help="markdown report whose section is written"
+    )
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random"
+    )
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,64,256)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1000)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens, ignore_eos (default 1000)")
-    p.add_argument("--requests-per-level", type=float, default=2.0, help="requests = this x concurrency")
+    p.add_argument(
+        "--output-len", type=int, default=None, help="output tokens, ignore_eos (default 1000)"
+    )
+    p.add_argument(
+        "--requests-per-level", type=float, default=2.0, help="requests = this x concurrency"
+    )
     p.add_argument("--decode-dp", type=int, default=1)
     p.add_argument("--router-workers", type=int, default=None, help="default: stageserve up's")
-    p.add_argument("--client-processes", type=int, default=None, help="default: one per 32 concurrent")
-    p.add_argument("--num-pages", type=int, default=None, help="decode KV pages per rank (default: fits the run)")
-    p.add_argument("--workdir", type=Path, default=None, help="logs and state (default: a temporary one)")
+    p.add_argument(
+        "--client-processes", type=int, default=None, help="default: one per 32 concurrent"
+    )
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="decode KV pages per rank (default: fits the run)",
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="logs and state (default: a temporary one)"
+    )
     return p.parse_args(argv)
 
 
@@ -79,8 +98,18 @@ def _settings(args: argparse.Namespace) -> dict:
         concurrency=tuple(int(c) for c in levels.split(",")),
         input_len=args.input_len or (64 if quick else 1000),
         output_len=args.output_len or (16 if quick else 1000),
-        up=(["--device", "cpu"] if quick else
-            ["--device", "cuda", "--attention-backend", "flashinfer", "--kv-transfer-backend", "cuda_ipc"]),
+        up=(
+            ["--device", "cpu"]
+            if quick
+            else [
+                "--device",
+                "cuda",
+                "--attention-backend",
+                "flashinfer",
+                "--kv-transfer-backend",
+                "cuda_ipc",
+            ]
+        ),
     )
 
 
@@ -115,12 +144,17 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
     num_messages = system.metric("decode", "stageserve_decode_stream_messages_total") - messages
     summary = summarize(records, duration_s, Slo(), load.num_requests)
     return Level(
-        concurrency=load.concurrency, output_tok_s=summary.output_token_throughput,
-        tpot_ms=summary.tpot.mean if summary.tpot else None, ttft_ms=summary.ttft.mean if summary.ttft else None,
-        num_ok=summary.num_ok, num_requests=load.num_requests, mean_prompt_tokens=summary.mean_prompt_tokens,
+        concurrency=load.concurrency,
+        output_tok_s=summary.output_token_throughput,
+        tpot_ms=summary.tpot.mean if summary.tpot else None,
+        ttft_ms=summary.ttft.mean if summary.ttft else None,
+        num_ok=summary.num_ok,
+        num_requests=load.num_requests,
+        mean_prompt_tokens=summary.mean_prompt_tokens,
         step_ms=step_s / num_steps * 1e3 if num_steps else None,
         messages_per_step=num_messages / num_steps if num_steps else None,
-        router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"), decode_cpu=cpu["decode"],
+        router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"),
+        decode_cpu=cpu["decode"],
     )
 
 
@@ -129,20 +163,43 @@ def _fmt(value: float | None, spec: str = ".2f") -> str:
 
 
 def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> list[str]:
-    header = ("concurrency", "system tok/s", "engine bound tok/s", "system/bound", "TPOT ms", "engine step ms",
-              "TPOT/step", "decode step ms (in service)", "in-service/engine step", "msgs/step",
-              "router CPU (cores each)", "decode leader CPU", "ok", "mean prompt tokens", "TTFT ms")
+    header = (
+        "concurrency",
+        "system tok/s",
+        "engine bound tok/s",
+        "system/bound",
+        "TPOT ms",
+        "engine step ms",
+        "TPOT/step",
+        "decode step ms (in service)",
+        "in-service/engine step",
+        "msgs/step",
+        "router CPU (cores each)",
+        "decode leader CPU",
+        "ok",
+        "mean prompt tokens",
+        "TTFT ms",
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for level in levels:
         step = engine.decode_ms.get(level.concurrency)
         bound = engine.bound_tok_s(level.concurrency, output_len) if step else None
         cells = (
-            str(level.concurrency), _fmt(level.output_tok_s, ".0f"), _fmt(bound, ".0f"),
-            _fmt(bound and level.output_tok_s / bound), _fmt(level.tpot_ms), _fmt(step),
-            _fmt(level.tpot_ms and step and level.tpot_ms / step), _fmt(level.step_ms),
-            _fmt(level.step_ms and step and level.step_ms / step), _fmt(level.messages_per_step),
-            " / ".join(f"{c:.2f}" for c in level.router_cpu), f"{level.decode_cpu:.2f}",
-            f"{level.num_ok}/{level.num_requests}", _fmt(level.mean_prompt_tokens, ".0f"), _fmt(level.ttft_ms, ".1f"),
+            str(level.concurrency),
+            _fmt(level.output_tok_s, ".0f"),
+            _fmt(bound, ".0f"),
+            _fmt(bound and level.output_tok_s / bound),
+            _fmt(level.tpot_ms),
+            _fmt(step),
+            _fmt(level.tpot_ms and step and level.tpot_ms / step),
+            _fmt(level.step_ms),
+            _fmt(level.step_ms and step and level.step_ms / step),
+            _fmt(level.messages_per_step),
+            " / ".join(f"{c:.2f}" for c in level.router_cpu),
+            f"{level.decode_cpu:.2f}",
+            f"{level.num_ok}/{level.num_requests}",
+            _fmt(level.mean_prompt_tokens, ".0f"),
+            _fmt(level.ttft_ms, ".1f"),
         )
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -155,11 +212,13 @@ def write_section(path: Path, lines: list[str]) -> None:
     after = ""
     if found:
         next_heading = rest.find("\n## ")
-        after = rest[next_heading + 1:] if next_heading >= 0 else ""
+        after = rest[next_heading + 1 :] if next_heading >= 0 else ""
     else:
         before = old.rstrip("\n") + "\n\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(before + "\n".join([SECTION_TITLE, "", *lines, ""]) + ("\n" + after if after else ""))
+    path.write_text(
+        before + "\n".join([SECTION_TITLE, "", *lines, ""]) + ("\n" + after if after else "")
+    )
 
 
 NOTES = [
@@ -182,15 +241,42 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, random_weights = BUNDLED_MODEL, False
     else:
         model_dir, random_weights = write_checkpoint(args.checkpoint_dir, "cuda"), True
-    input_len, output_len, levels = settings["input_len"], settings["output_len"], settings["concurrency"]
-    engine = engine_times(model_dir, settings["device"], settings["attention"], input_len, output_len,
-                          levels, random_weights)
-    print(f"engine: prefill {engine.prefill_ms:.2f} ms, decode " +
-          ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_ms.items()), flush=True)
-    num_pages = args.num_pages or max(levels) * -(-(input_len + output_len + 16) // 16) // args.decode_dp + 64
-    up_args = [*settings["up"], "--model", str(model_dir), "--num-pages", str(num_pages),
-               "--decode-dp", str(args.decode_dp), "--max-concurrent-requests", str(max(levels) * 2),
-               "--ready-timeout-s", "1800"]
+    input_len, output_len, levels = (
+        settings["input_len"],
+        settings["output_len"],
+        settings["concurrency"],
+    )
+    engine = engine_times(
+        model_dir,
+        settings["device"],
+        settings["attention"],
+        input_len,
+        output_len,
+        levels,
+        random_weights,
+    )
+    print(
+        f"engine: prefill {engine.prefill_ms:.2f} ms, decode "
+        + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_ms.items()),
+        flush=True,
+    )
+    num_pages = (
+        args.num_pages
+        or max(levels) * -(-(input_len + output_len + 16) // 16) // args.decode_dp + 64
+    )
+    up_args = [
+        *settings["up"],
+        "--model",
+        str(model_dir),
+        "--num-pages",
+        str(num_pages),
+        "--decode-dp",
+        str(args.decode_dp),
+        "--max-concurrent-requests",
+        str(max(levels) * 2),
+        "--ready-timeout-s",
+        "1800",
+    ]
     if args.router_workers:
         up_args += ["--router-workers", str(args.router_workers)]
     system = start_system(up_args, workdir, _free_port())
@@ -198,11 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system_model_name(system) or model
         words = _input_words(model_dir, input_len)
-        run_load(Load(system.base_url, model, 4, 8, words, min(output_len, 32), seed=99), 1)  # warm-up
+        run_load(
+            Load(system.base_url, model, 4, 8, words, min(output_len, 32), seed=99), 1
+        )  # warm-up
         results = []
         for concurrency in levels:
             num_requests = max(concurrency, round(args.requests_per_level * concurrency))
-            load = Load(system.base_url, model, concurrency, num_requests, words, output_len, seed=concurrency)
+            load = Load(
+                system.base_url,
+                model,
+                concurrency,
+                num_requests,
+                words,
+                output_len,
+                seed=concurrency,
+            )
             processes = args.client_processes or -(-concurrency // 32)
             results.append(_run_level(system, model, load, processes))
             print("\n".join(table_lines(results, engine, output_len)[-1:]), flush=True)
@@ -232,7 +328,9 @@ def system_model_name(system: System) -> str | None:
     import httpx
 
     try:
-        return httpx.get(f"{system.base_url}/models", timeout=30, trust_env=False).json()["data"][0]["id"]
+        return httpx.get(f"{system.base_url}/models", timeout=30, trust_env=False).json()["data"][
+            0
+        ]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
         return None
 

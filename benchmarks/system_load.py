@@ -56,7 +56,9 @@ class System:
         return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
     def pids(self, prefix: str) -> dict[str, int]:
-        return {name: entry["pid"] for name, entry in self.state().items() if name.startswith(prefix)}
+        return {
+            name: entry["pid"] for name, entry in self.state().items() if name.startswith(prefix)
+        }
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -68,8 +70,19 @@ def start_system(up_args: list[str], workdir: Path, port: int) -> System:
     """``stageserve up`` with ``up_args``; returns once it says it is up (its output goes to the log)."""
     workdir.mkdir(parents=True, exist_ok=True)
     state_file = workdir / "state.json"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--state-file", str(state_file),
-           "--log-dir", str(workdir / "logs"), *up_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--port",
+        str(port),
+        "--state-file",
+        str(state_file),
+        "--log-dir",
+        str(workdir / "logs"),
+        *up_args,
+    ]
     print("starting: " + " ".join(cmd[2:]), flush=True)
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     system = System(process, port, state_file)
@@ -112,12 +125,27 @@ def _client(load: Load, index: int, num_processes: int, barrier, results) -> Non
     """One client process: its share of the requests and of the concurrency."""
     share = len(range(index, load.num_requests, num_processes))
     concurrency = len(range(index, load.concurrency, num_processes))
-    workload = WorkloadSpec(IntRange(load.input_words, load.input_words), IntRange(load.output_len, load.output_len),
-                            IntRange(0, 0), (64, 64), ignore_eos=True, temperature=0.0)
+    workload = WorkloadSpec(
+        IntRange(load.input_words, load.input_words),
+        IntRange(load.output_len, load.output_len),
+        IntRange(0, 0),
+        (64, 64),
+        ignore_eos=True,
+        temperature=0.0,
+    )
     cfg = BenchConfig(
-        base_url=load.base_url, model=load.model, api_key=None, request_rate=float("inf"),
-        max_concurrency=max(concurrency, 1), num_requests=max(share, 1), seed=load.seed + index,
-        workload=workload, request_timeout_s=3600.0, max_duration_s=7200.0, slo=Slo(), output_json=None,
+        base_url=load.base_url,
+        model=load.model,
+        api_key=None,
+        request_rate=float("inf"),
+        max_concurrency=max(concurrency, 1),
+        num_requests=max(share, 1),
+        seed=load.seed + index,
+        workload=workload,
+        request_timeout_s=3600.0,
+        max_duration_s=7200.0,
+        slo=Slo(),
+        output_json=None,
         markdown=None,
     )
     barrier.wait()
@@ -130,8 +158,10 @@ def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float
     num_processes = max(1, min(num_processes, load.concurrency))
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(num_processes), context.Queue()
-    clients = [context.Process(target=_client, args=(load, i, num_processes, barrier, results))
-               for i in range(num_processes)]
+    clients = [
+        context.Process(target=_client, args=(load, i, num_processes, barrier, results))
+        for i in range(num_processes)
+    ]
     for client in clients:
         client.start()
     try:

@@ -24,10 +24,21 @@ from services.cli import BUNDLED_MODEL
 from services.engine.attention import ForwardMode
 from services.engine.model_runner import ModelRunner, StepInput
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "generation_config.json",
+)
 TOKEN_ID_FIELDS = (
-    "vocab_size", "bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "video_token_id",
-    "vision_start_token_id", "vision_end_token_id",
+    "vocab_size",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
 )
 
 
@@ -39,12 +50,18 @@ def checkpoint_config(config_dir: Path = CONFIG_7B, tokenizer_dir: Path = BUNDLE
     return config
 
 
-def write_checkpoint(out_dir: Path, device: str, seed: int = 0, tokenizer_dir: Path = BUNDLED_MODEL) -> Path:
+def write_checkpoint(
+    out_dir: Path, device: str, seed: int = 0, tokenizer_dir: Path = BUNDLED_MODEL
+) -> Path:
     """Write (or keep, when its config matches) the benchmark checkpoint in ``out_dir``."""
     config = checkpoint_config(tokenizer_dir=tokenizer_dir)
     weights = out_dir / "model.safetensors"
     config_path = out_dir / "config.json"
-    if weights.is_file() and config_path.is_file() and json.loads(config_path.read_text()) == config:
+    if (
+        weights.is_file()
+        and config_path.is_file()
+        and json.loads(config_path.read_text()) == config
+    ):
         return out_dir
     from safetensors.torch import save_file
 
@@ -56,8 +73,10 @@ def write_checkpoint(out_dir: Path, device: str, seed: int = 0, tokenizer_dir: P
     model = build_random_model(out_dir, device=device, seed=seed)
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
     save_file(state, str(weights))
-    print(f"wrote {weights} ({weights.stat().st_size / 1e9:.1f} GB) in {time.monotonic() - started:.0f} s",
-          flush=True)
+    print(
+        f"wrote {weights} ({weights.stat().st_size / 1e9:.1f} GB) in {time.monotonic() - started:.0f} s",
+        flush=True,
+    )
     return out_dir
 
 
@@ -103,7 +122,12 @@ def prefill_ms(runner: ModelRunner, num_tokens: int, iters: int = 3) -> float:
 
 
 def engine_times(
-    model_dir: Path, device: str, attention: str, prompt_len: int, output_len: int, batches: tuple[int, ...],
+    model_dir: Path,
+    device: str,
+    attention: str,
+    prompt_len: int,
+    output_len: int,
+    batches: tuple[int, ...],
     random_weights: bool,
 ) -> EngineTimes:
     """Time the engine on the benchmark's model (built as the checkpoint was, or loaded from it)."""
@@ -123,7 +147,9 @@ def engine_times(
         for batch in batches:
             steps = er._decode_steps(request_ids[:batch], context_len)
             decode[batch] = er.decode_loop_ms(runner, steps)
-            unpipelined[batch] = er.decode_loop_ms(runner, steps, num_steps=20, warmup=3, is_overlapped=False)
+            unpipelined[batch] = er.decode_loop_ms(
+                runner, steps, num_steps=20, warmup=3, is_overlapped=False
+            )
     finally:
         for request_id in request_ids:
             runner.page_table.release(request_id)

@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging(config.log_level)
     envs = Envs.from_environ()
-    auth = internal_credentials_or_exit("decode", envs, config.internal_token_file, config.allow_unauthenticated)
+    auth = internal_credentials_or_exit(
+        "decode", envs, config.internal_token_file, config.allow_unauthenticated
+    )
     run(config, envs, auth)
     return 0
 

@@ -14,8 +14,9 @@ from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, create_server, serve_until_signal
 from services.common.service_main import print_ready, start_telemetry
 from services.decode.config import DecodeConfig
-from services.decode.leader import DecodeLeader, MakeRank, RankHandle
+from services.decode.leader import DecodeLeader
 from services.decode.messages import RankInit, RankReport
+from services.decode.rank_slots import MakeRank, RankHandle
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 
 RANK_STEP = "services.decode.rank:DecodeRankStep"
@@ -50,7 +51,9 @@ def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
             watchdog_s=config.watchdog_s,
             internal_token=envs.internal_token,  # what the spawned rank reads from its environment
         )
-        return RankGroup(group_config, StepSpec(RANK_STEP, RankReport, init), on_ready_change=on_ready_change)
+        return RankGroup(
+            group_config, StepSpec(RANK_STEP, RankReport, init), on_ready_change=on_ready_change
+        )
 
     return make
 
@@ -60,15 +63,25 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
     metrics_port = start_telemetry("decode", envs, config.host, config.metrics_port)
     health = HealthState()
     servicer = DecodeServicer(
-        config.reservation_timeout_s, config.max_reservation_s, signing.key_of(auth.token if auth else "")
+        config.reservation_timeout_s,
+        config.max_reservation_s,
+        signing.key_of(auth.token if auth else ""),
     )
     server, port = create_server(
-        [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], config.port, config.host,
-        [SERVICE_NAME], health=health, auth=auth, enable_reflection=config.enable_reflection,
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
+        config.port,
+        config.host,
+        [SERVICE_NAME],
+        health=health,
+        auth=auth,
+        enable_reflection=config.enable_reflection,
     )
     await server.start()  # liveness answers (NOT_SERVING) while the ranks form
     leader = DecodeLeader(
-        len(config.rank_devices), process_ranks(config, envs), config.watchdog_s, config.sweep_interval_s,
+        len(config.rank_devices),
+        process_ranks(config, envs),
+        config.watchdog_s,
+        config.sweep_interval_s,
         on_ready_change=health.set_serving,
     )
     servicer.attach(leader)  # UNAVAILABLE ("no decode rank serves") until a rank has formed

@@ -40,29 +40,41 @@ class LaunchedStep:
 
 def is_plain(params: SamplingParams) -> bool:
     """Greedy with nothing to apply before the argmax."""
-    return params.is_greedy and not uses_history(params) and not params.logit_bias and params.min_tokens == 0
+    return (
+        params.is_greedy
+        and not uses_history(params)
+        and not params.logit_bias
+        and params.min_tokens == 0
+    )
 
 
 class DecodeBatchRunner:
     """Runs DECODE steps of a running batch on one model runner; the only owner of the slot state."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, num_slots: int, max_pages_per_slot: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, sampler: Sampler, num_slots: int, max_pages_per_slot: int
+    ) -> None:
         self.runner = runner
         self.sampler = sampler
         self.device = runner.device
         self.page_size = runner.page_size
         self.vocab_size = runner.model.config.text.vocab_size
-        self._last_tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [S] int64
+        self._last_tokens = torch.zeros(
+            num_slots, dtype=torch.long, device=self.device
+        )  # [S] int64
         self._page_table = np.zeros((num_slots, max_pages_per_slot), dtype=np.int64)  # [S, P] host
         self._pages: list[list[int]] = [[] for _ in range(num_slots)]
         self._params: list[SamplingParams] = [SamplingParams(temperature=0.0)] * num_slots
         self._is_plain = np.ones(num_slots, dtype=bool)
-        self._generators: dict[int, torch.Generator] = {}  # slot -> a seeded random request's generator
+        self._generators: dict[
+            int, torch.Generator
+        ] = {}  # slot -> a seeded random request's generator
         self._output_counts: torch.Tensor | None = None  # [S, V] float32 on the device, once needed
         self._is_prompt: torch.Tensor | None = None  # [S, V] bool on the device, once needed
         is_cuda = self.device.type == "cuda"
         self._host = [
-            torch.zeros(num_slots, dtype=torch.long, pin_memory=is_cuda) for _ in range(NUM_HOST_BUFFERS)
+            torch.zeros(num_slots, dtype=torch.long, pin_memory=is_cuda)
+            for _ in range(NUM_HOST_BUFFERS)
         ]
         self._events = [torch.cuda.Event() if is_cuda else None for _ in range(NUM_HOST_BUFFERS)]
         self._next_buffer = 0
@@ -111,7 +123,9 @@ class DecodeBatchRunner:
         n = len(slots)
         self._slots_staged.synchronize()
         self._slots_host[:n] = torch.from_numpy(slots)
-        self._slots[:n].copy_(self._slots_host[:n], non_blocking=True)  # after the last step's reads of it
+        self._slots[:n].copy_(
+            self._slots_host[:n], non_blocking=True
+        )  # after the last step's reads of it
         self._slots_staged.record()
         return self._slots[:n]
 
@@ -124,7 +138,9 @@ class DecodeBatchRunner:
 
     def _join(self, joined: tuple[JoinedRow, ...]) -> None:
         slots = self._to_device([row.slot for row in joined])
-        self._last_tokens.index_copy_(0, slots, self._to_device([row.first_token_id for row in joined]))
+        self._last_tokens.index_copy_(
+            0, slots, self._to_device([row.first_token_id for row in joined])
+        )
         for row in joined:
             slot = row.slot
             assert len(row.pages) <= self._page_table.shape[1], "more pages than a slot holds"
@@ -163,7 +179,9 @@ class DecodeBatchRunner:
     def _inputs(self, plan: DecodePlan, slots: torch.Tensor) -> DecodeInputs:
         page_size = self.page_size
         positions = torch.from_numpy(plan.positions).unsqueeze(0).repeat(3, 1)  # [3, B] int64
-        pages = self._page_table[plan.slots, plan.seq_lens // page_size]  # [B] the new position's page
+        pages = self._page_table[
+            plan.slots, plan.seq_lens // page_size
+        ]  # [B] the new position's page
         out_slots = torch.from_numpy(pages * page_size + plan.seq_lens % page_size)
         page_tables = [self._pages[slot] for slot in plan.slots.tolist()]
         seq_lens = (plan.seq_lens + 1).tolist()

@@ -24,12 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import msgspec
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.common.errors import (
     AbortedError,
@@ -54,57 +50,20 @@ from services.decode.messages import (
     StartCommand,
     StartReply,
 )
+from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of, place
 from services.decode.streams import Connection, RequestEnded
 from services.transfer.base import KvDestination
 
 logger = logging.getLogger(__name__)
 
 
-class RankHandle(Protocol):
-    """What the leader needs of one rank's group (``services.common.ranks.group.RankGroup``)."""
-
-    @property
-    def is_ready(self) -> bool: ...
-
-    async def start(self) -> None: ...
-
-    def submit(self, payload: msgspec.Struct, timeout_s: float | None = None) -> Future[Any]: ...
-
-    async def aclose(self) -> None: ...
-
-
-MakeRank = Callable[[int, Callable[[bool], None]], RankHandle]  # (dp_rank, on_ready_change) -> handle
-
-
 @dataclass
 class _Route:
+    """Where a live request is: its rank, and once generating, its connection and deadline."""
+
     rank: int
     conn: Connection | None = None  # set by generate
     deadline_s: float = float("inf")  # monotonic; past it a running request ends DEADLINE_EXCEEDED
-
-
-@dataclass
-class _Queued:
-    command: Command
-    reply: asyncio.Future[Reply] | None  # None: nobody waits for it
-    num_pages: int = 0  # a Reserve's pages, counted against the rank until its report
-
-
-@dataclass
-class _Rank:
-    dp_rank: int
-    handle: RankHandle
-    load: RankLoad | None = None  # from its last report; None until its first after (re)forming
-    is_busy: bool = False
-    queue: list[_Queued] = field(default_factory=list)
-    num_pending_pages: int = 0  # pages of Reserves sent or queued, not yet reported
-    num_pending_requests: int = 0
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    driver: asyncio.Task | None = None
-
-    @property
-    def is_serving(self) -> bool:
-        return self.handle.is_ready and self.load is not None
 
 
 class DecodeLeader:
@@ -120,7 +79,7 @@ class DecodeLeader:
     ) -> None:
         assert num_ranks > 0 and step_timeout_s > 0 and sweep_interval_s > 0
         self._loop = asyncio.get_running_loop()
-        self._ranks = [_Rank(r, make_rank(r, self._ready_callback(r))) for r in range(num_ranks)]
+        self._ranks = [RankSlot(r, make_rank(r, self._ready_callback(r))) for r in range(num_ranks)]
         self._step_timeout_s = step_timeout_s
         self._sweep_interval_s = sweep_interval_s
         self._on_ready_change = on_ready_change
@@ -161,9 +120,11 @@ class DecodeLeader:
         self._sweeper = asyncio.create_task(self._sweep_deadlines(), name="decode-deadlines")
         self._sweeper.add_done_callback(self._driver_done)
 
-    async def _first_report(self, rank: _Rank) -> RankReport:
+    async def _first_report(self, rank: RankSlot) -> RankReport:
         try:
-            results = await asyncio.wrap_future(rank.handle.submit(RankCommands(), self._step_timeout_s))
+            results = await asyncio.wrap_future(
+                rank.handle.submit(RankCommands(), self._step_timeout_s)
+            )
         except BaseException:
             await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
             raise
@@ -177,31 +138,36 @@ class DecodeLeader:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for rank in self._ranks:
-            self._fail_rank(rank, self._take(rank), UnavailableError("decode is shutting down"))
+            self._fail_rank(rank, rank.take(), UnavailableError("decode is shutting down"))
         await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
 
     # --- requests -------------------------------------------------------------------------
     async def reserve(self, command: ReserveCommand) -> tuple[KvDestination, int]:
         """Reserve on one rank; where prefill writes, and the rank's index."""
         request_id = command.request_id
-        tried: list[_Rank] = []
+        tried: list[RankSlot] = []
         while True:
             if request_id in self._routes:
-                raise InvalidRequestError(f"request {request_id} is already live on decode", param="request_id")
-            rank = self._place(tried)
+                raise InvalidRequestError(
+                    f"request {request_id} is already live on decode", param="request_id"
+                )
+            rank = place(self._ranks, tried)
             route = self._routes[request_id] = _Route(rank.dp_rank)
             try:
-                reply = await self._call(rank, command, _num_pages(rank.load, command))
+                reply = await self._call(rank, command, num_pages_of(rank.load, command))
             except UnavailableError:
                 self._drop_route(request_id, route)
                 tried.append(rank)
                 if len(tried) > 1 or not any(r.is_serving and r not in tried for r in self._ranks):
                     raise
-                logger.warning("%s: decode rank %d failed under Reserve; once more on another rank",
-                               request_id, rank.dp_rank)
+                logger.warning(
+                    "%s: decode rank %d failed under Reserve; once more on another rank",
+                    request_id,
+                    rank.dp_rank,
+                )
                 continue
             except asyncio.CancelledError:  # it may still reserve: nobody holds its KvRef, free it
-                self._send(rank, AbortCommand(request_id, is_kv_written=True), self._dropping(route))
+                rank.send(AbortCommand(request_id, is_kv_written=True), self._dropping(route))
                 raise
             assert isinstance(reply, ReserveReply)
             if reply.error is not None:
@@ -213,7 +179,11 @@ class DecodeLeader:
             return reply.destination, rank.dp_rank
 
     def generate(
-        self, conn: Connection, request_id: str, first_token_id: int, kv_written_proof: bytes,
+        self,
+        conn: Connection,
+        request_id: str,
+        first_token_id: int,
+        kv_written_proof: bytes,
         deadline_s: float = float("inf"),
     ) -> None:
         """Start a reserved request on its rank; its tokens and end go to ``conn`` (errors too)."""
@@ -225,15 +195,18 @@ class DecodeLeader:
             conn.end(RequestEnded(request_id, error=error))
             return
         if route.conn is not None:
-            error = InvalidRequestError(f"generate already started for {request_id}", param="request_id")
+            error = InvalidRequestError(
+                f"generate already started for {request_id}", param="request_id"
+            )
             conn.end(RequestEnded(request_id, error=error))
             return
         route.conn, route.deadline_s = conn, deadline_s
         conn.request_ids.add(request_id)
-        command = StartCommand(request_id, first_token_id, kv_written_proof)
-        reply = self._send(self._ranks[route.rank], command, self._loop.create_future())
-        assert reply is not None
+        reply: asyncio.Future[Reply] = self._loop.create_future()
         reply.add_done_callback(lambda done: self._on_started(request_id, route, conn, done))
+        self._ranks[route.rank].send(
+            StartCommand(request_id, first_token_id, kv_written_proof), reply
+        )
 
     async def abort(self, request_id: str, reason: str, *, is_kv_written: bool = False) -> bool:
         """Abort wherever it is (idempotent); its stream ends CANCELLED. False when it was not live."""
@@ -243,7 +216,9 @@ class DecodeLeader:
         text = f"request {request_id} aborted: {reason or 'by request'}"
         self._end(route, RequestEnded(request_id, error=AbortedError(text)))
         try:
-            reply = await self._call(self._ranks[route.rank], AbortCommand(request_id, is_kv_written))
+            reply = await self._call(
+                self._ranks[route.rank], AbortCommand(request_id, is_kv_written)
+            )
         except UnavailableError:
             return True  # its rank died: the request is gone with it
         finally:
@@ -261,39 +236,13 @@ class DecodeLeader:
             if route is not None and route.conn is conn:
                 route.conn = None
                 metrics.REQUESTS.labels("aborted").inc()
-                self._send(self._ranks[route.rank], AbortCommand(request_id, True), self._dropping(route))
+                self._ranks[route.rank].send(AbortCommand(request_id, True), self._dropping(route))
         conn.request_ids.clear()
 
-    # --- placement and commands -----------------------------------------------------------
-    def _place(self, exclude: Sequence[_Rank]) -> _Rank:
-        """The serving rank with the most free pages, then the fewest requests (pending counted)."""
-        candidates = [r for r in self._ranks if r.is_serving and r not in exclude]
-        if not candidates:
-            serving = sum(r.is_serving for r in self._ranks)
-            raise UnavailableError(f"no decode rank serves ({serving} of {len(self._ranks)} serving)")
-
-        def key(rank: _Rank) -> tuple[int, int, int]:
-            load = rank.load
-            assert load is not None
-            num_requests = load.num_running_requests + load.num_reserved_requests + rank.num_pending_requests
-            return -(load.num_free_pages - rank.num_pending_pages), num_requests, rank.dp_rank
-
-        return min(candidates, key=key)
-
-    def _send(
-        self, rank: _Rank, command: Command, reply: asyncio.Future[Reply] | None = None, num_pages: int = 0
-    ) -> asyncio.Future[Reply] | None:
-        """Queue ``command`` for ``rank``'s next step; ``reply`` gets its answer (or the rank's failure)."""
-        if isinstance(command, ReserveCommand):
-            rank.num_pending_pages += num_pages
-            rank.num_pending_requests += 1
-        rank.queue.append(_Queued(command, reply, num_pages))
-        rank.wake.set()
-        return reply
-
-    async def _call(self, rank: _Rank, command: Command, num_pages: int = 0) -> Reply:
-        reply = self._send(rank, command, self._loop.create_future(), num_pages)
-        assert reply is not None
+    # --- commands -----------------------------------------------------------------------
+    async def _call(self, rank: RankSlot, command: Command, num_pages: int = 0) -> Reply:
+        reply: asyncio.Future[Reply] = self._loop.create_future()
+        rank.send(command, reply, num_pages)
         return await reply
 
     def _dropping(self, route: _Route) -> asyncio.Future[Reply]:
@@ -307,8 +256,14 @@ class DecodeLeader:
         reply.add_done_callback(drop)
         return reply
 
-    def _on_started(self, request_id: str, route: _Route, conn: Connection, done: asyncio.Future[Reply]) -> None:
-        error = done.exception() if not done.cancelled() else UnavailableError("decode is shutting down")
+    def _on_started(
+        self, request_id: str, route: _Route, conn: Connection, done: asyncio.Future[Reply]
+    ) -> None:
+        error = (
+            done.exception()
+            if not done.cancelled()
+            else UnavailableError("decode is shutting down")
+        )
         if error is None:
             reply = done.result()
             assert isinstance(reply, StartReply)
@@ -328,7 +283,7 @@ class DecodeLeader:
             del self._routes[request_id]
 
     # --- the drivers ----------------------------------------------------------------------
-    async def _drive(self, rank: _Rank) -> None:
+    async def _drive(self, rank: RankSlot) -> None:
         while True:
             if not rank.is_busy or not rank.handle.is_ready:
                 rank.wake.clear()
@@ -336,29 +291,30 @@ class DecodeLeader:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(rank.wake.wait(), self._sweep_interval_s)
             if not rank.handle.is_ready:
-                self._fail_rank(rank, self._take(rank), UnavailableError(f"decode rank {rank.dp_rank} is down"))
+                self._fail_rank(
+                    rank, rank.take(), UnavailableError(f"decode rank {rank.dp_rank} is down")
+                )
                 continue
-            queued = self._take(rank)
+            queued = rank.take()
             payload = RankCommands(tuple(q.command for q in queued))
             try:
-                results = await asyncio.wrap_future(rank.handle.submit(payload, self._step_timeout_s))
+                results = await asyncio.wrap_future(
+                    rank.handle.submit(payload, self._step_timeout_s)
+                )
             except StageServeError as exc:
                 metrics.RANK_FAILURES.inc()
                 logger.error("decode rank %d failed: %s", rank.dp_rank, exc.message)
-                self._fail_rank(rank, queued, UnavailableError(f"decode rank {rank.dp_rank} failed: {exc.message}"))
+                self._fail_rank(
+                    rank,
+                    queued,
+                    UnavailableError(f"decode rank {rank.dp_rank} failed: {exc.message}"),
+                )
                 continue
             self._on_report(rank, queued, results[0])
 
-    def _take(self, rank: _Rank) -> list[_Queued]:
-        queued, rank.queue = rank.queue, []
-        return queued
-
-    def _on_report(self, rank: _Rank, queued: list[_Queued], report: RankReport) -> None:
+    def _on_report(self, rank: RankSlot, queued: list[Queued], report: RankReport) -> None:
         assert len(report.replies) == len(queued), "one reply per command"
-        self._settle(rank, queued)
-        for item, reply in zip(queued, report.replies, strict=True):
-            if item.reply is not None and not item.reply.done():
-                item.reply.set_result(reply)
+        rank.settle(queued, report.replies)
         rank.load, rank.is_busy = report.load, report.is_busy
         for request_id, token_id in zip(report.token_request_ids, report.token_ids, strict=True):
             route = self._routes.get(request_id)
@@ -380,39 +336,37 @@ class DecodeLeader:
             metrics.TOKENS_GENERATED.inc(len(report.token_ids))
         self._update_gauges()
 
-    def _settle(self, rank: _Rank, queued: list[_Queued]) -> None:
-        for item in queued:
-            if isinstance(item.command, ReserveCommand):
-                rank.num_pending_pages -= item.num_pages
-                rank.num_pending_requests -= 1
-
-    def _fail_rank(self, rank: _Rank, queued: list[_Queued], error: UnavailableError) -> None:
+    def _fail_rank(self, rank: RankSlot, queued: list[Queued], error: UnavailableError) -> None:
         """The rank lost its requests: end them with ``error``, fail its queued commands."""
-        self._settle(rank, queued)
-        for item in queued:
-            if item.reply is not None and not item.reply.done():
-                item.reply.set_exception(error)
+        rank.fail(queued, error)
         lost = [(i, r) for i, r in self._routes.items() if r.rank == rank.dp_rank]
         for request_id, route in lost:
             del self._routes[request_id]
-            self._end(route, RequestEnded(request_id, error=UnavailableError(
-                f"{error.message}; request {request_id} did not finish"
-            )))
+            self._end(
+                route,
+                RequestEnded(
+                    request_id,
+                    error=UnavailableError(f"{error.message}; request {request_id} did not finish"),
+                ),
+            )
         if lost:
             metrics.REQUESTS.labels("failed").inc(len(lost))
-        rank.load, rank.is_busy = None, False
         self._update_gauges()
 
     async def _sweep_deadlines(self) -> None:
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             now = time.monotonic()
-            overdue = [(i, r) for i, r in self._routes.items() if r.conn is not None and r.deadline_s <= now]
+            overdue = [
+                (i, r)
+                for i, r in self._routes.items()
+                if r.conn is not None and r.deadline_s <= now
+            ]
             for request_id, route in overdue:
                 error = DeadlineExceededError(f"request {request_id} passed its deadline on decode")
                 self._end(route, RequestEnded(request_id, error=error))
                 metrics.REQUESTS.labels("failed").inc()
-                self._send(self._ranks[route.rank], AbortCommand(request_id, True), self._dropping(route))
+                self._ranks[route.rank].send(AbortCommand(request_id, True), self._dropping(route))
 
     # --- readiness and gauges -------------------------------------------------------------
     def _ready_callback(self, dp_rank: int) -> Callable[[bool], None]:
@@ -444,20 +398,14 @@ class DecodeLeader:
 
     def _driver_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            logger.error("%s failed: decode stops serving", task.get_name(), exc_info=task.exception())
+            logger.error(
+                "%s failed: decode stops serving", task.get_name(), exc_info=task.exception()
+            )
             self._is_stopping = True
             self._update_gauges()
-
 
 
 def _refusal_outcome(error: StageServeError) -> str:
     if isinstance(error, CapacityError):
         return "rejected"
     return "expired" if isinstance(error, DeadlineExceededError) else "invalid"
-
-
-def _num_pages(load: RankLoad | None, command: ReserveCommand) -> int:
-    """The pages the rank takes for ``command`` (placement counts them until it reports)."""
-    assert load is not None
-    num_positions = min(len(command.prompt_ids) + command.params.max_new_tokens, load.max_model_len)
-    return -(-num_positions // load.page_size)

@@ -68,7 +68,9 @@ class StartCommand(msgspec.Struct, frozen=True, tag="start"):
 
 class AbortCommand(msgspec.Struct, frozen=True, tag="abort"):
     request_id: str
-    is_kv_written: bool  # prefill finished writing: a reservation's pages are freed, not quarantined
+    is_kv_written: (
+        bool  # prefill finished writing: a reservation's pages are freed, not quarantined
+    )
 
 
 Command = ReserveCommand | StartCommand | AbortCommand

@@ -96,7 +96,9 @@ class DecodeRank:
 
     def warmup(self) -> None:
         """One DECODE forward and sampling of a scratch request (kernels compiled, buffers touched)."""
-        request = DecodeRequest("warmup", (0,), SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True), 0)
+        request = DecodeRequest(
+            "warmup", (0,), SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True), 0
+        )
         self.scheduler.add(request)
         self.scheduler.start("warmup", 0)
         while self.scheduler.has_work or self.loop.has_unread:
@@ -125,12 +127,17 @@ class DecodeRank:
         except StageServeError as exc:
             return ReserveReply(command.request_id, error=WireError.of(exc))
         prompt_pages = pages[: self.scheduler.kv.num_pages_for(len(request.prompt_ids))]
-        return ReserveReply(command.request_id, destination=self.receiver.destination(request.request_id, prompt_pages))
+        return ReserveReply(
+            command.request_id,
+            destination=self.receiver.destination(request.request_id, prompt_pages),
+        )
 
     def _start(self, command: StartCommand, finished: list[Finished]) -> StartReply:
         try:
             if not 0 <= command.first_token_id < self.vocab_size:
-                raise InvalidRequestError(f"first_token_id must be in [0, {self.vocab_size})", param="first_token_id")
+                raise InvalidRequestError(
+                    f"first_token_id must be in [0, {self.vocab_size})", param="first_token_id"
+                )
             self.scheduler.check_kv_written(command.request_id, command.kv_written_proof)
             done = self.scheduler.start(command.request_id, command.first_token_id)
         except StageServeError as exc:
@@ -169,20 +176,28 @@ class DecodeRank:
             raise InvalidRequestError("the prompt is empty", param="prompt_token_ids")
         if prompt_len >= max_len:
             raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens; the context limit is {max_len}", param="prompt_token_ids"
+                f"the prompt has {prompt_len} tokens; the context limit is {max_len}",
+                param="prompt_token_ids",
             )
         if max(request.prompt_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be < {self.vocab_size}", param="prompt_token_ids")
+            raise InvalidRequestError(
+                f"prompt token ids must be < {self.vocab_size}", param="prompt_token_ids"
+            )
         kv = self.scheduler.kv
         num_pages = kv.num_pages_for(self.scheduler.num_positions(prompt_len, request.params))
         if num_pages > kv.num_total_pages:
             raise InvalidRequestError(
                 f"prompt + max_new_tokens need {num_pages} KV pages, more than this decode rank's "
-                f"{kv.num_total_pages}", param="max_new_tokens",
+                f"{kv.num_total_pages}",
+                param="max_new_tokens",
             )
 
     def _report(
-        self, replies: tuple[Reply, ...], output: _StepOutput, finished: list[Finished], expired: list[str]
+        self,
+        replies: tuple[Reply, ...],
+        output: _StepOutput,
+        finished: list[Finished],
+        expired: list[str],
     ) -> RankReport:
         request_ids = tuple(request_id for request_id, _ in output.tokens)
         token_ids = tuple(token_id for _, token_id in output.tokens)
@@ -210,8 +225,6 @@ class DecodeRank:
             num_running_requests=self.scheduler.num_running,
             num_reserved_requests=self.scheduler.num_reserved,
         )
-
-
 
 
 class DecodeRankStep(BaseRankStep):
@@ -276,7 +289,9 @@ def build_rank(
         check_kv_backend(init.kv_backend, init.kv_backend, device)
     if model is None:
         model = load_model(init.model, device=device, dtype=init.dtype, components=("language",))
-    runner = ModelRunner(model, KVCacheConfig(init.num_pages, init.page_size), init.attention_backend)
+    runner = ModelRunner(
+        model, KVCacheConfig(init.num_pages, init.page_size), init.attention_backend
+    )
     receiver = receiver if receiver is not None else create_receiver(init)
     try:
         receiver.register(runner.kv_pool)

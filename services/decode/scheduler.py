@@ -66,14 +66,18 @@ class DecodeRequest:
     # What prefill returns once the KV landed (signing.kv_written_proof); b"" accepts no proof
     kv_written_proof: bytes = b""
     status: ReqStatus = ReqStatus.RESERVED
-    output_ids: list[int] = field(default_factory=list)  # read tokens, the first from prefill included
+    output_ids: list[int] = field(
+        default_factory=list
+    )  # read tokens, the first from prefill included
     num_scheduled: int = 0  # output tokens read or being computed by a launched step
     slot: int = -1  # its batch slot while RUNNING (and until its last step is read)
     last_step: int = -1  # the newest step it ran in
 
     @property
     def usage(self) -> Usage:
-        return Usage(num_prompt_tokens=len(self.prompt_ids), num_completion_tokens=len(self.output_ids))
+        return Usage(
+            num_prompt_tokens=len(self.prompt_ids), num_completion_tokens=len(self.output_ids)
+        )
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,9 @@ class DecodePlan:
     slots: np.ndarray  # [B] int64: each row's batch slot
     seq_lens: np.ndarray  # [B] int64: KV positions written before the row's fed token
     positions: np.ndarray  # [B] int64: M-RoPE position of the fed token (seq_len + rope delta)
-    num_output_ids: np.ndarray  # [B] int64: output tokens before this step's (min_tokens counts them)
+    num_output_ids: (
+        np.ndarray
+    )  # [B] int64: output tokens before this step's (min_tokens counts them)
     joined: tuple[JoinedRow, ...]  # rows whose first step this is
 
     @property
@@ -184,9 +190,13 @@ class DecodeScheduler:
         """
         request_id = request.request_id
         if request_id in self._requests or request_id in self._leaving:
-            raise InvalidRequestError(f"request {request_id} is already live on decode", param="request_id")
+            raise InvalidRequestError(
+                f"request {request_id} is already live on decode", param="request_id"
+            )
         assert request.status is ReqStatus.RESERVED and not request.output_ids
-        pages = self.kv.allocate(request_id, self.num_positions(len(request.prompt_ids), request.params))
+        pages = self.kv.allocate(
+            request_id, self.num_positions(len(request.prompt_ids), request.params)
+        )
         self._requests[request_id] = self._reserved[request_id] = request
         return pages
 
@@ -196,7 +206,8 @@ class DecodeScheduler:
         if not kv_written_proof:
             raise InvalidRequestError(
                 f"generate for {request_id} carries no kv_written_proof: decode starts a "
-                "reservation only once prefill reported its KV written", param="kv_written_proof",
+                "reservation only once prefill reported its KV written",
+                param="kv_written_proof",
             )
         expected = request.kv_written_proof
         if not expected or not hmac.compare_digest(kv_written_proof, expected):
@@ -254,7 +265,9 @@ class DecodeScheduler:
         """The running batch of ``step`` (waiting requests join while slots last); None when empty."""
         assert step > self._last_read_step
         joined: list[DecodeRequest] = []
-        while self._waiting and len(self._running) < self.max_running_requests and self.slots.num_free:
+        while (
+            self._waiting and len(self._running) < self.max_running_requests and self.slots.num_free
+        ):
             request = self._requests[self._waiting.popleft()]
             request.status, request.slot = ReqStatus.RUNNING, self.slots.allocate()
             self._running.append(request)
@@ -268,7 +281,9 @@ class DecodeScheduler:
             request_ids=tuple(r.request_id for r in rows),
             slots=np.array([r.slot for r in rows], dtype=np.int64),
             seq_lens=np.array(seq_lens, dtype=np.int64),
-            positions=np.array([s + r.rope_delta for s, r in zip(seq_lens, rows, strict=True)], dtype=np.int64),
+            positions=np.array(
+                [s + r.rope_delta for s, r in zip(seq_lens, rows, strict=True)], dtype=np.int64
+            ),
             num_output_ids=np.array([r.num_scheduled for r in rows], dtype=np.int64),
             joined=tuple(self._joined_row(r) for r in joined),
         )
@@ -306,9 +321,13 @@ class DecodeScheduler:
     def _reserved_request(self, request_id: str) -> DecodeRequest:
         request = self._requests.get(request_id)
         if request is None:
-            raise NotFoundError(f"no reserved request {request_id} on decode (unknown, expired or aborted)")
+            raise NotFoundError(
+                f"no reserved request {request_id} on decode (unknown, expired or aborted)"
+            )
         if request.status is not ReqStatus.RESERVED:
-            raise InvalidRequestError(f"generate already started for {request_id}", param="request_id")
+            raise InvalidRequestError(
+                f"generate already started for {request_id}", param="request_id"
+            )
         return request
 
     def _num_tokens_allowed(self, request: DecodeRequest) -> int:
@@ -317,12 +336,18 @@ class DecodeScheduler:
     def _joined_row(self, request: DecodeRequest) -> JoinedRow:
         prompt_ids = request.prompt_ids if uses_history(request.params) else ()
         return JoinedRow(
-            request.slot, request.output_ids[0], request.params, prompt_ids, self.kv.pages(request.request_id)
+            request.slot,
+            request.output_ids[0],
+            request.params,
+            prompt_ids,
+            self.kv.pages(request.request_id),
         )
 
     def _finish_reason(self, request: DecodeRequest, token_id: int) -> FinishReason | None:
         params = request.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        ):
             return FinishReason.STOP
         if len(request.output_ids) >= params.max_new_tokens:
             return FinishReason.LENGTH
@@ -354,4 +379,3 @@ class DecodeScheduler:
         if request.slot >= 0:
             self.slots.free(request.slot)
             request.slot = -1
-

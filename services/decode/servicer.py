@@ -28,8 +28,12 @@ from services.decode.streams import Connection, RequestEnded, StreamBatch
 SERVICE_NAME = decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
 _tracer = telemetry.tracer("decode")
 _LOAD_FIELDS = (
-    "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests",
-    "num_reserved_requests", "num_quarantined_pages",
+    "num_total_pages",
+    "num_free_pages",
+    "num_used_pages",
+    "num_running_requests",
+    "num_reserved_requests",
+    "num_quarantined_pages",
 )
 
 
@@ -47,16 +51,20 @@ def _end_to_proto(ended: RequestEnded) -> decode_pb2.RequestEnd:
     else:
         assert ended.finish_reason is not None and ended.usage is not None
         message.finish_reason = FINISH_REASON_TO_PROTO[ended.finish_reason]
-        message.usage.CopyFrom(common_pb2.Usage(
-            num_prompt_tokens=ended.usage.num_prompt_tokens,
-            num_completion_tokens=ended.usage.num_completion_tokens,
-        ))
+        message.usage.CopyFrom(
+            common_pb2.Usage(
+                num_prompt_tokens=ended.usage.num_prompt_tokens,
+                num_completion_tokens=ended.usage.num_completion_tokens,
+            )
+        )
     return message
 
 
 def _response(batch: StreamBatch) -> decode_pb2.DecodeStreamResponse:
     return decode_pb2.DecodeStreamResponse(
-        request_ids=batch.request_ids, token_ids=batch.token_ids, ends=[_end_to_proto(e) for e in batch.ends]
+        request_ids=batch.request_ids,
+        token_ids=batch.token_ids,
+        ends=[_end_to_proto(e) for e in batch.ends],
     )
 
 
@@ -69,7 +77,9 @@ class _Spans:
     def start(self, request: decode_pb2.DecodeGenerateRequest) -> None:
         carrier = [("traceparent", request.traceparent), ("tracestate", request.tracestate)]
         parent = telemetry.extract_context([(key, value) for key, value in carrier if value])
-        span = _tracer.start_span("decode.generate", context=parent, attributes={"request_id": request.request_id})
+        span = _tracer.start_span(
+            "decode.generate", context=parent, attributes={"request_id": request.request_id}
+        )
         old = self._open.pop(request.request_id, None)
         if old is not None:
             old.end()
@@ -138,7 +148,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return lifetime_s, int((now_unix + lifetime_s) * 1000)
 
     @handle_errors
-    async def Reserve(self, request: decode_pb2.ReserveRequest, context: Any) -> decode_pb2.ReserveResponse:
+    async def Reserve(
+        self, request: decode_pb2.ReserveRequest, context: Any
+    ) -> decode_pb2.ReserveResponse:
         """Place the request on a rank and take its pages; returns the signed KvRef for prefill."""
         leader = self._leader
         nonce = signing.new_nonce()
@@ -195,13 +207,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     start = message.generate
                     spans.start(start)
                     leader.generate(
-                        conn, start.request_id, start.first_token_id, start.kv_written_proof,
+                        conn,
+                        start.request_id,
+                        start.first_token_id,
+                        start.kv_written_proof,
                         _monotonic_deadline(start.deadline_unix_ms),
                     )
                 elif kind == "abort":
                     abort = message.abort
-                    task = asyncio.create_task(leader.abort(abort.request_id, abort.reason,
-                                                            is_kv_written=abort.is_kv_written))
+                    task = asyncio.create_task(
+                        leader.abort(
+                            abort.request_id, abort.reason, is_kv_written=abort.is_kv_written
+                        )
+                    )
                     aborts.add(task)
                     task.add_done_callback(aborts.discard)
                 else:
@@ -211,13 +229,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             conn.close_input()
 
     @handle_errors
-    async def Abort(self, request: decode_pb2.AbortRequest, context: Any) -> decode_pb2.AbortResponse:
+    async def Abort(
+        self, request: decode_pb2.AbortRequest, context: Any
+    ) -> decode_pb2.AbortResponse:
         """Abort wherever the request is; idempotent. Quarantines a reservation's pages unless is_kv_written."""
-        is_found = await self._leader.abort(request.request_id, request.reason, is_kv_written=request.is_kv_written)
+        is_found = await self._leader.abort(
+            request.request_id, request.reason, is_kv_written=request.is_kv_written
+        )
         return decode_pb2.AbortResponse(is_found=is_found)
 
     @handle_errors
-    async def Stats(self, request: decode_pb2.StatsRequest, context: Any) -> decode_pb2.StatsResponse:
+    async def Stats(
+        self, request: decode_pb2.StatsRequest, context: Any
+    ) -> decode_pb2.StatsResponse:
         """Pages and requests of each DP rank, and their sums over the ranks that serve."""
         loads = self._leader.rank_loads()
         ranks = [_rank_stats(dp_rank, load) for dp_rank, load in enumerate(loads)]

@@ -15,7 +15,9 @@ from tests.conftest import TINY_MODEL_DIR
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    runner = ModelRunner(load_model(TINY_MODEL_DIR, components=("language",)), KVCacheConfig(64, 16))
+    runner = ModelRunner(
+        load_model(TINY_MODEL_DIR, components=("language",)), KVCacheConfig(64, 16)
+    )
     for i in range(3):
         runner.page_table.reserve(f"r{i}", 33)
     return runner

@@ -18,14 +18,29 @@ def test_quick_run_writes_its_section_and_keeps_the_others(tmp_path) -> None:
     out = tmp_path / "benchmarks.md"
     out.write_text("# Benchmarks\n\n## Engine (`python -m benchmarks.engine`)\n\nkept\n")
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.system", "--quick", "--concurrency", "1,2", "--out", str(out),
-         "--workdir", str(tmp_path / "work")],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.system",
+            "--quick",
+            "--concurrency",
+            "1,2",
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     text = out.read_text()
     assert "kept" in text and SECTION_TITLE in text
-    rows = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    rows = [
+        line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")
+    ]
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]

@@ -57,7 +57,9 @@ def offline(language_model) -> LLMEngine:
     return engine
 
 
-def offline_tokens(offline: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+def offline_tokens(
+    offline: LLMEngine, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], str]:
     (out,) = offline.generate([EngineRequest("offline", prompt, params)])
     return out.token_ids, out.finish_reason.value
 
@@ -70,16 +72,26 @@ class FakePrefill:
         self.sender = sender
         self.sampler = Sampler()
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, kv_ref: KvRefInfo) -> int:
+    def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, kv_ref: KvRefInfo
+    ) -> int:
         table = self.runner.page_table
         table.reserve(request_id, len(prompt))
         try:
             positions, _ = mrope_positions(len(prompt), [], 2)
-            logits = self.runner.forward(ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)])
+            logits = self.runner.forward(
+                ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)]
+            )
             generator = None if params.is_greedy else make_generator(params.seed, "cpu")
             token = self.sampler.sample(logits, [params], [prompt], [[]], [generator]).item()
             destination = kv_ref.to_destination()
-            self.sender.send(request_id, self.runner.kv_pool, table.pages(request_id), destination, time.monotonic() + 10)
+            self.sender.send(
+                request_id,
+                self.runner.kv_pool,
+                table.pages(request_id),
+                destination,
+                time.monotonic() + 10,
+            )
             return token
         finally:
             table.release(request_id)
@@ -108,7 +120,9 @@ def total_load(leader: DecodeLeader) -> RankLoad:
     loads = [load for load in leader.rank_loads() if load is not None]
     fields = [name for name in RankLoad.__struct_fields__ if name.startswith("num_")]
     sums = {name: sum(getattr(load, name) for load in loads) for name in fields}
-    return RankLoad(page_size=PAGE_SIZE, max_model_len=loads[0].max_model_len if loads else 0, **sums)
+    return RankLoad(
+        page_size=PAGE_SIZE, max_model_len=loads[0].max_model_len if loads else 0, **sums
+    )
 
 
 @dataclass
@@ -124,13 +138,21 @@ class DecodeHarness:
     def stats(self) -> RankLoad:
         return total_load(self.leader)
 
-    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, deadline_in_s: float = 30.0):
+    async def reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline_in_s: float = 30.0,
+    ):
         return await self.client.reserve(request_id, prompt, 0, params, time.time() + deadline_in_s)
 
     def generate(self, kv_ref: KvRefInfo, first_token_id: int) -> AsyncIterator[DecodeChunk]:
         """Generate for ``kv_ref``'s request with the proof prefill returns once its KV landed."""
         proof = signing.kv_written_proof(KEY, kv_ref.request_id, kv_ref.nonce)
-        return self.client.generate(kv_ref.request_id, first_token_id, timeout_s=WAIT_S, kv_written_proof=proof)
+        return self.client.generate(
+            kv_ref.request_id, first_token_id, timeout_s=WAIT_S, kv_written_proof=proof
+        )
 
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams) -> Result:
         kv_ref = await self.reserve(request_id, prompt, params)
@@ -158,7 +180,11 @@ class DecodeHarness:
 MakeDecode = Callable[..., Awaitable[DecodeHarness]]
 
 BASE_CONFIG = DecodeConfig(
-    num_pages=256, page_size=PAGE_SIZE, transfer_backend="inprocess", sweep_interval_s=0.02, watchdog_s=30.0
+    num_pages=256,
+    page_size=PAGE_SIZE,
+    transfer_backend="inprocess",
+    sweep_interval_s=0.02,
+    watchdog_s=30.0,
 )
 
 
@@ -171,7 +197,9 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
     """
     started: list[tuple[DecodeHarness, object]] = []
 
-    async def factory(num_ranks: int = 1, is_overlapped: bool = True, **overrides: object) -> DecodeHarness:
+    async def factory(
+        num_ranks: int = 1, is_overlapped: bool = True, **overrides: object
+    ) -> DecodeHarness:
         config = replace(BASE_CONFIG, **overrides)
         fabric, clock = InProcessFabric(), ShiftedClock()
         ranks: list[LocalRank] = []
@@ -179,7 +207,9 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
         def make_rank(dp_rank: int, on_ready_change: Callable[[bool], None]) -> LocalRank:
             def build():
                 receiver = create_kv_receiver("inprocess", fabric=fabric)
-                return build_rank(rank_init(config), "cpu", language_model, receiver, clock, is_overlapped)
+                return build_rank(
+                    rank_init(config), "cpu", language_model, receiver, clock, is_overlapped
+                )
 
             rank = LocalRank(build, on_ready_change, f"decode-rank-{dp_rank}")
             ranks.append(rank)
@@ -187,15 +217,25 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
 
         leader = DecodeLeader(num_ranks, make_rank, config.watchdog_s, config.sweep_interval_s)
         await leader.start()
-        servicer = DecodeServicer(config.reservation_timeout_s, config.max_reservation_s, KEY, leader)
+        servicer = DecodeServicer(
+            config.reservation_timeout_s, config.max_reservation_s, KEY, leader
+        )
         server, port = create_server(
-            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], 0, "127.0.0.1", [SERVICE_NAME],
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
+            0,
+            "127.0.0.1",
+            [SERVICE_NAME],
             health=HealthState(),
         )
         await server.start()
         harness = DecodeHarness(
-            leader, ranks, DecodeClient(f"127.0.0.1:{port}"), FakePrefill(language_model, InProcessKVSender(fabric)),
-            total_load(leader).num_free_pages, clock, config.kv_quarantine_s,
+            leader,
+            ranks,
+            DecodeClient(f"127.0.0.1:{port}"),
+            FakePrefill(language_model, InProcessKVSender(fabric)),
+            total_load(leader).num_free_pages,
+            clock,
+            config.kv_quarantine_s,
         )
         started.append((harness, server))
         return harness

@@ -46,7 +46,9 @@ class LocalRank:
         rank.warmup()
         return rank
 
-    def submit(self, payload: msgspec.Struct, timeout_s: float | None = None) -> Future[list[RankReport]]:
+    def submit(
+        self, payload: msgspec.Struct, timeout_s: float | None = None
+    ) -> Future[list[RankReport]]:
         return self._executor.submit(self._step, _encoder.encode(payload))
 
     def _step(self, encoded: bytes) -> list[RankReport]:

@@ -26,20 +26,30 @@ async def test_reserves_spread_over_the_ranks_and_every_rank_matches_the_offline
 ) -> None:
     harness = await make_decode(num_ranks=2)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
-    kv_refs = await asyncio.gather(*(harness.reserve(f"r{i}", prompt_of(5, i), params) for i in range(20)))
+    kv_refs = await asyncio.gather(
+        *(harness.reserve(f"r{i}", prompt_of(5, i), params) for i in range(20))
+    )
     by_rank = [sum(k.dp_rank == r for k in kv_refs) for r in (0, 1)]
     assert max(by_rank) <= 12 and sum(by_rank) == 20
     stats = await harness.client.stats()
-    assert [r.num_reserved_requests for r in stats.ranks] == by_rank and stats.num_reserved_requests == 20
+    assert [
+        r.num_reserved_requests for r in stats.ranks
+    ] == by_rank and stats.num_reserved_requests == 20
     for kv_ref in kv_refs[2:]:
         assert await harness.client.abort(kv_ref.request_id, "test", is_kv_written=True)
     for kv_ref in kv_refs[:2]:  # one on each rank: generate there
-        first = harness.prefill.prefill(kv_ref.request_id, prompt_of(5, int(kv_ref.request_id[1:])), params, kv_ref)
+        first = harness.prefill.prefill(
+            kv_ref.request_id, prompt_of(5, int(kv_ref.request_id[1:])), params, kv_ref
+        )
         tokens = [first] + [t async for c in harness.generate(kv_ref, first) for t in c.token_ids]
-        assert tokens == offline_tokens(offline, prompt_of(5, int(kv_ref.request_id[1:])), params)[0]
+        assert (
+            tokens == offline_tokens(offline, prompt_of(5, int(kv_ref.request_id[1:])), params)[0]
+        )
 
 
-async def test_a_rank_dying_under_a_reserve_gives_way_to_another_rank_once(make_decode: MakeDecode) -> None:
+async def test_a_rank_dying_under_a_reserve_gives_way_to_another_rank_once(
+    make_decode: MakeDecode,
+) -> None:
     harness = await make_decode(num_ranks=2)
     first, second = harness.ranks
 
@@ -53,7 +63,10 @@ async def test_a_rank_dying_under_a_reserve_gives_way_to_another_rank_once(make_
     assert kv_ref.dp_rank == 1 and len(first.commands) > 0
     stats = await harness.client.stats()
     assert [r.is_serving for r in stats.ranks] == [False, True]
-    assert (stats.ranks[0].num_total_pages, stats.num_total_pages) == (0, stats.ranks[1].num_total_pages)
+    assert (stats.ranks[0].num_total_pages, stats.num_total_pages) == (
+        0,
+        stats.ranks[1].num_total_pages,
+    )
     assert await harness.client.abort("r", "test", is_kv_written=True)
     second.before_step = lambda payload: second.crash() if payload.commands else None
     with pytest.raises(UnavailableError):
@@ -62,8 +75,13 @@ async def test_a_rank_dying_under_a_reserve_gives_way_to_another_rank_once(make_
     second.before_step = None
     await first.restart()
     await second.restart()
-    await harness.wait_for(lambda: harness.leader.is_ready and len(harness.leader.rank_loads()) == 2
-                           and all(harness.leader.rank_loads()))
+    await harness.wait_for(
+        lambda: (
+            harness.leader.is_ready
+            and len(harness.leader.rank_loads()) == 2
+            and all(harness.leader.rank_loads())
+        )
+    )
 
 
 async def open_stream(harness):
@@ -77,10 +95,15 @@ async def open_stream(harness):
     return channel, outbox, decode_pb2_grpc.DecodeStub(channel).Stream(messages(), timeout=WAIT_S)
 
 
-def generate_message(kv_ref, first: int, deadline_unix_ms: int = 0) -> decode_pb2.DecodeStreamRequest:
+def generate_message(
+    kv_ref, first: int, deadline_unix_ms: int = 0
+) -> decode_pb2.DecodeStreamRequest:
     proof = signing.kv_written_proof(KEY, kv_ref.request_id, kv_ref.nonce)
     start = decode_pb2.DecodeGenerateRequest(
-        request_id=kv_ref.request_id, first_token_id=first, kv_written_proof=proof, deadline_unix_ms=deadline_unix_ms
+        request_id=kv_ref.request_id,
+        first_token_id=first,
+        kv_written_proof=proof,
+        deadline_unix_ms=deadline_unix_ms,
     )
     return decode_pb2.DecodeStreamRequest(generate=start)
 
@@ -89,8 +112,9 @@ async def test_a_malformed_stream_message_ends_that_stream_only(make_decode: Mak
     harness = await make_decode()
     kv_ref = await harness.reserve("victim", prompt_of(5, 1), LONG)
     first = harness.prefill.prefill("victim", prompt_of(5, 1), LONG, kv_ref)
-    survivor = asyncio.ensure_future(harness.run("survivor", prompt_of(6, 2), SamplingParams(temperature=0.0,
-                                                                                           max_new_tokens=30)))
+    survivor = asyncio.ensure_future(
+        harness.run("survivor", prompt_of(6, 2), SamplingParams(temperature=0.0, max_new_tokens=30))
+    )
     channel, outbox, call = await open_stream(harness)
     try:
         outbox.put_nowait(generate_message(kv_ref, first))
@@ -104,11 +128,15 @@ async def test_a_malformed_stream_message_ends_that_stream_only(make_decode: Mak
     finally:
         await channel.close()
     assert (await survivor).finish_reason is not None  # the other stream was not touched
-    await harness.wait_for(lambda: harness.stats().num_running_requests == 0)  # the victim was aborted
+    await harness.wait_for(
+        lambda: harness.stats().num_running_requests == 0
+    )  # the victim was aborted
     await harness.wait_all_pages_free()
 
 
-async def test_a_running_request_past_its_deadline_ends_deadline_exceeded(make_decode: MakeDecode) -> None:
+async def test_a_running_request_past_its_deadline_ends_deadline_exceeded(
+    make_decode: MakeDecode,
+) -> None:
     harness = await make_decode()
     kv_ref = await harness.reserve("r", prompt_of(5, 1), LONG)
     first = harness.prefill.prefill("r", prompt_of(5, 1), LONG, kv_ref)
@@ -120,7 +148,9 @@ async def test_a_running_request_past_its_deadline_ends_deadline_exceeded(make_d
             pass
         (end,) = message.ends
         assert end.request_id == "r" and end.error.code == "DEADLINE_EXCEEDED"
-        assert end.error.error_type == "DeadlineExceededError" and time.monotonic() - started < WAIT_S
+        assert (
+            end.error.error_type == "DeadlineExceededError" and time.monotonic() - started < WAIT_S
+        )
         outbox.put_nowait(None)  # half-close: the stream ends, its requests all ended
         assert await call.read() == grpc.aio.EOF
     finally:

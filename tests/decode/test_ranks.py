@@ -57,9 +57,14 @@ class Decode:
         return DecodeClient(self.address, auth=Credentials(TOKEN))
 
     def metric(self, name: str) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10
+        ) as reply:
             text = reply.read().decode()
-        return sum(float(m.group(1)) for m in re.finditer(rf"^stageserve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+        return sum(
+            float(m.group(1))
+            for m in re.finditer(rf"^stageserve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        )
 
     def rank_pids(self) -> list[int]:
         pids = []
@@ -79,9 +84,27 @@ def decode_process(num_ranks: int, log_path, *flags: str) -> Iterator[Decode]:
     log = log_path.open("w")
     env = {**os.environ, "STAGESERVE_INTERNAL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.decode", "--ranks", str(num_ranks), "--num-pages", "1024",
-         "--page-size", str(PAGE_SIZE), "--kv-quarantine-s", "0.5", "--sweep-interval-s", "0.05", *flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "services.decode",
+            "--ranks",
+            str(num_ranks),
+            "--num-pages",
+            "1024",
+            "--page-size",
+            str(PAGE_SIZE),
+            "--kv-quarantine-s",
+            "0.5",
+            "--sweep-interval-s",
+            "0.05",
+            *flags,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
     )
     try:
         match = read_ready_line(process, READY_TIMEOUT_S)
@@ -106,7 +129,9 @@ def make_pipeline(device: str = "cpu", **engine_kwargs) -> OfflinePipeline:
     """The offline engine (the reference) and the stand-in prefill's model."""
     from services.decode.rank import eos_token_ids
 
-    result = OfflinePipeline.from_dir(TINY_MODEL_DIR, page_size=PAGE_SIZE, device=device, **engine_kwargs)
+    result = OfflinePipeline.from_dir(
+        TINY_MODEL_DIR, page_size=PAGE_SIZE, device=device, **engine_kwargs
+    )
     result.engine.eos_token_ids = set(eos_token_ids(TINY_MODEL_DIR, result.engine.config))
     return result
 
@@ -134,33 +159,54 @@ class Prefill:
             step, _ = engine.prefill_input(request, engine.image_embeddings([request])[0])
             logits = engine.runner.forward(ForwardMode.EXTEND, [step])
             params = request.params
-            generator = None if params.is_greedy else make_generator(params.seed, engine.runner.device)
-            token = engine.sampler.sample(logits, [params], [request.prompt_ids], [[]], [generator]).item()
+            generator = (
+                None if params.is_greedy else make_generator(params.seed, engine.runner.device)
+            )
+            token = engine.sampler.sample(
+                logits, [params], [request.prompt_ids], [[]], [generator]
+            ).item()
             pages = table.pages(request.request_id)
-            self.sender.send(request.request_id, engine.runner.kv_pool, pages, kv_ref.to_destination(),
-                             time.monotonic() + 10)
+            self.sender.send(
+                request.request_id,
+                engine.runner.kv_pool,
+                pages,
+                kv_ref.to_destination(),
+                time.monotonic() + 10,
+            )
             return token
         finally:
             table.release(request.request_id)
 
 
-async def generate(client: DecodeClient, prefill: Prefill, request: EngineRequest) -> tuple[list[int], str, int]:
+async def generate(
+    client: DecodeClient, prefill: Prefill, request: EngineRequest
+) -> tuple[list[int], str, int]:
     """(tokens with the first, finish reason, dp_rank) of one request through decode."""
     kv_ref = await client.reserve(
-        request.request_id, request.prompt_ids, prefill.rope_delta(request), request.params, time.time() + BOUND_S
+        request.request_id,
+        request.prompt_ids,
+        prefill.rope_delta(request),
+        request.params,
+        time.time() + BOUND_S,
     )
     tokens = [prefill.prefill(request, kv_ref)]
     proof = signing.kv_written_proof(KEY, request.request_id, kv_ref.nonce)
     reason = ""
-    async for chunk in client.generate(request.request_id, tokens[0], BOUND_S, kv_written_proof=proof):
+    async for chunk in client.generate(
+        request.request_id, tokens[0], BOUND_S, kv_written_proof=proof
+    ):
         tokens += chunk.token_ids
         reason = chunk.finish_reason.value if chunk.finish_reason else reason
     return tokens, reason, kv_ref.dp_rank
 
 
-def chat_request(pipeline: OfflinePipeline, request_id: str, text: str, images: list[bytes], params) -> EngineRequest:
+def chat_request(
+    pipeline: OfflinePipeline, request_id: str, text: str, images: list[bytes], params
+) -> EngineRequest:
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    return pipeline.build_request([{"role": "user", "content": content}], images, params, request_id)
+    return pipeline.build_request(
+        [{"role": "user", "content": content}], images, params, request_id
+    )
 
 
 async def wait_idle(decode: Decode, client: DecodeClient) -> None:
@@ -178,21 +224,42 @@ async def wait_idle(decode: Decode, client: DecodeClient) -> None:
 
 async def test_every_request_matches_the_offline_engine_on_whichever_rank(decode, pipeline) -> None:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
-    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_new_tokens=12, repetition_penalty=1.2)
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.9, seed=42, max_new_tokens=12, repetition_penalty=1.2
+    )
     requests = [
-        chat_request(pipeline, f"text-{i}", f"Tell me about ship number {i}.", [], greedy if i % 2 else seeded)
+        chat_request(
+            pipeline,
+            f"text-{i}",
+            f"Tell me about ship number {i}.",
+            [],
+            greedy if i % 2 else seeded,
+        )
         for i in range(2 * decode.num_ranks)
     ] + [
-        chat_request(pipeline, "one-image", "What is in this picture?", [image_bytes(120, 80, seed=1)], greedy),
-        chat_request(pipeline, "two-images", "Compare them.", [image_bytes(64, 100, seed=2),
-                                                             image_bytes(90, 60, seed=3)], seeded),
+        chat_request(
+            pipeline,
+            "one-image",
+            "What is in this picture?",
+            [image_bytes(120, 80, seed=1)],
+            greedy,
+        ),
+        chat_request(
+            pipeline,
+            "two-images",
+            "Compare them.",
+            [image_bytes(64, 100, seed=2), image_bytes(90, 60, seed=3)],
+            seeded,
+        ),
     ]
     prefill, client = Prefill(pipeline.engine), decode.client()
     try:
         results = await asyncio.gather(*(generate(client, prefill, r) for r in requests))
         for request, (tokens, reason, _) in zip(requests, results, strict=True):
             (expected,) = pipeline.engine.generate([request])
-            assert (tokens, reason) == (expected.token_ids, expected.finish_reason.value), request.request_id
+            assert (tokens, reason) == (expected.token_ids, expected.finish_reason.value), (
+                request.request_id
+            )
         assert {dp_rank for _, _, dp_rank in results} == set(range(decode.num_ranks))
         await wait_idle(decode, client)
     finally:
@@ -203,8 +270,10 @@ async def test_reserve_spreads_over_the_ranks(decode) -> None:
     client = decode.client()
     params = SamplingParams(max_new_tokens=8)
     try:
-        kv_refs = [await client.reserve(f"spread-{i}", prompt_of(6, i), 0, params, time.time() + BOUND_S)
-                   for i in range(20)]
+        kv_refs = [
+            await client.reserve(f"spread-{i}", prompt_of(6, i), 0, params, time.time() + BOUND_S)
+            for i in range(20)
+        ]
         stats = await client.stats()
         assert [r.num_reserved_requests for r in stats.ranks] == [
             sum(k.dp_rank == r for k in kv_refs) for r in range(decode.num_ranks)
@@ -225,7 +294,10 @@ async def test_one_message_per_rank_step_to_one_caller(decode, pipeline) -> None
     requests = [EngineRequest(f"many-{i}", prompt_of(5, 100 + i), params) for i in range(64)]
     prefill, client = Prefill(pipeline.engine), decode.client()
     try:
-        messages, steps = decode.metric("decode_stream_messages_total"), decode.metric("decode_steps_total")
+        messages, steps = (
+            decode.metric("decode_stream_messages_total"),
+            decode.metric("decode_steps_total"),
+        )
         results = await asyncio.gather(*(generate(client, prefill, r) for r in requests))
         assert all(len(tokens) == 24 for tokens, _, _ in results)
         messages = decode.metric("decode_stream_messages_total") - messages
@@ -255,14 +327,18 @@ async def test_a_rank_killed_mid_stream_fails_its_requests_and_comes_back(decode
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         finished = [o for o in outcomes if not isinstance(o, BaseException)]
         assert failed and finished, outcomes
-        assert all(isinstance(o, UnavailableError) and "did not finish" in o.message for o in failed), failed
+        assert all(
+            isinstance(o, UnavailableError) and "did not finish" in o.message for o in failed
+        ), failed
         assert time.monotonic() - killed_at < BOUND_S
         for tokens, reason, _ in finished:  # the other rank's streams are whole
             assert (len(tokens), reason) == (300, "length")
         assert len({dp_rank for _, _, dp_rank in finished}) == 1
         await wait_idle(decode, client)  # restarted: serving again, its pool whole
         assert victim not in decode.rank_pids() and len(decode.rank_pids()) == 2
-        tokens, reason, _ = await generate(client, prefill, EngineRequest("after", prompt_of(5, 1), params))
+        tokens, reason, _ = await generate(
+            client, prefill, EngineRequest("after", prompt_of(5, 1), params)
+        )
         assert (len(tokens), reason) == (300, "length")
     finally:
         await client.close()

@@ -12,10 +12,24 @@ from services.engine.sampler import SamplingParams
 from services.transfer.cuda_ipc_backend import CudaIpcKVSender
 from tests.conftest import image_bytes
 from tests.decode.conftest import prompt_of
-from tests.decode.test_ranks import Prefill, chat_request, decode_process, generate, make_pipeline, wait_idle
+from tests.decode.test_ranks import (
+    Prefill,
+    chat_request,
+    decode_process,
+    generate,
+    make_pipeline,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
-GPU_FLAGS = ("--device", "cuda:0", "--kv-transfer-backend", "cuda_ipc", "--attention-backend", "flashinfer")
+GPU_FLAGS = (
+    "--device",
+    "cuda:0",
+    "--kv-transfer-backend",
+    "cuda_ipc",
+    "--attention-backend",
+    "flashinfer",
+)
 
 
 async def run_all(decode, pipeline, requests) -> list[tuple[list[int], str]]:
@@ -32,7 +46,9 @@ def test_two_ranks_on_one_gpu_match_one_rank_token_for_token(tmp_path) -> None:
     pipeline = make_pipeline("cuda:0", attention_backend="flashinfer")
     params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
     requests = [EngineRequest(f"r{i}", prompt_of(20 + 7 * i, i), params) for i in range(12)]
-    requests.append(chat_request(pipeline, "image", "What is here?", [image_bytes(120, 80, seed=1)], params))
+    requests.append(
+        chat_request(pipeline, "image", "What is here?", [image_bytes(120, 80, seed=1)], params)
+    )
     outcomes = {}
     for num_ranks in (1, 2):
         with decode_process(num_ranks, tmp_path / f"decode-{num_ranks}.log", *GPU_FLAGS) as decode:

@@ -27,9 +27,14 @@ class FakeClock:
 
 
 def make_scheduler(
-    max_model_len: int = 64, max_running: int = 8, quarantine_s: float = QUARANTINE_S, clock: FakeClock | None = None
+    max_model_len: int = 64,
+    max_running: int = 8,
+    quarantine_s: float = QUARANTINE_S,
+    clock: FakeClock | None = None,
 ) -> DecodeScheduler:
-    kv = KVReservationManager(RequestPageTable(KVPageManager(NUM_PAGES, PAGE_SIZE)), quarantine_s, clock or FakeClock())
+    kv = KVReservationManager(
+        RequestPageTable(KVPageManager(NUM_PAGES, PAGE_SIZE)), quarantine_s, clock or FakeClock()
+    )
     return DecodeScheduler(kv, {EOS}, max_model_len, max_running)
 
 
@@ -44,7 +49,9 @@ def request(
     request_id: str, prompt_len: int = 5, delta: int = 0, deadline_s: float = 1e9, **params: object
 ) -> DecodeRequest:
     params.setdefault("max_new_tokens", 8)
-    return DecodeRequest(request_id, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), delta, deadline_s)
+    return DecodeRequest(
+        request_id, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), delta, deadline_s
+    )
 
 
 def started(scheduler: DecodeScheduler, *requests: DecodeRequest, first_token: int = 100) -> None:
@@ -92,9 +99,17 @@ def test_plan_feeds_the_newest_token_at_seq_len_plus_delta() -> None:
     steps = Steps(scheduler)
     plan = steps.plan()
     assert plan.request_ids == ("a",) and len(plan.joined) == 1
-    assert (plan.seq_lens.tolist(), plan.positions.tolist(), plan.num_output_ids.tolist()) == ([5], [2], [1])
+    assert (plan.seq_lens.tolist(), plan.positions.tolist(), plan.num_output_ids.tolist()) == (
+        [5],
+        [2],
+        [1],
+    )
     (joined,) = plan.joined
-    assert (joined.first_token_id, joined.prompt_ids, joined.pages) == (100, (), scheduler.kv.pages("a"))
+    assert (joined.first_token_id, joined.prompt_ids, joined.pages) == (
+        100,
+        (),
+        scheduler.kv.pages("a"),
+    )
     assert steps.read(plan, [7]) == ([("a", 7)], [])
     plan = steps.plan()
     assert (plan.seq_lens.tolist(), plan.positions.tolist(), plan.joined) == ([6], [3], ())
@@ -132,7 +147,10 @@ def test_context_limit_is_a_length_finish() -> None:
     scheduler = make_scheduler(max_model_len=8)
     started(scheduler, request("a", prompt_len=6, max_new_tokens=100))
     steps = Steps(scheduler)
-    assert steps.read(steps.plan(), [7]) == ([("a", 7)], [Finished("a", FinishReason.LENGTH, Usage(6, 2))])
+    assert steps.read(steps.plan(), [7]) == (
+        [("a", 7)],
+        [Finished("a", FinishReason.LENGTH, Usage(6, 2))],
+    )
 
 
 def test_read_one_step_late_a_stop_drops_the_next_token_and_no_step_passes_the_length() -> None:
@@ -147,7 +165,9 @@ def test_read_one_step_late_a_stop_drops_the_next_token_and_no_step_passes_the_l
     assert scheduler.kv.num_used_pages == 4 + 2  # "eos" still runs in the second step
     assert steps.plan() is None  # "short" has every token launched
     tokens, finished = steps.read(second, [9, 8])  # 9: after the stop, never streamed
-    assert tokens == [("short", 8)] and finished == [Finished("short", FinishReason.LENGTH, Usage(5, 3))]
+    assert tokens == [("short", 8)] and finished == [
+        Finished("short", FinishReason.LENGTH, Usage(5, 3))
+    ]
     assert page_counts(scheduler) == (NUM_PAGES, 0, 0) and not scheduler.has_work
 
 
@@ -198,7 +218,9 @@ def test_abort_during_a_step_frees_pages_and_slot_only_after_it() -> None:
     steps = Steps(scheduler)
     plan = steps.plan()
     assert scheduler.abort("a")
-    assert scheduler.kv.num_used_pages == 8 and scheduler.slots.num_free == 6  # a's step still writes them
+    assert (
+        scheduler.kv.num_used_pages == 8 and scheduler.slots.num_free == 6
+    )  # a's step still writes them
     with pytest.raises(InvalidRequestError):
         scheduler.add(request("a"))  # its pages are not back yet
     assert steps.read(plan, [7, 8]) == ([("b", 8)], [])
@@ -262,7 +284,9 @@ def test_quarantined_pages_cannot_be_allocated() -> None:
     scheduler = make_scheduler(max_model_len=128, clock=clock)
     scheduler.add(request("a", prompt_len=20, max_new_tokens=100))  # 30 pages
     scheduler.abort("a")
-    with pytest.raises(CapacityError, match="needs 4 KV pages, 2 of 32 are free \\(30 in quarantine\\)"):
+    with pytest.raises(
+        CapacityError, match="needs 4 KV pages, 2 of 32 are free \\(30 in quarantine\\)"
+    ):
         scheduler.add(request("b"))
     clock.now += QUARANTINE_S
     scheduler.kv.release_quarantined()
@@ -276,10 +300,17 @@ def test_only_reservations_not_known_written_are_quarantined() -> None:
     steps = Steps(scheduler)
     steps.read(steps.plan(), [7, 7])
     started(scheduler, request("waiting"))
-    assert scheduler.status("running-1") is ReqStatus.RUNNING and scheduler.status("waiting") is ReqStatus.WAITING
+    assert (
+        scheduler.status("running-1") is ReqStatus.RUNNING
+        and scheduler.status("waiting") is ReqStatus.WAITING
+    )
     assert page_counts(scheduler) == (NUM_PAGES - 16, 16, 0)
     assert scheduler.abort("reserved", is_kv_written=True)
-    for request_id in ("running-1", "waiting", "running-2"):  # past generate: freed whatever is_kv_written says
+    for request_id in (
+        "running-1",
+        "waiting",
+        "running-2",
+    ):  # past generate: freed whatever is_kv_written says
         assert scheduler.abort(request_id)
         assert page_counts(scheduler)[2] == 0
     assert page_counts(scheduler) == (NUM_PAGES, 0, 0)

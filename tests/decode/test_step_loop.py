@@ -60,7 +60,10 @@ class Driver:
             self.outcomes[done.request_id].end = done.reason.value
         self.num_reads += bool(report.num_read_rows)
         load = report.load
-        assert load.num_free_pages + load.num_used_pages + load.num_quarantined_pages == load.num_total_pages
+        assert (
+            load.num_free_pages + load.num_used_pages + load.num_quarantined_pages
+            == load.num_total_pages
+        )
         return report
 
     def start(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -80,13 +83,21 @@ class Driver:
         else:
             raise AssertionError("the condition was not reached")
         for reply in self.step(*then).replies:
-            if isinstance(reply, AbortReply) and reply.is_found and reply.request_id in self.outcomes:
+            if (
+                isinstance(reply, AbortReply)
+                and reply.is_found
+                and reply.request_id in self.outcomes
+            ):
                 self.outcomes[reply.request_id].end = "aborted"
 
     def drain(self) -> None:
         self.run_until(lambda: not self.rank.scheduler.has_work and not self.rank.loop.has_unread)
         load = self.rank.load()
-        assert (load.num_free_pages, load.num_used_pages, load.num_quarantined_pages) == (self.num_start_free, 0, 0)
+        assert (load.num_free_pages, load.num_used_pages, load.num_quarantined_pages) == (
+            self.num_start_free,
+            0,
+            0,
+        )
         assert load.num_running_requests == load.num_reserved_requests == 0
 
 
@@ -104,7 +115,9 @@ def ranks(language_model):
         fabric = InProcessFabric()
         config = replace(BASE_CONFIG, max_model_len=40)
         receiver = create_kv_receiver("inprocess", fabric=fabric)
-        rank = build_rank(rank_init(config), "cpu", language_model, receiver, is_overlapped=is_overlapped)
+        rank = build_rank(
+            rank_init(config), "cpu", language_model, receiver, is_overlapped=is_overlapped
+        )
         rank.warmup()
         made.append((rank, FakePrefill(language_model, InProcessKVSender(fabric))))
     yield made
@@ -112,7 +125,9 @@ def ranks(language_model):
         rank.receiver.close()
 
 
-def both(ranks, scenario: Callable[[Driver], None], eos: frozenset[int] | None = None) -> dict[str, Outcome]:
+def both(
+    ranks, scenario: Callable[[Driver], None], eos: frozenset[int] | None = None
+) -> dict[str, Outcome]:
     """Run ``scenario`` on both loops; the outcomes, checked equal. ``eos``: the EOS ids to use."""
     results = []
     for rank, prefill in ranks:
@@ -148,8 +163,11 @@ def test_eos_read_one_step_late_stops_where_the_synchronous_loop_does(ranks, off
     reference, _ = offline_run(offline, prompt, GREEDY_LONG)
     eos = reference[5]  # the model "emits EOS" as its 6th token
     params = SamplingParams(temperature=0.0, max_new_tokens=20)
-    outcomes = both(ranks, lambda d: (d.start("eos", prompt, params), d.start("other", prompt_of(4, 9), params)),
-                    eos=frozenset({eos}))
+    outcomes = both(
+        ranks,
+        lambda d: (d.start("eos", prompt, params), d.start("other", prompt_of(4, 9), params)),
+        eos=frozenset({eos}),
+    )
     expected, reason = offline_run(offline, prompt, params, eos={eos})
     assert outcomes["eos"] == Outcome(expected, reason) and reason == "stop" and expected[-1] == eos
     assert len(expected) == reference.index(eos) + 1
@@ -159,11 +177,28 @@ def test_stop_token_max_tokens_and_context_limit(ranks, offline) -> None:
     prompt = prompt_of(6, seed=4)
     reference, _ = offline_run(offline, prompt, GREEDY_LONG)
     cases = {
-        "stop": (prompt, SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(reference[3],))),
-        "max-tokens": (prompt_of(5, seed=5), SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True)),
-        "context": (prompt_of(30, seed=6), SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)),
-        "seeded": (prompt_of(8, seed=7), SamplingParams(temperature=0.9, seed=11, max_new_tokens=12,
-                                                        repetition_penalty=1.2, frequency_penalty=0.3)),
+        "stop": (
+            prompt,
+            SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(reference[3],)),
+        ),
+        "max-tokens": (
+            prompt_of(5, seed=5),
+            SamplingParams(temperature=0.0, max_new_tokens=7, ignore_eos=True),
+        ),
+        "context": (
+            prompt_of(30, seed=6),
+            SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True),
+        ),
+        "seeded": (
+            prompt_of(8, seed=7),
+            SamplingParams(
+                temperature=0.9,
+                seed=11,
+                max_new_tokens=12,
+                repetition_penalty=1.2,
+                frequency_penalty=0.3,
+            ),
+        ),
     }
 
     def scenario(driver: Driver) -> None:
@@ -186,7 +221,9 @@ def test_abort_ends_with_the_tokens_streamed_so_far(ranks) -> None:
     def scenario(driver: Driver) -> None:
         driver.start("aborted", prompt_of(6, seed=8), GREEDY_LONG)
         driver.start("kept", prompt_of(6, seed=9), GREEDY_LONG)
-        driver.run_until(lambda: len(driver.outcomes["aborted"].tokens) >= 5, AbortCommand("aborted", False))
+        driver.run_until(
+            lambda: len(driver.outcomes["aborted"].tokens) >= 5, AbortCommand("aborted", False)
+        )
 
     outcomes = both(ranks, scenario)
     assert outcomes["aborted"].end == "aborted" and len(outcomes["aborted"].tokens) == 5
@@ -203,7 +240,9 @@ def test_abort_between_the_step_that_made_a_stop_and_the_step_that_reads_it(rank
 
     def scenario(driver: Driver) -> None:
         driver.start("r", prompt, params)
-        driver.run_until(lambda: len(driver.outcomes["r"].tokens) >= num_before, AbortCommand("r", False))
+        driver.run_until(
+            lambda: len(driver.outcomes["r"].tokens) >= num_before, AbortCommand("r", False)
+        )
         if driver.rank.loop.is_overlapped:
             assert driver.rank.scheduler.status("r") is None  # gone while its stop was still unread
 
@@ -214,7 +253,9 @@ def test_abort_between_the_step_that_made_a_stop_and_the_step_that_reads_it(rank
 
 def test_first_token_finishing_and_reserved_aborts_leave_no_page(ranks) -> None:
     def scenario(driver: Driver) -> None:
-        driver.start("one", prompt_of(4, seed=12), SamplingParams(temperature=0.0, max_new_tokens=1))
+        driver.start(
+            "one", prompt_of(4, seed=12), SamplingParams(temperature=0.0, max_new_tokens=1)
+        )
         reserve = ReserveCommand("never", tuple(prompt_of(4, seed=13)), GREEDY_LONG, 0, 60.0, PROOF)
         (reply,) = driver.step(reserve).replies
         assert reply.error is None

@@ -8,7 +8,16 @@ import pytest
 
 from services.router.openai_format import ResponseFormatter, sse
 
-TEXTS = ["hello", "", ' "quoted" \\ back', "naïve 你好 🙂", "line\u2028sep\u0085", "\ud800 lone", "\x00 nul", "\n\t"]
+TEXTS = [
+    "hello",
+    "",
+    ' "quoted" \\ back',
+    "naïve 你好 🙂",
+    "line\u2028sep\u0085",
+    "\ud800 lone",
+    "\x00 nul",
+    "\n\t",
+]
 
 
 @pytest.mark.parametrize("is_chat", [True, False])
@@ -20,5 +29,7 @@ def test_text_events_equal_the_dict_path(is_chat, with_usage_field, response_id)
         event = formatter.text_event(text, with_usage_field)
         assert event == sse(formatter.chunk(text, with_usage_field=with_usage_field))
         body = json.loads(event.removeprefix("data: "))
-        assert (body["choices"][0]["delta"]["content"] if is_chat else body["choices"][0]["text"]) == text
+        assert (
+            body["choices"][0]["delta"]["content"] if is_chat else body["choices"][0]["text"]
+        ) == text
         assert body["id"] == response_id
