@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ from services.decode.streams import Connection, RequestEnded
 from services.transfer.base import KvDestination
 
 logger = logging.getLogger(__name__)
+MAX_LOST = 4096  # reservations lost to a dead rank remembered for their generate, newest kept
 
 
 @dataclass
@@ -84,13 +86,11 @@ class DecodeLeader:
         self._sweep_interval_s = sweep_interval_s
         self._on_ready_change = on_ready_change
         self._routes: dict[str, _Route] = {}
+        # Reservations a rank's death took, until their generate comes (UNAVAILABLE, not NOT_FOUND)
+        self._lost: OrderedDict[str, str] = OrderedDict()
         self._sweeper: asyncio.Task | None = None
         self._is_stopping = False
         self._was_ready = False
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self._ranks)
 
     @property
     def is_ready(self) -> bool:
@@ -99,10 +99,6 @@ class DecodeLeader:
     def rank_loads(self) -> list[RankLoad | None]:
         """Each rank's load after its last step; None for a rank that does not serve."""
         return [r.load if r.is_serving else None for r in self._ranks]
-
-    def rank_of(self, request_id: str) -> int | None:
-        route = self._routes.get(request_id)
-        return None if route is None else route.rank
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -152,6 +148,7 @@ class DecodeLeader:
                     f"request {request_id} is already live on decode", param="request_id"
                 )
             rank = place(self._ranks, tried)
+            self._lost.pop(request_id, None)
             route = self._routes[request_id] = _Route(rank.dp_rank)
             try:
                 reply = await self._call(rank, command, num_pages_of(rank.load, command))
@@ -189,9 +186,12 @@ class DecodeLeader:
         """Start a reserved request on its rank; its tokens and end go to ``conn`` (errors too)."""
         route = self._routes.get(request_id)
         if route is None:
+            lost = self._lost.pop(request_id, None)
             error: StageServeError = NotFoundError(
                 f"no reserved request {request_id} on decode (unknown, expired or aborted)"
             )
+            if lost is not None:
+                error = UnavailableError(f"{lost}; request {request_id} lost its reservation")
             conn.end(RequestEnded(request_id, error=error))
             return
         if route.conn is not None:
@@ -342,6 +342,10 @@ class DecodeLeader:
         lost = [(i, r) for i, r in self._routes.items() if r.rank == rank.dp_rank]
         for request_id, route in lost:
             del self._routes[request_id]
+            if route.conn is None:  # reserved: its generate may still come
+                self._lost[request_id] = error.message
+                while len(self._lost) > MAX_LOST:
+                    self._lost.popitem(last=False)
             self._end(
                 route,
                 RequestEnded(

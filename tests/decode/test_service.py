@@ -160,7 +160,7 @@ async def test_duplicate_ids_and_bad_generate_calls(make_decode: MakeDecode) -> 
 async def test_a_dead_rank_fails_its_requests_and_readiness_until_it_is_back(make_decode: MakeDecode) -> None:
     harness = await make_decode()
     rank = harness.ranks[0]
-    await harness.reserve("reserved", prompt_of(5, 1), SamplingParams())
+    reserved = await harness.reserve("reserved", prompt_of(5, 1), SamplingParams())
     params = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
     kv_ref = await harness.reserve("r", prompt_of(5, 2), params)
     stream = harness.generate(kv_ref, harness.prefill.prefill("r", prompt_of(5, 2), params, kv_ref))
@@ -175,6 +175,9 @@ async def test_a_dead_rank_fails_its_requests_and_readiness_until_it_is_back(mak
         async for _ in stream:
             pass
     await harness.wait_for(lambda: not harness.leader.is_ready)
+    with pytest.raises(UnavailableError, match="lost its reservation"):  # not NOT_FOUND: retryable
+        async for _ in harness.generate(reserved, 7):
+            pass
     with pytest.raises(UnavailableError, match="no decode rank serves"):
         await harness.reserve("late", prompt_of(5, 3), SamplingParams())
     await rank.restart()  # a fresh process: a fresh pool

@@ -80,7 +80,8 @@ class DecodeServicer:
         plus max_new_tokens (capped by the context length, so a running request never runs
         out of pages) and returns where prefill writes (the KvRef names the rank).
         Placement: the serving rank with the most free pages, then the fewest requests.
-        RESOURCE_EXHAUSTED when no rank has enough free pages right now;
+        RESOURCE_EXHAUSTED when no rank has enough free pages right now; UNAVAILABLE when no
+        rank serves (a rank that dies under the Reserve gives way to another rank once);
         INVALID_ARGUMENT for a bad request or a duplicate request_id. The reservation
         expires at the request's deadline or after decode's --max-reservation-s, whichever
         comes first; its pages are quarantined if generate has not started by then.
@@ -97,7 +98,8 @@ class DecodeServicer:
         are answered in-band (RequestEnd.error: NOT_FOUND for an unknown or expired
         request_id; INVALID_ARGUMENT (param kv_written_proof) when kv_written_proof is
         missing or is not the one prefill returned, the reservation staying as it was;
-        UNAVAILABLE when its rank died; DEADLINE_EXCEEDED past its deadline); a message that
+        UNAVAILABLE when its rank died, before or after generate; DEADLINE_EXCEEDED past its
+        deadline); a message that
         is neither generate nor abort ends the stream with INVALID_ARGUMENT. Cancelling or
         ending the stream aborts its running requests and frees their pages.
         """
