@@ -52,6 +52,7 @@ from services.decode.messages import (
     StartReply,
 )
 from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of, place
+from services.decode.scheduler import check_prompt_len
 from services.decode.streams import Connection, RequestEnded
 from services.transfer.base import KvDestination
 
@@ -148,6 +149,12 @@ class DecodeLeader:
                     f"request {request_id} is already live on decode", param="request_id"
                 )
             rank = place(self._ranks, tried)
+            assert rank.load is not None
+            try:  # a prompt past the context never crosses the control channel (it can be huge)
+                check_prompt_len(len(command.prompt_ids), rank.load.max_model_len)
+            except InvalidRequestError:
+                metrics.REQUESTS.labels("invalid").inc()
+                raise
             self._lost.pop(request_id, None)
             route = self._routes[request_id] = _Route(rank.dp_rank)
             try:

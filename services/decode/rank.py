@@ -43,7 +43,7 @@ from services.decode.messages import (
     StartReply,
     WireError,
 )
-from services.decode.scheduler import DecodeRequest, DecodeScheduler
+from services.decode.scheduler import DecodeRequest, DecodeScheduler, check_prompt_len
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
@@ -172,13 +172,7 @@ class DecodeRank:
             raise InvalidRequestError("request_id is empty", param="request_id")
         if lifetime_s <= 0:
             raise DeadlineExceededError(f"{request.request_id}: deadline passed before Reserve")
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty", param="prompt_token_ids")
-        if prompt_len >= max_len:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_len} tokens; the context limit is {max_len}",
-                param="prompt_token_ids",
-            )
+        check_prompt_len(prompt_len, max_len)
         if max(request.prompt_ids) >= self.vocab_size:
             raise InvalidRequestError(
                 f"prompt token ids must be < {self.vocab_size}", param="prompt_token_ids"

@@ -130,6 +130,17 @@ class SlotManager:
         self._free.append(slot)
 
 
+def check_prompt_len(prompt_len: int, max_model_len: int) -> None:
+    """``InvalidRequestError`` for an empty prompt or one that leaves no room to generate."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt_token_ids")
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_len} tokens; the context limit is {max_model_len}",
+            param="prompt_token_ids",
+        )
+
+
 def uses_history(params: SamplingParams) -> bool:
     """Whether sampling reads the request's tokens (the penalties)."""
     is_penalized = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
