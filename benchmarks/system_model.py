@@ -51,10 +51,14 @@ def checkpoint_config(config_dir: Path = CONFIG_7B, tokenizer_dir: Path = BUNDLE
 
 
 def write_checkpoint(
-    out_dir: Path, device: str, seed: int = 0, tokenizer_dir: Path = BUNDLED_MODEL
+    out_dir: Path,
+    device: str,
+    seed: int = 0,
+    config_dir: Path = CONFIG_7B,
+    tokenizer_dir: Path = BUNDLED_MODEL,
 ) -> Path:
     """Write (or keep, when its config matches) the benchmark checkpoint in ``out_dir``."""
-    config = checkpoint_config(tokenizer_dir=tokenizer_dir)
+    config = checkpoint_config(config_dir, tokenizer_dir)
     weights = out_dir / "model.safetensors"
     config_path = out_dir / "config.json"
     if (
@@ -71,7 +75,7 @@ def write_checkpoint(
         shutil.copy(tokenizer_dir / name, out_dir / name)
     started = time.monotonic()
     model = build_random_model(out_dir, device=device, seed=seed)
-    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state = {name: tensor.contiguous().cpu() for name, tensor in model.state_dict().items()}
     save_file(state, str(weights))
     print(
         f"wrote {weights} ({weights.stat().st_size / 1e9:.1f} GB) in {time.monotonic() - started:.0f} s",
