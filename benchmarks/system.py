@@ -72,7 +72,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--requests-per-level", type=float, default=2.0, help="requests = this x concurrency"
     )
-    p.add_argument("--decode-dp", type=int, default=1)
+    p.add_argument(
+        "--decode-dp", type=int, default=1, help="decode ranks, all on the GPU prefill uses"
+    )
+    p.add_argument(
+        "--decode-device", default=None, help="decode's devices, e.g. cuda:0,cuda:1 (one rank each)"
+    )
     p.add_argument("--router-workers", type=int, default=None, help="default: stageserve up's")
     p.add_argument(
         "--client-processes", type=int, default=None, help="default: one per 32 concurrent"
@@ -260,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_ms.items()),
         flush=True,
     )
+    num_ranks = len(args.decode_device.split(",")) if args.decode_device else args.decode_dp
     num_pages = (
-        args.num_pages
-        or max(levels) * -(-(input_len + output_len + 16) // 16) // args.decode_dp + 64
+        args.num_pages or max(levels) * -(-(input_len + output_len + 16) // 16) // num_ranks + 64
     )
     up_args = [
         *settings["up"],
@@ -279,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.router_workers:
         up_args += ["--router-workers", str(args.router_workers)]
+    if args.decode_device:
+        up_args += ["--decode-device", args.decode_device]
     system = start_system(up_args, workdir, _free_port())
     try:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
@@ -313,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- commit: {git_commit()}; date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
         f"- model: {'bundled tiny model' if args.quick else '7B dimensions, random bf16 weights'}, the bundled "
         f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router processes, "
-        f"decode DP {args.decode_dp}); stop exit code {code}",
+        f"decode DP {num_ranks}); stop exit code {code}",
         f"- workload: {input_len} prompt tokens (asked), {output_len} output tokens (ignore_eos), greedy; "
         f"engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),

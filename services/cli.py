@@ -69,7 +69,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="where the models run (each of the next three overrides it)")
     p.add_argument("--encoder-device", default=None, help="the vision encoder's device (default: --device)")
     p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
-    p.add_argument("--decode-device", default=None, help="decode's device, e.g. cuda:1 (default: --device)")
+    p.add_argument("--decode-device", default=None,
+                   help="decode's device, e.g. cuda:1 (default: --device); a list (cuda:0,cuda:1) puts one "
+                        "data-parallel rank on each")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transfer-backend", default="shm",
                    help="embedding transfer (and KV unless --kv-transfer-backend): shm | mooncake | inprocess; "
@@ -109,7 +111,7 @@ def _run_up(args: argparse.Namespace) -> int:
     import os
 
     from services.common.auth import child_environment
-    from services.launcher import LaunchConfig, default_router_workers, device_of, run_up
+    from services.launcher import LaunchConfig, decode_devices, default_router_workers, device_of, run_up
 
     for flag, value in (("--decode-dp", args.decode_dp), ("--router-workers", args.router_workers)):
         if value is not None and value < 1:
@@ -128,10 +130,15 @@ def _run_up(args: argparse.Namespace) -> int:
         embedding_quarantine_s=args.embedding_quarantine_s,
         ready_timeout_s=args.ready_timeout_s, log_dir=args.log_dir, state_file=args.state_file,
     )
+    num_devices = len(decode_devices(cfg))
+    if num_devices > 1 and args.decode_dp not in (1, num_devices):
+        print(f"error: --decode-dp {args.decode_dp} disagrees with --decode-device ({num_devices} devices)",
+              file=sys.stderr)
+        return 2
     try:  # fail here, not as a service that exits before READY
         check_embedding_backend(args.transfer_backend)
-        for name in ("prefill", "decode"):  # the two ends of the KV handoff
-            check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))
+        for device in (device_of(cfg, "prefill"), *decode_devices(cfg)):  # the two ends of the KV handoff
+            check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device)
         env = child_environment(os.environ, api_key=args.api_key)  # AuthConfigError: a bad --api-key
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

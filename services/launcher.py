@@ -149,8 +149,14 @@ def device_of(cfg: LaunchConfig, name: str) -> str:
     return override.get(name) or cfg.device
 
 
+def decode_devices(cfg: LaunchConfig) -> tuple[str, ...]:
+    """Decode's devices: a comma-separated --decode-device puts one DP rank on each."""
+    return tuple(device for device in device_of(cfg, "decode").split(",") if device)
+
+
 def common_args(cfg: LaunchConfig, name: str) -> list[str]:
-    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device_of(cfg, name)]
+    device = decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
+    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device]
     return args + (["--dtype", cfg.dtype] if cfg.dtype else [])
 
 
@@ -243,7 +249,7 @@ class Launcher:
         tokenizer = self.start(ChildSpec("tokenizer"))
         encoder = self.start(ChildSpec("vision_encoder", transfer))
         decode = self.start(ChildSpec("decode", (
-            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, "--ranks", str(cfg.decode_dp),
+            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *self.decode_rank_args(),
             *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
         )))
         self.wait_ready([tokenizer, encoder, decode])
@@ -276,6 +282,12 @@ class Launcher:
         self.wait_ready(others)
         self.write_state()
         return router
+
+    def decode_rank_args(self) -> tuple[str, ...]:
+        devices = decode_devices(self.cfg)
+        if len(devices) > 1:
+            return ("--devices", ",".join(devices))
+        return ("--ranks", str(self.cfg.decode_dp))
 
     def write_state(self) -> None:
         """Pids and ports of the current children as JSON, replaced atomically (no reader sees

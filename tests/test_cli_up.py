@@ -337,3 +337,18 @@ def test_up_takes_decode_dp_and_router_workers(monkeypatch, capsys) -> None:
     for flag in ("--decode-dp", "--router-workers"):
         assert main(["up", flag, "0"]) == 2
         assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_a_decode_device_list_puts_one_rank_on_each(monkeypatch, capsys) -> None:
+    cfg = LaunchConfig(Path("m"), device="cuda:0", decode_device="cuda:0,cuda:1")
+    args = service_args(cfg, monkeypatch)
+    assert args["decode"][args["decode"].index("--devices") + 1] == "cuda:0,cuda:1"
+    assert "--ranks" not in args["decode"]
+    flags = common_args(cfg, "decode")
+    assert flags[flags.index("--device") + 1] == "cuda:0"
+    assert main(["up", "--device", "cuda:0", "--decode-device", "cuda:0,cuda:1", "--decode-dp", "3",
+                 "--kv-transfer-backend", "cuda_ipc"]) == 2
+    assert "--decode-dp 3 disagrees with --decode-device (2 devices)" in capsys.readouterr().err
+    assert main(["up", "--device", "cuda:0", "--decode-device", "cuda:1,cpu", "--kv-transfer-backend",
+                 "cuda_ipc"]) == 2  # every rank's device is checked against the KV backend
+    assert "needs a CUDA device" in capsys.readouterr().err
