@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from benchmarks.measure import Ceilings, decode_floor_bytes, prefill_flops, time_ms, vit_flops
 from benchmarks.report import Row
+from services.decode.batch import DecodeBatchRunner, StepLoop
+from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.sampler import Sampler, SamplingParams
 
 PAGE_SIZE = 16
 PREFILL_LENS = (1024, 8192, 32768)
@@ -75,35 +79,62 @@ def decode_rows(
     return rows
 
 
-def decode_loop(runner: ModelRunner, steps: list[StepInput], num_steps: int) -> list[list[int]]:
-    """A greedy decode loop as a serving loop runs it, pipelined: the host plans step N+1 while
-    the GPU runs step N. Each step's argmax stays on the device and is the next step's input;
-    its copy to pinned host memory is read one step late (the only host sync). Returns the
-    tokens of every step, as the host read them."""
+def decode_batch(runner: ModelRunner, steps: list[StepInput]) -> DecodeBatchRunner:
+    """The decode rank's batch runner (services/decode/batch.py) sized for ``steps``' rows."""
+    max_pages = max(len(runner.page_table.pages(s.request_id)) for s in steps)
+    return DecodeBatchRunner(runner, Sampler(), len(steps), max_pages)
+
+
+def fixed_plans(runner: ModelRunner, steps: list[StepInput], num_steps: int) -> list[DecodePlan]:
+    """``num_steps`` greedy plans of the rows of ``steps``, every one at its StepInput's position
+    (positions do not advance); the first plan joins every row with its ``input_ids[0]``."""
     n = len(steps)
-    host = [torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
-    copied = [torch.cuda.Event(), torch.cuda.Event()]
-    out: list[list[int]] = []
-    tokens = None
-    for i in range(num_steps):
-        tokens = runner.forward(ForwardMode.DECODE, steps, input_ids=tokens).argmax(-1)
-        host[i % 2].copy_(tokens, non_blocking=True)
-        copied[i % 2].record()
-        if i > 0:  # step i-1's tokens, while step i runs
-            copied[(i - 1) % 2].synchronize()
-            out.append(host[(i - 1) % 2].tolist())
-    copied[(num_steps - 1) % 2].synchronize()
-    out.append(host[(num_steps - 1) % 2].tolist())
+    greedy = SamplingParams(temperature=0.0)
+    joined = tuple(
+        JoinedRow(slot, s.input_ids[0], greedy, (), runner.page_table.pages(s.request_id))
+        for slot, s in enumerate(steps)
+    )
+    fields = dict(
+        request_ids=tuple(s.request_id for s in steps),
+        slots=np.arange(n, dtype=np.int64),
+        seq_lens=np.array([s.prefix_len for s in steps], dtype=np.int64),
+        positions=np.array([int(s.positions[0, 0]) for s in steps], dtype=np.int64),
+        num_output_ids=np.ones(n, dtype=np.int64),
+    )
+    return [DecodePlan(step=i, joined=joined if i == 0 else (), **fields) for i in range(num_steps)]
+
+
+def decode_loop(
+    runner: ModelRunner, steps: list[StepInput], num_steps: int, batch: DecodeBatchRunner | None = None,
+    is_overlapped: bool = True,
+) -> list[list[int]]:
+    """A greedy decode loop as the decode service's rank runs it: its ``StepLoop`` over its batch
+    runner. Overlapped, the host plans step N+1 while the GPU runs step N: each step's samples
+    stay on the device as the next step's input, and their copy to pinned host memory is read
+    one step late (the only host sync). Returns the tokens of every step, as the host read them."""
+    loop = StepLoop(batch or decode_batch(runner, steps), is_overlapped)
+    out = []
+    for plan in fixed_plans(runner, steps, num_steps):
+        if (done := loop.step(plan)) is not None:
+            out.append(done[1])
+    while loop.has_unread:
+        done = loop.step(None)
+        assert done is not None
+        out.append(done[1])
     return out
 
 
-def decode_loop_ms(runner: ModelRunner, steps: list[StepInput], num_steps: int = 40, warmup: int = 5) -> float:
+def decode_loop_ms(
+    runner: ModelRunner, steps: list[StepInput], num_steps: int = 40, warmup: int = 5, is_overlapped: bool = True
+) -> float:
     """Steady-state wall time per step of ``decode_loop``: every step of a ``num_steps`` loop
     (fill and drain included), host clock from the first call to the last token read."""
-    decode_loop(runner, steps, warmup)
-    torch.cuda.synchronize()
+    batch = decode_batch(runner, steps)
+    decode_loop(runner, steps, warmup, batch, is_overlapped)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     start = time.perf_counter()
-    decode_loop(runner, steps, num_steps)
+    decode_loop(runner, steps, num_steps, batch, is_overlapped)
     return (time.perf_counter() - start) * 1e3 / num_steps
 
 
@@ -111,7 +142,7 @@ def _decode_row(runner: ModelRunner, ceilings: Ceilings, request_ids: list[str],
     batch_size = len(request_ids)
     steps = _decode_steps(request_ids, context_len)
     ms = decode_loop_ms(runner, steps)
-    sync_ms = time_ms(lambda: runner.forward(ForwardMode.DECODE, steps).argmax(-1).cpu(), warmup=3, iters=20)
+    sync_ms = decode_loop_ms(runner, steps, num_steps=20, warmup=3, is_overlapped=False)
     note = ""
     if runner.cuda_graph is not None and runner.cuda_graph.can_run(batch_size):
         graph = runner.cuda_graph

@@ -117,14 +117,21 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder-ranks", type=int, default=None,
                    help="the vision encoder's rank processes, all on its device (default: 1)")
     p.add_argument("--prefill-device", default=None, help="prefill's device, e.g. cuda:0 (default: --device)")
-    p.add_argument("--decode-device", default=None, help="decode's device, e.g. cuda:1 (default: --device)")
+    p.add_argument("--decode-device", default=None,
+                   help="decode's device, e.g. cuda:1 (default: --device); a list (cuda:0,cuda:1) puts one "
+                        "data-parallel rank on each")
     p.add_argument("--dtype", default=None)
     p.add_argument("--transfer-backend", default="shm",
                    help="embedding transfer (and KV unless --kv-transfer-backend): shm | mooncake | inprocess; "
                    "shm: /dev/shm shared by this host's processes, no network port (default)")
     p.add_argument("--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP)
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
-    p.add_argument("--num-pages", type=_at_least(1), default=16384, help="decode KV pages")
+    p.add_argument("--num-pages", type=_at_least(1), default=16384, help="decode KV pages (per decode rank)")
+    p.add_argument("--decode-dp", type=_at_least(1), default=1,
+                   help="decode's data-parallel ranks, each its own process with its own KV pool and "
+                        "batch, all on --decode-device")
+    p.add_argument("--router-workers", type=_at_least(1), default=None,
+                   help="router processes sharing the HTTP port (default: one per 8 CPUs, 1 to 4)")
     p.add_argument("--page-size", type=_at_least(1), default=16)
     p.add_argument("--stall-timeout-s", type=_positive, default=None,
                    help="the router's per-hop progress bound (default: the router's)")
@@ -175,7 +182,14 @@ def _run_up(args: argparse.Namespace) -> int:
     from services.common.envs import Envs
     from services.common.logs import LOG_FORMATS
     from services.common.telemetry import tracing_plan
-    from services.launcher import LaunchConfig, device_of, new_run_dir, run_up
+    from services.launcher import (
+        LaunchConfig,
+        decode_devices,
+        default_router_workers,
+        device_of,
+        new_run_dir,
+        run_up,
+    )
 
     envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
@@ -205,11 +219,16 @@ def _run_up(args: argparse.Namespace) -> int:
             log_dir=args.log_dir or new_run_dir(), log_format=log_format, log_level=args.log_level,
             metrics_port_base=args.metrics_port_base, state_file=args.state_file,
             served_model_name=args.served_model_name, max_model_len=args.max_model_len,
+            decode_dp=args.decode_dp, router_workers=args.router_workers or default_router_workers(),
         )
+        num_decode_devices = len(decode_devices(cfg))
+        if num_decode_devices > 1 and args.decode_dp not in (1, num_decode_devices):
+            raise ValueError(f"--decode-dp {args.decode_dp} disagrees with --decode-device "
+                             f"({num_decode_devices} devices)")
         check_prefill_cp(cfg)
         check_embedding_backend(args.transfer_backend)
-        for name in ("prefill", "decode"):  # the two ends of the KV handoff
-            check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device_of(cfg, name))
+        for device in (device_of(cfg, "prefill"), *decode_devices(cfg)):  # the two ends of the KV handoff
+            check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device)
         env = child_environment(os.environ, api_key=args.api_key)  # AuthConfigError: a bad --api-key
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -107,8 +107,10 @@ class LaunchConfig:
     transfer_backend: str = "shm"
     kv_transfer_backend: str | None = None  # prefill and decode's KV handoff; None: transfer_backend
     attention_backend: str = "torch"
-    num_pages: int = 16384
+    num_pages: int = 16384  # per decode rank
     page_size: int = 16
+    decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
+    router_workers: int = 1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
     # passed on only when set (None: the service's own default)
     stall_timeout_s: float | None = None  # router: per-hop progress bound
     max_concurrent_requests: int | None = None  # router: admission slots
@@ -143,17 +145,30 @@ class LaunchConfig:
                              f"the HTTP port {self.http_port}")
 
 
+def default_router_workers(num_cpus: int | None = None) -> int:
+    """Router processes for this machine: one per 8 CPUs, at least 1, at most 4."""
+    num_cpus = num_cpus if num_cpus is not None else os.cpu_count() or 1
+    return max(1, min(4, num_cpus // 8))
+
+
 @dataclass(frozen=True)
 class ChildSpec:
     """How to start one service: its own flags, and the ports it binds.
 
     ``ports`` maps a READY-line key to its first value (0: any free port); a restart
     binds the ports the first process reported, each as ``--<key with dashes>``.
+    ``service``: the package it runs (default ``name``; the second router is
+    ``router-2``, running ``services.router``).
     """
 
     name: str
     args: tuple[str, ...] = ()
     ports: Mapping[str, int] = field(default_factory=lambda: {"port": 0, "metrics_port": 0})
+    service: str = ""
+
+    @property
+    def module(self) -> str:
+        return f"services.{self.service or self.name}"
 
 
 @dataclass
@@ -169,6 +184,10 @@ class Child:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def service(self) -> str:
+        return self.spec.service or self.spec.name
 
     @property
     def address(self) -> str:
@@ -194,8 +213,14 @@ def device_of(cfg: LaunchConfig, name: str) -> str:
     return override.get(name) or cfg.device
 
 
+def decode_devices(cfg: LaunchConfig) -> tuple[str, ...]:
+    """Decode's devices: a comma-separated --decode-device puts one DP rank on each."""
+    return tuple(device for device in device_of(cfg, "decode").split(",") if device)
+
+
 def common_args(cfg: LaunchConfig, name: str) -> list[str]:
-    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device_of(cfg, name)]
+    device = decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
+    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device]
     args += ["--log-format", cfg.log_format]
     return args + (["--dtype", cfg.dtype] if cfg.dtype else []) + optional_arg("--log-level", cfg.log_level)
 
@@ -242,8 +267,8 @@ class Launcher:
     def _spawn(self, spec: ChildSpec, ports: Mapping[str, int]) -> Child:
         # Called from the main thread only: PR_SET_PDEATHSIG fires when the forking thread ends.
         cmd = [
-            sys.executable, "-m", f"services.{spec.name}",
-            *common_args(self.cfg, spec.name), *port_args(ports), *spec.args,
+            sys.executable, "-m", spec.module,
+            *common_args(self.cfg, spec.service or spec.name), *port_args(ports), *spec.args,
         ]
         stderr = subprocess.DEVNULL
         if self.cfg.log_dir is not None:
@@ -269,7 +294,7 @@ class Launcher:
         for line in child.process.stdout:
             child.lines.append(line.rstrip())
             words = line.split()
-            is_ready_line = len(words) >= 2 and words[0] == "READY" and words[1] == child.name
+            is_ready_line = len(words) >= 2 and words[0] == "READY" and words[1] == child.service
             if is_ready_line and not child.ready:
                 child.ready = dict(w.split("=", 1) for w in words[2:] if "=" in w)
 
@@ -313,7 +338,7 @@ class Launcher:
         encoder_args = (*transfer, *optional_arg("--ranks", cfg.encoder_ranks))
         encoder = self.start(ChildSpec("vision_encoder", encoder_args, first_ports(cfg, "vision_encoder")))
         decode = self.start(ChildSpec("decode", (
-            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *max_len,
+            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *max_len, *self.decode_rank_args(),
             *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
         ), first_ports(cfg, "decode")))
         self.wait_ready([tokenizer, encoder, decode])
@@ -325,24 +350,38 @@ class Launcher:
             *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
         ), first_ports(cfg, "prefill")))
         self.wait_ready([prefill])
+        router_args = (
+            "--http-host", cfg.host,
+            "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
+            "--decode-address", decode.address, "--encoder-address", encoder.address,
+            *optional_arg("--served-model-name", cfg.served_model_name),
+            *optional_arg("--max-context-len", cfg.max_model_len),
+            *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
+            *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
+            *optional_arg("--max-queued-requests", cfg.max_queued_requests),
+            *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
+            *(("--http-reuse-port",) if cfg.router_workers > 1 else ()),
+        )
         router = self.start(ChildSpec(
-            "router",
-            (
-                "--http-host", cfg.host,
-                "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
-                "--decode-address", decode.address, "--encoder-address", encoder.address,
-                *optional_arg("--served-model-name", cfg.served_model_name),
-                *optional_arg("--max-context-len", cfg.max_model_len),
-                *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
-                *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
-                *optional_arg("--max-queued-requests", cfg.max_queued_requests),
-                *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
-            ),
-            {**first_ports(cfg, "router"), "http_port": cfg.http_port},
+            "router", router_args, {**first_ports(cfg, "router"), "http_port": cfg.http_port},
         ))
         self.wait_ready([router])
+        http_port = int(router.ready["http_port"])  # the others share it (SO_REUSEPORT)
+        others = [
+            self.start(ChildSpec(
+                f"router-{i + 1}", router_args, {"port": 0, "metrics_port": 0, "http_port": http_port}, "router"
+            ))
+            for i in range(1, cfg.router_workers)
+        ]
+        self.wait_ready(others)
         self.write_state()
         return router
+
+    def decode_rank_args(self) -> tuple[str, ...]:
+        devices = decode_devices(self.cfg)
+        if len(devices) > 1:
+            return ("--devices", ",".join(devices))
+        return ("--ranks", str(self.cfg.decode_dp))
 
     def write_state(self) -> None:
         """Pids and ports of the current children as JSON, replaced atomically (no reader sees

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,10 +11,14 @@ from services.common.kv_transfer import KV_BACKEND_HELP, check_kv_backend, resol
 from services.common.paths import BUNDLED_MODEL
 from services.common.service_main import ServiceConfig, add_common_args
 
+_DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
+
 
 @dataclass(frozen=True)
 class DecodeConfig(ServiceConfig):
     model: Path = BUNDLED_MODEL
+    ranks: int = 1  # DP ranks, each a process on --device (unless devices names them)
+    devices: tuple[str, ...] = ()  # one DP rank per entry ("cuda:0", "cuda:1", "cpu")
     num_pages: int = 2048
     page_size: int = 16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -29,6 +34,12 @@ class DecodeConfig(ServiceConfig):
     kv_quarantine_s: float = 35.0  # pages of a reservation that failed before its KV was ready rest this long
 
     @property
+    def rank_devices(self) -> tuple[str, ...]:
+        """The device of each DP rank ("cuda" means "cuda:0")."""
+        devices = self.devices or (self.device,) * self.ranks
+        return tuple("cuda:0" if device == "cuda" else device for device in devices)
+
+    @property
     def kv_backend(self) -> str:
         """The KV handoff backend; ``ValueError`` for one the service cannot run."""
         return resolve_kv_backend(self.kv_transfer_backend, self.transfer_backend)
@@ -37,11 +48,16 @@ class DecodeConfig(ServiceConfig):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.decode", description="The stageserve decode service.")
     add_common_args(p)
-    p.add_argument("--num-pages", type=int, default=2048, help="KV pages in the pool")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="data-parallel decode ranks, each its own process with its own KV pool and "
+                        "running batch, all on --device")
+    p.add_argument("--devices", type=_devices, default=(),
+                   help="one DP rank per device, comma-separated (cuda:0,cuda:1); overrides --ranks")
+    p.add_argument("--num-pages", type=int, default=2048, help="KV pages in the pool of each rank")
     p.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit, prompt + generated tokens (default: max_position_embeddings)")
-    p.add_argument("--max-running-requests", type=int, default=256, help="largest decode batch")
+    p.add_argument("--max-running-requests", type=int, default=256, help="largest decode batch of each rank")
     p.add_argument("--attention-backend", default="torch", help="torch | flashinfer")
     p.add_argument("--transfer-backend", default="mooncake",
                    help="transfer backend: mooncake | inprocess; the KV one unless --kv-transfer-backend")
@@ -49,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer-host", default=None,
                    help="hostname the transfer engine advertises to prefill (default: --host)")
     p.add_argument("--watchdog-s", type=float, default=30.0,
-                   help="health turns NOT_SERVING when the loop has work but no step ends for this long")
+                   help="a rank whose step takes longer is declared dead: its requests fail and it restarts")
     p.add_argument("--sweep-interval-s", type=float, default=0.5,
                    help="how often expired reservations are released")
     p.add_argument("--reservation-timeout-s", type=float, default=60.0,
@@ -64,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _devices(text: str) -> tuple[str, ...]:
+    devices = tuple(d.strip() for d in text.split(",") if d.strip())
+    bad = [d for d in devices if not _DEVICE.match(d)]
+    if not devices or bad:
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda:N, comma-separated; got {text!r}")
+    return devices
+
+
 def parse_config(argv: list[str] | None = None) -> DecodeConfig:
     args = build_parser().parse_args(argv)
     config = DecodeConfig(**{name.replace("-", "_"): value for name, value in vars(args).items()})
@@ -72,7 +96,11 @@ def parse_config(argv: list[str] | None = None) -> DecodeConfig:
 
 
 def _check(config: DecodeConfig) -> None:
-    positives = ("num_pages", "page_size", "max_running_requests", "watchdog_s", "sweep_interval_s",
+    if config.devices and config.ranks not in (1, len(config.devices)):
+        raise SystemExit(f"--ranks {config.ranks} disagrees with --devices ({len(config.devices)} devices)")
+    if not config.devices and not _DEVICE.match(config.device):
+        raise SystemExit(f"--device must be cpu, cuda or cuda:N, got {config.device!r}")
+    positives = ("ranks", "num_pages", "page_size", "max_running_requests", "watchdog_s", "sweep_interval_s",
                  "reservation_timeout_s", "max_reservation_s")
     for name in positives:
         if getattr(config, name) <= 0:
@@ -87,6 +115,7 @@ def _check(config: DecodeConfig) -> None:
     if config.max_model_len is not None and config.max_model_len < 2:
         raise SystemExit(f"--max-model-len must be >= 2, got {config.max_model_len}")
     try:
-        check_kv_backend(config.kv_transfer_backend, config.transfer_backend, config.device)
+        for device in config.rank_devices:
+            check_kv_backend(config.kv_transfer_backend, config.transfer_backend, device)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None

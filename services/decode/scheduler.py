@@ -1,32 +1,33 @@
-"""Decode scheduler: CPU bookkeeping of one rank's requests; decides every step's batch.
+"""Decode scheduler: CPU bookkeeping of one rank's requests, the one state machine of each.
 
 Request lifecycle (``ReqStatus``):
 
   RESERVED  add(): pages taken for min(prompt_len + max_new_tokens, max_model_len)
-            positions; prefill writes the prompt's KV into the first of them.
-              -> WAITING   start(): Generate arrived with prefill's proof that the KV is
-                           written (check_kv_written); the first token, sampled by
-                           prefill, becomes output token 1
+            positions, and a deadline; prefill writes the prompt's KV into the first pages.
+              -> WAITING   start(): generate arrived with prefill's proof that the KV is
+                           written (check_kv_written); the first token, sampled by prefill,
+                           becomes output token 1
               -> FINISHED  start(): that first token already ends the request
-              -> ABORTED   abort(): the router aborted, or the transfer session expired.
-                           When the session failed, prefill may still be writing the pages:
-                           abort(quarantine=True) parks them in kv's quarantine, not free
+              -> ABORTED   abort(): pages quarantined (prefill may still be writing them)
+                           unless is_kv_written, then freed
+              -> EXPIRED   expire(): the deadline passed first; pages quarantined
   WAITING   KV ready, not stepped yet.
-              -> RUNNING   schedule(): joins the next step's batch (FIFO, at most
-                           max_running_requests run at once)
+              -> RUNNING   schedule(): takes a batch slot and joins the next step (FIFO, at
+                           most max_running_requests at once)
               -> ABORTED   abort()
-  RUNNING   in every plan: its last token is fed at position seq_len, the next sampled.
+  RUNNING   in every plan while it still needs tokens; each plan feeds its newest token.
               -> FINISHED  update_from_output(): EOS / stop token, max_new_tokens (the
                            first token counts), or the context limit
               -> ABORTED   abort()
-  FINISHED / ABORTED: forgotten; pages freed (or quarantined) exactly once. A request in
-            the step in flight keeps its pages until update_from_output: that step still
-            writes its KV, so the pages must not go to another request before it ends.
-            Quarantined pages go back to the free list at the engine's sweep once their
-            time is up (``kv.release_quarantined``).
+  FINISHED / ABORTED / EXPIRED: forgotten; pages freed (or quarantined) exactly once.
 
-Requests join and leave the batch at every step. ``plan.released_request_ids`` tells the
-worker which requests it ran are gone, so it drops their state (random generators).
+One step late: the loop plans step N+1 before it reads step N's tokens, so a request
+whose EOS is still unread runs one more step; that step's token is discarded (the
+request is gone when it is read). The token counts are known ahead (``num_scheduled``),
+so no step is planned past max_new_tokens or the context limit. A request leaves with its
+pages and slot only once the last step it ran in has been read (its KV writes and its
+slot's device state belong to that step until then). Quarantined pages go back to the
+free list once their time is up (``kv.release_quarantined``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
+import numpy as np
 
 from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.types import FinishReason, Usage
 from services.decode.kv_manager import KVReservationManager
+from services.decode.messages import Finished
 from services.engine.sampler import SamplingParams
 
 
@@ -51,6 +53,7 @@ class ReqStatus(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     ABORTED = "aborted"
+    EXPIRED = "expired"
 
 
 @dataclass
@@ -59,55 +62,93 @@ class DecodeRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     rope_delta: int  # M-RoPE position delta of the prompt
+    deadline_s: float = float("inf")  # monotonic: a reservation not started by then expires
     # What prefill returns once the KV landed (signing.kv_written_proof); b"" accepts no proof
     kv_written_proof: bytes = b""
     status: ReqStatus = ReqStatus.RESERVED
-    output_ids: list[int] = field(default_factory=list)  # the first token from prefill included
-
-    @property
-    def seq_len(self) -> int:  # KV positions written before the last output token is fed
-        return len(self.prompt_ids) + len(self.output_ids) - 1
+    output_ids: list[int] = field(
+        default_factory=list
+    )  # read tokens, the first from prefill included
+    num_scheduled: int = 0  # output tokens read or being computed by a launched step
+    slot: int = -1  # its batch slot while RUNNING (and until its last step is read)
+    last_step: int = -1  # the newest step it ran in
 
     @property
     def usage(self) -> Usage:
-        return Usage(num_prompt_tokens=len(self.prompt_ids), num_completion_tokens=len(self.output_ids))
+        return Usage(
+            num_prompt_tokens=len(self.prompt_ids), num_completion_tokens=len(self.output_ids)
+        )
 
 
-class DecodeItem(msgspec.Struct, frozen=True):
-    """One request's part of a decode step."""
+@dataclass(frozen=True)
+class JoinedRow:
+    """A request's first step: what the batch runner keeps for its slot while it runs."""
 
-    request_id: str
-    token_id: int  # the last sampled token, fed this step
-    seq_len: int  # KV positions already written = the index of token_id's position
-    position: int  # M-RoPE position of token_id on all three axes: seq_len + rope_delta
+    slot: int
+    first_token_id: int
     params: SamplingParams
-    prompt_ids: tuple[int, ...]  # for the repetition penalty; () when the params use no penalty
-    output_ids: tuple[int, ...]  # for the penalties; () when the params use none
-    is_new: bool  # the request's first step: the worker sets up its generator
+    prompt_ids: tuple[int, ...]  # for the repetition penalty; () when its params use no history
+    pages: list[int]  # every page it holds, position order
 
 
-class DecodePlan(msgspec.Struct, frozen=True):
-    items: tuple[DecodeItem, ...]  # the running batch of this step, in order
-    released_request_ids: tuple[str, ...] = ()  # requests run before and gone since the last plan
+@dataclass(frozen=True)
+class DecodePlan:
+    """One step of the running batch as whole-batch arrays; row r is ``request_ids[r]``."""
+
+    step: int
+    request_ids: tuple[str, ...]
+    slots: np.ndarray  # [B] int64: each row's batch slot
+    seq_lens: np.ndarray  # [B] int64: KV positions written before the row's fed token
+    positions: np.ndarray  # [B] int64: M-RoPE position of the fed token (seq_len + rope delta)
+    num_output_ids: (
+        np.ndarray
+    )  # [B] int64: output tokens before this step's (min_tokens counts them)
+    joined: tuple[JoinedRow, ...]  # rows whose first step this is
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.request_ids)
 
 
-class TokenEvent(msgspec.Struct, frozen=True):
-    """New tokens of one request; the last event of a request carries finish_reason and usage."""
+class SlotManager:
+    """The batch slots [0, num_slots): one per running request, the index of its device state."""
 
-    request_id: str
-    token_ids: tuple[int, ...]  # empty when the first token already finished the request
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = deque(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        assert self._free, "no free batch slot"
+        return self._free.popleft()
+
+    def free(self, slot: int) -> None:
+        assert 0 <= slot < self.num_slots and slot not in self._free, f"bad slot free {slot}"
+        self._free.append(slot)
 
 
-def _uses_history(params: SamplingParams) -> bool:
-    """Whether sampling reads the request's tokens (penalties, and the min_tokens mask's count)."""
+def check_prompt_len(prompt_len: int, max_model_len: int) -> None:
+    """``InvalidRequestError`` for an empty prompt or one that leaves no room to generate."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty", param="prompt_token_ids")
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {prompt_len} tokens; the context limit is {max_model_len}",
+            param="prompt_token_ids",
+        )
+
+
+def uses_history(params: SamplingParams) -> bool:
+    """Whether sampling reads the request's tokens (the penalties)."""
     is_penalized = params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-    return is_penalized or params.presence_penalty != 0.0 or params.min_tokens > 0
+    return is_penalized or params.presence_penalty != 0.0
 
 
 class DecodeScheduler:
-    """Owns one rank's decode requests and their KV pages (through ``kv``)."""
+    """Owns one rank's decode requests, their KV pages (through ``kv``) and batch slots."""
 
     def __init__(
         self,
@@ -121,12 +162,13 @@ class DecodeScheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_running_requests = max_running_requests
+        self.slots = SlotManager(max_running_requests)
         self._requests: dict[str, DecodeRequest] = {}
+        self._reserved: dict[str, DecodeRequest] = {}
         self._waiting: deque[str] = deque()
-        self._running: list[str] = []
-        self._in_flight: set[str] = set()  # request ids of the plan being executed
-        self._free_after_step: list[str] = []  # left while in flight: pages freed when the step ends
-        self._released: list[str] = []
+        self._running: list[DecodeRequest] = []
+        self._leaving: dict[str, DecodeRequest] = {}  # gone, but in a step not read yet
+        self._last_read_step = -1
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -137,7 +179,7 @@ class DecodeScheduler:
 
     @property
     def num_reserved(self) -> int:
-        return len(self._requests) - len(self._waiting) - len(self._running)
+        return len(self._reserved)
 
     @property
     def num_running(self) -> int:
@@ -146,7 +188,8 @@ class DecodeScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._released)
+        """Requests to step, or gone requests whose last step is still unread."""
+        return bool(self._waiting or self._running or self._leaving)
 
     def num_positions(self, prompt_len: int, params: SamplingParams) -> int:
         return min(prompt_len + params.max_new_tokens, self.max_model_len)
@@ -157,24 +200,25 @@ class DecodeScheduler:
         ``InvalidRequestError`` for a live request id, ``CapacityError`` when pages are short.
         """
         request_id = request.request_id
-        if request_id in self._requests or request_id in self._free_after_step:
-            raise InvalidRequestError(f"request {request_id} is already live on decode", param="request_id")
+        if request_id in self._requests or request_id in self._leaving:
+            raise InvalidRequestError(
+                f"request {request_id} is already live on decode", param="request_id"
+            )
         assert request.status is ReqStatus.RESERVED and not request.output_ids
-        pages = self.kv.allocate(request_id, self.num_positions(len(request.prompt_ids), request.params))
-        self._requests[request_id] = request
+        pages = self.kv.allocate(
+            request_id, self.num_positions(len(request.prompt_ids), request.params)
+        )
+        self._requests[request_id] = self._reserved[request_id] = request
         return pages
 
     def check_kv_written(self, request_id: str, kv_written_proof: bytes) -> None:
         """``InvalidRequestError`` unless ``kv_written_proof`` is the request's: prefill wrote its KV."""
-        request = self._requests.get(request_id)
-        if request is None:
-            raise NotFoundError(
-                f"no reserved request {request_id} on decode (unknown, expired or aborted)"
-            )
+        request = self._reserved_request(request_id)
         if not kv_written_proof:
             raise InvalidRequestError(
-                f"Generate for {request_id} carries no kv_written_proof: decode starts a "
-                "reservation only once prefill reported its KV written", param="kv_written_proof",
+                f"generate for {request_id} carries no kv_written_proof: decode starts a "
+                "reservation only once prefill reported its KV written",
+                param="kv_written_proof",
             )
         expected = request.kv_written_proof
         if not expected or not hmac.compare_digest(kv_written_proof, expected):
@@ -183,101 +227,138 @@ class DecodeScheduler:
                 param="kv_written_proof",
             )
 
-    def start(self, request_id: str, first_token_id: int) -> TokenEvent | None:
-        """RESERVED -> WAITING with the first token; the finishing event if that token ends it."""
-        request = self._requests.get(request_id)
-        if request is None:
-            raise NotFoundError(f"no reserved request {request_id} on decode (unknown, expired or aborted)")
-        if request.status is not ReqStatus.RESERVED:
-            raise InvalidRequestError(f"Generate already started for {request_id}", param="request_id")
+    def start(self, request_id: str, first_token_id: int) -> Finished | None:
+        """RESERVED -> WAITING with the first token; its ``Finished`` if that token ends it."""
+        request = self._reserved_request(request_id)
         request.output_ids.append(first_token_id)
+        request.num_scheduled = 1
         reason = self._finish_reason(request, first_token_id)
         if reason is not None:
             self._remove(request, ReqStatus.FINISHED)
-            return TokenEvent(request_id, (), reason, request.usage)
+            return Finished(request_id, reason, request.usage)
+        del self._reserved[request_id]
         request.status = ReqStatus.WAITING
         self._waiting.append(request_id)
         return None
 
-    def abort(self, request_id: str, *, quarantine: bool = False) -> bool:
-        """Drop ``request_id`` in any state and free its pages; False when it is not live.
-
-        ``quarantine``: a RESERVED request's pages may still receive a late KV write, so
-        they rest in ``kv``'s quarantine instead of going back to the free list.
-        """
+    def abort(self, request_id: str, *, is_kv_written: bool = False) -> bool:
+        """Abort wherever it is; False when it was not live. A reservation's pages are
+        quarantined unless ``is_kv_written`` (no late write can land): then freed."""
         request = self._requests.get(request_id)
         if request is None:
             return False
-        assert not quarantine or request.status is ReqStatus.RESERVED, "only a reservation's KV can land late"
-        self._remove(request, ReqStatus.ABORTED, quarantine)
+        is_reserved = request.status is ReqStatus.RESERVED
+        self._remove(request, ReqStatus.ABORTED, quarantine=is_reserved and not is_kv_written)
         return True
 
-    def abort_all(self) -> list[str]:
-        """Drop every request and free its pages at once (the quarantine stays as it is).
+    def expire(self, now_s: float) -> list[str]:
+        """Reservations past their deadline: EXPIRED, pages quarantined; their ids."""
+        expired = [r for r in self._reserved.values() if r.deadline_s <= now_s]
+        for request in expired:
+            self._remove(request, ReqStatus.EXPIRED, quarantine=True)
+        return [r.request_id for r in expired]
 
-        Only when no step is in flight and no request is admitted any more (shutdown, worker
-        failure): a late KV write then harms nobody.
-        """
-        self._in_flight = set()
-        for request_id in self._free_after_step:
-            self.kv.free(request_id)
-        self._free_after_step = []
+    def abort_all(self) -> list[str]:
+        """Abort every live request (reservations quarantined); their ids."""
         request_ids = list(self._requests)
         for request_id in request_ids:
             self.abort(request_id)
         return request_ids
 
-    def schedule(self) -> DecodePlan:
-        """The next step's batch: every running request, plus waiting ones while there is room."""
-        joined: set[str] = set()
-        while self._waiting and len(self._running) < self.max_running_requests:
-            request_id = self._waiting.popleft()
-            self._requests[request_id].status = ReqStatus.RUNNING
-            self._running.append(request_id)
-            joined.add(request_id)
-        items = tuple(self._item(self._requests[r], r in joined) for r in self._running)
-        released, self._released = tuple(self._released), []
-        self._in_flight = set(self._running)
-        return DecodePlan(items, released)
+    def drop_unread(self, last_step: int) -> None:
+        """Steps up to ``last_step`` will never be read (the loop was reset, the device idle):
+        release the requests that wait on them."""
+        self._last_read_step = max(self._last_read_step, last_step)
+        for request in list(self._leaving.values()):
+            self._release(request)
 
-    def update_from_output(self, plan: DecodePlan, token_ids: Sequence[int]) -> list[TokenEvent]:
-        """Append each sampled token, apply the stop rules; one event per request still live."""
-        assert len(token_ids) == len(plan.items), "one sampled token per plan item"
-        self._in_flight = set()
-        for request_id in self._free_after_step:
-            self.kv.free(request_id)
-        self._free_after_step = []
-        events = []
-        for item, token_id in zip(plan.items, token_ids, strict=True):
-            request = self._requests.get(item.request_id)
+    def schedule(self, step: int) -> DecodePlan | None:
+        """The running batch of ``step`` (waiting requests join while slots last); None when empty."""
+        assert step > self._last_read_step
+        joined: list[DecodeRequest] = []
+        while (
+            self._waiting and len(self._running) < self.max_running_requests and self.slots.num_free
+        ):
+            request = self._requests[self._waiting.popleft()]
+            request.status, request.slot = ReqStatus.RUNNING, self.slots.allocate()
+            self._running.append(request)
+            joined.append(request)
+        rows = [r for r in self._running if r.num_scheduled < self._num_tokens_allowed(r)]
+        if not rows:
+            return None
+        seq_lens = [len(r.prompt_ids) + r.num_scheduled - 1 for r in rows]
+        plan = DecodePlan(
+            step=step,
+            request_ids=tuple(r.request_id for r in rows),
+            slots=np.array([r.slot for r in rows], dtype=np.int64),
+            seq_lens=np.array(seq_lens, dtype=np.int64),
+            positions=np.array(
+                [s + r.rope_delta for s, r in zip(seq_lens, rows, strict=True)], dtype=np.int64
+            ),
+            num_output_ids=np.array([r.num_scheduled for r in rows], dtype=np.int64),
+            joined=tuple(self._joined_row(r) for r in joined),
+        )
+        for request in rows:
+            request.num_scheduled += 1
+            request.last_step = step
+        return plan
+
+    def update_from_output(
+        self, plan: DecodePlan, token_ids: Sequence[int]
+    ) -> tuple[list[tuple[str, int]], list[Finished]]:
+        """Read ``plan``'s tokens: append each to its request, apply the stop rules.
+
+        Returns the tokens to stream as ``(request_id, token_id)`` and the requests that
+        finished; tokens of requests already gone (a stop read earlier, an abort) are dropped.
+        """
+        assert len(token_ids) == plan.num_rows, "one sampled token per plan row"
+        assert plan.step > self._last_read_step, "steps are read in order"
+        self._last_read_step = plan.step
+        tokens, finished = [], []
+        for request_id, token_id in zip(plan.request_ids, token_ids, strict=True):
+            request = self._requests.get(request_id)
             if request is None or request.status is not ReqStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue
             request.output_ids.append(token_id)
+            tokens.append((request_id, token_id))
             reason = self._finish_reason(request, token_id)
-            if reason is None:
-                events.append(TokenEvent(item.request_id, (token_id,)))
-            else:
+            if reason is not None:
                 self._remove(request, ReqStatus.FINISHED)
-                events.append(TokenEvent(item.request_id, (token_id,), reason, request.usage))
-        return events
+                finished.append(Finished(request_id, reason, request.usage))
+        for request in [r for r in self._leaving.values() if r.last_step <= plan.step]:
+            self._release(request)
+        return tokens, finished
 
-    def _item(self, request: DecodeRequest, is_new: bool) -> DecodeItem:
-        seq_len = request.seq_len
-        uses_history = _uses_history(request.params)
-        return DecodeItem(
-            request_id=request.request_id,
-            token_id=request.output_ids[-1],
-            seq_len=seq_len,
-            position=seq_len + request.rope_delta,
-            params=request.params,
-            prompt_ids=request.prompt_ids if uses_history else (),
-            output_ids=tuple(request.output_ids) if uses_history else (),
-            is_new=is_new,
+    def _reserved_request(self, request_id: str) -> DecodeRequest:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFoundError(
+                f"no reserved request {request_id} on decode (unknown, expired or aborted)"
+            )
+        if request.status is not ReqStatus.RESERVED:
+            raise InvalidRequestError(
+                f"generate already started for {request_id}", param="request_id"
+            )
+        return request
+
+    def _num_tokens_allowed(self, request: DecodeRequest) -> int:
+        return min(request.params.max_new_tokens, self.max_model_len - len(request.prompt_ids))
+
+    def _joined_row(self, request: DecodeRequest) -> JoinedRow:
+        prompt_ids = request.prompt_ids if uses_history(request.params) else ()
+        return JoinedRow(
+            request.slot,
+            request.output_ids[0],
+            request.params,
+            prompt_ids,
+            self.kv.pages(request.request_id),
         )
 
     def _finish_reason(self, request: DecodeRequest, token_id: int) -> FinishReason | None:
         params = request.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        ):
             return FinishReason.STOP
         if len(request.output_ids) >= params.max_new_tokens:
             return FinishReason.LENGTH
@@ -288,15 +369,24 @@ class DecodeScheduler:
     def _remove(self, request: DecodeRequest, status: ReqStatus, quarantine: bool = False) -> None:
         request_id = request.request_id
         del self._requests[request_id]
-        if request.status is ReqStatus.WAITING:
+        if request.status is ReqStatus.RESERVED:
+            del self._reserved[request_id]
+        elif request.status is ReqStatus.WAITING:
             self._waiting.remove(request_id)
         elif request.status is ReqStatus.RUNNING:
-            self._running.remove(request_id)
-            self._released.append(request_id)
+            self._running.remove(request)
         request.status = status
-        if request_id in self._in_flight:
-            self._free_after_step.append(request_id)
+        if request.last_step > self._last_read_step:
+            assert not quarantine, "only reservations are quarantined, and they run in no step"
+            self._leaving[request_id] = request  # its last step still writes its pages and slot
         elif quarantine:
             self.kv.quarantine(request_id)
         else:
-            self.kv.free(request_id)
+            self._release(request)
+
+    def _release(self, request: DecodeRequest) -> None:
+        self._leaving.pop(request.request_id, None)
+        self.kv.free(request.request_id)
+        if request.slot >= 0:
+            self.slots.free(request.slot)
+            request.slot = -1

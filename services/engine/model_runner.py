@@ -37,6 +37,21 @@ class StepInput:
 
 
 @dataclass(frozen=True)
+class DecodeInputs:
+    """One DECODE step as whole-batch tensors: row ``r`` feeds one token at KV position ``seq_lens[r] - 1``.
+
+    Built by a decode loop from its own persistent buffers (no per-request objects); the
+    page tables are the rows' page lists as held, covering at least ``seq_lens[r]`` positions.
+    """
+
+    input_ids: torch.Tensor  # [B] int64, on the runner's device (e.g. the previous step's samples) or CPU
+    positions: torch.Tensor  # [3, B] int64 CPU: M-RoPE position of each row's token on the three axes
+    seq_lens: list[int]  # KV length of each row after this step
+    page_tables: list[list[int]]
+    out_slots: torch.Tensor  # [B] int64 CPU: flat KV slot of each row's new position
+
+
+@dataclass(frozen=True)
 class KVCacheConfig:
     num_pages: int
     page_size: int
@@ -104,28 +119,57 @@ class ModelRunner:
         with ops.on_device(self.device):  # the calling thread's current device may be another GPU
             return self._forward(mode, inputs, all_logits, input_ids, on_layer_kv)
 
+    @torch.inference_mode()
+    def forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Logits ``[B, vocab]`` fp32 of one DECODE step; never synchronizes with the device.
+
+        The logits may be a view of a CUDA graph's output: consume them on the stream
+        (sample) before the next call.
+        """
+        with ops.on_device(self.device):
+            return self._forward_decode(inputs)
+
     def _forward(
         self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool, input_ids: torch.Tensor | None,
         on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         if input_ids is not None:
             assert mode is ForwardMode.DECODE and input_ids.shape == (len(inputs),)
-            input_ids = input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
+        if mode is ForwardMode.DECODE and not all_logits and on_layer_kv is None:
+            return self._forward_decode(self._decode_inputs(inputs, input_ids))
         batch = self._attention_batch(mode, inputs)
-        graph = self.cuda_graph
-        if (mode is ForwardMode.DECODE and graph is not None and graph.can_run(len(inputs)) and not all_logits
-                and on_layer_kv is None):
-            if input_ids is None:
-                input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
-            return graph.run(batch, input_ids, torch.cat([s.positions for s in inputs], dim=1))
         self.attention.plan(batch)
-        embeds = self.model.embed(input_ids) if input_ids is not None else self._embed(inputs)
+        embeds = self.model.embed(input_ids.to(self.device)) if input_ids is not None else self._embed(inputs)
         positions = torch.cat([s.positions for s in inputs], dim=1).to(self.device)
         logits_indices = None
         if not all_logits:
             ends = torch.tensor([len(s.input_ids) for s in inputs]).cumsum(0) - 1
             logits_indices = ends.to(self.device)
         return self.model(embeds, positions, self.attention, logits_indices, on_layer_kv)
+
+    def _forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:
+        input_ids = inputs.input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
+        batch = AttentionBatch(
+            mode=ForwardMode.DECODE, seq_lens=inputs.seq_lens, extend_lens=[1] * len(inputs.seq_lens),
+            page_tables=inputs.page_tables, page_size=self.page_size, out_slots=inputs.out_slots,
+        )
+        graph = self.cuda_graph
+        if graph is not None and graph.can_run(len(inputs.seq_lens)):
+            return graph.run(batch, input_ids, inputs.positions)
+        self.attention.plan(batch)
+        positions = inputs.positions.to(self.device, non_blocking=True)
+        return self.model(self.model.embed(input_ids), positions, self.attention)
+
+    def _decode_inputs(self, inputs: list[StepInput], input_ids: torch.Tensor | None) -> DecodeInputs:
+        """``DecodeInputs`` of StepInputs whose requests hold pages in the runner's page table."""
+        page_tables = [self.page_table.pages(s.request_id) for s in inputs]
+        seq_lens = [s.prefix_len + 1 for s in inputs]
+        if input_ids is None:
+            input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
+        return DecodeInputs(
+            input_ids, torch.cat([s.positions for s in inputs], dim=1), seq_lens, page_tables,
+            self._decode_slots(page_tables, seq_lens),
+        )
 
     def _attention_batch(self, mode: ForwardMode, inputs: list[StepInput]) -> AttentionBatch:
         seq_lens, extend_lens, page_tables, slots = [], [], [], []

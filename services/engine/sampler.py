@@ -143,24 +143,40 @@ class Sampler:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],  # each request's output so far (its length counts for min_tokens)
     ) -> torch.Tensor:  # [B, V] float32, a new tensor
-        logits = logits.float().clone()
         vocab_size = logits.shape[1]
+        is_prompt = counts = None
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen_ids = [prompt + output for prompt, output in zip(prompt_ids, output_ids, strict=True)]
-            is_seen = _row_token_mask(seen_ids, vocab_size, logits.device, counts=False) > 0
+            is_prompt = _row_token_mask(prompt_ids, vocab_size, logits.device, counts=False) > 0
+        if is_prompt is not None or any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            counts = _row_token_mask(output_ids, vocab_size, logits.device, counts=True)
+        return self.apply_penalty_tensors(logits, params, is_prompt, counts, [len(ids) for ids in output_ids])
+
+    def apply_penalty_tensors(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        params: list[SamplingParams],
+        is_prompt: torch.Tensor | None,  # [B, V] bool: in the prompt; needed when a row has a repetition penalty
+        output_counts: torch.Tensor | None,  # [B, V] float32: occurrences in the output; needed with any penalty
+        num_output_ids: list[int],  # tokens each request has generated so far (for min_tokens)
+    ) -> torch.Tensor:  # [B, V] float32, a new tensor
+        """``apply_penalties`` from token histories already held as tensors (a decode loop's, on the device)."""
+        logits = logits.float().clone()
+        if any(p.repetition_penalty != 1.0 for p in params):
+            assert is_prompt is not None and output_counts is not None
+            is_seen = is_prompt | (output_counts > 0)
             penalty = _column([p.repetition_penalty for p in params], logits)
             penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(is_seen, penalized, logits)
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-            counts = _row_token_mask(output_ids, vocab_size, logits.device, counts=True)
-            logits -= _column([p.frequency_penalty for p in params], logits) * counts
-            logits -= _column([p.presence_penalty for p in params], logits) * (counts > 0).float()
+            assert output_counts is not None
+            logits -= _column([p.frequency_penalty for p in params], logits) * output_counts
+            logits -= _column([p.presence_penalty for p in params], logits) * (output_counts > 0).float()
         for row, p in enumerate(params):
             if p.logit_bias:
                 token_ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
                 biases = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32, device=logits.device)
                 logits[row].index_add_(0, token_ids, biases)
-            if len(output_ids[row]) < p.min_tokens:
+            if num_output_ids[row] < p.min_tokens:
                 banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
                 if banned:
                     logits[row, torch.tensor(banned, device=logits.device)] = float("-inf")
@@ -218,14 +234,33 @@ class Sampler:
         """One token per row; row ``i`` draws randomness only from ``generators[i]`` (None: global RNG)."""
         assert logits.dim() == 2 and len(params) == logits.shape[0] == len(generators)
         penalized = self.apply_penalties(logits, params, prompt_ids, output_ids)
+        return self.sample_penalized(penalized, params, generators)
+
+    def sample_penalized(
+        self,
+        penalized: torch.Tensor,  # [B, V] float32, penalties applied
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:  # [B] int64, on the logits' device
+        """The tokens of ``sample`` once penalties are applied: argmax for greedy rows, else a draw.
+
+        Rows with a generator draw their noise from it alone; the rows without one share one
+        draw from the device's global generator.
+        """
         token_ids = penalized.argmax(dim=1)  # [B], final for greedy rows
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not random_rows:
             return token_ids
-        row_index = torch.tensor(random_rows, device=logits.device)
+        row_index = torch.tensor(random_rows, device=penalized.device)
         filtered = self.apply_temperature_and_filters(penalized[row_index], [params[i] for i in random_rows])
         probs = filtered.softmax(dim=1)  # [R, V]
-        noise = torch.stack([self._exponential_noise(probs[0], generators[i]) for i in random_rows])
+        noise = torch.empty_like(probs)
+        shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
+        if shared:
+            noise[shared] = self._exponential_noise(probs[shared], None)
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:
+                noise[j] = self._exponential_noise(probs[j], generators[i])
         token_ids[row_index] = (probs / noise).argmax(dim=1)
         return token_ids
 

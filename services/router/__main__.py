@@ -49,6 +49,9 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI HTTP port (0 = any free port); /metrics is on --metrics-port")
+    p.add_argument("--http-reuse-port", action="store_true",
+                   help="share --http-port with other router processes started with this flag "
+                        "(SO_REUSEPORT: the kernel spreads new connections over them)")
     for kind in ("tokenizer", "prefill", "decode", "encoder"):
         p.add_argument(f"--{kind}-address", action="append", default=[], metavar="HOST:PORT",
                        help=f"a {kind} worker (repeatable)")
@@ -163,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         port=args.port,
         http_host=args.http_host or args.host,
         http_port=args.http_port,
+        http_reuse_port=args.http_reuse_port,
         metrics_port=args.metrics_port,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
@@ -187,10 +191,13 @@ def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
     return RouterAccess(internal, api_key, args.enable_reflection)
 
 
-def bind_http_socket(host: str, port: int) -> socket.socket:
+def bind_http_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The HTTP listening socket; ``reuse_port``: other router processes bind the same port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
 
@@ -199,7 +206,7 @@ async def serve(cfg: RouterConfig, metrics_port: int, access: RouterAccess) -> N
     from services.common.server import serve_until_signal
 
     app = RouterApp.build(cfg, access=access)
-    http_socket = bind_http_socket(cfg.http_host, cfg.http_port)
+    http_socket = bind_http_socket(cfg.http_host, cfg.http_port, cfg.http_reuse_port)
     await app.start(http_socket)
     print_ready("router", port=app.grpc_port, http_port=http_socket.getsockname()[1], metrics_port=metrics_port)
     await serve_until_signal(app.grpc_server, app.health, app.stop, grace_s=GRPC_GRACE_S)

@@ -206,7 +206,7 @@ async def _sse_events(
         delta = first
         while True:
             if delta.text:
-                yield sse(formatter.chunk(delta.text, with_usage_field=include_usage))
+                yield formatter.text_event(delta.text, include_usage)
             if delta.finish_reason is not None:
                 break
             delta = await anext(deltas)

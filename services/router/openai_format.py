@@ -52,6 +52,10 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+_TEXT_MARK = "\x00"  # stands for a chunk's text while its event template is made
+_TEXT_MARK_JSON = dump_json(_TEXT_MARK)
+
+
 class ResponseFormatter:
     """Bodies of one response (one id, one creation time) of a chat or completion endpoint."""
 
@@ -60,6 +64,16 @@ class ResponseFormatter:
         self.model = model
         self.created = created
         self.is_chat = is_chat
+        self._text_events: dict[bool, tuple[str, str]] = {}  # with_usage_field -> (head, tail)
+
+    def text_event(self, text: str, with_usage_field: bool = False) -> str:
+        """``sse(self.chunk(text, ...))`` from a template made once: per token only the text is JSON-encoded."""
+        template = self._text_events.get(with_usage_field)
+        if template is None:
+            event = sse(self.chunk(_TEXT_MARK, with_usage_field=with_usage_field))
+            head, _, tail = event.rpartition(_TEXT_MARK_JSON)  # the text comes after the id and model
+            template = self._text_events[with_usage_field] = (head, tail)
+        return template[0] + dump_json(text) + template[1]
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

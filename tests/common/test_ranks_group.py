@@ -425,3 +425,15 @@ async def test_ranks_die_with_their_leader_even_while_starting() -> None:
                 os.kill(pid, signal.SIGKILL)
         if control_dir.startswith(tempfile.gettempdir()):  # the killed leader could not remove it
             shutil.rmtree(control_dir, ignore_errors=True)
+
+
+async def test_spawned_ranks_listen_on_loopback_only() -> None:
+    """Rank 0's rendezvous store and every gloo group of a spawned group accept loopback only
+    (a TCPStore on its own listens on every interface)."""
+    from tests.e2e.test_ports import is_loopback_only, listening_sockets
+
+    async with running(("cpu", "cpu")) as run:
+        await run.group.step(EchoPayload(value=1))
+        sockets = {pid: listening_sockets(pid) for pid in run.group.rank_pids}
+        assert all(sockets.values()), sockets  # the store and gloo do listen
+        assert all(is_loopback_only(address) for found in sockets.values() for address, _ in found), sockets

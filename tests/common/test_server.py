@@ -67,16 +67,18 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.ReserveResponse(kv_ref=common_pb2.KvRef(page_ids=[0, 1], page_size=16))
 
     @handle_errors
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[decode_pb2.DecodeGenerateResponse]:
+    async def Stream(self, requests: Any, context: Any) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
+        request = (await anext(aiter(requests))).generate
         for token_id in (5, 6, 7):
-            yield decode_pb2.DecodeGenerateResponse(token_ids=[token_id])
+            yield decode_pb2.DecodeStreamResponse(request_ids=[request.request_id], token_ids=[token_id])
         if request.request_id == "peer-lost":
             raise UnavailableError("prefill went away")
         if request.request_id == "crash":
             raise KeyError("slot")
         if request.request_id == "slow":
             await asyncio.sleep(60)
-        yield decode_pb2.DecodeGenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        end = decode_pb2.RequestEnd(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        yield decode_pb2.DecodeStreamResponse(ends=[end])
 
     @handle_errors
     async def Abort(self, request: Any, context: Any) -> decode_pb2.AbortResponse:
@@ -85,6 +87,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         trace_id = trace.format_trace_id(span_context.trace_id) if span_context.is_valid else ""
         self.seen_trace_ids.append(trace_id)
         return decode_pb2.AbortResponse(is_found=False)
+
+
+def generate(request_id: str = "") -> list[decode_pb2.DecodeStreamRequest]:
+    """The one message of a Stream call that starts ``request_id``."""
+    return [decode_pb2.DecodeStreamRequest(generate=decode_pb2.DecodeGenerateRequest(request_id=request_id))]
 
 
 @dataclass
@@ -226,15 +233,15 @@ async def test_unary_errors_map_to_status(
     [("peer-lost", grpc.StatusCode.UNAVAILABLE), ("crash", grpc.StatusCode.INTERNAL)],
 )
 async def test_stream_error_ends_stream_with_status(served: Served, request_id: str, code: Any) -> None:
-    call = served.decode.Generate(decode_pb2.DecodeGenerateRequest(request_id=request_id), timeout=TIMEOUT_S)
+    call = served.decode.Stream(iter(generate(request_id)), timeout=TIMEOUT_S)
     token_ids: list[int] = []
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for reply in call:
             token_ids.extend(reply.token_ids)
     assert token_ids == [5, 6, 7]
     assert info.value.code() == code
-    replies = [r async for r in served.decode.Generate(decode_pb2.DecodeGenerateRequest(), timeout=TIMEOUT_S)]
-    assert replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    replies = [r async for r in served.decode.Stream(iter(generate()), timeout=TIMEOUT_S)]
+    assert replies[-1].ends[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 @pytest.mark.parametrize(
@@ -257,7 +264,7 @@ async def test_client_gets_typed_errors(
 
 
 async def test_client_maps_transport_codes(served: Served) -> None:
-    call = served.decode.Generate(decode_pb2.DecodeGenerateRequest(request_id="slow"), timeout=0.2)
+    call = served.decode.Stream(iter(generate("slow")), timeout=0.2)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in call:
             pass
@@ -273,12 +280,12 @@ async def test_metrics_count_rpcs_by_status(served: Served) -> None:
         served.decode.Reserve(decode_pb2.ReserveRequest(request_id="capacity"), timeout=TIMEOUT_S)
     )
     with pytest.raises(grpc.aio.AioRpcError):
-        async for _ in served.decode.Generate(decode_pb2.DecodeGenerateRequest(request_id="peer-lost")):
+        async for _ in served.decode.Stream(iter(generate("peer-lost"))):
             pass
     metrics = served.metrics
     assert metrics.num_calls("/stageserve.v1.Decode/Stats", "OK") == 1
     assert metrics.num_calls("/stageserve.v1.Decode/Reserve", "RESOURCE_EXHAUSTED") == 1
-    assert metrics.num_calls("/stageserve.v1.Decode/Generate", "UNAVAILABLE") == 1
+    assert metrics.num_calls("/stageserve.v1.Decode/Stream", "UNAVAILABLE") == 1
     assert all(s.total_s >= 0.0 for s in metrics.snapshot().values())
 
 

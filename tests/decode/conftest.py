@@ -1,4 +1,10 @@
-"""Decode service harness: in-process gRPC server, in-process KV transfer, a stand-in prefill."""
+"""Decode service harness: the leader over real gRPC, its ranks on threads, a stand-in prefill.
+
+``make_decode`` starts a decode service in this process: the real servicer and leader,
+``num_ranks`` real ``DecodeRank``s each on its own thread (``LocalRank``), one in-process
+KV fabric shared with ``FakePrefill``. The rank-process tests (``test_ranks.py``) start
+real rank processes instead.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,11 @@ from services.common.clients.decode import DecodeChunk, DecodeClient, KvRefInfo
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.common.types import FinishReason, Usage
-from services.decode.builder import build_engine, eos_token_ids
+from services.decode.app import rank_init
 from services.decode.config import DecodeConfig
-from services.decode.engine import DecodeEngine
+from services.decode.leader import DecodeLeader
+from services.decode.messages import RankLoad
+from services.decode.rank import build_rank, eos_token_ids
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest, LLMEngine
@@ -25,9 +33,10 @@ from services.engine.loader import load_model
 from services.engine.model.rope import mrope_positions
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
 from services.engine.sampler import Sampler, SamplingParams, make_generator
-from services.transfer import create_kv_receiver
+from services.transfer import BaseKVSender, create_kv_receiver
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
 from tests.conftest import TINY_MODEL_DIR
+from tests.decode.local_ranks import LocalRank
 
 PAGE_SIZE = 4
 EOS = 2
@@ -48,7 +57,9 @@ def offline(language_model) -> LLMEngine:
     return engine
 
 
-def offline_tokens(offline: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], str]:
+def offline_tokens(
+    offline: LLMEngine, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], str]:
     (out,) = offline.generate([EngineRequest("offline", prompt, params)])
     return out.token_ids, out.finish_reason.value
 
@@ -56,21 +67,31 @@ def offline_tokens(offline: LLMEngine, prompt: list[int], params: SamplingParams
 class FakePrefill:
     """What the prefill service does for a text prompt: EXTEND step, first token, KV written to decode."""
 
-    def __init__(self, model, fabric: InProcessFabric) -> None:
+    def __init__(self, model, sender: BaseKVSender) -> None:
         self.runner = ModelRunner(model, KVCacheConfig(512, PAGE_SIZE))
-        self.sender = InProcessKVSender(fabric)
+        self.sender = sender
         self.sampler = Sampler()
 
-    def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, kv_ref: KvRefInfo) -> int:
+    def prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams, kv_ref: KvRefInfo
+    ) -> int:
         table = self.runner.page_table
         table.reserve(request_id, len(prompt))
         try:
             positions, _ = mrope_positions(len(prompt), [], 2)
-            logits = self.runner.forward(ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)])
+            logits = self.runner.forward(
+                ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)]
+            )
             generator = None if params.is_greedy else make_generator(params.seed, "cpu")
             token = self.sampler.sample(logits, [params], [prompt], [[]], [generator]).item()
             destination = kv_ref.to_destination()
-            self.sender.send(request_id, self.runner.kv_pool, table.pages(request_id), destination, time.monotonic() + 10)
+            self.sender.send(
+                request_id,
+                self.runner.kv_pool,
+                table.pages(request_id),
+                destination,
+                time.monotonic() + 10,
+            )
             return token
         finally:
             table.release(request_id)
@@ -94,22 +115,44 @@ class Result:
     chunks: list[DecodeChunk] = field(default_factory=list)
 
 
+def total_load(leader: DecodeLeader) -> RankLoad:
+    """The serving ranks' loads, summed (free + used + quarantined = total holds for each)."""
+    loads = [load for load in leader.rank_loads() if load is not None]
+    fields = [name for name in RankLoad.__struct_fields__ if name.startswith("num_")]
+    sums = {name: sum(getattr(load, name) for load in loads) for name in fields}
+    return RankLoad(
+        page_size=PAGE_SIZE, max_model_len=loads[0].max_model_len if loads else 0, **sums
+    )
+
+
 @dataclass
 class DecodeHarness:
-    engine: DecodeEngine
+    leader: DecodeLeader
+    ranks: list[LocalRank]
     client: DecodeClient
     prefill: FakePrefill
     num_start_free_pages: int
     quarantine_clock: ShiftedClock
     quarantine_s: float
 
-    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, deadline_in_s: float = 30.0):
+    def stats(self) -> RankLoad:
+        return total_load(self.leader)
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        deadline_in_s: float = 30.0,
+    ):
         return await self.client.reserve(request_id, prompt, 0, params, time.time() + deadline_in_s)
 
     def generate(self, kv_ref: KvRefInfo, first_token_id: int) -> AsyncIterator[DecodeChunk]:
         """Generate for ``kv_ref``'s request with the proof prefill returns once its KV landed."""
         proof = signing.kv_written_proof(KEY, kv_ref.request_id, kv_ref.nonce)
-        return self.client.generate(kv_ref.request_id, first_token_id, timeout_s=WAIT_S, kv_written_proof=proof)
+        return self.client.generate(
+            kv_ref.request_id, first_token_id, timeout_s=WAIT_S, kv_written_proof=proof
+        )
 
     async def run(self, request_id: str, prompt: list[int], params: SamplingParams) -> Result:
         kv_ref = await self.reserve(request_id, prompt, params)
@@ -126,42 +169,73 @@ class DecodeHarness:
             await asyncio.sleep(0.01)
 
     async def wait_all_pages_free(self) -> None:
-        await self.wait_for(lambda: self.engine.stats().num_free_pages == self.num_start_free_pages)
+        await self.wait_for(lambda: self.stats().num_free_pages == self.num_start_free_pages)
 
     async def pass_quarantine(self) -> None:
         """Move the quarantine clock past ``kv_quarantine_s``; the sweep returns every quarantined page."""
         self.quarantine_clock.offset_s += self.quarantine_s
-        await self.wait_for(lambda: self.engine.stats().num_quarantined_pages == 0)
+        await self.wait_for(lambda: self.stats().num_quarantined_pages == 0)
 
 
 MakeDecode = Callable[..., Awaitable[DecodeHarness]]
 
 BASE_CONFIG = DecodeConfig(
-    num_pages=256, page_size=PAGE_SIZE, transfer_backend="inprocess", sweep_interval_s=0.02, watchdog_s=30.0
+    num_pages=256,
+    page_size=PAGE_SIZE,
+    transfer_backend="inprocess",
+    sweep_interval_s=0.02,
+    watchdog_s=30.0,
 )
 
 
 @pytest.fixture
 async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
-    """Start decode services (real gRPC on port 0); each ends with every page free, quarantine passed."""
+    """Start decode services (real gRPC on port 0); each ends with every page free, quarantine passed.
+
+    ``num_ranks`` DP ranks (each on its own thread); ``is_overlapped=False`` runs the
+    synchronous loop; other keywords override ``BASE_CONFIG``.
+    """
     started: list[tuple[DecodeHarness, object]] = []
 
-    async def factory(**overrides: object) -> DecodeHarness:
+    async def factory(
+        num_ranks: int = 1, is_overlapped: bool = True, **overrides: object
+    ) -> DecodeHarness:
         config = replace(BASE_CONFIG, **overrides)
-        fabric = InProcessFabric()
-        clock = ShiftedClock()
-        receiver = create_kv_receiver("inprocess", fabric=fabric)
-        engine = build_engine(config, language_model, receiver, quarantine_clock=clock)
-        engine.start()
-        servicer = DecodeServicer(config.reservation_timeout_s, config.max_reservation_s, KEY, engine)
+        fabric, clock = InProcessFabric(), ShiftedClock()
+        ranks: list[LocalRank] = []
+
+        def make_rank(dp_rank: int, on_ready_change: Callable[[bool], None]) -> LocalRank:
+            def build():
+                receiver = create_kv_receiver("inprocess", fabric=fabric)
+                return build_rank(
+                    rank_init(config), "cpu", language_model, receiver, clock, is_overlapped
+                )
+
+            rank = LocalRank(build, on_ready_change, f"decode-rank-{dp_rank}")
+            ranks.append(rank)
+            return rank
+
+        leader = DecodeLeader(num_ranks, make_rank, config.watchdog_s, config.sweep_interval_s)
+        await leader.start()
+        servicer = DecodeServicer(
+            config.reservation_timeout_s, config.max_reservation_s, KEY, leader
+        )
         server, port = create_server(
-            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)], 0, "127.0.0.1", [SERVICE_NAME],
+            [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
+            0,
+            "127.0.0.1",
+            [SERVICE_NAME],
             health=HealthState(),
         )
         await server.start()
         harness = DecodeHarness(
-            engine, DecodeClient(f"127.0.0.1:{port}"), FakePrefill(language_model, fabric),
-            engine.stats().num_free_pages, clock, config.kv_quarantine_s,
+            leader,
+            ranks,
+            DecodeClient(f"127.0.0.1:{port}"),
+            FakePrefill(language_model, InProcessKVSender(fabric)),
+            total_load(leader).num_free_pages,
+            clock,
+            config.kv_quarantine_s,
         )
         started.append((harness, server))
         return harness
@@ -172,8 +246,7 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
         await harness.wait_all_pages_free()
         await harness.client.close()
         await server.stop(0)
-        harness.engine.stop()
-        harness.engine.receiver.close()
+        await harness.leader.stop()
 
 
 def prompt_of(length: int, seed: int) -> list[int]:

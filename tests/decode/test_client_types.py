@@ -122,6 +122,6 @@ def test_unset_sampling_fields_take_the_engine_defaults() -> None:
 def test_chunk_and_stats_round_trip_through_msgpack() -> None:
     chunk = DecodeChunk((1, 2), FinishReason.LENGTH, Usage(3, 3))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(chunk), type=DecodeChunk) == chunk
-    rank = DecodeRankStats(0, 8, 5, 2, 1, 0, num_quarantined_pages=1)
+    rank = DecodeRankStats(0, 8, 5, 2, 1, 0, num_quarantined_pages=1, is_serving=True)
     stats = DecodeStats(16, 8, 5, 2, 1, 0, num_quarantined_pages=1, ranks=(rank,))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=DecodeStats) == stats

@@ -27,9 +27,9 @@ async def test_a_year_long_reservation_expires_at_the_cap(make_decode: MakeDecod
     assert (
         before_ms + 500 - 1 <= kv_ref.expires_unix_ms <= time.time() * 1000 + 500
     )  # the cap, not the year
-    assert harness.engine.stats().num_used_pages == 5
-    await harness.wait_for(lambda: harness.engine.stats().num_reserved_requests == 0)
-    stats = harness.engine.stats()
+    assert harness.stats().num_used_pages == 5
+    await harness.wait_for(lambda: harness.stats().num_reserved_requests == 0)
+    stats = harness.stats()
     assert (stats.num_free_pages, stats.num_used_pages, stats.num_quarantined_pages) == (
         start - 5,
         0,
@@ -39,7 +39,7 @@ async def test_a_year_long_reservation_expires_at_the_cap(make_decode: MakeDecod
         async for _ in harness.generate(kv_ref, 7):
             pass
     await harness.pass_quarantine()
-    assert harness.engine.stats().num_free_pages == start
+    assert harness.stats().num_free_pages == start
 
 
 async def test_a_reserve_without_deadline_lives_reservation_timeout_s(
@@ -56,7 +56,7 @@ async def test_a_reserve_without_deadline_lives_reservation_timeout_s(
     finally:
         await channel.close()
     assert before_ms + 300 - 1 <= reply.kv_ref.expires_unix_ms <= time.time() * 1000 + 300
-    await harness.wait_for(lambda: harness.engine.stats().num_reserved_requests == 0)
+    await harness.wait_for(lambda: harness.stats().num_reserved_requests == 0)
 
 
 async def test_decode_signs_each_kv_ref_with_a_fresh_nonce(make_decode: MakeDecode) -> None:
@@ -79,7 +79,7 @@ async def test_generate_without_the_written_proof_is_refused_and_the_reservation
     prompt = prompt_of(8, 1)
     kv_ref = await harness.reserve("r", prompt, params)
     other = await harness.reserve("other", prompt_of(5, 2), params)
-    used = harness.engine.stats().num_used_pages
+    used = harness.stats().num_used_pages
     forged = {
         "missing": b"",
         "garbage": b"\x00" * 32,
@@ -96,7 +96,7 @@ async def test_generate_without_the_written_proof_is_refused_and_the_reservation
             ):
                 pass
         assert caught.value.param == "kv_written_proof", name
-    stats = harness.engine.stats()
+    stats = harness.stats()
     assert (stats.num_reserved_requests, stats.num_running_requests, stats.num_used_pages) == (
         2,
         0,

@@ -61,7 +61,7 @@ async def test_cancelled_stream_aborts_the_request(make_decode: MakeDecode) -> N
     first = harness.prefill.prefill("r", prompt, params, kv_ref)
     async for _ in harness.generate(kv_ref, first):
         break  # the router's client disconnected
-    await harness.wait_for(lambda: harness.engine.stats().num_running_requests == 0)
+    await harness.wait_for(lambda: harness.stats().num_running_requests == 0)
     await harness.wait_all_pages_free()
     assert not await harness.client.abort("r", "late")
 
@@ -124,7 +124,7 @@ async def test_reservation_expires_at_its_deadline(make_decode: MakeDecode) -> N
     harness = await make_decode()
     start = harness.num_start_free_pages
     kv_ref = await harness.reserve("r", prompt_of(8, 1), SamplingParams(max_new_tokens=12), deadline_in_s=0.2)
-    await harness.wait_for(lambda: harness.engine.stats().num_reserved_requests == 0)
+    await harness.wait_for(lambda: harness.stats().num_reserved_requests == 0)
     assert await page_counts(harness) == (start - 5, 0, 5)  # a late write may still land: quarantined
     with pytest.raises(NotFoundError, match="unknown, expired or aborted"):
         async for _ in harness.generate(kv_ref, 7):
@@ -165,7 +165,7 @@ async def test_free_pages_return_after_a_mixed_workload(make_decode: MakeDecode)
     jobs = [f(i) for i in range(3) for f in (finished, aborted, never_generated, rejected)]
     outcomes = await asyncio.gather(*jobs, return_exceptions=True)
     assert all(o is None or isinstance(o, AbortedError | CapacityError) for o in outcomes), outcomes
-    await harness.wait_for(lambda: harness.engine.stats().num_reserved_requests == 0)
+    await harness.wait_for(lambda: harness.stats().num_reserved_requests == 0)
     await page_counts(harness)
     await harness.pass_quarantine()  # expired and aborted reservations
     end = await harness.client.stats()

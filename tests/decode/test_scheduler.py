@@ -1,14 +1,15 @@
-"""The decode scheduler alone: lifecycle, stop rules, joins and leaves, page accounting and quarantine."""
+"""The decode scheduler alone: lifecycle, stop rules, joins and leaves, reading one step late,
+page and slot accounting, expiry and quarantine."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from services.common.errors import CapacityError, InvalidRequestError, NotFoundError
 from services.common.types import FinishReason, Usage
 from services.decode.kv_manager import KVReservationManager
-from services.decode.scheduler import DecodePlan, DecodeRequest, DecodeScheduler, ReqStatus, TokenEvent
+from services.decode.messages import Finished
+from services.decode.scheduler import DecodeRequest, DecodeScheduler, ReqStatus
 from services.engine.kv_cache import KVPageManager, RequestPageTable
 from services.engine.sampler import SamplingParams
 
@@ -26,9 +27,14 @@ class FakeClock:
 
 
 def make_scheduler(
-    max_model_len: int = 64, max_running: int = 8, quarantine_s: float = QUARANTINE_S, clock: FakeClock | None = None
+    max_model_len: int = 64,
+    max_running: int = 8,
+    quarantine_s: float = QUARANTINE_S,
+    clock: FakeClock | None = None,
 ) -> DecodeScheduler:
-    kv = KVReservationManager(RequestPageTable(KVPageManager(NUM_PAGES, PAGE_SIZE)), quarantine_s, clock or FakeClock())
+    kv = KVReservationManager(
+        RequestPageTable(KVPageManager(NUM_PAGES, PAGE_SIZE)), quarantine_s, clock or FakeClock()
+    )
     return DecodeScheduler(kv, {EOS}, max_model_len, max_running)
 
 
@@ -39,9 +45,13 @@ def page_counts(scheduler: DecodeScheduler) -> tuple[int, int, int]:
     return kv.num_free_pages, kv.num_used_pages, kv.num_quarantined_pages
 
 
-def request(request_id: str, prompt_len: int = 5, delta: int = 0, **params: object) -> DecodeRequest:
+def request(
+    request_id: str, prompt_len: int = 5, delta: int = 0, deadline_s: float = 1e9, **params: object
+) -> DecodeRequest:
     params.setdefault("max_new_tokens", 8)
-    return DecodeRequest(request_id, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), delta)
+    return DecodeRequest(
+        request_id, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), delta, deadline_s
+    )
 
 
 def started(scheduler: DecodeScheduler, *requests: DecodeRequest, first_token: int = 100) -> None:
@@ -63,27 +73,53 @@ def test_reserve_takes_pages_for_prompt_plus_max_new_tokens_capped_by_context() 
     with pytest.raises(CapacityError, match="needs 5 KV pages, 3 of 32 are free"):
         scheduler.add(request("c", prompt_len=19, max_new_tokens=200))
     assert "c" not in scheduler and scheduler.kv.num_free_pages == 3
-    assert scheduler.abort("a") and not scheduler.abort("a")
+    assert scheduler.abort("a", is_kv_written=True) and not scheduler.abort("a")
     assert scheduler.kv.num_free_pages == 7
 
 
-def test_plan_feeds_the_last_token_at_seq_len_plus_delta() -> None:
+class Steps:
+    """Drives the scheduler as the rank's loop does: plan, then read a step (late or at once)."""
+
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        self.scheduler = scheduler
+        self.next_step = 0
+
+    def plan(self):
+        plan = self.scheduler.schedule(self.next_step)
+        self.next_step += 1
+        return plan
+
+    def read(self, plan, tokens: list[int]):
+        return self.scheduler.update_from_output(plan, tokens)
+
+
+def test_plan_feeds_the_newest_token_at_seq_len_plus_delta() -> None:
     scheduler = make_scheduler()
     started(scheduler, request("a", prompt_len=5, delta=-3))
-    plan = scheduler.schedule()
-    (item,) = plan.items
-    assert (item.token_id, item.seq_len, item.position, item.is_new) == (100, 5, 2, True)
-    assert item.prompt_ids == item.output_ids == ()  # no penalties: no history shipped
-    assert scheduler.update_from_output(plan, [7]) == [TokenEvent("a", (7,))]
-    (item,) = scheduler.schedule().items
-    assert (item.token_id, item.seq_len, item.position, item.is_new) == (7, 6, 3, False)
+    steps = Steps(scheduler)
+    plan = steps.plan()
+    assert plan.request_ids == ("a",) and len(plan.joined) == 1
+    assert (plan.seq_lens.tolist(), plan.positions.tolist(), plan.num_output_ids.tolist()) == (
+        [5],
+        [2],
+        [1],
+    )
+    (joined,) = plan.joined
+    assert (joined.first_token_id, joined.prompt_ids, joined.pages) == (
+        100,
+        (),
+        scheduler.kv.pages("a"),
+    )
+    assert steps.read(plan, [7]) == ([("a", 7)], [])
+    plan = steps.plan()
+    assert (plan.seq_lens.tolist(), plan.positions.tolist(), plan.joined) == ([6], [3], ())
 
 
-def test_penalized_requests_carry_their_history() -> None:
+def test_penalized_requests_ship_their_prompt_once() -> None:
     scheduler = make_scheduler()
     started(scheduler, request("a", prompt_len=3, repetition_penalty=1.2))
-    (item,) = scheduler.schedule().items
-    assert item.prompt_ids == (10, 11, 12) and item.output_ids == (100,)
+    (joined,) = Steps(scheduler).plan().joined
+    assert joined.prompt_ids == (10, 11, 12)
 
 
 @pytest.mark.parametrize(
@@ -98,27 +134,49 @@ def test_penalized_requests_carry_their_history() -> None:
 def test_stop_rules(params: dict, tokens: list[int], reason: FinishReason) -> None:
     scheduler = make_scheduler()
     started(scheduler, request("a", **params))
-    events = []
+    steps = Steps(scheduler)
+    finished = []
     for token in tokens:
-        events += scheduler.update_from_output(scheduler.schedule(), [token])
-    assert events[-1] == TokenEvent("a", (tokens[-1],), reason, Usage(5, 1 + len(tokens)))
+        finished += steps.read(steps.plan(), [token])[1]
+    assert finished == [Finished("a", reason, Usage(5, 1 + len(tokens)))]
     assert "a" not in scheduler and scheduler.kv.num_free_pages == NUM_PAGES
-    assert not scheduler.schedule().items
+    assert steps.plan() is None and scheduler.slots.num_free == scheduler.slots.num_slots
 
 
 def test_context_limit_is_a_length_finish() -> None:
     scheduler = make_scheduler(max_model_len=8)
     started(scheduler, request("a", prompt_len=6, max_new_tokens=100))
-    events = scheduler.update_from_output(scheduler.schedule(), [7])
-    assert events == [TokenEvent("a", (7,), FinishReason.LENGTH, Usage(6, 2))]
+    steps = Steps(scheduler)
+    assert steps.read(steps.plan(), [7]) == (
+        [("a", 7)],
+        [Finished("a", FinishReason.LENGTH, Usage(6, 2))],
+    )
+
+
+def test_read_one_step_late_a_stop_drops_the_next_token_and_no_step_passes_the_length() -> None:
+    scheduler = make_scheduler()
+    started(scheduler, request("eos"), request("short", max_new_tokens=3))
+    steps = Steps(scheduler)
+    first = steps.plan()
+    second = steps.plan()  # planned before the first is read, as the overlapped loop does
+    assert second.request_ids == ("eos", "short") and second.seq_lens.tolist() == [6, 6]
+    tokens, finished = steps.read(first, [EOS, 7])
+    assert tokens == [("eos", EOS), ("short", 7)] and [f.request_id for f in finished] == ["eos"]
+    assert scheduler.kv.num_used_pages == 4 + 2  # "eos" still runs in the second step
+    assert steps.plan() is None  # "short" has every token launched
+    tokens, finished = steps.read(second, [9, 8])  # 9: after the stop, never streamed
+    assert tokens == [("short", 8)] and finished == [
+        Finished("short", FinishReason.LENGTH, Usage(5, 3))
+    ]
+    assert page_counts(scheduler) == (NUM_PAGES, 0, 0) and not scheduler.has_work
 
 
 @pytest.mark.parametrize(("params", "reason"), [({"max_new_tokens": 1}, "length"), ({}, "stop")])
 def test_first_token_may_finish_at_once(params: dict, reason: str) -> None:
     scheduler = make_scheduler()
     scheduler.add(request("a", **params))
-    event = scheduler.start("a", EOS if reason == "stop" else 100)
-    assert event == TokenEvent("a", (), FinishReason(reason), Usage(5, 1))
+    done = scheduler.start("a", EOS if reason == "stop" else 100)
+    assert done == Finished("a", FinishReason(reason), Usage(5, 1))
     assert scheduler.kv.num_free_pages == NUM_PAGES and not scheduler.has_work
 
 
@@ -134,56 +192,64 @@ def test_start_needs_a_reserved_request() -> None:
 def test_requests_join_and_leave_at_every_step() -> None:
     scheduler = make_scheduler()
     started(scheduler, request("a", max_new_tokens=3))
-    plan = scheduler.schedule()
-    scheduler.update_from_output(plan, [7])
+    steps = Steps(scheduler)
+    steps.read(steps.plan(), [7])
     started(scheduler, request("b"))
-    plan = scheduler.schedule()
-    assert [(i.request_id, i.is_new) for i in plan.items] == [("a", False), ("b", True)]
-    events = scheduler.update_from_output(plan, [8, 9])
-    assert events[0].finish_reason is FinishReason.LENGTH and events[1] == TokenEvent("b", (9,))
-    plan = scheduler.schedule()
-    assert [i.request_id for i in plan.items] == ["b"] and plan.released_request_ids == ("a",)
-    assert scheduler.schedule().released_request_ids == ()
+    plan = steps.plan()
+    assert plan.request_ids == ("a", "b") and [j.slot for j in plan.joined] == [plan.slots[1]]
+    _, finished = steps.read(plan, [8, 9])
+    assert [f.request_id for f in finished] == ["a"]
+    assert steps.plan().request_ids == ("b",)
 
 
 def test_max_running_requests_holds_the_rest_waiting() -> None:
     scheduler = make_scheduler(max_running=2)
     started(scheduler, request("a", max_new_tokens=2), request("b"), request("c"))
-    plan = scheduler.schedule()
-    assert [i.request_id for i in plan.items] == ["a", "b"] and scheduler.num_running == 3
-    scheduler.update_from_output(plan, [7, 7])  # a finishes
-    assert [i.request_id for i in scheduler.schedule().items] == ["b", "c"]
+    steps = Steps(scheduler)
+    plan = steps.plan()
+    assert plan.request_ids == ("a", "b") and scheduler.num_running == 3
+    steps.read(plan, [7, 7])  # a finishes: its slot is free again
+    assert steps.plan().request_ids == ("b", "c")
 
 
-def test_abort_during_a_step_frees_pages_only_after_it() -> None:
+def test_abort_during_a_step_frees_pages_and_slot_only_after_it() -> None:
     scheduler = make_scheduler()
     started(scheduler, request("a"), request("b"))
-    plan = scheduler.schedule()
+    steps = Steps(scheduler)
+    plan = steps.plan()
     assert scheduler.abort("a")
-    assert scheduler.kv.num_used_pages == 8  # a's step still writes its KV
+    assert (
+        scheduler.kv.num_used_pages == 8 and scheduler.slots.num_free == 6
+    )  # a's step still writes them
     with pytest.raises(InvalidRequestError):
         scheduler.add(request("a"))  # its pages are not back yet
-    assert scheduler.update_from_output(plan, [7, 8]) == [TokenEvent("b", (8,))]
-    assert scheduler.kv.num_used_pages == 4
-    assert scheduler.schedule().released_request_ids == ("a",)
+    assert steps.read(plan, [7, 8]) == ([("b", 8)], [])
+    assert scheduler.kv.num_used_pages == 4 and scheduler.slots.num_free == 7
 
 
-def test_abort_all_frees_everything() -> None:
+def test_expired_reservations_are_quarantined() -> None:
+    scheduler = make_scheduler()
+    scheduler.add(request("late", deadline_s=5.0))
+    scheduler.add(request("later", deadline_s=9.0))
+    assert scheduler.expire(4.9) == []
+    assert scheduler.expire(5.0) == ["late"]
+    assert scheduler.status("late") is None and page_counts(scheduler) == (NUM_PAGES - 8, 4, 4)
+    started(scheduler, request("started", deadline_s=1.0))  # started in time: no expiry
+    assert scheduler.expire(10.0) == ["later"]
+    assert scheduler.status("started") is ReqStatus.WAITING
+
+
+def test_abort_all_ends_everything_and_a_reset_drops_the_unread_steps() -> None:
     scheduler = make_scheduler()
     started(scheduler, request("a"), request("b"))
     scheduler.add(request("c"))
-    scheduler.schedule()
+    steps = Steps(scheduler)
+    plan = steps.plan()
     assert sorted(scheduler.abort_all()) == ["a", "b", "c"]
-    assert scheduler.kv.num_free_pages == NUM_PAGES and scheduler.num_reserved == scheduler.num_running == 0
-
-
-def test_plan_and_events_round_trip_through_msgpack() -> None:
-    scheduler = make_scheduler()
-    started(scheduler, request("a", repetition_penalty=1.1, seed=3))
-    plan = scheduler.schedule()
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=DecodePlan) == plan
-    event = TokenEvent("a", (1, 2), FinishReason.STOP, Usage(3, 4))
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=TokenEvent) == event
+    assert page_counts(scheduler) == (NUM_PAGES - 12, 8, 4)  # the running two wait for their step
+    scheduler.drop_unread(plan.step)
+    assert page_counts(scheduler) == (NUM_PAGES - 4, 0, 4) and scheduler.slots.num_free == 8
+    assert scheduler.num_reserved == scheduler.num_running == 0 and not scheduler.has_work
 
 
 def test_quarantined_pages_come_back_only_after_the_quarantine() -> None:
@@ -192,11 +258,11 @@ def test_quarantined_pages_come_back_only_after_the_quarantine() -> None:
     scheduler.add(request("a"))  # 13 positions: 4 pages
     scheduler.add(request("b"))
     assert page_counts(scheduler) == (NUM_PAGES - 8, 8, 0)
-    assert scheduler.abort("a", quarantine=True)  # its transfer failed: a late write may still land
+    assert scheduler.abort("a")  # reserved, its KV not known written: a late write may still land
     assert "a" not in scheduler and scheduler.num_reserved == 1
     assert page_counts(scheduler) == (NUM_PAGES - 8, 4, 4)
     clock.now += 4.0
-    assert scheduler.abort("b", quarantine=True)
+    assert scheduler.abort("b")
     assert page_counts(scheduler) == (NUM_PAGES - 8, 0, 8)
     scheduler.add(request("a"))  # the id is free again; the quarantined pages are not reused
     assert page_counts(scheduler) == (NUM_PAGES - 12, 4, 8)
@@ -208,7 +274,7 @@ def test_quarantined_pages_come_back_only_after_the_quarantine() -> None:
     assert page_counts(scheduler) == (NUM_PAGES - 8, 4, 4)
     clock.now += 4.0
     assert scheduler.kv.release_quarantined() == 4
-    assert scheduler.abort("a")
+    assert scheduler.abort("a", is_kv_written=True)
     assert page_counts(scheduler) == (NUM_PAGES, 0, 0)
     assert scheduler.kv.release_quarantined() == 0
 
@@ -217,24 +283,34 @@ def test_quarantined_pages_cannot_be_allocated() -> None:
     clock = FakeClock()
     scheduler = make_scheduler(max_model_len=128, clock=clock)
     scheduler.add(request("a", prompt_len=20, max_new_tokens=100))  # 30 pages
-    scheduler.abort("a", quarantine=True)
-    with pytest.raises(CapacityError, match="needs 4 KV pages, 2 of 32 are free \\(30 in quarantine\\)"):
+    scheduler.abort("a")
+    with pytest.raises(
+        CapacityError, match="needs 4 KV pages, 2 of 32 are free \\(30 in quarantine\\)"
+    ):
         scheduler.add(request("b"))
     clock.now += QUARANTINE_S
     scheduler.kv.release_quarantined()
     assert len(scheduler.add(request("b"))) == 4
 
 
-def test_aborts_without_quarantine_free_at_once() -> None:
+def test_only_reservations_not_known_written_are_quarantined() -> None:
     scheduler = make_scheduler()
     scheduler.add(request("reserved"))  # the caller knows its KV is written (or none was ever sent)
     started(scheduler, request("running-1"), request("running-2"))
-    plan = scheduler.schedule()
-    scheduler.update_from_output(plan, [7, 7])
+    steps = Steps(scheduler)
+    steps.read(steps.plan(), [7, 7])
     started(scheduler, request("waiting"))
-    assert scheduler.status("running-1") is ReqStatus.RUNNING and scheduler.status("waiting") is ReqStatus.WAITING
+    assert (
+        scheduler.status("running-1") is ReqStatus.RUNNING
+        and scheduler.status("waiting") is ReqStatus.WAITING
+    )
     assert page_counts(scheduler) == (NUM_PAGES - 16, 16, 0)
-    for request_id in ("reserved", "running-1", "waiting", "running-2"):
+    assert scheduler.abort("reserved", is_kv_written=True)
+    for request_id in (
+        "running-1",
+        "waiting",
+        "running-2",
+    ):  # past generate: freed whatever is_kv_written says
         assert scheduler.abort(request_id)
         assert page_counts(scheduler)[2] == 0
     assert page_counts(scheduler) == (NUM_PAGES, 0, 0)
@@ -243,14 +319,5 @@ def test_aborts_without_quarantine_free_at_once() -> None:
 def test_quarantine_of_zero_seconds_frees_at_once() -> None:
     scheduler = make_scheduler(quarantine_s=0.0)
     scheduler.add(request("a"))
-    assert scheduler.abort("a", quarantine=True)
+    assert scheduler.abort("a")
     assert page_counts(scheduler) == (NUM_PAGES, 0, 0)
-
-
-def test_abort_all_frees_reservations_at_once_and_keeps_the_quarantine() -> None:
-    scheduler = make_scheduler()
-    scheduler.add(request("a"))
-    scheduler.add(request("b"))
-    scheduler.abort("a", quarantine=True)
-    assert scheduler.abort_all() == ["b"]
-    assert page_counts(scheduler) == (NUM_PAGES - 4, 0, 4)

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from services.common import kv_transfer
-from services.decode import builder
-from services.decode.builder import build_engine, create_receiver
+from services.decode import rank as rank_module
+from services.decode.app import rank_init
 from services.decode.config import DecodeConfig, parse_config
+from services.decode.rank import build_rank, create_receiver
 from services.transfer.inprocess_backend import InProcessKVReceiver
 from services.transfer.shm_backend import ShmKVReceiver
 from services.transfer.shm_memory import SHM_DIR, decode_session_id
@@ -54,14 +55,12 @@ def test_unsupported_backends_are_rejected_at_startup(argv, message) -> None:
 def test_build_rejects_an_unsupported_kv_backend_before_loading_the_model(name) -> None:
     config = replace(BASE_CONFIG, kv_transfer_backend=name)
     with pytest.raises(ValueError, match=f"supported: {CHOICES}"):
-        create_receiver(config)
-    with pytest.raises(ValueError, match=f"supported: {CHOICES}"):
-        build_engine(config)  # no model given: the check comes first
+        rank_init(config)  # what every rank is built from: no rank starts, no model loads
 
 
 @pytest.mark.parametrize(("kv", "receiver_type"), [("inprocess", InProcessKVReceiver), ("shm", ShmKVReceiver)])
 def test_kv_backend_beside_a_mooncake_transfer_backend(kv, receiver_type) -> None:
-    receiver = create_receiver(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend=kv))
+    receiver = create_receiver(rank_init(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend=kv)))
     try:
         assert isinstance(receiver, receiver_type)
     finally:
@@ -69,17 +68,17 @@ def test_kv_backend_beside_a_mooncake_transfer_backend(kv, receiver_type) -> Non
 
 
 def test_shm_engine_keeps_its_pool_in_the_segment(language_model) -> None:
-    engine = build_engine(replace(BASE_CONFIG, kv_transfer_backend="shm"), language_model)
+    rank = build_rank(rank_init(replace(BASE_CONFIG, kv_transfer_backend="shm")), "cpu", language_model)
     try:
-        pool = engine.worker.runner.kv_pool
-        ref = decode_session_id(engine.receiver.session_id)
+        pool = rank.loop.batch.runner.kv_pool
+        ref = decode_session_id(rank.receiver.session_id)
         (k_addr, k_bytes), (v_addr, v_bytes) = pool.memory_regions()
         assert ref.base_address == k_addr and v_addr == k_addr + k_bytes
         assert os.stat(os.path.join(SHM_DIR, ref.name)).st_size == k_bytes + v_bytes
         assert [t.data_ptr() for t in pool.k_cache] == [k_addr + i * k_bytes // pool.num_layers
                                                          for i in range(pool.num_layers)]
     finally:
-        engine.receiver.close()
+        rank.receiver.close()
     assert not os.path.exists(os.path.join(SHM_DIR, ref.name))
 
 
@@ -95,15 +94,17 @@ def test_shm_engine_keeps_its_pool_in_the_segment(language_model) -> None:
 def test_mooncake_hostname_only_for_a_mooncake_kv_backend(monkeypatch, transfer, kv, expected) -> None:
     monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)  # as with the CUDA build
     calls: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(builder, "create_kv_receiver", lambda name, **kw: calls.append((name, kw)))
-    create_receiver(DecodeConfig(transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda"))
+    monkeypatch.setattr(rank_module, "create_kv_receiver", lambda name, **kw: calls.append((name, kw)))
+    config = DecodeConfig(transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda")
+    create_receiver(rank_init(config))
     assert calls == [expected]
 
 
 def test_cuda_ipc_on_a_cpu_device_fails_at_build(language_model) -> None:
+    init = rank_init(replace(BASE_CONFIG, kv_transfer_backend="cuda_ipc"))
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        build_engine(replace(BASE_CONFIG, kv_transfer_backend="cuda_ipc"), language_model)
-    receiver = create_receiver(DecodeConfig(kv_transfer_backend="cuda_ipc", device="cuda"))
+        build_rank(init, "cpu", language_model)
+    receiver = create_receiver(init)
     assert receiver.backend == "cuda_ipc"
     with pytest.raises(ValueError, match="needs a CUDA KV pool"):  # the pool itself is on the CPU
-        build_engine(BASE_CONFIG, language_model, receiver)
+        build_rank(init, "cpu", language_model, receiver)

@@ -21,6 +21,7 @@ BOUND_S = 90  # generous bound on "promptly"; a hang would wait forever
 
 def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
     system = start_system(tmp_path)
+    num_services = len([name for name in system.state if name != "launcher"])  # routers: one per 8 CPUs
     try:
         client = openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=BOUND_S)
         model = client.models.list().data[0].id
@@ -76,5 +77,5 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
     finally:
         code = system.stop()
     assert code == 0
-    assert len(system.child_pids()) == 6  # five services and the restarted decode
+    assert len(system.child_pids()) == num_services + 1  # the services and the restarted decode
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]

@@ -1,6 +1,7 @@
 """The whole system through the official ``openai`` client, checked against transformers.
 
-One system (``stageserve up`` on the bundled tiny model) serves every test in this
+One system (``stageserve up --decode-dp 2 --router-workers 2`` on the bundled tiny model:
+two decode ranks, two router processes on one HTTP port) serves every test in this
 module; the last test checks that no KV page was lost over all of them.
 """
 
@@ -42,9 +43,13 @@ CASES = {
 }
 
 
+# dp2: decode as two DP rank processes behind two router processes sharing the port;
 # cp2: prefill as two CP rank processes, every batch sharded (--prefill-cp-min-tokens 1)
-@pytest.fixture(scope="module", params=[(), ("--prefill-cp", "2", "--prefill-cp-min-tokens", "1")],
-                ids=["cp1", "cp2"])
+@pytest.fixture(
+    scope="module",
+    params=[("--decode-dp", "2", "--router-workers", "2"), ("--prefill-cp", "2", "--prefill-cp-min-tokens", "1")],
+    ids=["dp2", "cp2"],
+)
 def system(request, tmp_path_factory):
     system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024", *request.param)
     yield system
@@ -137,6 +142,23 @@ def _metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values)
+
+
+def test_both_decode_ranks_and_both_router_processes_served(system, request):
+    """After the sixteen concurrent requests: each router process took some, each rank ran some."""
+    if "--decode-dp" not in request.node.callspec.params["system"]:
+        pytest.skip("one decode rank and one router process in this layout")
+    stats = decode_stats(system)
+    assert [r.is_serving for r in stats.ranks] == [True, True]
+    routers = [name for name in system.state if name.startswith("router")]
+    assert sorted(routers) == ["router", "router-2"]
+    assert len({system.state[name]["http_port"] for name in routers}) == 1  # one shared HTTP port
+    for name in routers:
+        assert _metric(system.metrics_url(name), "stageserve_router_requests_total") > 0, name
+    text = urllib.request.urlopen(system.metrics_url("decode"), timeout=10).read().decode()
+    steps = {m.group(1): float(m.group(2))
+             for m in re.finditer(r'^stageserve_decode_steps_total{[^}]*dp_rank="(\d+)"[^}]*} (\S+)$', text, re.M)}
+    assert sorted(steps) == ["0", "1"] and min(steps.values()) > 0, steps
 
 
 def test_same_image_twice_is_encoded_once(system, client, model_name):

@@ -25,7 +25,14 @@ import grpc
 
 from services.common import signing
 from services.common.auth import Credentials
-from services.common.errors import AbortedError, CapacityError, InvalidRequestError, NotFoundError
+from services.common.clients.decode import stream_error_to_proto
+from services.common.errors import (
+    AbortedError,
+    CapacityError,
+    InvalidRequestError,
+    NotFoundError,
+    StageServeError,
+)
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import (
     common_pb2,
@@ -144,7 +151,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.num_refused = 0
         self.release = asyncio.Event()  # Generate waits for it before its first message
         self.release.set()
-        self.cancelled: list[str] = []  # Reserve or Generate calls the caller cancelled
+        self.cancelled: list[str] = []  # Reserve calls the caller cancelled, and generates it left
         self.ended: set[str] = set()  # aborted and not reserved again
 
     def max_new_tokens(self, request_id: str) -> int:
@@ -169,22 +176,48 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.ReserveResponse(kv_ref=kv_ref)
 
     @handle_errors
-    async def Generate(self, request: Any, context: Any):
-        reserve = self.reserved.get(request.request_id)
-        if reserve is None:
-            raise NotFoundError(f"no reservation for {request.request_id}")
-        if request.kv_written_proof != self.proofs[request.request_id]:
-            raise InvalidRequestError("kv_written_proof is not prefill's", param="kv_written_proof")
-        self.generate_started.set()
+    async def Stream(self, requests: Any, context: Any):
+        """Each generate message runs on its own task; every message carries one request's chunk."""
+        outbox: asyncio.Queue[decode_pb2.DecodeStreamResponse] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def read() -> None:
+            async for message in requests:
+                if message.WhichOneof("kind") == "generate":
+                    start = message.generate
+                    tasks[start.request_id] = asyncio.create_task(self._serve_generate(start, outbox))
+                elif (task := tasks.pop(message.abort.request_id, None)) is not None:
+                    task.cancel()  # the caller left this request
+
+        reader = asyncio.create_task(read())
         try:
+            while True:
+                yield await outbox.get()
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+    async def _serve_generate(self, request: Any, outbox: asyncio.Queue) -> None:
+        request_id = request.request_id
+        try:
+            reserve = self.reserved.get(request_id)
+            if reserve is None:
+                raise NotFoundError(f"no reservation for {request_id}")
+            if request.kv_written_proof != self.proofs[request_id]:
+                raise InvalidRequestError("kv_written_proof is not prefill's", param="kv_written_proof")
+            self.generate_started.set()
             await self.release.wait()
             async for message in self._generate(request, reserve):
-                yield message
+                outbox.put_nowait(message)
+        except StageServeError as exc:
+            end = decode_pb2.RequestEnd(request_id=request_id, error=stream_error_to_proto(exc))
+            outbox.put_nowait(decode_pb2.DecodeStreamResponse(ends=[end]))
         except asyncio.CancelledError:
-            self.cancelled.append(request.request_id)
+            self.cancelled.append(request_id)
             raise
         finally:
-            self.holding.discard(request.request_id)
+            self.holding.discard(request_id)
 
     async def _generate(self, request: Any, reserve: Any):
         limit = reserve.sampling_params.max_new_tokens
@@ -198,17 +231,18 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 await asyncio.sleep(HANG_S)
             if self.script.decode_fail_after is not None and num_messages >= self.script.decode_fail_after:
                 assert self.server is not None
-                self.stopping = asyncio.create_task(self.server.stop(None))  # cancels this call too
+                self.stopping = asyncio.create_task(self.server.stop(None))  # cancels the stream too
                 await asyncio.sleep(3600)
             chunk = ids[start:start + self.script.chunk_size]
             is_last = start + self.script.chunk_size >= len(ids)
-            message = decode_pb2.DecodeGenerateResponse(token_ids=chunk)
+            message = decode_pb2.DecodeStreamResponse(request_ids=[request.request_id] * len(chunk), token_ids=chunk)
             if is_last:
                 num = 1 + len(ids)
-                message.finish_reason = (common_pb2.FINISH_REASON_LENGTH if num >= limit
-                                         else common_pb2.FINISH_REASON_STOP)
-                message.usage.CopyFrom(common_pb2.Usage(num_prompt_tokens=len(reserve.prompt_token_ids),
-                                                        num_completion_tokens=num))
+                end = message.ends.add(request_id=request.request_id)
+                end.finish_reason = (common_pb2.FINISH_REASON_LENGTH if num >= limit
+                                     else common_pb2.FINISH_REASON_STOP)
+                end.usage.CopyFrom(common_pb2.Usage(num_prompt_tokens=len(reserve.prompt_token_ids),
+                                                    num_completion_tokens=num))
             num_messages += 1
             yield message
 

@@ -39,3 +39,21 @@ def test_out_of_range_values_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*BASE, *argv])
     assert "must be" in capsys.readouterr().err
+
+
+def test_http_reuse_port_lets_router_processes_share_the_port():
+    from services.router.__main__ import bind_http_socket
+
+    assert not config_from_args(build_parser().parse_args(BASE)).http_reuse_port
+    assert config_from_args(build_parser().parse_args([*BASE, "--http-reuse-port"])).http_reuse_port
+    first = bind_http_socket("127.0.0.1", 0, reuse_port=True)
+    port = first.getsockname()[1]
+    second = bind_http_socket("127.0.0.1", port, reuse_port=True)
+    try:
+        for sock in (first, second):
+            sock.listen()
+        with pytest.raises(OSError):  # without the flag the port stays exclusive
+            bind_http_socket("127.0.0.1", port).listen()
+    finally:
+        first.close()
+        second.close()

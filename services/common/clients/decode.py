@@ -9,6 +9,7 @@ this module does not import torch: only ``to_destination`` touches ``services.tr
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
@@ -19,8 +20,13 @@ import msgspec
 from services.common import signing, telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
-from services.common.errors import DeadlineExceededError
-from services.common.grpc_errors import error_from_rpc
+from services.common.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    StageServeError,
+    UnavailableError,
+)
+from services.common.grpc_errors import error_from_rpc, known_error_classes
 from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, Usage
@@ -250,6 +256,109 @@ class DecodeChunk(msgspec.Struct, frozen=True):
     usage: Usage | None = None
 
 
+def stream_error_to_proto(error: StageServeError) -> decode_pb2.StreamError:
+    return decode_pb2.StreamError(
+        code=error.grpc_code, error_type=type(error).__name__, message=error.message, param=error.param or ""
+    )
+
+
+def stream_error_from_proto(message: decode_pb2.StreamError) -> StageServeError:
+    """The error a Stream request ended with: its own class when it matches the code."""
+    cls = known_error_classes().get(message.error_type)
+    if cls is None or cls.grpc_code != message.code:
+        cls = UnavailableError if message.code == "UNAVAILABLE" else StageServeError
+    return cls(message.message or message.code, param=message.param or None)
+
+
+def _usage_from_proto(message: common_pb2.Usage) -> Usage:
+    return Usage(message.num_prompt_tokens, message.num_completion_tokens, message.num_cached_image_tokens)
+
+
+Queued = DecodeChunk | StageServeError
+
+
+def _trace_fields() -> dict[str, str]:
+    """The current W3C trace context as DecodeGenerateRequest's traceparent / tracestate."""
+    carrier = dict(telemetry.inject_metadata())
+    return {key: carrier[key] for key in ("traceparent", "tracestate") if key in carrier}
+
+
+class _TokenStream:
+    """One Stream call carrying every ``generate`` of a client: each request's chunks to its queue.
+
+    Messages to decode go through an unbounded outbox (never awaited by the caller); a
+    reader task splits each message by request. When the call ends, every open request
+    gets the error, and the next ``generate`` opens a new call.
+    """
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub) -> None:
+        self._outbox: asyncio.Queue[decode_pb2.DecodeStreamRequest | None] = asyncio.Queue()
+        self._queues: dict[str, asyncio.Queue[Queued]] = {}
+        self.is_closed = False
+        self._call = stub.Stream(self._messages(), metadata=telemetry.inject_metadata())
+        self._reader = asyncio.create_task(self._read(), name="decode-token-stream")
+
+    def open(self, request_id: str) -> asyncio.Queue[Queued]:
+        if request_id in self._queues:
+            raise InvalidRequestError(f"generate already started for {request_id}", param="request_id")
+        queue: asyncio.Queue[Queued] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def send(self, message: decode_pb2.DecodeStreamRequest) -> None:
+        if not self.is_closed:
+            self._outbox.put_nowait(message)
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _messages(self) -> AsyncIterator[decode_pb2.DecodeStreamRequest]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        error: StageServeError = UnavailableError("the decode service ended its token stream")
+        try:
+            async for response in self._call:
+                self._dispatch(response)
+        except grpc.RpcError as exc:
+            error = error_from_rpc(exc, service="decode")
+        except asyncio.CancelledError:
+            error = UnavailableError("the decode client was closed")
+            raise
+        finally:
+            self.is_closed = True
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+            self._queues.clear()
+
+    def _dispatch(self, response: decode_pb2.DecodeStreamResponse) -> None:
+        tokens: dict[str, list[int]] = {}
+        for request_id, token_id in zip(response.request_ids, response.token_ids, strict=True):
+            tokens.setdefault(request_id, []).append(token_id)
+        ends = {end.request_id: end for end in response.ends}
+        for request_id in tokens.keys() | ends.keys():
+            queue = self._queues.get(request_id)
+            if queue is None:  # the caller left already
+                continue
+            token_ids, end = tuple(tokens.get(request_id, ())), ends.get(request_id)
+            if end is None:
+                queue.put_nowait(DecodeChunk(token_ids))
+            elif end.HasField("error"):
+                if token_ids:
+                    queue.put_nowait(DecodeChunk(token_ids))
+                queue.put_nowait(stream_error_from_proto(end.error))
+            else:
+                reason = _FINISH_REASONS.get(end.finish_reason)
+                queue.put_nowait(DecodeChunk(token_ids, reason, _usage_from_proto(end.usage)))
+
+
 class DecodeRankStats(msgspec.Struct, frozen=True):
     dp_rank: int
     num_total_pages: int
@@ -258,6 +367,7 @@ class DecodeRankStats(msgspec.Struct, frozen=True):
     num_running_requests: int
     num_reserved_requests: int
     num_quarantined_pages: int  # neither free nor used: a late KV write may still land in them
+    is_serving: bool = True  # False: the rank is down or restarting (every count 0)
 
 
 class DecodeStats(msgspec.Struct, frozen=True):
@@ -269,17 +379,6 @@ class DecodeStats(msgspec.Struct, frozen=True):
     num_reserved_requests: int
     num_quarantined_pages: int  # free + used + quarantined = total
     ranks: tuple[DecodeRankStats, ...] = ()
-
-
-def _chunk_from_proto(message: decode_pb2.DecodeGenerateResponse) -> DecodeChunk:
-    usage = None
-    if message.HasField("usage"):
-        usage = Usage(
-            message.usage.num_prompt_tokens,
-            message.usage.num_completion_tokens,
-            message.usage.num_cached_image_tokens,
-        )
-    return DecodeChunk(tuple(message.token_ids), _FINISH_REASONS.get(message.finish_reason), usage)
 
 
 def _stats_fields(message: object, struct: type[msgspec.Struct]) -> dict[str, int]:
@@ -297,6 +396,7 @@ class DecodeClient:
         self._timeout_s = timeout_s
         self._channel = create_channel(address, auth=auth)
         self._stub = decode_pb2_grpc.DecodeStub(self._channel)
+        self._tokens: _TokenStream | None = None  # every generate of this client, one Stream call
 
     @staticmethod
     def _metadata(request_id: str) -> list[tuple[str, str]]:
@@ -341,24 +441,42 @@ class DecodeClient:
     ) -> AsyncIterator[DecodeChunk]:
         """Stream the tokens after ``first_token_id`` until the request finishes.
 
-        ``kv_written_proof``: what prefill returned for this request (``PrefillResult``);
-        decode starts no reservation without it. Leaving the iteration early (``break``,
-        ``aclose``, cancellation) cancels the call, which aborts the request on decode and
-        frees its pages. Raises ``NotFoundError`` (unknown or expired request),
-        ``InvalidRequestError`` (missing or wrong proof), ``AbortedError`` (aborted
-        meanwhile), ``DeadlineExceededError`` (``timeout_s`` passed), ``UnavailableError``.
+        Every generate of this client shares one Stream call, whose messages carry every
+        request's tokens of a decode step. ``kv_written_proof``: what prefill returned for
+        this request (``PrefillResult``); decode starts no reservation without it. Leaving
+        the iteration early (``break``, ``aclose``, cancellation) aborts the request on
+        decode, which frees its pages. Raises ``NotFoundError`` (unknown or expired request),
+        ``InvalidRequestError`` (missing or wrong proof), ``AbortedError`` (aborted meanwhile),
+        ``DeadlineExceededError`` (``timeout_s`` passed), ``UnavailableError``.
         """
-        request = decode_pb2.DecodeGenerateRequest(
-            request_id=request_id, first_token_id=first_token_id, kv_written_proof=kv_written_proof
+        if self._tokens is None or self._tokens.is_closed:
+            self._tokens = _TokenStream(self._stub)
+        tokens = self._tokens
+        queue = tokens.open(request_id)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        start = decode_pb2.DecodeGenerateRequest(
+            request_id=request_id, first_token_id=first_token_id, kv_written_proof=kv_written_proof,
+            deadline_unix_ms=int((time.time() + timeout_s) * 1000), **_trace_fields(),
         )
-        call = self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata(request_id))
+        tokens.send(decode_pb2.DecodeStreamRequest(generate=start))
+        is_done = False
         try:
-            async for message in call:
-                yield _chunk_from_proto(message)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, service="decode") from exc
+            while not is_done:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        item = await queue.get()
+                except TimeoutError:
+                    raise DeadlineExceededError(f"{request_id}: decode did not finish within {timeout_s:g} s") from None
+                if isinstance(item, StageServeError):
+                    is_done = True
+                    raise item
+                is_done = item.finish_reason is not None
+                yield item
         finally:
-            call.cancel()  # a no-op once the stream ended
+            tokens.forget(request_id)
+            if not is_done:
+                abort = decode_pb2.AbortRequest(request_id=request_id, reason="the caller left", is_kv_written=True)
+                tokens.send(decode_pb2.DecodeStreamRequest(abort=abort))
 
     async def abort(self, request_id: str, reason: str = "", *, is_kv_written: bool = False) -> bool:
         """Abort ``request_id`` wherever it is (idempotent); True when it was live.
@@ -385,4 +503,6 @@ class DecodeClient:
         return DecodeStats(**_stats_fields(reply, DecodeStats), ranks=ranks)
 
     async def close(self) -> None:
+        if self._tokens is not None:
+            await self._tokens.close()
         await self._channel.close()

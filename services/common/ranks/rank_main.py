@@ -174,10 +174,24 @@ def _await_setup(channel: RankChannel, timeout_s: float) -> Setup:
     raise RuntimeError(f"the leader sent {what} before Setup")
 
 
-def _form_groups(device: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    cpu_group = dist.new_group(backend="gloo", timeout=_timeout(timeout_s))
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    device_group = dist.new_group(backend=backend, timeout=_timeout(timeout_s))
+def loopback_gloo_options() -> dist.ProcessGroupGloo._Options:
+    """Gloo options whose device listens on 127.0.0.1 only: spawned ranks share one host, and
+    gloo's default (the address the hostname resolves to) may be a public interface."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return options
+
+
+def _form_groups(
+    device: str, timeout_s: float, is_local: bool
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``is_local`` (spawn mode): the gloo groups listen on loopback only."""
+    gloo = loopback_gloo_options() if is_local else None
+    cpu_group = dist.new_group(backend="gloo", timeout=_timeout(timeout_s), pg_options=gloo)
+    if device.startswith("cuda"):
+        device_group = dist.new_group(backend="nccl", timeout=_timeout(timeout_s))
+    else:
+        device_group = dist.new_group(backend="gloo", timeout=_timeout(timeout_s), pg_options=gloo)
     assert cpu_group is not None and device_group is not None
     return cpu_group, device_group
 
@@ -226,15 +240,17 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
                 rank=rank,
                 world_size=world_size,
                 timeout=_timeout(setup.collective_timeout_s),
+                pg_options=loopback_gloo_options(),
             )
-    return _Started(rank, setup, _build_step(cls, args.device, rank, world_size, setup))
+    step_fn = _build_step(cls, args.device, rank, world_size, setup, is_local=not args.is_join)
+    return _Started(rank, setup, step_fn)
 
 
 def _build_step(
-    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
+    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup, is_local: bool
 ) -> BaseRankStep:
     with _stage(StartStage.GROUPS, rank):
-        cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
+        cpu_group, device_group = _form_groups(device, setup.collective_timeout_s, is_local)
     ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
     with _stage(StartStage.CONSTRUCT, rank):
         step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))

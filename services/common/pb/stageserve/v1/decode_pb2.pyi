@@ -28,24 +28,62 @@ class ReserveResponse(_message.Message):
     def __init__(self, kv_ref: _Optional[_Union[_common_pb2.KvRef, _Mapping]] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "kv_written_proof")
+    __slots__ = ("request_id", "first_token_id", "kv_written_proof", "deadline_unix_ms", "traceparent", "tracestate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_WRITTEN_PROOF_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     kv_written_proof: bytes
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_written_proof: _Optional[bytes] = ...) -> None: ...
+    deadline_unix_ms: int
+    traceparent: str
+    tracestate: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_written_proof: _Optional[bytes] = ..., deadline_unix_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
-class DecodeGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "usage")
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("generate", "abort")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    generate: DecodeGenerateRequest
+    abort: AbortRequest
+    def __init__(self, generate: _Optional[_Union[DecodeGenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "ends")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ends: _containers.RepeatedCompositeFieldContainer[RequestEnd]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., ends: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ...) -> None: ...
+
+class RequestEnd(_message.Message):
+    __slots__ = ("request_id", "finish_reason", "usage", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    error: StreamError
+    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "error_type", "message", "param")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    error_type: str
+    message: str
+    param: str
+    def __init__(self, code: _Optional[str] = ..., error_type: _Optional[str] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason", "is_kv_written")
@@ -68,7 +106,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRankStats(_message.Message):
-    __slots__ = ("dp_rank", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests", "num_quarantined_pages")
+    __slots__ = ("dp_rank", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests", "num_quarantined_pages", "is_serving")
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +114,7 @@ class DecodeRankStats(_message.Message):
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUARANTINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IS_SERVING_FIELD_NUMBER: _ClassVar[int]
     dp_rank: int
     num_total_pages: int
     num_free_pages: int
@@ -83,7 +122,8 @@ class DecodeRankStats(_message.Message):
     num_running_requests: int
     num_reserved_requests: int
     num_quarantined_pages: int
-    def __init__(self, dp_rank: _Optional[int] = ..., num_total_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ...) -> None: ...
+    is_serving: bool
+    def __init__(self, dp_rank: _Optional[int] = ..., num_total_pages: _Optional[int] = ..., num_free_pages: _Optional[int] = ..., num_used_pages: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_reserved_requests: _Optional[int] = ..., num_quarantined_pages: _Optional[int] = ..., is_serving: _Optional[bool] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("page_size", "num_total_pages", "num_free_pages", "num_used_pages", "num_running_requests", "num_reserved_requests", "ranks", "num_quarantined_pages")

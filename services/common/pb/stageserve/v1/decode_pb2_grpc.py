@@ -28,10 +28,11 @@ if _version_not_supported:
 class DecodeStub:
     """Holds KV pages for requests and generates their tokens.
 
-    Request lifecycle on decode: Reserve (pages taken, KvRef returned) -> prefill writes
-    the KV -> Generate (admitted to the running batch, tokens streamed) -> finished,
+    Request lifecycle on decode: Reserve (placed on one DP rank, pages taken, KvRef naming
+    the rank returned) -> prefill writes the KV -> generate on a Stream (admitted to its
+    rank's running batch, tokens streamed in per-step batches) -> finished,
     aborted or expired; the pages are freed in every case. Pages of a reservation aborted
-    or expired before Generate (and not known written) rest in quarantine first
+    or expired before generate (and not known written) rest in quarantine first
     (decode's --kv-quarantine-s), since an abandoned KV write may still land in them.
     """
 
@@ -46,10 +47,10 @@ class DecodeStub:
                 request_serializer=stageserve_dot_v1_dot_decode__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=stageserve_dot_v1_dot_decode__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/stageserve.v1.Decode/Generate',
-                request_serializer=stageserve_dot_v1_dot_decode__pb2.DecodeGenerateRequest.SerializeToString,
-                response_deserializer=stageserve_dot_v1_dot_decode__pb2.DecodeGenerateResponse.FromString,
+        self.Stream = channel.stream_stream(
+                '/stageserve.v1.Decode/Stream',
+                request_serializer=stageserve_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=stageserve_dot_v1_dot_decode__pb2.DecodeStreamResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/stageserve.v1.Decode/Abort',
@@ -66,32 +67,41 @@ class DecodeStub:
 class DecodeServicer:
     """Holds KV pages for requests and generates their tokens.
 
-    Request lifecycle on decode: Reserve (pages taken, KvRef returned) -> prefill writes
-    the KV -> Generate (admitted to the running batch, tokens streamed) -> finished,
+    Request lifecycle on decode: Reserve (placed on one DP rank, pages taken, KvRef naming
+    the rank returned) -> prefill writes the KV -> generate on a Stream (admitted to its
+    rank's running batch, tokens streamed in per-step batches) -> finished,
     aborted or expired; the pages are freed in every case. Pages of a reservation aborted
-    or expired before Generate (and not known written) rest in quarantine first
+    or expired before generate (and not known written) rest in quarantine first
     (decode's --kv-quarantine-s), since an abandoned KV write may still land in them.
     """
 
     def Reserve(self, request, context):
         """Validates the sampling parameters, reserves KV pages on one DP rank for the prompt
         plus max_new_tokens (capped by the context length, so a running request never runs
-        out of pages), opens the transfer session (BOOTSTRAPPING) and returns where prefill
-        writes. RESOURCE_EXHAUSTED when no rank has enough free pages right now;
+        out of pages) and returns where prefill writes (the KvRef names the rank).
+        Placement: the serving rank with the most free pages, then the fewest requests.
+        RESOURCE_EXHAUSTED when no rank has enough free pages right now; UNAVAILABLE when no
+        rank serves (a rank that dies under the Reserve gives way to another rank once);
         INVALID_ARGUMENT for a bad request or a duplicate request_id. The reservation
         expires at the request's deadline or after decode's --max-reservation-s, whichever
-        comes first; its pages are quarantined if Generate has not started by then.
+        comes first; its pages are quarantined if generate has not started by then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Generate(self, request, context):
-        """Starts decoding a reserved request whose KV prefill has fully written, and streams
-        its tokens until it finishes. NOT_FOUND for an unknown or expired request_id;
-        INVALID_ARGUMENT (param kv_written_proof) when kv_written_proof is missing or is not
-        the one prefill returned for this reservation (the reservation stays as it was).
-        Cancelling the call aborts the request and frees its pages.
+    def Stream(self, request_iterator, context):
+        """One stream per caller (a router process): DecodeStreamRequest messages in (start
+        decoding a reserved request whose KV prefill has fully written; abort one), and out
+        one DecodeStreamResponse per decode step of a rank, carrying every new token of this
+        stream's requests (never one message per request per token). A request's problems
+        are answered in-band (RequestEnd.error: NOT_FOUND for an unknown or expired
+        request_id; INVALID_ARGUMENT (param kv_written_proof) when kv_written_proof is
+        missing or is not the one prefill returned, the reservation staying as it was;
+        UNAVAILABLE when its rank died, before or after generate; DEADLINE_EXCEEDED past its
+        deadline); a message that
+        is neither generate nor abort ends the stream with INVALID_ARGUMENT. Cancelling or
+        ending the stream aborts its running requests and frees their pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,8 +109,8 @@ class DecodeServicer:
 
     def Abort(self, request, context):
         """Aborts a request in any state and frees its pages (a reservation's pages go to
-        quarantine first unless is_kv_written); a running Generate stream ends with
-        CANCELLED. Idempotent.
+        quarantine first unless is_kv_written); a running request ends with CANCELLED on its
+        stream. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,10 +131,10 @@ def add_DecodeServicer_to_server(servicer, server):
                     request_deserializer=stageserve_dot_v1_dot_decode__pb2.ReserveRequest.FromString,
                     response_serializer=stageserve_dot_v1_dot_decode__pb2.ReserveResponse.SerializeToString,
             ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=stageserve_dot_v1_dot_decode__pb2.DecodeGenerateRequest.FromString,
-                    response_serializer=stageserve_dot_v1_dot_decode__pb2.DecodeGenerateResponse.SerializeToString,
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=stageserve_dot_v1_dot_decode__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=stageserve_dot_v1_dot_decode__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -147,10 +157,11 @@ def add_DecodeServicer_to_server(servicer, server):
 class Decode:
     """Holds KV pages for requests and generates their tokens.
 
-    Request lifecycle on decode: Reserve (pages taken, KvRef returned) -> prefill writes
-    the KV -> Generate (admitted to the running batch, tokens streamed) -> finished,
+    Request lifecycle on decode: Reserve (placed on one DP rank, pages taken, KvRef naming
+    the rank returned) -> prefill writes the KV -> generate on a Stream (admitted to its
+    rank's running batch, tokens streamed in per-step batches) -> finished,
     aborted or expired; the pages are freed in every case. Pages of a reservation aborted
-    or expired before Generate (and not known written) rest in quarantine first
+    or expired before generate (and not known written) rest in quarantine first
     (decode's --kv-quarantine-s), since an abandoned KV write may still land in them.
     """
 
@@ -182,7 +193,7 @@ class Decode:
             _registered_method=True)
 
     @staticmethod
-    def Generate(request,
+    def Stream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -192,12 +203,12 @@ class Decode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/stageserve.v1.Decode/Generate',
-            stageserve_dot_v1_dot_decode__pb2.DecodeGenerateRequest.SerializeToString,
-            stageserve_dot_v1_dot_decode__pb2.DecodeGenerateResponse.FromString,
+            '/stageserve.v1.Decode/Stream',
+            stageserve_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+            stageserve_dot_v1_dot_decode__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

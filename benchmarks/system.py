@@ -1,0 +1,346 @@
+"""System benchmark: the whole system at real model size against the engine's own bound.
+
+    python -m benchmarks.system [--out docs/benchmarks.md] [--concurrency 1,64,256]
+        [--input-len 1000] [--output-len 1000] [--decode-dp 1] [--router-workers 4]
+    python -m benchmarks.system --quick      # CPU smoke run on the bundled tiny model
+
+In one run: writes (or reuses) a checkpoint with 7B dimensions, random bf16 weights and the
+bundled tokenizer's vocabulary (benchmarks/system_model.py); times the engine alone on the
+same weights (one prompt's prefill, the decode rank's pipelined loop at each concurrency's
+batch); starts ``stageserve up`` on the checkpoint (prefill and decode on one GPU, KV over
+CUDA IPC), warms it up; runs the serving client at each concurrency, spread over client
+processes, ``--input-len`` prompt tokens and ``--output-len`` output tokens with ignore_eos;
+prints one table (system against engine: throughput, TPOT, decode's in-service step, the
+messages decode sent per step, router and decode-leader CPU) and writes its section of
+``--out``. Tests never assert on these numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.report import git_commit, hardware
+from benchmarks.serve_metrics import Slo, summarize
+from benchmarks.serve_workload import synth_prompt
+from benchmarks.system_load import Load, System, cpu_seconds, run_load, start_system
+from benchmarks.system_model import EngineTimes, engine_times, write_checkpoint
+from services.cli import BUNDLED_MODEL
+
+SECTION_TITLE = "## System (`python -m benchmarks.system`)"
+
+
+@dataclass(frozen=True)
+class Level:
+    """One concurrency level's run, with what the services reported over it."""
+
+    concurrency: int
+    output_tok_s: float
+    tpot_ms: float | None
+    ttft_ms: float | None
+    num_ok: int
+    num_requests: int
+    mean_prompt_tokens: float | None
+    step_ms: float | None  # decode's in-service step (its histogram's mean over the run)
+    messages_per_step: float | None  # decode -> router messages per decode step
+    router_cpu: tuple[float, ...]  # each router process's cores used
+    decode_cpu: float  # the decode leader's cores used
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks.system", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--quick", action="store_true", help="CPU smoke run: tiny model, short requests, c = 1, 4"
+    )
+    p.add_argument(
+        "--out", default="docs/benchmarks.md", help="markdown report whose section is written"
+    )
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random"
+    )
+    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,64,256)")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1000)")
+    p.add_argument(
+        "--output-len", type=int, default=None, help="output tokens, ignore_eos (default 1000)"
+    )
+    p.add_argument(
+        "--requests-per-level", type=float, default=2.0, help="requests = this x concurrency"
+    )
+    p.add_argument(
+        "--decode-dp", type=int, default=1, help="decode ranks, all on the GPU prefill uses"
+    )
+    p.add_argument(
+        "--decode-device", default=None, help="decode's devices, e.g. cuda:0,cuda:1 (one rank each)"
+    )
+    p.add_argument("--router-workers", type=int, default=None, help="default: stageserve up's")
+    p.add_argument(
+        "--client-processes", type=int, default=None, help="default: one per 32 concurrent"
+    )
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="decode KV pages per rank (default: fits the run)",
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="logs and state (default: a temporary one)"
+    )
+    return p.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    quick = args.quick
+    levels = args.concurrency or ("1,4" if quick else "1,64,256")
+    return dict(
+        device="cpu" if quick else "cuda",
+        attention="torch" if quick else "flashinfer",
+        concurrency=tuple(int(c) for c in levels.split(",")),
+        input_len=args.input_len or (64 if quick else 1000),
+        output_len=args.output_len or (16 if quick else 1000),
+        up=(
+            ["--device", "cpu"]
+            if quick
+            else [
+                "--device",
+                "cuda",
+                "--attention-backend",
+                "flashinfer",
+                "--kv-transfer-backend",
+                "cuda_ipc",
+            ]
+        ),
+    )
+
+
+def _input_words(model_dir: Path, target_tokens: int) -> int:
+    """Prompt words giving about ``target_tokens`` prompt tokens with this tokenizer."""
+    import numpy as np
+
+    from services.engine.processing import TextProcessor
+
+    text = TextProcessor.from_dir(model_dir)
+    sample = synth_prompt(2000, np.random.default_rng(0))
+    tokens_per_word = len(text.encode(sample)) / 2000
+    return max(1, round(target_tokens / tokens_per_word))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_level(system: System, model: str, load: Load, num_processes: int) -> Level:
+    step_sum = system.metric("decode", "stageserve_decode_step_seconds_sum")
+    step_count = system.metric("decode", "stageserve_decode_step_seconds_count")
+    messages = system.metric("decode", "stageserve_decode_stream_messages_total")
+    pids = {**system.pids("router"), "decode": system.state()["decode"]["pid"]}
+    cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    records, duration_s = run_load(load, num_processes)
+    cpu = {name: (cpu_seconds(pid) - cpu[name]) / duration_s for name, pid in pids.items()}
+    num_steps = system.metric("decode", "stageserve_decode_step_seconds_count") - step_count
+    step_s = system.metric("decode", "stageserve_decode_step_seconds_sum") - step_sum
+    num_messages = system.metric("decode", "stageserve_decode_stream_messages_total") - messages
+    summary = summarize(records, duration_s, Slo(), load.num_requests)
+    return Level(
+        concurrency=load.concurrency,
+        output_tok_s=summary.output_token_throughput,
+        tpot_ms=summary.tpot.mean if summary.tpot else None,
+        ttft_ms=summary.ttft.mean if summary.ttft else None,
+        num_ok=summary.num_ok,
+        num_requests=load.num_requests,
+        mean_prompt_tokens=summary.mean_prompt_tokens,
+        step_ms=step_s / num_steps * 1e3 if num_steps else None,
+        messages_per_step=num_messages / num_steps if num_steps else None,
+        router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"),
+        decode_cpu=cpu["decode"],
+    )
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> list[str]:
+    header = (
+        "concurrency",
+        "system tok/s",
+        "engine bound tok/s",
+        "system/bound",
+        "TPOT ms",
+        "engine step ms",
+        "TPOT/step",
+        "decode step ms (in service)",
+        "in-service/engine step",
+        "msgs/step",
+        "router CPU (cores each)",
+        "decode leader CPU",
+        "ok",
+        "mean prompt tokens",
+        "TTFT ms",
+    )
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for level in levels:
+        step = engine.decode_ms.get(level.concurrency)
+        bound = engine.bound_tok_s(level.concurrency, output_len) if step else None
+        cells = (
+            str(level.concurrency),
+            _fmt(level.output_tok_s, ".0f"),
+            _fmt(bound, ".0f"),
+            _fmt(bound and level.output_tok_s / bound),
+            _fmt(level.tpot_ms),
+            _fmt(step),
+            _fmt(level.tpot_ms and step and level.tpot_ms / step),
+            _fmt(level.step_ms),
+            _fmt(level.step_ms and step and level.step_ms / step),
+            _fmt(level.messages_per_step),
+            " / ".join(f"{c:.2f}" for c in level.router_cpu),
+            f"{level.decode_cpu:.2f}",
+            f"{level.num_ok}/{level.num_requests}",
+            _fmt(level.mean_prompt_tokens, ".0f"),
+            _fmt(level.ttft_ms, ".1f"),
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_section(path: Path, lines: list[str]) -> None:
+    """Write (or replace) this benchmark's section of ``path``; the other sections are kept."""
+    old = path.read_text() if path.is_file() else "# Benchmarks\n"
+    before, found, rest = old.partition(SECTION_TITLE + "\n")
+    after = ""
+    if found:
+        next_heading = rest.find("\n## ")
+        after = rest[next_heading + 1 :] if next_heading >= 0 else ""
+    else:
+        before = old.rstrip("\n") + "\n\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        before + "\n".join([SECTION_TITLE, "", *lines, ""]) + ("\n" + after if after else "")
+    )
+
+
+NOTES = [
+    "How to read it: *engine bound* is the output throughput if the GPU did nothing but the engine's",
+    "own work for this workload: per request one prefill of the prompt, then its output tokens at the",
+    "concurrency's batch per decode step (the decode rank's pipelined loop, `benchmarks/engine_rows.py:",
+    "decode_loop`, at context prompt + output/2); prefill and decode share the one GPU, so their times add.",
+    "*engine step* is that loop's step; *TPOT* the client's mean time per output token; *decode step (in",
+    "service)* decode's own step histogram over the run; *msgs/step* the messages decode sent to the routers",
+    "per decode step (at most one per router process). CPU columns: cores used over the run (utime + stime /",
+    "wall). The load comes from several client processes so the client is never the bottleneck.",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    settings = _settings(args)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stageserve-system-"))
+    if args.quick:
+        model_dir, random_weights = BUNDLED_MODEL, False
+    else:
+        model_dir, random_weights = write_checkpoint(args.checkpoint_dir, "cuda"), True
+    input_len, output_len, levels = (
+        settings["input_len"],
+        settings["output_len"],
+        settings["concurrency"],
+    )
+    engine = engine_times(
+        model_dir,
+        settings["device"],
+        settings["attention"],
+        input_len,
+        output_len,
+        levels,
+        random_weights,
+    )
+    print(
+        f"engine: prefill {engine.prefill_ms:.2f} ms, decode "
+        + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_ms.items()),
+        flush=True,
+    )
+    num_ranks = len(args.decode_device.split(",")) if args.decode_device else args.decode_dp
+    num_pages = (
+        args.num_pages or max(levels) * -(-(input_len + output_len + 16) // 16) // num_ranks + 64
+    )
+    up_args = [
+        *settings["up"],
+        "--model",
+        str(model_dir),
+        "--num-pages",
+        str(num_pages),
+        "--decode-dp",
+        str(args.decode_dp),
+        "--max-concurrent-requests",
+        str(max(levels) * 2),
+        "--ready-timeout-s",
+        "1800",
+    ]
+    if args.router_workers:
+        up_args += ["--router-workers", str(args.router_workers)]
+    if args.decode_device:
+        up_args += ["--decode-device", args.decode_device]
+    system = start_system(up_args, workdir, _free_port())
+    try:
+        model = "stageserve-7b-random" if not args.quick else model_dir.name
+        model = system_model_name(system) or model
+        words = _input_words(model_dir, input_len)
+        run_load(
+            Load(system.base_url, model, 4, 8, words, min(output_len, 32), seed=99), 1
+        )  # warm-up
+        results = []
+        for concurrency in levels:
+            num_requests = max(concurrency, round(args.requests_per_level * concurrency))
+            load = Load(
+                system.base_url,
+                model,
+                concurrency,
+                num_requests,
+                words,
+                output_len,
+                seed=concurrency,
+            )
+            processes = args.client_processes or -(-concurrency // 32)
+            results.append(_run_level(system, model, load, processes))
+            print("\n".join(table_lines(results, engine, output_len)[-1:]), flush=True)
+        routers = len(system.pids("router"))
+    finally:
+        code = system.stop()
+    lines = table_lines(results, engine, output_len)
+    print("\n".join(lines))
+    header = [
+        f"- hardware: {hardware()}",
+        f"- command: `python -m benchmarks.system {shlex.join(sys.argv[1:] if argv is None else argv)}`",
+        f"- commit: {git_commit()}; date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
+        f"- model: {'bundled tiny model' if args.quick else '7B dimensions, random bf16 weights'}, the bundled "
+        f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router processes, "
+        f"decode DP {num_ranks}); stop exit code {code}",
+        f"- workload: {input_len} prompt tokens (asked), {output_len} output tokens (ignore_eos), greedy; "
+        f"engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
+        + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),
+        "",
+    ]
+    write_section(Path(args.out), [*header, *lines, "", *NOTES])
+    print(f"wrote {args.out}")
+    return 0 if all(level.num_ok == level.num_requests for level in results) else 1
+
+
+def system_model_name(system: System) -> str | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{system.base_url}/models", timeout=30, trust_env=False).json()["data"][
+            0
+        ]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""The system benchmark's moving parts: the system (``stageserve up``) as a process, the serving
+client spread over several processes, and what the services report while it runs.
+
+The load of one concurrency level is split over ``num_processes`` client processes (each
+``benchmarks.serve``'s client with its share of the requests and of the concurrency),
+released together by a barrier, so no client process is the bottleneck; their records are
+summarized as one run. CPU use of a process is its utime + stime over the wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.serve import BenchConfig, run_benchmark
+from benchmarks.serve_client import RequestRecord
+from benchmarks.serve_metrics import Slo
+from benchmarks.serve_workload import IntRange, WorkloadSpec
+
+UP_TIMEOUT_S = 1800.0  # a 7B checkpoint loaded by three services on one GPU
+
+
+@dataclass
+class System:
+    """``stageserve up`` running: its process, HTTP port and state file."""
+
+    process: subprocess.Popen
+    http_port: int
+    state_file: Path
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def state(self) -> dict:
+        return json.loads(self.state_file.read_text())
+
+    def metric(self, service: str, name: str, labels: str = "") -> float:
+        """Sum of a Prometheus sample on ``service``'s metrics port (``labels``: a ``{...}`` part to match)."""
+        port = self.state()[service]["metrics_port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+            text = reply.read().decode()
+        pattern = rf"^{re.escape(name + labels)}(?:{{[^}}]*}})? (\S+)$"
+        return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+    def pids(self, prefix: str) -> dict[str, int]:
+        return {
+            name: entry["pid"] for name, entry in self.state().items() if name.startswith(prefix)
+        }
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(120)
+
+
+def start_system(up_args: list[str], workdir: Path, port: int) -> System:
+    """``stageserve up`` with ``up_args``; returns once it says it is up (its output goes to the log)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    state_file = workdir / "state.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--port",
+        str(port),
+        "--state-file",
+        str(state_file),
+        "--log-dir",
+        str(workdir / "logs"),
+        *up_args,
+    ]
+    print("starting: " + " ".join(cmd[2:]), flush=True)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    system = System(process, port, state_file)
+    is_up = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            system.output.append(line.rstrip())
+            if line.startswith("stageserve is up"):
+                is_up.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while not is_up.wait(0.5):
+        if process.poll() is not None or time.monotonic() > deadline:
+            system.stop()
+            raise RuntimeError("the system did not come up:\n" + "\n".join(system.output[-40:]))
+    return system
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` (its threads included), seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Load:
+    base_url: str
+    model: str
+    concurrency: int
+    num_requests: int
+    input_words: int
+    output_len: int
+    seed: int
+
+
+def _client(load: Load, index: int, num_processes: int, barrier, results) -> None:
+    """One client process: its share of the requests and of the concurrency."""
+    share = len(range(index, load.num_requests, num_processes))
+    concurrency = len(range(index, load.concurrency, num_processes))
+    workload = WorkloadSpec(
+        IntRange(load.input_words, load.input_words),
+        IntRange(load.output_len, load.output_len),
+        IntRange(0, 0),
+        (64, 64),
+        ignore_eos=True,
+        temperature=0.0,
+    )
+    cfg = BenchConfig(
+        base_url=load.base_url,
+        model=load.model,
+        api_key=None,
+        request_rate=float("inf"),
+        max_concurrency=max(concurrency, 1),
+        num_requests=max(share, 1),
+        seed=load.seed + index,
+        workload=workload,
+        request_timeout_s=3600.0,
+        max_duration_s=7200.0,
+        slo=Slo(),
+        output_json=None,
+        markdown=None,
+    )
+    barrier.wait()
+    _, records, duration_s = asyncio.run(run_benchmark(cfg))
+    results.put((records, duration_s))
+
+
+def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float]:
+    """Run ``load`` over ``num_processes`` client processes started together; (records, duration)."""
+    num_processes = max(1, min(num_processes, load.concurrency))
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(num_processes), context.Queue()
+    clients = [
+        context.Process(target=_client, args=(load, i, num_processes, barrier, results))
+        for i in range(num_processes)
+    ]
+    for client in clients:
+        client.start()
+    try:
+        outcomes = [results.get(timeout=7200) for _ in clients]
+    finally:
+        for client in clients:
+            client.join(60)
+            if client.is_alive():
+                client.kill()
+    records = [r for records, _ in outcomes for r in records]
+    for index, record in enumerate(records):
+        record.index = index
+    return records, max(duration for _, duration in outcomes)

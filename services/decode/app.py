@@ -1,0 +1,100 @@
+"""Wires a decode service from its config: D rank groups of one process each, the leader, gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from services.common import signing
+from services.common.auth import Credentials
+from services.common.envs import Envs
+from services.common.pb.stageserve.v1 import decode_pb2_grpc
+from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.group import RankGroup
+from services.common.server import HealthState, create_server, serve_until_signal
+from services.common.service_main import print_ready, start_telemetry
+from services.decode.config import DecodeConfig
+from services.decode.leader import DecodeLeader
+from services.decode.messages import RankInit, RankReport
+from services.decode.rank_slots import MakeRank, RankHandle
+from services.decode.servicer import SERVICE_NAME, DecodeServicer
+
+RANK_STEP = "services.decode.rank:DecodeRankStep"
+
+
+def rank_init(config: DecodeConfig) -> RankInit:
+    """What every rank builds itself from."""
+    return RankInit(
+        model=str(config.model),
+        dtype=config.dtype,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        max_model_len=config.max_model_len,
+        max_running_requests=config.max_running_requests,
+        attention_backend=config.attention_backend,
+        kv_backend=config.kv_backend,
+        transfer_host=config.transfer_host or config.host,
+        kv_quarantine_s=config.kv_quarantine_s,
+    )
+
+
+def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
+    """Rank ``r`` is a rank group of one process on ``config.rank_devices[r]``, restarted alone."""
+    init = rank_init(config)
+    devices = config.rank_devices
+
+    def make(dp_rank: int, on_ready_change: Callable[[bool], None]) -> RankHandle:
+        group_config = RankGroupConfig(
+            name=f"decode rank {dp_rank}",
+            devices=(devices[dp_rank],),
+            step_timeout_s=config.watchdog_s,
+            watchdog_s=config.watchdog_s,
+            internal_token=envs.internal_token,  # what the spawned rank reads from its environment
+        )
+        return RankGroup(
+            group_config, StepSpec(RANK_STEP, RankReport, init), on_ready_change=on_ready_change
+        )
+
+    return make
+
+
+async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> None:
+    """Serve until SIGTERM: liveness at once, readiness once a rank is formed and warm."""
+    metrics_port = start_telemetry(
+        "decode", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
+    )
+    health = HealthState()
+    servicer = DecodeServicer(
+        config.reservation_timeout_s,
+        config.max_reservation_s,
+        signing.key_of(auth.token if auth else ""),
+    )
+    server, port = create_server(
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
+        config.port,
+        config.host,
+        [SERVICE_NAME],
+        health=health,
+        auth=auth,
+        enable_reflection=config.enable_reflection,
+    )
+    await server.start()  # liveness answers (NOT_SERVING) while the ranks form
+    leader = DecodeLeader(
+        len(config.rank_devices),
+        process_ranks(config, envs),
+        config.watchdog_s,
+        config.sweep_interval_s,
+        on_ready_change=health.set_serving,
+    )
+    servicer.attach(leader)  # UNAVAILABLE ("no decode rank serves") until a rank has formed
+    try:
+        await leader.start()
+    except BaseException:
+        await server.stop(None)
+        raise
+    print_ready("decode", port=port, metrics_port=metrics_port)
+    await serve_until_signal(server, health, leader.stop)
+
+
+def run(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> None:
+    asyncio.run(serve(config, envs, auth))

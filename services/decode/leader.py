@@ -1,0 +1,425 @@
+"""The decode leader: D data-parallel ranks behind one gRPC face; placement, routes, streams.
+
+Everything here runs on the event loop's thread. Each rank is a rank group of one process
+(``RankHandle``; D ranks share no collective, so each is started, stepped and restarted
+alone) and has a driver task: it sends the commands queued for the rank as one step,
+awaits the report and hands it out, and steps again at once while the rank is busy (so
+the rank's device runs a step while the report travels), else after a command arrives or
+``sweep_interval_s`` (reservation expiry, quarantine release).
+
+Request lifecycle in the leader (``_Route``):
+  reserve   -> placed on the serving rank with the most free pages, then the fewest
+               requests (pages of Reserves not yet answered counted); a route names it.
+               A rank that dies under the Reserve gives way to another serving rank once
+  generate  -> the route gets its connection; the rank's tokens for it go there
+  end       -> finished (reported by the rank), aborted (Abort, the stream gone, its
+               deadline), expired (reported), or failed (its rank died: UNAVAILABLE)
+A rank's death ends every request routed to it; the others keep serving, and readiness
+is SERVING while at least one rank serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.common.errors import (
+    AbortedError,
+    CapacityError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    NotFoundError,
+    StageServeError,
+    UnavailableError,
+)
+from services.decode import metrics
+from services.decode.messages import (
+    AbortCommand,
+    AbortReply,
+    Command,
+    RankCommands,
+    RankLoad,
+    RankReport,
+    Reply,
+    ReserveCommand,
+    ReserveReply,
+    StartCommand,
+    StartReply,
+)
+from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of, place
+from services.decode.scheduler import check_prompt_len
+from services.decode.streams import Connection, RequestEnded
+from services.transfer.base import KvDestination
+
+logger = logging.getLogger(__name__)
+MAX_LOST = 4096  # reservations lost to a dead rank remembered for their generate, newest kept
+
+
+@dataclass
+class _Route:
+    """Where a live request is: its rank, and once generating, its connection and deadline."""
+
+    rank: int
+    conn: Connection | None = None  # set by generate
+    deadline_s: float = float("inf")  # monotonic; past it a running request ends DEADLINE_EXCEEDED
+
+
+class DecodeLeader:
+    """The decode service's ranks and the requests on them; see the module docstring."""
+
+    def __init__(
+        self,
+        num_ranks: int,
+        make_rank: MakeRank,
+        step_timeout_s: float,
+        sweep_interval_s: float,
+        on_ready_change: Callable[[bool], None] = lambda is_ready: None,
+    ) -> None:
+        assert num_ranks > 0 and step_timeout_s > 0 and sweep_interval_s > 0
+        self._loop = asyncio.get_running_loop()
+        self._ranks = [RankSlot(r, make_rank(r, self._ready_callback(r))) for r in range(num_ranks)]
+        self._step_timeout_s = step_timeout_s
+        self._sweep_interval_s = sweep_interval_s
+        self._on_ready_change = on_ready_change
+        self._routes: dict[str, _Route] = {}
+        # Reservations a rank's death took, until their generate comes (UNAVAILABLE, not NOT_FOUND)
+        self._lost: OrderedDict[str, str] = OrderedDict()
+        self._sweeper: asyncio.Task | None = None
+        self._is_stopping = False
+        self._was_ready = False
+
+    @property
+    def is_ready(self) -> bool:
+        return not self._is_stopping and any(r.is_serving for r in self._ranks)
+
+    def rank_loads(self) -> list[RankLoad | None]:
+        """Each rank's load after its last step; None for a rank that does not serve."""
+        return [r.load if r.is_serving else None for r in self._ranks]
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Form every rank (in parallel) and serve; ``RankStartError`` (all stopped) if one cannot."""
+        try:
+            await asyncio.gather(*(rank.handle.start() for rank in self._ranks))
+        except BaseException:
+            await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
+            raise
+        for rank in self._ranks:  # a first step each: its load, so placement can use it
+            self._on_report(rank, [], await self._first_report(rank))
+        for rank in self._ranks:
+            rank.driver = asyncio.create_task(self._drive(rank), name=f"decode-rank-{rank.dp_rank}")
+            rank.driver.add_done_callback(self._driver_done)
+        self._sweeper = asyncio.create_task(self._sweep_deadlines(), name="decode-deadlines")
+        self._sweeper.add_done_callback(self._driver_done)
+
+    async def _first_report(self, rank: RankSlot) -> RankReport:
+        try:
+            results = await asyncio.wrap_future(
+                rank.handle.submit(RankCommands(), self._step_timeout_s)
+            )
+        except BaseException:
+            await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
+            raise
+        return results[0]
+
+    async def stop(self) -> None:
+        """Fail every live request, stop the drivers, stop the ranks."""
+        self._is_stopping = True
+        tasks = [t for t in (self._sweeper, *(r.driver for r in self._ranks)) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for rank in self._ranks:
+            self._fail_rank(rank, rank.take(), UnavailableError("decode is shutting down"))
+        await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
+
+    # --- requests -------------------------------------------------------------------------
+    async def reserve(self, command: ReserveCommand) -> tuple[KvDestination, int]:
+        """Reserve on one rank; where prefill writes, and the rank's index."""
+        request_id = command.request_id
+        tried: list[RankSlot] = []
+        while True:
+            if request_id in self._routes:
+                raise InvalidRequestError(
+                    f"request {request_id} is already live on decode", param="request_id"
+                )
+            rank = place(self._ranks, tried)
+            assert rank.load is not None
+            try:  # a prompt past the context never crosses the control channel (it can be huge)
+                check_prompt_len(len(command.prompt_ids), rank.load.max_model_len)
+            except InvalidRequestError:
+                metrics.REQUESTS.labels("invalid").inc()
+                raise
+            self._lost.pop(request_id, None)
+            route = self._routes[request_id] = _Route(rank.dp_rank)
+            try:
+                reply = await self._call(rank, command, num_pages_of(rank.load, command))
+            except UnavailableError:
+                self._drop_route(request_id, route)
+                tried.append(rank)
+                if len(tried) > 1 or not any(r.is_serving and r not in tried for r in self._ranks):
+                    raise
+                logger.warning(
+                    "%s: decode rank %d failed under Reserve; once more on another rank",
+                    request_id,
+                    rank.dp_rank,
+                )
+                continue
+            except asyncio.CancelledError:  # it may still reserve: nobody holds its KvRef, free it
+                rank.send(AbortCommand(request_id, is_kv_written=True), self._dropping(route))
+                raise
+            assert isinstance(reply, ReserveReply)
+            if reply.error is not None:
+                self._drop_route(request_id, route)
+                error = reply.error.to_error()
+                metrics.REQUESTS.labels(_refusal_outcome(error)).inc()
+                raise error
+            assert reply.destination is not None
+            return reply.destination, rank.dp_rank
+
+    def generate(
+        self,
+        conn: Connection,
+        request_id: str,
+        first_token_id: int,
+        kv_written_proof: bytes,
+        deadline_s: float = float("inf"),
+    ) -> None:
+        """Start a reserved request on its rank; its tokens and end go to ``conn`` (errors too)."""
+        route = self._routes.get(request_id)
+        if route is None:
+            lost = self._lost.pop(request_id, None)
+            error: StageServeError = NotFoundError(
+                f"no reserved request {request_id} on decode (unknown, expired or aborted)"
+            )
+            if lost is not None:
+                error = UnavailableError(f"{lost}; request {request_id} lost its reservation")
+            conn.end(RequestEnded(request_id, error=error))
+            return
+        if route.conn is not None:
+            error = InvalidRequestError(
+                f"generate already started for {request_id}", param="request_id"
+            )
+            conn.end(RequestEnded(request_id, error=error))
+            return
+        route.conn, route.deadline_s = conn, deadline_s
+        conn.request_ids.add(request_id)
+        reply: asyncio.Future[Reply] = self._loop.create_future()
+        reply.add_done_callback(lambda done: self._on_started(request_id, route, conn, done))
+        self._ranks[route.rank].send(
+            StartCommand(request_id, first_token_id, kv_written_proof), reply
+        )
+
+    async def abort(self, request_id: str, reason: str, *, is_kv_written: bool = False) -> bool:
+        """Abort wherever it is (idempotent); its stream ends CANCELLED. False when it was not live."""
+        route = self._routes.get(request_id)
+        if route is None:
+            return False
+        text = f"request {request_id} aborted: {reason or 'by request'}"
+        self._end(route, RequestEnded(request_id, error=AbortedError(text)))
+        try:
+            reply = await self._call(
+                self._ranks[route.rank], AbortCommand(request_id, is_kv_written)
+            )
+        except UnavailableError:
+            return True  # its rank died: the request is gone with it
+        finally:
+            self._drop_route(request_id, route)
+        assert isinstance(reply, AbortReply)
+        if reply.is_found:
+            metrics.REQUESTS.labels("aborted").inc()
+            logger.info("aborted %s: %s", request_id, reason or "no reason given")
+        return reply.is_found
+
+    def close_connection(self, conn: Connection) -> None:
+        """The stream is gone: abort its live requests (their pages freed at once)."""
+        for request_id in list(conn.request_ids):
+            route = self._routes.get(request_id)
+            if route is not None and route.conn is conn:
+                route.conn = None
+                metrics.REQUESTS.labels("aborted").inc()
+                self._ranks[route.rank].send(AbortCommand(request_id, True), self._dropping(route))
+        conn.request_ids.clear()
+
+    # --- commands -----------------------------------------------------------------------
+    async def _call(self, rank: RankSlot, command: Command, num_pages: int = 0) -> Reply:
+        reply: asyncio.Future[Reply] = self._loop.create_future()
+        rank.send(command, reply, num_pages)
+        return await reply
+
+    def _dropping(self, route: _Route) -> asyncio.Future[Reply]:
+        """A reply future that drops ``route`` (if still its request's) once answered."""
+        reply: asyncio.Future[Reply] = self._loop.create_future()
+
+        def drop(done: asyncio.Future[Reply]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._drop_route(done.result().request_id, route)
+
+        reply.add_done_callback(drop)
+        return reply
+
+    def _on_started(
+        self, request_id: str, route: _Route, conn: Connection, done: asyncio.Future[Reply]
+    ) -> None:
+        error = (
+            done.exception()
+            if not done.cancelled()
+            else UnavailableError("decode is shutting down")
+        )
+        if error is None:
+            reply = done.result()
+            assert isinstance(reply, StartReply)
+            error = reply.error.to_error() if reply.error is not None else None
+        if error is not None and route.conn is conn:  # the reservation stays as it was
+            route.conn = None
+            assert isinstance(error, StageServeError)
+            conn.end(RequestEnded(request_id, error=error))
+
+    def _end(self, route: _Route, ended: RequestEnded) -> None:
+        if route.conn is not None:
+            route.conn.end(ended)
+            route.conn = None
+
+    def _drop_route(self, request_id: str, route: _Route) -> None:
+        if self._routes.get(request_id) is route:
+            del self._routes[request_id]
+
+    # --- the drivers ----------------------------------------------------------------------
+    async def _drive(self, rank: RankSlot) -> None:
+        while True:
+            if not rank.is_busy or not rank.handle.is_ready:
+                rank.wake.clear()
+                if not rank.queue:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(rank.wake.wait(), self._sweep_interval_s)
+            if not rank.handle.is_ready:
+                self._fail_rank(
+                    rank, rank.take(), UnavailableError(f"decode rank {rank.dp_rank} is down")
+                )
+                continue
+            queued = rank.take()
+            payload = RankCommands(tuple(q.command for q in queued))
+            try:
+                results = await asyncio.wrap_future(
+                    rank.handle.submit(payload, self._step_timeout_s)
+                )
+            except StageServeError as exc:
+                metrics.RANK_FAILURES.inc()
+                logger.error("decode rank %d failed: %s", rank.dp_rank, exc.message)
+                self._fail_rank(
+                    rank,
+                    queued,
+                    UnavailableError(f"decode rank {rank.dp_rank} failed: {exc.message}"),
+                )
+                continue
+            self._on_report(rank, queued, results[0])
+
+    def _on_report(self, rank: RankSlot, queued: list[Queued], report: RankReport) -> None:
+        assert len(report.replies) == len(queued), "one reply per command"
+        rank.settle(queued, report.replies)
+        rank.load, rank.is_busy = report.load, report.is_busy
+        for request_id, token_id in zip(report.token_request_ids, report.token_ids, strict=True):
+            route = self._routes.get(request_id)
+            if route is not None and route.conn is not None:
+                route.conn.add_token(request_id, token_id)
+        for done in report.finished:
+            metrics.REQUESTS.labels(done.reason.value).inc()
+            route = self._routes.pop(done.request_id, None)
+            if route is not None:
+                self._end(route, RequestEnded(done.request_id, done.reason, done.usage))
+        for request_id in report.expired:
+            self._routes.pop(request_id, None)
+        if report.expired:
+            metrics.REQUESTS.labels("expired").inc(len(report.expired))
+        if report.num_read_rows:
+            metrics.STEPS.labels(str(rank.dp_rank)).inc()
+            metrics.STEP_TIME.observe(report.read_step_s)
+            metrics.BATCH_SIZE.observe(report.num_read_rows)
+            metrics.TOKENS_GENERATED.inc(len(report.token_ids))
+        self._update_gauges()
+
+    def _fail_rank(self, rank: RankSlot, queued: list[Queued], error: UnavailableError) -> None:
+        """The rank lost its requests: end them with ``error``, fail its queued commands."""
+        rank.fail(queued, error)
+        lost = [(i, r) for i, r in self._routes.items() if r.rank == rank.dp_rank]
+        for request_id, route in lost:
+            del self._routes[request_id]
+            if route.conn is None:  # reserved: its generate may still come
+                self._lost[request_id] = error.message
+                while len(self._lost) > MAX_LOST:
+                    self._lost.popitem(last=False)
+            self._end(
+                route,
+                RequestEnded(
+                    request_id,
+                    error=UnavailableError(f"{error.message}; request {request_id} did not finish"),
+                ),
+            )
+        if lost:
+            metrics.REQUESTS.labels("failed").inc(len(lost))
+        self._update_gauges()
+
+    async def _sweep_deadlines(self) -> None:
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            now = time.monotonic()
+            overdue = [
+                (i, r)
+                for i, r in self._routes.items()
+                if r.conn is not None and r.deadline_s <= now
+            ]
+            for request_id, route in overdue:
+                error = DeadlineExceededError(f"request {request_id} passed its deadline on decode")
+                self._end(route, RequestEnded(request_id, error=error))
+                metrics.REQUESTS.labels("failed").inc()
+                self._ranks[route.rank].send(AbortCommand(request_id, True), self._dropping(route))
+
+    # --- readiness and gauges -------------------------------------------------------------
+    def _ready_callback(self, dp_rank: int) -> Callable[[bool], None]:
+        def on_change(is_ready: bool) -> None:  # the rank group's thread
+            self._loop.call_soon_threadsafe(self._rank_ready_changed, dp_rank, is_ready)
+
+        return on_change
+
+    def _rank_ready_changed(self, dp_rank: int, is_ready: bool) -> None:
+        rank = self._ranks[dp_rank]
+        logger.info("decode rank %d is %s", dp_rank, "ready" if is_ready else "not ready")
+        if is_ready:
+            rank.is_busy = True  # step at once: its first report makes it serve
+        rank.wake.set()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        loads = [load for load in self.rank_loads() if load is not None]
+        metrics.RANKS_SERVING.set(len(loads))
+        metrics.RUNNING_REQUESTS.set(sum(load.num_running_requests for load in loads))
+        metrics.RESERVED_REQUESTS.set(sum(load.num_reserved_requests for load in loads))
+        metrics.KV_PAGES_USED.set(sum(load.num_used_pages for load in loads))
+        metrics.KV_PAGES_FREE.set(sum(load.num_free_pages for load in loads))
+        metrics.KV_PAGES_QUARANTINED.set(sum(load.num_quarantined_pages for load in loads))
+        total = sum(load.num_total_pages for load in loads)
+        free = sum(load.num_free_pages for load in loads)
+        metrics.KV_CACHE_USAGE.set(1.0 - free / total if total else 0.0)
+        is_ready = self.is_ready
+        if is_ready is not self._was_ready:
+            self._was_ready = is_ready
+            self._on_ready_change(is_ready)
+
+    def _driver_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "%s failed: decode stops serving", task.get_name(), exc_info=task.exception()
+            )
+            self._is_stopping = True
+            self._update_gauges()
+
+
+def _refusal_outcome(error: StageServeError) -> str:
+    if isinstance(error, CapacityError):
+        return "rejected"
+    return "expired" if isinstance(error, DeadlineExceededError) else "invalid"

@@ -1,0 +1,138 @@
+"""What the decode leader and one decode rank exchange: a step's commands in, its report out.
+
+Every step of a rank (``DecodeRankStep.execute``) takes one ``RankCommands`` (what the
+leader received since the rank's previous step, in arrival order) and answers one
+``RankReport``: a reply per command, the tokens the step read, the requests that ended,
+and the rank's load. Errors a command meets travel as ``WireError`` and become the same
+``StageServeError`` class on the leader. msgpack on the control channel, never pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.common.errors import StageServeError
+from services.common.grpc_errors import known_error_classes
+from services.common.types import FinishReason, Usage
+from services.engine.sampler import SamplingParams
+from services.transfer.base import KvDestination
+
+
+class RankInit(msgspec.Struct, frozen=True):
+    """How a decode rank builds itself (its device comes from the rank group)."""
+
+    model: str  # checkpoint directory
+    dtype: str | None
+    num_pages: int
+    page_size: int
+    max_model_len: int | None  # None: the model's max_position_embeddings
+    max_running_requests: int
+    attention_backend: str
+    kv_backend: str  # the KV receiver the rank creates (shm, cuda_ipc, mooncake, inprocess)
+    transfer_host: str  # Mooncake: the hostname its engine advertises
+    kv_quarantine_s: float
+
+
+class WireError(msgspec.Struct, frozen=True):
+    """A ``StageServeError`` as data: its class name, message and ``param``."""
+
+    error_type: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, error: StageServeError) -> WireError:
+        return cls(type(error).__name__, error.message, error.param)
+
+    def to_error(self) -> StageServeError:
+        """The error again: its own class when this process knows it, else ``StageServeError``."""
+        error_class = known_error_classes().get(self.error_type, StageServeError)
+        return error_class(self.message, param=self.param)
+
+
+# --- leader -> rank ---------------------------------------------------------------
+class ReserveCommand(msgspec.Struct, frozen=True, tag="reserve"):
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    rope_delta: int  # M-RoPE position delta of the prompt
+    lifetime_s: float  # the reservation expires this long after the rank takes it
+    kv_written_proof: bytes  # what prefill returns once the KV landed (signing.kv_written_proof)
+
+
+class StartCommand(msgspec.Struct, frozen=True, tag="start"):
+    request_id: str
+    first_token_id: int
+    kv_written_proof: bytes
+
+
+class AbortCommand(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+    is_kv_written: (
+        bool  # prefill finished writing: a reservation's pages are freed, not quarantined
+    )
+
+
+Command = ReserveCommand | StartCommand | AbortCommand
+
+
+class RankCommands(msgspec.Struct, frozen=True):
+    """One step's payload: commands in arrival order (may be empty: a tick)."""
+
+    commands: tuple[Command, ...] = ()
+
+
+# --- rank -> leader ---------------------------------------------------------------
+class ReserveReply(msgspec.Struct, frozen=True, tag="reserve"):
+    request_id: str
+    destination: KvDestination | None = None  # where prefill writes; None on error
+    error: WireError | None = None
+
+
+class StartReply(msgspec.Struct, frozen=True, tag="start"):
+    request_id: str
+    error: WireError | None = None
+
+
+class AbortReply(msgspec.Struct, frozen=True, tag="abort"):
+    request_id: str
+    is_found: bool  # it was live (reserved or running) and is now aborted
+
+
+Reply = ReserveReply | StartReply | AbortReply
+
+
+class Finished(msgspec.Struct, frozen=True):
+    """A request that finished (its last token, if any, is in the report's tokens)."""
+
+    request_id: str
+    reason: FinishReason
+    usage: Usage
+
+
+class RankLoad(msgspec.Struct, frozen=True):
+    """A rank's pages and requests after its step; free + used + quarantined = total."""
+
+    page_size: int
+    max_model_len: int
+    num_total_pages: int
+    num_free_pages: int
+    num_used_pages: int
+    num_quarantined_pages: int
+    num_running_requests: int  # generating: running or waiting to join
+    num_reserved_requests: int  # holding pages, waiting for their KV
+
+
+class RankReport(msgspec.Struct, frozen=True):
+    """The result of one step: replies in command order, then what the step read."""
+
+    replies: tuple[Reply, ...]
+    # Parallel: token_ids[i] is the new token of token_request_ids[i] (one per request per read step)
+    token_request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    finished: tuple[Finished, ...]  # after their tokens above
+    expired: tuple[str, ...]  # reservations that passed their deadline (pages quarantined)
+    load: RankLoad
+    is_busy: bool  # work left (requests generating, or a step not read yet): step again at once
+    num_read_rows: int  # rows of the step read here (0: none was read)
+    read_step_s: float  # launch to read of that step, seconds

@@ -1,0 +1,301 @@
+"""A decode rank: its KV pool and receiver, its scheduler and its step loop, one step per command batch.
+
+``DecodeRank.execute(commands)`` is one iteration of the rank's loop, in this order:
+  1. apply the commands in arrival order (Reserve, Start, Abort). An abort takes effect at
+     once: the tokens a step not read yet made for the request are dropped when read, so
+     the caller gets exactly the tokens it had, as from a synchronous loop
+  2. expire overdue reservations, return quarantined pages that are due
+  3. plan step N+1 and launch it on the device
+  4. read step N (overlapped; synchronous: step N+1 itself) and apply the stop rules
+  5. report: replies, the tokens read, finished and expired requests, the load
+The leader sends the next commands as soon as the report arrives while the rank is busy,
+so the device runs step N+1 while the report travels. ``DecodeRankStep`` is the rank
+process's ``BaseRankStep``: it builds a ``DecodeRank`` on the rank's device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import DeadlineExceededError, InvalidRequestError, StageServeError
+from services.common.kv_transfer import check_kv_backend
+from services.common.ranks.step import BaseRankStep, RankContext
+from services.decode.batch import DecodeBatchRunner, StepLoop
+from services.decode.kv_manager import KVReservationManager
+from services.decode.messages import (
+    AbortCommand,
+    AbortReply,
+    Command,
+    Finished,
+    RankCommands,
+    RankInit,
+    RankLoad,
+    RankReport,
+    Reply,
+    ReserveCommand,
+    ReserveReply,
+    StartCommand,
+    StartReply,
+    WireError,
+)
+from services.decode.scheduler import DecodeRequest, DecodeScheduler, check_prompt_len
+from services.engine.loader import load_model
+from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.sampler import Sampler, SamplingParams
+from services.transfer import BaseKVReceiver, create_kv_receiver
+from services.transfer.base import Clock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepOutput:
+    tokens: list[tuple[str, int]]
+    finished: list[Finished]
+    num_rows: int = 0
+    step_s: float = 0.0
+
+
+class DecodeRank:
+    """One rank's requests on one model runner; not thread-safe (the rank's step thread runs it)."""
+
+    def __init__(
+        self,
+        scheduler: DecodeScheduler,
+        loop: StepLoop,
+        receiver: BaseKVReceiver,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.scheduler = scheduler
+        self.loop = loop
+        self.receiver = receiver
+        self.vocab_size = loop.batch.vocab_size
+        self._clock = clock
+        self._next_step = 0
+        self._last_read_s = 0.0
+
+    def execute(self, payload: RankCommands) -> RankReport:
+        finished: list[Finished] = []
+        replies = tuple(self._apply(command, finished) for command in payload.commands)
+        expired = self.scheduler.expire(self._clock())
+        self.scheduler.kv.release_quarantined()
+        output = self._step()
+        return self._report(replies, output, finished + output.finished, expired)
+
+    def reset(self) -> None:
+        """After a failed step: every live request ends (the leader fails them), the loop restarts."""
+        self.scheduler.abort_all()
+        self.loop.reset()
+        self.scheduler.drop_unread(self.loop.last_launched_step)
+
+    def warmup(self) -> None:
+        """One DECODE forward and sampling of a scratch request (kernels compiled, buffers touched)."""
+        request = DecodeRequest(
+            "warmup", (0,), SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True), 0
+        )
+        self.scheduler.add(request)
+        self.scheduler.start("warmup", 0)
+        while self.scheduler.has_work or self.loop.has_unread:
+            self._step()
+        assert "warmup" not in self.scheduler
+
+    def _apply(self, command: Command, finished: list[Finished]) -> Reply:
+        if isinstance(command, ReserveCommand):
+            return self._reserve(command)
+        if isinstance(command, StartCommand):
+            return self._start(command, finished)
+        return self._abort(command)
+
+    def _reserve(self, command: ReserveCommand) -> ReserveReply:
+        request = DecodeRequest(
+            request_id=command.request_id,
+            prompt_ids=command.prompt_ids,
+            params=command.params,
+            rope_delta=command.rope_delta,
+            deadline_s=self._clock() + command.lifetime_s,
+            kv_written_proof=command.kv_written_proof,
+        )
+        try:
+            self._validate(request, command.lifetime_s)
+            pages = self.scheduler.add(request)
+        except StageServeError as exc:
+            return ReserveReply(command.request_id, error=WireError.of(exc))
+        prompt_pages = pages[: self.scheduler.kv.num_pages_for(len(request.prompt_ids))]
+        return ReserveReply(
+            command.request_id,
+            destination=self.receiver.destination(request.request_id, prompt_pages),
+        )
+
+    def _start(self, command: StartCommand, finished: list[Finished]) -> StartReply:
+        try:
+            if not 0 <= command.first_token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"first_token_id must be in [0, {self.vocab_size})", param="first_token_id"
+                )
+            self.scheduler.check_kv_written(command.request_id, command.kv_written_proof)
+            done = self.scheduler.start(command.request_id, command.first_token_id)
+        except StageServeError as exc:
+            return StartReply(command.request_id, error=WireError.of(exc))
+        if done is not None:
+            finished.append(done)
+        return StartReply(command.request_id)
+
+    def _abort(self, command: AbortCommand) -> AbortReply:
+        is_found = self.scheduler.abort(command.request_id, is_kv_written=command.is_kv_written)
+        return AbortReply(command.request_id, is_found)
+
+    def _step(self) -> _StepOutput:
+        plan = self.scheduler.schedule(self._next_step) if self.scheduler.has_work else None
+        if plan is not None:
+            self._next_step += 1
+        done = self.loop.step(plan)
+        if done is None:
+            return _StepOutput([], [])
+        launched, token_ids = done
+        tokens, finished = self.scheduler.update_from_output(launched.plan, token_ids)
+        now = self._clock()
+        step_s = now - max(self._last_read_s, launched.launch_s)
+        self._last_read_s = now
+        return _StepOutput(tokens, finished, launched.plan.num_rows, step_s)
+
+    def _validate(self, request: DecodeRequest, lifetime_s: float) -> None:
+        request.params.validate()
+        request.params.check_vocab(self.vocab_size)
+        prompt_len, max_len = len(request.prompt_ids), self.scheduler.max_model_len
+        if not request.request_id:
+            raise InvalidRequestError("request_id is empty", param="request_id")
+        if lifetime_s <= 0:
+            raise DeadlineExceededError(f"{request.request_id}: deadline passed before Reserve")
+        check_prompt_len(prompt_len, max_len)
+        if max(request.prompt_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be < {self.vocab_size}", param="prompt_token_ids"
+            )
+        kv = self.scheduler.kv
+        num_pages = kv.num_pages_for(self.scheduler.num_positions(prompt_len, request.params))
+        if num_pages > kv.num_total_pages:
+            raise InvalidRequestError(
+                f"prompt + max_new_tokens need {num_pages} KV pages, more than this decode rank's "
+                f"{kv.num_total_pages}",
+                param="max_new_tokens",
+            )
+
+    def _report(
+        self,
+        replies: tuple[Reply, ...],
+        output: _StepOutput,
+        finished: list[Finished],
+        expired: list[str],
+    ) -> RankReport:
+        request_ids = tuple(request_id for request_id, _ in output.tokens)
+        token_ids = tuple(token_id for _, token_id in output.tokens)
+        return RankReport(
+            replies=replies,
+            token_request_ids=request_ids,
+            token_ids=token_ids,
+            finished=tuple(finished),
+            expired=tuple(expired),
+            load=self.load(),
+            is_busy=self.scheduler.has_work or self.loop.has_unread,
+            num_read_rows=output.num_rows,
+            read_step_s=output.step_s,
+        )
+
+    def load(self) -> RankLoad:
+        kv = self.scheduler.kv
+        return RankLoad(
+            page_size=kv.page_size,
+            max_model_len=self.scheduler.max_model_len,
+            num_total_pages=kv.num_total_pages,
+            num_free_pages=kv.num_free_pages,
+            num_used_pages=kv.num_used_pages,
+            num_quarantined_pages=kv.num_quarantined_pages,
+            num_running_requests=self.scheduler.num_running,
+            num_reserved_requests=self.scheduler.num_reserved,
+        )
+
+
+class DecodeRankStep(BaseRankStep):
+    """The rank process's step: builds its ``DecodeRank`` on ``ctx.device`` from ``RankInit``."""
+
+    init_type = RankInit
+    payload_type = RankCommands
+    result_type = RankReport
+
+    def __init__(self, ctx: RankContext, init: RankInit) -> None:
+        self.rank = build_rank(init, ctx.device)
+
+    def warmup(self) -> None:
+        self.rank.warmup()
+
+    def execute(self, step: int, payload: RankCommands) -> RankReport:
+        return self.rank.execute(payload)
+
+    def on_failed(self, step: int, error: str) -> None:
+        logger.error("step %d failed, every request of this rank ends: %s", step, error)
+        self.rank.reset()
+
+    def close(self) -> None:
+        self.rank.receiver.close()
+
+
+def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
+    """The model's EOS ids: config.json's plus generation_config.json's (as ``transformers`` stops)."""
+    ids = set(config.eos_token_ids)
+    path = Path(model_dir) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(token_id) for token_id in eos)
+    return frozenset(ids)
+
+
+def create_receiver(init: RankInit, **kwargs: Any) -> BaseKVReceiver:
+    """The KV receiver of ``init.kv_backend``, created in the rank that owns the pool."""
+    if init.kv_backend == "mooncake":
+        kwargs.setdefault("hostname", init.transfer_host)
+    return create_kv_receiver(init.kv_backend, **kwargs)
+
+
+def build_rank(
+    init: RankInit,
+    device: str,
+    model: Qwen2_5_VLModel | None = None,
+    receiver: BaseKVReceiver | None = None,
+    quarantine_clock: Clock = time.monotonic,
+    is_overlapped: bool = True,
+) -> DecodeRank:
+    """A decode rank whose KV pool is registered with ``receiver`` (default: ``init.kv_backend``'s).
+
+    ``model``: an already loaded language model to share (tests); ``quarantine_clock``: when
+    quarantined pages are due back (tests move it forward); ``is_overlapped``: False runs
+    the synchronous loop (each step read before the next is planned).
+    """
+    if receiver is None:  # a backend this device cannot run fails before the model loads
+        check_kv_backend(init.kv_backend, init.kv_backend, device)
+    if model is None:
+        model = load_model(init.model, device=device, dtype=init.dtype, components=("language",))
+    runner = ModelRunner(
+        model, KVCacheConfig(init.num_pages, init.page_size), init.attention_backend
+    )
+    receiver = receiver if receiver is not None else create_receiver(init)
+    try:
+        receiver.register(runner.kv_pool)
+        eos_ids = eos_token_ids(Path(init.model), model.config)
+        max_model_len = init.max_model_len or model.config.text.max_position_embeddings
+        kv = KVReservationManager(runner.page_table, init.kv_quarantine_s, quarantine_clock)
+        scheduler = DecodeScheduler(kv, eos_ids, max_model_len, init.max_running_requests)
+        max_pages = min(kv.num_pages_for(max_model_len), init.num_pages)
+        batch = DecodeBatchRunner(runner, Sampler(eos_ids), init.max_running_requests, max_pages)
+    except BaseException:
+        receiver.close()
+        raise
+    return DecodeRank(scheduler, StepLoop(batch, is_overlapped), receiver)
