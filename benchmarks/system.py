@@ -28,7 +28,6 @@ from pathlib import Path
 
 from benchmarks.report import git_commit, hardware
 from benchmarks.serve_metrics import Slo, summarize
-from benchmarks.serve_workload import synth_prompt
 from benchmarks.system_load import Load, System, cpu_seconds, run_load, start_system
 from benchmarks.system_model import EngineTimes, engine_times, write_checkpoint
 from services.cli import BUNDLED_MODEL
@@ -116,18 +115,6 @@ def _settings(args: argparse.Namespace) -> dict:
             ]
         ),
     )
-
-
-def _input_words(model_dir: Path, target_tokens: int) -> int:
-    """Prompt words giving about ``target_tokens`` prompt tokens with this tokenizer."""
-    import numpy as np
-
-    from services.engine.processing import TextProcessor
-
-    text = TextProcessor.from_dir(model_dir)
-    sample = synth_prompt(2000, np.random.default_rng(0))
-    tokens_per_word = len(text.encode(sample)) / 2000
-    return max(1, round(target_tokens / tokens_per_word))
 
 
 def _free_port() -> int:
@@ -290,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system_model_name(system) or model
-        words = _input_words(model_dir, input_len)
+        tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
         run_load(
-            Load(system.base_url, model, 4, 8, words, min(output_len, 32), seed=99), 1
+            Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99), 1
         )  # warm-up
         results = []
         for concurrency in levels:
@@ -302,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                 model,
                 concurrency,
                 num_requests,
-                words,
+                input_len,
                 output_len,
+                tokenizer,
                 seed=concurrency,
             )
             processes = args.client_processes or -(-concurrency // 32)

@@ -116,8 +116,9 @@ class Load:
     model: str
     concurrency: int
     num_requests: int
-    input_words: int
+    input_len: int  # prompt text tokens, exact (counted with ``tokenizer``)
     output_len: int
+    tokenizer: Path  # the served model's tokenizer.json
     seed: int
 
 
@@ -126,7 +127,7 @@ def _client(load: Load, index: int, num_processes: int, barrier, results) -> Non
     share = len(range(index, load.num_requests, num_processes))
     concurrency = len(range(index, load.concurrency, num_processes))
     workload = WorkloadSpec(
-        IntRange(load.input_words, load.input_words),
+        IntRange(load.input_len, load.input_len),
         IntRange(load.output_len, load.output_len),
         IntRange(0, 0),
         (64, 64),
@@ -137,6 +138,7 @@ def _client(load: Load, index: int, num_processes: int, barrier, results) -> Non
         base_url=load.base_url,
         model=load.model,
         api_key=None,
+        tokenizer=load.tokenizer,
         request_rate=float("inf"),
         max_concurrency=max(concurrency, 1),
         num_requests=max(share, 1),
