@@ -4,11 +4,19 @@ A frozen worker (SIGSTOP, a stuck loop) keeps its gRPC connection open and answe
 nothing, so only a bound on each hop ends the requests already on it before their
 deadline. ``StallBound.call`` cancels the call (which cancels the RPC on the worker) and
 raises ``UnavailableError`` naming the hop and the bound; the registry counts the stall.
+
+A busy worker is not a frozen one: a prefill worker under load holds a request in its queue
+for longer than the bound while it completes others. For the hops that complete a
+request's part at once (tokenize, prefill) the bound runs from the later of the call's
+start and the worker's last completed part of any request: the call stalls once the worker
+itself has completed nothing for ``stall_timeout_s``, and the request deadline still bounds
+the wait. A decode stream sends every step, so its bound is per message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -41,8 +49,22 @@ class StallBound:
         Raises ``UnavailableError`` when the limit passes; anything the call raises
         passes through, and so does a cancellation from outside (the request's deadline).
         """
+        loop = asyncio.get_running_loop()
+        started_mono = time.monotonic()
+        check: asyncio.TimerHandle | None = None
         try:
-            async with asyncio.timeout(self.stall_timeout_s) as bound:
+            async with asyncio.timeout(None) as bound:
+
+                def expire_unless_moving() -> None:
+                    nonlocal check
+                    moved_mono = max(started_mono, worker.last_completed_mono)
+                    left_s = moved_mono + self.stall_timeout_s - time.monotonic()
+                    if hop in _COMPLETES and left_s > 0:  # it completed another request's part
+                        check = loop.call_later(left_s, expire_unless_moving)
+                    else:
+                        bound.reschedule(loop.time())  # expire now: the call is cancelled
+
+                check = loop.call_later(self.stall_timeout_s, expire_unless_moving)
                 result = await awaitable
         except BaseException as exc:  # the call failed, stalled or was cancelled while in flight
             self._registry.record_failure(worker)
@@ -50,7 +72,12 @@ class StallBound:
                 raise
             self._registry.record_stall(worker, hop)
             silence = f"{_SILENCE[hop]} for {self.stall_timeout_s:g} s (--stall-timeout-s)"
+            if hop in _COMPLETES:
+                silence += ", and completed no other request meanwhile"
             raise UnavailableError(f"request {request_id}: {silence}") from None
+        finally:
+            if check is not None:
+                check.cancel()
         if hop in _COMPLETES:  # the worker's whole part of the request (health-check piggyback)
             self._registry.record_completed(worker)
         return result

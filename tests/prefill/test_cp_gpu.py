@@ -1,4 +1,4 @@
-"""GPU (device tool): CP = 2 equals CP = 1 in bf16 on the flashinfer backend.
+"""GPU (device tool): CP = 2 equals CP = 1 in bf16 (torch attention: flashinfer has no kernels for the tiny model's head_dim 16).
 
 Both ranks on ``cuda:0`` exchange K/V over the CPU (gloo) group (NCCL needs one GPU per
 rank: prefill's ``--devices cuda:0,cuda:0`` does the same); with two GPUs, ``cuda:0,cuda:1``
@@ -50,7 +50,7 @@ class GpuDecodePool:
 
 
 async def run_all(pipeline, devices, decode, block_tokens: int) -> dict:
-    init = rank_init(dtype="bfloat16", attention_backend="flashinfer", kv_backend="cuda_ipc",
+    init = rank_init(dtype="bfloat16", attention_backend="torch", kv_backend="cuda_ipc",
                      kv_exchange_over_cpu=len(set(devices)) < len(devices))
     out = {}
     async with started_ranks(len(devices), init, devices=devices) as ranks:

@@ -7,6 +7,7 @@ hop, cancels the call on the worker, aborts the request on decode with the right
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -90,6 +91,24 @@ async def test_a_stalled_prefill_is_cancelled_there_and_the_pages_are_quarantine
         await wait_until(lambda: prefill.cancelled == [request_id])  # the call is cancelled at prefill
         await wait_until(lambda: served.cluster.is_kv_written() == {request_id: False})
         assert stalls(served, "prefill", served.cluster.prefills[0].address) == 1
+
+
+async def test_a_prefill_queued_past_the_bound_while_its_worker_completes_others_is_not_a_stall():
+    """A busy prefill (a request behind others in its queue) is not a frozen one."""
+    async with serve() as served:
+        prefill = served.cluster.prefill
+        prefill.first_delay_s = 3 * STALL_S
+        held = asyncio.create_task(timed_post(served.http, {**CHAT, "max_tokens": 2}))
+        await wait_until(lambda: len(prefill.requests) == 1)
+        others = []
+        while not held.done():  # another request through the same worker every 0.3 s
+            others.append(await served.http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}))
+            await asyncio.sleep(0.3)
+        response, elapsed_s = await held
+        assert response.status_code == 200, response.text
+        assert elapsed_s >= 3 * STALL_S
+        assert len(others) >= 5 and all(r.status_code == 200 for r in others)
+        assert stalls(served, "prefill", served.cluster.prefills[0].address) == 0
 
 
 @pytest.mark.parametrize("num_messages", [0, 3])

@@ -16,6 +16,7 @@ BF16_RTOL, BF16_ATOL = 1.6e-2, 1e-2
 async def test_two_ranks_on_one_gpu_write_one_ranks_rows(image_processor) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+    was_initialized = torch.cuda.is_initialized()  # by an earlier test of this process
     sizes = [(640, 480), (200, 150), (56, 56), (300, 97), (640, 480), (1000, 40)]
     images = [image_bytes(w, h, seed=900 + i) for i, (w, h) in enumerate(sizes)]
     images.append(images[0])  # a repeat in the call
@@ -30,4 +31,5 @@ async def test_two_ranks_on_one_gpu_write_one_ranks_rows(image_processor) -> Non
             rows[len(devices)] = prefill.buffer.rows(0, num_rows).float().clone()
             assert not torch.isnan(rows[len(devices)]).any()
     torch.testing.assert_close(rows[2], rows[1], rtol=BF16_RTOL, atol=BF16_ATOL)
-    assert not torch.cuda.is_initialized()  # the leader ran in this process
+    if not was_initialized:
+        assert not torch.cuda.is_initialized()  # the leader ran in this process and used no GPU
