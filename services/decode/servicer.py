@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.common import signing, telemetry
@@ -20,6 +23,7 @@ from services.common.clients.decode import (
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.server import current_request_id
 from services.decode import metrics
 from services.decode.leader import DecodeLeader
 from services.decode.messages import RankLoad, ReserveCommand
@@ -84,6 +88,19 @@ class _Spans:
         if old is not None:
             old.end()
         self._open[request.request_id] = span
+
+    def request_context(self, request_id: str) -> contextvars.Context:
+        """A context whose log lines name ``request_id`` and its trace (the stream carries many)."""
+        context = contextvars.copy_context()
+        span = self._open.get(request_id)
+
+        def enter() -> None:
+            current_request_id.set(request_id)
+            if span is not None:
+                otel_context.attach(trace.set_span_in_context(span))
+
+        context.run(enter)
+        return context
 
     def end(self, batch: StreamBatch) -> None:
         for ended in batch.ends:
@@ -223,7 +240,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     task = asyncio.create_task(
                         leader.abort(
                             abort.request_id, abort.reason, is_kv_written=abort.is_kv_written
-                        )
+                        ),
+                        context=spans.request_context(abort.request_id),
                     )
                     aborts.add(task)
                     task.add_done_callback(aborts.discard)

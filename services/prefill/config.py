@@ -52,6 +52,8 @@ def rank_devices(device: str, devices: str, ranks: int, flag: str = "--ranks") -
         if ranks not in (1, len(named)):
             raise ValueError(f"{flag} {ranks} does not match the {len(named)} --devices {devices!r}")
         return named
+    if device == "cuda" and ranks == 1:
+        return ("cuda:0",)  # that it exists is the rank's start-up check, as for decode and the encoder
     if device == "cuda":
         import torch
 

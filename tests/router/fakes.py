@@ -264,7 +264,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.script = script
         self.requests: list[prefill_pb2.PrefillRequest] = []
         self.hang = False
-        self.first_delay_s = 0.0  # the first Prefill answers this late (queued behind others)
+        self.first_delay_s = 0.0  # the first Prefill answers this much later (queued behind others)
         self.error: Exception | None = None  # this worker's failure (over the script's)
         self.cancelled: list[str] = []
 
@@ -273,7 +273,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.requests.append(request)
         if self.hang:
             await hang_until_cancelled(self.cancelled, request.request_id)
-        await asyncio.sleep(self.first_delay_s if len(self.requests) == 1 else self.script.prefill_delay_s)
+        await asyncio.sleep(self.script.prefill_delay_s + (self.first_delay_s if len(self.requests) == 1 else 0.0))
         if self.error is not None:
             raise self.error
         if self.script.prefill_error is not None:
