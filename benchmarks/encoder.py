@@ -38,6 +38,7 @@ from benchmarks.random_model import CONFIG_7B
 from benchmarks.report import git_commit, hardware, write_section
 from services.common.clients.vision_encoder import EncodeSpanInput, VisionEncoderClient
 from services.common.envs import Envs
+from services.common.paths import BUNDLED_MODEL
 from services.common.server import HealthState
 from services.common.types import ImageSpanRef
 from services.engine.config import ModelConfig
@@ -52,7 +53,6 @@ from services.vision_encoder.metrics import VisionEncoderMetrics
 from services.vision_encoder.rank_messages import EncoderRankInit
 from services.vision_encoder.rank_step import EncoderRankStep
 
-TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.5-vl"
 RANDOM_STEP = "benchmarks.encoder:RandomWeightsEncoderStep"
 SECTION_TITLE = "## Vision encoder (`python -m benchmarks.encoder`)"
 BATCHES = (1, 4, 16)
@@ -296,7 +296,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ["cpu", "cpu,cpu"] if args.quick else ["cuda:0", "cuda:0,cuda:1"]
     )
     args.iters = args.iters or (2 if args.quick else 5)
-    args.model_dir = str(TINY_MODEL) if args.quick else args.config
+    args.model_dir = str(BUNDLED_MODEL) if args.quick else args.config
     args.step_target = (
         "services.vision_encoder.rank_step:EncoderRankStep" if args.quick else RANDOM_STEP
     )
