@@ -35,9 +35,10 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 from benchmarks.random_model import CONFIG_7B
-from benchmarks.report import git_commit, hardware
+from benchmarks.report import git_commit, hardware, write_section
 from services.common.clients.vision_encoder import EncodeSpanInput, VisionEncoderClient
 from services.common.envs import Envs
+from services.common.paths import BUNDLED_MODEL
 from services.common.server import HealthState
 from services.common.types import ImageSpanRef
 from services.engine.config import ModelConfig
@@ -52,7 +53,6 @@ from services.vision_encoder.metrics import VisionEncoderMetrics
 from services.vision_encoder.rank_messages import EncoderRankInit
 from services.vision_encoder.rank_step import EncoderRankStep
 
-TINY_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-qwen2.5-vl"
 RANDOM_STEP = "benchmarks.encoder:RandomWeightsEncoderStep"
 SECTION_TITLE = "## Vision encoder (`python -m benchmarks.encoder`)"
 BATCHES = (1, 4, 16)
@@ -262,21 +262,6 @@ def table_lines(results: list[Result]) -> list[str]:
     return lines + [format_row(r, first.get(r.case)) for r in results]
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Write (or replace) this benchmark's section of ``path``; other sections are kept."""
-    old = path.read_text() if path.is_file() else "# Benchmarks\n"
-    before, found, rest = old.partition(SECTION_TITLE + "\n")
-    if found:
-        next_heading = rest.find("\n## ")
-        after = rest[next_heading + 1 :] if next_heading >= 0 else ""
-    else:
-        before, after = old.rstrip("\n") + "\n\n", ""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        before + "\n".join([SECTION_TITLE, "", *lines, ""]) + ("\n" + after if after else "")
-    )
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.encoder", description=__doc__.splitlines()[0])
     p.add_argument(
@@ -311,7 +296,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ["cpu", "cpu,cpu"] if args.quick else ["cuda:0", "cuda:0,cuda:1"]
     )
     args.iters = args.iters or (2 if args.quick else 5)
-    args.model_dir = str(TINY_MODEL) if args.quick else args.config
+    args.model_dir = str(BUNDLED_MODEL) if args.quick else args.config
     args.step_target = (
         "services.vision_encoder.rank_step:EncoderRankStep" if args.quick else RANDOM_STEP
     )
@@ -348,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "One Encode call per sample, through gRPC; a rank-batch: one rank's share of a step.",
             "Target (issue 11): W = 2 on two GPUs >= 1.8x W = 1 on cache misses.",
         ]
-        write_section(Path(args.out), header + lines + notes)
+        write_section(Path(args.out), SECTION_TITLE, header + lines + notes)
         print(f"wrote {args.out}")
     return 0
 

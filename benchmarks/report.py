@@ -70,16 +70,26 @@ def git_commit() -> str:
 SECTION_TITLE = "## Engine (`python -m benchmarks.engine`)"
 
 
-def write_markdown(path: Path, rows: list[Row], header_lines: list[str], notes: list[str]) -> None:
-    """Write (or replace) the engine section of ``path``; other sections of the file are kept."""
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    section = [SECTION_TITLE, "", *header_lines, f"- date: {date}", "", *table_lines(rows), "", *notes, ""]
+def write_section(path: Path, title: str, lines: list[str]) -> None:
+    """Write (or replace) the section headed ``title`` in ``path``; the other sections are kept."""
     old = path.read_text() if path.is_file() else "# Benchmarks\n"
-    before, found, rest = old.partition(SECTION_TITLE + "\n")
+    before, found, rest = old.partition(title + "\n")
     if found:
         next_heading = rest.find("\n## ")
         after = rest[next_heading + 1 :] if next_heading >= 0 else ""
     else:
         before, after = old.rstrip("\n") + "\n\n", ""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(before + "\n".join(section) + ("\n" + after if after else ""))
+    path.write_text(before + "\n".join([title, "", *lines, ""]) + ("\n" + after if after else ""))
+
+
+def provenance_lines(command: str) -> list[str]:
+    """A section's first lines: hardware, the command that wrote it, commit and date."""
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return [f"- hardware: {hardware()}", f"- command: `{command}`", f"- commit: {git_commit()}; date: {date}"]
+
+
+def write_markdown(path: Path, rows: list[Row], header_lines: list[str], notes: list[str]) -> None:
+    """Write (or replace) the engine section of ``path``; other sections of the file are kept."""
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    write_section(path, SECTION_TITLE, [*header_lines, f"- date: {date}", "", *table_lines(rows), "", *notes])

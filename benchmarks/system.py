@@ -18,17 +18,22 @@ messages decode sent per step, router and decode-leader CPU) and writes its sect
 from __future__ import annotations
 
 import argparse
-import datetime
 import shlex
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import git_commit, hardware
+from benchmarks.report import provenance_lines, write_section
 from benchmarks.serve_metrics import Slo, summarize
-from benchmarks.system_load import Load, System, cpu_seconds, run_load, start_system
+from benchmarks.system_load import (
+    Load,
+    System,
+    cpu_seconds,
+    free_port,
+    run_load,
+    start_system,
+)
 from benchmarks.system_model import EngineTimes, engine_times, write_checkpoint
 from services.cli import BUNDLED_MODEL
 
@@ -117,12 +122,6 @@ def _settings(args: argparse.Namespace) -> dict:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_level(system: System, model: str, load: Load, num_processes: int) -> Level:
     step_sum = system.metric("decode", "stageserve_decode_step_seconds_sum")
     step_count = system.metric("decode", "stageserve_decode_step_seconds_count")
@@ -197,22 +196,6 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
     return lines
 
 
-def write_section(path: Path, lines: list[str]) -> None:
-    """Write (or replace) this benchmark's section of ``path``; the other sections are kept."""
-    old = path.read_text() if path.is_file() else "# Benchmarks\n"
-    before, found, rest = old.partition(SECTION_TITLE + "\n")
-    after = ""
-    if found:
-        next_heading = rest.find("\n## ")
-        after = rest[next_heading + 1 :] if next_heading >= 0 else ""
-    else:
-        before = old.rstrip("\n") + "\n\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        before + "\n".join([SECTION_TITLE, "", *lines, ""]) + ("\n" + after if after else "")
-    )
-
-
 NOTES = [
     "How to read it: *engine bound* is the output throughput if the GPU did nothing but the engine's",
     "own work for this workload: per request one prefill of the prompt, then its output tokens at the",
@@ -273,10 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         up_args += ["--router-workers", str(args.router_workers)]
     if args.decode_device:
         up_args += ["--decode-device", args.decode_device]
-    system = start_system(up_args, workdir, _free_port())
+    system = start_system(up_args, workdir, free_port())
     try:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
-        model = system_model_name(system) or model
+        model = system.served_model() or model
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
         run_load(
             Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99), 1
@@ -303,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = table_lines(results, engine, output_len)
     print("\n".join(lines))
     header = [
-        f"- hardware: {hardware()}",
-        f"- command: `python -m benchmarks.system {shlex.join(sys.argv[1:] if argv is None else argv)}`",
-        f"- commit: {git_commit()}; date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
+        *provenance_lines(
+            f"python -m benchmarks.system {shlex.join(sys.argv[1:] if argv is None else argv)}"
+        ),
         f"- model: {'bundled tiny model' if args.quick else '7B dimensions, random bf16 weights'}, the bundled "
         f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router processes, "
         f"decode DP {num_ranks}); stop exit code {code}",
@@ -314,20 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),
         "",
     ]
-    write_section(Path(args.out), [*header, *lines, "", *NOTES])
+    write_section(Path(args.out), SECTION_TITLE, [*header, *lines, "", *NOTES])
     print(f"wrote {args.out}")
     return 0 if all(level.num_ok == level.num_requests for level in results) else 1
-
-
-def system_model_name(system: System) -> str | None:
-    import httpx
-
-    try:
-        return httpx.get(f"{system.base_url}/models", timeout=30, trust_env=False).json()["data"][
-            0
-        ]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        return None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -60,10 +61,26 @@ class System:
             name: entry["pid"] for name, entry in self.state().items() if name.startswith(prefix)
         }
 
+    def served_model(self) -> str | None:
+        """The first model of GET /models; None when the router does not say."""
+        import httpx
+
+        try:
+            reply = httpx.get(f"{self.base_url}/models", timeout=30, trust_env=False)
+            return reply.json()["data"][0]["id"]
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            return None
+
     def stop(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_system(up_args: list[str], workdir: Path, port: int) -> System:

@@ -3,7 +3,9 @@ bundled tokenizer's vocabulary, and the engine's own times on the same weights.
 
 The checkpoint takes the 7B config with the bundled tokenizer's vocabulary size and special
 token ids, and that tokenizer's files, so every id the model samples decodes to text and a
-client counts the tokens the server does. The weights are ``build_random_model``'s (seeded,
+client counts the tokens the server does; its vision tower and ``preprocessor_config.json``
+(image sizes up to 12.8 M pixels) are the 7B config's, so an image becomes as many tokens as
+with the real model. The weights are ``build_random_model``'s (seeded,
 made on the device), so the engine rows, timed in the benchmark's process on weights built
 the same way, see the same model as the services that load the file.
 """
@@ -24,12 +26,8 @@ from services.cli import BUNDLED_MODEL
 from services.engine.attention import ForwardMode
 from services.engine.model_runner import ModelRunner, StepInput
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "preprocessor_config.json",
-    "generation_config.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+PREPROCESSOR_FILE = "preprocessor_config.json"  # the config's: image sizes belong to the vision tower
 TOKEN_ID_FIELDS = (
     "vocab_size",
     "bos_token_id",
@@ -57,10 +55,15 @@ def write_checkpoint(
     config_dir: Path = CONFIG_7B,
     tokenizer_dir: Path = BUNDLED_MODEL,
 ) -> Path:
-    """Write (or keep, when its config matches) the benchmark checkpoint in ``out_dir``."""
+    """Write the benchmark checkpoint in ``out_dir``; its weights are kept when its config matches
+    (the tokenizer and preprocessor files are copied every time)."""
     config = checkpoint_config(config_dir, tokenizer_dir)
     weights = out_dir / "model.safetensors"
     config_path = out_dir / "config.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    shutil.copy(config_dir / PREPROCESSOR_FILE, out_dir / PREPROCESSOR_FILE)
     if (
         weights.is_file()
         and config_path.is_file()
@@ -69,10 +72,7 @@ def write_checkpoint(
         return out_dir
     from safetensors.torch import save_file
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_dir / name, out_dir / name)
     started = time.monotonic()
     model = build_random_model(out_dir, device=device, seed=seed)
     state = {name: tensor.contiguous().cpu() for name, tensor in model.state_dict().items()}

@@ -4,13 +4,16 @@ weights that load back as the ones ``build_random_model`` makes (tiny config her
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
+from safetensors import safe_open
 
-from benchmarks.random_model import build_random_model
+from benchmarks.random_model import CONFIG_7B, build_random_model
 from benchmarks.system_model import checkpoint_config, write_checkpoint
 from services.engine.loader import load_model
 from services.engine.processing import TextProcessor
+from services.engine.processing.image import ImageProcessor
 from tests.conftest import TINY_MODEL_DIR
 
 
@@ -32,3 +35,30 @@ def test_the_written_checkpoint_loads_as_the_random_model(tmp_path) -> None:
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     write_checkpoint(out, "cpu", seed=3, config_dir=TINY_MODEL_DIR)  # kept: same config
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_a_1080p_image_takes_the_7b_models_tokens_in_the_checkpoint_config() -> None:
+    processor = ImageProcessor.from_dir(CONFIG_7B)  # what write_checkpoint copies
+    assert processor.num_image_tokens(processor.grid_for_size(1080, 1920)) == 39 * 69
+    assert checkpoint_config()["vision_config"]["depth"] == 32
+
+
+def test_the_checkpoint_has_the_configs_vision_tower_and_preprocessor(tmp_path) -> None:
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    shutil.copy(TINY_MODEL_DIR / "config.json", config_dir / "config.json")
+    preprocessor = json.loads((TINY_MODEL_DIR / "preprocessor_config.json").read_text())
+    max_pixels = 28 * 28 * 100
+    preprocessor.update(
+        max_pixels=max_pixels, size={"shortest_edge": 3136, "longest_edge": max_pixels}
+    )
+    (config_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    out = write_checkpoint(tmp_path / "ckpt", "cpu", config_dir=config_dir)
+    assert ImageProcessor.from_dir(out).config.max_pixels == max_pixels
+    built = build_random_model(out, device="cpu").state_dict()
+    visual = {n: list(t.shape) for n, t in built.items() if n.startswith("visual.")}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert visual and {n: f.get_slice(n).get_shape() for n in visual} == visual
+    shutil.copy(TINY_MODEL_DIR / "preprocessor_config.json", out / "preprocessor_config.json")
+    write_checkpoint(out, "cpu", config_dir=config_dir)  # weights kept, the preprocessor refreshed
+    assert ImageProcessor.from_dir(out).config.max_pixels == max_pixels

@@ -1,0 +1,60 @@
+"""``python -m benchmarks.image_ttft --quick``: the image TTFT benchmark end to end on the CPU (tiny
+model): ``stageserve up``, the four rows, the table and its docs section."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.image_ttft import SECTION_TITLE
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_quick_run_writes_its_rows_and_keeps_the_other_sections(tmp_path) -> None:
+    out = tmp_path / "benchmarks.md"
+    out.write_text("# Benchmarks\n\n## System (`python -m benchmarks.system`)\n\nkept\n")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.image_ttft",
+            "--quick",
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    text = out.read_text()
+    assert "kept" in text and SECTION_TITLE in text
+    header = next(line for line in text.splitlines() if line.startswith("| row |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = {
+        cells[0]: dict(zip(columns, cells, strict=True))
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| row |")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    assert list(rows) == ["text only", "fresh 320x180", "cached 320x180", "fresh 160x120"]
+    for row in rows.values():
+        assert row["ok"] == "2/2" and row["TTFT p50 ms"] != "-"
+    assert rows["text only"]["encode ms"] == "-" and rows["text only"]["cache misses"] == "0"
+    for name in ("fresh 320x180", "fresh 160x120"):  # a new image every request: all misses
+        assert (rows[name]["cache misses"], rows[name]["cache hits"]) == ("2", "0"), name
+        assert rows[name]["ViT ms"] != "-"
+    cached = rows["cached 320x180"]  # the first (a miss) left out: all hits, no ViT forward
+    assert (cached["cache hits"], cached["cache misses"], cached["ViT ms"]) == ("2", "0", "-")
+    assert (
+        int(cached["prompt tokens"])
+        > int(rows["fresh 160x120"]["prompt tokens"])
+        > int(rows["text only"]["prompt tokens"])
+    )
