@@ -293,7 +293,7 @@ def test_image_size_decodes_no_pixels_where_the_header_says_everything(name, mon
 
 # The torch path (the encoder's GPU preprocessing) on the CPU device against the PIL path.
 # Measured (Pillow 13.0, torch 2.13, CPU): max |torch - PIL| of the normalized values is
-# 0.0150 = one uint8 level (1 / 255 / min std), on about 0.02% of the values; 0 at
+# 0.0150 = one uint8 level (1 / 255 / min std), on at most 0.2% of the values; 0 at
 # 56x56 (no resize) and 30x10 (upscaled past min_pixels).
 ONE_LEVEL = 1 / 255 / min(ImageProcessor.from_dir(TINY_DIR).config.image_std)
 TENSOR_SIZES = [(1920, 1080), (640, 480), (56, 56), (300, 97), (1000, 40), (30, 10), (480, 640)]
