@@ -19,7 +19,12 @@ from services.common.service_main import (
     start_telemetry,
 )
 from services.vision_encoder.app import build_app, create_grpc_server, rank_group_config
-from services.vision_encoder.config import TRANSFER_BACKENDS, VisionEncoderConfig, rank_devices
+from services.vision_encoder.config import (
+    PIXEL_METHODS,
+    TRANSFER_BACKENDS,
+    VisionEncoderConfig,
+    rank_devices,
+)
 from services.vision_encoder.metrics import VisionEncoderMetrics
 
 logger = logging.getLogger("services.vision_encoder")
@@ -48,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--watchdog-s", type=float, default=30.0,
                    help="health turns NOT_SERVING when encodes wait but no batch starts or ends "
                         "for this long")
+    p.add_argument("--pixel-method", default="auto", choices=PIXEL_METHODS,
+                   help="where the ranks resize, normalize and patchify: pil (CPU, bit-exact with "
+                        "transformers), torch (on the rank's device, within one uint8 level), "
+                        "auto (torch on CUDA ranks, pil on CPU ranks)")
     _add_transfer_args(p)
     return p
 
@@ -86,6 +95,7 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
             default_timeout_s=a.default_timeout_s,
             step_timeout_s=a.step_timeout_s,
             watchdog_s=a.watchdog_s,
+            pixel_method=a.pixel_method,
             internal_token_file=a.internal_token_file,
             allow_unauthenticated=a.allow_unauthenticated,
             enable_reflection=a.enable_reflection,

@@ -90,7 +90,12 @@ def rank_init(config: VisionEncoderConfig) -> EncoderRankInit:
         config.transfer_backend, config.transfer_host, config.transfer_protocol, config.staging_rows
     )
     return EncoderRankInit(
-        str(config.model), config.dtype, config.cache_bytes, config.max_image_bytes, transfer
+        str(config.model),
+        config.dtype,
+        config.cache_bytes,
+        config.max_image_bytes,
+        transfer,
+        config.pixel_method,
     )
 
 

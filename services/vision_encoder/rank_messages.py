@@ -36,6 +36,7 @@ class EncoderRankInit(msgspec.Struct, frozen=True):
     cache_bytes: int  # this rank's embedding cache budget
     max_image_bytes: int
     transfer: TransferSpec
+    pixel_method: str = "auto"  # pixels.PIXEL_METHODS: "auto" | "pil" | "torch"
 
 
 class RankSpan(msgspec.Struct, frozen=True):

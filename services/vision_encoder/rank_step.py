@@ -47,7 +47,9 @@ class EncoderRankStep(BaseRankStep):
         model = self.load_model(init, torch.device(ctx.device))
         cache = EmbeddingCacheManager(init.cache_bytes)
         sender = create_sender(init.transfer)  # last: nothing after it can fail
-        self.worker = EncoderWorker(ctx.rank, model, processor, cache, sender, init.max_image_bytes)
+        self.worker = EncoderWorker(
+            ctx.rank, model, processor, cache, sender, init.max_image_bytes, init.pixel_method
+        )
 
     def load_model(self, init: EncoderRankInit, device: torch.device) -> Qwen2_5_VLModel:
         """The vision tower on ``device`` (a subclass may build it otherwise)."""

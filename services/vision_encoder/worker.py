@@ -25,7 +25,7 @@ from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.processing.image import ImageProcessor, decode_image
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
 from services.vision_encoder.cache import EmbeddingCacheManager
-from services.vision_encoder.pixels import prepare_pixels
+from services.vision_encoder.pixels import prepare_pixels, resolve_method
 from services.vision_encoder.rank_messages import (
     EncodeStepPayload,
     EncodeStepResult,
@@ -67,6 +67,7 @@ class EncoderWorker:
         cache: EmbeddingCacheManager,
         sender: BaseEmbeddingSender,
         max_image_bytes: int,
+        pixel_method: str = "auto",  # pixels.PIXEL_METHODS
     ) -> None:
         assert model.visual is not None, "the encoder needs the vision tower"
         self.rank = rank
@@ -76,6 +77,7 @@ class EncoderWorker:
         self.sender = sender
         self.max_image_bytes = max_image_bytes
         self.device = next(model.visual.parameters()).device
+        self.pixel_method = resolve_method(pixel_method, self.device)
 
     def execute(self, payload: EncodeStepPayload, received_mono: float) -> EncodeStepResult:
         owned = [(j, s) for j in payload.jobs for s in j.spans if s.owner_rank == self.rank]
@@ -115,7 +117,7 @@ class EncoderWorker:
             Image.new("RGB", size, (127, 127, 127)).save(buf, format="PNG")
             images.append(decode_image(buf.getvalue(), self.max_image_bytes))
         grids = [self.processor.grid_for(image) for image in images]
-        self._vit(prepare_pixels(self.processor, images, self.device), grids)
+        self._vit(self._pixels(images), grids)
 
     def _take_hits(self, owned: list[Owned], step: _Step) -> None:
         for job, span in owned:
@@ -153,7 +155,7 @@ class EncoderWorker:
             grids.append(grid)
         if not decoded:
             return
-        pixels = prepare_pixels(self.processor, list(decoded.values()), self.device)
+        pixels = self._pixels(list(decoded.values()))
         vit_start = time.perf_counter()
         embeds = self._vit(pixels, grids)
         step.preprocess_s += vit_start - start
@@ -163,6 +165,13 @@ class EncoderWorker:
         for content_hash, grid, rows in zip(decoded, grids, embeds, strict=True):
             step.rows[content_hash] = rows
             self.cache.insert(content_hash, rows, grid)
+
+    @torch.inference_mode()
+    def _pixels(self, images: list[Image.Image]) -> torch.Tensor:
+        pixels = prepare_pixels(self.processor, images, self.device, self.pixel_method)
+        if self.device.type == "cuda":  # preprocess_s counts the device work, not its launch
+            torch.cuda.synchronize(self.device)
+        return pixels
 
     @torch.inference_mode()
     def _vit(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:

@@ -6,13 +6,16 @@ import hashlib
 import io
 
 import numpy as np
+import PIL
 import pytest
 import torch
 from PIL import Image, ImageFile
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import InvalidRequestError, ModelLoadError
 from services.engine.processing.image import (
     ImageProcessor,
+    ImageProcessorConfig,
+    _pil_pass_sizes,
     content_hash,
     decode_image,
     image_size,
@@ -286,3 +289,51 @@ def test_image_size_decodes_no_pixels_where_the_header_says_everything(name, mon
     assert image_size(SIZE_CASES[name], max_bytes=1 << 20) == expected
     with pytest.raises(AssertionError, match="decoded the pixels"):  # the trap works
         decode_image(SIZE_CASES[name], max_bytes=1 << 20)
+
+
+# The torch path (the encoder's GPU preprocessing) on the CPU device against the PIL path.
+# Measured (Pillow 13.0, torch 2.13, CPU): max |torch - PIL| of the normalized values is
+# 0.0150 = one uint8 level (1 / 255 / min std), on at most 0.2% of the values; 0 at
+# 56x56 (no resize) and 30x10 (upscaled past min_pixels).
+ONE_LEVEL = 1 / 255 / min(ImageProcessor.from_dir(TINY_DIR).config.image_std)
+TENSOR_SIZES = [(1920, 1080), (640, 480), (56, 56), (300, 97), (1000, 40), (30, 10), (480, 640)]
+SEVEN_B = ImageProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 16384)  # Qwen2.5-VL-7B
+
+
+def assert_tensor_path_close(processor: ImageProcessor, image: Image.Image) -> None:
+    exact = processor.preprocess(image)
+    ours = processor.preprocess_tensor(torch.from_numpy(np.array(image))[None])
+    assert ours.dtype == torch.float32 and ours.shape == exact.pixel_values.shape
+    diff = (ours - exact.pixel_values).abs()
+    assert diff.max().item() <= ONE_LEVEL * (1 + 1e-4)
+    assert (diff > 1e-6).float().mean().item() <= 0.005
+
+
+@pytest.mark.parametrize(("width", "height"), TENSOR_SIZES)
+@pytest.mark.parametrize("config", ["tiny", "7b"])
+def test_preprocess_tensor_is_within_one_level_of_pil(processor, config, width, height):
+    processor = processor if config == "tiny" else ImageProcessor(SEVEN_B)
+    assert_tensor_path_close(processor, make_rgb(width, height, seed=width))
+
+
+def test_preprocess_tensor_takes_a_batch_of_one_size_in_order(processor):
+    images = [make_rgb(300, 97, seed=seed) for seed in (1, 2, 3)]
+    batch = torch.stack([torch.from_numpy(np.array(image)) for image in images])
+    single = [processor.preprocess_tensor(row[None]) for row in batch]
+    assert torch.equal(processor.preprocess_tensor(batch), torch.cat(single))
+
+
+def test_pil_pass_order_follows_the_installed_pillow():
+    # 640x480 -> 644x476 (7B dims): Pillow 13 resizes vertically first, older Pillow
+    # horizontally; the wrong order is 17 levels off (test_preprocess_tensor_... catches it).
+    is_pillow13 = int(PIL.__version__.split(".")[0]) >= 13
+    first = (476, 640) if is_pillow13 else (480, 644)
+    assert _pil_pass_sizes((480, 640), (476, 644)) == [first, (476, 644)]
+    assert _pil_pass_sizes((56, 56), (56, 56)) == []
+    assert _pil_pass_sizes((97, 300), (98, 308)) == [(97, 308), (98, 308)]
+
+
+def test_preprocess_tensor_refuses_a_filter_without_a_torch_twin():
+    lanczos = ImageProcessor(ImageProcessorConfig(resample=int(Image.Resampling.LANCZOS)))
+    with pytest.raises(ModelLoadError, match="resample=1 has no torch path"):
+        lanczos.preprocess_tensor(torch.zeros(1, 56, 56, 3, dtype=torch.uint8))

@@ -5,7 +5,9 @@ Two consumers, two costs:
   header (no pixel decode where the header says everything), and ``grid_for_size``
   turns it into the patch grid, hence the number of placeholder tokens;
 - the vision encoder needs pixels: ``preprocess`` resizes (PIL bicubic), rescales,
-  normalizes and patchifies, equal to ``transformers``' ``Qwen2VLImageProcessorPil``.
+  normalizes and patchifies on the CPU, equal to ``transformers``' ``Qwen2VLImageProcessorPil``;
+  ``preprocess_tensor`` does the same on decoded uint8 pixels on any torch device (the
+  encoder's GPU path), within a tolerance of it (PIL's two rounded passes, mirrored).
 
 Images travel between services as their compressed bytes. The services key images
 (embedding cache, owner election) on ``content_hash``: the SHA-256 of those compressed
@@ -28,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import PIL
 import torch
+import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps
 
 from services.common.errors import InvalidRequestError, ModelLoadError
@@ -43,6 +47,9 @@ _HEADER_COMPLETE_FORMATS = ("JPEG", "MPO", "WEBP")
 _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 _PNG_SIGNATURE_LEN = 8
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # read only on a full decode after IDAT
+# PIL filters with a torch twin (antialias=True: PIL's support scaling and a = -0.5 cubic).
+_TORCH_RESAMPLE = {int(Image.Resampling.BILINEAR): "bilinear", int(Image.Resampling.BICUBIC): "bicubic"}
+_PIL_ORDERS_BY_SHRINK = int(PIL.__version__.split(".")[0]) >= 13  # Pillow 13 may go vertical first
 
 
 def smart_resize(
@@ -227,8 +234,7 @@ class ImageProcessor:
 
     def __init__(self, config: ImageProcessorConfig) -> None:
         self.config = config
-        self._mean = np.asarray(config.image_mean, dtype=np.float32)
-        self._std = np.asarray(config.image_std, dtype=np.float32)
+        self._table = _normalize_table(config)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageProcessor:
@@ -260,20 +266,76 @@ class ImageProcessor:
         grid_thw = self.grid_for(image)
         _, grid_h, grid_w = grid_thw
         resized = image.resize((grid_w * cfg.patch_size, grid_h * cfg.patch_size), resample=cfg.resample)
-        pixels = np.asarray(resized, dtype=np.uint8)  # [H, W, 3] uint8
-        scaled = (pixels.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-        normalized = (scaled - self._mean) / self._std  # [H, W, 3] float32
-        return ProcessedImage(pixel_values=self._patchify(normalized), grid_thw=grid_thw)
+        pixels = torch.from_numpy(np.array(resized, dtype=np.uint8))  # [H, W, 3] uint8
+        return ProcessedImage(self._normalize_patchify(pixels.permute(2, 0, 1)[None]), grid_thw)
 
-    def _patchify(self, normalized: np.ndarray) -> torch.Tensor:
-        # Row order: merge windows row-major; inside a window its patches row-major.
-        # Column order: channel, temporal copy, patch row, patch column.
+    def preprocess_tensor(self, pixels: torch.Tensor) -> torch.Tensor:
+        """``preprocess`` of N decoded images of one size, on ``pixels``' device.
+
+        ``pixels``: [N, H, W, 3] uint8 (RGB). Returns the N images' patches in order,
+        [N * grid_h * grid_w, C * t * p * p] float32, the grid being ``grid_for_size(H, W)``.
+        PIL's resize is mirrored: two separable antialiased passes in PIL's order, each
+        rounded and clamped to uint8; the rest is the PIL path's arithmetic.
+        """
+        mode = self.tensor_resample_mode()
+        _, height, width, _ = pixels.shape
+        _, grid_h, grid_w = self.grid_for_size(height, width)
+        size = (grid_h * self.config.patch_size, grid_w * self.config.patch_size)
+        x = pixels.permute(0, 3, 1, 2).float()  # [N, 3, H, W] float32, integral values
+        for pass_size in _pil_pass_sizes((height, width), size):
+            x = F.interpolate(x, size=pass_size, mode=mode, antialias=True, align_corners=False)
+            x = (x + 0.5).floor_().clamp_(0, 255)  # PIL's round half up into uint8
+        return self._normalize_patchify(x.to(torch.uint8))
+
+    def tensor_resample_mode(self) -> str:
+        """The torch interpolate mode of the config's PIL filter; ModelLoadError without one."""
+        mode = _TORCH_RESAMPLE.get(self.config.resample)
+        if mode is None:
+            raise ModelLoadError(
+                f"preprocessor resample={self.config.resample} has no torch path (bilinear and "
+                "bicubic do); preprocess this checkpoint's pixels with PIL"
+            )
+        return mode
+
+    def _normalize_patchify(self, pixels: torch.Tensor) -> torch.Tensor:
+        # [N, C, H, W] uint8 -> [N * grid_h * grid_w, C * t * p * p] float32 on pixels' device.
+        table = self._table.to(pixels.device)  # [C, 256]: value v of channel c, normalized
+        normalized = torch.stack([table[c][pixels[:, c].long()] for c in range(table.shape[0])], 1)
+        return self._patchify(normalized)
+
+    def _patchify(self, normalized: torch.Tensor) -> torch.Tensor:
+        # [N, C, H, W] float32 -> [N * grid_h * grid_w, C * t * p * p], image by image.
+        # Rows: merge windows row-major; inside a window its patches row-major.
+        # Columns: channel, temporal copy, patch row, patch column.
         cfg = self.config
         p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-        height, width, channels = normalized.shape
+        num_images, channels, height, width = normalized.shape
         grid_h, grid_w = height // p, width // p
-        x = torch.from_numpy(np.ascontiguousarray(normalized.transpose(2, 0, 1)))  # [C, H, W]
-        x = x.reshape(channels, grid_h // m, m, p, grid_w // m, m, p)
-        x = x.permute(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, p, p]
-        x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # one frame repeated over the temporal patch
-        return x.reshape(grid_h * grid_w, channels * t * p * p).contiguous()
+        x = normalized.reshape(num_images, channels, grid_h // m, m, p, grid_w // m, m, p)
+        x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # [N, gh/m, gw/m, m, m, C, p, p]
+        x = x.unsqueeze(6).expand(*x.shape[:6], t, p, p)  # one frame repeated over the temporal patch
+        return x.reshape(num_images * grid_h * grid_w, channels * t * p * p).contiguous()
+
+
+def _normalize_table(config: ImageProcessorConfig) -> torch.Tensor:
+    """[C, 256] float32: each uint8 value rescaled (in float64) and normalized, as transformers does."""
+    values = (np.arange(256, dtype=np.float64) * config.rescale_factor).astype(np.float32)
+    mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]
+    std = np.asarray(config.image_std, dtype=np.float32)[:, None]
+    return torch.from_numpy((values[None, :] - mean) / std)
+
+
+def _pil_pass_sizes(size: tuple[int, int], target: tuple[int, int]) -> list[tuple[int, int]]:
+    """The (height, width) after each of PIL's resample passes; a side that keeps its size
+    takes no pass. Horizontal first, unless (Pillow >= 13) the height shrinks by more than
+    twice as many pixels as the width."""
+    (height, width), (target_h, target_w) = size, target
+    shrink_h, shrink_w = height - target_h, width - target_w
+    is_vertical_first = _PIL_ORDERS_BY_SHRINK and shrink_h > 0 and shrink_h > 2 * shrink_w
+    steps = [(height, target_w), target] if not is_vertical_first else [(target_h, width), target]
+    passes, current = [], size
+    for step in steps:
+        if step != current:
+            passes.append(step)
+            current = step
+    return passes
