@@ -14,6 +14,7 @@ from services.common.kv_transfer import (
     SERVICE_KV_BACKENDS,
     check_embedding_backend,
     check_kv_backend,
+    default_embedding_backend,
 )
 from services.common.paths import BUNDLED_MODEL
 
@@ -121,9 +122,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="decode's device, e.g. cuda:1 (default: --device); a list (cuda:0,cuda:1) puts one "
                         "data-parallel rank on each")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--transfer-backend", default="shm",
-                   help="embedding transfer (and KV unless --kv-transfer-backend): shm | mooncake | inprocess; "
-                   "shm: /dev/shm shared by this host's processes, no network port (default)")
+    p.add_argument("--transfer-backend", default=None,
+                   help="embedding transfer (and KV unless --kv-transfer-backend): shm | cuda_ipc | mooncake; "
+                   "shm: /dev/shm shared by this host's processes, no network port; cuda_ipc: GPU to GPU "
+                   "on one host (encoder and prefill on CUDA). Default: cuda_ipc when "
+                   "--kv-transfer-backend is cuda_ipc and the encoder and prefill run on CUDA, else shm")
     p.add_argument("--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP)
     p.add_argument("--attention-backend", default="torch", help="prefill and decode attention: torch | flashinfer")
     p.add_argument("--num-pages", type=_at_least(1), default=16384, help="decode KV pages (per decode rank)")
@@ -194,7 +197,12 @@ def _run_up(args: argparse.Namespace) -> int:
     envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
         _check_up(args)
-        if args.transfer_backend == "inprocess":
+        transfer_backend = args.transfer_backend or default_embedding_backend(
+            args.kv_transfer_backend,
+            args.encoder_device or args.device,
+            args.prefill_device or args.device,
+        )
+        if transfer_backend == "inprocess":
             raise ValueError("--transfer-backend inprocess moves tensors inside one process; up runs every "
                              "service as its own process: use shm (one host) or mooncake")
         if args.encoder_ranks is not None and args.encoder_ranks < 1:
@@ -208,7 +216,7 @@ def _run_up(args: argparse.Namespace) -> int:
             model=args.model.resolve(), host=args.host, http_port=args.port, device=args.device,
             encoder_device=args.encoder_device, encoder_ranks=args.encoder_ranks,
             prefill_device=args.prefill_device,
-            decode_device=args.decode_device, dtype=args.dtype, transfer_backend=args.transfer_backend,
+            decode_device=args.decode_device, dtype=args.dtype, transfer_backend=transfer_backend,
             kv_transfer_backend=args.kv_transfer_backend, attention_backend=args.attention_backend,
             num_pages=args.num_pages, page_size=args.page_size, stall_timeout_s=args.stall_timeout_s,
             kv_quarantine_s=args.kv_quarantine_s, max_concurrent_requests=args.max_concurrent_requests,
@@ -226,9 +234,11 @@ def _run_up(args: argparse.Namespace) -> int:
             raise ValueError(f"--decode-dp {args.decode_dp} disagrees with --decode-device "
                              f"({num_decode_devices} devices)")
         check_prefill_cp(cfg)
-        check_embedding_backend(args.transfer_backend)
+        check_embedding_backend(  # the two ends of the embedding rows
+            transfer_backend, (device_of(cfg, "vision_encoder"), device_of(cfg, "prefill"))
+        )
         for device in (device_of(cfg, "prefill"), *decode_devices(cfg)):  # the two ends of the KV handoff
-            check_kv_backend(args.kv_transfer_backend, args.transfer_backend, device)
+            check_kv_backend(args.kv_transfer_backend, transfer_backend, device)
         env = child_environment(os.environ, api_key=args.api_key)  # AuthConfigError: a bad --api-key
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

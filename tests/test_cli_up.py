@@ -60,6 +60,48 @@ def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
     assert args["prefill"][:2] == args["decode"][:2] == ["--transfer-backend", "inprocess"]
 
 
+def up_configs(monkeypatch, *argvs: list[str]) -> list[LaunchConfig]:
+    """The config ``up`` would launch for each argv (no process started); torch sees one GPU."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    configs: list[LaunchConfig] = []
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: configs.append(cfg) or 0)
+    for argv in argvs:
+        assert main(["up", "--port", "0", *argv]) == 0
+    return configs
+
+
+def test_up_moves_embeddings_over_cuda_ipc_when_the_kv_does_and_both_ends_are_gpus(monkeypatch) -> None:
+    gpu_kv = ["--device", "cuda", "--kv-transfer-backend", "cuda_ipc"]
+    configs = up_configs(
+        monkeypatch,
+        gpu_kv,
+        [*gpu_kv, "--encoder-device", "cpu"],  # the encoder's rows start in host memory
+        [*gpu_kv, "--transfer-backend", "shm"],  # the user's choice stands
+        [],  # the CPU default
+    )
+    assert [c.transfer_backend for c in configs] == ["cuda_ipc", "shm", "shm", "shm"]
+    assert [c.kv_transfer_backend for c in configs] == ["cuda_ipc"] * 3 + [None]
+    args = service_args(configs[0], monkeypatch)
+    for name in ("vision_encoder", "prefill"):
+        assert args[name][:2] == ["--transfer-backend", "cuda_ipc"]
+
+
+@pytest.mark.parametrize(
+    "argv", [["--transfer-backend", "cuda_ipc"], ["--device", "cuda", "--encoder-device", "cpu",
+                                                  "--transfer-backend", "cuda_ipc"]]
+)
+def test_up_refuses_cuda_ipc_embeddings_off_a_gpu(argv, monkeypatch, capsys) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env=None: pytest.fail("started"))
+    assert main(["up", "--port", "0", *argv]) == 2
+    assert ("error: the cuda_ipc embedding transfer backend moves rows between GPUs of one host and needs the "
+            "vision encoder and prefill on CUDA devices, got 'cpu'") in capsys.readouterr().err
+
+
 FAULT_FLAGS = {
     "router": "--stall-timeout-s", "decode": "--kv-quarantine-s", "prefill": "--embedding-quarantine-s"
 }

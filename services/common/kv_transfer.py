@@ -9,11 +9,12 @@ KV one unless ``--kv-transfer-backend`` is given). Kept free of heavy imports: t
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Sequence
 
 # KV backends a service can build on its own. "nccl" is registered in services.transfer but
 # needs a torch.distributed group spanning prefill and decode, which the services do not build.
 SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc", "shm")
-EMBEDDING_BACKENDS = ("mooncake", "inprocess", "shm")
+EMBEDDING_BACKENDS = ("mooncake", "inprocess", "shm", "cuda_ipc")
 
 KV_BACKEND_HELP = (
     "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc | shm (cuda_ipc = CUDA IPC between "
@@ -72,11 +73,25 @@ def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, dev
     return name
 
 
-def check_embedding_backend(transfer_backend: str) -> str:
-    """``transfer_backend`` if embedding rows can travel over it; ``ValueError`` naming the choices otherwise."""
+def check_embedding_backend(transfer_backend: str, devices: Sequence[str]) -> str:
+    """``transfer_backend`` if embedding rows can travel over it between ends on ``devices`` (the
+    encoder's or prefill's); cuda_ipc only when every one is a CUDA device; ``ValueError`` otherwise."""
     if transfer_backend not in EMBEDDING_BACKENDS:
         raise ValueError(
             f"embedding transfer backend {transfer_backend!r} is not supported; supported: "
             f"{', '.join(EMBEDDING_BACKENDS)} (choose the KV backend with --kv-transfer-backend)"
         )
+    off_gpu = [device for device in devices if not device.startswith("cuda")]
+    if transfer_backend == "cuda_ipc" and off_gpu:
+        raise ValueError(
+            f"the cuda_ipc embedding transfer backend moves rows between GPUs of one host and needs the "
+            f"vision encoder and prefill on CUDA devices, got {off_gpu[0]!r}: use --transfer-backend shm"
+        )
     return transfer_backend
+
+
+def default_embedding_backend(kv_backend: str | None, encoder_device: str, prefill_device: str) -> str:
+    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: cuda_ipc when the
+    KV handoff is cuda_ipc and the encoder and prefill both run on CUDA, shm otherwise."""
+    on_gpus = encoder_device.startswith("cuda") and prefill_device.startswith("cuda")
+    return "cuda_ipc" if kv_backend == "cuda_ipc" and on_gpus else "shm"

@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     add_common_args(p)
     p.add_argument("--encoder-address", default="", help="vision encoder host:port (empty: text-only prompts)")
     p.add_argument("--transfer-backend", default="mooncake",
-                   help="embedding rows from the encoder (and KV unless --kv-transfer-backend): mooncake | inprocess")
+                   help="embedding rows from the encoder (and KV unless --kv-transfer-backend): mooncake | shm | "
+                   "cuda_ipc | inprocess (cuda_ipc: into a GPU buffer over CUDA IPC, needs --device cuda)")
     p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
     p.add_argument("--transfer-host", "--transfer-hostname", dest="transfer_hostname", default="", help="address the transfer engine advertises (default --host)")
     p.add_argument("--num-pages", type=int, default=1024, help="pages of the local KV pool")

@@ -28,7 +28,7 @@ STEP_TARGET = "services.prefill.rank_step:PrefillRankStep"
 
 def check_backends(config: PrefillConfig) -> tuple[str, str]:
     """``(embedding backend, KV backend)`` the ranks run; ``ValueError`` for one they cannot."""
-    embedding = check_embedding_backend(config.transfer_backend)
+    embedding = check_embedding_backend(config.transfer_backend, config.devices)
     kv_backend = check_kv_backend(
         config.kv_transfer_backend, config.transfer_backend, config.devices[0]
     )

@@ -53,11 +53,13 @@ _EMBEDDING_SENDER_FACTORIES: dict[str, Callable[..., BaseEmbeddingSender]] = {
     "mooncake": _factory("embeddings_mooncake", "MooncakeEmbeddingSender"),
     "inprocess": _factory("embeddings_inprocess", "InProcessEmbeddingSender"),
     "shm": _factory("embeddings_shm", "ShmEmbeddingSender"),
+    "cuda_ipc": _factory("embeddings_cuda_ipc", "CudaIpcEmbeddingSender"),
 }
 _EMBEDDING_RECEIVER_FACTORIES: dict[str, Callable[..., BaseEmbeddingReceiver]] = {
     "mooncake": _factory("embeddings_mooncake", "MooncakeEmbeddingReceiver"),
     "inprocess": _factory("embeddings_inprocess", "InProcessEmbeddingReceiver"),
     "shm": _factory("embeddings_shm", "ShmEmbeddingReceiver"),
+    "cuda_ipc": _factory("embeddings_cuda_ipc", "CudaIpcEmbeddingReceiver"),
 }
 
 

@@ -24,7 +24,6 @@ must be peers; otherwise ``send`` fails with ``UnavailableError``.
 
 from __future__ import annotations
 
-import base64
 import os
 import threading
 import time
@@ -49,21 +48,19 @@ from services.transfer.base import (
     check_deadline,
     pool_layout,
 )
+from services.transfer.cuda_ipc_memory import (
+    IpcBuffer,
+    decode_session,
+    device_uuid,
+    encode_session,
+    export_buffer,
+    open_buffer,
+    peer_index,
+)
 
 SESSION_PREFIX = "cuda-ipc:"
 MAX_PEERS = 16  # decode pools kept mapped per sender; the least recently used is unmapped beyond it
 LAYER_CHUNK_BYTES = 8 << 20  # least bytes per copy when a request goes out layer by layer
-
-
-class IpcBuffer(msgspec.Struct, frozen=True, array_like=True):
-    """One exported CUDA allocation region (the fields of torch's ``UntypedStorage._share_cuda_``)."""
-
-    handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes | None
 
 
 class IpcPool(msgspec.Struct, frozen=True, array_like=True):
@@ -77,36 +74,11 @@ class IpcPool(msgspec.Struct, frozen=True, array_like=True):
 
 
 def encode_session_id(pool: IpcPool) -> str:
-    return SESSION_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(pool)).decode("ascii")
+    return encode_session(SESSION_PREFIX, pool)
 
 
 def decode_session_id(session_id: str) -> IpcPool:
-    if not session_id.startswith(SESSION_PREFIX):
-        raise InvalidRequestError(f"not a CUDA IPC KV destination: {session_id[:64]!r}")
-    try:
-        return msgspec.msgpack.decode(base64.urlsafe_b64decode(session_id[len(SESSION_PREFIX):]), type=IpcPool)
-    except (ValueError, msgspec.DecodeError) as exc:
-        raise InvalidRequestError(f"malformed CUDA IPC KV destination: {exc}") from exc
-
-
-def device_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def export_buffer(buf: torch.Tensor) -> IpcBuffer:
-    assert buf.is_cuda and buf.is_contiguous() and buf.storage_offset() == 0
-    _, handle, size, offset, ref_handle, ref_offset, event_handle, _ = buf.untyped_storage()._share_cuda_()
-    return IpcBuffer(handle, size, offset, ref_handle, ref_offset, event_handle)
-
-
-def open_buffer(buf: IpcBuffer, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Map an exported allocation into ``device``'s context (peer memory when it lives on another GPU)."""
-    storage = torch.UntypedStorage._new_shared_cuda(
-        device.index, buf.handle, buf.storage_size_bytes, buf.storage_offset_bytes,
-        buf.ref_counter_handle, buf.ref_counter_offset, buf.event_handle,
-        False,  # no event wait: decode synchronized before exporting
-    )
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))
+    return decode_session(SESSION_PREFIX, session_id, IpcPool, "CUDA IPC KV destination")
 
 
 class CudaIpcKVReceiver(BaseKVReceiver):
@@ -236,16 +208,12 @@ class CudaIpcKVSender(BaseKVSender):
         if exported.dtype != str(src_pool.dtype).removeprefix("torch."):
             raise InvalidRequestError(f"decode's KV pool is {exported.dtype}, this one {src_pool.dtype}")
         device = src_pool.k_buffer.device  # with its index, unlike a pool made on "cuda"
-        peer_index = _visible_index(exported.device_uuid)
-        if peer_index is None:
-            raise UnavailableError(f"decode's GPU {exported.device_uuid} is not visible to this process")
-        if peer_index != device.index and not torch.cuda.can_device_access_peer(device.index, peer_index):
-            raise UnavailableError(f"GPU {device.index} cannot access decode's GPU {peer_index} as a peer")
+        index = peer_index(exported.device_uuid, device, "decode")
         try:
             return (open_buffer(exported.k, exported.shape, src_pool.dtype, device),
                     open_buffer(exported.v, exported.shape, src_pool.dtype, device))
         except RuntimeError as exc:
-            raise UnavailableError(f"cannot map decode's KV pool on GPU {peer_index}: {exc}") from exc
+            raise UnavailableError(f"cannot map decode's KV pool on GPU {index}: {exc}") from exc
 
     def close(self) -> None:
         with self._lock:
@@ -331,9 +299,3 @@ class _LayerwiseIpcSend(LayerwiseSend):
 def _num_bytes(pool: KVPool, pages: Sequence[int] | torch.Tensor) -> int:
     return 2 * pool.num_layers * len(pages) * pool.page_nbytes
 
-
-def _visible_index(uuid: str) -> int | None:
-    for index in range(torch.cuda.device_count()):
-        if device_uuid(torch.device("cuda", index)) == uuid:
-            return index
-    return None

@@ -41,7 +41,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 class EmbeddingDestination(msgspec.Struct, frozen=True):
     """Where an encoder writes a request's rows; mirrors the ``EmbeddingRef`` proto field for field."""
 
-    backend: str  # transfer backend that registered the buffer ("mooncake", "inprocess")
+    backend: str  # transfer backend that registered the buffer ("shm", "cuda_ipc", "mooncake", "inprocess")
     engine_address: str  # receiver's engine endpoint (Mooncake: "host:rpc_port"); may equal session_id
     session_id: str  # receiver's engine session (Mooncake: "host:rpc_port"; in-process: fabric key)
     cp_rank: int  # prefill context-parallel rank owning the buffer

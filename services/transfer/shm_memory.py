@@ -73,14 +73,14 @@ def decode_session_id(session_id: str) -> ShmRef:
     return ShmRef(match.group(1), int(match.group(2), 16))
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
 
 
-def _start_time(pid: int) -> int | None:
+def process_start_time(pid: int) -> int | None:
     """Clock ticks after boot at which ``pid`` started; None when no such process runs."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -93,25 +93,25 @@ def _start_time(pid: int) -> int | None:
 def new_name(kind: str) -> str:
     assert kind in KINDS, kind
     pid = os.getpid()
-    return f"stageserve-{kind}-{_pid_namespace()}-{pid}-{_start_time(pid)}-{secrets.token_hex(16)}"
+    return f"stageserve-{kind}-{pid_namespace()}-{pid}-{process_start_time(pid)}-{secrets.token_hex(16)}"
 
 
 def sweep_stale_segments() -> list[str]:
     """Unlink this user's segments whose owner process is gone (killed before it could); their names."""
     removed: list[str] = []
-    if _start_time(os.getpid()) is None:  # no /proc to tell a live owner from a dead one: keep all
+    if process_start_time(os.getpid()) is None:  # no /proc to tell a live owner from a dead one: keep all
         return removed
-    pid_namespace, uid = _pid_namespace(), os.geteuid()
+    namespace, uid = pid_namespace(), os.geteuid()
     for entry in os.scandir(SHM_DIR):
         match = NAME_RE.fullmatch(entry.name)
-        if match is None or int(match.group(2)) != pid_namespace:  # another namespace's pid: unknowable
+        if match is None or int(match.group(2)) != namespace:  # another namespace's pid: unknowable
             continue
         try:
             if entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
         except FileNotFoundError:
             continue
-        if _start_time(int(match.group(3))) == int(match.group(4)):
+        if process_start_time(int(match.group(3))) == int(match.group(4)):
             continue  # the owner still runs
         try:
             os.unlink(entry.path)

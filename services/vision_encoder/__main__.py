@@ -62,7 +62,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_transfer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--transfer-backend", default="mooncake", choices=TRANSFER_BACKENDS)
+    p.add_argument("--transfer-backend", default="mooncake", choices=TRANSFER_BACKENDS,
+                   help="embedding rows to prefill (cuda_ipc: GPU to GPU on one host, ranks on CUDA "
+                        "devices; shm: /dev/shm on one host)")
     p.add_argument("--transfer-host", default="127.0.0.1",
                    help="address each rank's transfer engine advertises to peers (Mooncake; it "
                         "listens on every interface)")

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.kv_transfer import check_embedding_backend
 from services.common.service_main import ServiceConfig
 
 # The encoder's ranks are their own processes: rows leave them through a backend that
 # crosses processes ("inprocess" needs the encoder and prefill in one process).
-TRANSFER_BACKENDS = ("mooncake", "shm")
+TRANSFER_BACKENDS = ("mooncake", "shm", "cuda_ipc")
 PIXEL_METHODS = ("auto", "pil", "torch")  # pixels.resolve_method: auto is torch on CUDA, pil elsewhere
 
 
 @dataclass(frozen=True)
 class VisionEncoderConfig(ServiceConfig):
     devices: tuple[str, ...] = ("cpu",)  # one rank process per entry ("cpu", "cuda:N")
-    transfer_backend: str = "mooncake"  # embedding rows to prefill: "mooncake" | "shm"
+    transfer_backend: str = "mooncake"  # embedding rows to prefill: "mooncake" | "shm" | "cuda_ipc"
     transfer_host: str = "127.0.0.1"  # address each rank's transfer engine advertises (Mooncake)
     transfer_protocol: str = "tcp"  # Mooncake transport: "tcp" | "rdma"
     staging_rows: int = 8192  # rows of each rank's registered staging buffer (Mooncake)
@@ -30,7 +31,7 @@ class VisionEncoderConfig(ServiceConfig):
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(
-                f"the vision encoder sends rows through {' or '.join(TRANSFER_BACKENDS)}, got "
+                f"the vision encoder sends rows through {', '.join(TRANSFER_BACKENDS)}, got "
                 f"{self.transfer_backend!r} (its ranks are their own processes; inprocess "
                 "needs the encoder and prefill in one process)"
             )
@@ -38,6 +39,7 @@ class VisionEncoderConfig(ServiceConfig):
             raise ValueError(f"pixel_method must be one of {PIXEL_METHODS}, got {self.pixel_method!r}")
         if not self.devices:
             raise ValueError("the vision encoder needs at least one rank device")
+        check_embedding_backend(self.transfer_backend, self.devices)
         for field in ("cache_bytes", "max_batch_images", "max_image_bytes", "staging_rows"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")

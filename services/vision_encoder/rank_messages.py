@@ -24,7 +24,7 @@ class SpanAction(enum.Enum):
 class TransferSpec(msgspec.Struct, frozen=True):
     """How each rank builds its embedding sender."""
 
-    backend: str  # "mooncake" | "shm"
+    backend: str  # "mooncake" | "shm" | "cuda_ipc"
     host: str = "127.0.0.1"  # Mooncake: the address its engine advertises
     protocol: str = "tcp"  # Mooncake: "tcp" | "rdma"
     staging_rows: int = 8192  # Mooncake: rows of the registered send staging buffer

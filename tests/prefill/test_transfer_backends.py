@@ -32,8 +32,10 @@ def test_flag_parses_and_defaults_to_transfer_backend(monkeypatch) -> None:
                                             f"services do not build; supported: {CHOICES}"),
         (["--kv-transfer-backend", "rdma"], f"unknown KV transfer backend 'rdma'; supported: {CHOICES}"),
         (["--transfer-backend", "nccl"], "embedding transfer backend 'nccl' is not supported; supported: "
-                                         "mooncake, inprocess, shm"),
-        (["--transfer-backend", "cuda_ipc", "--device", "cuda:0"], "embedding transfer backend 'cuda_ipc'"),
+                                         "mooncake, inprocess, shm, cuda_ipc"),
+        (["--transfer-backend", "cuda_ipc", "--kv-transfer-backend", "shm"],
+         "the cuda_ipc embedding transfer backend moves rows between GPUs of one host and needs the vision "
+         "encoder and prefill on CUDA devices, got 'cpu': use --transfer-backend shm"),
         (["--kv-transfer-backend", "cuda_ipc"], "needs a CUDA device (--device cuda), got 'cpu'"),
         (["--transfer-backend", "shm", "--device", "cuda:0"], "the shm KV transfer backend moves host memory "
                                                               "and the KV pool is on 'cuda:0': use "
@@ -67,13 +69,26 @@ def test_in_process_backends_are_refused_the_ranks_are_processes(transfer, kv) -
         ("mooncake", "shm", ("mooncake", "shm")),
         ("shm", "mooncake", ("shm", "mooncake")),
         ("shm", "cuda_ipc", ("shm", "cuda_ipc")),
+        ("cuda_ipc", None, ("cuda_ipc", "cuda_ipc")),
+        ("cuda_ipc", "mooncake", ("cuda_ipc", "mooncake")),
     ],
 )
 def test_each_rank_builds_the_backends_chosen(monkeypatch, transfer, kv, expected) -> None:
     monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)  # as with the CUDA build
-    device = "cuda:0" if kv == "cuda_ipc" else "cpu"
+    device = "cuda:0" if "cuda_ipc" in (transfer, kv) else "cpu"
     init = rank_init(prefill_config(transfer_backend=transfer, kv_transfer_backend=kv, devices=(device,)))
     assert (init.transfer_backend, init.kv_backend) == expected
+
+
+def test_cuda_ipc_embeddings_need_every_cp_rank_on_a_gpu(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = parse_args(["--transfer-backend", "cuda_ipc", "--device", "cuda", "--ranks", "2"])
+    assert (config.devices, config.transfer_backend, config.kv_backend) == (("cuda:0", "cuda:1"), "cuda_ipc", "cuda_ipc")
+    with pytest.raises(ValueError, match="on CUDA devices, got 'cpu'"):
+        rank_init(prefill_config(transfer_backend="cuda_ipc", kv_transfer_backend="mooncake",
+                                 devices=("cuda:0", "cpu")))
 
 
 def test_mooncake_hostname_goes_only_to_mooncake_endpoints() -> None:

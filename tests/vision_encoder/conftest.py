@@ -28,8 +28,8 @@ from services.common.envs import Envs
 from services.common.server import HealthState
 from services.common.types import ImageSpanRef
 from services.engine.processing.image import ImageProcessor, decode_image
+from services.transfer import create_embedding_receiver
 from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination, EmbeddingRowManager
-from services.transfer.embeddings_shm import ShmEmbeddingReceiver
 from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
@@ -127,11 +127,15 @@ def rank_children() -> list[int]:
 
 
 class Prefill:
-    """A prefill-like receiver: one registered shared-memory buffer (NaN until written)."""
+    """A prefill-like receiver: one registered buffer (NaN until written), over shared memory
+    unless ``backend`` names another (cuda_ipc: on ``device``)."""
 
-    def __init__(self, hidden_size: int, num_rows: int = 4096, dtype=torch.float32) -> None:
-        self.receiver = ShmEmbeddingReceiver()
-        self.buffer = EmbeddingBuffer(num_rows, hidden_size, dtype)
+    def __init__(
+        self, hidden_size: int, num_rows: int = 4096, dtype=torch.float32, backend: str = "shm",
+        device: str = "cpu",
+    ) -> None:
+        self.receiver = create_embedding_receiver(backend)
+        self.buffer = EmbeddingBuffer(num_rows, hidden_size, dtype, device)
         self.buffer.tensor.fill_(float("nan"))
         self.receiver.register(self.buffer)
         self.rows = EmbeddingRowManager(num_rows)
