@@ -97,6 +97,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workdir", type=Path, default=None, help="logs and state (default: a temporary one)"
     )
+    p.add_argument(
+        "--transfer-backend", default=None, help="up's embedding backend (default: up's choice)"
+    )
     args = p.parse_args(argv)
     if (args.num_requests or 1) < 1:
         p.error("--num-requests must be >= 1")
@@ -241,9 +244,13 @@ NOTES = [
 ]
 
 
-def _up_args(quick: bool, model_dir: Path) -> list[str]:
+def _up_args(quick: bool, model_dir: Path, transfer_backend: str | None) -> list[str]:
     device = ["--device", "cpu"] if quick else GPU_UP
-    return [*device, "--model", str(model_dir), "--num-pages", "1024", "--ready-timeout-s", "1800"]
+    transfer = ["--transfer-backend", transfer_backend] if transfer_backend else []
+    return [
+        *device, *transfer, "--model", str(model_dir), "--num-pages", "1024",
+        "--ready-timeout-s", "1800",
+    ]
 
 
 async def _warm_up(system: System, model: str, sizes: list[tuple[int, int]]) -> None:
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     num_requests = args.num_requests or (2 if quick else 10)
     model_dir = BUNDLED_MODEL if quick else write_checkpoint(args.checkpoint_dir, "cuda")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stageserve-image-ttft-"))
-    up_args = _up_args(quick, model_dir)
+    up_args = _up_args(quick, model_dir, args.transfer_backend)
     system = start_system(up_args, workdir, free_port())
     try:
         model = system.served_model() or model_dir.name
