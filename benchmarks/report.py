@@ -59,12 +59,18 @@ def hardware() -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash, ``-dirty`` when tracked files differ from it (a copied working tree)."""
     try:
-        return subprocess.run(
+        head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30, check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return f"{head}-dirty" if changed else head
 
 
 SECTION_TITLE = "## Engine (`python -m benchmarks.engine`)"
