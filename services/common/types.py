@@ -19,7 +19,17 @@ class ImagePart(msgspec.Struct, frozen=True, tag="image"):
     data: bytes  # the compressed image bytes (PNG, JPEG, ...), already fetched by the router
 
 
-ContentPart = TextPart | ImagePart
+class ImageHeader(msgspec.Struct, frozen=True, tag="image_header"):
+    """An image part as the tokenizer's worker processes see it: its hash and size, read in
+    the server process, so the compressed bytes never cross into a worker and back."""
+
+    content_hash: str
+    height: int = 0
+    width: int = 0
+    error: str = ""  # why the header could not be read; raised where the image is tokenized
+
+
+ContentPart = TextPart | ImagePart | ImageHeader
 
 
 class ChatMessage(msgspec.Struct, frozen=True):

@@ -5,7 +5,10 @@ Chat: render the template with the messages' texts kept as plain text
 find its patch grid (no pixel decode: the vision encoder decodes the same bytes, and
 refuses a file whose pixel data is cut short), hash its compressed bytes, expand each
 placeholder to the image's token count, and compute the M-RoPE position delta. Images
-leave as their compressed bytes, each distinct one once.
+leave as their compressed bytes, each distinct one once. An image may come as an
+``ImageHeader`` instead (``image_header``: its hash and size read beforehand, in the
+server process); then its entry in ``TokenizedPrompt.images`` is empty and the caller
+holds the bytes.
 
 The context limit is checked on the text first, with work bounded by the limit: a
 prompt or chat that certainly needs ``max_model_len`` tokens or more is refused before
@@ -20,11 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidRequestError
-from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart, TokenizedPrompt
+from services.common.types import (
+    ChatMessage,
+    ImageHeader,
+    ImagePart,
+    ImageSpanRef,
+    TextPart,
+    TokenizedPrompt,
+)
 from services.engine.config import ModelConfig
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.processing import ImageProcessor, TextProcessor, content_hash
-from services.engine.processing.image import image_size
+from services.engine.processing.image import header_size, image_size
 from services.engine.processing.text import prompt_too_long
 from services.tokenizer.config import Limits
 
@@ -49,11 +59,11 @@ class TokenizePipeline:
         grids: dict[str, tuple[int, int, int]] = {}  # content hash -> patch grid
         images: dict[str, bytes] = {}  # content hash -> compressed bytes, first appearance first
         hashes = []
-        for param, data in image_parts:
-            key = content_hash(data)
+        for param, part in image_parts:
+            key = part.content_hash if isinstance(part, ImageHeader) else content_hash(part.data)
             if key not in grids:
-                grids[key] = self._grid(data, param)
-                images[key] = data
+                grids[key] = self._grid(part, param)
+                images[key] = b"" if isinstance(part, ImageHeader) else part.data
             hashes.append(key)
         counts = [self.images.num_image_tokens(grids[key]) for key in hashes]
         ids, placeholders = self.text.expand_image_placeholders(ids, counts)
@@ -81,9 +91,13 @@ class TokenizePipeline:
             )
         return TokenizedPrompt(token_ids=tuple(ids))
 
-    def _grid(self, data: bytes, param: str) -> tuple[int, int, int]:
+    def _grid(self, part: ImagePart | ImageHeader, param: str) -> tuple[int, int, int]:
         try:
-            height, width = image_size(data, self.limits.max_image_bytes, self.limits.max_image_pixels)
+            if isinstance(part, ImageHeader):
+                if part.error:
+                    raise InvalidRequestError(part.error)
+                return self.images.grid_for_size(part.height, part.width)
+            height, width = image_size(part.data, self.limits.max_image_bytes, self.limits.max_image_pixels)
             return self.images.grid_for_size(height, width)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{param}: {exc.message}", param=param) from exc
@@ -96,13 +110,28 @@ class TokenizePipeline:
         return delta
 
 
-def _template_messages(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, Any]], list[tuple[str, bytes]]]:
+def image_header(data: bytes, limits: Limits) -> ImageHeader | None:
+    """The hash and size of one image part from its header, or why the header cannot be read
+    (raised when the part is tokenized, where the bytes' own check would raise it); None
+    where only a full decode tells the size (that stays the worker's job)."""
+    try:
+        size = header_size(data, limits.max_image_bytes, limits.max_image_pixels)
+    except InvalidRequestError as exc:
+        return ImageHeader(content_hash(data), error=exc.message)
+    if size is None:
+        return None
+    return ImageHeader(content_hash(data), *size)
+
+
+def _template_messages(
+    messages: Sequence[ChatMessage],
+) -> tuple[list[dict[str, Any]], list[tuple[str, ImagePart | ImageHeader]]]:
     """The chat as the template sees it (image parts become ``{"type": "image"}``), and the
-    image parts' (param, bytes) in prompt order."""
+    image parts' (param, part) in prompt order."""
     if not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
     rendered: list[dict[str, Any]] = []
-    image_parts: list[tuple[str, bytes]] = []
+    image_parts: list[tuple[str, ImagePart | ImageHeader]] = []
     for i, message in enumerate(messages):
         if not message.content:
             raise InvalidRequestError(f"messages[{i}].content is missing", param=f"messages[{i}].content")
@@ -111,9 +140,9 @@ def _template_messages(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, 
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
             else:
-                assert isinstance(part, ImagePart), type(part)
+                assert isinstance(part, ImagePart | ImageHeader), type(part)
                 parts.append({"type": "image"})
-                image_parts.append((f"messages[{i}].content[{j}]", part.data))
+                image_parts.append((f"messages[{i}].content[{j}]", part))
         rendered.append({"role": message.role, "content": parts})
     return rendered, image_parts
 

@@ -91,3 +91,43 @@ async def test_tokenize_span_continues_the_callers_trace(served):
     assert span.parent is not None and span.parent.span_id == parent.get_span_context().span_id
     assert span.attributes["request_id"] == "traced"
     assert span.attributes["num_prompt_tokens"] > 0
+
+
+def _late_metadata_png() -> bytes:
+    """A PNG whose text chunk follows the pixel data: only a full decode can tell its size."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 20, 30)).save(buf, format="PNG")
+    data = buf.getvalue()
+    payload = b"Comment\x00late"
+    chunk = struct.pack(">I", len(payload)) + b"tEXt" + payload
+    chunk += struct.pack(">I", zlib.crc32(b"tEXt" + payload))
+    iend = data.rindex(b"IEND") - 4
+    return data[:iend] + chunk + data[iend:]
+
+
+@pytest.mark.integration
+async def test_image_bytes_stay_in_the_server_process_when_the_header_tells_the_size(
+    served, served_processes, monkeypatch
+):
+    """Header-only formats cross to the worker as ``ImageHeader``s; the prompt has the bytes."""
+    pool = served_processes.pool
+    sent: list[bytes] = []
+    submit = pool._submit
+    monkeypatch.setattr(pool, "_submit", lambda ex, job, held=0: sent.append(job) or submit(ex, job, held))
+    jpeg, png = image_bytes(640, 480, seed=5, fmt="JPEG"), _late_metadata_png()
+    prompt = await pool.run(ChatJob((user(jpeg, "which?", png, jpeg),)))
+    assert list(prompt.images.values()) == [jpeg, png]  # distinct, first appearance first
+    assert [s.grid_thw for s in prompt.spans][0] == [s.grid_thw for s in prompt.spans][2]
+    (job,) = [msgspec.msgpack.decode(b, type=Job) for b in sent]
+    kinds = [type(part).__name__ for part in job.messages[0].content]
+    assert kinds == ["ImageHeader", "TextPart", "ImagePart", "ImageHeader"]
+    assert len(sent[0]) < len(jpeg) // 4 + len(png) + 1024  # the JPEG's bytes did not travel
+    thread_prompt = await served.pool.run(ChatJob((user(jpeg, "which?", png, jpeg),)))
+    assert thread_prompt == prompt
+    assert pool.queued_bytes == 0

@@ -129,14 +129,22 @@ def image_size(data: bytes, max_bytes: int, max_pixels: int | None = None) -> tu
     decoded in full, so the size and the errors are ``decode_image``'s. Pixel data that is
     cut short or corrupt after an intact header is found only by the decode (the encoder's).
     """
+    size = header_size(data, max_bytes, max_pixels)
+    if size is None:
+        decoded = decode_image(data, max_bytes, max_pixels)
+        return decoded.height, decoded.width
+    return size
+
+
+def header_size(data: bytes, max_bytes: int, max_pixels: int | None = None) -> tuple[int, int] | None:
+    """``image_size`` where the header alone tells it (no pixel decode), else None."""
     image = _open_image(data, max_bytes, max_pixels)
     if image.format == "PNG" and _png_header_is_complete(data):
         exif = Image.Image.getexif(image)  # the base method: PNG's own would decode to look further
     elif image.format in _HEADER_COMPLETE_FORMATS:
         exif = _header_exif(image)
     else:
-        decoded = decode_image(data, max_bytes, max_pixels)
-        return decoded.height, decoded.width
+        return None
     is_transposed = exif.get(ExifTags.Base.Orientation, 1) in _TRANSPOSING_ORIENTATIONS
     return (image.width, image.height) if is_transposed else (image.height, image.width)
 
