@@ -20,19 +20,29 @@ PAGE_SIZE = 16
 PREFILL_LENS = (1024, 8192, 32768)
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (1024, 4096)
-GRID_1080P = (1, 78, 138)  # 1080x1920 resized to multiples of 28: 1092x1932 pixels, 14-pixel patches
+GRID_1080P = (
+    1,
+    78,
+    138,
+)  # 1080x1920 resized to multiples of 28: 1092x1932 pixels, 14-pixel patches
 IMAGE_COUNTS = (1, 8)
 
 
-def make_runner(model: Qwen2_5_VLModel, max_tokens: int, attention_backend: str = "flashinfer") -> ModelRunner:
-    num_pages = -(-max_tokens // PAGE_SIZE) + max(DECODE_BATCHES) + 2  # + last partial pages + scratch
+def make_runner(
+    model: Qwen2_5_VLModel, max_tokens: int, attention_backend: str = "flashinfer"
+) -> ModelRunner:
+    num_pages = (
+        -(-max_tokens // PAGE_SIZE) + max(DECODE_BATCHES) + 2
+    )  # + last partial pages + scratch
     runner = ModelRunner(model, KVCacheConfig(num_pages, PAGE_SIZE), attention_backend)
     runner.kv_pool.k_buffer.normal_()  # never time attention over zeros
     runner.kv_pool.v_buffer.normal_()
     return runner
 
 
-def prefill_rows(runner: ModelRunner, ceilings: Ceilings, lens: tuple[int, ...] = PREFILL_LENS) -> list[Row]:
+def prefill_rows(
+    runner: ModelRunner, ceilings: Ceilings, lens: tuple[int, ...] = PREFILL_LENS
+) -> list[Row]:
     config = runner.model.config
     rows = []
     for num_tokens in lens:
@@ -42,14 +52,21 @@ def prefill_rows(runner: ModelRunner, ceilings: Ceilings, lens: tuple[int, ...] 
         step = StepInput(request_id, ids, torch.arange(num_tokens).expand(3, -1), 0)
         iters = 2 if num_tokens > 16384 else 5
         try:
-            ms = time_ms(lambda step=step: runner.forward(ForwardMode.EXTEND, [step]), warmup=1, iters=iters)
+            ms = time_ms(
+                lambda step=step: runner.forward(ForwardMode.EXTEND, [step]), warmup=1, iters=iters
+            )
         finally:
             runner.page_table.release(request_id)
         flops = prefill_flops(config, num_tokens)
-        rows.append(Row(
-            "prefill", prefill_row_name(num_tokens), ms, flops / ceilings.matmul_flops_per_s * 1e3,
-            note=f"{flops / ms / 1e9:.0f} TFLOP/s",
-        ))
+        rows.append(
+            Row(
+                "prefill",
+                prefill_row_name(num_tokens),
+                ms,
+                flops / ceilings.matmul_flops_per_s * 1e3,
+                note=f"{flops / ms / 1e9:.0f} TFLOP/s",
+            )
+        )
     return rows
 
 
@@ -105,7 +122,10 @@ def fixed_plans(runner: ModelRunner, steps: list[StepInput], num_steps: int) -> 
 
 
 def decode_loop(
-    runner: ModelRunner, steps: list[StepInput], num_steps: int, batch: DecodeBatchRunner | None = None,
+    runner: ModelRunner,
+    steps: list[StepInput],
+    num_steps: int,
+    batch: DecodeBatchRunner | None = None,
     is_overlapped: bool = True,
 ) -> list[list[int]]:
     """A greedy decode loop as the decode service's rank runs it: its ``StepLoop`` over its batch
@@ -125,7 +145,11 @@ def decode_loop(
 
 
 def decode_loop_ms(
-    runner: ModelRunner, steps: list[StepInput], num_steps: int = 40, warmup: int = 5, is_overlapped: bool = True
+    runner: ModelRunner,
+    steps: list[StepInput],
+    num_steps: int = 40,
+    warmup: int = 5,
+    is_overlapped: bool = True,
 ) -> float:
     """Steady-state wall time per step of ``decode_loop``: every step of a ``num_steps`` loop
     (fill and drain included), host clock from the first call to the last token read."""
@@ -138,7 +162,9 @@ def decode_loop_ms(
     return (time.perf_counter() - start) * 1e3 / num_steps
 
 
-def _decode_row(runner: ModelRunner, ceilings: Ceilings, request_ids: list[str], context_len: int) -> Row:
+def _decode_row(
+    runner: ModelRunner, ceilings: Ceilings, request_ids: list[str], context_len: int
+) -> Row:
     batch_size = len(request_ids)
     steps = _decode_steps(request_ids, context_len)
     ms = decode_loop_ms(runner, steps)
@@ -149,12 +175,18 @@ def _decode_row(runner: ModelRunner, ceilings: Ceilings, request_ids: list[str],
         replay_ms = time_ms(lambda: graph.replay(batch_size), warmup=2, iters=20)
         note = f"graph replay alone {replay_ms:.3f} ms; "
     note += f"unpipelined step {sync_ms:.3f} ms; "
-    floor = decode_floor_bytes(runner.model, batch_size, context_len + 1) / ceilings.copy_bytes_per_s * 1e3
+    floor = (
+        decode_floor_bytes(runner.model, batch_size, context_len + 1)
+        / ceilings.copy_bytes_per_s
+        * 1e3
+    )
     note += f"{batch_size / ms * 1e3:.0f} tok/s"
     return Row("decode", decode_row_name(batch_size, context_len), ms, floor, note=note)
 
 
-def image_pixels(model: Qwen2_5_VLModel, num_images: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+def image_pixels(
+    model: Qwen2_5_VLModel, num_images: int
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Random pixel patches of ``num_images`` 1080p images, [patches, C*T*P*P] on the model's device."""
     v = model.config.vision
     grids = [GRID_1080P] * num_images
@@ -165,16 +197,28 @@ def image_pixels(model: Qwen2_5_VLModel, num_images: int) -> tuple[torch.Tensor,
     return pixels, grids
 
 
-def vit_rows(runner: ModelRunner, ceilings: Ceilings, counts: tuple[int, ...] = IMAGE_COUNTS) -> list[Row]:
+def vit_rows(
+    runner: ModelRunner, ceilings: Ceilings, counts: tuple[int, ...] = IMAGE_COUNTS
+) -> list[Row]:
     rows = []
     for num_images in counts:
         pixels, grids = image_pixels(runner.model, num_images)
-        ms = time_ms(lambda pixels=pixels, grids=grids: runner.encode_images(pixels, grids), warmup=2, iters=5)
+        ms = time_ms(
+            lambda pixels=pixels, grids=grids: runner.encode_images(pixels, grids),
+            warmup=2,
+            iters=5,
+        )
         flops = vit_flops(runner.model.config, grids)
         name = vit_row_name(num_images)
-        rows.append(Row(
-            "vit", name, ms, flops / ceilings.matmul_flops_per_s * 1e3, note=f"{flops / ms / 1e9:.0f} TFLOP/s"
-        ))
+        rows.append(
+            Row(
+                "vit",
+                name,
+                ms,
+                flops / ceilings.matmul_flops_per_s * 1e3,
+                note=f"{flops / ms / 1e9:.0f} TFLOP/s",
+            )
+        )
     return rows
 
 

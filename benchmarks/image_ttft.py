@@ -248,8 +248,14 @@ def _up_args(quick: bool, model_dir: Path, transfer_backend: str | None) -> list
     device = ["--device", "cpu"] if quick else GPU_UP
     transfer = ["--transfer-backend", transfer_backend] if transfer_backend else []
     return [
-        *device, *transfer, "--model", str(model_dir), "--num-pages", "1024",
-        "--ready-timeout-s", "1800",
+        *device,
+        *transfer,
+        "--model",
+        str(model_dir),
+        "--num-pages",
+        "1024",
+        "--ready-timeout-s",
+        "1800",
     ]
 
 

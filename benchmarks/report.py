@@ -31,7 +31,16 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-HEADER = ("row", "ours ms", "floor ms", "ours/floor", "floor/ours", "transformers ms", "transformers/ours", "note")
+HEADER = (
+    "row",
+    "ours ms",
+    "floor ms",
+    "ours/floor",
+    "floor/ours",
+    "transformers ms",
+    "transformers/ours",
+    "note",
+)
 
 
 def table_lines(rows: list[Row]) -> list[str]:
@@ -39,9 +48,14 @@ def table_lines(rows: list[Row]) -> list[str]:
     for r in rows:
         efficiency = 1 / r.ratio if r.ratio else None
         cells = (
-            f"{r.section}: {r.name}", _fmt(r.ms, ".3f"), _fmt(r.floor_ms, ".3f"), _fmt(r.ratio, ".2f"),
+            f"{r.section}: {r.name}",
+            _fmt(r.ms, ".3f"),
+            _fmt(r.floor_ms, ".3f"),
+            _fmt(r.ratio, ".2f"),
             _fmt(efficiency and 100 * efficiency, ".0f") + ("%" if efficiency else ""),
-            _fmt(r.hf_ms, ".3f"), _fmt(r.speedup, ".1f") + ("x" if r.speedup else ""), r.note,
+            _fmt(r.hf_ms, ".3f"),
+            _fmt(r.speedup, ".1f") + ("x" if r.speedup else ""),
+            r.note,
         )
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -49,10 +63,21 @@ def table_lines(rows: list[Row]) -> list[str]:
 
 def hardware() -> str:
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=30, check=True,
-        ).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown (nvidia-smi not available)"
     return f"{len(out)} x {out[0]}" + f"; {os.cpu_count()} CPU cores"
@@ -62,11 +87,18 @@ def git_commit() -> str:
     """HEAD's short hash, ``-dirty`` when tracked files differ from it (a copied working tree)."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.strip()
         changed = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -92,10 +124,16 @@ def write_section(path: Path, title: str, lines: list[str]) -> None:
 def provenance_lines(command: str) -> list[str]:
     """A section's first lines: hardware, the command that wrote it, commit and date."""
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return [f"- hardware: {hardware()}", f"- command: `{command}`", f"- commit: {git_commit()}; date: {date}"]
+    return [
+        f"- hardware: {hardware()}",
+        f"- command: `{command}`",
+        f"- commit: {git_commit()}; date: {date}",
+    ]
 
 
 def write_markdown(path: Path, rows: list[Row], header_lines: list[str], notes: list[str]) -> None:
     """Write (or replace) the engine section of ``path``; other sections of the file are kept."""
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    write_section(path, SECTION_TITLE, [*header_lines, f"- date: {date}", "", *table_lines(rows), "", *notes])
+    write_section(
+        path, SECTION_TITLE, [*header_lines, f"- date: {date}", "", *table_lines(rows), "", *notes]
+    )

@@ -76,41 +76,84 @@ class BenchConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stageserve bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI API root, ending in /v1")
-    p.add_argument("--model", default=None, help="default: the first model of GET {base-url}/models")
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI API root, ending in /v1"
+    )
+    p.add_argument(
+        "--model", default=None, help="default: the first model of GET {base-url}/models"
+    )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument(
-        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals, req/s (inf: all at once)"
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals, req/s (inf: all at once)",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)")
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)"
+    )
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=BACKENDS, default="openai-chat",
-                   help="openai-chat: /chat/completions; openai: /completions (no template, no images)")
-    p.add_argument("--tokenizer", type=Path, default=None,
-                   help="tokenizer.json (or a model directory) to count tokens; default: POST /tokenize")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="openai-chat",
+        help="openai-chat: /chat/completions; openai: /completions (no template, no images)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="tokenizer.json (or a model directory) to count tokens; default: POST /tokenize",
+    )
     p.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
     p.add_argument("--dataset-path", type=Path, default=None, help="a local ShareGPT JSON file")
-    p.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="max_tokens (default: the reply's tokens)")
-    p.add_argument("--sharegpt-context-len", type=int, default=None, help="skip longer prompt + reply pairs")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens, chat template not included")
-    p.add_argument("--input-len-range", default=None, metavar="A:B", help="uniform random prompt length")
+    p.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens (default: the reply's tokens)",
+    )
+    p.add_argument(
+        "--sharegpt-context-len", type=int, default=None, help="skip longer prompt + reply pairs"
+    )
+    p.add_argument(
+        "--input-len", type=int, default=256, help="prompt tokens, chat template not included"
+    )
+    p.add_argument(
+        "--input-len-range", default=None, metavar="A:B", help="uniform random prompt length"
+    )
     p.add_argument("--output-len", type=int, default=128, help="max_tokens")
-    p.add_argument("--output-len-range", default=None, metavar="A:B", help="uniform random max_tokens")
+    p.add_argument(
+        "--output-len-range", default=None, metavar="A:B", help="uniform random max_tokens"
+    )
     p.add_argument("--images-per-request", default="0", metavar="N|A:B", help="images per request")
-    p.add_argument("--image-size", default="640x480", metavar="WxH", help="or 4k, 1080p, 720p, 360p")
-    p.add_argument("--image-kind", choices=IMAGE_KINDS, default="noise", help="pixels (default: noise)")
-    p.add_argument("--image-format", choices=IMAGE_FORMATS, default="jpeg", help="jpeg (quality 90) or png")
-    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)")
+    p.add_argument(
+        "--image-size", default="640x480", metavar="WxH", help="or 4k, 1080p, 720p, 360p"
+    )
+    p.add_argument(
+        "--image-kind", choices=IMAGE_KINDS, default="noise", help="pixels (default: noise)"
+    )
+    p.add_argument(
+        "--image-format", choices=IMAGE_FORMATS, default="jpeg", help="jpeg (quality 90) or png"
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)"
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--max-duration-s", type=float, default=1800.0, help="the whole run stops after this")
+    p.add_argument(
+        "--max-duration-s", type=float, default=1800.0, help="the whole run stops after this"
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--slo-e2e-ms", type=float, default=None)
-    p.add_argument("--output-json", type=Path, default=None, help="config, per-request records and summary")
-    p.add_argument("--markdown", type=Path, default=None, help="append a markdown table to this file")
+    p.add_argument(
+        "--output-json", type=Path, default=None, help="config, per-request records and summary"
+    )
+    p.add_argument(
+        "--markdown", type=Path, default=None, help="append a markdown table to this file"
+    )
     return p
 
 
@@ -120,7 +163,9 @@ def _dataset(args: argparse.Namespace) -> DatasetSpec | None:
             raise ValueError("--dataset-path and --sharegpt-* need --dataset-name sharegpt")
         return None
     if args.dataset_path is None:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)")
+        raise ValueError(
+            "--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)"
+        )
     if args.input_len_range or args.output_len_range:
         raise ValueError("--input-len-range / --output-len-range apply to --dataset-name random")
     if (args.sharegpt_output_len or 1) < 1:
@@ -178,13 +223,17 @@ async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[st
         models = response.json().get("data") or []
         return models[0]["id"]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise EndpointError(f"cannot read the first model from GET {url} ({exc!r}); pass --model") from exc
+        raise EndpointError(
+            f"cannot read the first model from GET {url} ({exc!r}); pass --model"
+        ) from exc
 
 
 class _Run:
     """Sends the prepared requests on their schedule and collects the records."""
 
-    def __init__(self, cfg: BenchConfig, client: httpx.AsyncClient, headers: dict[str, str]) -> None:
+    def __init__(
+        self, cfg: BenchConfig, client: httpx.AsyncClient, headers: dict[str, str]
+    ) -> None:
         self.cfg = cfg
         self.client = client
         self.headers = headers
@@ -210,7 +259,9 @@ class _Run:
         """Records of every request sent (aborted ones included) and the run's duration."""
         offsets = arrival_offsets(len(specs), self.cfg.request_rate, self.cfg.seed)
         self.t0 = time.perf_counter()
-        tasks = {asyncio.create_task(self._one(s, o)): s for s, o in zip(specs, offsets, strict=True)}
+        tasks = {
+            asyncio.create_task(self._one(s, o)): s for s, o in zip(specs, offsets, strict=True)
+        }
         done, pending = await asyncio.wait(tasks, timeout=self.cfg.max_duration_s)
         duration_s = time.perf_counter() - self.t0
         for task in pending:
@@ -221,7 +272,11 @@ class _Run:
             spec = tasks[task]
             if spec.index in self.started:
                 records.append(
-                    replace(new_record(spec), outcome=Outcome.ABORTED, error="aborted at --max-duration-s")
+                    replace(
+                        new_record(spec),
+                        outcome=Outcome.ABORTED,
+                        error="aborted at --max-duration-s",
+                    )
                 )
         return sorted(records, key=lambda r: r.index), duration_s
 
@@ -231,13 +286,19 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[str, list[RequestRecord], flo
     headers = {"content-type": "application/json"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
-    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
+    limits = httpx.Limits(
+        max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency
+    )
     timeout = httpx.Timeout(cfg.request_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = cfg.model or await first_model(client, cfg.base_url, headers)
-        print(f"preparing {cfg.num_requests} requests for {model!r} at {cfg.base_url}", file=sys.stderr)
+        print(
+            f"preparing {cfg.num_requests} requests for {model!r} at {cfg.base_url}",
+            file=sys.stderr,
+        )
         counter: TokenCounter = (
-            LocalTokenCounter(cfg.tokenizer) if cfg.tokenizer
+            LocalTokenCounter(cfg.tokenizer)
+            if cfg.tokenizer
             else ServerTokenCounter(client, tokenize_url(cfg.base_url), model, headers)
         )
         specs = await make_requests(model, cfg.workload, cfg.num_requests, cfg.seed, counter)
@@ -275,12 +336,14 @@ def describe(cfg: BenchConfig, model: str) -> str:
     )
     w = cfg.workload
     prompts = (
-        f"sharegpt {w.dataset.path.name}" if w.dataset
+        f"sharegpt {w.dataset.path.name}"
+        if w.dataset
         else f"input {w.input_len} tokens, output {w.output_len}"
     )
     images = (
         f"images {w.num_images} of {w.image_size[0]}x{w.image_size[1]} {w.image_kind} {w.image_format}"
-        if w.num_images.high else "no images"
+        if w.num_images.high
+        else "no images"
     )
     eos = " (ignore_eos)" if w.ignore_eos else ""
     head = f"{model} @ {cfg.base_url} ({w.backend}): {cfg.num_requests} requests, {load}"

@@ -71,7 +71,9 @@ def new_record(spec: RequestSpec) -> RequestRecord:
 def per_token_itl(chunk_times: list[float], completion_tokens: int | None) -> list[float]:
     """Per-token inter-token latencies from content-chunk arrival times (method in the module doc)."""
     gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
-    num_later_tokens = (completion_tokens if completion_tokens is not None else len(chunk_times)) - 1
+    num_later_tokens = (
+        completion_tokens if completion_tokens is not None else len(chunk_times)
+    ) - 1
     if not gaps or num_later_tokens < len(gaps):
         return gaps
     base, extra = divmod(num_later_tokens, len(gaps))

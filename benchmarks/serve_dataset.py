@@ -68,7 +68,7 @@ async def sharegpt_prompts(
     out: list[PromptSpec] = []
     start = 0
     while start < len(pairs):  # counted in batches: a full ShareGPT file has ~90k conversations
-        batch = pairs[start:start + max(64, 2 * (num_requests - len(out)))]
+        batch = pairs[start : start + max(64, 2 * (num_requests - len(out)))]
         start += len(batch)
         prompt_lens = await counter.count([prompt for prompt, _ in batch])
         reply_lens = await counter.count([reply for _, reply in batch])
@@ -92,4 +92,6 @@ async def random_prompts(
 ) -> list[PromptSpec]:
     builder = await PromptBuilder.create(counter)
     prompts = await builder.prompts(input_lens, rng)
-    return [PromptSpec(text, count, n) for (text, count), n in zip(prompts, output_lens, strict=True)]
+    return [
+        PromptSpec(text, count, n) for (text, count), n in zip(prompts, output_lens, strict=True)
+    ]

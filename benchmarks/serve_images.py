@@ -39,7 +39,9 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def image_pixels(kind: str, width: int, height: int, seed: int) -> np.ndarray:  # [H, W, 3] uint8
     if kind == "noise":
-        pixels = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(seed).integers(
+            0, 256, size=(height, width, 3), dtype=np.uint8
+        )
     elif kind == "gradient":
         x, y = np.arange(width), np.arange(height)[:, None]
         pixels = np.empty((height, width, 3), np.uint8)
@@ -59,7 +61,9 @@ def image_pixels(kind: str, width: int, height: int, seed: int) -> np.ndarray:  
 def image_bytes(kind: str, fmt: str, width: int, height: int, seed: int) -> bytes:
     """The image file: JPEG at ``JPEG_QUALITY`` or PNG."""
     if fmt not in IMAGE_FORMATS:
-        raise ValueError(f"unknown image format {fmt!r}; expected one of {', '.join(IMAGE_FORMATS)}")
+        raise ValueError(
+            f"unknown image format {fmt!r}; expected one of {', '.join(IMAGE_FORMATS)}"
+        )
     buffer = io.BytesIO()
     image = Image.fromarray(image_pixels(kind, width, height, seed), "RGB")
     if fmt == "jpeg":

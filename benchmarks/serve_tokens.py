@@ -73,7 +73,9 @@ class LocalTokenCounter:
 class ServerTokenCounter:
     """``POST <url>`` with ``{"model", "prompt", "add_special_tokens": false}`` per text; reads ``count``."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str]) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str]
+    ) -> None:
         self._client = client
         self._url = url
         self._model = model
@@ -106,7 +108,9 @@ def tokenize_url(base_url: str) -> str:
 class PromptBuilder:
     """Random-word prompts of an exact token count (method in the module docstring)."""
 
-    def __init__(self, counter: TokenCounter, first_costs: list[int], later_costs: list[int]) -> None:
+    def __init__(
+        self, counter: TokenCounter, first_costs: list[int], later_costs: list[int]
+    ) -> None:
         self._counter = counter
         self._first = _WordChoices(first_costs)  # each word at the start of a prompt
         self._later = _WordChoices(later_costs)  # " word" (after a space)
@@ -117,12 +121,16 @@ class PromptBuilder:
         later = await counter.count([f" {word}" for word in WORDS])
         return cls(counter, first, later)
 
-    async def prompts(self, lengths: Sequence[int], rng: np.random.Generator) -> list[tuple[str, int]]:
+    async def prompts(
+        self, lengths: Sequence[int], rng: np.random.Generator
+    ) -> list[tuple[str, int]]:
         """One (text, counted tokens) per wanted length, deterministic in ``rng``."""
         drafts = [self._words(n, [], rng) for n in lengths]
         counts = await self._counter.count([" ".join(d) for d in drafts])
         for _ in range(MAX_FIX_ROUNDS):
-            wrong = [i for i, (count, n) in enumerate(zip(counts, lengths, strict=True)) if count != n]
+            wrong = [
+                i for i, (count, n) in enumerate(zip(counts, lengths, strict=True)) if count != n
+            ]
             if not wrong:
                 break
             for i in wrong:

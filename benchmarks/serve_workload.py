@@ -65,7 +65,9 @@ class RequestSpec:
     """One request, encoded before the run starts so encoding never sits inside a timing."""
 
     index: int
-    input_len: int  # prompt text tokens, counted with the model's tokenizer (chat template not included)
+    input_len: (
+        int  # prompt text tokens, counted with the model's tokenizer (chat template not included)
+    )
     output_len: int  # max_tokens
     num_images: int
     body: bytes  # the JSON body
@@ -75,10 +77,14 @@ def chat_body(
     model: str, prompt: str, image_urls: list[str], max_tokens: int, workload: WorkloadSpec
 ) -> dict:
     if image_urls:
-        content: str | list[dict] = [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+        content: str | list[dict] = [
+            {"type": "image_url", "image_url": {"url": u}} for u in image_urls
+        ]
         content.append({"type": "text", "text": prompt})
     else:
-        content = prompt  # plain string: accepted by every OpenAI-compatible server, even text-only ones
+        content = (
+            prompt  # plain string: accepted by every OpenAI-compatible server, even text-only ones
+        )
     body = {"model": model, "messages": [{"role": "user", "content": content}]}
     return _streamed(body, max_tokens, workload)
 
@@ -88,8 +94,12 @@ def completion_body(model: str, prompt: str, max_tokens: int, workload: Workload
 
 
 def _streamed(body: dict, max_tokens: int, workload: WorkloadSpec) -> dict:
-    body.update(max_tokens=max_tokens, temperature=workload.temperature, stream=True,
-                stream_options={"include_usage": True})
+    body.update(
+        max_tokens=max_tokens,
+        temperature=workload.temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     if workload.ignore_eos:
         body["ignore_eos"] = True  # extension accepted by vLLM, SGLang and stageserve
     return body
@@ -101,12 +111,16 @@ async def make_requests(
     """All requests of a run, deterministic in ``seed`` (and the tokenizer)."""
     rng = np.random.default_rng(seed)
     w = workload
-    lengths = [(w.input_len.sample(rng), w.output_len.sample(rng), w.num_images.sample(rng))
-               for _ in range(num_requests)]
+    lengths = [
+        (w.input_len.sample(rng), w.output_len.sample(rng), w.num_images.sample(rng))
+        for _ in range(num_requests)
+    ]
     if workload.dataset is not None:
         prompts = await sharegpt_prompts(workload.dataset, num_requests, seed, counter)
     else:
-        prompts = await random_prompts([n for n, _, _ in lengths], [m for _, m, _ in lengths], rng, counter)
+        prompts = await random_prompts(
+            [n for n, _, _ in lengths], [m for _, m, _ in lengths], rng, counter
+        )
     max_images = max(workload.num_images.high, 1)
     specs = []
     for index, (prompt, (_, _, num_images)) in enumerate(zip(prompts, lengths, strict=True)):
@@ -122,7 +136,10 @@ def _body(model: str, prompt: PromptSpec, image_seeds: list[int], workload: Work
         assert not image_seeds, "the openai (completions) backend sends no images"
         return completion_body(model, prompt.text, prompt.output_len, workload)
     width, height = workload.image_size
-    urls = [image_data_url(workload.image_kind, workload.image_format, width, height, s) for s in image_seeds]
+    urls = [
+        image_data_url(workload.image_kind, workload.image_format, width, height, s)
+        for s in image_seeds
+    ]
     return chat_body(model, prompt.text, urls, prompt.output_len, workload)
 
 

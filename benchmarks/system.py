@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         model = system.served_model() or model
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
         run_load(
-            Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99), 1
+            Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99),
+            1,
         )  # warm-up
         results = []
         for concurrency in levels:

@@ -27,7 +27,9 @@ from services.engine.attention import ForwardMode
 from services.engine.model_runner import ModelRunner, StepInput
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-PREPROCESSOR_FILE = "preprocessor_config.json"  # the config's: image sizes belong to the vision tower
+PREPROCESSOR_FILE = (
+    "preprocessor_config.json"  # the config's: image sizes belong to the vision tower
+)
 TOKEN_ID_FIELDS = (
     "vocab_size",
     "bos_token_id",

@@ -29,7 +29,15 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS_PATH = REPO_ROOT / "scripts" / "tiny_corpus.txt"
@@ -194,7 +202,9 @@ def build_tokenizer_files(out_dir: Path) -> None:
 def main(argv: list[str]) -> int:
     out_dir = Path(argv[1]) if len(argv) > 1 else DEFAULT_OUT_DIR
     build_tokenizer_files(out_dir)
-    vocab_size = Tokenizer.from_file(str(out_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    vocab_size = Tokenizer.from_file(str(out_dir / "tokenizer.json")).get_vocab_size(
+        with_added_tokens=True
+    )
     print(f"wrote tokenizer and processor files to {out_dir} (vocab size {vocab_size})")
     return 0
 

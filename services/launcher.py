@@ -61,7 +61,9 @@ def failure_lines(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
     and is left out.
     """
     try:
-        lines = [line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        lines = [
+            line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()
+        ]
     except FileNotFoundError:
         return []
     causes: list[str] = []
@@ -77,6 +79,8 @@ def failure_lines(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
     if causes:
         return list(dict.fromkeys(causes))[-3:]
     return lines[-num_lines:]
+
+
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
 METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
 MAX_PORT = 65535
@@ -100,17 +104,23 @@ class LaunchConfig:
     device: str = "cpu"
     # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
     encoder_device: str | None = None
-    encoder_ranks: int | None = None  # the vision encoder's rank processes (--ranks; None: its default, 1)
+    encoder_ranks: int | None = (
+        None  # the vision encoder's rank processes (--ranks; None: its default, 1)
+    )
     prefill_device: str | None = None
     decode_device: str | None = None
     dtype: str | None = None
     transfer_backend: str = "shm"
-    kv_transfer_backend: str | None = None  # prefill and decode's KV handoff; None: transfer_backend
+    kv_transfer_backend: str | None = (
+        None  # prefill and decode's KV handoff; None: transfer_backend
+    )
     attention_backend: str = "torch"
     num_pages: int = 16384  # per decode rank
     page_size: int = 16
     decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
-    router_workers: int = 1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
+    router_workers: int = (
+        1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
+    )
     # passed on only when set (None: the service's own default)
     stall_timeout_s: float | None = None  # router: per-hop progress bound
     max_concurrent_requests: int | None = None  # router: admission slots
@@ -141,8 +151,10 @@ class LaunchConfig:
             highest = MAX_PORT - len(METRICS_PORT_ORDER) + 1
             raise ValueError(f"--metrics-port-base must be in [1, {highest}], got {base}")
         if base <= self.http_port <= last:
-            raise ValueError(f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
-                             f"the HTTP port {self.http_port}")
+            raise ValueError(
+                f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
+                f"the HTTP port {self.http_port}"
+            )
 
 
 def default_router_workers(num_cpus: int | None = None) -> int:
@@ -222,7 +234,11 @@ def common_args(cfg: LaunchConfig, name: str) -> list[str]:
     device = decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
     args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device]
     args += ["--log-format", cfg.log_format]
-    return args + (["--dtype", cfg.dtype] if cfg.dtype else []) + optional_arg("--log-level", cfg.log_level)
+    return (
+        args
+        + (["--dtype", cfg.dtype] if cfg.dtype else [])
+        + optional_arg("--log-level", cfg.log_level)
+    )
 
 
 def first_ports(cfg: LaunchConfig, name: str) -> dict[str, int]:
@@ -244,7 +260,10 @@ class Launcher:
     """Starts, restarts and stops the children; ``children`` is in start order."""
 
     def __init__(
-        self, cfg: LaunchConfig, env: Mapping[str, str] | None = None, stop: threading.Event | None = None
+        self,
+        cfg: LaunchConfig,
+        env: Mapping[str, str] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.cfg = cfg
         # Children's environment (ours + a new internal token by default): secrets go here, not argv.
@@ -267,8 +286,12 @@ class Launcher:
     def _spawn(self, spec: ChildSpec, ports: Mapping[str, int]) -> Child:
         # Called from the main thread only: PR_SET_PDEATHSIG fires when the forking thread ends.
         cmd = [
-            sys.executable, "-m", spec.module,
-            *common_args(self.cfg, spec.service or spec.name), *port_args(ports), *spec.args,
+            sys.executable,
+            "-m",
+            spec.module,
+            *common_args(self.cfg, spec.service or spec.name),
+            *port_args(ports),
+            *spec.args,
         ]
         stderr = subprocess.DEVNULL
         if self.cfg.log_dir is not None:
@@ -276,8 +299,13 @@ class Launcher:
             stderr = open(self.cfg.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 (closed below)
         try:
             process = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                text=True, env=self.env, preexec_fn=_die_with_parent,
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                env=self.env,
+                preexec_fn=_die_with_parent,
             )
         finally:
             if stderr is not subprocess.DEVNULL:
@@ -320,7 +348,8 @@ class Launcher:
                 if not c.ready and c.process.poll() is not None:
                     raise UnavailableError(
                         f"{c.name} exited with code {c.process.returncode} before it was ready"
-                        + self.log_hint(c.name) + self.why(c.name)
+                        + self.log_hint(c.name)
+                        + self.why(c.name)
                     )
             if time.monotonic() > deadline:
                 late = [c.name for c in children if not c.ready]
@@ -334,26 +363,60 @@ class Launcher:
         kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
         pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
         max_len = optional_arg("--max-model-len", cfg.max_model_len)
-        tokenizer = self.start(ChildSpec("tokenizer", tuple(max_len), first_ports(cfg, "tokenizer")))
+        tokenizer = self.start(
+            ChildSpec("tokenizer", tuple(max_len), first_ports(cfg, "tokenizer"))
+        )
         encoder_args = (*transfer, *optional_arg("--ranks", cfg.encoder_ranks))
-        encoder = self.start(ChildSpec("vision_encoder", encoder_args, first_ports(cfg, "vision_encoder")))
-        decode = self.start(ChildSpec("decode", (
-            *transfer, *kv, "--num-pages", str(cfg.num_pages), *pages, *max_len, *self.decode_rank_args(),
-            *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
-        ), first_ports(cfg, "decode")))
+        encoder = self.start(
+            ChildSpec("vision_encoder", encoder_args, first_ports(cfg, "vision_encoder"))
+        )
+        decode = self.start(
+            ChildSpec(
+                "decode",
+                (
+                    *transfer,
+                    *kv,
+                    "--num-pages",
+                    str(cfg.num_pages),
+                    *pages,
+                    *max_len,
+                    *self.decode_rank_args(),
+                    *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
+                ),
+                first_ports(cfg, "decode"),
+            )
+        )
         self.wait_ready([tokenizer, encoder, decode])
-        prefill = self.start(ChildSpec("prefill", (
-            *transfer, *kv, *pages, "--encoder-address", encoder.address,
-            *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
-            "--ranks", str(cfg.prefill_cp),
-            *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
-            *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
-        ), first_ports(cfg, "prefill")))
+        prefill = self.start(
+            ChildSpec(
+                "prefill",
+                (
+                    *transfer,
+                    *kv,
+                    *pages,
+                    "--encoder-address",
+                    encoder.address,
+                    *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
+                    "--ranks",
+                    str(cfg.prefill_cp),
+                    *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
+                    *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
+                ),
+                first_ports(cfg, "prefill"),
+            )
+        )
         self.wait_ready([prefill])
         router_args = (
-            "--http-host", cfg.host,
-            "--tokenizer-address", tokenizer.address, "--prefill-address", prefill.address,
-            "--decode-address", decode.address, "--encoder-address", encoder.address,
+            "--http-host",
+            cfg.host,
+            "--tokenizer-address",
+            tokenizer.address,
+            "--prefill-address",
+            prefill.address,
+            "--decode-address",
+            decode.address,
+            "--encoder-address",
+            encoder.address,
             *optional_arg("--served-model-name", cfg.served_model_name),
             *optional_arg("--max-context-len", cfg.max_model_len),
             *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
@@ -362,15 +425,24 @@ class Launcher:
             *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
             *(("--http-reuse-port",) if cfg.router_workers > 1 else ()),
         )
-        router = self.start(ChildSpec(
-            "router", router_args, {**first_ports(cfg, "router"), "http_port": cfg.http_port},
-        ))
+        router = self.start(
+            ChildSpec(
+                "router",
+                router_args,
+                {**first_ports(cfg, "router"), "http_port": cfg.http_port},
+            )
+        )
         self.wait_ready([router])
         http_port = int(router.ready["http_port"])  # the others share it (SO_REUSEPORT)
         others = [
-            self.start(ChildSpec(
-                f"router-{i + 1}", router_args, {"port": 0, "metrics_port": 0, "http_port": http_port}, "router"
-            ))
+            self.start(
+                ChildSpec(
+                    f"router-{i + 1}",
+                    router_args,
+                    {"port": 0, "metrics_port": 0, "http_port": http_port},
+                    "router",
+                )
+            )
             for i in range(1, cfg.router_workers)
         ]
         self.wait_ready(others)
@@ -450,7 +522,9 @@ class Supervisor:
         self._clock = clock
         self._out = out
         now = clock()
-        self._watches = {c.name: _Watch(self._policy.initial_backoff_s, now) for c in launcher.children}
+        self._watches = {
+            c.name: _Watch(self._policy.initial_backoff_s, now) for c in launcher.children
+        }
 
     def _say(self, line: str) -> None:
         print(line, file=self._out if self._out is not None else sys.stderr, flush=True)
@@ -466,7 +540,9 @@ class Supervisor:
         if watch.state is WatchState.RUNNING:
             if code is not None:
                 up_s = now - watch.since
-                self._schedule(child.name, watch, now, f"exited with code {code}", up_s=up_s, code=code)
+                self._schedule(
+                    child.name, watch, now, f"exited with code {code}", up_s=up_s, code=code
+                )
         elif watch.state is WatchState.WAITING:
             if now >= watch.restart_at:
                 self._launcher.restart(child)
@@ -476,11 +552,15 @@ class Supervisor:
             self._launcher.write_state()
             self._say(f"{child.name} is ready again (pid {child.process.pid})")
         elif code is not None:
-            self._schedule(child.name, watch, now, f"exited with code {code} before it was ready", code=code)
+            self._schedule(
+                child.name, watch, now, f"exited with code {code} before it was ready", code=code
+            )
         elif now - watch.since > self._launcher.cfg.ready_timeout_s:
             self._launcher.kill(child)
             timeout_s = self._launcher.cfg.ready_timeout_s
-            self._schedule(child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)")
+            self._schedule(
+                child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)"
+            )
 
     def _schedule(
         self, name: str, watch: _Watch, now: float, what: str, up_s: float = 0.0, code: int = 0
@@ -493,7 +573,9 @@ class Supervisor:
         watch.num_restarts += 1
         watch.state, watch.restart_at, watch.since = WatchState.WAITING, now + delay_s, now
         why = self._launcher.log_hint(name) + self._launcher.why(name) if code > 0 else ""
-        self._say(f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts}){why}")
+        self._say(
+            f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts}){why}"
+        )
 
 
 def ready_table(host: str, children: list[Child]) -> list[str]:

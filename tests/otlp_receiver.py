@@ -54,21 +54,30 @@ class OtlpReceiver:
     """Collects spans; ``start_grpc`` / ``start_http`` return the endpoint to export to."""
 
     spans: list[ReceivedSpan] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)  # one per export call, lower-case keys
+    headers: list[dict[str, str]] = field(
+        default_factory=list
+    )  # one per export call, lower-case keys
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: Callable[[], None] | None = None
 
-    def add(self, request: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
+    def add(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]
+    ) -> None:
         received = []
         for resource_spans in request.resource_spans:
             resource = _attributes(resource_spans.resource.attributes)
             for scope_spans in resource_spans.scope_spans:
                 received.extend(
                     ReceivedSpan(
-                        service=str(resource.get("service.name", "")), resource=resource, name=span.name,
-                        trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(), status_code=span.status.code,
-                        status_message=span.status.message, attributes=_attributes(span.attributes),
+                        service=str(resource.get("service.name", "")),
+                        resource=resource,
+                        name=span.name,
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        status_code=span.status.code,
+                        status_message=span.status.message,
+                        attributes=_attributes(span.attributes),
                         event_names=tuple(event.name for event in span.events),
                     )
                     for span in scope_spans.spans
@@ -77,7 +86,9 @@ class OtlpReceiver:
             self.spans.extend(received)
             self.headers.append(headers)
 
-    def wait_for(self, predicate: Callable[[list[ReceivedSpan]], bool], timeout_s: float) -> list[ReceivedSpan]:
+    def wait_for(
+        self, predicate: Callable[[list[ReceivedSpan]], bool], timeout_s: float
+    ) -> list[ReceivedSpan]:
         """The spans received so far, once ``predicate`` holds on them (AssertionError after ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -19,21 +19,39 @@ def test_prefill_gets_its_ranks_and_cp_flags(monkeypatch) -> None:
     cfg = LaunchConfig(Path("m"), prefill_cp=3, prefill_cp_block_tokens=32, prefill_cp_min_tokens=1)
     args = service_args(cfg, monkeypatch)["prefill"]
     assert args[args.index("--ranks") + 1] == "3"
-    assert args[args.index("--cp-block-tokens") + 1] == "32" and args[args.index("--cp-min-tokens") + 1] == "1"
+    assert (
+        args[args.index("--cp-block-tokens") + 1] == "32"
+        and args[args.index("--cp-min-tokens") + 1] == "1"
+    )
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--prefill-cp", "3", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"],
-         "--prefill-cp 3 needs 3 GPUs; this host has 0"),
-        (["--prefill-cp", "2", "--prefill-device", "cuda:1", "--kv-transfer-backend", "cuda_ipc"],
-         "--prefill-cp 2 with device cuda:1: name each rank's GPU"),
-        (["--prefill-cp", "2", "--prefill-cp-block-tokens", "20"],
-         "--cp-block-tokens 20 must be 1 or a positive multiple of --page-size 16"),
+        (
+            ["--prefill-cp", "3", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"],
+            "--prefill-cp 3 needs 3 GPUs; this host has 0",
+        ),
+        (
+            [
+                "--prefill-cp",
+                "2",
+                "--prefill-device",
+                "cuda:1",
+                "--kv-transfer-backend",
+                "cuda_ipc",
+            ],
+            "--prefill-cp 2 with device cuda:1: name each rank's GPU",
+        ),
+        (
+            ["--prefill-cp", "2", "--prefill-cp-block-tokens", "20"],
+            "--cp-block-tokens 20 must be 1 or a positive multiple of --page-size 16",
+        ),
     ],
 )
-def test_a_prefill_cp_prefill_cannot_run_is_refused_before_starting_anything(argv, message, capsys) -> None:
+def test_a_prefill_cp_prefill_cannot_run_is_refused_before_starting_anything(
+    argv, message, capsys
+) -> None:
     assert main(["up", *argv]) == 2
     assert message in capsys.readouterr().err
 

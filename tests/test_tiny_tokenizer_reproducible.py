@@ -32,7 +32,9 @@ def test_build_in_process_matches_committed(tmp_path, name):
 
 def test_build_as_script_with_many_threads_matches_committed(tmp_path):
     env = {"RAYON_NUM_THREADS": "4", "PATH": "/usr/bin:/bin"}
-    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], check=True, env=env, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], check=True, env=env, capture_output=True
+    )
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (TINY_DIR / name).read_bytes(), name
 

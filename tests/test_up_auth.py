@@ -30,7 +30,9 @@ def test_every_child_gets_the_same_token_through_its_environment(monkeypatch) ->
     assert [env["STAGESERVE_INTERNAL_TOKEN"] for _, env in popens] == [token, token]
     assert all(token not in " ".join(cmd) for cmd, _ in popens)
     assert popens[0][1]["PATH"] == os.environ["PATH"]  # the rest of our environment is kept
-    assert Launcher(LaunchConfig(Path("m"))).env["STAGESERVE_INTERNAL_TOKEN"] != token  # fresh per launcher
+    assert (
+        Launcher(LaunchConfig(Path("m"))).env["STAGESERVE_INTERNAL_TOKEN"] != token
+    )  # fresh per launcher
 
 
 def test_up_passes_the_api_key_and_keeps_an_existing_token(monkeypatch) -> None:

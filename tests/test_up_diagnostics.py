@@ -23,7 +23,10 @@ BOUND_S = 120  # "at once" is seconds; this only bounds a hang
 def run_up(*args: str, timeout_s: float = BOUND_S) -> tuple[int, str, float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", *args], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-m", "services.cli", "up", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=timeout_s,
     )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
@@ -40,13 +43,21 @@ def test_a_taken_http_port_is_named_before_anything_starts(capsys) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["up", "--port", str(port)]) == 2
-    assert f"cannot bind the HTTP port 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    assert (
+        f"cannot bind the HTTP port 127.0.0.1:{port}: Address already in use"
+        in capsys.readouterr().err
+    )
 
 
-@pytest.mark.parametrize(("flag", "value", "rule"), [
-    ("--num-pages", "0", "must be >= 1"), ("--port", "70000", "must be a port in [0, 65535]"),
-    ("--stall-timeout-s", "0", "must be > 0"), ("--queue-timeout-s", "-1", "must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "rule"),
+    [
+        ("--num-pages", "0", "must be >= 1"),
+        ("--port", "70000", "must be a port in [0, 65535]"),
+        ("--stall-timeout-s", "0", "must be > 0"),
+        ("--queue-timeout-s", "-1", "must be >= 0"),
+    ],
+)
 def test_an_out_of_range_flag_is_refused_by_name(capsys, flag, value, rule) -> None:
     with pytest.raises(SystemExit) as info:
         main(["up", flag, value])
@@ -58,10 +69,10 @@ def test_the_cause_is_taken_from_the_first_error_not_the_shutdown_noise(tmp_path
     log = tmp_path / "decode.log"
     log.write_text(
         "2026-12-01 INFO services.decode: loading\n"
-        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
         "ValueError: unsupported dtype 'float7'\n"
         "Exception ignored in: <function Server.__del__>\nTraceback (most recent call last):\n"
-        "  File \"y.py\", line 2\nRuntimeError: Event loop is closed\n"
+        '  File "y.py", line 2\nRuntimeError: Event loop is closed\n'
     )
     assert failure_lines(log)[0] == "ValueError: unsupported dtype 'float7'"
     quiet = tmp_path / "quiet.log"
@@ -86,7 +97,11 @@ def test_a_child_that_fails_prints_the_cause_from_its_log(tmp_path: Path) -> Non
 def test_ctrl_c_while_starting_stops_cleanly(tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", "0", "--log-dir", str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         assert process.stdout is not None
@@ -120,4 +135,7 @@ def test_serve_passes_help_to_the_service(capsys) -> None:
 
 def test_the_in_process_backend_is_refused_by_up(capsys) -> None:
     assert main(["up", "--port", "0", "--transfer-backend", "inprocess"]) == 2
-    assert "up runs every service as its own process: use shm (one host) or mooncake" in capsys.readouterr().err
+    assert (
+        "up runs every service as its own process: use shm (one host) or mooncake"
+        in capsys.readouterr().err
+    )

@@ -101,8 +101,10 @@ def internal_credentials(
     if not token:
         if not allow_unauthenticated:
             raise AuthConfigError(NO_TOKEN_MESSAGE)
-        logger.warning("internal gRPC authentication is OFF (--allow-unauthenticated): "
-                       "any caller that reaches this process's ports is trusted")
+        logger.warning(
+            "internal gRPC authentication is OFF (--allow-unauthenticated): "
+            "any caller that reaches this process's ports is trusted"
+        )
         return None
     try:
         credentials = Credentials(token)

@@ -155,4 +155,6 @@ async def wait_ready(
         poll_interval_s = min(poll_interval_s * 2, 0.5)
     if last_status is None:
         raise UnavailableError(f"peer unreachable for {timeout_s:.1f} s ({last_error})")
-    raise DeadlineExceededError(f"peer not ready after {timeout_s:.1f} s (health status {last_status})")
+    raise DeadlineExceededError(
+        f"peer not ready after {timeout_s:.1f} s (health status {last_status})"
+    )

@@ -54,7 +54,9 @@ class OverloadedError(CapacityError):
     http_status = 429
     openai_type = "rate_limit_exceeded"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, param: str | None = None
+    ) -> None:
         super().__init__(message, param=param)
         self.retry_after_s = retry_after_s
 

@@ -49,7 +49,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 def status_code_of(error: StageServeError) -> grpc.StatusCode:
     """The gRPC status code an error maps to (its class's ``grpc_code``)."""
     code = getattr(grpc.StatusCode, error.grpc_code, None)
-    assert isinstance(code, grpc.StatusCode), f"{type(error).__name__}.grpc_code={error.grpc_code!r}"
+    assert isinstance(code, grpc.StatusCode), (
+        f"{type(error).__name__}.grpc_code={error.grpc_code!r}"
+    )
     return code
 
 
@@ -92,7 +94,9 @@ def error_from_rpc(rpc_error: grpc.RpcError, service: str = "") -> StageServeErr
     """
     code = rpc_error.code()
     trailing = rpc_error.trailing_metadata()
-    if code == grpc.StatusCode.UNAUTHENTICATED:  # our own credentials: a deployment error, not the caller's
+    if (
+        code == grpc.StatusCode.UNAUTHENTICATED
+    ):  # our own credentials: a deployment error, not the caller's
         name = f"the {service} service" if service else "a backend service"
         error = errors.CredentialsRefusedError(
             f"{name} refused this service's internal credentials (check STAGESERVE_INTERNAL_TOKEN)"
@@ -122,7 +126,9 @@ def _generic_message(code: grpc.StatusCode | None, service: str) -> str:
     return f"the call to {name} failed ({getattr(code, 'name', 'unknown status')})"
 
 
-async def _abort_unexpected(context: grpc.aio.ServicerContext, name: str, exc: Exception) -> NoReturn:
+async def _abort_unexpected(
+    context: grpc.aio.ServicerContext, name: str, exc: Exception
+) -> NoReturn:
     logger.exception("unexpected error in %s", name)
     error = StageServeError(f"internal error in {name} (the service log has the details)")
     await context.abort(grpc.StatusCode.INTERNAL, error.message, error_metadata(error))

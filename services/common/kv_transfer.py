@@ -58,7 +58,9 @@ def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, dev
     one only with a build that moves GPU memory (the KV pool lives there); ``ValueError`` otherwise."""
     name = resolve_kv_backend(kv_transfer_backend, transfer_backend)
     if name == "cuda_ipc" and not device.startswith("cuda"):
-        raise ValueError(f"the cuda_ipc KV transfer backend needs a CUDA device (--device cuda), got {device!r}")
+        raise ValueError(
+            f"the cuda_ipc KV transfer backend needs a CUDA device (--device cuda), got {device!r}"
+        )
     if name == "shm" and device.startswith("cuda"):
         raise ValueError(
             f"the shm KV transfer backend moves host memory and the KV pool is on {device!r}: use "
@@ -90,7 +92,9 @@ def check_embedding_backend(transfer_backend: str, devices: Sequence[str]) -> st
     return transfer_backend
 
 
-def default_embedding_backend(kv_backend: str | None, encoder_device: str, prefill_device: str) -> str:
+def default_embedding_backend(
+    kv_backend: str | None, encoder_device: str, prefill_device: str
+) -> str:
     """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: cuda_ipc when the
     KV handoff is cuda_ipc and the encoder and prefill both run on CUDA, shm otherwise."""
     on_gpus = encoder_device.startswith("cuda") and prefill_device.startswith("cuda")

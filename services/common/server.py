@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 REQUEST_ID_KEY = "x-request-id"
 # The request id of the RPC being handled (set by the interceptor); clients forward it.
-current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("current_request_id", default="")
+current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "current_request_id", default=""
+)
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     # Tokenize/Prefill/Encode requests and Tokenize responses carry compressed image
@@ -64,7 +66,8 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 LIVENESS_SERVICE = "liveness"  # the health service name liveness probes ask for
 # RpcMetrics in the Prometheus form, one set per process (every server of the process adds to it).
 _RPC_HANDLED = telemetry.counter(
-    "grpc_server_handled", "RPCs this process's gRPC servers completed, by method and status code.",
+    "grpc_server_handled",
+    "RPCs this process's gRPC servers completed, by method and status code.",
     ("grpc_service", "grpc_method", "grpc_code"),
 )
 _RPC_SECONDS = telemetry.histogram(
@@ -73,7 +76,9 @@ _RPC_SECONDS = telemetry.histogram(
     ("grpc_service", "grpc_method"),
 )
 
-Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any]  # (add_XServicer_to_server, servicer)
+Registration = tuple[
+    Callable[[Any, grpc.aio.Server], None], Any
+]  # (add_XServicer_to_server, servicer)
 _HEALTH = health_pb2.HealthCheckResponse
 
 
@@ -133,7 +138,9 @@ class HealthState(health_pb2_grpc.HealthServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return _HEALTH(status=self.status(request.service))
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> AsyncIterator[_HEALTH]:
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: Any
+    ) -> AsyncIterator[_HEALTH]:
         last_status = None
         while True:
             changed = self._changed  # taken before reading the status, so no change is missed
@@ -174,7 +181,9 @@ class RpcMetrics:
         return {key: RpcStats(s.num_calls, s.total_s, s.max_s) for key, s in self._stats.items()}
 
     def num_calls(self, method: str, code: str | None = None) -> int:
-        return sum(s.num_calls for (m, c), s in self._stats.items() if m == method and code in (None, c))
+        return sum(
+            s.num_calls for (m, c), s in self._stats.items() if m == method and code in (None, c)
+        )
 
 
 def _metadata_value(metadata: Any, key: str) -> str | None:
@@ -206,10 +215,14 @@ class TelemetryInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        request_id = _metadata_value(details.invocation_metadata, REQUEST_ID_KEY) or uuid.uuid4().hex
+        request_id = (
+            _metadata_value(details.invocation_metadata, REQUEST_ID_KEY) or uuid.uuid4().hex
+        )
         caller = telemetry.extract_context(details.invocation_metadata)
         kind = next(
-            k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k)
+            k
+            for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+            if getattr(handler, k)
         )
         behavior = getattr(handler, kind)
         if inspect.isasyncgenfunction(behavior):

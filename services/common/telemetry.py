@@ -45,27 +45,109 @@ from services.common.errors import StageServeError
 
 # Stage latencies (one RPC, one batch): up to the request timeout (300 s by default).
 LATENCY_BUCKETS_S = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
 )
 # vLLM's ladders, cut at the largest value a service can observe (see ``buckets_up_to``).
 REQUEST_LATENCY_LADDER_S = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 TTFT_LADDER_S = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 TOKEN_LATENCY_LADDER_S = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
-    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 TRACES_EXPORTERS = ("otlp", "console", "none")
 SAMPLERS = (
-    "always_on", "always_off", "traceidratio",
-    "parentbased_always_on", "parentbased_always_off", "parentbased_traceidratio",
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
 )
 _RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
 _initialized = False
@@ -94,8 +176,10 @@ def tracing_plan(envs: Envs) -> TracingPlan:
     names = [name.strip() for name in envs.traces_exporter.split(",") if name.strip()]
     for name in names:
         if name not in TRACES_EXPORTERS:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} "
-                             f"(supported: {', '.join(TRACES_EXPORTERS)})")
+            raise ValueError(
+                f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} "
+                f"(supported: {', '.join(TRACES_EXPORTERS)})"
+            )
     if not envs.traces_exporter and (envs.otlp_endpoint or envs.otlp_traces_endpoint):
         names = ["otlp"]
     exporters = [name for name in names if name != "none"]
@@ -103,10 +187,14 @@ def tracing_plan(envs: Envs) -> TracingPlan:
         exporters.append("console")
     protocol = envs.otlp_protocol or "grpc"
     if protocol not in OTLP_PROTOCOLS:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: "
-                         f"{protocol!r} is not supported (supported: {', '.join(OTLP_PROTOCOLS)})")
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: "
+            f"{protocol!r} is not supported (supported: {', '.join(OTLP_PROTOCOLS)})"
+        )
     _check_sampler(envs)
-    return TracingPlan(is_disabled=False, exporters=tuple(dict.fromkeys(exporters)), protocol=protocol)
+    return TracingPlan(
+        is_disabled=False, exporters=tuple(dict.fromkeys(exporters)), protocol=protocol
+    )
 
 
 def _check_sampler(envs: Envs) -> None:
@@ -114,8 +202,10 @@ def _check_sampler(envs: Envs) -> None:
     stageserve refuses to start instead."""
     sampler = envs.traces_sampler or "parentbased_always_on"
     if sampler not in SAMPLERS:
-        raise ValueError(f"OTEL_TRACES_SAMPLER: unsupported sampler {sampler!r} "
-                         f"(supported: {', '.join(SAMPLERS)})")
+        raise ValueError(
+            f"OTEL_TRACES_SAMPLER: unsupported sampler {sampler!r} "
+            f"(supported: {', '.join(SAMPLERS)})"
+        )
     if not envs.traces_sampler_arg:
         return
     if sampler not in _RATIO_SAMPLERS:
@@ -144,7 +234,9 @@ def init_tracing(service_name: str, envs: Envs) -> None:
     _initialized = True
     if plan.is_disabled:
         return
-    provider = TracerProvider(resource=service_resource(service_name))  # sampler: OTEL_TRACES_SAMPLER
+    provider = TracerProvider(
+        resource=service_resource(service_name)
+    )  # sampler: OTEL_TRACES_SAMPLER
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -169,8 +261,10 @@ def span_exporters(plan: TracingPlan) -> Iterator[SpanExporter]:
             else:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
-            raise ValueError(f"the OTLP exporter for {plan.protocol} is not importable ({exc}); "
-                             "reinstall stageserve, which depends on it") from exc
+            raise ValueError(
+                f"the OTLP exporter for {plan.protocol} is not importable ({exc}); "
+                "reinstall stageserve, which depends on it"
+            ) from exc
         yield OTLPSpanExporter()
     if "console" in plan.exporters:
         yield ConsoleSpanExporter()
@@ -199,8 +293,11 @@ def rpc_span(
     """The span of one RPC's handling: a child of the caller's context in ``metadata``, current
     while the block runs; an exception leaving the block marks it (``mark_error``)."""
     with tracer.start_as_current_span(
-        name, context=extract_context(metadata), attributes=attributes,
-        record_exception=False, set_status_on_exception=False,
+        name,
+        context=extract_context(metadata),
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
     ) as span:
         try:
             yield span
@@ -222,19 +319,28 @@ def extract_context(metadata: Iterable[tuple[str, str | bytes]] | None) -> Conte
     return propagate.extract(carrier)
 
 
-def counter(name: str, doc: str, labels: Sequence[str] = (), registry: CollectorRegistry = REGISTRY) -> Counter:
+def counter(
+    name: str, doc: str, labels: Sequence[str] = (), registry: CollectorRegistry = REGISTRY
+) -> Counter:
     return Counter(f"stageserve_{name}", doc, labelnames=labels, registry=registry)
 
 
-def gauge(name: str, doc: str, labels: Sequence[str] = (), registry: CollectorRegistry = REGISTRY) -> Gauge:
+def gauge(
+    name: str, doc: str, labels: Sequence[str] = (), registry: CollectorRegistry = REGISTRY
+) -> Gauge:
     return Gauge(f"stageserve_{name}", doc, labelnames=labels, registry=registry)
 
 
 def histogram(
-    name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS_S,
+    name: str,
+    doc: str,
+    labels: Sequence[str] = (),
+    buckets: Sequence[float] = LATENCY_BUCKETS_S,
     registry: CollectorRegistry = REGISTRY,
 ) -> Histogram:
-    return Histogram(f"stageserve_{name}", doc, labelnames=labels, buckets=buckets, registry=registry)
+    return Histogram(
+        f"stageserve_{name}", doc, labelnames=labels, buckets=buckets, registry=registry
+    )
 
 
 def buckets_up_to(ladder: Sequence[float], max_value: float) -> tuple[float, ...]:

@@ -31,7 +31,9 @@ class DecodeConfig(ServiceConfig):
     sweep_interval_s: float = 0.5
     reservation_timeout_s: float = 60.0  # a Reserve without a deadline expires after this
     max_reservation_s: float = 300.0  # no reservation outlives this, whatever its Reserve asks
-    kv_quarantine_s: float = 35.0  # pages of a reservation that failed before its KV was ready rest this long
+    kv_quarantine_s: float = (
+        35.0  # pages of a reservation that failed before its KV was ready rest this long
+    )
 
     @property
     def rank_devices(self) -> tuple[str, ...]:
@@ -46,37 +48,79 @@ class DecodeConfig(ServiceConfig):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.decode", description="The stageserve decode service.")
+    p = argparse.ArgumentParser(
+        prog="python -m services.decode", description="The stageserve decode service."
+    )
     add_common_args(p)
-    p.add_argument("--ranks", type=int, default=1,
-                   help="data-parallel decode ranks, each its own process with its own KV pool and "
-                        "running batch, all on --device")
-    p.add_argument("--devices", type=_devices, default=(),
-                   help="one DP rank per device, comma-separated (cuda:0,cuda:1); overrides --ranks")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel decode ranks, each its own process with its own KV pool and "
+        "running batch, all on --device",
+    )
+    p.add_argument(
+        "--devices",
+        type=_devices,
+        default=(),
+        help="one DP rank per device, comma-separated (cuda:0,cuda:1); overrides --ranks",
+    )
     p.add_argument("--num-pages", type=int, default=2048, help="KV pages in the pool of each rank")
     p.add_argument("--page-size", type=int, default=16, help="token slots per KV page")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit, prompt + generated tokens (default: max_position_embeddings)")
-    p.add_argument("--max-running-requests", type=int, default=256, help="largest decode batch of each rank")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context limit, prompt + generated tokens (default: max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-running-requests", type=int, default=256, help="largest decode batch of each rank"
+    )
     p.add_argument("--attention-backend", default="torch", help="torch | flashinfer")
-    p.add_argument("--transfer-backend", default="mooncake",
-                   help="transfer backend: mooncake | inprocess; the KV one unless --kv-transfer-backend")
+    p.add_argument(
+        "--transfer-backend",
+        default="mooncake",
+        help="transfer backend: mooncake | inprocess; the KV one unless --kv-transfer-backend",
+    )
     p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
-    p.add_argument("--transfer-host", default=None,
-                   help="hostname the transfer engine advertises to prefill (default: --host)")
-    p.add_argument("--watchdog-s", type=float, default=30.0,
-                   help="a rank whose step takes longer is declared dead: its requests fail and it restarts")
-    p.add_argument("--sweep-interval-s", type=float, default=0.5,
-                   help="how often expired reservations are released")
-    p.add_argument("--reservation-timeout-s", type=float, default=60.0,
-                   help="lifetime of a reservation whose request carries no deadline")
-    p.add_argument("--max-reservation-s", type=float, default=300.0,
-                   help="longest a reservation lives before Generate, whatever deadline its "
-                        "Reserve asks (keep it at or above the router's --request-timeout-s)")
-    p.add_argument("--kv-quarantine-s", type=float, default=35.0,
-                   help="how long the pages of a reservation aborted or expired before its KV was ready "
-                        "wait before reuse, since an abandoned transfer may still write them; keep it above "
-                        "Mooncake's MC_TRANSFER_TIMEOUT (default 30); 0 frees them at once")
+    p.add_argument(
+        "--transfer-host",
+        default=None,
+        help="hostname the transfer engine advertises to prefill (default: --host)",
+    )
+    p.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=30.0,
+        help="a rank whose step takes longer is declared dead: its requests fail and it restarts",
+    )
+    p.add_argument(
+        "--sweep-interval-s",
+        type=float,
+        default=0.5,
+        help="how often expired reservations are released",
+    )
+    p.add_argument(
+        "--reservation-timeout-s",
+        type=float,
+        default=60.0,
+        help="lifetime of a reservation whose request carries no deadline",
+    )
+    p.add_argument(
+        "--max-reservation-s",
+        type=float,
+        default=300.0,
+        help="longest a reservation lives before Generate, whatever deadline its "
+        "Reserve asks (keep it at or above the router's --request-timeout-s)",
+    )
+    p.add_argument(
+        "--kv-quarantine-s",
+        type=float,
+        default=35.0,
+        help="how long the pages of a reservation aborted or expired before its KV was ready "
+        "wait before reuse, since an abandoned transfer may still write them; keep it above "
+        "Mooncake's MC_TRANSFER_TIMEOUT (default 30); 0 frees them at once",
+    )
     return p
 
 
@@ -97,11 +141,21 @@ def parse_config(argv: list[str] | None = None) -> DecodeConfig:
 
 def _check(config: DecodeConfig) -> None:
     if config.devices and config.ranks not in (1, len(config.devices)):
-        raise SystemExit(f"--ranks {config.ranks} disagrees with --devices ({len(config.devices)} devices)")
+        raise SystemExit(
+            f"--ranks {config.ranks} disagrees with --devices ({len(config.devices)} devices)"
+        )
     if not config.devices and not _DEVICE.match(config.device):
         raise SystemExit(f"--device must be cpu, cuda or cuda:N, got {config.device!r}")
-    positives = ("ranks", "num_pages", "page_size", "max_running_requests", "watchdog_s", "sweep_interval_s",
-                 "reservation_timeout_s", "max_reservation_s")
+    positives = (
+        "ranks",
+        "num_pages",
+        "page_size",
+        "max_running_requests",
+        "watchdog_s",
+        "sweep_interval_s",
+        "reservation_timeout_s",
+        "max_reservation_s",
+    )
     for name in positives:
         if getattr(config, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be > 0, got {getattr(config, name)}")

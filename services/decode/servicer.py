@@ -170,7 +170,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     ) -> decode_pb2.ReserveResponse:
         """Place the request on a rank and take its pages; returns the signed KvRef for prefill."""
         with telemetry.rpc_span(
-            _tracer, "decode.reserve", context.invocation_metadata(), request_id=request.request_id,
+            _tracer,
+            "decode.reserve",
+            context.invocation_metadata(),
+            request_id=request.request_id,
             **{"gen_ai.usage.input_tokens": len(request.prompt_token_ids)},
         ) as span:
             leader = self._leader
@@ -182,7 +185,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 params=sampling_params_from_proto(request.sampling_params),
                 rope_delta=request.mrope_position_delta,
                 lifetime_s=lifetime_s,
-                kv_written_proof=signing.kv_written_proof(self._kv_ref_key, request.request_id, nonce),
+                kv_written_proof=signing.kv_written_proof(
+                    self._kv_ref_key, request.request_id, nonce
+                ),
             )
             destination, dp_rank = await leader.reserve(command)
             span.set_attribute("dp_rank", dp_rank)

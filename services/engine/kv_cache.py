@@ -125,7 +125,10 @@ class KVPool:
 
     def memory_regions(self) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of the K and V buffers, for registration with a transfer engine."""
-        return [(buf.data_ptr(), buf.numel() * buf.element_size()) for buf in (self.k_buffer, self.v_buffer)]
+        return [
+            (buf.data_ptr(), buf.numel() * buf.element_size())
+            for buf in (self.k_buffer, self.v_buffer)
+        ]
 
     def k_slots(self, layer_id: int) -> torch.Tensor:
         return self.k_cache[layer_id].view(self.num_slots, self.num_kv_heads, self.head_dim)
@@ -143,7 +146,13 @@ class KVPool:
         """Store row ``i`` of ``k``/``v`` at flat slot ``slots[i]`` of layer ``layer_id``."""
         assert k.shape == v.shape and k.shape[0] == slots.shape[0]
         slots = slots.to(device=self.device, dtype=torch.long)
-        ops.store_kv(self.k_slots(layer_id), self.v_slots(layer_id), slots, k.to(self.dtype), v.to(self.dtype))
+        ops.store_kv(
+            self.k_slots(layer_id),
+            self.v_slots(layer_id),
+            slots,
+            k.to(self.dtype),
+            v.to(self.dtype),
+        )
 
 
 class RequestPageTable:

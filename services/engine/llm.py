@@ -73,8 +73,13 @@ class LLMEngine:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-        page_size: int = 16, num_pages: int = 1024, attention_backend: str = "torch",
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str | None = None,
+        page_size: int = 16,
+        num_pages: int = 1024,
+        attention_backend: str = "torch",
     ) -> LLMEngine:
         model = load_model(model_dir, device=device, dtype=dtype)
         return cls(ModelRunner(model, KVCacheConfig(num_pages, page_size), attention_backend))
@@ -102,7 +107,9 @@ class LLMEngine:
         for r in requests:
             self.validate(r)
         if len({r.request_id for r in requests}) != len(requests):
-            raise InvalidRequestError("request ids in one call must be distinct", param="request_id")
+            raise InvalidRequestError(
+                "request ids in one call must be distinct", param="request_id"
+            )
         table, manager = self.runner.page_table, self.runner.page_manager
         needed = sum(table.num_pages_needed(r.request_id, len(r.prompt_ids)) for r in requests)
         if not manager.can_allocate(needed):
@@ -140,14 +147,20 @@ class LLMEngine:
         sizes = [sum(span.length for span in r.spans) for r in requests]
         return list(embeds.split(sizes))
 
-    def prefill_input(self, request: EngineRequest, image_embeds: torch.Tensor | None) -> tuple[StepInput, int]:
+    def prefill_input(
+        self, request: EngineRequest, image_embeds: torch.Tensor | None
+    ) -> tuple[StepInput, int]:
         merge = self.config.vision.spatial_merge_size
         positions, delta = mrope_positions(len(request.prompt_ids), request.spans, merge)
         rows = [span.offset + i for span in request.spans for i in range(span.length)]
         for row in rows:
             if request.prompt_ids[row] != self.config.image_token_id:
-                raise InvalidRequestError(f"image span covers non-image token at {row}", param="images")
-        step = StepInput(request.request_id, request.prompt_ids, positions, 0, image_embeds, rows or None)
+                raise InvalidRequestError(
+                    f"image span covers non-image token at {row}", param="images"
+                )
+        step = StepInput(
+            request.request_id, request.prompt_ids, positions, 0, image_embeds, rows or None
+        )
         return step, delta
 
     def _prefill(self, requests: list[EngineRequest]) -> list[_Running]:
@@ -171,8 +184,11 @@ class LLMEngine:
 
     def _sample(self, running: list[_Running], logits: torch.Tensor) -> None:
         token_ids = self.sampler.sample(
-            logits, [s.request.params for s in running], [s.request.prompt_ids for s in running],
-            [s.output_ids for s in running], [s.generator for s in running],
+            logits,
+            [s.request.params for s in running],
+            [s.request.prompt_ids for s in running],
+            [s.output_ids for s in running],
+            [s.generator for s in running],
         ).tolist()
         for s, token in zip(running, token_ids, strict=True):
             s.output_ids.append(token)
@@ -180,7 +196,9 @@ class LLMEngine:
 
     def _finish_reason(self, s: _Running, token: int) -> FinishReason | None:
         params = s.request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
             return FinishReason.STOP
         if len(s.output_ids) >= params.max_new_tokens:
             return FinishReason.LENGTH
@@ -191,4 +209,6 @@ class LLMEngine:
     @staticmethod
     def _output(s: _Running) -> EngineOutput:
         assert s.finish_reason is not None
-        return EngineOutput(s.request.request_id, s.output_ids, s.finish_reason, len(s.request.prompt_ids))
+        return EngineOutput(
+            s.request.request_id, s.output_ids, s.finish_reason, len(s.request.prompt_ids)
+        )

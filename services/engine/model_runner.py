@@ -32,7 +32,9 @@ class StepInput:
     input_ids: list[int]
     positions: torch.Tensor  # [3, len(input_ids)] int64
     prefix_len: int
-    image_embeds: torch.Tensor | None = None  # [num_image_tokens, hidden], rows in placeholder order
+    image_embeds: torch.Tensor | None = (
+        None  # [num_image_tokens, hidden], rows in placeholder order
+    )
     image_rows: list[int] | None = None  # index into input_ids of each image embedding row
 
 
@@ -44,8 +46,12 @@ class DecodeInputs:
     page tables are the rows' page lists as held, covering at least ``seq_lens[r]`` positions.
     """
 
-    input_ids: torch.Tensor  # [B] int64, on the runner's device (e.g. the previous step's samples) or CPU
-    positions: torch.Tensor  # [3, B] int64 CPU: M-RoPE position of each row's token on the three axes
+    input_ids: (
+        torch.Tensor
+    )  # [B] int64, on the runner's device (e.g. the previous step's samples) or CPU
+    positions: (
+        torch.Tensor
+    )  # [3, B] int64 CPU: M-RoPE position of each row's token on the three axes
     seq_lens: list[int]  # KV length of each row after this step
     page_tables: list[list[int]]
     out_slots: torch.Tensor  # [B] int64 CPU: flat KV slot of each row's new position
@@ -71,27 +77,47 @@ class ModelRunner:
         self.dtype = model.lm_head.weight.dtype
         self.page_size = kv_config.page_size
         self.kv_pool = KVPool(
-            text.num_hidden_layers, kv_config.num_pages, kv_config.page_size,
-            text.num_key_value_heads, text.head_dim, self.dtype, self.device,
+            text.num_hidden_layers,
+            kv_config.num_pages,
+            kv_config.page_size,
+            text.num_key_value_heads,
+            text.head_dim,
+            self.dtype,
+            self.device,
         )
         self.page_manager = KVPageManager(kv_config.num_pages, kv_config.page_size)
         self.page_table = RequestPageTable(self.page_manager)
         self.attention = create_attention_backend(
-            attention_backend, kv_pool=self.kv_pool, num_q_heads=text.num_attention_heads,
-            num_kv_heads=text.num_key_value_heads, head_dim=text.head_dim,
+            attention_backend,
+            kv_pool=self.kv_pool,
+            num_q_heads=text.num_attention_heads,
+            num_kv_heads=text.num_key_value_heads,
+            head_dim=text.head_dim,
         )
         self.cuda_graph: CudaGraphDecodeRunner | None = None
-        if self.device.type == "cuda" and self.attention.supports_cuda_graph and cuda_graph_batch_sizes:
-            scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding rows write here
+        if (
+            self.device.type == "cuda"
+            and self.attention.supports_cuda_graph
+            and cuda_graph_batch_sizes
+        ):
+            scratch_page = self.page_manager.allocate(1)[
+                0
+            ]  # held for good: padding rows write here
             self.cuda_graph = CudaGraphDecodeRunner(
-                model, self.attention, self.page_size, scratch_page, kv_config.num_pages,
+                model,
+                self.attention,
+                self.page_size,
+                scratch_page,
+                kv_config.num_pages,
                 cuda_graph_batch_sizes,
             )
             with ops.on_device(self.device):
                 self.cuda_graph.capture()
 
     @torch.inference_mode()
-    def encode_images(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+    def encode_images(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> torch.Tensor:
         """ViT forward; [num_image_tokens, hidden] in image order, on the runner's device."""
         with ops.on_device(self.device):
             return self.model.encode_images(pixel_values.to(self.device), grids)
@@ -130,7 +156,11 @@ class ModelRunner:
             return self._forward_decode(inputs)
 
     def _forward(
-        self, mode: ForwardMode, inputs: list[StepInput], all_logits: bool, input_ids: torch.Tensor | None,
+        self,
+        mode: ForwardMode,
+        inputs: list[StepInput],
+        all_logits: bool,
+        input_ids: torch.Tensor | None,
         on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         if input_ids is not None:
@@ -139,7 +169,11 @@ class ModelRunner:
             return self._forward_decode(self._decode_inputs(inputs, input_ids))
         batch = self._attention_batch(mode, inputs)
         self.attention.plan(batch)
-        embeds = self.model.embed(input_ids.to(self.device)) if input_ids is not None else self._embed(inputs)
+        embeds = (
+            self.model.embed(input_ids.to(self.device))
+            if input_ids is not None
+            else self._embed(inputs)
+        )
         positions = torch.cat([s.positions for s in inputs], dim=1).to(self.device)
         logits_indices = None
         if not all_logits:
@@ -150,8 +184,12 @@ class ModelRunner:
     def _forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:
         input_ids = inputs.input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
         batch = AttentionBatch(
-            mode=ForwardMode.DECODE, seq_lens=inputs.seq_lens, extend_lens=[1] * len(inputs.seq_lens),
-            page_tables=inputs.page_tables, page_size=self.page_size, out_slots=inputs.out_slots,
+            mode=ForwardMode.DECODE,
+            seq_lens=inputs.seq_lens,
+            extend_lens=[1] * len(inputs.seq_lens),
+            page_tables=inputs.page_tables,
+            page_size=self.page_size,
+            out_slots=inputs.out_slots,
         )
         graph = self.cuda_graph
         if graph is not None and graph.can_run(len(inputs.seq_lens)):
@@ -160,14 +198,19 @@ class ModelRunner:
         positions = inputs.positions.to(self.device, non_blocking=True)
         return self.model(self.model.embed(input_ids), positions, self.attention)
 
-    def _decode_inputs(self, inputs: list[StepInput], input_ids: torch.Tensor | None) -> DecodeInputs:
+    def _decode_inputs(
+        self, inputs: list[StepInput], input_ids: torch.Tensor | None
+    ) -> DecodeInputs:
         """``DecodeInputs`` of StepInputs whose requests hold pages in the runner's page table."""
         page_tables = [self.page_table.pages(s.request_id) for s in inputs]
         seq_lens = [s.prefix_len + 1 for s in inputs]
         if input_ids is None:
             input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
         return DecodeInputs(
-            input_ids, torch.cat([s.positions for s in inputs], dim=1), seq_lens, page_tables,
+            input_ids,
+            torch.cat([s.positions for s in inputs], dim=1),
+            seq_lens,
+            page_tables,
             self._decode_slots(page_tables, seq_lens),
         )
 
@@ -181,10 +224,18 @@ class ModelRunner:
             page_tables.append(self.page_table.pages(s.request_id))
             if mode is not ForwardMode.DECODE:
                 slots.append(self.page_table.slots(s.request_id, s.prefix_len, end))
-        out_slots = self._decode_slots(page_tables, seq_lens) if mode is ForwardMode.DECODE else torch.cat(slots)
+        out_slots = (
+            self._decode_slots(page_tables, seq_lens)
+            if mode is ForwardMode.DECODE
+            else torch.cat(slots)
+        )
         return AttentionBatch(
-            mode=mode, seq_lens=seq_lens, extend_lens=extend_lens, page_tables=page_tables,
-            page_size=self.page_size, out_slots=out_slots,  # CPU int64; the backend uploads it
+            mode=mode,
+            seq_lens=seq_lens,
+            extend_lens=extend_lens,
+            page_tables=page_tables,
+            page_size=self.page_size,
+            out_slots=out_slots,  # CPU int64; the backend uploads it
         )
 
     def _decode_slots(self, page_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
@@ -192,12 +243,16 @@ class ModelRunner:
         ps = self.page_size
         slots = []
         for pages, end in zip(page_tables, seq_lens, strict=True):
-            assert end <= len(pages) * ps, f"position {end - 1} outside the request's {len(pages)} pages"
+            assert end <= len(pages) * ps, (
+                f"position {end - 1} outside the request's {len(pages)} pages"
+            )
             slots.append(pages[(end - 1) // ps] * ps + (end - 1) % ps)
         return torch.tensor(slots, dtype=torch.long)
 
     def _embed(self, inputs: list[StepInput]) -> torch.Tensor:
-        ids = torch.tensor([t for s in inputs for t in s.input_ids], dtype=torch.long, device=self.device)
+        ids = torch.tensor(
+            [t for s in inputs for t in s.input_ids], dtype=torch.long, device=self.device
+        )
         rows, embeds, offset = [], [], 0
         for s in inputs:
             if s.image_embeds is not None and s.image_rows:

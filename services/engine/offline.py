@@ -14,7 +14,12 @@ from typing import Any
 
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.model.rope import ImageSpan
-from services.engine.processing import ImageProcessor, TextProcessor, decode_image, validate_messages
+from services.engine.processing import (
+    ImageProcessor,
+    TextProcessor,
+    decode_image,
+    validate_messages,
+)
 from services.engine.sampler import SamplingParams
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024

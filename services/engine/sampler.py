@@ -51,12 +51,28 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 bound = f"{'(' if is_low_open else '['}{low:g}, {high:g}]"
                 raise InvalidRequestError(f"{param} must be in {bound}, got {value!r}", param=param)
         int_checks: list[tuple[bool, str, str]] = [
-            (0 <= self.top_k <= MAX_TOP_K, "top_k", f"must be in [0, {MAX_TOP_K}] (0 disables top-k)"),
+            (
+                0 <= self.top_k <= MAX_TOP_K,
+                "top_k",
+                f"must be in [0, {MAX_TOP_K}] (0 disables top-k)",
+            ),
             (0 < self.max_new_tokens < 2**32, "max_new_tokens", "must be in [1, 2**32)"),
             (self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)"),
-            (all(0 <= t < 2**32 for t in self.stop_token_ids), "stop_token_ids", "must be in [0, 2**32)"),
-            (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens", "must be in [0, max_new_tokens]"),
-            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens"),
+            (
+                all(0 <= t < 2**32 for t in self.stop_token_ids),
+                "stop_token_ids",
+                "must be in [0, 2**32)",
+            ),
+            (
+                0 <= self.min_tokens <= self.max_new_tokens,
+                "min_tokens",
+                "must be in [0, max_new_tokens]",
+            ),
+            (
+                len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"takes at most {MAX_LOGIT_BIAS} tokens",
+            ),
         ]
         for is_ok, param, rule in int_checks:
             if not is_ok:
@@ -70,15 +86,20 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise InvalidRequestError("logit_bias names a token twice", param="logit_bias")
         for token_id, bias in self.logit_bias:
             if not 0 <= token_id < 2**32:
-                raise InvalidRequestError(f"logit_bias token ids must be >= 0, got {token_id}", param="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias token ids must be >= 0, got {token_id}", param="logit_bias"
+                )
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias!r}",
-                                          param="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias"
+                )
 
     def check_vocab(self, vocab_size: int) -> None:
         """``InvalidRequestError`` when a token id of these params is outside the vocabulary."""
-        for param, token_ids in (("logit_bias", [t for t, _ in self.logit_bias]),
-                                 ("stop_token_ids", self.stop_token_ids)):
+        for param, token_ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
             if any(t >= vocab_size for t in token_ids):
                 raise InvalidRequestError(f"{param} token ids must be < {vocab_size}", param=param)
 
@@ -141,22 +162,30 @@ class Sampler:
         logits: torch.Tensor,  # [B, V]
         params: list[SamplingParams],
         prompt_ids: list[list[int]],
-        output_ids: list[list[int]],  # each request's output so far (its length counts for min_tokens)
+        output_ids: list[
+            list[int]
+        ],  # each request's output so far (its length counts for min_tokens)
     ) -> torch.Tensor:  # [B, V] float32, a new tensor
         vocab_size = logits.shape[1]
         is_prompt = counts = None
         if any(p.repetition_penalty != 1.0 for p in params):
             is_prompt = _row_token_mask(prompt_ids, vocab_size, logits.device, counts=False) > 0
-        if is_prompt is not None or any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        if is_prompt is not None or any(
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+        ):
             counts = _row_token_mask(output_ids, vocab_size, logits.device, counts=True)
-        return self.apply_penalty_tensors(logits, params, is_prompt, counts, [len(ids) for ids in output_ids])
+        return self.apply_penalty_tensors(
+            logits, params, is_prompt, counts, [len(ids) for ids in output_ids]
+        )
 
     def apply_penalty_tensors(
         self,
         logits: torch.Tensor,  # [B, V]
         params: list[SamplingParams],
-        is_prompt: torch.Tensor | None,  # [B, V] bool: in the prompt; needed when a row has a repetition penalty
-        output_counts: torch.Tensor | None,  # [B, V] float32: occurrences in the output; needed with any penalty
+        is_prompt: torch.Tensor
+        | None,  # [B, V] bool: in the prompt; needed when a row has a repetition penalty
+        output_counts: torch.Tensor
+        | None,  # [B, V] float32: occurrences in the output; needed with any penalty
         num_output_ids: list[int],  # tokens each request has generated so far (for min_tokens)
     ) -> torch.Tensor:  # [B, V] float32, a new tensor
         """``apply_penalties`` from token histories already held as tensors (a decode loop's, on the device)."""
@@ -170,11 +199,15 @@ class Sampler:
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             assert output_counts is not None
             logits -= _column([p.frequency_penalty for p in params], logits) * output_counts
-            logits -= _column([p.presence_penalty for p in params], logits) * (output_counts > 0).float()
+            logits -= (
+                _column([p.presence_penalty for p in params], logits) * (output_counts > 0).float()
+            )
         for row, p in enumerate(params):
             if p.logit_bias:
                 token_ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-                biases = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32, device=logits.device)
+                biases = torch.tensor(
+                    [b for _, b in p.logit_bias], dtype=torch.float32, device=logits.device
+                )
                 logits[row].index_add_(0, token_ids, biases)
             if num_output_ids[row] < p.min_tokens:
                 banned = [*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)]
@@ -200,7 +233,9 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(is_removed, float("-inf"))
             if needs_top_p:
                 sorted_probs = sorted_logits.softmax(dim=1)
-                mass_before = sorted_probs.cumsum(dim=1) - sorted_probs  # mass of higher-ranked tokens
+                mass_before = (
+                    sorted_probs.cumsum(dim=1) - sorted_probs
+                )  # mass of higher-ranked tokens
                 top_p = _column([p.top_p for p in params], logits)
                 is_removed |= (mass_before > top_p) & (top_p < 1.0)
             is_removed_orig = torch.zeros_like(is_removed).scatter_(1, sorted_ids, is_removed)
@@ -252,7 +287,9 @@ class Sampler:
         if not random_rows:
             return token_ids
         row_index = torch.tensor(random_rows, device=penalized.device)
-        filtered = self.apply_temperature_and_filters(penalized[row_index], [params[i] for i in random_rows])
+        filtered = self.apply_temperature_and_filters(
+            penalized[row_index], [params[i] for i in random_rows]
+        )
         probs = filtered.softmax(dim=1)  # [R, V]
         noise = torch.empty_like(probs)
         shared = [j for j, i in enumerate(random_rows) if generators[i] is None]
@@ -276,4 +313,6 @@ class Sampler:
     @staticmethod
     def _exponential_noise(like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         noise = torch.empty_like(like).exponential_(1.0, generator=generator)  # [V] float32
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # 0 noise would make 0/0 = nan win argmax
+        return noise.clamp_min_(
+            torch.finfo(noise.dtype).tiny
+        )  # 0 noise would make 0/0 = nan win argmax

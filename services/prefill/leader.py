@@ -40,7 +40,13 @@ from services.engine.config import ModelConfig
 from services.prefill import metrics
 from services.prefill.messages import Describe, RankDescription, RankPlan, RankResult
 from services.prefill.planning import CpPolicy, merge_results, rank_plan
-from services.prefill.request import PrefillInput, PrefillOutput, PrefillPlan, ReqStatus, RequestOutcome
+from services.prefill.request import (
+    PrefillInput,
+    PrefillOutput,
+    PrefillPlan,
+    ReqStatus,
+    RequestOutcome,
+)
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
 from services.prefill.validation import (
     PromptLimits,
@@ -59,8 +65,11 @@ class Encoder(Protocol):
     """What the leader needs of the vision encoder (``VisionEncoderClient`` is one)."""
 
     async def encode(
-        self, request_id: str, spans: Sequence[EncodeSpanInput],
-        destination: Sequence[EmbeddingDestination], timeout_s: float,
+        self,
+        request_id: str,
+        spans: Sequence[EncodeSpanInput],
+        destination: Sequence[EmbeddingDestination],
+        timeout_s: float,
     ) -> list[SpanResult]: ...
 
 
@@ -75,12 +84,18 @@ class Ranks(Protocol):
 def spans_error(request: PrefillInput, results: Sequence[SpanResult]) -> StageServeError | None:
     """The error a request fails with given its per-span Encode results; None when all are written."""
     if len(results) != len(request.spans):
-        return UnavailableError(f"the encoder answered {len(results)} results for {len(request.spans)} spans")
+        return UnavailableError(
+            f"the encoder answered {len(results)} results for {len(request.spans)} spans"
+        )
     for i, result in enumerate(results):
         if result.status is SpanStatus.INVALID_IMAGE:
-            return InvalidRequestError(f"image_spans[{i}]: invalid image: {result.error_message}", param="images")
+            return InvalidRequestError(
+                f"image_spans[{i}]: invalid image: {result.error_message}", param="images"
+            )
         if result.status is not SpanStatus.WRITTEN:
-            return UnavailableError(f"encoding image_spans[{i}] failed: {result.error_message or result.status}")
+            return UnavailableError(
+                f"encoding image_spans[{i}] failed: {result.error_message or result.status}"
+            )
     return None
 
 
@@ -89,9 +104,14 @@ def forward_spans(plan: PrefillPlan, payload: RankPlan, num_ranks: int) -> list[
     cp_size = num_ranks if payload.solo_rank < 0 else 1
     return [
         _tracer.start_span(
-            "prefill.forward", context=telemetry.extract_context(p.request.trace_carrier.items()),
-            attributes={"request_id": p.request.request_id, "prefill.batch_size": len(plan.requests),
-                        "prefill.batch_tokens": plan.num_tokens, "prefill.cp_size": cp_size},
+            "prefill.forward",
+            context=telemetry.extract_context(p.request.trace_carrier.items()),
+            attributes={
+                "request_id": p.request.request_id,
+                "prefill.batch_size": len(plan.requests),
+                "prefill.batch_tokens": plan.num_tokens,
+                "prefill.cp_size": cp_size,
+            },
         )
         for p in plan.requests
     ]
@@ -101,7 +121,8 @@ def transfer_spans(plan: PrefillPlan, output: PrefillOutput, end_ns: int) -> Non
     """A ``kv.transfer`` span per request: its ranks' KV write time, ending with the step."""
     for planned, outcome in zip(plan.requests, output.outcomes, strict=True):
         span = _tracer.start_span(
-            "kv.transfer", context=telemetry.extract_context(planned.request.trace_carrier.items()),
+            "kv.transfer",
+            context=telemetry.extract_context(planned.request.trace_carrier.items()),
             start_time=end_ns - int(outcome.kv_transfer_s * 1e9),
             attributes={"request_id": outcome.request_id, "kv.num_bytes": outcome.num_kv_bytes},
         )
@@ -114,7 +135,9 @@ def window(whole: EmbeddingDestination, start_row: int, num_rows: int) -> Embedd
     """Rows ``[start_row, start_row + num_rows)`` of a rank's buffer (``whole`` is all of it)."""
     assert 0 <= start_row and start_row + num_rows <= whole.num_rows
     return msgspec.structs.replace(
-        whole, base_address=whole.base_address + start_row * whole.row_stride_bytes, num_rows=num_rows
+        whole,
+        base_address=whole.base_address + start_row * whole.row_stride_bytes,
+        num_rows=num_rows,
     )
 
 
@@ -142,7 +165,9 @@ class PrefillLeader:
         self.model_config = model_config
         self.limits = PromptLimits.from_config(model_config)
         self.descriptions: list[RankDescription] = []  # empty while the group (re-)forms
-        self.on_serving: Callable[[bool], None] = lambda is_serving: None  # health, set by the caller
+        self.on_serving: Callable[[bool], None] = lambda is_serving: (
+            None
+        )  # health, set by the caller
         self._clock = clock
         self._futures: dict[str, asyncio.Future[RequestOutcome]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -151,7 +176,10 @@ class PrefillLeader:
         self._is_stopping = False
         # Progress: a plan launched, a plan done. Run by the caller (``progress.start``).
         self.progress = ProgressWatchdog(
-            "prefill", options.watchdog_s, lambda: scheduler.has_worker_work, clock=clock,
+            "prefill",
+            options.watchdog_s,
+            lambda: scheduler.has_worker_work,
+            clock=clock,
             stalled_gauge=metrics.STALLED,
         )
 
@@ -172,7 +200,9 @@ class PrefillLeader:
         if not is_ready:
             self.descriptions = []
             self.on_serving(False)
-            error = UnavailableError("the prefill rank group re-formed; the image rows it held are gone")
+            error = UnavailableError(
+                "the prefill rank group re-formed; the image rows it held are gone"
+            )
             self._resolve(self.scheduler.fail_row_holders(error))
             return
         self._spawn(self._redescribe())
@@ -198,7 +228,9 @@ class PrefillLeader:
             self._ticker.cancel()
         for request_id, future in list(self._futures.items()):
             if not future.done():
-                future.set_exception(UnavailableError(f"prefill worker shut down before {request_id} finished"))
+                future.set_exception(
+                    UnavailableError(f"prefill worker shut down before {request_id} finished")
+                )
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -240,18 +272,26 @@ class PrefillLeader:
     def _validated(self, request: PrefillInput, images: dict[str, bytes]) -> PrefillInput:
         validate_prompt(request.token_ids, request.spans, images, request.params, self.limits)
         validate_prompt_embeds(
-            request.prompt_embeds, request.embeds_dtype, request.num_tokens, len(request.spans), self.limits
+            request.prompt_embeds,
+            request.embeds_dtype,
+            request.num_tokens,
+            len(request.spans),
+            self.limits,
         )
         if request.spans and self.encoder is None:
             raise UnavailableError("this prefill worker has no vision encoder (--encoder-address)")
         if not self.descriptions:
             raise UnavailableError("the prefill rank group is re-forming")
         local = self.descriptions[0]
-        kv_dst = prompt_destination(request.kv_dst, local.kv_layout, request.num_tokens, local.kv_backend)
+        kv_dst = prompt_destination(
+            request.kv_dst, local.kv_layout, request.num_tokens, local.kv_backend
+        )
         kind = PrefillScheduler.kind_of(request.num_image_tokens, bool(request.prompt_embeds))
         return msgspec.structs.replace(request, kv_dst=kv_dst, kind=kind)
 
-    async def _wait(self, request: PrefillInput, future: asyncio.Future[RequestOutcome]) -> RequestOutcome:
+    async def _wait(
+        self, request: PrefillInput, future: asyncio.Future[RequestOutcome]
+    ) -> RequestOutcome:
         request_id = request.request_id
         try:
             async with asyncio.timeout(max(request.deadline - self._clock(), 0.0)):
@@ -286,7 +326,12 @@ class PrefillLeader:
             if plan is not None:
                 self._launch(plan)
         metrics.EMBEDDING_ROWS_USED.set(self.scheduler.num_rows_used)
-        metrics.QUEUED.set(sum(self.scheduler.num_in(s) for s in (ReqStatus.QUEUED, ReqStatus.ENCODING, ReqStatus.READY)))
+        metrics.QUEUED.set(
+            sum(
+                self.scheduler.num_in(s)
+                for s in (ReqStatus.QUEUED, ReqStatus.ENCODING, ReqStatus.READY)
+            )
+        )
 
     async def _tick_forever(self) -> None:
         """Pump every ``TICK_S``; a failing pump is logged and retried (expiry and quarantine need it)."""
@@ -330,7 +375,9 @@ class PrefillLeader:
                     metrics.KV_TRANSFER_S.observe(outcome.kv_transfer_s)
             outcomes = self.scheduler.update_from_output(plan, output)
         except asyncio.CancelledError:
-            outcomes = self.scheduler.fail_plan(plan, UnavailableError("prefill worker shut down mid-batch"))
+            outcomes = self.scheduler.fail_plan(
+                plan, UnavailableError("prefill worker shut down mid-batch")
+            )
             raise
         except StageServeError as exc:
             logger.error("prefill batch %d failed: %s", plan.plan_id, exc.message)
@@ -357,15 +404,21 @@ class PrefillLeader:
         try:
             results = await self._call_encoder(entry)
             error, may_still_write = spans_error(request, results), False
-            num_cached = sum(s.length for s, r in zip(request.spans, results, strict=False) if r.is_cache_hit)
+            num_cached = sum(
+                s.length for s, r in zip(request.spans, results, strict=False) if r.is_cache_hit
+            )
         except DeadlineExceededError as exc:  # the encoder may still be writing the rows
             error = exc
         except StageServeError as exc:
             error, may_still_write = exc, False
         except asyncio.CancelledError:  # the leader is stopping
-            error = UnavailableError(f"prefill shut down while encoding {request.request_id}'s images")
+            error = UnavailableError(
+                f"prefill shut down while encoding {request.request_id}'s images"
+            )
             raise
-        except Exception as exc:  # a bug here or in the encoder client: fail the request, keep serving
+        except (
+            Exception
+        ) as exc:  # a bug here or in the encoder client: fail the request, keep serving
             logger.exception("encoding the images of %s failed", request.request_id)
             error = StageServeError(
                 f"prefill failed to encode the images of {request.request_id}: internal error "

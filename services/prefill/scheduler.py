@@ -99,7 +99,9 @@ class PrefillScheduler:
 
         Requests still QUEUED or ENCODING wait on the vision encoder (or its rows), not on this worker.
         """
-        return self._in_flight is not None or any(e.status is ReqStatus.READY for e in self._entries.values())
+        return self._in_flight is not None or any(
+            e.status is ReqStatus.READY for e in self._entries.values()
+        )
 
     def get(self, request_id: str) -> SchedEntry | None:
         return self._entries.get(request_id)
@@ -111,16 +113,20 @@ class PrefillScheduler:
     def add(self, request: PrefillInput, images: dict[str, bytes]) -> SchedEntry:
         """QUEUED. ``InvalidRequestError`` when it can never run here, ``CapacityError`` when full."""
         if request.request_id in self._entries:
-            raise InvalidRequestError(f"request {request.request_id} is already being prefilled", param="request_id")
+            raise InvalidRequestError(
+                f"request {request.request_id} is already being prefilled", param="request_id"
+            )
         if self.pages_needed(request.num_tokens) > self.num_pages:
             raise InvalidRequestError(
                 f"the prompt has {request.num_tokens} tokens; this prefill worker holds at most "
-                f"{self.num_pages * self.page_size}", param="token_ids",
+                f"{self.num_pages * self.page_size}",
+                param="token_ids",
             )
         if request.num_image_tokens > self.rows.num_rows:
             raise InvalidRequestError(
                 f"the prompt has {request.num_image_tokens} image tokens; the embedding buffer holds "
-                f"{self.rows.num_rows}", param="image_spans",
+                f"{self.rows.num_rows}",
+                param="image_spans",
             )
         if len(self._entries) >= self.max_queued:
             raise CapacityError(f"prefill queue is full ({self.max_queued} requests)")
@@ -148,7 +154,10 @@ class PrefillScheduler:
         return to_encode
 
     def finish_encoding(
-        self, request_id: str, error: StageServeError | None = None, num_cached_image_tokens: int = 0,
+        self,
+        request_id: str,
+        error: StageServeError | None = None,
+        num_cached_image_tokens: int = 0,
         may_still_write: bool = False,
     ) -> RequestOutcome | None:
         """ENCODING -> READY, or FAILED (returned) on ``error`` or an abort during the Encode.
@@ -164,7 +173,9 @@ class PrefillScheduler:
             entry.num_cached_image_tokens = num_cached_image_tokens
             return None
         error = error or AbortedError(f"{request_id} was aborted while its images were encoding")
-        return self._finish(entry, RequestOutcome(request_id, error=error), quarantine_rows=may_still_write)
+        return self._finish(
+            entry, RequestOutcome(request_id, error=error), quarantine_rows=may_still_write
+        )
 
     def schedule(self) -> PrefillPlan | None:
         """READY -> RUNNING for one batch; None when a plan is in flight or nothing is READY."""
@@ -176,7 +187,9 @@ class PrefillScheduler:
             if entry.status is not ReqStatus.READY:
                 continue
             tokens, pages = entry.input.num_tokens, self.pages_needed(entry.input.num_tokens)
-            if chosen and (num_tokens + tokens > self.max_batch_tokens or num_pages + pages > self.num_pages):
+            if chosen and (
+                num_tokens + tokens > self.max_batch_tokens or num_pages + pages > self.num_pages
+            ):
                 continue
             if not all(can_share_batch(entry.input.kind, c.input.kind) for c in chosen):
                 continue
@@ -201,7 +214,9 @@ class PrefillScheduler:
         """The worker raised: every request of ``plan`` FAILED with ``error``."""
         assert self._in_flight is plan
         self._in_flight = None
-        finished = [self._finish(self._entries[i], RequestOutcome(i, error=error)) for i in plan.request_ids]
+        finished = [
+            self._finish(self._entries[i], RequestOutcome(i, error=error)) for i in plan.request_ids
+        ]
         return [o for o in finished if o is not None]
 
     def fail_row_holders(self, error: StageServeError) -> list[RequestOutcome]:
@@ -234,12 +249,15 @@ class PrefillScheduler:
         """QUEUED / READY requests past their deadline -> FAILED (DEADLINE_EXCEEDED)."""
         now = self.clock()
         expired = [
-            e for e in self._entries.values()
+            e
+            for e in self._entries.values()
             if e.status in (ReqStatus.QUEUED, ReqStatus.READY) and e.input.deadline <= now
         ]
         outcomes = []
         for entry in expired:
-            error = DeadlineExceededError(f"{entry.request_id} passed its deadline before prefill ran")
+            error = DeadlineExceededError(
+                f"{entry.request_id} passed its deadline before prefill ran"
+            )
             outcome = self._finish(entry, RequestOutcome(entry.request_id, error=error))
             if outcome is not None:
                 outcomes.append(outcome)
@@ -266,7 +284,9 @@ class PrefillScheduler:
         start, num_rows = entry.row_start, entry.input.num_image_tokens
         entry.row_start = -1
         if quarantine and self.row_quarantine_s > 0:
-            self._quarantine.append(_Quarantined(start, num_rows, self.clock() + self.row_quarantine_s))
+            self._quarantine.append(
+                _Quarantined(start, num_rows, self.clock() + self.row_quarantine_s)
+            )
         else:
             self.rows.free(start, num_rows)
 

@@ -49,7 +49,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     ) -> prefill_pb2.PrefillResponse:
         """Prefill one prompt, write its KV into ``kv_ref``'s pages; the first token and the proof."""
         with telemetry.rpc_span(
-            _tracer, "prefill.request", context.invocation_metadata(), request_id=request.request_id,
+            _tracer,
+            "prefill.request",
+            context.invocation_metadata(),
+            request_id=request.request_id,
             **{
                 "gen_ai.usage.input_tokens": len(request.token_ids),
                 "prefill.num_images": len(request.images),
@@ -65,7 +68,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 first_token_id=outcome.first_token_id,
                 num_kv_bytes=outcome.num_kv_bytes,
                 kv_transfer_us=int(outcome.kv_transfer_s * 1e6),
-                kv_written_proof=self._kv_refs.written_proof(kv_ref),  # the leader answered: KV landed
+                kv_written_proof=self._kv_refs.written_proof(
+                    kv_ref
+                ),  # the leader answered: KV landed
                 num_cached_image_tokens=outcome.num_cached_image_tokens,
                 finish_reason=outcome.finish_reason,
             )

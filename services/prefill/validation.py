@@ -27,8 +27,11 @@ class PromptLimits:
     @classmethod
     def from_config(cls, config: ModelConfig) -> PromptLimits:
         return cls(
-            config.text.vocab_size, config.image_token_id, config.vision.spatial_merge_size,
-            config.text.max_position_embeddings, config.text.hidden_size,
+            config.text.vocab_size,
+            config.image_token_id,
+            config.vision.spatial_merge_size,
+            config.text.max_position_embeddings,
+            config.text.hidden_size,
         )
 
 
@@ -39,26 +42,35 @@ def validate_prompt_embeds(
     rows of an accepted dtype, for a prompt without images."""
     if not embeds:
         if dtype:
-            raise InvalidRequestError("prompt_embeds_dtype is set without prompt_embeds", param="prompt_embeds")
+            raise InvalidRequestError(
+                "prompt_embeds_dtype is set without prompt_embeds", param="prompt_embeds"
+            )
         return
     if dtype not in EMBEDS_DTYPE_BYTES:
         raise InvalidRequestError(
-            f"prompt_embeds dtype {dtype!r} is not one of {', '.join(EMBEDS_DTYPE_BYTES)}", param="prompt_embeds"
+            f"prompt_embeds dtype {dtype!r} is not one of {', '.join(EMBEDS_DTYPE_BYTES)}",
+            param="prompt_embeds",
         )
     if num_spans:
-        raise InvalidRequestError("a prompt has either prompt_embeds or images, not both", param="prompt_embeds")
+        raise InvalidRequestError(
+            "a prompt has either prompt_embeds or images, not both", param="prompt_embeds"
+        )
     row_bytes = limits.hidden_size * EMBEDS_DTYPE_BYTES[dtype]
     if len(embeds) != num_tokens * row_bytes:
         rows, rest = divmod(len(embeds), num_tokens * EMBEDS_DTYPE_BYTES[dtype])
         got = f"hidden size {rows}" if not rest else f"{len(embeds)} bytes"
         raise InvalidRequestError(
             f"prompt_embeds must be [{num_tokens}, {limits.hidden_size}] {dtype} (this model's hidden size "
-            f"is {limits.hidden_size}); got {got}", param="prompt_embeds",
+            f"is {limits.hidden_size}); got {got}",
+            param="prompt_embeds",
         )
 
 
 def validate_prompt(
-    token_ids: Sequence[int], spans: Sequence[ImageSpanRef], images: dict[str, bytes], params: SamplingParams,
+    token_ids: Sequence[int],
+    spans: Sequence[ImageSpanRef],
+    images: dict[str, bytes],
+    params: SamplingParams,
     limits: PromptLimits,
 ) -> None:
     """``InvalidRequestError`` (with ``param``) for the first problem of the prompt or its parameters."""
@@ -72,38 +84,53 @@ def validate_prompt(
             param="token_ids",
         )
     if any(not 0 <= t < limits.vocab_size for t in token_ids):
-        raise InvalidRequestError(f"token ids must be in [0, {limits.vocab_size})", param="token_ids")
+        raise InvalidRequestError(
+            f"token ids must be in [0, {limits.vocab_size})", param="token_ids"
+        )
     cursor = 0
     for i, span in enumerate(spans):
         _check_span(i, span, cursor, token_ids, limits)
         if span.content_hash not in images or not images[span.content_hash]:
-            raise InvalidRequestError(f"image_spans[{i}]: no image bytes for hash {span.content_hash!r}", param="images")
+            raise InvalidRequestError(
+                f"image_spans[{i}]: no image bytes for hash {span.content_hash!r}", param="images"
+            )
         cursor = span.offset + span.length
     num_placeholders = sum(t == limits.image_token_id for t in token_ids)
     if num_placeholders != sum(span.length for span in spans):
         raise InvalidRequestError(
             f"the prompt has {num_placeholders} image placeholder tokens but its spans cover "
-            f"{sum(span.length for span in spans)}", param="image_spans",
+            f"{sum(span.length for span in spans)}",
+            param="image_spans",
         )
 
 
-def _check_span(i: int, span: ImageSpanRef, cursor: int, token_ids: Sequence[int], limits: PromptLimits) -> None:
+def _check_span(
+    i: int, span: ImageSpanRef, cursor: int, token_ids: Sequence[int], limits: PromptLimits
+) -> None:
     t, h, w = span.grid_thw
     merge = limits.spatial_merge_size
     if span.offset < cursor:
-        raise InvalidRequestError(f"image_spans[{i}] overlaps or precedes the previous span", param="image_spans")
+        raise InvalidRequestError(
+            f"image_spans[{i}] overlaps or precedes the previous span", param="image_spans"
+        )
     if span.length <= 0 or span.offset + span.length > len(token_ids):
         raise InvalidRequestError(
             f"image_spans[{i}] [{span.offset}, {span.offset + span.length}) is empty or outside the "
-            f"{len(token_ids)}-token prompt", param="image_spans",
+            f"{len(token_ids)}-token prompt",
+            param="image_spans",
         )
     if min(t, h, w) <= 0 or h % merge or w % merge or t * h * w != span.length * merge * merge:
         raise InvalidRequestError(
             f"image_spans[{i}]: grid {span.grid_thw} does not give {span.length} tokens "
-            f"(merge size {merge})", param="image_spans",
+            f"(merge size {merge})",
+            param="image_spans",
         )
-    if any(tok != limits.image_token_id for tok in token_ids[span.offset : span.offset + span.length]):
-        raise InvalidRequestError(f"image_spans[{i}] covers non-placeholder tokens", param="image_spans")
+    if any(
+        tok != limits.image_token_id for tok in token_ids[span.offset : span.offset + span.length]
+    ):
+        raise InvalidRequestError(
+            f"image_spans[{i}] covers non-placeholder tokens", param="image_spans"
+        )
 
 
 def prompt_destination(
@@ -119,7 +146,8 @@ def prompt_destination(
     if num_pages > local.num_pages:
         raise InvalidRequestError(
             f"the prompt has {num_tokens} tokens; this prefill worker holds at most "
-            f"{local.num_pages * local.page_size}", param="token_ids",
+            f"{local.num_pages * local.page_size}",
+            param="token_ids",
         )
     if len(dst.page_ids) < num_pages:
         raise InvalidRequestError(

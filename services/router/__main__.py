@@ -41,43 +41,99 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.router", description=__doc__)
     add_common_args(p, runs_model=False, envs=envs)
     envs = envs if envs is not None else Envs.from_environ()
-    p.add_argument("--api-key", default=envs.api_key,
-                   help=f"key API callers must send as 'Authorization: Bearer <key>' on /v1/* and "
-                        f"gRPC Router (default: {API_KEY_ENV}; empty: the API is open)")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the dir name)")
-    p.add_argument("--max-context-len", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument(
+        "--api-key",
+        default=envs.api_key,
+        help=f"key API callers must send as 'Authorization: Bearer <key>' on /v1/* and "
+        f"gRPC Router (default: {API_KEY_ENV}; empty: the API is open)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: the dir name)"
+    )
+    p.add_argument(
+        "--max-context-len",
+        type=int,
+        default=0,
+        help="default: the model's max_position_embeddings",
+    )
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI HTTP port (0 = any free port); /metrics is on --metrics-port")
-    p.add_argument("--http-reuse-port", action="store_true",
-                   help="share --http-port with other router processes started with this flag "
-                        "(SO_REUSEPORT: the kernel spreads new connections over them)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI HTTP port (0 = any free port); /metrics is on --metrics-port",
+    )
+    p.add_argument(
+        "--http-reuse-port",
+        action="store_true",
+        help="share --http-port with other router processes started with this flag "
+        "(SO_REUSEPORT: the kernel spreads new connections over them)",
+    )
     for kind in ("tokenizer", "prefill", "decode", "encoder"):
-        p.add_argument(f"--{kind}-address", action="append", default=[], metavar="HOST:PORT",
-                       help=f"a {kind} worker (repeatable)")
-    p.add_argument("--policy", choices=[n.value for n in PolicyName], default=PolicyName.ROUND_ROBIN.value)
-    p.add_argument("--health-interval-s", type=float, default=1.0, help="seconds between worker health polls")
-    p.add_argument("--health-timeout-s", type=float, default=1.0, help="timeout of one health check")
-    p.add_argument("--health-generate-interval-s", type=_non_negative_float, default=30.0,
-                   help="a worker that completed no request for this long runs a one-token health-check "
-                        "generate through tokenizer, prefill and decode; failing it ejects the worker "
-                        "until one passes (0: never)")
-    p.add_argument("--health-generate-timeout-s", type=_positive_float, default=30.0,
-                   help="a health-check generate that takes longer fails")
+        p.add_argument(
+            f"--{kind}-address",
+            action="append",
+            default=[],
+            metavar="HOST:PORT",
+            help=f"a {kind} worker (repeatable)",
+        )
+    p.add_argument(
+        "--policy", choices=[n.value for n in PolicyName], default=PolicyName.ROUND_ROBIN.value
+    )
+    p.add_argument(
+        "--health-interval-s", type=float, default=1.0, help="seconds between worker health polls"
+    )
+    p.add_argument(
+        "--health-timeout-s", type=float, default=1.0, help="timeout of one health check"
+    )
+    p.add_argument(
+        "--health-generate-interval-s",
+        type=_non_negative_float,
+        default=30.0,
+        help="a worker that completed no request for this long runs a one-token health-check "
+        "generate through tokenizer, prefill and decode; failing it ejects the worker "
+        "until one passes (0: never)",
+    )
+    p.add_argument(
+        "--health-generate-timeout-s",
+        type=_positive_float,
+        default=30.0,
+        help="a health-check generate that takes longer fails",
+    )
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="per-request deadline")
     p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    p.add_argument("--image-fetch-timeout-s", type=float, default=10.0,
-                   help="total time for fetching one image URL, redirects and body included")
-    p.add_argument("--default-max-tokens", type=int, default=0, help="when a request sets none; 0 = up to the context")
+    p.add_argument(
+        "--image-fetch-timeout-s",
+        type=float,
+        default=10.0,
+        help="total time for fetching one image URL, redirects and body included",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=0,
+        help="when a request sets none; 0 = up to the context",
+    )
     # The public input surface: HTTP bodies and image URLs.
-    p.add_argument("--max-request-bytes", type=_positive_int, default=None,
-                   help="largest HTTP request body, else 413 (default: one --max-image-bytes image "
-                        "as base64 + 4 MiB)")
-    p.add_argument("--allow-private-image-urls", action="store_true",
-                   help="also fetch image URLs on private, loopback, link-local and other "
-                        "non-public addresses")
-    p.add_argument("--max-image-redirects", type=_non_negative_int, default=3,
-                   help="redirects followed when fetching an image URL")
+    p.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=None,
+        help="largest HTTP request body, else 413 (default: one --max-image-bytes image "
+        "as base64 + 4 MiB)",
+    )
+    p.add_argument(
+        "--allow-private-image-urls",
+        action="store_true",
+        help="also fetch image URLs on private, loopback, link-local and other "
+        "non-public addresses",
+    )
+    p.add_argument(
+        "--max-image-redirects",
+        type=_non_negative_int,
+        default=3,
+        help="redirects followed when fetching an image URL",
+    )
     add_flow_args(p)
     return p
 
@@ -85,22 +141,40 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
 def add_flow_args(p: argparse.ArgumentParser) -> None:
     """Progress bound and admission flags (``FlowConfig``)."""
     defaults = FlowConfig()
-    p.add_argument("--stall-timeout-s", type=float, default=defaults.stall_timeout_s,
-                   help="each hop (tokenize, Reserve, prefill, each gap between decode messages) must "
-                        "answer within this, else the request ends UNAVAILABLE")
-    p.add_argument("--max-concurrent-requests", type=int, default=defaults.max_concurrent_requests,
-                   help="requests past tokenization in flight at once")
-    p.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
-                   help="requests waiting for a slot; more get 429 at once")
-    p.add_argument("--queue-timeout-s", type=float, default=defaults.queue_timeout_s,
-                   help="how long a request may wait for a slot and for KV pages in all, then 429")
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        default=defaults.stall_timeout_s,
+        help="each hop (tokenize, Reserve, prefill, each gap between decode messages) must "
+        "answer within this, else the request ends UNAVAILABLE",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=defaults.max_concurrent_requests,
+        help="requests past tokenization in flight at once",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=defaults.max_queued_requests,
+        help="requests waiting for a slot; more get 429 at once",
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=defaults.queue_timeout_s,
+        help="how long a request may wait for a slot and for KV pages in all, then 429",
+    )
 
 
 def flow_config_from_args(args: argparse.Namespace) -> FlowConfig:
     try:
         return FlowConfig(
-            stall_timeout_s=args.stall_timeout_s, max_concurrent_requests=args.max_concurrent_requests,
-            max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s,
+            stall_timeout_s=args.stall_timeout_s,
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_queued_requests=args.max_queued_requests,
+            queue_timeout_s=args.queue_timeout_s,
         )
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
@@ -147,14 +221,20 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         served_model_name=args.served_model_name or model_dir.name,
         max_context_len=args.max_context_len or _context_len(model_dir),
         workers=WorkerAddresses(
-            tokenizer=tuple(args.tokenizer_address), prefill=tuple(args.prefill_address),
-            decode=tuple(args.decode_address), encoder=tuple(args.encoder_address),
+            tokenizer=tuple(args.tokenizer_address),
+            prefill=tuple(args.prefill_address),
+            decode=tuple(args.decode_address),
+            encoder=tuple(args.encoder_address),
         ),
         limits=LimitsConfig(
-            request_timeout_s=args.request_timeout_s, max_image_bytes=args.max_image_bytes,
-            image_fetch_timeout_s=args.image_fetch_timeout_s, default_max_tokens=args.default_max_tokens,
-            max_request_bytes=args.max_request_bytes or default_max_request_bytes(args.max_image_bytes),
-            allow_private_image_urls=args.allow_private_image_urls, max_image_redirects=args.max_image_redirects,
+            request_timeout_s=args.request_timeout_s,
+            max_image_bytes=args.max_image_bytes,
+            image_fetch_timeout_s=args.image_fetch_timeout_s,
+            default_max_tokens=args.default_max_tokens,
+            max_request_bytes=args.max_request_bytes
+            or default_max_request_bytes(args.max_image_bytes),
+            allow_private_image_urls=args.allow_private_image_urls,
+            max_image_redirects=args.max_image_redirects,
         ),
         flow=flow_config_from_args(args),
         policy=PolicyName(args.policy),
@@ -186,8 +266,11 @@ def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
         except AuthConfigError as exc:
             raise SystemExit(f"router: error: --api-key / {API_KEY_ENV}: {exc}") from None
     else:
-        logger.warning("no API key (--api-key / %s): anyone who reaches the HTTP or gRPC port "
-                       "may call the API", API_KEY_ENV)
+        logger.warning(
+            "no API key (--api-key / %s): anyone who reaches the HTTP or gRPC port "
+            "may call the API",
+            API_KEY_ENV,
+        )
     return RouterAccess(internal, api_key, args.enable_reflection)
 
 
@@ -208,7 +291,12 @@ async def serve(cfg: RouterConfig, metrics_port: int, access: RouterAccess) -> N
     app = RouterApp.build(cfg, access=access)
     http_socket = bind_http_socket(cfg.http_host, cfg.http_port, cfg.http_reuse_port)
     await app.start(http_socket)
-    print_ready("router", port=app.grpc_port, http_port=http_socket.getsockname()[1], metrics_port=metrics_port)
+    print_ready(
+        "router",
+        port=app.grpc_port,
+        http_port=http_socket.getsockname()[1],
+        metrics_port=metrics_port,
+    )
     await serve_until_signal(app.grpc_server, app.health, app.stop, grace_s=GRPC_GRACE_S)
 
 

@@ -99,7 +99,9 @@ class AdmissionManager:
         self._num_waiting = 0
         self._num_running = 0
         self._is_kv_limited = False
-        self._window = max_running  # while kv-limited: granted tickets awaiting their Reserve result
+        self._window = (
+            max_running  # while kv-limited: granted tickets awaiting their Reserve result
+        )
         self._trying: set[Ticket] = set()
         self._num_refusals = 0  # in a row, for the backoff
         self._last_refusal: CapacityError | None = None
@@ -107,7 +109,11 @@ class AdmissionManager:
 
     def snapshot(self) -> AdmissionSnapshot:
         return AdmissionSnapshot(
-            self._num_running, self._num_waiting, self.max_running, self.max_queued, self._is_kv_limited
+            self._num_running,
+            self._num_waiting,
+            self.max_running,
+            self.max_queued,
+            self._is_kv_limited,
         )
 
     @contextlib.contextmanager
@@ -208,7 +214,9 @@ class AdmissionManager:
                     ticket.refusal = self._last_refusal
                 self._unqueue(ticket)
                 is_kv = ticket.refusal is not None
-                self._reject(ticket, RejectReason.KV_CAPACITY if is_kv else RejectReason.QUEUE_TIMEOUT)
+                self._reject(
+                    ticket, RejectReason.KV_CAPACITY if is_kv else RejectReason.QUEUE_TIMEOUT
+                )
         finally:
             ticket.granted = None
 

@@ -57,8 +57,10 @@ class _EmbeddedUvicorn(uvicorn.Server):
 def make_workers(cfg: RouterConfig, auth: Credentials | None = None) -> list[Worker]:
     """One ``Worker`` per configured address; its client sends ``auth`` (the internal token)."""
     addresses = {
-        WorkerKind.TOKENIZER: cfg.workers.tokenizer, WorkerKind.PREFILL: cfg.workers.prefill,
-        WorkerKind.DECODE: cfg.workers.decode, WorkerKind.ENCODER: cfg.workers.encoder,
+        WorkerKind.TOKENIZER: cfg.workers.tokenizer,
+        WorkerKind.PREFILL: cfg.workers.prefill,
+        WorkerKind.DECODE: cfg.workers.decode,
+        WorkerKind.ENCODER: cfg.workers.encoder,
     }
     return [
         Worker(kind, address, CLIENTS[kind](address, auth=auth) if kind in CLIENTS else None)
@@ -69,43 +71,72 @@ def make_workers(cfg: RouterConfig, auth: Credentials | None = None) -> list[Wor
 
 class RouterApp:
     def __init__(
-        self, cfg: RouterConfig, metrics: RouterMetrics, text: TextProcessor,
-        images: ImageLoader | None = None, access: RouterAccess | None = None,
+        self,
+        cfg: RouterConfig,
+        metrics: RouterMetrics,
+        text: TextProcessor,
+        images: ImageLoader | None = None,
+        access: RouterAccess | None = None,
     ) -> None:
         access = access if access is not None else RouterAccess()
         self.cfg = cfg
         self.metrics = metrics
         self.health = HealthState()
         self.registry = WorkerRegistry(
-            make_workers(cfg, access.internal), make_policy(cfg.policy), metrics,
+            make_workers(cfg, access.internal),
+            make_policy(cfg.policy),
+            metrics,
             HealthProbe(cfg.health_timeout_s, auth=access.internal),
             on_poll=self._update_health,
         )
         limits = cfg.limits
         detokenizer_factory = functools.partial(text.detokenizer, skip_special_tokens=True)
         self.pipeline = GenerationPipeline(
-            self.registry, detokenizer_factory, cfg.max_context_len, metrics, limits.default_max_tokens,
-            flow=cfg.flow, model_name=cfg.served_model_name,
+            self.registry,
+            detokenizer_factory,
+            cfg.max_context_len,
+            metrics,
+            limits.default_max_tokens,
+            flow=cfg.flow,
+            model_name=cfg.served_model_name,
         )
         self.health_generate = None
         if cfg.health_generate_interval_s > 0:
             self.health_generate = HealthGenerateChecker(
-                self.registry, self.pipeline, cfg.health_generate_interval_s, cfg.health_generate_timeout_s
+                self.registry,
+                self.pipeline,
+                cfg.health_generate_interval_s,
+                cfg.health_generate_timeout_s,
             )
         self.images = images or ImageLoader.from_limits(limits)
         self.api = OpenAIApi(
-            self.pipeline, self.registry, self.images, metrics, cfg.served_model_name, cfg.max_context_len,
-            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes), text,
+            self.pipeline,
+            self.registry,
+            self.images,
+            metrics,
+            cfg.served_model_name,
+            cfg.max_context_len,
+            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),
+            text,
         )
         self.http_app: FastAPI = create_app(self.api)
         require_api_key(self.http_app, access.api_key)
         servicer = RouterServicer(
-            self.pipeline, metrics, cfg.served_model_name, limits.request_timeout_s,
-            limits.max_stop_strings, limits.max_image_bytes,
+            self.pipeline,
+            metrics,
+            cfg.served_model_name,
+            limits.request_timeout_s,
+            limits.max_stop_strings,
+            limits.max_image_bytes,
         )
         self.grpc_server, self.grpc_port = create_server(
-            [(router_pb2_grpc.add_RouterServicer_to_server, servicer)], cfg.port, cfg.host, [SERVICE_NAME],
-            health=self.health, auth=access.api_key, enable_reflection=access.enable_reflection,
+            [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
+            cfg.port,
+            cfg.host,
+            [SERVICE_NAME],
+            health=self.health,
+            auth=access.api_key,
+            enable_reflection=access.enable_reflection,
         )
         self._http_server: _EmbeddedUvicorn | None = None
         self._http_task: asyncio.Task | None = None
@@ -136,12 +167,17 @@ class RouterApp:
         await self.grpc_server.start()
         if http_socket is not None:
             config = uvicorn.Config(
-                self.http_app, lifespan="off", access_log=False, log_level=self.cfg.log_level.lower(),
+                self.http_app,
+                lifespan="off",
+                access_log=False,
+                log_level=self.cfg.log_level.lower(),
                 log_config=None,  # uvicorn's loggers go through the service's handler (--log-format)
                 timeout_graceful_shutdown=HTTP_GRACE_S,
             )
             self._http_server = _EmbeddedUvicorn(config)
-            self._http_task = asyncio.create_task(self._http_server.serve(sockets=[http_socket]), name="http")
+            self._http_task = asyncio.create_task(
+                self._http_server.serve(sockets=[http_socket]), name="http"
+            )
             while not self._http_server.started:
                 if self._http_task.done():
                     await self._http_task  # raises why it failed

@@ -48,7 +48,8 @@ class ApiKeyMiddleware:
             return
         error = UnauthenticatedError(self._api_key.denied_message)
         response = JSONResponse(
-            error_body_of(error), status_code=error.http_status,
+            error_body_of(error),
+            status_code=error.http_status,
             headers={"www-authenticate": "Bearer"},
         )
         await response(scope, receive, send)

@@ -63,7 +63,9 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, receive: Receive, send: Send, *, more_body: bool = True) -> None:
         message = f"the request body is larger than the limit of {self.max_request_bytes} bytes"
-        body = dump_json(error_body(message, "invalid_request_error", code="request_too_large")).encode()
+        body = dump_json(
+            error_body(message, "invalid_request_error", code="request_too_large")
+        ).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -97,7 +97,9 @@ class GenerationPipeline:
         cancelling its consumer) cancels the request and aborts it on decode.
         """
         queue: asyncio.Queue[GenerationDelta | StageServeError] = asyncio.Queue()
-        producer = self._spawn(self._produce(request, queue.put_nowait), f"request-{request.request_id}")
+        producer = self._spawn(
+            self._produce(request, queue.put_nowait), f"request-{request.request_id}"
+        )
         is_over = False  # the producer has delivered its terminal item and winds down by itself
         try:
             while True:
@@ -133,8 +135,10 @@ class GenerationPipeline:
         current_request_id.set(request.request_id)
         state = _Terminal(emit)
         with _tracer.start_as_current_span(
-            "router.request", attributes=request_attributes(request, self._model_name),
-            record_exception=False, set_status_on_exception=False,
+            "router.request",
+            attributes=request_attributes(request, self._model_name),
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
             stats = RequestStats(self._metrics, span, time.perf_counter())
             timed = _TimedEmit(state.emit, stats, request.max_tokens)
@@ -155,7 +159,9 @@ class GenerationPipeline:
                 raise
             finally:
                 if not state.is_done:  # an unexpected exception or cancellation
-                    state.emit(StageServeError(f"request {request.request_id} failed inside the router"))
+                    state.emit(
+                        StageServeError(f"request {request.request_id} failed inside the router")
+                    )
                 if error is not None:
                     telemetry.mark_error(span, error)
 
@@ -180,7 +186,9 @@ class GenerationPipeline:
         """The request's prompt as generation would tokenize it, under its timeout (``/tokenize``)."""
         try:
             async with asyncio.timeout(request.timeout_s):
-                return await self._tokenize(request, time.time() + request.timeout_s, add_generation_prompt)
+                return await self._tokenize(
+                    request, time.time() + request.timeout_s, add_generation_prompt
+                )
         except TimeoutError:
             raise DeadlineExceededError(
                 f"request {request.request_id} passed its deadline of {request.timeout_s:g} s"
@@ -190,9 +198,13 @@ class GenerationPipeline:
         self, request: GenerationRequest, deadline_s: float, add_generation_prompt: bool = True
     ) -> TokenizedPrompt:
         embeds = request.prompt_embeds
-        if embeds is not None:  # no tokens: placeholder ids (0) carry the length, the rows the content
+        if (
+            embeds is not None
+        ):  # no tokens: placeholder ids (0) carry the length, the rows the content
             return TokenizedPrompt(
-                (0,) * embeds.num_tokens, prompt_embeds=embeds.data, prompt_embeds_dtype=embeds.dtype
+                (0,) * embeds.num_tokens,
+                prompt_embeds=embeds.data,
+                prompt_embeds_dtype=embeds.dtype,
             )
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
@@ -203,10 +215,14 @@ class GenerationPipeline:
                 )
             else:
                 assert request.prompt is not None
-                call = tokenizer.tokenize_prompt(request.request_id, request.prompt, timeout_s=timeout_s)
+                call = tokenizer.tokenize_prompt(
+                    request.request_id, request.prompt, timeout_s=timeout_s
+                )
             return await self._bound.call(Hop.TOKENIZE, worker, request.request_id, call)
 
-    def _bounded_params(self, request: GenerationRequest, prompt: TokenizedPrompt) -> SamplingParams:
+    def _bounded_params(
+        self, request: GenerationRequest, prompt: TokenizedPrompt
+    ) -> SamplingParams:
         """The request's sampling parameters with max_new_tokens set: the client's max_tokens when
         the context has room for it (else a 400, as vLLM answers), a default fitted to the room."""
         prompt_len = len(prompt.token_ids)
@@ -249,7 +265,10 @@ class GenerationPipeline:
         request_id = flow.job.request_id
         client: DecodePeer = decode.client
         stream = client.generate(
-            request_id, first_token_id, _remaining(flow.job.deadline_s), kv_written_proof=kv_written_proof
+            request_id,
+            first_token_id,
+            _remaining(flow.job.deadline_s),
+            kv_written_proof=kv_written_proof,
         )
         try:
             while True:

@@ -76,8 +76,15 @@ class OpenAIApi:
     of the model's tokenizer (``/detokenize``)."""
 
     def __init__(
-        self, pipeline: GenerationPipeline, registry: WorkerRegistry, images: ImageLoader, metrics: RouterMetrics,
-        served_model_name: str, max_context_len: int, limits: ApiLimits, text: TextProcessor,
+        self,
+        pipeline: GenerationPipeline,
+        registry: WorkerRegistry,
+        images: ImageLoader,
+        metrics: RouterMetrics,
+        served_model_name: str,
+        max_context_len: int,
+        limits: ApiLimits,
+        text: TextProcessor,
     ) -> None:
         self.pipeline = pipeline
         self.registry = registry
@@ -97,8 +104,12 @@ class OpenAIApi:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
             messages = await _until_disconnect(request, chat_messages(body.messages, self.images))
-            generation = self._generation(f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages)
-            return await self._respond(generation, body.stream, body.stream_options, request, tracker, is_chat=True)
+            generation = self._generation(
+                f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages
+            )
+            return await self._respond(
+                generation, body.stream, body.stream_options, request, tracker, is_chat=True
+            )
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
             raise
@@ -111,31 +122,54 @@ class OpenAIApi:
             given = completion_input(body)
             prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
             if embeds is not None and body.echo:
-                raise InvalidRequestError("echo needs a text prompt, not prompt_embeds", param="echo")
+                raise InvalidRequestError(
+                    "echo needs a text prompt, not prompt_embeds", param="echo"
+                )
             generation = self._generation(
                 f"cmpl-{uuid.uuid4().hex}", options, prompt=prompt, prompt_embeds=embeds
             )
             echo = prompt if body.echo else ""
             return await self._respond(
-                generation, body.stream, body.stream_options, request, tracker, is_chat=False, echo=echo
+                generation,
+                body.stream,
+                body.stream_options,
+                request,
+                tracker,
+                is_chat=False,
+                echo=echo,
             )
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
             raise
 
-    def _generation(self, request_id: str, options: GenerationOptions, **prompt: Any) -> GenerationRequest:
+    def _generation(
+        self, request_id: str, options: GenerationOptions, **prompt: Any
+    ) -> GenerationRequest:
         return GenerationRequest(
-            request_id, **prompt, params=options.params, max_tokens=options.max_tokens,
-            max_tokens_param=options.max_tokens_param, stop=options.stop,
+            request_id,
+            **prompt,
+            params=options.params,
+            max_tokens=options.max_tokens,
+            max_tokens_param=options.max_tokens_param,
+            stop=options.stop,
             timeout_s=self.limits.request_timeout_s,
         )
 
     async def _respond(
-        self, generation: GenerationRequest, stream: bool, stream_options: Any, request: Request,
-        tracker: RequestTracker, *, is_chat: bool, echo: str = "",
+        self,
+        generation: GenerationRequest,
+        stream: bool,
+        stream_options: Any,
+        request: Request,
+        tracker: RequestTracker,
+        *,
+        is_chat: bool,
+        echo: str = "",
     ) -> Response:
         """``echo``: text the output starts with (completions' echo: the prompt)."""
-        formatter = ResponseFormatter(generation.request_id, self.served_model_name, int(time.time()), is_chat=is_chat)
+        formatter = ResponseFormatter(
+            generation.request_id, self.served_model_name, int(time.time()), is_chat=is_chat
+        )
         deltas = self.pipeline.stream(generation)
         if not stream:
             text, last = await _until_disconnect(request, _collect(deltas))
@@ -146,7 +180,9 @@ class OpenAIApi:
         first = await _until_disconnect(request, anext(deltas))
         include_usage = bool(stream_options and stream_options.include_usage)
         events = _sse_events(formatter, first, deltas, include_usage, tracker, echo)
-        return _SSEResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        return _SSEResponse(
+            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
 
     def version(self) -> VersionResponse:
         """The installed stageserve package's version (vLLM's ``GET /version``)."""
@@ -154,7 +190,10 @@ class OpenAIApi:
 
     def models(self) -> dict[str, Any]:
         model = {
-            "id": self.served_model_name, "object": "model", "created": self.created, "owned_by": "stageserve",
+            "id": self.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "stageserve",
             "max_model_len": self.max_context_len,
         }
         return {"object": "list", "data": [model]}
@@ -163,13 +202,24 @@ class OpenAIApi:
         """200 while every needed kind has a ready worker, else 503; the body details workers and load."""
         missing = [k.value for k in self.registry.missing_kinds()]
         workers = [
-            {"kind": w.kind.value, "address": w.address, "state": w.state.value, "in_flight": w.num_in_flight,
-             "stalls": w.num_stalls, **({"error": w.last_error} if w.last_error else {})}
+            {
+                "kind": w.kind.value,
+                "address": w.address,
+                "state": w.state.value,
+                "in_flight": w.num_in_flight,
+                "stalls": w.num_stalls,
+                **({"error": w.last_error} if w.last_error else {}),
+            }
             for w in self.registry.workers()
         ]
         admission = msgspec.to_builtins(self.pipeline.admission.snapshot())
         if missing:
-            body = {"status": "unavailable", "missing": missing, "workers": workers, "admission": admission}
+            body = {
+                "status": "unavailable",
+                "missing": missing,
+                "workers": workers,
+                "admission": admission,
+            }
             return OpenAIJSONResponse(body, status_code=503)
         return OpenAIJSONResponse({"status": "ok", "workers": workers, "admission": admission})
 
@@ -194,8 +244,12 @@ async def _collect(deltas: AsyncIterator[GenerationDelta]) -> tuple[str, Generat
 
 
 async def _sse_events(
-    formatter: ResponseFormatter, first: GenerationDelta, deltas: AsyncIterator[GenerationDelta],
-    include_usage: bool, tracker: RequestTracker, echo: str,
+    formatter: ResponseFormatter,
+    first: GenerationDelta,
+    deltas: AsyncIterator[GenerationDelta],
+    include_usage: bool,
+    tracker: RequestTracker,
+    echo: str,
 ) -> AsyncIterator[str]:
     outcome = "cancelled"  # unless the stream reaches its end
     try:
@@ -210,8 +264,13 @@ async def _sse_events(
             if delta.finish_reason is not None:
                 break
             delta = await anext(deltas)
-        yield sse(formatter.chunk(None if formatter.is_chat else "", delta.finish_reason,
-                                  with_usage_field=include_usage))
+        yield sse(
+            formatter.chunk(
+                None if formatter.is_chat else "",
+                delta.finish_reason,
+                with_usage_field=include_usage,
+            )
+        )
         if include_usage and delta.usage is not None:
             yield sse(formatter.usage_chunk(delta.usage))
         outcome = "ok"
@@ -270,19 +329,30 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
     if not loc and first.get("type") in ("model_attributes_type", "missing"):
-        return "the request body must be a JSON object sent with content-type: application/json", None
+        return (
+            "the request body must be a JSON object sent with content-type: application/json",
+            None,
+        )
     if first.get("type") == "missing":
         return f"{param} is required", param
     if first.get("type") == "extra_forbidden":
-        return f"{param} is not a field this server knows (unknown fields are refused, not ignored)", param
+        return (
+            f"{param} is not a field this server knows (unknown fields are refused, not ignored)",
+            param,
+        )
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 
 # Documented answers of the generation routes besides 200 (FastAPI's 422 is never sent).
 _GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "the completion; server-sent events when stream is true",
-          "content": {"text/event-stream": {}}},
-    400: {"model": ErrorResponse, "description": "malformed JSON, or a field missing, mistyped or out of range"},
+    200: {
+        "description": "the completion; server-sent events when stream is true",
+        "content": {"text/event-stream": {}},
+    },
+    400: {
+        "model": ErrorResponse,
+        "description": "malformed JSON, or a field missing, mistyped or out of range",
+    },
     413: {"model": ErrorResponse, "description": "the body is over --max-request-bytes"},
     429: {"model": ErrorResponse, "description": "overloaded; retry after the Retry-After header"},
     503: {"model": ErrorResponse, "description": "no ready worker, or no capacity for the request"},
@@ -318,7 +388,10 @@ def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
 
 def create_app(api: OpenAIApi) -> FastAPI:
     app = FastAPI(
-        title="stageserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+        title="stageserve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
         default_response_class=OpenAIJSONResponse,
     )
     app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
@@ -327,33 +400,61 @@ def create_app(api: OpenAIApi) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> OpenAIJSONResponse:
         message, param = _validation_message(exc)
         RequestTracker(api.metrics, request.url.path).finish("invalid_request_error")
-        return OpenAIJSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return OpenAIJSONResponse(
+            error_body(message, "invalid_request_error", param), status_code=400
+        )
 
     @app.exception_handler(StageServeError)
     async def _stageserve_error(request: Request, exc: StageServeError) -> OpenAIJSONResponse:
         retry_after_s = getattr(exc, "retry_after_s", None)
-        headers = None if retry_after_s is None else {"retry-after": str(max(1, math.ceil(retry_after_s)))}
+        headers = (
+            None
+            if retry_after_s is None
+            else {"retry-after": str(max(1, math.ceil(retry_after_s)))}
+        )
         return OpenAIJSONResponse(error_body_of(exc), status_code=exc.http_status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> OpenAIJSONResponse:
         error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return OpenAIJSONResponse(error_body(str(exc.detail), error_type), status_code=exc.status_code)
+        return OpenAIJSONResponse(
+            error_body(str(exc.detail), error_type), status_code=exc.status_code
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> OpenAIJSONResponse:
-        logger.error("unexpected error answering %s %s", request.method, request.url.path, exc_info=exc)
-        return OpenAIJSONResponse(error_body("internal error in the router", "internal_error"), status_code=500)
+        logger.error(
+            "unexpected error answering %s %s", request.method, request.url.path, exc_info=exc
+        )
+        return OpenAIJSONResponse(
+            error_body("internal error in the router", "internal_error"), status_code=500
+        )
 
     app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
-    app.add_middleware(TraceContextMiddleware)  # outermost: the caller's traceparent, before anything
-    app.add_api_route(CHAT_PATH, api.chat_completions, methods=["POST"], response_model=None,
-                      responses=_GENERATION_RESPONSES)
-    app.add_api_route(COMPLETIONS_PATH, api.completions, methods=["POST"], response_model=None,
-                      responses=_GENERATION_RESPONSES)
+    app.add_middleware(
+        TraceContextMiddleware
+    )  # outermost: the caller's traceparent, before anything
+    app.add_api_route(
+        CHAT_PATH,
+        api.chat_completions,
+        methods=["POST"],
+        response_model=None,
+        responses=_GENERATION_RESPONSES,
+    )
+    app.add_api_route(
+        COMPLETIONS_PATH,
+        api.completions,
+        methods=["POST"],
+        response_model=None,
+        responses=_GENERATION_RESPONSES,
+    )
     app.add_api_route("/v1/models", api.models, methods=["GET"])
-    app.add_api_route("/tokenize", api.tokens.tokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES)
-    app.add_api_route("/detokenize", api.tokens.detokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES)
+    app.add_api_route(
+        "/tokenize", api.tokens.tokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES
+    )
+    app.add_api_route(
+        "/detokenize", api.tokens.detokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES
+    )
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
     return app

@@ -46,8 +46,14 @@ def is_public_address(ip: IPAddress) -> bool:
             return is_public_address(embedded)
         if ip.is_site_local:
             return False
-    is_special = (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
-                  or ip.is_reserved or ip.is_unspecified)
+    is_special = (
+        ip.is_private
+        or ip.is_loopback
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
     return ip.is_global and not is_special
 
 
@@ -85,7 +91,9 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
     """Connects only to addresses ``allow_private`` permits; see the module docstring."""
 
     def __init__(
-        self, allow_private: bool, resolver: Resolver | None = None,
+        self,
+        allow_private: bool,
+        resolver: Resolver | None = None,
         inner: httpcore.AsyncNetworkBackend | None = None,
     ) -> None:
         self._allow_private = allow_private
@@ -96,7 +104,11 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         return self._allow_private or is_public_address(ip)
 
     async def connect_tcp(
-        self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
         socket_options: Iterable[typing.Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         try:
@@ -145,7 +157,12 @@ class ImageFetcher:
     """GETs image URLs through a ``GuardedBackend``: redirects, byte limit, total deadline."""
 
     def __init__(
-        self, backend: GuardedBackend, *, max_image_bytes: int, timeout_s: float, max_redirects: int,
+        self,
+        backend: GuardedBackend,
+        *,
+        max_image_bytes: int,
+        timeout_s: float,
+        max_redirects: int,
     ) -> None:
         self._backend = backend
         self._max_image_bytes = max_image_bytes
@@ -168,8 +185,12 @@ class ImageFetcher:
     async def _follow(self, url: str, param: str) -> bytes:
         target = self._checked_url(url, param)
         for _ in range(self._max_redirects + 1):
-            core_url = httpcore.URL(scheme=target.raw_scheme, host=target.raw_host, port=target.port,
-                                    target=target.raw_path)
+            core_url = httpcore.URL(
+                scheme=target.raw_scheme,
+                host=target.raw_host,
+                port=target.port,
+                target=target.raw_path,
+            )
             headers = [(b"accept", b"image/*")]
             async with self._pool.stream("GET", core_url, headers=headers) as response:
                 if response.status in REDIRECT_STATUSES:
@@ -189,7 +210,9 @@ class ImageFetcher:
         except (httpx.InvalidURL, UnicodeError, ValueError):
             raise InvalidRequestError("image_url is not a valid URL", param=param) from None
         if url.scheme not in ("http", "https") or not url.host:
-            raise InvalidRequestError("image_url must be a data: URL or an http(s) URL", param=param)
+            raise InvalidRequestError(
+                "image_url must be a data: URL or an http(s) URL", param=param
+            )
         try:
             literal = ipaddress.ip_address(url.host)
         except ValueError:
@@ -217,7 +240,6 @@ class ImageFetcher:
 
     async def close(self) -> None:
         await self._pool.aclose()
-
 
 
 def _header(response: httpcore.Response, name: bytes) -> str | None:

@@ -28,11 +28,15 @@ class ImageLoader:
         self._fetcher = fetcher
 
     @classmethod
-    def from_limits(cls, limits: LimitsConfig, backend: GuardedBackend | None = None) -> ImageLoader:
+    def from_limits(
+        cls, limits: LimitsConfig, backend: GuardedBackend | None = None
+    ) -> ImageLoader:
         """A loader with the limits' image flags; ``backend`` replaces the real network (tests)."""
         backend = backend or GuardedBackend(limits.allow_private_image_urls)
         fetcher = ImageFetcher(
-            backend, max_image_bytes=limits.max_image_bytes, timeout_s=limits.image_fetch_timeout_s,
+            backend,
+            max_image_bytes=limits.max_image_bytes,
+            timeout_s=limits.image_fetch_timeout_s,
             max_redirects=limits.max_image_redirects,
         )
         return cls(limits.max_image_bytes, fetcher)
@@ -44,27 +48,37 @@ class ImageLoader:
         elif url.startswith(("http://", "https://")):
             data = await self._fetcher.fetch(url, param)
         else:
-            raise InvalidRequestError("image_url must be a data: URL or an http(s) URL", param=param)
+            raise InvalidRequestError(
+                "image_url must be a data: URL or an http(s) URL", param=param
+            )
         check_image(data, self._max_image_bytes, param)
         return data
 
     def _from_data_url(self, url: str, param: str) -> bytes:
         header, sep, payload = url.partition(",")
-        media_type = header[len("data:"):].split(";")[0].strip().lower()
+        media_type = header[len("data:") :].split(";")[0].strip().lower()
         if not sep or not header.endswith(";base64"):
-            raise InvalidRequestError("image data URLs must be base64: data:image/<type>;base64,<data>", param=param)
+            raise InvalidRequestError(
+                "image data URLs must be base64: data:image/<type>;base64,<data>", param=param
+            )
         if media_type and not media_type.startswith("image/"):
-            raise InvalidRequestError(f"image data URL has media type {media_type!r}, not image/*", param=param)
+            raise InvalidRequestError(
+                f"image data URL has media type {media_type!r}, not image/*", param=param
+            )
         # base64 grows data by 4/3; refuse before decoding what is certainly too large.
         if len(payload) > (self._max_image_bytes + 2) // 3 * 4 + 4:
             raise self._too_large(param)
         try:
             return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
-            raise InvalidRequestError(f"image data URL is not valid base64: {exc}", param=param) from exc
+            raise InvalidRequestError(
+                f"image data URL is not valid base64: {exc}", param=param
+            ) from exc
 
     def _too_large(self, param: str) -> InvalidRequestError:
-        return InvalidRequestError(f"the image is larger than the limit of {self._max_image_bytes} bytes", param=param)
+        return InvalidRequestError(
+            f"the image is larger than the limit of {self._max_image_bytes} bytes", param=param
+        )
 
     async def close(self) -> None:
         await self._fetcher.close()
@@ -76,7 +90,9 @@ def check_image(data: bytes, max_image_bytes: int, param: str) -> None:
     The messages never quote PIL's (they name Python objects, e.g. ``<_io.BytesIO ...>``).
     """
     if len(data) > max_image_bytes:
-        raise InvalidRequestError(f"the image is larger than the limit of {max_image_bytes} bytes", param=param)
+        raise InvalidRequestError(
+            f"the image is larger than the limit of {max_image_bytes} bytes", param=param
+        )
     if not data:
         raise InvalidRequestError("the image is empty", param=param)
     try:

@@ -40,7 +40,10 @@ class RouterMetrics:
     the token-count ones."""
 
     def __init__(
-        self, registry: CollectorRegistry = REGISTRY, *, max_latency_s: float = DEFAULT_MAX_LATENCY_S,
+        self,
+        registry: CollectorRegistry = REGISTRY,
+        *,
+        max_latency_s: float = DEFAULT_MAX_LATENCY_S,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
         self.registry = registry
@@ -55,16 +58,20 @@ class RouterMetrics:
         """What ``RequestTracker`` records."""
         r, tokens = registry, count_buckets(max_model_len)
         self.requests = telemetry.counter(
-            "router_requests_total", "Requests the router finished, by endpoint and outcome "
-            "(ok or the error type).", ("endpoint", "outcome"), registry=r,
+            "router_requests_total",
+            "Requests the router finished, by endpoint and outcome (ok or the error type).",
+            ("endpoint", "outcome"),
+            registry=r,
         )
         self.in_flight = telemetry.gauge(
             "router_requests_in_flight", "Requests being served now.", registry=r
         )
         self.e2e = telemetry.histogram(
-            "e2e_request_latency_seconds", "From a request's arrival to its last byte, for requests "
-            "that succeeded, by endpoint.", ("endpoint",),
-            buckets=buckets_up_to(REQUEST_LATENCY_LADDER_S, max_latency_s), registry=r,
+            "e2e_request_latency_seconds",
+            "From a request's arrival to its last byte, for requests that succeeded, by endpoint.",
+            ("endpoint",),
+            buckets=buckets_up_to(REQUEST_LATENCY_LADDER_S, max_latency_s),
+            registry=r,
         )
         self.prompt_tokens = telemetry.counter(
             "prompt_tokens_total", "Prompt tokens of requests that succeeded.", registry=r
@@ -73,11 +80,15 @@ class RouterMetrics:
             "generation_tokens_total", "Generated tokens of requests that succeeded.", registry=r
         )
         self.request_prompt_tokens = telemetry.histogram(
-            "request_prompt_tokens", "Prompt tokens per request that succeeded.", buckets=tokens,
+            "request_prompt_tokens",
+            "Prompt tokens per request that succeeded.",
+            buckets=tokens,
             registry=r,
         )
         self.request_generation_tokens = telemetry.histogram(
-            "request_generation_tokens", "Generated tokens per request that succeeded.", buckets=tokens,
+            "request_generation_tokens",
+            "Generated tokens per request that succeeded.",
+            buckets=tokens,
             registry=r,
         )
 
@@ -89,47 +100,64 @@ class RouterMetrics:
         request_buckets = buckets_up_to(REQUEST_LATENCY_LADDER_S, max_latency_s)
         token_buckets = buckets_up_to(TOKEN_LATENCY_LADDER_S, max_latency_s)
         self.ttft = telemetry.histogram(
-            "time_to_first_token_seconds", "From a request's arrival (tokenization starts) to its "
-            "first generated token.", buckets=buckets_up_to(TTFT_LADDER_S, max_latency_s), registry=r,
+            "time_to_first_token_seconds",
+            "From a request's arrival (tokenization starts) to its first generated token.",
+            buckets=buckets_up_to(TTFT_LADDER_S, max_latency_s),
+            registry=r,
         )
         self.inter_token = telemetry.histogram(
-            "inter_token_latency_seconds", "Time between two generated tokens of a request (a "
-            "message of k tokens counts its gap / k, k times).", buckets=token_buckets, registry=r,
+            "inter_token_latency_seconds",
+            "Time between two generated tokens of a request (a "
+            "message of k tokens counts its gap / k, k times).",
+            buckets=token_buckets,
+            registry=r,
         )
         self.time_per_output_token = telemetry.histogram(
-            "time_per_output_token_seconds", "The same samples as inter_token_latency_seconds "
-            "(vLLM's older name for them).", buckets=token_buckets, registry=r,
+            "time_per_output_token_seconds",
+            "The same samples as inter_token_latency_seconds (vLLM's older name for them).",
+            buckets=token_buckets,
+            registry=r,
         )
         self.request_tpot = telemetry.histogram(
-            "request_time_per_output_token_seconds", "Per finished request: decode time / (generated "
-            "tokens - 1), for requests of two or more tokens.", buckets=token_buckets, registry=r,
+            "request_time_per_output_token_seconds",
+            "Per finished request: decode time / (generated "
+            "tokens - 1), for requests of two or more tokens.",
+            buckets=token_buckets,
+            registry=r,
         )
         phases = {
             "queue": "In the admission queue, waiting for a slot and for decode's KV pages.",
             "prefill": "From leaving the queue (Reserve on decode, then prefill's queue, images, "
-                       "forward and KV write) to the first token.",
+            "forward and KV write) to the first token.",
             "decode": "From the first generated token to the last.",
             "inference": "Prefill time plus decode time.",
         }
         self.phase_time = {
             phase: telemetry.histogram(
-                f"request_{phase}_time_seconds", f"{doc} Per finished request.",
-                buckets=request_buckets, registry=r,
+                f"request_{phase}_time_seconds",
+                f"{doc} Per finished request.",
+                buckets=request_buckets,
+                registry=r,
             )
             for phase, doc in phases.items()
         }
         self.request_success = telemetry.counter(
-            "request_success_total", "Requests that finished, by finish reason (stop, length).",
-            ("finished_reason",), registry=r,
+            "request_success_total",
+            "Requests that finished, by finish reason (stop, length).",
+            ("finished_reason",),
+            registry=r,
         )
         for reason in FinishReason:  # every series exists from the start, as vLLM's do
             self.request_success.labels(reason.value)
         self.request_max_tokens = telemetry.histogram(
-            "request_params_max_tokens", "The max_tokens a finished request asked for (requests that "
-            "set it).", buckets=count_buckets(max_model_len), registry=r,
+            "request_params_max_tokens",
+            "The max_tokens a finished request asked for (requests that set it).",
+            buckets=count_buckets(max_model_len),
+            registry=r,
         )
         self.num_requests_running = telemetry.gauge(
-            "num_requests_running", "Requests holding an admission slot (Reserve, prefill or decode).",
+            "num_requests_running",
+            "Requests holding an admission slot (Reserve, prefill or decode).",
             registry=r,
         )
         self.num_requests_waiting = telemetry.gauge(
@@ -138,48 +166,66 @@ class RouterMetrics:
 
     def _add_worker_metrics(self, registry: CollectorRegistry) -> None:
         self.worker_ready = telemetry.gauge(
-            "router_worker_ready", "1 when the worker passes its health check, else 0.",
-            ("kind", "address"), registry=registry,
+            "router_worker_ready",
+            "1 when the worker passes its health check, else 0.",
+            ("kind", "address"),
+            registry=registry,
         )
         self.workers_ready = telemetry.gauge(
-            "router_workers_ready", "Workers of each kind that pass their health check.", ("kind",),
+            "router_workers_ready",
+            "Workers of each kind that pass their health check.",
+            ("kind",),
             registry=registry,
         )
         self.worker_in_flight = telemetry.gauge(
-            "router_worker_requests_in_flight", "Requests this router has routed to the worker and not "
-            "finished.", ("kind", "address"), registry=registry,
+            "router_worker_requests_in_flight",
+            "Requests this router has routed to the worker and not finished.",
+            ("kind", "address"),
+            registry=registry,
         )
 
     def _add_flow_metrics(self, registry: CollectorRegistry) -> None:
         """Admission (slots, queue, 429s), stalls and retries on another worker."""
         self.admission_running = telemetry.gauge(
-            "router_admission_running", "Requests past tokenization holding one of the "
-            "--max-concurrent-requests slots.", registry=registry,
+            "router_admission_running",
+            "Requests past tokenization holding one of the --max-concurrent-requests slots.",
+            registry=registry,
         )
         self.admission_queued = telemetry.gauge(
-            "router_admission_queued", "Requests waiting in the admission queue, for a slot or for "
-            "decode's KV pages.", registry=registry,
+            "router_admission_queued",
+            "Requests waiting in the admission queue, for a slot or for decode's KV pages.",
+            registry=registry,
         )
         self.admission_rejected = telemetry.counter(
-            "router_admission_rejected_total", "Requests refused with 429, by reason (queue_full, "
-            "queue_timeout, kv_capacity).", ("reason",), registry=registry,
+            "router_admission_rejected_total",
+            "Requests refused with 429, by reason (queue_full, queue_timeout, kv_capacity).",
+            ("reason",),
+            registry=registry,
         )
         self.admission_wait = telemetry.histogram(
-            "router_admission_wait_seconds", "Time a request waited in the admission queue in all "
-            "(for a slot and for KV pages), observed once it stops waiting.", registry=registry,
+            "router_admission_wait_seconds",
+            "Time a request waited in the admission queue in all "
+            "(for a slot and for KV pages), observed once it stops waiting.",
+            registry=registry,
         )
         self.kv_refusals = telemetry.counter(
-            "router_kv_refusals_total", "Reserve calls a decode worker answered RESOURCE_EXHAUSTED.",
-            ("address",), registry=registry,
+            "router_kv_refusals_total",
+            "Reserve calls a decode worker answered RESOURCE_EXHAUSTED.",
+            ("address",),
+            registry=registry,
         )
         self.worker_stalls = telemetry.counter(
-            "router_worker_stalls_total", "Calls a worker made no progress on within "
-            "--stall-timeout-s, by hop (tokenize, reserve, prefill, generate).", ("hop", "address"),
+            "router_worker_stalls_total",
+            "Calls a worker made no progress on within "
+            "--stall-timeout-s, by hop (tokenize, reserve, prefill, generate).",
+            ("hop", "address"),
             registry=registry,
         )
         self.worker_retries = telemetry.counter(
-            "router_worker_retries_total", "Requests moved to another worker of the kind after an "
-            "unavailable or stalled call.", ("kind",), registry=registry,
+            "router_worker_retries_total",
+            "Requests moved to another worker of the kind after an unavailable or stalled call.",
+            ("kind",),
+            registry=registry,
         )
 
     def set_admission(self, num_running: int, num_queued: int) -> None:
@@ -261,8 +307,12 @@ class RequestStats:
         metrics, usage = self._metrics, delta.usage
         first_at = self._first_token_at if self._first_token_at is not None else self._last_token_at
         decode_s = self._last_token_at - first_at
-        times = {"queue": self._queue_s, "prefill": self._prefill_s, "decode": decode_s,
-                 "inference": self._prefill_s + decode_s}
+        times = {
+            "queue": self._queue_s,
+            "prefill": self._prefill_s,
+            "decode": decode_s,
+            "inference": self._prefill_s + decode_s,
+        }
         for phase, seconds in times.items():
             metrics.phase_time[phase].observe(seconds)
         if usage.num_completion_tokens > 1:
@@ -270,13 +320,15 @@ class RequestStats:
         metrics.request_success.labels(delta.finish_reason.value).inc()
         if max_tokens is not None:
             metrics.request_max_tokens.observe(max_tokens)
-        self._span.set_attributes({
-            "gen_ai.usage.input_tokens": usage.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": usage.num_completion_tokens,
-            "gen_ai.response.finish_reasons": (delta.finish_reason.value,),
-            "gen_ai.latency.time_to_first_token": first_at - self._started,
-            "gen_ai.latency.time_in_queue": self._queue_s,
-            "gen_ai.latency.time_in_model_prefill": self._prefill_s,
-            "gen_ai.latency.time_in_model_decode": decode_s,
-            "gen_ai.latency.e2e": self._last_token_at - self._started,
-        })
+        self._span.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": usage.num_prompt_tokens,
+                "gen_ai.usage.output_tokens": usage.num_completion_tokens,
+                "gen_ai.response.finish_reasons": (delta.finish_reason.value,),
+                "gen_ai.latency.time_to_first_token": first_at - self._started,
+                "gen_ai.latency.time_in_queue": self._queue_s,
+                "gen_ai.latency.time_in_model_prefill": self._prefill_s,
+                "gen_ai.latency.time_in_model_decode": decode_s,
+                "gen_ai.latency.e2e": self._last_token_at - self._started,
+            }
+        )

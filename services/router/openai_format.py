@@ -38,7 +38,9 @@ def usage_body(usage: Usage) -> dict[str, int]:
     }
 
 
-def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
@@ -71,29 +73,47 @@ class ResponseFormatter:
         template = self._text_events.get(with_usage_field)
         if template is None:
             event = sse(self.chunk(_TEXT_MARK, with_usage_field=with_usage_field))
-            head, _, tail = event.rpartition(_TEXT_MARK_JSON)  # the text comes after the id and model
+            head, _, tail = event.rpartition(
+                _TEXT_MARK_JSON
+            )  # the text comes after the id and model
             template = self._text_events[with_usage_field] = (head, tail)
         return template[0] + dump_json(text) + template[1]
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
-            "id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
             "choices": choices,
         }
 
     def full(self, text: str, finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
         if self.is_chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason.value}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason.value,
+            }
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason.value}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason.value,
+            }
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_body(usage)
         return body
 
     def chunk(
-        self, text: str | None, finish_reason: FinishReason | None = None, *, role: bool = False,
+        self,
+        text: str | None,
+        finish_reason: FinishReason | None = None,
+        *,
+        role: bool = False,
         with_usage_field: bool = False,
     ) -> dict[str, Any]:
         """A stream chunk with ``text`` (chat: as a delta; ``None`` = empty delta)."""
@@ -102,13 +122,15 @@ class ResponseFormatter:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            body = self._envelope("chat.completion.chunk", [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            ])
+            body = self._envelope(
+                "chat.completion.chunk",
+                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+            )
         else:
-            body = self._envelope("text_completion", [
-                {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-            ])
+            body = self._envelope(
+                "text_completion",
+                [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}],
+            )
         if with_usage_field:
             body["usage"] = None
         return body

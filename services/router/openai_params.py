@@ -53,9 +53,13 @@ def generation_options(body: GenerationBody, max_stop_strings: int) -> Generatio
             param="min_tokens",
         )
     fields: dict[str, Any] = {
-        "temperature": body.temperature, "top_p": body.top_p, "min_p": body.min_p,
-        "frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
-        "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "min_p": body.min_p,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
         "top_k": 0 if body.top_k == -1 else body.top_k,  # -1 = off, as in vLLM
         "seed": None if body.seed is None else body.seed % 2**64,  # OpenAI seeds may be negative
     }
@@ -109,4 +113,6 @@ def _stop_strings(stop: str | list[str] | None, max_stop_strings: int) -> tuple[
     if any(not s for s in strings):
         raise InvalidRequestError("stop strings must not be empty", param="stop")
     params = ["stop"] if isinstance(stop, str) else [f"stop[{i}]" for i in range(len(strings))]
-    return tuple(dict.fromkeys(check_text(s, param) for s, param in zip(strings, params, strict=True)))
+    return tuple(
+        dict.fromkeys(check_text(s, param) for s, param in zip(strings, params, strict=True))
+    )

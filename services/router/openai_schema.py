@@ -69,8 +69,11 @@ class _GenerationBody(Body):
 
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
         ("n", lambda v: v in (None, 1), "n > 1 (several choices) is not supported yet"),
-        ("service_tier", lambda v: v in (None, "auto", "default"),
-         "only the default service tier is supported"),
+        (
+            "service_tier",
+            lambda v: v in (None, "auto", "default"),
+            "only the default service tier is supported",
+        ),
     )
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -94,7 +97,9 @@ class _GenerationBody(Body):
     repetition_penalty: StrictFloat | None = None
     ignore_eos: StrictBool = False
     min_tokens: StrictInt | None = None  # EOS and stop_token_ids are masked until this many tokens
-    stop_token_ids: list[StrictInt] | None = None  # token ids that end generation (kept in the output)
+    stop_token_ids: list[StrictInt] | None = (
+        None  # token ids that end generation (kept in the output)
+    )
 
 
 class ChatCompletionBody(_GenerationBody):
@@ -102,17 +107,28 @@ class ChatCompletionBody(_GenerationBody):
         *_GenerationBody.REFUSALS,
         ("logprobs", lambda v: not v, "logprobs are not supported yet"),
         ("top_logprobs", _unset, "top_logprobs are not supported yet (logprobs are not supported)"),
-        ("response_format", lambda v: v in (None, {"type": "text"}),
-         'response_format json_object and json_schema are not supported yet; only {"type": "text"}'),
+        (
+            "response_format",
+            lambda v: v in (None, {"type": "text"}),
+            'response_format json_object and json_schema are not supported yet; only {"type": "text"}',
+        ),
         ("tools", _unset, "tools are not supported yet"),
-        ("tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported yet (no tools)"),
+        (
+            "tool_choice",
+            lambda v: v in (None, "none"),
+            "tool_choice is not supported yet (no tools)",
+        ),
         ("parallel_tool_calls", _unset, "parallel_tool_calls is not supported yet (no tools)"),
         ("functions", _unset, "functions are not supported yet (no tools)"),
         ("function_call", _unset, "function_call is not supported yet (no tools)"),
         ("audio", _unset, "audio output is not supported"),
         ("modalities", lambda v: v in (None, ["text"]), 'only text output (["text"]) is supported'),
         ("prediction", _unset, "predicted outputs are not supported"),
-        ("reasoning_effort", _unset, "reasoning_effort is not supported (the model does not reason)"),
+        (
+            "reasoning_effort",
+            _unset,
+            "reasoning_effort is not supported (the model does not reason)",
+        ),
         ("verbosity", _unset, "verbosity is not supported"),
         ("web_search_options", _unset, "web search is not supported"),
         ("store", lambda v: not v, "stored completions are not supported"),
@@ -179,7 +195,8 @@ class ModelNotFoundError(InvalidRequestError):
 def check_model(model: str | None, served_model_name: str) -> None:
     if model not in (None, "", served_model_name):
         raise ModelNotFoundError(
-            f"the model {model!r} does not exist; this server serves {served_model_name!r}", param="model"
+            f"the model {model!r} does not exist; this server serves {served_model_name!r}",
+            param="model",
         )
 
 
@@ -189,7 +206,8 @@ def check_text(text: str, param: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
-            f"{param} is not valid Unicode: it holds a lone surrogate at index {exc.start}", param=param
+            f"{param} is not valid Unicode: it holds a lone surrogate at index {exc.start}",
+            param=param,
         ) from None
     return text
 
@@ -208,12 +226,16 @@ def completion_prompt(body: CompletionBody) -> str:
     if isinstance(body.prompt, str):
         return check_text(body.prompt, "prompt")
     if len(body.prompt) != 1:
-        raise InvalidRequestError(f"prompt must be a string or a list of one string, got {len(body.prompt)}",
-                                  param="prompt")
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of one string, got {len(body.prompt)}",
+            param="prompt",
+        )
     return check_text(body.prompt[0], "prompt[0]")
 
 
-async def chat_messages(messages: list[ChatMessageBody], images: ImageLoader) -> tuple[ChatMessage, ...]:
+async def chat_messages(
+    messages: list[ChatMessageBody], images: ImageLoader
+) -> tuple[ChatMessage, ...]:
     """The conversation as router types, with every image_url loaded as compressed bytes."""
     if not messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
@@ -222,14 +244,17 @@ async def chat_messages(messages: list[ChatMessageBody], images: ImageLoader) ->
         role = ROLES.get(message.role)
         if role is None:
             raise InvalidRequestError(
-                f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}", param=f"messages[{i}].role"
+                f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}",
+                param=f"messages[{i}].role",
             )
         if message.name is not None:
             raise InvalidRequestError(
                 "message names are not supported: the chat template has no participant names",
                 param=f"messages[{i}].name",
             )
-        out.append(ChatMessage(role, await _content(message.content, f"messages[{i}].content", images)))
+        out.append(
+            ChatMessage(role, await _content(message.content, f"messages[{i}].content", images))
+        )
     return tuple(out)
 
 
@@ -252,16 +277,21 @@ async def _content(
             parts.append(ImagePart(await _image(part.image_url, f"{where}.image_url", images)))
         else:
             raise InvalidRequestError(
-                f"unsupported content part type {part.type!r}; expected text or image_url", param=f"{where}.type"
+                f"unsupported content part type {part.type!r}; expected text or image_url",
+                param=f"{where}.type",
             )
     return tuple(parts)
 
 
 def _check_part_fields(part: ContentPartBody, where: str, *, needs: str, refuses: str) -> None:
     if getattr(part, needs) is None:
-        raise InvalidRequestError(f"a {part.type} part needs a {needs} field", param=f"{where}.{needs}")
+        raise InvalidRequestError(
+            f"a {part.type} part needs a {needs} field", param=f"{where}.{needs}"
+        )
     if getattr(part, refuses) is not None:
-        raise InvalidRequestError(f"a {part.type} part takes no {refuses} field", param=f"{where}.{refuses}")
+        raise InvalidRequestError(
+            f"a {part.type} part takes no {refuses} field", param=f"{where}.{refuses}"
+        )
 
 
 async def _image(image_url: ImageUrl | str | None, param: str, images: ImageLoader) -> bytes:

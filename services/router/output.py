@@ -24,7 +24,9 @@ class OutputAssembler:
     stops there.
     """
 
-    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...], num_prompt_tokens: int) -> None:
+    def __init__(
+        self, detokenizer: Detokenizer, stop: tuple[str, ...], num_prompt_tokens: int
+    ) -> None:
         self._detokenizer = detokenizer
         self._stop = StopStringMatcher(stop)
         self.num_prompt_tokens = num_prompt_tokens
@@ -74,7 +76,9 @@ class OutputAssembler:
         return self._final(text, delta.token_ids)
 
     def usage(self) -> Usage:
-        return Usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_image_tokens)
+        return Usage(
+            self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_image_tokens
+        )
 
     def _final(self, text: str, token_ids: tuple[int, ...]) -> GenerationDelta:
         return GenerationDelta(text, token_ids, self.finish_reason, self.usage())

@@ -15,18 +15,28 @@ from services.engine.sampler import SamplingParams
 
 class TokenizerPeer(Protocol):
     async def tokenize_chat(
-        self, request_id: str, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+        self,
+        request_id: str,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
         timeout_s: float = ...,
     ) -> TokenizedPrompt: ...
 
-    async def tokenize_prompt(self, request_id: str, prompt: str, timeout_s: float = ...) -> TokenizedPrompt: ...
+    async def tokenize_prompt(
+        self, request_id: str, prompt: str, timeout_s: float = ...
+    ) -> TokenizedPrompt: ...
 
     async def close(self) -> None: ...
 
 
 class PrefillPeer(Protocol):
     async def prefill(
-        self, request_id: str, prompt: TokenizedPrompt, params: SamplingParams, kv_ref: Any, deadline_s: float
+        self,
+        request_id: str,
+        prompt: TokenizedPrompt,
+        params: SamplingParams,
+        kv_ref: Any,
+        deadline_s: float,
     ) -> Any: ...  # PrefillResult: first_token_id, finish_reason, kv_written_proof, ...
 
     async def close(self) -> None: ...
@@ -34,7 +44,11 @@ class PrefillPeer(Protocol):
 
 class DecodePeer(Protocol):
     async def reserve(
-        self, request_id: str, prompt_token_ids: Sequence[int], mrope_position_delta: int, params: SamplingParams,
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        mrope_position_delta: int,
+        params: SamplingParams,
         deadline_s: float,
     ) -> Any: ...  # KvRefInfo: where prefill writes the prompt's KV
 
@@ -42,6 +56,8 @@ class DecodePeer(Protocol):
         self, request_id: str, first_token_id: int, timeout_s: float, *, kv_written_proof: bytes
     ) -> AsyncIterator[Any]: ...  # DecodeChunk: token_ids, finish_reason and usage on the last one
 
-    async def abort(self, request_id: str, reason: str = "", *, is_kv_written: bool = False) -> Any: ...
+    async def abort(
+        self, request_id: str, reason: str = "", *, is_kv_written: bool = False
+    ) -> Any: ...
 
     async def close(self) -> None: ...

@@ -62,8 +62,12 @@ class Reservation:
 
 class Placer:
     def __init__(
-        self, registry: WorkerRegistry, admission: AdmissionManager, bound: StallBound,
-        metrics: RouterMetrics, spawn: Spawn,
+        self,
+        registry: WorkerRegistry,
+        admission: AdmissionManager,
+        bound: StallBound,
+        metrics: RouterMetrics,
+        spawn: Spawn,
     ) -> None:
         self._registry = registry
         self._admission = admission
@@ -90,7 +94,9 @@ class Placer:
                 reservation.is_kv_written = True  # prefill answers only after the whole KV landed
                 return reservation, result
             except UnavailableError as exc:
-                has_other = prefill is not None and self._registry.has_ready(WorkerKind.PREFILL, [prefill])
+                has_other = prefill is not None and self._registry.has_ready(
+                    WorkerKind.PREFILL, [prefill]
+                )
                 if failed or not has_other:
                     self.end(reservation)
                     raise
@@ -106,8 +112,12 @@ class Placer:
             if not await self._abort_for_retry(reservation):
                 raise error
             self._metrics.worker_retries.labels(WorkerKind.PREFILL.value).inc()
-            logger.warning("%s: prefill on %s failed (%s); once more on another prefill worker",
-                           job.request_id, failed[-1].address, error)
+            logger.warning(
+                "%s: prefill on %s failed (%s); once more on another prefill worker",
+                job.request_id,
+                failed[-1].address,
+                error,
+            )
 
     async def reserve(self, job: KvJob, ticket: Ticket) -> Reservation:
         """Reserve pages on some decode worker, waiting in the admission queue while all are full."""
@@ -134,7 +144,10 @@ class Placer:
             try:
                 decode: DecodePeer = worker.client
                 call = decode.reserve(
-                    job.request_id, job.prompt.token_ids, job.prompt.mrope_position_delta, job.params,
+                    job.request_id,
+                    job.prompt.token_ids,
+                    job.prompt.mrope_position_delta,
+                    job.params,
                     job.deadline_s,
                 )
                 kv_ref = await self._bound.call(Hop.RESERVE, worker, job.request_id, call)
@@ -151,8 +164,11 @@ class Placer:
                         raise refusal from None
                     raise
                 self._metrics.worker_retries.labels(WorkerKind.DECODE.value).inc()
-                logger.warning("%s: Reserve on %s failed; once more on another decode worker",
-                               job.request_id, worker.address)
+                logger.warning(
+                    "%s: Reserve on %s failed; once more on another decode worker",
+                    job.request_id,
+                    worker.address,
+                )
             except BaseException:  # a reservation answered after a cancellation must be aborted too
                 self.end(Reservation(job.request_id, worker, None))
                 raise
@@ -182,7 +198,9 @@ async def abort_on(worker: Worker, request_id: str, is_kv_written: bool) -> bool
     decode: DecodePeer = worker.client
     try:
         async with asyncio.timeout(ABORT_TIMEOUT_S):
-            await decode.abort(request_id, "the router ended the request", is_kv_written=is_kv_written)
+            await decode.abort(
+                request_id, "the router ended the request", is_kv_written=is_kv_written
+            )
     except (StageServeError, TimeoutError) as exc:  # a dead decode frees the pages by dying
         logger.info("abort of %s on decode %s failed: %s", request_id, worker.address, exc)
         return False

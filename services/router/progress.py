@@ -34,7 +34,10 @@ _SILENCE = {
 }
 
 
-_COMPLETES = (Hop.TOKENIZE, Hop.PREFILL)  # decode completes with its stream's finish (generation.py)
+_COMPLETES = (
+    Hop.TOKENIZE,
+    Hop.PREFILL,
+)  # decode completes with its stream's finish (generation.py)
 
 
 class StallBound:

@@ -53,7 +53,9 @@ class PinnedCheck:
 
 
 # The health-check generate running in this task (and the tasks it starts), if any
-_PINNED: contextvars.ContextVar[PinnedCheck | None] = contextvars.ContextVar("pinned_check", default=None)
+_PINNED: contextvars.ContextVar[PinnedCheck | None] = contextvars.ContextVar(
+    "pinned_check", default=None
+)
 
 
 class HealthProbe:
@@ -76,7 +78,9 @@ class HealthProbe:
     async def check(self, address: str) -> str | None:
         """None when the worker is SERVING, else why not."""
         try:
-            reply = await self._stub(address).Check(health_pb2.HealthCheckRequest(), timeout=self._timeout_s)
+            reply = await self._stub(address).Check(
+                health_pb2.HealthCheckRequest(), timeout=self._timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
@@ -141,7 +145,9 @@ class WorkerRegistry:
         pinned = check.worker if check is not None else None
         if pinned is not None and pinned.kind is kind:
             if pinned in exclude:
-                raise UnavailableError(f"the health-check generate's {kind.value} worker {pinned.address} failed")
+                raise UnavailableError(
+                    f"the health-check generate's {kind.value} worker {pinned.address} failed"
+                )
             return self._count(pinned)
         ready = self.ready_workers(kind)
         candidates = [w for w in ready if w not in exclude]
@@ -155,13 +161,17 @@ class WorkerRegistry:
 
     def _count(self, worker: Worker) -> Worker:
         worker.num_in_flight += 1
-        self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(worker.num_in_flight)
+        self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(
+            worker.num_in_flight
+        )
         return worker
 
     def release(self, worker: Worker) -> None:
         assert worker.num_in_flight > 0, f"release without acquire on {worker.address}"
         worker.num_in_flight -= 1
-        self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(worker.num_in_flight)
+        self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(
+            worker.num_in_flight
+        )
 
     def record_stall(self, worker: Worker, hop: Hop) -> None:
         """Count a call ``worker`` made no progress on within the stall bound (metric, /health)."""
@@ -176,10 +186,16 @@ class WorkerRegistry:
     def record_generate(self, worker: Worker, error: str) -> None:
         """The outcome of a health-check generate on ``worker``: "" readmits it, a reason ejects it."""
         if error and not worker.generate_error:
-            logger.warning("%s worker %s failed its health-check generate: %s", worker.kind.value,
-                           worker.address, error)
+            logger.warning(
+                "%s worker %s failed its health-check generate: %s",
+                worker.kind.value,
+                worker.address,
+                error,
+            )
         elif not error and worker.generate_error:
-            logger.info("%s worker %s passed its health-check generate", worker.kind.value, worker.address)
+            logger.info(
+                "%s worker %s passed its health-check generate", worker.kind.value, worker.address
+            )
         worker.generate_error = error
         if not error:
             self.record_completed(worker)
@@ -217,7 +233,9 @@ class WorkerRegistry:
         """Check every worker once (concurrently) and update its state."""
         reasons = await asyncio.gather(*(self._probe.check(w.address) for w in self._workers))
         for worker, reason in zip(self._workers, reasons, strict=True):
-            self._set_state(worker, WorkerState.READY if reason is None else WorkerState.NOT_READY, reason or "")
+            self._set_state(
+                worker, WorkerState.READY if reason is None else WorkerState.NOT_READY, reason or ""
+            )
         self._publish()
         if self._on_poll is not None:
             self._on_poll()
@@ -227,12 +245,16 @@ class WorkerRegistry:
             if state is WorkerState.READY:
                 logger.info("%s worker %s is ready", worker.kind.value, worker.address)
             else:
-                logger.warning("%s worker %s is not ready: %s", worker.kind.value, worker.address, reason)
+                logger.warning(
+                    "%s worker %s is not ready: %s", worker.kind.value, worker.address, reason
+                )
         worker.state, worker.last_error = state, reason
 
     def _publish(self) -> None:
         for worker in self._workers:
-            self._metrics.worker_ready.labels(worker.kind.value, worker.address).set(int(worker.is_ready))
+            self._metrics.worker_ready.labels(worker.kind.value, worker.address).set(
+                int(worker.is_ready)
+            )
         for kind in WorkerKind:
             self._metrics.workers_ready.labels(kind.value).set(len(self.ready_workers(kind)))
 
@@ -246,7 +268,9 @@ class WorkerRegistry:
     def start(self, interval_s: float) -> None:
         """Poll in the background every ``interval_s`` until ``close``."""
         assert self._poller is None, "already started"
-        self._poller = asyncio.create_task(self._poll_forever(interval_s), name="router-health-poll")
+        self._poller = asyncio.create_task(
+            self._poll_forever(interval_s), name="router-health-poll"
+        )
         self._poller.add_done_callback(_log_poller_exit)
 
     async def close(self) -> None:

@@ -49,8 +49,13 @@ _FINISH_TO_PROTO = {
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
-        self, pipeline: GenerationPipeline, metrics: RouterMetrics, served_model_name: str,
-        request_timeout_s: float, max_stop_strings: int, max_image_bytes: int,
+        self,
+        pipeline: GenerationPipeline,
+        metrics: RouterMetrics,
+        served_model_name: str,
+        request_timeout_s: float,
+        max_stop_strings: int,
+        max_image_bytes: int,
     ) -> None:
         self._pipeline = pipeline
         self._metrics = metrics
@@ -67,8 +72,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tracker = RequestTracker(self._metrics, GRPC_ENDPOINT)
         outcome = "internal_error"  # unless it ends otherwise
         parent = telemetry.extract_context(context.invocation_metadata())
-        span = _tracer.start_span("router.generate_rpc", context=parent,
-                                  attributes={"client_request_id": request.request_id})
+        span = _tracer.start_span(
+            "router.generate_rpc",
+            context=parent,
+            attributes={"client_request_id": request.request_id},
+        )
         deltas: AsyncIterator[GenerationDelta] | None = None
         try:
             generation = await self._to_generation(request, context)
@@ -109,7 +117,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         params = _sampling_params(request.sampling_params)
         stop = tuple(request.stop)
         if len(stop) > self._max_stop_strings or not all(stop):
-            raise InvalidRequestError(f"stop takes up to {self._max_stop_strings} non-empty strings", param="stop")
+            raise InvalidRequestError(
+                f"stop takes up to {self._max_stop_strings} non-empty strings", param="stop"
+            )
         timeout_s = request.timeout_ms / 1000 if request.timeout_ms else self._request_timeout_s
         remaining = context.time_remaining()
         if remaining is not None:
@@ -122,7 +132,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id = f"gen-{uuid.uuid4().hex}"  # never the client's: see the module docstring
         logger.debug("request %s has the client request_id %r", request_id, request.request_id)
         common = {
-            "params": params, "max_tokens": params.max_new_tokens, "stop": stop, "timeout_s": timeout_s,
+            "params": params,
+            "max_tokens": params.max_new_tokens,
+            "stop": stop,
+            "timeout_s": timeout_s,
             "max_tokens_param": (
                 "max_new_tokens" if request.sampling_params.HasField("max_new_tokens") else None
             ),
@@ -130,11 +143,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if request.WhichOneof("input") == "prompt":
             return GenerationRequest(request_id, prompt=request.prompt, **common)
         if request.WhichOneof("input") == "chat":
-            return GenerationRequest(request_id, messages=await self._messages(request.chat), **common)
+            return GenerationRequest(
+                request_id, messages=await self._messages(request.chat), **common
+            )
         if request.WhichOneof("input") == "prompt_embeds":
             embeds = prompt_embeds.from_saved(request.prompt_embeds)
             return GenerationRequest(request_id, prompt_embeds=embeds, **common)
-        raise InvalidRequestError("the request needs a prompt, a chat or prompt_embeds", param="input")
+        raise InvalidRequestError(
+            "the request needs a prompt, a chat or prompt_embeds", param="input"
+        )
 
     async def _messages(self, chat: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
         if not chat.messages:
@@ -143,8 +160,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for i, message in enumerate(chat.messages):
             role = ROLES.get(message.role)
             if role is None:
-                raise InvalidRequestError(f"unknown role {message.role!r}", param=f"chat.messages[{i}].role")
-            parts = [self._part(part, f"chat.messages[{i}].content[{j}]") for j, part in enumerate(message.content)]
+                raise InvalidRequestError(
+                    f"unknown role {message.role!r}", param=f"chat.messages[{i}].role"
+                )
+            parts = [
+                self._part(part, f"chat.messages[{i}].content[{j}]")
+                for j, part in enumerate(message.content)
+            ]
             messages.append(ChatMessage(role, tuple(parts)))
         return tuple(messages)
 
@@ -188,7 +210,9 @@ def _sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
 
 def _to_proto(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateResponse:
     response = router_pb2.GenerateResponse(
-        request_id=request_id, text_delta=delta.text, token_ids=delta.token_ids,
+        request_id=request_id,
+        text_delta=delta.text,
+        token_ids=delta.token_ids,
         finish_reason=_FINISH_TO_PROTO[delta.finish_reason],
     )
     if delta.usage is not None:
@@ -198,6 +222,7 @@ def _to_proto(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateRes
 
 def _usage_to_proto(usage: Usage) -> common_pb2.Usage:
     return common_pb2.Usage(
-        num_prompt_tokens=usage.num_prompt_tokens, num_completion_tokens=usage.num_completion_tokens,
+        num_prompt_tokens=usage.num_prompt_tokens,
+        num_completion_tokens=usage.num_completion_tokens,
         num_cached_image_tokens=usage.num_cached_image_tokens,
     )

@@ -24,7 +24,13 @@ from services.common.errors import InvalidRequestError
 from services.engine.processing import TextProcessor
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader
-from services.router.openai_schema import Body, ChatMessageBody, chat_messages, check_model, check_text
+from services.router.openai_schema import (
+    Body,
+    ChatMessageBody,
+    chat_messages,
+    check_model,
+    check_text,
+)
 from services.router.types import GenerationRequest
 
 
@@ -60,8 +66,13 @@ class TokenizeApi:
     """The two handlers; ``create_app`` routes them."""
 
     def __init__(
-        self, pipeline: GenerationPipeline, images: ImageLoader, text: TextProcessor,
-        served_model_name: str, max_context_len: int, request_timeout_s: float,
+        self,
+        pipeline: GenerationPipeline,
+        images: ImageLoader,
+        text: TextProcessor,
+        served_model_name: str,
+        max_context_len: int,
+        request_timeout_s: float,
     ) -> None:
         self._pipeline = pipeline
         self._images = images
@@ -76,15 +87,23 @@ class TokenizeApi:
         request_id = f"tok-{uuid.uuid4().hex}"
         if body.messages is not None:
             messages = await chat_messages(body.messages, self._images)
-            request = GenerationRequest(request_id, messages=messages, timeout_s=self._request_timeout_s)
+            request = GenerationRequest(
+                request_id, messages=messages, timeout_s=self._request_timeout_s
+            )
         else:
             assert body.prompt is not None
             prompt = check_text(body.prompt, "prompt")
-            request = GenerationRequest(request_id, prompt=prompt, timeout_s=self._request_timeout_s)
+            request = GenerationRequest(
+                request_id, prompt=prompt, timeout_s=self._request_timeout_s
+            )
         add_generation_prompt = body.add_generation_prompt is not False
-        prompt_ids = await self._pipeline.tokenize(request, add_generation_prompt=add_generation_prompt)
+        prompt_ids = await self._pipeline.tokenize(
+            request, add_generation_prompt=add_generation_prompt
+        )
         tokens = list(prompt_ids.token_ids)
-        return TokenizeResponse(count=len(tokens), max_model_len=self._max_context_len, tokens=tokens)
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=self._max_context_len, tokens=tokens
+        )
 
     async def detokenize(self, body: DetokenizeBody) -> DetokenizeResponse:
         check_model(body.model, self._served_model_name)
@@ -92,9 +111,12 @@ class TokenizeApi:
         for i, token_id in enumerate(body.tokens):
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(
-                    f"tokens[{i}] is {token_id}; token ids are in [0, {vocab_size})", param=f"tokens[{i}]"
+                    f"tokens[{i}] is {token_id}; token ids are in [0, {vocab_size})",
+                    param=f"tokens[{i}]",
                 )
-        text = await asyncio.to_thread(self._text.decode, body.tokens)  # long lists stay off the loop
+        text = await asyncio.to_thread(
+            self._text.decode, body.tokens
+        )  # long lists stay off the loop
         return DetokenizeResponse(prompt=text)
 
 
@@ -104,10 +126,14 @@ def _check_tokenize_options(body: TokenizeBody) -> None:
     if body.messages is None:
         for field in ("add_generation_prompt", "continue_final_message"):
             if getattr(body, field) is not None:
-                raise InvalidRequestError(f"{field} applies to messages, not to a prompt", param=field)
+                raise InvalidRequestError(
+                    f"{field} applies to messages, not to a prompt", param=field
+                )
     if body.continue_final_message:
         raise InvalidRequestError(
             "continue_final_message is not supported yet", param="continue_final_message"
         )
     if body.return_token_strs:
-        raise InvalidRequestError("return_token_strs is not supported yet", param="return_token_strs")
+        raise InvalidRequestError(
+            "return_token_strs is not supported yet", param="return_token_strs"
+        )

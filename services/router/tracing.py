@@ -21,7 +21,9 @@ class TraceContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
+        carrier = {
+            key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]
+        }
         token = context.attach(propagate.extract(carrier))
         try:
             await self.app(scope, receive, send)

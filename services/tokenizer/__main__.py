@@ -42,18 +42,36 @@ logger = logging.getLogger("services.tokenizer")
 
 
 def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.tokenizer", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m services.tokenizer", description=__doc__.splitlines()[0]
+    )
     add_common_args(p, runs_model=False, envs=envs)
-    p.add_argument("--num-workers", type=int, default=default_num_workers(),
-                   help="worker processes for tokenization and image decoding (default: one per CPU, "
-                        "at most 4; 0: one thread in this process)")
-    p.add_argument("--max-queued-bytes", type=int, default=MAX_QUEUED_BYTES,
-                   help="encoded requests waiting for or held by the workers; past it a request is "
-                        "refused as overloaded (RESOURCE_EXHAUSTED)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="prompts must be shorter than this many tokens (default: config.json max_position_embeddings)")
-    p.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES, help="largest compressed image")
-    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="largest decoded image (w*h)")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=default_num_workers(),
+        help="worker processes for tokenization and image decoding (default: one per CPU, "
+        "at most 4; 0: one thread in this process)",
+    )
+    p.add_argument(
+        "--max-queued-bytes",
+        type=int,
+        default=MAX_QUEUED_BYTES,
+        help="encoded requests waiting for or held by the workers; past it a request is "
+        "refused as overloaded (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompts must be shorter than this many tokens (default: config.json max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-image-bytes", type=int, default=MAX_IMAGE_BYTES, help="largest compressed image"
+    )
+    p.add_argument(
+        "--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, help="largest decoded image (w*h)"
+    )
     return p
 
 
@@ -64,7 +82,9 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
     for flag in ("num_workers", "max_image_bytes", "max_image_pixels", "max_queued_bytes"):
         if getattr(args, flag) < (0 if flag == "num_workers" else 1):
             parser.error(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
-    max_model_len = args.max_model_len if args.max_model_len is not None else max_model_len_of(args.model)
+    max_model_len = (
+        args.max_model_len if args.max_model_len is not None else max_model_len_of(args.model)
+    )
     if max_model_len < 2:
         parser.error(f"--max-model-len must be at least 2, got {max_model_len}")
     config = TokenizerConfig(
@@ -82,10 +102,18 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
 
 
 async def serve(
-    config: TokenizerConfig, envs: Envs, auth: Credentials | None, *, enable_reflection: bool = False
+    config: TokenizerConfig,
+    envs: Envs,
+    auth: Credentials | None,
+    *,
+    enable_reflection: bool = False,
 ) -> None:
     metrics_port = start_telemetry(
-        "tokenizer", envs, config.host, config.metrics_port, model_name=config.model_dir.resolve().name
+        "tokenizer",
+        envs,
+        config.host,
+        config.metrics_port,
+        model_name=config.model_dir.resolve().name,
     )
     text = TextProcessor.from_dir(config.model_dir)
     pool = WorkerPool(config.model_dir, config.limits, config.num_workers, config.max_queued_bytes)
@@ -93,7 +121,11 @@ async def serve(
     health = HealthState()
     server, port = create_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)],
-        config.port, config.host, [SERVICE_NAME], health=health, auth=auth,
+        config.port,
+        config.host,
+        [SERVICE_NAME],
+        health=health,
+        auth=auth,
         enable_reflection=enable_reflection,
     )
     await server.start()  # live (NOT_SERVING) while the workers load
@@ -104,8 +136,15 @@ async def serve(
         await server.stop(None)
         raise
     health.set_serving(True)
-    logger.info("serving %s on %s:%d with %d workers (queue %d bytes), %s", config.model_dir, config.host,
-                port, config.num_workers, config.max_queued_bytes, config.limits)
+    logger.info(
+        "serving %s on %s:%d with %d workers (queue %d bytes), %s",
+        config.model_dir,
+        config.host,
+        port,
+        config.num_workers,
+        config.max_queued_bytes,
+        config.limits,
+    )
     print_ready("tokenizer", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, pool.close)
 

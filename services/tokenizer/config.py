@@ -39,6 +39,8 @@ class TokenizerConfig:
     metrics_port: int = 0
     # Worker processes for CPU-heavy work; 0 = one thread in this process.
     num_workers: int = field(default_factory=default_num_workers)
-    max_queued_bytes: int = MAX_QUEUED_BYTES  # encoded jobs waiting or running, all workers together
+    max_queued_bytes: int = (
+        MAX_QUEUED_BYTES  # encoded jobs waiting or running, all workers together
+    )
     log_level: str = "INFO"
     log_format: str = "text"  # text | json

@@ -51,11 +51,15 @@ class TokenizePipeline:
     def from_dir(cls, model_dir: str | Path, limits: Limits) -> TokenizePipeline:
         return cls(TextProcessor.from_dir(model_dir), ImageProcessor.from_dir(model_dir), limits)
 
-    def tokenize_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> TokenizedPrompt:
+    def tokenize_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> TokenizedPrompt:
         """Token ids with expanded placeholders, one span per image part, distinct images' bytes."""
         template_messages, image_parts = _template_messages(messages)
         # The text is checked before any image is decoded: each image only adds tokens.
-        ids = self.text.encode_chat(template_messages, add_generation_prompt, self.limits.max_model_len)
+        ids = self.text.encode_chat(
+            template_messages, add_generation_prompt, self.limits.max_model_len
+        )
         grids: dict[str, tuple[int, int, int]] = {}  # content hash -> patch grid
         images: dict[str, bytes] = {}  # content hash -> compressed bytes, first appearance first
         hashes = []
@@ -74,7 +78,10 @@ class TokenizePipeline:
             for p, key in zip(placeholders, hashes, strict=True)
         )
         return TokenizedPrompt(
-            token_ids=tuple(ids), spans=spans, images=images, mrope_position_delta=self._rope_delta(len(ids), spans)
+            token_ids=tuple(ids),
+            spans=spans,
+            images=images,
+            mrope_position_delta=self._rope_delta(len(ids), spans),
         )
 
     def tokenize_prompt(self, prompt: str) -> TokenizedPrompt:
@@ -97,7 +104,9 @@ class TokenizePipeline:
                 if part.error:
                     raise InvalidRequestError(part.error)
                 return self.images.grid_for_size(part.height, part.width)
-            height, width = image_size(part.data, self.limits.max_image_bytes, self.limits.max_image_pixels)
+            height, width = image_size(
+                part.data, self.limits.max_image_bytes, self.limits.max_image_pixels
+            )
             return self.images.grid_for_size(height, width)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{param}: {exc.message}", param=param) from exc
@@ -134,7 +143,9 @@ def _template_messages(
     image_parts: list[tuple[str, ImagePart | ImageHeader]] = []
     for i, message in enumerate(messages):
         if not message.content:
-            raise InvalidRequestError(f"messages[{i}].content is missing", param=f"messages[{i}].content")
+            raise InvalidRequestError(
+                f"messages[{i}].content is missing", param=f"messages[{i}].content"
+            )
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(message.content):
             if isinstance(part, TextPart):

@@ -131,8 +131,12 @@ def _init_worker(
     server_pid: int, model_dir: str, max_model_len: int, max_image_bytes: int, max_image_pixels: int
 ) -> None:
     global _worker_pipeline
-    threading.Thread(target=_exit_when_gone, args=(server_pid,), name="orphan-check", daemon=True).start()
-    torch.set_num_threads(1)  # torch only computes small position tables here; N workers share the cores
+    threading.Thread(
+        target=_exit_when_gone, args=(server_pid,), name="orphan-check", daemon=True
+    ).start()
+    torch.set_num_threads(
+        1
+    )  # torch only computes small position tables here; N workers share the cores
     _worker_pipeline = TokenizePipeline.from_dir(
         model_dir, Limits(max_model_len, max_image_bytes, max_image_pixels)
     )
@@ -194,7 +198,11 @@ class WorkerPool:
             mp_context=_worker_context(),
             initializer=_init_worker,
             initargs=(
-                os.getpid(), self.model_dir, limits.max_model_len, limits.max_image_bytes, limits.max_image_pixels
+                os.getpid(),
+                self.model_dir,
+                limits.max_model_len,
+                limits.max_image_bytes,
+                limits.max_image_pixels,
             ),
         )
 
@@ -210,7 +218,9 @@ class WorkerPool:
         assert executor is not None, "WorkerPool.start() first"
         images: dict[str, bytes] = {}
         if isinstance(job, ChatJob):
-            num_image_bytes = sum(len(p.data) for m in job.messages for p in m.content if isinstance(p, ImagePart))
+            num_image_bytes = sum(
+                len(p.data) for m in job.messages for p in m.content if isinstance(p, ImagePart)
+            )
             if num_image_bytes > INLINE_HEADER_BYTES:  # hashing ~0.5 ms per MB: off the loop
                 job, images = await asyncio.to_thread(_headers_only, job, self.limits)
             elif num_image_bytes:
@@ -220,7 +230,9 @@ class WorkerPool:
             result_bytes = await self._submit(executor, _job_encoder.encode(job), held)
         except BrokenProcessPool as exc:
             self._replace_broken(executor)
-            raise UnavailableError("a tokenizer worker process died while handling the request") from exc
+            raise UnavailableError(
+                "a tokenizer worker process died while handling the request"
+            ) from exc
         result = _result_decoder.decode(result_bytes)
         if isinstance(result, JobRejected):
             raise InvalidRequestError(result.message, param=result.param)

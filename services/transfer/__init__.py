@@ -18,7 +18,11 @@ from services.transfer.base import (
     TransferPlan,
     TransferResult,
 )
-from services.transfer.embeddings import BaseEmbeddingReceiver, BaseEmbeddingSender, EmbeddingDestination
+from services.transfer.embeddings import (
+    BaseEmbeddingReceiver,
+    BaseEmbeddingSender,
+    EmbeddingDestination,
+)
 from services.transfer.sessions import TransferSession, TransferSessionManager, TransferState
 
 

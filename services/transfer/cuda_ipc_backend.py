@@ -97,12 +97,21 @@ class CudaIpcKVReceiver(BaseKVReceiver):
 
     def _register_memory(self, pool: KVPool) -> None:
         if pool.device.type != "cuda":
-            raise ValueError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {pool.device}")
-        torch.cuda.synchronize(pool.k_buffer.device)  # the exported memory is initialized before anyone maps it
-        self._session_id = encode_session_id(IpcPool(
-            device_uuid(pool.k_buffer.device), tuple(pool.k_buffer.shape), str(pool.dtype).removeprefix("torch."),
-            export_buffer(pool.k_buffer), export_buffer(pool.v_buffer),
-        ))
+            raise ValueError(
+                f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {pool.device}"
+            )
+        torch.cuda.synchronize(
+            pool.k_buffer.device
+        )  # the exported memory is initialized before anyone maps it
+        self._session_id = encode_session_id(
+            IpcPool(
+                device_uuid(pool.k_buffer.device),
+                tuple(pool.k_buffer.shape),
+                str(pool.dtype).removeprefix("torch."),
+                export_buffer(pool.k_buffer),
+                export_buffer(pool.v_buffer),
+            )
+        )
 
     def _unregister_memory(self, pool: KVPool) -> None:
         del pool
@@ -120,32 +129,53 @@ class CudaIpcKVSender(BaseKVSender):
         self.max_peers = max_peers
         self._lock = threading.Lock()
         # (session id, this GPU) -> decode's K and V mapped here; least recently used first
-        self._peers: OrderedDict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._peers: OrderedDict[tuple[str, torch.device], tuple[torch.Tensor, torch.Tensor]] = (
+            OrderedDict()
+        )
         # queued copies with what they read and write through (decode's mapping, the page numbers):
         # kept until their event fired, whether or not anyone still waits for them
         self._in_flight: list[tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def send(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> TransferResult:
         return self.start(request_id, src_pool, src_pages, dst, deadline).wait()
 
     def start(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> PendingSend:
         """Check, map decode's pool if new, and queue the copy kernel on the caller's stream."""
         start = time.monotonic()
         peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline)
-        with torch.cuda.device(src_pool.k_buffer.device):  # Triton launches on the current device's stream
-            ops.copy_pages(src_pool.k_buffer, src_pool.v_buffer, pages[0], peer[0], peer[1], pages[1])
+        with torch.cuda.device(
+            src_pool.k_buffer.device
+        ):  # Triton launches on the current device's stream
+            ops.copy_pages(
+                src_pool.k_buffer, src_pool.v_buffer, pages[0], peer[0], peer[1], pages[1]
+            )
             done = torch.cuda.Event()
             done.record()
         self._track(done, (*peer, pages))
         return _IpcSend(request_id, _num_bytes(src_pool, src_pages), done, start, deadline)
 
     def start_layerwise(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> LayerwiseSend:
         """Check and map as ``start``; the copies are queued as the forward's layers finish."""
         start = time.monotonic()
@@ -153,7 +183,12 @@ class CudaIpcKVSender(BaseKVSender):
         return _LayerwiseIpcSend(self, request_id, src_pool, peer, pages, start, deadline)
 
     def _prepare(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Decode's K and V mapped here, and the page numbers ``[2, n]`` (source, destination) in pinned memory.
 
@@ -161,10 +196,14 @@ class CudaIpcKVSender(BaseKVSender):
         stream); they and the mapping must outlive the copy (``_track``).
         """
         if dst.backend != self.backend:
-            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender")
+            raise InvalidRequestError(
+                f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender"
+            )
         check_compatible(pool_layout(src_pool), src_pages, dst)
         if src_pool.device.type != "cuda":
-            raise InvalidRequestError(f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}")
+            raise InvalidRequestError(
+                f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}"
+            )
         check_deadline(request_id, deadline)
         peer = self._peer(dst, src_pool)
         pages = torch.empty((2, len(src_pages)), dtype=torch.int32, pin_memory=True)
@@ -192,11 +231,21 @@ class CudaIpcKVSender(BaseKVSender):
             peer = self._peers.get(key)
             if peer is None:
                 peer = self._peers[key] = self._open(decode_session_id(dst.session_id), src_pool)
-                while len(self._peers) > self.max_peers:  # a restarted decode exports a new pool: the
-                    self._peers.popitem(last=False)  # old mapping goes (closed once nothing uses it)
+                while (
+                    len(self._peers) > self.max_peers
+                ):  # a restarted decode exports a new pool: the
+                    self._peers.popitem(
+                        last=False
+                    )  # old mapping goes (closed once nothing uses it)
             self._peers.move_to_end(key)
         layout = dst.layout
-        expected = (layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
+        expected = (
+            layout.num_layers,
+            layout.num_pages,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
         if tuple(peer[0].shape) != expected or peer[0].dtype != src_pool.dtype:
             raise InvalidRequestError(
                 f"{dst.request_id}: destination layout {expected} {layout.dtype} does not match the "
@@ -206,12 +255,16 @@ class CudaIpcKVSender(BaseKVSender):
 
     def _open(self, exported: IpcPool, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
         if exported.dtype != str(src_pool.dtype).removeprefix("torch."):
-            raise InvalidRequestError(f"decode's KV pool is {exported.dtype}, this one {src_pool.dtype}")
+            raise InvalidRequestError(
+                f"decode's KV pool is {exported.dtype}, this one {src_pool.dtype}"
+            )
         device = src_pool.k_buffer.device  # with its index, unlike a pool made on "cuda"
         index = peer_index(exported.device_uuid, device, "decode")
         try:
-            return (open_buffer(exported.k, exported.shape, src_pool.dtype, device),
-                    open_buffer(exported.v, exported.shape, src_pool.dtype, device))
+            return (
+                open_buffer(exported.k, exported.shape, src_pool.dtype, device),
+                open_buffer(exported.v, exported.shape, src_pool.dtype, device),
+            )
         except RuntimeError as exc:
             raise UnavailableError(f"cannot map decode's KV pool on GPU {index}: {exc}") from exc
 
@@ -223,14 +276,25 @@ class CudaIpcKVSender(BaseKVSender):
 class _IpcSend(PendingSend):
     """One queued copy kernel: ``done`` fires when decode's pages hold the bytes."""
 
-    def __init__(self, request_id: str, num_bytes: int, done: torch.cuda.Event, started: float, deadline: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        num_bytes: int,
+        done: torch.cuda.Event,
+        started: float,
+        deadline: float,
+    ) -> None:
         self.request_id, self.num_bytes, self.done = request_id, num_bytes, done
         self.started, self.deadline = started, deadline
 
     def wait(self) -> TransferResult:
         while not self.done.query():
-            if time.monotonic() >= self.deadline:  # the kernel still finishes; decode quarantines the pages
-                raise DeadlineExceededError(f"KV transfer for {self.request_id} passed its deadline")
+            if (
+                time.monotonic() >= self.deadline
+            ):  # the kernel still finishes; decode quarantines the pages
+                raise DeadlineExceededError(
+                    f"KV transfer for {self.request_id} passed its deadline"
+                )
             os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
         elapsed = time.monotonic() - self.started
         return TransferResult(self.request_id, self.num_bytes, 1 if self.num_bytes else 0, elapsed)
@@ -245,10 +309,22 @@ class _LayerwiseIpcSend(LayerwiseSend):
     """
 
     def __init__(
-        self, sender: CudaIpcKVSender, request_id: str, src_pool: KVPool,
-        peer: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, started: float, deadline: float,
+        self,
+        sender: CudaIpcKVSender,
+        request_id: str,
+        src_pool: KVPool,
+        peer: tuple[torch.Tensor, torch.Tensor],
+        pages: torch.Tensor,
+        started: float,
+        deadline: float,
     ) -> None:
-        self.sender, self.request_id, self.src_pool, self.peer, self.pages = sender, request_id, src_pool, peer, pages
+        self.sender, self.request_id, self.src_pool, self.peer, self.pages = (
+            sender,
+            request_id,
+            src_pool,
+            peer,
+            pages,
+        )
         self.started, self.deadline = started, deadline
         self.device = src_pool.k_buffer.device
         self.stream = sender._side_stream(self.device)
@@ -270,15 +346,23 @@ class _LayerwiseIpcSend(LayerwiseSend):
             ready.record()  # the forward's (current) stream, behind layer end - 1
             self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                ops.copy_pages(self.src_pool.k_buffer[first:end], self.src_pool.v_buffer[first:end], self.pages[0],
-                               self.peer[0][first:end], self.peer[1][first:end], self.pages[1])
+                ops.copy_pages(
+                    self.src_pool.k_buffer[first:end],
+                    self.src_pool.v_buffer[first:end],
+                    self.pages[0],
+                    self.peer[0][first:end],
+                    self.peer[1][first:end],
+                    self.pages[1],
+                )
 
     def _end(self) -> torch.cuda.Event:
         self.ended = True
         with torch.cuda.device(self.device):
             done = torch.cuda.Event()
             done.record(self.stream)
-            torch.cuda.current_stream().wait_event(done)  # pages freed after this are reused only behind the copies
+            torch.cuda.current_stream().wait_event(
+                done
+            )  # pages freed after this are reused only behind the copies
         self.sender._track(done, (*self.peer, self.pages))
         return done
 
@@ -289,7 +373,13 @@ class _LayerwiseIpcSend(LayerwiseSend):
                 self._queue(self.num_layers)
         finally:
             done = self._end()
-        return _IpcSend(self.request_id, _num_bytes(self.src_pool, self.pages[0]), done, self.started, self.deadline)
+        return _IpcSend(
+            self.request_id,
+            _num_bytes(self.src_pool, self.pages[0]),
+            done,
+            self.started,
+            self.deadline,
+        )
 
     def cancel(self) -> None:
         if not self.ended:
@@ -298,4 +388,3 @@ class _LayerwiseIpcSend(LayerwiseSend):
 
 def _num_bytes(pool: KVPool, pages: Sequence[int] | torch.Tensor) -> int:
     return 2 * pool.num_layers * len(pages) * pool.page_nbytes
-

@@ -66,7 +66,9 @@ def decode_session(prefix: str, session_id: str, kind: type[T], what: str) -> T:
     if not session_id.startswith(prefix):
         raise InvalidRequestError(f"not a {what}: {session_id[:64]!r}")
     try:
-        return msgspec.msgpack.decode(base64.urlsafe_b64decode(session_id[len(prefix):]), type=kind)
+        return msgspec.msgpack.decode(
+            base64.urlsafe_b64decode(session_id[len(prefix) :]), type=kind
+        )
     except (ValueError, msgspec.DecodeError) as exc:
         raise InvalidRequestError(f"malformed {what}: {exc}") from exc
 
@@ -77,18 +79,27 @@ def device_uuid(device: torch.device) -> str:
 
 def export_buffer(buf: torch.Tensor) -> IpcBuffer:
     assert buf.is_cuda and buf.is_contiguous() and buf.storage_offset() == 0
-    _, handle, size, offset, ref_handle, ref_offset, event_handle, _ = buf.untyped_storage()._share_cuda_()
+    _, handle, size, offset, ref_handle, ref_offset, event_handle, _ = (
+        buf.untyped_storage()._share_cuda_()
+    )
     return IpcBuffer(handle, size, offset, ref_handle, ref_offset, event_handle)
 
 
-def open_buffer(buf: IpcBuffer, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def open_buffer(
+    buf: IpcBuffer, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Map an exported allocation into ``device``'s context (peer memory when it lives on another GPU).
 
     torch maps a handle once per process; opening it again returns the same memory.
     """
     storage = torch.UntypedStorage._new_shared_cuda(
-        device.index, buf.handle, buf.storage_size_bytes, buf.storage_offset_bytes,
-        buf.ref_counter_handle, buf.ref_counter_offset, buf.event_handle,
+        device.index,
+        buf.handle,
+        buf.storage_size_bytes,
+        buf.storage_offset_bytes,
+        buf.ref_counter_handle,
+        buf.ref_counter_offset,
+        buf.event_handle,
         False,  # no event wait: the owner synchronized before exporting
     )
     return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, tuple(shape))

@@ -42,7 +42,9 @@ class EmbeddingDestination(msgspec.Struct, frozen=True):
     """Where an encoder writes a request's rows; mirrors the ``EmbeddingRef`` proto field for field."""
 
     backend: str  # transfer backend that registered the buffer ("shm", "cuda_ipc", "mooncake", "inprocess")
-    engine_address: str  # receiver's engine endpoint (Mooncake: "host:rpc_port"); may equal session_id
+    engine_address: (
+        str  # receiver's engine endpoint (Mooncake: "host:rpc_port"); may equal session_id
+    )
     session_id: str  # receiver's engine session (Mooncake: "host:rpc_port"; in-process: fabric key)
     cp_rank: int  # prefill context-parallel rank owning the buffer
     base_address: int  # address of the window's first row in the receiver's registered memory
@@ -60,11 +62,17 @@ class EmbeddingBuffer:
     """One contiguous ``[num_rows, hidden_size]`` tensor a prefill rank registers once."""
 
     def __init__(
-        self, num_rows: int, hidden_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+        self,
+        num_rows: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
         pin_memory: bool = False,  # host rows a GPU reads (needs CUDA)
     ) -> None:
         assert num_rows > 0 and hidden_size > 0
-        self.tensor = torch.zeros(num_rows, hidden_size, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.tensor = torch.zeros(
+            num_rows, hidden_size, dtype=dtype, device=device, pin_memory=pin_memory
+        )
 
     def reallocate(self, allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         """Move the rows into a zeroed contiguous tensor from ``allocator(shape, dtype)``, contents kept.
@@ -111,7 +119,11 @@ class EmbeddingBuffer:
     def row_of_address(self, address: int) -> int:
         """The row whose first byte is ``address``; ``ValueError`` outside the buffer or off a row."""
         offset = address - self.base_address
-        if offset < 0 or offset % self.row_stride_bytes or offset // self.row_stride_bytes >= self.num_rows:
+        if (
+            offset < 0
+            or offset % self.row_stride_bytes
+            or offset // self.row_stride_bytes >= self.num_rows
+        ):
             raise ValueError(f"address {address:#x} is not a row start of this buffer")
         return offset // self.row_stride_bytes
 
@@ -126,7 +138,9 @@ class EmbeddingRowManager:
     def __init__(self, num_rows: int) -> None:
         assert num_rows > 0
         self.num_rows = num_rows
-        self._free: list[tuple[int, int]] = [(0, num_rows)]  # sorted (start, num_rows), never adjacent
+        self._free: list[tuple[int, int]] = [
+            (0, num_rows)
+        ]  # sorted (start, num_rows), never adjacent
         self._allocated: dict[int, int] = {}  # start -> num_rows
         self._lock = threading.Lock()
 
@@ -191,10 +205,14 @@ def coalesce_runs(runs: Sequence[RowRun]) -> list[RowRun]:
     return merged
 
 
-def check_rows(request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination) -> None:
+def check_rows(
+    request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination
+) -> None:
     """``InvalidRequestError`` unless every run of ``rows`` fits ``dst`` with the same row layout."""
     if rows.dim() != 2 or not rows.is_contiguous():
-        raise InvalidRequestError(f"{request_id}: embedding rows must be a contiguous [n, hidden] tensor")
+        raise InvalidRequestError(
+            f"{request_id}: embedding rows must be a contiguous [n, hidden] tensor"
+        )
     if rows.shape[1] != dst.hidden_size or dtype_name(rows.dtype) != dst.dtype:
         raise InvalidRequestError(
             f"{request_id}: rows are [*, {rows.shape[1]}] {dtype_name(rows.dtype)}, the destination holds "
@@ -205,7 +223,9 @@ def check_rows(request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst:
         raise InvalidRequestError(f"{request_id}: destination row stride is smaller than a row")
     for src, dst_row, num_rows in runs:
         if src < 0 or num_rows < 0 or src + num_rows > rows.shape[0]:
-            raise InvalidRequestError(f"{request_id}: source rows [{src}, {src + num_rows}) outside {rows.shape[0]}")
+            raise InvalidRequestError(
+                f"{request_id}: source rows [{src}, {src + num_rows}) outside {rows.shape[0]}"
+            )
         if dst_row < 0 or dst_row + num_rows > dst.num_rows:
             raise InvalidRequestError(
                 f"{request_id}: destination rows [{dst_row}, {dst_row + num_rows}) outside the "
@@ -214,7 +234,9 @@ def check_rows(request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst:
             )
 
 
-def plan_row_transfer(src_base: int, runs: Sequence[RowRun], row_nbytes: int, dst: EmbeddingDestination) -> TransferPlan:
+def plan_row_transfer(
+    src_base: int, runs: Sequence[RowRun], row_nbytes: int, dst: EmbeddingDestination
+) -> TransferPlan:
     """Descriptors for ``runs`` of a contiguous source at ``src_base``; one per run when rows are packed."""
     descs: list[tuple[int, int, int]] = []
     for src, dst_row, num_rows in coalesce_runs(runs):
@@ -224,7 +246,8 @@ def plan_row_transfer(src_base: int, runs: Sequence[RowRun], row_nbytes: int, ds
             descs.append((src_addr, dst_addr, num_rows * row_nbytes))
         else:  # padded destination rows: one descriptor per row
             descs.extend(
-                (src_addr + i * row_nbytes, dst_addr + i * dst.row_stride_bytes, row_nbytes) for i in range(num_rows)
+                (src_addr + i * row_nbytes, dst_addr + i * dst.row_stride_bytes, row_nbytes)
+                for i in range(num_rows)
             )
     columns = tuple(zip(*descs, strict=True)) or ((), (), ())
     return TransferPlan(*columns)
@@ -300,14 +323,24 @@ class BaseEmbeddingSender(ABC):
     backend: str
 
     def send_rows(
-        self, request_id: str, rows: torch.Tensor, dst: EmbeddingDestination, dst_row: int, deadline: float
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        dst: EmbeddingDestination,
+        dst_row: int,
+        deadline: float,
     ) -> TransferResult:
         """Write all of ``rows`` ([n, hidden], contiguous) to rows ``[dst_row, dst_row + n)`` of ``dst``."""
         return self.send_runs(request_id, rows, [(0, dst_row, rows.shape[0])], dst, deadline)
 
     @abstractmethod
     def send_runs(
-        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination, deadline: float
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        runs: Sequence[RowRun],
+        dst: EmbeddingDestination,
+        deadline: float,
     ) -> TransferResult:
         """Write ``rows[src:src+n]`` to destination rows ``[dst_row, dst_row+n)`` for every run, in one batch.
 

@@ -53,7 +53,9 @@ from services.transfer.embeddings import (
 
 SESSION_PREFIX = "cuda-ipc-rows:"
 WHAT = "CUDA IPC embedding destination"
-MAX_PEERS = 16  # prefill buffers kept mapped per sender; the least recently used is unmapped beyond it
+MAX_PEERS = (
+    16  # prefill buffers kept mapped per sender; the least recently used is unmapped beyond it
+)
 ROW_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -118,11 +120,20 @@ class CudaIpcEmbeddingReceiver(BaseEmbeddingReceiver):
             raise ValueError(
                 f"the cuda_ipc embedding backend needs a CUDA buffer (prefill on a GPU), got one on {tensor.device}"
             )
-        torch.cuda.synchronize(tensor.device)  # the exported rows are zeroed before anyone maps them
-        self._session_id = encode_session_id(IpcRows(
-            device_uuid(tensor.device), buffer.num_rows, buffer.hidden_size, dtype_name(buffer.dtype),
-            buffer.base_address, OwnerProcess.this_process(), export_buffer(tensor),
-        ))
+        torch.cuda.synchronize(
+            tensor.device
+        )  # the exported rows are zeroed before anyone maps them
+        self._session_id = encode_session_id(
+            IpcRows(
+                device_uuid(tensor.device),
+                buffer.num_rows,
+                buffer.hidden_size,
+                dtype_name(buffer.dtype),
+                buffer.base_address,
+                OwnerProcess.this_process(),
+                export_buffer(tensor),
+            )
+        )
 
     def _unregister_memory(self, buffer: EmbeddingBuffer) -> None:
         del buffer  # prefill keeps reading it while it shuts down; its memory goes with the process
@@ -139,7 +150,9 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
         self.max_peers = max_peers
         self._lock = threading.Lock()
         # (session id, this GPU) -> (its owner, the buffer mapped here); least recently used first
-        self._peers: OrderedDict[tuple[str, torch.device], tuple[OwnerProcess, torch.Tensor]] = OrderedDict()
+        self._peers: OrderedDict[tuple[str, torch.device], tuple[OwnerProcess, torch.Tensor]] = (
+            OrderedDict()
+        )
 
     def send_runs(
         self,
@@ -151,7 +164,9 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
     ) -> TransferResult:
         start = time.monotonic()
         if dst.backend != self.backend:
-            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination for the cuda_ipc sender")
+            raise InvalidRequestError(
+                f"{request_id}: a {dst.backend} destination for the cuda_ipc sender"
+            )
         check_rows(request_id, rows, runs, dst)
         exported = decode_session_id(dst.session_id)
         if rows.device.type != "cuda":
@@ -181,7 +196,9 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
     ) -> torch.Tensor:
         """The destination's rows mapped on ``device``: ``[dst.num_rows, hidden]``."""
         if (dst.hidden_size, dst.dtype, dst.row_stride_bytes) != (
-            exported.hidden_size, exported.dtype, exported.row_nbytes
+            exported.hidden_size,
+            exported.dtype,
+            exported.row_nbytes,
         ):
             raise InvalidRequestError(
                 f"{request_id}: destination rows [*, {dst.hidden_size}] {dst.dtype} (stride "
@@ -191,7 +208,11 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
             )
         offset = dst.base_address - exported.base_address
         first_row = offset // exported.row_nbytes
-        if offset < 0 or offset % exported.row_nbytes or first_row + dst.num_rows > exported.num_rows:
+        if (
+            offset < 0
+            or offset % exported.row_nbytes
+            or first_row + dst.num_rows > exported.num_rows
+        ):
             raise InvalidRequestError(
                 f"{request_id}: the {dst.num_rows}-row window at {dst.base_address:#x} is not inside the "
                 f"exported {exported.num_rows}-row buffer",
@@ -205,7 +226,9 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
         key = (session_id, device)
         with self._lock:
             peer = self._peers.get(key)
-            if peer is None:  # a new buffer, maybe a restarted prefill's: let go of exited owners' buffers
+            if (
+                peer is None
+            ):  # a new buffer, maybe a restarted prefill's: let go of exited owners' buffers
                 for gone in [k for k, (owner, _) in self._peers.items() if owner.has_exited()]:
                     del self._peers[gone]
                 peer = self._peers[key] = (exported.owner, _open(exported, device))
@@ -225,7 +248,9 @@ def _open(exported: IpcRows, device: torch.device) -> torch.Tensor:
     try:
         return open_buffer(exported.buffer, shape, getattr(torch, exported.dtype), device)
     except RuntimeError as exc:
-        raise UnavailableError(f"cannot map prefill's embedding buffer on GPU {index}: {exc}") from exc
+        raise UnavailableError(
+            f"cannot map prefill's embedding buffer on GPU {index}: {exc}"
+        ) from exc
 
 
 def _wait(done: torch.cuda.Event, request_id: str, deadline: float) -> None:

@@ -68,7 +68,9 @@ class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
             )
         segment = ShmSegment("emb", buffer.num_bytes, BUFFER)
         try:
-            buffer.reallocate(lambda shape, dtype: typed_view(segment.tensor, 0, shape, dtype, BUFFER))
+            buffer.reallocate(
+                lambda shape, dtype: typed_view(segment.tensor, 0, shape, dtype, BUFFER)
+            )
         except BaseException:
             segment.close()
             raise
@@ -101,7 +103,9 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
     ) -> TransferResult:
         start = time.monotonic()
         if dst.backend != self.backend:
-            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination for the shm sender")
+            raise InvalidRequestError(
+                f"{request_id}: a {dst.backend} destination for the shm sender"
+            )
         check_rows(request_id, rows, runs, dst)
         merged = coalesce_runs(runs)
         check_deadline(request_id, deadline)
@@ -110,7 +114,9 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
         window = self._window(request_id, dst)
         for src, dst_row, num_rows in merged:
             if time.monotonic() >= deadline:
-                raise DeadlineExceededError(f"embedding transfer for {request_id} passed its deadline")
+                raise DeadlineExceededError(
+                    f"embedding transfer for {request_id} passed its deadline"
+                )
             window[dst_row : dst_row + num_rows].copy_(rows[src : src + num_rows])
         num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
         return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
@@ -125,8 +131,11 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
             )
         mapping = self._peers.open(ref.name, BUFFER)
         padded = typed_view(
-            mapping.tensor, dst.base_address - ref.base_address,
-            (dst.num_rows, dst.row_stride_bytes // dtype.itemsize), dtype, request_id,
+            mapping.tensor,
+            dst.base_address - ref.base_address,
+            (dst.num_rows, dst.row_stride_bytes // dtype.itemsize),
+            dtype,
+            request_id,
         )
         return padded[:, : dst.hidden_size]
 

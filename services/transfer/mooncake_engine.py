@@ -38,14 +38,20 @@ _INSTALL_HINT = (
 class MooncakeEngine:
     """One ``mooncake.engine.TransferEngine``; C return codes < 0 become ``UnavailableError``."""
 
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+    def __init__(
+        self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""
+    ) -> None:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:  # the wheel, or a shared library it links (libibverbs, libnuma)
-            raise ImportError(f"Mooncake transfer backend unavailable ({exc}): {_INSTALL_HINT}") from exc
+            raise ImportError(
+                f"Mooncake transfer backend unavailable ({exc}): {_INSTALL_HINT}"
+            ) from exc
         self._engine: Any = TransferEngine()
         _check(
-            self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name), "initialize", hostname
+            self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name),
+            "initialize",
+            hostname,
         )
         self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
         self._registered: list[int] = []
@@ -61,18 +67,24 @@ class MooncakeEngine:
 
     def unregister(self, addrs: Sequence[int]) -> None:
         """Unregister single regions (per-send registrations) by their start address."""
-        _check(self._engine.batch_unregister_memory(list(addrs)), "unregister_memory", self.session_id)
+        _check(
+            self._engine.batch_unregister_memory(list(addrs)), "unregister_memory", self.session_id
+        )
         gone = set(addrs)
         self._registered = [a for a in self._registered if a not in gone]
 
     def unregister_all(self) -> None:
         if self._registered:
             _check(
-                self._engine.batch_unregister_memory(self._registered), "unregister_memory", self.session_id
+                self._engine.batch_unregister_memory(self._registered),
+                "unregister_memory",
+                self.session_id,
             )
             self._registered = []
 
-    def write(self, peer: str, plan: TransferPlan, max_descriptors: int, stop: threading.Event) -> None:
+    def write(
+        self, peer: str, plan: TransferPlan, max_descriptors: int, stop: threading.Event
+    ) -> None:
         """Blocking write of ``plan`` into ``peer``'s registered memory, ``max_descriptors`` per call."""
         for begin in range(0, plan.num_descriptors, max_descriptors):
             if stop.is_set():  # the caller gave up at its deadline: issue no more batches

@@ -13,7 +13,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from services.common.errors import AbortedError, DeadlineExceededError, InvalidRequestError, StageServeError
+from services.common.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    StageServeError,
+)
 
 if TYPE_CHECKING:
     from services.transfer.base import KvDestination

@@ -70,10 +70,12 @@ class ShmKVReceiver(BaseKVReceiver):
         half = pool.k_buffer.numel() * pool.k_buffer.element_size()
         segment = ShmSegment("kv", 2 * half, POOL)
         try:
-            pool.reallocate(lambda shape, dtype: (
-                typed_view(segment.tensor, 0, shape, dtype, POOL),
-                typed_view(segment.tensor, half, shape, dtype, POOL),
-            ))
+            pool.reallocate(
+                lambda shape, dtype: (
+                    typed_view(segment.tensor, 0, shape, dtype, POOL),
+                    typed_view(segment.tensor, half, shape, dtype, POOL),
+                )
+            )
         except BaseException:
             segment.close()
             raise
@@ -106,7 +108,9 @@ class ShmKVSender(BaseKVSender):
     ) -> TransferResult:
         start = time.monotonic()
         if dst.backend != self.backend:
-            raise InvalidRequestError(f"{request_id}: a {dst.backend} destination for the shm sender")
+            raise InvalidRequestError(
+                f"{request_id}: a {dst.backend} destination for the shm sender"
+            )
         check_compatible(pool_layout(src_pool), src_pages, dst)
         check_deadline(request_id, deadline)
         dst_k, dst_v = self._pool_of(dst)
@@ -114,7 +118,10 @@ class ShmKVSender(BaseKVSender):
         for src_page, dst_page, num_pages in runs:
             if time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
-            src, dst_run = slice(src_page, src_page + num_pages), slice(dst_page, dst_page + num_pages)
+            src, dst_run = (
+                slice(src_page, src_page + num_pages),
+                slice(dst_page, dst_page + num_pages),
+            )
             # [L, num_pages, S, Hkv, D]: every layer of one run in one copy, for K and for V
             dst_k[:, dst_run].copy_(src_pool.k_buffer[:, src])
             dst_v[:, dst_run].copy_(src_pool.v_buffer[:, src])
@@ -138,10 +145,16 @@ class ShmKVSender(BaseKVSender):
             )
         dtype = getattr(torch, layout.dtype)  # check_compatible made it this pool's dtype
         shape = (
-            layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim
+            layout.num_layers,
+            layout.num_pages,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
         )
-        return (typed_view(mapping.tensor, 0, shape, dtype, dst.request_id),
-                typed_view(mapping.tensor, half, shape, dtype, dst.request_id))
+        return (
+            typed_view(mapping.tensor, 0, shape, dtype, dst.request_id),
+            typed_view(mapping.tensor, half, shape, dtype, dst.request_id),
+        )
 
     def close(self) -> None:
         self._peers.close()

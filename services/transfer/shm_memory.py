@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SESSION_PREFIX = "shm:"
-MAX_PEERS = 16  # owners' segments kept mapped per peer; the least recently used is unmapped beyond it
+MAX_PEERS = (
+    16  # owners' segments kept mapped per peer; the least recently used is unmapped beyond it
+)
 KINDS = ("kv", "emb")
 NAME_RE = re.compile(r"stageserve-(kv|emb)-([0-9]+)-([0-9]+)-([0-9]+)-([0-9a-f]{32})")
 SESSION_RE = re.compile(rf"{SESSION_PREFIX}(stageserve-[a-z0-9-]+)@([0-9a-f]+)")
@@ -99,7 +101,9 @@ def new_name(kind: str) -> str:
 def sweep_stale_segments() -> list[str]:
     """Unlink this user's segments whose owner process is gone (killed before it could); their names."""
     removed: list[str] = []
-    if process_start_time(os.getpid()) is None:  # no /proc to tell a live owner from a dead one: keep all
+    if (
+        process_start_time(os.getpid()) is None
+    ):  # no /proc to tell a live owner from a dead one: keep all
         return removed
     namespace, uid = pid_namespace(), os.geteuid()
     for entry in os.scandir(SHM_DIR):
@@ -131,22 +135,30 @@ def _start_reaper(path: str) -> tuple[subprocess.Popen | None, int | None]:
     try:
         reaper = subprocess.Popen(
             ["/bin/sh", "-c", _REAPER_SCRIPT, "stageserve-shm-reaper", path],
-            stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=read_end,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C to the service's process group leaves it to finish
         )
     except OSError as exc:
         os.close(write_end)
-        logger.warning("no reaper for %s (%s): a killed owner leaves it to the next sweep", path, exc)
+        logger.warning(
+            "no reaper for %s (%s): a killed owner leaves it to the next sweep", path, exc
+        )
         return None, None
     finally:
         os.close(read_end)
     return reaper, write_end
 
 
-def _release(path: str, owner_pid: int, reaper: subprocess.Popen | None, pipe_end: int | None) -> None:
+def _release(
+    path: str, owner_pid: int, reaper: subprocess.Popen | None, pipe_end: int | None
+) -> None:
     """Unlink ``path`` (in its owner only: a forked child exiting leaves its parent's segment alone)."""
     if pipe_end is not None:
-        os.close(pipe_end)  # this process's copy: the reaper sees end of file once every copy is gone
+        os.close(
+            pipe_end
+        )  # this process's copy: the reaper sees end of file once every copy is gone
     if os.getpid() != owner_pid:
         return
     try:
@@ -239,12 +251,16 @@ class ShmPeers:
         """
         with self._lock:
             mapping = self._mappings.get(name)
-            if mapping is None:  # a new owner, maybe one restarted: let go of segments already unlinked
+            if (
+                mapping is None
+            ):  # a new owner, maybe one restarted: let go of segments already unlinked
                 for gone in [m for m in self._mappings.values() if m.is_unlinked()]:
                     os.close(self._mappings.pop(gone.name).fd)
                 mapping = self._mappings[name] = _open_mapping(name, what)
                 while len(self._mappings) > self.max_peers:
-                    os.close(self._mappings.popitem(last=False)[1].fd)  # unmapped once no copy uses it
+                    os.close(
+                        self._mappings.popitem(last=False)[1].fd
+                    )  # unmapped once no copy uses it
             self._mappings.move_to_end(name)
             if mapping.is_unlinked():  # the owner closed the segment or a sweep removed it
                 os.close(self._mappings.pop(name).fd)
@@ -277,7 +293,9 @@ def _open_mapping(name: str, what: str) -> PeerMapping:
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise UnavailableError(f"{what} ({name}) is not a regular file of this user")
         if stat.S_IMODE(info.st_mode) != _OWNER_ONLY:
-            raise UnavailableError(f"{what} ({name}) has mode {stat.S_IMODE(info.st_mode):o}, not 600")
+            raise UnavailableError(
+                f"{what} ({name}) has mode {stat.S_IMODE(info.st_mode):o}, not 600"
+            )
         if info.st_size == 0:
             raise UnavailableError(f"{what} ({name}) is empty")
         memory = _map(fd, info.st_size)

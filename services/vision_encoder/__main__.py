@@ -33,44 +33,85 @@ logger = logging.getLogger("services.vision_encoder")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.vision_encoder", description=__doc__)
     add_common_args(p)
-    p.add_argument("--devices", default=None, metavar="DEV,DEV,...",
-                   help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on "
-                        "--device)")
-    p.add_argument("--ranks", type=int, default=None,
-                   help="rank processes, each on --device (default 1; with --devices: how many "
-                        "there are)")
-    p.add_argument("--cache-bytes", type=int, default=256 * 1024 * 1024,
-                   help="embedding cache budget of each rank, bytes (W ranks hold W times this)")
-    p.add_argument("--max-batch-images", type=int, default=32,
-                   help="images one batch takes at most, over all ranks")
-    p.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024,
-                   help="size limit of one compressed image")
-    p.add_argument("--default-timeout-s", type=float, default=60.0,
-                   help="deadline of a call that carries none")
-    p.add_argument("--step-timeout-s", type=float, default=60.0,
-                   help="a batch's limit on the ranks: a rank past it is declared dead, the rank "
-                        "group restarts")
-    p.add_argument("--watchdog-s", type=float, default=30.0,
-                   help="health turns NOT_SERVING when encodes wait but no batch starts or ends "
-                        "for this long")
-    p.add_argument("--pixel-method", default="auto", choices=PIXEL_METHODS,
-                   help="where the ranks resize, normalize and patchify: pil (CPU, bit-exact with "
-                        "transformers), torch (on the rank's device, within one uint8 level), "
-                        "auto (torch on CUDA ranks, pil on CPU ranks)")
+    p.add_argument(
+        "--devices",
+        default=None,
+        metavar="DEV,DEV,...",
+        help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="rank processes, each on --device (default 1; with --devices: how many there are)",
+    )
+    p.add_argument(
+        "--cache-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="embedding cache budget of each rank, bytes (W ranks hold W times this)",
+    )
+    p.add_argument(
+        "--max-batch-images",
+        type=int,
+        default=32,
+        help="images one batch takes at most, over all ranks",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=20 * 1024 * 1024,
+        help="size limit of one compressed image",
+    )
+    p.add_argument(
+        "--default-timeout-s", type=float, default=60.0, help="deadline of a call that carries none"
+    )
+    p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=60.0,
+        help="a batch's limit on the ranks: a rank past it is declared dead, the rank "
+        "group restarts",
+    )
+    p.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=30.0,
+        help="health turns NOT_SERVING when encodes wait but no batch starts or ends for this long",
+    )
+    p.add_argument(
+        "--pixel-method",
+        default="auto",
+        choices=PIXEL_METHODS,
+        help="where the ranks resize, normalize and patchify: pil (CPU, bit-exact with "
+        "transformers), torch (on the rank's device, within one uint8 level), "
+        "auto (torch on CUDA ranks, pil on CPU ranks)",
+    )
     _add_transfer_args(p)
     return p
 
 
 def _add_transfer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--transfer-backend", default="mooncake", choices=TRANSFER_BACKENDS,
-                   help="embedding rows to prefill (cuda_ipc: GPU to GPU on one host, ranks on CUDA "
-                        "devices; shm: /dev/shm on one host)")
-    p.add_argument("--transfer-host", default="127.0.0.1",
-                   help="address each rank's transfer engine advertises to peers (Mooncake; it "
-                        "listens on every interface)")
+    p.add_argument(
+        "--transfer-backend",
+        default="mooncake",
+        choices=TRANSFER_BACKENDS,
+        help="embedding rows to prefill (cuda_ipc: GPU to GPU on one host, ranks on CUDA "
+        "devices; shm: /dev/shm on one host)",
+    )
+    p.add_argument(
+        "--transfer-host",
+        default="127.0.0.1",
+        help="address each rank's transfer engine advertises to peers (Mooncake; it "
+        "listens on every interface)",
+    )
     p.add_argument("--transfer-protocol", default="tcp", help="Mooncake transport: tcp | rdma")
-    p.add_argument("--staging-rows", type=int, default=8192,
-                   help="rows of each rank's registered send staging buffer (Mooncake)")
+    p.add_argument(
+        "--staging-rows",
+        type=int,
+        default=8192,
+        help="rows of each rank's registered send staging buffer (Mooncake)",
+    )
 
 
 def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
@@ -110,7 +151,11 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
 
 async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | None) -> None:
     metrics_port = start_telemetry(
-        "vision_encoder", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
+        "vision_encoder",
+        envs,
+        config.host,
+        config.metrics_port,
+        model_name=config.model.resolve().name,
     )
     app = build_app(config, VisionEncoderMetrics(), envs)
     health = HealthState()

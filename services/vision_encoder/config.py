@@ -10,7 +10,11 @@ from services.common.service_main import ServiceConfig
 # The encoder's ranks are their own processes: rows leave them through a backend that
 # crosses processes ("inprocess" needs the encoder and prefill in one process).
 TRANSFER_BACKENDS = ("mooncake", "shm", "cuda_ipc")
-PIXEL_METHODS = ("auto", "pil", "torch")  # pixels.resolve_method: auto is torch on CUDA, pil elsewhere
+PIXEL_METHODS = (
+    "auto",
+    "pil",
+    "torch",
+)  # pixels.resolve_method: auto is torch on CUDA, pil elsewhere
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,9 @@ class VisionEncoderConfig(ServiceConfig):
     default_timeout_s: float = 60.0  # deadline of a call that carries none
     step_timeout_s: float = 60.0  # a batch's step on the ranks; a rank past it is declared dead
     watchdog_s: float = 30.0  # NOT_SERVING while encodes wait but no batch starts or ends this long
-    pixel_method: str = "auto"  # resize/normalize/patchify: "auto" (torch on CUDA) | "pil" | "torch"
+    pixel_method: str = (
+        "auto"  # resize/normalize/patchify: "auto" (torch on CUDA) | "pil" | "torch"
+    )
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -36,7 +42,9 @@ class VisionEncoderConfig(ServiceConfig):
                 "needs the encoder and prefill in one process)"
             )
         if self.pixel_method not in PIXEL_METHODS:
-            raise ValueError(f"pixel_method must be one of {PIXEL_METHODS}, got {self.pixel_method!r}")
+            raise ValueError(
+                f"pixel_method must be one of {PIXEL_METHODS}, got {self.pixel_method!r}"
+            )
         if not self.devices:
             raise ValueError("the vision encoder needs at least one rank device")
         check_embedding_backend(self.transfer_backend, self.devices)

@@ -122,7 +122,9 @@ def fake_app() -> FastAPI:
         if body["model"] == "fail-500":
             return JSONResponse({"error": {"message": "boom"}}, status_code=500)
         if body["model"] == "fail-400":
-            return JSONResponse({"error": {"message": "bad prompt", "type": "invalid_request_error"}}, 400)
+            return JSONResponse(
+                {"error": {"message": "bad prompt", "type": "invalid_request_error"}}, 400
+            )
         return StreamingResponse(_events(body), media_type="text/event-stream")
 
     return app
@@ -167,12 +169,25 @@ def run(base_url: str, tmp_path, *args: str, tokenizer: bool = True) -> tuple[in
 
 
 def test_records_from_a_streamed_run(base_url, tmp_path, state):
-    args = ["--num-requests", "4", "--input-len", "8", "--output-len", "5", "--ignore-eos",
-            "--api-key", "sk-test"]
-    rc, report = run(base_url, tmp_path, *args, tokenizer=False)  # counted with the server's /tokenize
+    args = [
+        "--num-requests",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "5",
+        "--ignore-eos",
+        "--api-key",
+        "sk-test",
+    ]
+    rc, report = run(
+        base_url, tmp_path, *args, tokenizer=False
+    )  # counted with the server's /tokenize
     assert rc == 0
     assert report["config"]["model"] == "fake-model"  # the first of GET /v1/models
-    assert report["config"]["api_key"] == "<redacted>" and state.auth_headers == ["Bearer sk-test"] * 4
+    assert (
+        report["config"]["api_key"] == "<redacted>" and state.auth_headers == ["Bearer sk-test"] * 4
+    )
     assert report["summary"]["num_ok"] == 4 and report["summary"]["num_failed"] == 0
     for record in report["requests"]:
         assert record["outcome"] == "ok" and record["error"] == ""
@@ -188,7 +203,9 @@ def test_records_from_a_streamed_run(base_url, tmp_path, state):
 
 
 def test_itl_is_per_token_when_chunks_carry_several(base_url, tmp_path, state):
-    rc, report = run(base_url, tmp_path, "--model", "batch-3", "--num-requests", "2", "--output-len", "7")
+    rc, report = run(
+        base_url, tmp_path, "--model", "batch-3", "--num-requests", "2", "--output-len", "7"
+    )
     assert rc == 0
     for record in report["requests"]:
         assert record["num_chunks"] == 3 and record["completion_tokens"] == 7
@@ -203,7 +220,9 @@ def test_per_token_itl_splits_chunk_gaps():
     assert per_token_itl([0.5], 9) == []
 
 
-def _ok(ttft_ms: float, e2e_ms: float, completion_tokens: int = 11, prompt_tokens: int = 50) -> RequestRecord:
+def _ok(
+    ttft_ms: float, e2e_ms: float, completion_tokens: int = 11, prompt_tokens: int = 50
+) -> RequestRecord:
     tpot_s = (e2e_ms - ttft_ms) / 1e3 / (completion_tokens - 1)
     return RequestRecord(
         0,
@@ -227,7 +246,12 @@ def test_summary_percentiles_throughput_and_goodput():
         RequestRecord(5, 50, 11, 0, Outcome.ABORTED),
     ]
     summary = summarize(records, duration_s=2.0, slo=Slo(ttft_ms=25, tpot_ms=30), num_requests=7)
-    assert (summary.num_ok, summary.num_failed, summary.num_aborted, summary.num_not_sent) == (4, 1, 1, 1)
+    assert (summary.num_ok, summary.num_failed, summary.num_aborted, summary.num_not_sent) == (
+        4,
+        1,
+        1,
+        1,
+    )
     assert summary.ttft.count == 4
     assert summary.ttft.mean == pytest.approx(25.0)
     assert summary.ttft.p50 == pytest.approx(25.0)
@@ -238,14 +262,18 @@ def test_summary_percentiles_throughput_and_goodput():
     assert summary.request_throughput == pytest.approx(2.0)
     assert summary.input_token_throughput == pytest.approx(100.0)
     assert summary.output_token_throughput == pytest.approx(22.0)
-    assert summary.num_good == 2 and summary.goodput == pytest.approx(1.0)  # TTFT <= 25 and TPOT <= 30
+    assert summary.num_good == 2 and summary.goodput == pytest.approx(
+        1.0
+    )  # TTFT <= 25 and TPOT <= 30
     assert summarize(records, 2.0, Slo(e2e_ms=300), 7).num_good == 3
     no_slo = summarize(records, 2.0, Slo(), 7)
     assert no_slo.goodput is None and no_slo.num_good is None
 
 
 def test_request_rate_mode_completes_all(base_url, tmp_path, state):
-    rc, report = run(base_url, tmp_path, "--request-rate", "200", "--num-requests", "8", "--output-len", "3")
+    rc, report = run(
+        base_url, tmp_path, "--request-rate", "200", "--num-requests", "8", "--output-len", "3"
+    )
     assert rc == 0 and report["summary"]["num_ok"] == 8 and len(state.bodies) == 8
     assert report["config"]["request_rate"] == 200.0
     starts = [r["start_s"] for r in report["requests"]]
@@ -253,21 +281,28 @@ def test_request_rate_mode_completes_all(base_url, tmp_path, state):
 
 
 def test_concurrency_mode_caps_requests_in_flight(base_url, tmp_path, state):
-    rc, report = run(base_url, tmp_path, "--max-concurrency", "2", "--num-requests", "6", "--output-len", "4")
+    rc, report = run(
+        base_url, tmp_path, "--max-concurrency", "2", "--num-requests", "6", "--output-len", "4"
+    )
     assert rc == 0 and report["summary"]["num_ok"] == 6
     assert report["config"]["request_rate"] == "inf"
     assert 1 <= state.max_in_flight <= 2
 
 
 @pytest.mark.parametrize(
-    "model, status", [("fail-500", "HTTP 500"), ("fail-400", "HTTP 400"), ("error-event", "error event")]
+    "model, status",
+    [("fail-500", "HTTP 500"), ("fail-400", "HTTP 400"), ("error-event", "error event")],
 )
 def test_failures_are_counted_with_their_error(base_url, tmp_path, state, model, status):
-    rc, report = run(base_url, tmp_path, "--model", model, "--num-requests", "3", "--output-len", "4")
+    rc, report = run(
+        base_url, tmp_path, "--model", model, "--num-requests", "3", "--output-len", "4"
+    )
     assert rc == 1
     summary = report["summary"]
     assert summary["num_failed"] == 3 and summary["num_ok"] == 0 and summary["ttft"] is None
-    assert all(r["outcome"] == "failed" and r["error"].startswith(status) for r in report["requests"])
+    assert all(
+        r["outcome"] == "failed" and r["error"].startswith(status) for r in report["requests"]
+    )
 
 
 def test_request_timeout_and_max_duration_bound_the_run(base_url, tmp_path, state):
@@ -294,7 +329,9 @@ def test_request_timeout_and_max_duration_bound_the_run(base_url, tmp_path, stat
 
 
 def _image_urls(body: dict) -> list[str]:
-    return [p["image_url"]["url"] for p in body["messages"][0]["content"] if p["type"] == "image_url"]
+    return [
+        p["image_url"]["url"] for p in body["messages"][0]["content"] if p["type"] == "image_url"
+    ]
 
 
 def _decode_data_url(url: str) -> Image.Image:
@@ -303,16 +340,31 @@ def _decode_data_url(url: str) -> Image.Image:
 
 
 def test_images_and_length_ranges(base_url, tmp_path, state):
-    args = ["--num-requests", "6", "--images-per-request", "1:2", "--image-size", "32x16",
-            "--max-concurrency", "1"]  # bodies arrive in request order
-    rc, report = run(base_url, tmp_path, *args, "--input-len-range", "3:9", "--output-len-range", "2:4")
+    args = [
+        "--num-requests",
+        "6",
+        "--images-per-request",
+        "1:2",
+        "--image-size",
+        "32x16",
+        "--max-concurrency",
+        "1",
+    ]  # bodies arrive in request order
+    rc, report = run(
+        base_url, tmp_path, *args, "--input-len-range", "3:9", "--output-len-range", "2:4"
+    )
     assert rc == 0 and report["summary"]["num_ok"] == 6
     urls = []
-    for body, record in zip(state.bodies, sorted(report["requests"], key=lambda r: r["index"]), strict=True):
+    for body, record in zip(
+        state.bodies, sorted(report["requests"], key=lambda r: r["index"]), strict=True
+    ):
         images = _image_urls(body)
         assert len(images) == record["num_images"] and 1 <= len(images) <= 2
         assert 3 <= record["input_len"] <= 9 and record["completion_tokens"] == record["output_len"]
-        assert record["prompt_tokens"] == record["input_len"] + IMAGE_TOKENS * len(images) + TEMPLATE_TOKENS
+        assert (
+            record["prompt_tokens"]
+            == record["input_len"] + IMAGE_TOKENS * len(images) + TEMPLATE_TOKENS
+        )
         urls += images
     assert len(set(urls)) == len(urls)  # every image differs: no cache can hit
     assert all(url.startswith("data:image/jpeg;base64,") for url in urls)
@@ -326,22 +378,50 @@ def _neighbour_difference(image: Image.Image) -> float:
 
 
 def test_the_default_image_is_a_noise_jpeg_of_the_requested_size(base_url, tmp_path, state):
-    rc, _ = run(base_url, tmp_path, "--num-requests", "1", "--images-per-request", "1",
-                "--image-size", "320x200")
+    rc, _ = run(
+        base_url,
+        tmp_path,
+        "--num-requests",
+        "1",
+        "--images-per-request",
+        "1",
+        "--image-size",
+        "320x200",
+    )
     assert rc == 0
     [url] = _image_urls(state.bodies[0])
     image = _decode_data_url(url)
-    assert url.startswith("data:image/jpeg;base64,") and image.format == "JPEG" and image.size == (320, 200)
-    assert _neighbour_difference(image) > 50  # uniform noise: ~85 between neighbours; a gradient: ~1
+    assert (
+        url.startswith("data:image/jpeg;base64,")
+        and image.format == "JPEG"
+        and image.size == (320, 200)
+    )
+    assert (
+        _neighbour_difference(image) > 50
+    )  # uniform noise: ~85 between neighbours; a gradient: ~1
     # Noise barely compresses: ~0.9 byte/pixel at quality 90 (a gradient JPEG: ~0.1).
     assert len(base64.b64decode(url.partition(",")[2])) > 0.5 * 320 * 200
 
 
-@pytest.mark.parametrize(("kind", "fmt", "max_difference"), [("gradient", "png", 10), ("blank", "png", 1),
-                                                             ("gradient", "jpeg", 10), ("noise", "png", 256)])
+@pytest.mark.parametrize(
+    ("kind", "fmt", "max_difference"),
+    [("gradient", "png", 10), ("blank", "png", 1), ("gradient", "jpeg", 10), ("noise", "png", 256)],
+)
 def test_other_image_kinds_and_formats(base_url, tmp_path, state, kind, fmt, max_difference):
-    rc, _ = run(base_url, tmp_path, "--num-requests", "1", "--images-per-request", "1",
-                "--image-size", "360p", "--image-kind", kind, "--image-format", fmt)
+    rc, _ = run(
+        base_url,
+        tmp_path,
+        "--num-requests",
+        "1",
+        "--images-per-request",
+        "1",
+        "--image-size",
+        "360p",
+        "--image-kind",
+        kind,
+        "--image-format",
+        fmt,
+    )
     assert rc == 0
     [url] = _image_urls(state.bodies[0])
     image = _decode_data_url(url)
@@ -350,8 +430,18 @@ def test_other_image_kinds_and_formats(base_url, tmp_path, state, kind, fmt, max
 
 
 def test_completions_backend_streams_text(base_url, tmp_path, state):
-    rc, report = run(base_url, tmp_path, "--backend", "openai", "--num-requests", "3", "--input-len", "12",
-                     "--output-len", "4")
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--backend",
+        "openai",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+    )
     assert rc == 0 and report["summary"]["num_ok"] == 3
     for body, record in zip(state.bodies, report["requests"], strict=True):
         assert "messages" not in body and len(body["prompt"].split()) == 12
@@ -366,8 +456,16 @@ SHAREGPT = Path(__file__).parent / "sharegpt_small.json"
 
 
 def test_sharegpt_dataset_gives_its_prompts_and_reply_lengths(base_url, tmp_path, state):
-    rc, report = run(base_url, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT),
-                     "--num-requests", "3")
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(SHAREGPT),
+        "--num-requests",
+        "3",
+    )
     assert rc == 0 and report["summary"]["num_ok"] == 3
     conversations = [c for c in json.loads(SHAREGPT.read_text()) if isinstance(c, dict)]
     usable = {}  # one-turn, short-reply ("Yes": 1 token) and no-value are skipped
@@ -382,12 +480,26 @@ def test_sharegpt_dataset_gives_its_prompts_and_reply_lengths(base_url, tmp_path
         prompt = body["messages"][0]["content"]
         assert body["max_tokens"] == usable[prompt] == record["output_len"]
         assert record["input_len"] == len(prompt.split())
-    rc, report = run(base_url, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT),
-                     "--num-requests", "2", "--sharegpt-output-len", "5", "--seed", "1")
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(SHAREGPT),
+        "--num-requests",
+        "2",
+        "--sharegpt-output-len",
+        "5",
+        "--seed",
+        "1",
+    )
     assert rc == 0 and all(r["output_len"] == 5 for r in report["requests"])
 
 
-def test_sharegpt_with_too_few_conversations_or_a_bad_file_fails_clearly(base_url, tmp_path, state, capsys):
+def test_sharegpt_with_too_few_conversations_or_a_bad_file_fails_clearly(
+    base_url, tmp_path, state, capsys
+):
     args = ["--base-url", base_url, "--dataset-name", "sharegpt"]
     assert main([*args, "--dataset-path", str(SHAREGPT), "--num-requests", "5"]) == 2
     assert "4 usable conversations, fewer than --num-requests 5" in capsys.readouterr().err
@@ -424,20 +536,28 @@ def test_unreachable_endpoint_fails_fast(tmp_path):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"  # bound, not listening: connection refused
-    rc, report = run(url, tmp_path, "--model", "m", "--num-requests", "2", "--tokenizer", str(TINY_MODEL_DIR))
+    rc, report = run(
+        url, tmp_path, "--model", "m", "--num-requests", "2", "--tokenizer", str(TINY_MODEL_DIR)
+    )
     assert rc == 1 and report["summary"]["num_failed"] == 2
     assert main(["--base-url", url, "--num-requests", "1"]) == 1  # no --model and no /models
-    assert main(["--base-url", url, "--model", "m", "--num-requests", "1"]) == 1  # no /tokenize to count with
+    assert (
+        main(["--base-url", url, "--model", "m", "--num-requests", "1"]) == 1
+    )  # no /tokenize to count with
     sock.close()
 
 
 async def test_workload_is_deterministic():
-    workload = WorkloadSpec(IntRange(4, 40), IntRange.parse("8"), IntRange.parse("0:1"), (24, 8), False, 0.0)
+    workload = WorkloadSpec(
+        IntRange(4, 40), IntRange.parse("8"), IntRange.parse("0:1"), (24, 8), False, 0.0
+    )
     first = await make_requests("m", workload, 5, 3, WordCounter())
     assert first == await make_requests("m", workload, 5, 3, WordCounter())
     assert await make_requests("m", workload, 5, 4, WordCounter()) != first
     assert arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
     offsets = arrival_offsets(20_000, 50.0, 0)
-    assert offsets == sorted(offsets) and offsets[-1] / len(offsets) == pytest.approx(1 / 50, rel=0.05)
+    assert offsets == sorted(offsets) and offsets[-1] / len(offsets) == pytest.approx(
+        1 / 50, rel=0.05
+    )
     with pytest.raises(ValueError):
         IntRange.parse("5:2")

@@ -46,7 +46,10 @@ async def router_url():
     """A router over the real tokenizer (one thread) and fake prefill / decode workers."""
     tokenizer, tokenizer_server = await start_served(num_workers=0)
     script = Script()
-    prefill, decode = await start_worker(FakePrefill(script)), await start_worker(FakeDecode(script))
+    prefill, decode = (
+        await start_worker(FakePrefill(script)),
+        await start_worker(FakeDecode(script)),
+    )
     cluster = Cluster(script, tokenizer, [prefill], [decode])
     app, url = await serve_http(router_config(cluster))
     try:
@@ -59,10 +62,24 @@ async def router_url():
 
 
 @pytest.mark.parametrize("count_with", ["server", "local"])
-async def test_input_len_64_is_64_prompt_tokens_plus_the_chat_template(router_url, tmp_path, count_with):
+async def test_input_len_64_is_64_prompt_tokens_plus_the_chat_template(
+    router_url, tmp_path, count_with
+):
     out = tmp_path / "run.json"
-    argv = ["--base-url", f"{router_url}/v1", "--num-requests", "4", "--input-len", str(INPUT_LEN),
-            "--output-len", "4", "--output-json", str(out), "--request-timeout-s", "60"]
+    argv = [
+        "--base-url",
+        f"{router_url}/v1",
+        "--num-requests",
+        "4",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        "4",
+        "--output-json",
+        str(out),
+        "--request-timeout-s",
+        "60",
+    ]
     if count_with == "local":
         argv += ["--tokenizer", str(TINY_MODEL_DIR)]
     assert await asyncio.to_thread(main, argv) == 0
@@ -76,16 +93,42 @@ async def test_input_len_64_is_64_prompt_tokens_plus_the_chat_template(router_ur
 
 async def test_completions_backend_prompt_is_the_input_len(router_url, tmp_path):
     out = tmp_path / "run.json"
-    argv = ["--base-url", f"{router_url}/v1", "--backend", "openai", "--num-requests", "2",
-            "--input-len", str(INPUT_LEN), "--output-len", "3", "--output-json", str(out)]
+    argv = [
+        "--base-url",
+        f"{router_url}/v1",
+        "--backend",
+        "openai",
+        "--num-requests",
+        "2",
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        "3",
+        "--output-json",
+        str(out),
+    ]
     assert await asyncio.to_thread(main, argv) == 0
     assert [r["prompt_tokens"] for r in json.loads(out.read_text())["requests"]] == [INPUT_LEN] * 2
 
 
 async def test_a_noise_jpeg_is_accepted_and_counted_by_the_real_tokenizer(router_url, tmp_path):
     out = tmp_path / "run.json"
-    argv = ["--base-url", f"{router_url}/v1", "--num-requests", "1", "--input-len", "16", "--output-len", "2",
-            "--images-per-request", "1", "--image-size", "56x56", "--output-json", str(out)]
+    argv = [
+        "--base-url",
+        f"{router_url}/v1",
+        "--num-requests",
+        "1",
+        "--input-len",
+        "16",
+        "--output-len",
+        "2",
+        "--images-per-request",
+        "1",
+        "--image-size",
+        "56x56",
+        "--output-json",
+        str(out),
+    ]
     assert await asyncio.to_thread(main, argv) == 0
     [record] = json.loads(out.read_text())["requests"]
     num_image_tokens = (56 // 14) ** 2 // 4  # 4x4 patches, merged 2x2

@@ -27,10 +27,15 @@ def test_the_7b_config_takes_the_tokenizers_vocabulary_and_special_ids() -> None
 
 def test_the_written_checkpoint_loads_as_the_random_model(tmp_path) -> None:
     out = write_checkpoint(tmp_path / "ckpt", "cpu", seed=3, config_dir=TINY_MODEL_DIR)
-    assert TextProcessor.from_dir(out).vocab_size <= json.loads((out / "config.json").read_text())["vocab_size"]
+    assert (
+        TextProcessor.from_dir(out).vocab_size
+        <= json.loads((out / "config.json").read_text())["vocab_size"]
+    )
     loaded = load_model(out, device="cpu")
     built = build_random_model(out, device="cpu", seed=3)
-    for (name, a), (_, b) in zip(loaded.state_dict().items(), built.state_dict().items(), strict=True):
+    for (name, a), (_, b) in zip(
+        loaded.state_dict().items(), built.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b.to(a.dtype)), name
     mtime = (out / "model.safetensors").stat().st_mtime_ns
     write_checkpoint(out, "cpu", seed=3, config_dir=TINY_MODEL_DIR)  # kept: same config

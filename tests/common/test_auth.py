@@ -64,17 +64,36 @@ class Kind:
 # Decode and prefill run their real servicers (not attached to an engine: an accepted call
 # reaches them and gets UNAVAILABLE); the others their generated method table (UNIMPLEMENTED).
 KINDS = [
-    Kind("decode", decode_pb2_grpc.add_DecodeServicer_to_server, lambda: DecodeServicer(60.0, 300.0, b"k"),
-         decode_pb2.DESCRIPTOR.services_by_name["Decode"]),
-    Kind("prefill", prefill_pb2_grpc.add_PrefillServicer_to_server, lambda: PrefillServicer(60.0, KvRefVerifier(b"k", 16)),
-         prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]),
-    Kind("tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
-         tokenizer_pb2_grpc.TokenizerServicer, tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"]),
-    Kind("vision_encoder", vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server,
-         vision_encoder_pb2_grpc.VisionEncoderServicer,
-         vision_encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"]),
-    Kind("router", router_pb2_grpc.add_RouterServicer_to_server, router_pb2_grpc.RouterServicer,
-         router_pb2.DESCRIPTOR.services_by_name["Router"]),
+    Kind(
+        "decode",
+        decode_pb2_grpc.add_DecodeServicer_to_server,
+        lambda: DecodeServicer(60.0, 300.0, b"k"),
+        decode_pb2.DESCRIPTOR.services_by_name["Decode"],
+    ),
+    Kind(
+        "prefill",
+        prefill_pb2_grpc.add_PrefillServicer_to_server,
+        lambda: PrefillServicer(60.0, KvRefVerifier(b"k", 16)),
+        prefill_pb2.DESCRIPTOR.services_by_name["Prefill"],
+    ),
+    Kind(
+        "tokenizer",
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+        tokenizer_pb2_grpc.TokenizerServicer,
+        tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"],
+    ),
+    Kind(
+        "vision_encoder",
+        vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server,
+        vision_encoder_pb2_grpc.VisionEncoderServicer,
+        vision_encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"],
+    ),
+    Kind(
+        "router",
+        router_pb2_grpc.add_RouterServicer_to_server,
+        router_pb2_grpc.RouterServicer,
+        router_pb2.DESCRIPTOR.services_by_name["Router"],
+    ),
 ]
 
 
@@ -90,8 +109,11 @@ async def served(request) -> AsyncIterator[Served]:
     kind: Kind = request.param
     health, metrics = HealthState(), RpcMetrics()
     server, port = create_server(
-        [(kind.add_to_server, kind.make_servicer())], service_names=[kind.descriptor.full_name],
-        health=health, metrics=metrics, auth=TOKEN,
+        [(kind.add_to_server, kind.make_servicer())],
+        service_names=[kind.descriptor.full_name],
+        health=health,
+        metrics=metrics,
+        auth=TOKEN,
     )
     await server.start()
     health.set_serving(True)
@@ -131,11 +153,16 @@ async def test_every_method_requires_the_token(served: Served, auth: Credentials
     channel = create_channel(f"127.0.0.1:{served.port}", auth=auth)
     try:
         for method in service.methods:
-            assert await call_method(channel, service.full_name, method) == grpc.StatusCode.UNAUTHENTICATED
+            assert (
+                await call_method(channel, service.full_name, method)
+                == grpc.StatusCode.UNAUTHENTICATED
+            )
     finally:
         await channel.close()
     paths = [f"/{service.full_name}/{method.name}" for method in service.methods]
-    async with asyncio.timeout(TIMEOUT_S):  # the server records a call just after its status is sent
+    async with asyncio.timeout(
+        TIMEOUT_S
+    ):  # the server records a call just after its status is sent
         while any(served.metrics.num_calls(path, "UNAUTHENTICATED") != 1 for path in paths):
             await asyncio.sleep(0.01)
 
@@ -146,7 +173,10 @@ async def test_the_token_lets_every_method_through(served: Served) -> None:
     try:
         for method in service.methods:
             code = await call_method(channel, service.full_name, method)
-            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED), (method.name, code)
+            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED), (
+                method.name,
+                code,
+            )
     finally:
         await channel.close()
 
@@ -168,7 +198,9 @@ async def test_health_needs_no_token(served: Served) -> None:
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", served.kind.descriptor.full_name):
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S)
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S
+            )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
@@ -196,14 +228,17 @@ async def test_channel_sends_token_and_request_id_on_all_four_call_kinds() -> No
             return {k: v for k, v in context.invocation_metadata()}
 
         if kind.endswith("_stream"):
+
             async def streaming(request: Any, context: Any) -> AsyncIterator[bytes]:
                 seen[kind] = metadata_of(context)
                 yield b"ok"
+
             return streaming
 
         async def unary(request: Any, context: Any) -> bytes:
             seen[kind] = metadata_of(context)
             return b"ok"
+
         return unary
 
     kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
@@ -216,7 +251,10 @@ async def test_channel_sends_token_and_request_id_on_all_four_call_kinds() -> No
     request_id = current_request_id.set("req-7")  # as inside a handler: forwarded on every kind
     try:
         assert await channel.unary_unary("/test.Kinds/unary_unary")(b"", timeout=TIMEOUT_S) == b"ok"
-        assert [r async for r in channel.unary_stream("/test.Kinds/unary_stream")(b"", timeout=TIMEOUT_S)]
+        assert [
+            r
+            async for r in channel.unary_stream("/test.Kinds/unary_stream")(b"", timeout=TIMEOUT_S)
+        ]
         stream_unary = channel.stream_unary("/test.Kinds/stream_unary")
         assert await stream_unary(iter([b""]), timeout=TIMEOUT_S) == b"ok"
         call = channel.stream_stream("/test.Kinds/stream_stream")(timeout=TIMEOUT_S)
@@ -236,9 +274,17 @@ async def test_channel_sends_token_and_request_id_on_all_four_call_kinds() -> No
 def test_credentials_accept_only_the_bearer_token() -> None:
     assert TOKEN.accepts("Bearer s3cret-token_for-tests")
     assert TOKEN.accepts(b"bearer s3cret-token_for-tests")  # the scheme is case-insensitive
-    refused = (None, "", "Bearer", "Bearer ", "s3cret-token_for-tests", "Basic s3cret-token_for-tests",
-               "Bearer s3cret-token_for-test", "Bearer s3cret-token_for-testsX",
-               "Bearer  s3cret-token_for-tests")
+    refused = (
+        None,
+        "",
+        "Bearer",
+        "Bearer ",
+        "s3cret-token_for-tests",
+        "Basic s3cret-token_for-tests",
+        "Bearer s3cret-token_for-test",
+        "Bearer s3cret-token_for-testsX",
+        "Bearer  s3cret-token_for-tests",
+    )
     for value in refused:
         assert not TOKEN.accepts(value), value
     assert "s3cret" not in repr(TOKEN)

@@ -64,7 +64,9 @@ async def test_transport_failure_names_the_service_not_the_address(caplog):
     channel = create_channel(f"127.0.0.1:{closed_port()}")
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.StatsRequest(), timeout=TIMEOUT_S)
+            await decode_pb2_grpc.DecodeStub(channel).Stats(
+                decode_pb2.StatsRequest(), timeout=TIMEOUT_S
+            )
     finally:
         await channel.close()
     assert "127.0.0.1" in info.value.details()  # what gRPC says, and what must not reach a client
@@ -89,7 +91,10 @@ async def test_unexpected_exception_text_stays_in_the_log(stub, caplog):
         await stub.Stats(decode_pb2.StatsRequest(), timeout=TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert SECRET not in info.value.details() and "RuntimeError" not in info.value.details()
-    assert info.value.details() == "internal error in LeakyDecode.Stats (the service log has the details)"
+    assert (
+        info.value.details()
+        == "internal error in LeakyDecode.Stats (the service log has the details)"
+    )
     assert SECRET in caplog.text  # with the traceback
     error = error_from_rpc(info.value, service="decode")
     assert type(error) is StageServeError and error.message == info.value.details()
@@ -109,14 +114,18 @@ async def test_refused_internal_credentials_are_a_deployment_error_not_the_calle
     from services.common.errors import CredentialsRefusedError
 
     server, port = create_server(
-        [(decode_pb2_grpc.add_DecodeServicer_to_server, LeakyDecode())], 0, health=HealthState(),
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, LeakyDecode())],
+        0,
+        health=HealthState(),
         auth=Credentials("the-right-token"),
     )
     await server.start()
     channel = create_channel(f"127.0.0.1:{port}", auth=Credentials("a-wrong-token"))
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.StatsRequest(), timeout=TIMEOUT_S)
+            await decode_pb2_grpc.DecodeStub(channel).Stats(
+                decode_pb2.StatsRequest(), timeout=TIMEOUT_S
+            )
         error = error_from_rpc(info.value, service="decode")
         assert type(error) is CredentialsRefusedError and error.http_status == 500
         assert error.message == (
@@ -136,14 +145,20 @@ async def test_an_overloaded_peer_stays_overloaded_across_the_hop() -> None:
         async def Stats(self, request: Any, context: Any) -> decode_pb2.StatsResponse:
             raise OverloadedError("the decode is busy")
 
-    server, port = create_server([(decode_pb2_grpc.add_DecodeServicer_to_server, Busy())], 0, health=HealthState())
+    server, port = create_server(
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, Busy())], 0, health=HealthState()
+    )
     await server.start()
     channel = create_channel(f"127.0.0.1:{port}")
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await decode_pb2_grpc.DecodeStub(channel).Stats(decode_pb2.StatsRequest(), timeout=TIMEOUT_S)
+            await decode_pb2_grpc.DecodeStub(channel).Stats(
+                decode_pb2.StatsRequest(), timeout=TIMEOUT_S
+            )
         error = error_from_rpc(info.value, service="decode")
-        assert type(error) is OverloadedError and error.http_status == 429 and error.retry_after_s > 0
+        assert (
+            type(error) is OverloadedError and error.http_status == 429 and error.retry_after_s > 0
+        )
         assert error.message == "the decode is busy"
     finally:
         await channel.close()

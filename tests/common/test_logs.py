@@ -39,8 +39,15 @@ def test_json_lines_carry_the_request_and_trace_ids() -> None:
     entry = json.loads(line)
     context = span.get_span_context()
     assert entry["request_id"] == "chatcmpl-42"
-    assert entry["trace_id"] == f"{context.trace_id:032x}" and entry["span_id"] == f"{context.span_id:016x}"
-    assert (entry["service"], entry["logger"], entry["level"]) == ("router", "services.test", "INFO")
+    assert (
+        entry["trace_id"] == f"{context.trace_id:032x}"
+        and entry["span_id"] == f"{context.span_id:016x}"
+    )
+    assert (entry["service"], entry["logger"], entry["level"]) == (
+        "router",
+        "services.test",
+        "INFO",
+    )
     assert entry["message"] == "prefill of chatcmpl-42\nfailed"
     assert entry["time"].endswith("Z")
 
@@ -82,7 +89,9 @@ def test_a_json_process_logs_warnings_and_uncaught_errors_as_json() -> None:
         "warnings.warn('careful')\n"
         "raise RuntimeError('fatal')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 1
     entries = [json.loads(line) for line in result.stderr.splitlines()]
     assert [e["message"] for e in entries[:1]] == ["hello"]

@@ -81,7 +81,9 @@ def test_messages_carry_no_opaque_payloads() -> None:
         for message in module.DESCRIPTOR.message_types_by_name.values():
             for field in message.fields:
                 if field.type == FieldDescriptor.TYPE_BYTES:
-                    assert field.full_name in allowed_bytes, f"unexpected bytes field {field.full_name}"
+                    assert field.full_name in allowed_bytes, (
+                        f"unexpected bytes field {field.full_name}"
+                    )
 
 
 def test_every_proto_element_has_a_comment(tmp_path: Path) -> None:
@@ -89,7 +91,8 @@ def test_every_proto_element_has_a_comment(tmp_path: Path) -> None:
     from grpc_tools import protoc
 
     protos = sorted(
-        p.relative_to(REPO_ROOT / "protos").as_posix() for p in (REPO_ROOT / "protos").rglob("*.proto")
+        p.relative_to(REPO_ROOT / "protos").as_posix()
+        for p in (REPO_ROOT / "protos").rglob("*.proto")
     )
     out = tmp_path / "set.pb"
     args = [
@@ -137,5 +140,7 @@ def _documentable(file: Any) -> list[tuple[tuple[int, ...], str]]:
         enum_values((5, i), enum)
     for i, service in enumerate(file.service):
         found.append(((6, i), service.name))
-        found.extend(((6, i, 2, j), f"{service.name}.{m.name}") for j, m in enumerate(service.method))
+        found.extend(
+            ((6, i, 2, j), f"{service.name}.{m.name}") for j, m in enumerate(service.method)
+        )
     return found

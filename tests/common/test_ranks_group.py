@@ -152,7 +152,10 @@ async def test_the_ranks_listen_on_loopback_only() -> None:
     async with running(("cpu", "cpu")) as run:
         found = {pid: listening_sockets(pid) for pid in run.group.rank_pids}
         assert found[run.group.rank_pids[0]], "rank 0 serves the group's TCPStore"
-        exposed = {pid: [s for s in sockets if not is_loopback_only(s[0])] for pid, sockets in found.items()}
+        exposed = {
+            pid: [s for s in sockets if not is_loopback_only(s[0])]
+            for pid, sockets in found.items()
+        }
         assert not any(exposed.values()), exposed
 
 
@@ -327,7 +330,11 @@ async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_pa
             ]
             ranks.append(subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL))
         join = config(
-            (), mode=RankMode.JOIN, world_size=2, control_addr=control_addr, internal_token="join-token"
+            (),
+            mode=RankMode.JOIN,
+            world_size=2,
+            control_addr=control_addr,
+            internal_token="join-token",
         )
         group = RankGroup(join, StepSpec(TARGET, EchoResult, EchoInit()))
         await group.start()
@@ -436,4 +443,6 @@ async def test_spawned_ranks_listen_on_loopback_only() -> None:
         await run.group.step(EchoPayload(value=1))
         sockets = {pid: listening_sockets(pid) for pid in run.group.rank_pids}
         assert all(sockets.values()), sockets  # the store and gloo do listen
-        assert all(is_loopback_only(address) for found in sockets.values() for address, _ in found), sockets
+        assert all(
+            is_loopback_only(address) for found in sockets.values() for address, _ in found
+        ), sockets

@@ -67,17 +67,23 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.ReserveResponse(kv_ref=common_pb2.KvRef(page_ids=[0, 1], page_size=16))
 
     @handle_errors
-    async def Stream(self, requests: Any, context: Any) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
+    async def Stream(
+        self, requests: Any, context: Any
+    ) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
         request = (await anext(aiter(requests))).generate
         for token_id in (5, 6, 7):
-            yield decode_pb2.DecodeStreamResponse(request_ids=[request.request_id], token_ids=[token_id])
+            yield decode_pb2.DecodeStreamResponse(
+                request_ids=[request.request_id], token_ids=[token_id]
+            )
         if request.request_id == "peer-lost":
             raise UnavailableError("prefill went away")
         if request.request_id == "crash":
             raise KeyError("slot")
         if request.request_id == "slow":
             await asyncio.sleep(60)
-        end = decode_pb2.RequestEnd(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        end = decode_pb2.RequestEnd(
+            request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH
+        )
         yield decode_pb2.DecodeStreamResponse(ends=[end])
 
     @handle_errors
@@ -91,7 +97,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
 def generate(request_id: str = "") -> list[decode_pb2.DecodeStreamRequest]:
     """The one message of a Stream call that starts ``request_id``."""
-    return [decode_pb2.DecodeStreamRequest(generate=decode_pb2.DecodeGenerateRequest(request_id=request_id))]
+    return [
+        decode_pb2.DecodeStreamRequest(
+            generate=decode_pb2.DecodeGenerateRequest(request_id=request_id)
+        )
+    ]
 
 
 @dataclass
@@ -153,7 +163,9 @@ async def test_health_not_serving_until_ready(served: Served) -> None:
     assert await served.health_status(DECODE) == SERVING
     await wait_ready(served.channel, TIMEOUT_S, service=DECODE)
     stub = health_pb2_grpc.HealthStub(served.channel)
-    error = await _rpc_error(stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=TIMEOUT_S))
+    error = await _rpc_error(
+        stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=TIMEOUT_S)
+    )
     assert error.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(NotFoundError):
         await wait_ready(served.channel, TIMEOUT_S, service="nope")
@@ -189,14 +201,24 @@ async def test_reflection_is_off_by_default(served: Served) -> None:
 async def test_reflection_lists_services_when_enabled(with_auth: bool) -> None:
     auth = Credentials("reflection-test-token") if with_auth else None
     server, port = create_server(
-        [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode())], service_names=[DECODE],
-        health=HealthState(), auth=auth, enable_reflection=True,
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, FakeDecode())],
+        service_names=[DECODE],
+        health=HealthState(),
+        auth=auth,
+        enable_reflection=True,
     )
     await server.start()
-    anonymous, channel = create_channel(f"127.0.0.1:{port}"), create_channel(f"127.0.0.1:{port}", auth=auth)
+    anonymous, channel = (
+        create_channel(f"127.0.0.1:{port}"),
+        create_channel(f"127.0.0.1:{port}", auth=auth),
+    )
     try:
         names = await _list_services(channel)
-        assert {DECODE, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+        assert {
+            DECODE,
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= names
         if with_auth:  # reflection is no health check: it needs the token too
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _list_services(anonymous)
@@ -218,13 +240,19 @@ async def test_reflection_lists_services_when_enabled(with_auth: bool) -> None:
 async def test_unary_errors_map_to_status(
     served: Served, request_id: str, code: Any, message: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    call = served.decode.Reserve(decode_pb2.ReserveRequest(request_id=request_id), timeout=TIMEOUT_S)
+    call = served.decode.Reserve(
+        decode_pb2.ReserveRequest(request_id=request_id), timeout=TIMEOUT_S
+    )
     error = await _rpc_error(call)
     assert error.code() == code
     assert message in error.details()
     logged = [r for r in caplog.records if r.exc_info and "FakeDecode.Reserve" in r.getMessage()]
-    assert len(logged) == (1 if code == grpc.StatusCode.INTERNAL else 0)  # tracebacks only for the unexpected
-    reply = await served.decode.Reserve(decode_pb2.ReserveRequest(request_id="ok"), timeout=TIMEOUT_S)
+    assert len(logged) == (
+        1 if code == grpc.StatusCode.INTERNAL else 0
+    )  # tracebacks only for the unexpected
+    reply = await served.decode.Reserve(
+        decode_pb2.ReserveRequest(request_id="ok"), timeout=TIMEOUT_S
+    )
     assert list(reply.kv_ref.page_ids) == [0, 1]  # the server keeps answering
 
 
@@ -232,7 +260,9 @@ async def test_unary_errors_map_to_status(
     ("request_id", "code"),
     [("peer-lost", grpc.StatusCode.UNAVAILABLE), ("crash", grpc.StatusCode.INTERNAL)],
 )
-async def test_stream_error_ends_stream_with_status(served: Served, request_id: str, code: Any) -> None:
+async def test_stream_error_ends_stream_with_status(
+    served: Served, request_id: str, code: Any
+) -> None:
     call = served.decode.Stream(iter(generate(request_id)), timeout=TIMEOUT_S)
     token_ids: list[int] = []
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -316,13 +346,18 @@ def test_rpc_metrics_are_exported_to_prometheus() -> None:
     from prometheus_client import REGISTRY
 
     labels = {"grpc_service": "stageserve.v1.Test", "grpc_method": "Ping"}
-    before = REGISTRY.get_sample_value("stageserve_grpc_server_handling_seconds_count", labels) or 0.0
+    before = (
+        REGISTRY.get_sample_value("stageserve_grpc_server_handling_seconds_count", labels) or 0.0
+    )
     RpcMetrics().record("/stageserve.v1.Test/Ping", "DEADLINE_EXCEEDED", 0.5)
     handled = REGISTRY.get_sample_value(
         "stageserve_grpc_server_handled_total", {**labels, "grpc_code": "DEADLINE_EXCEEDED"}
     )
     assert handled is not None and handled >= 1
-    assert REGISTRY.get_sample_value("stageserve_grpc_server_handling_seconds_count", labels) == before + 1
+    assert (
+        REGISTRY.get_sample_value("stageserve_grpc_server_handling_seconds_count", labels)
+        == before + 1
+    )
 
 
 async def test_graceful_shutdown_order(served: Served) -> None:

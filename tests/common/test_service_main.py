@@ -25,7 +25,10 @@ def log_level(envs: Envs, argv: list[str]) -> str:
 def test_log_level_default_comes_from_envs() -> None:
     assert log_level(Envs.from_environ({}), []) == "INFO"
     assert log_level(Envs.from_environ({"STAGESERVE_LOG_LEVEL": "debug"}), []) == "DEBUG"
-    assert log_level(Envs.from_environ({"STAGESERVE_LOG_LEVEL": "debug"}), ["--log-level", "error"]) == "ERROR"
+    assert (
+        log_level(Envs.from_environ({"STAGESERVE_LOG_LEVEL": "debug"}), ["--log-level", "error"])
+        == "ERROR"
+    )
 
 
 def test_every_service_reads_stageserve_log_level(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,18 +54,39 @@ def test_every_service_takes_the_common_auth_flags(tmp_path) -> None:
     from services.vision_encoder.__main__ import parse_args as vision_encoder_config
 
     token_file = tmp_path / "token"
-    flags = ["--internal-token-file", str(token_file), "--allow-unauthenticated", "--enable-reflection"]
+    flags = [
+        "--internal-token-file",
+        str(token_file),
+        "--allow-unauthenticated",
+        "--enable-reflection",
+    ]
     envs = Envs.from_environ({})
-    parsed = [decode_config(flags), prefill_config(flags), vision_encoder_config(flags),
-              tokenizer_config(flags, envs)[1], router_parser(envs).parse_args(flags)]
+    parsed = [
+        decode_config(flags),
+        prefill_config(flags),
+        vision_encoder_config(flags),
+        tokenizer_config(flags, envs)[1],
+        router_parser(envs).parse_args(flags),
+    ]
     for config in parsed:
-        assert (config.internal_token_file, config.allow_unauthenticated, config.enable_reflection) == (
-            token_file, True, True)
-    defaults = [decode_config([]), prefill_config([]), vision_encoder_config([]),
-                tokenizer_config([], envs)[1], router_parser(envs).parse_args([])]
+        assert (
+            config.internal_token_file,
+            config.allow_unauthenticated,
+            config.enable_reflection,
+        ) == (token_file, True, True)
+    defaults = [
+        decode_config([]),
+        prefill_config([]),
+        vision_encoder_config([]),
+        tokenizer_config([], envs)[1],
+        router_parser(envs).parse_args([]),
+    ]
     for config in defaults:  # secure by default: a token is required, reflection is off
-        assert (config.internal_token_file, config.allow_unauthenticated, config.enable_reflection) == (
-            None, False, False)
+        assert (
+            config.internal_token_file,
+            config.allow_unauthenticated,
+            config.enable_reflection,
+        ) == (None, False, False)
 
 
 SERVICES = ["tokenizer", "vision_encoder", "prefill", "decode", "router"]
@@ -74,11 +98,17 @@ def test_a_service_without_a_token_refuses_to_start(service: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "STAGESERVE_INTERNAL_TOKEN"}
     result = subprocess.run(
         [sys.executable, "-m", f"services.{service}", "--port", "0", "--metrics-port", "0"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "READY" not in result.stdout
-    assert result.stderr.strip().splitlines() == [f"{service}: error: {NO_TOKEN_MESSAGE}"], result.stderr
+    assert result.stderr.strip().splitlines() == [f"{service}: error: {NO_TOKEN_MESSAGE}"], (
+        result.stderr
+    )
 
 
 def test_every_service_takes_log_format_from_the_flag_or_stageserve_log_format(
@@ -93,12 +123,22 @@ def test_every_service_takes_log_format_from_the_flag_or_stageserve_log_format(
 
     monkeypatch.setenv("STAGESERVE_LOG_FORMAT", "json")
     envs = Envs.from_environ()
-    configs = [decode_config([]), prefill_config([]), vision_encoder_config([]), tokenizer_config([], envs)[0],
-               router_config(router_parser(envs).parse_args([]))]
+    configs = [
+        decode_config([]),
+        prefill_config([]),
+        vision_encoder_config([]),
+        tokenizer_config([], envs)[0],
+        router_config(router_parser(envs).parse_args([])),
+    ]
     assert [c.log_format for c in configs] == ["json"] * 5
     flag = ["--log-format", "text"]
-    configs = [decode_config(flag), prefill_config(flag), vision_encoder_config(flag),
-               tokenizer_config(flag, envs)[0], router_config(router_parser(envs).parse_args(flag))]
+    configs = [
+        decode_config(flag),
+        prefill_config(flag),
+        vision_encoder_config(flag),
+        tokenizer_config(flag, envs)[0],
+        router_config(router_parser(envs).parse_args(flag)),
+    ]
     assert [c.log_format for c in configs] == ["text"] * 5
     with pytest.raises(SystemExit):
         decode_config(["--log-format", "xml"])
@@ -108,11 +148,28 @@ def test_every_service_takes_log_format_from_the_flag_or_stageserve_log_format(
 def test_a_service_refuses_an_otel_setting_it_cannot_honour() -> None:
     env = {**os.environ, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
     result = subprocess.run(
-        [sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
-         "--num-workers", "0"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "services.tokenizer",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--num-workers",
+            "0",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0 and "READY" not in result.stdout
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "tokenizer: error: OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'http/json'"
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "tokenizer: error: OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'http/json'"
+        )
     ), result.stderr

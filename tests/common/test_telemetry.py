@@ -30,7 +30,10 @@ def test_no_exporter_unless_an_endpoint_or_exporter_is_named() -> None:
     assert plan(OTEL_EXPORTER_OTLP_ENDPOINT="http://c:4317").exporters == ("otlp",)
     assert plan(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://c:4318/v1/traces").exporters == ("otlp",)
     assert plan(OTEL_TRACES_EXPORTER="otlp").exporters == ("otlp",)  # the SDK's default endpoint
-    assert plan(OTEL_TRACES_EXPORTER="none", OTEL_EXPORTER_OTLP_ENDPOINT="http://c:4317").exporters == ()
+    assert (
+        plan(OTEL_TRACES_EXPORTER="none", OTEL_EXPORTER_OTLP_ENDPOINT="http://c:4317").exporters
+        == ()
+    )
     assert plan(OTEL_TRACES_EXPORTER="console,otlp").exporters == ("console", "otlp")
     assert plan(STAGESERVE_TRACE_CONSOLE="1").exporters == ("console",)
     assert plan(OTEL_SDK_DISABLED="TRUE", OTEL_TRACES_EXPORTER="otlp").is_disabled
@@ -38,7 +41,9 @@ def test_no_exporter_unless_an_endpoint_or_exporter_is_named() -> None:
 
 def test_the_per_signal_protocol_wins() -> None:
     assert plan(OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf").protocol == "http/protobuf"
-    both = plan(OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf")
+    both = plan(
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc", OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf"
+    )
     assert both.protocol == "http/protobuf"
 
 
@@ -50,7 +55,10 @@ def test_the_per_signal_protocol_wins() -> None:
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER: unsupported exporter 'zipkin'"),
         ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER: unsupported sampler"),
         ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "in [0, 1]"),
-        ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"}, "in [0, 1]"),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "half"},
+            "in [0, 1]",
+        ),
         ({"OTEL_TRACES_SAMPLER": "always_on", "OTEL_TRACES_SAMPLER_ARG": "0.5"}, "takes none"),
     ],
 )
@@ -76,8 +84,11 @@ def test_spans_reach_a_real_otlp_receiver(protocol: str, monkeypatch: pytest.Mon
             monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"{endpoint}/v1/traces")
             monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant=blue")
         monkeypatch.setenv("OTEL_SERVICE_NAME", "my-router")
-        chosen = telemetry.tracing_plan(Envs.from_environ({"OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-                                                           "OTEL_TRACES_EXPORTER": "otlp"}))
+        chosen = telemetry.tracing_plan(
+            Envs.from_environ(
+                {"OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "OTEL_TRACES_EXPORTER": "otlp"}
+            )
+        )
         (exporter,) = telemetry.span_exporters(chosen)
         provider = TracerProvider(resource=telemetry.service_resource("router"))
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -114,8 +125,12 @@ def test_rpc_span_marks_an_error_and_continues_the_caller() -> None:
             raise CapacityError("no pages")
     span = [s for s in exporter.get_finished_spans() if s.name == "decode.reserve"][0]
     assert span.parent.span_id == caller.get_span_context().span_id
-    assert span.status.status_code is trace.StatusCode.ERROR and span.status.description == "no pages"
-    assert span.attributes["error.type"] == "CapacityError" and span.attributes["request_id"] == "r1"
+    assert (
+        span.status.status_code is trace.StatusCode.ERROR and span.status.description == "no pages"
+    )
+    assert (
+        span.attributes["error.type"] == "CapacityError" and span.attributes["request_id"] == "r1"
+    )
     assert [e.name for e in span.events] == ["exception"]
 
 
@@ -137,7 +152,11 @@ def test_metrics_view_labels_every_sample_with_the_model() -> None:
     assert samples and all(s.labels["model_name"] == "tiny" for s in samples)
     assert families["stageserve_things"].samples[0].labels == {"model_name": "tiny", "kind": "a"}
     (info,) = families["stageserve_model"].samples
-    assert info.labels == {"model_name": "tiny", "service": "decode", "version": telemetry.package_version()}
+    assert info.labels == {
+        "model_name": "tiny",
+        "service": "decode",
+        "version": telemetry.package_version(),
+    }
 
 
 def test_metrics_server_serves_the_view_and_the_grpc_server_metrics() -> None:
@@ -147,8 +166,12 @@ def test_metrics_server_serves_the_view_and_the_grpc_server_metrics() -> None:
         text = reply.read().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     handled = families["stageserve_grpc_server_handled"]
-    labels = {"model_name": "tiny", "grpc_service": "stageserve.v1.Decode", "grpc_method": "Reserve",
-              "grpc_code": "RESOURCE_EXHAUSTED"}
+    labels = {
+        "model_name": "tiny",
+        "grpc_service": "stageserve.v1.Decode",
+        "grpc_method": "Reserve",
+        "grpc_code": "RESOURCE_EXHAUSTED",
+    }
     assert any(s.labels == labels and s.value >= 1 for s in handled.samples)
     assert "stageserve_grpc_server_handling_seconds" in families
     assert all(s.labels.get("model_name") == "tiny" for f in families.values() for s in f.samples)

@@ -46,14 +46,20 @@ def issued(dest) -> KvRefInfo:
 def test_kv_ref_round_trips_through_proto_back_to_the_destination() -> None:
     pool, dest = destination()
     info = issued(dest)
-    assert info.request_id == "req-1" and info.session_id == dest.session_id and info.has_valid_mac(KEY)
+    assert (
+        info.request_id == "req-1"
+        and info.session_id == dest.session_id
+        and info.has_valid_mac(KEY)
+    )
     assert info.page_ids == (4, 2, 7) and info.dtype == "bfloat16" and info.page_size == 4
     k = info.buffer("k")
     assert k.base_address == pool.k_buffer.data_ptr()
     assert k.size_bytes == pool.k_buffer.numel() * pool.k_buffer.element_size()
     assert k.page_stride_bytes == pool.k_buffer[0, 1].data_ptr() - pool.k_buffer[0, 0].data_ptr()
     assert k.layer_stride_bytes == pool.k_buffer[1].data_ptr() - pool.k_buffer[0].data_ptr()
-    assert k.slot_stride_bytes == pool.k_buffer[0, 0, 1].data_ptr() - pool.k_buffer[0, 0, 0].data_ptr()
+    assert (
+        k.slot_stride_bytes == pool.k_buffer[0, 0, 1].data_ptr() - pool.k_buffer[0, 0, 0].data_ptr()
+    )
     wire = kv_ref_to_proto(info).SerializeToString()
     back = kv_ref_from_proto(common_pb2.KvRef.FromString(wire))
     assert back == info and back.has_valid_mac(KEY)
@@ -70,7 +76,10 @@ def _changed(value: object) -> object:
     if isinstance(value, bytes):
         return value + b"x"
     if isinstance(value, tuple) and value and isinstance(value[0], KvBufferInfo):
-        return (msgspec.structs.replace(value[0], base_address=value[0].base_address + 4096), *value[1:])
+        return (
+            msgspec.structs.replace(value[0], base_address=value[0].base_address + 4096),
+            *value[1:],
+        )
     assert isinstance(value, tuple)
     return (*value[:-1], value[-1] + 1)
 
@@ -85,7 +94,9 @@ def test_the_mac_covers_every_field_and_the_key() -> None:
         assert forged != info and not forged.has_valid_mac(KEY), name
     assert not info.has_valid_mac(signing.key_of("another-token"))
     assert not info.has_valid_mac(b"")
-    insecure = issue_kv_ref(dest, b"", NONCE, expires_unix_ms=1)  # empty secret: the explicit insecure mode
+    insecure = issue_kv_ref(
+        dest, b"", NONCE, expires_unix_ms=1
+    )  # empty secret: the explicit insecure mode
     assert insecure.has_valid_mac(b"") and not insecure.has_valid_mac(KEY)
 
 
@@ -103,9 +114,19 @@ def test_kv_ref_without_both_buffers_is_invalid() -> None:
     [
         SamplingParams(),
         SamplingParams(temperature=0.0, max_new_tokens=1),
-        SamplingParams(temperature=0.5, top_p=0.25, top_k=7, min_p=0.125, repetition_penalty=1.5,
-                       frequency_penalty=-0.5, presence_penalty=2.0, seed=2**64 - 1, max_new_tokens=99,
-                       stop_token_ids=(3, 4), ignore_eos=True),
+        SamplingParams(
+            temperature=0.5,
+            top_p=0.25,
+            top_k=7,
+            min_p=0.125,
+            repetition_penalty=1.5,
+            frequency_penalty=-0.5,
+            presence_penalty=2.0,
+            seed=2**64 - 1,
+            max_new_tokens=99,
+            stop_token_ids=(3, 4),
+            ignore_eos=True,
+        ),
         SamplingParams(min_tokens=3, logit_bias=((2, -100.0), (17, 0.5))),
     ],
 )

@@ -10,18 +10,24 @@ from services.decode.config import parse_config
 def test_ranks_and_devices_give_each_rank_its_device() -> None:
     assert parse_config([]).rank_devices == ("cpu",)
     assert parse_config(["--ranks", "3"]).rank_devices == ("cpu",) * 3
-    assert parse_config(["--ranks", "2", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"]).rank_devices == (
-        "cuda:0", "cuda:0")
+    assert parse_config(
+        ["--ranks", "2", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"]
+    ).rank_devices == ("cuda:0", "cuda:0")
     config = parse_config(["--devices", "cuda:0,cuda:1", "--kv-transfer-backend", "cuda_ipc"])
     assert config.rank_devices == ("cuda:0", "cuda:1")
-    assert parse_config(["--devices", "cuda:0,cuda:1", "--ranks", "2", "--kv-transfer-backend", "cuda_ipc"])
+    assert parse_config(
+        ["--devices", "cuda:0,cuda:1", "--ranks", "2", "--kv-transfer-backend", "cuda_ipc"]
+    )
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--ranks", "0"], "--ranks must be > 0"),
-        (["--ranks", "3", "--devices", "cpu,cpu"], "--ranks 3 disagrees with --devices (2 devices)"),
+        (
+            ["--ranks", "3", "--devices", "cpu,cpu"],
+            "--ranks 3 disagrees with --devices (2 devices)",
+        ),
         # the KV backend is checked against every rank's device
         (["--kv-transfer-backend", "cuda_ipc", "--devices", "cpu,cuda:1"], "needs a CUDA device"),
     ],

@@ -44,8 +44,21 @@ def read_ready_line(process: subprocess.Popen, timeout_s: float) -> re.Match:
 def test_process_serves_then_stops_on_sigterm(tmp_path) -> None:
     stderr = (tmp_path / "decode.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.decode", "--port", "0", "--num-pages", "64", "--transfer-backend", "mooncake"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        [
+            sys.executable,
+            "-m",
+            "services.decode",
+            "--port",
+            "0",
+            "--num-pages",
+            "64",
+            "--transfer-backend",
+            "mooncake",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
         env={**os.environ, "STAGESERVE_INTERNAL_TOKEN": TOKEN},
     )
     try:
@@ -71,17 +84,23 @@ async def check_serving(address: str) -> None:
         await channel.close()
     anonymous = DecodeClient(address)  # the process requires its token
     try:
-        with pytest.raises(CredentialsRefusedError, match="refused this service's internal credentials"):
+        with pytest.raises(
+            CredentialsRefusedError, match="refused this service's internal credentials"
+        ):
             await anonymous.stats()
     finally:
         await anonymous.close()
     client = DecodeClient(address, auth=Credentials(TOKEN))
     try:
-        kv_ref = await client.reserve("r", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30)
+        kv_ref = await client.reserve(
+            "r", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30
+        )
         assert kv_ref.backend == "mooncake" and kv_ref.session_id and len(kv_ref.page_ids) == 1
         assert kv_ref.has_valid_mac(signing.key_of(TOKEN))  # signed with STAGESERVE_INTERNAL_TOKEN
         assert (await client.stats()).num_reserved_requests == 1
-        assert await client.abort("r", "test")  # never written: quarantined for --kv-quarantine-s (35)
+        assert await client.abort(
+            "r", "test"
+        )  # never written: quarantined for --kv-quarantine-s (35)
         stats = await client.stats()
         assert (stats.num_free_pages, stats.num_quarantined_pages) == (63, 1)
         await client.reserve("w", [5, 6, 7], 0, SamplingParams(max_new_tokens=4), time.time() + 30)

@@ -51,7 +51,11 @@ async def test_continuous_batching_matches_offline_engine(make_decode: MakeDecod
     harness = await make_decode()
     plans = record_plans(harness)
     cases = [
-        (f"r{i}", prompt_of(length, seed=i), SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=i == 0))
+        (
+            f"r{i}",
+            prompt_of(length, seed=i),
+            SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=i == 0),
+        )
         for i, (length, n) in enumerate([(5, 160), (31, 40), (9, 25), (17, 33), (3, 12), (44, 20)])
     ]
     results: dict[str, list[int]] = {}
@@ -82,21 +86,35 @@ async def test_continuous_batching_matches_offline_engine(make_decode: MakeDecod
     "params",
     [
         SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_new_tokens=30),
-        SamplingParams(temperature=1.3, top_k=50, min_p=0.01, repetition_penalty=1.3, frequency_penalty=0.5,
-                       presence_penalty=0.3, seed=7, max_new_tokens=30),
+        SamplingParams(
+            temperature=1.3,
+            top_k=50,
+            min_p=0.01,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            seed=7,
+            max_new_tokens=30,
+        ),
     ],
 )
-async def test_seeded_sampling_matches_offline_engine(make_decode: MakeDecode, offline, params) -> None:
+async def test_seeded_sampling_matches_offline_engine(
+    make_decode: MakeDecode, offline, params
+) -> None:
     harness = await make_decode()
     prompt = prompt_of(11, seed=5)
-    greedy_neighbour = harness.run("neighbour", prompt_of(7, seed=6), SamplingParams(temperature=0.0, max_new_tokens=30))
+    greedy_neighbour = harness.run(
+        "neighbour", prompt_of(7, seed=6), SamplingParams(temperature=0.0, max_new_tokens=30)
+    )
     result, _ = await asyncio.gather(harness.run("seeded", prompt, params), greedy_neighbour)
     assert result.token_ids == offline_tokens(offline, prompt, params)[0]
 
 
 async def test_unseeded_sampling_runs(make_decode: MakeDecode) -> None:
     harness = await make_decode()
-    result = await harness.run("r", prompt_of(6, seed=1), SamplingParams(temperature=1.0, max_new_tokens=10))
+    result = await harness.run(
+        "r", prompt_of(6, seed=1), SamplingParams(temperature=1.0, max_new_tokens=10)
+    )
     assert len(result.token_ids) == result.usage.num_completion_tokens <= 10
 
 
@@ -111,10 +129,17 @@ async def test_first_token_can_finish_the_request(make_decode: MakeDecode) -> No
     for request_id, params, first, reason in cases:
         kv_ref = await harness.reserve(request_id, prompt, params)
         chunks = [c async for c in harness.generate(kv_ref, first)]
-        assert [(c.token_ids, c.finish_reason, c.usage) for c in chunks] == [((), reason, Usage(5, 1))]
-    kv_ref = await harness.reserve("ignore", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=3))
+        assert [(c.token_ids, c.finish_reason, c.usage) for c in chunks] == [
+            ((), reason, Usage(5, 1))
+        ]
+    kv_ref = await harness.reserve(
+        "ignore", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_new_tokens=3)
+    )
     chunks = [c async for c in harness.generate(kv_ref, EOS)]
-    assert sum(len(c.token_ids) for c in chunks) == 2 and chunks[-1].finish_reason is FinishReason.LENGTH
+    assert (
+        sum(len(c.token_ids) for c in chunks) == 2
+        and chunks[-1].finish_reason is FinishReason.LENGTH
+    )
 
 
 @pytest.mark.parametrize(
@@ -128,12 +153,16 @@ async def test_first_token_can_finish_the_request(make_decode: MakeDecode) -> No
         (5, SamplingParams(max_new_tokens=4000), "max_new_tokens"),  # more pages than the pool has
     ],
 )
-async def test_bad_reserve_is_invalid_argument(make_decode: MakeDecode, prompt_len, params, param) -> None:
+async def test_bad_reserve_is_invalid_argument(
+    make_decode: MakeDecode, prompt_len, params, param
+) -> None:
     harness = await make_decode()
     with pytest.raises(InvalidRequestError) as caught:
         await harness.reserve("r", prompt_of(prompt_len, 1), params)
     assert caught.value.param == param
-    await harness.run("after", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=4))  # still serving
+    await harness.run(
+        "after", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=4)
+    )  # still serving
 
 
 async def test_duplicate_ids_and_bad_generate_calls(make_decode: MakeDecode) -> None:
@@ -157,7 +186,9 @@ async def test_duplicate_ids_and_bad_generate_calls(make_decode: MakeDecode) -> 
     assert (rest or [first_chunk])[-1].finish_reason is not None
 
 
-async def test_a_dead_rank_fails_its_requests_and_readiness_until_it_is_back(make_decode: MakeDecode) -> None:
+async def test_a_dead_rank_fails_its_requests_and_readiness_until_it_is_back(
+    make_decode: MakeDecode,
+) -> None:
     harness = await make_decode()
     rank = harness.ranks[0]
     reserved = await harness.reserve("reserved", prompt_of(5, 1), SamplingParams())
@@ -186,14 +217,24 @@ async def test_a_dead_rank_fails_its_requests_and_readiness_until_it_is_back(mak
     await harness.run("after", prompt_of(5, 4), SamplingParams(temperature=0.0, max_new_tokens=4))
 
 
-async def test_reserve_and_generate_spans_continue_the_callers_trace(make_decode: MakeDecode) -> None:
+async def test_reserve_and_generate_spans_continue_the_callers_trace(
+    make_decode: MakeDecode,
+) -> None:
     exporter = InMemorySpanExporter()
     sdk_provider().add_span_processor(SimpleSpanProcessor(exporter))
     harness = await make_decode()
     with trace.get_tracer("test").start_as_current_span("router.request") as parent:
-        await harness.run("traced", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True))
+        await harness.run(
+            "traced",
+            prompt_of(5, 1),
+            SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True),
+        )
     exporter.shutdown()
-    spans = {s.name: s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "traced"}
+    spans = {
+        s.name: s
+        for s in exporter.get_finished_spans()
+        if s.attributes.get("request_id") == "traced"
+    }
     assert sorted(spans) == ["decode.generate", "decode.reserve"]
     for span in spans.values():
         assert span.context.trace_id == parent.get_span_context().trace_id
@@ -215,16 +256,24 @@ async def test_metrics_count_outcomes_tokens_and_pages(make_decode: MakeDecode) 
         "tokens": value("tokens_generated_total"),
         "steps": value("step_seconds_count"),
     }
-    await harness.run("m", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    await harness.run(
+        "m", prompt_of(5, 1), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    )
     await harness.reserve("m-aborted", prompt_of(5, 1), SamplingParams())
     used = harness.stats().num_used_pages
-    assert value("kv_pages_used") == used and value("kv_pages_free") == harness.num_start_free_pages - used
+    assert (
+        value("kv_pages_used") == used
+        and value("kv_pages_free") == harness.num_start_free_pages - used
+    )
     assert value("reserved_requests") == 1
     assert value("kv_pages_quarantined") == 0
     await harness.client.abort("m-aborted")
     assert value("kv_pages_quarantined") == used and value("kv_pages_used") == 0
     await harness.pass_quarantine()
-    assert value("kv_pages_quarantined") == 0 and value("kv_pages_free") == harness.num_start_free_pages
+    assert (
+        value("kv_pages_quarantined") == 0
+        and value("kv_pages_free") == harness.num_start_free_pages
+    )
     assert value("requests_total", outcome="length") == before["length"] + 1
     assert value("requests_total", outcome="aborted") == before["aborted"] + 1
     assert value("tokens_generated_total") == before["tokens"] + 5

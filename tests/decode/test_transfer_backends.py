@@ -23,26 +23,41 @@ CHOICES = "mooncake, inprocess, cuda_ipc, shm"
 
 def test_flag_parses_and_defaults_to_transfer_backend() -> None:
     config = parse_config(["--kv-transfer-backend", "inprocess"])
-    assert (config.transfer_backend, config.kv_transfer_backend, config.kv_backend) == ("mooncake", "inprocess",
-                                                                                         "inprocess")
+    assert (config.transfer_backend, config.kv_transfer_backend, config.kv_backend) == (
+        "mooncake",
+        "inprocess",
+        "inprocess",
+    )
     assert parse_config([]).kv_transfer_backend is None
     assert parse_config([]).kv_backend == "mooncake"
     assert parse_config(["--transfer-backend", "inprocess"]).kv_backend == "inprocess"
-    assert parse_config(["--kv-transfer-backend", "cuda_ipc", "--device", "cuda:1"]).kv_backend == "cuda_ipc"
+    assert (
+        parse_config(["--kv-transfer-backend", "cuda_ipc", "--device", "cuda:1"]).kv_backend
+        == "cuda_ipc"
+    )
     assert parse_config(["--transfer-backend", "shm"]).kv_backend == "shm"
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--kv-transfer-backend", "nccl"], f"torch.distributed group spanning prefill and decode, which the "
-                                            f"services do not build; supported: {CHOICES}"),
+        (
+            ["--kv-transfer-backend", "nccl"],
+            f"torch.distributed group spanning prefill and decode, which the "
+            f"services do not build; supported: {CHOICES}",
+        ),
         (["--transfer-backend", "nccl"], f"supported: {CHOICES}"),
-        (["--kv-transfer-backend", "rdma"], f"unknown KV transfer backend 'rdma'; supported: {CHOICES}"),
+        (
+            ["--kv-transfer-backend", "rdma"],
+            f"unknown KV transfer backend 'rdma'; supported: {CHOICES}",
+        ),
         (["--kv-transfer-backend", "cuda_ipc"], "needs a CUDA device (--device cuda), got 'cpu'"),
-        (["--kv-transfer-backend", "shm", "--device", "cuda:1"], "the shm KV transfer backend moves host memory "
-                                                                 "and the KV pool is on 'cuda:1': use "
-                                                                 "--kv-transfer-backend cuda_ipc"),
+        (
+            ["--kv-transfer-backend", "shm", "--device", "cuda:1"],
+            "the shm KV transfer backend moves host memory "
+            "and the KV pool is on 'cuda:1': use "
+            "--kv-transfer-backend cuda_ipc",
+        ),
     ],
 )
 def test_unsupported_backends_are_rejected_at_startup(argv, message) -> None:
@@ -58,9 +73,13 @@ def test_build_rejects_an_unsupported_kv_backend_before_loading_the_model(name) 
         rank_init(config)  # what every rank is built from: no rank starts, no model loads
 
 
-@pytest.mark.parametrize(("kv", "receiver_type"), [("inprocess", InProcessKVReceiver), ("shm", ShmKVReceiver)])
+@pytest.mark.parametrize(
+    ("kv", "receiver_type"), [("inprocess", InProcessKVReceiver), ("shm", ShmKVReceiver)]
+)
 def test_kv_backend_beside_a_mooncake_transfer_backend(kv, receiver_type) -> None:
-    receiver = create_receiver(rank_init(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend=kv)))
+    receiver = create_receiver(
+        rank_init(DecodeConfig(transfer_backend="mooncake", kv_transfer_backend=kv))
+    )
     try:
         assert isinstance(receiver, receiver_type)
     finally:
@@ -68,15 +87,18 @@ def test_kv_backend_beside_a_mooncake_transfer_backend(kv, receiver_type) -> Non
 
 
 def test_shm_engine_keeps_its_pool_in_the_segment(language_model) -> None:
-    rank = build_rank(rank_init(replace(BASE_CONFIG, kv_transfer_backend="shm")), "cpu", language_model)
+    rank = build_rank(
+        rank_init(replace(BASE_CONFIG, kv_transfer_backend="shm")), "cpu", language_model
+    )
     try:
         pool = rank.loop.batch.runner.kv_pool
         ref = decode_session_id(rank.receiver.session_id)
         (k_addr, k_bytes), (v_addr, v_bytes) = pool.memory_regions()
         assert ref.base_address == k_addr and v_addr == k_addr + k_bytes
         assert os.stat(os.path.join(SHM_DIR, ref.name)).st_size == k_bytes + v_bytes
-        assert [t.data_ptr() for t in pool.k_cache] == [k_addr + i * k_bytes // pool.num_layers
-                                                         for i in range(pool.num_layers)]
+        assert [t.data_ptr() for t in pool.k_cache] == [
+            k_addr + i * k_bytes // pool.num_layers for i in range(pool.num_layers)
+        ]
     finally:
         rank.receiver.close()
     assert not os.path.exists(os.path.join(SHM_DIR, ref.name))
@@ -91,11 +113,19 @@ def test_shm_engine_keeps_its_pool_in_the_segment(language_model) -> None:
         ("mooncake", "cuda_ipc", ("cuda_ipc", {})),
     ],
 )
-def test_mooncake_hostname_only_for_a_mooncake_kv_backend(monkeypatch, transfer, kv, expected) -> None:
-    monkeypatch.setattr(kv_transfer, "mooncake_moves_device_memory", lambda: True)  # as with the CUDA build
+def test_mooncake_hostname_only_for_a_mooncake_kv_backend(
+    monkeypatch, transfer, kv, expected
+) -> None:
+    monkeypatch.setattr(
+        kv_transfer, "mooncake_moves_device_memory", lambda: True
+    )  # as with the CUDA build
     calls: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(rank_module, "create_kv_receiver", lambda name, **kw: calls.append((name, kw)))
-    config = DecodeConfig(transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda")
+    monkeypatch.setattr(
+        rank_module, "create_kv_receiver", lambda name, **kw: calls.append((name, kw))
+    )
+    config = DecodeConfig(
+        transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda"
+    )
     create_receiver(rank_init(config))
     assert calls == [expected]
 

@@ -71,7 +71,9 @@ class System:
     def health(self) -> int:
         """The router's ``/health`` status code (0: no answer)."""
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/health", timeout=5) as reply:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.http_port}/health", timeout=5
+            ) as reply:
                 return reply.status
         except urllib.error.HTTPError as exc:
             return exc.code
@@ -100,7 +102,10 @@ class System:
         raise AssertionError(f"no launcher line with {text!r} in {timeout_s:.0f} s:\n{output}")
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.workdir / "logs").glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}"
+            for p in sorted((self.workdir / "logs").glob("*.log"))
+        )
 
     def stop(self, timeout_s: float = 60) -> int:
         if self.process.poll() is None:
@@ -112,8 +117,19 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
     """``stageserve up`` in ``workdir``; ``env``: the launcher's environment (default: this process's)."""
     port = free_port()
     state_file = workdir / "state.json"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--state-file", str(state_file),
-           "--log-dir", str(workdir / "logs"), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--port",
+        str(port),
+        "--state-file",
+        str(state_file),
+        "--log-dir",
+        str(workdir / "logs"),
+        *extra_args,
+    ]
     process = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -133,6 +149,8 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
     while not up.wait(0.2):
         if process.poll() is not None or time.monotonic() > deadline:
             system.stop()
-            raise RuntimeError("system did not come up:\n" + "\n".join(system.output) + "\n" + system.logs())
+            raise RuntimeError(
+                "system did not come up:\n" + "\n".join(system.output) + "\n" + system.logs()
+            )
     system.reload_state()
     return system

@@ -21,9 +21,13 @@ BOUND_S = 90  # generous bound on "promptly"; a hang would wait forever
 
 def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
     system = start_system(tmp_path)
-    num_services = len([name for name in system.state if name != "launcher"])  # routers: one per 8 CPUs
+    num_services = len(
+        [name for name in system.state if name != "launcher"]
+    )  # routers: one per 8 CPUs
     try:
-        client = openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=BOUND_S)
+        client = openai.OpenAI(
+            base_url=system.base_url, api_key="unused", max_retries=0, timeout=BOUND_S
+        )
         model = client.models.list().data[0].id
         outcomes: list[str] = []
         started = threading.Barrier(5)
@@ -31,8 +35,12 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         def stream_one(i: int) -> None:
             try:
                 stream = client.chat.completions.create(
-                    model=model, messages=[{"role": "user", "content": f"Count forever, {i}."}],
-                    max_tokens=3000, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                    model=model,
+                    messages=[{"role": "user", "content": f"Count forever, {i}."}],
+                    max_tokens=3000,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
                 )
                 for n, _ in enumerate(stream):
                     if n == 2:
@@ -62,7 +70,9 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         assert not any(t.is_alive() for t in threads), "a request hung after its decode died"
         assert len(outcomes) == 4 and all(o.startswith("error") for o in outcomes), outcomes
 
-        line, _ = system.wait_for_output("decode exited with code -9; restarting in", num_lines, BOUND_S)
+        line, _ = system.wait_for_output(
+            "decode exited with code -9; restarting in", num_lines, BOUND_S
+        )
         assert line.endswith("(restart 1)"), line
         system.wait_for_output("decode is ready again (pid", num_lines, BOUND_S)
         new = system.reload_state()["decode"]
@@ -71,8 +81,9 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         deadline = time.monotonic() + BOUND_S
         while system.health() != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=4, temperature=0)
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+        )
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         code = system.stop()

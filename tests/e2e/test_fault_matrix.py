@@ -48,12 +48,18 @@ QUARANTINE_S = 2.0  # decode's pages and prefill's embedding rows of failed requ
 NUM_PAGES = 4096
 MAX_TOKENS = 2000  # far more than a case lasts: the streams are still running at the fault
 SETTLE_S = 120  # generous bound on recovering (restart, reconnect) and on resources settling
-HANG_S = 120  # a stream's client gives up after this long without a byte: a hang fails, never blocks
+HANG_S = (
+    120  # a stream's client gives up after this long without a byte: a hang fails, never blocks
+)
 SYSTEM_FLAGS = (
-    "--num-pages", str(NUM_PAGES),
-    "--stall-timeout-s", str(STALL_S),
-    "--kv-quarantine-s", str(QUARANTINE_S),
-    "--embedding-quarantine-s", str(QUARANTINE_S),
+    "--num-pages",
+    str(NUM_PAGES),
+    "--stall-timeout-s",
+    str(STALL_S),
+    "--kv-quarantine-s",
+    str(QUARANTINE_S),
+    "--embedding-quarantine-s",
+    str(QUARANTINE_S),
 )
 SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode")
 CASES = [(service, fault) for service in SERVICES for fault in (signal.SIGKILL, signal.SIGSTOP)]
@@ -64,8 +70,14 @@ def chat_body(model: str, text: str, image: bytes | None, max_tokens: int, strea
     if image is not None:
         url = "data:image/png;base64," + base64.b64encode(image).decode()
         parts.insert(0, {"type": "image_url", "image_url": {"url": url}})
-    return {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": stream, "ignore_eos": True}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
 
 
 @dataclass
@@ -118,7 +130,7 @@ class Stream:
             return False
         if line == b"data: [DONE]":
             return True
-        event = json.loads(line[len(b"data: "):])
+        event = json.loads(line[len(b"data: ") :])
         if "error" in event:
             self.outcome = f"sse error {event['error']['type']}"
         elif event["choices"] and event["choices"][0].get("finish_reason"):
@@ -172,14 +184,17 @@ def serve_again(system: System, model: str, seed: int) -> int:
             if reply.status_code == 200:
                 break
             num_failed += 1
-            assert time.monotonic() < deadline, f"not serving again: {reply.status_code} {reply.text}"
+            assert time.monotonic() < deadline, (
+                f"not serving again: {reply.status_code} {reply.text}"
+            )
             time.sleep(0.5)
     return num_failed
 
 
 def resources(system: System) -> dict[str, float]:
     pages = {
-        k: system.metric("decode", f"stageserve_decode_kv_pages_{k}") for k in ("free", "used", "quarantined")
+        k: system.metric("decode", f"stageserve_decode_kv_pages_{k}")
+        for k in ("free", "used", "quarantined")
     }
     rows = system.metric("prefill", "stageserve_prefill_embedding_rows_used")
     return {**pages, "embedding_rows": rows}
@@ -227,7 +242,9 @@ class HealthWatch:
         self._thread.join(timeout=10)
 
 
-def recover(system: System, service: str, fault: signal.Signals, old: dict, num_lines: int) -> float:
+def recover(
+    system: System, service: str, fault: signal.Signals, old: dict, num_lines: int
+) -> float:
     """SIGCONT a stopped service, or wait for ``up`` to restart a killed one on its ports; then
     wait for ``/health`` 200. Returns when the service was back (SIGCONT sent, or READY again)."""
     if fault is signal.SIGSTOP:
@@ -237,22 +254,29 @@ def recover(system: System, service: str, fault: signal.Signals, old: dict, num_
     _, back_mono = system.wait_for_output(f"{service} is ready again (pid", num_lines, SETTLE_S)
     new = system.reload_state()[service]
     assert new["pid"] != old["pid"] and pid_alive(new["pid"])
-    assert {k: v for k, v in new.items() if k != "pid"} == {k: v for k, v in old.items() if k != "pid"}
+    assert {k: v for k, v in new.items() if k != "pid"} == {
+        k: v for k, v in old.items() if k != "pid"
+    }
     return back_mono
 
 
-def observe(live: list[Stream], arriving: list[Stream], fault_mono: float, record: dict) -> list[str]:
+def observe(
+    live: list[Stream], arriving: list[Stream], fault_mono: float, record: dict
+) -> list[str]:
     """Record what the streams did by the bound; the ones that went silent or ended late."""
     now = time.monotonic()
     statuses = [status_at_bound(s, fault_mono, now) for s in live + arriving]
     ended = [s.ended_mono - fault_mono for s in live + arriving if s.ended_mono is not None]
     record.update(
         fault_to_last_end_s=round(max(ended), 2) if ended else None,
-        live=dict(collections.Counter(statuses[:len(live)])),
-        arriving=dict(collections.Counter(statuses[len(live):])),
+        live=dict(collections.Counter(statuses[: len(live)])),
+        arriving=dict(collections.Counter(statuses[len(live) :])),
     )
-    return [f"stream {i}: {status}, {(live + arriving)[i].num_chunks} chunks"
-            for i, status in enumerate(statuses) if status == "silent" or status.startswith("late")]
+    return [
+        f"stream {i}: {status}, {(live + arriving)[i].num_chunks} chunks"
+        for i, status in enumerate(statuses)
+        if status == "silent" or status.startswith("late")
+    ]
 
 
 def since(start_mono: float, mono: float | None) -> float | None:
@@ -315,8 +339,10 @@ def test_fault(system, records, model, start_rows, service, fault):
         record["failed_requests_after_health"] = serve_again(system, model, seed + 200)
         health.stop()
         record.update(
-            health_down_s=since(fault_mono, health.down_mono), back_s=since(fault_mono, back_mono),
-            health_up_s=since(fault_mono, health.up_mono), serving_s=since(fault_mono, time.monotonic()),
+            health_down_s=since(fault_mono, health.down_mono),
+            back_s=since(fault_mono, back_mono),
+            health_up_s=since(fault_mono, health.up_mono),
+            serving_s=since(fault_mono, time.monotonic()),
         )
     finally:
         if health is not None:

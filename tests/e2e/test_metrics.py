@@ -21,16 +21,32 @@ from tests.e2e.system import pid_alive, start_system
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "tiny-qwen2.5-vl"
 ROUTER_NAMES = (  # vLLM's names under our prefix, served by the router (it sees every request)
-    "num_requests_running", "num_requests_waiting", "prompt_tokens_total", "generation_tokens_total",
-    "time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
-    "request_time_per_output_token_seconds", "request_queue_time_seconds",
-    "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
-    "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "num_requests_running",
+    "num_requests_waiting",
+    "prompt_tokens_total",
+    "generation_tokens_total",
+    "time_to_first_token_seconds",
+    "time_per_output_token_seconds",
+    "inter_token_latency_seconds",
+    "request_time_per_output_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "e2e_request_latency_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
     "request_success_total",
 )
-MOVED_ONCE = ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
-              "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-              "e2e_request_latency_seconds", "request_generation_tokens")
+MOVED_ONCE = (
+    "time_to_first_token_seconds",
+    "request_time_per_output_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "e2e_request_latency_seconds",
+    "request_generation_tokens",
+)
 NUM_TOKENS = 8
 
 
@@ -55,8 +71,15 @@ def free_port_run(length: int) -> int:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     base = free_port_run(len(METRICS_PORT_ORDER))
-    system = start_system(tmp_path_factory.mktemp("metrics"), "--num-pages", "512",
-                          "--metrics-port-base", str(base), "--log-format", "json")
+    system = start_system(
+        tmp_path_factory.mktemp("metrics"),
+        "--num-pages",
+        "512",
+        "--metrics-port-base",
+        str(base),
+        "--log-format",
+        "json",
+    )
     system.metrics_port_base = base
     yield system
     assert system.stop() == 0
@@ -75,7 +98,9 @@ def scrape(system, service: str) -> dict[str, list]:
 
 
 def total(samples: dict[str, list], name: str, **labels: str) -> float:
-    return sum(s.value for s in samples.get(f"stageserve_{name}", ()) if labels.items() <= s.labels.items())
+    return sum(
+        s.value for s in samples.get(f"stageserve_{name}", ()) if labels.items() <= s.labels.items()
+    )
 
 
 def test_each_service_serves_metrics_on_its_fixed_port_listed_in_the_ready_table(system) -> None:
@@ -90,7 +115,9 @@ def test_every_sample_of_every_service_has_the_model_label(system) -> None:
     asyncio.run(health_check_router(system))  # so the router's gRPC server metrics have a sample
     for name in METRICS_PORT_ORDER:
         samples = scrape(system, name)
-        assert all(s.labels.get("model_name") == MODEL for group in samples.values() for s in group), name
+        assert all(
+            s.labels.get("model_name") == MODEL for group in samples.values() for s in group
+        ), name
         (info,) = samples["stageserve_model_info"]
         assert info.labels["service"] == name and info.value == 1
         assert total(samples, "grpc_server_handled_total") > 0, name
@@ -111,13 +138,21 @@ async def health_check_router(system) -> None:
 
 
 def chat(text: str, **extra) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "temperature": 0,
-            "max_tokens": NUM_TOKENS, "ignore_eos": True, **extra}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        "max_tokens": NUM_TOKENS,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 def test_request_histograms_move_after_a_request(system) -> None:
     before = scrape(system, "router")
-    response = httpx.post(f"{system.base_url}/chat/completions", json=chat("Count to ten."), timeout=120)
+    response = httpx.post(
+        f"{system.base_url}/chat/completions", json=chat("Count to ten."), timeout=120
+    )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["completion_tokens"] == NUM_TOKENS
@@ -127,31 +162,50 @@ def test_request_histograms_move_after_a_request(system) -> None:
     for name in MOVED_ONCE:
         assert total(after, f"{name}_count") == total(before, f"{name}_count") + 1, name
     for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):
-        assert total(after, f"{name}_count") == total(before, f"{name}_count") + NUM_TOKENS - 1, name
-    assert total(after, "generation_tokens_total") == total(before, "generation_tokens_total") + NUM_TOKENS
+        assert total(after, f"{name}_count") == total(before, f"{name}_count") + NUM_TOKENS - 1, (
+            name
+        )
+    assert (
+        total(after, "generation_tokens_total")
+        == total(before, "generation_tokens_total") + NUM_TOKENS
+    )
     prompt_tokens = total(after, "prompt_tokens_total") - total(before, "prompt_tokens_total")
     assert prompt_tokens == usage["prompt_tokens"]
-    assert total(after, "request_success_total", finished_reason="length") == total(
-        before, "request_success_total", finished_reason="length") + 1
-    le_300 = [s for s in after["stageserve_e2e_request_latency_seconds_bucket"] if s.labels["le"] == "300.0"]
+    assert (
+        total(after, "request_success_total", finished_reason="length")
+        == total(before, "request_success_total", finished_reason="length") + 1
+    )
+    le_300 = [
+        s
+        for s in after["stageserve_e2e_request_latency_seconds_bucket"]
+        if s.labels["le"] == "300.0"
+    ]
     assert le_300, "the e2e buckets reach the 300 s request timeout"
 
 
 def test_log_lines_are_json_and_a_requests_lines_carry_its_ids(system) -> None:
     trace_id = "6e0c63257de34c926f9efcd03927272e"
-    first = httpx.post(f"{system.base_url}/chat/completions", json=chat("Tell me a story."), timeout=120)
+    first = httpx.post(
+        f"{system.base_url}/chat/completions", json=chat("Tell me a story."), timeout=120
+    )
     text = first.json()["choices"][0]["message"]["content"]
     stop = text[1:3]
     assert stop.strip(), f"the greedy output {text!r} has no usable stop string"
     # The same greedy request, long and stopped by the router: it aborts the request on decode,
     # whose Abort handler logs "aborted <request id>".
     long = chat("Tell me a story.", max_tokens=3000, stop=[stop])
-    response = httpx.post(f"{system.base_url}/chat/completions", json=long, timeout=120,
-                          headers={"traceparent": f"00-{trace_id}-a2fb4a1d1a96d312-01"})
+    response = httpx.post(
+        f"{system.base_url}/chat/completions",
+        json=long,
+        timeout=120,
+        headers={"traceparent": f"00-{trace_id}-a2fb4a1d1a96d312-01"},
+    )
     assert response.status_code == 200, response.text
     request_id = response.json()["id"]
     lines = wait_for_log_line(system, "decode", lambda e: e["request_id"] == request_id)
-    (aborted,) = [e for e in lines if e["request_id"] == request_id and e["message"].startswith("aborted")]
+    (aborted,) = [
+        e for e in lines if e["request_id"] == request_id and e["message"].startswith("aborted")
+    ]
     assert aborted["trace_id"] == trace_id and aborted["service"] == "decode"
     for name in METRICS_PORT_ORDER:  # every line of every service's log is one JSON object
         entries = log_entries(system, name)  # json.loads of each line

@@ -39,7 +39,10 @@ def chat(text: str, images: list[bytes] = ()) -> list[dict]:
 CASES = {
     "text": ("Tell me about the moon.", []),
     "one_image": ("What is shown here?", [image_bytes(300, 97, seed=11)]),
-    "two_images": ("Compare the two pictures.", [image_bytes(224, 224, seed=12), image_bytes(90, 200, seed=13)]),
+    "two_images": (
+        "Compare the two pictures.",
+        [image_bytes(224, 224, seed=12), image_bytes(90, 200, seed=13)],
+    ),
 }
 
 
@@ -47,7 +50,10 @@ CASES = {
 # cp2: prefill as two CP rank processes, every batch sharded (--prefill-cp-min-tokens 1)
 @pytest.fixture(
     scope="module",
-    params=[("--decode-dp", "2", "--router-workers", "2"), ("--prefill-cp", "2", "--prefill-cp-min-tokens", "1")],
+    params=[
+        ("--decode-dp", "2", "--router-workers", "2"),
+        ("--prefill-cp", "2", "--prefill-cp-min-tokens", "1"),
+    ],
     ids=["dp2", "cp2"],
 )
 def system(request, tmp_path_factory):
@@ -87,19 +93,32 @@ def decode_stats(system):
 
 def reference(pipeline, hf_model, text: str, images: list[bytes]) -> tuple[str, int, int]:
     """transformers' greedy continuation: (text, completion tokens, prompt tokens)."""
-    messages = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [*({"type": "image"} for _ in images), {"type": "text", "text": text}],
+        }
+    ]
     request = pipeline.build_request(messages, list(images), SamplingParams())
     with torch.no_grad():
         out = hf_model.generate(**hf_inputs(request), max_new_tokens=MAX_TOKENS, do_sample=False)
-    tokens = out[0, len(request.prompt_ids):].tolist()
-    return pipeline.text.decode(tokens, skip_special_tokens=True), len(tokens), len(request.prompt_ids)
+    tokens = out[0, len(request.prompt_ids) :].tolist()
+    return (
+        pipeline.text.decode(tokens, skip_special_tokens=True),
+        len(tokens),
+        len(request.prompt_ids),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_chat_matches_transformers(name, client, model_name, pipeline, hf_model, initial_free_pages):
+def test_chat_matches_transformers(
+    name, client, model_name, pipeline, hf_model, initial_free_pages
+):
     text, images = CASES[name]
     expected, num_completion, num_prompt = reference(pipeline, hf_model, text, images)
-    reply = client.chat.completions.create(model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0)
+    reply = client.chat.completions.create(
+        model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0
+    )
     assert reply.choices[0].message.content == expected
     assert reply.choices[0].finish_reason == ("length" if num_completion == MAX_TOKENS else "stop")
     assert reply.usage.prompt_tokens == num_prompt
@@ -107,28 +126,47 @@ def test_chat_matches_transformers(name, client, model_name, pipeline, hf_model,
     assert reply.usage.total_tokens == num_prompt + num_completion
 
     stream = client.chat.completions.create(
-        model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=model_name,
+        messages=chat(text, images),
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == expected
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        reply.choices[0].finish_reason
-    ]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == [reply.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == num_completion
     assert chunks[-1].usage.prompt_tokens == num_prompt
 
 
 def test_sixteen_concurrent_requests(system, model_name, pipeline, hf_model):
-    prompts = [(f"Request number {i}: say something about {w}.", [image_bytes(60 + 20 * i, 50 + 10 * i, seed=100 + i)] if i % 3 else [])
-               for i, w in enumerate("the sea,a tree,the sky,a cat,rain,a road,snow,a bird,fire,a lamp,ice,a door,sand,a ship,wind,a star".split(","))]
+    prompts = [
+        (
+            f"Request number {i}: say something about {w}.",
+            [image_bytes(60 + 20 * i, 50 + 10 * i, seed=100 + i)] if i % 3 else [],
+        )
+        for i, w in enumerate(
+            "the sea,a tree,the sky,a cat,rain,a road,snow,a bird,fire,a lamp,ice,a door,sand,a ship,wind,a star".split(
+                ","
+            )
+        )
+    ]
     expected = [reference(pipeline, hf_model, t, imgs)[0] for t, imgs in prompts]
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=300)
-        calls = [client.chat.completions.create(model=model_name, messages=chat(t, imgs), max_tokens=MAX_TOKENS, temperature=0)
-                 for t, imgs in prompts]
+        client = openai.AsyncOpenAI(
+            base_url=system.base_url, api_key="unused", max_retries=0, timeout=300
+        )
+        calls = [
+            client.chat.completions.create(
+                model=model_name, messages=chat(t, imgs), max_tokens=MAX_TOKENS, temperature=0
+            )
+            for t, imgs in prompts
+        ]
         try:
             return await asyncio.gather(*calls)
         finally:
@@ -146,7 +184,9 @@ def _metric(url: str, name: str) -> float:
 
 def test_both_decode_ranks_and_both_router_processes_served(system, request):
     """After the sixteen concurrent requests: each router process took some, each rank ran some."""
-    callspec = getattr(request.node, "callspec", None)  # absent where a module's system is not parametrized
+    callspec = getattr(
+        request.node, "callspec", None
+    )  # absent where a module's system is not parametrized
     if callspec is None or "--decode-dp" not in callspec.params["system"]:
         pytest.skip("one decode rank and one router process in this layout")
     stats = decode_stats(system)
@@ -157,8 +197,12 @@ def test_both_decode_ranks_and_both_router_processes_served(system, request):
     for name in routers:
         assert _metric(system.metrics_url(name), "stageserve_router_requests_total") > 0, name
     text = urllib.request.urlopen(system.metrics_url("decode"), timeout=10).read().decode()
-    steps = {m.group(1): float(m.group(2))
-             for m in re.finditer(r'^stageserve_decode_steps_total{[^}]*dp_rank="(\d+)"[^}]*} (\S+)$', text, re.M)}
+    steps = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^stageserve_decode_steps_total{[^}]*dp_rank="(\d+)"[^}]*} (\S+)$', text, re.M
+        )
+    }
     assert sorted(steps) == ["0", "1"] and min(steps.values()) > 0, steps
 
 
@@ -168,7 +212,9 @@ def test_same_image_twice_is_encoded_once(system, client, model_name):
     misses = _metric(url, "stageserve_vision_encoder_cache_misses_total")
     image = image_bytes(150, 150, seed=777)
     for _ in range(2):
-        client.chat.completions.create(model=model_name, messages=chat("Again?", [image]), max_tokens=2, temperature=0)
+        client.chat.completions.create(
+            model=model_name, messages=chat("Again?", [image]), max_tokens=2, temperature=0
+        )
     assert _metric(url, "stageserve_vision_encoder_cache_misses_total") == misses + 1
     assert _metric(url, "stageserve_vision_encoder_cache_hits_total") == hits + 1
 
@@ -189,32 +235,51 @@ BAD_REQUESTS = {
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
-def test_bad_input_gets_400_and_system_keeps_answering(case, system, client, model_name, pipeline, hf_model):
+def test_bad_input_gets_400_and_system_keeps_answering(
+    case, system, client, model_name, pipeline, hf_model
+):
     body = BAD_REQUESTS[case]
     if isinstance(body, dict):
         body = {"model": model_name, **body}
         response = httpx.post(f"{system.base_url}/chat/completions", json=body, timeout=120)
     else:
-        response = httpx.post(f"{system.base_url}/chat/completions", content=body,
-                              headers={"content-type": "application/json"}, timeout=120)
+        response = httpx.post(
+            f"{system.base_url}/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=120,
+        )
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     text, images = CASES["one_image"]
-    reply = client.chat.completions.create(model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0)
+    reply = client.chat.completions.create(
+        model=model_name, messages=chat(text, images), max_tokens=MAX_TOKENS, temperature=0
+    )
     assert reply.choices[0].message.content == reference(pipeline, hf_model, text, images)[0]
 
 
 def test_completions_and_models(system, client, model_name):
     assert [m.id for m in client.models.list().data] == [model_name]
-    reply = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0)
-    assert reply.usage.completion_tokens <= 5 and reply.choices[0].finish_reason in ("stop", "length")
+    reply = client.completions.create(
+        model=model_name, prompt="Once upon a time", max_tokens=5, temperature=0
+    )
+    assert reply.usage.completion_tokens <= 5 and reply.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
     assert httpx.get(f"http://127.0.0.1:{system.http_port}/health", timeout=10).status_code == 200
 
 
 def test_aborted_stream_frees_pages(system, client, model_name):
-    stream = client.chat.completions.create(model=model_name, messages=chat("Go on and on."), max_tokens=1000,
-                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=chat("Go on and on."),
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -226,7 +291,9 @@ def test_zz_no_kv_page_is_lost(system, initial_free_pages):
     # before its KV was ready (a prefill error) only after decode's quarantine (35 s).
     deadline = time.monotonic() + 90
     stats = decode_stats(system)
-    while (stats.num_quarantined_pages or stats.num_free_pages != initial_free_pages) and time.monotonic() < deadline:
+    while (
+        stats.num_quarantined_pages or stats.num_free_pages != initial_free_pages
+    ) and time.monotonic() < deadline:
         time.sleep(0.5)
         stats = decode_stats(system)
     assert stats.num_quarantined_pages == 0

@@ -34,7 +34,9 @@ def system(tmp_path_factory):
 
 def images_encoded_by_rank(system) -> dict[str, float]:
     text = urllib.request.urlopen(system.metrics_url("vision_encoder"), timeout=10).read().decode()
-    pattern = r'^stageserve_vision_encoder_images_encoded_total\{(?:[^}]*,)?rank="(\d+)"[^}]*\} (\S+)$'
+    pattern = (
+        r'^stageserve_vision_encoder_images_encoded_total\{(?:[^}]*,)?rank="(\d+)"[^}]*\} (\S+)$'
+    )
     return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
 

@@ -45,7 +45,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    raw = bytes.fromhex(hex_address)  # /proc/net/tcp{,6}: 32-bit words in host (little-endian) order
+    raw = bytes.fromhex(
+        hex_address
+    )  # /proc/net/tcp{,6}: 32-bit words in host (little-endian) order
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return ipaddress.ip_address(words)
 
@@ -79,7 +81,11 @@ def is_loopback_only(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
 
 def segments(owners: set[int]) -> dict[str, os.stat_result]:
     """The segments whose owner pid is in ``owners`` (other systems on this host have their own)."""
-    entries = [e for e in os.scandir(SHM_DIR) if (m := NAME_RE.fullmatch(e.name)) and int(m.group(3)) in owners]
+    entries = [
+        e
+        for e in os.scandir(SHM_DIR)
+        if (m := NAME_RE.fullmatch(e.name)) and int(m.group(3)) in owners
+    ]
     return {e.name: e.stat(follow_symlinks=False) for e in entries}
 
 
@@ -93,30 +99,58 @@ def test_default_system_listens_on_loopback_only_and_moves_tensors_through_shm(t
         sockets = {pid: listening_sockets(pid) for pid in pids}
         for name in ("tokenizer", "vision_encoder", "prefill", "decode", "router"):
             ports = {port for _, port in sockets[system.state[name]["pid"]]}
-            assert int(system.state[name]["port"]) in ports, (name, sockets[system.state[name]["pid"]])
-        exposed = {pid: [s for s in found if not is_loopback_only(s[0])] for pid, found in sockets.items()}
+            assert int(system.state[name]["port"]) in ports, (
+                name,
+                sockets[system.state[name]["pid"]],
+            )
+        exposed = {
+            pid: [s for s in found if not is_loopback_only(s[0])] for pid, found in sockets.items()
+        }
         assert not any(exposed.values()), exposed
         assert _not_reachable_from_outside(sockets)
 
         created = segments(set(pids))
         assert sorted(NAME_RE.fullmatch(name).group(1) for name in created) == ["emb", "kv"]
-        assert all(stat.S_IMODE(i.st_mode) == 0o600 and i.st_uid == os.geteuid() for i in created.values())
+        assert all(
+            stat.S_IMODE(i.st_mode) == 0o600 and i.st_uid == os.geteuid() for i in created.values()
+        )
 
         client = openai.OpenAI(
             base_url=system.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S
         )
         model = client.models.list().data[0].id
         reply = client.chat.completions.create(
-            model=model, max_tokens=MAX_TOKENS, temperature=0,
-            messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": _data_url(image.read_bytes())}},
-                {"type": "text", "text": "What is shown here?"},
-            ]}],
+            model=model,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": _data_url(image.read_bytes())}},
+                        {"type": "text", "text": "What is shown here?"},
+                    ],
+                }
+            ],
         )
         generated = subprocess.run(
-            [sys.executable, "-m", "services.cli", "generate", "--prompt", "What is shown here?",
-             "--image", str(image), "--max-tokens", str(MAX_TOKENS)],
-            cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S, check=True,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "generate",
+                "--prompt",
+                "What is shown here?",
+                "--image",
+                str(image),
+                "--max-tokens",
+                str(MAX_TOKENS),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=True,
         )
         assert reply.choices[0].message.content == generated.stdout.removesuffix("\n")
         assert reply.usage.completion_tokens > 0

@@ -44,10 +44,14 @@ def traced(request, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env["OTEL_BSP_SCHEDULE_DELAY"] = "100"  # ms: export soon after each span ends
     if request.param == "grpc":  # the generic variables
-        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.start_grpc(), OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+        env.update(
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.start_grpc(), OTEL_EXPORTER_OTLP_PROTOCOL="grpc"
+        )
     else:  # the per-signal ones
-        env.update(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"{receiver.start_http()}/v1/traces",
-                   OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf")
+        env.update(
+            OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=f"{receiver.start_http()}/v1/traces",
+            OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
+        )
     try:
         system = start_system(tmp_path_factory.mktemp("traced"), "--num-pages", "512", env=env)
     except BaseException:
@@ -63,9 +67,15 @@ def traced(request, tmp_path_factory):
 
 def chat_body(system, text: str) -> dict:
     image = base64.b64encode(image_bytes(64, 48, seed=5)).decode()
-    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-               {"type": "text", "text": text}]
-    return {"model": "tiny-qwen2.5-vl", "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+        {"type": "text", "text": text},
+    ]
+    return {
+        "model": "tiny-qwen2.5-vl",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 4,
+    }
 
 
 def in_trace(trace_id: str, names: set[str]):
@@ -78,8 +88,12 @@ def in_trace(trace_id: str, names: set[str]):
 def test_one_request_is_one_trace_across_all_five_services(traced) -> None:
     system, receiver = traced
     trace_id, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-    response = httpx.post(f"{system.base_url}/chat/completions", json=chat_body(system, "What is this?"),
-                          headers=traceparent(trace_id, client_span), timeout=120)
+    response = httpx.post(
+        f"{system.base_url}/chat/completions",
+        json=chat_body(system, "What is this?"),
+        headers=traceparent(trace_id, client_span),
+        timeout=120,
+    )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     spans = receiver.wait_for(in_trace(trace_id, {"router.request", *PARENTS}), EXPORT_TIMEOUT_S)
@@ -93,7 +107,9 @@ def test_one_request_is_one_trace_across_all_five_services(traced) -> None:
     root = by_name["router.request"]
     assert root.parent_span_id == client_span
     for name, parent in PARENTS.items():
-        assert by_name[name].parent_span_id == by_name[parent].span_id, f"{name} is not {parent}'s child"
+        assert by_name[name].parent_span_id == by_name[parent].span_id, (
+            f"{name} is not {parent}'s child"
+        )
     ids = {s.span_id for s in trace} | {client_span}
     assert all(s.parent_span_id in ids for s in trace), "an orphan span"
     assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
@@ -106,10 +122,16 @@ def test_a_failed_request_has_an_error_root_span(traced) -> None:
     system, receiver = traced
     trace_id, client_span = "5b8aa5a2d2c872e8321cf37308d69df2", "051581bf3cb55c13"
     too_long = "moon " * 5000  # more tokens than the tiny model's context (4096)
-    response = httpx.post(f"{system.base_url}/chat/completions", json=chat_body(system, too_long),
-                          headers=traceparent(trace_id, client_span), timeout=120)
+    response = httpx.post(
+        f"{system.base_url}/chat/completions",
+        json=chat_body(system, too_long),
+        headers=traceparent(trace_id, client_span),
+        timeout=120,
+    )
     assert response.status_code == 400, response.text
-    spans = receiver.wait_for(in_trace(trace_id, {"router.request", "tokenizer.tokenize"}), EXPORT_TIMEOUT_S)
+    spans = receiver.wait_for(
+        in_trace(trace_id, {"router.request", "tokenizer.tokenize"}), EXPORT_TIMEOUT_S
+    )
     by_name = {s.name: s for s in spans if s.trace_id == trace_id}
     root = by_name["router.request"]
     assert root.parent_span_id == client_span

@@ -19,14 +19,20 @@ def small_engine() -> LLMEngine:
 
 
 def request(ids, **params) -> EngineRequest:
-    return EngineRequest(f"r{len(ids)}-{sorted(params.items())}", list(ids), SamplingParams(**params))
+    return EngineRequest(
+        f"r{len(ids)}-{sorted(params.items())}", list(ids), SamplingParams(**params)
+    )
 
 
 def test_stop_token_and_eos(small_engine):
     free = small_engine.runner.page_manager.num_free_pages
-    greedy = small_engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=8, ignore_eos=True)])[0]
+    greedy = small_engine.generate(
+        [request(range(10, 30), temperature=0.0, max_new_tokens=8, ignore_eos=True)]
+    )[0]
     third = greedy.token_ids[2]
-    stopped = small_engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=8, stop_token_ids=(third,))])[0]
+    stopped = small_engine.generate(
+        [request(range(10, 30), temperature=0.0, max_new_tokens=8, stop_token_ids=(third,))]
+    )[0]
     assert stopped.finish_reason is FinishReason.STOP
     assert stopped.token_ids == greedy.token_ids[: greedy.token_ids.index(third) + 1]
     assert greedy.finish_reason is FinishReason.LENGTH and len(greedy.token_ids) == 8
@@ -42,7 +48,9 @@ def test_stop_token_and_eos(small_engine):
 def test_context_limit_stops_with_length():
     engine = LLMEngine.from_dir(TINY_MODEL_DIR, page_size=4, num_pages=64)
     engine.max_context_len = 24
-    out = engine.generate([request(range(10, 30), temperature=0.0, max_new_tokens=100, ignore_eos=True)])[0]
+    out = engine.generate(
+        [request(range(10, 30), temperature=0.0, max_new_tokens=100, ignore_eos=True)]
+    )[0]
     assert out.finish_reason is FinishReason.LENGTH
     assert out.num_prompt_tokens + len(out.token_ids) == 24
     with pytest.raises(InvalidRequestError, match="context limit is 24"):
@@ -51,7 +59,10 @@ def test_context_limit_stops_with_length():
 
 def test_same_seed_same_tokens(small_engine):
     def sample(seed):
-        return small_engine.generate([request(range(40, 50), temperature=1.0, seed=seed, max_new_tokens=12, ignore_eos=True)])[0].token_ids
+        return small_engine.generate(
+            [request(range(40, 50), temperature=1.0, seed=seed, max_new_tokens=12, ignore_eos=True)]
+        )[0].token_ids
+
     assert sample(3) == sample(3)
     assert sample(3) != sample(4)
 
@@ -90,7 +101,18 @@ def test_bad_requests(small_engine, req, param):
 def test_generate_command_prints_a_continuation(tmp_path):
     image = tmp_path / "in.png"
     image.write_bytes(image_bytes(90, 60, seed=9))
-    cmd = [sys.executable, "-m", "services.cli", "generate", "--prompt", "What is this?", "--image", str(image), "--max-tokens", "6"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "generate",
+        "--prompt",
+        "What is this?",
+        "--image",
+        str(image),
+        "--max-tokens",
+        "6",
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "6 generated, finish_reason=length" in done.stderr

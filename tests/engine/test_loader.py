@@ -32,7 +32,9 @@ def write_config(dst: Path, **changes) -> None:
 def test_loads_bundled_checkpoint(tiny_model_dir):
     model = load_model(tiny_model_dir)
     weights = load_file(str(tiny_model_dir / "model.safetensors"))
-    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, weights["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(
+        model.model.layers[1].mlp.up_proj.weight, weights["model.layers.1.mlp.up_proj.weight"]
+    )
     assert torch.equal(model.visual.merger.mlp[2].bias, weights["visual.merger.mlp.2.bias"])
     assert model.lm_head.weight.dtype == torch.float32
 
@@ -40,8 +42,14 @@ def test_loads_bundled_checkpoint(tiny_model_dir):
 def test_sharded_nested_names_and_bf16(tiny_model_dir, tmp_path):
     dst = tmp_path / "sharded"
     weights = copy_checkpoint(tiny_model_dir, dst)
-    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else
-               k.replace("visual.", "model.visual.", 1) if k.startswith("visual.") else k: v for k, v in weights.items()}
+    renamed = {
+        k.replace("model.", "model.language_model.", 1)
+        if k.startswith("model.")
+        else k.replace("visual.", "model.visual.", 1)
+        if k.startswith("visual.")
+        else k: v
+        for k, v in weights.items()
+    }
     names = sorted(renamed)
     shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
     for file, keys in shards.items():
@@ -50,7 +58,9 @@ def test_sharded_nested_names_and_bf16(tiny_model_dir, tmp_path):
     (dst / "model.safetensors.index.json").write_text(json.dumps(index))
     model = load_model(dst, dtype="bfloat16")
     assert model.lm_head.weight.dtype == torch.bfloat16
-    assert torch.equal(model.model.embed_tokens.weight, weights["model.embed_tokens.weight"].bfloat16())
+    assert torch.equal(
+        model.model.embed_tokens.weight, weights["model.embed_tokens.weight"].bfloat16()
+    )
 
 
 def test_tied_embeddings_without_lm_head(tiny_model_dir, tmp_path):
@@ -66,9 +76,18 @@ def test_tied_embeddings_without_lm_head(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda w: w.pop("model.layers.2.self_attn.k_proj.bias"), "missing tensors: model.layers.2.self_attn.k_proj.bias"),
-        (lambda w: w.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(1)), "unexpected tensors: model.layers.9.mlp.up_proj.weight"),
-        (lambda w: w.__setitem__("visual.merger.mlp.0.bias", torch.zeros(3)), "tensor 'visual.merger.mlp.0.bias' has shape (3,)"),
+        (
+            lambda w: w.pop("model.layers.2.self_attn.k_proj.bias"),
+            "missing tensors: model.layers.2.self_attn.k_proj.bias",
+        ),
+        (
+            lambda w: w.__setitem__("model.layers.9.mlp.up_proj.weight", torch.zeros(1)),
+            "unexpected tensors: model.layers.9.mlp.up_proj.weight",
+        ),
+        (
+            lambda w: w.__setitem__("visual.merger.mlp.0.bias", torch.zeros(3)),
+            "tensor 'visual.merger.mlp.0.bias' has shape (3,)",
+        ),
     ],
 )
 def test_bad_tensors_are_named(tiny_model_dir, tmp_path, mutate, message):
@@ -84,7 +103,10 @@ def test_unknown_architecture_names_supported(tiny_model_dir, tmp_path):
     dst = tmp_path / "llama"
     copy_checkpoint(tiny_model_dir, dst)
     write_config(dst, architectures=["LlamaForCausalLM"], model_type="llama")
-    with pytest.raises(ModelLoadError, match="unsupported architecture.*supported: Qwen2_5_VLForConditionalGeneration"):
+    with pytest.raises(
+        ModelLoadError,
+        match="unsupported architecture.*supported: Qwen2_5_VLForConditionalGeneration",
+    ):
         ModelConfig.from_dir(dst)
 
 
@@ -99,7 +121,9 @@ def test_missing_files_are_clear(tmp_path):
 def test_load_one_component(tiny_model_dir):
     vision = load_model(tiny_model_dir, components=("vision",))
     assert vision.model is None and vision.lm_head is None
-    assert sum(p.numel() for p in vision.parameters()) == sum(p.numel() for p in load_model(tiny_model_dir).visual.parameters())
+    assert sum(p.numel() for p in vision.parameters()) == sum(
+        p.numel() for p in load_model(tiny_model_dir).visual.parameters()
+    )
     language = load_model(tiny_model_dir, components=("language",))
     assert language.visual is None and language.lm_head is not None
     with pytest.raises(ValueError, match="components must be"):

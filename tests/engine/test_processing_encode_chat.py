@@ -13,28 +13,89 @@ from tests.conftest import TINY_MODEL_DIR
 
 TINY_DIR = TINY_MODEL_DIR
 IMAGE = {"type": "image"}
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of Italy?"}],
     [{"role": "user", "content": " leading space, trailing space "}],
-    [{"role": "user", "content": "\n\nnewlines first\n\n"}, {"role": "assistant", "content": "\nok\n"}],
-    [{"role": "system", "content": "!!"}, {"role": "user", "content": "?"}, {"role": "assistant", "content": "."}],
+    [
+        {"role": "user", "content": "\n\nnewlines first\n\n"},
+        {"role": "assistant", "content": "\nok\n"},
+    ],
+    [
+        {"role": "system", "content": "!!"},
+        {"role": "user", "content": "?"},
+        {"role": "assistant", "content": "."},
+    ],
     [{"role": "user", "content": ""}],
     [{"role": "user", "content": [IMAGE]}],
     [{"role": "user", "content": [IMAGE, {"type": "text", "text": " Describe it."}]}],
-    [{"role": "user", "content": [{"type": "text", "text": "Compare\n"}, IMAGE, {"type": "text", "text": "\nand "}, IMAGE]}],
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare\n"},
+                IMAGE,
+                {"type": "text", "text": "\nand "},
+                IMAGE,
+            ],
+        }
+    ],
     [
         {"role": "system", "content": [{"type": "text", "text": "Be brief.   "}]},
-        {"role": "user", "content": [{"type": "text", "text": "e"}, {"type": "text", "text": "\u0301 café"}, IMAGE]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "e"},
+                {"type": "text", "text": "\u0301 café"},
+                IMAGE,
+            ],
+        },
         {"role": "assistant", "content": "Un café. 🙂"},
         {"role": "user", "content": [IMAGE, {"type": "text", "text": "今天天气很好，12345"}]},
     ],
 ]
 PIECES = [
-    "", " ", "  ", "\n", "\n\n", " \n", "\t", "\r\n", "hi", " hi", "hi ", "!", "?!", ".", "'s", "'", "123",
-    "é", "e\u0301", "\u0301", "今天", "🙂", " 🙂", "user", "assistant", "<", ">", "|", "<|", "|>", "im_end", "<|im_end|>",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    " \n",
+    "\t",
+    "\r\n",
+    "hi",
+    " hi",
+    "hi ",
+    "!",
+    "?!",
+    ".",
+    "'s",
+    "'",
+    "123",
+    "é",
+    "e\u0301",
+    "\u0301",
+    "今天",
+    "🙂",
+    " 🙂",
+    "user",
+    "assistant",
+    "<",
+    ">",
+    "|",
+    "<|",
+    "|>",
+    "im_end",
+    "<|im_end|>",
 ]
 
 
@@ -51,7 +112,9 @@ def reference():
 
 
 def hf_chat_ids(reference, messages, add_generation_prompt) -> list[int]:
-    ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    ids = reference.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
@@ -74,7 +137,10 @@ def random_conversation(rng: random.Random) -> list[dict]:
         if rng.random() < 0.5:
             content = text()
         else:
-            content = [IMAGE if rng.random() < 0.3 else {"type": "text", "text": text()} for _ in range(rng.randrange(4))]
+            content = [
+                IMAGE if rng.random() < 0.3 else {"type": "text", "text": text()}
+                for _ in range(rng.randrange(4))
+            ]
         messages.append({"role": role, "content": content})
     return messages
 
@@ -93,7 +159,9 @@ def user_span(ids: list[int], processor: TextProcessor) -> list[int]:
     """Ids between the last user turn's header and its <|im_end|>."""
     im_start, im_end = processor.encode("<|im_start|>")[0], processor.encode("<|im_end|>")[0]
     user_header = processor.encode("<|im_start|>user\n")
-    start = max(i for i in range(len(ids)) if ids[i : i + len(user_header)] == user_header) + len(user_header)
+    start = max(i for i in range(len(ids)) if ids[i : i + len(user_header)] == user_header) + len(
+        user_header
+    )
     end = ids.index(im_end, start)
     assert im_start not in ids[start:end]
     return ids[start:end]
@@ -115,12 +183,18 @@ def test_typed_special_tokens_stay_text(processor, text):
     assert not set(span) & processor.special_token_ids
     assert span == processor._plain_tokenizer.encode(text, add_special_tokens=False).ids
     assert processor.decode(span) == text
-    assert ids.count(processor.encode("<|im_end|>")[0]) == 2  # the system turn's and the user turn's
-    assert processor.encode(processor.render_chat(messages)) != ids  # the unsafe path parses the markers
+    assert (
+        ids.count(processor.encode("<|im_end|>")[0]) == 2
+    )  # the system turn's and the user turn's
+    assert (
+        processor.encode(processor.render_chat(messages)) != ids
+    )  # the unsafe path parses the markers
 
 
 def test_typed_image_pad_creates_no_placeholder(processor):
-    messages = [{"role": "user", "content": [IMAGE, {"type": "text", "text": "<|image_pad|><|image_pad|>"}]}]
+    messages = [
+        {"role": "user", "content": [IMAGE, {"type": "text", "text": "<|image_pad|><|image_pad|>"}]}
+    ]
     ids = processor.encode_chat(messages)
     assert ids.count(processor.image_token_id) == 1
     expanded, spans = processor.expand_image_placeholders(ids, [4])

@@ -26,7 +26,15 @@ from services.engine.processing.image import (
 from tests.conftest import TINY_MODEL_DIR
 
 TINY_DIR = TINY_MODEL_DIR
-SIZES = [(50, 80), (224, 224), (300, 97), (640, 480), (10, 30), (28, 28), (1000, 40)]  # (width, height)
+SIZES = [
+    (50, 80),
+    (224, 224),
+    (300, 97),
+    (640, 480),
+    (10, 30),
+    (28, 28),
+    (1000, 40),
+]  # (width, height)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +54,9 @@ def reference():
 def make_rgb(width: int, height: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
     ys, xs = np.mgrid[0:height, 0:width]
-    base = np.stack([xs * 255 // max(width - 1, 1), ys * 255 // max(height - 1, 1), (xs + ys) % 256], axis=-1)
+    base = np.stack(
+        [xs * 255 // max(width - 1, 1), ys * 255 // max(height - 1, 1), (xs + ys) % 256], axis=-1
+    )
     noise = rng.integers(-40, 41, size=base.shape)
     return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), mode="RGB")
 
@@ -114,7 +124,9 @@ def test_smart_resize_matches_transformers():
             if max(height, width) / min(height, width) > 200:
                 continue
             for limits in [(56 * 56, 28 * 28 * 64), (56 * 56, 28 * 28 * 1280)]:
-                assert smart_resize(height, width, 28, *limits) == reference(height, width, 28, *limits)
+                assert smart_resize(height, width, 28, *limits) == reference(
+                    height, width, 28, *limits
+                )
 
 
 def test_smart_resize_rejects_extreme_aspect_ratio():
@@ -192,6 +204,7 @@ def test_pixel_hash_ignores_container_format(processor):
 
 
 # --- image_size: decode_image's size from the header ------------------------------------------
+
 
 def with_exif(image: Image.Image, fmt: str, orientation: int) -> bytes:
     exif = Image.Exif()

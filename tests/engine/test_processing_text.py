@@ -103,7 +103,9 @@ def test_render_chat_matches_apply_chat_template(processor, reference, name, add
 
 def test_render_chat_layout(processor):
     text = processor.render_chat(CONVERSATIONS["images"])
-    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    )
     assert text.count("<|vision_start|><|image_pad|><|vision_end|>") == 3
     assert text.endswith(
         "And this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"
@@ -178,7 +180,9 @@ def test_detokenizer_matches_decode_on_random_ids(processor, seed):
     ids = [rng.randrange(processor.vocab_size + 5) for _ in range(300)]  # some ids out of range
     for skip_special_tokens in (True, False):
         deltas, tail = run_detokenizer(processor, ids, skip_special_tokens)
-        assert "".join(deltas) + tail == processor.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) + tail == processor.decode(
+            ids, skip_special_tokens=skip_special_tokens
+        )
 
 
 def test_byte_level_alphabet_matches_tokenizers():
@@ -231,12 +235,20 @@ def test_encode_under_a_limit_equals_encode(processor, text):
 def test_a_prompt_at_the_limit_is_refused_with_its_length(processor, text):
     for encode, param in (
         (lambda max_len: processor.encode(text, max_len=max_len), "prompt"),
-        (lambda max_len: processor.encode_chat([{"role": "user", "content": text}], max_len=max_len), "messages"),
+        (
+            lambda max_len: processor.encode_chat(
+                [{"role": "user", "content": text}], max_len=max_len
+            ),
+            "messages",
+        ),
     ):
         num_tokens = len(encode(None))
         with pytest.raises(InvalidRequestError) as info:
             encode(num_tokens)
-        assert info.value.message == f"prompt has {num_tokens} tokens; the context limit is {num_tokens}"
+        assert (
+            info.value.message
+            == f"prompt has {num_tokens} tokens; the context limit is {num_tokens}"
+        )
         assert info.value.param == param
 
 
@@ -247,6 +259,9 @@ def test_a_huge_text_is_refused_without_tokenizing_it(processor, text):
         lambda: processor.encode(text, max_len=4096),
         lambda: processor.encode_chat([{"role": "user", "content": text}], max_len=4096),
     ):
-        with pytest.raises(InvalidRequestError, match=r"^prompt has at least \d+ tokens; the context limit is 4096$"):
+        with pytest.raises(
+            InvalidRequestError,
+            match=r"^prompt has at least \d+ tokens; the context limit is 4096$",
+        ):
             call()
     assert time.monotonic() - start < 5.0  # tokenizing it whole takes minutes

@@ -21,17 +21,25 @@ from services.engine.processing.token_bound import (
 )
 from tests.conftest import TINY_MODEL_DIR
 
-TINY_JSON = json.loads(
-    (TINY_MODEL_DIR / "tokenizer.json").read_text()
-)
+TINY_JSON = json.loads((TINY_MODEL_DIR / "tokenizer.json").read_text())
 
 
 def split_then_bytes(pattern: str) -> dict:
     return {
         "type": "Sequence",
         "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            {
+                "type": "Split",
+                "pattern": {"Regex": pattern},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
         ],
     }
 
@@ -44,7 +52,12 @@ PRE_TOKENIZERS = {
         "type": "Sequence",
         "pretokenizers": [
             {"type": "WhitespaceSplit"},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
         ],
     },
 }
@@ -78,7 +91,9 @@ def byte_model(pairs: list[tuple[str, str]]) -> dict:
 
 
 def bound_of(tokenizer: Tokenizer, chunk_chars: int) -> TokenBound:
-    return TokenBound.from_tokenizer(tokenizer, token_bytes_table(tokenizer), chunk_chars=chunk_chars)
+    return TokenBound.from_tokenizer(
+        tokenizer, token_bytes_table(tokenizer), chunk_chars=chunk_chars
+    )
 
 
 def plain(tokenizer: Tokenizer) -> Tokenizer:
@@ -88,17 +103,60 @@ def plain(tokenizer: Tokenizer) -> Tokenizer:
 
 
 FRAGMENTS = [
-    "hello", " world", "x", "xxxx", " ", "  ", "\t", "\n", "\n\n", "\r\n", " \n", "!", "?!", "...", "'s",
-    "'re", "123", "7", "é", "e\u0301", "\u0301", "\u0323\u0302", "今天", "，", "。", "가", "\u1100\u1161",
-    "\u11a8", "🙂", " 🙂", "Ω", "\u212a", "ǖ", "<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|",
-    "|>", "\u00a0", "\u3000", "ab\ncd", "Brücke", "naïve", "ﬁ", "\u0958",
+    "hello",
+    " world",
+    "x",
+    "xxxx",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    " \n",
+    "!",
+    "?!",
+    "...",
+    "'s",
+    "'re",
+    "123",
+    "7",
+    "é",
+    "e\u0301",
+    "\u0301",
+    "\u0323\u0302",
+    "今天",
+    "，",
+    "。",
+    "가",
+    "\u1100\u1161",
+    "\u11a8",
+    "🙂",
+    " 🙂",
+    "Ω",
+    "\u212a",
+    "ǖ",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|image_pad|>",
+    "<|",
+    "|>",
+    "\u00a0",
+    "\u3000",
+    "ab\ncd",
+    "Brücke",
+    "naïve",
+    "ﬁ",
+    "\u0958",
 ]
 
 
 # Merges of every pair of adjacent bytes the fragments can make: a cut that splits a
 # pre-token, which the tiny vocabulary might not notice, changes the ids here.
 _FRAGMENT_BYTES = sorted({ch for f in FRAGMENTS for ch in byte_chars(f)})
-RICH_MODEL = with_merges(TINY_JSON["model"], [(a, b) for a in _FRAGMENT_BYTES for b in _FRAGMENT_BYTES])
+RICH_MODEL = with_merges(
+    TINY_JSON["model"], [(a, b) for a in _FRAGMENT_BYTES for b in _FRAGMENT_BYTES]
+)
 
 
 def random_text(rng: random.Random, num_fragments: int) -> str:
@@ -106,8 +164,10 @@ def random_text(rng: random.Random, num_fragments: int) -> str:
 
 
 def check(bound: TokenBound, tokenizer: Tokenizer, pieces: list, max_len: int) -> None:
-    true_len = sum(1 if isinstance(p, int) else len(tokenizer.encode(p, add_special_tokens=False).ids)
-                   for p in pieces)
+    true_len = sum(
+        1 if isinstance(p, int) else len(tokenizer.encode(p, add_special_tokens=False).ids)
+        for p in pieces
+    )
     count = bound.count_until(pieces, tokenizer, max_len)
     if count is None:
         assert sum(1 if isinstance(p, int) else len(p) for p in pieces) < max_len
@@ -256,8 +316,17 @@ def test_added_tokens_that_may_cross_a_cut_disable_cutting(added):
     ("overrides", "fragment"),
     [
         ({"normalizer": {"type": "NFKC"}}, "normalizer NFKC"),
-        ({"truncation": {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}},
-         "truncation"),
+        (
+            {
+                "truncation": {
+                    "direction": "Right",
+                    "max_length": 8,
+                    "strategy": "LongestFirst",
+                    "stride": 0,
+                }
+            },
+            "truncation",
+        ),
         ({"pre_tokenizer": {"type": "Whitespace"}}, "ByteLevel"),
     ],
 )

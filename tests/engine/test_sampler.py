@@ -10,7 +10,9 @@ from services.engine.sampler import Sampler, SamplingParams, make_generator
 VOCAB_SIZE = 50
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int | None]
+) -> torch.Tensor:
     batch_size = logits.shape[0]
     generators = [make_generator(seed, "cpu") for seed in seeds]
     return Sampler().sample(logits, params, [[]] * batch_size, [[]] * batch_size, generators)
@@ -34,7 +36,10 @@ def test_top_k_and_top_p_keep_expected_tokens() -> None:
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2, 1)
     params = [SamplingParams(top_k=3), SamplingParams(top_p=0.75)]
     processed = Sampler().process_logits(logits, params, [[], []], [[], []])
-    assert torch.isfinite(processed).tolist() == [[True, True, True, False], [True, True, False, False]]
+    assert torch.isfinite(processed).tolist() == [
+        [True, True, True, False],
+        [True, True, False, False],
+    ]
 
 
 def test_min_p_filters() -> None:
@@ -85,7 +90,9 @@ def test_greedy_uses_penalized_logits() -> None:
 
 def draw_sequence(seed: int, position: int, batch_size: int, num_steps: int = 16) -> list[int]:
     data = torch.Generator().manual_seed(123)
-    generators = [make_generator(seed if i == position else 1000 + i, "cpu") for i in range(batch_size)]
+    generators = [
+        make_generator(seed if i == position else 1000 + i, "cpu") for i in range(batch_size)
+    ]
     params = [SamplingParams(temperature=0.0 if i % 3 == 2 else 1.0) for i in range(batch_size)]
     params[position] = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=seed)
     row_logits = torch.randn(num_steps, VOCAB_SIZE, generator=data)
@@ -106,7 +113,9 @@ def test_same_seed_same_tokens_in_any_batch() -> None:
 
 
 def test_different_seeds_differ() -> None:
-    assert draw_sequence(seed=7, position=0, batch_size=1) != draw_sequence(seed=8, position=0, batch_size=1)
+    assert draw_sequence(seed=7, position=0, batch_size=1) != draw_sequence(
+        seed=8, position=0, batch_size=1
+    )
 
 
 def test_unseeded_generators_differ() -> None:
@@ -121,7 +130,9 @@ def test_sampling_follows_distribution() -> None:
     generator = make_generator(5, "cpu")
     logits = probs.log().repeat(num_rows, 1)
     empty: list[list[int]] = [[]] * num_rows
-    tokens = Sampler().sample(logits, [SamplingParams()] * num_rows, empty, empty, [generator] * num_rows)
+    tokens = Sampler().sample(
+        logits, [SamplingParams()] * num_rows, empty, empty, [generator] * num_rows
+    )
     freqs = torch.bincount(tokens, minlength=4).float() / num_rows
     sigma = (probs * (1 - probs) / num_rows).sqrt()
     assert ((freqs - probs).abs() < 5 * sigma).all(), freqs
@@ -169,11 +180,25 @@ def test_validate_rejects(kwargs: dict[str, object], param: str) -> None:
 def test_validate_accepts_edges() -> None:
     SamplingParams().validate()
     SamplingParams(
-        temperature=0.0, top_p=1.0, top_k=0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0, seed=0
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=1.0,
+        frequency_penalty=-2.0,
+        presence_penalty=2.0,
+        seed=0,
     ).validate()
     SamplingParams(
-        temperature=2.0, top_p=1e-9, top_k=2**31 - 1, min_p=0.0, repetition_penalty=0.01, frequency_penalty=2.0,
-        presence_penalty=-2.0, seed=2**64 - 1, max_new_tokens=2**32 - 1, stop_token_ids=(0, 2**32 - 1),
+        temperature=2.0,
+        top_p=1e-9,
+        top_k=2**31 - 1,
+        min_p=0.0,
+        repetition_penalty=0.01,
+        frequency_penalty=2.0,
+        presence_penalty=-2.0,
+        seed=2**64 - 1,
+        max_new_tokens=2**32 - 1,
+        stop_token_ids=(0, 2**32 - 1),
     ).validate()
     SamplingParams(repetition_penalty=2.0).validate()
 
@@ -199,16 +224,19 @@ def test_msgpack_round_trip() -> None:
         params.temperature = 1.0  # type: ignore[misc]
 
 
-
 def test_skip_advances_past_one_random_row() -> None:
     logits = torch.randn(8, VOCAB_SIZE, generator=torch.Generator().manual_seed(7))
     params = [SamplingParams(temperature=1.5, seed=5)]
     sampler = Sampler()
     continuous = make_generator(5, "cpu")
-    expected = [sampler.sample(row[None], params, [[]], [[]], [continuous]).item() for row in logits]
+    expected = [
+        sampler.sample(row[None], params, [[]], [[]], [continuous]).item() for row in logits
+    ]
     resumed = make_generator(5, "cpu")
     sampler.skip(resumed, VOCAB_SIZE)
-    assert [sampler.sample(row[None], params, [[]], [[]], [resumed]).item() for row in logits[1:]] == expected[1:]
+    assert [
+        sampler.sample(row[None], params, [[]], [[]], [resumed]).item() for row in logits[1:]
+    ] == expected[1:]
 
 
 def test_logit_bias_forces_and_bans_tokens() -> None:
@@ -227,18 +255,23 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
     sampler = Sampler(eos_token_ids=(1,))
     outputs = [[], [7], [7, 7]]  # 0, 1, 2 tokens generated so far
     assert sampler.sample(logits, [params] * 3, [[]] * 3, outputs, [None] * 3).tolist() == [3, 3, 1]
-    ignoring = msgspec.structs.replace(params, ignore_eos=True)  # EOS is no stop then: only 2 is masked
+    ignoring = msgspec.structs.replace(
+        params, ignore_eos=True
+    )  # EOS is no stop then: only 2 is masked
     assert sampler.sample(logits[:1], [ignoring], [[]], [[]], [None]).tolist() == [1]
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
-    ({"logit_bias": ((3, float("nan")),)}, "logit_bias"),
-    ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"),
-    ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
-    ({"min_tokens": 17, "max_new_tokens": 16}, "min_tokens"),
-    ({"min_tokens": -1}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((3, float("nan")),)}, "logit_bias"),
+        ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"min_tokens": 17, "max_new_tokens": 16}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
 def test_bad_bias_and_min_tokens_are_refused(fields, param) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**fields).validate()
@@ -247,7 +280,10 @@ def test_bad_bias_and_min_tokens_are_refused(fields, param) -> None:
 
 def test_token_ids_outside_the_vocabulary_are_refused() -> None:
     SamplingParams(logit_bias=((9, 1.0),), stop_token_ids=(9,)).check_vocab(10)
-    for fields, param in (({"logit_bias": ((10, 1.0),)}, "logit_bias"), ({"stop_token_ids": (10,)}, "stop_token_ids")):
+    for fields, param in (
+        ({"logit_bias": ((10, 1.0),)}, "logit_bias"),
+        ({"stop_token_ids": (10,)}, "stop_token_ids"),
+    ):
         with pytest.raises(InvalidRequestError) as info:
             SamplingParams(**fields).check_vocab(10)
         assert info.value.param == param

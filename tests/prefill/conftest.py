@@ -36,7 +36,11 @@ from services.common.clients.vision_encoder import (
 )
 from services.common.errors import DeadlineExceededError, UnavailableError
 from services.common.grpc_errors import handle_errors
-from services.common.pb.stageserve.v1 import prefill_pb2_grpc, vision_encoder_pb2, vision_encoder_pb2_grpc
+from services.common.pb.stageserve.v1 import (
+    prefill_pb2_grpc,
+    vision_encoder_pb2,
+    vision_encoder_pb2_grpc,
+)
 from services.common.server import HealthState, create_server
 from services.common.types import ImageSpanRef, TokenizedPrompt
 from services.engine.attention import ForwardMode
@@ -80,14 +84,23 @@ class Case:
     prompt: TokenizedPrompt  # what the router sends
 
 
-def make_case(pipeline, request_id: str, text: str, images: list[bytes], params: SamplingParams) -> Case:
-    content: list[dict[str, Any]] = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    request = pipeline.build_request([{"role": "user", "content": content}], images, params, request_id)
+def make_case(
+    pipeline, request_id: str, text: str, images: list[bytes], params: SamplingParams
+) -> Case:
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in images] + [
+        {"type": "text", "text": text}
+    ]
+    request = pipeline.build_request(
+        [{"role": "user", "content": content}], images, params, request_id
+    )
     hashes = [content_hash(data) for data in images]
     spans = tuple(
-        ImageSpanRef(s.offset, s.length, h, s.grid_thw) for s, h in zip(request.spans, hashes, strict=True)
+        ImageSpanRef(s.offset, s.length, h, s.grid_thw)
+        for s, h in zip(request.spans, hashes, strict=True)
     )
-    prompt = TokenizedPrompt(tuple(request.prompt_ids), spans, dict(zip(hashes, images, strict=True)))
+    prompt = TokenizedPrompt(
+        tuple(request.prompt_ids), spans, dict(zip(hashes, images, strict=True))
+    )
     return Case(request, prompt)
 
 
@@ -95,10 +108,19 @@ def standard_cases(pipeline, params: SamplingParams | None = None) -> list[Case]
     params = params or SamplingParams(temperature=0.0)
     return [
         make_case(pipeline, "text", "Write a line about the sea.", [], params),
-        make_case(pipeline, "one-image", "What is in this picture?", [image_bytes(120, 80, seed=1)], params),
         make_case(
-            pipeline, "two-images", "Compare the two.",
-            [image_bytes(64, 200, seed=2), image_bytes(150, 90, seed=3)], params,
+            pipeline,
+            "one-image",
+            "What is in this picture?",
+            [image_bytes(120, 80, seed=1)],
+            params,
+        ),
+        make_case(
+            pipeline,
+            "two-images",
+            "Compare the two.",
+            [image_bytes(64, 200, seed=2), image_bytes(150, 90, seed=3)],
+            params,
         ),
     ]
 
@@ -115,7 +137,8 @@ def reference(pipeline, case: Case) -> Reference:
     engine, runner = pipeline.engine, pipeline.engine.runner
     request = case.request
     one = dataclasses.replace(
-        request, request_id=f"{request.request_id}-ref",
+        request,
+        request_id=f"{request.request_id}-ref",
         params=msgspec.structs.replace(request.params, max_new_tokens=1),
     )
     first_token_id = engine.generate([one])[0].token_ids[0]
@@ -135,14 +158,22 @@ def reference(pipeline, case: Case) -> Reference:
 
 # --- the fake decode pool -------------------------------------------------------------
 
+
 class DecodePool:
     """Decode's registered KV pool (shm): pages handed out shuffled and zeroed, so position
     order matters and a page nobody wrote reads as zeros."""
 
     def __init__(self, model_config, num_pages: int = 512) -> None:
         text = model_config.text
-        self.pool = KVPool(text.num_hidden_layers, num_pages, PAGE_SIZE, text.num_key_value_heads,
-                           text.head_dim, torch.float32, "cpu")
+        self.pool = KVPool(
+            text.num_hidden_layers,
+            num_pages,
+            PAGE_SIZE,
+            text.num_key_value_heads,
+            text.head_dim,
+            torch.float32,
+            "cpu",
+        )
         self.pages = KVPageManager(num_pages, PAGE_SIZE)
         self.receiver = ShmKVReceiver()
         self.receiver.register(self.pool)
@@ -163,7 +194,9 @@ class DecodePool:
 
     def kv(self, dst, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(num_tokens)
-        slots = torch.tensor(dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        slots = (
+            torch.tensor(dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        )
         k = torch.stack([self.pool.k_slots(layer)[slots] for layer in range(self.pool.num_layers)])
         v = torch.stack([self.pool.v_slots(layer)[slots] for layer in range(self.pool.num_layers)])
         return k, v
@@ -178,6 +211,7 @@ class DecodePool:
 
 
 # --- the fake vision encoder ------------------------------------------------------------
+
 
 class FakeVisionEncoder(vision_encoder_pb2_grpc.VisionEncoderServicer):
     """Encodes every span with the real ViT (no cache), writes rows to every destination over shm;
@@ -204,21 +238,32 @@ class FakeVisionEncoder(vision_encoder_pb2_grpc.VisionEncoderServicer):
         results = []
         for span in spans:
             if self.mode == "invalid":
-                results.append(SpanResult(span.span.content_hash, SpanStatus.INVALID_IMAGE, False, 0, "not an image"))
+                results.append(
+                    SpanResult(
+                        span.span.content_hash, SpanStatus.INVALID_IMAGE, False, 0, "not an image"
+                    )
+                )
                 continue
             rows = self._encode(span.image_data)
             for dst in destinations:
-                self.sender.send_rows(request.request_id, rows, dst, span.dest_row, time.monotonic() + 10)
-            results.append(SpanResult(span.span.content_hash, SpanStatus.WRITTEN, is_cache_hit=False))
+                self.sender.send_rows(
+                    request.request_id, rows, dst, span.dest_row, time.monotonic() + 10
+                )
+            results.append(
+                SpanResult(span.span.content_hash, SpanStatus.WRITTEN, is_cache_hit=False)
+            )
         return vision_encoder_pb2.EncodeResponse(results=[span_result_to_proto(r) for r in results])
 
     def _encode(self, data: bytes) -> torch.Tensor:
         processed = self.pipeline.images.preprocess(decode_image(data, 20 * 1024 * 1024))
-        rows = self.pipeline.engine.runner.encode_images(processed.pixel_values, [processed.grid_thw])
+        rows = self.pipeline.engine.runner.encode_images(
+            processed.pixel_values, [processed.grid_thw]
+        )
         return rows.contiguous()  # [n, hidden] fp32
 
 
 # --- the whole harness ------------------------------------------------------------------
+
 
 @dataclass
 class Harness:
@@ -246,15 +291,25 @@ class Harness:
         dst = self.decode.reserve(case.request.request_id, len(case.prompt.token_ids), extra_pages)
         kv_ref = self.decode.kv_ref(dst)  # what the router holds: DecodeClient.reserve's answer
         result = await self.client.prefill(
-            case.request.request_id, case.prompt, case.request.params, kv_ref, time.time() + deadline_in_s
+            case.request.request_id,
+            case.prompt,
+            case.request.params,
+            kv_ref,
+            time.time() + deadline_in_s,
         )
         return result, dst
 
 
 def prefill_config(**overrides: Any) -> PrefillConfig:
     values: dict[str, Any] = dict(
-        model=TINY_MODEL_DIR, transfer_backend="shm", num_pages=256, page_size=PAGE_SIZE,
-        embedding_rows=512, max_batch_tokens=2048, embedding_quarantine_s=0.0, cp_min_tokens=1,
+        model=TINY_MODEL_DIR,
+        transfer_backend="shm",
+        num_pages=256,
+        page_size=PAGE_SIZE,
+        embedding_rows=512,
+        max_batch_tokens=2048,
+        embedding_quarantine_s=0.0,
+        cp_min_tokens=1,
         cp_block_tokens=PAGE_SIZE,
     )
     values.update(overrides)
@@ -262,15 +317,21 @@ def prefill_config(**overrides: Any) -> PrefillConfig:
 
 
 async def start_harness(
-    pipeline, language_model, config: PrefillConfig, *, encoder_address: str | None = None,
-    step_target: str = TARGET, **group_overrides: Any,
+    pipeline,
+    language_model,
+    config: PrefillConfig,
+    *,
+    encoder_address: str | None = None,
+    step_target: str = TARGET,
+    **group_overrides: Any,
 ) -> Harness:
     """Prefill over gRPC on ``config.devices``; the fake encoder unless ``encoder_address`` names a real one."""
     encoder = FakeVisionEncoder(pipeline)
     servers = []
     if encoder_address is None:
         encoder_server, encoder_port = create_server(
-            [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, encoder)], health=HealthState()
+            [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, encoder)],
+            health=HealthState(),
         )
         await encoder_server.start()
         servers.append(encoder_server)
@@ -279,22 +340,33 @@ async def start_harness(
         group_config(config.num_ranks, **group_overrides), devices=config.devices, name="prefill"
     )
     app = PrefillApp.build(
-        config, internal_token=os.environ["STAGESERVE_INTERNAL_TOKEN"],
-        encoder=VisionEncoderClient(encoder_address), group=group, step_target=step_target,
+        config,
+        internal_token=os.environ["STAGESERVE_INTERNAL_TOKEN"],
+        encoder=VisionEncoderClient(encoder_address),
+        group=group,
+        step_target=step_target,
         result_type=RecordingResult,
     )
     health = HealthState()
     app.leader.on_serving = health.set_serving
     await app.start()
-    servicer = PrefillServicer(config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces))
+    servicer = PrefillServicer(
+        config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces)
+    )
     servicer.attach(app.leader)
     server, port = create_server(
-        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)], service_names=[SERVICE_NAME], health=health,
+        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+        service_names=[SERVICE_NAME],
+        health=health,
     )
     await server.start()
-    app.leader.progress.start(health, interval_s=WATCHDOG_POLL_S)  # as services.prefill.__main__ does
+    app.leader.progress.start(
+        health, interval_s=WATCHDOG_POLL_S
+    )  # as services.prefill.__main__ does
     decode = DecodePool(language_model.config)
-    return Harness(app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, health, [server, *servers])
+    return Harness(
+        app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, health, [server, *servers]
+    )
 
 
 async def stop_harness(harness: Harness) -> None:
@@ -350,13 +422,17 @@ def gate_worker(harness: Harness) -> tuple[Callable[[], None], list[list[str]]]:
     return opened.set, plans
 
 
-async def prefill_as_one_batch(harness: Harness, pipeline, cases: list[Case]) -> tuple[list, list[str]]:
+async def prefill_as_one_batch(
+    harness: Harness, pipeline, cases: list[Case]
+) -> tuple[list, list[str]]:
     """Prefill ``cases`` in one plan: a first request holds the ranks while they all queue.
 
     Returns each case's result (or exception) and the request ids of their plan.
     """
     release, plans = gate_worker(harness)
-    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
+    blocker = asyncio.create_task(
+        harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams()))
+    )
     while not plans:
         await asyncio.sleep(0.01)
     tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
@@ -376,9 +452,15 @@ async def prefill_abandoned_while_held(harness: Harness, case: Case):
     destination."""
     release, plans = gate_worker(harness)
     dst = harness.decode.reserve(case.request.request_id, len(case.prompt.token_ids))
-    task = asyncio.create_task(harness.client.prefill(
-        case.request.request_id, case.prompt, case.request.params, harness.decode.kv_ref(dst), time.time() + 1.0
-    ))
+    task = asyncio.create_task(
+        harness.client.prefill(
+            case.request.request_id,
+            case.prompt,
+            case.request.params,
+            harness.decode.kv_ref(dst),
+            time.time() + 1.0,
+        )
+    )
     while not plans:  # the plan is held until the caller has given up
         await asyncio.sleep(0.01)
     with pytest.raises(DeadlineExceededError):

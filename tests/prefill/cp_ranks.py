@@ -47,7 +47,9 @@ _FAULT = re.compile(r"(raise|stop)-r(\d+)(?:-l(\d+))?")
 
 
 class RecordingResult(RankResult, frozen=True):
-    logits: dict[str, list[float]] = {}  # request_id -> the first-token logits this rank sampled from
+    logits: dict[
+        str, list[float]
+    ] = {}  # request_id -> the first-token logits this rank sampled from
     last_error: str = ""  # the agreed error of the last failed step, as this rank heard it
     num_free_pages: int = 0  # this rank's free local KV pages after the step
     drain_len: int = 0  # a fake rank-local drain queue, different on every rank (never in a plan)
@@ -94,8 +96,11 @@ class RecordingStep(PrefillRankStep):
                     self._faults.append((match[1], int(match[3] or 0)))
         result = super().execute(step, payload)
         return RecordingResult(
-            **msgspec.structs.asdict(result), logits=self._logits, last_error=self._last_error,
-            num_free_pages=self.worker.runner.page_manager.num_free_pages, drain_len=self._drain(),
+            **msgspec.structs.asdict(result),
+            logits=self._logits,
+            last_error=self._last_error,
+            num_free_pages=self.worker.runner.page_manager.num_free_pages,
+            drain_len=self._drain(),
         )
 
     def _drain(self) -> int:
@@ -108,8 +113,14 @@ class RecordingStep(PrefillRankStep):
 
 def rank_init(**overrides) -> PrefillRankInit:
     values = dict(
-        model=str(TINY_MODEL_DIR), dtype=None, num_pages=512, page_size=PAGE_SIZE,
-        embedding_rows=1024, attention_backend="torch", transfer_backend="shm", kv_backend="shm",
+        model=str(TINY_MODEL_DIR),
+        dtype=None,
+        num_pages=512,
+        page_size=PAGE_SIZE,
+        embedding_rows=1024,
+        attention_backend="torch",
+        transfer_backend="shm",
+        kv_backend="shm",
         transfer_hostname="127.0.0.1",
     )
     values.update(overrides)
@@ -118,9 +129,15 @@ def rank_init(**overrides) -> PrefillRankInit:
 
 def group_config(num_ranks: int, **overrides) -> RankGroupConfig:
     values = dict(
-        name=f"prefill-cp{num_ranks}", devices=("cpu",) * num_ranks, step_timeout_s=60.0,
-        start_timeout_s=START_TIMEOUT_S, collective_timeout_s=20.0, heartbeat_s=0.5,
-        leader_timeout_s=20.0, restart_backoff_s=0.1, stop_grace_s=3.0,
+        name=f"prefill-cp{num_ranks}",
+        devices=("cpu",) * num_ranks,
+        step_timeout_s=60.0,
+        start_timeout_s=START_TIMEOUT_S,
+        collective_timeout_s=20.0,
+        heartbeat_s=0.5,
+        leader_timeout_s=20.0,
+        restart_backoff_s=0.1,
+        stop_grace_s=3.0,
         internal_token=os.environ["STAGESERVE_INTERNAL_TOKEN"],  # tests.conftest sets it
     )
     values.update(overrides)
@@ -156,7 +173,8 @@ async def started_ranks(num_ranks: int, init: PrefillRankInit | None = None, **o
     readiness: list[bool] = []
     with environ(rank_env()):
         group = RankGroup(
-            group_config(num_ranks, **overrides), StepSpec(TARGET, RecordingResult, init or rank_init()),
+            group_config(num_ranks, **overrides),
+            StepSpec(TARGET, RecordingResult, init or rank_init()),
             on_ready_change=readiness.append,
         )
         await group.start()
@@ -187,8 +205,15 @@ class DecodePool:
 
     def __init__(self, model_config, num_pages: int = 1024) -> None:
         text = model_config.text
-        self.pool = KVPool(text.num_hidden_layers, num_pages, PAGE_SIZE, text.num_key_value_heads,
-                           text.head_dim, torch.float32, "cpu")
+        self.pool = KVPool(
+            text.num_hidden_layers,
+            num_pages,
+            PAGE_SIZE,
+            text.num_key_value_heads,
+            text.head_dim,
+            torch.float32,
+            "cpu",
+        )
         self.pages = KVPageManager(num_pages, PAGE_SIZE)
         self.receiver = ShmKVReceiver()
         self.receiver.register(self.pool)
@@ -204,7 +229,9 @@ class DecodePool:
 
     def kv(self, dst, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(num_tokens)
-        slots = torch.tensor(dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        slots = (
+            torch.tensor(dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        )
         k = torch.stack([self.pool.k_slots(layer)[slots] for layer in range(self.pool.num_layers)])
         v = torch.stack([self.pool.v_slots(layer)[slots] for layer in range(self.pool.num_layers)])
         return k, v
@@ -216,15 +243,17 @@ class DecodePool:
         self.receiver.close()
 
 
-def write_rows(descriptions: Sequence[RankDescription], request_id: str, row_start: int,
-               rows: torch.Tensor) -> None:
+def write_rows(
+    descriptions: Sequence[RankDescription], request_id: str, row_start: int, rows: torch.Tensor
+) -> None:
     """Play the encoder: ``rows`` into rows ``[row_start, ...)`` of every rank's buffer."""
     sender = ShmEmbeddingSender()
     try:
         for desc in descriptions:
             whole: EmbeddingDestination = desc.embeddings
             window = msgspec.structs.replace(
-                whole, base_address=whole.base_address + row_start * whole.row_stride_bytes,
+                whole,
+                base_address=whole.base_address + row_start * whole.row_stride_bytes,
                 num_rows=rows.shape[0],
             )
             sender.send_rows(request_id, rows.contiguous(), window, 0, time.monotonic() + 10)
@@ -233,14 +262,20 @@ def write_rows(descriptions: Sequence[RankDescription], request_id: str, row_sta
 
 
 def plan_of(
-    plan_id: int, requests: Sequence[RankRequest], *, block_tokens: int = 1, chunk_tokens: int = 0,
+    plan_id: int,
+    requests: Sequence[RankRequest],
+    *,
+    block_tokens: int = 1,
+    chunk_tokens: int = 0,
     solo_rank: int = SHARDED,
 ) -> RankPlan:
     """One pass with every request, or (``chunk_tokens``, one request) its chunks as passes."""
     if chunk_tokens:
         [request] = requests
         n = request.num_tokens
-        passes = tuple((PassSegment(0, s, min(s + chunk_tokens, n)),) for s in range(0, n, chunk_tokens))
+        passes = tuple(
+            (PassSegment(0, s, min(s + chunk_tokens, n)),) for s in range(0, n, chunk_tokens)
+        )
     else:
         passes = (tuple(PassSegment(i, 0, r.num_tokens) for i, r in enumerate(requests)),)
     return RankPlan(plan_id, tuple(requests), passes, solo_rank, block_tokens)

@@ -28,10 +28,19 @@ def cases(pipeline) -> list:
     return [
         make_case(pipeline, "text", "Write a line about the sea.", [], params),
         make_case(pipeline, "long-text", long_text, [], params),
-        make_case(pipeline, "one-image", "What is in this picture?", [image_bytes(120, 80, seed=1)], params),
         make_case(
-            pipeline, "two-images", "Compare the two.",
-            [image_bytes(64, 200, seed=2), image_bytes(150, 90, seed=3)], params,
+            pipeline,
+            "one-image",
+            "What is in this picture?",
+            [image_bytes(120, 80, seed=1)],
+            params,
+        ),
+        make_case(
+            pipeline,
+            "two-images",
+            "Compare the two.",
+            [image_bytes(64, 200, seed=2), image_bytes(150, 90, seed=3)],
+            params,
         ),
     ]
 
@@ -53,15 +62,22 @@ class Runner:
             embeds = self.pipeline.engine.image_embeddings([request])[0]
             write_rows(self.ranks.descriptions, request.request_id, row_start, embeds.float())
         rank_request = RankRequest(
-            request.request_id, tuple(request.prompt_ids), case.prompt.spans, request.params,
-            dst, time.time() + 60, row_start,
+            request.request_id,
+            tuple(request.prompt_ids),
+            case.prompt.spans,
+            request.params,
+            dst,
+            time.time() + 60,
+            row_start,
         )
         self.num_plans += 1
         results = await self.ranks.run(plan_of(self.num_plans, [rank_request], **plan_kwargs))
         try:
             [(logits, token)] = [
                 (r.logits[request.request_id], o.first_token_id)
-                for r in results for o in r.outcomes if o.first_token_id >= 0
+                for r in results
+                for o in r.outcomes
+                if o.first_token_id >= 0
             ]  # exactly one rank sampled it
             k, v = self.decode.kv(dst, n)
             return torch.tensor(logits), k.clone(), v.clone(), token, results
@@ -90,7 +106,10 @@ def assert_equal_runs(got, want, what: str) -> None:
     logits, k, v, token, _ = got
     ref_logits, ref_k, ref_v, ref_token, _ = want
     assert token == ref_token, what
-    assert (logits - ref_logits).abs().max() <= LOGITS_ATOL, (what, (logits - ref_logits).abs().max())
+    assert (logits - ref_logits).abs().max() <= LOGITS_ATOL, (
+        what,
+        (logits - ref_logits).abs().max(),
+    )
     assert ref_k.abs().amax() > 0
     assert torch.allclose(k, ref_k, atol=KV_ATOL, rtol=0), (what, (k - ref_k).abs().max())
     assert torch.allclose(v, ref_v, atol=KV_ATOL, rtol=0), (what, (v - ref_v).abs().max())
@@ -108,7 +127,9 @@ async def test_one_rank_equals_the_offline_engine(pipeline, reference_runs) -> N
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
-async def test_cp_ranks_equal_one_rank(pipeline, language_model, reference_runs, num_ranks: int) -> None:
+async def test_cp_ranks_equal_one_rank(
+    pipeline, language_model, reference_runs, num_ranks: int
+) -> None:
     decode = DecodePool(language_model.config)
     try:
         async with started_ranks(num_ranks) as ranks:
@@ -117,7 +138,9 @@ async def test_cp_ranks_equal_one_rank(pipeline, language_model, reference_runs,
                 name, n = case.request.request_id, len(case.request.prompt_ids)
                 want = reference_runs[name]
                 for block_tokens in (1, 16):
-                    assert n % (num_ranks * block_tokens) or block_tokens == 1, "lengths must not divide"
+                    assert n % (num_ranks * block_tokens) or block_tokens == 1, (
+                        "lengths must not divide"
+                    )
                     got = await runner.run(case, block_tokens=block_tokens)
                     assert_equal_runs(got, want, f"{name} C={num_ranks} B={block_tokens}")
                     assert sum(bool(r.outcomes) for r in got[4]) == num_ranks  # every rank ran it

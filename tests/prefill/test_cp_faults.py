@@ -41,7 +41,9 @@ async def last_errors(harness) -> list[str]:
     harness.leader.ranks.step = recording
     try:
         case = standard_cases(harness.encoder.pipeline)[0]
-        await harness.prefill(make_case(harness.encoder.pipeline, "probe", "Hi.", [], case.request.params))
+        await harness.prefill(
+            make_case(harness.encoder.pipeline, "probe", "Hi.", [], case.request.params)
+        )
     finally:
         harness.leader.ranks.step = step
     return [r.last_error for r in results]
@@ -52,15 +54,23 @@ async def test_a_rank_raising_mid_forward_fails_the_step_everywhere_and_writes_n
 ) -> None:
     h = await start_harness(pipeline, language_model, prefill_config(devices=("cpu", "cpu")))
     try:
-        case = make_case(pipeline, "raise-r1-l2", "What is in this picture?", [], SamplingParams(temperature=0.0))
+        case = make_case(
+            pipeline, "raise-r1-l2", "What is in this picture?", [], SamplingParams(temperature=0.0)
+        )
         dst = h.decode.reserve(case.request.request_id, len(case.prompt.token_ids))
         with pytest.raises(StageServeError) as caught:
             await h.client.prefill(
-                case.request.request_id, case.prompt, case.request.params, h.decode.kv_ref(dst), time.time() + 30
+                case.request.request_id,
+                case.prompt,
+                case.request.params,
+                h.decode.kv_ref(dst),
+                time.time() + 30,
             )
         text = caught.value.message
         assert "failed on rank 1: RuntimeError: injected failure in layer 2" in text, text
-        assert not h.decode.is_written(dst)  # no rank wrote: the peer stopped at the poisoned gather
+        assert not h.decode.is_written(
+            dst
+        )  # no rank wrote: the peer stopped at the poisoned gather
         assert await last_errors(h) == [text, text]  # the same agreed text on every rank
         h.assert_all_free()
         for case in standard_cases(pipeline)[:2]:  # the group serves on, right
@@ -70,7 +80,9 @@ async def test_a_rank_raising_mid_forward_fails_the_step_everywhere_and_writes_n
         await stop_harness(h)
 
 
-async def test_a_stopped_rank_is_declared_dead_and_the_group_re_forms(pipeline, language_model) -> None:
+async def test_a_stopped_rank_is_declared_dead_and_the_group_re_forms(
+    pipeline, language_model
+) -> None:
     config = prefill_config(devices=("cpu", "cpu"), step_timeout_s=STEP_TIMEOUT_S)
     h = await start_harness(pipeline, language_model, config, step_timeout_s=STEP_TIMEOUT_S)
     try:
@@ -95,7 +107,9 @@ async def test_a_stopped_rank_is_declared_dead_and_the_group_re_forms(pipeline, 
         with pytest.raises(UnavailableError, match="did not finish step"):
             await h.prefill(case)
         assert serving and serving[0][0] is False
-        assert serving[0][1] - sent_at[0] <= STEP_TIMEOUT_S + 1.0  # detected within the deadline + 1 s
+        assert (
+            serving[0][1] - sent_at[0] <= STEP_TIMEOUT_S + 1.0
+        )  # detected within the deadline + 1 s
         assert not h.health.is_serving
         async with asyncio.timeout(120):  # re-formed: new processes, described, SERVING
             while not h.health.is_serving:

@@ -13,8 +13,9 @@ def test_ranks_and_devices_give_one_device_per_rank(monkeypatch) -> None:
 
     assert parse_args([]).devices == ("cpu",)
     assert parse_args(["--ranks", "3"]).devices == ("cpu", "cpu", "cpu")
-    assert parse_args(["--devices", "cuda:0,cuda:1", "--kv-transfer-backend", "cuda_ipc"]).devices == (
-        "cuda:0", "cuda:1")
+    assert parse_args(
+        ["--devices", "cuda:0,cuda:1", "--kv-transfer-backend", "cuda_ipc"]
+    ).devices == ("cuda:0", "cuda:1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     config = parse_args(["--ranks", "2", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"])
     assert config.devices == ("cuda:0", "cuda:1") and config.num_ranks == 2
@@ -26,12 +27,21 @@ def test_ranks_and_devices_give_one_device_per_rank(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--cp-block-tokens", "24"], "--cp-block-tokens 24 must be 1 or a positive multiple of --page-size 16"),
+        (
+            ["--cp-block-tokens", "24"],
+            "--cp-block-tokens 24 must be 1 or a positive multiple of --page-size 16",
+        ),
         (["--cp-block-tokens", "0"], "--cp-block-tokens 0 must be 1 or a positive multiple"),
         (["--cp-block-tokens", "-16"], "--cp-block-tokens -16 must be 1 or a positive multiple"),
-        (["--ranks", "3", "--devices", "cuda:0,cuda:1"], "--ranks 3 does not match the 2 --devices 'cuda:0,cuda:1'"),
+        (
+            ["--ranks", "3", "--devices", "cuda:0,cuda:1"],
+            "--ranks 3 does not match the 2 --devices 'cuda:0,cuda:1'",
+        ),
         (["--ranks", "4", "--device", "cuda"], "--ranks 4 needs 4 GPUs; this host has 0"),
-        (["--ranks", "2", "--device", "cuda:1"], "--ranks 2 with device cuda:1: name each rank's GPU (prefill --devices)"),
+        (
+            ["--ranks", "2", "--device", "cuda:1"],
+            "--ranks 2 with device cuda:1: name each rank's GPU (prefill --devices)",
+        ),
         (["--ranks", "0"], "--ranks must be > 0"),
         (["--cp-min-tokens", "0"], "--cp-min-tokens must be > 0"),
     ],

@@ -24,7 +24,9 @@ SOAK_TIMEOUT_S = 600.0
 
 
 async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model) -> None:
-    h = await start_harness(pipeline, language_model, prefill_config(devices=("cpu", "cpu"), max_batch_tokens=256))
+    h = await start_harness(
+        pipeline, language_model, prefill_config(devices=("cpu", "cpu"), max_batch_tokens=256)
+    )
     steps: list[tuple[bytes, list]] = []
     step = h.leader.ranks.step
 
@@ -38,11 +40,24 @@ async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model)
     rng = random.Random(13)
     greedy = SamplingParams(temperature=0.0)
     shapes = [
-        ("health", lambda i: make_case(pipeline, f"health-{i}", "Hi", [], SamplingParams(max_new_tokens=1))),
-        ("text", lambda i: make_case(pipeline, f"live-{i}", "Say something about boats. " * rng.randint(1, 4),
-                                     [], greedy)),
-        ("image", lambda i: make_case(pipeline, f"img-{i}", "What is it?", [image_bytes(60, 60, seed=i % 3)],
-                                      greedy)),
+        (
+            "health",
+            lambda i: make_case(
+                pipeline, f"health-{i}", "Hi", [], SamplingParams(max_new_tokens=1)
+            ),
+        ),
+        (
+            "text",
+            lambda i: make_case(
+                pipeline, f"live-{i}", "Say something about boats. " * rng.randint(1, 4), [], greedy
+            ),
+        ),
+        (
+            "image",
+            lambda i: make_case(
+                pipeline, f"img-{i}", "What is it?", [image_bytes(60, 60, seed=i % 3)], greedy
+            ),
+        ),
     ]
     outcomes = {"ok": 0, "error": 0, "cancelled": 0}
 
@@ -50,7 +65,10 @@ async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model)
         dst = h.decode.reserve(case.request.request_id, len(case.prompt.token_ids), 0)
         try:
             return await h.client.prefill(
-                case.request.request_id, case.prompt, case.request.params, h.decode.kv_ref(dst),
+                case.request.request_id,
+                case.prompt,
+                case.request.params,
+                h.decode.kv_ref(dst),
                 time.time() + deadline_in_s,
             )
         finally:
@@ -90,9 +108,14 @@ async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model)
     for digest, results in steps:
         assert [r.rank for r in results] == [0, 1]
         for r in results:
-            assert r.digests == (digest, digest)  # all-gathered on the ranks, equal to what was sent
+            assert r.digests == (
+                digest,
+                digest,
+            )  # all-gathered on the ranks, equal to what was sent
         drains.add(tuple(r.drain_len for r in results))
     assert any(a != b for a, b in drains)  # the ranks' local state did differ
-    assert outcomes["ok"] > MIN_STEPS // 2 and outcomes["error"] + outcomes["cancelled"] > 0, outcomes
+    assert outcomes["ok"] > MIN_STEPS // 2 and outcomes["error"] + outcomes["cancelled"] > 0, (
+        outcomes
+    )
     num_pages = prefill_config().num_pages  # every rank freed its local pages after every step
     assert all(r.num_free_pages == num_pages for _, results in steps for r in results)

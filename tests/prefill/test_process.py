@@ -43,9 +43,23 @@ def _read_ready_line(process: subprocess.Popen) -> str:
 
 async def test_ready_health_and_sigterm() -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.prefill", "--port", "0", "--metrics-port", "0",
-         "--num-pages", "64", "--embedding-rows", "256"],  # the default (Mooncake) transfer backend
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "services.prefill",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--num-pages",
+            "64",
+            "--embedding-rows",
+            "256",
+        ],  # the default (Mooncake) transfer backend
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         line = await asyncio.to_thread(_read_ready_line, process)
@@ -57,7 +71,10 @@ async def test_ready_health_and_sigterm() -> None:
             for service in ("", "stageserve.v1.Prefill"):
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            for auth in (None, Credentials("not-the-token")):  # the process requires the session's token
+            for auth in (
+                None,
+                Credentials("not-the-token"),
+            ):  # the process requires the session's token
                 await _check_unauthenticated(f"127.0.0.1:{match.group(1)}", auth)
         finally:
             await channel.close()
@@ -73,7 +90,9 @@ async def _check_unauthenticated(address: str, auth: Credentials | None) -> None
     channel = create_channel(address, auth=auth)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await prefill_pb2_grpc.PrefillStub(channel).Prefill(prefill_pb2.PrefillRequest(), timeout=10)
+            await prefill_pb2_grpc.PrefillStub(channel).Prefill(
+                prefill_pb2.PrefillRequest(), timeout=10
+            )
     finally:
         await channel.close()
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

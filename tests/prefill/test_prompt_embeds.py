@@ -40,13 +40,18 @@ def embeds_of(language_model, token_ids, dtype=torch.float32) -> bytes:
 
 def override_prompt(language_model, case, dtype=torch.float32, name="float32") -> TokenizedPrompt:
     ids = case.prompt.token_ids
-    return TokenizedPrompt((0,) * len(ids), prompt_embeds=embeds_of(language_model, ids, dtype),
-                           prompt_embeds_dtype=name)
+    return TokenizedPrompt(
+        (0,) * len(ids),
+        prompt_embeds=embeds_of(language_model, ids, dtype),
+        prompt_embeds_dtype=name,
+    )
 
 
 async def prefill(h, request_id, prompt, params):
     dst = h.decode.reserve(request_id, len(prompt.token_ids))
-    result = await h.client.prefill(request_id, prompt, params, h.decode.kv_ref(dst), time.time() + 30)
+    result = await h.client.prefill(
+        request_id, prompt, params, h.decode.kv_ref(dst), time.time() + 30
+    )
     return result, dst
 
 
@@ -55,16 +60,27 @@ async def test_prompt_embeds_through_two_cp_ranks(pipeline, language_model) -> N
     try:
         case = standard_cases(pipeline)[0]
         ref = reference(pipeline, case)
-        result, dst = await prefill(h, "embeds", override_prompt(language_model, case), case.request.params)
+        result, dst = await prefill(
+            h, "embeds", override_prompt(language_model, case), case.request.params
+        )
         assert_matches(h, case, result, dst, ref)
         text = case.prompt.token_ids
         bad = {
-            "hidden size 32": TokenizedPrompt((0,) * len(text), prompt_embeds=b"\0" * (len(text) * 32 * 4),
-                                              prompt_embeds_dtype="float32"),
-            "not one of float32": TokenizedPrompt((0,) * len(text), prompt_embeds=b"\0" * (len(text) * 64 * 8),
-                                                  prompt_embeds_dtype="float64"),
+            "hidden size 32": TokenizedPrompt(
+                (0,) * len(text),
+                prompt_embeds=b"\0" * (len(text) * 32 * 4),
+                prompt_embeds_dtype="float32",
+            ),
+            "not one of float32": TokenizedPrompt(
+                (0,) * len(text),
+                prompt_embeds=b"\0" * (len(text) * 64 * 8),
+                prompt_embeds_dtype="float64",
+            ),
             "either prompt_embeds or images": msgspec.structs.replace(
-                standard_cases(pipeline)[1].prompt, prompt_embeds=b"\0" * 4, prompt_embeds_dtype="float32"),
+                standard_cases(pipeline)[1].prompt,
+                prompt_embeds=b"\0" * 4,
+                prompt_embeds_dtype="float32",
+            ),
         }
         for i, (message, prompt) in enumerate(bad.items()):
             with pytest.raises(InvalidRequestError, match=message) as caught:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.common.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from services.common.types import ImageSpanRef
 from services.engine.sampler import SamplingParams
 from services.prefill.request import (
@@ -33,21 +38,34 @@ class Clock:
         return self.now
 
 
-def make_input(request_id: str, num_tokens: int, num_image_tokens: int = 0, deadline: float = 1e9,
-               kind: BatchKind | None = None) -> PrefillInput:
-    spans = (ImageSpanRef(1, num_image_tokens, "h", (1, 2, 2 * num_image_tokens)),) if num_image_tokens else ()
+def make_input(
+    request_id: str,
+    num_tokens: int,
+    num_image_tokens: int = 0,
+    deadline: float = 1e9,
+    kind: BatchKind | None = None,
+) -> PrefillInput:
+    spans = (
+        (ImageSpanRef(1, num_image_tokens, "h", (1, 2, 2 * num_image_tokens)),)
+        if num_image_tokens
+        else ()
+    )
     if kind is None:
         kind = BatchKind.IMAGE if num_image_tokens else BatchKind.TEXT
     dst = KvDestination("inprocess", "s", request_id, LAYOUT, ())
     return PrefillInput(request_id, (1,) * num_tokens, spans, SamplingParams(), dst, deadline, kind)
 
 
-def make_scheduler(num_rows: int = 64, num_pages: int = 32, max_batch_tokens: int = 64, **kwargs) -> PrefillScheduler:
+def make_scheduler(
+    num_rows: int = 64, num_pages: int = 32, max_batch_tokens: int = 64, **kwargs
+) -> PrefillScheduler:
     return PrefillScheduler(EmbeddingRowManager(num_rows), num_pages, 4, max_batch_tokens, **kwargs)
 
 
 def ok_output(plan: PrefillPlan) -> PrefillOutput:
-    return PrefillOutput(plan.plan_id, tuple(RequestOutcome(i, first_token_id=7) for i in plan.request_ids), 0.0)
+    return PrefillOutput(
+        plan.plan_id, tuple(RequestOutcome(i, first_token_id=7) for i in plan.request_ids), 0.0
+    )
 
 
 def test_batch_kind_rule() -> None:
@@ -94,7 +112,11 @@ def test_lifecycle_rows_and_one_plan_in_flight() -> None:
     s.add(make_input("t", 5), {})
     encoding = s.admit()
     assert [e.request_id for e in encoding] == ["a"]
-    assert [s.get(i).status for i in "abt"] == [ReqStatus.ENCODING, ReqStatus.QUEUED, ReqStatus.READY]
+    assert [s.get(i).status for i in "abt"] == [
+        ReqStatus.ENCODING,
+        ReqStatus.QUEUED,
+        ReqStatus.READY,
+    ]
     assert s.get("a").row_start == 0 and s.num_rows_used == 6
     s.finish_encoding("a", num_cached_image_tokens=6)
     plan = s.schedule()
@@ -103,7 +125,10 @@ def test_lifecycle_rows_and_one_plan_in_flight() -> None:
     assert s.schedule() is None  # one plan in flight
     assert s.admit() == []  # b waits for a's rows
     outcomes = s.update_from_output(plan, ok_output(plan))
-    assert [(o.request_id, o.first_token_id, o.num_cached_image_tokens) for o in outcomes] == [("a", 7, 6), ("t", 7, 0)]
+    assert [(o.request_id, o.first_token_id, o.num_cached_image_tokens) for o in outcomes] == [
+        ("a", 7, 6),
+        ("t", 7, 0),
+    ]
     assert s.num_live == 1 and s.num_rows_used == 0
     assert [e.request_id for e in s.admit()] == ["b"]  # rows are free again
 
@@ -222,7 +247,12 @@ def test_a_mixed_stream_of_image_and_override_requests_never_mixes_and_never_sta
     """FCFS across kinds: every plan holds the oldest READY request, so neither kind waits for
     the other to run dry; no plan holds both kinds."""
     s = make_scheduler(num_rows=4096, max_batch_tokens=64)
-    kinds = [BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE, BatchKind.EMBEDDING_OVERRIDE, BatchKind.TEXT] * 6
+    kinds = [
+        BatchKind.IMAGE,
+        BatchKind.EMBEDDING_OVERRIDE,
+        BatchKind.EMBEDDING_OVERRIDE,
+        BatchKind.TEXT,
+    ] * 6
     arrivals = {}
     for i, kind in enumerate(kinds):
         request_id = f"{kind.value}-{i}"
@@ -233,11 +263,16 @@ def test_a_mixed_stream_of_image_and_override_requests_never_mixes_and_never_sta
         s.finish_encoding(entry.request_id)
     num_plans, waited = 0, {}
     while s.num_live:
-        oldest = min((e for e in s._entries.values() if e.status is ReqStatus.READY), key=lambda e: arrivals[e.request_id])
+        oldest = min(
+            (e for e in s._entries.values() if e.status is ReqStatus.READY),
+            key=lambda e: arrivals[e.request_id],
+        )
         plan = s.schedule()
         assert plan is not None and oldest.request_id in plan.request_ids
         kinds_in_plan = {r.request.kind for r in plan.requests}
-        assert not {BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE} <= kinds_in_plan, plan.request_ids
+        assert not {BatchKind.IMAGE, BatchKind.EMBEDDING_OVERRIDE} <= kinds_in_plan, (
+            plan.request_ids
+        )
         for request_id in plan.request_ids:
             waited[request_id] = num_plans
         s.update_from_output(plan, ok_output(plan))

@@ -45,11 +45,15 @@ def assert_matches(harness: Harness, case: Case, result, dst, ref) -> None:
 
 
 def requests_total(outcome: str) -> float:
-    return REGISTRY.get_sample_value("stageserve_prefill_requests_total", {"outcome": outcome}) or 0.0
+    return (
+        REGISTRY.get_sample_value("stageserve_prefill_requests_total", {"outcome": outcome}) or 0.0
+    )
 
 
 @pytest.mark.parametrize("index", [0, 1, 2], ids=["text", "one-image", "two-images"])
-async def test_first_token_and_kv_equal_the_offline_engine(pipeline, harness: Harness, index: int) -> None:
+async def test_first_token_and_kv_equal_the_offline_engine(
+    pipeline, harness: Harness, index: int
+) -> None:
     case = standard_cases(pipeline)[index]
     ref = reference(pipeline, case)
     ok_before = requests_total("ok")
@@ -61,16 +65,26 @@ async def test_first_token_and_kv_equal_the_offline_engine(pipeline, harness: Ha
     harness.assert_all_free()
 
 
-async def test_concurrent_requests_share_a_batch_and_give_identical_results(pipeline, harness: Harness) -> None:
+async def test_concurrent_requests_share_a_batch_and_give_identical_results(
+    pipeline, harness: Harness
+) -> None:
     sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     cases = [
         *standard_cases(pipeline),
         make_case(pipeline, "sampled", "Tell me a story about the wind.", [], sampled),
-        make_case(pipeline, "sampled-image", "Describe the colours.", [image_bytes(90, 90, seed=5)], sampled),
+        make_case(
+            pipeline,
+            "sampled-image",
+            "Describe the colours.",
+            [image_bytes(90, 90, seed=5)],
+            sampled,
+        ),
     ]
     refs = [reference(pipeline, case) for case in cases]
     release, plans = gate_worker(harness)
-    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
+    blocker = asyncio.create_task(
+        harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams()))
+    )
     while not plans:  # the first plan is held in the worker; the others queue up behind it
         await asyncio.sleep(0.01)
     tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
@@ -81,14 +95,20 @@ async def test_concurrent_requests_share_a_batch_and_give_identical_results(pipe
     results = await asyncio.gather(*tasks)
     await blocker
     assert plans[0] == ["first"]
-    assert sorted(plans[1]) == sorted(c.request.request_id for c in cases)  # one batch, text and images
+    assert sorted(plans[1]) == sorted(
+        c.request.request_id for c in cases
+    )  # one batch, text and images
     for case, (result, dst), ref in zip(cases, results, refs, strict=True):
         assert_matches(harness, case, result, dst, ref)
     harness.assert_all_free()
 
 
-@pytest.mark.parametrize(("mode", "error"), [("unavailable", UnavailableError), ("invalid", InvalidRequestError)])
-async def test_encoder_failure_is_an_error_and_frees_everything(pipeline, harness: Harness, mode, error) -> None:
+@pytest.mark.parametrize(
+    ("mode", "error"), [("unavailable", UnavailableError), ("invalid", InvalidRequestError)]
+)
+async def test_encoder_failure_is_an_error_and_frees_everything(
+    pipeline, harness: Harness, mode, error
+) -> None:
     harness.encoder.mode = mode
     case = standard_cases(pipeline)[2]
     with pytest.raises(error):
@@ -101,7 +121,9 @@ async def test_encoder_failure_is_an_error_and_frees_everything(pipeline, harnes
     harness.assert_all_free()
 
 
-async def test_deadline_passing_during_encode_is_deadline_exceeded(pipeline, harness: Harness) -> None:
+async def test_deadline_passing_during_encode_is_deadline_exceeded(
+    pipeline, harness: Harness
+) -> None:
     harness.encoder.mode, harness.encoder.delay_s = "slow", 1.5
     deadline_before = requests_total("deadline_exceeded")
     with pytest.raises(DeadlineExceededError):
@@ -116,7 +138,9 @@ async def test_deadline_passing_during_encode_is_deadline_exceeded(pipeline, har
 
 async def test_deadline_passing_while_queued_behind_a_batch(pipeline, harness: Harness) -> None:
     release, plans = gate_worker(harness)
-    blocker = asyncio.create_task(harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams())))
+    blocker = asyncio.create_task(
+        harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams()))
+    )
     while not plans:
         await asyncio.sleep(0.01)
     with pytest.raises(DeadlineExceededError):
@@ -127,7 +151,9 @@ async def test_deadline_passing_while_queued_behind_a_batch(pipeline, harness: H
     harness.assert_all_free()
 
 
-async def test_kv_transfer_failure_is_unavailable_and_frees_pages(pipeline, harness: Harness) -> None:
+async def test_kv_transfer_failure_is_unavailable_and_frees_pages(
+    pipeline, harness: Harness
+) -> None:
     case = standard_cases(pipeline)[0]
     dst = harness.decode.reserve("text", len(case.prompt.token_ids))
     harness.decode.receiver.close()  # decode's pool is gone
@@ -154,19 +180,30 @@ async def test_bad_requests_are_invalid_argument(pipeline, harness: Harness) -> 
         "token out of vocab": TokenizedPrompt((1, 2, 999_999)),
     }
     for name, prompt in bad_prompts.items():
-        kv_ref = harness.decode.kv_ref(harness.decode.reserve(f"bad-{name}", max(len(prompt.token_ids), 1)))
+        kv_ref = harness.decode.kv_ref(
+            harness.decode.reserve(f"bad-{name}", max(len(prompt.token_ids), 1))
+        )
         with pytest.raises(InvalidRequestError):
-            await harness.client.prefill(f"bad-{name}", prompt, case.request.params, kv_ref, time.time() + 30)
+            await harness.client.prefill(
+                f"bad-{name}", prompt, case.request.params, kv_ref, time.time() + 30
+            )
     text = standard_cases(pipeline)[0]
     n = len(text.prompt.token_ids)
-    short = harness.decode.kv_ref(msgspec.structs.replace(harness.decode.reserve("short", n), page_ids=(0,)))
+    short = harness.decode.kv_ref(
+        msgspec.structs.replace(harness.decode.reserve("short", n), page_ids=(0,))
+    )
     with pytest.raises(InvalidRequestError, match="pages") as info:
-        await harness.client.prefill("short", text.prompt, text.request.params, short, time.time() + 30)
+        await harness.client.prefill(
+            "short", text.prompt, text.request.params, short, time.time() + 30
+        )
     assert info.value.param == "kv_ref"
     with pytest.raises(InvalidRequestError) as info:
         await harness.client.prefill(
-            "hot", text.prompt, SamplingParams(temperature=-1.0),
-            harness.decode.kv_ref(harness.decode.reserve("hot", n)), time.time() + 30,
+            "hot",
+            text.prompt,
+            SamplingParams(temperature=-1.0),
+            harness.decode.kv_ref(harness.decode.reserve("hot", n)),
+            time.time() + 30,
         )
     assert info.value.param == "temperature"
     harness.assert_all_free()
@@ -176,7 +213,13 @@ async def test_first_token_can_finish_the_request(pipeline, harness: Harness) ->
     case = make_case(pipeline, "one", "Hi.", [], SamplingParams(temperature=0.0, max_new_tokens=1))
     result, _ = await harness.prefill(case)
     assert result.finish_reason is FinishReason.LENGTH
-    eos = make_case(pipeline, "eos", "Hi.", [], SamplingParams(temperature=0.0, stop_token_ids=(result.first_token_id,)))
+    eos = make_case(
+        pipeline,
+        "eos",
+        "Hi.",
+        [],
+        SamplingParams(temperature=0.0, stop_token_ids=(result.first_token_id,)),
+    )
     result, _ = await harness.prefill(eos)
     assert result.finish_reason is FinishReason.STOP
 
@@ -194,15 +237,23 @@ async def test_small_token_budget_splits_batches(pipeline, language_model) -> No
         await stop_harness(h)
 
 
-async def test_forward_and_transfer_spans_continue_the_callers_trace(pipeline, harness: Harness) -> None:
+async def test_forward_and_transfer_spans_continue_the_callers_trace(
+    pipeline, harness: Harness
+) -> None:
     exporter = InMemorySpanExporter()
     sdk_provider().add_span_processor(SimpleSpanProcessor(exporter))
     case = standard_cases(pipeline)[1]
     with trace.get_tracer("test").start_as_current_span("router.request") as parent:
         await harness.prefill(case)
     exporter.shutdown()
-    spans = {s.name: s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == "one-image"}
-    request = spans["prefill.request"]  # the call's span, queueing included: the stages are its children
+    spans = {
+        s.name: s
+        for s in exporter.get_finished_spans()
+        if s.attributes.get("request_id") == "one-image"
+    }
+    request = spans[
+        "prefill.request"
+    ]  # the call's span, queueing included: the stages are its children
     assert request.parent.span_id == parent.get_span_context().span_id
     assert request.attributes["gen_ai.usage.input_tokens"] == len(case.prompt.token_ids)
     for name in ("prefill.forward", "kv.transfer"):

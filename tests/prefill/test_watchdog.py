@@ -9,7 +9,13 @@ from prometheus_client import REGISTRY
 
 from services.engine.sampler import SamplingParams
 from tests.conftest import count_progress_checks
-from tests.prefill.conftest import gate_worker, make_case, prefill_config, start_harness, stop_harness
+from tests.prefill.conftest import (
+    gate_worker,
+    make_case,
+    prefill_config,
+    start_harness,
+    stop_harness,
+)
 
 WAIT_S = 30.0
 

@@ -32,7 +32,10 @@ def rows_used() -> float:
 async def test_real_encoder_rows_cache_hits_and_a_killed_rank(pipeline, language_model) -> None:
     with serve_encoder(2) as encoder:
         harness = await start_harness(
-            pipeline, language_model, prefill_config(devices=("cpu", "cpu")), encoder_address=encoder.address
+            pipeline,
+            language_model,
+            prefill_config(devices=("cpu", "cpu")),
+            encoder_address=encoder.address,
         )
         try:
             first, second = image_bytes(120, 80, seed=1), image_bytes(64, 200, seed=2)

@@ -20,7 +20,11 @@ from services.prefill.messages import RankRequest
 from services.prefill.worker import PrefillRankWorker
 from services.transfer.base import CompletedSend, LayerwiseSend, PendingSend, TransferResult
 from services.transfer.embeddings import EmbeddingBuffer
-from services.transfer.inprocess_backend import InProcessFabric, InProcessKVReceiver, InProcessKVSender
+from services.transfer.inprocess_backend import (
+    InProcessFabric,
+    InProcessKVReceiver,
+    InProcessKVSender,
+)
 from tests.prefill.conftest import KV_ATOL, PAGE_SIZE, reference, standard_cases
 from tests.prefill.cp_ranks import plan_of
 
@@ -28,9 +32,20 @@ from tests.prefill.cp_ranks import plan_of
 class CopyingLayerwise(LayerwiseSend):
     """Copies each reported layer's pages into decode's pool right away; records what it was told."""
 
-    def __init__(self, events: list, request_id, src_pool, src_pages, dst, dst_pool, fail_at: int | None) -> None:
-        self.events, self.request_id, self.fail_at = events, request_id, fail_at  # fail_at: raise at that layer
-        self.src_pool, self.src_pages, self.dst_pool, self.dst_pages = src_pool, list(src_pages), dst_pool, dst.page_ids
+    def __init__(
+        self, events: list, request_id, src_pool, src_pages, dst, dst_pool, fail_at: int | None
+    ) -> None:
+        self.events, self.request_id, self.fail_at = (
+            events,
+            request_id,
+            fail_at,
+        )  # fail_at: raise at that layer
+        self.src_pool, self.src_pages, self.dst_pool, self.dst_pages = (
+            src_pool,
+            list(src_pages),
+            dst_pool,
+            dst.page_ids,
+        )
 
     def layer_done(self, layer: int) -> None:
         self.events.append(("layer", self.request_id, layer))
@@ -56,12 +71,21 @@ class Setup:
     def __init__(self, language_model) -> None:
         text = language_model.config.text
         self.fabric = InProcessFabric()
-        self.decode_pool = KVPool(text.num_hidden_layers, 512, PAGE_SIZE, text.num_key_value_heads,
-                                  text.head_dim, torch.float32, "cpu")
+        self.decode_pool = KVPool(
+            text.num_hidden_layers,
+            512,
+            PAGE_SIZE,
+            text.num_key_value_heads,
+            text.head_dim,
+            torch.float32,
+            "cpu",
+        )
         self.receiver = InProcessKVReceiver(self.fabric)
         self.receiver.register(self.decode_pool)
         self.pages = KVPageManager(512, PAGE_SIZE)
-        runner = ModelRunner(language_model, KVCacheConfig(256, PAGE_SIZE), "torch", cuda_graph_batch_sizes=())
+        runner = ModelRunner(
+            language_model, KVCacheConfig(256, PAGE_SIZE), "torch", cuda_graph_batch_sizes=()
+        )
         self.sender = InProcessKVSender(self.fabric)
         self.buffer = EmbeddingBuffer(1024, text.hidden_size, torch.float32)
         self.worker = PrefillRankWorker(runner, self.sender, self.buffer)
@@ -73,15 +97,22 @@ class Setup:
             rows = pipeline.engine.image_embeddings([case.request])[0]
             self.buffer.rows(row_start, rows.shape[0]).copy_(rows)
         return RankRequest(
-            case.request.request_id, case.prompt.token_ids, case.prompt.spans, case.request.params,
-            self.receiver.destination(case.request.request_id, pages), time.time() + 30,
+            case.request.request_id,
+            case.prompt.token_ids,
+            case.prompt.spans,
+            case.request.params,
+            self.receiver.destination(case.request.request_id, pages),
+            time.time() + 30,
             row_start if case.request.spans else -1,
         )
 
     def assert_kv(self, pipeline, case, request: RankRequest) -> None:
         ref, n = reference(pipeline, case), request.num_tokens
         positions = torch.arange(n)
-        slots = torch.tensor(request.kv_dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        slots = (
+            torch.tensor(request.kv_dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE
+            + positions % PAGE_SIZE
+        )
         for layer in range(self.decode_pool.num_layers):
             k, v = self.decode_pool.k_slots(layer)[slots], self.decode_pool.v_slots(layer)[slots]
             assert torch.allclose(k, ref.k[layer], atol=KV_ATOL, rtol=0), request.request_id
@@ -89,7 +120,9 @@ class Setup:
 
     def assert_all_free(self) -> None:
         manager = self.worker.runner.page_manager
-        assert manager.num_free_pages == manager.num_pages and len(self.worker.runner.page_table) == 0
+        assert (
+            manager.num_free_pages == manager.num_pages and len(self.worker.runner.page_table) == 0
+        )
 
 
 def stream_layers(setup: Setup, faults: dict | None = None) -> list:
@@ -105,10 +138,14 @@ def stream_layers(setup: Setup, faults: dict | None = None) -> list:
 
     def start_layerwise(request_id, src_pool, src_pages, dst, deadline):
         events.append(("begin", request_id))
-        return CopyingLayerwise(events, request_id, src_pool, src_pages, dst, setup.decode_pool, faults.get("fail_at"))
+        return CopyingLayerwise(
+            events, request_id, src_pool, src_pages, dst, setup.decode_pool, faults.get("fail_at")
+        )
 
     def start(*args):
-        raise AssertionError("a layer-streaming backend's requests must not be started after the forward")
+        raise AssertionError(
+            "a layer-streaming backend's requests must not be started after the forward"
+        )
 
     sender.streams_layers = True
     sender.start_layerwise, sender.start = start_layerwise, start
@@ -123,25 +160,29 @@ def setup(language_model):
     s.worker.runner.model.__dict__.pop("forward", None)  # the model is the session's
 
 
-def test_each_layer_goes_out_during_the_forward_and_decode_gets_the_offline_kv(pipeline, setup) -> None:
+def test_each_layer_goes_out_during_the_forward_and_decode_gets_the_offline_kv(
+    pipeline, setup
+) -> None:
     events = stream_layers(setup)
     cases = standard_cases(pipeline)
     requests = [setup.request(pipeline, c, 100 * i) for i, c in enumerate(cases)]
     done = setup.worker.execute(plan_of(1, requests, solo_rank=0))
     batch = [r.request_id for r in requests]
-    assert events[:len(batch) + 1] == [("begin", r) for r in batch] + [("forward", None)]
+    assert events[: len(batch) + 1] == [("begin", r) for r in batch] + [("forward", None)]
     layers = [e for e in events if e[0] == "layer"]
     assert layers == [("layer", r, i) for i in range(setup.decode_pool.num_layers) for r in batch]
     end = events.index(("forward done", None))
     assert all(events.index(e) < end for e in layers)
-    assert events[end + 1:] == [("finish", r) for r in batch]
+    assert events[end + 1 :] == [("finish", r) for r in batch]
     assert all(not o.error and o.first_token_id >= 0 for o in done.outcomes)
     for case, request in zip(cases, requests, strict=True):
         setup.assert_kv(pipeline, case, request)
     setup.assert_all_free()
 
 
-def test_a_forward_that_fails_mid_stream_cancels_every_write_and_frees_everything(pipeline, setup) -> None:
+def test_a_forward_that_fails_mid_stream_cancels_every_write_and_frees_everything(
+    pipeline, setup
+) -> None:
     faults = {"fail_at": 1}
     events = stream_layers(setup, faults)
     case = standard_cases(pipeline)[0]
@@ -149,7 +190,12 @@ def test_a_forward_that_fails_mid_stream_cancels_every_write_and_frees_everythin
     with pytest.raises(RuntimeError, match="device fault"):
         setup.worker.execute(plan_of(1, [request], solo_rank=0))
     rid = request.request_id
-    assert [e for e in events if e[1] == rid] == [("begin", rid), ("layer", rid, 0), ("layer", rid, 1), ("cancel", rid)]
+    assert [e for e in events if e[1] == rid] == [
+        ("begin", rid),
+        ("layer", rid, 0),
+        ("layer", rid, 1),
+        ("cancel", rid),
+    ]
     setup.assert_all_free()
     faults.clear()  # the worker still serves: the next request streams and gets the offline KV
     case = standard_cases(pipeline)[1]
@@ -185,7 +231,9 @@ def test_a_batch_starts_every_kv_write_before_awaiting_one(pipeline, setup) -> N
     assert events == [("start", r) for r in batch] + [("wait", r) for r in batch]
     for case, request, outcome in zip(cases, requests, done.outcomes, strict=True):
         if request.request_id == "text":
-            assert outcome.error_type == "UnavailableError" and "the link went down" in outcome.error
+            assert (
+                outcome.error_type == "UnavailableError" and "the link went down" in outcome.error
+            )
         else:
             assert not outcome.error
             setup.assert_kv(pipeline, case, request)

@@ -18,7 +18,14 @@ from services.router.config import LimitsConfig, PolicyName, RouterConfig, Worke
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
 from tests.conftest import INTERNAL_AUTH, TINY_MODEL_DIR
-from tests.router.fakes import FakeDecode, FakePrefill, FakeTokenizer, FakeWorker, Script, start_worker
+from tests.router.fakes import (
+    FakeDecode,
+    FakePrefill,
+    FakeTokenizer,
+    FakeWorker,
+    Script,
+    start_worker,
+)
 
 MODEL_NAME = "tiny-qwen2.5-vl"
 BOUND_S = 30.0  # generous bound on anything that should happen "promptly"
@@ -65,13 +72,19 @@ async def start_cluster(
 
 def router_config(cluster: Cluster, **overrides) -> RouterConfig:
     cfg = RouterConfig(
-        model_dir=TINY_MODEL_DIR, served_model_name=MODEL_NAME, max_context_len=4096,
+        model_dir=TINY_MODEL_DIR,
+        served_model_name=MODEL_NAME,
+        max_context_len=4096,
         workers=WorkerAddresses(
-            tokenizer=(cluster.tokenizer.address,), prefill=tuple(w.address for w in cluster.prefills),
+            tokenizer=(cluster.tokenizer.address,),
+            prefill=tuple(w.address for w in cluster.prefills),
             decode=tuple(w.address for w in cluster.decodes),
         ),
         limits=LimitsConfig(request_timeout_s=BOUND_S, max_image_bytes=64 * 1024),
-        health_interval_s=0.1, health_timeout_s=1.0, policy=PolicyName.ROUND_ROBIN, http_port=0,
+        health_interval_s=0.1,
+        health_timeout_s=1.0,
+        policy=PolicyName.ROUND_ROBIN,
+        http_port=0,
     )
     return replace(cfg, **overrides)
 
@@ -136,5 +149,7 @@ async def router(cluster: Cluster) -> AsyncIterator[RouterApp]:
 @pytest.fixture
 async def http(router: RouterApp) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=router.http_app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as client:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://router", timeout=BOUND_S
+    ) as client:
         yield client

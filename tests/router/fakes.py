@@ -63,7 +63,9 @@ def char_ids(text: str) -> list[int]:
 class Script:
     """What the fake model generates and how the fake workers behave."""
 
-    output_ids: list[int] = field(default_factory=lambda: [*char_ids("Hello there, world!"), EOS_ID])
+    output_ids: list[int] = field(
+        default_factory=lambda: [*char_ids("Hello there, world!"), EOS_ID]
+    )
     chunk_size: int = 2  # tokens per decode message
     chunk_delay_s: float = 0.0  # pause before each decode message
     prefill_delay_s: float = 0.0
@@ -111,8 +113,14 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                     ids.extend(TEXT.encode(part.text))
                     continue
                 digest = f"hash{len(response.images)}"
-                response.image_spans.add(offset=len(ids), length=NUM_IMAGE_TOKENS, content_hash=digest,
-                                         grid_t=1, grid_h=4, grid_w=4)
+                response.image_spans.add(
+                    offset=len(ids),
+                    length=NUM_IMAGE_TOKENS,
+                    content_hash=digest,
+                    grid_t=1,
+                    grid_h=4,
+                    grid_w=4,
+                )
                 response.images.add(content_hash=digest, data=part.image.data)
                 ids.extend([TEXT.image_token_id] * NUM_IMAGE_TOKENS)
         response.token_ids.extend(ids)
@@ -124,13 +132,29 @@ FAKE_KEY = b"fake-internal-token"  # the key the fake decode and prefill share
 
 def _kv_ref(request_id: str, num_pages: int) -> common_pb2.KvRef:
     buffers = [
-        common_pb2.KvBuffer(kind=kind, base_address=4096 * kind, size_bytes=1024, layer_stride_bytes=512,
-                            page_stride_bytes=64, slot_stride_bytes=4)
+        common_pb2.KvBuffer(
+            kind=kind,
+            base_address=4096 * kind,
+            size_bytes=1024,
+            layer_stride_bytes=512,
+            page_stride_bytes=64,
+            slot_stride_bytes=4,
+        )
         for kind in (common_pb2.KV_BUFFER_KIND_K, common_pb2.KV_BUFFER_KIND_V)
     ]
-    return common_pb2.KvRef(request_id=request_id, backend="inprocess", session_id="fake",
-                            page_ids=list(range(num_pages)), page_size=16, num_layers=2, num_kv_heads=1,
-                            head_dim=4, dtype="float32", buffers=buffers, nonce=signing.new_nonce())
+    return common_pb2.KvRef(
+        request_id=request_id,
+        backend="inprocess",
+        session_id="fake",
+        page_ids=list(range(num_pages)),
+        page_size=16,
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        dtype="float32",
+        buffers=buffers,
+        nonce=signing.new_nonce(),
+    )
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServicer):
@@ -139,9 +163,13 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.reserved: dict[str, decode_pb2.ReserveRequest] = {}
         self.aborted: list[str] = []
         self.is_kv_written: dict[str, bool] = {}  # AbortRequest.is_kv_written, by request id
-        self.proofs: dict[str, bytes] = {}  # the kv_written_proof Generate must carry, by request id
+        self.proofs: dict[
+            str, bytes
+        ] = {}  # the kv_written_proof Generate must carry, by request id
         self.generate_started = asyncio.Event()
-        self.server: grpc.aio.Server | None = None  # set by start_worker, stopped by decode_fail_after
+        self.server: grpc.aio.Server | None = (
+            None  # set by start_worker, stopped by decode_fail_after
+        )
         self.stopping: asyncio.Task | None = None
         self.reserve_errors: list[Exception] = []  # raised by the next Reserve calls, one each
         self.hang_reserve = False
@@ -167,12 +195,16 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             raise self.script.reserve_error
         if self.capacity is not None and len(self.holding) >= self.capacity:
             self.num_refused += 1
-            raise CapacityError(f"no pages for {request.request_id}: {len(self.holding)} requests hold them")
+            raise CapacityError(
+                f"no pages for {request.request_id}: {len(self.holding)} requests hold them"
+            )
         self.holding.add(request.request_id)
         self.ended.discard(request.request_id)  # decode forgets an aborted id: it may reserve again
         self.reserved[request.request_id] = request
         kv_ref = _kv_ref(request.request_id, 1 + len(request.prompt_token_ids) // 16)
-        self.proofs[request.request_id] = signing.kv_written_proof(FAKE_KEY, request.request_id, kv_ref.nonce)
+        self.proofs[request.request_id] = signing.kv_written_proof(
+            FAKE_KEY, request.request_id, kv_ref.nonce
+        )
         return decode_pb2.ReserveResponse(kv_ref=kv_ref)
 
     @handle_errors
@@ -185,7 +217,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             async for message in requests:
                 if message.WhichOneof("kind") == "generate":
                     start = message.generate
-                    tasks[start.request_id] = asyncio.create_task(self._serve_generate(start, outbox))
+                    tasks[start.request_id] = asyncio.create_task(
+                        self._serve_generate(start, outbox)
+                    )
                 elif (task := tasks.pop(message.abort.request_id, None)) is not None:
                     task.cancel()  # the caller left this request
 
@@ -205,7 +239,9 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             if reserve is None:
                 raise NotFoundError(f"no reservation for {request_id}")
             if request.kv_written_proof != self.proofs[request_id]:
-                raise InvalidRequestError("kv_written_proof is not prefill's", param="kv_written_proof")
+                raise InvalidRequestError(
+                    "kv_written_proof is not prefill's", param="kv_written_proof"
+                )
             self.generate_started.set()
             await self.release.wait()
             async for message in self._generate(request, reserve):
@@ -229,20 +265,33 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 raise AbortedError(f"{request.request_id} was aborted")
             if self.hang_after is not None and num_messages >= self.hang_after:
                 await asyncio.sleep(HANG_S)
-            if self.script.decode_fail_after is not None and num_messages >= self.script.decode_fail_after:
+            if (
+                self.script.decode_fail_after is not None
+                and num_messages >= self.script.decode_fail_after
+            ):
                 assert self.server is not None
-                self.stopping = asyncio.create_task(self.server.stop(None))  # cancels the stream too
+                self.stopping = asyncio.create_task(
+                    self.server.stop(None)
+                )  # cancels the stream too
                 await asyncio.sleep(3600)
-            chunk = ids[start:start + self.script.chunk_size]
+            chunk = ids[start : start + self.script.chunk_size]
             is_last = start + self.script.chunk_size >= len(ids)
-            message = decode_pb2.DecodeStreamResponse(request_ids=[request.request_id] * len(chunk), token_ids=chunk)
+            message = decode_pb2.DecodeStreamResponse(
+                request_ids=[request.request_id] * len(chunk), token_ids=chunk
+            )
             if is_last:
                 num = 1 + len(ids)
                 end = message.ends.add(request_id=request.request_id)
-                end.finish_reason = (common_pb2.FINISH_REASON_LENGTH if num >= limit
-                                     else common_pb2.FINISH_REASON_STOP)
-                end.usage.CopyFrom(common_pb2.Usage(num_prompt_tokens=len(reserve.prompt_token_ids),
-                                                    num_completion_tokens=num))
+                end.finish_reason = (
+                    common_pb2.FINISH_REASON_LENGTH
+                    if num >= limit
+                    else common_pb2.FINISH_REASON_STOP
+                )
+                end.usage.CopyFrom(
+                    common_pb2.Usage(
+                        num_prompt_tokens=len(reserve.prompt_token_ids), num_completion_tokens=num
+                    )
+                )
             num_messages += 1
             yield message
 
@@ -273,7 +322,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.requests.append(request)
         if self.hang:
             await hang_until_cancelled(self.cancelled, request.request_id)
-        await asyncio.sleep(self.script.prefill_delay_s + (self.first_delay_s if len(self.requests) == 1 else 0.0))
+        await asyncio.sleep(
+            self.script.prefill_delay_s + (self.first_delay_s if len(self.requests) == 1 else 0.0)
+        )
         if self.error is not None:
             raise self.error
         if self.script.prefill_error is not None:
@@ -281,7 +332,9 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         first = self.script.output_ids[0]
         proof = signing.kv_written_proof(FAKE_KEY, request.kv_ref.request_id, request.kv_ref.nonce)
         response = prefill_pb2.PrefillResponse(
-            first_token_id=first, kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS, kv_written_proof=proof
+            first_token_id=first,
+            kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS,
+            kv_written_proof=proof,
         )
         if first == EOS_ID:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
@@ -313,7 +366,9 @@ async def start_worker(servicer: Any, auth: Credentials | None = None) -> FakeWo
     """A served fake; ``auth``: the internal token it requires (None: none)."""
     add, name = _REGISTRARS[type(servicer)]
     health = HealthState()
-    server, port = create_server([(add, servicer)], 0, health=health, service_names=[name], auth=auth)
+    server, port = create_server(
+        [(add, servicer)], 0, health=health, service_names=[name], auth=auth
+    )
     await server.start()
     health.set_serving(True)
     if isinstance(servicer, FakeDecode):

@@ -69,8 +69,9 @@ class FakeStream(httpcore.AsyncNetworkStream):
     async def aclose(self) -> None:
         pass
 
-    async def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                        timeout: float | None = None) -> FakeStream:
+    async def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> FakeStream:
         self.server_hostname = server_hostname  # TLS itself is not faked: the stream stays plain
         return self
 
@@ -86,8 +87,14 @@ class FakeNetwork(httpcore.AsyncNetworkBackend):
         self._peer_override = peer_override  # the peer the socket reports (a transparent proxy)
         self.attempts: list[tuple[str, int]] = []
 
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                          local_address: str | None = None, socket_options: Any = None) -> FakeStream:
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> FakeStream:
         self.attempts.append((host, port))
         serve = self._servers.get(host)
         if serve is None:

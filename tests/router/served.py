@@ -10,7 +10,14 @@ import httpx
 
 from services.router.app import RouterApp
 from services.router.config import FlowConfig
-from tests.router.conftest import BOUND_S, Cluster, router_config, start_cluster, start_router, stop_router
+from tests.router.conftest import (
+    BOUND_S,
+    Cluster,
+    router_config,
+    start_cluster,
+    start_router,
+    stop_router,
+)
 from tests.router.fakes import Script
 
 
@@ -28,13 +35,19 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serve(
-    flow: FlowConfig, script: Script | None = None, num_prefills: int = 1, num_decodes: int = 1, **overrides
+    flow: FlowConfig,
+    script: Script | None = None,
+    num_prefills: int = 1,
+    num_decodes: int = 1,
+    **overrides,
 ) -> AsyncIterator[Served]:
     cluster = await start_cluster(script or Script(), num_prefills, num_decodes)
     app = await start_router(router_config(cluster, flow=flow, **overrides))
     transport = httpx.ASGITransport(app=app.http_app)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as http:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://router", timeout=BOUND_S
+        ) as http:
             yield Served(cluster, app, http)
     finally:
         await stop_router(app)

@@ -14,8 +14,12 @@ from services.router.metrics import RouterMetrics
 from tests.router.conftest import BOUND_S, wait_until
 
 
-def manager(max_running: int, max_queued: int, queue_timeout_s: float = BOUND_S) -> AdmissionManager:
-    return AdmissionManager(max_running, max_queued, queue_timeout_s, RouterMetrics(CollectorRegistry()))
+def manager(
+    max_running: int, max_queued: int, queue_timeout_s: float = BOUND_S
+) -> AdmissionManager:
+    return AdmissionManager(
+        max_running, max_queued, queue_timeout_s, RouterMetrics(CollectorRegistry())
+    )
 
 
 def metric(admission: AdmissionManager, name: str, **labels: str) -> float:
@@ -88,7 +92,9 @@ async def test_slots_then_queue_then_429_at_once(requests_of):
         await extra
     assert info.value.retry_after_s == RETRY_AFTER_S and info.value.http_status == 429
     assert metric(admission, "admission_rejected_total", reason="queue_full") == 1
-    assert metric(admission, "admission_running") == 2 and metric(admission, "admission_queued") == 2
+    assert (
+        metric(admission, "admission_running") == 2 and metric(admission, "admission_queued") == 2
+    )
 
 
 async def test_a_freed_slot_goes_to_the_oldest_waiter(requests_of):
@@ -201,7 +207,9 @@ async def test_a_wait_behind_the_kv_gate_past_the_limit_is_a_kv_capacity_429(req
     await wait_until(lambda: requests.running() == [0])
     refuse(admission, requests.tickets[0])
     [later] = await requests.arrive()  # free slots, but the gate holds it behind request 0
-    await wait_until(lambda: requests.running() == [0])  # request 0 tries again and never hears back
+    await wait_until(
+        lambda: requests.running() == [0]
+    )  # request 0 tries again and never hears back
     with pytest.raises(OverloadedError, match="for KV pages on decode: no free KV pages"):
         await later
     assert metric(admission, "admission_rejected_total", reason="kv_capacity") == 1

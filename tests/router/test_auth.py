@@ -31,7 +31,9 @@ INTERNAL = INTERNAL_AUTH  # what secured_cluster's workers require
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
 UNAUTHORIZED_BODY = {
     "error": {
-        "message": "missing or invalid API key", "type": "invalid_request_error", "param": None,
+        "message": "missing or invalid API key",
+        "type": "invalid_request_error",
+        "param": None,
         "code": "invalid_api_key",
     }
 }
@@ -47,7 +49,9 @@ async def secured_router(secured_cluster: Cluster) -> AsyncIterator[RouterApp]:
 @pytest.fixture
 async def http(secured_router: RouterApp) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=secured_router.http_app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as client:
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://router", timeout=BOUND_S
+    ) as client:
         yield client
 
 
@@ -57,17 +61,29 @@ def bearer(token: str) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, bearer("sk-wrong"), {"Authorization": "sk-test-key"}, {"Authorization": "Basic sk-test-key"},
-     bearer(INTERNAL.token)],  # the internal token is no API key
+    [
+        {},
+        bearer("sk-wrong"),
+        {"Authorization": "sk-test-key"},
+        {"Authorization": "Basic sk-test-key"},
+        bearer(INTERNAL.token),
+    ],  # the internal token is no API key
     ids=["none", "wrong", "no-scheme", "basic", "internal-token"],
 )
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
-     ("GET", "/v1/unknown"), ("GET", "/metrics")],
+    [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/unknown"),
+        ("GET", "/metrics"),
+    ],
 )
 async def test_api_without_the_key_gets_401(http, secured_cluster, headers, method, path) -> None:
-    reply = await http.request(method, path, headers=headers, json=CHAT if method == "POST" else None)
+    reply = await http.request(
+        method, path, headers=headers, json=CHAT if method == "POST" else None
+    )
     assert reply.status_code == 401
     assert reply.json() == UNAUTHORIZED_BODY
     assert reply.headers["www-authenticate"] == "Bearer"
@@ -95,7 +111,8 @@ def generate_request() -> router_pb2.GenerateRequest:
     message = common_pb2.ChatMessage(role="user")
     message.content.add(text="hello")
     return router_pb2.GenerateRequest(
-        request_id="req-1", chat=common_pb2.ChatMessages(messages=[message]),
+        request_id="req-1",
+        chat=common_pb2.ChatMessages(messages=[message]),
         sampling_params=common_pb2.SamplingParams(temperature=0, max_new_tokens=20),
     )
 
@@ -103,13 +120,19 @@ def generate_request() -> router_pb2.GenerateRequest:
 @pytest.mark.parametrize(
     "auth", [None, Credentials("sk-wrong", API_KEY), INTERNAL], ids=["none", "wrong", "internal"]
 )
-async def test_grpc_generate_without_the_key_is_unauthenticated(secured_router, secured_cluster, auth) -> None:
+async def test_grpc_generate_without_the_key_is_unauthenticated(
+    secured_router, secured_cluster, auth
+) -> None:
     channel = create_channel(f"127.0.0.1:{secured_router.grpc_port}", auth=auth)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in router_pb2_grpc.RouterStub(channel).Generate(generate_request(), timeout=BOUND_S):
+            async for _ in router_pb2_grpc.RouterStub(channel).Generate(
+                generate_request(), timeout=BOUND_S
+            ):
                 pass
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=BOUND_S)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=BOUND_S
+        )
     finally:
         await channel.close()
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -121,8 +144,12 @@ async def test_grpc_generate_without_the_key_is_unauthenticated(secured_router, 
 async def test_grpc_generate_with_the_key_streams(secured_router) -> None:
     channel = create_channel(f"127.0.0.1:{secured_router.grpc_port}", auth=API)
     try:
-        responses = [r async for r in router_pb2_grpc.RouterStub(channel).Generate(generate_request(),
-                                                                                   timeout=BOUND_S)]
+        responses = [
+            r
+            async for r in router_pb2_grpc.RouterStub(channel).Generate(
+                generate_request(), timeout=BOUND_S
+            )
+        ]
     finally:
         await channel.close()
     assert "".join(r.text_delta for r in responses)
@@ -133,7 +160,9 @@ async def test_router_without_the_internal_token_is_refused_by_the_workers(secur
     app = await start_router(router_config(secured_cluster))  # no internal token, open API
     try:
         transport = httpx.ASGITransport(app=app.http_app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as http:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://router", timeout=BOUND_S
+        ) as http:
             reply = await http.post("/v1/chat/completions", json=CHAT)
     finally:
         await stop_router(app)
@@ -151,13 +180,16 @@ def test_api_key_flag_defaults_to_the_environment() -> None:
     assert access_of([], token) == RouterAccess(Credentials("t0ken"), None, False)
     from_env = access_of([], {**token, "STAGESERVE_API_KEY": "sk-env"})
     assert from_env.api_key == Credentials("sk-env", API_KEY)
-    from_flag = access_of(["--api-key", "sk-flag", "--enable-reflection"],
-                          {**token, "STAGESERVE_API_KEY": "sk-env"})
+    from_flag = access_of(
+        ["--api-key", "sk-flag", "--enable-reflection"], {**token, "STAGESERVE_API_KEY": "sk-env"}
+    )
     assert from_flag == RouterAccess(Credentials("t0ken"), Credentials("sk-flag", API_KEY), True)
 
 
 def test_router_refuses_an_unusable_key_or_no_internal_token() -> None:
-    with pytest.raises(SystemExit, match="router: error: --api-key / STAGESERVE_API_KEY: .*printable ASCII"):
+    with pytest.raises(
+        SystemExit, match="router: error: --api-key / STAGESERVE_API_KEY: .*printable ASCII"
+    ):
         access_of(["--api-key", "two words"], {"STAGESERVE_INTERNAL_TOKEN": "t0ken"})
     with pytest.raises(SystemExit, match="router: error: no internal token"):
         access_of([], {})

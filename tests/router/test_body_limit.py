@@ -21,8 +21,12 @@ FIFTY_MB = 50 * 1000 * 1000
 def assert_413(status: int, body: bytes, limit: int) -> None:
     assert status == 413, body[:200]
     error = json.loads(body)["error"]
-    assert error == {"message": f"the request body is larger than the limit of {limit} bytes",
-                     "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+    assert error == {
+        "message": f"the request body is larger than the limit of {limit} bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -38,7 +42,9 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 @pytest.fixture
 async def served(cluster):
     cfg = router_config(cluster)
-    app, url = await serve_http(replace(cfg, limits=replace(cfg.limits, max_request_bytes=SMALL_LIMIT)))
+    app, url = await serve_http(
+        replace(cfg, limits=replace(cfg.limits, max_request_bytes=SMALL_LIMIT))
+    )
     try:
         yield url
     finally:
@@ -53,8 +59,10 @@ async def open_raw(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
 async def test_declared_length_over_the_limit_is_refused_before_any_body_byte(served):
     reader, writer = await open_raw(served)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
-                     + f"content-length: {FIFTY_MB}\r\n\r\n".encode())
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+            + f"content-length: {FIFTY_MB}\r\n\r\n".encode()
+        )
         await writer.drain()
         status, body = await read_response(reader)  # not one body byte was sent
         assert_413(status, body, SMALL_LIMIT)
@@ -65,10 +73,14 @@ async def test_declared_length_over_the_limit_is_refused_before_any_body_byte(se
 async def test_chunked_body_is_refused_at_the_first_chunk_over_the_limit(served):
     reader, writer = await open_raw(served)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
         chunk = b"x" * 16 * 1024
-        for _ in range(SMALL_LIMIT // len(chunk) + 1):  # one chunk past the limit, then nothing more
+        for _ in range(
+            SMALL_LIMIT // len(chunk) + 1
+        ):  # one chunk past the limit, then nothing more
             writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
         await writer.drain()
         status, body = await read_response(reader)  # the body never ended
@@ -84,11 +96,14 @@ async def test_an_ordinary_client_gets_the_413_and_the_router_keeps_serving(serv
 
     async def chunks():
         for start in range(0, len(payload), 8192):
-            yield payload[start:start + 8192]
+            yield payload[start : start + 8192]
 
     async with httpx.AsyncClient(base_url=served, timeout=BOUND_S) as http:
-        response = await http.post("/v1/chat/completions", content=chunks() if is_chunked else payload,
-                                   headers={"content-type": "application/json"})
+        response = await http.post(
+            "/v1/chat/completions",
+            content=chunks() if is_chunked else payload,
+            headers={"content-type": "application/json"},
+        )
         assert_413(response.status_code, response.content, SMALL_LIMIT)
         ok = await http.post("/v1/chat/completions", json=CHAT)
         assert ok.status_code == 200, ok.text
@@ -96,14 +111,22 @@ async def test_an_ordinary_client_gets_the_413_and_the_router_keeps_serving(serv
 
 async def test_a_body_at_the_limit_is_served(served):
     text = "a" * 100
-    body = json.dumps({**CHAT, "user": "u" * (SMALL_LIMIT - len(json.dumps({**CHAT, "user": ""})))}).encode()
+    body = json.dumps(
+        {**CHAT, "user": "u" * (SMALL_LIMIT - len(json.dumps({**CHAT, "user": ""})))}
+    ).encode()
     assert len(body) == SMALL_LIMIT
     async with httpx.AsyncClient(base_url=served, timeout=BOUND_S) as http:
-        response = await http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        response = await http.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
         assert response.status_code == 200, response.text
-        over = await http.post("/v1/completions", content=body + b" ", headers={"content-type": "application/json"})
+        over = await http.post(
+            "/v1/completions", content=body + b" ", headers={"content-type": "application/json"}
+        )
         assert over.status_code == 413
-        assert (await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": text})).status_code == 200
+        assert (
+            await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": text})
+        ).status_code == 200
 
 
 @pytest.mark.slow
@@ -114,8 +137,11 @@ async def test_50_mb_body_is_refused_fast_with_the_default_limit(cluster):
     try:
         async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
             started = time.monotonic()
-            response = await http.post("/v1/chat/completions", content=b"x" * FIFTY_MB,
-                                       headers={"content-type": "application/json"})
+            response = await http.post(
+                "/v1/chat/completions",
+                content=b"x" * FIFTY_MB,
+                headers={"content-type": "application/json"},
+            )
             elapsed_s = time.monotonic() - started
         assert_413(response.status_code, response.content, limit)
         assert elapsed_s < BOUND_S  # no hang; the measured time is in the commit message

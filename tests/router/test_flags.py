@@ -28,9 +28,20 @@ def test_the_default_body_limit_follows_max_image_bytes():
 
 
 def test_explicit_values():
-    got = limits("--max-request-bytes", "1234", "--allow-private-image-urls", "--max-image-redirects", "0",
-                 "--image-fetch-timeout-s", "2.5")
-    assert (got.max_request_bytes, got.allow_private_image_urls, got.max_image_redirects) == (1234, True, 0)
+    got = limits(
+        "--max-request-bytes",
+        "1234",
+        "--allow-private-image-urls",
+        "--max-image-redirects",
+        "0",
+        "--image-fetch-timeout-s",
+        "2.5",
+    )
+    assert (got.max_request_bytes, got.allow_private_image_urls, got.max_image_redirects) == (
+        1234,
+        True,
+        0,
+    )
     assert got.image_fetch_timeout_s == 2.5
 
 

@@ -36,7 +36,12 @@ async def test_a_frozen_decode_ends_its_live_stream_within_the_stall_bound():
     tokenizer = await start_worker(FakeTokenizer(script))
     prefill = await start_worker(FakePrefill(script))
     decode = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.router.fakes", "decode", cwd=REPO, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "tests.router.fakes",
+        "decode",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
     )
     app = None
     try:
@@ -46,7 +51,11 @@ async def test_a_frozen_decode_ends_its_live_stream_within_the_stall_bound():
         cfg = replace(cfg, workers=replace(cfg.workers, decode=(f"127.0.0.1:{decode_port}",)))
         app, url = await serve_http(cfg)
         async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}], "stream": True}
+            body = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "go"}],
+                "stream": True,
+            }
             async with http.stream("POST", "/v1/chat/completions", json=body) as stream:
                 lines = stream.aiter_lines()
                 events = [await anext(lines) for _ in range(6)]
@@ -66,7 +75,10 @@ async def test_a_frozen_decode_ends_its_live_stream_within_the_stall_bound():
             await wait_until(lambda: app.registry.is_ready)
             body = {**body, "stream": False, "max_tokens": 3}
             reply = await http.post("/v1/chat/completions", json=body)
-            assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "Hxx"
+            assert (
+                reply.status_code == 200
+                and reply.json()["choices"][0]["message"]["content"] == "Hxx"
+            )
     finally:
         if app is not None:
             await stop_router(app)

@@ -25,9 +25,23 @@ from tests.router.net_fakes import PUBLIC_IP, FakeNetwork, FakeResolver, http_re
 MAX_REQUEST_BYTES = 128 * 1024
 PATHS = ("/v1/chat/completions", "/v1/completions")
 TOKEN_PATHS = ("/tokenize", "/detokenize")
-NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs", "min_tokens",
-                 "best_of", "top_logprobs")
+NUMBER_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "min_tokens",
+    "best_of",
+    "top_logprobs",
+)
 
 HOSTILE_NUMBERS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
@@ -38,27 +52,48 @@ HOSTILE_NUMBERS = st.one_of(
 HOSTILE_CHARS = ["\ud800", "\udfff", "\u2028", "\u2029", "\x85", "\x00", "\ufeff", "\U0010ffff"]
 HOSTILE_TEXT = st.one_of(
     st.text(max_size=24),
-    st.tuples(st.text(max_size=6), st.sampled_from(HOSTILE_CHARS), st.text(max_size=6)).map("".join),
+    st.tuples(st.text(max_size=6), st.sampled_from(HOSTILE_CHARS), st.text(max_size=6)).map(
+        "".join
+    ),
     st.sampled_from(["", "<|im_start|>", "<|image_pad|>", "gpt-4", MODEL_NAME]),
     st.integers(min_value=1, max_value=200_000).map(lambda n: "x" * n),  # some over the body limit
 )
 SCALARS = st.one_of(st.none(), st.booleans(), HOSTILE_NUMBERS, HOSTILE_TEXT)
-HOSTILE = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+HOSTILE = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 DEEP = st.integers(min_value=2, max_value=300).map(lambda depth: _nested(depth))
 
-IMAGE_URLS = st.sampled_from([
-    "data:image/png;base64,iVBORw0KGgo=", "data:image/png;base64,@@@", "data:text/plain;base64,aGk=",
-    "http://169.254.169.254/latest/meta-data/", "http://[::1]:9/", "http://images.test/cat.png",
-    "http://nowhere.test/x", "ftp://x/y", "file:///etc/passwd", "http://", "http://[::ffff:10.0.0.1]/",
-])
+IMAGE_URLS = st.sampled_from(
+    [
+        "data:image/png;base64,iVBORw0KGgo=",
+        "data:image/png;base64,@@@",
+        "data:text/plain;base64,aGk=",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[::1]:9/",
+        "http://images.test/cat.png",
+        "http://nowhere.test/x",
+        "ftp://x/y",
+        "file:///etc/passwd",
+        "http://",
+        "http://[::ffff:10.0.0.1]/",
+    ]
+)
 
 
 @st.composite
-def mutated(draw: st.DrawFn, base: dict[str, Any], values: dict[str, st.SearchStrategy]) -> dict[str, Any]:
+def mutated(
+    draw: st.DrawFn, base: dict[str, Any], values: dict[str, st.SearchStrategy]
+) -> dict[str, Any]:
     """``base`` (valid) with one to three of its keys set to values drawn from ``values``, or dropped."""
     out = dict(base)
-    for name in draw(st.lists(st.sampled_from(sorted(values)), min_size=1, max_size=3, unique=True)):
+    for name in draw(
+        st.lists(st.sampled_from(sorted(values)), min_size=1, max_size=3, unique=True)
+    ):
         if draw(st.integers(0, 9)) == 0:
             out.pop(name, None)
         else:
@@ -67,40 +102,68 @@ def mutated(draw: st.DrawFn, base: dict[str, Any], values: dict[str, st.SearchSt
 
 
 PART = st.one_of(
-    mutated({"type": "text", "text": "hi"}, {"type": st.one_of(st.sampled_from(["image_url", "audio"]), HOSTILE),
-                                             "text": st.one_of(HOSTILE_TEXT, HOSTILE)}),
-    mutated({"type": "image_url", "image_url": {"url": "http://images.test/cat.png"}},
-            {"image_url": st.one_of(st.fixed_dictionaries({"url": IMAGE_URLS}), IMAGE_URLS, HOSTILE)}),
+    mutated(
+        {"type": "text", "text": "hi"},
+        {
+            "type": st.one_of(st.sampled_from(["image_url", "audio"]), HOSTILE),
+            "text": st.one_of(HOSTILE_TEXT, HOSTILE),
+        },
+    ),
+    mutated(
+        {"type": "image_url", "image_url": {"url": "http://images.test/cat.png"}},
+        {"image_url": st.one_of(st.fixed_dictionaries({"url": IMAGE_URLS}), IMAGE_URLS, HOSTILE)},
+    ),
 )
-MESSAGE = mutated({"role": "user", "content": "hi"}, {
-    "role": st.one_of(st.sampled_from(["system", "assistant", "developer", "tool"]), HOSTILE),
-    "content": st.one_of(HOSTILE_TEXT, st.lists(PART, min_size=1, max_size=3), HOSTILE, DEEP),
-    "name": HOSTILE,
-})
+MESSAGE = mutated(
+    {"role": "user", "content": "hi"},
+    {
+        "role": st.one_of(st.sampled_from(["system", "assistant", "developer", "tool"]), HOSTILE),
+        "content": st.one_of(HOSTILE_TEXT, st.lists(PART, min_size=1, max_size=3), HOSTILE, DEEP),
+        "name": HOSTILE,
+    },
+)
 FIELD_VALUES = {
     **dict.fromkeys(NUMBER_FIELDS, st.one_of(HOSTILE_NUMBERS, HOSTILE)),
     "model": st.one_of(st.just(MODEL_NAME), HOSTILE),
     "stop": st.one_of(HOSTILE_TEXT, st.lists(HOSTILE_TEXT, max_size=6), HOSTILE),
     "stream": st.one_of(st.booleans(), HOSTILE),
-    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), HOSTILE)}),
-                                HOSTILE),
+    "stream_options": st.one_of(
+        st.fixed_dictionaries({"include_usage": st.one_of(st.booleans(), HOSTILE)}), HOSTILE
+    ),
     "ignore_eos": st.one_of(st.booleans(), HOSTILE),
     "user": HOSTILE,
     "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), HOSTILE, DEEP),
     "prompt": st.one_of(HOSTILE_TEXT, st.lists(HOSTILE_TEXT, max_size=2), HOSTILE, DEEP),
-    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 3000).map(str), HOSTILE_TEXT),
-                                            st.one_of(HOSTILE_NUMBERS, HOSTILE), max_size=4), HOSTILE),
+    "logit_bias": st.one_of(
+        st.dictionaries(
+            st.one_of(st.integers(-5, 3000).map(str), HOSTILE_TEXT),
+            st.one_of(HOSTILE_NUMBERS, HOSTILE),
+            max_size=4,
+        ),
+        HOSTILE,
+    ),
     "stop_token_ids": st.one_of(st.lists(HOSTILE_NUMBERS, max_size=4), HOSTILE),
     "echo": st.one_of(st.booleans(), HOSTILE),
-    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), HOSTILE),
+    "response_format": st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]), HOSTILE
+    ),
     "tools": HOSTILE,
     "suffix": st.one_of(HOSTILE_TEXT, HOSTILE),
     "unknown_field": HOSTILE,
 }
 TOKENIZE_VALUES = {
-    "prompt": FIELD_VALUES["prompt"], "messages": FIELD_VALUES["messages"], "model": FIELD_VALUES["model"],
-    **{name: st.one_of(st.booleans(), HOSTILE) for name in (
-        "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")},
+    "prompt": FIELD_VALUES["prompt"],
+    "messages": FIELD_VALUES["messages"],
+    "model": FIELD_VALUES["model"],
+    **{
+        name: st.one_of(st.booleans(), HOSTILE)
+        for name in (
+            "add_special_tokens",
+            "add_generation_prompt",
+            "continue_final_message",
+            "return_token_strs",
+        )
+    },
     "tokens": st.one_of(st.lists(HOSTILE_NUMBERS, max_size=8), HOSTILE),
 }
 
@@ -117,7 +180,9 @@ def json_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     """A valid body of either endpoint with one to three fields replaced or dropped."""
     path = draw(st.sampled_from(PATHS))
     base: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 4}
-    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    base.update(
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
     body = draw(mutated(base, FIELD_VALUES))
     return path, json.dumps(body).encode()  # NaN/Infinity literals, surrogates as \ud800 escapes
 
@@ -126,16 +191,24 @@ def json_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
 def text_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     """A valid body with hostile text where text reaches the tokenizer or the stop matcher."""
     text = draw(HOSTILE_TEXT)
-    where = draw(st.sampled_from(["content", "text_part", "prompt", "prompt_list", "stop", "stop_list"]))
+    where = draw(
+        st.sampled_from(["content", "text_part", "prompt", "prompt_list", "stop", "stop_list"])
+    )
     chat = {"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     completion = {"model": MODEL_NAME, "max_tokens": 4, "prompt": "hi"}
     if where == "content":
-        return PATHS[0], json.dumps({**chat, "messages": [{"role": "user", "content": text}]}).encode()
+        return PATHS[0], json.dumps(
+            {**chat, "messages": [{"role": "user", "content": text}]}
+        ).encode()
     if where == "text_part":
         part = {"type": "text", "text": text}
-        return PATHS[0], json.dumps({**chat, "messages": [{"role": "user", "content": [part]}]}).encode()
+        return PATHS[0], json.dumps(
+            {**chat, "messages": [{"role": "user", "content": [part]}]}
+        ).encode()
     if where.startswith("prompt"):
-        return PATHS[1], json.dumps({**completion, "prompt": [text] if where == "prompt_list" else text}).encode()
+        return PATHS[1], json.dumps(
+            {**completion, "prompt": [text] if where == "prompt_list" else text}
+        ).encode()
     path = draw(st.sampled_from(PATHS))
     base = chat if path == PATHS[0] else completion
     return path, json.dumps({**base, "stop": [text] if where == "stop_list" else text}).encode()
@@ -154,12 +227,26 @@ def token_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, json.dumps(draw(mutated(base, TOKENIZE_VALUES))).encode()
 
 
-RAW_BODIES = st.tuples(st.sampled_from(PATHS + TOKEN_PATHS), st.one_of(
-    st.binary(max_size=64),
-    st.integers(min_value=1, max_value=100_000).map(lambda n: b"[" * n),
-    st.integers(min_value=1, max_value=100_000).map(lambda n: b'{"a":' * n),
-    st.sampled_from([b"", b"null", b"[]", b'"x"', b"1e999", b'{"messages": [', b"\xff\xfe", b'{"model": NaN}']),
-))
+RAW_BODIES = st.tuples(
+    st.sampled_from(PATHS + TOKEN_PATHS),
+    st.one_of(
+        st.binary(max_size=64),
+        st.integers(min_value=1, max_value=100_000).map(lambda n: b"[" * n),
+        st.integers(min_value=1, max_value=100_000).map(lambda n: b'{"a":' * n),
+        st.sampled_from(
+            [
+                b"",
+                b"null",
+                b"[]",
+                b'"x"',
+                b"1e999",
+                b'{"messages": [',
+                b"\xff\xfe",
+                b'{"model": NaN}',
+            ]
+        ),
+    ),
+)
 
 
 @pytest.fixture
@@ -171,7 +258,9 @@ async def fuzz_http(cluster):
     app = await start_router(cfg, ImageLoader.from_limits(cfg.limits, backend))
     transport = httpx.ASGITransport(app=app.http_app)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=BOUND_S) as client:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://router", timeout=BOUND_S
+        ) as client:
             yield client
     finally:
         await stop_router(app)
@@ -183,7 +272,11 @@ def assert_well_formed(response: httpx.Response) -> None:
     if response.status_code != 200:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
-        assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+        assert (
+            isinstance(error["message"], str)
+            and error["message"]
+            and isinstance(error["type"], str)
+        )
         return
     if response.headers["content-type"].startswith("text/event-stream"):
         lines = [line for line in response.text.splitlines() if line]
@@ -197,8 +290,16 @@ def assert_well_formed(response: httpx.Response) -> None:
 
 
 FUZZ_SETTINGS = settings(
-    max_examples=800, derandomize=True, database=None, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    max_examples=800,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
 )
 
 
@@ -207,15 +308,29 @@ FUZZ_SETTINGS = settings(
 @given(request=st.one_of(json_bodies(), text_bodies(), token_bodies(), RAW_BODIES))
 async def test_fuzzed_bodies_never_get_a_5xx(fuzz_http, request):
     path, body = request
-    response = await fuzz_http.post(path, content=body, headers={"content-type": "application/json"})
+    response = await fuzz_http.post(
+        path, content=body, headers={"content-type": "application/json"}
+    )
     assert_well_formed(response)
 
 
 @pytest.mark.slow
 @settings(FUZZ_SETTINGS, max_examples=60)
-@given(method=st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]),
-       path=st.sampled_from([*PATHS, *TOKEN_PATHS, "/v1/models", "/health", "/nope", "/v1/models/x",
-                             "/openapi.json", "/version"]))
+@given(
+    method=st.sampled_from(["GET", "PUT", "DELETE", "PATCH"]),
+    path=st.sampled_from(
+        [
+            *PATHS,
+            *TOKEN_PATHS,
+            "/v1/models",
+            "/health",
+            "/nope",
+            "/v1/models/x",
+            "/openapi.json",
+            "/version",
+        ]
+    ),
+)
 async def test_fuzzed_methods_and_paths_never_get_a_5xx(fuzz_http, method, path):
     response = await fuzz_http.request(method, path)
     assert response.status_code < 500

@@ -10,14 +10,22 @@ import pytest
 
 from services.common.errors import UnavailableError
 from services.router.health_generate import HEALTH_ID_PREFIX
-from tests.router.conftest import router_config, start_cluster, start_router, stop_router, wait_until
+from tests.router.conftest import (
+    router_config,
+    start_cluster,
+    start_router,
+    stop_router,
+    wait_until,
+)
 from tests.router.fakes import Script
 
 INTERVAL_S = 0.3
 
 
 def health_ids(worker) -> list[str]:
-    return [r.request_id for r in worker.servicer.requests if r.request_id.startswith(HEALTH_ID_PREFIX)]
+    return [
+        r.request_id for r in worker.servicer.requests if r.request_id.startswith(HEALTH_ID_PREFIX)
+    ]
 
 
 @pytest.fixture
@@ -29,10 +37,13 @@ async def two_prefills():
 
 async def test_an_idle_worker_runs_a_generate_pinned_to_it(two_prefills) -> None:
     cluster = two_prefills
-    app = await start_router(router_config(cluster, health_generate_interval_s=INTERVAL_S,
-                                           health_generate_timeout_s=5.0))
+    app = await start_router(
+        router_config(cluster, health_generate_interval_s=INTERVAL_S, health_generate_timeout_s=5.0)
+    )
     try:
-        await wait_until(lambda: all(health_ids(p) for p in cluster.prefills))  # each prefill its own
+        await wait_until(
+            lambda: all(health_ids(p) for p in cluster.prefills)
+        )  # each prefill its own
         assert health_ids(cluster.tokenizer) and cluster.decode.reserved
         assert all(w.is_ready for w in app.registry.workers())
     finally:
@@ -41,8 +52,9 @@ async def test_an_idle_worker_runs_a_generate_pinned_to_it(two_prefills) -> None
 
 async def test_live_traffic_counts_instead(two_prefills) -> None:
     cluster = two_prefills
-    app = await start_router(router_config(cluster, health_generate_interval_s=INTERVAL_S,
-                                           health_generate_timeout_s=5.0))
+    app = await start_router(
+        router_config(cluster, health_generate_interval_s=INTERVAL_S, health_generate_timeout_s=5.0)
+    )
     try:
         for _ in range(12):  # requests complete on every worker more often than the interval
             reply = await _complete(app)
@@ -57,8 +69,9 @@ async def test_a_failing_generate_ejects_the_worker_until_one_passes(two_prefill
     cluster = two_prefills
     broken = cluster.prefills[1]
     broken.servicer.error = UnavailableError("fake prefill: its ranks are wedged")
-    app = await start_router(router_config(cluster, health_generate_interval_s=INTERVAL_S,
-                                           health_generate_timeout_s=1.0))
+    app = await start_router(
+        router_config(cluster, health_generate_interval_s=INTERVAL_S, health_generate_timeout_s=1.0)
+    )
     try:
         worker = next(w for w in app.registry.workers() if w.address == broken.address)
         await wait_until(lambda: bool(worker.generate_error))
@@ -66,7 +79,11 @@ async def test_a_failing_generate_ejects_the_worker_until_one_passes(two_prefill
         before = len(broken.servicer.requests)
         for _ in range(4):  # live requests go to the healthy prefill only
             assert await _complete(app)
-        assert [r for r in broken.servicer.requests[before:] if not r.request_id.startswith(HEALTH_ID_PREFIX)] == []
+        assert [
+            r
+            for r in broken.servicer.requests[before:]
+            if not r.request_id.startswith(HEALTH_ID_PREFIX)
+        ] == []
         broken.servicer.error = None
         await wait_until(lambda: worker.is_ready)  # the next generate passes: readmitted
         broken.servicer.hang = True  # a generate that times out ejects as well
@@ -80,7 +97,9 @@ async def test_a_failing_generate_ejects_the_worker_until_one_passes(two_prefill
 async def _complete(app) -> bool:
     from services.router.types import GenerationRequest
 
-    request = GenerationRequest(f"live-{id(app)}-{asyncio.get_running_loop().time()}", prompt="hi", max_tokens=3)
+    request = GenerationRequest(
+        f"live-{id(app)}-{asyncio.get_running_loop().time()}", prompt="hi", max_tokens=3
+    )
     last = None
     async for delta in app.pipeline.stream(request):
         last = delta
@@ -93,8 +112,11 @@ def test_flags() -> None:
     base = ["--tokenizer-address", "a:1", "--prefill-address", "b:1", "--decode-address", "c:1"]
     cfg = config_from_args(build_parser().parse_args(base))
     assert (cfg.health_generate_interval_s, cfg.health_generate_timeout_s) == (30.0, 30.0)
-    cfg = config_from_args(build_parser().parse_args(
-        [*base, "--health-generate-interval-s", "0", "--health-generate-timeout-s", "5"]))
+    cfg = config_from_args(
+        build_parser().parse_args(
+            [*base, "--health-generate-interval-s", "0", "--health-generate-timeout-s", "5"]
+        )
+    )
     assert (cfg.health_generate_interval_s, cfg.health_generate_timeout_s) == (0.0, 5.0)
     for argv in (["--health-generate-interval-s", "-1"], ["--health-generate-timeout-s", "0"]):
         with pytest.raises(SystemExit):

@@ -54,7 +54,8 @@ def serve_images(path: str) -> bytes:
         "/no-location": http_response(302),
         "/missing": http_response(404),
         "/huge-declared": http_response(200, b"x" * 10, [("x-pad", "y")]).replace(
-            b"content-length: 10", b"content-length: 999999999"),
+            b"content-length: 10", b"content-length: 999999999"
+        ),
         "/huge": http_response(200, b"x" * 5000),
         "/not-http": b"SSH-2.0-OpenSSH_9.6\r\n",
         "/closed": b"",
@@ -62,16 +63,25 @@ def serve_images(path: str) -> bytes:
     return routes.get(path, http_response(404))
 
 
-def make_fetcher(network: FakeNetwork, *, allow_private: bool = False, max_redirects: int = 3,
-                 resolver: FakeResolver | None = None) -> ImageFetcher:
-    backend = GuardedBackend(allow_private, resolver or FakeResolver(dict(RESOLVER_ANSWERS)), network)
+def make_fetcher(
+    network: FakeNetwork,
+    *,
+    allow_private: bool = False,
+    max_redirects: int = 3,
+    resolver: FakeResolver | None = None,
+) -> ImageFetcher:
+    backend = GuardedBackend(
+        allow_private, resolver or FakeResolver(dict(RESOLVER_ANSWERS)), network
+    )
     return ImageFetcher(backend, max_image_bytes=4096, timeout_s=5.0, max_redirects=max_redirects)
 
 
 @pytest.fixture
 def network() -> FakeNetwork:
-    servers = {ip: serve_images for ip in (PUBLIC_IP, OTHER_PUBLIC_IP, "127.0.0.1", "169.254.169.254",
-                                            "10.0.0.1", "::1")}
+    servers = {
+        ip: serve_images
+        for ip in (PUBLIC_IP, OTHER_PUBLIC_IP, "127.0.0.1", "169.254.169.254", "10.0.0.1", "::1")
+    }
     return FakeNetwork(servers)
 
 
@@ -102,9 +112,17 @@ async def test_non_public_literals_are_refused_without_a_connection(network, url
     assert network.attempts == []
 
 
-@pytest.mark.parametrize("url", ["http://evil.test/x.png", "http://metadata.test/", "http://v6loop.test/",
-                                 "http://2130706433/x.png", "http://images.test/to-metadata",
-                                 "http://images.test/to-evil"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://evil.test/x.png",
+        "http://metadata.test/",
+        "http://v6loop.test/",
+        "http://2130706433/x.png",
+        "http://images.test/to-metadata",
+        "http://images.test/to-evil",
+    ],
+)
 async def test_names_and_redirects_to_non_public_addresses_never_connect_there(network, url):
     with pytest.raises(InvalidRequestError) as info:
         await fetch(make_fetcher(network), url)
@@ -121,7 +139,9 @@ async def test_dns_rebinding_is_checked_at_every_connection(network):
     resolver = FakeResolver({"rebind.test": [[PUBLIC_IP], ["127.0.0.1"]]})
     fetcher = make_fetcher(network, resolver=resolver)
     try:
-        assert await fetcher.fetch("http://rebind.test/cat.png", PARAM) == PNG  # first answer: public
+        assert (
+            await fetcher.fetch("http://rebind.test/cat.png", PARAM) == PNG
+        )  # first answer: public
         with pytest.raises(InvalidRequestError, match=UNREACHABLE):
             await fetcher.fetch("http://rebind.test/cat.png", PARAM)  # the name now points inside
     finally:
@@ -165,8 +185,15 @@ async def test_bad_answers(network, path, message):
         await fetch(make_fetcher(network), f"http://images.test{path}")
 
 
-@pytest.mark.parametrize("url", ["http://images.test/not-http", "http://images.test/closed",
-                                 "http://nowhere.test/x.png", "http://cdn.test:81/x.png"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://images.test/not-http",
+        "http://images.test/closed",
+        "http://nowhere.test/x.png",
+        "http://cdn.test:81/x.png",
+    ],
+)
 async def test_connection_failures_share_one_message(url):
     network = FakeNetwork({PUBLIC_IP: serve_images})  # cdn.test has no server: refused
     with pytest.raises(InvalidRequestError) as info:
@@ -183,13 +210,31 @@ async def test_private_addresses_can_be_allowed(network):
 @pytest.mark.parametrize(
     ("address", "is_public"),
     [
-        ("93.184.216.34", True), ("2606:4700::1111", True), ("::ffff:8.8.8.8", True),
-        ("10.0.0.1", False), ("172.16.0.1", False), ("192.168.1.1", False), ("127.0.0.1", False),
-        ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
-        ("240.0.0.1", False), ("255.255.255.255", False), ("::1", False), ("::", False), ("fe80::1", False),
-        ("fc00::1", False), ("fec0::1", False), ("ff02::1", False), ("::ffff:127.0.0.1", False),
-        ("::ffff:169.254.169.254", False), ("64:ff9b::a9fe:a9fe", False), ("2002:a9fe:a9fe::1", False),
-        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False), ("::7f00:1", False),
+        ("93.184.216.34", True),
+        ("2606:4700::1111", True),
+        ("::ffff:8.8.8.8", True),
+        ("10.0.0.1", False),
+        ("172.16.0.1", False),
+        ("192.168.1.1", False),
+        ("127.0.0.1", False),
+        ("169.254.169.254", False),
+        ("100.64.0.1", False),
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("240.0.0.1", False),
+        ("255.255.255.255", False),
+        ("::1", False),
+        ("::", False),
+        ("fe80::1", False),
+        ("fc00::1", False),
+        ("fec0::1", False),
+        ("ff02::1", False),
+        ("::ffff:127.0.0.1", False),
+        ("::ffff:169.254.169.254", False),
+        ("64:ff9b::a9fe:a9fe", False),
+        ("2002:a9fe:a9fe::1", False),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", False),
+        ("::7f00:1", False),
     ],
 )
 def test_is_public_address(address, is_public):
@@ -216,7 +261,9 @@ async def test_a_dripping_server_is_cut_at_the_total_deadline():
 
     server = await asyncio.start_server(drip, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    limits = LimitsConfig(max_image_bytes=4096, image_fetch_timeout_s=1.5, allow_private_image_urls=True)
+    limits = LimitsConfig(
+        max_image_bytes=4096, image_fetch_timeout_s=1.5, allow_private_image_urls=True
+    )
     loader = ImageLoader.from_limits(limits)  # the real resolver and sockets, loopback allowed
     started = time.monotonic()
     try:
@@ -229,4 +276,6 @@ async def test_a_dripping_server_is_cut_at_the_total_deadline():
         await server.wait_closed()
     assert info.value.message == UNREACHABLE
     assert len(sent) >= 3  # the server kept sending: no read ever waited 1.5 s
-    assert elapsed_s < 15.0  # cut at the 1.5 s bound, not after 1000 bytes x 0.3 s (a generous no-hang bound)
+    assert (
+        elapsed_s < 15.0
+    )  # cut at the 1.5 s bound, not after 1000 bytes x 0.3 s (a generous no-hang bound)

@@ -23,8 +23,12 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self.path == "/slow.png":
             time.sleep(3)
-        body = {"/ok.png": PNG, "/slow.png": PNG, "/big.png": b"\x89PNG" + bytes(64 * 1024),
-                "/text.png": b"hello"}.get(self.path)
+        body = {
+            "/ok.png": PNG,
+            "/slow.png": PNG,
+            "/big.png": b"\x89PNG" + bytes(64 * 1024),
+            "/text.png": b"hello",
+        }.get(self.path)
         if body is None:
             self.send_response(404)
             self.end_headers()
@@ -47,8 +51,11 @@ def base_url():
 
 
 def loader_for_loopback(fetch_timeout_s: float) -> ImageLoader:
-    limits = LimitsConfig(max_image_bytes=32 * 1024, image_fetch_timeout_s=fetch_timeout_s,
-                          allow_private_image_urls=True)
+    limits = LimitsConfig(
+        max_image_bytes=32 * 1024,
+        image_fetch_timeout_s=fetch_timeout_s,
+        allow_private_image_urls=True,
+    )
     return ImageLoader.from_limits(limits)
 
 

@@ -44,10 +44,26 @@ async def read_ready(process: asyncio.subprocess.Process, name: str) -> dict[str
 async def test_router_process_ready_health_and_sigterm(secured_cluster):
     cluster = secured_cluster  # requires the internal token the router process inherits
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.router", "--port", "0", "--http-port", "0", "--metrics-port", "0",
-        "--tokenizer-address", cluster.tokenizer.address, "--prefill-address", cluster.prefills[0].address,
-        "--decode-address", cluster.decodes[0].address, "--health-interval-s", "0.2",
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, env={**os.environ, "STAGESERVE_API_KEY": "sk-process"},
+        sys.executable,
+        "-m",
+        "services.router",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--tokenizer-address",
+        cluster.tokenizer.address,
+        "--prefill-address",
+        cluster.prefills[0].address,
+        "--decode-address",
+        cluster.decodes[0].address,
+        "--health-interval-s",
+        "0.2",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "STAGESERVE_API_KEY": "sk-process"},
     )
     try:
         ready = await read_ready(process, "router")
@@ -57,14 +73,22 @@ async def test_router_process_ready_health_and_sigterm(secured_cluster):
             await wait_ready(channel, BOUND_S)
         finally:
             await channel.close()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{ready['http_port']}", timeout=BOUND_S) as http:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{ready['http_port']}", timeout=BOUND_S
+        ) as http:
             assert (await http.get("/health")).status_code == 200  # open without the key
-            chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+            chat = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 5,
+            }
             assert (await http.post("/v1/chat/completions", json=chat)).status_code == 401
             key = {"authorization": "Bearer sk-process"}  # from STAGESERVE_API_KEY
             reply = await http.post("/v1/chat/completions", json=chat, headers=key)
             assert reply.json()["choices"][0]["message"]["content"] == "Hello"
-            assert (await http.get("/metrics", headers=key)).status_code == 404  # not on the API port
+            assert (
+                await http.get("/metrics", headers=key)
+            ).status_code == 404  # not on the API port
             metrics = (await http.get(f"http://127.0.0.1:{ready['metrics_port']}/metrics")).text
             assert "stageserve_router_requests_total" in metrics
         process.send_signal(signal.SIGTERM)
@@ -81,16 +105,27 @@ async def test_killed_decode_process_fails_the_stream_and_is_ejected():
     tokenizer = await start_worker(FakeTokenizer(script))
     prefill = await start_worker(FakePrefill(script))
     decode = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.router.fakes", "decode", cwd=REPO, stdout=asyncio.subprocess.PIPE
+        sys.executable,
+        "-m",
+        "tests.router.fakes",
+        "decode",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
     )
     app = None
     try:
         decode_port = (await read_ready(decode, "decode"))["port"]
         cfg = router_config(Cluster(script, tokenizer, [prefill], []))
         cfg = replace(cfg, workers=replace(cfg.workers, decode=(f"127.0.0.1:{decode_port}",)))
-        app, url = await serve_http(cfg)  # a real server: ASGITransport would buffer the whole stream
+        app, url = await serve_http(
+            cfg
+        )  # a real server: ASGITransport would buffer the whole stream
         async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "go"}], "stream": True}
+            body = {
+                "model": MODEL_NAME,
+                "messages": [{"role": "user", "content": "go"}],
+                "stream": True,
+            }
             async with http.stream("POST", "/v1/chat/completions", json=body) as stream:
                 lines = stream.aiter_lines()
                 events = [await anext(lines) for _ in range(6)]
@@ -98,7 +133,7 @@ async def test_killed_decode_process_fails_the_stream_and_is_ejected():
                 async with asyncio.timeout(BOUND_S):
                     events += [line async for line in lines]
             events = [e for e in events if e]
-            errors = [json.loads(e[6:])["error"] for e in events if e.startswith("data: {\"error\"")]
+            errors = [json.loads(e[6:])["error"] for e in events if e.startswith('data: {"error"')]
             assert [e["type"] for e in errors] == ["service_unavailable"]
             assert events[-1] == "data: [DONE]"
             await wait_until(lambda: not app.registry.is_ready)

@@ -26,7 +26,11 @@ REFUSED = [
     (CHAT_PATH, "top_logprobs", 0),
     (CHAT_PATH, "top_logprobs", 3),
     (CHAT_PATH, "response_format", {"type": "json_object"}),
-    (CHAT_PATH, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    (
+        CHAT_PATH,
+        "response_format",
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    ),
     (CHAT_PATH, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     (CHAT_PATH, "tools", []),
     (CHAT_PATH, "tool_choice", "required"),
@@ -55,15 +59,47 @@ REFUSED = [
 
 # Values that ask for exactly what the server does: accepted.
 HONOURED = [
-    (CHAT_PATH, {"n": 1, "logprobs": False, "response_format": {"type": "text"}, "tool_choice": "none",
-                 "store": False, "modalities": ["text"], "service_tier": "auto", "user": "u-1",
-                 "safety_identifier": "s-1", "top_logprobs": None, "tools": None}),
-    (COMPLETIONS_PATH, {"n": 1, "best_of": 1, "suffix": "", "logprobs": None, "echo": False,
-                        "service_tier": "default", "user": "u-2"}),
+    (
+        CHAT_PATH,
+        {
+            "n": 1,
+            "logprobs": False,
+            "response_format": {"type": "text"},
+            "tool_choice": "none",
+            "store": False,
+            "modalities": ["text"],
+            "service_tier": "auto",
+            "user": "u-1",
+            "safety_identifier": "s-1",
+            "top_logprobs": None,
+            "tools": None,
+        },
+    ),
+    (
+        COMPLETIONS_PATH,
+        {
+            "n": 1,
+            "best_of": 1,
+            "suffix": "",
+            "logprobs": None,
+            "echo": False,
+            "service_tier": "default",
+            "user": "u-2",
+        },
+    ),
     # vLLM's and SGLang's benchmark clients send these.
-    (COMPLETIONS_PATH, {"repetition_penalty": 1.0, "logprobs": None, "stream": True,
-                        "stream_options": {"include_usage": True}, "ignore_eos": True, "best_of": 1,
-                        "temperature": 0.0}),
+    (
+        COMPLETIONS_PATH,
+        {
+            "repetition_penalty": 1.0,
+            "logprobs": None,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "best_of": 1,
+            "temperature": 0.0,
+        },
+    ),
 ]
 
 
@@ -96,15 +132,42 @@ UNKNOWN = [
     ({**CHAT, "guided_json": {}}, "guided_json"),
     ({**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({**CHAT, "echo": True}, "echo"),  # completions only
-    ({**CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
-    ({**CHAT, "messages": [{"role": "assistant", "content": "hi", "tool_calls": []}]},
-     "messages[0].tool_calls"),
-    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]},
-     "messages[0].content[0].cache"),
-    ({**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "size": 1}}]}]},
-     "messages[0].content[0].image_url.size"),
+    (
+        {
+            **CHAT,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+        "stream_options.continuous_usage_stats",
+    ),
+    (
+        {**CHAT, "messages": [{"role": "assistant", "content": "hi", "tool_calls": []}]},
+        "messages[0].tool_calls",
+    ),
+    (
+        {
+            **CHAT,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}],
+        },
+        "messages[0].content[0].cache",
+    ),
+    (
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": "data:image/png;base64,AA", "size": 1},
+                        }
+                    ],
+                }
+            ],
+        },
+        "messages[0].content[0].image_url.size",
+    ),
 ]
 
 
@@ -116,22 +179,70 @@ async def test_unknown_fields_are_refused_not_ignored(http, cluster, body, param
 
 
 async def test_unknown_completion_field_is_refused(http):
-    await assert_400(http, COMPLETIONS_PATH, {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs")
+    await assert_400(
+        http, COMPLETIONS_PATH, {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs"
+    )
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({**CHAT, "messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
-    ({**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA", "detail": "low"}}]}]},
-     "messages[0].content[0].image_url.detail"),
-    ({**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a", "image_url": "data:image/png;base64,AA"}]}]},
-     "messages[0].content[0].image_url"),
-    ({**CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": "data:image/png;base64,AA", "text": "a"}]}]},
-     "messages[0].content[0].text"),
-    ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {**CHAT, "messages": [{"role": "user", "content": "hi", "name": "bob"}]},
+            "messages[0].name",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": "data:image/png;base64,AA", "detail": "low"},
+                            }
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].image_url.detail",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "a", "image_url": "data:image/png;base64,AA"}
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].image_url",
+        ),
+        (
+            {
+                **CHAT,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": "data:image/png;base64,AA",
+                                "text": "a",
+                            }
+                        ],
+                    }
+                ],
+            },
+            "messages[0].content[0].text",
+        ),
+        ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+    ],
+)
 async def test_message_fields_with_no_effect_here_are_refused(http, cluster, body, param):
     await assert_400(http, CHAT_PATH, body, param)
 
@@ -149,21 +260,37 @@ async def test_stream_options_without_stream_is_a_400(http, path, stream):
 
 
 async def test_logit_bias_min_tokens_and_stop_token_ids_reach_prefill_and_decode(http, cluster):
-    body = {**CHAT, "max_tokens": 9, "logit_bias": {"7": 100, "0012": -100, "2047": 0.5},
-            "min_tokens": 3, "stop_token_ids": [11, 12]}
+    body = {
+        **CHAT,
+        "max_tokens": 9,
+        "logit_bias": {"7": 100, "0012": -100, "2047": 0.5},
+        "min_tokens": 3,
+        "stop_token_ids": [11, 12],
+    }
     response = await http.post(CHAT_PATH, json=body)
     assert response.status_code == 200, response.text
     params = next(iter(cluster.decode.reserved.values())).sampling_params
-    assert [(b.token_id, b.bias) for b in params.logit_bias] == [(7, 100.0), (12, -100.0), (2047, 0.5)]
+    assert [(b.token_id, b.bias) for b in params.logit_bias] == [
+        (7, 100.0),
+        (12, -100.0),
+        (2047, 0.5),
+    ]
     assert params.min_tokens == 3 and list(params.stop_token_ids) == [11, 12]
     assert cluster.prefill.requests[0].sampling_params == params
 
 
 BAD_LOGIT_BIAS = [
-    ({"abc": 1}, "abc"), ({"-1": 1}, "-1"), ({" 1": 1}, " 1"), ({"1.5": 1}, "1.5"), ({"": 1}, "''"),
-    ({"1_0": 1}, "1_0"), ({"\u0661": 1}, "decimal"),
-    ({"7": 101}, "[-100, 100]"), ({"7": -100.5}, "[-100, 100]"),
-    ({"7": 1, "07": 2}, "twice"), ({str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, "at most"),
+    ({"abc": 1}, "abc"),
+    ({"-1": 1}, "-1"),
+    ({" 1": 1}, " 1"),
+    ({"1.5": 1}, "1.5"),
+    ({"": 1}, "''"),
+    ({"1_0": 1}, "1_0"),
+    ({"\u0661": 1}, "decimal"),
+    ({"7": 101}, "[-100, 100]"),
+    ({"7": -100.5}, "[-100, 100]"),
+    ({"7": 1, "07": 2}, "twice"),
+    ({str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, "at most"),
     ({"99999999999": 1}, "decimal"),
 ]
 
@@ -176,25 +303,36 @@ async def test_malformed_logit_bias_is_a_400(http, cluster, bias, said):
     assert not cluster.tokenizer.servicer.requests
 
 
-@pytest.mark.parametrize("raw", [b'{"7": NaN}', b'{"7": Infinity}', b'{"7": "1"}', b'{"7": true}',
-                                 b'[[7, 1]]', b'{"7": null}'])
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"7": NaN}', b'{"7": Infinity}', b'{"7": "1"}', b'{"7": true}', b"[[7, 1]]", b'{"7": null}'],
+)
 async def test_logit_bias_values_must_be_finite_numbers(http, raw):
     body = json.dumps(CHAT)[:-1].encode() + b', "logit_bias": ' + raw + b"}"
-    response = await http.post(CHAT_PATH, content=body, headers={"content-type": "application/json"})
+    response = await http.post(
+        CHAT_PATH, content=body, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "logit_bias"
 
 
-@pytest.mark.parametrize(("fields", "param", "said"), [
-    ({"min_tokens": 6, "max_tokens": 5}, "min_tokens", "must not exceed max_tokens (5)"),
-    ({"min_tokens": 6, "max_completion_tokens": 5}, "min_tokens", "must not exceed max_completion_tokens"),
-    ({"min_tokens": -1}, "min_tokens", "min_tokens"),
-    ({"min_tokens": 5000}, "min_tokens", "max_new_tokens"),  # more than the context leaves
-    ({"min_tokens": 1.5}, "min_tokens", "integer"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids"),
-    ({"stop_token_ids": [2**32]}, "stop_token_ids", "stop_token_ids"),
-    ({"stop_token_ids": 5}, "stop_token_ids", "list"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param", "said"),
+    [
+        ({"min_tokens": 6, "max_tokens": 5}, "min_tokens", "must not exceed max_tokens (5)"),
+        (
+            {"min_tokens": 6, "max_completion_tokens": 5},
+            "min_tokens",
+            "must not exceed max_completion_tokens",
+        ),
+        ({"min_tokens": -1}, "min_tokens", "min_tokens"),
+        ({"min_tokens": 5000}, "min_tokens", "max_new_tokens"),  # more than the context leaves
+        ({"min_tokens": 1.5}, "min_tokens", "integer"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids"),
+        ({"stop_token_ids": [2**32]}, "stop_token_ids", "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids", "list"),
+    ],
+)
 async def test_bad_min_tokens_and_stop_token_ids(http, cluster, fields, param, said):
     message = await assert_400(http, CHAT_PATH, {**CHAT, **fields}, param)
     assert said in message, message
@@ -211,8 +349,9 @@ async def test_echo_puts_the_prompt_before_the_output(http, cluster):
     listed = (await http.post(COMPLETIONS_PATH, json={**body, "prompt": ["Once upon"]})).json()
     assert listed["choices"][0]["text"] == "Once upon" + EXPECTED[:5]
 
-    response = await http.post(COMPLETIONS_PATH, json={**body, "stream": True,
-                                                       "stream_options": {"include_usage": True}})
+    response = await http.post(
+        COMPLETIONS_PATH, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
     chunks = [json.loads(e) for e in sse_events(response.text)[:-1]]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
     assert texts[0] == "Once upon" and "".join(texts) == "Once upon" + EXPECTED[:5]

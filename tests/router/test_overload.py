@@ -38,9 +38,16 @@ async def test_past_the_slots_and_the_queue_the_extra_get_429_at_once_and_the_re
                 assert_429(task.result(), "at capacity")
             health = await served.http.get("/health")
             assert health.status_code == 200
-            assert health.json()["admission"] == {"num_running": 2, "num_queued": 3, "max_running": 2,
-                                                  "max_queued": 3, "is_kv_limited": False}
-            assert served.metric("admission_running") == 2 and served.metric("admission_queued") == 3
+            assert health.json()["admission"] == {
+                "num_running": 2,
+                "num_queued": 3,
+                "max_running": 2,
+                "max_queued": 3,
+                "is_kv_limited": False,
+            }
+            assert (
+                served.metric("admission_running") == 2 and served.metric("admission_queued") == 3
+            )
             assert served.metric("admission_rejected_total", reason="queue_full") == 4
             decode.release.set()
             async with asyncio.timeout(BOUND_S):
@@ -57,7 +64,10 @@ async def test_past_the_slots_and_the_queue_the_extra_get_429_at_once_and_the_re
 
 async def test_a_wait_for_a_slot_past_the_limit_is_a_429():
     flow = FlowConfig(
-        max_concurrent_requests=1, max_queued_requests=4, queue_timeout_s=0.3, stall_timeout_s=BOUND_S
+        max_concurrent_requests=1,
+        max_queued_requests=4,
+        queue_timeout_s=0.3,
+        stall_timeout_s=BOUND_S,
     )
     async with serve(flow) as served:
         decode = served.cluster.decode

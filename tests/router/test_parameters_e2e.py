@@ -56,40 +56,60 @@ def test_logit_bias_forces_and_bans_tokens(http):
 
 def test_min_tokens_delays_a_forced_eos(http):
     eos_first = complete(http, max_tokens=20, logit_bias={str(EOS_ID): 100})
-    assert eos_first["usage"]["completion_tokens"] == 1 and eos_first["choices"][0]["finish_reason"] == "stop"
+    assert (
+        eos_first["usage"]["completion_tokens"] == 1
+        and eos_first["choices"][0]["finish_reason"] == "stop"
+    )
     delayed = complete(http, max_tokens=20, min_tokens=5, logit_bias={str(EOS_ID): 100})
-    assert delayed["usage"]["completion_tokens"] == 6 and delayed["choices"][0]["finish_reason"] == "stop"
+    assert (
+        delayed["usage"]["completion_tokens"] == 6
+        and delayed["choices"][0]["finish_reason"] == "stop"
+    )
     assert delayed["choices"][0]["text"]  # five generated tokens before the EOS
 
 
 def test_stop_token_ids_end_generation_and_are_not_shown(http):
     stopped = complete(http, max_tokens=20, logit_bias={str(Z_ID): 100}, stop_token_ids=[Z_ID])
-    assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
+    assert (
+        stopped["usage"]["completion_tokens"] == 1
+        and stopped["choices"][0]["finish_reason"] == "stop"
+    )
     assert stopped["choices"][0]["text"] == ""
-    later = complete(http, max_tokens=20, min_tokens=3, logit_bias={str(Z_ID): 100}, stop_token_ids=[Z_ID])
+    later = complete(
+        http, max_tokens=20, min_tokens=3, logit_bias={str(Z_ID): 100}, stop_token_ids=[Z_ID]
+    )
     assert later["usage"]["completion_tokens"] == 4 and "z" not in later["choices"][0]["text"]
 
 
 def test_echo_and_the_context_check(http):
     echoed = complete(http, echo=True)["choices"][0]["text"]
-    assert echoed.startswith(PROMPT) and echoed[len(PROMPT):] == complete(http)["choices"][0]["text"]
+    assert (
+        echoed.startswith(PROMPT) and echoed[len(PROMPT) :] == complete(http)["choices"][0]["text"]
+    )
     room = 4096 - http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
     too_many = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": room + 1})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens"
-    assert complete(http, max_tokens=room, logit_bias={str(EOS_ID): 100})["usage"]["completion_tokens"] == 1
+    assert (
+        complete(http, max_tokens=room, logit_bias={str(EOS_ID): 100})["usage"]["completion_tokens"]
+        == 1
+    )
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_workers(http):
     for field, value in (("logit_bias", {"1000000": 5}), ("stop_token_ids", [1000000])):
-        response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, field: value})
+        response = http.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, field: value}
+        )
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field
 
 
 def test_tokenize_counts_what_generation_counts(http):
     image = base64.b64encode(image_bytes(120, 90, seed=3)).decode()
-    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-               {"type": "text", "text": "What is it?"}]
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+        {"type": "text", "text": "What is it?"},
+    ]
     messages = [{"role": "user", "content": content}]
     tokenized = http.post("/tokenize", json={"messages": messages}).json()
     assert TEXT.image_token_id in tokenized["tokens"]

@@ -29,10 +29,14 @@ def b64(tensor) -> str:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 async def test_prompt_embeds_reach_prefill_as_rows_without_the_tokenizer(http, cluster, dtype):
     rows = torch.randn(1, 6, 64).to(dtype)  # [1, num_tokens, hidden] is accepted too
-    reply = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt_embeds": b64(rows)})
+    reply = await http.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt_embeds": b64(rows)}
+    )
     assert reply.status_code == 200, reply.text
     [request] = cluster.prefill.requests
-    assert list(request.token_ids) == [0] * 6 and request.prompt_embeds_dtype == str(dtype).removeprefix("torch.")
+    assert list(request.token_ids) == [0] * 6 and request.prompt_embeds_dtype == str(
+        dtype
+    ).removeprefix("torch.")
     got = torch.frombuffer(bytearray(request.prompt_embeds), dtype=dtype).reshape(6, 64)
     assert torch.equal(got, rows[0])
     assert not cluster.tokenizer.servicer.requests
@@ -68,7 +72,8 @@ async def test_prompt_and_prompt_embeds_together_is_a_400(http, cluster):
 
 async def test_grpc_prompt_embeds(stub, cluster):  # noqa: F811
     request = router_pb2.GenerateRequest(
-        prompt_embeds=saved(torch.randn(4, 64)), sampling_params=common_pb2.SamplingParams(max_new_tokens=3)
+        prompt_embeds=saved(torch.randn(4, 64)),
+        sampling_params=common_pb2.SamplingParams(max_new_tokens=3),
     )
     responses = [r async for r in stub.Generate(request, timeout=BOUND_S)]
     assert responses[-1].usage.num_prompt_tokens == 4

@@ -28,7 +28,9 @@ async def chat(served: Served) -> httpx.Response:
     return await served.http.post("/v1/chat/completions", json=CHAT)
 
 
-def serve(num_prefills: int = 1, num_decodes: int = 1) -> contextlib.AbstractAsyncContextManager[Served]:
+def serve(
+    num_prefills: int = 1, num_decodes: int = 1
+) -> contextlib.AbstractAsyncContextManager[Served]:
     return serve_flow(FlowConfig(stall_timeout_s=STALL_S), Script(), num_prefills, num_decodes)
 
 
@@ -95,7 +97,9 @@ async def test_an_unavailable_reserve_is_retried_on_another_decode():
         first.reserve_errors = [UnavailableError("decode is restarting")]
         assert answered(await chat(served)) == EXPECTED
         [request_id] = second.reserved
-        await wait_until(lambda: first.is_kv_written == {request_id: False})  # in case it had reserved
+        await wait_until(
+            lambda: first.is_kv_written == {request_id: False}
+        )  # in case it had reserved
         assert not second.aborted  # decode finished the request itself
         assert retries(served, "decode") == 1
 

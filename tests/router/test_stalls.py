@@ -37,8 +37,12 @@ def only_request_id(served: Served) -> str:
     return request_id
 
 
-def serve(script: Script | None = None, **overrides) -> contextlib.AbstractAsyncContextManager[Served]:
-    return serve_flow(FlowConfig(stall_timeout_s=STALL_S), script or Script(chunk_size=1), **overrides)
+def serve(
+    script: Script | None = None, **overrides
+) -> contextlib.AbstractAsyncContextManager[Served]:
+    return serve_flow(
+        FlowConfig(stall_timeout_s=STALL_S), script or Script(chunk_size=1), **overrides
+    )
 
 
 async def timed_post(http: httpx.AsyncClient, body: dict) -> tuple[httpx.Response, float]:
@@ -62,7 +66,9 @@ async def test_a_stalled_tokenizer_ends_the_request():
         response, elapsed_s = await timed_post(served.http, CHAT)
         assert_stall_503(response, elapsed_s, "the tokenizer worker answered nothing")
         [request] = tokenizer.servicer.requests
-        await wait_until(lambda: tokenizer.servicer.cancelled == [request.request_id])  # cancelled there
+        await wait_until(
+            lambda: tokenizer.servicer.cancelled == [request.request_id]
+        )  # cancelled there
         assert stalls(served, "tokenize", tokenizer.address) == 1
         assert not served.cluster.decode.reserved
         workers = (await served.http.get("/health")).json()["workers"]
@@ -88,7 +94,9 @@ async def test_a_stalled_prefill_is_cancelled_there_and_the_pages_are_quarantine
         response, elapsed_s = await timed_post(served.http, CHAT)
         assert_stall_503(response, elapsed_s, "the prefill worker sent no first token")
         request_id = only_request_id(served)
-        await wait_until(lambda: prefill.cancelled == [request_id])  # the call is cancelled at prefill
+        await wait_until(
+            lambda: prefill.cancelled == [request_id]
+        )  # the call is cancelled at prefill
         await wait_until(lambda: served.cluster.is_kv_written() == {request_id: False})
         assert stalls(served, "prefill", served.cluster.prefills[0].address) == 1
 
@@ -102,7 +110,9 @@ async def test_a_prefill_queued_past_the_bound_while_its_worker_completes_others
         await wait_until(lambda: len(prefill.requests) == 1)
         others = []
         while not held.done():  # another request through the same worker every 0.3 s
-            others.append(await served.http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}))
+            others.append(
+                await served.http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+            )
             await asyncio.sleep(0.3)
         response, elapsed_s = await held
         assert response.status_code == 200, response.text
@@ -130,10 +140,12 @@ async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
         served.cluster.decode.hang_after = 3
         response, elapsed_s = await timed_post(served.http, {**CHAT, "stream": True})
         assert response.status_code == 200 and elapsed_s < STALL_S + 1.0
-        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.strip()]
+        events = [line[len("data: ") :] for line in response.text.split("\n\n") if line.strip()]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if "choices" in c)
+        text = "".join(
+            c["choices"][0]["delta"].get("content", "") for c in chunks if "choices" in c
+        )
         assert text == "Hell"  # prefill's token and three decode messages
         error = chunks[-1]["error"]
         assert error["type"] == "service_unavailable"
@@ -149,7 +161,9 @@ async def test_a_stall_over_grpc_is_unavailable():
         try:
             stub = router_pb2_grpc.RouterStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Generate(router_pb2.GenerateRequest(prompt="hi"), timeout=BOUND_S):
+                async for _ in stub.Generate(
+                    router_pb2.GenerateRequest(prompt="hi"), timeout=BOUND_S
+                ):
                     pass
         finally:
             await channel.close()

@@ -22,7 +22,7 @@ def feed_all(matcher: StopStringMatcher, deltas: list[str]) -> str:
 @pytest.mark.parametrize("split", [1, 2, 3, 100])
 def test_stop_string_across_deltas(split):
     text = "one two STOP three"
-    deltas = [text[i:i + split] for i in range(0, len(text), split)]
+    deltas = [text[i : i + split] for i in range(0, len(text), split)]
     matcher = StopStringMatcher(["STOP"])
     assert feed_all(matcher, deltas) == "one two "
     assert matcher.is_stopped
@@ -88,4 +88,6 @@ def test_output_assembler_hides_the_stop_token_text_but_counts_it():
     assert last.text == "c" and last.token_ids == tuple(char_ids("cZ"))
     assert last.usage.num_completion_tokens == 4
     length = OutputAssembler(TEXT.detokenizer(), (), num_prompt_tokens=1)
-    assert length.finish(FinishReason.LENGTH, char_ids("cZ")).text == "cZ"  # no stop token: all shown
+    assert (
+        length.finish(FinishReason.LENGTH, char_ids("cZ")).text == "cZ"
+    )  # no stop token: all shown

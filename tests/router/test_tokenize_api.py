@@ -17,9 +17,15 @@ async def test_tokenize_a_prompt_counts_what_completions_count(http, cluster):
     reply = await http.post("/tokenize", json={"model": MODEL_NAME, "prompt": "Once upon a time"})
     assert reply.status_code == 200, reply.text
     body = reply.json()
-    assert body == {"count": len(TEXT.encode("Once upon a time")), "max_model_len": 4096,
-                    "tokens": TEXT.encode("Once upon a time"), "token_strs": None}
-    completion = await http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2})
+    assert body == {
+        "count": len(TEXT.encode("Once upon a time")),
+        "max_model_len": 4096,
+        "tokens": TEXT.encode("Once upon a time"),
+        "token_strs": None,
+    }
+    completion = await http.post(
+        "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 2}
+    )
     assert completion.json()["usage"]["prompt_tokens"] == body["count"]
     assert not cluster.decode.reserved or len(cluster.decode.reserved) == 1  # only the completion
 
@@ -45,23 +51,31 @@ async def test_tokenize_options(http, cluster):
         assert same.json()["tokens"] == TEXT.encode("abc")
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": "a", "messages": CHAT["messages"]}, "prompt"),
-    ({"model": MODEL_NAME}, "prompt"),
-    ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
-    ({"prompt": "a", "continue_final_message": False}, "continue_final_message"),
-    ({**CHAT, "continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
-    ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
-    ({"prompt": "a", "tools": []}, "tools"),
-    ({"prompt": "a", "chat_template": "x"}, "chat_template"),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": "a\ud800"}, "prompt"),
-    ({"prompt": "a", "model": "other"}, "model"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "a", "messages": CHAT["messages"]}, "prompt"),
+        ({"model": MODEL_NAME}, "prompt"),
+        ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"prompt": "a", "continue_final_message": False}, "continue_final_message"),
+        (
+            {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
+        ),
+        ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
+        ({"prompt": "a", "tools": []}, "tools"),
+        ({"prompt": "a", "chat_template": "x"}, "chat_template"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "a\ud800"}, "prompt"),
+        ({"prompt": "a", "model": "other"}, "model"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ],
+)
 async def test_bad_tokenize_requests_are_400s(http, cluster, body, param):
     raw = json.dumps(body).encode()  # lone surrogates as \\ud800 escapes, as a client may send
-    response = await http.post("/tokenize", content=raw, headers={"content-type": "application/json"})
+    response = await http.post(
+        "/tokenize", content=raw, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400, response.text[:300]
     assert response.json()["error"]["param"] == param
 
@@ -76,10 +90,17 @@ async def test_detokenize_round_trips_and_keeps_special_tokens(http):
     assert (await http.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}
 
 
-@pytest.mark.parametrize(("tokens", "param"), [
-    ([1, TEXT.vocab_size], "tokens[1]"), ([-1], "tokens[0]"), ([2**70], "tokens[0]"), ([1.0], "tokens[0]"),
-    (["1"], "tokens[0]"), ("12", "tokens"),
-])
+@pytest.mark.parametrize(
+    ("tokens", "param"),
+    [
+        ([1, TEXT.vocab_size], "tokens[1]"),
+        ([-1], "tokens[0]"),
+        ([2**70], "tokens[0]"),
+        ([1.0], "tokens[0]"),
+        (["1"], "tokens[0]"),
+        ("12", "tokens"),
+    ],
+)
 async def test_detokenize_refuses_ids_outside_the_vocabulary(http, tokens, param):
     response = await http.post("/detokenize", json={"tokens": tokens})
     assert response.status_code == 400, response.text
@@ -88,20 +109,27 @@ async def test_detokenize_refuses_ids_outside_the_vocabulary(http, tokens, param
 
 async def test_version(http):
     reply = await http.get("/version")
-    assert reply.status_code == 200 and reply.json() == {"version": importlib.metadata.version("stageserve")}
+    assert reply.status_code == 200 and reply.json() == {
+        "version": importlib.metadata.version("stageserve")
+    }
 
 
 async def test_openapi_documents_the_new_routes(http):
     schema = (await http.get("/openapi.json")).json()
     paths, components = schema["paths"], schema["components"]["schemas"]
-    for path, body, answer in (("/tokenize", "TokenizeBody", "TokenizeResponse"),
-                               ("/detokenize", "DetokenizeBody", "DetokenizeResponse")):
+    for path, body, answer in (
+        ("/tokenize", "TokenizeBody", "TokenizeResponse"),
+        ("/detokenize", "DetokenizeBody", "DetokenizeResponse"),
+    ):
         operation = paths[path]["post"]
-        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(body)
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            body
+        )
         ok = operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
         assert ok.endswith(answer) and "422" not in operation["responses"]
-        assert operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
-            "ErrorResponse")
+        assert operation["responses"]["400"]["content"]["application/json"]["schema"][
+            "$ref"
+        ].endswith("ErrorResponse")
     fields = set(components["TokenizeResponse"]["properties"])
     assert fields == {"count", "max_model_len", "tokens", "token_strs"}
     version = paths["/version"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]

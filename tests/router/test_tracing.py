@@ -16,7 +16,11 @@ from services.common.pb.stageserve.v1 import router_pb2, router_pb2_grpc
 from tests.conftest import sdk_provider
 from tests.router.conftest import BOUND_S, MODEL_NAME
 
-CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 50}
+CHAT = {
+    "model": MODEL_NAME,
+    "messages": [{"role": "user", "content": "Say hello."}],
+    "max_tokens": 50,
+}
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
@@ -36,7 +40,9 @@ def only(exporter: InMemorySpanExporter, name: str):
 
 
 async def test_http_request_continues_the_callers_traceparent(http, spans):
-    response = await http.post("/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT})
+    response = await http.post(
+        "/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT}
+    )
     assert response.status_code == 200, response.text
     root = only(spans, "router.request")
     assert trace.format_trace_id(root.context.trace_id) == TRACE_ID
@@ -59,7 +65,10 @@ async def test_request_span_has_the_gen_ai_attributes(http, spans, cluster):
     assert attributes["gen_ai.operation.name"] == "chat"
     assert attributes["gen_ai.request.model"] == attributes["gen_ai.response.model"] == MODEL_NAME
     assert attributes["gen_ai.response.id"] == attributes["request_id"] == response.json()["id"]
-    assert (attributes["gen_ai.request.temperature"], attributes["gen_ai.request.top_p"]) == (0.5, 0.9)
+    assert (attributes["gen_ai.request.temperature"], attributes["gen_ai.request.top_p"]) == (
+        0.5,
+        0.9,
+    )
     assert attributes["gen_ai.request.seed"] == 7 and attributes["gen_ai.request.max_tokens"] == 50
     assert attributes["gen_ai.request.stop_sequences"] == ("zzz",)
     assert attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
@@ -70,7 +79,9 @@ async def test_request_span_has_the_gen_ai_attributes(http, spans, cluster):
 
 async def test_a_failed_request_ends_its_span_with_error_status(http, spans, cluster):
     cluster.script.prefill_error = UnavailableError("prefill exploded")
-    response = await http.post("/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT})
+    response = await http.post(
+        "/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT}
+    )
     assert response.status_code == 503
     root = only(spans, "router.request")
     assert root.status.status_code is trace.StatusCode.ERROR
@@ -95,7 +106,10 @@ async def test_grpc_generate_continues_the_callers_traceparent(stub, spans):
     rpc, inner = only(spans, "router.generate_rpc"), only(spans, "router.request")
     assert trace.format_trace_id(rpc.context.trace_id) == TRACE_ID
     assert trace.format_span_id(rpc.parent.span_id) == PARENT_ID
-    assert inner.parent.span_id == rpc.context.span_id and inner.context.trace_id == rpc.context.trace_id
+    assert (
+        inner.parent.span_id == rpc.context.span_id
+        and inner.context.trace_id == rpc.context.trace_id
+    )
     assert inner.attributes["gen_ai.operation.name"] == "text_completion"
 
 

@@ -69,11 +69,15 @@ async def test_huge_prompts_are_refused_after_bounded_work():
                 assert time.monotonic() - start < NO_HANG_S, (name, kind)
                 assert info.value.param == ("prompt" if kind == "prompt" else "messages")
                 assert info.value.message.startswith("prompt has at least ")
-                assert info.value.message.endswith(f" tokens; the context limit is {TEST_LIMITS.max_model_len}")
+                assert info.value.message.endswith(
+                    f" tokens; the context limit is {TEST_LIMITS.max_model_len}"
+                )
         after = worker_memory(worker.pid)
         assert after["VmHWM"] - before["VmHWM"] < WORKER_PEAK_GROWTH_BYTES, (before, after)
         assert after["VmRSS"] - before["VmRSS"] < WORKER_PEAK_GROWTH_BYTES // 4, (before, after)
-        prompt = await served.client.tokenize_chat("ok", [user("still there?")], timeout_s=TIMEOUT_S)
+        prompt = await served.client.tokenize_chat(
+            "ok", [user("still there?")], timeout_s=TIMEOUT_S
+        )
         assert len(prompt.token_ids) > 5
     finally:
         await stop_served(served, server)
@@ -93,7 +97,9 @@ async def test_prompts_at_the_limit_behave_as_before(text, kind):
     if kind == "prompt":
         ids = text.encode(AT_LIMIT_TEXT)
     else:
-        ids = text.encode_chat([{"role": "user", "content": [{"type": "text", "text": AT_LIMIT_TEXT}]}])
+        ids = text.encode_chat(
+            [{"role": "user", "content": [{"type": "text", "text": AT_LIMIT_TEXT}]}]
+        )
     assert len(AT_LIMIT_TEXT) > len(ids)
     for max_model_len in (len(ids) + 1, len(ids)):
         served, server = await start_served(0, Limits(max_model_len, TEST_LIMITS.max_image_bytes))
@@ -107,7 +113,10 @@ async def test_prompts_at_the_limit_behave_as_before(text, kind):
             else:
                 with pytest.raises(InvalidRequestError) as info:
                     await call
-                assert info.value.message == f"prompt has {len(ids)} tokens; the context limit is {len(ids)}"
+                assert (
+                    info.value.message
+                    == f"prompt has {len(ids)} tokens; the context limit is {len(ids)}"
+                )
         finally:
             await stop_served(served, server)
 
@@ -127,7 +136,9 @@ async def two_workers():
 
 def slow_job(seed: int) -> ChatJob:
     """Three distinct big images to decode: seconds of work for one worker."""
-    return ChatJob((user(slow_png(seed), "what are these?", slow_png(seed + 1), slow_png(seed + 2)),))
+    return ChatJob(
+        (user(slow_png(seed), "what are these?", slow_png(seed + 1), slow_png(seed + 2)),)
+    )
 
 
 async def finish_in_order(order: list[str], name: str, pool: WorkerPool, job) -> object:
@@ -144,7 +155,9 @@ async def test_a_slow_job_leaves_the_other_worker_serving(two_workers):
     slow = asyncio.ensure_future(finish_in_order(order, "slow", two_workers, slow_job(0)))
     for i in range(5):
         job = PromptJob(f"quick {i}")
-        prompt = await asyncio.wait_for(finish_in_order(order, f"quick {i}", two_workers, job), TIMEOUT_S)
+        prompt = await asyncio.wait_for(
+            finish_in_order(order, f"quick {i}", two_workers, job), TIMEOUT_S
+        )
         assert prompt.token_ids
     assert len((await asyncio.wait_for(slow, TIMEOUT_S)).spans) == 3
     assert order == [*(f"quick {i}" for i in range(5)), "slow"]
@@ -155,8 +168,15 @@ async def test_a_slow_job_leaves_the_other_worker_serving(two_workers):
 @pytest.mark.integration
 async def test_when_every_worker_is_busy_jobs_queue_within_a_byte_bound(two_workers):
     order: list[str] = []
-    jobs = {"slow 0": slow_job(0), "slow 1": slow_job(10), "queued": PromptJob("waits for a worker")}
-    tasks = [asyncio.ensure_future(finish_in_order(order, name, two_workers, job)) for name, job in jobs.items()]
+    jobs = {
+        "slow 0": slow_job(0),
+        "slow 1": slow_job(10),
+        "queued": PromptJob("waits for a worker"),
+    }
+    tasks = [
+        asyncio.ensure_future(finish_in_order(order, name, two_workers, job))
+        for name, job in jobs.items()
+    ]
     await asyncio.sleep(0)  # all three submitted
     big = PromptJob("hi " * (2 * 1024 * 1024))  # over what is left of the 4 MiB bound
     with pytest.raises(OverloadedError, match="the tokenizer is busy"):
@@ -164,7 +184,9 @@ async def test_when_every_worker_is_busy_jobs_queue_within_a_byte_bound(two_work
     await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT_S)
     assert order[0] != "queued"  # it waited for a worker to finish a slow job
     assert two_workers.queued_bytes == 0
-    with pytest.raises(InvalidRequestError, match="context limit"):  # admitted once the queue drained
+    with pytest.raises(
+        InvalidRequestError, match="context limit"
+    ):  # admitted once the queue drained
         await two_workers.run(big)
     assert two_workers.queued_bytes == 0
 
@@ -172,7 +194,10 @@ async def test_when_every_worker_is_busy_jobs_queue_within_a_byte_bound(two_work
 def test_default_num_workers_follows_the_cpus():
     assert default_num_workers() == max(1, min(len(os.sched_getaffinity(0)), 4))
     config, _ = parse_config([], Envs())
-    assert (config.num_workers, config.max_queued_bytes) == (default_num_workers(), MAX_QUEUED_BYTES)
+    assert (config.num_workers, config.max_queued_bytes) == (
+        default_num_workers(),
+        MAX_QUEUED_BYTES,
+    )
     config, _ = parse_config(["--num-workers", "0", "--max-queued-bytes", "1000"], Envs())
     assert config.max_queued_bytes == 1000
     with pytest.raises(SystemExit):

@@ -27,21 +27,35 @@ EXIT_TIMEOUT_S = 60.0
 async def test_ready_serving_and_sigterm(tmp_path):
     stderr = (tmp_path / "stderr.log").open("wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.tokenizer", "--port", "0", "--num-workers", "1",
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+        sys.executable,
+        "-m",
+        "services.tokenizer",
+        "--port",
+        "0",
+        "--num-workers",
+        "1",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)).decode()
         match = re.fullmatch(r"READY tokenizer port=(\d+) metrics_port=(\d+)\n", line)
-        assert match, f"unexpected first line {line!r}; stderr: {(tmp_path / 'stderr.log').read_text()}"
+        assert match, (
+            f"unexpected first line {line!r}; stderr: {(tmp_path / 'stderr.log').read_text()}"
+        )
         address = f"127.0.0.1:{match.group(1)}"
         channel = create_channel(address)
         await wait_ready(channel, TIMEOUT_S)
         await wait_ready(channel, TIMEOUT_S, service=SERVICE_NAME)
         await channel.close()
         client = TokenizerClient(address, auth=INTERNAL_AUTH)
-        prompt = await client.tokenize_chat("r", [user(image_bytes(56, 56), "hi")], timeout_s=TIMEOUT_S)
-        async with client.detokenize_stream("r", timeout_s=TIMEOUT_S) as stream:  # stream-stream carries it too
+        prompt = await client.tokenize_chat(
+            "r", [user(image_bytes(56, 56), "hi")], timeout_s=TIMEOUT_S
+        )
+        async with client.detokenize_stream(
+            "r", timeout_s=TIMEOUT_S
+        ) as stream:  # stream-stream carries it too
             text = await stream.send(prompt.token_ids[-3:]) + await stream.finish()
         await client.close()
         assert len(prompt.spans) == 1 and text
@@ -59,14 +73,18 @@ async def check_unauthenticated(address: str) -> None:
     """The process requires the token the test session exports: a client without it is refused."""
     anonymous = TokenizerClient(address)
     try:
-        with pytest.raises(CredentialsRefusedError, match="refused this service's internal credentials"):
+        with pytest.raises(
+            CredentialsRefusedError, match="refused this service's internal credentials"
+        ):
             await anonymous.tokenize_prompt("anon", "hi", timeout_s=TIMEOUT_S)
     finally:
         await anonymous.close()
     channel = create_channel(address)
     try:
         call = tokenizer_pb2_grpc.TokenizerStub(channel).Detokenize(timeout=TIMEOUT_S)
-        with contextlib.suppress(asyncio.InvalidStateError):  # the server may end it before the write
+        with contextlib.suppress(
+            asyncio.InvalidStateError
+        ):  # the server may end it before the write
             await call.write(tokenizer_pb2.DetokenizeRequest(token_ids=[40]))
         assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         assert await call.details() == "missing or invalid internal credentials"

@@ -19,7 +19,9 @@ from tests.conftest import image_bytes, sdk_provider
 from tests.tokenizer.conftest import TIMEOUT_S, start_served, stop_served, user
 
 CHATS = [
-    [user(image_bytes(80 + 8 * i, 60, seed=i), f"picture {i}?")] if i % 2 else [user(f"question {i}")]
+    [user(image_bytes(80 + 8 * i, 60, seed=i), f"picture {i}?")]
+    if i % 2
+    else [user(f"question {i}")]
     for i in range(8)
 ]
 
@@ -27,7 +29,10 @@ CHATS = [
 @pytest.mark.parametrize(
     "value",
     [
-        ChatJob((ChatMessage("user", (TextPart("hi"),)), user(b"\x89PNG", "x")), add_generation_prompt=False),
+        ChatJob(
+            (ChatMessage("user", (TextPart("hi"),)), user(b"\x89PNG", "x")),
+            add_generation_prompt=False,
+        ),
         PromptJob("once"),
     ],
 )
@@ -54,7 +59,10 @@ async def served_processes():
 async def test_worker_processes_match_thread(served, served_processes):
     async def all_chats(client):
         return await asyncio.gather(
-            *(client.tokenize_chat(f"r{i}", chat, timeout_s=TIMEOUT_S) for i, chat in enumerate(CHATS))
+            *(
+                client.tokenize_chat(f"r{i}", chat, timeout_s=TIMEOUT_S)
+                for i, chat in enumerate(CHATS)
+            )
         )
 
     assert await all_chats(served_processes.client) == await all_chats(served.client)
@@ -119,7 +127,9 @@ async def test_image_bytes_stay_in_the_server_process_when_the_header_tells_the_
     pool = served_processes.pool
     sent: list[bytes] = []
     submit = pool._submit
-    monkeypatch.setattr(pool, "_submit", lambda ex, job, held=0: sent.append(job) or submit(ex, job, held))
+    monkeypatch.setattr(
+        pool, "_submit", lambda ex, job, held=0: sent.append(job) or submit(ex, job, held)
+    )
     jpeg, png = image_bytes(640, 480, seed=5, fmt="JPEG"), _late_metadata_png()
     prompt = await pool.run(ChatJob((user(jpeg, "which?", png, jpeg),)))
     assert list(prompt.images.values()) == [jpeg, png]  # distinct, first appearance first

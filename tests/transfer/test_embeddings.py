@@ -9,7 +9,12 @@ import msgspec
 import pytest
 import torch
 
-from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.common.errors import (
+    CapacityError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from services.transfer import create_embedding_receiver, create_embedding_sender
 from services.transfer.embeddings import (
     EmbeddingBuffer,
@@ -68,13 +73,20 @@ def test_row_manager_first_fit_reuses_holes() -> None:
 # --- descriptors ------------------------------------------------------------------
 
 
-def destination(base: int, num_rows: int, stride: int, hidden: int = 4, dtype: str = "float32") -> EmbeddingDestination:
+def destination(
+    base: int, num_rows: int, stride: int, hidden: int = 4, dtype: str = "float32"
+) -> EmbeddingDestination:
     return EmbeddingDestination("inprocess", "", "s", 0, base, num_rows, stride, hidden, dtype)
 
 
 def test_adjacent_runs_coalesce_into_one_descriptor() -> None:
-    assert coalesce_runs([(0, 5, 2), (2, 7, 3), (5, 20, 1), (6, 21, 0), (6, 21, 2)]) == [(0, 5, 5), (5, 20, 3)]
-    plan = plan_row_transfer(1000, [(0, 5, 2), (2, 7, 3), (5, 20, 1)], 16, destination(5000, 32, 16))
+    assert coalesce_runs([(0, 5, 2), (2, 7, 3), (5, 20, 1), (6, 21, 0), (6, 21, 2)]) == [
+        (0, 5, 5),
+        (5, 20, 3),
+    ]
+    plan = plan_row_transfer(
+        1000, [(0, 5, 2), (2, 7, 3), (5, 20, 1)], 16, destination(5000, 32, 16)
+    )
     assert plan.src_addrs == (1000, 1080)
     assert plan.dst_addrs == (5000 + 5 * 16, 5000 + 20 * 16)
     assert plan.lengths == (80, 16)
@@ -94,7 +106,9 @@ COPYING_BACKENDS = ["inprocess", "shm"]
 def endpoints(backend: str, **receiver_kwargs):
     """A receiver and a sender that reach each other (in-process ones share a fresh fabric)."""
     kwargs = {"fabric": EmbeddingFabric()} if backend == "inprocess" else {}
-    return create_embedding_receiver(backend, **kwargs, **receiver_kwargs), create_embedding_sender(backend, **kwargs)
+    return create_embedding_receiver(backend, **kwargs, **receiver_kwargs), create_embedding_sender(
+        backend, **kwargs
+    )
 
 
 @pytest.mark.parametrize("backend", COPYING_BACKENDS)
@@ -104,7 +118,13 @@ def test_destination_is_a_window_of_the_buffer(backend) -> None:
     receiver.register(buffer)
     dst = receiver.destination("req-1", 10, 5)
     assert dst.base_address == buffer.base_address + 10 * 16
-    assert (dst.num_rows, dst.row_stride_bytes, dst.hidden_size, dst.dtype, dst.cp_rank) == (5, 16, 8, "bfloat16", 2)
+    assert (dst.num_rows, dst.row_stride_bytes, dst.hidden_size, dst.dtype, dst.cp_rank) == (
+        5,
+        16,
+        8,
+        "bfloat16",
+        2,
+    )
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(dst), type=EmbeddingDestination) == dst
     with pytest.raises(InvalidRequestError):
         receiver.destination("req-1", 30, 5)
@@ -124,7 +144,9 @@ def test_rows_land_in_place_and_nothing_else_changes(backend) -> None:
     result = sender.send_runs("req-1", rows, [(0, 0, 4), (4, 4, 3)], dst, time.monotonic() + 10)
     assert (result.num_descriptors, result.num_bytes) == (1, 7 * 16 * 4)
     assert torch.equal(buffer.tensor[20:27], rows)
-    assert torch.equal(buffer.tensor[:20], before[:20]) and torch.equal(buffer.tensor[27:], before[27:])
+    assert torch.equal(buffer.tensor[:20], before[:20]) and torch.equal(
+        buffer.tensor[27:], before[27:]
+    )
     sender.send_rows("req-1", rows[:2], dst, 10, time.monotonic() + 10)
     assert torch.equal(buffer.tensor[30:32], rows[:2])
     receiver.close()
@@ -138,7 +160,9 @@ def test_copying_backend_errors(backend) -> None:
     with pytest.raises(InvalidRequestError, match="outside the 4 rows"):
         sender.send_rows("req-1", torch.zeros(3, 4), dst, 2, time.monotonic() + 10)
     with pytest.raises(InvalidRequestError, match="destination holds"):
-        sender.send_rows("req-1", torch.zeros(3, 4, dtype=torch.float16), dst, 0, time.monotonic() + 10)
+        sender.send_rows(
+            "req-1", torch.zeros(3, 4, dtype=torch.float16), dst, 0, time.monotonic() + 10
+        )
     with pytest.raises(DeadlineExceededError):
         sender.send_rows("req-1", torch.zeros(3, 4), dst, 0, time.monotonic() - 1)
     receiver.close()
@@ -191,7 +215,9 @@ def sender_main(dst_bytes: bytes, deadline_s: float, result_queue, staging_rows:
     dst = msgspec.msgpack.decode(dst_bytes, type=EmbeddingDestination)
     sender = MooncakeEmbeddingSender(staging_rows=staging_rows)
     try:
-        result = sender.send_runs("req-1", source_rows(seed=1), RUNS, dst, time.monotonic() + deadline_s)
+        result = sender.send_runs(
+            "req-1", source_rows(seed=1), RUNS, dst, time.monotonic() + deadline_s
+        )
         result_queue.put(("ok", result.num_descriptors, result.num_bytes))
     except StageServeError as exc:
         result_queue.put((type(exc).__name__, exc.message, 0))
@@ -262,13 +288,17 @@ def test_host_only_mooncake_keeps_registered_rows_in_host_memory(monkeypatch) ->
 
     assert not kv_transfer.mooncake_moves_device_memory()  # this machine has the -non-cuda build
     gpu = torch.device("cuda", 0)
-    gpu_rows = torch.empty(2, HIDDEN, device="meta")  # stands for rows on a GPU: only its device is read
+    gpu_rows = torch.empty(
+        2, HIDDEN, device="meta"
+    )  # stands for rows on a GPU: only its device is read
     stage = embeddings_mooncake.MooncakeEmbeddingSender._staging_device
     receiver = embeddings_mooncake.MooncakeEmbeddingReceiver()
     try:
         assert receiver.buffer_device(gpu) == torch.device("cpu")  # prefill's buffer: host memory
         assert stage(gpu_rows) == torch.device("cpu")  # the encoder stages GPU rows on the host
-        monkeypatch.setattr(embeddings_mooncake, "mooncake_moves_device_memory", lambda: True)  # CUDA build
+        monkeypatch.setattr(
+            embeddings_mooncake, "mooncake_moves_device_memory", lambda: True
+        )  # CUDA build
         assert receiver.buffer_device(gpu) == gpu
         assert stage(gpu_rows) == gpu_rows.device
     finally:

@@ -21,7 +21,11 @@ import torch
 import torch.multiprocessing as mp
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
-from services.transfer import create_embedding_receiver, create_embedding_sender, embeddings_cuda_ipc
+from services.transfer import (
+    create_embedding_receiver,
+    create_embedding_sender,
+    embeddings_cuda_ipc,
+)
 from services.transfer.cuda_ipc_backend import IpcPool
 from services.transfer.cuda_ipc_backend import encode_session_id as encode_kv_session_id
 from services.transfer.cuda_ipc_memory import IpcBuffer, OwnerProcess
@@ -40,30 +44,53 @@ BUF = IpcBuffer(b"\x00\x01" * 32, NUM_ROWS * HIDDEN * 2, 512, b"/torch_123_4", 7
 
 
 def _exported(**changes) -> IpcRows:
-    rows = IpcRows("GPU-abc", NUM_ROWS, HIDDEN, "bfloat16", 0x7F0000, OwnerProcess.this_process(), BUF)
+    rows = IpcRows(
+        "GPU-abc", NUM_ROWS, HIDDEN, "bfloat16", 0x7F0000, OwnerProcess.this_process(), BUF
+    )
     return msgspec.structs.replace(rows, **changes)
 
 
-def _destination(exported: IpcRows, start: int = WINDOW[0], num_rows: int = WINDOW[1]) -> EmbeddingDestination:
+def _destination(
+    exported: IpcRows, start: int = WINDOW[0], num_rows: int = WINDOW[1]
+) -> EmbeddingDestination:
     return EmbeddingDestination(
-        "cuda_ipc", "", encode_session_id(exported), 0, exported.base_address + start * HIDDEN * 2,
-        num_rows, HIDDEN * 2, HIDDEN, "bfloat16",
+        "cuda_ipc",
+        "",
+        encode_session_id(exported),
+        0,
+        exported.base_address + start * HIDDEN * 2,
+        num_rows,
+        HIDDEN * 2,
+        HIDDEN,
+        "bfloat16",
     )
 
 
 def test_session_id_round_trips_and_rejects_what_it_did_not_make():
     assert decode_session_id(encode_session_id(_exported())) == _exported()
     kv = encode_kv_session_id(IpcPool("GPU-abc", (1, 2, 3, 4, 5), "bfloat16", BUF, BUF))
-    for bad in ("shm:stageserve-emb-1@0", "cuda-ipc-rows:not base64!", "cuda-ipc-rows:QUJD", kv,
-                "cuda-ipc-rows:" + kv.removeprefix("cuda-ipc:")):
+    for bad in (
+        "shm:stageserve-emb-1@0",
+        "cuda-ipc-rows:not base64!",
+        "cuda-ipc-rows:QUJD",
+        kv,
+        "cuda-ipc-rows:" + kv.removeprefix("cuda-ipc:"),
+    ):
         with pytest.raises(InvalidRequestError, match="CUDA IPC embedding destination"):
             decode_session_id(bad)
     for changes, problem in [
-        ({"num_rows": 0}, "shape"), ({"hidden_size": -1}, "shape"), ({"dtype": "int64"}, "dtype 'int64'"),
+        ({"num_rows": 0}, "shape"),
+        ({"hidden_size": -1}, "shape"),
+        ({"dtype": "int64"}, "dtype 'int64'"),
         ({"base_address": -4}, "negative address"),
-        ({"buffer": msgspec.structs.replace(BUF, storage_size_bytes=100)}, "100 bytes exported for 64 rows"),
+        (
+            {"buffer": msgspec.structs.replace(BUF, storage_size_bytes=100)},
+            "100 bytes exported for 64 rows",
+        ),
     ]:
-        with pytest.raises(InvalidRequestError, match=f"malformed CUDA IPC embedding destination: .*{problem}"):
+        with pytest.raises(
+            InvalidRequestError, match=f"malformed CUDA IPC embedding destination: .*{problem}"
+        ):
             decode_session_id(encode_session_id(_exported(**changes)))
 
 
@@ -71,7 +98,9 @@ def test_registry_builds_both_ends_and_a_host_buffer_is_refused():
     assert isinstance(create_embedding_sender("cuda_ipc"), CudaIpcEmbeddingSender)
     receiver = create_embedding_receiver("cuda_ipc", cp_rank=1)
     assert isinstance(receiver, CudaIpcEmbeddingReceiver) and receiver.cp_rank == 1
-    with pytest.raises(ValueError, match="needs a CUDA buffer \\(prefill on a GPU\\), got one on cpu"):
+    with pytest.raises(
+        ValueError, match="needs a CUDA buffer \\(prefill on a GPU\\), got one on cpu"
+    ):
         receiver.register(EmbeddingBuffer(NUM_ROWS, HIDDEN, torch.bfloat16))
 
 
@@ -82,7 +111,9 @@ def test_sender_refuses_before_touching_cuda():
     with pytest.raises(InvalidRequestError, match="a shm destination for the cuda_ipc sender"):
         sender.send_runs("r", rows, RUNS, msgspec.structs.replace(dst, backend="shm"), deadline)
     with pytest.raises(InvalidRequestError, match="malformed CUDA IPC embedding destination"):
-        sender.send_runs("r", rows, RUNS, msgspec.structs.replace(dst, session_id="cuda-ipc-rows:QUJD"), deadline)
+        sender.send_runs(
+            "r", rows, RUNS, msgspec.structs.replace(dst, session_id="cuda-ipc-rows:QUJD"), deadline
+        )
     with pytest.raises(InvalidRequestError, match="sends rows from a GPU, got rows on cpu"):
         sender.send_runs("r", rows, RUNS, dst, deadline)
     with pytest.raises(InvalidRequestError, match="outside the 32 rows allocated"):
@@ -98,7 +129,9 @@ def test_an_owner_is_gone_once_its_process_exited():
     assert not me.has_exited()
     assert msgspec.structs.replace(me, pid=child.pid).has_exited()  # or a new process under its pid
     assert msgspec.structs.replace(me, start_time=me.start_time + 1).has_exited()  # the pid reused
-    assert not msgspec.structs.replace(me, pid=child.pid, pid_namespace=me.pid_namespace + 1).has_exited()
+    assert not msgspec.structs.replace(
+        me, pid=child.pid, pid_namespace=me.pid_namespace + 1
+    ).has_exited()
 
 
 def test_sender_maps_each_buffer_once_and_checks_each_window(monkeypatch):
@@ -106,7 +139,9 @@ def test_sender_maps_each_buffer_once_and_checks_each_window(monkeypatch):
 
     def fake_open(exported, device):  # CPU stand-in for mapping prefill's buffer over CUDA IPC
         opened.append(exported.device_uuid)
-        return torch.arange(exported.num_rows).repeat_interleave(exported.hidden_size).view(-1, HIDDEN)
+        return (
+            torch.arange(exported.num_rows).repeat_interleave(exported.hidden_size).view(-1, HIDDEN)
+        )
 
     monkeypatch.setattr(embeddings_cuda_ipc, "_open", fake_open)
     sender, cpu = CudaIpcEmbeddingSender(max_peers=2), torch.device("cpu")
@@ -114,27 +149,42 @@ def test_sender_maps_each_buffer_once_and_checks_each_window(monkeypatch):
     for name in ("gpu-a", "gpu-b", "gpu-a", "gpu-c", "gpu-a", "gpu-b"):
         window = sender._window("r", _destination(buffers[name]), buffers[name], cpu)
         assert window.shape == (WINDOW[1], HIDDEN) and window[0, 0] == WINDOW[0]  # rows [8, 40)
-    assert opened == ["gpu-a", "gpu-b", "gpu-c", "gpu-b"]  # c evicted b (least recently used), b evicted c
+    assert opened == [
+        "gpu-a",
+        "gpu-b",
+        "gpu-c",
+        "gpu-b",
+    ]  # c evicted b (least recently used), b evicted c
     exported = buffers["gpu-a"]
     with pytest.raises(InvalidRequestError, match="do not match the exported buffer"):
-        sender._window("r", msgspec.structs.replace(_destination(exported), hidden_size=8), exported, cpu)
+        sender._window(
+            "r", msgspec.structs.replace(_destination(exported), hidden_size=8), exported, cpu
+        )
     for start, num_rows in ((NUM_ROWS - 4, 8), (-1, 4)):
         with pytest.raises(InvalidRequestError, match="is not inside the exported 64-row buffer"):
             sender._window("r", _destination(exported, start, num_rows), exported, cpu)
-    gone = _exported(device_uuid="gpu-d", owner=msgspec.structs.replace(exported.owner, start_time=-1))
+    gone = _exported(
+        device_uuid="gpu-d", owner=msgspec.structs.replace(exported.owner, start_time=-1)
+    )
     sender._window("r", _destination(gone), gone, cpu)
-    sender._window("r", _destination(buffers["gpu-c"]), buffers["gpu-c"], cpu)  # a new buffer drops gpu-d's
-    assert [key[0] for key in sender._peers] == [_destination(b).session_id for b in (buffers["gpu-b"],
-                                                                                       buffers["gpu-c"])]
+    sender._window(
+        "r", _destination(buffers["gpu-c"]), buffers["gpu-c"], cpu
+    )  # a new buffer drops gpu-d's
+    assert [key[0] for key in sender._peers] == [
+        _destination(b).session_id for b in (buffers["gpu-b"], buffers["gpu-c"])
+    ]
 
 
 # --- two processes on GPUs --------------------------------------------------------------
+
 
 def _source_rows() -> torch.Tensor:
     return torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
 
 
-def _prefill(device_index: int, to_encoder: mp.Queue, from_encoder: mp.Queue, out: mp.Queue) -> None:
+def _prefill(
+    device_index: int, to_encoder: mp.Queue, from_encoder: mp.Queue, out: mp.Queue
+) -> None:
     faulthandler.dump_traceback_later(100, exit=True)
     gpu = EmbeddingBuffer(NUM_ROWS, HIDDEN, torch.bfloat16, torch.device("cuda", device_index))
     host = EmbeddingBuffer(NUM_ROWS, HIDDEN, torch.bfloat16)
@@ -147,13 +197,21 @@ def _prefill(device_index: int, to_encoder: mp.Queue, from_encoder: mp.Queue, ou
     touched = torch.zeros(NUM_ROWS, dtype=torch.bool)
     for _, dst_row, num_rows in RUNS:
         touched[WINDOW[0] + dst_row : WINDOW[0] + dst_row + num_rows] = True
-    out.put((written, torch.equal(rows, host.tensor), bool(rows[touched].ne(0).any()),
-             bool(rows[~touched].eq(0).all())))
+    out.put(
+        (
+            written,
+            torch.equal(rows, host.tensor),
+            bool(rows[touched].ne(0).any()),
+            bool(rows[~touched].eq(0).all()),
+        )
+    )
     for receiver in receivers:
         receiver.close()
 
 
-def _encoder_sends(dsts: list[EmbeddingDestination], go_on: mp.Queue, from_encoder: mp.Queue) -> list[str]:
+def _encoder_sends(
+    dsts: list[EmbeddingDestination], go_on: mp.Queue, from_encoder: mp.Queue
+) -> list[str]:
     rows = _source_rows().to("cuda:0")
     sender, seen = CudaIpcEmbeddingSender(), []
     ipc, shm = dsts
@@ -164,7 +222,9 @@ def _encoder_sends(dsts: list[EmbeddingDestination], go_on: mp.Queue, from_encod
     exported = decode_session_id(ipc.session_id)
     bogus = msgspec.structs.replace(exported.buffer, handle=bytes(len(exported.buffer.handle)))
     bogus_id = encode_session_id(msgspec.structs.replace(exported, buffer=bogus))
-    cases.append((msgspec.structs.replace(ipc, session_id=bogus_id), UnavailableError, "unmappable"))
+    cases.append(
+        (msgspec.structs.replace(ipc, session_id=bogus_id), UnavailableError, "unmappable")
+    )
     for dst, error, name in cases:
         try:
             sender.send_runs("r", rows, RUNS, dst, time.monotonic() + 30)
@@ -175,12 +235,16 @@ def _encoder_sends(dsts: list[EmbeddingDestination], go_on: mp.Queue, from_encod
     except DeadlineExceededError:
         seen.append("deadline")
     ipc_result = sender.send_runs("r", rows, RUNS, ipc, time.monotonic() + 30)
-    shm_result = create_embedding_sender("shm").send_runs("r", rows, RUNS, shm, time.monotonic() + 30)
+    shm_result = create_embedding_sender("shm").send_runs(
+        "r", rows, RUNS, shm, time.monotonic() + 30
+    )
     from_encoder.put((ipc_result.num_bytes, ipc_result.num_descriptors, shm_result.num_bytes))
     go_on.get(timeout=90)  # prefill exited
     for fresh in (False, True):
         try:
-            (CudaIpcEmbeddingSender() if fresh else sender).send_runs("r", rows, RUNS, ipc, time.monotonic() + 30)
+            (CudaIpcEmbeddingSender() if fresh else sender).send_runs(
+                "r", rows, RUNS, ipc, time.monotonic() + 30
+            )
         except UnavailableError as exc:
             seen.append(f"gone: {exc}")
     return seen
@@ -188,7 +252,9 @@ def _encoder_sends(dsts: list[EmbeddingDestination], go_on: mp.Queue, from_encod
 
 def _encoder(to_encoder: mp.Queue, from_encoder: mp.Queue, go_on: mp.Queue, out: mp.Queue) -> None:
     faulthandler.dump_traceback_later(100, exit=True)
-    dsts = [msgspec.msgpack.decode(raw, type=EmbeddingDestination) for raw in to_encoder.get(timeout=90)]
+    dsts = [
+        msgspec.msgpack.decode(raw, type=EmbeddingDestination) for raw in to_encoder.get(timeout=90)
+    ]
     try:
         out.put(_encoder_sends(dsts, go_on, from_encoder))
     except BaseException:  # report it at once: prefill must not wait for rows that never come
@@ -203,8 +269,9 @@ def test_encoder_process_writes_the_shm_paths_rows_into_a_prefill_gpu_buffer():
         pytest.skip("needs CUDA")
     ctx = mp.get_context("spawn")
     to_encoder, from_encoder, go_on, prefill_out, encoder_out = (ctx.Queue() for _ in range(5))
-    prefill = ctx.Process(target=_prefill,
-                          args=(torch.cuda.device_count() - 1, to_encoder, from_encoder, prefill_out))
+    prefill = ctx.Process(
+        target=_prefill, args=(torch.cuda.device_count() - 1, to_encoder, from_encoder, prefill_out)
+    )
     encoder = ctx.Process(target=_encoder, args=(to_encoder, from_encoder, go_on, encoder_out))
     prefill.start()
     encoder.start()

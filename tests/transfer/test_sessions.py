@@ -4,7 +4,12 @@ import time
 import pytest
 import torch
 
-from services.common.errors import AbortedError, DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.common.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.transfer import TransferSessionManager, TransferState, create_kv_receiver
 from services.transfer.inprocess_backend import InProcessFabric

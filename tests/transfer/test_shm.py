@@ -57,12 +57,15 @@ def segment_path(session_id: str) -> str:
 def pages_landed(dst: KVPool, before: tuple[torch.Tensor, torch.Tensor], src: KVPool) -> bool:
     """Every source page of every layer in its destination page; every other page unchanged."""
     landed = all(
-        same(dst.k_buffer[:, d], src.k_buffer[:, s]) and same(dst.v_buffer[:, d], src.v_buffer[:, s])
+        same(dst.k_buffer[:, d], src.k_buffer[:, s])
+        and same(dst.v_buffer[:, d], src.v_buffer[:, s])
         for s, d in zip(SRC_PAGES, DST_PAGES, strict=True)
     )
     others = [p for p in range(dst.num_pages) if p not in DST_PAGES]
-    return landed and same(dst.k_buffer[:, others], before[0][:, others]) and same(
-        dst.v_buffer[:, others], before[1][:, others]
+    return (
+        landed
+        and same(dst.k_buffer[:, others], before[0][:, others])
+        and same(dst.v_buffer[:, others], before[1][:, others])
     )
 
 
@@ -70,7 +73,9 @@ def source_rows(dtype: torch.dtype, seed: int) -> torch.Tensor:
     return fill(torch.empty(11, HIDDEN, dtype=dtype), seed)  # [11, HIDDEN]
 
 
-def rows_landed(buffer: EmbeddingBuffer, start: int, before: torch.Tensor, rows: torch.Tensor) -> bool:
+def rows_landed(
+    buffer: EmbeddingBuffer, start: int, before: torch.Tensor, rows: torch.Tensor
+) -> bool:
     got = buffer.tensor
     landed = all(same(got[start + d : start + d + n], rows[s : s + n]) for s, d, n in ROW_RUNS)
     written = {start + d + i for _, d, n in ROW_RUNS for i in range(n)}
@@ -85,10 +90,20 @@ def sender_main(kv_dst: bytes, emb_dst: bytes, dtype_name: str, results) -> None
     dtype = getattr(torch, dtype_name)
     kv_sender, emb_sender = ShmKVSender(), ShmEmbeddingSender()
     deadline = time.monotonic() + WAIT_S
-    kv = kv_sender.send("req-1", make_pool(32, dtype, seed=1), SRC_PAGES,
-                        msgspec.msgpack.decode(kv_dst, type=KvDestination), deadline)
-    emb = emb_sender.send_runs("req-1", source_rows(dtype, seed=3), ROW_RUNS,
-                               msgspec.msgpack.decode(emb_dst, type=EmbeddingDestination), deadline)
+    kv = kv_sender.send(
+        "req-1",
+        make_pool(32, dtype, seed=1),
+        SRC_PAGES,
+        msgspec.msgpack.decode(kv_dst, type=KvDestination),
+        deadline,
+    )
+    emb = emb_sender.send_runs(
+        "req-1",
+        source_rows(dtype, seed=3),
+        ROW_RUNS,
+        msgspec.msgpack.decode(emb_dst, type=EmbeddingDestination),
+        deadline,
+    )
     results.put((kv.num_descriptors, kv.num_bytes, emb.num_descriptors, emb.num_bytes))
 
 
@@ -103,7 +118,9 @@ def test_another_process_writes_kv_pages_and_rows_byte_exact(dtype) -> None:
     try:
         kv_receiver.register(pool)
         emb_receiver.register(buffer)
-        assert same(pool.k_buffer, before_kv[0]) and same(buffer.tensor, before_rows)  # kept by the move
+        assert same(pool.k_buffer, before_kv[0]) and same(
+            buffer.tensor, before_rows
+        )  # kept by the move
         kv_dst = msgspec.msgpack.encode(kv_receiver.destination("req-1", DST_PAGES))
         emb_dst = msgspec.msgpack.encode(emb_receiver.destination("req-1", 30, 30))
         ctx = mp.get_context("spawn")
@@ -115,7 +132,12 @@ def test_another_process_writes_kv_pages_and_rows_byte_exact(dtype) -> None:
         process.join(timeout=WAIT_S)
         assert process.exitcode == 0
         page_bytes = pool.page_nbytes
-        assert counts == (4 * 2, len(SRC_PAGES) * 4 * 2 * page_bytes, 2, 11 * HIDDEN * dtype.itemsize)
+        assert counts == (
+            4 * 2,
+            len(SRC_PAGES) * 4 * 2 * page_bytes,
+            2,
+            11 * HIDDEN * dtype.itemsize,
+        )
         assert pages_landed(pool, before_kv, make_pool(32, dtype, seed=1))
         assert rows_landed(buffer, 30, before_rows, source_rows(dtype, seed=3))
     finally:
@@ -145,7 +167,9 @@ def test_pages_land_across_runs_and_layers(kv_pair) -> None:
     assert pages_landed(pool, before, src)
     k_addr, k_bytes = pool.memory_regions()[0]
     v_addr, _ = pool.memory_regions()[1]
-    assert decode_session_id(receiver.session_id).base_address == k_addr and v_addr == k_addr + k_bytes
+    assert (
+        decode_session_id(receiver.session_id).base_address == k_addr and v_addr == k_addr + k_bytes
+    )
 
 
 def test_segment_is_owner_only_with_an_unguessable_name(kv_pair) -> None:
@@ -161,7 +185,9 @@ def test_segment_is_owner_only_with_an_unguessable_name(kv_pair) -> None:
         assert info.st_size == 2 * 4 * 4 * 4 * 2 * 8 * 4  # K and V: [4, 4, 4, 2, 8] fp32 each
         names = [decode_session_id(r.session_id).name for r in (receiver, other)]
         tokens = [NAME_RE.fullmatch(name).group(5) for name in names]
-        assert all(len(token) == 32 for token in tokens) and tokens[0] != tokens[1]  # 128 random bits
+        assert (
+            all(len(token) == 32 for token in tokens) and tokens[0] != tokens[1]
+        )  # 128 random bits
     finally:
         other.close()
 
@@ -190,7 +216,9 @@ def test_another_user_cannot_open_the_segment(kv_pair) -> None:
 def test_a_name_taken_in_advance_is_not_reused(monkeypatch) -> None:
     planted = shm_memory.new_name("kv")
     path = os.path.join(SHM_DIR, planted)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)  # someone created the name first
+    fd = os.open(
+        path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644
+    )  # someone created the name first
     os.close(fd)
     monkeypatch.setattr(shm_memory, "new_name", lambda kind: planted)
     try:
@@ -228,7 +256,10 @@ def test_peer_refuses_files_that_are_not_an_owners_segment() -> None:
         os.unlink(path)
     assert len(peers) == 0
     bad_ids = (
-        "shm:../../etc/passwd@0", "shm:stageserve-kv-1-2-3-x@0", "127.0.0.1:15000", "shm:stageserve-kv@zz",
+        "shm:../../etc/passwd@0",
+        "shm:stageserve-kv-1-2-3-x@0",
+        "127.0.0.1:15000",
+        "shm:stageserve-kv@zz",
     )
     for bad in bad_ids:
         with pytest.raises(InvalidRequestError, match="not a shared-memory transfer destination"):
@@ -244,9 +275,13 @@ def test_close_unlinks_and_senders_then_fail_unavailable(kv_pair) -> None:
     sender.send("req-1", src, [2], dst, time.monotonic() + WAIT_S)  # mapped now
     path = segment_path(receiver.session_id)
     released: list[str] = []
-    receiver.open_session("req-2", [3], time.monotonic() + WAIT_S, lambda rid, _: released.append(rid))
+    receiver.open_session(
+        "req-2", [3], time.monotonic() + WAIT_S, lambda rid, _: released.append(rid)
+    )
     receiver.close()
-    assert not os.path.exists(path) and released == ["req-2"]  # live sessions aborted, pages released
+    assert not os.path.exists(path) and released == [
+        "req-2"
+    ]  # live sessions aborted, pages released
     pool.k_buffer[:, 5] = 1.0  # decode's own mapping stays valid while it shuts down
     with pytest.raises(UnavailableError, match="was closed by its owner"):
         sender.send("req-1", src, [2], dst, time.monotonic() + WAIT_S)
@@ -273,7 +308,9 @@ def test_deadline_and_destination_checks(kv_pair) -> None:
     with pytest.raises(InvalidRequestError, match="does not match the shared pool"):
         sender.send("req-1", src, [0, 1], replace(dst, layout=moved), time.monotonic() + WAIT_S)
     with pytest.raises(InvalidRequestError, match="a inprocess destination for the shm sender"):
-        sender.send("req-1", src, [0, 1], replace(dst, backend="inprocess"), time.monotonic() + WAIT_S)
+        sender.send(
+            "req-1", src, [0, 1], replace(dst, backend="inprocess"), time.monotonic() + WAIT_S
+        )
     assert same(pool.k_buffer, before)
 
 
@@ -331,7 +368,9 @@ def test_rows_land_in_the_window_and_tampered_windows_are_refused() -> None:
     finally:
         receiver.close()
     assert not os.path.exists(path)
-    with pytest.raises(UnavailableError, match="prefill's embedding buffer .* was closed by its owner"):
+    with pytest.raises(
+        UnavailableError, match="prefill's embedding buffer .* was closed by its owner"
+    ):
         sender.send_rows("req-1", rows, dst, 0, time.monotonic() + WAIT_S)
 
 
@@ -384,8 +423,12 @@ def test_an_owner_that_exits_or_is_killed_leaves_no_file() -> None:
 def test_sweep_removes_only_files_of_owners_that_no_longer_run() -> None:
     live = ShmSegment("kv", 4096, "a test segment")
     kind, namespace, pid, start, token = NAME_RE.fullmatch(live.name).groups()
-    stale = f"stageserve-{kind}-{namespace}-{pid}-{int(start) + 1}-{token}"  # this pid, another process
-    foreign = f"stageserve-{kind}-{int(namespace) + 1}-{pid}-0-{token}"  # a pid of another namespace
+    stale = (
+        f"stageserve-{kind}-{namespace}-{pid}-{int(start) + 1}-{token}"  # this pid, another process
+    )
+    foreign = (
+        f"stageserve-{kind}-{int(namespace) + 1}-{pid}-0-{token}"  # a pid of another namespace
+    )
     for name in (stale, foreign):
         os.close(os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     try:
@@ -409,4 +452,6 @@ def test_a_forked_child_does_not_unlink_its_parents_segment() -> None:
         assert os.path.exists(segment.path)
     finally:
         segment.close()
-    assert not os.path.exists(segment.path) and not pid_running(segment.reaper_pid)  # reaper waited for
+    assert not os.path.exists(segment.path) and not pid_running(
+        segment.reaper_pid
+    )  # reaper waited for

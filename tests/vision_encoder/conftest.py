@@ -131,7 +131,11 @@ class Prefill:
     unless ``backend`` names another (cuda_ipc: on ``device``)."""
 
     def __init__(
-        self, hidden_size: int, num_rows: int = 4096, dtype=torch.float32, backend: str = "shm",
+        self,
+        hidden_size: int,
+        num_rows: int = 4096,
+        dtype=torch.float32,
+        backend: str = "shm",
         device: str = "cpu",
     ) -> None:
         self.receiver = create_embedding_receiver(backend)

@@ -39,7 +39,10 @@ async def test_two_ranks_on_one_gpu_write_one_ranks_rows(image_processor) -> Non
 async def test_cuda_ipc_rows_equal_the_shm_rows(image_processor) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    images = [image_bytes(w, h, seed=950 + i) for i, (w, h) in enumerate([(640, 480), (56, 56), (300, 97)])]
+    images = [
+        image_bytes(w, h, seed=950 + i)
+        for i, (w, h) in enumerate([(640, 480), (56, 56), (300, 97)])
+    ]
     spans = spans_for(image_processor, images)
     num_rows = sum(s.span.length for s in spans)
     rows = {}
@@ -49,7 +52,12 @@ async def test_cuda_ipc_rows_equal_the_shm_rows(image_processor) -> None:
             results = await enc.encode("gpu", spans, prefill.destination("gpu", 1, num_rows))
             assert [r.is_cache_hit for r in results] == [False] * 3
             assert prefill.buffer.tensor.device.type == device.split(":")[0]
-            rows[backend] = prefill.buffer.tensor.cpu()  # row 0 and the rows after the window: unwritten
+            rows[backend] = (
+                prefill.buffer.tensor.cpu()
+            )  # row 0 and the rows after the window: unwritten
     assert torch.equal(rows["cuda_ipc"][1 : 1 + num_rows], rows["shm"][1 : 1 + num_rows])
     assert not torch.isnan(rows["cuda_ipc"][1 : 1 + num_rows]).any()
-    assert torch.isnan(rows["cuda_ipc"][0]).all() and torch.isnan(rows["cuda_ipc"][1 + num_rows :]).all()
+    assert (
+        torch.isnan(rows["cuda_ipc"][0]).all()
+        and torch.isnan(rows["cuda_ipc"][1 + num_rows :]).all()
+    )

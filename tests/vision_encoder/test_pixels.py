@@ -83,7 +83,9 @@ def test_the_pixel_method_flag_reaches_the_rank_worker(vision_model, image_proce
     assert init.pixel_method == "torch"
     sender = InProcessEmbeddingSender(EmbeddingFabric())
     cache = EmbeddingCacheManager(1 << 20)
-    worker = EncoderWorker(0, vision_model, image_processor, cache, sender, 1 << 20, init.pixel_method)
+    worker = EncoderWorker(
+        0, vision_model, image_processor, cache, sender, 1 << 20, init.pixel_method
+    )
     assert worker.pixel_method is PixelMethod.TORCH  # on a CPU rank, where auto is PIL
     with pytest.raises(SystemExit):
         parse_args(["--pixel-method", "numpy"])

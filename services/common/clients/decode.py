@@ -176,8 +176,14 @@ def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
     from services.common.errors import InvalidRequestError
 
     kinds = sorted(_BUFFER_KIND_NAMES.get(b.kind, "?") for b in message.buffers)
-    if kinds != ["k", "v"] or message.page_size == 0 or any(b.page_stride_bytes == 0 for b in message.buffers):
-        raise InvalidRequestError("kv_ref must carry one K and one V buffer and a page size", param="kv_ref")
+    if (
+        kinds != ["k", "v"]
+        or message.page_size == 0
+        or any(b.page_stride_bytes == 0 for b in message.buffers)
+    ):
+        raise InvalidRequestError(
+            "kv_ref must carry one K and one V buffer and a page size", param="kv_ref"
+        )
     return KvRefInfo(
         request_id=message.request_id,
         backend=message.backend,
@@ -206,7 +212,14 @@ def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
     )
 
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -231,9 +244,11 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
     optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens")
     values = {name: getattr(message, name) for name in optional if message.HasField(name)}
     return SamplingParams(
-        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
-        min_tokens=message.min_tokens, logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
-        **values
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        min_tokens=message.min_tokens,
+        logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
+        **values,
     )
 
 
@@ -258,7 +273,10 @@ class DecodeChunk(msgspec.Struct, frozen=True):
 
 def stream_error_to_proto(error: StageServeError) -> decode_pb2.StreamError:
     return decode_pb2.StreamError(
-        code=error.grpc_code, error_type=type(error).__name__, message=error.message, param=error.param or ""
+        code=error.grpc_code,
+        error_type=type(error).__name__,
+        message=error.message,
+        param=error.param or "",
     )
 
 
@@ -271,7 +289,9 @@ def stream_error_from_proto(message: decode_pb2.StreamError) -> StageServeError:
 
 
 def _usage_from_proto(message: common_pb2.Usage) -> Usage:
-    return Usage(message.num_prompt_tokens, message.num_completion_tokens, message.num_cached_image_tokens)
+    return Usage(
+        message.num_prompt_tokens, message.num_completion_tokens, message.num_cached_image_tokens
+    )
 
 
 Queued = DecodeChunk | StageServeError
@@ -300,7 +320,9 @@ class _TokenStream:
 
     def open(self, request_id: str) -> asyncio.Queue[Queued]:
         if request_id in self._queues:
-            raise InvalidRequestError(f"generate already started for {request_id}", param="request_id")
+            raise InvalidRequestError(
+                f"generate already started for {request_id}", param="request_id"
+            )
         queue: asyncio.Queue[Queued] = asyncio.Queue()
         self._queues[request_id] = queue
         return queue
@@ -430,7 +452,9 @@ class DecodeClient:
         )
         try:
             reply = await self._stub.Reserve(
-                request, timeout=min(remaining_s, self._timeout_s), metadata=self._metadata(request_id)
+                request,
+                timeout=min(remaining_s, self._timeout_s),
+                metadata=self._metadata(request_id),
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, service="decode") from exc
@@ -455,8 +479,11 @@ class DecodeClient:
         queue = tokens.open(request_id)
         deadline = asyncio.get_running_loop().time() + timeout_s
         start = decode_pb2.DecodeGenerateRequest(
-            request_id=request_id, first_token_id=first_token_id, kv_written_proof=kv_written_proof,
-            deadline_unix_ms=int((time.time() + timeout_s) * 1000), **_trace_fields(),
+            request_id=request_id,
+            first_token_id=first_token_id,
+            kv_written_proof=kv_written_proof,
+            deadline_unix_ms=int((time.time() + timeout_s) * 1000),
+            **_trace_fields(),
         )
         tokens.send(decode_pb2.DecodeStreamRequest(generate=start))
         is_done = False
@@ -466,7 +493,9 @@ class DecodeClient:
                     async with asyncio.timeout_at(deadline):
                         item = await queue.get()
                 except TimeoutError:
-                    raise DeadlineExceededError(f"{request_id}: decode did not finish within {timeout_s:g} s") from None
+                    raise DeadlineExceededError(
+                        f"{request_id}: decode did not finish within {timeout_s:g} s"
+                    ) from None
                 if isinstance(item, StageServeError):
                     is_done = True
                     raise item
@@ -475,19 +504,27 @@ class DecodeClient:
         finally:
             tokens.forget(request_id)
             if not is_done:
-                abort = decode_pb2.AbortRequest(request_id=request_id, reason="the caller left", is_kv_written=True)
+                abort = decode_pb2.AbortRequest(
+                    request_id=request_id, reason="the caller left", is_kv_written=True
+                )
                 tokens.send(decode_pb2.DecodeStreamRequest(abort=abort))
 
-    async def abort(self, request_id: str, reason: str = "", *, is_kv_written: bool = False) -> bool:
+    async def abort(
+        self, request_id: str, reason: str = "", *, is_kv_written: bool = False
+    ) -> bool:
         """Abort ``request_id`` wherever it is (idempotent); True when it was live.
 
         ``is_kv_written``: prefill returned successfully for this request, so no late KV
         write can land and decode frees a reservation's pages at once instead of
         quarantining them.
         """
-        request = decode_pb2.AbortRequest(request_id=request_id, reason=reason, is_kv_written=is_kv_written)
+        request = decode_pb2.AbortRequest(
+            request_id=request_id, reason=reason, is_kv_written=is_kv_written
+        )
         try:
-            reply = await self._stub.Abort(request, timeout=self._timeout_s, metadata=self._metadata(request_id))
+            reply = await self._stub.Abort(
+                request, timeout=self._timeout_s, metadata=self._metadata(request_id)
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, service="decode") from exc
         return reply.is_found
@@ -495,7 +532,9 @@ class DecodeClient:
     async def stats(self) -> DecodeStats:
         try:
             reply = await self._stub.Stats(
-                decode_pb2.StatsRequest(), timeout=self._timeout_s, metadata=telemetry.inject_metadata()
+                decode_pb2.StatsRequest(),
+                timeout=self._timeout_s,
+                metadata=telemetry.inject_metadata(),
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, service="decode") from exc

@@ -70,7 +70,9 @@ class PrefillClient:
         """
         timeout_s = deadline_s - time.time()
         if timeout_s <= 0:
-            raise DeadlineExceededError(f"prefill of {request_id} not sent: its deadline has passed")
+            raise DeadlineExceededError(
+                f"prefill of {request_id} not sent: its deadline has passed"
+            )
         request = prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_s)
         metadata = telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
         try:
@@ -104,7 +106,9 @@ def prefill_request_to_proto(
         request_id=request_id,
         token_ids=prompt.token_ids,
         image_spans=[span_to_proto(span) for span in prompt.spans],
-        images=[common_pb2.ImageData(content_hash=h, data=data) for h, data in prompt.images.items()],
+        images=[
+            common_pb2.ImageData(content_hash=h, data=data) for h, data in prompt.images.items()
+        ],
         sampling_params=sampling_params_to_proto(params),
         kv_ref=kv_ref_to_proto(kv_ref),
         deadline_unix_ms=int(deadline_s * 1000),
@@ -139,12 +143,19 @@ def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillR
 def span_to_proto(span: ImageSpanRef) -> common_pb2.ImageSpan:
     t, h, w = span.grid_thw
     return common_pb2.ImageSpan(
-        offset=span.offset, length=span.length, content_hash=span.content_hash, grid_t=t, grid_h=h, grid_w=w
+        offset=span.offset,
+        length=span.length,
+        content_hash=span.content_hash,
+        grid_t=t,
+        grid_h=h,
+        grid_w=w,
     )
 
 
 def span_from_proto(span: common_pb2.ImageSpan) -> ImageSpanRef:
     return ImageSpanRef(
-        offset=span.offset, length=span.length, content_hash=span.content_hash,
+        offset=span.offset,
+        length=span.length,
+        content_hash=span.content_hash,
         grid_thw=(span.grid_t, span.grid_h, span.grid_w),
     )

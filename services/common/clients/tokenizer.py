@@ -54,7 +54,10 @@ def chat_to_proto(messages: Sequence[ChatMessage]) -> common_pb2.ChatMessages:
 def prompt_from_proto(response: tokenizer_pb2.TokenizeResponse) -> TokenizedPrompt:
     spans = tuple(
         ImageSpanRef(
-            offset=s.offset, length=s.length, content_hash=s.content_hash, grid_thw=(s.grid_t, s.grid_h, s.grid_w)
+            offset=s.offset,
+            length=s.length,
+            content_hash=s.content_hash,
+            grid_thw=(s.grid_t, s.grid_h, s.grid_w),
         )
         for s in response.image_spans
     )
@@ -73,9 +76,13 @@ class DetokenizeStream:
     an ``async with`` block, or ``aclose``, without ``finish`` cancels the stream.
     """
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, options: tokenizer_pb2.DetokenizeOptions) -> None:
+    def __init__(
+        self, call: grpc.aio.StreamStreamCall, options: tokenizer_pb2.DetokenizeOptions
+    ) -> None:
         self._call = call
-        self._options: tokenizer_pb2.DetokenizeOptions | None = options  # sent with the first message
+        self._options: tokenizer_pb2.DetokenizeOptions | None = (
+            options  # sent with the first message
+        )
         self._is_done = False
 
     async def send(self, token_ids: Sequence[int]) -> str:
@@ -129,7 +136,10 @@ class DetokenizeStream:
         return self
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.aclose()
 
@@ -156,7 +166,9 @@ class TokenizerClient:
         a prompt at or over the context limit.
         """
         request = tokenizer_pb2.TokenizeRequest(
-            request_id=request_id, chat=chat_to_proto(messages), add_generation_prompt=add_generation_prompt
+            request_id=request_id,
+            chat=chat_to_proto(messages),
+            add_generation_prompt=add_generation_prompt,
         )
         return await self._tokenize(request, timeout_s)
 
@@ -164,9 +176,13 @@ class TokenizerClient:
         self, request_id: str, prompt: str, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> TokenizedPrompt:
         """Token ids of a raw prompt (no template, no images)."""
-        return await self._tokenize(tokenizer_pb2.TokenizeRequest(request_id=request_id, prompt=prompt), timeout_s)
+        return await self._tokenize(
+            tokenizer_pb2.TokenizeRequest(request_id=request_id, prompt=prompt), timeout_s
+        )
 
-    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest, timeout_s: float) -> TokenizedPrompt:
+    async def _tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, timeout_s: float
+    ) -> TokenizedPrompt:
         try:
             response = await self._stub.Tokenize(
                 request, timeout=timeout_s, metadata=_metadata(request.request_id)
@@ -184,7 +200,9 @@ class TokenizerClient:
     ) -> DetokenizeStream:
         """Open a detokenize stream for one request's output; ``timeout_s`` bounds its whole life."""
         options = tokenizer_pb2.DetokenizeOptions(
-            request_id=request_id, skip_special_tokens=skip_special_tokens, prompt_token_ids=prompt_token_ids
+            request_id=request_id,
+            skip_special_tokens=skip_special_tokens,
+            prompt_token_ids=prompt_token_ids,
         )
         call = self._stub.Detokenize(timeout=timeout_s, metadata=_metadata(request_id))
         return DetokenizeStream(call, options)

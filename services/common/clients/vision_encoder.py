@@ -31,7 +31,9 @@ class EncodeSpanInput(msgspec.Struct, frozen=True):
 
     span: ImageSpanRef
     image_data: bytes
-    dest_row: int  # first destination row (in the destination window) of the span's span.length rows
+    dest_row: (
+        int  # first destination row (in the destination window) of the span's span.length rows
+    )
 
 
 class SpanStatus(enum.Enum):
@@ -74,7 +76,9 @@ class VisionEncoderClient:
         """
         if timeout_s <= 0:
             raise DeadlineExceededError(f"encode of {request_id} not sent: no time left")
-        destinations = [destination] if isinstance(destination, EmbeddingDestination) else list(destination)
+        destinations = (
+            [destination] if isinstance(destination, EmbeddingDestination) else list(destination)
+        )
         deadline_ms = int((time.time() + timeout_s) * 1000)
         request = encode_request_to_proto(request_id, spans, destinations, deadline_ms)
         metadata = telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
@@ -101,42 +105,64 @@ _STATUS_FROM_PROTO = {v: k for k, v in _STATUS_TO_PROTO.items()}
 def image_span_to_proto(span: ImageSpanRef) -> common_pb2.ImageSpan:
     t, h, w = span.grid_thw
     return common_pb2.ImageSpan(
-        offset=span.offset, length=span.length, content_hash=span.content_hash, grid_t=t, grid_h=h, grid_w=w
+        offset=span.offset,
+        length=span.length,
+        content_hash=span.content_hash,
+        grid_t=t,
+        grid_h=h,
+        grid_w=w,
     )
 
 
 def image_span_from_proto(span: common_pb2.ImageSpan) -> ImageSpanRef:
     return ImageSpanRef(
-        offset=span.offset, length=span.length, content_hash=span.content_hash,
+        offset=span.offset,
+        length=span.length,
+        content_hash=span.content_hash,
         grid_thw=(span.grid_t, span.grid_h, span.grid_w),
     )
 
 
 def embedding_destination_to_proto(dst: EmbeddingDestination) -> common_pb2.EmbeddingRef:
     return common_pb2.EmbeddingRef(
-        backend=dst.backend, engine_address=dst.engine_address, session_id=dst.session_id,
-        cp_rank=dst.cp_rank, base_address=dst.base_address, num_rows=dst.num_rows,
-        row_stride_bytes=dst.row_stride_bytes, hidden_size=dst.hidden_size, dtype=dst.dtype,
+        backend=dst.backend,
+        engine_address=dst.engine_address,
+        session_id=dst.session_id,
+        cp_rank=dst.cp_rank,
+        base_address=dst.base_address,
+        num_rows=dst.num_rows,
+        row_stride_bytes=dst.row_stride_bytes,
+        hidden_size=dst.hidden_size,
+        dtype=dst.dtype,
     )
 
 
 def embedding_destination_from_proto(ref: common_pb2.EmbeddingRef) -> EmbeddingDestination:
     return EmbeddingDestination(
-        backend=ref.backend, engine_address=ref.engine_address or ref.session_id,
-        session_id=ref.session_id or ref.engine_address, cp_rank=ref.cp_rank, base_address=ref.base_address,
-        num_rows=ref.num_rows, row_stride_bytes=ref.row_stride_bytes, hidden_size=ref.hidden_size,
+        backend=ref.backend,
+        engine_address=ref.engine_address or ref.session_id,
+        session_id=ref.session_id or ref.engine_address,
+        cp_rank=ref.cp_rank,
+        base_address=ref.base_address,
+        num_rows=ref.num_rows,
+        row_stride_bytes=ref.row_stride_bytes,
+        hidden_size=ref.hidden_size,
         dtype=ref.dtype,
     )
 
 
 def encode_request_to_proto(
-    request_id: str, spans: Sequence[EncodeSpanInput], destinations: Sequence[EmbeddingDestination],
+    request_id: str,
+    spans: Sequence[EncodeSpanInput],
+    destinations: Sequence[EmbeddingDestination],
     deadline_unix_ms: int = 0,
 ) -> vision_encoder_pb2.EncodeRequest:
     return vision_encoder_pb2.EncodeRequest(
         request_id=request_id,
         spans=[
-            vision_encoder_pb2.EncodeSpan(span=image_span_to_proto(s.span), image_data=s.image_data, dest_row=s.dest_row)
+            vision_encoder_pb2.EncodeSpan(
+                span=image_span_to_proto(s.span), image_data=s.image_data, dest_row=s.dest_row
+            )
             for s in spans
         ],
         embedding_refs=[embedding_destination_to_proto(d) for d in destinations],
@@ -145,18 +171,26 @@ def encode_request_to_proto(
 
 
 def encode_span_from_proto(span: vision_encoder_pb2.EncodeSpan) -> EncodeSpanInput:
-    return EncodeSpanInput(span=image_span_from_proto(span.span), image_data=span.image_data, dest_row=span.dest_row)
+    return EncodeSpanInput(
+        span=image_span_from_proto(span.span), image_data=span.image_data, dest_row=span.dest_row
+    )
 
 
 def span_result_to_proto(result: SpanResult) -> vision_encoder_pb2.SpanResult:
     return vision_encoder_pb2.SpanResult(
-        content_hash=result.content_hash, status=_STATUS_TO_PROTO[result.status], is_cache_hit=result.is_cache_hit,
-        owner_rank=result.owner_rank, error_message=result.error_message,
+        content_hash=result.content_hash,
+        status=_STATUS_TO_PROTO[result.status],
+        is_cache_hit=result.is_cache_hit,
+        owner_rank=result.owner_rank,
+        error_message=result.error_message,
     )
 
 
 def span_result_from_proto(result: vision_encoder_pb2.SpanResult) -> SpanResult:
     return SpanResult(
-        content_hash=result.content_hash, status=_STATUS_FROM_PROTO.get(result.status, SpanStatus.FAILED),
-        is_cache_hit=result.is_cache_hit, owner_rank=result.owner_rank, error_message=result.error_message,
+        content_hash=result.content_hash,
+        status=_STATUS_FROM_PROTO.get(result.status, SpanStatus.FAILED),
+        is_cache_hit=result.is_cache_hit,
+        owner_rank=result.owner_rank,
+        error_message=result.error_message,
     )

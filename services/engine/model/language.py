@@ -44,8 +44,12 @@ class DecoderAttention(nn.Module):
             qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        kv_store = attn.kv_store_target(self.layer_id)  # set: K/V go to the pool inside the rotary kernel
-        q, k, v = ops.rotary_qk(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_store)
+        kv_store = attn.kv_store_target(
+            self.layer_id
+        )  # set: K/V go to the pool inside the rotary kernel
+        q, k, v = ops.rotary_qk(
+            qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_store
+        )
         out = attn.forward(self.layer_id, q, k, v, kv_stored=kv_store is not None)
         out = out.reshape(n, self.num_heads * self.head_dim)  # n may be 0: a CP rank with no tokens
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)

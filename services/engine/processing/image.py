@@ -48,12 +48,19 @@ _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width an
 _PNG_SIGNATURE_LEN = 8
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # read only on a full decode after IDAT
 # PIL filters with a torch twin (antialias=True: PIL's support scaling and a = -0.5 cubic).
-_TORCH_RESAMPLE = {int(Image.Resampling.BILINEAR): "bilinear", int(Image.Resampling.BICUBIC): "bicubic"}
+_TORCH_RESAMPLE = {
+    int(Image.Resampling.BILINEAR): "bilinear",
+    int(Image.Resampling.BICUBIC): "bicubic",
+}
 _PIL_ORDERS_BY_SHRINK = int(PIL.__version__.split(".")[0]) >= 13  # Pillow 13 may go vertical first
 
 
 def smart_resize(
-    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 14 * 14 * 4 * 1280,
 ) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, area within [min_pixels, max_pixels],
     aspect ratio kept as closely as possible (Qwen2-VL's rule)."""
@@ -61,7 +68,8 @@ def smart_resize(
         raise InvalidRequestError(f"image has an empty side ({width}x{height})", param="image")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise InvalidRequestError(
-            f"image aspect ratio must be at most {MAX_ASPECT_RATIO}, got {width}x{height}", param="image"
+            f"image aspect ratio must be at most {MAX_ASPECT_RATIO}, got {width}x{height}",
+            param="image",
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -136,7 +144,9 @@ def image_size(data: bytes, max_bytes: int, max_pixels: int | None = None) -> tu
     return size
 
 
-def header_size(data: bytes, max_bytes: int, max_pixels: int | None = None) -> tuple[int, int] | None:
+def header_size(
+    data: bytes, max_bytes: int, max_pixels: int | None = None
+) -> tuple[int, int] | None:
     """``image_size`` where the header alone tells it (no pixel decode), else None."""
     image = _open_image(data, max_bytes, max_pixels)
     if image.format == "PNG" and _png_header_is_complete(data):
@@ -228,8 +238,12 @@ class ImageProcessorConfig:
             patch_size=config.get("patch_size", default.patch_size),
             temporal_patch_size=config.get("temporal_patch_size", default.temporal_patch_size),
             merge_size=config.get("merge_size", default.merge_size),
-            min_pixels=_first_set(config.get("min_pixels"), size.get("shortest_edge"), default.min_pixels),
-            max_pixels=_first_set(config.get("max_pixels"), size.get("longest_edge"), default.max_pixels),
+            min_pixels=_first_set(
+                config.get("min_pixels"), size.get("shortest_edge"), default.min_pixels
+            ),
+            max_pixels=_first_set(
+                config.get("max_pixels"), size.get("longest_edge"), default.max_pixels
+            ),
             image_mean=tuple(config.get("image_mean", default.image_mean)),
             image_std=tuple(config.get("image_std", default.image_std)),
             rescale_factor=config.get("rescale_factor", default.rescale_factor),
@@ -273,7 +287,9 @@ class ImageProcessor:
         image = to_rgb(image)
         grid_thw = self.grid_for(image)
         _, grid_h, grid_w = grid_thw
-        resized = image.resize((grid_w * cfg.patch_size, grid_h * cfg.patch_size), resample=cfg.resample)
+        resized = image.resize(
+            (grid_w * cfg.patch_size, grid_h * cfg.patch_size), resample=cfg.resample
+        )
         pixels = torch.from_numpy(np.array(resized, dtype=np.uint8))  # [H, W, 3] uint8
         return ProcessedImage(self._normalize_patchify(pixels.permute(2, 0, 1)[None]), grid_thw)
 
@@ -321,7 +337,9 @@ class ImageProcessor:
         grid_h, grid_w = height // p, width // p
         x = normalized.reshape(num_images, channels, grid_h // m, m, p, grid_w // m, m, p)
         x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)  # [N, gh/m, gw/m, m, m, C, p, p]
-        x = x.unsqueeze(6).expand(*x.shape[:6], t, p, p)  # one frame repeated over the temporal patch
+        x = x.unsqueeze(6).expand(
+            *x.shape[:6], t, p, p
+        )  # one frame repeated over the temporal patch
         return x.reshape(num_images * grid_h * grid_w, channels * t * p * p).contiguous()
 
 

@@ -69,11 +69,14 @@ def validate_messages(messages: Any) -> None:
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, Mapping):
-            raise InvalidRequestError(f"{param} must be an object with 'role' and 'content'", param=param)
+            raise InvalidRequestError(
+                f"{param} must be an object with 'role' and 'content'", param=param
+            )
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}", param=f"{param}.role"
+                f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                param=f"{param}.role",
             )
         if "content" not in message or message["content"] is None:
             raise InvalidRequestError(f"{param}.content is missing", param=f"{param}.content")
@@ -84,11 +87,15 @@ def _validate_content(content: Any, param: str) -> None:
     if isinstance(content, str):
         return
     if not isinstance(content, Sequence) or isinstance(content, bytes):
-        raise InvalidRequestError(f"{param} must be a string or a list of content parts", param=param)
+        raise InvalidRequestError(
+            f"{param} must be a string or a list of content parts", param=param
+        )
     for j, part in enumerate(content):
         part_param = f"{param}[{j}]"
         if not isinstance(part, Mapping):
-            raise InvalidRequestError(f"{part_param} must be an object with a 'type'", param=part_param)
+            raise InvalidRequestError(
+                f"{part_param} must be an object with a 'type'", param=part_param
+            )
         part_type = part.get("type")
         if part_type not in CONTENT_PART_TYPES:
             raise InvalidRequestError(
@@ -96,7 +103,9 @@ def _validate_content(content: Any, param: str) -> None:
                 param=f"{part_param}.type",
             )
         if part_type == "text" and not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{part_param}.text must be a string", param=f"{part_param}.text")
+            raise InvalidRequestError(
+                f"{part_param}.text must be a string", param=f"{part_param}.text"
+            )
 
 
 def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
@@ -110,7 +119,9 @@ def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[
                 yield part
 
 
-def mask_message_texts(messages: Sequence[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def mask_message_texts(
+    messages: Sequence[Mapping[str, Any]],
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Copies of (validated) messages with each content text replaced by a numbered
     sentinel, and the texts in sentinel order."""
     texts: list[str] = []
@@ -207,9 +218,9 @@ def _find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) ->
     jinja_path = model_dir / "chat_template.jinja"
     if jinja_path.is_file():
         return jinja_path.read_text(encoding="utf-8")
-    template = tokenizer_config.get("chat_template") or _read_json(model_dir / "chat_template.json").get(
-        "chat_template"
-    )
+    template = tokenizer_config.get("chat_template") or _read_json(
+        model_dir / "chat_template.json"
+    ).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not isinstance(template, str):
@@ -261,7 +272,9 @@ class TextProcessor:
         self.vision_end_token_id = self._required_token_id(VISION_END_TOKEN)
         self.video_token_id = tokenizer.token_to_id(VIDEO_TOKEN)
         self.special_token_ids = frozenset(
-            token_id for token_id, added in tokenizer.get_added_tokens_decoder().items() if added.special
+            token_id
+            for token_id, added in tokenizer.get_added_tokens_decoder().items()
+            if added.special
         )
         self._token_bytes = token_bytes_table(tokenizer)
         self._bound = TokenBound.from_tokenizer(tokenizer, self._token_bytes)
@@ -273,7 +286,9 @@ class TextProcessor:
         if not tokenizer_path.is_file():
             raise ModelLoadError(f"{tokenizer_path} does not exist")
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
-        decoder_type = json.loads(tokenizer_path.read_text(encoding="utf-8")).get("decoder", {}).get("type")
+        decoder_type = (
+            json.loads(tokenizer_path.read_text(encoding="utf-8")).get("decoder", {}).get("type")
+        )
         if decoder_type != "ByteLevel":
             raise ModelLoadError(
                 f"{tokenizer_path}: only byte-level BPE tokenizers are supported, got {decoder_type}"
@@ -301,15 +316,21 @@ class TextProcessor:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text of a chat: one image placeholder per image part."""
         validate_messages(messages)
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens_map
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens_map,
             )
         except jinja2.exceptions.TemplateError as e:
-            raise InvalidRequestError(f"chat template rejected the messages: {e}", param="messages") from e
+            raise InvalidRequestError(
+                f"chat template rejected the messages: {e}", param="messages"
+            ) from e
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """Token ids of a text, special-token strings parsed. With ``max_len``: raises
@@ -339,7 +360,9 @@ class TextProcessor:
         rendered = self.render_chat(masked, add_generation_prompt)
         marker_re, marker_ids = self._special_markers
         pieces: list[str | int] = []
-        for i, piece in enumerate(marker_re.split(rendered) if marker_re is not None else [rendered]):
+        for i, piece in enumerate(
+            marker_re.split(rendered) if marker_re is not None else [rendered]
+        ):
             if i % 2:  # a captured marker
                 pieces.append(marker_ids[piece])
             elif piece:
@@ -382,7 +405,9 @@ class TextProcessor:
         }
         if not ids:
             return None, ids
-        alternatives = "|".join(re.escape(content) for content in sorted(ids, key=len, reverse=True))
+        alternatives = "|".join(
+            re.escape(content) for content in sorted(ids, key=len, reverse=True)
+        )
         return re.compile(f"({alternatives})"), ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
@@ -394,4 +419,6 @@ class TextProcessor:
         return expand_image_placeholders(token_ids, self.image_token_id, num_image_tokens)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self._token_bytes, self.special_token_ids, skip_special_tokens)
+        return IncrementalDetokenizer(
+            self._token_bytes, self.special_token_ids, skip_special_tokens
+        )
