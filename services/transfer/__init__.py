@@ -68,12 +68,12 @@ _EMBEDDING_RECEIVER_FACTORIES: dict[str, Callable[..., BaseEmbeddingReceiver]] =
 
 
 def create_embedding_sender(name: str, **kwargs: Any) -> BaseEmbeddingSender:
-    """Build the encoder-side embedding sender registered as ``name``; ``ValueError`` for an unknown name."""
+    """The encoder-side embedding sender registered as ``name``; ``ValueError`` if unknown."""
     return _lookup(_EMBEDDING_SENDER_FACTORIES, name)(**kwargs)
 
 
 def create_embedding_receiver(name: str, **kwargs: Any) -> BaseEmbeddingReceiver:
-    """Build the prefill-side embedding receiver registered as ``name``; ``ValueError`` for an unknown name."""
+    """The prefill-side embedding receiver registered as ``name``; ``ValueError`` if unknown."""
     return _lookup(_EMBEDDING_RECEIVER_FACTORIES, name)(**kwargs)
 
 
@@ -95,7 +95,8 @@ def _lookup(factories: dict[str, Callable[..., Any]], name: str) -> Callable[...
     factory = factories.get(name)
     if factory is None:
         raise ValueError(
-            f"unknown KV transfer backend {name!r}; supported: {', '.join(supported_transfer_backends())}"
+            f"unknown KV transfer backend {name!r}; "
+            f"supported: {', '.join(supported_transfer_backends())}"
         )
     return factory
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -31,7 +32,7 @@ from services.transfer.sessions import Clock, ReleaseFn, TransferSession, Transf
 
 
 class KvPoolLayout(msgspec.Struct, frozen=True):
-    """Where a KV pool lives and how it is laid out: ``[num_layers, num_pages, page_size, heads, dim]``."""
+    """Where a KV pool lives and its layout: ``[num_layers, num_pages, page_size, heads, dim]``."""
 
     k_base: int  # address of k_buffer in its owner's process
     v_base: int  # address of v_buffer in its owner's process
@@ -102,14 +103,18 @@ def check_compatible(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestina
             )
     if len(src_pages) != len(dst.page_ids):
         raise InvalidRequestError(
-            f"{dst.request_id}: {len(src_pages)} source pages for {len(dst.page_ids)} destination pages"
+            f"{dst.request_id}: {len(src_pages)} source pages for "
+            f"{len(dst.page_ids)} destination pages"
         )
-    # builtins, not numpy: this runs on every send, and converting the tuples costs more than the checks
+    # builtins, not numpy: this runs on every send, and converting the tuples costs more than
+    # the checks
     if len(set(dst.page_ids)) != len(dst.page_ids):
         raise InvalidRequestError(f"{dst.request_id}: duplicate destination pages {dst.page_ids}")
     for pages, num_pages in ((src_pages, src.num_pages), (dst.page_ids, dst.layout.num_pages)):
         if len(pages) and (min(pages) < 0 or max(pages) >= num_pages):
-            raise InvalidRequestError(f"{dst.request_id}: page outside [0, {num_pages}) in {list(pages)}")
+            raise InvalidRequestError(
+                f"{dst.request_id}: page outside [0, {num_pages}) in {list(pages)}"
+            )
 
 
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -154,12 +159,35 @@ def check_deadline(request_id: str, deadline: float, clock: Clock = time.monoton
     return remaining
 
 
+def check_backend(request_id: str, backend: str, dst: KvDestination | Any) -> None:
+    """``InvalidRequestError`` unless ``dst`` (a KV or embedding destination) is ``backend``'s."""
+    if dst.backend != backend:
+        raise InvalidRequestError(
+            f"{request_id}: a {dst.backend} destination for the {backend} sender"
+        )
+
+
+class PublishedSession:
+    """Receiver mixin: ``session_id`` is what ``register`` put in ``_session_id``."""
+
+    _registers: str  # what ``register`` takes ("pool", "buffer"), named when read too early
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._session_id: str | None = None
+
+    @property
+    def session_id(self) -> str:
+        assert self._session_id is not None, f"register({self._registers}) first"
+        return self._session_id
+
+
 class PendingSend(ABC):
     """A KV write ``BaseKVSender.start`` began; ``wait`` returns once its bytes landed."""
 
     @abstractmethod
     def wait(self) -> TransferResult:
-        """Block until the write finished; raises what ``send`` raises (the request's deadline holds)."""
+        """Block until the write finished; raises what ``send`` raises (the deadline holds)."""
 
 
 class CompletedSend(PendingSend):
@@ -173,7 +201,7 @@ class CompletedSend(PendingSend):
 
 
 class LayerwiseSend(ABC):
-    """A KV write that goes out while the forward filling the pages still runs (``start_layerwise``).
+    """A KV write going out while the forward filling the pages still runs (``start_layerwise``).
 
     The forward calls ``layer_done(i)`` once layer i's kernels are queued; the backend may
     queue that layer's copy behind them right away (the link then carries the KV while later
@@ -196,15 +224,22 @@ class BaseKVSender(ABC):
     """Prefill side: writes a request's KV pages into a remote decode pool."""
 
     backend: str
-    streams_layers = False  # whether prefill should use start_layerwise (before the forward) over start
+    streams_layers = (
+        False  # whether prefill should use start_layerwise (before the forward) over start
+    )
 
     def register(self, pool: KVPool) -> None:
-        """Make ``pool`` a valid source (register its memory); idempotent. Default: nothing to do."""
+        """Make ``pool`` a valid source (register its memory); idempotent. Default: nothing."""
         del pool
 
     @abstractmethod
     def send(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> TransferResult:
         """Write page ``src_pages[i]`` of every layer of K and V into ``dst.page_ids[i]``, batched.
 
@@ -214,7 +249,12 @@ class BaseKVSender(ABC):
         """
 
     def start(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> PendingSend:
         """Begin the write ``send`` does; ``wait()`` on the result finishes it.
 
@@ -226,7 +266,12 @@ class BaseKVSender(ABC):
         return CompletedSend(self.send(request_id, src_pool, src_pages, dst, deadline))
 
     def start_layerwise(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> LayerwiseSend:
         """Begin the write before the forward that fills ``src_pages`` (see ``LayerwiseSend``).
 
@@ -235,7 +280,9 @@ class BaseKVSender(ABC):
         aborted mid-forward may still have layers land in decode's pages: decode's quarantine
         covers them as it covers a write that missed its deadline.
         """
-        raise NotImplementedError(f"the {self.backend} KV backend writes after the forward (streams_layers is False)")
+        raise NotImplementedError(
+            f"the {self.backend} KV backend writes after the forward (streams_layers is False)"
+        )
 
     def close(self) -> None:
         """Release engine resources; the sender is unusable afterwards. Default: nothing held."""
@@ -246,6 +293,7 @@ class BaseKVReceiver(ABC):
     """Decode side: registers its pool once and owns the sessions of the writes it awaits."""
 
     backend: str
+    _registers = "pool"
 
     def __init__(self, clock: Clock = time.monotonic) -> None:
         self.sessions = TransferSessionManager(clock)
@@ -269,7 +317,7 @@ class BaseKVReceiver(ABC):
         self._pool = pool
 
     def destination(self, request_id: str, pages: Sequence[int]) -> KvDestination:
-        """The wire description prefill needs to write ``pages`` (in position order) of this pool."""
+        """The wire description prefill needs to write ``pages`` (position order) of this pool."""
         assert self._pool is not None, "register(pool) before asking for destinations"
         return KvDestination(
             backend=self.backend,
@@ -282,7 +330,7 @@ class BaseKVReceiver(ABC):
     def open_session(
         self, request_id: str, pages: Sequence[int], deadline: float, release: ReleaseFn
     ) -> TransferSession:
-        """Start awaiting ``request_id``'s KV in ``pages``; ``session.destination`` goes to prefill."""
+        """Await ``request_id``'s KV in ``pages``; ``session.destination`` goes to prefill."""
         destination = self.destination(request_id, pages)
         session = self.sessions.start(request_id, pages, deadline, release)
         session.destination = destination

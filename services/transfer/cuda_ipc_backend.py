@@ -9,7 +9,8 @@ decode's page, so there is no staging copy, no per-page call and no receiver thr
 It is one-sided like Mooncake: ``send`` returns once the kernel finished (the bytes are
 in decode's memory); decode learns it from the request protocol (``Generate``), as for
 Mooncake. ``start`` only queues the kernel: a batch's requests go back to back on the
-link, each one's host work overlapping the previous one's bytes. A send that misses its deadline cannot be stopped: its kernel still runs to the
+link, each one's host work overlapping the previous one's bytes. A send that misses its
+deadline cannot be stopped: its kernel still runs to the
 end (milliseconds), which decode's page quarantine already covers (see base.py).
 
 Prefill streams a request layer by layer (``start_layerwise``): each chunk of layers is
@@ -29,7 +30,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import torch
@@ -50,6 +50,7 @@ from services.transfer.base import (
 )
 from services.transfer.cuda_ipc_memory import (
     IpcBuffer,
+    IpcReceiver,
     decode_session,
     device_uuid,
     encode_session,
@@ -81,19 +82,8 @@ def decode_session_id(session_id: str) -> IpcPool:
     return decode_session(SESSION_PREFIX, session_id, IpcPool, "CUDA IPC KV destination")
 
 
-class CudaIpcKVReceiver(BaseKVReceiver):
+class CudaIpcKVReceiver(IpcReceiver, BaseKVReceiver):
     """Decode side: exports the pool at ``register``; completion comes from the request protocol."""
-
-    backend = "cuda_ipc"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._session_id: str | None = None
-
-    @property
-    def session_id(self) -> str:
-        assert self._session_id is not None, "register(pool) first"
-        return self._session_id
 
     def _register_memory(self, pool: KVPool) -> None:
         if pool.device.type != "cuda":
@@ -112,10 +102,6 @@ class CudaIpcKVReceiver(BaseKVReceiver):
                 export_buffer(pool.v_buffer),
             )
         )
-
-    def _unregister_memory(self, pool: KVPool) -> None:
-        del pool
-        self._session_id = None
 
 
 class CudaIpcKVSender(BaseKVSender):
@@ -190,7 +176,8 @@ class CudaIpcKVSender(BaseKVSender):
         dst: KvDestination,
         deadline: float,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Decode's K and V mapped here, and the page numbers ``[2, n]`` (source, destination) in pinned memory.
+        """Decode's K and V mapped here, and the page numbers ``[2, n]`` (source, destination),
+        pinned.
 
         The kernel reads the page numbers straight from pinned host memory (no upload on the
         stream); they and the mapping must outlive the copy (``_track``).
@@ -224,7 +211,7 @@ class CudaIpcKVSender(BaseKVSender):
             return stream
 
     def _peer(self, dst: KvDestination, src_pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode's K and V mapped into this GPU (opened once per pool), checked against ``dst.layout``."""
+        """Decode's K and V mapped into this GPU (once per pool), checked against ``dst.layout``."""
         key = (dst.session_id, src_pool.k_buffer.device)
         with self._lock:
             self._in_flight = [(done, keep) for done, keep in self._in_flight if not done.query()]
@@ -248,7 +235,8 @@ class CudaIpcKVSender(BaseKVSender):
         )
         if tuple(peer[0].shape) != expected or peer[0].dtype != src_pool.dtype:
             raise InvalidRequestError(
-                f"{dst.request_id}: destination layout {expected} {layout.dtype} does not match the "
+                f"{dst.request_id}: destination layout {expected} {layout.dtype} does not match "
+                "the "
                 f"exported pool {tuple(peer[0].shape)} {peer[0].dtype}"
             )
         return peer
@@ -270,7 +258,8 @@ class CudaIpcKVSender(BaseKVSender):
 
     def close(self) -> None:
         with self._lock:
-            self._peers.clear()  # a queued copy's mapping stays in _in_flight until its kernel is done
+            # a queued copy's mapping stays in _in_flight until its kernel is done
+            self._peers.clear()
 
 
 class _IpcSend(PendingSend):
@@ -295,7 +284,8 @@ class _IpcSend(PendingSend):
                 raise DeadlineExceededError(
                     f"KV transfer for {self.request_id} passed its deadline"
                 )
-            os.sched_yield()  # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
+            # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
+            os.sched_yield()
         elapsed = time.monotonic() - self.started
         return TransferResult(self.request_id, self.num_bytes, 1 if self.num_bytes else 0, elapsed)
 

@@ -15,19 +15,20 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 
 from services.common.errors import InvalidRequestError, UnavailableError
+from services.transfer.base import PublishedSession
 from services.transfer.shm_memory import pid_namespace, process_start_time
 
 T = TypeVar("T")
 
 
 class IpcBuffer(msgspec.Struct, frozen=True, array_like=True):
-    """One exported CUDA allocation region (the fields of torch's ``UntypedStorage._share_cuda_``)."""
+    """One exported CUDA allocation (the fields of torch's ``UntypedStorage._share_cuda_``)."""
 
     handle: bytes
     storage_size_bytes: int
@@ -88,7 +89,7 @@ def export_buffer(buf: torch.Tensor) -> IpcBuffer:
 def open_buffer(
     buf: IpcBuffer, shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Map an exported allocation into ``device``'s context (peer memory when it lives on another GPU).
+    """Map an exported allocation into ``device``'s context (peer memory if on another GPU).
 
     torch maps a handle once per process; opening it again returns the same memory.
     """
@@ -121,3 +122,13 @@ def visible_index(uuid: str) -> int | None:
         if device_uuid(torch.device("cuda", index)) == uuid:
             return index
     return None
+
+
+class IpcReceiver(PublishedSession):
+    """Receiver mixin of the CUDA IPC backends: ``register`` exports and publishes the memory."""
+
+    backend = "cuda_ipc"
+
+    def _unregister_memory(self, memory: Any) -> None:
+        del memory  # its owner keeps using it while shutting down; it goes with the process
+        self._session_id = None

@@ -3,8 +3,9 @@
 Lifecycle of one request's embedding rows (prefill owns the buffer):
 
   prefill: buffer = EmbeddingBuffer(num_rows, hidden, dtype); receiver.register(buffer)   (once)
-           start = rows.allocate(n)                       (EmbeddingRowManager; CapacityError when full)
-           dst = receiver.destination(request_id, start, n) -> EmbeddingDestination (msgspec; EmbeddingRef)
+           start = rows.allocate(n)             (EmbeddingRowManager; CapacityError when full)
+           dst = receiver.destination(request_id, start, n)
+             -> EmbeddingDestination (msgspec; EmbeddingRef)
            ... Encode(spans with dest_row relative to ``start``, embedding_refs=[dst]) ...
            reads buffer.rows(start, n), then rows.free(start, n) in ``finally``
   encoder: sender.send_runs(request_id, rows, [(src_row, dst_row, n), ...], dst, deadline)
@@ -29,7 +30,7 @@ import msgspec
 import torch
 
 from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError
-from services.transfer.base import TransferPlan, TransferResult
+from services.transfer.base import TransferPlan, TransferResult, check_backend
 
 RowRun = tuple[int, int, int]  # (src_row, dst_row, num_rows)
 
@@ -39,9 +40,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class EmbeddingDestination(msgspec.Struct, frozen=True):
-    """Where an encoder writes a request's rows; mirrors the ``EmbeddingRef`` proto field for field."""
+    """Where an encoder writes a request's rows; the ``EmbeddingRef`` proto, field for field."""
 
-    backend: str  # transfer backend that registered the buffer ("shm", "cuda_ipc", "mooncake", "inprocess")
+    # transfer backend that registered the buffer ("shm", "cuda_ipc", "mooncake", "inprocess")
+    backend: str
     engine_address: (
         str  # receiver's engine endpoint (Mooncake: "host:rpc_port"); may equal session_id
     )
@@ -75,7 +77,7 @@ class EmbeddingBuffer:
         )
 
     def reallocate(self, allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
-        """Move the rows into a zeroed contiguous tensor from ``allocator(shape, dtype)``, contents kept.
+        """Move the rows into a zeroed contiguous ``allocator(shape, dtype)``, contents kept.
 
         For a transfer backend that owns the buffer's memory (``shm``), at registration.
         """
@@ -117,7 +119,7 @@ class EmbeddingBuffer:
         return self.tensor[start : start + num_rows]
 
     def row_of_address(self, address: int) -> int:
-        """The row whose first byte is ``address``; ``ValueError`` outside the buffer or off a row."""
+        """The row starting at ``address``; ``ValueError`` outside the buffer or off a row."""
         offset = address - self.base_address
         if (
             offset < 0
@@ -174,7 +176,8 @@ class EmbeddingRowManager:
                     return start
             largest = max((n for _, n in self._free), default=0)
         raise CapacityError(
-            f"{num_rows} embedding rows needed; the largest free range has {largest} of {self.num_rows}"
+            f"{num_rows} embedding rows needed; the largest free range has {largest} of "
+            f"{self.num_rows}"
         )
 
     def free(self, start: int, num_rows: int) -> None:
@@ -208,14 +211,15 @@ def coalesce_runs(runs: Sequence[RowRun]) -> list[RowRun]:
 def check_rows(
     request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination
 ) -> None:
-    """``InvalidRequestError`` unless every run of ``rows`` fits ``dst`` with the same row layout."""
+    """``InvalidRequestError`` unless every run of ``rows`` fits ``dst`` with its row layout."""
     if rows.dim() != 2 or not rows.is_contiguous():
         raise InvalidRequestError(
             f"{request_id}: embedding rows must be a contiguous [n, hidden] tensor"
         )
     if rows.shape[1] != dst.hidden_size or dtype_name(rows.dtype) != dst.dtype:
         raise InvalidRequestError(
-            f"{request_id}: rows are [*, {rows.shape[1]}] {dtype_name(rows.dtype)}, the destination holds "
+            f"{request_id}: rows are [*, {rows.shape[1]}] {dtype_name(rows.dtype)}, "
+            "the destination holds "
             f"[*, {dst.hidden_size}] {dst.dtype}",
             param="embedding_refs",
         )
@@ -237,7 +241,7 @@ def check_rows(
 def plan_row_transfer(
     src_base: int, runs: Sequence[RowRun], row_nbytes: int, dst: EmbeddingDestination
 ) -> TransferPlan:
-    """Descriptors for ``runs`` of a contiguous source at ``src_base``; one per run when rows are packed."""
+    """Descriptors for ``runs`` of a contiguous source at ``src_base``; one per run if packed."""
     descs: list[tuple[int, int, int]] = []
     for src, dst_row, num_rows in coalesce_runs(runs):
         src_addr = src_base + src * row_nbytes
@@ -257,6 +261,7 @@ class BaseEmbeddingReceiver(ABC):
     """Prefill side: registers one ``EmbeddingBuffer`` and describes windows of it."""
 
     backend: str
+    _registers = "buffer"
 
     def __init__(self, cp_rank: int = 0) -> None:
         self.cp_rank = cp_rank
@@ -297,7 +302,8 @@ class BaseEmbeddingReceiver(ABC):
         buffer = self.buffer
         if start_row < 0 or num_rows < 0 or start_row + num_rows > buffer.num_rows:
             raise InvalidRequestError(
-                f"{request_id}: rows [{start_row}, {start_row + num_rows}) outside the {buffer.num_rows}-row buffer"
+                f"{request_id}: rows [{start_row}, {start_row + num_rows}) outside the "
+                f"{buffer.num_rows}-row buffer"
             )
         return EmbeddingDestination(
             backend=self.backend,
@@ -322,6 +328,13 @@ class BaseEmbeddingSender(ABC):
 
     backend: str
 
+    def _check_send(
+        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination
+    ) -> None:
+        """``InvalidRequestError`` unless ``dst`` is this backend's and every run fits it."""
+        check_backend(request_id, self.backend, dst)
+        check_rows(request_id, rows, runs, dst)
+
     def send_rows(
         self,
         request_id: str,
@@ -330,7 +343,7 @@ class BaseEmbeddingSender(ABC):
         dst_row: int,
         deadline: float,
     ) -> TransferResult:
-        """Write all of ``rows`` ([n, hidden], contiguous) to rows ``[dst_row, dst_row + n)`` of ``dst``."""
+        """Write all of ``rows`` ([n, hidden], contiguous) to ``dst`` rows ``[dst_row, +n)``."""
         return self.send_runs(request_id, rows, [(0, dst_row, rows.shape[0])], dst, deadline)
 
     @abstractmethod
@@ -342,7 +355,7 @@ class BaseEmbeddingSender(ABC):
         dst: EmbeddingDestination,
         deadline: float,
     ) -> TransferResult:
-        """Write ``rows[src:src+n]`` to destination rows ``[dst_row, dst_row+n)`` for every run, in one batch.
+        """Write ``rows[src:src+n]`` to destination rows ``[dst_row, dst_row+n)`` per run, batched.
 
         ``deadline`` is ``time.monotonic()`` seconds. Returns after the bytes landed. Raises
         ``InvalidRequestError`` (layouts disagree, a run out of range), ``UnavailableError``
@@ -354,8 +367,16 @@ class BaseEmbeddingSender(ABC):
         return None
 
 
+def rows_sent(
+    request_id: str, rows: torch.Tensor, merged: Sequence[RowRun], start: float
+) -> TransferResult:
+    """The result of writing the ``merged`` runs of ``rows``, one copy each, begun at ``start``."""
+    num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
+    return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
+
+
 def check_deadline(request_id: str, deadline: float) -> float:
-    """Seconds left before ``deadline`` (``time.monotonic()``); ``DeadlineExceededError`` when none are."""
+    """Seconds left before ``deadline`` (monotonic); ``DeadlineExceededError`` if none."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise DeadlineExceededError(f"embedding transfer for {request_id} passed its deadline")

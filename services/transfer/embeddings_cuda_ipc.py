@@ -22,7 +22,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 import torch
@@ -31,6 +30,7 @@ from services.common.errors import DeadlineExceededError, InvalidRequestError, U
 from services.transfer.base import TransferResult
 from services.transfer.cuda_ipc_memory import (
     IpcBuffer,
+    IpcReceiver,
     OwnerProcess,
     decode_session,
     device_uuid,
@@ -46,9 +46,9 @@ from services.transfer.embeddings import (
     EmbeddingDestination,
     RowRun,
     check_deadline,
-    check_rows,
     coalesce_runs,
     dtype_name,
+    rows_sent,
 )
 
 SESSION_PREFIX = "cuda-ipc-rows:"
@@ -60,7 +60,7 @@ ROW_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class IpcRows(msgspec.Struct, frozen=True, array_like=True):
-    """What prefill publishes in its ``session_id``: where its embedding buffer lives and its shape."""
+    """What prefill publishes in its ``session_id``: where its embedding buffer is, its shape."""
 
     device_uuid: str
     num_rows: int
@@ -80,7 +80,7 @@ def encode_session_id(exported: IpcRows) -> str:
 
 
 def decode_session_id(session_id: str) -> IpcRows:
-    """The buffer ``session_id`` names; ``InvalidRequestError`` unless ``encode_session_id`` made it."""
+    """The buffer ``session_id`` names; ``InvalidRequestError`` unless ``encode_session_id``'s."""
     exported = decode_session(SESSION_PREFIX, session_id, IpcRows, WHAT)
     problem = _problem(exported)
     if problem:
@@ -100,25 +100,15 @@ def _problem(exported: IpcRows) -> str | None:
     return None
 
 
-class CudaIpcEmbeddingReceiver(BaseEmbeddingReceiver):
+class CudaIpcEmbeddingReceiver(IpcReceiver, BaseEmbeddingReceiver):
     """Prefill side: exports the GPU buffer at ``register``; completion comes from Encode."""
-
-    backend = "cuda_ipc"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._session_id: str | None = None
-
-    @property
-    def session_id(self) -> str:
-        assert self._session_id is not None, "register(buffer) first"
-        return self._session_id
 
     def _register_memory(self, buffer: EmbeddingBuffer) -> None:
         tensor = buffer.tensor  # [num_rows, hidden]
         if tensor.device.type != "cuda":
             raise ValueError(
-                f"the cuda_ipc embedding backend needs a CUDA buffer (prefill on a GPU), got one on {tensor.device}"
+                "the cuda_ipc embedding backend needs a CUDA buffer (prefill on a GPU), "
+                f"got one on {tensor.device}"
             )
         torch.cuda.synchronize(
             tensor.device
@@ -134,10 +124,6 @@ class CudaIpcEmbeddingReceiver(BaseEmbeddingReceiver):
                 export_buffer(tensor),
             )
         )
-
-    def _unregister_memory(self, buffer: EmbeddingBuffer) -> None:
-        del buffer  # prefill keeps reading it while it shuts down; its memory goes with the process
-        self._session_id = None
 
 
 class CudaIpcEmbeddingSender(BaseEmbeddingSender):
@@ -163,15 +149,12 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
         deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
-        if dst.backend != self.backend:
-            raise InvalidRequestError(
-                f"{request_id}: a {dst.backend} destination for the cuda_ipc sender"
-            )
-        check_rows(request_id, rows, runs, dst)
+        self._check_send(request_id, rows, runs, dst)
         exported = decode_session_id(dst.session_id)
         if rows.device.type != "cuda":
             raise InvalidRequestError(
-                f"{request_id}: the cuda_ipc embedding backend sends rows from a GPU, got rows on {rows.device}"
+                f"{request_id}: the cuda_ipc embedding backend sends rows from a GPU, "
+                f"got rows on {rows.device}"
             )
         merged = coalesce_runs(runs)
         check_deadline(request_id, deadline)
@@ -180,7 +163,7 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
                 f"prefill's embedding buffer is gone: its owner (pid {exported.owner.pid}) exited"
             )
         if not merged:
-            return TransferResult(request_id, 0, 0, time.monotonic() - start)
+            return rows_sent(request_id, rows, merged, start)
         window = self._window(request_id, dst, exported, rows.device)
         with torch.cuda.device(rows.device):
             for src, dst_row, num_rows in merged:
@@ -188,8 +171,7 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
             done = torch.cuda.Event()
             done.record()
         _wait(done, request_id, deadline)
-        num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
-        return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
+        return rows_sent(request_id, rows, merged, start)
 
     def _window(
         self, request_id: str, dst: EmbeddingDestination, exported: IpcRows, device: torch.device
@@ -202,7 +184,8 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
         ):
             raise InvalidRequestError(
                 f"{request_id}: destination rows [*, {dst.hidden_size}] {dst.dtype} (stride "
-                f"{dst.row_stride_bytes} B) do not match the exported buffer [*, {exported.hidden_size}] "
+                f"{dst.row_stride_bytes} B) do not match the exported buffer "
+                f"[*, {exported.hidden_size}] "
                 f"{exported.dtype}",
                 param="embedding_refs",
             )
@@ -214,7 +197,8 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
             or first_row + dst.num_rows > exported.num_rows
         ):
             raise InvalidRequestError(
-                f"{request_id}: the {dst.num_rows}-row window at {dst.base_address:#x} is not inside the "
+                f"{request_id}: the {dst.num_rows}-row window at {dst.base_address:#x} "
+                "is not inside the "
                 f"exported {exported.num_rows}-row buffer",
                 param="embedding_refs",
             )
@@ -254,7 +238,7 @@ def _open(exported: IpcRows, device: torch.device) -> torch.Tensor:
 
 
 def _wait(done: torch.cuda.Event, request_id: str, deadline: float) -> None:
-    """Until the copies before ``done`` finished; past ``deadline`` they still land (see embeddings.py)."""
+    """Until the copies before ``done`` finished; past ``deadline`` they still land."""
     while not done.query():
         if time.monotonic() >= deadline:
             raise DeadlineExceededError(f"embedding transfer for {request_id} passed its deadline")

@@ -24,12 +24,13 @@ from services.transfer.embeddings import (
     check_deadline,
     check_rows,
     coalesce_runs,
+    rows_sent,
 )
 from services.transfer.inprocess_registry import InProcessRegistry
 
 
 class EmbeddingFabric(InProcessRegistry[EmbeddingBuffer]):
-    """``session_id`` -> registered embedding buffer, shared by the senders and receivers of one process."""
+    """``session_id`` -> registered embedding buffer, for the senders and receivers of a process."""
 
     def __init__(self) -> None:
         super().__init__(id_prefix="inprocess-embeddings", kind="embedding buffer")
@@ -45,7 +46,12 @@ class InProcessEmbeddingSender(BaseEmbeddingSender):
         self._fabric = fabric or _DEFAULT_FABRIC
 
     def send_runs(
-        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination, deadline: float
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        runs: Sequence[RowRun],
+        dst: EmbeddingDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         check_rows(request_id, rows, runs, dst)
@@ -54,12 +60,13 @@ class InProcessEmbeddingSender(BaseEmbeddingSender):
         try:
             first_row = buffer.row_of_address(dst.base_address)
         except ValueError as exc:
-            raise UnavailableError(f"{dst.session_id} no longer holds the window of {request_id}: {exc}") from exc
+            raise UnavailableError(
+                f"{dst.session_id} no longer holds the window of {request_id}: {exc}"
+            ) from exc
         merged = coalesce_runs(runs)
         for src, dst_row, num_rows in merged:
             buffer.rows(first_row + dst_row, num_rows).copy_(rows[src : src + num_rows])
-        num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
-        return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
+        return rows_sent(request_id, rows, merged, start)
 
 
 class InProcessEmbeddingReceiver(BaseEmbeddingReceiver):

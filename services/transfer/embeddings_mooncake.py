@@ -47,7 +47,11 @@ class MooncakeEmbeddingReceiver(BaseEmbeddingReceiver):
     backend = "mooncake"
 
     def __init__(
-        self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", **kwargs: Any
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._engine = MooncakeEngine(hostname, protocol, device_name)
@@ -87,7 +91,12 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         self._lock = threading.Lock()
 
     def send_runs(
-        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination, deadline: float
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        runs: Sequence[RowRun],
+        dst: EmbeddingDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         check_rows(request_id, rows, runs, dst)
@@ -97,16 +106,25 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         check_deadline(request_id, deadline)
         src, release = self._stage(rows)
         try:
-            plan = plan_row_transfer(src.data_ptr(), merged, rows.shape[1] * rows.element_size(), dst)
+            plan = plan_row_transfer(
+                src.data_ptr(), merged, rows.shape[1] * rows.element_size(), dst
+            )
             remaining = check_deadline(request_id, deadline)
         except BaseException:
             release()
             raise
         self._engine.write_within(
-            dst.session_id, plan, self._max_descriptors, remaining,
-            what=f"embedding transfer for {request_id}", thread_name=f"embedding-send-{request_id}", on_done=release,
+            dst.session_id,
+            plan,
+            self._max_descriptors,
+            remaining,
+            what=f"embedding transfer for {request_id}",
+            thread_name=f"embedding-send-{request_id}",
+            on_done=release,
         )
-        return TransferResult(request_id, plan.num_bytes, plan.num_descriptors, time.monotonic() - start)
+        return TransferResult(
+            request_id, plan.num_bytes, plan.num_descriptors, time.monotonic() - start
+        )
 
     def _stage(self, rows: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         """A registered copy of ``rows`` and the function that gives its memory back."""
@@ -122,7 +140,9 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
                     view = staging.rows(first, num_rows)
                     view.copy_(rows)
                     return view, lambda: self._staging_manager.free(first, num_rows)
-        own = torch.empty_like(rows, device=self._staging_device(rows), pin_memory=self._pinned(rows))
+        own = torch.empty_like(
+            rows, device=self._staging_device(rows), pin_memory=self._pinned(rows)
+        )
         own.copy_(rows)  # not in staging: register a private copy for this one write
         self._engine.register([(own.data_ptr(), own.numel() * own.element_size())])
         return own, lambda: self._engine.unregister([own.data_ptr()])
@@ -135,15 +155,21 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
             )
             self._engine.register([self._staging.memory_region()])
         staging = self._staging
-        same = (staging.hidden_size, staging.dtype, staging.tensor.device) == (rows.shape[1], rows.dtype, device)
+        same = (staging.hidden_size, staging.dtype, staging.tensor.device) == (
+            rows.shape[1],
+            rows.dtype,
+            device,
+        )
         return staging if same else None
 
     @staticmethod
     def _staging_device(rows: torch.Tensor) -> torch.device:
-        """Where registered rows must live: host memory unless this Mooncake build moves GPU memory."""
+        """Where registered rows live: host memory unless this Mooncake build moves GPU memory."""
         return rows.device if mooncake_moves_device_memory() else torch.device("cpu")
 
-    def _pinned(self, rows: torch.Tensor) -> bool:  # GPU rows staged on the host: pinned for the copy
+    def _pinned(
+        self, rows: torch.Tensor
+    ) -> bool:  # GPU rows staged on the host: pinned for the copy
         return rows.is_cuda and self._staging_device(rows).type == "cpu"
 
     def close(self) -> None:

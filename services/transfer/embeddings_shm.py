@@ -1,4 +1,4 @@
-"""Shared-memory embedding backend: the encoder writes rows straight into prefill's buffer in /dev/shm.
+"""Shared-memory embedding backend: the encoder writes rows into prefill's buffer in /dev/shm.
 
 Prefill's receiver moves its buffer into one segment at ``register`` (see ``shm_memory``)
 and publishes ``shm:<name>@<buffer base>`` as its ``session_id``; a destination's
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -26,36 +25,22 @@ from services.transfer.embeddings import (
     EmbeddingDestination,
     RowRun,
     check_deadline,
-    check_rows,
     coalesce_runs,
+    rows_sent,
 )
 from services.transfer.shm_memory import (
-    MAX_PEERS,
-    ShmPeers,
-    ShmRef,
+    ShmReceiver,
     ShmSegment,
+    ShmSender,
     decode_session_id,
-    encode_session_id,
     typed_view,
 )
 
 BUFFER = "prefill's embedding buffer"
 
 
-class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
+class ShmEmbeddingReceiver(ShmReceiver, BaseEmbeddingReceiver):
     """Prefill side: the buffer's rows move into a segment at ``register``; ``close`` unlinks it."""
-
-    backend = "shm"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._segment: ShmSegment | None = None
-        self._session_id: str | None = None
-
-    @property
-    def session_id(self) -> str:
-        assert self._session_id is not None, "register(buffer) first"
-        return self._session_id
 
     def buffer_device(self, compute_device: torch.device) -> torch.device:
         del compute_device  # host memory, whatever device the model runs on
@@ -66,32 +51,18 @@ class ShmEmbeddingReceiver(BaseEmbeddingReceiver):
             raise ValueError(
                 f"the shm embedding backend needs a host buffer, got one on {buffer.tensor.device}"
             )
-        segment = ShmSegment("emb", buffer.num_bytes, BUFFER)
-        try:
+
+        def move(segment: ShmSegment) -> int:
             buffer.reallocate(
                 lambda shape, dtype: typed_view(segment.tensor, 0, shape, dtype, BUFFER)
             )
-        except BaseException:
-            segment.close()
-            raise
-        self._segment = segment
-        self._session_id = encode_session_id(ShmRef(segment.name, buffer.base_address))
+            return buffer.base_address
 
-    def _unregister_memory(self, buffer: EmbeddingBuffer) -> None:
-        del buffer  # it keeps its mapping: prefill may still read it while shutting down
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-        self._session_id = None
+        self._own_segment("emb", buffer.num_bytes, BUFFER, move)
 
 
-class ShmEmbeddingSender(BaseEmbeddingSender):
+class ShmEmbeddingSender(ShmSender, BaseEmbeddingSender):
     """Encoder side: maps each prefill buffer once (LRU of ``max_peers``), then one copy per run."""
-
-    backend = "shm"
-
-    def __init__(self, max_peers: int = MAX_PEERS) -> None:
-        self._peers = ShmPeers(max_peers)
 
     def send_runs(
         self,
@@ -102,15 +73,11 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
         deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
-        if dst.backend != self.backend:
-            raise InvalidRequestError(
-                f"{request_id}: a {dst.backend} destination for the shm sender"
-            )
-        check_rows(request_id, rows, runs, dst)
+        self._check_send(request_id, rows, runs, dst)
         merged = coalesce_runs(runs)
         check_deadline(request_id, deadline)
         if not merged:
-            return TransferResult(request_id, 0, 0, time.monotonic() - start)
+            return rows_sent(request_id, rows, merged, start)
         window = self._window(request_id, dst)
         for src, dst_row, num_rows in merged:
             if time.monotonic() >= deadline:
@@ -118,8 +85,7 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
                     f"embedding transfer for {request_id} passed its deadline"
                 )
             window[dst_row : dst_row + num_rows].copy_(rows[src : src + num_rows])
-        num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
-        return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
+        return rows_sent(request_id, rows, merged, start)
 
     def _window(self, request_id: str, dst: EmbeddingDestination) -> torch.Tensor:
         """The destination's rows mapped here: ``[num_rows, hidden]``, the buffer's row stride."""
@@ -138,6 +104,3 @@ class ShmEmbeddingSender(BaseEmbeddingSender):
             request_id,
         )
         return padded[:, : dst.hidden_size]
-
-    def close(self) -> None:
-        self._peers.close()

@@ -27,7 +27,7 @@ from services.transfer.inprocess_registry import InProcessRegistry
 
 
 class InProcessFabric(InProcessRegistry[KVPool]):
-    """``session_id`` -> registered decode pool, shared by the senders and receivers of one process."""
+    """``session_id`` -> registered decode pool, for the senders and receivers of one process."""
 
     def __init__(self) -> None:
         super().__init__(id_prefix="inprocess", kind="KV pool")
@@ -43,7 +43,12 @@ class InProcessKVSender(BaseKVSender):
         self._fabric = fabric or _DEFAULT_FABRIC
 
     def send(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         check_compatible(pool_layout(src_pool), src_pages, dst)
@@ -60,7 +65,9 @@ class InProcessKVSender(BaseKVSender):
                 (src_pool.v_buffer, dst_pool.v_buffer),
             ):
                 # [L, num_pages, S, Hkv, D]: every layer of one run in one copy
-                dst_buf[:, dst_page : dst_page + num_pages].copy_(src_buf[:, src_page : src_page + num_pages])
+                dst_buf[:, dst_page : dst_page + num_pages].copy_(
+                    src_buf[:, src_page : src_page + num_pages]
+                )
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
         return TransferResult(request_id, num_bytes, 2 * len(runs), time.monotonic() - start)
 

@@ -52,7 +52,12 @@ class MooncakeKVSender(BaseKVSender):
                 self._registered_regions.add(regions)
 
     def send(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         plan = plan_transfer(pool_layout(src_pool), src_pages, dst)
@@ -60,10 +65,16 @@ class MooncakeKVSender(BaseKVSender):
             self.register(src_pool)
             remaining = check_deadline(request_id, deadline)
             self._engine.write_within(
-                dst.session_id, plan, self._max_descriptors, remaining,
-                what=f"KV transfer for {request_id}", thread_name=f"kv-send-{request_id}",
+                dst.session_id,
+                plan,
+                self._max_descriptors,
+                remaining,
+                what=f"KV transfer for {request_id}",
+                thread_name=f"kv-send-{request_id}",
             )
-        return TransferResult(request_id, plan.num_bytes, plan.num_descriptors, time.monotonic() - start)
+        return TransferResult(
+            request_id, plan.num_bytes, plan.num_descriptors, time.monotonic() - start
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -75,7 +86,11 @@ class MooncakeKVReceiver(BaseKVReceiver):
     backend = "mooncake"
 
     def __init__(
-        self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", **kwargs: Any
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self._engine = MooncakeEngine(hostname, protocol, device_name)

@@ -85,7 +85,7 @@ class MooncakeEngine:
     def write(
         self, peer: str, plan: TransferPlan, max_descriptors: int, stop: threading.Event
     ) -> None:
-        """Blocking write of ``plan`` into ``peer``'s registered memory, ``max_descriptors`` per call."""
+        """Blocking write of ``plan`` into ``peer``'s memory, ``max_descriptors`` at once."""
         for begin in range(0, plan.num_descriptors, max_descriptors):
             if stop.is_set():  # the caller gave up at its deadline: issue no more batches
                 return

@@ -2,11 +2,12 @@
 
 The channel is a process group holding both ranks (NCCL between GPUs; the same code
 runs over gloo on CPU, which the tests use). NCCL is two-sided, so decode takes part:
-its receiver runs a listener thread, on its own CUDA stream. Per request the sender sends one header (request id, page count, bytes),
-then the payload as layer chunks (about 32 MiB each, at most 8) of one contiguous staging buffer, each
-chunk ``[2 (K, V), chunk layers, pages, page_size, kv_heads, head_dim]``: gathering chunk
-i+1 overlaps sending chunk i, and scattering chunk i overlaps receiving chunk i+1. Pages
-are gathered / scattered with one indexed copy per chunk: never one call per page.
+its receiver runs a listener thread, on its own CUDA stream. Per request the sender sends
+one header (request id, page count, bytes), then the payload as layer chunks (about 32 MiB
+each, at most 8) of one contiguous staging buffer, each chunk
+``[2 (K, V), chunk layers, pages, page_size, kv_heads, head_dim]``: gathering chunk i+1
+overlaps sending chunk i, and scattering chunk i overlaps receiving chunk i+1. Pages are
+gathered / scattered with one indexed copy per chunk: never one call per page.
 
 NCCL matches messages in order and has no tags, so a send always delivers its whole
 payload, even after its deadline: the receiver drains it into staging and writes pages
@@ -70,7 +71,9 @@ class _Header(msgspec.Struct, frozen=True):
 def encode_header(header: _Header, device: torch.device) -> torch.Tensor:  # [HEADER_BYTES] uint8
     data = msgspec.msgpack.encode(header)
     if len(data) + 4 > HEADER_BYTES:
-        raise InvalidRequestError(f"request id too long for a KV transfer header: {header.request_id[:64]}...")
+        raise InvalidRequestError(
+            f"request id too long for a KV transfer header: {header.request_id[:64]}..."
+        )
     raw = len(data).to_bytes(4, "little") + data
     buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -90,8 +93,10 @@ def layer_chunks(num_layers: int, num_chunks: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
-def chunk_views(flat: torch.Tensor, pool: KVPool, num_pages: int, chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Views of ``flat`` (one staging buffer), chunk i ``[2, layers_i, pages, S, Hkv, D]``, back to back."""
+def chunk_views(
+    flat: torch.Tensor, pool: KVPool, num_pages: int, chunks: list[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """Views of ``flat`` (one staging buffer), chunk i ``[2, layers_i, pages, S, Hkv, D]``."""
     views, offset = [], 0
     for a, b in chunks:
         shape = (2, b - a, num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
@@ -108,7 +113,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def completion(works: list[Any], device: torch.device) -> Callable[[], bool]:
-    """A non-blocking "all done?" for ``works``: NCCL works are polled; gloo ones need ``wait`` (a thread)."""
+    """A non-blocking "all done?" for ``works``: NCCL ones are polled, gloo ones ``wait``ed."""
     if device.type == "cuda":
         return lambda: all(w.is_completed() for w in works)
     done = threading.Event()
@@ -123,23 +128,29 @@ def completion(works: list[Any], device: torch.device) -> Callable[[], bool]:
 
 
 def _stream_wait(work: Any, device: torch.device) -> None:
-    """Order this stream after a completed NCCL work (gloo works were already waited by ``completion``)."""
+    """Order this stream after a completed NCCL work (``completion`` already waited gloo's)."""
     if device.type == "cuda":
         work.wait()
 
 
-def wait_until(is_done: Callable[[], bool], deadline: float, stop: Callable[[], bool] = lambda: False,
-               idle: Callable[[], bool] = lambda: False) -> bool:
-    """Poll ``is_done`` until True, or the deadline passes / ``stop()`` (False); sleep 1 ms while ``idle()``."""
+def wait_until(
+    is_done: Callable[[], bool],
+    deadline: float,
+    stop: Callable[[], bool] = lambda: False,
+    idle: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Poll ``is_done`` until True, or deadline / ``stop()`` (False); sleeps 1 ms if ``idle()``."""
     while not is_done():
         if time.monotonic() >= deadline or stop():
             return False
-        time.sleep(0.001 if idle() else 0)  # sleep(0) yields the GIL; a transfer is expected, keep latency low
+        time.sleep(
+            0.001 if idle() else 0
+        )  # sleep(0) yields the GIL; a transfer is expected, keep latency low
     return True
 
 
 class NcclKVSender(BaseKVSender):
-    """Prefill side of one NCCL channel (the default process group, or ``group``) to ``peer_rank``."""
+    """Prefill side of one NCCL channel (the default group, or ``group``) to ``peer_rank``."""
 
     backend = "nccl"
 
@@ -148,48 +159,80 @@ class NcclKVSender(BaseKVSender):
         self.group = group
         self.num_chunks = num_chunks  # None: one per CHUNK_BYTES, at most MAX_CHUNKS
         self._lock = threading.Lock()
-        self._pending: Callable[[], bool] | None = None  # completion of a send that missed its deadline
+        self._pending: Callable[[], bool] | None = (
+            None  # completion of a send that missed its deadline
+        )
         self._pending_keep: list[torch.Tensor] = []  # its buffers, alive until the works complete
 
     def send(
-        self, request_id: str, src_pool: KVPool, src_pages: Sequence[int], dst: KvDestination, deadline: float
+        self,
+        request_id: str,
+        src_pool: KVPool,
+        src_pages: Sequence[int],
+        dst: KvDestination,
+        deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
         check_compatible(pool_layout(src_pool), src_pages, dst)
         if dst.session_id != f"nccl:{self.peer_rank}":
-            raise UnavailableError(f"{dst.session_id} is not this sender's NCCL peer (rank {self.peer_rank})")
+            raise UnavailableError(
+                f"{dst.session_id} is not this sender's NCCL peer (rank {self.peer_rank})"
+            )
         with self._lock:
             check_deadline(request_id, deadline)
             if self._pending is not None and not wait_until(self._pending, deadline):
-                raise UnavailableError(f"NCCL peer rank {self.peer_rank} has not taken an earlier KV transfer")
+                raise UnavailableError(
+                    f"NCCL peer rank {self.peer_rank} has not taken an earlier KV transfer"
+                )
             self._pending, self._pending_keep = None, []
             works, keep = self._post(request_id, src_pool, src_pages)
             is_done = completion(works, src_pool.device)
             if not wait_until(is_done, deadline):
                 self._pending, self._pending_keep = is_done, keep
-                raise DeadlineExceededError(f"KV transfer for {request_id} to rank {self.peer_rank} timed out")
+                raise DeadlineExceededError(
+                    f"KV transfer for {request_id} to rank {self.peer_rank} timed out"
+                )
         flat = keep[-1]
-        return TransferResult(request_id, flat.numel() * flat.element_size(), len(works), time.monotonic() - start)
+        return TransferResult(
+            request_id, flat.numel() * flat.element_size(), len(works), time.monotonic() - start
+        )
 
-    def _post(self, request_id: str, pool: KVPool, src_pages: Sequence[int]) -> tuple[list[Any], list[torch.Tensor]]:
+    def _post(
+        self, request_id: str, pool: KVPool, src_pages: Sequence[int]
+    ) -> tuple[list[Any], list[torch.Tensor]]:
         device = pool.device
-        numel = 2 * pool.num_layers * len(src_pages) * pool.page_size * pool.num_kv_heads * pool.head_dim
+        numel = (
+            2
+            * pool.num_layers
+            * len(src_pages)
+            * pool.page_size
+            * pool.num_kv_heads
+            * pool.head_dim
+        )
         flat = torch.empty(numel, dtype=pool.dtype, device=device)
-        num_chunks = self.num_chunks or max(1, min(MAX_CHUNKS, numel * flat.element_size() // CHUNK_BYTES))
+        num_chunks = self.num_chunks or max(
+            1, min(MAX_CHUNKS, numel * flat.element_size() // CHUNK_BYTES)
+        )
         chunks = layer_chunks(pool.num_layers, num_chunks)
         header = _Header(request_id, len(src_pages), numel * flat.element_size(), len(chunks))
         header_buf = encode_header(header, device)
         index = torch.tensor(list(src_pages), dtype=torch.long, device=device)
         works = [dist.isend(header_buf, self.peer_rank, group=self.group)]
-        for (a, b), view in zip(chunks, chunk_views(flat, pool, len(src_pages), chunks), strict=True):
-            torch.index_select(pool.k_buffer[a:b], 1, index, out=view[0])  # [layers, pages, S, Hkv, D]
+        for (a, b), view in zip(
+            chunks, chunk_views(flat, pool, len(src_pages), chunks), strict=True
+        ):
+            torch.index_select(
+                pool.k_buffer[a:b], 1, index, out=view[0]
+            )  # [layers, pages, S, Hkv, D]
             torch.index_select(pool.v_buffer[a:b], 1, index, out=view[1])
-            works.append(dist.isend(view, self.peer_rank, group=self.group))  # waits for the gather above
+            works.append(
+                dist.isend(view, self.peer_rank, group=self.group)
+            )  # waits for the gather above
         return works, [header_buf, index, flat]
 
 
 class NcclKVReceiver(BaseKVReceiver):
-    """Decode side: a listener thread receives each transfer and scatters it into its session's pages."""
+    """Decode side: a listener thread receives each transfer, scattering it into its pages."""
 
     backend = "nccl"
 
@@ -199,7 +242,9 @@ class NcclKVReceiver(BaseKVReceiver):
         self.group = group
         self._rank = dist.get_rank()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set when a session opens (or on close): the listener posts a receive
+        self._wake = (
+            threading.Event()
+        )  # set when a session opens (or on close): the listener posts a receive
         self._scatter_lock = threading.Lock()  # held from scatter launch until it landed
         self._thread: threading.Thread | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -223,7 +268,9 @@ class NcclKVReceiver(BaseKVReceiver):
     def _register_memory(self, pool: KVPool) -> None:
         if pool.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=pool.device)
-        self._thread = threading.Thread(target=self._listen, args=(pool,), name="kv-nccl-recv", daemon=True)
+        self._thread = threading.Thread(
+            target=self._listen, args=(pool,), name="kv-nccl-recv", daemon=True
+        )
         self._thread.start()
 
     def _unregister_memory(self, pool: KVPool) -> None:
@@ -235,17 +282,24 @@ class NcclKVReceiver(BaseKVReceiver):
 
     def _poll(self, works: list[Any], device: torch.device) -> bool:
         """Wait for ``works`` until the receiver closes (False); spin only while KV is expected."""
-        return wait_until(completion(works, device), float("inf"), self._stop.is_set,
-                          idle=lambda: self.sessions.num_in_flight == 0)
+        return wait_until(
+            completion(works, device),
+            float("inf"),
+            self._stop.is_set,
+            idle=lambda: self.sessions.num_in_flight == 0,
+        )
 
     def _listen(self, pool: KVPool) -> None:
         on_cuda = self._stream is not None
-        with torch.cuda.device(pool.device) if on_cuda else contextlib.nullcontext(), (
-            torch.cuda.stream(self._stream) if on_cuda else contextlib.nullcontext()
+        with (
+            torch.cuda.device(pool.device) if on_cuda else contextlib.nullcontext(),
+            torch.cuda.stream(self._stream) if on_cuda else contextlib.nullcontext(),
         ):
             try:
                 while not self._stop.is_set():
-                    if self.sessions.num_in_flight == 0:  # no receive stays posted while nothing is expected
+                    if (
+                        self.sessions.num_in_flight == 0
+                    ):  # no receive stays posted while nothing is expected
                         self._wake.wait(0.05)
                         self._wake.clear()
                         continue
@@ -265,9 +319,12 @@ class NcclKVReceiver(BaseKVReceiver):
         if session is None:
             return None  # expired, aborted or unknown: the payload is drained and dropped
         if len(session.page_ids) != header.num_pages:
-            session.mark_failed(InvalidRequestError(
-                f"KV for {header.request_id}: {header.num_pages} pages sent, {len(session.page_ids)} reserved"
-            ))
+            session.mark_failed(
+                InvalidRequestError(
+                    f"KV for {header.request_id}: {header.num_pages} pages sent, "
+                    f"{len(session.page_ids)} reserved"
+                )
+            )
             return None
         session.mark_transferring()
         return session
@@ -275,10 +332,16 @@ class NcclKVReceiver(BaseKVReceiver):
     def _receive(self, pool: KVPool, header: _Header) -> None:
         session = self._live_session(header)
         chunks = layer_chunks(pool.num_layers, header.num_chunks)
-        flat = torch.empty(header.num_bytes // pool.k_buffer.element_size(), dtype=pool.dtype, device=pool.device)
+        flat = torch.empty(
+            header.num_bytes // pool.k_buffer.element_size(), dtype=pool.dtype, device=pool.device
+        )
         views = chunk_views(flat, pool, header.num_pages, chunks)
         works = [dist.irecv(view, self.peer_rank, group=self.group) for view in views]
-        index = None if session is None else torch.tensor(session.page_ids, dtype=torch.long, device=pool.device)
+        index = (
+            None
+            if session is None
+            else torch.tensor(session.page_ids, dtype=torch.long, device=pool.device)
+        )
         for (a, b), view, work in zip(chunks, views, works, strict=True):
             if not self._poll([work], pool.device):
                 return
@@ -293,6 +356,7 @@ class NcclKVReceiver(BaseKVReceiver):
                 _synchronize(pool.device)
         _synchronize(pool.device)
         if session is not None and not session.state.is_terminal:
-            # it may still fail (deadline, abort) while the last chunk lands: its pages are then released
+            # it may still fail (deadline, abort) while the last chunk lands: its pages are then
+            # released
             with contextlib.suppress(StageServeError):
                 session.mark_done()

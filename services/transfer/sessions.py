@@ -72,14 +72,15 @@ class TransferSession:
                 self._state = TransferState.TRANSFERRING
 
     def mark_done(self) -> None:
-        """-> SUCCESS. Completing a finished session raises (``InvalidRequestError``, or its failure)."""
+        """-> SUCCESS. Completing a finished session raises (``InvalidRequestError``, its error)."""
         with self._cond:
             if self._state is TransferState.SUCCESS:
                 raise InvalidRequestError(f"KV transfer for {self.request_id} completed twice")
             if self._state is TransferState.FAILED:
                 assert self.error is not None
                 raise type(self.error)(
-                    f"KV for {self.request_id} arrived after the transfer failed: {self.error.message}"
+                    f"KV for {self.request_id} arrived after the transfer failed: "
+                    f"{self.error.message}"
                 )
             self._state = TransferState.SUCCESS
             self._cond.notify_all()
@@ -103,10 +104,12 @@ class TransferSession:
     def expire_if_due(self) -> bool:
         if self._clock() < self.deadline:
             return False
-        return self.mark_failed(DeadlineExceededError(f"KV transfer for {self.request_id} timed out"))
+        return self.mark_failed(
+            DeadlineExceededError(f"KV transfer for {self.request_id} timed out")
+        )
 
     def wait(self, deadline: float) -> TransferState:
-        """Block until terminal or ``deadline`` (same clock); past the session's own deadline -> FAILED."""
+        """Block until terminal or ``deadline`` (same clock); past its own deadline -> FAILED."""
         with self._cond:
             while not self._state.is_terminal:
                 remaining = min(deadline, self.deadline) - self._clock()
@@ -132,7 +135,7 @@ class TransferSessionManager:
     def start(
         self, request_id: str, page_ids: Sequence[int], deadline: float, release: ReleaseFn
     ) -> TransferSession:
-        """Open a BOOTSTRAPPING session; ``InvalidRequestError`` if ``request_id`` is already in flight."""
+        """Open a BOOTSTRAPPING session; ``InvalidRequestError`` if ``request_id`` is in flight."""
         session = TransferSession(request_id, page_ids, deadline, release, self._clock, self._drop)
         with self._lock:
             if request_id in self._sessions:
@@ -148,7 +151,7 @@ class TransferSessionManager:
         self._in_flight(request_id).mark_transferring()
 
     def complete(self, request_id: str) -> TransferSession:
-        """Mark ``request_id`` SUCCESS; ``InvalidRequestError`` if it is not in flight (done twice, expired)."""
+        """Mark ``request_id`` SUCCESS; ``InvalidRequestError`` unless in flight (e.g. expired)."""
         session = self._in_flight(request_id)
         session.mark_done()
         return session

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -28,38 +27,25 @@ from services.transfer.base import (
     BaseKVSender,
     KvDestination,
     TransferResult,
+    check_backend,
     check_compatible,
     check_deadline,
     page_runs,
     pool_layout,
 )
 from services.transfer.shm_memory import (
-    MAX_PEERS,
-    ShmPeers,
-    ShmRef,
+    ShmReceiver,
     ShmSegment,
+    ShmSender,
     decode_session_id,
-    encode_session_id,
     typed_view,
 )
 
 POOL = "decode's KV pool"
 
 
-class ShmKVReceiver(BaseKVReceiver):
+class ShmKVReceiver(ShmReceiver, BaseKVReceiver):
     """Decode side: the pool's K and V move into a segment at ``register``; ``close`` unlinks it."""
-
-    backend = "shm"
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._segment: ShmSegment | None = None
-        self._session_id: str | None = None
-
-    @property
-    def session_id(self) -> str:
-        assert self._session_id is not None, "register(pool) first"
-        return self._session_id
 
     def _register_memory(self, pool: KVPool) -> None:
         if pool.device.type != "cpu":
@@ -68,35 +54,21 @@ class ShmKVReceiver(BaseKVReceiver):
                 "use --kv-transfer-backend cuda_ipc (GPUs of one host)"
             )
         half = pool.k_buffer.numel() * pool.k_buffer.element_size()
-        segment = ShmSegment("kv", 2 * half, POOL)
-        try:
+
+        def move(segment: ShmSegment) -> int:
             pool.reallocate(
                 lambda shape, dtype: (
                     typed_view(segment.tensor, 0, shape, dtype, POOL),
                     typed_view(segment.tensor, half, shape, dtype, POOL),
                 )
             )
-        except BaseException:
-            segment.close()
-            raise
-        self._segment = segment
-        self._session_id = encode_session_id(ShmRef(segment.name, pool.k_buffer.data_ptr()))
+            return pool.k_buffer.data_ptr()
 
-    def _unregister_memory(self, pool: KVPool) -> None:
-        del pool  # it keeps its mapping: the engine may still read it while shutting down
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
-        self._session_id = None
+        self._own_segment("kv", 2 * half, POOL, move)
 
 
-class ShmKVSender(BaseKVSender):
+class ShmKVSender(ShmSender, BaseKVSender):
     """Prefill side: maps each decode pool once (LRU of ``max_peers``), then copies page runs."""
-
-    backend = "shm"
-
-    def __init__(self, max_peers: int = MAX_PEERS) -> None:
-        self._peers = ShmPeers(max_peers)
 
     def send(
         self,
@@ -107,10 +79,7 @@ class ShmKVSender(BaseKVSender):
         deadline: float,
     ) -> TransferResult:
         start = time.monotonic()
-        if dst.backend != self.backend:
-            raise InvalidRequestError(
-                f"{request_id}: a {dst.backend} destination for the shm sender"
-            )
+        check_backend(request_id, self.backend, dst)
         check_compatible(pool_layout(src_pool), src_pages, dst)
         check_deadline(request_id, deadline)
         dst_k, dst_v = self._pool_of(dst)
@@ -129,7 +98,7 @@ class ShmKVSender(BaseKVSender):
         return TransferResult(request_id, num_bytes, 2 * len(runs), time.monotonic() - start)
 
     def _pool_of(self, dst: KvDestination) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode's K and V (``[L, P, S, Hkv, D]`` each) mapped here, checked against ``dst.layout``."""
+        """Decode's K and V (``[L, P, S, Hkv, D]`` each) mapped here, checked by ``dst.layout``."""
         ref = decode_session_id(dst.session_id)
         layout = dst.layout
         half = layout.num_layers * layout.num_pages * layout.page_nbytes
@@ -155,6 +124,3 @@ class ShmKVSender(BaseKVSender):
             typed_view(mapping.tensor, 0, shape, dtype, dst.request_id),
             typed_view(mapping.tensor, half, shape, dtype, dst.request_id),
         )
-
-    def close(self) -> None:
-        self._peers.close()

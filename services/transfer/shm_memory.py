@@ -1,4 +1,4 @@
-"""Shared-memory segments in /dev/shm: one owner creates and unlinks, peers of the same user map them.
+"""Shared-memory segments in /dev/shm: an owner creates and unlinks, peers of its user map them.
 
 Lifecycle of one segment (decode owns its KV pool's, prefill its embedding buffer's):
 
@@ -34,11 +34,14 @@ import subprocess
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
 
 from services.common.errors import CapacityError, InvalidRequestError, UnavailableError
+from services.transfer.base import PublishedSession
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ def encode_session_id(ref: ShmRef) -> str:
 
 
 def decode_session_id(session_id: str) -> ShmRef:
-    """The segment ``session_id`` names; ``InvalidRequestError`` unless ``encode_session_id`` made it.
+    """The segment ``session_id`` names; ``InvalidRequestError`` unless ``encode_session_id``'s.
 
     The name must match ``NAME_RE`` exactly: a peer never opens a path it was sent.
     """
@@ -95,11 +98,14 @@ def process_start_time(pid: int) -> int | None:
 def new_name(kind: str) -> str:
     assert kind in KINDS, kind
     pid = os.getpid()
-    return f"stageserve-{kind}-{pid_namespace()}-{pid}-{process_start_time(pid)}-{secrets.token_hex(16)}"
+    return (
+        f"stageserve-{kind}-{pid_namespace()}-{pid}-{process_start_time(pid)}-"
+        f"{secrets.token_hex(16)}"
+    )
 
 
 def sweep_stale_segments() -> list[str]:
-    """Unlink this user's segments whose owner process is gone (killed before it could); their names."""
+    """Unlink this user's segments whose owner is gone (killed before it could); their names."""
     removed: list[str] = []
     if (
         process_start_time(os.getpid()) is None
@@ -154,7 +160,7 @@ def _start_reaper(path: str) -> tuple[subprocess.Popen | None, int | None]:
 def _release(
     path: str, owner_pid: int, reaper: subprocess.Popen | None, pipe_end: int | None
 ) -> None:
-    """Unlink ``path`` (in its owner only: a forked child exiting leaves its parent's segment alone)."""
+    """Unlink ``path`` in its owner only (a forked child exiting leaves its parent's alone)."""
     if pipe_end is not None:
         os.close(
             pipe_end
@@ -173,7 +179,7 @@ def _release(
 
 
 class ShmSegment:
-    """A zeroed ``num_bytes`` file in ``SHM_DIR`` this process created and maps; ``close`` unlinks it."""
+    """A zeroed ``num_bytes`` file in ``SHM_DIR`` this process made and maps; ``close`` unlinks."""
 
     def __init__(self, kind: str, num_bytes: int, what: str) -> None:
         """``what`` names the memory in errors ("decode's KV pool")."""
@@ -212,7 +218,8 @@ def _reserve(fd: int, num_bytes: int, what: str) -> None:
         raise CapacityError(
             f"{what} needs {num_bytes / 2**20:.0f} MiB in {SHM_DIR} for the shm transfer backend, "
             f"{free.f_bavail * free.f_frsize / 2**20:.0f} MiB are free ({exc.strerror}): enlarge "
-            f"{SHM_DIR} (docker --shm-size; Kubernetes: an emptyDir with medium Memory) or make the "
+            f"{SHM_DIR} (docker --shm-size; Kubernetes: an emptyDir with medium Memory) "
+            "or make the "
             "buffer smaller"
         ) from exc
 
@@ -244,7 +251,7 @@ class ShmPeers:
         self._mappings: OrderedDict[str, PeerMapping] = OrderedDict()
 
     def open(self, name: str, what: str) -> PeerMapping:
-        """The mapping of segment ``name``; ``UnavailableError`` once it is unlinked (closed, swept).
+        """The mapping of segment ``name``; ``UnavailableError`` once unlinked (closed, swept).
 
         ``what`` names the memory in errors ("decode's KV pool"). A file that is not a regular
         file of this user with mode 0600 is refused (``UnavailableError``) before it is mapped.
@@ -325,3 +332,48 @@ def typed_view(
             f"{mapping.numel()}-byte shared segment"
         )
     return mapping[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+class ShmReceiver(PublishedSession):
+    """Receiver mixin of the shm backends: ``register`` moves the memory into an owned segment."""
+
+    backend = "shm"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._segment: ShmSegment | None = None
+
+    def _own_segment(
+        self, kind: str, num_bytes: int, what: str, move: Callable[[ShmSegment], int]
+    ) -> None:
+        """Create the segment and publish it; ``move`` moves the memory in, returning its base.
+
+        The segment is closed again when ``move`` raises.
+        """
+        segment = ShmSegment(kind, num_bytes, what)
+        try:
+            base_address = move(segment)
+        except BaseException:
+            segment.close()
+            raise
+        self._segment = segment
+        self._session_id = encode_session_id(ShmRef(segment.name, base_address))
+
+    def _unregister_memory(self, memory: Any) -> None:
+        del memory  # it keeps its mapping: its owner may still read it while shutting down
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        self._session_id = None
+
+
+class ShmSender:
+    """Sender mixin of the shm backends: owners' segments mapped once (LRU of ``max_peers``)."""
+
+    backend = "shm"
+
+    def __init__(self, max_peers: int = MAX_PEERS) -> None:
+        self._peers = ShmPeers(max_peers)
+
+    def close(self) -> None:
+        self._peers.close()

@@ -46,7 +46,9 @@ def _pool(device: torch.device, seed: int | None, dtype: torch.dtype = torch.flo
     return pool
 
 
-def _expected(src: KVPool, dst_shape: torch.Size, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected(
+    src: KVPool, dst_shape: torch.Size, names: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = torch.zeros(dst_shape), torch.zeros(dst_shape)
     for name in names:
         for s, d in zip(SRC_PAGES[name], DST_PAGES[name], strict=True):
@@ -56,7 +58,10 @@ def _expected(src: KVPool, dst_shape: torch.Size, names: tuple[str, ...]) -> tup
 
 def test_copy_pages_moves_every_layer_of_each_page_and_nothing_else():
     src, dst = _pool(torch.device("cpu"), seed=1), _pool(torch.device("cpu"), seed=None)
-    pages = [torch.tensor(SRC_PAGES["a"] + SRC_PAGES["b"]), torch.tensor(DST_PAGES["a"] + DST_PAGES["b"])]
+    pages = [
+        torch.tensor(SRC_PAGES["a"] + SRC_PAGES["b"]),
+        torch.tensor(DST_PAGES["a"] + DST_PAGES["b"]),
+    ]
     ops.copy_pages(src.k_buffer, src.v_buffer, pages[0], dst.k_buffer, dst.v_buffer, pages[1])
     k, v = _expected(src, dst.k_buffer.shape, ("a", "b"))
     assert torch.equal(dst.k_buffer, k) and torch.equal(dst.v_buffer, v)
@@ -85,8 +90,13 @@ def test_cpu_pools_are_refused_with_a_clear_error():
     with pytest.raises(InvalidRequestError, match="needs a CUDA KV pool"):
         CudaIpcKVSender().send("a", src, SRC_PAGES["a"], dest, time.monotonic() + 5)
     with pytest.raises(InvalidRequestError, match="mooncake destination"):
-        CudaIpcKVSender().send("a", src, SRC_PAGES["a"], msgspec.structs.replace(dest, backend="mooncake"),
-                               time.monotonic() + 5)
+        CudaIpcKVSender().send(
+            "a",
+            src,
+            SRC_PAGES["a"],
+            msgspec.structs.replace(dest, backend="mooncake"),
+            time.monotonic() + 5,
+        )
     with pytest.raises(InvalidRequestError, match="source pages"):
         CudaIpcKVSender().send("a", src, SRC_PAGES["b"], dest, time.monotonic() + 5)
 
@@ -104,16 +114,26 @@ def test_sender_keeps_the_most_recent_pools_mapped_and_checks_each_destination(m
     buf = IpcBuffer(b"h", 1, 0, b"r", 0, None)
     shape = (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
     dests = {
-        name: KvDestination("cuda_ipc", encode_session_id(IpcPool(name, shape, "float32", buf, buf)), "a",
-                            pool_layout(src), tuple(DST_PAGES["a"]))
+        name: KvDestination(
+            "cuda_ipc",
+            encode_session_id(IpcPool(name, shape, "float32", buf, buf)),
+            "a",
+            pool_layout(src),
+            tuple(DST_PAGES["a"]),
+        )
         for name in ("gpu-a", "gpu-b", "gpu-c")
     }
     for name in ("gpu-a", "gpu-b", "gpu-a", "gpu-c", "gpu-a", "gpu-b"):
         sender._peer(dests[name], src)
     # a and b mapped; c evicted b (least recently used); b mapped again evicted c
     assert opened == ["gpu-a", "gpu-b", "gpu-c", "gpu-b"]
-    assert [key[0] for key in sender._peers] == [dests["gpu-a"].session_id, dests["gpu-b"].session_id]
-    wrong = msgspec.structs.replace(dests["gpu-a"], layout=msgspec.structs.replace(dests["gpu-a"].layout, num_pages=99))
+    assert [key[0] for key in sender._peers] == [
+        dests["gpu-a"].session_id,
+        dests["gpu-b"].session_id,
+    ]
+    wrong = msgspec.structs.replace(
+        dests["gpu-a"], layout=msgspec.structs.replace(dests["gpu-a"].layout, num_pages=99)
+    )
     with pytest.raises(InvalidRequestError, match="does not match the exported pool"):
         sender._peer(wrong, src)  # checked on every send, not only when the pool was first mapped
 
@@ -124,8 +144,10 @@ def _decode(device_index: int, to_prefill: mp.Queue, from_prefill: mp.Queue) -> 
     pool = _pool(device, seed=None, dtype=torch.bfloat16)
     receiver = CudaIpcKVReceiver()
     receiver.register(pool)
-    sessions = {name: receiver.open_session(name, DST_PAGES[name], time.monotonic() + 60, lambda r, p: None)
-                for name in ("a", "b")}
+    sessions = {
+        name: receiver.open_session(name, DST_PAGES[name], time.monotonic() + 60, lambda r, p: None)
+        for name in ("a", "b")
+    }
     to_prefill.put([msgspec.msgpack.encode(s.destination) for s in sessions.values()])
     sent = from_prefill.get(timeout=90)
     for name in sent:
@@ -137,13 +159,17 @@ def _decode(device_index: int, to_prefill: mp.Queue, from_prefill: mp.Queue) -> 
     receiver.close()
 
 
-def _prefill_sends(sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDestination]) -> tuple[list, list]:
+def _prefill_sends(
+    sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDestination]
+) -> tuple[list, list]:
     errors = []
     try:
         sender.send("a", pool, SRC_PAGES["a"], dests["a"], time.monotonic() - 1)
     except DeadlineExceededError:
         errors.append("deadline")
-    bad = msgspec.structs.replace(dests["b"], layout=msgspec.structs.replace(dests["b"].layout, num_pages=99))
+    bad = msgspec.structs.replace(
+        dests["b"], layout=msgspec.structs.replace(dests["b"].layout, num_pages=99)
+    )
     try:
         sender.send("b", pool, SRC_PAGES["b"], bad, time.monotonic() + 30)
     except InvalidRequestError:
@@ -160,9 +186,14 @@ def _prefill_sends(sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDes
         torch.cuda._sleep(1_000_000)
         for buf, full in zip((pool.k_buffer, pool.v_buffer), truth, strict=True):
             buf[layer, b_pages] = full[layer, b_pages]
-        layerwise.layer_done(layer)  # a copy per layer (LAYER_CHUNK_BYTES is 1 here), behind that write
+        layerwise.layer_done(
+            layer
+        )  # a copy per layer (LAYER_CHUNK_BYTES is 1 here), behind that write
     pending.append(layerwise.finish())
-    for buf in (pool.k_buffer, pool.v_buffer):  # the next forward reuses the pages: behind the copies
+    for buf in (
+        pool.k_buffer,
+        pool.v_buffer,
+    ):  # the next forward reuses the pages: behind the copies
         buf[:, b_pages] = 0
     results = [p.wait() for p in pending]
     return errors, [r.num_bytes for r in results]
@@ -171,7 +202,10 @@ def _prefill_sends(sender: CudaIpcKVSender, pool: KVPool, dests: dict[str, KvDes
 def _prefill(to_prefill: mp.Queue, from_prefill: mp.Queue, out: mp.Queue) -> None:
     faulthandler.dump_traceback_later(100, exit=True)
     pool = _pool(torch.device("cuda", 0), seed=1, dtype=torch.bfloat16)
-    dests = {d.request_id: d for d in (msgspec.msgpack.decode(raw, type=KvDestination) for raw in to_prefill.get())}
+    dests = {
+        d.request_id: d
+        for d in (msgspec.msgpack.decode(raw, type=KvDestination) for raw in to_prefill.get())
+    }
     sender = CudaIpcKVSender()
     cuda_ipc_backend.LAYER_CHUNK_BYTES = 1  # one copy per layer
     try:
@@ -191,7 +225,9 @@ def test_two_processes_write_the_right_pages_over_cuda_ipc():
         pytest.skip("needs CUDA")
     ctx = mp.get_context("spawn")
     to_prefill, from_prefill, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    decode = ctx.Process(target=_decode, args=(torch.cuda.device_count() - 1, to_prefill, from_prefill))
+    decode = ctx.Process(
+        target=_decode, args=(torch.cuda.device_count() - 1, to_prefill, from_prefill)
+    )
     prefill = ctx.Process(target=_prefill, args=(to_prefill, from_prefill, out))
     decode.start()
     prefill.start()

@@ -40,7 +40,12 @@ def test_page_runs_coalesce_where_both_sides_are_adjacent() -> None:
     assert page_runs([], []) == []
     assert page_runs([3, 4, 5], [7, 8, 9]) == [(3, 7, 3)]
     # src adjacent but dst not, dst adjacent but src not, then a fresh run
-    assert page_runs([1, 2, 6, 9, 10], [5, 9, 10, 11, 12]) == [(1, 5, 1), (2, 9, 1), (6, 10, 1), (9, 11, 2)]
+    assert page_runs([1, 2, 6, 9, 10], [5, 9, 10, 11, 12]) == [
+        (1, 5, 1),
+        (2, 9, 1),
+        (6, 10, 1),
+        (9, 11, 2),
+    ]
     assert page_runs([4, 3], [0, 1]) == [(4, 0, 1), (3, 1, 1)]  # descending source never merges
 
 
@@ -52,7 +57,9 @@ def test_plan_exact_offsets_for_every_layer_k_and_v() -> None:
     for src_base, dst_base in ((10_000, 200_000), (50_000, 300_000)):
         for layer in range(2):
             # run (0 -> 7, 2 pages) then (4 -> 2, 1 page)
-            expected.append((src_base + (layer * 6 + 0) * 64, dst_base + (layer * 10 + 7) * 64, 128))
+            expected.append(
+                (src_base + (layer * 6 + 0) * 64, dst_base + (layer * 10 + 7) * 64, 128)
+            )
             expected.append((src_base + (layer * 6 + 4) * 64, dst_base + (layer * 10 + 2) * 64, 64))
     assert list(zip(plan.src_addrs, plan.dst_addrs, plan.lengths, strict=True)) == expected
     assert plan.num_descriptors == 8 and plan.num_bytes == 2 * 2 * 3 * 64
@@ -88,7 +95,13 @@ def test_incompatible_destinations_are_rejected(src_pages, dst_layout, dst_pages
 
 def test_pool_layout_matches_the_pool_tensors() -> None:
     pool = KVPool(
-        num_layers=2, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16, device="cpu"
+        num_layers=2,
+        num_pages=5,
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.bfloat16,
+        device="cpu",
     )
     got = pool_layout(pool)
     assert got.k_base == pool.k_buffer.data_ptr() and got.v_base == pool.v_buffer.data_ptr()

@@ -1,4 +1,7 @@
-"""Embedding rows handoff: row bookkeeping, descriptors, torch copies (inprocess, shm), and Mooncake across two processes."""
+"""Embedding rows handoff: row bookkeeping, descriptors, torch copies (inprocess, shm), Mooncake.
+
+Mooncake runs across two processes.
+"""
 
 import multiprocessing as mp
 import os

@@ -1,4 +1,6 @@
-"""The CUDA IPC embedding backend: wire format, refusals and mappings on CPU; two processes on GPUs (gpu marker).
+"""The CUDA IPC embedding backend: wire format, refusals and mappings on CPU.
+
+Two processes on GPUs run under the gpu marker.
 
 On the GPU, prefill (a zeroed buffer on the last visible GPU, and a host buffer over shm)
 hands an encoder process (rows on cuda:0) one window of each; the encoder writes the same runs

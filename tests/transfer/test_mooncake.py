@@ -40,7 +40,10 @@ def receiver_main(dst_queue, ready_queue, result_queue, exit_after_publish: bool
     before_k, before_v = pool.k_buffer.clone(), pool.v_buffer.clone()
     released: list[str] = []
     session = receiver.open_session(
-        "req-1", DST_PAGES, time.monotonic() + QUEUE_TIMEOUT_S, lambda rid, pages: released.append(rid)
+        "req-1",
+        DST_PAGES,
+        time.monotonic() + QUEUE_TIMEOUT_S,
+        lambda rid, pages: released.append(rid),
     )
     dst_queue.put(msgspec.msgpack.encode(session.destination))
     if exit_after_publish:
@@ -54,7 +57,9 @@ def receiver_main(dst_queue, ready_queue, result_queue, exit_after_publish: bool
         for s, d in zip(SRC_PAGES, DST_PAGES, strict=True)
     )
     others = [p for p in range(64) if p not in DST_PAGES]
-    untouched = torch.equal(pool.k_buffer[:, others].view(torch.int16), before_k[:, others].view(torch.int16))
+    untouched = torch.equal(
+        pool.k_buffer[:, others].view(torch.int16), before_k[:, others].view(torch.int16)
+    )
     untouched = untouched and torch.equal(
         pool.v_buffer[:, others].view(torch.int16), before_v[:, others].view(torch.int16)
     )
@@ -62,7 +67,9 @@ def receiver_main(dst_queue, ready_queue, result_queue, exit_after_publish: bool
     receiver.close()
 
 
-def sender_main(dst_bytes: bytes, deadline_s: float, result_queue, max_descriptors: int = 1024) -> None:
+def sender_main(
+    dst_bytes: bytes, deadline_s: float, result_queue, max_descriptors: int = 1024
+) -> None:
     from services.common.errors import StageServeError
     from services.transfer.mooncake_backend import MooncakeKVSender
 

@@ -57,7 +57,9 @@ def _receiver(device: torch.device, ctrl: object) -> None:
 
     sessions = {}
     for name in ("a", "b", "c"):
-        sessions[name] = receiver.open_session(name, DST_PAGES[name], time.monotonic() + 60, release)
+        sessions[name] = receiver.open_session(
+            name, DST_PAGES[name], time.monotonic() + 60, release
+        )
         if name == "b":
             sessions[name].abort()  # decode gave up before prefill sent: the KV must be dropped
         _exchange(sessions[name].destination, ctrl)
@@ -69,10 +71,14 @@ def _receiver(device: torch.device, ctrl: object) -> None:
     written = set()
     for name in ("a", "c"):
         for s, d in zip(SRC_PAGES[name], DST_PAGES[name], strict=True):
-            assert torch.equal(dst_k[:, d], src.k_buffer[:, s]) and torch.equal(dst_v[:, d], src.v_buffer[:, s])
+            assert torch.equal(dst_k[:, d], src.k_buffer[:, s]) and torch.equal(
+                dst_v[:, d], src.v_buffer[:, s]
+            )
             written.add(d)
     untouched = [p for p in range(12) if p not in written]
-    assert not dst_k[:, untouched].any() and not dst_v[:, untouched].any(), "a page outside the sessions changed"
+    assert not dst_k[:, untouched].any() and not dst_v[:, untouched].any(), (
+        "a page outside the sessions changed"
+    )
     dist.barrier(group=ctrl)
     receiver.close()
 
@@ -88,7 +94,9 @@ def _sender(device: torch.device, ctrl: object) -> None:
         assert result.num_bytes == 2 * NUM_LAYERS * len(SRC_PAGES[name]) * pool.page_nbytes
         assert result.num_descriptors == 1 + 2  # header + 2 chunks, whatever the page count
     with pytest.raises(DeadlineExceededError):
-        sender.send("late", pool, [0], msgspec.structs.replace(dest, page_ids=(0,)), time.monotonic() - 1)
+        sender.send(
+            "late", pool, [0], msgspec.structs.replace(dest, page_ids=(0,)), time.monotonic() - 1
+        )
     stranger = msgspec.structs.replace(dest, session_id="nccl:5", page_ids=(0,))
     with pytest.raises(UnavailableError):
         sender.send("stranger", pool, [0], stranger, time.monotonic() + 10)
@@ -116,7 +124,9 @@ def _free_port() -> int:
 
 
 def run_two_ranks(backend: str, timeout_s: float = 120.0) -> None:
-    context = mp.start_processes(_worker, args=(_free_port(), backend), nprocs=2, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _worker, args=(_free_port(), backend), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -74,7 +74,9 @@ def test_deadline_sweep_fails_and_releases_exactly_once() -> None:
     assert sessions.expire() == ["late"]
     assert late.state is TransferState.FAILED and isinstance(late.error, DeadlineExceededError)
     assert release.calls == [("late", (1, 2))]
-    assert sessions.expire() == [] and not late.abort() and not late.mark_failed(UnavailableError("x"))
+    assert (
+        sessions.expire() == [] and not late.abort() and not late.mark_failed(UnavailableError("x"))
+    )
     assert release.calls == [("late", (1, 2))] and sessions.num_in_flight == 1
     with pytest.raises(DeadlineExceededError, match="arrived after the transfer failed"):
         late.mark_done()  # prefill's "KV ready" after decode gave up
@@ -95,7 +97,9 @@ def test_abort_fails_releases_once_and_wakes_waiters() -> None:
 
 def test_wait_returns_in_flight_at_callers_deadline_and_fails_at_sessions() -> None:
     release = Releases()
-    session = TransferSessionManager().start("req-1", [0], deadline=time.monotonic() + 0.2, release=release)
+    session = TransferSessionManager().start(
+        "req-1", [0], deadline=time.monotonic() + 0.2, release=release
+    )
     assert session.wait(time.monotonic() + 0.01) is TransferState.BOOTSTRAPPING
     assert session.wait(time.monotonic() + 30) is TransferState.FAILED
     assert release.calls == [("req-1", (0,))]

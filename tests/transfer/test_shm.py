@@ -1,4 +1,4 @@
-"""The shm transfer backend: decode's KV pool and prefill's embedding buffer mapped from /dev/shm."""
+"""The shm transfer backend: decode's KV pool and prefill's embedding buffer in /dev/shm."""
 
 import multiprocessing as mp
 import os
