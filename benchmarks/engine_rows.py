@@ -187,7 +187,8 @@ def _decode_row(
 def image_pixels(
     model: Qwen2_5_VLModel, num_images: int
 ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-    """Random pixel patches of ``num_images`` 1080p images, [patches, C*T*P*P] on the model's device."""
+    """Random pixel patches of ``num_images`` 1080p images, [patches, C*T*P*P], on the model's
+    device."""
     v = model.config.vision
     grids = [GRID_1080P] * num_images
     num_patches = sum(t * h * w for t, h, w in grids)

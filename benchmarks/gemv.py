@@ -1,4 +1,5 @@
-"""Decode at batch 1: the Triton GEMV against cuBLAS, per projection and for the whole CUDA-graph step.
+"""Decode at batch 1: the Triton GEMV against cuBLAS, per projection and for the whole CUDA-graph
+step.
 
     python -m benchmarks.gemv [--context 1024]
 
@@ -69,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, (inp, weights) in projections.items():
         n, k = weights[0][0].shape
         floor_us = n * k * 2 / bandwidth * 1e6
-        ours = _graph_ms([lambda i=inp, w=w, b=b: triton_kernels.gemv(i, w, b) for w, b in weights]) / len(weights)
-        ref = _graph_ms([lambda i=inp, w=w, b=b: torch.nn.functional.linear(i, w, b) for w, b in weights]) / len(weights)
+        ours = _graph_ms(
+            [lambda i=inp, w=w, b=b: triton_kernels.gemv(i, w, b) for w, b in weights]
+        ) / len(weights)
+        ref = _graph_ms(
+            [lambda i=inp, w=w, b=b: torch.nn.functional.linear(i, w, b) for w, b in weights]
+        ) / len(weights)
         print(f"| {name} {n} x {k} | {floor_us:.1f} | {ours * 1e3:.1f} | {ref * 1e3:.1f} |")
     floor_ms = decode_floor_bytes(model, 1, args.context + 1) / bandwidth * 1e3
     with_gemv = _step_ms(model, args.context)
@@ -80,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         with_cublas = _step_ms(model, args.context)
     finally:
         ops._gemv_kernels = routed
-    print(f"decode batch 1 @{args.context}: floor {floor_ms:.3f} ms; graph replay {with_gemv:.3f} ms "
-          f"({with_gemv / floor_ms:.2f}x) with the GEMV, {with_cublas:.3f} ms ({with_cublas / floor_ms:.2f}x) with cuBLAS")
+    print(
+        f"decode batch 1 @{args.context}: floor {floor_ms:.3f} ms; graph replay {with_gemv:.3f} ms "
+        f"({with_gemv / floor_ms:.2f}x) with the GEMV, {with_cublas:.3f} "
+        f"ms ({with_cublas / floor_ms:.2f}x) with cuBLAS"
+    )
     return 0
 
 

@@ -37,7 +37,9 @@ def hf_decode_ms(peer: Any, batch_size: int, context_len: int) -> float:
 def hf_prefill_ms(peer: Any, num_tokens: int) -> float:
     vocab = peer.config.text_config.vocab_size
     ids = torch.randint(0, vocab, (1, num_tokens), device="cuda")
-    return time_ms(lambda: peer(input_ids=ids, use_cache=False, logits_to_keep=1), warmup=1, iters=3)
+    return time_ms(
+        lambda: peer(input_ids=ids, use_cache=False, logits_to_keep=1), warmup=1, iters=3
+    )
 
 
 @torch.inference_mode()

@@ -22,32 +22,30 @@ import argparse
 import asyncio
 import json
 import shlex
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from benchmarks.report import provenance_lines, write_section
+from benchmarks.report import command_line, fmt, markdown_table, write_run_section
 from benchmarks.serve_client import Outcome, RequestRecord, send_request
 from benchmarks.serve_images import image_bytes, image_data_url, parse_size
 from benchmarks.serve_metrics import LatencyStats, latency_stats
 from benchmarks.serve_workload import IntRange, RequestSpec, WorkloadSpec, chat_body
-from benchmarks.system_load import System, free_port, start_system
+from benchmarks.system_load import (
+    CPU_UP,
+    GPU_UP,
+    MetricDelta,
+    System,
+    add_system_args,
+    histogram_mean_ms,
+    running_system,
+)
 from benchmarks.system_model import write_checkpoint
 from services.cli import BUNDLED_MODEL
 
 SECTION_TITLE = "## Image TTFT (`python -m benchmarks.image_ttft`)"
 PROMPT = "Describe this image in one sentence."
-GPU_UP = [
-    "--device",
-    "cuda",
-    "--attention-backend",
-    "flashinfer",
-    "--kv-transfer-backend",
-    "cuda_ipc",
-]
 # histograms whose mean over a row's requests is reported: (column, service, metric)
 HISTOGRAMS = (
     ("encode ms", "vision_encoder", "stageserve_vision_encoder_encode_seconds"),
@@ -85,18 +83,10 @@ class CaseResult:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.image_ttft", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, small images")
-    p.add_argument(
-        "--out", default="docs/benchmarks.md", help="markdown report whose section is written"
-    )
-    p.add_argument(
-        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random"
-    )
+    add_system_args(p)
     p.add_argument("--num-requests", type=int, default=None, help="per row (default 10; --quick 2)")
     p.add_argument("--large-size", default=None, help="WxH (default 1920x1080; --quick 320x180)")
     p.add_argument("--small-size", default=None, help="WxH (default 640x480; --quick 160x120)")
-    p.add_argument(
-        "--workdir", type=Path, default=None, help="logs and state (default: a temporary one)"
-    )
     p.add_argument(
         "--transfer-backend", default=None, help="up's embedding backend (default: up's choice)"
     )
@@ -139,34 +129,15 @@ def case_specs(model: str, case: Case, num_requests: int, seed: int) -> list[Req
     return [_spec(model, case.image_size, seed + i, i) for i in range(num_requests)]
 
 
-class _Probe:
+class _Probe(MetricDelta):
     """The services' histogram sums and counts, and counters, since the last ``reset``."""
 
     def __init__(self, system: System) -> None:
-        self.system = system
-        self.start = self._read()
+        super().__init__(system, COUNTERS, HISTOGRAMS)
 
-    def _read(self) -> dict[str, float]:
-        values = {}
-        for column, service, name in HISTOGRAMS:
-            values[column + " sum"] = self.system.metric(service, name + "_sum")
-            values[column + " count"] = self.system.metric(service, name + "_count")
-        for column, service, name in COUNTERS:
-            values[column] = self.system.metric(service, name)
-        return values
-
-    def reset(self) -> None:
-        self.start = self._read()
-
-    def since(self) -> tuple[dict[str, float | None], dict[str, int]]:
-        end = self._read()
-        delta = {k: end[k] - self.start[k] for k in end}
-        means = {
-            column: delta[column + " sum"] / delta[column + " count"] * 1e3
-            if delta[column + " count"]
-            else None
-            for column, _, _ in HISTOGRAMS
-        }
+    def means_and_counts(self) -> tuple[dict[str, float | None], dict[str, int]]:
+        delta = self.since()
+        means = {column: histogram_mean_ms(delta, column) for column, _, _ in HISTOGRAMS}
         return means, {column: round(delta[column]) for column, _, _ in COUNTERS}
 
 
@@ -183,7 +154,7 @@ async def run_case(system: System, specs: list[RequestSpec], case: Case) -> Case
                 probe.reset()  # the shared image is in the cache from here on
             else:
                 records.append(record)
-    means, counts = probe.since()
+    means, counts = probe.means_and_counts()
     ok = [r for r in records if r.outcome is Outcome.OK]
     for record in records:
         if record.outcome is not Outcome.OK:
@@ -201,7 +172,7 @@ async def run_case(system: System, specs: list[RequestSpec], case: Case) -> Case
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
+    return fmt(value, spec)
 
 
 def table_lines(results: list[CaseResult]) -> list[str]:
@@ -215,9 +186,9 @@ def table_lines(results: list[CaseResult]) -> list[str]:
         *(column for column, _, _ in HISTOGRAMS),
         *(column for column, _, _ in COUNTERS),
     )
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in results:
-        cells = (
+
+    def cells(r: CaseResult) -> tuple[str, ...]:
+        return (
             r.case.name,
             f"{r.num_ok}/{r.num_requests}",
             _fmt(r.mean_prompt_tokens, ".0f"),
@@ -227,8 +198,8 @@ def table_lines(results: list[CaseResult]) -> list[str]:
             *(_fmt(r.histogram_ms[column]) for column, _, _ in HISTOGRAMS),
             *(str(r.counts[column]) for column, _, _ in COUNTERS),
         )
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+
+    return markdown_table(header, [cells(r) for r in results])
 
 
 NOTES = [
@@ -245,7 +216,7 @@ NOTES = [
 
 
 def _up_args(quick: bool, model_dir: Path, transfer_backend: str | None) -> list[str]:
-    device = ["--device", "cpu"] if quick else GPU_UP
+    device = CPU_UP if quick else GPU_UP
     transfer = ["--transfer-backend", transfer_backend] if transfer_backend else []
     return [
         *device,
@@ -274,10 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     small = parse_size(args.small_size or ("160x120" if quick else "640x480"))
     num_requests = args.num_requests or (2 if quick else 10)
     model_dir = BUNDLED_MODEL if quick else write_checkpoint(args.checkpoint_dir, "cuda")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stageserve-image-ttft-"))
     up_args = _up_args(quick, model_dir, args.transfer_backend)
-    system = start_system(up_args, workdir, free_port())
-    try:
+    with running_system(up_args, args.workdir, "stageserve-image-ttft-") as system:
         model = system.served_model() or model_dir.name
         asyncio.run(_warm_up(system, model, [large, small]))
         results = []
@@ -285,13 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             specs = case_specs(model, case, num_requests, seed=(seed + 1) * 1_000_003)
             results.append(asyncio.run(run_case(system, specs, case)))
             print(table_lines(results)[-1], flush=True)
-    finally:
-        code = system.stop()
+    code = system.process.returncode
     lines = table_lines(results)
     print("\n".join(lines))
-    command = "python -m benchmarks.image_ttft " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
     jpeg_sizes = ", ".join(
         f"{w}x{h}: {len(image_bytes('noise', 'jpeg', w, h, 1)) / 1e6:.2f} MB"
         for w, h in (large, small)
@@ -299,16 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     weights = (
         "bundled tiny model" if quick else "7B dimensions (vision tower included), random bf16"
     )
-    header = [
-        *provenance_lines(command),
+    info = [
         f"- model: {weights}, the bundled tokenizer's vocabulary; `stageserve up "
         f"{shlex.join(up_args)}`; stop exit code {code}",
         f"- workload: {num_requests} requests per row at concurrency 1, max_tokens 1, "
         f"prompt {PROMPT!r}; images: random-noise JPEG, quality 90 ({jpeg_sizes})",
-        "",
     ]
-    write_section(Path(args.out), SECTION_TITLE, [*header, *lines, "", *NOTES])
-    print(f"wrote {args.out}")
+    command = command_line("benchmarks.image_ttft", argv)
+    write_run_section(args.out, SECTION_TITLE, command, info, lines, NOTES)
     return 0 if all(r.num_ok == r.num_requests for r in results) else 1
 
 

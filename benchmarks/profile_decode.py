@@ -25,7 +25,9 @@ def _kernel_table(prof: profile, num_steps: int) -> list[tuple[str, float, int]]
     rows = []
     for avg in prof.key_averages():
         if avg.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append((avg.key[:90], avg.self_device_time_total / 1e3 / num_steps, avg.count // num_steps))
+            rows.append(
+                (avg.key[:90], avg.self_device_time_total / 1e3 / num_steps, avg.count // num_steps)
+            )
     return sorted(rows, key=lambda r: -r[1])
 
 
@@ -50,16 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     graph = runners["graph"].cuda_graph
     assert graph is not None
     replay_ms = time_ms(lambda: graph.replay(args.batch), warmup=3, iters=20)
-    eager_ms = time_ms(lambda: runners["eager"].forward(ForwardMode.DECODE, steps), warmup=3, iters=10)
+    eager_ms = time_ms(
+        lambda: runners["eager"].forward(ForwardMode.DECODE, steps), warmup=3, iters=10
+    )
     num_steps = 5
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             runners["eager"].forward(ForwardMode.DECODE, steps)
         torch.cuda.synchronize()
     table = _kernel_table(prof, num_steps)
-    floor_ms = decode_floor_bytes(model, args.batch, args.context + 1) / ceilings.copy_bytes_per_s * 1e3
-    print(f"batch {args.batch}, ctx {args.context}: floor {floor_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
-          f"eager step {eager_ms:.3f} ms, sum of kernel times {sum(r[1] for r in table):.3f} ms")
+    floor_ms = (
+        decode_floor_bytes(model, args.batch, args.context + 1) / ceilings.copy_bytes_per_s * 1e3
+    )
+    print(
+        f"batch {args.batch}, ctx {args.context}: floor {floor_ms:.3f} ms, "
+        f"graph replay {replay_ms:.3f} ms, "
+        f"eager step {eager_ms:.3f} ms, sum of kernel times {sum(r[1] for r in table):.3f} ms"
+    )
     print(f"{'ms/step':>8} {'calls':>6}  kernel")
     for name, ms, calls in table[:25]:
         print(f"{ms:8.3f} {calls:6d}  {name}")

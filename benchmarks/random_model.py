@@ -1,4 +1,5 @@
-"""A full-size model with random weights made on the device, and transformers' peer on the same weights.
+"""A full-size model with random weights made on the device, and transformers' peer on the same
+weights.
 
 Nothing is downloaded and nothing is initialized on the CPU: the model is built on
 the meta device and every parameter is materialized with ``torch.empty(device=...)``
@@ -20,7 +21,8 @@ from services.engine.model.layers import RMSNorm
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 
 CONFIG_7B = Path(__file__).resolve().parent / "configs" / "qwen2.5-vl-7b"
-_HF_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))  # ours -> transformers 5
+# ours -> transformers 5
+_HF_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 
 
 def _fill(name: str, module: nn.Module, t: torch.Tensor, generator: torch.Generator) -> None:
@@ -63,16 +65,23 @@ def hf_name(name: str) -> str:
 
 
 def hf_peer(model: Qwen2_5_VLModel, config_dir: str | Path = CONFIG_7B, attn: str = "sdpa") -> Any:
-    """transformers' ``Qwen2_5_VLForConditionalGeneration`` sharing ``model``'s weight tensors (no copy)."""
+    """transformers' ``Qwen2_5_VLForConditionalGeneration`` sharing ``model``'s weight tensors (no
+    copy)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     weight = model.lm_head.weight
     config = AutoConfig.from_pretrained(str(config_dir))
     with torch.device(weight.device):
-        peer = AutoModelForImageTextToText.from_config(config, dtype=weight.dtype, attn_implementation=attn)
+        peer = AutoModelForImageTextToText.from_config(
+            config, dtype=weight.dtype, attn_implementation=attn
+        )
     state = {hf_name(name): tensor for name, tensor in model.state_dict().items()}
     result = peer.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    missing = [
+        k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")
+    ]
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"weight names differ: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+        raise RuntimeError(
+            f"weight names differ: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
     return peer.eval()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
 import subprocess
+import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +30,15 @@ class Row:
         return self.hf_ms / self.ms if self.ms and self.hf_ms else None
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec``; ``-`` when None."""
     return "-" if value is None else format(value, spec)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    """A markdown table's lines: ``header``, its rule, then one line per row of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
 
 
 HEADER = (
@@ -44,21 +54,20 @@ HEADER = (
 
 
 def table_lines(rows: list[Row]) -> list[str]:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for r in rows:
+    def cells(r: Row) -> tuple[str, ...]:
         efficiency = 1 / r.ratio if r.ratio else None
-        cells = (
+        return (
             f"{r.section}: {r.name}",
-            _fmt(r.ms, ".3f"),
-            _fmt(r.floor_ms, ".3f"),
-            _fmt(r.ratio, ".2f"),
-            _fmt(efficiency and 100 * efficiency, ".0f") + ("%" if efficiency else ""),
-            _fmt(r.hf_ms, ".3f"),
-            _fmt(r.speedup, ".1f") + ("x" if r.speedup else ""),
+            fmt(r.ms, ".3f"),
+            fmt(r.floor_ms, ".3f"),
+            fmt(r.ratio, ".2f"),
+            fmt(efficiency and 100 * efficiency, ".0f") + ("%" if efficiency else ""),
+            fmt(r.hf_ms, ".3f"),
+            fmt(r.speedup, ".1f") + ("x" if r.speedup else ""),
             r.note,
         )
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+
+    return markdown_table(HEADER, [cells(r) for r in rows])
 
 
 def hardware() -> str:
@@ -129,6 +138,19 @@ def provenance_lines(command: str) -> list[str]:
         f"- command: `{command}`",
         f"- commit: {git_commit()}; date: {date}",
     ]
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """``python -m module`` with ``argv`` (None: this process's arguments), shell-quoted."""
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def write_run_section(
+    out: str | Path, title: str, command: str, info: list[str], table: list[str], notes: list[str]
+) -> None:
+    """Write ``title``'s section of ``out``: provenance, ``info``, ``table`` and ``notes``."""
+    write_section(Path(out), title, [*provenance_lines(command), *info, "", *table, "", *notes])
+    print(f"wrote {out}")
 
 
 def write_markdown(path: Path, rows: list[Row], header_lines: list[str], notes: list[str]) -> None:

@@ -341,7 +341,8 @@ def describe(cfg: BenchConfig, model: str) -> str:
         else f"input {w.input_len} tokens, output {w.output_len}"
     )
     images = (
-        f"images {w.num_images} of {w.image_size[0]}x{w.image_size[1]} {w.image_kind} {w.image_format}"
+        f"images {w.num_images} of {w.image_size[0]}x{w.image_size[1]} "
+        f"{w.image_kind} {w.image_format}"
         if w.num_images.high
         else "no images"
     )
@@ -351,7 +352,8 @@ def describe(cfg: BenchConfig, model: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; 0 when at least one request succeeded, 1 when none did, 2 on bad arguments."""
+    """Run the benchmark; 0 when at least one request succeeded, 1 when none did, 2 on bad
+    arguments."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

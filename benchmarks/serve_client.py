@@ -69,7 +69,7 @@ def new_record(spec: RequestSpec) -> RequestRecord:
 
 
 def per_token_itl(chunk_times: list[float], completion_tokens: int | None) -> list[float]:
-    """Per-token inter-token latencies from content-chunk arrival times (method in the module doc)."""
+    """Per-token inter-token latencies from content-chunk arrival times (method: the module doc)."""
     gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
     num_later_tokens = (
         completion_tokens if completion_tokens is not None else len(chunk_times)

@@ -34,8 +34,14 @@ class Slo:
     def is_met(self, record: RequestRecord) -> bool:
         if record.outcome is not Outcome.OK:
             return False
-        checks = ((self.ttft_ms, record.ttft_s), (self.tpot_ms, record.tpot_s), (self.e2e_ms, record.e2e_s))
-        return all(limit is None or value is None or value * 1e3 <= limit for limit, value in checks)
+        checks = (
+            (self.ttft_ms, record.ttft_s),
+            (self.tpot_ms, record.tpot_s),
+            (self.e2e_ms, record.e2e_s),
+        )
+        return all(
+            limit is None or value is None or value * 1e3 <= limit for limit, value in checks
+        )
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,9 @@ def _mean(values: list[int]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo, num_requests: int) -> Summary:
+def summarize(
+    records: Sequence[RequestRecord], duration_s: float, slo: Slo, num_requests: int
+) -> Summary:
     ok = [r for r in records if r.outcome is Outcome.OK]
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     completion_tokens = [r.completion_tokens for r in ok if r.completion_tokens is not None]
@@ -116,14 +124,20 @@ def _fmt(value: float | int | None, digits: int = 2) -> str:
 
 
 def _latency_rows(summary: Summary) -> list[tuple[str, LatencyStats | None]]:
-    return [("TTFT", summary.ttft), ("ITL", summary.itl), ("TPOT", summary.tpot), ("E2E", summary.e2e)]
+    return [
+        ("TTFT", summary.ttft),
+        ("ITL", summary.itl),
+        ("TPOT", summary.tpot),
+        ("E2E", summary.e2e),
+    ]
 
 
 def _count_rows(summary: Summary) -> list[tuple[str, str]]:
     return [
         (
             "requests ok / failed / aborted / not sent",
-            f"{summary.num_ok} / {summary.num_failed} / {summary.num_aborted} / {summary.num_not_sent}",
+            f"{summary.num_ok} / {summary.num_failed} / "
+            f"{summary.num_aborted} / {summary.num_not_sent}",
         ),
         ("duration (s)", _fmt(summary.duration_s)),
         ("request throughput (req/s)", _fmt(summary.request_throughput, 3)),
@@ -131,7 +145,9 @@ def _count_rows(summary: Summary) -> list[tuple[str, str]]:
         ("output token throughput (tok/s)", _fmt(summary.output_token_throughput, 1)),
         (
             "goodput (req/s meeting SLOs)",
-            "-" if summary.goodput is None else f"{summary.goodput:.3f} ({summary.num_good} requests)",
+            "-"
+            if summary.goodput is None
+            else f"{summary.goodput:.3f} ({summary.num_good} requests)",
         ),
         (
             "mean prompt / completion tokens",

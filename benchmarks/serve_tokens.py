@@ -24,21 +24,22 @@ import numpy as np
 
 WORDS = (
     "time year people way day man thing woman life child world school state family student group "
-    "country problem hand part place case week company system program question work government number "
-    "night point home water room mother area money story fact month lot right study book eye job word "
-    "business issue side kind head house service friend father power hour game line end member law car "
-    "city community name president team minute idea kid body information back parent face others level "
-    "office door health person art war history party result change morning reason research girl guy "
-    "moment air teacher force education foot boy age policy music market sense nation plan college "
-    "interest death experience effect class control care field development role effort rate heart drug "
-    "show leader light voice wife police mind price report decision son view relationship town road "
-    "arm difference value building action model season society tax director position player record "
-    "paper space ground form event official matter center couple site project activity star table need "
-    "court oil situation cost industry figure street image phone data picture practice piece land "
-    "product doctor wall patient worker news test movie north love support technology step baby "
-    "computer type attention film tree source organization hair window evidence population "
-    "blue green red small large early young important few public bad same able long great little own "
-    "other old big high different local sure free better true whole real best hard major clear late"
+    "country problem hand part place case week company system program question work government "
+    "number night point home water room mother area money story fact month lot right study book "
+    "eye job word business issue side kind head house service friend father power hour game line "
+    "end member law car city community name president team minute idea kid body information back "
+    "parent face others level office door health person art war history party result change "
+    "morning reason research girl guy moment air teacher force education foot boy age policy music "
+    "market sense nation plan college interest death experience effect class control care field "
+    "development role effort rate heart drug show leader light voice wife police mind price report "
+    "decision son view relationship town road arm difference value building action model season "
+    "society tax director position player record paper space ground form event official matter "
+    "center couple site project activity star table need court oil situation cost industry figure "
+    "street image phone data picture practice piece land product doctor wall patient worker news "
+    "test movie north love support technology step baby computer type attention film tree source "
+    "organization hair window evidence population blue green red small large early young important "
+    "few public bad same able long great little own other old big high different local sure free "
+    "better true whole real best hard major clear late"
 ).split()
 MAX_FIX_ROUNDS = 8
 MAX_COUNTS_IN_FLIGHT = 16  # concurrent /tokenize calls
@@ -71,7 +72,8 @@ class LocalTokenCounter:
 
 
 class ServerTokenCounter:
-    """``POST <url>`` with ``{"model", "prompt", "add_special_tokens": false}`` per text; reads ``count``."""
+    """``POST <url>`` with ``{"model", "prompt", "add_special_tokens": false}`` per text; reads
+    ``count``."""
 
     def __init__(
         self, client: httpx.AsyncClient, url: str, model: str, headers: dict[str, str]
@@ -94,8 +96,8 @@ class ServerTokenCounter:
                 return int(response.json()["count"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 raise TokenCountError(
-                    f"cannot count tokens with POST {self._url} ({exc!r}); pass --tokenizer with the "
-                    "model's tokenizer.json"
+                    f"cannot count tokens with POST {self._url} ({exc!r}); "
+                    "pass --tokenizer with the model's tokenizer.json"
                 ) from exc
 
 

@@ -144,7 +144,8 @@ def _body(model: str, prompt: PromptSpec, image_seeds: list[int], workload: Work
 
 
 def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
-    """Send times in seconds from the start: a Poisson process at ``request_rate``; all 0 when infinite."""
+    """Send times in seconds from the start: a Poisson process at ``request_rate``; all 0 when
+    infinite."""
     if request_rate == float("inf"):
         return [0.0] * num_requests
     rng = np.random.default_rng(seed + 1)

@@ -19,25 +19,28 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-from benchmarks.report import provenance_lines, write_section
+from benchmarks.report import command_line, fmt, markdown_table, write_run_section
 from benchmarks.serve_metrics import Slo, summarize
 from benchmarks.system_load import (
+    CPU_UP,
+    GPU_UP,
     Load,
+    MetricDelta,
     System,
+    add_system_args,
     cpu_seconds,
-    free_port,
+    histogram_mean_ms,
     run_load,
-    start_system,
+    running_system,
 )
 from benchmarks.system_model import EngineTimes, engine_times, write_checkpoint
 from services.cli import BUNDLED_MODEL
 
 SECTION_TITLE = "## System (`python -m benchmarks.system`)"
+STEP = ("step", "decode", "stageserve_decode_step_seconds")  # decode's step histogram
+MESSAGES = ("messages", "decode", "stageserve_decode_stream_messages_total")
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="CPU smoke run: tiny model, short requests, c = 1, 4"
     )
-    p.add_argument(
-        "--out", default="docs/benchmarks.md", help="markdown report whose section is written"
-    )
-    p.add_argument(
-        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random"
-    )
+    add_system_args(p)
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,64,256)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1000)")
     p.add_argument(
@@ -92,9 +90,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="decode KV pages per rank (default: fits the run)",
     )
-    p.add_argument(
-        "--workdir", type=Path, default=None, help="logs and state (default: a temporary one)"
-    )
     return p.parse_args(argv)
 
 
@@ -107,32 +102,18 @@ def _settings(args: argparse.Namespace) -> dict:
         concurrency=tuple(int(c) for c in levels.split(",")),
         input_len=args.input_len or (64 if quick else 1000),
         output_len=args.output_len or (16 if quick else 1000),
-        up=(
-            ["--device", "cpu"]
-            if quick
-            else [
-                "--device",
-                "cuda",
-                "--attention-backend",
-                "flashinfer",
-                "--kv-transfer-backend",
-                "cuda_ipc",
-            ]
-        ),
+        up=CPU_UP if quick else GPU_UP,
     )
 
 
 def _run_level(system: System, model: str, load: Load, num_processes: int) -> Level:
-    step_sum = system.metric("decode", "stageserve_decode_step_seconds_sum")
-    step_count = system.metric("decode", "stageserve_decode_step_seconds_count")
-    messages = system.metric("decode", "stageserve_decode_stream_messages_total")
+    probe = MetricDelta(system, [MESSAGES], [STEP])
     pids = {**system.pids("router"), "decode": system.state()["decode"]["pid"]}
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
     records, duration_s = run_load(load, num_processes)
     cpu = {name: (cpu_seconds(pid) - cpu[name]) / duration_s for name, pid in pids.items()}
-    num_steps = system.metric("decode", "stageserve_decode_step_seconds_count") - step_count
-    step_s = system.metric("decode", "stageserve_decode_step_seconds_sum") - step_sum
-    num_messages = system.metric("decode", "stageserve_decode_stream_messages_total") - messages
+    delta = probe.since()
+    num_steps = delta["step count"]
     summary = summarize(records, duration_s, Slo(), load.num_requests)
     return Level(
         concurrency=load.concurrency,
@@ -142,15 +123,15 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
         num_ok=summary.num_ok,
         num_requests=load.num_requests,
         mean_prompt_tokens=summary.mean_prompt_tokens,
-        step_ms=step_s / num_steps * 1e3 if num_steps else None,
-        messages_per_step=num_messages / num_steps if num_steps else None,
+        step_ms=histogram_mean_ms(delta, "step"),
+        messages_per_step=delta["messages"] / num_steps if num_steps else None,
         router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"),
         decode_cpu=cpu["decode"],
     )
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
+    return fmt(value, spec)
 
 
 def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> list[str]:
@@ -171,11 +152,11 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
         "mean prompt tokens",
         "TTFT ms",
     )
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for level in levels:
+
+    def cells(level: Level) -> tuple[str, ...]:
         step = engine.decode_ms.get(level.concurrency)
         bound = engine.bound_tok_s(level.concurrency, output_len) if step else None
-        cells = (
+        return (
             str(level.concurrency),
             _fmt(level.output_tok_s, ".0f"),
             _fmt(bound, ".0f"),
@@ -192,18 +173,25 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
             _fmt(level.mean_prompt_tokens, ".0f"),
             _fmt(level.ttft_ms, ".1f"),
         )
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+
+    return markdown_table(header, [cells(level) for level in levels])
 
 
 NOTES = [
-    "How to read it: *engine bound* is the output throughput if the GPU did nothing but the engine's",
-    "own work for this workload: per request one prefill of the prompt, then its output tokens at the",
-    "concurrency's batch per decode step (the decode rank's pipelined loop, `benchmarks/engine_rows.py:",
-    "decode_loop`, at context prompt + output/2); prefill and decode share the one GPU, so their times add.",
-    "*engine step* is that loop's step; *TPOT* the client's mean time per output token; *decode step (in",
-    "service)* decode's own step histogram over the run; *msgs/step* the messages decode sent to the routers",
-    "per decode step (at most one per router process). CPU columns: cores used over the run (utime + stime /",
+    "How to read it: *engine bound* is the output "
+    "throughput if the GPU did nothing but the engine's",
+    "own work for this workload: per request one prefill "
+    "of the prompt, then its output tokens at the",
+    "concurrency's batch per decode step (the decode "
+    "rank's pipelined loop, `benchmarks/engine_rows.py:",
+    "decode_loop`, at context prompt + output/2); prefill "
+    "and decode share the one GPU, so their times add.",
+    "*engine step* is that loop's step; *TPOT* the "
+    "client's mean time per output token; *decode step (in",
+    "service)* decode's own step histogram over the run; "
+    "*msgs/step* the messages decode sent to the routers",
+    "per decode step (at most one per router process). CPU "
+    "columns: cores used over the run (utime + stime /",
     "wall). The load comes from several client processes so the client is never the bottleneck.",
 ]
 
@@ -211,7 +199,6 @@ NOTES = [
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     settings = _settings(args)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="stageserve-system-"))
     if args.quick:
         model_dir, random_weights = BUNDLED_MODEL, False
     else:
@@ -256,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         up_args += ["--router-workers", str(args.router_workers)]
     if args.decode_device:
         up_args += ["--decode-device", args.decode_device]
-    system = start_system(up_args, workdir, free_port())
-    try:
+    with running_system(up_args, args.workdir, "stageserve-system-") as system:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
@@ -282,24 +268,20 @@ def main(argv: list[str] | None = None) -> int:
             results.append(_run_level(system, model, load, processes))
             print("\n".join(table_lines(results, engine, output_len)[-1:]), flush=True)
         routers = len(system.pids("router"))
-    finally:
-        code = system.stop()
+    code = system.process.returncode
     lines = table_lines(results, engine, output_len)
     print("\n".join(lines))
-    header = [
-        *provenance_lines(
-            f"python -m benchmarks.system {shlex.join(sys.argv[1:] if argv is None else argv)}"
-        ),
-        f"- model: {'bundled tiny model' if args.quick else '7B dimensions, random bf16 weights'}, the bundled "
-        f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router processes, "
-        f"decode DP {num_ranks}); stop exit code {code}",
-        f"- workload: {input_len} prompt tokens (asked), {output_len} output tokens (ignore_eos), greedy; "
-        f"engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
+    weights = "bundled tiny model" if args.quick else "7B dimensions, random bf16 weights"
+    info = [
+        f"- model: {weights}, the bundled "
+        f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router "
+        f"processes, decode DP {num_ranks}); stop exit code {code}",
+        f"- workload: {input_len} prompt tokens (asked), {output_len} output tokens (ignore_eos), "
+        f"greedy; engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),
-        "",
     ]
-    write_section(Path(args.out), SECTION_TITLE, [*header, *lines, "", *NOTES])
-    print(f"wrote {args.out}")
+    command = command_line("benchmarks.system", argv)
+    write_run_section(args.out, SECTION_TITLE, command, info, lines, NOTES)
     return 0 if all(level.num_ok == level.num_requests for level in results) else 1
 
 

@@ -9,7 +9,9 @@ summarized as one run. CPU use of a process is its utime + stime over the wall t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -18,9 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +34,15 @@ from benchmarks.serve_metrics import Slo
 from benchmarks.serve_workload import IntRange, WorkloadSpec
 
 UP_TIMEOUT_S = 1800.0  # a 7B checkpoint loaded by three services on one GPU
+GPU_UP = [
+    "--device",
+    "cuda",
+    "--attention-backend",
+    "flashinfer",
+    "--kv-transfer-backend",
+    "cuda_ipc",
+]
+CPU_UP = ["--device", "cpu"]
 
 
 @dataclass
@@ -49,7 +62,10 @@ class System:
         return json.loads(self.state_file.read_text())
 
     def metric(self, service: str, name: str, labels: str = "") -> float:
-        """Sum of a Prometheus sample on ``service``'s metrics port (``labels``: a ``{...}`` part to match)."""
+        """Sum of a Prometheus sample on ``service``'s metrics port.
+
+        ``labels``: a ``{...}`` part to match.
+        """
         port = self.state()[service]["metrics_port"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
             text = reply.read().decode()
@@ -84,7 +100,7 @@ def free_port() -> int:
 
 
 def start_system(up_args: list[str], workdir: Path, port: int) -> System:
-    """``stageserve up`` with ``up_args``; returns once it says it is up (its output goes to the log)."""
+    """``stageserve up`` with ``up_args``; returns once it says it is up (output: the log)."""
     workdir.mkdir(parents=True, exist_ok=True)
     state_file = workdir / "state.json"
     cmd = [
@@ -119,6 +135,69 @@ def start_system(up_args: list[str], workdir: Path, port: int) -> System:
             system.stop()
             raise RuntimeError("the system did not come up:\n" + "\n".join(system.output[-40:]))
     return system
+
+
+def add_system_args(p: argparse.ArgumentParser) -> None:
+    """The system benchmarks' shared options: ``--out``, ``--checkpoint-dir``, ``--workdir``."""
+    p.add_argument(
+        "--out", default="docs/benchmarks.md", help="markdown report whose section is written"
+    )
+    p.add_argument(
+        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random"
+    )
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="logs and state (default: a temporary one)"
+    )
+
+
+@contextlib.contextmanager
+def running_system(up_args: list[str], workdir: Path | None, prefix: str) -> Iterator[System]:
+    """``stageserve up`` in ``workdir`` (None: a new temporary one named ``prefix``...), stopped
+    on the way out; its exit code is then ``system.process.returncode``."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    system = start_system(up_args, workdir, free_port())
+    try:
+        yield system
+    finally:
+        system.stop()
+
+
+class MetricDelta:
+    """Samples' increase on a running system since construction or the last ``reset``.
+
+    ``samples``: (key, service, metric name); ``histograms``: (column, service, histogram
+    name), read as its ``_sum`` and ``_count`` samples (keys ``column + " sum"`` / ``" count"``).
+    """
+
+    def __init__(
+        self,
+        system: System,
+        samples: Iterable[tuple[str, str, str]] = (),
+        histograms: Iterable[tuple[str, str, str]] = (),
+    ) -> None:
+        self.system = system
+        self.samples: list[tuple[str, str, str]] = []
+        for column, service, name in histograms:
+            self.samples.append((column + " sum", service, name + "_sum"))
+            self.samples.append((column + " count", service, name + "_count"))
+        self.samples += samples
+        self.reset()
+
+    def _read(self) -> dict[str, float]:
+        return {key: self.system.metric(service, name) for key, service, name in self.samples}
+
+    def reset(self) -> None:
+        self.start = self._read()
+
+    def since(self) -> dict[str, float]:
+        end = self._read()
+        return {key: end[key] - self.start[key] for key in end}
+
+
+def histogram_mean_ms(delta: dict[str, float], column: str) -> float | None:
+    """Mean of ``column``'s histogram over a ``MetricDelta.since`` in ms; None if not observed."""
+    count = delta[column + " count"]
+    return delta[column + " sum"] / count * 1e3 if count else None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -173,7 +252,10 @@ def _client(load: Load, index: int, num_processes: int, barrier, results) -> Non
 
 
 def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float]:
-    """Run ``load`` over ``num_processes`` client processes started together; (records, duration)."""
+    """Run ``load`` over ``num_processes`` client processes started together.
+
+    Returns (records, duration).
+    """
     num_processes = max(1, min(num_processes, load.concurrency))
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(num_processes), context.Queue()

@@ -80,7 +80,8 @@ def write_checkpoint(
     state = {name: tensor.contiguous().cpu() for name, tensor in model.state_dict().items()}
     save_file(state, str(weights))
     print(
-        f"wrote {weights} ({weights.stat().st_size / 1e9:.1f} GB) in {time.monotonic() - started:.0f} s",
+        f"wrote {weights} ({weights.stat().st_size / 1e9:.1f} GB) "
+        f"in {time.monotonic() - started:.0f} s",
         flush=True,
     )
     return out_dir

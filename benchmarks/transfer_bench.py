@@ -1,4 +1,5 @@
-"""KV transfer between two GPUs of one host: raw NCCL send/recv, then the NCCL and CUDA IPC KV backends.
+"""KV transfer between two GPUs of one host: raw NCCL send/recv, then the NCCL and CUDA IPC KV
+backends.
 
 One process per GPU. Rank 0 is prefill (sender), rank 1 decode (receiver). Pools have
 the 7B layout (28 layers, 4 KV heads, head dim 128, bf16, 16-token pages); a request's
@@ -46,13 +47,14 @@ RAW_BYTES = 1 << 30
 RAW_SMALL_BYTES = 64 << 20
 SAMPLES = 7
 BACKENDS = ("nccl", "cuda_ipc")
-# Requests per back-to-back case. Sending from one thread per request instead was slower (1a5578f, 2 x H200:
-# 4 x 64 MiB at 82 GB/s): the threads' completion polls contend for the GIL. start()/wait() needs none.
+# Requests per back-to-back case, started and awaited from one thread (start()/wait()): a thread
+# per request is slower, the threads' completion polls contend for the GIL.
 STREAM = 8
 STREAM_SIZES_MIB = (16, 64, 256)
 JOIN_TIMEOUT_S = 150
 OVERLAP_MIB = 64  # the request of the prefill-plus-transfer case
-OVERLAP_MODES = ("forward only", "after", "layerwise")  # KV: not sent; sent after the forward; layer by layer
+# KV: not sent; sent after the forward; layer by layer
+OVERLAP_MODES = ("forward only", "after", "layerwise")
 
 
 def _pool(device: torch.device, num_pages: int) -> Any:
@@ -84,9 +86,12 @@ def _raw_ms(rank: int, ctrl: Any, device: torch.device, num_bytes: int) -> float
     return statistics.median(times)
 
 
-def _page_sums(pool: Any, pages: list[int]) -> torch.Tensor:  # [2, n]: per page, K and V summed over layers
+# [2, n]: per page, K and V summed over layers
+def _page_sums(pool: Any, pages: list[int]) -> torch.Tensor:
     index = torch.tensor(pages, device=pool.device)
-    return torch.stack([buf[:, index].float().sum(dim=(0, 2, 3, 4)) for buf in (pool.k_buffer, pool.v_buffer)]).cpu()
+    return torch.stack(
+        [buf[:, index].float().sum(dim=(0, 2, 3, 4)) for buf in (pool.k_buffer, pool.v_buffer)]
+    ).cpu()
 
 
 def _cases() -> list[tuple[int, int]]:
@@ -98,7 +103,9 @@ def _num_pages(mib: int) -> int:
     return max(1, round(mib * (1 << 20) / _bytes_per_page()))
 
 
-def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> list[tuple[int, int, int, float]]:
+def _receiver_samples(
+    ctrl: Any, device: torch.device, num_pages: int, backend: str
+) -> list[tuple[int, int, int, float]]:
     """Rank 1. nccl: time from the barrier to the session's SUCCESS (scatter done) on this rank.
     cuda_ipc: the sender's time from the barrier to its last request landing (``send`` or the last
     ``wait`` returned: the kernels finished); the sessions are completed afterwards, as ``Generate``
@@ -114,9 +121,15 @@ def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: 
         times = []
         for sample in range(SAMPLES + 1):
             pages = torch.randperm(num_pages)[: k * n].view(k, n).tolist()
-            sessions = [receiver.open_session(f"{mib}-{k}-{sample}-{i}", pages[i], time.monotonic() + 60,
-                                              lambda r, p: None) for i in range(k)]
-            dist.broadcast_object_list([[msgspec.msgpack.encode(s.destination) for s in sessions]], src=1, group=ctrl)
+            sessions = [
+                receiver.open_session(
+                    f"{mib}-{k}-{sample}-{i}", pages[i], time.monotonic() + 60, lambda r, p: None
+                )
+                for i in range(k)
+            ]
+            dist.broadcast_object_list(
+                [[msgspec.msgpack.encode(s.destination) for s in sessions]], src=1, group=ctrl
+            )
             dist.barrier(group=ctrl)
             start = time.perf_counter()
             if backend == "nccl":
@@ -124,19 +137,24 @@ def _receiver_samples(ctrl: Any, device: torch.device, num_pages: int, backend: 
                 elapsed_ms = (time.perf_counter() - start) * 1e3
             else:
                 box: list[Any] = [None]
-                dist.broadcast_object_list(box, src=0, group=ctrl)  # the sender's time, once the bytes landed
+                # the sender's time, once the bytes landed
+                dist.broadcast_object_list(box, src=0, group=ctrl)
                 elapsed_ms = box[0]
                 for session in sessions:
                     receiver.sessions.complete(session.request_id)
                 states = [s.state for s in sessions]
-            assert all(s.name == "SUCCESS" for s in states), f"{backend} transfer of {k} x {mib} MiB ended {states}"
+            assert all(s.name == "SUCCESS" for s in states), (
+                f"{backend} transfer of {k} x {mib} MiB ended {states}"
+            )
             if sample:
                 times.append(elapsed_ms)
             if sample == SAMPLES:
                 box = [None]
                 dist.broadcast_object_list(box, src=0, group=ctrl)
                 got = _page_sums(pool, pages[-1])
-                assert torch.allclose(got, box[0], rtol=1e-3, atol=1e-2), f"{backend} {k} x {mib} MiB: wrong bytes"
+                assert torch.allclose(got, box[0], rtol=1e-3, atol=1e-2), (
+                    f"{backend} {k} x {mib} MiB: wrong bytes"
+                )
         out.append((mib, k, k * n * _bytes_per_page(), statistics.median(times)))
     receiver.close()
     return out
@@ -158,10 +176,14 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
             dist.barrier(group=ctrl)
             start = time.perf_counter()
             if k == 1:
-                sender.send(dests[0].request_id, pool, src_pages[0], dests[0], time.monotonic() + 60)
+                sender.send(
+                    dests[0].request_id, pool, src_pages[0], dests[0], time.monotonic() + 60
+                )
             else:  # as the prefill worker does with a batch: start every write, then wait for each
-                pending = [sender.start(d.request_id, pool, src_pages[i], d, time.monotonic() + 60)
-                           for i, d in enumerate(dests)]
+                pending = [
+                    sender.start(d.request_id, pool, src_pages[i], d, time.monotonic() + 60)
+                    for i, d in enumerate(dests)
+                ]
                 for send in pending:
                     send.wait()
             if backend != "nccl":
@@ -182,40 +204,52 @@ def _stand_in_layer(device: torch.device) -> tuple[Any, Any]:
 
 
 def _overlap_sender(ctrl: Any, device: torch.device, num_pages: int) -> None:
-    """Rank 0: a 28-layer stand-in forward alone, then with the request's KV sent after it, then layer by layer."""
+    """Rank 0: a 28-layer stand-in forward alone, then with the request's KV sent after it, then
+    layer by layer."""
     from services.transfer import create_kv_sender
     from services.transfer.base import KvDestination
 
     pool, (attention, mlp) = _pool(device, num_pages), _stand_in_layer(device)
     sender, src_pages = create_kv_sender("cuda_ipc"), list(range(_num_pages(OVERLAP_MIB)))
     for sample in range(SAMPLES + 1):
-        for mode in OVERLAP_MODES:  # interleaved: a clock drift under the GEMM load hits every mode alike
+        # interleaved: a clock drift under the GEMM load hits every mode alike
+        for mode in OVERLAP_MODES:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=1, group=ctrl)
             dst = msgspec.msgpack.decode(box[0], type=KvDestination)
             dist.barrier(group=ctrl)
             start = time.perf_counter()
-            streamed = sender.start_layerwise(dst.request_id, pool, src_pages, dst, time.monotonic() + 60) \
-                if mode == "layerwise" else None
-            for i in range(NUM_LAYERS):  # as the model's forward: each layer's KV is ready before its MLP
+            streamed = (
+                sender.start_layerwise(dst.request_id, pool, src_pages, dst, time.monotonic() + 60)
+                if mode == "layerwise"
+                else None
+            )
+            # as the model's forward: each layer's KV is ready before its MLP
+            for i in range(NUM_LAYERS):
                 attention()
                 if streamed is not None:
                     streamed.layer_done(i)
                 mlp()
-            torch.cuda.current_stream(device).synchronize()  # the forward ends (prefill reads its first tokens)
+            # the forward ends (prefill reads its first tokens)
+            torch.cuda.current_stream(device).synchronize()
             forward_ms = (time.perf_counter() - start) * 1e3
             if mode == "after":
                 sender.send(dst.request_id, pool, src_pages, dst, time.monotonic() + 60)
             elif streamed is not None:
                 streamed.finish().wait()
-            dist.broadcast_object_list([((time.perf_counter() - start) * 1e3, forward_ms)], src=0, group=ctrl)
+            dist.broadcast_object_list(
+                [((time.perf_counter() - start) * 1e3, forward_ms)], src=0, group=ctrl
+            )
             if sample == SAMPLES:
                 dist.broadcast_object_list([_page_sums(pool, src_pages)], src=0, group=ctrl)
     sender.close()
 
 
-def _overlap_receiver(ctrl: Any, device: torch.device, num_pages: int) -> dict[str, tuple[float, float]]:
-    """Rank 1: {mode: (median ms until the KV landed, median ms from the forward's end)}; last samples checked."""
+def _overlap_receiver(
+    ctrl: Any, device: torch.device, num_pages: int
+) -> dict[str, tuple[float, float]]:
+    """Rank 1: {mode: (median ms until the KV landed, median ms from the forward's end)}; the last
+    samples are checked."""
     from services.transfer import create_kv_receiver
 
     pool, n = _pool(device, num_pages), _num_pages(OVERLAP_MIB)
@@ -225,8 +259,12 @@ def _overlap_receiver(ctrl: Any, device: torch.device, num_pages: int) -> dict[s
     for sample in range(SAMPLES + 1):
         for mode in OVERLAP_MODES:
             pages = torch.randperm(num_pages)[:n].tolist()
-            session = receiver.open_session(f"overlap-{mode}-{sample}", pages, time.monotonic() + 60, lambda r, p: None)
-            dist.broadcast_object_list([msgspec.msgpack.encode(session.destination)], src=1, group=ctrl)
+            session = receiver.open_session(
+                f"overlap-{mode}-{sample}", pages, time.monotonic() + 60, lambda r, p: None
+            )
+            dist.broadcast_object_list(
+                [msgspec.msgpack.encode(session.destination)], src=1, group=ctrl
+            )
             dist.barrier(group=ctrl)
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=ctrl)
@@ -237,14 +275,19 @@ def _overlap_receiver(ctrl: Any, device: torch.device, num_pages: int) -> dict[s
                 box = [None]
                 dist.broadcast_object_list(box, src=0, group=ctrl)
                 if mode != "forward only":
-                    assert torch.allclose(_page_sums(pool, pages), box[0], rtol=1e-3, atol=1e-2), f"{mode}: wrong bytes"
+                    assert torch.allclose(_page_sums(pool, pages), box[0], rtol=1e-3, atol=1e-2), (
+                        f"{mode}: wrong bytes"
+                    )
     receiver.close()
-    return {mode: (statistics.median(t for t, _ in got), statistics.median(t - f for t, f in got))
-            for mode, got in samples.items()}
+    return {
+        mode: (statistics.median(t for t, _ in got), statistics.median(t - f for t, f in got))
+        for mode, got in samples.items()
+    }
 
 
 def _worker(rank: int, port: int, queue: Any) -> None:
-    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 10, exit=True)  # a hang prints every thread's stack
+    # a hang prints every thread's stack
+    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 10, exit=True)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     device = torch.device(f"cuda:{rank}")
     torch.cuda.set_device(device)
@@ -260,9 +303,15 @@ def _worker(rank: int, port: int, queue: Any) -> None:
                 _sender_samples(ctrl, device, num_pages, backend)
             else:
                 sizes[backend] = _receiver_samples(ctrl, device, num_pages, backend)
-        overlap = _overlap_sender(ctrl, device, num_pages) if rank == 0 else _overlap_receiver(ctrl, device, num_pages)
+        overlap = (
+            _overlap_sender(ctrl, device, num_pages)
+            if rank == 0
+            else _overlap_receiver(ctrl, device, num_pages)
+        )
         if rank == 1:
-            queue.put({"raw_ms": raw_ms, "raw_small_ms": raw_small_ms, "sizes": sizes, "overlap": overlap})
+            queue.put(
+                {"raw_ms": raw_ms, "raw_small_ms": raw_small_ms, "sizes": sizes, "overlap": overlap}
+            )
         dist.barrier(group=ctrl)
     finally:
         dist.destroy_process_group()
@@ -273,7 +322,9 @@ def run_transfer_benchmark() -> list[Row]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    context = mp.start_processes(_worker, args=(port, queue), nprocs=2, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _worker, args=(port, queue), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -285,24 +336,47 @@ def run_transfer_benchmark() -> list[Row]:
     raw_bw = RAW_BYTES / (raw_ms / 1e3)
     small_ms = result["raw_small_ms"]
     rows = [
-        Row("transfer", "raw NCCL send/recv 1 GiB (ceiling)", raw_ms, raw_ms, note=f"{raw_bw / 1e9:.0f} GB/s"),
-        Row("transfer", "raw NCCL send/recv 64 MiB, one message", small_ms, RAW_SMALL_BYTES / raw_bw * 1e3,
-            note=f"{RAW_SMALL_BYTES / (small_ms / 1e3) / 1e9:.0f} GB/s"),
+        Row(
+            "transfer",
+            "raw NCCL send/recv 1 GiB (ceiling)",
+            raw_ms,
+            raw_ms,
+            note=f"{raw_bw / 1e9:.0f} GB/s",
+        ),
+        Row(
+            "transfer",
+            "raw NCCL send/recv 64 MiB, one message",
+            small_ms,
+            RAW_SMALL_BYTES / raw_bw * 1e3,
+            note=f"{RAW_SMALL_BYTES / (small_ms / 1e3) / 1e9:.0f} GB/s",
+        ),
     ]
     for backend, sizes in result["sizes"].items():
         for mib, k, num_bytes, ms in sizes:
-            rows.append(Row(
-                "transfer", f"KV {mib} MiB, {backend}" if k == 1 else f"KV {k} x {mib} MiB back to back, {backend}",
-                ms, num_bytes / raw_bw * 1e3,
-                note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; {num_bytes // _bytes_per_page()} pages, shuffled",
-            ))
+            rows.append(
+                Row(
+                    "transfer",
+                    f"KV {mib} MiB, {backend}"
+                    if k == 1
+                    else f"KV {k} x {mib} MiB back to back, {backend}",
+                    ms,
+                    num_bytes / raw_bw * 1e3,
+                    note=f"{num_bytes / (ms / 1e3) / 1e9:.0f} GB/s; "
+                    f"{num_bytes // _bytes_per_page()} pages, shuffled",
+                )
+            )
     forward_ms = result["overlap"]["forward only"][0]
     for mode in OVERLAP_MODES[1:]:
         total_ms, tail_ms = result["overlap"][mode]
-        rows.append(Row(
-            "transfer", f"KV {OVERLAP_MIB} MiB behind a 28-layer prefill forward, cuda_ipc, {mode}",
-            total_ms - forward_ms, None,
-            note=f"time the KV adds to the forward ({forward_ms:.2f} ms alone, {total_ms:.2f} ms with it); "
-                 f"{tail_ms:.3f} ms from the forward's end until the KV landed",
-        ))
+        rows.append(
+            Row(
+                "transfer",
+                f"KV {OVERLAP_MIB} MiB behind a 28-layer prefill forward, cuda_ipc, {mode}",
+                total_ms - forward_ms,
+                None,
+                note=f"time the KV adds to the forward ({forward_ms:.2f} ms alone, "
+                f"{total_ms:.2f} ms with it); "
+                f"{tail_ms:.3f} ms from the forward's end until the KV landed",
+            )
+        )
     return rows

@@ -1,41 +1,18 @@
-"""``python -m benchmarks.image_ttft --quick``: the image TTFT benchmark end to end on the CPU (tiny
-model): ``stageserve up``, the four rows, the table and its docs section."""
+"""``python -m benchmarks.image_ttft --quick``: the image TTFT benchmark end to end on the CPU
+(tiny model): ``stageserve up``, the four rows, the table and its docs section."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks.image_ttft import SECTION_TITLE
-from tests.conftest import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_quick_run_writes_its_rows_and_keeps_the_other_sections(tmp_path) -> None:
-    out = tmp_path / "benchmarks.md"
-    out.write_text("# Benchmarks\n\n## System (`python -m benchmarks.system`)\n\nkept\n")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.image_ttft",
-            "--quick",
-            "--out",
-            str(out),
-            "--workdir",
-            str(tmp_path / "work"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    text = out.read_text()
-    assert "kept" in text and SECTION_TITLE in text
+def test_quick_run_writes_its_rows_and_keeps_the_other_sections(quick_benchmark) -> None:
+    other = "## System (`python -m benchmarks.system`)"
+    text = quick_benchmark("benchmarks.image_ttft", SECTION_TITLE, other)
     header = next(line for line in text.splitlines() if line.startswith("| row |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
     rows = {
