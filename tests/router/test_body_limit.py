@@ -74,8 +74,8 @@ async def test_chunked_body_is_refused_at_the_first_chunk_over_the_limit(served)
     reader, writer = await open_raw(served)
     try:
         writer.write(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
-            "application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+            b"application/json\r\ntransfer-encoding: chunked\r\n\r\n"
         )
         chunk = b"x" * 16 * 1024
         for _ in range(
