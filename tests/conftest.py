@@ -15,12 +15,29 @@ from services.common.paths import BUNDLED_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = BUNDLED_MODEL  # the package data of services/assets/
+RANK_MAIN = "services.common.ranks.rank_main"  # the module every rank process runs
 
 # Set at import time, so every service a test starts as a process inherits it (and requires it);
 # in-process servers take INTERNAL_AUTH explicitly, or None on both sides.
 os.environ["STAGESERVE_INTERNAL_TOKEN"] = "test-internal-token"
 os.environ.pop("STAGESERVE_API_KEY", None)  # the router's API is open unless a test sets a key
 INTERNAL_AUTH = Credentials(os.environ["STAGESERVE_INTERNAL_TOKEN"])
+
+
+def rank_children() -> list[int]:
+    """Rank processes (and zombies) whose parent is this test process."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        if int(fields[1]) == os.getpid() and (RANK_MAIN.encode() in cmdline or fields[0] == "Z"):
+            found.append(int(entry))
+    return found
 
 
 def _mooncake_import_error() -> str | None:

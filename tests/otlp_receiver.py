@@ -89,7 +89,8 @@ class OtlpReceiver:
     def wait_for(
         self, predicate: Callable[[list[ReceivedSpan]], bool], timeout_s: float
     ) -> list[ReceivedSpan]:
-        """The spans received so far, once ``predicate`` holds on them (AssertionError after ``timeout_s``)."""
+        """The spans received so far, once ``predicate`` holds on them (AssertionError after
+        ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:

@@ -1,4 +1,5 @@
-"""``stageserve up --prefill-cp C``: prefill gets ``--ranks C`` (and its CP flags when given); a value
+"""``stageserve up --prefill-cp C``: prefill gets ``--ranks C`` (and its CP flags when given); a
+value
 prefill could not start with is an error before anything starts."""
 
 from __future__ import annotations

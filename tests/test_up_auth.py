@@ -1,4 +1,5 @@
-"""``stageserve up``: children get the internal token (and API key) in their environment, not argv."""
+"""``stageserve up``: children get the internal token (and API key) in their environment, not
+argv."""
 
 from __future__ import annotations
 

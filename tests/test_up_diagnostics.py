@@ -1,5 +1,6 @@
-"""``stageserve up`` explains itself: a bad model, a taken port or a bad flag names the cause at once;
-a child failing for a reason only it can tell prints the cause from its log; Ctrl-C while starting
+"""``stageserve up`` explains itself: a bad model, a taken port or a bad flag names the cause at
+once; a child failing for a reason only it can tell prints the cause from its log; Ctrl-C while
+starting
 stops cleanly; `serve --help` and `bench --help` work."""
 
 from __future__ import annotations

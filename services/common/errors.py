@@ -49,7 +49,8 @@ class CapacityError(StageServeError):
 
 
 class OverloadedError(CapacityError):
-    """The service admits no more requests right now; the caller should retry after ``retry_after_s``."""
+    """The service admits no more requests right now; the caller should retry after
+    ``retry_after_s``."""
 
     http_status = 429
     openai_type = "rate_limit_exceeded"
@@ -71,7 +72,8 @@ class UnauthenticatedError(StageServeError):
 
 
 class CredentialsRefusedError(StageServeError):
-    """A peer refused this service's internal credentials: a deployment error, never the end client's."""
+    """A peer refused this service's internal credentials: a deployment error, never the end
+    client's."""
 
 
 class UnavailableError(StageServeError):

@@ -17,9 +17,10 @@ SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc", "shm")
 EMBEDDING_BACKENDS = ("mooncake", "inprocess", "shm", "cuda_ipc")
 
 KV_BACKEND_HELP = (
-    "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc | shm (cuda_ipc = CUDA IPC between "
-    "GPUs of one host, needs --device cuda; shm = host memory shared through /dev/shm by processes of "
-    "one host and user, no network port, CPU KV pools only); default: --transfer-backend"
+    "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc | shm (cuda_ipc = CUDA IPC "
+    "between GPUs of one host, needs --device cuda; shm = host memory shared through /dev/shm by "
+    "processes of one host and user, no network port, CPU KV pools only); default: "
+    "--transfer-backend"
 )
 
 
@@ -55,7 +56,8 @@ def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -
 
 def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, device: str) -> str:
     """``resolve_kv_backend``; cuda_ipc only on a CUDA ``device``, shm only off one, and Mooncake on
-    one only with a build that moves GPU memory (the KV pool lives there); ``ValueError`` otherwise."""
+    one only with a build that moves GPU memory (the KV pool lives there); ``ValueError``
+    otherwise."""
     name = resolve_kv_backend(kv_transfer_backend, transfer_backend)
     if name == "cuda_ipc" and not device.startswith("cuda"):
         raise ValueError(
@@ -77,7 +79,8 @@ def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, dev
 
 def check_embedding_backend(transfer_backend: str, devices: Sequence[str]) -> str:
     """``transfer_backend`` if embedding rows can travel over it between ends on ``devices`` (the
-    encoder's or prefill's); cuda_ipc only when every one is a CUDA device; ``ValueError`` otherwise."""
+    encoder's or prefill's); cuda_ipc only when every one is a CUDA device; ``ValueError``
+    otherwise."""
     if transfer_backend not in EMBEDDING_BACKENDS:
         raise ValueError(
             f"embedding transfer backend {transfer_backend!r} is not supported; supported: "
@@ -86,8 +89,9 @@ def check_embedding_backend(transfer_backend: str, devices: Sequence[str]) -> st
     off_gpu = [device for device in devices if not device.startswith("cuda")]
     if transfer_backend == "cuda_ipc" and off_gpu:
         raise ValueError(
-            f"the cuda_ipc embedding transfer backend moves rows between GPUs of one host and needs the "
-            f"vision encoder and prefill on CUDA devices, got {off_gpu[0]!r}: use --transfer-backend shm"
+            "the cuda_ipc embedding transfer backend moves rows between GPUs of one host and "
+            f"needs the vision encoder and prefill on CUDA devices, got {off_gpu[0]!r}: use "
+            "--transfer-backend shm"
         )
     return transfer_backend
 
@@ -95,7 +99,8 @@ def check_embedding_backend(transfer_backend: str, devices: Sequence[str]) -> st
 def default_embedding_backend(
     kv_backend: str | None, encoder_device: str, prefill_device: str
 ) -> str:
-    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: cuda_ipc when the
+    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: cuda_ipc when
+    the
     KV handoff is cuda_ipc and the encoder and prefill both run on CUDA, shm otherwise."""
     on_gpus = encoder_device.startswith("cuda") and prefill_device.startswith("cuda")
     return "cuda_ipc" if kv_backend == "cuda_ipc" and on_gpus else "shm"

@@ -170,7 +170,8 @@ class TracingPlan:
 
 
 def tracing_plan(envs: Envs) -> TracingPlan:
-    """The tracing ``envs`` asks for; ``ValueError`` naming the variable stageserve cannot honour."""
+    """The tracing ``envs`` asks for; ``ValueError`` naming the variable stageserve cannot
+    honour."""
     if envs.otel_sdk_disabled:
         return TracingPlan(is_disabled=True)
     names = [name.strip() for name in envs.traces_exporter.split(",") if name.strip()]
@@ -344,7 +345,8 @@ def histogram(
 
 
 def buckets_up_to(ladder: Sequence[float], max_value: float) -> tuple[float, ...]:
-    """``ladder``'s values below ``max_value``, then ``max_value`` itself (the last finite bucket)."""
+    """``ladder``'s values below ``max_value``, then ``max_value`` itself (the last finite
+    bucket)."""
     return (*(b for b in ladder if b < max_value), max_value)
 
 

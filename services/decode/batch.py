@@ -49,7 +49,8 @@ def is_plain(params: SamplingParams) -> bool:
 
 
 class DecodeBatchRunner:
-    """Runs DECODE steps of a running batch on one model runner; the only owner of the slot state."""
+    """Runs DECODE steps of a running batch on one model runner; the only owner of the slot
+    state."""
 
     def __init__(
         self, runner: ModelRunner, sampler: Sampler, num_slots: int, max_pages_per_slot: int
@@ -113,7 +114,8 @@ class DecodeBatchRunner:
         return launched.host_tokens.tolist()
 
     def synchronize(self) -> None:
-        """Wait until the device finished everything queued (before pages of abandoned steps are reused)."""
+        """Wait until the device finished everything queued (before pages of abandoned steps are
+        reused)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -204,7 +206,8 @@ class DecodeBatchRunner:
 
 
 class StepLoop:
-    """Launch a step, read the oldest unread one: the previous (overlapped) or itself (synchronous)."""
+    """Launch a step, read the oldest unread one: the previous (overlapped) or itself
+    (synchronous)."""
 
     def __init__(self, batch: DecodeBatchRunner, is_overlapped: bool = True) -> None:
         self.batch = batch

@@ -103,7 +103,8 @@ class DecodeLeader:
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Form every rank (in parallel) and serve; ``RankStartError`` (all stopped) if one cannot."""
+        """Form every rank (in parallel) and serve; ``RankStartError`` (all stopped) if one
+        cannot."""
         try:
             await asyncio.gather(*(rank.handle.start() for rank in self._ranks))
         except BaseException:
@@ -216,7 +217,8 @@ class DecodeLeader:
         )
 
     async def abort(self, request_id: str, reason: str, *, is_kv_written: bool = False) -> bool:
-        """Abort wherever it is (idempotent); its stream ends CANCELLED. False when it was not live."""
+        """Abort wherever it is (idempotent); its stream ends CANCELLED. False when it was not
+        live."""
         route = self._routes.get(request_id)
         if route is None:
             return False

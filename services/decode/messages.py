@@ -127,7 +127,8 @@ class RankReport(msgspec.Struct, frozen=True):
     """The result of one step: replies in command order, then what the step read."""
 
     replies: tuple[Reply, ...]
-    # Parallel: token_ids[i] is the new token of token_request_ids[i] (one per request per read step)
+    # Parallel: token_ids[i] is the new token of token_request_ids[i] (one per request per read
+    # step)
     token_request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]
     finished: tuple[Finished, ...]  # after their tokens above

@@ -30,7 +30,8 @@ RANK_FAILURES = telemetry.counter(
 )
 STEP_TIME = telemetry.histogram(
     "decode_step_seconds",
-    "One decode step of a rank: from the previous step read (or its launch, after an idle rank) to its read",
+    "One decode step of a rank: from the previous step read (or its launch, after an idle rank) "
+    "to its read",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
 BATCH_SIZE = telemetry.histogram(

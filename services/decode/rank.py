@@ -1,4 +1,5 @@
-"""A decode rank: its KV pool and receiver, its scheduler and its step loop, one step per command batch.
+"""A decode rank: its KV pool and receiver, its scheduler and its step loop, one step per command
+batch.
 
 ``DecodeRank.execute(commands)`` is one iteration of the rank's loop, in this order:
   1. apply the commands in arrival order (Reserve, Start, Abort). An abort takes effect at
@@ -89,13 +90,15 @@ class DecodeRank:
         return self._report(replies, output, finished + output.finished, expired)
 
     def reset(self) -> None:
-        """After a failed step: every live request ends (the leader fails them), the loop restarts."""
+        """After a failed step: every live request ends (the leader fails them), the loop
+        restarts."""
         self.scheduler.abort_all()
         self.loop.reset()
         self.scheduler.drop_unread(self.loop.last_launched_step)
 
     def warmup(self) -> None:
-        """One DECODE forward and sampling of a scratch request (kernels compiled, buffers touched)."""
+        """One DECODE forward and sampling of a scratch request (kernels compiled, buffers
+        touched)."""
         request = DecodeRequest(
             "warmup", (0,), SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True), 0
         )
@@ -246,7 +249,8 @@ class DecodeRankStep(BaseRankStep):
 
 
 def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
-    """The model's EOS ids: config.json's plus generation_config.json's (as ``transformers`` stops)."""
+    """The model's EOS ids: config.json's plus generation_config.json's (as ``transformers``
+    stops)."""
     ids = set(config.eos_token_ids)
     path = Path(model_dir) / "generation_config.json"
     if path.is_file():

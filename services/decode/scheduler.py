@@ -212,7 +212,8 @@ class DecodeScheduler:
         return pages
 
     def check_kv_written(self, request_id: str, kv_written_proof: bytes) -> None:
-        """``InvalidRequestError`` unless ``kv_written_proof`` is the request's: prefill wrote its KV."""
+        """``InvalidRequestError`` unless ``kv_written_proof`` is the request's: prefill wrote its
+        KV."""
         request = self._reserved_request(request_id)
         if not kv_written_proof:
             raise InvalidRequestError(
@@ -273,7 +274,8 @@ class DecodeScheduler:
             self._release(request)
 
     def schedule(self, step: int) -> DecodePlan | None:
-        """The running batch of ``step`` (waiting requests join while slots last); None when empty."""
+        """The running batch of ``step`` (waiting requests join while slots last); None when
+        empty."""
         assert step > self._last_read_step
         joined: list[DecodeRequest] = []
         while (

@@ -62,7 +62,8 @@ class KVPageManager:
             heapq.heappush(self._free_heap, page)
 
 
-# (shape, dtype) -> zeroed contiguous K and V buffers of that shape on the pool's device, wherever the
+# (shape, dtype) -> zeroed contiguous K and V buffers of that shape on the pool's device, wherever
+# the
 # allocator keeps them (the shm transfer backend maps them from a file in /dev/shm)
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 

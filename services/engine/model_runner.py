@@ -40,7 +40,8 @@ class StepInput:
 
 @dataclass(frozen=True)
 class DecodeInputs:
-    """One DECODE step as whole-batch tensors: row ``r`` feeds one token at KV position ``seq_lens[r] - 1``.
+    """One DECODE step as whole-batch tensors: row ``r`` feeds one token at KV position
+    ``seq_lens[r] - 1``.
 
     Built by a decode loop from its own persistent buffers (no per-request objects); the
     page tables are the rows' page lists as held, covering at least ``seq_lens[r]`` positions.

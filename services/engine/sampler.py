@@ -188,7 +188,8 @@ class Sampler:
         | None,  # [B, V] float32: occurrences in the output; needed with any penalty
         num_output_ids: list[int],  # tokens each request has generated so far (for min_tokens)
     ) -> torch.Tensor:  # [B, V] float32, a new tensor
-        """``apply_penalties`` from token histories already held as tensors (a decode loop's, on the device)."""
+        """``apply_penalties`` from token histories already held as tensors (a decode loop's, on the
+        device)."""
         logits = logits.float().clone()
         if any(p.repetition_penalty != 1.0 for p in params):
             assert is_prompt is not None and output_counts is not None

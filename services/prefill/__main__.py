@@ -1,4 +1,5 @@
-"""``python -m services.prefill``: one prefill worker (a leader + C CP rank processes) serving gRPC ``Prefill``."""
+"""``python -m services.prefill``: one prefill worker (a leader + C CP rank processes) serving gRPC
+``Prefill``."""
 
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument(
         "--transfer-backend",
         default="mooncake",
-        help="embedding rows from the encoder (and KV unless --kv-transfer-backend): mooncake | shm | "
-        "cuda_ipc | inprocess (cuda_ipc: into a GPU buffer over CUDA IPC, needs --device cuda)",
+        help="embedding rows from the encoder (and KV unless --kv-transfer-backend): mooncake | "
+        "shm | cuda_ipc | inprocess (cuda_ipc: into a GPU buffer over CUDA IPC, needs --device "
+        "cuda)",
     )
     p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
     p.add_argument(
@@ -82,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         "--watchdog-s",
         type=float,
         default=30.0,
-        help="health turns NOT_SERVING when the worker has a batch but makes no progress for this long",
+        help="health turns NOT_SERVING when the worker has a batch but makes no progress for this "
+        "long",
     )
     p.add_argument(
         "--max-kv-ref-nonces",
@@ -123,7 +126,8 @@ def add_cp_args(p: argparse.ArgumentParser) -> None:
         "--ranks",
         type=int,
         default=1,
-        help="CP rank processes on --device (cuda: cuda:0 .. cuda:C-1); or name them with --devices",
+        help="CP rank processes on --device (cuda: cuda:0 .. cuda:C-1); or name them with "
+        "--devices",
     )
     p.add_argument(
         "--devices", default="", help="comma-separated devices, one CP rank each (cuda:0,cuda:1)"
@@ -132,7 +136,8 @@ def add_cp_args(p: argparse.ArgumentParser) -> None:
         "--cp-block-tokens",
         type=int,
         default=64,
-        help="CP shard: block b of a pass's tokens goes to rank b %% C (1, or a multiple of --page-size)",
+        help="CP shard: block b of a pass's tokens goes to rank b %% C (1, or a multiple of "
+        "--page-size)",
     )
     p.add_argument(
         "--cp-min-tokens",
@@ -144,7 +149,8 @@ def add_cp_args(p: argparse.ArgumentParser) -> None:
         "--step-timeout-s",
         type=float,
         default=60.0,
-        help="a batch's deadline on the ranks: a rank past it is declared dead and the group re-formed",
+        help="a batch's deadline on the ranks: a rank past it is declared dead and the group "
+        "re-formed",
     )
 
 

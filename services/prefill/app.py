@@ -112,7 +112,8 @@ class PrefillApp:
         return cls(leader, ranks)
 
     async def start(self) -> None:
-        """Form the rank group (load, warm up), then start the leader; ``RankStartError`` on failure."""
+        """Form the rank group (load, warm up), then start the leader; ``RankStartError`` on
+        failure."""
         await self.ranks.start()
         try:
             await self.leader.start()

@@ -51,7 +51,8 @@ class PrefillConfig(ServiceConfig):
 
 
 def rank_devices(device: str, devices: str, ranks: int, flag: str = "--ranks") -> tuple[str, ...]:
-    """One device per CP rank from ``--devices`` or ``ranks`` x ``--device``; ``ValueError`` naming the
+    """One device per CP rank from ``--devices`` or ``ranks`` x ``--device``; ``ValueError`` naming
+    the
     value (``flag``: the flag that gave ``ranks``)."""
     if devices:
         named = tuple(d.strip() for d in devices.split(","))
@@ -82,5 +83,6 @@ def rank_devices(device: str, devices: str, ranks: int, flag: str = "--ranks") -
 def check_block_tokens(block_tokens: int, page_size: int) -> None:
     if block_tokens != 1 and (block_tokens <= 0 or block_tokens % page_size):
         raise ValueError(
-            f"--cp-block-tokens {block_tokens} must be 1 or a positive multiple of --page-size {page_size}"
+            f"--cp-block-tokens {block_tokens} must be 1 or a positive multiple of --page-size "
+            f"{page_size}"
         )

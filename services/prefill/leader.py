@@ -1,4 +1,5 @@
-"""Prefill leader: admits requests, drives Encode calls, hands plans to the rank group, answers callers.
+"""Prefill leader: admits requests, drives Encode calls, hands plans to the rank group, answers
+callers.
 
 Runs on the event loop and touches no torch device: every decision (admission, batches,
 chunks, whether a plan is sharded over the C ranks or run by one) is made here from the
@@ -190,7 +191,8 @@ class PrefillLeader:
         self._ticker = self._loop.create_task(self._tick_forever())
 
     def on_group_ready(self, is_ready: bool) -> None:
-        """The rank group's readiness changed (from its thread): serve only after a fresh Describe."""
+        """The rank group's readiness changed (from its thread): serve only after a fresh
+        Describe."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._group_ready_changed, is_ready)
 
@@ -334,7 +336,8 @@ class PrefillLeader:
         )
 
     async def _tick_forever(self) -> None:
-        """Pump every ``TICK_S``; a failing pump is logged and retried (expiry and quarantine need it)."""
+        """Pump every ``TICK_S``; a failing pump is logged and retried (expiry and quarantine need
+        it)."""
         while True:
             await asyncio.sleep(TICK_S)
             try:

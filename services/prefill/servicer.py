@@ -47,7 +47,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        """Prefill one prompt, write its KV into ``kv_ref``'s pages; the first token and the proof."""
+        """Prefill one prompt, write its KV into ``kv_ref``'s pages; the first token and the
+        proof."""
         with telemetry.rpc_span(
             _tracer,
             "prefill.request",

@@ -60,8 +60,8 @@ def validate_prompt_embeds(
         rows, rest = divmod(len(embeds), num_tokens * EMBEDS_DTYPE_BYTES[dtype])
         got = f"hidden size {rows}" if not rest else f"{len(embeds)} bytes"
         raise InvalidRequestError(
-            f"prompt_embeds must be [{num_tokens}, {limits.hidden_size}] {dtype} (this model's hidden size "
-            f"is {limits.hidden_size}); got {got}",
+            f"prompt_embeds must be [{num_tokens}, {limits.hidden_size}] {dtype} (this model's "
+            f"hidden size is {limits.hidden_size}); got {got}",
             param="prompt_embeds",
         )
 

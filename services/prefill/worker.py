@@ -56,7 +56,8 @@ class Executed:
 
 
 class PrefillRankWorker:
-    """Executes plans on one rank's ``ModelRunner``; ``group`` is the CP device group (None: C = 1)."""
+    """Executes plans on one rank's ``ModelRunner``; ``group`` is the CP device group (None: C =
+    1)."""
 
     def __init__(
         self,
@@ -84,7 +85,8 @@ class PrefillRankWorker:
         kv_sender.register(runner.kv_pool)
 
     def execute(self, plan: RankPlan, write_kv: bool = True) -> Executed:
-        """Run ``plan`` if it is this rank's; KV write failures become error outcomes, the rest raises.
+        """Run ``plan`` if it is this rank's; KV write failures become error outcomes, the rest
+        raises.
 
         ``write_kv`` False (warm-up): forward and sample only.
         """

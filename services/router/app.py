@@ -171,7 +171,8 @@ class RouterApp:
                 lifespan="off",
                 access_log=False,
                 log_level=self.cfg.log_level.lower(),
-                log_config=None,  # uvicorn's loggers go through the service's handler (--log-format)
+                # uvicorn's loggers go through the service's handler (--log-format)
+                log_config=None,
                 timeout_graceful_shutdown=HTTP_GRACE_S,
             )
             self._http_server = _EmbeddedUvicorn(config)

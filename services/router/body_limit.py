@@ -72,7 +72,8 @@ class BodyLimitMiddleware:
             (b"connection", b"close"),
         ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
-        # The whole body goes out now; the response ends (and the server stops reading) after the drain.
+        # The whole body goes out now; the response ends (and the server stops reading) after the
+        # drain.
         await send({"type": "http.response.body", "body": body, "more_body": True})
         if more_body:
             await _drain(receive)

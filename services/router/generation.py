@@ -183,7 +183,8 @@ class GenerationPipeline:
     async def tokenize(
         self, request: GenerationRequest, *, add_generation_prompt: bool = True
     ) -> TokenizedPrompt:
-        """The request's prompt as generation would tokenize it, under its timeout (``/tokenize``)."""
+        """The request's prompt as generation would tokenize it, under its timeout
+        (``/tokenize``)."""
         try:
             async with asyncio.timeout(request.timeout_s):
                 return await self._tokenize(
@@ -236,7 +237,8 @@ class GenerationPipeline:
         if request.max_tokens is not None and param is not None and request.max_tokens > room:
             raise InvalidRequestError(
                 f"{param} is {request.max_tokens}, but the prompt has {prompt_len} tokens and this "
-                f"model's context is {self._max_context_len} tokens: at most {room} can be generated",
+                f"model's context is {self._max_context_len} tokens: at most {room} can be "
+                "generated",
                 param=param,
             )
         wanted = request.max_tokens or self._default_max_tokens or room
@@ -245,7 +247,8 @@ class GenerationPipeline:
         return params
 
     async def _generate(self, flow: _Flow, reservation: Reservation, result: Any) -> bool:
-        """Emit prefill's first token, then decode's; True when decode finished the request itself."""
+        """Emit prefill's first token, then decode's; True when decode finished the request
+        itself."""
         output = flow.output
         output.num_cached_image_tokens = result.num_cached_image_tokens
         if result.finish_reason is not None:

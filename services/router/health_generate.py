@@ -48,7 +48,8 @@ class HealthGenerateChecker:
         self._task: asyncio.Task | None = None
 
     def due(self) -> list[Worker]:
-        """Workers that answer health checks but completed nothing for ``interval_s``, or are ejected."""
+        """Workers that answer health checks but completed nothing for ``interval_s``, or are
+        ejected."""
         now = self._clock()
         return [
             w

@@ -199,7 +199,8 @@ class OpenAIApi:
         return {"object": "list", "data": [model]}
 
     def health(self) -> OpenAIJSONResponse:
-        """200 while every needed kind has a ready worker, else 503; the body details workers and load."""
+        """200 while every needed kind has a ready worker, else 503; the body details workers and
+        load."""
         missing = [k.value for k in self.registry.missing_kinds()]
         workers = [
             {

@@ -174,7 +174,8 @@ class ImageFetcher:
         )
 
     async def fetch(self, url: str, param: str) -> bytes:
-        """The body of ``url`` (HTTP 200); ``InvalidRequestError`` on ``param`` for anything else."""
+        """The body of ``url`` (HTTP 200); ``InvalidRequestError`` on ``param`` for anything
+        else."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 return await self._follow(url, param)
@@ -204,7 +205,8 @@ class ImageFetcher:
         raise InvalidRequestError(message, param=param)
 
     def _checked_url(self, text: str, param: str, base: httpx.URL | None = None) -> httpx.URL:
-        """``text`` (relative to ``base``) parsed; refused unless http(s) to a name or an allowed IP."""
+        """``text`` (relative to ``base``) parsed; refused unless http(s) to a name or an allowed
+        IP."""
         try:
             url = httpx.URL(text) if base is None else base.join(text)
         except (httpx.InvalidURL, UnicodeError, ValueError):

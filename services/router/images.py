@@ -104,7 +104,8 @@ def check_image(data: bytes, max_image_bytes: int, param: str) -> None:
     except UnidentifiedImageError as exc:
         logger.debug("image header of %s refused: %s", param, exc)
         raise InvalidRequestError(
-            "the image bytes are not an image in a format this server reads (PNG, JPEG, GIF, WebP, ...)",
+            "the image bytes are not an image in a format this server reads (PNG, JPEG, GIF, "
+            "WebP, ...)",
             param=param,
         ) from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

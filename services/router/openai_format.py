@@ -69,7 +69,8 @@ class ResponseFormatter:
         self._text_events: dict[bool, tuple[str, str]] = {}  # with_usage_field -> (head, tail)
 
     def text_event(self, text: str, with_usage_field: bool = False) -> str:
-        """``sse(self.chunk(text, ...))`` from a template made once: per token only the text is JSON-encoded."""
+        """``sse(self.chunk(text, ...))`` from a template made once: per token only the text is
+        JSON-encoded."""
         template = self._text_events.get(with_usage_field)
         if template is None:
             event = sse(self.chunk(_TEXT_MARK, with_usage_field=with_usage_field))

@@ -40,7 +40,8 @@ def refuse_unsupported(body: GenerationBody) -> None:
 
 
 def generation_options(body: GenerationBody, max_stop_strings: int) -> GenerationOptions:
-    """Check the fields every generation endpoint shares; ``InvalidRequestError`` on the first bad one."""
+    """Check the fields every generation endpoint shares; ``InvalidRequestError`` on the first bad
+    one."""
     refuse_unsupported(body)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError(

@@ -110,7 +110,8 @@ class ChatCompletionBody(_GenerationBody):
         (
             "response_format",
             lambda v: v in (None, {"type": "text"}),
-            'response_format json_object and json_schema are not supported yet; only {"type": "text"}',
+            'response_format json_object and json_schema are not supported yet; only {"type": '
+            '"text"}',
         ),
         ("tools", _unset, "tools are not supported yet"),
         (
@@ -300,8 +301,8 @@ async def _image(image_url: ImageUrl | str | None, param: str, images: ImageLoad
         return await images.load(image_url, param)
     if image_url.detail not in IMAGE_DETAILS:
         raise InvalidRequestError(
-            f"image detail {image_url.detail!r} is not supported; images are processed at the model's "
-            "full resolution (auto or high)",
+            f"image detail {image_url.detail!r} is not supported; images are processed at the "
+            "model's full resolution (auto or high)",
             param=f"{param}.detail",
         )
     return await images.load(image_url.url, param)

@@ -120,7 +120,8 @@ class Placer:
             )
 
     async def reserve(self, job: KvJob, ticket: Ticket) -> Reservation:
-        """Reserve pages on some decode worker, waiting in the admission queue while all are full."""
+        """Reserve pages on some decode worker, waiting in the admission queue while all are
+        full."""
         while True:
             await self._admission.wait_turn(ticket)
             try:

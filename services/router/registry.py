@@ -42,7 +42,8 @@ ROUTED_KINDS = (WorkerKind.TOKENIZER, WorkerKind.PREFILL, WorkerKind.DECODE)
 
 @dataclass
 class PinnedCheck:
-    """One health-check generate: its worker, and the workers whose calls failed in it (in order)."""
+    """One health-check generate: its worker, and the workers whose calls failed in it (in
+    order)."""
 
     worker: Worker
     failed: list[Worker] = field(default_factory=list)  # shared with the generate's child tasks
@@ -129,14 +130,16 @@ class WorkerRegistry:
     # ------------------------------------------------------------ routing
 
     def has_ready(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> bool:
-        """Whether a ready worker of ``kind`` outside ``exclude`` exists now (inside ``pin``: the pinned one)."""
+        """Whether a ready worker of ``kind`` outside ``exclude`` exists now (inside ``pin``: the
+        pinned one)."""
         check = _PINNED.get()
         if check is not None and check.worker.kind is kind:
             return check.worker not in exclude
         return any(w not in exclude for w in self.ready_workers(kind))
 
     def acquire(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> Worker:
-        """Choose a ready worker of ``kind`` (not one in ``exclude``) and count one more request on it.
+        """Choose a ready worker of ``kind`` (not one in ``exclude``) and count one more request on
+        it.
 
         ``UnavailableError`` at once when none is ready. Pair with ``release``. Inside ``pin(w)``,
         ``acquire(w.kind)`` is ``w`` whatever its state (a health-check generate targets it).
@@ -180,11 +183,13 @@ class WorkerRegistry:
         logger.warning("%s worker %s stalled in %s", worker.kind.value, worker.address, hop.value)
 
     def record_completed(self, worker: Worker) -> None:
-        """``worker`` completed its part of a request (tokenized, prefilled, or decoded to the end)."""
+        """``worker`` completed its part of a request (tokenized, prefilled, or decoded to the
+        end)."""
         worker.last_completed_mono = time.monotonic()
 
     def record_generate(self, worker: Worker, error: str) -> None:
-        """The outcome of a health-check generate on ``worker``: "" readmits it, a reason ejects it."""
+        """The outcome of a health-check generate on ``worker``: "" readmits it, a reason ejects
+        it."""
         if error and not worker.generate_error:
             logger.warning(
                 "%s worker %s failed its health-check generate: %s",
@@ -211,7 +216,8 @@ class WorkerRegistry:
 
     @contextlib.contextmanager
     def pin(self, worker: Worker) -> Iterator[PinnedCheck]:
-        """Route this task's calls of ``worker.kind`` (and those of tasks it starts) to ``worker``."""
+        """Route this task's calls of ``worker.kind`` (and those of tasks it starts) to
+        ``worker``."""
         check = PinnedCheck(worker)
         token = _PINNED.set(check)
         try:

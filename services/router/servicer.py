@@ -126,7 +126,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             timeout_s = min(timeout_s, remaining)
         if len(request.request_id) > MAX_CLIENT_REQUEST_ID_LEN:
             raise InvalidRequestError(
-                f"request_id has {len(request.request_id)} characters; the limit is {MAX_CLIENT_REQUEST_ID_LEN}",
+                f"request_id has {len(request.request_id)} characters; the limit is "
+                f"{MAX_CLIENT_REQUEST_ID_LEN}",
                 param="request_id",
             )
         request_id = f"gen-{uuid.uuid4().hex}"  # never the client's: see the module docstring
@@ -181,7 +182,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def check_known_fields(message: Message, path: str = "") -> None:
-    """``InvalidRequestError`` when ``message`` or a message inside it carries fields unknown here."""
+    """``InvalidRequestError`` when ``message`` or a message inside it carries fields unknown
+    here."""
     unknown = sorted({field.field_number for field in UnknownFieldSet(message)})
     if unknown:
         where = path or type(message).DESCRIPTOR.name

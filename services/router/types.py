@@ -10,7 +10,8 @@ from services.router.prompt_embeds import PromptEmbeds
 
 
 class GenerationRequest(msgspec.Struct, frozen=True):
-    """One request, already validated. Exactly one of ``prompt``, ``messages`` and ``prompt_embeds`` is set."""
+    """One request, already validated. Exactly one of ``prompt``, ``messages`` and ``prompt_embeds``
+    is set."""
 
     request_id: str
     prompt: str | None = None

@@ -64,7 +64,8 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
         "--max-model-len",
         type=int,
         default=None,
-        help="prompts must be shorter than this many tokens (default: config.json max_position_embeddings)",
+        help="prompts must be shorter than this many tokens (default: config.json "
+        "max_position_embeddings)",
     )
     p.add_argument(
         "--max-image-bytes", type=int, default=MAX_IMAGE_BYTES, help="largest compressed image"

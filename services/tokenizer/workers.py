@@ -262,7 +262,8 @@ class WorkerPool:
             if queued and queued + num_bytes > self.max_queued_bytes:
                 raise OverloadedError(
                     f"the tokenizer is busy: {queued} bytes of requests wait for its "
-                    f"{max(self.num_workers, 1)} workers (limit {self.max_queued_bytes}); retry later"
+                    f"{max(self.num_workers, 1)} workers (limit {self.max_queued_bytes}); retry "
+                    "later"
                 )
             self._queued_bytes = queued + num_bytes
 

@@ -1,4 +1,5 @@
-"""Internal gRPC authentication: the token, the server interceptor, the client side, ``up``'s env."""
+"""Internal gRPC authentication: the token, the server interceptor, the client side, ``up``'s
+env."""
 
 from __future__ import annotations
 

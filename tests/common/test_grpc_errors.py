@@ -129,7 +129,8 @@ async def test_refused_internal_credentials_are_a_deployment_error_not_the_calle
         error = error_from_rpc(info.value, service="decode")
         assert type(error) is CredentialsRefusedError and error.http_status == 500
         assert error.message == (
-            "the decode service refused this service's internal credentials (check STAGESERVE_INTERNAL_TOKEN)"
+            "the decode service refused this service's internal credentials (check "
+            "STAGESERVE_INTERNAL_TOKEN)"
         )
     finally:
         await channel.close()

@@ -63,7 +63,8 @@ def test_messages_carry_no_opaque_payloads() -> None:
         "stageserve.v1.ImageData.data",
         "stageserve.v1.ImageInput.data",
         "stageserve.v1.EncodeSpan.image_data",
-        # MACs and nonces of the KV path (services/common/signing.py): 16 or 32 bytes, never a payload
+        # MACs and nonces of the KV path (services/common/signing.py): 16 or 32 bytes, never a
+        # payload
         "stageserve.v1.KvRef.nonce",
         "stageserve.v1.KvRef.mac",
         "stageserve.v1.PrefillResponse.kv_written_proof",

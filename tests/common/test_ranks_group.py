@@ -25,10 +25,10 @@ from services.common.ranks.errors import RankStartError, StepFailedError
 from services.common.ranks.group import RankGroup
 from services.common.ranks.rank_loop import STUCK_EXIT_GRACE_S, LoopExit
 from tests.common.test_ranks_steps import TARGET, EchoInit, EchoPayload, EchoResult, Garbage
+from tests.conftest import RANK_MAIN, rank_children
 
 pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RANK_MAIN = "services.common.ranks.rank_main"
 START_TIMEOUT_S = 120.0  # several torch imports at once on a loaded 2-core machine
 
 
@@ -39,22 +39,6 @@ def rank_env(monkeypatch):
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     )
-
-
-def rank_children() -> list[int]:
-    """Rank processes (and zombies) whose parent is this test process."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:  # it exited meanwhile
-            continue
-        if int(fields[1]) == os.getpid() and (RANK_MAIN.encode() in cmdline or fields[0] == "Z"):
-            found.append(int(entry))
-    return found
 
 
 def is_gone(pid: int) -> bool:
@@ -265,19 +249,22 @@ async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_kille
             ("cpu", "cuda:3"),
             TARGET,
             EchoInit(),
-            r"rank 1 \(cuda:3, pid \d+\) failed to start at device: RuntimeError: cuda:3: CUDA is not available",
+            r"rank 1 \(cuda:3, pid \d+\) failed to start at device: RuntimeError: cuda:3: CUDA is "
+            r"not available",
         ),
         (
             ("cpu", "cpu"),
             TARGET,
             EchoInit(fail_on_rank=1),
-            r"rank 1 \(cpu, pid \d+\) failed to start at construct: MemoryError: injected out of memory while loading",
+            r"rank 1 \(cpu, pid \d+\) failed to start at construct: MemoryError: injected out of "
+            r"memory while loading",
         ),
         (
             ("cpu",),
             "tests.common.no_such_module:Step",
             EchoInit(),
-            r"rank 0 \(cpu, pid \d+\) failed to start at import: ModuleNotFoundError: .*tests.common.no_such_module",
+            r"rank 0 \(cpu, pid \d+\) failed to start at import: ModuleNotFoundError: "
+            r".*tests.common.no_such_module",
         ),
     ],
     ids=["bad-device", "constructor-raises", "import-error"],
@@ -302,7 +289,8 @@ def free_port() -> int:
 
 
 async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_path) -> None:
-    """A deployment's ranks: env:// rendezvous, then the same path; stuck ones exit by themselves."""
+    """A deployment's ranks: env:// rendezvous, then the same path; stuck ones exit by
+    themselves."""
     control_addr = f"ipc://{tmp_path}/control"
     master_port = str(free_port())
     ranks = []
@@ -345,7 +333,8 @@ async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_pa
                 (1, 2, 8, 8),
             ]
             assert [r.pid for r in results] == [p.pid for p in ranks]
-            # Stuck past the deadline: the leader fail-stops; the ranks, which it cannot kill, end themselves.
+            # Stuck past the deadline: the leader fail-stops; the ranks, which it cannot kill, end
+            # themselves.
             with pytest.raises(
                 UnavailableError, match="did not finish step 2 within its 1.0 s deadline"
             ):

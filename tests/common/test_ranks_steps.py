@@ -163,7 +163,9 @@ def make_loop(group) -> tuple[RankLoop, FakeChannel]:
         leader_timeout_s=10.0,
     )
     channel = FakeChannel()
-    return RankLoop(channel, EchoStep(ctx, EchoInit()), group, 0, setup, 0), channel  # type: ignore[arg-type]
+    step = EchoStep(ctx, EchoInit())
+    loop = RankLoop(channel, step, group, 0, setup, 0)  # type: ignore[arg-type]
+    return loop, channel
 
 
 def request(step: int, payload: msgspec.Struct) -> StepRequest:
@@ -204,7 +206,8 @@ def test_a_stageserve_error_keeps_its_class_name(world_of_one) -> None:
     [
         (
             Garbage(junk="x"),
-            "step 7 failed on rank 0: malformed step payload: Object missing required field `value`",
+            "step 7 failed on rank 0: malformed step payload: Object missing required field "
+            "`value`",
         ),
         (
             EchoPayload(value=1, wrong_result_on_rank=0),
@@ -226,7 +229,8 @@ def test_a_malformed_control_message_counts_as_the_due_step(world_of_one) -> Non
     reply = loop.run_step(Malformed("MessagePack data is malformed"))
     assert isinstance(reply, StepReply) and reply.step == 7 and reply.status is StepStatus.FAILED
     assert reply.error == (
-        "step 7 failed on rank 0: malformed control message from the leader: MessagePack data is malformed"
+        "step 7 failed on rank 0: malformed control message from the leader: MessagePack data is "
+        "malformed"
     )
     assert channel.sent == [Executed(step=7, rank=0)]
     assert loop.run_step(request(8, EchoPayload(value=1))).status is StepStatus.OK

@@ -1,4 +1,5 @@
-"""The shared gRPC skeleton: health, reflection (off unless enabled), error mapping, telemetry, graceful stop."""
+"""The shared gRPC skeleton: health, reflection (off unless enabled), error mapping, telemetry,
+graceful stop."""
 
 from __future__ import annotations
 

@@ -170,6 +170,7 @@ def test_a_service_refuses_an_otel_setting_it_cannot_honour() -> None:
         result.stderr.strip()
         .splitlines()[-1]
         .startswith(
-            "tokenizer: error: OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'http/json'"
+            "tokenizer: error: OTEL_EXPORTER_OTLP_PROTOCOL / OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: "
+            "'http/json'"
         )
     ), result.stderr

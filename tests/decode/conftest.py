@@ -190,7 +190,8 @@ BASE_CONFIG = DecodeConfig(
 
 @pytest.fixture
 async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
-    """Start decode services (real gRPC on port 0); each ends with every page free, quarantine passed.
+    """Start decode services (real gRPC on port 0); each ends with every page free, quarantine
+    passed.
 
     ``num_ranks`` DP ranks (each on its own thread); ``is_overlapped=False`` runs the
     synchronous loop; other keywords override ``BASE_CONFIG``.

@@ -1,4 +1,5 @@
-"""What decode issues and accepts on the KV path: capped reservations, signed KvRefs, written proofs."""
+"""What decode issues and accepts on the KV path: capped reservations, signed KvRefs, written
+proofs."""
 
 from __future__ import annotations
 

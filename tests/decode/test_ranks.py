@@ -142,7 +142,8 @@ def pipeline() -> OfflinePipeline:
 
 
 class Prefill:
-    """What the prefill service does: the prompt's EXTEND (image embeddings merged), first token, KV sent."""
+    """What the prefill service does: the prompt's EXTEND (image embeddings merged), first token, KV
+    sent."""
 
     def __init__(self, engine: LLMEngine, sender: BaseKVSender | None = None) -> None:
         self.engine = engine

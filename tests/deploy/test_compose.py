@@ -66,7 +66,8 @@ def project(variant) -> dict:
 
 @pytest.fixture
 def gpu_mooncake(monkeypatch, variant) -> None:
-    """The GPU image's Mooncake moves GPU memory (test_dockerfiles checks it installs that build)."""
+    """The GPU image's Mooncake moves GPU memory (test_dockerfiles checks it installs that
+    build)."""
     if variant == "gpu":
         monkeypatch.setattr(
             "services.common.kv_transfer.mooncake_moves_device_memory", lambda: True

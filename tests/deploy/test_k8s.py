@@ -1,4 +1,5 @@
-"""deploy/k8s: every overlay renders, passes the strict Kubernetes schemas, and matches the services.
+"""deploy/k8s: every overlay renders, passes the strict Kubernetes schemas, and matches the
+services.
 
 What a cluster would find at ``kubectl apply`` time or later (a probe on the wrong port, a
 worker address no pod answers, a flag a service rejects, a ConfigMap key nothing reads) is
@@ -68,7 +69,8 @@ def by_service(docs) -> dict[str, Container]:
 
 @pytest.fixture
 def gpu_mooncake(monkeypatch, overlay) -> None:
-    """The GPU image's Mooncake moves GPU memory (test_dockerfiles checks it installs that build)."""
+    """The GPU image's Mooncake moves GPU memory (test_dockerfiles checks it installs that
+    build)."""
     if overlay == "gpu":
         monkeypatch.setattr(
             "services.common.kv_transfer.mooncake_moves_device_memory", lambda: True

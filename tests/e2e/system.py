@@ -114,7 +114,8 @@ class System:
 
 
 def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = None) -> System:
-    """``stageserve up`` in ``workdir``; ``env``: the launcher's environment (default: this process's)."""
+    """``stageserve up`` in ``workdir``; ``env``: the launcher's environment (default: this
+    process's)."""
     port = free_port()
     state_file = workdir / "state.json"
     cmd = [

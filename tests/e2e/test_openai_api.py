@@ -150,9 +150,10 @@ def test_sixteen_concurrent_requests(system, model_name, pipeline, hf_model):
             [image_bytes(60 + 20 * i, 50 + 10 * i, seed=100 + i)] if i % 3 else [],
         )
         for i, w in enumerate(
-            "the sea,a tree,the sky,a cat,rain,a road,snow,a bird,fire,a lamp,ice,a door,sand,a ship,wind,a star".split(
-                ","
-            )
+            (
+                "the sea,a tree,the sky,a cat,rain,a road,snow,a bird,fire,a lamp,ice,a door,sand,"
+                "a ship,wind,a star"
+            ).split(",")
         )
     ]
     expected = [reference(pipeline, hf_model, t, imgs)[0] for t, imgs in prompts]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -44,7 +43,6 @@ from services.common.pb.stageserve.v1 import (
 from services.common.server import HealthState, create_server
 from services.common.types import ImageSpanRef, TokenizedPrompt
 from services.engine.attention import ForwardMode
-from services.engine.kv_cache import KVPageManager, KVPool
 from services.engine.llm import EngineRequest
 from services.engine.loader import load_model
 from services.engine.processing import decode_image
@@ -55,11 +53,10 @@ from services.prefill.config import PrefillConfig
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.transfer.embeddings_shm import ShmEmbeddingSender
-from services.transfer.shm_backend import ShmKVReceiver
 from tests.conftest import TINY_MODEL_DIR, image_bytes
-from tests.prefill.cp_ranks import TARGET, RecordingResult, group_config, rank_env
+from tests.prefill import cp_ranks
+from tests.prefill.cp_ranks import PAGE_SIZE, TARGET, RecordingResult, group_config, rank_env
 
-PAGE_SIZE = 4  # the session pipeline's page size: prompts span many pages
 KEY = signing.key_of("prefill-test-token")  # the internal secret the fake decode signs with
 KV_ATOL = 1e-5
 WATCHDOG_POLL_S = 0.01
@@ -159,32 +156,15 @@ def reference(pipeline, case: Case) -> Reference:
 # --- the fake decode pool -------------------------------------------------------------
 
 
-class DecodePool:
+class DecodePool(cp_ranks.DecodePool):
     """Decode's registered KV pool (shm): pages handed out shuffled and zeroed, so position
     order matters and a page nobody wrote reads as zeros."""
 
     def __init__(self, model_config, num_pages: int = 512) -> None:
-        text = model_config.text
-        self.pool = KVPool(
-            text.num_hidden_layers,
-            num_pages,
-            PAGE_SIZE,
-            text.num_key_value_heads,
-            text.head_dim,
-            torch.float32,
-            "cpu",
-        )
-        self.pages = KVPageManager(num_pages, PAGE_SIZE)
-        self.receiver = ShmKVReceiver()
-        self.receiver.register(self.pool)
-        self._rng = random.Random(0)
+        super().__init__(model_config, num_pages)
 
     def reserve(self, request_id: str, num_tokens: int, extra_pages: int = 2):
-        pages = self.pages.allocate(-(-num_tokens // PAGE_SIZE) + extra_pages)
-        self._rng.shuffle(pages)
-        self.pool.k_buffer[:, pages] = 0
-        self.pool.v_buffer[:, pages] = 0
-        return self.receiver.destination(request_id, pages)
+        return super().reserve(request_id, num_tokens, extra_pages)
 
     @staticmethod
     def kv_ref(dst, expires_in_s: float = 60.0, key: bytes = KEY) -> KvRefInfo:
@@ -192,22 +172,10 @@ class DecodePool:
         expires_unix_ms = int((time.time() + expires_in_s) * 1000)
         return issue_kv_ref(dst, key, signing.new_nonce(), expires_unix_ms)
 
-    def kv(self, dst, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(num_tokens)
-        slots = (
-            torch.tensor(dst.page_ids)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-        )
-        k = torch.stack([self.pool.k_slots(layer)[slots] for layer in range(self.pool.num_layers)])
-        v = torch.stack([self.pool.v_slots(layer)[slots] for layer in range(self.pool.num_layers)])
-        return k, v
-
     def is_written(self, dst) -> bool:
         """Whether any byte of ``dst``'s pages changed since ``reserve`` zeroed them."""
         pages = list(dst.page_ids)
         return bool(self.pool.k_buffer[:, pages].any() or self.pool.v_buffer[:, pages].any())
-
-    def close(self) -> None:
-        self.receiver.close()
 
 
 # --- the fake vision encoder ------------------------------------------------------------
@@ -325,7 +293,8 @@ async def start_harness(
     step_target: str = TARGET,
     **group_overrides: Any,
 ) -> Harness:
-    """Prefill over gRPC on ``config.devices``; the fake encoder unless ``encoder_address`` names a real one."""
+    """Prefill over gRPC on ``config.devices``; the fake encoder unless ``encoder_address`` names a
+    real one."""
     encoder = FakeVisionEncoder(pipeline)
     servers = []
     if encoder_address is None:

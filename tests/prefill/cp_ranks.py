@@ -41,7 +41,7 @@ from services.transfer.shm_backend import ShmKVReceiver
 from tests.conftest import REPO, TINY_MODEL_DIR
 
 TARGET = "tests.prefill.cp_ranks:RecordingStep"
-PAGE_SIZE = 4
+PAGE_SIZE = 4  # small pages: prompts span many (the session pipeline uses it too)
 START_TIMEOUT_S = 180.0  # C torch imports and model loads at once on a loaded 2-core machine
 _FAULT = re.compile(r"(raise|stop)-r(\d+)(?:-l(\d+))?")
 
@@ -219,8 +219,8 @@ class DecodePool:
         self.receiver.register(self.pool)
         self._rng = random.Random(0)
 
-    def reserve(self, request_id: str, num_tokens: int):
-        pages = self.pages.allocate(-(-num_tokens // PAGE_SIZE))
+    def reserve(self, request_id: str, num_tokens: int, extra_pages: int = 0):
+        pages = self.pages.allocate(-(-num_tokens // PAGE_SIZE) + extra_pages)
         self._rng.shuffle(pages)
         for layer in range(self.pool.num_layers):  # zero, so a page nobody wrote shows
             for part in (self.pool.k_cache, self.pool.v_cache):

@@ -1,4 +1,5 @@
-"""GPU (device tool): CP = 2 equals CP = 1 in bf16 (torch attention: flashinfer has no kernels for the tiny model's head_dim 16).
+"""GPU (device tool): CP = 2 equals CP = 1 in bf16 (torch attention: flashinfer has no kernels for
+the tiny model's head_dim 16).
 
 Both ranks on ``cuda:0`` exchange K/V over the CPU (gloo) group (NCCL needs one GPU per
 rank: prefill's ``--devices cuda:0,cuda:0`` does the same); with two GPUs, ``cuda:0,cuda:1``

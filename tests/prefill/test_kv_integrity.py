@@ -1,4 +1,5 @@
-"""Prefill writes only through live, unused KvRefs decode issued for the request; it proves the write.
+"""Prefill writes only through live, unused KvRefs decode issued for the request; it proves the
+write.
 
 A refused KvRef is refused before the leader sees the request: no KV sender call (no
 connection to any engine), not a byte in decode's pool, nothing held.

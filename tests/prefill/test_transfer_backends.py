@@ -51,8 +51,9 @@ def test_flag_parses_and_defaults_to_transfer_backend(monkeypatch) -> None:
         ),
         (
             ["--transfer-backend", "cuda_ipc", "--kv-transfer-backend", "shm"],
-            "the cuda_ipc embedding transfer backend moves rows between GPUs of one host and needs the vision "
-            "encoder and prefill on CUDA devices, got 'cpu': use --transfer-backend shm",
+            "the cuda_ipc embedding transfer backend moves rows between GPUs of one host and "
+            "needs the vision encoder and prefill on CUDA devices, got 'cpu': use "
+            "--transfer-backend shm",
         ),
         (["--kv-transfer-backend", "cuda_ipc"], "needs a CUDA device (--device cuda), got 'cpu'"),
         (

@@ -1,6 +1,8 @@
 """Prefill on two CP rank processes against the real vision encoder on two rank processes, rows over
-shared memory to both prefill ranks: outputs equal the offline engine with cache hits, and an encoder
-rank killed mid-batch fails the request UNAVAILABLE without leaking one of prefill's embedding rows."""
+shared memory to both prefill ranks: outputs equal the offline engine with cache hits, and an
+encoder rank killed mid-batch fails the request UNAVAILABLE without leaking one of prefill's
+embedding
+rows."""
 
 from __future__ import annotations
 

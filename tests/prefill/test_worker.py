@@ -30,7 +30,8 @@ from tests.prefill.cp_ranks import plan_of
 
 
 class CopyingLayerwise(LayerwiseSend):
-    """Copies each reported layer's pages into decode's pool right away; records what it was told."""
+    """Copies each reported layer's pages into decode's pool right away; records what it was
+    told."""
 
     def __init__(
         self, events: list, request_id, src_pool, src_pages, dst, dst_pool, fail_at: int | None
@@ -206,7 +207,8 @@ def test_a_forward_that_fails_mid_stream_cancels_every_write_and_frees_everythin
 
 
 def test_a_batch_starts_every_kv_write_before_awaiting_one(pipeline, setup) -> None:
-    """Each request's write is started, then each awaited; one failing write fails only its request."""
+    """Each request's write is started, then each awaited; one failing write fails only its
+    request."""
     sender, events = setup.sender, []
 
     class Deferred(PendingSend):  # what an asynchronous backend returns: the bytes move by wait()

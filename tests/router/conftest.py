@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -17,7 +20,7 @@ from services.router.auth import RouterAccess
 from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
-from tests.conftest import INTERNAL_AUTH, TINY_MODEL_DIR
+from tests.conftest import INTERNAL_AUTH, REPO, TINY_MODEL_DIR
 from tests.router.fakes import (
     FakeDecode,
     FakePrefill,
@@ -29,6 +32,7 @@ from tests.router.fakes import (
 
 MODEL_NAME = "tiny-qwen2.5-vl"
 BOUND_S = 30.0  # generous bound on anything that should happen "promptly"
+READY_TIMEOUT_S = 120  # a worker process's start, up to its READY line
 
 
 @dataclass
@@ -87,6 +91,61 @@ def router_config(cluster: Cluster, **overrides) -> RouterConfig:
         http_port=0,
     )
     return replace(cfg, **overrides)
+
+
+async def read_ready(process: asyncio.subprocess.Process, name: str) -> dict[str, str]:
+    assert process.stdout is not None
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            assert line, f"{name} exited before READY"
+            words = line.split()
+            if words[:2] == ["READY", name]:
+                return dict(w.split("=", 1) for w in words[2:])
+
+
+@dataclass
+class ProcessCluster:
+    """Fake tokenizer and prefill in this process, the fake decode a process of its own."""
+
+    script: Script
+    tokenizer: FakeWorker
+    prefill: FakeWorker
+    decode: asyncio.subprocess.Process
+    decode_port: str
+
+    def router_config(self, **overrides) -> RouterConfig:
+        """``router_config`` for these workers, decode at the process's port."""
+        cfg = router_config(Cluster(self.script, self.tokenizer, [self.prefill], []), **overrides)
+        decode = (f"127.0.0.1:{self.decode_port}",)
+        return replace(cfg, workers=replace(cfg.workers, decode=decode))
+
+
+@contextlib.asynccontextmanager
+async def process_cluster() -> AsyncIterator[ProcessCluster]:
+    """A ``ProcessCluster`` once its decode is READY; the decode is killed (resumed first if
+    stopped) and every worker stopped on exit."""
+    script = Script()
+    tokenizer = await start_worker(FakeTokenizer(script))
+    prefill = await start_worker(FakePrefill(script))
+    decode = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.router.fakes",
+        "decode",
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        decode_port = (await read_ready(decode, "decode"))["port"]
+        yield ProcessCluster(script, tokenizer, prefill, decode, decode_port)
+    finally:
+        if decode.returncode is None:
+            decode.send_signal(signal.SIGCONT)
+            decode.kill()
+        await decode.wait()
+        await tokenizer.server.stop(None)
+        await prefill.server.stop(None)
 
 
 async def start_router(

@@ -1,4 +1,5 @@
-"""The router's API key (HTTP ``/v1/*`` and gRPC ``Router``) and its internal token to the workers."""
+"""The router's API key (HTTP ``/v1/*`` and gRPC ``Router``) and its internal token to the
+workers."""
 
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ async def test_declared_length_over_the_limit_is_refused_before_any_body_byte(se
     reader, writer = await open_raw(served)
     try:
         writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
-            + f"content-length: {FIFTY_MB}\r\n\r\n".encode()
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+            b"application/json\r\n" + f"content-length: {FIFTY_MB}\r\n\r\n".encode()
         )
         await writer.drain()
         status, body = await read_response(reader)  # not one body byte was sent
@@ -74,8 +74,8 @@ async def test_chunked_body_is_refused_at_the_first_chunk_over_the_limit(served)
     reader, writer = await open_raw(served)
     try:
         writer.write(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
-            b"transfer-encoding: chunked\r\n\r\n"
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: "
+            b"application/json\r\ntransfer-encoding: chunked\r\n\r\n"
         )
         chunk = b"x" * 16 * 1024
         for _ in range(

@@ -89,7 +89,8 @@ IMAGE_URLS = st.sampled_from(
 def mutated(
     draw: st.DrawFn, base: dict[str, Any], values: dict[str, st.SearchStrategy]
 ) -> dict[str, Any]:
-    """``base`` (valid) with one to three of its keys set to values drawn from ``values``, or dropped."""
+    """``base`` (valid) with one to three of its keys set to values drawn from ``values``, or
+    dropped."""
     out = dict(base)
     for name in draw(
         st.lists(st.sampled_from(sorted(values)), min_size=1, max_size=3, unique=True)
@@ -216,7 +217,8 @@ def text_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
 
 @st.composite
 def token_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
-    """A valid /tokenize (prompt or chat) or /detokenize body with one to three fields replaced or dropped."""
+    """A valid /tokenize (prompt or chat) or /detokenize body with one to three fields replaced or
+    dropped."""
     path = draw(st.sampled_from(TOKEN_PATHS))
     if path == "/detokenize":
         base: dict[str, Any] = {"model": MODEL_NAME, "tokens": [1, 2, 3]}

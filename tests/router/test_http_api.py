@@ -273,7 +273,8 @@ async def test_image_data_url_reaches_tokenizer_and_prefill(http, cluster):
 
 
 def _raw(body: dict) -> bytes:
-    """``body`` as JSON with NaN/Infinity literals and escaped lone surrogates, as a client may send."""
+    """``body`` as JSON with NaN/Infinity literals and escaped lone surrogates, as a client may
+    send."""
     return json.dumps(body).encode()
 
 

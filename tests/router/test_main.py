@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import sys
-from dataclasses import replace
 
 import httpx
 import pytest
@@ -18,27 +17,14 @@ from tests.conftest import REPO
 from tests.router.conftest import (
     BOUND_S,
     MODEL_NAME,
-    Cluster,
-    router_config,
+    process_cluster,
+    read_ready,
     serve_http,
     stop_router,
     wait_until,
 )
-from tests.router.fakes import FakePrefill, FakeTokenizer, Script, start_worker
 
 pytestmark = pytest.mark.integration
-READY_TIMEOUT_S = 120
-
-
-async def read_ready(process: asyncio.subprocess.Process, name: str) -> dict[str, str]:
-    assert process.stdout is not None
-    async with asyncio.timeout(READY_TIMEOUT_S):
-        while True:
-            line = (await process.stdout.readline()).decode()
-            assert line, f"{name} exited before READY"
-            words = line.split()
-            if words[:2] == ["READY", name]:
-                return dict(w.split("=", 1) for w in words[2:])
 
 
 async def test_router_process_ready_health_and_sigterm(secured_cluster):
@@ -101,49 +87,32 @@ async def test_router_process_ready_health_and_sigterm(secured_cluster):
 
 
 async def test_killed_decode_process_fails_the_stream_and_is_ejected():
-    script = Script()
-    tokenizer = await start_worker(FakeTokenizer(script))
-    prefill = await start_worker(FakePrefill(script))
-    decode = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.router.fakes",
-        "decode",
-        cwd=REPO,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    app = None
-    try:
-        decode_port = (await read_ready(decode, "decode"))["port"]
-        cfg = router_config(Cluster(script, tokenizer, [prefill], []))
-        cfg = replace(cfg, workers=replace(cfg.workers, decode=(f"127.0.0.1:{decode_port}",)))
-        app, url = await serve_http(
-            cfg
-        )  # a real server: ASGITransport would buffer the whole stream
-        async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-            body = {
-                "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": "go"}],
-                "stream": True,
-            }
-            async with http.stream("POST", "/v1/chat/completions", json=body) as stream:
-                lines = stream.aiter_lines()
-                events = [await anext(lines) for _ in range(6)]
-                decode.kill()
-                async with asyncio.timeout(BOUND_S):
-                    events += [line async for line in lines]
-            events = [e for e in events if e]
-            errors = [json.loads(e[6:])["error"] for e in events if e.startswith('data: {"error"')]
-            assert [e["type"] for e in errors] == ["service_unavailable"]
-            assert events[-1] == "data: [DONE]"
-            await wait_until(lambda: not app.registry.is_ready)
-            health = await http.get("/health")
-            assert health.status_code == 503 and health.json()["missing"] == ["decode"]
-    finally:
-        if app is not None:
-            await stop_router(app)
-        if decode.returncode is None:
-            decode.kill()
-        await decode.wait()
-        await tokenizer.server.stop(None)
-        await prefill.server.stop(None)
+    async with process_cluster() as workers:
+        app = None
+        try:
+            # a real server: ASGITransport would buffer the whole stream
+            app, url = await serve_http(workers.router_config())
+            async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
+                body = {
+                    "model": MODEL_NAME,
+                    "messages": [{"role": "user", "content": "go"}],
+                    "stream": True,
+                }
+                async with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+                    lines = stream.aiter_lines()
+                    events = [await anext(lines) for _ in range(6)]
+                    workers.decode.kill()
+                    async with asyncio.timeout(BOUND_S):
+                        events += [line async for line in lines]
+                events = [e for e in events if e]
+                errors = [
+                    json.loads(e[6:])["error"] for e in events if e.startswith('data: {"error"')
+                ]
+                assert [e["type"] for e in errors] == ["service_unavailable"]
+                assert events[-1] == "data: [DONE]"
+                await wait_until(lambda: not app.registry.is_ready)
+                health = await http.get("/health")
+                assert health.status_code == 503 and health.json()["missing"] == ["decode"]
+        finally:
+            if app is not None:
+                await stop_router(app)

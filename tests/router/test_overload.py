@@ -1,4 +1,5 @@
-"""Overload over HTTP with fake workers: slots and queue, 429 with Retry-After, waiting for KV pages."""
+"""Overload over HTTP with fake workers: slots and queue, 429 with Retry-After, waiting for KV
+pages."""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ def test_output_assembler_text_equals_a_full_decode():
 
 
 def test_output_assembler_hides_the_stop_token_text_but_counts_it():
-    """A worker's STOP ends on its stop token (a stop_token_ids member here): not shown, as in vLLM."""
+    """A worker's STOP ends on its stop token (a stop_token_ids member here): not shown, as in
+    vLLM."""
     output = OutputAssembler(TEXT.detokenizer(), (), num_prompt_tokens=1)
     assert output.add_tokens(char_ids("ab")).text == "ab"
     last = output.finish(FinishReason.STOP, char_ids("cZ"))

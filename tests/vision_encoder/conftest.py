@@ -33,10 +33,9 @@ from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination, 
 from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
-from tests.conftest import REPO, TINY_MODEL_DIR
+from tests.conftest import REPO, TINY_MODEL_DIR, rank_children
 
 HOOKED_STEP = "tests.vision_encoder.rank_hooks:HookedEncoderStep"
-RANK_MAIN = "services.common.ranks.rank_main"
 START_TIMEOUT_S = 300.0  # W torch imports at once on a loaded 2-core machine
 CALL_TIMEOUT_S = 60.0
 WATCHDOG_POLL_S = 0.01
@@ -108,22 +107,6 @@ def rank_environment() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def rank_children() -> list[int]:
-    """Rank processes (and zombies) whose parent is this test process."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:  # it exited meanwhile
-            continue
-        if int(fields[1]) == os.getpid() and (RANK_MAIN.encode() in cmdline or fields[0] == "Z"):
-            found.append(int(entry))
-    return found
 
 
 class Prefill:

@@ -1,4 +1,5 @@
-"""The encoder's ``--transfer-backend``: cuda_ipc on CUDA ranks only; inprocess never (its ranks are processes)."""
+"""The encoder's ``--transfer-backend``: cuda_ipc on CUDA ranks only; inprocess never (its ranks are
+processes)."""
 
 from __future__ import annotations
 

@@ -65,7 +65,8 @@ def agree(statuses: Sequence[RankStatus], step: int) -> RankStatus | None:
 
 
 def exchange(group: ProcessGroup, status: RankStatus, timeout_s: float) -> list[RankStatus]:
-    """All-gather ``status`` over the gloo ``group``; raises if it does not end within ``timeout_s``."""
+    """All-gather ``status`` over the gloo ``group``; raises if it does not end within
+    ``timeout_s``."""
     import torch
     import torch.distributed as dist
 

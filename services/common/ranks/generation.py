@@ -194,10 +194,12 @@ class Generation:
             parts.append(f"no Hello from ranks {no_hello}")
         if not_ready:
             parts.append(f"no Ready from ranks {not_ready}")
-        return f"the group did not form within {self.config.start_timeout_s:.1f} s ({'; '.join(parts)})"
+        timeout_s = self.config.start_timeout_s
+        return f"the group did not form within {timeout_s:.1f} s ({'; '.join(parts)})"
 
     def end(self, channel: LeaderChannel, last_step: int, grace_s: float = 0.0) -> None:
-        """Tell every joined rank to Shutdown; spawn: wait ``grace_s`` for exits, kill the rest, reap."""
+        """Tell every joined rank to Shutdown; spawn: wait ``grace_s`` for exits, kill the rest,
+        reap."""
         for slot in self.slots:
             if slot.peer is not None:
                 channel.send(slot.peer, Shutdown(step=last_step))

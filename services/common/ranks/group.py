@@ -32,7 +32,8 @@ def _ignore(is_ready: bool) -> None:
 
 
 class RankGroup:
-    """Thread-safe; ``step`` never blocks the event loop (the group's own thread does the waiting)."""
+    """Thread-safe; ``step`` never blocks the event loop (the group's own thread does the
+    waiting)."""
 
     def __init__(
         self,
@@ -67,7 +68,8 @@ class RankGroup:
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
-        """The current generation's rank processes (spawn mode), in rank order; () between generations."""
+        """The current generation's rank processes (spawn mode), in rank order; () between
+        generations."""
         return self._supervisor.rank_pids
 
     async def start(self) -> None:
@@ -82,7 +84,8 @@ class RankGroup:
             raise
 
     def submit(self, payload: msgspec.Struct, timeout_s: float | None = None) -> Future[Results]:
-        """Queue one step for every rank; the future holds every rank's result (rank order) or the error."""
+        """Queue one step for every rank; the future holds every rank's result (rank order) or the
+        error."""
         if not isinstance(payload, msgspec.Struct):
             raise TypeError(f"a step payload is a msgspec.Struct, got {type(payload).__name__}")
         timeout_s = self.config.step_timeout_s if timeout_s is None else timeout_s
@@ -91,11 +94,13 @@ class RankGroup:
         return self._supervisor.submit(encode_raw(payload), timeout_s)
 
     async def step(self, payload: msgspec.Struct, timeout_s: float | None = None) -> Results:
-        """``submit`` and await its results; cancelling the wait drops a step that has not started."""
+        """``submit`` and await its results; cancelling the wait drops a step that has not
+        started."""
         return await asyncio.wrap_future(self.submit(payload, timeout_s))
 
     def stop(self) -> None:
-        """Fail pending steps, shut the ranks down (SIGKILL after ``stop_grace_s``), reap; blocks."""
+        """Fail pending steps, shut the ranks down (SIGKILL after ``stop_grace_s``), reap;
+        blocks."""
         self.progress.stop()
         for watchdog in self.rank_progress:
             watchdog.stop()

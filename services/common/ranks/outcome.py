@@ -22,7 +22,8 @@ Reply = StepReply | str  # str: why the rank's message for this step was malform
 
 
 def agreed_error(error_type: str, text: str) -> StageServeError:
-    """The agreed error as the class the failing rank raised (a StageServeError), else StepFailedError."""
+    """The agreed error as the class the failing rank raised (a StageServeError), else
+    StepFailedError."""
     cls = known_error_classes().get(error_type) if error_type else None
     return (cls or StepFailedError)(text)
 
@@ -30,7 +31,8 @@ def agreed_error(error_type: str, text: str) -> StageServeError:
 def step_outcome(
     step: int, replies: Sequence[Reply], decoder: msgspec.msgpack.Decoder
 ) -> list[msgspec.Struct] | StageServeError:
-    """Rank-ordered results (decoded with ``decoder``) when every rank answered OK, else the one error.
+    """Rank-ordered results (decoded with ``decoder``) when every rank answered OK, else the one
+    error.
 
     Precedence: a malformed reply (lowest rank first), then the agreed failure, which
     every FAILED reply carries identically (a difference is logged: it is a bug).

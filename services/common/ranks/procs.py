@@ -99,7 +99,8 @@ class RankProcess:
 
 
 def stop_all(processes: Sequence[RankProcess], grace_s: float) -> None:
-    """Wait up to ``grace_s`` for every process to exit by itself, then SIGKILL the rest; reap all."""
+    """Wait up to ``grace_s`` for every process to exit by itself, then SIGKILL the rest; reap
+    all."""
     deadline = time.monotonic() + grace_s
     for process in processes:
         while process.exit_code() is None and time.monotonic() < deadline:

@@ -268,7 +268,8 @@ def _build_step(
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Spawn mode: SIGKILL this process when its leader dies (Linux), even in the middle of start-up."""
+    """Spawn mode: SIGKILL this process when its leader dies (Linux), even in the middle of
+    start-up."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:

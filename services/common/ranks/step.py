@@ -44,11 +44,13 @@ class BaseRankStep(abc.ABC):
         """Build this rank's state; an exception fails the group's start, naming this rank."""
 
     def warmup(self) -> None:  # noqa: B027 (a hook: most steps need no warm-up)
-        """Compile, capture, run one forward of each kind: after it the first step is as fast as any."""
+        """Compile, capture, run one forward of each kind: after it the first step is as fast as
+        any."""
 
     @abc.abstractmethod
     def execute(self, step: int, payload: Any) -> msgspec.Struct:
-        """Run one step; return a ``result_type`` struct or raise (the step then fails on every rank)."""
+        """Run one step; return a ``result_type`` struct or raise (the step then fails on every
+        rank)."""
 
     def on_failed(self, step: int, error: str) -> None:  # noqa: B027 (a hook)
         """The ranks agreed that ``step`` failed with ``error`` (the same text on every rank)."""

@@ -84,7 +84,8 @@ class StepRunner:
         self._add(rank, reply)
 
     def on_malformed(self, rank: int, reason: str) -> None:
-        """A rank's malformed message stands for its reply to the step in flight, if it has none yet."""
+        """A rank's malformed message stands for its reply to the step in flight, if it has none
+        yet."""
         if self.inflight is not None and rank not in self.inflight.replies:
             step = self.inflight.step
             self._add(
@@ -106,7 +107,10 @@ class StepRunner:
         deadline = f"its {inflight.timeout_s:.1f} s deadline"
         if stuck:
             return f"{ranks_text(stuck)} did not finish step {inflight.step} within {deadline}"
-        return f"{ranks_text(pending)} did not end the status exchange of step {inflight.step} within {deadline}"
+        return (
+            f"{ranks_text(pending)} did not end the status exchange of step {inflight.step} "
+            f"within {deadline}"
+        )
 
     def _add(self, rank: int, reply: Reply) -> None:
         inflight = self.inflight

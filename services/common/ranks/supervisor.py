@@ -87,7 +87,8 @@ class Supervisor:
         self._thread = threading.Thread(
             target=self._run, name=f"{config.name}-supervisor", daemon=True
         )
-        # Ticked for the leader loop (a step sent, a step done) and for each rank (executed, replied).
+        # Ticked for the leader loop (a step sent, a step done) and for each rank (executed,
+        # replied).
         self.progress = ProgressWatchdog(
             f"{config.name} leader", config.watchdog_s, self.has_work, is_alive=self._is_alive
         )
@@ -365,7 +366,8 @@ class Supervisor:
         self._schedule_restart(reason)
 
     def _fail_stop(self, reason: str, exit_grace_s: float = 0.0) -> None:
-        """Readiness off, the generation killed, then the step's caller failed; a re-form scheduled."""
+        """Readiness off, the generation killed, then the step's caller failed; a re-form
+        scheduled."""
         inflight = self._steps.inflight
         step = inflight.step if inflight else None
         exited = self._gen.exit_cause(step, exit_grace_s) if self._gen else None
@@ -417,7 +419,8 @@ class Supervisor:
         return f"{name}: the rank group is re-forming{why}"
 
     def finish(self) -> None:
-        """Fail every step, shut the ranks down (kill after the grace), release everything; idempotent."""
+        """Fail every step, shut the ranks down (kill after the grace), release everything;
+        idempotent."""
         if self._is_finished:
             return
         self._is_finished = True

@@ -344,7 +344,8 @@ class ImageProcessor:
 
 
 def _normalize_table(config: ImageProcessorConfig) -> torch.Tensor:
-    """[C, 256] float32: each uint8 value rescaled (in float64) and normalized, as transformers does."""
+    """[C, 256] float32: each uint8 value rescaled (in float64) and normalized, as transformers
+    does."""
     values = (np.arange(256, dtype=np.float64) * config.rescale_factor).astype(np.float32)
     mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]
     std = np.asarray(config.image_std, dtype=np.float32)[:, None]
