@@ -4,58 +4,61 @@
 # source: stageserve/v1/common.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "stageserve/v1/common.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'stageserve/v1/common.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1astageserve/v1/common.proto\x12\rstageserve.v1"\xf0\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\rH\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12,\n\nlogit_bias\x18\r \x03(\x0b\x32\x18.stageserve.v1.LogitBiasB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01"q\n\tImageSpan\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x0e\n\x06grid_t\x18\x04 \x01(\r\x12\x0e\n\x06grid_h\x18\x05 \x01(\r\x12\x0e\n\x06grid_w\x18\x06 \x01(\r"/\n\tImageData\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c"\x1a\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.stageserve.v1.ImageInputH\x00\x42\x06\n\x04part"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1a.stageserve.v1.ContentPart"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.stageserve.v1.ChatMessage"b\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\r\x12\x1f\n\x17num_cached_image_tokens\x18\x03 \x01(\r"\xb1\x01\n\x08KvBuffer\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.stageserve.v1.KvBufferKind\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12layer_stride_bytes\x18\x04 \x01(\x04\x12\x19\n\x11page_stride_bytes\x18\x05 \x01(\x04\x12\x19\n\x11slot_stride_bytes\x18\x06 \x01(\x04"\xb6\x02\n\x05KvRef\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\r\n\x05\x64type\x18\n \x01(\t\x12(\n\x07\x62uffers\x18\x0b \x03(\x0b\x32\x17.stageserve.v1.KvBuffer\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\r\n\x05nonce\x18\r \x01(\x0c\x12\x17\n\x0f\x65xpires_unix_ms\x18\x0e \x01(\x03\x12\x0b\n\x03mac\x18\x0f \x01(\x0cJ\x04\x08\x02\x10\x03R\x0e\x65ngine_address"\xc2\x01\n\x0c\x45mbeddingRef\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_address\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0f\n\x07\x63p_rank\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_address\x18\x05 \x01(\x04\x12\x10\n\x08num_rows\x18\x06 \x01(\r\x12\x18\n\x10row_stride_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\xba\x01\n\x0fKvTransferState\x12!\n\x1dKV_TRANSFER_STATE_UNSPECIFIED\x10\x00\x12#\n\x1fKV_TRANSFER_STATE_BOOTSTRAPPING\x10\x01\x12"\n\x1eKV_TRANSFER_STATE_TRANSFERRING\x10\x02\x12\x1d\n\x19KV_TRANSFER_STATE_SUCCESS\x10\x03\x12\x1c\n\x18KV_TRANSFER_STATE_FAILED\x10\x04*Z\n\x0cKvBufferKind\x12\x1e\n\x1aKV_BUFFER_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_BUFFER_KIND_K\x10\x01\x12\x14\n\x10KV_BUFFER_KIND_V\x10\x02\x62\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/common.proto\x12\rstageserve.v1\"\xf0\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x07\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\t \x01(\rH\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12,\n\nlogit_bias\x18\r \x03(\x0b\x32\x18.stageserve.v1.LogitBiasB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x01\"q\n\tImageSpan\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\x12\x14\n\x0c\x63ontent_hash\x18\x03 \x01(\t\x12\x0e\n\x06grid_t\x18\x04 \x01(\r\x12\x0e\n\x06grid_h\x18\x05 \x01(\r\x12\x0e\n\x06grid_w\x18\x06 \x01(\r\"/\n\tImageData\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x1a\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\x05image\x18\x02 \x01(\x0b\x32\x19.stageserve.v1.ImageInputH\x00\x42\x06\n\x04part\"H\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12+\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x1a.stageserve.v1.ContentPart\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.stageserve.v1.ChatMessage\"b\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\r\x12\x1f\n\x17num_cached_image_tokens\x18\x03 \x01(\r\"\xb1\x01\n\x08KvBuffer\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.stageserve.v1.KvBufferKind\x12\x14\n\x0c\x62\x61se_address\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12layer_stride_bytes\x18\x04 \x01(\x04\x12\x19\n\x11page_stride_bytes\x18\x05 \x01(\x04\x12\x19\n\x11slot_stride_bytes\x18\x06 \x01(\x04\"\xb6\x02\n\x05KvRef\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12\x11\n\tpage_size\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x08 \x01(\r\x12\x10\n\x08head_dim\x18\t \x01(\r\x12\r\n\x05\x64type\x18\n \x01(\t\x12(\n\x07\x62uffers\x18\x0b \x03(\x0b\x32\x17.stageserve.v1.KvBuffer\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\r\n\x05nonce\x18\r \x01(\x0c\x12\x17\n\x0f\x65xpires_unix_ms\x18\x0e \x01(\x03\x12\x0b\n\x03mac\x18\x0f \x01(\x0cJ\x04\x08\x02\x10\x03R\x0e\x65ngine_address\"\xc2\x01\n\x0c\x45mbeddingRef\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_address\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0f\n\x07\x63p_rank\x18\x04 \x01(\r\x12\x14\n\x0c\x62\x61se_address\x18\x05 \x01(\x04\x12\x10\n\x08num_rows\x18\x06 \x01(\r\x12\x18\n\x10row_stride_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bhidden_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*\xba\x01\n\x0fKvTransferState\x12!\n\x1dKV_TRANSFER_STATE_UNSPECIFIED\x10\x00\x12#\n\x1fKV_TRANSFER_STATE_BOOTSTRAPPING\x10\x01\x12\"\n\x1eKV_TRANSFER_STATE_TRANSFERRING\x10\x02\x12\x1d\n\x19KV_TRANSFER_STATE_SUCCESS\x10\x03\x12\x1c\n\x18KV_TRANSFER_STATE_FAILED\x10\x04*Z\n\x0cKvBufferKind\x12\x1e\n\x1aKV_BUFFER_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_BUFFER_KIND_K\x10\x01\x12\x14\n\x10KV_BUFFER_KIND_V\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "stageserve.v1.common_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stageserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_FINISHREASON"]._serialized_start = 1790
-    _globals["_FINISHREASON"]._serialized_end = 1885
-    _globals["_KVTRANSFERSTATE"]._serialized_start = 1888
-    _globals["_KVTRANSFERSTATE"]._serialized_end = 2074
-    _globals["_KVBUFFERKIND"]._serialized_start = 2076
-    _globals["_KVBUFFERKIND"]._serialized_end = 2166
-    _globals["_SAMPLINGPARAMS"]._serialized_start = 46
-    _globals["_SAMPLINGPARAMS"]._serialized_end = 542
-    _globals["_LOGITBIAS"]._serialized_start = 544
-    _globals["_LOGITBIAS"]._serialized_end = 587
-    _globals["_IMAGESPAN"]._serialized_start = 589
-    _globals["_IMAGESPAN"]._serialized_end = 702
-    _globals["_IMAGEDATA"]._serialized_start = 704
-    _globals["_IMAGEDATA"]._serialized_end = 751
-    _globals["_IMAGEINPUT"]._serialized_start = 753
-    _globals["_IMAGEINPUT"]._serialized_end = 779
-    _globals["_CONTENTPART"]._serialized_start = 781
-    _globals["_CONTENTPART"]._serialized_end = 862
-    _globals["_CHATMESSAGE"]._serialized_start = 864
-    _globals["_CHATMESSAGE"]._serialized_end = 936
-    _globals["_CHATMESSAGES"]._serialized_start = 938
-    _globals["_CHATMESSAGES"]._serialized_end = 998
-    _globals["_USAGE"]._serialized_start = 1000
-    _globals["_USAGE"]._serialized_end = 1098
-    _globals["_KVBUFFER"]._serialized_start = 1101
-    _globals["_KVBUFFER"]._serialized_end = 1278
-    _globals["_KVREF"]._serialized_start = 1281
-    _globals["_KVREF"]._serialized_end = 1591
-    _globals["_EMBEDDINGREF"]._serialized_start = 1594
-    _globals["_EMBEDDINGREF"]._serialized_end = 1788
+  DESCRIPTOR._loaded_options = None
+  _globals['_FINISHREASON']._serialized_start=1790
+  _globals['_FINISHREASON']._serialized_end=1885
+  _globals['_KVTRANSFERSTATE']._serialized_start=1888
+  _globals['_KVTRANSFERSTATE']._serialized_end=2074
+  _globals['_KVBUFFERKIND']._serialized_start=2076
+  _globals['_KVBUFFERKIND']._serialized_end=2166
+  _globals['_SAMPLINGPARAMS']._serialized_start=46
+  _globals['_SAMPLINGPARAMS']._serialized_end=542
+  _globals['_LOGITBIAS']._serialized_start=544
+  _globals['_LOGITBIAS']._serialized_end=587
+  _globals['_IMAGESPAN']._serialized_start=589
+  _globals['_IMAGESPAN']._serialized_end=702
+  _globals['_IMAGEDATA']._serialized_start=704
+  _globals['_IMAGEDATA']._serialized_end=751
+  _globals['_IMAGEINPUT']._serialized_start=753
+  _globals['_IMAGEINPUT']._serialized_end=779
+  _globals['_CONTENTPART']._serialized_start=781
+  _globals['_CONTENTPART']._serialized_end=862
+  _globals['_CHATMESSAGE']._serialized_start=864
+  _globals['_CHATMESSAGE']._serialized_end=936
+  _globals['_CHATMESSAGES']._serialized_start=938
+  _globals['_CHATMESSAGES']._serialized_end=998
+  _globals['_USAGE']._serialized_start=1000
+  _globals['_USAGE']._serialized_end=1098
+  _globals['_KVBUFFER']._serialized_start=1101
+  _globals['_KVBUFFER']._serialized_end=1278
+  _globals['_KVREF']._serialized_start=1281
+  _globals['_KVREF']._serialized_end=1591
+  _globals['_EMBEDDINGREF']._serialized_start=1594
+  _globals['_EMBEDDINGREF']._serialized_end=1788
 # @@protoc_insertion_point(module_scope)
