@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from services.common import signing
-from services.common.clients.decode import KvRefInfo, issue_kv_ref
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.vision_encoder import (
     SpanResult,
@@ -43,6 +42,7 @@ from services.common.pb.stageserve.v1 import (
 )
 from services.common.server import HealthState, create_server
 from services.common.types import ImageSpanRef, TokenizedPrompt
+from services.common.wire import KvRefInfo, issue_kv_ref
 from services.engine.attention import ForwardMode
 from services.engine.kv_cache import KVPageManager, KVPool
 from services.engine.llm import EngineRequest
