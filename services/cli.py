@@ -258,13 +258,18 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         "--max-model-len",
         type=_at_least(2),
         default=None,
-        help="context limit, prompt + generated tokens (default: the model's max_position_embeddings)",
+        help=(
+            "context limit, prompt + generated tokens "
+            "(default: the model's max_position_embeddings)"
+        ),
     )
     p.add_argument(
         "--log-level",
         type=str.upper,
         default=None,
-        help="every service's log level: DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)",
+        help=(
+            "every service's log level: DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)"
+        ),
     )
     p.add_argument(
         "--log-format",
@@ -291,7 +296,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="key the API requires (passed to the router as STAGESERVE_API_KEY; default: that variable)",
+        help=(
+            "key the API requires "
+            "(passed to the router as STAGESERVE_API_KEY; default: that variable)"
+        ),
     )
     p.set_defaults(func=_run_up)
 
@@ -303,14 +311,13 @@ def _run_up(args: argparse.Namespace) -> int:
     from services.common.envs import Envs
     from services.common.logs import LOG_FORMATS
     from services.common.telemetry import tracing_plan
-    from services.launcher import (
+    from services.launch_spec import (
         LaunchConfig,
         decode_devices,
         default_router_workers,
         device_of,
-        new_run_dir,
-        run_up,
     )
+    from services.launcher import new_run_dir, run_up
 
     envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
@@ -392,8 +399,9 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def check_prefill_cp(cfg) -> None:
-    """``ValueError`` naming ``--prefill-cp`` (or its block size) when prefill could not start with it."""
-    from services.launcher import device_of
+    """``ValueError`` naming ``--prefill-cp`` (or its block size) when prefill could not start
+    with it."""
+    from services.launch_spec import device_of
     from services.prefill.config import check_block_tokens, rank_devices
 
     if cfg.prefill_cp < 1:

@@ -8,10 +8,11 @@ metrics_port=...`` on stdout; the launcher waits for that line (bounded), then p
 addresses on, and prints every service's ports once all are ready (``ready_table``).
 A child that exits before it was ever ready fails start-up.
 
-Once everything is up, the ``Supervisor`` restarts a child that exits (any code, any
-signal) after a bounded exponential backoff, on the ports it had, so every address the
-others hold stays valid (their channels reconnect by themselves), and rewrites the
-state file when the new process is ready.
+Once everything is up, the ``Supervisor`` (``services.supervisor``) restarts a child that
+exits (any code, any signal) after a bounded exponential backoff, on the ports it had, so
+every address the others hold stays valid (their channels reconnect by themselves), and
+rewrites the state file when the new process is ready. The flags and ports each child
+starts with are built in ``services.launch_spec``.
 
 Children die with the launcher: they are asked for SIGTERM on the launcher's death
 (``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM the launcher stops supervising, then
@@ -21,7 +22,6 @@ stops them in reverse order (SIGTERM, grace, then SIGKILL), so no process outliv
 from __future__ import annotations
 
 import ctypes
-import enum
 import json
 import os
 import signal
@@ -30,13 +30,26 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 from services.common.auth import child_environment
 from services.common.errors import UnavailableError
+from services.launch_spec import (
+    ChildSpec,
+    LaunchConfig,
+    common_args,
+    decode_spec,
+    encoder_spec,
+    port_args,
+    prefill_spec,
+    router_args,
+    router_spec,
+    router_worker_specs,
+    tokenizer_spec,
+)
+from services.supervisor import Supervisor
 
 _PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
@@ -81,108 +94,6 @@ def failure_lines(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
     return lines[-num_lines:]
 
 
-# --metrics-port-base N: the service at index i serves /metrics on port N + i.
-METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
-MAX_PORT = 65535
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """Delay before restarting a child: ``initial_backoff_s``, doubling per exit up to
-    ``max_backoff_s``; a child that stayed up ``stable_s`` starts again from the initial delay."""
-
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 10.0
-    stable_s: float = 30.0
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    model: Path
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    device: str = "cpu"
-    # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
-    encoder_device: str | None = None
-    encoder_ranks: int | None = (
-        None  # the vision encoder's rank processes (--ranks; None: its default, 1)
-    )
-    prefill_device: str | None = None
-    decode_device: str | None = None
-    dtype: str | None = None
-    transfer_backend: str = "shm"
-    kv_transfer_backend: str | None = (
-        None  # prefill and decode's KV handoff; None: transfer_backend
-    )
-    attention_backend: str = "torch"
-    num_pages: int = 16384  # per decode rank
-    page_size: int = 16
-    decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
-    router_workers: int = (
-        1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
-    )
-    # passed on only when set (None: the service's own default)
-    stall_timeout_s: float | None = None  # router: per-hop progress bound
-    max_concurrent_requests: int | None = None  # router: admission slots
-    max_queued_requests: int | None = None  # router: admission queue
-    queue_timeout_s: float | None = None  # router: wait limit in the admission queue
-    served_model_name: str | None = None  # router
-    max_model_len: int | None = None  # tokenizer, decode and router (--max-context-len)
-    log_level: str | None = None  # every service
-    kv_quarantine_s: float | None = None  # decode
-    embedding_quarantine_s: float | None = None  # prefill
-    prefill_cp: int = 1  # prefill's CP rank processes (its --ranks)
-    prefill_cp_block_tokens: int | None = None  # prefill's --cp-block-tokens
-    prefill_cp_min_tokens: int | None = None  # prefill's --cp-min-tokens
-    ready_timeout_s: float = 300.0
-    stop_grace_s: float = 10.0
-    log_dir: Path | None = None
-    log_format: str = "text"  # every service's --log-format: text | json
-    metrics_port_base: int | None = None  # None: every service picks a free metrics port
-    state_file: Path | None = None
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-
-    def __post_init__(self) -> None:
-        base = self.metrics_port_base
-        if base is None:
-            return
-        last = base + len(METRICS_PORT_ORDER) - 1
-        if not 1 <= base <= last <= MAX_PORT:
-            highest = MAX_PORT - len(METRICS_PORT_ORDER) + 1
-            raise ValueError(f"--metrics-port-base must be in [1, {highest}], got {base}")
-        if base <= self.http_port <= last:
-            raise ValueError(
-                f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
-                f"the HTTP port {self.http_port}"
-            )
-
-
-def default_router_workers(num_cpus: int | None = None) -> int:
-    """Router processes for this machine: one per 8 CPUs, at least 1, at most 4."""
-    num_cpus = num_cpus if num_cpus is not None else os.cpu_count() or 1
-    return max(1, min(4, num_cpus // 8))
-
-
-@dataclass(frozen=True)
-class ChildSpec:
-    """How to start one service: its own flags, and the ports it binds.
-
-    ``ports`` maps a READY-line key to its first value (0: any free port); a restart
-    binds the ports the first process reported, each as ``--<key with dashes>``.
-    ``service``: the package it runs (default ``name``; the second router is
-    ``router-2``, running ``services.router``).
-    """
-
-    name: str
-    args: tuple[str, ...] = ()
-    ports: Mapping[str, int] = field(default_factory=lambda: {"port": 0, "metrics_port": 0})
-    service: str = ""
-
-    @property
-    def module(self) -> str:
-        return f"services.{self.service or self.name}"
-
-
 @dataclass
 class Child:
     """One process of a service; a restart makes a new ``Child`` with the same spec."""
@@ -215,47 +126,6 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def device_of(cfg: LaunchConfig, name: str) -> str:
-    """The device service ``name`` runs its model on (tokenizer and router run none)."""
-    override = {
-        "vision_encoder": cfg.encoder_device,
-        "prefill": cfg.prefill_device,
-        "decode": cfg.decode_device,
-    }
-    return override.get(name) or cfg.device
-
-
-def decode_devices(cfg: LaunchConfig) -> tuple[str, ...]:
-    """Decode's devices: a comma-separated --decode-device puts one DP rank on each."""
-    return tuple(device for device in device_of(cfg, "decode").split(",") if device)
-
-
-def common_args(cfg: LaunchConfig, name: str) -> list[str]:
-    device = decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
-    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device]
-    args += ["--log-format", cfg.log_format]
-    return (
-        args
-        + (["--dtype", cfg.dtype] if cfg.dtype else [])
-        + optional_arg("--log-level", cfg.log_level)
-    )
-
-
-def first_ports(cfg: LaunchConfig, name: str) -> dict[str, int]:
-    """The ports service ``name`` starts on: any free gRPC port; its metrics port from
-    ``metrics_port_base`` (0, any free one, without it)."""
-    base = cfg.metrics_port_base
-    return {"port": 0, "metrics_port": 0 if base is None else base + METRICS_PORT_ORDER.index(name)}
-
-
-def port_args(ports: Mapping[str, int]) -> list[str]:
-    return [arg for key, port in ports.items() for arg in (f"--{key.replace('_', '-')}", str(port))]
-
-
-def optional_arg(flag: str, value: float | str | None) -> list[str]:
-    return [] if value is None else [flag, str(value)]
-
-
 class Launcher:
     """Starts, restarts and stops the children; ``children`` is in start order."""
 
@@ -266,8 +136,9 @@ class Launcher:
         stop: threading.Event | None = None,
     ) -> None:
         self.cfg = cfg
-        # Children's environment (ours + a new internal token by default): secrets go here, not argv.
-        # Built once: a restarted child must get what the first one got (the same token).
+        # Children's environment (ours + a new internal token by default): secrets go here,
+        # not argv. Built once: a restarted child must get what the first one got (the same
+        # token).
         self.env = dict(env) if env is not None else child_environment(os.environ)
         self.children: list[Child] = []
         self.stop = stop if stop is not None else threading.Event()  # set: start-up is abandoned
@@ -296,7 +167,8 @@ class Launcher:
         stderr = subprocess.DEVNULL
         if self.cfg.log_dir is not None:
             self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = open(self.cfg.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 (closed below)
+            log_path = self.cfg.log_dir / f"{spec.name}.log"
+            stderr = open(log_path, "ab")  # noqa: SIM115 (closed below)
         try:
             process = subprocess.Popen(
                 cmd,
@@ -359,101 +231,26 @@ class Launcher:
 
     def start_all(self) -> Child:
         cfg = self.cfg
-        transfer = ("--transfer-backend", cfg.transfer_backend)
-        kv = optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend)
-        pages = ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
-        max_len = optional_arg("--max-model-len", cfg.max_model_len)
-        tokenizer = self.start(
-            ChildSpec("tokenizer", tuple(max_len), first_ports(cfg, "tokenizer"))
-        )
-        encoder_args = (*transfer, *optional_arg("--ranks", cfg.encoder_ranks))
-        encoder = self.start(
-            ChildSpec("vision_encoder", encoder_args, first_ports(cfg, "vision_encoder"))
-        )
-        decode = self.start(
-            ChildSpec(
-                "decode",
-                (
-                    *transfer,
-                    *kv,
-                    "--num-pages",
-                    str(cfg.num_pages),
-                    *pages,
-                    *max_len,
-                    *self.decode_rank_args(),
-                    *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
-                ),
-                first_ports(cfg, "decode"),
-            )
-        )
+        tokenizer = self.start(tokenizer_spec(cfg))
+        encoder = self.start(encoder_spec(cfg))
+        decode = self.start(decode_spec(cfg))
         self.wait_ready([tokenizer, encoder, decode])
-        prefill = self.start(
-            ChildSpec(
-                "prefill",
-                (
-                    *transfer,
-                    *kv,
-                    *pages,
-                    "--encoder-address",
-                    encoder.address,
-                    *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
-                    "--ranks",
-                    str(cfg.prefill_cp),
-                    *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
-                    *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
-                ),
-                first_ports(cfg, "prefill"),
-            )
-        )
+        prefill = self.start(prefill_spec(cfg, encoder.address))
         self.wait_ready([prefill])
-        router_args = (
-            "--http-host",
-            cfg.host,
-            "--tokenizer-address",
-            tokenizer.address,
-            "--prefill-address",
-            prefill.address,
-            "--decode-address",
-            decode.address,
-            "--encoder-address",
-            encoder.address,
-            *optional_arg("--served-model-name", cfg.served_model_name),
-            *optional_arg("--max-context-len", cfg.max_model_len),
-            *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
-            *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
-            *optional_arg("--max-queued-requests", cfg.max_queued_requests),
-            *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
-            *(("--http-reuse-port",) if cfg.router_workers > 1 else ()),
+        args = router_args(
+            cfg,
+            tokenizer=tokenizer.address,
+            prefill=prefill.address,
+            decode=decode.address,
+            encoder=encoder.address,
         )
-        router = self.start(
-            ChildSpec(
-                "router",
-                router_args,
-                {**first_ports(cfg, "router"), "http_port": cfg.http_port},
-            )
-        )
+        router = self.start(router_spec(cfg, args))
         self.wait_ready([router])
         http_port = int(router.ready["http_port"])  # the others share it (SO_REUSEPORT)
-        others = [
-            self.start(
-                ChildSpec(
-                    f"router-{i + 1}",
-                    router_args,
-                    {"port": 0, "metrics_port": 0, "http_port": http_port},
-                    "router",
-                )
-            )
-            for i in range(1, cfg.router_workers)
-        ]
+        others = [self.start(spec) for spec in router_worker_specs(cfg, args, http_port)]
         self.wait_ready(others)
         self.write_state()
         return router
-
-    def decode_rank_args(self) -> tuple[str, ...]:
-        devices = decode_devices(self.cfg)
-        if len(devices) > 1:
-            return ("--devices", ",".join(devices))
-        return ("--ranks", str(self.cfg.decode_dp))
 
     def write_state(self) -> None:
         """Pids and ports of the current children as JSON, replaced atomically (no reader sees
@@ -483,99 +280,6 @@ class Launcher:
                 c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill(c)
-
-
-class WatchState(enum.Enum):
-    RUNNING = "running"  # ready; an exit schedules a restart
-    WAITING = "waiting"  # exited; restarts at ``restart_at``
-    STARTING = "starting"  # restarted; waiting for its READY line
-
-
-@dataclass
-class _Watch:
-    backoff_s: float
-    since: float  # when ``state`` was entered
-    state: WatchState = WatchState.RUNNING
-    restart_at: float = 0.0
-    num_restarts: int = 0
-
-
-class Supervisor:
-    """Restarts the launcher's children when they exit after start-up.
-
-    Call ``poll`` from the main thread (it spawns processes) until ``stop`` is set; no
-    restart starts once it is. Lines go to ``out``: the exit and the delay, then
-    ``<name> is ready again (pid N)``. A restart that exits or misses ``ready_timeout_s``
-    before its READY line counts as another exit (the delay keeps growing).
-    """
-
-    def __init__(
-        self,
-        launcher: Launcher,
-        stop: threading.Event,
-        clock: Callable[[], float] = time.monotonic,
-        out: TextIO | None = None,
-    ) -> None:
-        self._launcher = launcher
-        self._policy = launcher.cfg.restart
-        self._stop = stop
-        self._clock = clock
-        self._out = out
-        now = clock()
-        self._watches = {
-            c.name: _Watch(self._policy.initial_backoff_s, now) for c in launcher.children
-        }
-
-    def _say(self, line: str) -> None:
-        print(line, file=self._out if self._out is not None else sys.stderr, flush=True)
-
-    def poll(self) -> None:
-        for child in list(self._launcher.children):
-            if self._stop.is_set():
-                return
-            self._step(child, self._watches[child.name], self._clock())
-
-    def _step(self, child: Child, watch: _Watch, now: float) -> None:
-        code = child.process.poll()
-        if watch.state is WatchState.RUNNING:
-            if code is not None:
-                up_s = now - watch.since
-                self._schedule(
-                    child.name, watch, now, f"exited with code {code}", up_s=up_s, code=code
-                )
-        elif watch.state is WatchState.WAITING:
-            if now >= watch.restart_at:
-                self._launcher.restart(child)
-                watch.state, watch.since = WatchState.STARTING, now
-        elif child.ready:
-            watch.state, watch.since = WatchState.RUNNING, now
-            self._launcher.write_state()
-            self._say(f"{child.name} is ready again (pid {child.process.pid})")
-        elif code is not None:
-            self._schedule(
-                child.name, watch, now, f"exited with code {code} before it was ready", code=code
-            )
-        elif now - watch.since > self._launcher.cfg.ready_timeout_s:
-            self._launcher.kill(child)
-            timeout_s = self._launcher.cfg.ready_timeout_s
-            self._schedule(
-                child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)"
-            )
-
-    def _schedule(
-        self, name: str, watch: _Watch, now: float, what: str, up_s: float = 0.0, code: int = 0
-    ) -> None:
-        """``code`` > 0: the child exited by itself, so its log says why (printed after the line)."""
-        if up_s >= self._policy.stable_s:
-            watch.backoff_s = self._policy.initial_backoff_s
-        delay_s = watch.backoff_s
-        watch.backoff_s = min(delay_s * 2, self._policy.max_backoff_s)
-        watch.num_restarts += 1
-        watch.state, watch.restart_at, watch.since = WatchState.WAITING, now + delay_s, now
-        why = self._launcher.log_hint(name) + self._launcher.why(name) if code > 0 else ""
-        self._say(
-            f"{name} {what}; restarting in {delay_s:.1f} s (restart {watch.num_restarts}){why}"
-        )
 
 
 def ready_table(host: str, children: list[Child]) -> list[str]:

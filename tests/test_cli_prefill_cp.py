@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from services.launcher import LaunchConfig
+from services.launch_spec import LaunchConfig
 from tests.test_cli_up import service_args
 
 

@@ -11,7 +11,8 @@ import pytest
 
 import services.launcher
 from services.cli import main
-from services.launcher import ChildSpec, LaunchConfig, Launcher
+from services.launch_spec import ChildSpec, LaunchConfig
+from services.launcher import Launcher
 
 
 def test_every_child_gets_the_same_token_through_its_environment(monkeypatch) -> None:

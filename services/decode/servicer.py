@@ -13,17 +13,17 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.common import signing, telemetry
-from services.common.clients.decode import (
+from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.grpc_errors import handle_errors
+from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.server import current_request_id
+from services.common.wire import (
     FINISH_REASON_TO_PROTO,
     issue_kv_ref,
     kv_ref_to_proto,
     sampling_params_from_proto,
     stream_error_to_proto,
 )
-from services.common.errors import InvalidRequestError, UnavailableError
-from services.common.grpc_errors import handle_errors
-from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from services.common.server import current_request_id
 from services.decode import metrics
 from services.decode.leader import DecodeLeader
 from services.decode.messages import RankLoad, ReserveCommand

@@ -9,11 +9,11 @@ import grpc
 from opentelemetry import propagate
 
 from services.common import telemetry
-from services.common.clients.decode import KvRefInfo, kv_ref_from_proto, sampling_params_from_proto
 from services.common.clients.prefill import PrefillResult, prefill_result_to_proto, span_from_proto
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
+from services.common.wire import KvRefInfo, kv_ref_from_proto, sampling_params_from_proto
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.leader import PrefillLeader
 from services.prefill.request import PrefillInput

@@ -23,11 +23,11 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.clients.decode import sampling_params_from_proto
 from services.common.errors import InvalidRequestError, NotFoundError, StageServeError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.types import ChatMessage, ContentPart, FinishReason, ImagePart, TextPart, Usage
+from services.common.wire import sampling_params_from_proto
 from services.engine.sampler import SamplingParams
 from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from services.common import signing
-from services.common.clients.decode import DecodeChunk, DecodeClient, KvRefInfo
+from services.common.clients.decode import DecodeChunk, DecodeClient
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.common.types import FinishReason, Usage
+from services.common.wire import KvRefInfo
 from services.decode.app import rank_init
 from services.decode.config import DecodeConfig
 from services.decode.leader import DecodeLeader

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from services.common import signing
-from services.common.clients.decode import (
-    DecodeChunk,
-    DecodeRankStats,
-    DecodeStats,
+from services.common.clients.decode import DecodeChunk, DecodeRankStats, DecodeStats
+from services.common.errors import InvalidRequestError
+from services.common.pb.stageserve.v1 import common_pb2
+from services.common.types import FinishReason, Usage
+from services.common.wire import (
     KvBufferInfo,
     KvRefInfo,
     issue_kv_ref,
@@ -19,9 +20,6 @@ from services.common.clients.decode import (
     sampling_params_from_proto,
     sampling_params_to_proto,
 )
-from services.common.errors import InvalidRequestError
-from services.common.pb.stageserve.v1 import common_pb2
-from services.common.types import FinishReason, Usage
 from services.engine.kv_cache import KVPool
 from services.engine.sampler import SamplingParams
 from services.transfer.base import pool_layout

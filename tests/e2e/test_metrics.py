@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.client import create_channel
-from services.launcher import METRICS_PORT_ORDER
+from services.launch_spec import METRICS_PORT_ORDER
 from tests.e2e.system import pid_alive, start_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from services.common import signing
-from services.common.clients.decode import KvRefInfo, issue_kv_ref
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.vision_encoder import (
     SpanResult,
@@ -42,6 +41,7 @@ from services.common.pb.stageserve.v1 import (
 )
 from services.common.server import HealthState, create_server
 from services.common.types import ImageSpanRef, TokenizedPrompt
+from services.common.wire import KvRefInfo, issue_kv_ref
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest
 from services.engine.loader import load_model

@@ -25,7 +25,6 @@ import grpc
 
 from services.common import signing
 from services.common.auth import Credentials
-from services.common.clients.decode import stream_error_to_proto
 from services.common.errors import (
     AbortedError,
     CapacityError,
@@ -44,6 +43,7 @@ from services.common.pb.stageserve.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.common.server import HealthState, create_server
+from services.common.wire import stream_error_to_proto
 from services.engine.processing import TextProcessor
 from tests.conftest import TINY_MODEL_DIR
 

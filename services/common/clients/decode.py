@@ -1,10 +1,7 @@
-"""Typed client of the decode service, and the proto <-> domain conversions around it.
+"""Typed client of the decode service.
 
-``KvRefInfo`` is the domain form of ``stageserve.v1.KvRef``: decode issues it signed
-(``issue_kv_ref``), the router gets it from ``DecodeClient.reserve`` and hands it
-unchanged to the prefill client (``kv_ref_to_proto``); prefill checks its MAC and turns it
-back into a ``KvDestination`` (``KvRefInfo.to_destination``) to write the KV. Importing
-this module does not import torch: only ``to_destination`` touches ``services.transfer``.
+The proto <-> domain conversions it uses (``KvRefInfo``, sampling parameters, finish
+reasons, Stream errors) live in ``services.common.wire``.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 import msgspec
 
-from services.common import signing, telemetry
+from services.common import telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import (
@@ -26,237 +23,23 @@ from services.common.errors import (
     StageServeError,
     UnavailableError,
 )
-from services.common.grpc_errors import error_from_rpc, known_error_classes
-from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.grpc_errors import error_from_rpc
+from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, Usage
+from services.common.wire import (
+    FINISH_REASON_FROM_PROTO,
+    KvRefInfo,
+    kv_ref_from_proto,
+    sampling_params_to_proto,
+    stream_error_from_proto,
+    usage_from_proto,
+)
 
 if TYPE_CHECKING:
     from services.engine.sampler import SamplingParams
-    from services.transfer.base import KvDestination
 
 DEFAULT_TIMEOUT_S = 10.0  # Abort / Stats, and the cap on Reserve when the deadline is far
-
-
-class KvBufferInfo(msgspec.Struct, frozen=True):
-    """One registered K or V buffer of decode's pool, ``[layers, pages, page_size, heads, dim]``."""
-
-    kind: str  # "k" | "v"
-    base_address: int
-    size_bytes: int
-    layer_stride_bytes: int
-    page_stride_bytes: int
-    slot_stride_bytes: int
-
-
-class KvRefInfo(msgspec.Struct, frozen=True):
-    """Where prefill writes one request's prompt KV (mirrors the proto ``KvRef``), signed by decode.
-
-    ``mac`` covers every other field (``signed_fields``), so prefill trusts a KvRef only
-    when ``has_valid_mac``: the pages, the layout and the endpoint are the ones decode
-    issued for ``request_id``, until ``expires_unix_ms``.
-    """
-
-    request_id: str
-    backend: str  # transfer backend name as services.transfer knows it ("mooncake", "inprocess")
-    session_id: str  # the owning decode rank's transfer-engine endpoint (Mooncake: "host:rpc_port")
-    dp_rank: int
-    page_ids: tuple[int, ...]  # the prompt's pages, position order
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name without prefix
-    buffers: tuple[KvBufferInfo, ...]  # one "k", one "v"
-    nonce: bytes  # signing.NONCE_BYTES random bytes, one per reservation
-    expires_unix_ms: int  # the reservation's deadline, ms since the Unix epoch
-    mac: bytes  # signing.sign(key, KV_REF, signed_fields())
-
-    def buffer(self, kind: str) -> KvBufferInfo:
-        return next(b for b in self.buffers if b.kind == kind)
-
-    def signed_fields(self) -> tuple[object, ...]:
-        """Every field but ``mac``, in declaration order: what the MAC covers."""
-        return tuple(getattr(self, name) for name in self.__struct_fields__ if name != "mac")
-
-    def has_valid_mac(self, key: bytes) -> bool:
-        return signing.verify(key, signing.KV_REF, self.signed_fields(), self.mac)
-
-    def to_destination(self) -> KvDestination:
-        """The ``services.transfer`` destination prefill's KV sender writes to."""
-        from services.transfer.base import KvDestination, KvPoolLayout
-
-        k, v = self.buffer("k"), self.buffer("v")
-        layout = KvPoolLayout(
-            k_base=k.base_address,
-            v_base=v.base_address,
-            num_layers=self.num_layers,
-            num_pages=k.layer_stride_bytes // k.page_stride_bytes,
-            page_size=self.page_size,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            page_nbytes=k.page_stride_bytes,
-        )
-        return KvDestination(self.backend, self.session_id, self.request_id, layout, self.page_ids)
-
-
-def issue_kv_ref(
-    destination: KvDestination, key: bytes, nonce: bytes, expires_unix_ms: int, dp_rank: int = 0
-) -> KvRefInfo:
-    """Decode's signed KvRef of ``destination`` (a reservation of ``destination.request_id``)."""
-    layout = destination.layout
-    layer_stride = layout.num_pages * layout.page_nbytes
-    buffers = tuple(
-        KvBufferInfo(
-            kind=kind,
-            base_address=base,
-            size_bytes=layout.num_layers * layer_stride,
-            layer_stride_bytes=layer_stride,
-            page_stride_bytes=layout.page_nbytes,
-            slot_stride_bytes=layout.page_nbytes // layout.page_size,
-        )
-        for kind, base in (("k", layout.k_base), ("v", layout.v_base))
-    )
-    unsigned = KvRefInfo(
-        request_id=destination.request_id,
-        backend=destination.backend,
-        session_id=destination.session_id,
-        dp_rank=dp_rank,
-        page_ids=tuple(destination.page_ids),
-        page_size=layout.page_size,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        dtype=layout.dtype,
-        buffers=buffers,
-        nonce=nonce,
-        expires_unix_ms=expires_unix_ms,
-        mac=b"",
-    )
-    mac = signing.sign(key, signing.KV_REF, unsigned.signed_fields())
-    return msgspec.structs.replace(unsigned, mac=mac)
-
-
-_BUFFER_KINDS = {"k": common_pb2.KV_BUFFER_KIND_K, "v": common_pb2.KV_BUFFER_KIND_V}
-_BUFFER_KIND_NAMES = {code: name for name, code in _BUFFER_KINDS.items()}
-
-
-def kv_ref_to_proto(info: KvRefInfo) -> common_pb2.KvRef:
-    return common_pb2.KvRef(
-        request_id=info.request_id,
-        backend=info.backend,
-        session_id=info.session_id,
-        dp_rank=info.dp_rank,
-        page_ids=info.page_ids,
-        page_size=info.page_size,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        dtype=info.dtype,
-        buffers=[
-            common_pb2.KvBuffer(
-                kind=_BUFFER_KINDS[b.kind],
-                base_address=b.base_address,
-                size_bytes=b.size_bytes,
-                layer_stride_bytes=b.layer_stride_bytes,
-                page_stride_bytes=b.page_stride_bytes,
-                slot_stride_bytes=b.slot_stride_bytes,
-            )
-            for b in info.buffers
-        ],
-        nonce=info.nonce,
-        expires_unix_ms=info.expires_unix_ms,
-        mac=info.mac,
-    )
-
-
-def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
-    """``InvalidRequestError`` unless the message names exactly one K and one V buffer."""
-    from services.common.errors import InvalidRequestError
-
-    kinds = sorted(_BUFFER_KIND_NAMES.get(b.kind, "?") for b in message.buffers)
-    if (
-        kinds != ["k", "v"]
-        or message.page_size == 0
-        or any(b.page_stride_bytes == 0 for b in message.buffers)
-    ):
-        raise InvalidRequestError(
-            "kv_ref must carry one K and one V buffer and a page size", param="kv_ref"
-        )
-    return KvRefInfo(
-        request_id=message.request_id,
-        backend=message.backend,
-        session_id=message.session_id,
-        dp_rank=message.dp_rank,
-        page_ids=tuple(message.page_ids),
-        page_size=message.page_size,
-        num_layers=message.num_layers,
-        num_kv_heads=message.num_kv_heads,
-        head_dim=message.head_dim,
-        dtype=message.dtype,
-        buffers=tuple(
-            KvBufferInfo(
-                kind=_BUFFER_KIND_NAMES[b.kind],
-                base_address=b.base_address,
-                size_bytes=b.size_bytes,
-                layer_stride_bytes=b.layer_stride_bytes,
-                page_stride_bytes=b.page_stride_bytes,
-                slot_stride_bytes=b.slot_stride_bytes,
-            )
-            for b in message.buffers
-        ),
-        nonce=message.nonce,
-        expires_unix_ms=message.expires_unix_ms,
-        mac=message.mac,
-    )
-
-
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-)
-
-
-def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    message = common_pb2.SamplingParams(
-        top_k=params.top_k,
-        max_new_tokens=params.max_new_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
-        **{name: getattr(params, name) for name in _FLOAT_FIELDS},
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    return message
-
-
-def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset optional fields take ``SamplingParams``' defaults; not validated here."""
-    from services.engine.sampler import SamplingParams
-
-    optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens")
-    values = {name: getattr(message, name) for name in optional if message.HasField(name)}
-    return SamplingParams(
-        stop_token_ids=tuple(message.stop_token_ids),
-        ignore_eos=message.ignore_eos,
-        min_tokens=message.min_tokens,
-        logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
-        **values,
-    )
-
-
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-}
-FINISH_REASON_TO_PROTO = {reason: code for code, reason in _FINISH_REASONS.items()}
 
 
 class DecodeChunk(msgspec.Struct, frozen=True):
@@ -269,29 +52,6 @@ class DecodeChunk(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
-
-
-def stream_error_to_proto(error: StageServeError) -> decode_pb2.StreamError:
-    return decode_pb2.StreamError(
-        code=error.grpc_code,
-        error_type=type(error).__name__,
-        message=error.message,
-        param=error.param or "",
-    )
-
-
-def stream_error_from_proto(message: decode_pb2.StreamError) -> StageServeError:
-    """The error a Stream request ended with: its own class when it matches the code."""
-    cls = known_error_classes().get(message.error_type)
-    if cls is None or cls.grpc_code != message.code:
-        cls = UnavailableError if message.code == "UNAVAILABLE" else StageServeError
-    return cls(message.message or message.code, param=message.param or None)
-
-
-def _usage_from_proto(message: common_pb2.Usage) -> Usage:
-    return Usage(
-        message.num_prompt_tokens, message.num_completion_tokens, message.num_cached_image_tokens
-    )
 
 
 Queued = DecodeChunk | StageServeError
@@ -377,8 +137,8 @@ class _TokenStream:
                     queue.put_nowait(DecodeChunk(token_ids))
                 queue.put_nowait(stream_error_from_proto(end.error))
             else:
-                reason = _FINISH_REASONS.get(end.finish_reason)
-                queue.put_nowait(DecodeChunk(token_ids, reason, _usage_from_proto(end.usage)))
+                reason = FINISH_REASON_FROM_PROTO.get(end.finish_reason)
+                queue.put_nowait(DecodeChunk(token_ids, reason, usage_from_proto(end.usage)))
 
 
 class DecodeRankStats(msgspec.Struct, frozen=True):

@@ -18,12 +18,12 @@ import msgspec
 from services.common import telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
-from services.common.clients.decode import KvRefInfo, kv_ref_to_proto, sampling_params_to_proto
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, ImageSpanRef, TokenizedPrompt
+from services.common.wire import KvRefInfo, kv_ref_to_proto, sampling_params_to_proto
 
 if TYPE_CHECKING:
     from services.engine.sampler import SamplingParams

@@ -1,0 +1,257 @@
+"""What ``stageserve up`` starts: the launch config, and each child's flags and ports.
+
+Every function here is pure: it turns a ``LaunchConfig`` (and the addresses of the
+services started before) into a ``ChildSpec``; ``services.launcher`` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# --metrics-port-base N: the service at index i serves /metrics on port N + i.
+METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Delay before restarting a child: ``initial_backoff_s``, doubling per exit up to
+    ``max_backoff_s``; a child that stayed up ``stable_s`` starts again from the initial
+    delay."""
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    stable_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    device: str = "cpu"
+    # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
+    encoder_device: str | None = None
+    encoder_ranks: int | None = (
+        None  # the vision encoder's rank processes (--ranks; None: its default, 1)
+    )
+    prefill_device: str | None = None
+    decode_device: str | None = None
+    dtype: str | None = None
+    transfer_backend: str = "shm"
+    kv_transfer_backend: str | None = (
+        None  # prefill and decode's KV handoff; None: transfer_backend
+    )
+    attention_backend: str = "torch"
+    num_pages: int = 16384  # per decode rank
+    page_size: int = 16
+    decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
+    router_workers: int = (
+        1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
+    )
+    # passed on only when set (None: the service's own default)
+    stall_timeout_s: float | None = None  # router: per-hop progress bound
+    max_concurrent_requests: int | None = None  # router: admission slots
+    max_queued_requests: int | None = None  # router: admission queue
+    queue_timeout_s: float | None = None  # router: wait limit in the admission queue
+    served_model_name: str | None = None  # router
+    max_model_len: int | None = None  # tokenizer, decode and router (--max-context-len)
+    log_level: str | None = None  # every service
+    kv_quarantine_s: float | None = None  # decode
+    embedding_quarantine_s: float | None = None  # prefill
+    prefill_cp: int = 1  # prefill's CP rank processes (its --ranks)
+    prefill_cp_block_tokens: int | None = None  # prefill's --cp-block-tokens
+    prefill_cp_min_tokens: int | None = None  # prefill's --cp-min-tokens
+    ready_timeout_s: float = 300.0
+    stop_grace_s: float = 10.0
+    log_dir: Path | None = None
+    log_format: str = "text"  # every service's --log-format: text | json
+    metrics_port_base: int | None = None  # None: every service picks a free metrics port
+    state_file: Path | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    def __post_init__(self) -> None:
+        base = self.metrics_port_base
+        if base is None:
+            return
+        last = base + len(METRICS_PORT_ORDER) - 1
+        if not 1 <= base <= last <= MAX_PORT:
+            highest = MAX_PORT - len(METRICS_PORT_ORDER) + 1
+            raise ValueError(f"--metrics-port-base must be in [1, {highest}], got {base}")
+        if base <= self.http_port <= last:
+            raise ValueError(
+                f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
+                f"the HTTP port {self.http_port}"
+            )
+
+
+def default_router_workers(num_cpus: int | None = None) -> int:
+    """Router processes for this machine: one per 8 CPUs, at least 1, at most 4."""
+    num_cpus = num_cpus if num_cpus is not None else os.cpu_count() or 1
+    return max(1, min(4, num_cpus // 8))
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """How to start one service: its own flags, and the ports it binds.
+
+    ``ports`` maps a READY-line key to its first value (0: any free port); a restart
+    binds the ports the first process reported, each as ``--<key with dashes>``.
+    ``service``: the package it runs (default ``name``; the second router is
+    ``router-2``, running ``services.router``).
+    """
+
+    name: str
+    args: tuple[str, ...] = ()
+    ports: Mapping[str, int] = field(default_factory=lambda: {"port": 0, "metrics_port": 0})
+    service: str = ""
+
+    @property
+    def module(self) -> str:
+        return f"services.{self.service or self.name}"
+
+
+def device_of(cfg: LaunchConfig, name: str) -> str:
+    """The device service ``name`` runs its model on (tokenizer and router run none)."""
+    override = {
+        "vision_encoder": cfg.encoder_device,
+        "prefill": cfg.prefill_device,
+        "decode": cfg.decode_device,
+    }
+    return override.get(name) or cfg.device
+
+
+def decode_devices(cfg: LaunchConfig) -> tuple[str, ...]:
+    """Decode's devices: a comma-separated --decode-device puts one DP rank on each."""
+    return tuple(device for device in device_of(cfg, "decode").split(",") if device)
+
+
+def common_args(cfg: LaunchConfig, name: str) -> list[str]:
+    device = decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
+    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device]
+    args += ["--log-format", cfg.log_format]
+    return (
+        args
+        + (["--dtype", cfg.dtype] if cfg.dtype else [])
+        + optional_arg("--log-level", cfg.log_level)
+    )
+
+
+def first_ports(cfg: LaunchConfig, name: str) -> dict[str, int]:
+    """The ports service ``name`` starts on: any free gRPC port; its metrics port from
+    ``metrics_port_base`` (0, any free one, without it)."""
+    base = cfg.metrics_port_base
+    metrics_port = 0 if base is None else base + METRICS_PORT_ORDER.index(name)
+    return {"port": 0, "metrics_port": metrics_port}
+
+
+def port_args(ports: Mapping[str, int]) -> list[str]:
+    return [arg for key, port in ports.items() for arg in (f"--{key.replace('_', '-')}", str(port))]
+
+
+def optional_arg(flag: str, value: float | str | None) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def _transfer_args(cfg: LaunchConfig) -> tuple[str, ...]:
+    return ("--transfer-backend", cfg.transfer_backend)
+
+
+def _page_args(cfg: LaunchConfig) -> tuple[str, ...]:
+    return ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
+
+
+def tokenizer_spec(cfg: LaunchConfig) -> ChildSpec:
+    args = tuple(optional_arg("--max-model-len", cfg.max_model_len))
+    return ChildSpec("tokenizer", args, first_ports(cfg, "tokenizer"))
+
+
+def encoder_spec(cfg: LaunchConfig) -> ChildSpec:
+    args = (*_transfer_args(cfg), *optional_arg("--ranks", cfg.encoder_ranks))
+    return ChildSpec("vision_encoder", args, first_ports(cfg, "vision_encoder"))
+
+
+def decode_rank_args(cfg: LaunchConfig) -> tuple[str, ...]:
+    devices = decode_devices(cfg)
+    if len(devices) > 1:
+        return ("--devices", ",".join(devices))
+    return ("--ranks", str(cfg.decode_dp))
+
+
+def decode_spec(cfg: LaunchConfig) -> ChildSpec:
+    args = (
+        *_transfer_args(cfg),
+        *optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend),
+        "--num-pages",
+        str(cfg.num_pages),
+        *_page_args(cfg),
+        *optional_arg("--max-model-len", cfg.max_model_len),
+        *decode_rank_args(cfg),
+        *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
+    )
+    return ChildSpec("decode", args, first_ports(cfg, "decode"))
+
+
+def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
+    args = (
+        *_transfer_args(cfg),
+        *optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend),
+        *_page_args(cfg),
+        "--encoder-address",
+        encoder_address,
+        *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
+        "--ranks",
+        str(cfg.prefill_cp),
+        *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
+        *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
+    )
+    return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
+
+
+def router_args(
+    cfg: LaunchConfig, *, tokenizer: str, prefill: str, decode: str, encoder: str
+) -> tuple[str, ...]:
+    """The flags every router process gets (the first and the workers alike); the others
+    are given by their gRPC addresses ("host:port")."""
+    return (
+        "--http-host",
+        cfg.host,
+        "--tokenizer-address",
+        tokenizer,
+        "--prefill-address",
+        prefill,
+        "--decode-address",
+        decode,
+        "--encoder-address",
+        encoder,
+        *optional_arg("--served-model-name", cfg.served_model_name),
+        *optional_arg("--max-context-len", cfg.max_model_len),
+        *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
+        *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
+        *optional_arg("--max-queued-requests", cfg.max_queued_requests),
+        *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
+        *(("--http-reuse-port",) if cfg.router_workers > 1 else ()),
+    )
+
+
+def router_spec(cfg: LaunchConfig, args: tuple[str, ...]) -> ChildSpec:
+    return ChildSpec("router", args, {**first_ports(cfg, "router"), "http_port": cfg.http_port})
+
+
+def router_worker_specs(
+    cfg: LaunchConfig, args: tuple[str, ...], http_port: int
+) -> list[ChildSpec]:
+    """The routers after the first: ``router-2`` ... on the first one's HTTP port
+    (SO_REUSEPORT), each on any free gRPC and metrics port."""
+    return [
+        ChildSpec(
+            f"router-{i + 1}",
+            args,
+            {"port": 0, "metrics_port": 0, "http_port": http_port},
+            "router",
+        )
+        for i in range(1, cfg.router_workers)
+    ]
