@@ -1,0 +1,67 @@
+"""What ``stageserve up`` checks before it starts anything: its flag types and validations."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Callable
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def check_up_args(args: argparse.Namespace) -> None:
+    """What `up` can tell before starting anything: ``ValueError`` naming the cause."""
+    if not (args.model / "config.json").is_file():
+        raise ValueError(f"no config.json in model directory {args.model}")
+    if args.port:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((args.host, args.port))
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot bind the HTTP port {args.host}:{args.port}: {exc.strerror}"
+                ) from None
+
+
+def check_prefill_cp(cfg) -> None:
+    """``ValueError`` naming ``--prefill-cp`` (or its block size) when prefill could not start
+    with it."""
+    from services.launch_spec import device_of
+    from services.prefill.config import check_block_tokens, rank_devices
+
+    if cfg.prefill_cp < 1:
+        raise ValueError(f"--prefill-cp {cfg.prefill_cp} must be >= 1")
+    rank_devices(device_of(cfg, "prefill"), "", cfg.prefill_cp, flag="--prefill-cp")
+    if cfg.prefill_cp_block_tokens is not None:
+        check_block_tokens(cfg.prefill_cp_block_tokens, cfg.page_size)
