@@ -11,40 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import logging
-import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import AbortedError, InvalidRequestError, StageServeError
 from services.engine.processing import TextProcessor
 from services.router.body_limit import BodyLimitMiddleware
 from services.router.generation import GenerationPipeline
+from services.router.http_errors import (
+    GENERATION_RESPONSES,
+    TOKENIZE_RESPONSES,
+    install_error_handlers,
+    openapi_without_422,
+)
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
-from services.router.openai_format import (
-    OpenAIJSONResponse,
-    ResponseFormatter,
-    error_body,
-    error_body_of,
-    sse,
-)
+from services.router.openai_format import OpenAIJSONResponse, ResponseFormatter, error_body_of, sse
 from services.router.openai_params import GenerationOptions, generation_options
 from services.router.openai_schema import (
     ChatCompletionBody,
     CompletionBody,
-    ErrorResponse,
     chat_messages,
     check_model,
     completion_input,
@@ -54,7 +48,6 @@ from services.router.tokenize_api import TokenizeApi
 from services.router.tracing import TraceContextMiddleware
 from services.router.types import GenerationDelta, GenerationRequest
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -304,89 +297,6 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
-def _is_field(part: str | int) -> bool:
-    """False for "body" and for pydantic's union-member labels in an error location
-    (``str``, ``list[ContentPartBody]``, ``ImageUrl``): body fields are snake_case names."""
-    if isinstance(part, int):
-        return True
-    return part.isidentifier() and not part[:1].isupper() and part not in _TYPE_LABELS
-
-
-_TYPE_LABELS = {"body", "str", "int", "float", "bool", "none"}
-
-
-def _field_loc(error: Any) -> list[str | int]:
-    return [part for part in error.get("loc", ()) if _is_field(part)]
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "the request body is invalid", None
-    # A union field fails once per member; the error that got deepest names the real problem.
-    first = max(errors, key=lambda error: len(_field_loc(error)))
-    loc = _field_loc(first)
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('msg', '')}", None
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-    if not loc and first.get("type") in ("model_attributes_type", "missing"):
-        return (
-            "the request body must be a JSON object sent with content-type: application/json",
-            None,
-        )
-    if first.get("type") == "missing":
-        return f"{param} is required", param
-    if first.get("type") == "extra_forbidden":
-        return (
-            f"{param} is not a field this server knows (unknown fields are refused, not ignored)",
-            param,
-        )
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
-
-
-# Documented answers of the generation routes besides 200 (FastAPI's 422 is never sent).
-_GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "the completion; server-sent events when stream is true",
-        "content": {"text/event-stream": {}},
-    },
-    400: {
-        "model": ErrorResponse,
-        "description": "malformed JSON, or a field missing, mistyped or out of range",
-    },
-    413: {"model": ErrorResponse, "description": "the body is over --max-request-bytes"},
-    429: {"model": ErrorResponse, "description": "overloaded; retry after the Retry-After header"},
-    503: {"model": ErrorResponse, "description": "no ready worker, or no capacity for the request"},
-    504: {"model": ErrorResponse, "description": "the request's deadline passed"},
-}
-
-
-_TOKENIZE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "a field missing, mistyped or out of range"},
-    413: _GENERATION_RESPONSES[413],
-    429: _GENERATION_RESPONSES[429],
-    503: {"model": ErrorResponse, "description": "no ready tokenizer worker"},
-    504: _GENERATION_RESPONSES[504],
-}
-
-
-def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """FastAPI's schema from the real bodies, less its 422 answers: validation errors are 400."""
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            for operations in schema["paths"].values():
-                for operation in operations.values():
-                    operation["responses"].pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    return openapi
-
-
 def create_app(api: OpenAIApi) -> FastAPI:
     app = FastAPI(
         title="stageserve",
@@ -395,42 +305,8 @@ def create_app(api: OpenAIApi) -> FastAPI:
         openapi_url="/openapi.json",
         default_response_class=OpenAIJSONResponse,
     )
-    app.openapi = _openapi_without_422(app)  # type: ignore[method-assign]
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> OpenAIJSONResponse:
-        message, param = _validation_message(exc)
-        RequestTracker(api.metrics, request.url.path).finish("invalid_request_error")
-        return OpenAIJSONResponse(
-            error_body(message, "invalid_request_error", param), status_code=400
-        )
-
-    @app.exception_handler(StageServeError)
-    async def _stageserve_error(request: Request, exc: StageServeError) -> OpenAIJSONResponse:
-        retry_after_s = getattr(exc, "retry_after_s", None)
-        headers = (
-            None
-            if retry_after_s is None
-            else {"retry-after": str(max(1, math.ceil(retry_after_s)))}
-        )
-        return OpenAIJSONResponse(error_body_of(exc), status_code=exc.http_status, headers=headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> OpenAIJSONResponse:
-        error_type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return OpenAIJSONResponse(
-            error_body(str(exc.detail), error_type), status_code=exc.status_code
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> OpenAIJSONResponse:
-        logger.error(
-            "unexpected error answering %s %s", request.method, request.url.path, exc_info=exc
-        )
-        return OpenAIJSONResponse(
-            error_body("internal error in the router", "internal_error"), status_code=500
-        )
-
+    app.openapi = openapi_without_422(app)  # type: ignore[method-assign]
+    install_error_handlers(app, api.metrics)
     app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
     app.add_middleware(
         TraceContextMiddleware
@@ -440,21 +316,21 @@ def create_app(api: OpenAIApi) -> FastAPI:
         api.chat_completions,
         methods=["POST"],
         response_model=None,
-        responses=_GENERATION_RESPONSES,
+        responses=GENERATION_RESPONSES,
     )
     app.add_api_route(
         COMPLETIONS_PATH,
         api.completions,
         methods=["POST"],
         response_model=None,
-        responses=_GENERATION_RESPONSES,
+        responses=GENERATION_RESPONSES,
     )
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route(
-        "/tokenize", api.tokens.tokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES
+        "/tokenize", api.tokens.tokenize, methods=["POST"], responses=TOKENIZE_RESPONSES
     )
     app.add_api_route(
-        "/detokenize", api.tokens.detokenize, methods=["POST"], responses=_TOKENIZE_RESPONSES
+        "/detokenize", api.tokens.detokenize, methods=["POST"], responses=TOKENIZE_RESPONSES
     )
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
