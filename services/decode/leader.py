@@ -7,7 +7,7 @@ awaits the report and hands it out, and steps again at once while the rank is bu
 the rank's device runs a step while the report travels), else after a command arrives or
 ``sweep_interval_s`` (reservation expiry, quarantine release).
 
-Request lifecycle in the leader (``_Route``):
+Request lifecycle in the leader (a ``Route``, ``routes.py``):
   reserve   -> placed on the serving rank with the most free pages, then the fewest
                requests (pages of Reserves not yet answered counted); a route names it.
                A rank that dies under the Reserve gives way to another serving rank once
@@ -24,9 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from services.common.errors import (
     AbortedError,
@@ -52,21 +50,12 @@ from services.decode.messages import (
     StartReply,
 )
 from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of, place
+from services.decode.routes import Route, Routes
 from services.decode.scheduler import check_prompt_len
 from services.decode.streams import Connection, RequestEnded
 from services.transfer.base import KvDestination
 
 logger = logging.getLogger(__name__)
-MAX_LOST = 4096  # reservations lost to a dead rank remembered for their generate, newest kept
-
-
-@dataclass
-class _Route:
-    """Where a live request is: its rank, and once generating, its connection and deadline."""
-
-    rank: int
-    conn: Connection | None = None  # set by generate
-    deadline_s: float = float("inf")  # monotonic; past it a running request ends DEADLINE_EXCEEDED
 
 
 class DecodeLeader:
@@ -86,9 +75,7 @@ class DecodeLeader:
         self._step_timeout_s = step_timeout_s
         self._sweep_interval_s = sweep_interval_s
         self._on_ready_change = on_ready_change
-        self._routes: dict[str, _Route] = {}
-        # Reservations a rank's death took, until their generate comes (UNAVAILABLE, not NOT_FOUND)
-        self._lost: OrderedDict[str, str] = OrderedDict()
+        self._routes = Routes()
         self._sweeper: asyncio.Task | None = None
         self._is_stopping = False
         self._was_ready = False
@@ -156,12 +143,11 @@ class DecodeLeader:
             except InvalidRequestError:
                 metrics.REQUESTS.labels("invalid").inc()
                 raise
-            self._lost.pop(request_id, None)
-            route = self._routes[request_id] = _Route(rank.dp_rank)
+            route = self._routes.add(request_id, rank.dp_rank)
             try:
                 reply = await self._call(rank, command, num_pages_of(rank.load, command))
             except UnavailableError:
-                self._drop_route(request_id, route)
+                self._routes.drop(request_id, route)
                 tried.append(rank)
                 if len(tried) > 1 or not any(r.is_serving and r not in tried for r in self._ranks):
                     raise
@@ -176,7 +162,7 @@ class DecodeLeader:
                 raise
             assert isinstance(reply, ReserveReply)
             if reply.error is not None:
-                self._drop_route(request_id, route)
+                self._routes.drop(request_id, route)
                 error = reply.error.to_error()
                 metrics.REQUESTS.labels(_refusal_outcome(error)).inc()
                 raise error
@@ -194,7 +180,7 @@ class DecodeLeader:
         """Start a reserved request on its rank; its tokens and end go to ``conn`` (errors too)."""
         route = self._routes.get(request_id)
         if route is None:
-            lost = self._lost.pop(request_id, None)
+            lost = self._routes.pop_lost(request_id)
             error: StageServeError = NotFoundError(
                 f"no reserved request {request_id} on decode (unknown, expired or aborted)"
             )
@@ -223,7 +209,7 @@ class DecodeLeader:
         if route is None:
             return False
         text = f"request {request_id} aborted: {reason or 'by request'}"
-        self._end(route, RequestEnded(request_id, error=AbortedError(text)))
+        route.end(RequestEnded(request_id, error=AbortedError(text)))
         try:
             reply = await self._call(
                 self._ranks[route.rank], AbortCommand(request_id, is_kv_written)
@@ -231,7 +217,7 @@ class DecodeLeader:
         except UnavailableError:
             return True  # its rank died: the request is gone with it
         finally:
-            self._drop_route(request_id, route)
+            self._routes.drop(request_id, route)
         assert isinstance(reply, AbortReply)
         if reply.is_found:
             metrics.REQUESTS.labels("aborted").inc()
@@ -254,19 +240,19 @@ class DecodeLeader:
         rank.send(command, reply, num_pages)
         return await reply
 
-    def _dropping(self, route: _Route) -> asyncio.Future[Reply]:
+    def _dropping(self, route: Route) -> asyncio.Future[Reply]:
         """A reply future that drops ``route`` (if still its request's) once answered."""
         reply: asyncio.Future[Reply] = self._loop.create_future()
 
         def drop(done: asyncio.Future[Reply]) -> None:
             if not done.cancelled() and done.exception() is None:
-                self._drop_route(done.result().request_id, route)
+                self._routes.drop(done.result().request_id, route)
 
         reply.add_done_callback(drop)
         return reply
 
     def _on_started(
-        self, request_id: str, route: _Route, conn: Connection, done: asyncio.Future[Reply]
+        self, request_id: str, route: Route, conn: Connection, done: asyncio.Future[Reply]
     ) -> None:
         error = (
             done.exception()
@@ -281,15 +267,6 @@ class DecodeLeader:
             route.conn = None
             assert isinstance(error, StageServeError)
             conn.end(RequestEnded(request_id, error=error))
-
-    def _end(self, route: _Route, ended: RequestEnded) -> None:
-        if route.conn is not None:
-            route.conn.end(ended)
-            route.conn = None
-
-    def _drop_route(self, request_id: str, route: _Route) -> None:
-        if self._routes.get(request_id) is route:
-            del self._routes[request_id]
 
     # --- the drivers ----------------------------------------------------------------------
     async def _drive(self, rank: RankSlot) -> None:
@@ -325,17 +302,9 @@ class DecodeLeader:
         assert len(report.replies) == len(queued), "one reply per command"
         rank.settle(queued, report.replies)
         rank.load, rank.is_busy = report.load, report.is_busy
-        for request_id, token_id in zip(report.token_request_ids, report.token_ids, strict=True):
-            route = self._routes.get(request_id)
-            if route is not None and route.conn is not None:
-                route.conn.add_token(request_id, token_id)
+        self._routes.deliver(report)
         for done in report.finished:
             metrics.REQUESTS.labels(done.reason.value).inc()
-            route = self._routes.pop(done.request_id, None)
-            if route is not None:
-                self._end(route, RequestEnded(done.request_id, done.reason, done.usage))
-        for request_id in report.expired:
-            self._routes.pop(request_id, None)
         if report.expired:
             metrics.REQUESTS.labels("expired").inc(len(report.expired))
         if report.num_read_rows:
@@ -348,36 +317,18 @@ class DecodeLeader:
     def _fail_rank(self, rank: RankSlot, queued: list[Queued], error: UnavailableError) -> None:
         """The rank lost its requests: end them with ``error``, fail its queued commands."""
         rank.fail(queued, error)
-        lost = [(i, r) for i, r in self._routes.items() if r.rank == rank.dp_rank]
-        for request_id, route in lost:
-            del self._routes[request_id]
-            if route.conn is None:  # reserved: its generate may still come
-                self._lost[request_id] = error.message
-                while len(self._lost) > MAX_LOST:
-                    self._lost.popitem(last=False)
-            self._end(
-                route,
-                RequestEnded(
-                    request_id,
-                    error=UnavailableError(f"{error.message}; request {request_id} did not finish"),
-                ),
-            )
+        lost = self._routes.fail_rank(rank.dp_rank, error)
         if lost:
-            metrics.REQUESTS.labels("failed").inc(len(lost))
+            metrics.REQUESTS.labels("failed").inc(lost)
         self._update_gauges()
 
     async def _sweep_deadlines(self) -> None:
         while True:
             await asyncio.sleep(self._sweep_interval_s)
             now = time.monotonic()
-            overdue = [
-                (i, r)
-                for i, r in self._routes.items()
-                if r.conn is not None and r.deadline_s <= now
-            ]
-            for request_id, route in overdue:
+            for request_id, route in self._routes.overdue(now):
                 error = DeadlineExceededError(f"request {request_id} passed its deadline on decode")
-                self._end(route, RequestEnded(request_id, error=error))
+                route.end(RequestEnded(request_id, error=error))
                 metrics.REQUESTS.labels("failed").inc()
                 self._ranks[route.rank].send(AbortCommand(request_id, True), self._dropping(route))
 

@@ -15,7 +15,8 @@ from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from services.engine.config import ModelConfig
 from services.prefill.config import PrefillConfig
-from services.prefill.leader import Encoder, LeaderOptions, PrefillLeader
+from services.prefill.encoding import Encoder
+from services.prefill.leader import LeaderOptions, PrefillLeader
 from services.prefill.messages import RankResult
 from services.prefill.planning import CpPolicy
 from services.prefill.rank_step import PrefillRankInit

@@ -24,21 +24,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, SpanStatus
 from services.common.errors import (
     AbortedError,
     DeadlineExceededError,
-    InvalidRequestError,
     StageServeError,
     UnavailableError,
 )
 from services.common.progress import ProgressWatchdog
 from services.engine.config import ModelConfig
 from services.prefill import metrics
+from services.prefill.encoding import Encoder, encode_entry
 from services.prefill.messages import Describe, RankDescription, RankPlan, RankResult
 from services.prefill.planning import CpPolicy, merge_results, rank_plan
 from services.prefill.request import (
@@ -55,23 +53,10 @@ from services.prefill.validation import (
     validate_prompt,
     validate_prompt_embeds,
 )
-from services.transfer.embeddings import EmbeddingDestination
 
 logger = logging.getLogger(__name__)
 _tracer = telemetry.tracer("prefill")
 TICK_S = 0.05  # deadline sweep and row-quarantine release period
-
-
-class Encoder(Protocol):
-    """What the leader needs of the vision encoder (``VisionEncoderClient`` is one)."""
-
-    async def encode(
-        self,
-        request_id: str,
-        spans: Sequence[EncodeSpanInput],
-        destination: Sequence[EmbeddingDestination],
-        timeout_s: float,
-    ) -> list[SpanResult]: ...
 
 
 class Ranks(Protocol):
@@ -80,24 +65,6 @@ class Ranks(Protocol):
     num_ranks: int
 
     async def step(self, payload: msgspec.Struct, timeout_s: float | None = None) -> list: ...
-
-
-def spans_error(request: PrefillInput, results: Sequence[SpanResult]) -> StageServeError | None:
-    """The error a request fails with given its per-span Encode results; None when all are written."""
-    if len(results) != len(request.spans):
-        return UnavailableError(
-            f"the encoder answered {len(results)} results for {len(request.spans)} spans"
-        )
-    for i, result in enumerate(results):
-        if result.status is SpanStatus.INVALID_IMAGE:
-            return InvalidRequestError(
-                f"image_spans[{i}]: invalid image: {result.error_message}", param="images"
-            )
-        if result.status is not SpanStatus.WRITTEN:
-            return UnavailableError(
-                f"encoding image_spans[{i}] failed: {result.error_message or result.status}"
-            )
-    return None
 
 
 def forward_spans(plan: PrefillPlan, payload: RankPlan, num_ranks: int) -> list[trace.Span]:
@@ -130,16 +97,6 @@ def transfer_spans(plan: PrefillPlan, output: PrefillOutput, end_ns: int) -> Non
         if outcome.error is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, outcome.error.message))
         span.end(end_ns)
-
-
-def window(whole: EmbeddingDestination, start_row: int, num_rows: int) -> EmbeddingDestination:
-    """Rows ``[start_row, start_row + num_rows)`` of a rank's buffer (``whole`` is all of it)."""
-    assert 0 <= start_row and start_row + num_rows <= whole.num_rows
-    return msgspec.structs.replace(
-        whole,
-        base_address=whole.base_address + start_row * whole.row_stride_bytes,
-        num_rows=num_rows,
-    )
 
 
 @dataclass(frozen=True)
@@ -395,57 +352,13 @@ class PrefillLeader:
             self._pump()
 
     async def _encode(self, entry: SchedEntry) -> None:
-        """Encode ``entry``'s spans into its rows; ``finish_encoding`` runs on every path.
+        await encode_entry(self.encoder, entry, self.descriptions, self._clock, self._encoded)
 
-        Until the encoder answered it may still be writing the rows (timeout, cancellation,
-        an unexpected failure), so they are quarantined then, freed otherwise.
-        """
-        request = entry.input
-        error: StageServeError | None = None
-        num_cached, may_still_write = 0, True
-        token = otel_context.attach(telemetry.extract_context(request.trace_carrier.items()))
-        try:
-            results = await self._call_encoder(entry)
-            error, may_still_write = spans_error(request, results), False
-            num_cached = sum(
-                s.length for s, r in zip(request.spans, results, strict=False) if r.is_cache_hit
-            )
-        except DeadlineExceededError as exc:  # the encoder may still be writing the rows
-            error = exc
-        except StageServeError as exc:
-            error, may_still_write = exc, False
-        except asyncio.CancelledError:  # the leader is stopping
-            error = UnavailableError(
-                f"prefill shut down while encoding {request.request_id}'s images"
-            )
-            raise
-        except (
-            Exception
-        ) as exc:  # a bug here or in the encoder client: fail the request, keep serving
-            logger.exception("encoding the images of %s failed", request.request_id)
-            error = StageServeError(
-                f"prefill failed to encode the images of {request.request_id}: internal error "
-                f"({type(exc).__name__}; see prefill's log)"
-            )
-        finally:
-            otel_context.detach(token)
-            outcome = self.scheduler.finish_encoding(
-                request.request_id, error, num_cached, may_still_write
-            )
-            if outcome is not None:
-                self._resolve([outcome])
-            self._pump()
-
-    async def _call_encoder(self, entry: SchedEntry) -> list[SpanResult]:
-        assert self.encoder is not None
-        request = entry.input
-        spans, dest_row = [], 0
-        for span in request.spans:
-            spans.append(EncodeSpanInput(span, entry.images[span.content_hash], dest_row))
-            dest_row += span.length
-        if not self.descriptions:
-            raise UnavailableError("the prefill rank group is re-forming")
-        destinations = [window(d.embeddings, entry.row_start, dest_row) for d in self.descriptions]
-        return await self.encoder.encode(
-            request.request_id, spans, destinations, timeout_s=request.deadline - self._clock()
-        )
+    def _encoded(
+        self, request_id: str, error: StageServeError | None, num_cached: int, may_write: bool
+    ) -> None:
+        """An Encode call ended (``encode_entry``): the scheduler frees or quarantines its rows."""
+        outcome = self.scheduler.finish_encoding(request_id, error, num_cached, may_write)
+        if outcome is not None:
+            self._resolve([outcome])
+        self._pump()
