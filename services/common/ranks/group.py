@@ -23,8 +23,9 @@ import msgspec
 
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.handover import Results
+from services.common.ranks.lifecycle import GroupState
 from services.common.ranks.messages import encode_raw
-from services.common.ranks.supervisor import GroupState, Supervisor
+from services.common.ranks.supervisor import Supervisor
 
 
 def _ignore(is_ready: bool) -> None:

@@ -21,7 +21,6 @@ Callers hand steps over through a queue (and a wake-up pipe); results go back th
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
@@ -38,6 +37,7 @@ from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
 from services.common.ranks.errors import RankStartError
 from services.common.ranks.generation import Generation, Slot
 from services.common.ranks.handover import Results, StepHandover, Submitted
+from services.common.ranks.lifecycle import GroupState, Lifecycle
 from services.common.ranks.messages import (
     Executed,
     Hello,
@@ -49,7 +49,6 @@ from services.common.ranks.messages import (
     StepStatus,
     ToLeader,
 )
-from services.common.ranks.restarts import RestartPolicy
 from services.common.ranks.steps import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -64,14 +63,6 @@ MAX_POLL_S = 1.0
 BROKEN_EXIT_GRACE_S = 0.5  # a BROKEN reply waits this long for a peer's exit to show (named then)
 
 
-class GroupState(enum.Enum):
-    FORMING = "forming"
-    READY = "ready"
-    BACKOFF = "backoff"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
 class Supervisor:
     def __init__(
         self,
@@ -82,7 +73,6 @@ class Supervisor:
         self.config = config
         self.spec = spec
         self.num_ranks = config.num_ranks
-        self._on_ready_change = on_ready_change
         self._log = _Named(logger, {"name": config.name})
         self._thread = threading.Thread(
             target=self._run, name=f"{config.name}-supervisor", daemon=True
@@ -104,18 +94,20 @@ class Supervisor:
         self._handover = StepHandover()
         self._is_stopping = False
         self._is_finished = False
-        self.started: Future[None] = Future()  # the first generation formed, or could not
+        self._life = Lifecycle(config, self._steps, on_ready_change, self._log)
+        self.started = self._life.started  # the first generation formed, or could not
         # Written by the supervisor thread only; read elsewhere as a snapshot.
-        self.state = GroupState.FORMING
         self.control_addr = ""
-        self.rank_pids: tuple[int, ...] = ()
         self._channel: LeaderChannel | None = None
-        self._gen: Generation | None = None
-        self._num_generations = 0
-        self._restarts = RestartPolicy(config)
-        self._restart_at_mono = 0.0
         self._last_ping_mono = 0.0
-        self._last_error = ""
+
+    @property
+    def state(self) -> GroupState:
+        return self._life.state
+
+    @property
+    def rank_pids(self) -> tuple[int, ...]:
+        return self._life.rank_pids
 
     # --- any thread -----------------------------------------------------------------
     def submit(self, payload: msgspec.Raw, timeout_s: float) -> Future[Results]:
@@ -151,8 +143,8 @@ class Supervisor:
                 raise RankStartError(
                     f"{self.config.name}: cannot bind {self.config.control_addr}: {exc}"
                 ) from exc
-            self.control_addr = self._channel.addr
-            self._begin_generation()
+            self.control_addr, self._life.channel = self._channel.addr, self._channel
+            self._life.begin_generation()
             while not self._is_stopping:
                 self._poll_once()
         except BaseException as exc:  # a bug here must still end every caller and every rank
@@ -168,7 +160,7 @@ class Supervisor:
         poller = zmq.Poller()
         poller.register(self._channel.socket, zmq.POLLIN)
         poller.register(self._handover.wake_fd, zmq.POLLIN)
-        gen = self._gen
+        gen = self._life.gen
         watched = gen.exit_watch() if gen is not None else {}
         for fd in watched:
             poller.register(fd, zmq.POLLIN)
@@ -180,18 +172,18 @@ class Supervisor:
         if self._handover.wake_fd in events:
             self._handover.clear_wake()
         for fd, slot in watched.items():
-            if fd in events and self._gen is gen:  # still the same generation
+            if fd in events and self._life.gen is gen:  # still the same generation
                 self._on_exit(slot)
         self._on_timers(time.monotonic())
         self._pump()
 
     def _next_timer_mono(self) -> float:
         timers = [time.monotonic() + MAX_POLL_S]
-        gen = self._gen
+        gen = self._life.gen
         if self.state is GroupState.FORMING and gen is not None:
             timers.append(gen.next_timer_mono())
         elif self.state is GroupState.BACKOFF:
-            timers.append(self._restart_at_mono)
+            timers.append(self._life.restart_at_mono)
         if self._steps.inflight is not None:
             timers.append(self._steps.inflight.deadline_mono)
         elif self.state is GroupState.READY:
@@ -199,14 +191,14 @@ class Supervisor:
         return min(timers)
 
     def _on_timers(self, now: float) -> None:
-        gen = self._gen
+        gen = self._life.gen
         if self.state is GroupState.FORMING and gen is not None:
             if (failure := gen.forming_failure(now)) is not None:
-                self._generation_failed(failure)
-        elif self.state is GroupState.BACKOFF and now >= self._restart_at_mono:
-            self._begin_generation()
+                self._life.generation_failed(failure)
+        elif self.state is GroupState.BACKOFF and now >= self._life.restart_at_mono:
+            self._life.begin_generation()
         elif self._steps.inflight is not None and now >= self._steps.inflight.deadline_mono:
-            self._fail_stop(self._steps.deadline_reason())
+            self._life.fail_stop(self._steps.deadline_reason())
         elif (
             self.state is GroupState.READY and now >= self._last_ping_mono + self.config.heartbeat_s
         ):
@@ -214,7 +206,7 @@ class Supervisor:
 
     # --- messages ----------------------------------------------------------------------
     def _on_message(self, peer: bytes, message: ToLeader | Malformed) -> None:
-        rank = self._gen.rank_of(peer) if self._gen is not None else None
+        rank = self._life.gen.rank_of(peer) if self._life.gen is not None else None
         if isinstance(message, Malformed):
             self._on_malformed(rank, message.reason)
         elif isinstance(message, Hello):
@@ -238,7 +230,7 @@ class Supervisor:
             return
         self._log.error("rank %d sent a malformed control message: %s", rank, reason)
         if self.state is GroupState.FORMING:
-            self._generation_failed(
+            self._life.generation_failed(
                 f"rank {rank} sent a malformed control message during start-up: {reason}"
             )
         else:
@@ -247,8 +239,9 @@ class Supervisor:
     def _on_hello(self, peer: bytes, hello: Hello) -> None:
         assert self._channel is not None
         if self.state is GroupState.BACKOFF and self.config.mode is RankMode.JOIN:
-            self._begin_generation()  # the deployment restarted its ranks: it paces the re-forms
-        gen = self._gen
+            # the deployment restarted its ranks: it paces the re-forms
+            self._life.begin_generation()
+        gen = self._life.gen
         if self.state is not GroupState.FORMING or gen is None:
             problem: str | None = f"the group is {self.state.value}, not forming"
         else:
@@ -267,25 +260,26 @@ class Supervisor:
         for slot in gen.needing_setup():
             assert slot.peer is not None
             if not self._channel.send(slot.peer, setup):
-                self._generation_failed(f"{slot.who} is unreachable during start-up")
+                self._life.generation_failed(f"{slot.who} is unreachable during start-up")
                 return
             slot.is_setup_sent = True
 
     def _on_start_failed(self, failed: StartFailed) -> None:
-        gen = self._gen
+        gen = self._life.gen
         failure = gen.start_failure(failed) if gen is not None else None
         if self.state is not GroupState.FORMING or failure is None:
             self._log.warning("stale start failure of rank %d: %s", failed.rank, failed.error)
         else:
-            self._generation_failed(failure)
+            self._life.generation_failed(failure)
 
     def _on_ready(self, rank: int) -> None:
         if (
             self.state is GroupState.FORMING
-            and self._gen is not None
-            and self._gen.mark_ready(rank)
+            and self._life.gen is not None
+            and self._life.gen.mark_ready(rank)
         ):
-            self._become_ready()
+            self._last_ping_mono = time.monotonic()
+            self._life.become_ready()
 
     def _on_reply(self, rank: int, reply: StepReply) -> None:
         if not self._steps.is_current(reply.step):
@@ -293,14 +287,15 @@ class Supervisor:
                 "dropped rank %d's reply to step %d (not in flight)", rank, reply.step
             )
         elif reply.status is StepStatus.BROKEN:  # often a peer died: let its exit show, name it
-            self._fail_stop(reply.error, exit_grace_s=BROKEN_EXIT_GRACE_S)
+            self._life.fail_stop(reply.error, exit_grace_s=BROKEN_EXIT_GRACE_S)
         else:
             self._steps.on_reply(rank, reply)
 
     def _on_exit(self, slot: Slot) -> None:
         slot.exited_at_mono = time.monotonic()
         if self.state is GroupState.READY:
-            self._fail_stop(f"{slot.who} exited")  # _fail_stop names the exit code and the step
+            # fail_stop names the exit code and the step
+            self._life.fail_stop(f"{slot.who} exited")
 
     # --- steps -------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -308,115 +303,25 @@ class Supervisor:
             if self.state is GroupState.READY:
                 self._send_step(item)
             else:
-                item.future.set_exception(UnavailableError(self._unready_text()))
+                item.future.set_exception(UnavailableError(self._life.unready_text()))
 
     def _send_step(self, item: Submitted) -> None:
-        assert self._channel is not None and self._gen is not None
+        assert self._channel is not None and self._life.gen is not None
         request = self._steps.begin(item)
-        for slot in self._gen.slots:
+        for slot in self._life.gen.slots:
             assert slot.peer is not None
             if not self._channel.send(slot.peer, request):
-                self._fail_stop(f"{slot.who} is unreachable at step {request.step}")
+                self._life.fail_stop(f"{slot.who} is unreachable at step {request.step}")
                 return
 
     def _ping(self, now: float) -> None:
-        assert self._channel is not None and self._gen is not None
+        assert self._channel is not None and self._life.gen is not None
         self._last_ping_mono = now
-        for slot in self._gen.slots:
+        for slot in self._life.gen.slots:
             assert slot.peer is not None
             if not self._channel.send(slot.peer, Ping(step=self._steps.last_step)):
-                self._fail_stop(f"{slot.who} is unreachable (its connection is gone)")
+                self._life.fail_stop(f"{slot.who} is unreachable (its connection is gone)")
                 return
-
-    # --- generations, fail-stop, restarts ----------------------------------------------
-    def _begin_generation(self) -> None:
-        assert self._channel is not None
-        self._num_generations += 1
-        gen = Generation(
-            self._num_generations, self.config, time.monotonic() + self.config.start_timeout_s
-        )
-        self._gen, self.state = gen, GroupState.FORMING
-        self._log.info("forming generation %d (%d ranks)", gen.number, self.num_ranks)
-        if gen.is_spawn:
-            try:
-                gen.spawn(self.control_addr)
-            except OSError as exc:
-                self._generation_failed(f"cannot start the rank processes: {exc}")
-                return
-            self.rank_pids = gen.pids
-
-    def _become_ready(self) -> None:
-        assert self._gen is not None
-        self.state, self._last_error = GroupState.READY, ""
-        self._restarts.reset()
-        self._last_ping_mono = time.monotonic()
-        self._log.info("generation %d is ready", self._gen.number)
-        self._notify_ready(True)
-        if not self.started.done():
-            self.started.set_result(None)
-
-    def _generation_failed(self, reason: str) -> None:
-        assert self._gen is not None
-        self._log.error("generation %d failed to form: %s", self._gen.number, reason)
-        self._end_generation()
-        if not self.started.done():  # the first start is not retried: its error is the caller's
-            self.state, self._last_error = GroupState.FAILED, reason
-            self.started.set_exception(RankStartError(f"{self.config.name}: {reason}"))
-            return
-        self._schedule_restart(reason)
-
-    def _fail_stop(self, reason: str, exit_grace_s: float = 0.0) -> None:
-        """Readiness off, the generation killed, then the step's caller failed; a re-form
-        scheduled."""
-        inflight = self._steps.inflight
-        step = inflight.step if inflight else None
-        exited = self._gen.exit_cause(step, exit_grace_s) if self._gen else None
-        reason = exited or reason  # a rank that exited is the likeliest cause: name it
-        self._log.error("fail-stop: %s", reason)
-        was_ready = self.state is GroupState.READY
-        self.state, self._last_error = GroupState.BACKOFF, reason  # not ready before anyone hears
-        if was_ready:
-            self._notify_ready(False)
-        # Every rank is dead and reaped before the caller hears: no write of the step (rows into a
-        # peer's memory) can land after the caller has released that memory.
-        self._end_generation()
-        self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
-        self._schedule_restart(reason)
-
-    def _end_generation(self, grace_s: float = 0.0) -> None:
-        assert self._channel is not None
-        if self._gen is not None:
-            self._gen.end(self._channel, self._steps.last_step, grace_s)
-        self._gen, self.rank_pids = None, ()
-
-    def _schedule_restart(self, reason: str) -> None:
-        self._last_error = reason
-        backoff_s = self._restarts.next_backoff_s()
-        if backoff_s is None:
-            self.state = GroupState.FAILED
-            self._log.error("giving up after %d failed re-forms", self._restarts.max_attempts)
-            return
-        self.state, self._restart_at_mono = GroupState.BACKOFF, time.monotonic() + backoff_s
-        self._log.warning(
-            "re-forming in %.1f s (attempt %d of %d)",
-            backoff_s,
-            self._restarts.num_attempts,
-            self._restarts.max_attempts,
-        )
-
-    def _notify_ready(self, is_ready: bool) -> None:
-        try:
-            self._on_ready_change(is_ready)
-        except Exception:  # a callback's bug must not stop the supervisor
-            self._log.exception("the readiness callback raised")
-
-    def _unready_text(self) -> str:
-        name, why = self.config.name, f" after: {self._last_error}" if self._last_error else ""
-        if self.state is GroupState.FAILED:
-            return f"{name}: the rank group failed for good{why}"
-        if not self.started.done():
-            return f"{name}: the rank group is still starting"
-        return f"{name}: the rank group is re-forming{why}"
 
     def finish(self) -> None:
         """Fail every step, shut the ranks down (kill after the grace), release everything;
@@ -425,15 +330,15 @@ class Supervisor:
             return
         self._is_finished = True
         was_ready = self.state is GroupState.READY
-        self.state = GroupState.STOPPED
+        self._life.state = GroupState.STOPPED
         stopped = UnavailableError(f"{self.config.name}: the rank group is stopped")
         self._handover.close(stopped)
-        if self._channel is not None:  # the ranks end before the step's caller hears (_fail_stop)
-            self._end_generation(self.config.stop_grace_s)
+        if self._channel is not None:  # the ranks end before the step's caller hears (fail_stop)
+            self._life.end_generation(self.config.stop_grace_s)
             self._channel.close()
         self._steps.fail(stopped)
         if was_ready:
-            self._notify_ready(False)
+            self._life.notify_ready(False)
         if not self.started.done():
             self.started.set_exception(
                 RankStartError(f"{self.config.name}: stopped before the group formed")
