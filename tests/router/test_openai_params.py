@@ -14,7 +14,7 @@ import pytest
 from services.engine.sampler import MAX_LOGIT_BIAS
 from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import TEXT
-from tests.router.test_http_api import CHAT, EXPECTED, sse_events
+from tests.router.http_helpers import CHAT, EXPECTED, sse_events
 
 COMPLETION = {"model": MODEL_NAME, "prompt": "Once upon"}
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import NUM_IMAGE_TOKENS, TEXT
-from tests.router.test_http_api import CHAT, _data_url, _image_chat
+from tests.router.http_helpers import CHAT, _data_url, _image_chat
 
 
 async def test_tokenize_a_prompt_counts_what_completions_count(http, cluster):
