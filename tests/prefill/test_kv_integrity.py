@@ -18,13 +18,13 @@ from services.common.errors import CapacityError, DeadlineExceededError, Invalid
 from services.engine.sampler import SamplingParams
 from services.prefill.kv_refs import NonceManager
 from tests.prefill.conftest import (
-    KEY,
     Harness,
     gate_worker,
     make_case,
     record_sends,
     standard_cases,
 )
+from tests.prefill.fakes import KEY
 
 
 def pool_is_untouched(harness: Harness) -> bool:

@@ -1,0 +1,85 @@
+"""The serving benchmark's metrics and workload, unit by unit: per-token ITL, the summary's
+percentiles and goodput, and the deterministic workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.serve_client import Outcome, RequestRecord, per_token_itl
+from benchmarks.serve_metrics import Slo, summarize
+from benchmarks.serve_workload import IntRange, WorkloadSpec, arrival_offsets, make_requests
+from tests.benchmarks.conftest import WordCounter
+
+
+def test_per_token_itl_splits_chunk_gaps():
+    assert per_token_itl([0.0, 1.0, 3.0], 5) == [0.5, 0.5, 1.0, 1.0]
+    assert per_token_itl([0.0, 1.0, 3.0], 4) == [0.5, 0.5, 2.0]
+    assert per_token_itl([0.0, 1.0, 3.0], None) == [1.0, 2.0]
+    assert per_token_itl([0.0, 1.0, 3.0], 2) == [1.0, 2.0]  # more chunks than tokens: raw gaps
+    assert per_token_itl([0.5], 9) == []
+
+
+def _ok(
+    ttft_ms: float, e2e_ms: float, completion_tokens: int = 11, prompt_tokens: int = 50
+) -> RequestRecord:
+    tpot_s = (e2e_ms - ttft_ms) / 1e3 / (completion_tokens - 1)
+    return RequestRecord(
+        0,
+        50,
+        completion_tokens,
+        0,
+        Outcome.OK,
+        ttft_s=ttft_ms / 1e3,
+        e2e_s=e2e_ms / 1e3,
+        tpot_s=tpot_s,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        itl_s=[tpot_s] * (completion_tokens - 1),
+    )
+
+
+def test_summary_percentiles_throughput_and_goodput():
+    records = [_ok(10, 100), _ok(20, 200), _ok(30, 300), _ok(40, 400)]
+    records += [
+        RequestRecord(4, 50, 11, 0, Outcome.FAILED, error="HTTP 500"),
+        RequestRecord(5, 50, 11, 0, Outcome.ABORTED),
+    ]
+    summary = summarize(records, duration_s=2.0, slo=Slo(ttft_ms=25, tpot_ms=30), num_requests=7)
+    assert (summary.num_ok, summary.num_failed, summary.num_aborted, summary.num_not_sent) == (
+        4,
+        1,
+        1,
+        1,
+    )
+    assert summary.ttft.count == 4
+    assert summary.ttft.mean == pytest.approx(25.0)
+    assert summary.ttft.p50 == pytest.approx(25.0)
+    assert summary.ttft.p90 == pytest.approx(37.0)  # linear: 10 + 0.9 * 3 * 10
+    assert summary.ttft.p99 == pytest.approx(39.7)
+    assert summary.tpot.p50 == pytest.approx(22.5)  # TPOTs 9, 18, 27, 36 ms
+    assert summary.itl.count == 40 and summary.e2e.p99 == pytest.approx(397.0)
+    assert summary.request_throughput == pytest.approx(2.0)
+    assert summary.input_token_throughput == pytest.approx(100.0)
+    assert summary.output_token_throughput == pytest.approx(22.0)
+    assert summary.num_good == 2 and summary.goodput == pytest.approx(
+        1.0
+    )  # TTFT <= 25 and TPOT <= 30
+    assert summarize(records, 2.0, Slo(e2e_ms=300), 7).num_good == 3
+    no_slo = summarize(records, 2.0, Slo(), 7)
+    assert no_slo.goodput is None and no_slo.num_good is None
+
+
+async def test_workload_is_deterministic():
+    workload = WorkloadSpec(
+        IntRange(4, 40), IntRange.parse("8"), IntRange.parse("0:1"), (24, 8), False, 0.0
+    )
+    first = await make_requests("m", workload, 5, 3, WordCounter())
+    assert first == await make_requests("m", workload, 5, 3, WordCounter())
+    assert await make_requests("m", workload, 5, 4, WordCounter()) != first
+    assert arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    offsets = arrival_offsets(20_000, 50.0, 0)
+    assert offsets == sorted(offsets) and offsets[-1] / len(offsets) == pytest.approx(
+        1 / 50, rel=0.05
+    )
+    with pytest.raises(ValueError):
+        IntRange.parse("5:2")

@@ -1,0 +1,200 @@
+"""What the serving benchmark sends the fake server: images of each kind and format, length
+ranges, the completions backend and the ShareGPT dataset."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from benchmarks.serve import main
+from tests.benchmarks.conftest import IMAGE_TOKENS, TEMPLATE_TOKENS, run
+
+
+def _image_urls(body: dict) -> list[str]:
+    return [
+        p["image_url"]["url"] for p in body["messages"][0]["content"] if p["type"] == "image_url"
+    ]
+
+
+def _decode_data_url(url: str) -> Image.Image:
+    header, _, data = url.partition(",")
+    return Image.open(io.BytesIO(base64.b64decode(data)))
+
+
+def test_images_and_length_ranges(base_url, tmp_path, state):
+    args = [
+        "--num-requests",
+        "6",
+        "--images-per-request",
+        "1:2",
+        "--image-size",
+        "32x16",
+        "--max-concurrency",
+        "1",
+    ]  # bodies arrive in request order
+    rc, report = run(
+        base_url, tmp_path, *args, "--input-len-range", "3:9", "--output-len-range", "2:4"
+    )
+    assert rc == 0 and report["summary"]["num_ok"] == 6
+    urls = []
+    for body, record in zip(
+        state.bodies, sorted(report["requests"], key=lambda r: r["index"]), strict=True
+    ):
+        images = _image_urls(body)
+        assert len(images) == record["num_images"] and 1 <= len(images) <= 2
+        assert 3 <= record["input_len"] <= 9 and record["completion_tokens"] == record["output_len"]
+        assert (
+            record["prompt_tokens"]
+            == record["input_len"] + IMAGE_TOKENS * len(images) + TEMPLATE_TOKENS
+        )
+        urls += images
+    assert len(set(urls)) == len(urls)  # every image differs: no cache can hit
+    assert all(url.startswith("data:image/jpeg;base64,") for url in urls)
+    image = _decode_data_url(urls[0])
+    assert image.format == "JPEG" and image.size == (32, 16)
+
+
+def _neighbour_difference(image: Image.Image) -> float:
+    pixels = np.asarray(image.convert("RGB"), dtype=np.int16)
+    return float(np.abs(np.diff(pixels, axis=1)).mean())
+
+
+def test_the_default_image_is_a_noise_jpeg_of_the_requested_size(base_url, tmp_path, state):
+    rc, _ = run(
+        base_url,
+        tmp_path,
+        "--num-requests",
+        "1",
+        "--images-per-request",
+        "1",
+        "--image-size",
+        "320x200",
+    )
+    assert rc == 0
+    [url] = _image_urls(state.bodies[0])
+    image = _decode_data_url(url)
+    assert (
+        url.startswith("data:image/jpeg;base64,")
+        and image.format == "JPEG"
+        and image.size == (320, 200)
+    )
+    assert (
+        _neighbour_difference(image) > 50
+    )  # uniform noise: ~85 between neighbours; a gradient: ~1
+    # Noise barely compresses: ~0.9 byte/pixel at quality 90 (a gradient JPEG: ~0.1).
+    assert len(base64.b64decode(url.partition(",")[2])) > 0.5 * 320 * 200
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt", "max_difference"),
+    [("gradient", "png", 10), ("blank", "png", 1), ("gradient", "jpeg", 10), ("noise", "png", 256)],
+)
+def test_other_image_kinds_and_formats(base_url, tmp_path, state, kind, fmt, max_difference):
+    rc, _ = run(
+        base_url,
+        tmp_path,
+        "--num-requests",
+        "1",
+        "--images-per-request",
+        "1",
+        "--image-size",
+        "360p",
+        "--image-kind",
+        kind,
+        "--image-format",
+        fmt,
+    )
+    assert rc == 0
+    [url] = _image_urls(state.bodies[0])
+    image = _decode_data_url(url)
+    assert image.format == fmt.upper() and image.size == (640, 360)
+    assert _neighbour_difference(image) < max_difference
+
+
+def test_completions_backend_streams_text(base_url, tmp_path, state):
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--backend",
+        "openai",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+    )
+    assert rc == 0 and report["summary"]["num_ok"] == 3
+    for body, record in zip(state.bodies, report["requests"], strict=True):
+        assert "messages" not in body and len(body["prompt"].split()) == 12
+        assert body["stream_options"] == {"include_usage": True}
+        assert record["prompt_tokens"] == 12 and record["num_chunks"] == 4 and record["ttft_s"] > 0
+    with pytest.raises(SystemExit) as info:
+        main(["--base-url", base_url, "--backend", "openai", "--images-per-request", "1"])
+    assert info.value.code == 2  # no images on text completions
+
+
+SHAREGPT = Path(__file__).parent / "sharegpt_small.json"
+
+
+def test_sharegpt_dataset_gives_its_prompts_and_reply_lengths(base_url, tmp_path, state):
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(SHAREGPT),
+        "--num-requests",
+        "3",
+    )
+    assert rc == 0 and report["summary"]["num_ok"] == 3
+    conversations = [c for c in json.loads(SHAREGPT.read_text()) if isinstance(c, dict)]
+    usable = {}  # one-turn, short-reply ("Yes": 1 token) and no-value are skipped
+    for c in conversations:
+        if c["id"] in {"a", "b", "c", "d"}:
+            turns = c.get("conversations") or c["conversation"]
+            usable[turns[0]["value"]] = len(turns[1]["value"].split())
+    assert len(usable) == 4
+    prompts = [body["messages"][0]["content"] for body in state.bodies]
+    assert len(set(prompts)) == 3 and set(prompts) <= set(usable)
+    for body, record in zip(state.bodies, report["requests"], strict=True):
+        prompt = body["messages"][0]["content"]
+        assert body["max_tokens"] == usable[prompt] == record["output_len"]
+        assert record["input_len"] == len(prompt.split())
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(SHAREGPT),
+        "--num-requests",
+        "2",
+        "--sharegpt-output-len",
+        "5",
+        "--seed",
+        "1",
+    )
+    assert rc == 0 and all(r["output_len"] == 5 for r in report["requests"])
+
+
+def test_sharegpt_with_too_few_conversations_or_a_bad_file_fails_clearly(
+    base_url, tmp_path, state, capsys
+):
+    args = ["--base-url", base_url, "--dataset-name", "sharegpt"]
+    assert main([*args, "--dataset-path", str(SHAREGPT), "--num-requests", "5"]) == 2
+    assert "4 usable conversations, fewer than --num-requests 5" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a list"}')
+    assert main([*args, "--dataset-path", str(bad)]) == 2
+    assert "JSON list of conversations" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--base-url", base_url, "--dataset-name", "sharegpt"])  # no --dataset-path
+    assert not state.bodies
