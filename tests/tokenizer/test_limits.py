@@ -8,6 +8,7 @@ import asyncio
 import io
 import os
 import time
+import zlib
 
 import pytest
 from PIL import Image
@@ -45,9 +46,15 @@ def worker_memory(pid: int) -> dict[str, int]:
 
 
 def slow_png(seed: int) -> bytes:
+    """A big PNG whose size only a full decode tells (a text chunk after its pixels), so the
+    server cannot read it from the header and the worker decodes every pixel."""
     buf = io.BytesIO()
     Image.new("RGB", (SLOW_IMAGE_SIDE, SLOW_IMAGE_SIDE), (seed, 60, 90)).save(buf, format="PNG")
-    return buf.getvalue()
+    data = buf.getvalue()
+    iend = data.rindex(b"IEND") - 4  # the IEND chunk starts with its 4-byte length
+    body = b"tEXt" + b"Comment\0after the pixels"
+    chunk = (len(body) - 4).to_bytes(4, "big") + body + zlib.crc32(body).to_bytes(4, "big")
+    return data[:iend] + chunk + data[iend:]
 
 
 @pytest.mark.slow
