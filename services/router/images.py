@@ -8,7 +8,6 @@ header is read here; the tokenizer and the vision encoder decode the pixels).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 import logging
@@ -16,6 +15,7 @@ import logging
 from PIL import Image, UnidentifiedImageError
 
 from services.common.errors import InvalidRequestError
+from services.router.b64 import b64decode_strict
 from services.router.config import LimitsConfig
 from services.router.image_fetch import GuardedBackend, ImageFetcher
 
@@ -69,7 +69,7 @@ class ImageLoader:
         if len(payload) > (self._max_image_bytes + 2) // 3 * 4 + 4:
             raise self._too_large(param)
         try:
-            return base64.b64decode(payload, validate=True)
+            return b64decode_strict(payload)
         except (binascii.Error, ValueError) as exc:
             raise InvalidRequestError(
                 f"image data URL is not valid base64: {exc}", param=param

@@ -9,7 +9,6 @@ its model. Every failure is an ``InvalidRequestError`` naming ``prompt_embeds``.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 
@@ -17,6 +16,7 @@ import msgspec
 import torch
 
 from services.common.errors import InvalidRequestError
+from services.router.b64 import b64decode_strict
 
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 PARAM = "prompt_embeds"
@@ -31,7 +31,7 @@ class PromptEmbeds(msgspec.Struct, frozen=True):
 
 def from_base64(text: str) -> PromptEmbeds:
     try:
-        raw = base64.b64decode(text, validate=True)
+        raw = b64decode_strict(text)
     except (binascii.Error, ValueError):
         raise InvalidRequestError("prompt_embeds is not valid base64", param=PARAM) from None
     return from_saved(raw)
