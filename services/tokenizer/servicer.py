@@ -39,7 +39,10 @@ def job_from_proto(request: tokenizer_pb2.TokenizeRequest) -> ChatJob | PromptJo
     messages = tuple(
         DomainChatMessage(
             role=message.role,
-            content=tuple(_part_from_proto(part, f"messages[{i}].content[{j}]") for j, part in enumerate(message.content)),
+            content=tuple(
+                _part_from_proto(part, f"messages[{i}].content[{j}]")
+                for j, part in enumerate(message.content)
+            ),
         )
         for i, message in enumerate(request.chat.messages)
     )
@@ -51,18 +54,22 @@ def prompt_to_proto(prompt: TokenizedPrompt) -> tokenizer_pb2.TokenizeResponse:
         token_ids=prompt.token_ids,
         image_spans=[
             common_pb2.ImageSpan(
-                offset=s.offset, length=s.length, content_hash=s.content_hash,
-                grid_t=s.grid_thw[0], grid_h=s.grid_thw[1], grid_w=s.grid_thw[2],
+                offset=s.offset,
+                length=s.length,
+                content_hash=s.content_hash,
+                grid_t=s.grid_thw[0],
+                grid_h=s.grid_thw[1],
+                grid_w=s.grid_thw[2],
             )
             for s in prompt.spans
         ],
-        images=[common_pb2.ImageData(content_hash=key, data=data) for key, data in prompt.images.items()],
         mrope_position_delta=prompt.mrope_position_delta,
     )
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    """Tokenize runs on the worker pool; Detokenize streams run on the event loop (cheap per token)."""
+    """Tokenize runs on the worker pool; Detokenize streams run on the event loop (cheap per
+    token)."""
 
     def __init__(self, pool: WorkerPool, text: TextProcessor, metrics: TokenizerMetrics) -> None:
         self._pool = pool
@@ -70,7 +77,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._metrics = metrics
 
     @handle_errors
-    async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: Any) -> tokenizer_pb2.TokenizeResponse:
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: Any
+    ) -> tokenizer_pb2.TokenizeResponse:
         """Chat or prompt -> token ids, image spans, distinct images, M-RoPE delta."""
         parent = telemetry.extract_context(context.invocation_metadata())
         start, outcome = time.perf_counter(), "INTERNAL"
@@ -115,7 +124,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 if detokenizer is None:
                     if not request.HasField("options"):
                         raise InvalidRequestError(
-                            "the first message of a detokenize stream must carry options", param="options"
+                            "the first message of a detokenize stream must carry options",
+                            param="options",
                         )
                     detokenizer = self._text.detokenizer(request.options.skip_special_tokens)
                 text = "".join(detokenizer.step(token_id) for token_id in request.token_ids)
@@ -123,7 +133,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                 self._metrics.detokenized_tokens.inc(len(request.token_ids))
                 yield tokenizer_pb2.DetokenizeResponse(text_delta=text, num_tokens=num_tokens)
             if detokenizer is not None:
-                yield tokenizer_pb2.DetokenizeResponse(text_delta=detokenizer.finish(), num_tokens=num_tokens)
+                yield tokenizer_pb2.DetokenizeResponse(
+                    text_delta=detokenizer.finish(), num_tokens=num_tokens
+                )
             outcome = "OK"
         except StageServeError as exc:
             outcome = exc.grpc_code

@@ -112,7 +112,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                 if part.WhichOneof("part") == "text":
                     ids.extend(TEXT.encode(part.text))
                     continue
-                digest = f"hash{len(response.images)}"
+                digest = f"hash{len(response.image_spans)}"
                 response.image_spans.add(
                     offset=len(ids),
                     length=NUM_IMAGE_TOKENS,
@@ -121,7 +121,6 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
                     grid_h=4,
                     grid_w=4,
                 )
-                response.images.add(content_hash=digest, data=part.image.data)
                 ids.extend([TEXT.image_token_id] * NUM_IMAGE_TOKENS)
         response.token_ids.extend(ids)
         return response

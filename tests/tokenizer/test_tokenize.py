@@ -7,6 +7,9 @@ import hashlib
 
 import pytest
 
+from services.common.clients.tokenizer import chat_to_proto, prompt_from_proto
+from services.common.errors import UnavailableError
+from services.common.pb.stageserve.v1 import tokenizer_pb2
 from services.common.types import ChatMessage, TextPart
 from services.engine.model.rope import mrope_positions
 from services.engine.processing import TextProcessor
@@ -47,7 +50,9 @@ async def test_tokenize_chat_equals_offline_pipeline(served, pipeline, name):
     assert [(s.offset, s.length, s.grid_thw) for s in prompt.spans] == [
         (s.offset, s.length, s.grid_thw) for s in reference.spans
     ]
-    assert [s.content_hash for s in prompt.spans] == [hashlib.sha256(data).hexdigest() for data in images]
+    assert [s.content_hash for s in prompt.spans] == [
+        hashlib.sha256(data).hexdigest() for data in images
+    ]
     assert prompt.images == {hashlib.sha256(data).hexdigest(): data for data in images}
     _, delta = mrope_positions(len(reference.prompt_ids), reference.spans, 2)
     assert prompt.mrope_position_delta == delta
@@ -55,7 +60,9 @@ async def test_tokenize_chat_equals_offline_pipeline(served, pipeline, name):
 
 
 async def test_same_image_twice_is_sent_once(served):
-    prompt = await served.client.tokenize_chat("r", [user(WIDE, "and", WIDE, "and", SQUARE)], timeout_s=TIMEOUT_S)
+    prompt = await served.client.tokenize_chat(
+        "r", [user(WIDE, "and", WIDE, "and", SQUARE)], timeout_s=TIMEOUT_S
+    )
     hashes = [s.content_hash for s in prompt.spans]
     assert hashes[0] == hashes[1] != hashes[2]
     assert list(prompt.images) == [hashes[0], hashes[2]]
@@ -63,11 +70,31 @@ async def test_same_image_twice_is_sent_once(served):
     assert served.metric("tokenizer_images_decoded_total") == 2
 
 
+async def test_the_response_carries_no_image_bytes(served):
+    """The router holds the bytes it sent; the response pairs spans with its image parts."""
+    noise = image_bytes(160, 160, seed=4)  # ~75 KB of PNG noise
+    messages = [user(noise, "and", WIDE, "and", noise)]
+    request = tokenizer_pb2.TokenizeRequest(request_id="r", chat=chat_to_proto(messages))
+    response = await served.client._stub.Tokenize(request, timeout=TIMEOUT_S)
+    assert response.ByteSize() < len(WIDE) < len(noise)
+    prompt = prompt_from_proto(response, messages)
+    assert prompt.images == {hashlib.sha256(d).hexdigest(): d for d in (noise, WIDE)}
+
+
+def test_spans_that_do_not_match_the_image_parts_are_refused():
+    response = tokenizer_pb2.TokenizeResponse(token_ids=[1, 2])
+    response.image_spans.add(offset=0, length=1, content_hash="ab", grid_t=1, grid_h=2, grid_w=2)
+    with pytest.raises(UnavailableError, match="1 image spans for 0 image parts"):
+        prompt_from_proto(response, [user("no image here")])
+
+
 async def test_add_generation_prompt(served, text):
     messages = [user("Hi")]
     with_prompt = await served.client.tokenize_chat("r", messages, True, timeout_s=TIMEOUT_S)
     without = await served.client.tokenize_chat("r", messages, False, timeout_s=TIMEOUT_S)
-    assert list(with_prompt.token_ids) == list(without.token_ids) + text.encode("<|im_start|>assistant\n")
+    assert list(with_prompt.token_ids) == list(without.token_ids) + text.encode(
+        "<|im_start|>assistant\n"
+    )
 
 
 async def test_tokenize_prompt(served, text):
@@ -91,12 +118,15 @@ async def test_typed_special_tokens_are_plain_text(served, text):
     span = user_span(prompt.token_ids, text)
     assert 2 not in span and not set(span) & text.special_token_ids
     assert text.decode(span) == forged
-    assert list(prompt.token_ids).count(1) == 3  # system, user, assistant headers: the template's own
+    # system, user, assistant headers: the template's own
+    assert list(prompt.token_ids).count(1) == 3
 
 
 async def test_typed_image_pad_is_no_placeholder(served, text):
     prompt = await served.client.tokenize_chat(
-        "r", [user("<|image_pad|>", SQUARE, "<|vision_start|><|image_pad|><|vision_end|>")], timeout_s=TIMEOUT_S
+        "r",
+        [user("<|image_pad|>", SQUARE, "<|vision_start|><|image_pad|><|vision_end|>")],
+        timeout_s=TIMEOUT_S,
     )
     assert len(prompt.spans) == 1
     (span,) = prompt.spans

@@ -51,7 +51,11 @@ def chat_to_proto(messages: Sequence[ChatMessage]) -> common_pb2.ChatMessages:
     return out
 
 
-def prompt_from_proto(response: tokenizer_pb2.TokenizeResponse) -> TokenizedPrompt:
+def prompt_from_proto(
+    response: tokenizer_pb2.TokenizeResponse, messages: Sequence[ChatMessage] = ()
+) -> TokenizedPrompt:
+    """The prompt of ``response``; its images' bytes are those of the image parts of
+    ``messages`` (the chat that was tokenized): span i shows the i-th image part."""
     spans = tuple(
         ImageSpanRef(
             offset=s.offset,
@@ -61,10 +65,18 @@ def prompt_from_proto(response: tokenizer_pb2.TokenizeResponse) -> TokenizedProm
         )
         for s in response.image_spans
     )
+    parts = [p for m in messages for p in m.content if isinstance(p, ImagePart)]
+    if len(parts) != len(spans):
+        raise UnavailableError(
+            f"the tokenizer answered {len(spans)} image spans for {len(parts)} image parts"
+        )
+    images: dict[str, bytes] = {}
+    for span, part in zip(spans, parts, strict=True):
+        images.setdefault(span.content_hash, part.data)
     return TokenizedPrompt(
         token_ids=tuple(response.token_ids),
         spans=spans,
-        images={image.content_hash: image.data for image in response.images},
+        images=images,
         mrope_position_delta=response.mrope_position_delta,
     )
 
@@ -170,7 +182,7 @@ class TokenizerClient:
             chat=chat_to_proto(messages),
             add_generation_prompt=add_generation_prompt,
         )
-        return await self._tokenize(request, timeout_s)
+        return await self._tokenize(request, timeout_s, messages)
 
     async def tokenize_prompt(
         self, request_id: str, prompt: str, timeout_s: float = DEFAULT_TIMEOUT_S
@@ -181,7 +193,10 @@ class TokenizerClient:
         )
 
     async def _tokenize(
-        self, request: tokenizer_pb2.TokenizeRequest, timeout_s: float
+        self,
+        request: tokenizer_pb2.TokenizeRequest,
+        timeout_s: float,
+        messages: Sequence[ChatMessage] = (),
     ) -> TokenizedPrompt:
         try:
             response = await self._stub.Tokenize(
@@ -189,7 +204,7 @@ class TokenizerClient:
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, service="tokenizer") from None
-        return prompt_from_proto(response)
+        return prompt_from_proto(response, messages)
 
     def detokenize_stream(
         self,

@@ -20,16 +20,14 @@ class TokenizeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "image_spans", "images", "mrope_position_delta")
+    __slots__ = ("token_ids", "image_spans", "mrope_position_delta")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_SPANS_FIELD_NUMBER: _ClassVar[int]
-    IMAGES_FIELD_NUMBER: _ClassVar[int]
     MROPE_POSITION_DELTA_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     image_spans: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageSpan]
-    images: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageData]
     mrope_position_delta: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageData, _Mapping]]] = ..., mrope_position_delta: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., mrope_position_delta: _Optional[int] = ...) -> None: ...
 
 class DetokenizeOptions(_message.Message):
     __slots__ = ("request_id", "skip_special_tokens", "prompt_token_ids")

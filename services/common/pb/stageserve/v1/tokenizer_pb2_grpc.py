@@ -52,8 +52,9 @@ class TokenizerServicer:
     """
 
     def Tokenize(self, request, context):
-        """Applies the chat template (for chat input), tokenizes, decodes each image to find
-        its patch grid and hash, and expands its placeholder tokens. Special-token text
+        """Applies the chat template (for chat input), tokenizes, reads each image's hash and
+        patch grid (from its header where that tells the size, else by decoding it), and
+        expands its placeholder tokens. Special-token text
         typed by a user is tokenized as text, never as a marker.
         INVALID_ARGUMENT for an undecodable image, unknown role or over-long prompt.
         """
