@@ -31,7 +31,7 @@ class JobLimits(msgspec.Struct, frozen=True):
 def validate_job(job: EncodeJob, limits: JobLimits) -> None:
     """``InvalidRequestError`` naming the offending field unless ``job`` is well formed.
 
-    Checks every destination, and every span's hash (SHA-256 of its bytes), grid,
+    Checks every destination, and every span's hash (SHA-256 of its bytes, when sent), grid,
     length and destination rows; the image bytes themselves are decoded by the owner rank.
     """
     if job.spans and not job.destinations:
@@ -74,7 +74,8 @@ def _check_destination(dst: EmbeddingDestination, k: int, limits: JobLimits) -> 
 
 
 def _check_span(span: EncodeSpanInput, i: int, merge: int) -> None:
-    if hashlib.sha256(span.image_data).hexdigest() != span.span.content_hash:
+    # No bytes: served from the cache if held (rows encoded from bytes that matched the hash).
+    if span.image_data and hashlib.sha256(span.image_data).hexdigest() != span.span.content_hash:
         raise InvalidRequestError(
             f"spans[{i}].span.content_hash is not the SHA-256 of its image_data",
             param=f"spans[{i}].span.content_hash",

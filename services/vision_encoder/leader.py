@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import Future
 
-from services.common.clients.vision_encoder import SpanResult
+from services.common.clients.vision_encoder import SpanResult, SpanStatus
 from services.common.errors import DeadlineExceededError, StageServeError, UnavailableError
 from services.common.progress import ProgressWatchdog
 from services.common.ranks.group import RankGroup
@@ -127,6 +127,8 @@ class EncoderLeader:
                         f"encode of {job.request_id} waited past its deadline"
                     )
                     self._finish(job, error)
+                for job, results in batch.needs_data:  # nothing written: the caller resends
+                    self._finish(job, results)
                 if batch.jobs:
                     await self._run_batch(batch)
                     self.progress.tick()
@@ -176,6 +178,8 @@ class EncoderLeader:
         m = self.metrics
         if isinstance(outcome, BaseException):
             m.requests.labels(outcome=type(outcome).__name__).inc()
+        elif any(r.status is SpanStatus.NEEDS_IMAGE_DATA for r in outcome):
+            m.requests.labels(outcome="needs_image_data").inc()
         else:
             m.requests.labels(outcome="ok").inc()
             num_hits = sum(r.is_cache_hit for r in outcome)

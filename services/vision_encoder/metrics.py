@@ -30,7 +30,9 @@ class VisionEncoderMetrics:
 
         # calls, on the leader
         self.requests = counter(
-            "requests", "Encode calls by outcome (ok or the error class)", ("outcome",)
+            "requests",
+            "Encode calls by outcome (ok, needs_image_data or the error class)",
+            ("outcome",),
         )
         self.cache_hits = counter(
             "cache_hits", "Image spans whose rows needed no ViT forward of their own"

@@ -101,8 +101,8 @@ def step_payload(jobs: Sequence[EncodeJob], plan: EncodePlan, now: float) -> Enc
         for i, span in enumerate(job.spans):
             span_plan = next(plans)
             assert span_plan.content_hash == span.span.content_hash
-            if span_plan.action is SpanAction.OWNER_ENCODE:
-                images[span_plan.content_hash] = span.image_data
+            if span_plan.action is SpanAction.OWNER_ENCODE and span.image_data:
+                images[span_plan.content_hash] = span.image_data  # the scheduler saw one exists
             spans.append(
                 RankSpan(
                     index=i,

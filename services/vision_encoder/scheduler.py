@@ -4,7 +4,9 @@ Lifecycle of an Encode call:
   servicer: proto -> EncodeJob, validate_job -> leader.encode(job) -> scheduler.add   WAITING (FIFO)
   schedule(now, ledger): jobs past their deadline leave as ``expired``; the oldest waiting
       jobs join one EncodeBatch while their spans fit ``max_batch_images`` (the first
-      always does), planned from the ledger (``plan.make_plan``)
+      always does), planned from the ledger (``plan.make_plan``); a job with a span sent
+      without bytes that its plan must encode, and that no job of the batch brings bytes
+      for, leaves as ``needs_data`` (FINISHES at once: NEEDS_IMAGE_DATA, nothing written)
   leader: one step on every rank -> every rank's EncodeStepResult, or the step's one error
       (then every job of the batch FINISHES with it)
   update_from_output(batch, results): a job some rank failed FINISHES with that rank's error
@@ -25,7 +27,7 @@ from services.common.clients.vision_encoder import SpanResult, SpanStatus
 from services.common.errors import StageServeError, UnavailableError
 from services.common.grpc_errors import known_error_classes
 from services.vision_encoder.job import EncodeJob
-from services.vision_encoder.plan import CacheLedger, EncodePlan, make_plan
+from services.vision_encoder.plan import CacheLedger, EncodePlan, SpanPlan, make_plan
 from services.vision_encoder.rank_messages import EncodeStepResult, JobError, SpanAction
 
 MAX_REPLANS = 2  # a cache that keeps losing planned hits is a fault, not a reason to loop
@@ -37,6 +39,7 @@ class EncodeBatch:
     jobs: tuple[EncodeJob, ...]
     plan: EncodePlan
     expired: tuple[EncodeJob, ...] = ()
+    needs_data: tuple[tuple[EncodeJob, list[SpanResult]], ...] = ()
 
 
 @dataclass
@@ -80,8 +83,13 @@ class EncodeScheduler:
                 break
             jobs.append(self._waiting.popleft())
             num_images += len(job.spans)
-        hashes = [s.span.content_hash for job in jobs for s in job.spans]
-        return EncodeBatch(tuple(jobs), make_plan(hashes, ledger), tuple(expired))
+        plan = make_plan([s.span.content_hash for job in jobs for s in job.spans], ledger)
+        needs_data = _needing_data(jobs, plan)
+        if needs_data:
+            held = {id(job) for job, _ in needs_data}
+            jobs = [job for job in jobs if id(job) not in held]
+            plan = make_plan([s.span.content_hash for job in jobs for s in job.spans], ledger)
+        return EncodeBatch(tuple(jobs), plan, tuple(expired), tuple(needs_data))
 
     def update_from_output(
         self, batch: EncodeBatch, results: Sequence[EncodeStepResult]
@@ -113,6 +121,37 @@ class EncodeScheduler:
                 outcome.finished.append((job, _span_results(span_plans, seen)))
             seen.update(p.content_hash for p in span_plans)
         return outcome
+
+
+def _needing_data(
+    jobs: Sequence[EncodeJob], plan: EncodePlan
+) -> list[tuple[EncodeJob, list[SpanResult]]]:
+    """The jobs that must encode an image nobody in the batch sent bytes for, with their
+    results: NEEDS_IMAGE_DATA for those spans, SKIPPED for the rest."""
+    brought = {s.span.content_hash for job in jobs for s in job.spans if s.image_data}
+    out, plans = [], iter(plan.spans)
+    for job in jobs:
+        span_plans = [next(plans) for _ in job.spans]
+        lacking = [
+            p.action is SpanAction.OWNER_ENCODE and p.content_hash not in brought
+            for p in span_plans
+        ]
+        if any(lacking):
+            out.append(
+                (
+                    job,
+                    [
+                        _unwritten(p, is_lacking)
+                        for p, is_lacking in zip(span_plans, lacking, strict=True)
+                    ],
+                )
+            )
+    return out
+
+
+def _unwritten(plan: SpanPlan, is_lacking: bool) -> SpanResult:
+    status = SpanStatus.NEEDS_IMAGE_DATA if is_lacking else SpanStatus.SKIPPED
+    return SpanResult(plan.content_hash, status, False, plan.owner_rank)
 
 
 def _span_results(span_plans: Sequence, seen: set[str]) -> list[SpanResult]:

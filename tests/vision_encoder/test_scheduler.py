@@ -11,8 +11,13 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.types import ImageSpanRef
 from services.transfer.embeddings import EmbeddingDestination
 from services.vision_encoder.job import EncodeJob, JobLimits, validate_job
-from services.vision_encoder.plan import CacheLedger, owner_rank
-from services.vision_encoder.rank_messages import EncodeStepResult, JobError, RankManifest
+from services.vision_encoder.plan import CacheLedger, owner_rank, step_payload
+from services.vision_encoder.rank_messages import (
+    EncodeStepResult,
+    JobError,
+    RankManifest,
+    SpanAction,
+)
 from services.vision_encoder.scheduler import MAX_REPLANS, EncodeScheduler
 
 DST = EmbeddingDestination("shm", "", "s", 0, 4096, 100, 256, 64, "float32")
@@ -128,3 +133,77 @@ def test_validate_job_names_the_bad_field(make, param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
         validate_job(make(job(0, 2)), LIMITS)
     assert info.value.param == param
+
+
+def without_bytes(s: EncodeSpanInput) -> EncodeSpanInput:
+    return EncodeSpanInput(s.span, b"", s.dest_row)
+
+
+def test_a_span_without_bytes_is_served_from_the_cache_the_ledger_names() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=8), CacheLedger(2)
+    sent = job(0, 1)
+    scheduler.add(sent)
+    first = scheduler.schedule(0, ledger)
+    owner = first.plan.spans[0].owner_rank
+    manifest = RankManifest((sent.spans[0].span.content_hash,), (), ())
+    ledger.update_from_results(
+        first.plan, results(2, **{f"r{owner}": EncodeStepResult(owner, manifest=manifest)})
+    )
+    light = EncodeJob(1, "req-1", (without_bytes(sent.spans[0]),), (DST,), 100.0)
+    scheduler.add(light)
+    batch = scheduler.schedule(0, ledger)
+    assert [j.job_id for j in batch.jobs] == [1] and batch.needs_data == ()
+    assert [p.action for p in batch.plan.spans] == [SpanAction.LOCAL_HIT]
+    assert step_payload(batch.jobs, batch.plan, 0).images == {}
+
+
+def test_a_span_without_bytes_nobody_holds_needs_its_data_and_nothing_runs() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=8), CacheLedger(2)
+    fresh = job(0, 2)
+    light = EncodeJob(0, "req-0", (fresh.spans[0], without_bytes(fresh.spans[1])), (DST,), 100.0)
+    other = job(1, 1)
+    scheduler.add(light)
+    scheduler.add(other)
+    batch = scheduler.schedule(0, ledger)
+    assert [j.job_id for j in batch.jobs] == [1]  # its neighbour runs
+    assert [p.content_hash for p in batch.plan.spans] == [other.spans[0].span.content_hash]
+    ((needing, span_results),) = batch.needs_data
+    assert needing is light
+    assert [r.status for r in span_results] == [SpanStatus.SKIPPED, SpanStatus.NEEDS_IMAGE_DATA]
+    assert [r.content_hash for r in span_results] == [s.span.content_hash for s in light.spans]
+
+
+def test_a_span_without_bytes_rides_on_a_batch_neighbour_that_brings_them() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=8), CacheLedger(1)
+    sent = job(0, 1)
+    light = EncodeJob(1, "req-1", (without_bytes(sent.spans[0]),), (DST,), 100.0)
+    scheduler.add(light)  # first in the queue, without bytes
+    scheduler.add(sent)
+    batch = scheduler.schedule(0, ledger)
+    assert [j.job_id for j in batch.jobs] == [1, 0] and batch.needs_data == ()
+    payload = step_payload(batch.jobs, batch.plan, 0)
+    assert payload.images == {sent.spans[0].span.content_hash: sent.spans[0].image_data}
+
+
+def test_a_span_without_bytes_whose_planned_hit_was_lost_needs_its_data() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=8), CacheLedger(1)
+    sent = job(0, 1)
+    content_hash = sent.spans[0].span.content_hash
+    ledger.update_from_results(
+        scheduler.schedule(0, ledger).plan,
+        results(1, r0=EncodeStepResult(0, manifest=RankManifest((content_hash,), (), ()))),
+    )
+    scheduler.add(EncodeJob(1, "req-1", (without_bytes(sent.spans[0]),), (DST,), 100.0))
+    batch = scheduler.schedule(0, ledger)
+    assert [p.action for p in batch.plan.spans] == [SpanAction.LOCAL_HIT]
+    lost = results(1, r0=EncodeStepResult(0, manifest=RankManifest((), (), (content_hash,))))
+    ledger.update_from_results(batch.plan, lost)
+    outcome = scheduler.update_from_output(batch, lost)
+    scheduler.requeue(outcome.replanned)
+    again = scheduler.schedule(0, ledger)
+    assert again.jobs == ()
+    assert [r.status for r in again.needs_data[0][1]] == [SpanStatus.NEEDS_IMAGE_DATA]
+
+
+def test_a_span_without_bytes_is_not_hash_checked() -> None:
+    validate_job(EncodeJob(0, "r", (without_bytes(span(b"x")),), (DST,), 100.0), LIMITS)

@@ -10,7 +10,12 @@ import msgspec
 import pytest
 import torch
 
-from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, SpanStatus
+from services.common.clients.vision_encoder import (
+    EncodeSpanInput,
+    SpanResult,
+    SpanStatus,
+    VisionEncoderClient,
+)
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.engine.sampler import SamplingParams
 from tests.conftest import image_bytes
@@ -231,3 +236,54 @@ def test_domain_types_round_trip(image_processor) -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(span), type=EncodeSpanInput) == span
     result = SpanResult("ab" * 32, SpanStatus.WRITTEN, True, 1)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=SpanResult) == result
+
+
+class RecordingClient(VisionEncoderClient):
+    """A client that records the image bytes of every span of every call it sends."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.sent: list[list[int]] = []  # per call: each span's image_data length
+        encode = self._stub.Encode
+
+        async def recorded(request, **kwargs):
+            self.sent.append([len(s.image_data) for s in request.spans])
+            return await encode(request, **kwargs)
+
+        self._stub.Encode = recorded
+
+
+async def test_an_image_s_bytes_are_sent_until_the_encoder_holds_it(enc, image_processor) -> None:
+    image, other = image_bytes(72, 72, seed=21), image_bytes(64, 40, seed=22)
+    prefill = enc.prefill()
+    client = RecordingClient(enc.address)
+    try:
+        span = span_input(image_processor, image, 0)
+        n = span.span.length
+        first = await client.encode("a", [span], prefill.destination("a", 0, n), 30)
+        rows = prefill.buffer.rows(0, n).clone()
+        second = await client.encode("b", [span], prefill.destination("b", 200, n), 30)
+        assert [r.is_cache_hit for r in first + second] == [False, True]
+        assert client.sent == [[len(image)], [0]]  # the second call carried no bytes
+        assert torch.equal(prefill.buffer.rows(200, n), rows)
+
+        # The encoder forgot it (a restarted rank group starts with an empty ledger): the
+        # call without bytes writes nothing, then goes again with every span's bytes.
+        needed = enc.counter("requests", outcome="needs_image_data")
+        enc.run(_forget_cache(enc))
+        both = [span, span_input(image_processor, other, n)]
+        num_rows = n + both[1].span.length
+        results = await client.encode("c", both, prefill.destination("c", 400, num_rows), 30)
+        assert [r.status for r in results] == [SpanStatus.WRITTEN] * 2
+        assert client.sent[2:] == [[0, len(other)], [len(image), len(other)]]
+        assert enc.counter("requests", outcome="needs_image_data") - needed == 1
+        assert torch.equal(prefill.buffer.rows(400, n), rows)
+        assert client.sent[4:] == []
+        await client.encode("d", both, prefill.destination("d", 600, num_rows), 30)
+        assert client.sent[4:] == [[0, 0]]
+    finally:
+        await client.close()
+
+
+async def _forget_cache(enc) -> None:
+    enc.app.leader.on_group_down()

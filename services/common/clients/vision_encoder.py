@@ -1,4 +1,5 @@
-"""Typed client of the vision encoder service, and the protobuf <-> domain conversions it shares with it.
+"""Typed client of the vision encoder service, and the protobuf <-> domain conversions it
+shares with it.
 
 ``VisionEncoderClient(address).encode(...)`` makes the encoder write every span's
 embedding rows into prefill's registered buffer (``EmbeddingDestination``, from
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import grpc
@@ -24,6 +26,8 @@ from services.common.pb.stageserve.v1 import common_pb2, vision_encoder_pb2, vis
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import ImageSpanRef
 from services.transfer.embeddings import EmbeddingDestination
+
+REMEMBERED_IMAGES = 4096  # content hashes whose bytes the encoder got (64 bytes each)
 
 
 class EncodeSpanInput(msgspec.Struct, frozen=True):
@@ -40,6 +44,8 @@ class SpanStatus(enum.Enum):
     WRITTEN = "written"
     INVALID_IMAGE = "invalid_image"
     FAILED = "failed"
+    NEEDS_IMAGE_DATA = "needs_image_data"  # sent without bytes and not cached: nothing written
+    SKIPPED = "skipped"  # not attempted: another span of the call needs its image data
 
 
 class SpanResult(msgspec.Struct, frozen=True):
@@ -51,13 +57,28 @@ class SpanResult(msgspec.Struct, frozen=True):
 
 
 class VisionEncoderClient:
-    """Client of one vision encoder at ``address`` ("host:port")."""
+    """Client of one vision encoder at ``address`` ("host:port").
 
-    def __init__(self, address: str, *, auth: Credentials | None = None) -> None:
+    It sends an image's bytes only until a call with them succeeds: later spans of the same
+    content hash go without bytes and are served from the encoder's cache (a 1080p JPEG is
+    1.9 MB per call otherwise). When the encoder no longer holds one (evicted, restarted),
+    it answers ``NEEDS_IMAGE_DATA`` having written nothing, and the call is sent again once
+    with every span's bytes. ``remembered_images`` bounds how many hashes are remembered.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth: Credentials | None = None,
+        remembered_images: int = REMEMBERED_IMAGES,
+    ) -> None:
         """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
         self._channel = create_channel(address, auth=auth)
         self._stub = vision_encoder_pb2_grpc.VisionEncoderStub(self._channel)
+        self._sent: OrderedDict[str, None] = OrderedDict()  # hashes the encoder got, LRU order
+        self._max_sent = remembered_images
 
     async def encode(
         self,
@@ -66,7 +87,8 @@ class VisionEncoderClient:
         destination: EmbeddingDestination | Sequence[EmbeddingDestination],
         timeout_s: float,
     ) -> list[SpanResult]:
-        """Write every span's rows into ``destination`` (one or one per prefill CP rank) within ``timeout_s``.
+        """Write every span's rows into ``destination`` (one, or one per prefill CP rank)
+        within ``timeout_s``.
 
         Returns one result per span, in order, once all rows landed. Raises the
         ``StageServeError`` the encoder answered with: ``InvalidRequestError`` (bad image
@@ -74,11 +96,35 @@ class VisionEncoderClient:
         ``CapacityError``, ``UnavailableError`` (encoder down, or the destination
         unreachable), ``DeadlineExceededError``.
         """
-        if timeout_s <= 0:
-            raise DeadlineExceededError(f"encode of {request_id} not sent: no time left")
+        deadline = time.monotonic() + timeout_s
         destinations = (
             [destination] if isinstance(destination, EmbeddingDestination) else list(destination)
         )
+        light = [
+            msgspec.structs.replace(s, image_data=b"") if s.span.content_hash in self._sent else s
+            for s in spans
+        ]
+        results = await self._encode(request_id, light, destinations, deadline)
+        needed = {r.content_hash for r in results if r.status is SpanStatus.NEEDS_IMAGE_DATA}
+        if needed and any(s.image_data for s in spans):  # it wrote nothing: again, with bytes
+            for content_hash in needed:
+                self._sent.pop(content_hash, None)
+            results = await self._encode(request_id, spans, destinations, deadline)
+        for span, result in zip(spans, results, strict=False):
+            if result.status is SpanStatus.WRITTEN:
+                self._remember(span.span.content_hash)
+        return results
+
+    async def _encode(
+        self,
+        request_id: str,
+        spans: Sequence[EncodeSpanInput],
+        destinations: list[EmbeddingDestination],
+        deadline: float,
+    ) -> list[SpanResult]:
+        timeout_s = deadline - time.monotonic()
+        if timeout_s <= 0:
+            raise DeadlineExceededError(f"encode of {request_id} not sent: no time left")
         deadline_ms = int((time.time() + timeout_s) * 1000)
         request = encode_request_to_proto(request_id, spans, destinations, deadline_ms)
         metadata = telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
@@ -87,6 +133,12 @@ class VisionEncoderClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, service="vision_encoder") from exc
         return [span_result_from_proto(r) for r in response.results]
+
+    def _remember(self, content_hash: str) -> None:
+        self._sent[content_hash] = None
+        self._sent.move_to_end(content_hash)
+        while len(self._sent) > self._max_sent:
+            self._sent.popitem(last=False)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -98,6 +150,8 @@ _STATUS_TO_PROTO = {
     SpanStatus.WRITTEN: vision_encoder_pb2.SPAN_STATUS_WRITTEN,
     SpanStatus.INVALID_IMAGE: vision_encoder_pb2.SPAN_STATUS_INVALID_IMAGE,
     SpanStatus.FAILED: vision_encoder_pb2.SPAN_STATUS_FAILED,
+    SpanStatus.NEEDS_IMAGE_DATA: vision_encoder_pb2.SPAN_STATUS_NEEDS_IMAGE_DATA,
+    SpanStatus.SKIPPED: vision_encoder_pb2.SPAN_STATUS_SKIPPED,
 }
 _STATUS_FROM_PROTO = {v: k for k, v in _STATUS_TO_PROTO.items()}
 

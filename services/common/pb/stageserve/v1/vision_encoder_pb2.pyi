@@ -14,10 +14,14 @@ class SpanStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPAN_STATUS_WRITTEN: _ClassVar[SpanStatus]
     SPAN_STATUS_INVALID_IMAGE: _ClassVar[SpanStatus]
     SPAN_STATUS_FAILED: _ClassVar[SpanStatus]
+    SPAN_STATUS_NEEDS_IMAGE_DATA: _ClassVar[SpanStatus]
+    SPAN_STATUS_SKIPPED: _ClassVar[SpanStatus]
 SPAN_STATUS_UNSPECIFIED: SpanStatus
 SPAN_STATUS_WRITTEN: SpanStatus
 SPAN_STATUS_INVALID_IMAGE: SpanStatus
 SPAN_STATUS_FAILED: SpanStatus
+SPAN_STATUS_NEEDS_IMAGE_DATA: SpanStatus
+SPAN_STATUS_SKIPPED: SpanStatus
 
 class EncodeSpan(_message.Message):
     __slots__ = ("span", "image_data", "dest_row")

@@ -53,10 +53,11 @@ class VisionEncoderServicer:
         from the owner rank's cache where present, else by encoding the image on its owner
         rank; the owner writes the rows. UNAVAILABLE also when an encoder rank died during
         the call (the encoder restarts its ranks).
-        Returns once every span is written. A span that cannot be served (undecodable
-        image, grid, length or hash mismatch, rows outside the destination) fails the whole
-        call with INVALID_ARGUMENT naming the span, since the prompt is unusable without
-        it; RESOURCE_EXHAUSTED when the batch does not fit, UNAVAILABLE when a destination
+        Returns once every span is written, or at once, writing nothing, when a span sent
+        without its bytes is not cached (SPAN_STATUS_NEEDS_IMAGE_DATA). A span that cannot
+        be served (undecodable image, grid, length or hash mismatch, rows outside the
+        destination) fails the whole call with INVALID_ARGUMENT naming the span, since the
+        prompt is unusable without it; RESOURCE_EXHAUSTED when the batch does not fit, UNAVAILABLE when a destination
         cannot be written, DEADLINE_EXCEEDED past the deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
