@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from services.common.errors import AbortedError, InvalidRequestError, StageServeError
 from services.engine.processing import TextProcessor
 from services.router.body_limit import BodyLimitMiddleware
+from services.router.fast_json import FastJSONRoute
 from services.router.generation import GenerationPipeline
 from services.router.http_errors import (
     GENERATION_RESPONSES,
@@ -305,6 +306,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
         openapi_url="/openapi.json",
         default_response_class=OpenAIJSONResponse,
     )
+    app.router.route_class = FastJSONRoute  # every route added below parses JSON with msgspec
     app.openapi = openapi_without_422(app)  # type: ignore[method-assign]
     install_error_handlers(app, api.metrics)
     app.add_middleware(BodyLimitMiddleware, max_request_bytes=api.limits.max_request_bytes)
