@@ -48,6 +48,9 @@ SECTION_TITLE = "## Image TTFT (`python -m benchmarks.image_ttft`)"
 PROMPT = "Describe this image in one sentence."
 # histograms whose mean over a row's requests is reported: (column, service, metric)
 HISTOGRAMS = (
+    ("router TTFT ms", "router", "stageserve_time_to_first_token_seconds"),
+    ("tokenize ms", "tokenizer", "stageserve_tokenizer_tokenize_seconds"),
+    ("router prefill ms", "router", "stageserve_request_prefill_time_seconds"),
     ("encode ms", "vision_encoder", "stageserve_vision_encoder_encode_seconds"),
     ("ViT ms", "vision_encoder", "stageserve_vision_encoder_vit_seconds"),
     ("preprocess ms", "vision_encoder", "stageserve_vision_encoder_preprocess_seconds"),
@@ -204,7 +207,12 @@ def table_lines(results: list[CaseResult]) -> list[str]:
 
 NOTES = [
     "How to read it: one request at a time, max_tokens 1, the same text prompt in every row;",
-    "TTFT is the client's (POST to the first content chunk). *encode ms*: the encoder's Encode",
+    "TTFT is the client's (POST to the first content chunk); *router TTFT ms* the router's own",
+    "(from the start of tokenization, after the body is read and parsed and its images decoded",
+    "from base64, to the first token), so TTFT minus it is the body's transfer, parse and image",
+    "loading. *tokenize ms*: the tokenizer's Tokenize",
+    "call. *router prefill ms*: the router's Reserve + Prefill phase (the call's transfer of the",
+    "image bytes to prefill included). *encode ms*: the encoder's Encode",
     "call (arrival to rows written into prefill's buffer); *ViT ms* and *preprocess ms*: a rank's",
     "forward and its decoding and pixel preparation per batch; *prefill ms*: a Prefill call's",
     "arrival to its first token with the KV written (the wait for the embeddings included);",
