@@ -102,19 +102,19 @@ def prefill_request_to_proto(
     kv_ref: KvRefInfo,
     deadline_s: float,
 ) -> prefill_pb2.PrefillRequest:
-    return prefill_pb2.PrefillRequest(
+    request = prefill_pb2.PrefillRequest(
         request_id=request_id,
         token_ids=prompt.token_ids,
         image_spans=[span_to_proto(span) for span in prompt.spans],
-        images=[
-            common_pb2.ImageData(content_hash=h, data=data) for h, data in prompt.images.items()
-        ],
         sampling_params=sampling_params_to_proto(params),
         kv_ref=kv_ref_to_proto(kv_ref),
         deadline_unix_ms=int(deadline_s * 1000),
         prompt_embeds=prompt.prompt_embeds,
         prompt_embeds_dtype=prompt.prompt_embeds_dtype,
     )
+    for content_hash, data in prompt.images.items():  # add(): the bytes are copied once
+        request.images.add(content_hash=content_hash, data=data)
+    return request
 
 
 def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:

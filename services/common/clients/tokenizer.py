@@ -45,7 +45,7 @@ def chat_to_proto(messages: Sequence[ChatMessage]) -> common_pb2.ChatMessages:
             if isinstance(part, TextPart):
                 proto.content.add(text=part.text)
             elif isinstance(part, ImagePart):
-                proto.content.add(image=common_pb2.ImageInput(data=part.data))
+                proto.content.add().image.data = part.data  # the bytes are copied once
             else:
                 raise TypeError(f"unknown content part {type(part).__name__}")
     return out

@@ -211,17 +211,16 @@ def encode_request_to_proto(
     destinations: Sequence[EmbeddingDestination],
     deadline_unix_ms: int = 0,
 ) -> vision_encoder_pb2.EncodeRequest:
-    return vision_encoder_pb2.EncodeRequest(
+    request = vision_encoder_pb2.EncodeRequest(
         request_id=request_id,
-        spans=[
-            vision_encoder_pb2.EncodeSpan(
-                span=image_span_to_proto(s.span), image_data=s.image_data, dest_row=s.dest_row
-            )
-            for s in spans
-        ],
         embedding_refs=[embedding_destination_to_proto(d) for d in destinations],
         deadline_unix_ms=deadline_unix_ms,
     )
+    for s in spans:  # add(): the bytes are copied once
+        request.spans.add(
+            span=image_span_to_proto(s.span), image_data=s.image_data, dest_row=s.dest_row
+        )
+    return request
 
 
 def encode_span_from_proto(span: vision_encoder_pb2.EncodeSpan) -> EncodeSpanInput:
