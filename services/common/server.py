@@ -47,8 +47,8 @@ current_request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
 )
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    # Tokenize/Prefill/Encode requests and Tokenize responses carry compressed image
-    # bytes (several MB each, several per request); the 4 MiB default is too small.
+    # Tokenize, Prefill and Encode requests carry compressed image bytes (several MB
+    # each, several per request); the 4 MiB default is too small.
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Binding a taken port must fail, not silently share traffic with another process.
