@@ -23,6 +23,42 @@ from services.common.kv_transfer import (
 )
 from services.common.paths import BUNDLED_MODEL
 
+# Flags passed on to one service only when given; None leaves the service's own default.
+_DEFAULTED_BY_THE_SERVICE = (
+    ("--stall-timeout-s", positive, "the router's per-hop progress bound (default: the router's)"),
+    (
+        "--max-concurrent-requests",
+        at_least(1),
+        "the router's admission slots (default: the router's)",
+    ),
+    (
+        "--max-queued-requests",
+        at_least(0),
+        "requests waiting for a slot before 429 (default: the router's)",
+    ),
+    (
+        "--queue-timeout-s",
+        non_negative,
+        "a request's wait limit in the admission queue before 429 (default: the router's)",
+    ),
+    (
+        "--kv-quarantine-s",
+        non_negative,
+        "decode's rest for the pages of a failed reservation (default: decode's)",
+    ),
+    (
+        "--embedding-quarantine-s",
+        non_negative,
+        "prefill's rest for the embedding rows of a timed-out Encode (default: prefill's)",
+    ),
+    ("--prefill-cp-block-tokens", at_least(1), "prefill's --cp-block-tokens (default: prefill's)"),
+    (
+        "--prefill-cp-min-tokens",
+        at_least(0),
+        "prefill's --cp-min-tokens: smaller batches run on one rank (default: prefill's)",
+    ),
+)
+
 
 def add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -88,60 +124,14 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         help="router processes sharing the HTTP port (default: one per 8 CPUs, 1 to 4)",
     )
     p.add_argument("--page-size", type=at_least(1), default=16)
-    p.add_argument(
-        "--stall-timeout-s",
-        type=positive,
-        default=None,
-        help="the router's per-hop progress bound (default: the router's)",
-    )
-    p.add_argument(
-        "--max-concurrent-requests",
-        type=at_least(1),
-        default=None,
-        help="the router's admission slots (default: the router's)",
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=at_least(0),
-        default=None,
-        help="requests waiting for a slot before 429 (default: the router's)",
-    )
-    p.add_argument(
-        "--queue-timeout-s",
-        type=non_negative,
-        default=None,
-        help="a request's wait limit in the admission queue before 429 (default: the router's)",
-    )
-    p.add_argument(
-        "--kv-quarantine-s",
-        type=non_negative,
-        default=None,
-        help="decode's rest for the pages of a failed reservation (default: decode's)",
-    )
-    p.add_argument(
-        "--embedding-quarantine-s",
-        type=non_negative,
-        default=None,
-        help="prefill's rest for the embedding rows of a timed-out Encode (default: prefill's)",
-    )
+    for flag, kind, help_text in _DEFAULTED_BY_THE_SERVICE:
+        p.add_argument(flag, type=kind, default=None, help=help_text)
     p.add_argument(
         "--prefill-cp",
         type=at_least(1),
         default=1,
         help="prefill's context-parallel ranks, one process each (on --prefill-device; cuda: "
         "cuda:0 .. cuda:C-1)",
-    )
-    p.add_argument(
-        "--prefill-cp-block-tokens",
-        type=at_least(1),
-        default=None,
-        help="prefill's --cp-block-tokens (default: prefill's)",
-    )
-    p.add_argument(
-        "--prefill-cp-min-tokens",
-        type=at_least(0),
-        default=None,
-        help="prefill's --cp-min-tokens: smaller batches run on one rank (default: prefill's)",
     )
     p.add_argument(
         "--ready-timeout-s",

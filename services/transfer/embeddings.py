@@ -346,7 +346,6 @@ class BaseEmbeddingSender(ABC):
         """Write all of ``rows`` ([n, hidden], contiguous) to ``dst`` rows ``[dst_row, +n)``."""
         return self.send_runs(request_id, rows, [(0, dst_row, rows.shape[0])], dst, deadline)
 
-    @abstractmethod
     def send_runs(
         self,
         request_id: str,
@@ -359,8 +358,28 @@ class BaseEmbeddingSender(ABC):
 
         ``deadline`` is ``time.monotonic()`` seconds. Returns after the bytes landed. Raises
         ``InvalidRequestError`` (layouts disagree, a run out of range), ``UnavailableError``
-        (peer unreachable or the write failed) or ``DeadlineExceededError``.
+        (peer unreachable or the write failed) or ``DeadlineExceededError``. The checks, the
+        merge of adjacent runs and the deadline are here; the backend's ``_write_runs`` copies.
         """
+        start = time.monotonic()
+        self._check_send(request_id, rows, runs, dst)
+        merged = coalesce_runs(runs)
+        if not merged:
+            return rows_sent(request_id, rows, merged, start)
+        check_deadline(request_id, deadline)
+        return self._write_runs(request_id, rows, merged, dst, deadline, start)
+
+    @abstractmethod
+    def _write_runs(
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        merged: Sequence[RowRun],
+        dst: EmbeddingDestination,
+        deadline: float,
+        start: float,
+    ) -> TransferResult:
+        """Copy each of the (checked, non-empty, merged) runs; the result counts from ``start``."""
 
     def close(self) -> None:
         """Release engine resources. Default: nothing held."""

@@ -45,8 +45,6 @@ from services.transfer.embeddings import (
     EmbeddingBuffer,
     EmbeddingDestination,
     RowRun,
-    check_deadline,
-    coalesce_runs,
     dtype_name,
     rows_sent,
 )
@@ -140,30 +138,31 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
             OrderedDict()
         )
 
-    def send_runs(
-        self,
-        request_id: str,
-        rows: torch.Tensor,
-        runs: Sequence[RowRun],
-        dst: EmbeddingDestination,
-        deadline: float,
-    ) -> TransferResult:
-        start = time.monotonic()
-        self._check_send(request_id, rows, runs, dst)
-        exported = decode_session_id(dst.session_id)
+    def _check_send(
+        self, request_id: str, rows: torch.Tensor, runs: Sequence[RowRun], dst: EmbeddingDestination
+    ) -> None:
+        super()._check_send(request_id, rows, runs, dst)
+        decode_session_id(dst.session_id)  # a malformed one is refused before any CUDA call
         if rows.device.type != "cuda":
             raise InvalidRequestError(
                 f"{request_id}: the cuda_ipc embedding backend sends rows from a GPU, "
                 f"got rows on {rows.device}"
             )
-        merged = coalesce_runs(runs)
-        check_deadline(request_id, deadline)
+
+    def _write_runs(
+        self,
+        request_id: str,
+        rows: torch.Tensor,
+        merged: Sequence[RowRun],
+        dst: EmbeddingDestination,
+        deadline: float,
+        start: float,
+    ) -> TransferResult:
+        exported = decode_session_id(dst.session_id)
         if exported.owner.has_exited():
             raise UnavailableError(
                 f"prefill's embedding buffer is gone: its owner (pid {exported.owner.pid}) exited"
             )
-        if not merged:
-            return rows_sent(request_id, rows, merged, start)
         window = self._window(request_id, dst, exported, rows.device)
         with torch.cuda.device(rows.device):
             for src, dst_row, num_rows in merged:

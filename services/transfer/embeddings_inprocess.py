@@ -7,7 +7,6 @@ with one slice copy.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,9 +20,6 @@ from services.transfer.embeddings import (
     EmbeddingBuffer,
     EmbeddingDestination,
     RowRun,
-    check_deadline,
-    check_rows,
-    coalesce_runs,
     rows_sent,
 )
 from services.transfer.inprocess_registry import InProcessRegistry
@@ -45,17 +41,15 @@ class InProcessEmbeddingSender(BaseEmbeddingSender):
     def __init__(self, fabric: EmbeddingFabric | None = None) -> None:
         self._fabric = fabric or _DEFAULT_FABRIC
 
-    def send_runs(
+    def _write_runs(
         self,
         request_id: str,
         rows: torch.Tensor,
-        runs: Sequence[RowRun],
+        merged: Sequence[RowRun],
         dst: EmbeddingDestination,
         deadline: float,
+        start: float,
     ) -> TransferResult:
-        start = time.monotonic()
-        check_rows(request_id, rows, runs, dst)
-        check_deadline(request_id, deadline)
         buffer = self._fabric.get(dst.session_id)
         try:
             first_row = buffer.row_of_address(dst.base_address)
@@ -63,7 +57,6 @@ class InProcessEmbeddingSender(BaseEmbeddingSender):
             raise UnavailableError(
                 f"{dst.session_id} no longer holds the window of {request_id}: {exc}"
             ) from exc
-        merged = coalesce_runs(runs)
         for src, dst_row, num_rows in merged:
             buffer.rows(first_row + dst_row, num_rows).copy_(rows[src : src + num_rows])
         return rows_sent(request_id, rows, merged, start)

@@ -36,8 +36,6 @@ from services.transfer.embeddings import (
     EmbeddingRowManager,
     RowRun,
     check_deadline,
-    check_rows,
-    coalesce_runs,
     plan_row_transfer,
 )
 from services.transfer.mooncake_engine import MooncakeEngine
@@ -90,20 +88,15 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         self._staging_manager = EmbeddingRowManager(staging_rows)
         self._lock = threading.Lock()
 
-    def send_runs(
+    def _write_runs(
         self,
         request_id: str,
         rows: torch.Tensor,
-        runs: Sequence[RowRun],
+        merged: Sequence[RowRun],
         dst: EmbeddingDestination,
         deadline: float,
+        start: float,
     ) -> TransferResult:
-        start = time.monotonic()
-        check_rows(request_id, rows, runs, dst)
-        merged = coalesce_runs(runs)
-        if not merged:
-            return TransferResult(request_id, 0, 0, time.monotonic() - start)
-        check_deadline(request_id, deadline)
         src, release = self._stage(rows)
         try:
             plan = plan_row_transfer(

@@ -24,8 +24,6 @@ from services.transfer.embeddings import (
     EmbeddingBuffer,
     EmbeddingDestination,
     RowRun,
-    check_deadline,
-    coalesce_runs,
     rows_sent,
 )
 from services.transfer.shm_memory import (
@@ -64,20 +62,15 @@ class ShmEmbeddingReceiver(ShmReceiver, BaseEmbeddingReceiver):
 class ShmEmbeddingSender(ShmSender, BaseEmbeddingSender):
     """Encoder side: maps each prefill buffer once (LRU of ``max_peers``), then one copy per run."""
 
-    def send_runs(
+    def _write_runs(
         self,
         request_id: str,
         rows: torch.Tensor,
-        runs: Sequence[RowRun],
+        merged: Sequence[RowRun],
         dst: EmbeddingDestination,
         deadline: float,
+        start: float,
     ) -> TransferResult:
-        start = time.monotonic()
-        self._check_send(request_id, rows, runs, dst)
-        merged = coalesce_runs(runs)
-        check_deadline(request_id, deadline)
-        if not merged:
-            return rows_sent(request_id, rows, merged, start)
         window = self._window(request_id, dst)
         for src, dst_row, num_rows in merged:
             if time.monotonic() >= deadline:

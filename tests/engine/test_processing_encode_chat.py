@@ -8,7 +8,8 @@ import random
 import pytest
 
 from services.common.errors import InvalidRequestError
-from services.engine.processing.text import TextProcessor, mask_message_texts
+from services.engine.processing.chat import mask_message_texts
+from services.engine.processing.text import TextProcessor
 from tests.conftest import TINY_MODEL_DIR
 
 TINY_DIR = TINY_MODEL_DIR

@@ -9,12 +9,12 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from services.common.errors import InvalidRequestError
+from services.engine.processing.chat import iter_image_parts
 from services.engine.processing.detokenize import byte_level_char_to_byte
 from services.engine.processing.text import (
     PlaceholderSpan,
     TextProcessor,
     expand_image_placeholders,
-    iter_image_parts,
 )
 from tests.conftest import TINY_MODEL_DIR
 

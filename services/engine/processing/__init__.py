@@ -1,7 +1,8 @@
 """Preprocessing shared by the tokenizer and vision encoder services: chat template,
-tokenize/detokenize and placeholder expansion (``text``); image decode, patch grid,
+tokenize/detokenize and placeholder expansion (``text``, ``chat``); image decode, patch grid,
 pixel preprocessing and content hash (``image``)."""
 
+from services.engine.processing.chat import iter_image_parts, validate_messages
 from services.engine.processing.image import (
     ImageProcessor,
     ImageProcessorConfig,
@@ -16,8 +17,6 @@ from services.engine.processing.text import (
     PlaceholderSpan,
     TextProcessor,
     expand_image_placeholders,
-    iter_image_parts,
-    validate_messages,
 )
 
 __all__ = [

@@ -1,10 +1,9 @@
-"""Text side of preprocessing: chat template, tokenize, placeholder expansion (detokenize.py: the reverse).
+"""Text side of preprocessing: tokenize, render chats, expand placeholders (detokenize.py:
+the reverse; chat.py: the message checks and the template's environment).
 
 A checkpoint directory supplies ``tokenizer.json`` (a byte-level BPE, loaded with the
 ``tokenizers`` library) and a chat template (``chat_template.jinja``, else the
-``chat_template`` key of ``tokenizer_config.json``, else ``chat_template.json``). The
-template is rendered the way ``transformers`` renders it: a sandboxed jinja2
-environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception`` and ``tojson``.
+``chat_template`` key of ``tokenizer_config.json``, else ``chat_template.json``).
 
 The rendered prompt holds one ``<|image_pad|>`` per image; ``expand_image_placeholders``
 repeats each one to the image's merged-token count and reports where each image's run
@@ -22,18 +21,23 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
 import msgspec
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from services.common.errors import InvalidRequestError, ModelLoadError
+from services.engine.processing.chat import (
+    TEXT_SENTINEL_RE,
+    compile_chat_template,
+    find_chat_template,
+    mask_message_texts,
+    read_json,
+    validate_messages,
+)
 from services.engine.processing.detokenize import IncrementalDetokenizer, token_bytes_table
 from services.engine.processing.token_bound import TokenBound
 
@@ -42,106 +46,12 @@ VIDEO_TOKEN = "<|video_pad|>"
 VISION_START_TOKEN = "<|vision_start|>"
 VISION_END_TOKEN = "<|vision_end|>"
 
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
-IMAGE_PART_TYPES = frozenset({"image", "image_url"})
-CONTENT_PART_TYPES = IMAGE_PART_TYPES | {"text"}
-
-# Stands in for the i-th message text while the template renders: private-use code
-# points, which no chat template writes.
-_TEXT_SENTINEL = "\ue000{}\ue001"
-_TEXT_SENTINEL_RE = re.compile("\ue000([0-9]+)\ue001")
-
 
 class PlaceholderSpan(msgspec.Struct, frozen=True):
     """A run of placeholder tokens standing for one image, in expanded prompt positions."""
 
     offset: int  # index of the first placeholder token
     length: int  # number of placeholder tokens (the image's merged-token count)
-
-
-# ---------------------------------------------------------------- message checks
-
-
-def validate_messages(messages: Any) -> None:
-    """Raise InvalidRequestError, naming the offending field, unless messages is a chat."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
-    for i, message in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(message, Mapping):
-            raise InvalidRequestError(
-                f"{param} must be an object with 'role' and 'content'", param=param
-            )
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"{param}.role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
-                param=f"{param}.role",
-            )
-        if "content" not in message or message["content"] is None:
-            raise InvalidRequestError(f"{param}.content is missing", param=f"{param}.content")
-        _validate_content(message["content"], f"{param}.content")
-
-
-def _validate_content(content: Any, param: str) -> None:
-    if isinstance(content, str):
-        return
-    if not isinstance(content, Sequence) or isinstance(content, bytes):
-        raise InvalidRequestError(
-            f"{param} must be a string or a list of content parts", param=param
-        )
-    for j, part in enumerate(content):
-        part_param = f"{param}[{j}]"
-        if not isinstance(part, Mapping):
-            raise InvalidRequestError(
-                f"{part_param} must be an object with a 'type'", param=part_param
-            )
-        part_type = part.get("type")
-        if part_type not in CONTENT_PART_TYPES:
-            raise InvalidRequestError(
-                f"{part_param}.type must be one of {sorted(CONTENT_PART_TYPES)}, got {part_type!r}",
-                param=f"{part_param}.type",
-            )
-        if part_type == "text" and not isinstance(part.get("text"), str):
-            raise InvalidRequestError(
-                f"{part_param}.text must be a string", param=f"{part_param}.text"
-            )
-
-
-def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-    """Image content parts in prompt order: the order of the rendered placeholders."""
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) or content is None:
-            continue
-        for part in content:
-            if part.get("type") in IMAGE_PART_TYPES:
-                yield part
-
-
-def mask_message_texts(
-    messages: Sequence[Mapping[str, Any]],
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Copies of (validated) messages with each content text replaced by a numbered
-    sentinel, and the texts in sentinel order."""
-    texts: list[str] = []
-
-    def sentinel(text: str) -> str:
-        texts.append(text)
-        return _TEXT_SENTINEL.format(len(texts) - 1)
-
-    masked = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, str):
-            content = sentinel(content)
-        else:
-            content = [
-                {**part, "text": sentinel(part["text"])} if part.get("type") == "text" else part
-                for part in content
-            ]
-        masked.append({**message, "content": content})
-    return masked, texts
 
 
 def prompt_too_long(
@@ -181,55 +91,6 @@ def expand_image_placeholders(
     return expanded, spans
 
 
-# ---------------------------------------------------------------- chat template
-
-
-def _raise_template_error(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators=None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_template_error
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def _find_chat_template(model_dir: Path, tokenizer_config: Mapping[str, Any]) -> str:
-    jinja_path = model_dir / "chat_template.jinja"
-    if jinja_path.is_file():
-        return jinja_path.read_text(encoding="utf-8")
-    template = tokenizer_config.get("chat_template") or _read_json(
-        model_dir / "chat_template.json"
-    ).get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if not isinstance(template, str):
-        raise ModelLoadError(
-            f"{model_dir} has no chat template (chat_template.jinja or tokenizer_config.json)"
-        )
-    return template
-
-
 def _token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, Mapping) else value
 
@@ -241,7 +102,7 @@ def _eos_token_ids(
     eos_token = _token_content(tokenizer_config.get("eos_token"))
     if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
         ids.add(tokenizer.token_to_id(eos_token))
-    generation_eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    generation_eos = read_json(model_dir / "generation_config.json").get("eos_token_id")
     if isinstance(generation_eos, int):
         ids.add(generation_eos)
     elif isinstance(generation_eos, list):
@@ -293,7 +154,7 @@ class TextProcessor:
             raise ModelLoadError(
                 f"{tokenizer_path}: only byte-level BPE tokenizers are supported, got {decoder_type}"
             )
-        config = _read_json(model_dir / "tokenizer_config.json")
+        config = read_json(model_dir / "tokenizer_config.json")
         special_tokens_map = {
             key: content
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -301,7 +162,7 @@ class TextProcessor:
         }
         return cls(
             tokenizer,
-            _find_chat_template(model_dir, config),
+            find_chat_template(model_dir, config),
             _eos_token_ids(tokenizer, model_dir, config),
             special_tokens_map,
         )
@@ -366,7 +227,7 @@ class TextProcessor:
             if i % 2:  # a captured marker
                 pieces.append(marker_ids[piece])
             elif piece:
-                pieces.append(_TEXT_SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], piece))
+                pieces.append(TEXT_SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], piece))
         return self._encode_pieces(pieces, self._plain_tokenizer, max_len, "messages")
 
     def _encode_pieces(

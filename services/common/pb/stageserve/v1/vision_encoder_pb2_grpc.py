@@ -57,8 +57,8 @@ class VisionEncoderServicer:
         without its bytes is not cached (SPAN_STATUS_NEEDS_IMAGE_DATA). A span that cannot
         be served (undecodable image, grid, length or hash mismatch, rows outside the
         destination) fails the whole call with INVALID_ARGUMENT naming the span, since the
-        prompt is unusable without it; RESOURCE_EXHAUSTED when the batch does not fit, UNAVAILABLE when a destination
-        cannot be written, DEADLINE_EXCEEDED past the deadline.
+        prompt is unusable without it; RESOURCE_EXHAUSTED when the batch does not fit,
+        UNAVAILABLE when a destination cannot be written, DEADLINE_EXCEEDED past the deadline.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
