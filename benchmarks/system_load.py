@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,23 +99,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def up_command(port: int, workdir: Path, up_args: Sequence[str] = ()) -> list[str]:
+    """``stageserve up`` on ``port``, its state file and logs in ``workdir``, then ``up_args``."""
+    return [
+        *(sys.executable, "-m", "services.cli", "up", "--port", str(port)),
+        *("--state-file", str(workdir / "state.json"), "--log-dir", str(workdir / "logs")),
+        *up_args,
+    ]
+
+
 def start_system(up_args: list[str], workdir: Path, port: int) -> System:
     """``stageserve up`` with ``up_args``; returns once it says it is up (output: the log)."""
     workdir.mkdir(parents=True, exist_ok=True)
     state_file = workdir / "state.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--port",
-        str(port),
-        "--state-file",
-        str(state_file),
-        "--log-dir",
-        str(workdir / "logs"),
-        *up_args,
-    ]
+    cmd = up_command(port, workdir, up_args)
     print("starting: " + " ".join(cmd[2:]), flush=True)
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     system = System(process, port, state_file)

@@ -129,32 +129,40 @@ _BUFFER_KINDS = {"k": common_pb2.KV_BUFFER_KIND_K, "v": common_pb2.KV_BUFFER_KIN
 _BUFFER_KIND_NAMES = {code: name for name, code in _BUFFER_KINDS.items()}
 
 
+# Fields copied as they are between KvRefInfo / KvBufferInfo and their protos.
+_KV_REF_FIELDS = (
+    "request_id",
+    "backend",
+    "session_id",
+    "dp_rank",
+    "page_size",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "nonce",
+    "expires_unix_ms",
+    "mac",
+)
+_KV_BUFFER_FIELDS = (
+    "base_address",
+    "size_bytes",
+    "layer_stride_bytes",
+    "page_stride_bytes",
+    "slot_stride_bytes",
+)
+
+
 def kv_ref_to_proto(info: KvRefInfo) -> common_pb2.KvRef:
     return common_pb2.KvRef(
-        request_id=info.request_id,
-        backend=info.backend,
-        session_id=info.session_id,
-        dp_rank=info.dp_rank,
         page_ids=info.page_ids,
-        page_size=info.page_size,
-        num_layers=info.num_layers,
-        num_kv_heads=info.num_kv_heads,
-        head_dim=info.head_dim,
-        dtype=info.dtype,
         buffers=[
             common_pb2.KvBuffer(
-                kind=_BUFFER_KINDS[b.kind],
-                base_address=b.base_address,
-                size_bytes=b.size_bytes,
-                layer_stride_bytes=b.layer_stride_bytes,
-                page_stride_bytes=b.page_stride_bytes,
-                slot_stride_bytes=b.slot_stride_bytes,
+                kind=_BUFFER_KINDS[b.kind], **{f: getattr(b, f) for f in _KV_BUFFER_FIELDS}
             )
             for b in info.buffers
         ],
-        nonce=info.nonce,
-        expires_unix_ms=info.expires_unix_ms,
-        mac=info.mac,
+        **{f: getattr(info, f) for f in _KV_REF_FIELDS},
     )
 
 
@@ -170,30 +178,14 @@ def kv_ref_from_proto(message: common_pb2.KvRef) -> KvRefInfo:
             "kv_ref must carry one K and one V buffer and a page size", param="kv_ref"
         )
     return KvRefInfo(
-        request_id=message.request_id,
-        backend=message.backend,
-        session_id=message.session_id,
-        dp_rank=message.dp_rank,
         page_ids=tuple(message.page_ids),
-        page_size=message.page_size,
-        num_layers=message.num_layers,
-        num_kv_heads=message.num_kv_heads,
-        head_dim=message.head_dim,
-        dtype=message.dtype,
         buffers=tuple(
             KvBufferInfo(
-                kind=_BUFFER_KIND_NAMES[b.kind],
-                base_address=b.base_address,
-                size_bytes=b.size_bytes,
-                layer_stride_bytes=b.layer_stride_bytes,
-                page_stride_bytes=b.page_stride_bytes,
-                slot_stride_bytes=b.slot_stride_bytes,
+                kind=_BUFFER_KIND_NAMES[b.kind], **{f: getattr(b, f) for f in _KV_BUFFER_FIELDS}
             )
             for b in message.buffers
         ),
-        nonce=message.nonce,
-        expires_unix_ms=message.expires_unix_ms,
-        mac=message.mac,
+        **{f: getattr(message, f) for f in _KV_REF_FIELDS},
     )
 
 

@@ -67,26 +67,14 @@ def _neighbour_difference(image: Image.Image) -> float:
 
 def test_the_default_image_is_a_noise_jpeg_of_the_requested_size(base_url, tmp_path, state):
     rc, _ = run(
-        base_url,
-        tmp_path,
-        "--num-requests",
-        "1",
-        "--images-per-request",
-        "1",
-        "--image-size",
-        "320x200",
+        base_url, tmp_path, *"--num-requests 1 --images-per-request 1 --image-size 320x200".split()
     )
     assert rc == 0
     [url] = _image_urls(state.bodies[0])
     image = _decode_data_url(url)
-    assert (
-        url.startswith("data:image/jpeg;base64,")
-        and image.format == "JPEG"
-        and image.size == (320, 200)
-    )
-    assert (
-        _neighbour_difference(image) > 50
-    )  # uniform noise: ~85 between neighbours; a gradient: ~1
+    assert url.startswith("data:image/jpeg;base64,")
+    assert (image.format, image.size) == ("JPEG", (320, 200))
+    assert _neighbour_difference(image) > 50  # uniform noise: ~85 between neighbours; gradient ~1
     # Noise barely compresses: ~0.9 byte/pixel at quality 90 (a gradient JPEG: ~0.1).
     assert len(base64.b64decode(url.partition(",")[2])) > 0.5 * 320 * 200
 
@@ -96,20 +84,8 @@ def test_the_default_image_is_a_noise_jpeg_of_the_requested_size(base_url, tmp_p
     [("gradient", "png", 10), ("blank", "png", 1), ("gradient", "jpeg", 10), ("noise", "png", 256)],
 )
 def test_other_image_kinds_and_formats(base_url, tmp_path, state, kind, fmt, max_difference):
-    rc, _ = run(
-        base_url,
-        tmp_path,
-        "--num-requests",
-        "1",
-        "--images-per-request",
-        "1",
-        "--image-size",
-        "360p",
-        "--image-kind",
-        kind,
-        "--image-format",
-        fmt,
-    )
+    args = "--num-requests 1 --images-per-request 1 --image-size 360p".split()
+    rc, _ = run(base_url, tmp_path, *args, "--image-kind", kind, "--image-format", fmt)
     assert rc == 0
     [url] = _image_urls(state.bodies[0])
     image = _decode_data_url(url)
@@ -121,14 +97,7 @@ def test_completions_backend_streams_text(base_url, tmp_path, state):
     rc, report = run(
         base_url,
         tmp_path,
-        "--backend",
-        "openai",
-        "--num-requests",
-        "3",
-        "--input-len",
-        "12",
-        "--output-len",
-        "4",
+        *"--backend openai --num-requests 3 --input-len 12 --output-len 4".split(),
     )
     assert rc == 0 and report["summary"]["num_ok"] == 3
     for body, record in zip(state.bodies, report["requests"], strict=True):

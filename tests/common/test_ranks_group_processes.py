@@ -8,13 +8,13 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
+from benchmarks.system_load import free_port
 from services.common.errors import UnavailableError
 from services.common.ranks.config import RankMode, StepSpec
 from services.common.ranks.group import RankGroup
@@ -30,12 +30,6 @@ from tests.common.test_ranks_steps import TARGET, EchoInit, EchoPayload, EchoRes
 from tests.conftest import RANK_MAIN
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_env")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_path) -> None:

@@ -144,3 +144,12 @@ def test_chunk_and_stats_round_trip_through_msgpack() -> None:
     rank = DecodeRankStats(0, 8, 5, 2, 1, 0, num_quarantined_pages=1, is_serving=True)
     stats = DecodeStats(16, 8, 5, 2, 1, 0, num_quarantined_pages=1, ranks=(rank,))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=DecodeStats) == stats
+
+
+def test_the_kv_ref_conversions_name_every_field():
+    """A field added to KvRefInfo or KvBufferInfo must also cross the wire."""
+    from services.common import wire
+
+    ref_fields = {*wire._KV_REF_FIELDS, "page_ids", "buffers"}
+    assert set(KvRefInfo.__struct_fields__) == ref_fields
+    assert set(KvBufferInfo.__struct_fields__) == {*wire._KV_BUFFER_FIELDS, "kind"}

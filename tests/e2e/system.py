@@ -6,9 +6,7 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,15 +14,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.system_load import free_port, up_command
 from tests.conftest import REPO
 
 READY_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pid_alive(pid: int) -> bool:
@@ -117,20 +110,7 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
     """``stageserve up`` in ``workdir``; ``env``: the launcher's environment (default: this
     process's)."""
     port = free_port()
-    state_file = workdir / "state.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        "--port",
-        str(port),
-        "--state-file",
-        str(state_file),
-        "--log-dir",
-        str(workdir / "logs"),
-        *extra_args,
-    ]
+    cmd = up_command(port, workdir, extra_args)
     process = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import time
 
 import msgspec
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.system_load import free_port
 from services.common.errors import DeadlineExceededError, UnavailableError
 from services.engine.kv_cache import KVPool
 from services.transfer.base import KvDestination
@@ -117,15 +117,9 @@ def _worker(rank: int, port: int, backend: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_two_ranks(backend: str, timeout_s: float = 120.0) -> None:
     context = mp.start_processes(
-        _worker, args=(_free_port(), backend), nprocs=2, join=False, start_method="spawn"
+        _worker, args=(free_port(), backend), nprocs=2, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
