@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,22 @@ RANK_MAIN = "services.common.ranks.rank_main"  # the module every rank process r
 os.environ["STAGESERVE_INTERNAL_TOKEN"] = "test-internal-token"
 os.environ.pop("STAGESERVE_API_KEY", None)  # the router's API is open unless a test sets a key
 INTERNAL_AUTH = Credentials(os.environ["STAGESERVE_INTERNAL_TOKEN"])
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in ``os.environ`` for the block (what spawned processes inherit), then
+    each variable as it was."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def rank_children() -> list[int]:

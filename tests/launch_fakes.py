@@ -8,12 +8,12 @@ from services.launch_spec import ChildSpec, LaunchConfig
 from services.launcher import Launcher
 
 
-def service_args(cfg: LaunchConfig, monkeypatch) -> dict[str, list[str]]:
-    """The flags ``start_all`` gives each service, without starting any process."""
-    started: dict[str, list[str]] = {}
+def _started_specs(cfg: LaunchConfig, monkeypatch) -> list[ChildSpec]:
+    """The child specs ``start_all`` starts, in order, without starting any process."""
+    specs: list[ChildSpec] = []
 
     def start(spec: ChildSpec) -> SimpleNamespace:
-        started[spec.name] = list(spec.args)
+        specs.append(spec)
         return SimpleNamespace(
             name=spec.name, ready={"port": "1", "http_port": "2"}, address="127.0.0.1:1"
         )
@@ -22,21 +22,14 @@ def service_args(cfg: LaunchConfig, monkeypatch) -> dict[str, list[str]]:
     monkeypatch.setattr(launcher, "start", start)
     monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
     launcher.start_all()
-    return started
+    return specs
+
+
+def service_args(cfg: LaunchConfig, monkeypatch) -> dict[str, list[str]]:
+    """The flags ``start_all`` gives each service, without starting any process."""
+    return {spec.name: list(spec.args) for spec in _started_specs(cfg, monkeypatch)}
 
 
 def started_ports(cfg: LaunchConfig, monkeypatch) -> dict[str, dict[str, int]]:
     """The ports ``start_all`` gives each service, without starting any process."""
-    ports: dict[str, dict[str, int]] = {}
-
-    def start(spec: ChildSpec) -> SimpleNamespace:
-        ports[spec.name] = dict(spec.ports)
-        return SimpleNamespace(
-            name=spec.name, ready={"port": "1", "http_port": "2"}, address="127.0.0.1:1"
-        )
-
-    launcher = Launcher(cfg)
-    monkeypatch.setattr(launcher, "start", start)
-    monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
-    launcher.start_all()
-    return ports
+    return {spec.name: dict(spec.ports) for spec in _started_specs(cfg, monkeypatch)}

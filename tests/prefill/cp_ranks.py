@@ -38,7 +38,7 @@ from services.prefill.rank_step import PrefillRankInit, PrefillRankStep
 from services.transfer.embeddings import EmbeddingDestination
 from services.transfer.embeddings_shm import ShmEmbeddingSender
 from services.transfer.shm_backend import ShmKVReceiver
-from tests.conftest import REPO, TINY_MODEL_DIR
+from tests.conftest import REPO, TINY_MODEL_DIR, environ
 
 TARGET = "tests.prefill.cp_ranks:RecordingStep"
 PAGE_SIZE = 4  # small pages: prompts span many (the session pipeline uses it too)
@@ -184,20 +184,6 @@ async def started_ranks(num_ranks: int, init: PrefillRankInit | None = None, **o
         yield ranks
     finally:
         await group.aclose()
-
-
-@contextlib.contextmanager
-def environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class DecodePool:

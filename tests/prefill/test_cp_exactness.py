@@ -13,8 +13,7 @@ import torch
 
 from services.engine.sampler import SamplingParams
 from services.prefill.messages import RankRequest
-from tests.conftest import image_bytes
-from tests.prefill.conftest import make_case
+from tests.prefill.conftest import make_case, standard_cases
 from tests.prefill.cp_ranks import DecodePool, plan_of, started_ranks, write_rows
 
 pytestmark = pytest.mark.slow
@@ -26,22 +25,8 @@ def cases(pipeline) -> list:
     params = SamplingParams(temperature=0.0)
     long_text = "Tell me a long story about the sea, the wind, the boats and the birds. " * 3
     return [
-        make_case(pipeline, "text", "Write a line about the sea.", [], params),
+        *standard_cases(pipeline, params),
         make_case(pipeline, "long-text", long_text, [], params),
-        make_case(
-            pipeline,
-            "one-image",
-            "What is in this picture?",
-            [image_bytes(120, 80, seed=1)],
-            params,
-        ),
-        make_case(
-            pipeline,
-            "two-images",
-            "Compare the two.",
-            [image_bytes(64, 200, seed=2), image_bytes(150, 90, seed=3)],
-            params,
-        ),
     ]
 
 

@@ -33,7 +33,7 @@ from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination, 
 from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics
-from tests.conftest import REPO, TINY_MODEL_DIR, rank_children
+from tests.conftest import REPO, TINY_MODEL_DIR, environ, rank_children
 
 HOOKED_STEP = "tests.vision_encoder.rank_hooks:HookedEncoderStep"
 START_TIMEOUT_S = 300.0  # W torch imports at once on a loaded 2-core machine
@@ -96,17 +96,9 @@ def reference_rows(model, processor: ImageProcessor, images: list[bytes]) -> lis
 @contextlib.contextmanager
 def rank_environment() -> Iterator[None]:
     """What spawned ranks inherit: one thread each, and this repo importable (the hooked step)."""
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), saved["PYTHONPATH"]) if p)
-    try:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    with environ({"OMP_NUM_THREADS": "1", "PYTHONPATH": path}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class Prefill:

@@ -47,21 +47,15 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def encoder_command(flags: str) -> list[str]:
+    """The vision encoder on ports the system picks, then ``flags`` (space-separated)."""
+    base = [sys.executable, "-m", "services.vision_encoder", "--port", "0", "--metrics-port", "0"]
+    return [*base, *flags.split()]
+
+
 @needs_mooncake
 def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, vision_model) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.vision_encoder",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--transfer-backend",
-        "mooncake",
-        "--ranks",
-        "2",
-    ]
+    cmd = encoder_command("--transfer-backend mooncake --ranks 2")
     process = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
     )
@@ -122,19 +116,7 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
 
 
 def test_a_rank_that_cannot_start_is_one_clear_error() -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.vision_encoder",
-        "--port",
-        "0",
-        "--metrics-port",
-        "0",
-        "--transfer-backend",
-        "shm",
-        "--devices",
-        "cpu,cuda:5",
-    ]
+    cmd = encoder_command("--transfer-backend shm --devices cpu,cuda:5")
     done = subprocess.run(
         cmd, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=READY_TIMEOUT_S
     )
