@@ -30,7 +30,7 @@ import msgspec
 import torch
 
 from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError
-from services.transfer.base import TransferPlan, TransferResult, check_backend
+from services.transfer.base import TransferResult, check_backend
 
 RowRun = tuple[int, int, int]  # (src_row, dst_row, num_rows)
 
@@ -236,25 +236,6 @@ def check_rows(
                 f"{dst.num_rows} rows allocated",
                 param="dest_row",
             )
-
-
-def plan_row_transfer(
-    src_base: int, runs: Sequence[RowRun], row_nbytes: int, dst: EmbeddingDestination
-) -> TransferPlan:
-    """Descriptors for ``runs`` of a contiguous source at ``src_base``; one per run if packed."""
-    descs: list[tuple[int, int, int]] = []
-    for src, dst_row, num_rows in coalesce_runs(runs):
-        src_addr = src_base + src * row_nbytes
-        dst_addr = dst.base_address + dst_row * dst.row_stride_bytes
-        if dst.row_stride_bytes == row_nbytes:
-            descs.append((src_addr, dst_addr, num_rows * row_nbytes))
-        else:  # padded destination rows: one descriptor per row
-            descs.extend(
-                (src_addr + i * row_nbytes, dst_addr + i * dst.row_stride_bytes, row_nbytes)
-                for i in range(num_rows)
-            )
-    columns = tuple(zip(*descs, strict=True)) or ((), (), ())
-    return TransferPlan(*columns)
 
 
 class BaseEmbeddingReceiver(ABC):

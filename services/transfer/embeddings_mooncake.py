@@ -27,7 +27,7 @@ import torch
 
 from services.common.errors import CapacityError
 from services.common.kv_transfer import mooncake_moves_device_memory
-from services.transfer.base import TransferResult
+from services.transfer.base import TransferPlan, TransferResult
 from services.transfer.embeddings import (
     BaseEmbeddingReceiver,
     BaseEmbeddingSender,
@@ -36,9 +36,28 @@ from services.transfer.embeddings import (
     EmbeddingRowManager,
     RowRun,
     check_deadline,
-    plan_row_transfer,
+    coalesce_runs,
 )
 from services.transfer.mooncake_engine import MooncakeEngine
+
+
+def plan_row_transfer(
+    src_base: int, runs: Sequence[RowRun], row_nbytes: int, dst: EmbeddingDestination
+) -> TransferPlan:
+    """Descriptors for ``runs`` of a contiguous source at ``src_base``; one per run if packed."""
+    descs: list[tuple[int, int, int]] = []
+    for src, dst_row, num_rows in coalesce_runs(runs):
+        src_addr = src_base + src * row_nbytes
+        dst_addr = dst.base_address + dst_row * dst.row_stride_bytes
+        if dst.row_stride_bytes == row_nbytes:
+            descs.append((src_addr, dst_addr, num_rows * row_nbytes))
+        else:  # padded destination rows: one descriptor per row
+            descs.extend(
+                (src_addr + i * row_nbytes, dst_addr + i * dst.row_stride_bytes, row_nbytes)
+                for i in range(num_rows)
+            )
+    columns = tuple(zip(*descs, strict=True)) or ((), (), ())
+    return TransferPlan(*columns)
 
 
 class MooncakeEmbeddingReceiver(BaseEmbeddingReceiver):

@@ -24,9 +24,9 @@ from services.transfer.embeddings import (
     EmbeddingDestination,
     EmbeddingRowManager,
     coalesce_runs,
-    plan_row_transfer,
 )
 from services.transfer.embeddings_inprocess import EmbeddingFabric
+from services.transfer.embeddings_mooncake import plan_row_transfer
 from tests.conftest import needs_mooncake
 
 QUEUE_TIMEOUT_S = 45  # a hang fails the test instead of blocking it
