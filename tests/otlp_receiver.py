@@ -36,6 +36,8 @@ class ReceivedSpan:
     status_message: str
     attributes: dict[str, Any]
     event_names: tuple[str, ...]
+    start_ns: int  # wall clock, ns since the epoch
+    end_ns: int
 
 
 def _value(value: common_pb2.AnyValue) -> Any:
@@ -79,6 +81,8 @@ class OtlpReceiver:
                         status_message=span.status.message,
                         attributes=_attributes(span.attributes),
                         event_names=tuple(event.name for event in span.events),
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
                     )
                     for span in scope_spans.spans
                 )

@@ -87,6 +87,14 @@ def _parser() -> argparse.ArgumentParser:
         "transformers), torch (on the rank's device, within one uint8 level), "
         "auto (torch on CUDA ranks, pil on CPU ranks)",
     )
+    p.add_argument(
+        "--vit-cuda-graphs",
+        type=int,
+        default=8,
+        help="batch layouts (lists of image grids) whose ViT CUDA graph each CUDA rank keeps, "
+        "least recently used out first; a layout is captured the second time it is seen; "
+        "0 runs the ViT eagerly (CPU ranks always do)",
+    )
     _add_transfer_args(p)
     return p
 
@@ -139,6 +147,7 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
             step_timeout_s=a.step_timeout_s,
             watchdog_s=a.watchdog_s,
             pixel_method=a.pixel_method,
+            vit_cuda_graphs=a.vit_cuda_graphs,
             internal_token_file=a.internal_token_file,
             allow_unauthenticated=a.allow_unauthenticated,
             enable_reflection=a.enable_reflection,

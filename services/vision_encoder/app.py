@@ -96,6 +96,7 @@ def rank_init(config: VisionEncoderConfig) -> EncoderRankInit:
         config.max_image_bytes,
         transfer,
         config.pixel_method,
+        config.vit_cuda_graphs,
     )
 
 

@@ -33,6 +33,7 @@ class VisionEncoderConfig(ServiceConfig):
     pixel_method: str = (
         "auto"  # resize/normalize/patchify: "auto" (torch on CUDA) | "pil" | "torch"
     )
+    vit_cuda_graphs: int = 8  # batch layouts whose ViT graphs each CUDA rank keeps; 0: eager
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
@@ -48,6 +49,8 @@ class VisionEncoderConfig(ServiceConfig):
         if not self.devices:
             raise ValueError("the vision encoder needs at least one rank device")
         check_embedding_backend(self.transfer_backend, self.devices)
+        if self.vit_cuda_graphs < 0:
+            raise ValueError(f"vit_cuda_graphs must be >= 0, got {self.vit_cuda_graphs}")
         for field in ("cache_bytes", "max_batch_images", "max_image_bytes", "staging_rows"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")

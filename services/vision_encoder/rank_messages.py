@@ -37,6 +37,7 @@ class EncoderRankInit(msgspec.Struct, frozen=True):
     max_image_bytes: int
     transfer: TransferSpec
     pixel_method: str = "auto"  # pixels.PIXEL_METHODS: "auto" | "pil" | "torch"
+    vit_cuda_graphs: int = 8  # ViT graphs a CUDA rank keeps (vision_graph.py); 0: eager
 
 
 class RankSpan(msgspec.Struct, frozen=True):

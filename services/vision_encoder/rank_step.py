@@ -48,7 +48,14 @@ class EncoderRankStep(BaseRankStep):
         cache = EmbeddingCacheManager(init.cache_bytes)
         sender = create_sender(init.transfer)  # last: nothing after it can fail
         self.worker = EncoderWorker(
-            ctx.rank, model, processor, cache, sender, init.max_image_bytes, init.pixel_method
+            ctx.rank,
+            model,
+            processor,
+            cache,
+            sender,
+            init.max_image_bytes,
+            init.pixel_method,
+            init.vit_cuda_graphs,
         )
 
     def load_model(self, init: EncoderRankInit, device: torch.device) -> Qwen2_5_VLModel:

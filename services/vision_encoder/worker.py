@@ -23,6 +23,7 @@ from services.common.errors import InvalidRequestError, StageServeError
 from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.processing.image import ImageProcessor, decode_image
+from services.engine.vision_graph import VisionGraphs
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
 from services.vision_encoder.cache import EmbeddingCacheManager
 from services.vision_encoder.pixels import prepare_pixels, resolve_method
@@ -68,6 +69,7 @@ class EncoderWorker:
         sender: BaseEmbeddingSender,
         max_image_bytes: int,
         pixel_method: str = "auto",  # pixels.PIXEL_METHODS
+        vit_cuda_graphs: int = 0,  # layouts whose ViT graph a CUDA rank keeps; 0: eager
     ) -> None:
         assert model.visual is not None, "the encoder needs the vision tower"
         self.rank = rank
@@ -78,6 +80,11 @@ class EncoderWorker:
         self.max_image_bytes = max_image_bytes
         self.device = next(model.visual.parameters()).device
         self.pixel_method = resolve_method(pixel_method, self.device)
+        self.vit_graphs = (
+            VisionGraphs(model.visual, vit_cuda_graphs)
+            if vit_cuda_graphs and self.device.type == "cuda"
+            else None
+        )
 
     def execute(self, payload: EncodeStepPayload, received_mono: float) -> EncodeStepResult:
         owned = [(j, s) for j in payload.jobs for s in j.spans if s.owner_rank == self.rank]
@@ -110,14 +117,16 @@ class EncoderWorker:
         )
 
     def warmup(self) -> None:
-        """One ViT forward over two synthetic images of different sizes (nothing cached or sent)."""
+        """A ViT forward over two synthetic images of different sizes (nothing cached or sent);
+        with ViT graphs, twice more: the second captures their graph, the third replays it."""
         images = []
         for size in WARMUP_SIZES:
             buf = io.BytesIO()
             Image.new("RGB", size, (127, 127, 127)).save(buf, format="PNG")
             images.append(decode_image(buf.getvalue(), self.max_image_bytes))
         grids = [self.processor.grid_for(image) for image in images]
-        self._vit(self._pixels(images), grids)
+        for _ in range(3 if self.vit_graphs is not None else 1):
+            self._vit(self._pixels(images), grids)
 
     def _take_hits(self, owned: list[Owned], step: _Step) -> None:
         for job, span in owned:
@@ -176,7 +185,10 @@ class EncoderWorker:
     @torch.inference_mode()
     def _vit(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         with ops.on_device(self.device):
-            embeds = self.model.encode_images(pixels, grids)  # [sum of image tokens, hidden]
+            if self.vit_graphs is not None:
+                embeds = self.vit_graphs.forward(pixels, grids)
+            else:
+                embeds = self.model.encode_images(pixels, grids)  # [sum of image tokens, hidden]
             if self.device.type == "cuda":  # the ViT's time, not its launch (the sends wait anyway)
                 torch.cuda.synchronize(self.device)
         return list(embeds.split([self.processor.num_image_tokens(g) for g in grids]))

@@ -8,6 +8,8 @@ merger output is permuted back, so rows leave in the processor's order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -162,27 +164,53 @@ class VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grids: GridList) -> torch.Tensor:
         """Embeddings for every merged patch of the images, [sum(t*h*w/merge^2), out_hidden]."""
+        return self.forward_layout(pixel_values, self.layout(grids, pixel_values.device))
+
+    def layout(self, grids: GridList, device: torch.device) -> VisionLayout:
+        """The host work of a forward over ``grids``: windows, segments, rotary tables, on ``device``."""
         merge = self.cfg.spatial_merge_size
         unit = merge * merge
         window_units = self.cfg.window_size // merge // self.cfg.patch_size
         window_index, cu_window = window_layout(grids, merge, window_units)
-        window_index = window_index.to(pixel_values.device)
+        window_index = window_index.to(device)
         cu_full = [0]
         for t, h, w in grids:  # full attention within each frame
             for _ in range(t):
                 cu_full.append(cu_full[-1] + h * w)
-        full = Segments(cu_full, pixel_values.device)
-        windowed = Segments(cu_window, pixel_values.device)
-
-        x = self.patch_embed(pixel_values)  # [N, hidden]
-        n = x.shape[0]
-        cos, sin = self.rotary(hw_positions(grids, merge).to(x.device))
+        cos, sin = self.rotary(hw_positions(grids, merge).to(device))
 
         def permute(t: torch.Tensor) -> torch.Tensor:
-            return t.view(n // unit, unit, -1)[window_index].reshape(n, -1)
+            return t.view(t.shape[0] // unit, unit, -1)[window_index].reshape(t.shape[0], -1)
 
-        x, cos, sin = permute(x), permute(cos), permute(sin)
+        return VisionLayout(
+            window_index,
+            torch.argsort(window_index),
+            Segments(cu_full, device),
+            Segments(cu_window, device),
+            permute(cos),
+            permute(sin),
+        )
+
+    def forward_layout(self, pixel_values: torch.Tensor, layout: VisionLayout) -> torch.Tensor:
+        """``forward`` with its layout built: device work only (what a CUDA graph captures)."""
+        unit = self.cfg.spatial_merge_size**2
+        x = self.patch_embed(pixel_values)  # [N, hidden]
+        n = x.shape[0]
+        x = x.view(n // unit, unit, -1)[layout.window_index].reshape(n, -1)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full if i in self.cfg.fullatt_block_indexes else windowed)
+            is_full = i in self.cfg.fullatt_block_indexes
+            x = block(x, layout.cos, layout.sin, layout.full if is_full else layout.windowed)
         merged = self.merger(x)  # [N / unit, out_hidden] in window order
-        return merged[torch.argsort(window_index)]
+        return merged[layout.inverse_index]
+
+
+@dataclass(frozen=True)
+class VisionLayout:
+    """What a ViT forward over one list of grids needs besides the pixels (``layout``)."""
+
+    window_index: torch.Tensor  # [N / unit] merge unit at each window-order position
+    inverse_index: torch.Tensor  # [N / unit] window-order position of each merge unit
+    full: Segments  # the full-attention blocks' segments (one per frame)
+    windowed: Segments  # the other blocks' (one per window)
+    cos: torch.Tensor  # [N, rotary dim] in window order
+    sin: torch.Tensor
