@@ -29,10 +29,14 @@ class TokenizerMetrics:
             registry=registry,
         )
         self.images_decoded = telemetry.counter(
-            "tokenizer_images_decoded", "Distinct images decoded to find their patch grid.", registry=registry
+            "tokenizer_images_decoded",
+            "Distinct images whose patch grid was found (from the header, or by decoding).",
+            registry=registry,
         )
         self.image_bytes = telemetry.counter(
-            "tokenizer_image_bytes", "Compressed bytes of the decoded images.", registry=registry
+            "tokenizer_image_bytes",
+            "Compressed bytes of the images received (one sent as its header adds none).",
+            registry=registry,
         )
         self.detokenized_tokens = telemetry.counter(
             "tokenizer_detokenized_tokens", "Token ids turned back into text by Detokenize streams.",

@@ -6,9 +6,9 @@ find its patch grid (no pixel decode: the vision encoder decodes the same bytes,
 refuses a file whose pixel data is cut short), hash its compressed bytes, expand each
 placeholder to the image's token count, and compute the M-RoPE position delta. Images
 leave as their compressed bytes, each distinct one once. An image may come as an
-``ImageHeader`` instead (``image_header``: its hash and size read beforehand, in the
-server process); then its entry in ``TokenizedPrompt.images`` is empty and the caller
-holds the bytes.
+``ImageHeader`` instead (its hash and size read beforehand: ``image_header`` in the
+server process, or the router, ``header_from_input``); then its entry in
+``TokenizedPrompt.images`` is empty and the caller holds the bytes.
 
 The context limit is checked on the text first, with work bounded by the limit: a
 prompt or chat that certainly needs ``max_model_len`` tokens or more is refused before
@@ -18,6 +18,7 @@ it is tokenized whole and before any image is decoded (``TextProcessor.encode`` 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,16 @@ from services.common.types import (
 from services.engine.config import ModelConfig
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.processing import ImageProcessor, TextProcessor, content_hash
-from services.engine.processing.image import header_size, image_size
+from services.engine.processing.image import (
+    check_num_bytes,
+    check_num_pixels,
+    header_size,
+    image_size,
+)
 from services.engine.processing.text import prompt_too_long
 from services.tokenizer.config import Limits
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class TokenizePipeline:
@@ -130,6 +138,25 @@ def image_header(data: bytes, limits: Limits) -> ImageHeader | None:
     if size is None:
         return None
     return ImageHeader(content_hash(data), *size)
+
+
+def header_from_input(
+    content_hash: str, height: int, width: int, num_bytes: int, limits: Limits
+) -> ImageHeader:
+    """An image part given by its header (a caller read it: the router), with ``image_header``'s
+    limit checks: over a limit, the header carries the error that the bytes would raise."""
+    try:
+        if not _SHA256_HEX.fullmatch(content_hash):
+            raise InvalidRequestError(
+                f"image content_hash must be 64 lower-case hex digits, got {content_hash[:80]!r}"
+            )
+        if height <= 0 or width <= 0:
+            raise InvalidRequestError(f"image size must be positive, got {width}x{height}")
+        check_num_bytes(num_bytes, limits.max_image_bytes)
+        check_num_pixels(width, height, limits.max_image_pixels)
+    except InvalidRequestError as exc:
+        return ImageHeader(content_hash, error=exc.message)
+    return ImageHeader(content_hash, height, width)
 
 
 def _template_messages(

@@ -14,23 +14,28 @@ from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenize
 from services.common.types import ChatMessage as DomainChatMessage
 from services.common.types import ContentPart, ImagePart, TextPart, TokenizedPrompt
 from services.engine.processing import TextProcessor
+from services.tokenizer.config import Limits
 from services.tokenizer.metrics import TokenizerMetrics
+from services.tokenizer.pipeline import header_from_input
 from services.tokenizer.workers import ChatJob, PromptJob, WorkerPool
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 _tracer = telemetry.tracer("tokenizer")
 
 
-def _part_from_proto(part: common_pb2.ContentPart, param: str) -> ContentPart:
+def _part_from_proto(part: common_pb2.ContentPart, param: str, limits: Limits) -> ContentPart:
     kind = part.WhichOneof("part")
     if kind == "text":
         return TextPart(part.text)
+    if kind == "image_header":
+        h = part.image_header
+        return header_from_input(h.content_hash, h.height, h.width, h.num_bytes, limits)
     if kind != "image":
-        raise InvalidRequestError(f"{param} is empty: set text or image", param=param)
+        raise InvalidRequestError(f"{param} is empty: set text, image or image_header", param=param)
     return ImagePart(part.image.data)  # empty data: decode_image rejects it
 
 
-def job_from_proto(request: tokenizer_pb2.TokenizeRequest) -> ChatJob | PromptJob:
+def job_from_proto(request: tokenizer_pb2.TokenizeRequest, limits: Limits) -> ChatJob | PromptJob:
     kind = request.WhichOneof("input")
     if kind == "prompt":
         return PromptJob(request.prompt)
@@ -40,7 +45,7 @@ def job_from_proto(request: tokenizer_pb2.TokenizeRequest) -> ChatJob | PromptJo
         DomainChatMessage(
             role=message.role,
             content=tuple(
-                _part_from_proto(part, f"messages[{i}].content[{j}]")
+                _part_from_proto(part, f"messages[{i}].content[{j}]", limits)
                 for j, part in enumerate(message.content)
             ),
         )
@@ -86,7 +91,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         with _tracer.start_as_current_span("tokenizer.tokenize", context=parent) as span:
             span.set_attribute("request_id", request.request_id)
             try:
-                prompt = await self._pool.run(job_from_proto(request))
+                prompt = await self._pool.run(job_from_proto(request, self._pool.limits))
                 outcome = "OK"
             except StageServeError as exc:
                 outcome = exc.grpc_code

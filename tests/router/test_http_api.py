@@ -3,6 +3,7 @@ the endpoints and what reaches the workers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import httpx
@@ -177,12 +178,20 @@ async def test_models_health_metrics(http, router, cluster):
         assert f"stageserve_{name}" in metrics
 
 
+def assert_sent_as_header(part, image: bytes, size: tuple[int, int]) -> None:
+    """The router read the image's header: the tokenizer got its hash and size, not its bytes."""
+    assert part.WhichOneof("part") == "image_header"
+    header = part.image_header
+    assert header.content_hash == hashlib.sha256(image).hexdigest()
+    assert (header.height, header.width, header.num_bytes) == (*size, len(image))
+
+
 async def test_image_data_url_reaches_tokenizer_and_prefill(http, cluster):
     image = image_bytes(40, 30)
     reply = await http.post("/v1/chat/completions", json=_image_chat(_data_url(image)))
     assert reply.status_code == 200, reply.text
     tokenized = cluster.tokenizer.servicer.requests[0]
-    assert tokenized.chat.messages[0].content[0].image.data == image
+    assert_sent_as_header(tokenized.chat.messages[0].content[0], image, (30, 40))
     assert tokenized.add_generation_prompt
     prefill = cluster.prefill.requests[0]
     assert prefill.images[0].data == image and prefill.image_spans[0].length == NUM_IMAGE_TOKENS
@@ -220,10 +229,8 @@ async def test_image_over_http_is_fetched_with_a_limit(cluster):
                 "/v1/chat/completions", json=_image_chat("https://images.test/cat.png")
             )
             assert ok.status_code == 200, ok.text
-            assert (
-                cluster.tokenizer.servicer.requests[0].chat.messages[0].content[0].image.data
-                == image
-            )
+            part = cluster.tokenizer.servicer.requests[0].chat.messages[0].content[0]
+            assert_sent_as_header(part, image, (20, 20))
             for path in ("/big.png", "/missing.png", "/to-metadata"):
                 bad = await http.post(
                     "/v1/chat/completions", json=_image_chat(f"https://images.test{path}")

@@ -90,12 +90,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def _open_image(data: bytes, max_bytes: int, max_pixels: int | None) -> Image.Image:
     """``Image.open`` (the header only) with the size and pixel limits checked."""
-    if not data:
-        raise InvalidRequestError("image data is empty", param="image")
-    if len(data) > max_bytes:
-        raise InvalidRequestError(
-            f"image is {len(data)} bytes; the limit is {max_bytes} bytes", param="image"
-        )
+    check_num_bytes(len(data), max_bytes)
     try:
         image = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as e:
@@ -105,13 +100,28 @@ def _open_image(data: bytes, max_bytes: int, max_pixels: int | None) -> Image.Im
             "image data is not an image in a supported format (PNG, JPEG, GIF, WebP, BMP, TIFF, ...)",
             param="image",
         ) from e
-    num_pixels = image.width * image.height
+    check_num_pixels(image.width, image.height, max_pixels)
+    return image
+
+
+def check_num_bytes(num_bytes: int, max_bytes: int) -> None:
+    """InvalidRequestError for an empty image file or one over ``max_bytes``."""
+    if not num_bytes:
+        raise InvalidRequestError("image data is empty", param="image")
+    if num_bytes > max_bytes:
+        raise InvalidRequestError(
+            f"image is {num_bytes} bytes; the limit is {max_bytes} bytes", param="image"
+        )
+
+
+def check_num_pixels(width: int, height: int, max_pixels: int | None) -> None:
+    """InvalidRequestError for an image over ``max_pixels`` (None: no limit)."""
+    num_pixels = width * height
     if max_pixels is not None and num_pixels > max_pixels:
         raise InvalidRequestError(
-            f"image is {image.width}x{image.height} = {num_pixels} pixels; the limit is {max_pixels}",
+            f"image is {width}x{height} = {num_pixels} pixels; the limit is {max_pixels}",
             param="image",
         )
-    return image
 
 
 def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> Image.Image:

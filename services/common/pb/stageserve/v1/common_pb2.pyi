@@ -106,13 +106,27 @@ class ImageInput(_message.Message):
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
+class ImageHeaderInput(_message.Message):
+    __slots__ = ("content_hash", "height", "width", "num_bytes")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    content_hash: str
+    height: int
+    width: int
+    num_bytes: int
+    def __init__(self, content_hash: _Optional[str] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image")
+    __slots__ = ("text", "image", "image_header")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_HEADER_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: ImageInput
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageInput, _Mapping]] = ...) -> None: ...
+    image_header: ImageHeaderInput
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImageInput, _Mapping]] = ..., image_header: _Optional[_Union[ImageHeaderInput, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
