@@ -14,7 +14,7 @@ import pytest
 from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.errors import CredentialsRefusedError
-from services.common.pb.stageserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.servicer import SERVICE_NAME
 from tests.conftest import INTERNAL_AUTH, REPO, image_bytes
 from tests.tokenizer.conftest import TIMEOUT_S, user
@@ -82,10 +82,10 @@ async def check_unauthenticated(address: str) -> None:
     channel = create_channel(address)
     try:
         call = tokenizer_pb2_grpc.TokenizerStub(channel).Detokenize(timeout=TIMEOUT_S)
-        with contextlib.suppress(
-            asyncio.InvalidStateError
-        ):  # the server may end it before the write
-            await call.write(tokenizer_pb2.DetokenizeRequest(token_ids=[40]))
+        # No message: the refusal answers the call's metadata. A write could race the refusal
+        # (the client's own failed write, not the server's status, would then end the call).
+        with contextlib.suppress(asyncio.InvalidStateError):  # the server may end it first
+            await call.done_writing()
         assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
         assert await call.details() == "missing or invalid internal credentials"
     finally:
