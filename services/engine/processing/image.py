@@ -133,7 +133,7 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> 
     image = _open_image(data, max_bytes, max_pixels)
     try:
         image.load()
-        image = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)  # no copy of an image it need not turn
     except _PIL_DECODE_ERRORS as e:
         raise InvalidRequestError(f"image data is truncated or corrupt: {e}", param="image") from e
     return to_rgb(image)
