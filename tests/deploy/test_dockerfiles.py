@@ -22,7 +22,7 @@ from tests.deploy.manifests import DEPLOY, Instruction, dockerfile, stages
 
 IMAGES = ("cpu", "gpu")
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-EXTRAS = {"cpu": ("cpu", "otlp"), "gpu": ("gpu", "otlp")}
+EXTRAS = {"cpu": ("cpu",), "gpu": ("gpu",)}
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -160,10 +160,9 @@ def test_installs_the_extras_the_deployments_need(image) -> None:
     gpu = [Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["gpu"]]
     assert "flashinfer-python" in gpu
     assert any(n.startswith("mooncake-transfer-engine") and "non-cuda" not in n for n in gpu)
-    otlp = [Requirement(r).name for r in PYPROJECT["project"]["optional-dependencies"]["otlp"]]
-    assert otlp == [
-        "opentelemetry-exporter-otlp-proto-grpc"
-    ]  # services.common.telemetry's exporter
+    runtime = [Requirement(r).name for r in PYPROJECT["project"]["dependencies"]]
+    for exporter in ("grpc", "http"):  # services.common.telemetry's exporters: no extra needed
+        assert f"opentelemetry-exporter-otlp-proto-{exporter}" in runtime
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
@@ -199,7 +198,7 @@ def test_ports_entrypoint_and_command(image) -> None:
 def test_constraints_satisfy_pyproject_and_cover_every_runtime_dependency() -> None:
     pinned = pins()
     optional = PYPROJECT["project"]["optional-dependencies"]
-    requirements = [*PYPROJECT["project"]["dependencies"], *optional["cpu"], *optional["otlp"]]
+    requirements = [*PYPROJECT["project"]["dependencies"], *optional["cpu"]]
     for text in requirements:
         requirement = Requirement(text)
         name = requirement.name.lower().replace("_", "-")
