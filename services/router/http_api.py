@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -298,6 +299,24 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
 
 
+# FastAPI (0.145 on) traces, meters and logs every request itself once an OpenTelemetry provider
+# is set, as the router's is: spans beside the router's own and host work on every request and
+# message sent. The router's spans (router.request under the caller's traceparent) and its
+# Prometheus metrics already cover HTTP, so FastAPI's are off where it has them.
+_FASTAPI_TELEMETRY_OFF = {
+    "tracing": False,
+    "metrics": False,
+    "logs": False,
+    "operation_spans": False,
+}
+
+
+def _fastapi_options() -> dict[str, Any]:
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": _FASTAPI_TELEMETRY_OFF}
+    return {}
+
+
 def create_app(api: OpenAIApi) -> FastAPI:
     app = FastAPI(
         title="stageserve",
@@ -305,6 +324,7 @@ def create_app(api: OpenAIApi) -> FastAPI:
         redoc_url=None,
         openapi_url="/openapi.json",
         default_response_class=OpenAIJSONResponse,
+        **_fastapi_options(),
     )
     app.router.route_class = FastJSONRoute  # every route added below parses JSON with msgspec
     app.openapi = openapi_without_422(app)  # type: ignore[method-assign]

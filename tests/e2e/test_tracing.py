@@ -112,6 +112,8 @@ def test_one_request_is_one_trace_across_all_five_services(traced) -> None:
         )
     ids = {s.span_id for s in trace} | {client_span}
     assert all(s.parent_span_id in ids for s in trace), "an orphan span"
+    # only the stage spans: no framework's own (FastAPI traces requests unless told not to)
+    assert set(by_name) == {"router.request", *PARENTS}
     assert root.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert root.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert root.attributes["gen_ai.request.model"] == "tiny-qwen2.5-vl"
