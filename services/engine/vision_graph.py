@@ -8,8 +8,9 @@ serves only the exact layout it was captured for; the graphs are kept in an LRU 
 replay's output is copied out before the next one).
 
 The first time a layout is seen it runs eagerly (a one-off size costs no capture); the
-second time it is captured, then replayed (an evicted layout is captured on its next call). The graph runs the same kernels as the eager
-forward on the same inputs, so its rows equal the eager rows exactly.
+second time it is captured, then replayed (an evicted layout is captured on its next call).
+The graph runs the same kernels as the eager forward on the same inputs, so its rows equal
+the eager rows exactly.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class VisionTransformer(nn.Module):
         return self.forward_layout(pixel_values, self.layout(grids, pixel_values.device))
 
     def layout(self, grids: GridList, device: torch.device) -> VisionLayout:
-        """The host work of a forward over ``grids``: windows, segments, rotary tables, on ``device``."""
+        """A forward's host work for ``grids``: windows, segments, rotary tables on ``device``."""
         merge = self.cfg.spatial_merge_size
         unit = merge * merge
         window_units = self.cfg.window_size // merge // self.cfg.patch_size
