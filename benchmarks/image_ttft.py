@@ -3,6 +3,7 @@
     python -m benchmarks.image_ttft [--out docs/benchmarks.md] [--num-requests 10]
         [--large-size 1920x1080] [--small-size 640x480]
     python -m benchmarks.image_ttft --quick   # CPU smoke run on the bundled tiny model
+    python -m benchmarks.image_ttft --trace   # also each row's span timeline
 
 Writes (or reuses) the system benchmark's checkpoint (7B dimensions, vision tower included,
 random bf16 weights: benchmarks/system_model.py), starts ``stageserve up`` on it once (as
@@ -12,16 +13,20 @@ in every row: text only; a fresh ``--large-size`` noise JPEG (quality 90, what s
 vLLM's bench tools send) per request, so every one misses the embedding cache; the same large
 image every time (its first request, a miss, is left out); a fresh ``--small-size`` one. Prints
 one table (the client's TTFT, the encoder's and prefill's own times from their histograms over
-the row, cache hits and misses) and writes its section of ``--out``. Tests never assert on
-these numbers.
+the row, cache hits and misses) and writes its section of ``--out``. With ``--trace`` every
+service exports its spans to a receiver in this process (``benchmarks/span_timeline.py``), and
+a second table gives each row's spans: mean start after ``router.request`` and mean duration.
+Tests never assert on these numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,7 @@ from benchmarks.serve_client import Outcome, RequestRecord, send_request
 from benchmarks.serve_images import image_bytes, image_data_url, parse_size
 from benchmarks.serve_metrics import LatencyStats, latency_stats
 from benchmarks.serve_workload import IntRange, RequestSpec, WorkloadSpec, chat_body
+from benchmarks.span_timeline import timeline_lines, traced_services, wait_for_roots
 from benchmarks.system_load import (
     CPU_UP,
     GPU_UP,
@@ -81,6 +87,7 @@ class CaseResult:
     ttft: LatencyStats | None
     histogram_ms: dict[str, float | None]  # column -> mean over the row (None: not observed)
     counts: dict[str, int]  # column -> increase over the row
+    window_ns: tuple[int, int]  # wall clock (ns) from the first counted request's start to the end
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -92,6 +99,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--small-size", default=None, help="WxH (default 640x480; --quick 160x120)")
     p.add_argument(
         "--transfer-backend", default=None, help="up's embedding backend (default: up's choice)"
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="the services export spans to this process: print and write each row's timeline",
     )
     args = p.parse_args(argv)
     if (args.num_requests or 1) < 1:
@@ -150,13 +162,16 @@ async def run_case(system: System, specs: list[RequestSpec], case: Case) -> Case
     headers = {"content-type": "application/json"}
     probe = _Probe(system)
     records: list[RequestRecord] = []
+    first_ns = time.time_ns()
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), trust_env=False) as client:
         for i, spec in enumerate(specs):
             record = await send_request(client, url, headers, spec, 600.0, 0.0)
             if i == 0 and not case.is_fresh:
                 probe.reset()  # the shared image is in the cache from here on
+                first_ns = time.time_ns()
             else:
                 records.append(record)
+    window_ns = (first_ns, time.time_ns())
     means, counts = probe.means_and_counts()
     ok = [r for r in records if r.outcome is Outcome.OK]
     for record in records:
@@ -171,6 +186,7 @@ async def run_case(system: System, specs: list[RequestSpec], case: Case) -> Case
         latency_stats([r.ttft_s for r in ok if r.ttft_s is not None]),
         means,
         counts,
+        window_ns,
     )
 
 
@@ -223,6 +239,16 @@ NOTES = [
 ]
 
 
+TRACE_NOTES = [
+    "",
+    "The second table (`--trace`): every service exported its spans to a receiver in the",
+    "benchmark's process; for each row's requests, each span's mean start in ms after the",
+    "request's `router.request` span began (the router's first step after the body is parsed)",
+    "and its mean duration; *requests*: how many of the row's traces held that span.",
+    "Exporting costs each service a little CPU.",
+]
+
+
 def _up_args(quick: bool, model_dir: Path, transfer_backend: str | None) -> list[str]:
     device = CPU_UP if quick else GPU_UP
     transfer = ["--transfer-backend", transfer_backend] if transfer_backend else []
@@ -254,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     num_requests = args.num_requests or (2 if quick else 10)
     model_dir = BUNDLED_MODEL if quick else write_checkpoint(args.checkpoint_dir, "cuda")
     up_args = _up_args(quick, model_dir, args.transfer_backend)
-    with running_system(up_args, args.workdir, "stageserve-image-ttft-") as system:
+    with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(traced_services()) if args.trace else None
+        system = stack.enter_context(
+            running_system(up_args, args.workdir, "stageserve-image-ttft-")
+        )
         model = system.served_model() or model_dir.name
         asyncio.run(_warm_up(system, model, [large, small]))
         results = []
@@ -262,8 +292,13 @@ def main(argv: list[str] | None = None) -> int:
             specs = case_specs(model, case, num_requests, seed=(seed + 1) * 1_000_003)
             results.append(asyncio.run(run_case(system, specs, case)))
             print(table_lines(results)[-1], flush=True)
+        timeline: list[str] = []
+        if receiver is not None:
+            windows = [r.window_ns for r in results]
+            spans = wait_for_roots(receiver, windows, [r.num_requests for r in results])
+            timeline = ["", *timeline_lines(spans, [(r.case.name, r.window_ns) for r in results])]
     code = system.process.returncode
-    lines = table_lines(results)
+    lines = table_lines(results) + timeline
     print("\n".join(lines))
     jpeg_sizes = ", ".join(
         f"{w}x{h}: {len(image_bytes('noise', 'jpeg', w, h, 1)) / 1e6:.2f} MB"
@@ -279,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompt {PROMPT!r}; images: random-noise JPEG, quality 90 ({jpeg_sizes})",
     ]
     command = command_line("benchmarks.image_ttft", argv)
-    write_run_section(args.out, SECTION_TITLE, command, info, lines, NOTES)
+    notes = NOTES + TRACE_NOTES if timeline else NOTES
+    write_run_section(args.out, SECTION_TITLE, command, info, lines, notes)
     return 0 if all(r.num_ok == r.num_requests for r in results) else 1
 
 

@@ -1,5 +1,6 @@
-"""``python -m benchmarks.image_ttft --quick``: the image TTFT benchmark end to end on the CPU
-(tiny model): ``stageserve up``, the four rows, the table and its docs section."""
+"""``python -m benchmarks.image_ttft --quick --trace``: the image TTFT benchmark end to end on
+the CPU (tiny model): ``stageserve up``, the four rows, the table, the span timeline from the
+services' exported spans, and its docs section."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def test_quick_run_writes_its_rows_and_keeps_the_other_sections(quick_benchmark) -> None:
     other = "## System (`python -m benchmarks.system`)"
-    text = quick_benchmark("benchmarks.image_ttft", SECTION_TITLE, other)
-    header = next(line for line in text.splitlines() if line.startswith("| row |"))
+    text = quick_benchmark("benchmarks.image_ttft", SECTION_TITLE, other, "--trace")
+    header = next(line for line in text.splitlines() if line.startswith("| row | ok |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
+    table, timeline = text.split("| row | span |")
     rows = {
         cells[0]: dict(zip(columns, cells, strict=True))
-        for line in text.splitlines()
+        for line in table.splitlines()
         if line.startswith("| ") and not line.startswith("| row |")
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
@@ -35,3 +37,15 @@ def test_quick_run_writes_its_rows_and_keeps_the_other_sections(quick_benchmark)
         > int(rows["fresh 160x120"]["prompt tokens"])
         > int(rows["text only"]["prompt tokens"])
     )
+    spans: dict[str, dict[str, list[str]]] = {}  # row -> span -> [starts at, lasts, requests]
+    for line in timeline.splitlines()[1:]:
+        if line.startswith("| "):
+            row, span, *rest = [c.strip() for c in line.strip("|").split("|")]
+            spans.setdefault(row, {})[span] = rest
+    assert list(spans) == list(rows)
+    stages = {"router.request", "tokenizer.tokenize", "decode.reserve", "prefill.request"}
+    for row, by_span in spans.items():
+        assert stages <= set(by_span), row
+        assert by_span["router.request"][0] == "0.0" and by_span["router.request"][2] == "2/2"
+        assert ("vision_encoder.encode" in by_span) == (row != "text only"), row
+    assert float(spans["text only"]["tokenizer.tokenize"][0]) > 0

@@ -14,11 +14,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.otlp_receiver import OtlpReceiver
 from services.common import telemetry
 from services.common.envs import Envs
 from services.common.errors import CapacityError
 from services.common.server import RpcMetrics
-from tests.otlp_receiver import OtlpReceiver
 
 
 def plan(**env: str) -> telemetry.TracingPlan:

@@ -1,5 +1,5 @@
 """One trace per request across all five services, exported over OTLP to a real receiver
-(``tests.otlp_receiver``) in this process, once per protocol.
+(``benchmarks.otlp_receiver``) in this process, once per protocol.
 
 The request carries a client ``traceparent``; its spans must form one trace under it with
 the stage links the design names, and no orphan: router.request -> tokenizer.tokenize,
@@ -15,9 +15,9 @@ import os
 import httpx
 import pytest
 
+from benchmarks.otlp_receiver import STATUS_ERROR, OtlpReceiver, ReceivedSpan
 from tests.conftest import image_bytes
 from tests.e2e.system import pid_alive, start_system
-from tests.otlp_receiver import STATUS_ERROR, OtlpReceiver, ReceivedSpan
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SERVICES = {"router", "tokenizer", "vision_encoder", "prefill", "decode"}

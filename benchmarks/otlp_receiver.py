@@ -1,5 +1,6 @@
-"""A real OTLP trace receiver for tests, built on ``opentelemetry-proto``: the collector's gRPC
-``TraceService`` and an HTTP ``POST /v1/traces`` handler (protobuf bodies), in this process.
+"""A real OTLP trace receiver for tests and benchmarks, built on ``opentelemetry-proto``: the
+collector's gRPC ``TraceService`` and an HTTP ``POST /v1/traces`` handler (protobuf bodies), in
+this process.
 
 Both keep every span they receive as a ``ReceivedSpan`` (ids in hex, as W3C writes them),
 and the headers each export came with.
