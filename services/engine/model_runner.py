@@ -7,7 +7,9 @@ tokens of each request, their positions and (prefill) the image embeddings alrea
 merged in request-global order. The runner packs them ragged, plans attention once,
 runs every layer and returns logits. On CUDA, with a backend that supports graphs,
 DECODE steps of up to ``max(cuda_graph_batch_sizes)`` requests replay captured CUDA
-graphs (see cuda_graph.py); one KV page is then held as the padding rows' scratch page.
+graphs (see cuda_graph.py); with ``prefill_graph_tokens``, EXTEND passes of up to their
+largest size run every layer but attention as captured pieces (see prefill_graph.py). Either
+holds one KV page as the padding rows' scratch page.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from services.engine.attention import AttentionBatch, ForwardMode, create_attent
 from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphDecodeRunner
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.prefill_graph import PrefillGraphs
 
 
 @dataclass
@@ -71,6 +74,7 @@ class ModelRunner:
         kv_config: KVCacheConfig,
         attention_backend: str = "torch",
         cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,  # () turns graphs off
+        prefill_graph_tokens: tuple[int, ...] = (),  # EXTEND graph token sizes; () turns them off
     ) -> None:
         text = model.config.text
         self.model = model
@@ -96,14 +100,12 @@ class ModelRunner:
             head_dim=text.head_dim,
         )
         self.cuda_graph: CudaGraphDecodeRunner | None = None
-        if (
-            self.device.type == "cuda"
-            and self.attention.supports_cuda_graph
-            and cuda_graph_batch_sizes
-        ):
-            scratch_page = self.page_manager.allocate(1)[
-                0
-            ]  # held for good: padding rows write here
+        self.prefill_graphs: PrefillGraphs | None = None
+        decode_graphs = bool(cuda_graph_batch_sizes) and self.device.type == "cuda"
+        decode_graphs = decode_graphs and self.attention.supports_cuda_graph
+        if decode_graphs or prefill_graph_tokens:
+            scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding writes here
+        if decode_graphs:
             self.cuda_graph = CudaGraphDecodeRunner(
                 model,
                 self.attention,
@@ -114,6 +116,12 @@ class ModelRunner:
             )
             with ops.on_device(self.device):
                 self.cuda_graph.capture()
+        if prefill_graph_tokens:  # attention runs between the pieces: any backend; off CUDA, eager
+            self.prefill_graphs = PrefillGraphs(
+                model, self.kv_pool, scratch_page * self.page_size, prefill_graph_tokens
+            )
+            with ops.on_device(self.device):
+                self.prefill_graphs.capture()
 
     @torch.inference_mode()
     def encode_images(
@@ -169,17 +177,41 @@ class ModelRunner:
         if mode is ForwardMode.DECODE and not all_logits and on_layer_kv is None:
             return self._forward_decode(self._decode_inputs(inputs, input_ids))
         batch = self._attention_batch(mode, inputs)
-        self.attention.plan(batch)
         embeds = (
             self.model.embed(input_ids.to(self.device))
             if input_ids is not None
             else self._embed(inputs)
         )
-        positions = torch.cat([s.positions for s in inputs], dim=1).to(self.device)
+        positions = torch.cat([s.positions for s in inputs], dim=1)
         logits_indices = None
         if not all_logits:
             ends = torch.tensor([len(s.input_ids) for s in inputs]).cumsum(0) - 1
             logits_indices = ends.to(self.device)
+        if mode is ForwardMode.EXTEND:
+            return self.forward_extend(embeds, positions, batch, logits_indices, on_layer_kv)
+        self.attention.plan(batch)
+        return self.model(
+            embeds, positions.to(self.device), self.attention, logits_indices, on_layer_kv
+        )
+
+    def forward_extend(
+        self,
+        embeds: torch.Tensor,  # [T, hidden] on the device, image rows merged in
+        positions: torch.Tensor,  # [3, T] int64
+        batch: AttentionBatch,  # EXTEND, T tokens, pages in this runner's pool
+        logits_indices: torch.Tensor | None = None,  # see Qwen2_5_VLModel.forward
+        on_layer_kv: Callable[[int], None] | None = None,  # see forward
+    ) -> torch.Tensor:
+        """Logits of one planned-here EXTEND pass: through the prefill graphs when it fits them,
+        else eagerly. Call it inside ``ops.on_device(self.device)`` (``forward`` does)."""
+        assert batch.mode is ForwardMode.EXTEND
+        self.attention.plan(batch)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.can_run(batch.num_tokens):
+            return graphs.forward(
+                embeds, positions, batch.out_slots, self.attention, logits_indices, on_layer_kv
+            )
+        positions = positions.to(self.device)
         return self.model(embeds, positions, self.attention, logits_indices, on_layer_kv)
 
     def _forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:

@@ -94,8 +94,18 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         help="nonces of used KvRefs kept (each until its KvRef expires, for replay "
         "checks); when full, new requests get RESOURCE_EXHAUSTED",
     )
+    p.add_argument(
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=1024,
+        help="a CUDA rank runs a pass of up to this many tokens (not CP-sharded) on CUDA graphs "
+        "of every layer but attention, captured at start for token sizes up to it; 0 runs "
+        "every pass eagerly (CPU ranks always do)",
+    )
     add_cp_args(p)
     args = p.parse_args(argv)
+    if args.cuda_graph_max_tokens < 0:
+        p.error("--cuda-graph-max-tokens must be >= 0")
     positives = (
         "num_pages",
         "page_size",

@@ -55,6 +55,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         kv_backend=kv_backend,
         transfer_hostname=config.advertised_hostname,
         kv_exchange_over_cpu=len(set(config.devices)) < len(config.devices),
+        cuda_graph_max_tokens=config.cuda_graph_max_tokens,
     )
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.prefill_graph import token_sizes_up_to
 from services.engine.sampler import SamplingParams
 from services.prefill.messages import (
     SHARDED,
@@ -51,6 +52,7 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     # CP all-gathers over the CPU (gloo) group, through host memory: ranks that share a GPU
     # (NCCL needs one GPU per rank)
     kv_exchange_over_cpu: bool = False
+    cuda_graph_max_tokens: int = 0  # the prefill graphs' largest size (prefill_graph.py); 0: eager
 
 
 def _engine_kwargs(backend: str, hostname: str) -> dict[str, Any]:
@@ -69,11 +71,17 @@ class PrefillRankStep(BaseRankStep):
         model = load_model(
             init.model, device=ctx.device, dtype=init.dtype, components=("language",)
         )
+        on_cuda = ctx.device.startswith("cuda")  # a CPU rank runs its passes eagerly
+        graph_tokens = token_sizes_up_to(init.cuda_graph_max_tokens) if on_cuda else ()
+        # the graphs hold one page for their padding rows: the pool has one more, so the
+        # leader's num_pages stay free for requests
+        extra_page = int(bool(graph_tokens))
         runner = ModelRunner(
             model,
-            KVCacheConfig(init.num_pages, init.page_size),
+            KVCacheConfig(init.num_pages + extra_page, init.page_size),
             init.attention_backend,
             cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
+            prefill_graph_tokens=graph_tokens,
         )
         self.kv_sender = create_kv_sender(
             init.kv_backend, **_engine_kwargs(init.kv_backend, init.transfer_hostname)

@@ -174,14 +174,19 @@ class PrefillRankWorker:
         """Logits [len(inp.logits_rows), vocab] fp32 of one pass."""
         runner = self.runner
         with ops.on_device(runner.device):
-            attention = runner.attention
-            if exchange is not None:
-                self.cp_attention.begin_pass(exchange, inp.gathered_slots)
-                attention = self.cp_attention
-            attention.plan(inp.batch)
             rows = torch.tensor(inp.logits_rows, dtype=torch.long, device=runner.device)
+            if exchange is None:  # the whole pass here: the runner's prefill graphs may run it
+                return runner.forward_extend(
+                    inp.embeds, inp.positions, inp.batch, rows, handoff.layer_done
+                )
+            self.cp_attention.begin_pass(exchange, inp.gathered_slots)
+            self.cp_attention.plan(inp.batch)
             return runner.model(
-                inp.embeds, inp.positions.to(runner.device), attention, rows, handoff.layer_done
+                inp.embeds,
+                inp.positions.to(runner.device),
+                self.cp_attention,
+                rows,
+                handoff.layer_done,
             )
 
     def _sample(

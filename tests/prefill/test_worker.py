@@ -69,7 +69,7 @@ class CopyingLayerwise(LayerwiseSend):
 class Setup:
     """One rank's worker over an in-process decode pool (pages shuffled)."""
 
-    def __init__(self, language_model) -> None:
+    def __init__(self, language_model, prefill_graph_tokens: tuple[int, ...] = ()) -> None:
         text = language_model.config.text
         self.fabric = InProcessFabric()
         self.decode_pool = KVPool(
@@ -85,7 +85,7 @@ class Setup:
         self.receiver.register(self.decode_pool)
         self.pages = KVPageManager(512, PAGE_SIZE)
         runner = ModelRunner(
-            language_model, KVCacheConfig(256, PAGE_SIZE), "torch", cuda_graph_batch_sizes=()
+            language_model, KVCacheConfig(256, PAGE_SIZE), "torch", (), prefill_graph_tokens
         )
         self.sender = InProcessKVSender(self.fabric)
         self.buffer = EmbeddingBuffer(1024, text.hidden_size, torch.float32)
@@ -120,10 +120,10 @@ class Setup:
             assert torch.allclose(v, ref.v[layer], atol=KV_ATOL, rtol=0), request.request_id
 
     def assert_all_free(self) -> None:
-        manager = self.worker.runner.page_manager
-        assert (
-            manager.num_free_pages == manager.num_pages and len(self.worker.runner.page_table) == 0
-        )
+        runner = self.worker.runner
+        held = int(runner.prefill_graphs is not None)  # the graphs' scratch page
+        manager = runner.page_manager
+        assert manager.num_free_pages == manager.num_pages - held and len(runner.page_table) == 0
 
 
 def stream_layers(setup: Setup, faults: dict | None = None) -> list:
@@ -176,6 +176,33 @@ def test_each_layer_goes_out_during_the_forward_and_decode_gets_the_offline_kv(
     assert all(events.index(e) < end for e in layers)
     assert events[end + 1 :] == [("finish", r) for r in batch]
     assert all(not o.error and o.first_token_id >= 0 for o in done.outcomes)
+    for case, request in zip(cases, requests, strict=True):
+        setup.assert_kv(pipeline, case, request)
+    setup.assert_all_free()
+
+
+def test_layers_stream_out_of_the_prefill_graph_pieces_with_the_offline_kv(
+    pipeline, language_model
+) -> None:
+    """The same batch through the pieces (prefill_graph.py; eager on the CPU, padded to 1024):
+    each layer is reported after its K/V store, and decode gets the offline engine's KV."""
+    setup = Setup(language_model, prefill_graph_tokens=(64, 1024))
+    events = stream_layers(setup)  # logs the model's forward, which the pieces never call
+    try:
+        cases = standard_cases(pipeline)
+        requests = [setup.request(pipeline, c, 100 * i) for i, c in enumerate(cases)]
+        num_tokens = sum(r.num_tokens for r in requests)
+        assert setup.worker.runner.prefill_graphs.size_for(num_tokens) == 1024
+        done = setup.worker.execute(plan_of(1, requests, solo_rank=0))
+    finally:
+        setup.worker.runner.model.__dict__.pop("forward", None)
+    batch = [r.request_id for r in requests]
+    assert ("forward", None) not in events
+    layers = [e for e in events if e[0] == "layer"]
+    assert layers == [("layer", r, i) for i in range(setup.decode_pool.num_layers) for r in batch]
+    first = [reference(pipeline, c).first_token_id for c in cases]
+    assert [o.first_token_id for o in done.outcomes] == first
+    assert not any(o.error for o in done.outcomes)
     for case, request in zip(cases, requests, strict=True):
         setup.assert_kv(pipeline, case, request)
     setup.assert_all_free()

@@ -36,22 +36,23 @@ class DecoderAttention(nn.Module):
         """One matmul for q, k and v (called after the weights are loaded)."""
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: BaseAttentionBackend
-    ) -> torch.Tensor:
-        n = x.shape[0]
+    def project_qkv(
+        self,
+        h: torch.Tensor,  # [T, hidden], normed
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # see ops.rotary_qk
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k and v [T, Hkv, D]
         if self.qkv_weight is not None:
-            qkv = ops.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+            qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        kv_store = attn.kv_store_target(
-            self.layer_id
-        )  # set: K/V go to the pool inside the rotary kernel
-        q, k, v = ops.rotary_qk(
+            qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+        return ops.rotary_qk(
             qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_store
         )
-        out = attn.forward(self.layer_id, q, k, v, kv_stored=kv_store is not None)
-        out = out.reshape(n, self.num_heads * self.head_dim)  # n may be 0: a CP rank with no tokens
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, hidden]
+        out = out.reshape(out.shape[0], self.num_heads * self.head_dim)  # T may be 0 (a CP rank)
         return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
@@ -63,24 +64,48 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
+    def begin(
         self,
         x: torch.Tensor,  # [T, hidden]: the previous layer's output (not yet added to the residual)
         residual: torch.Tensor | None,  # [T, hidden] running residual stream; None before layer 0
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: BaseAttentionBackend,
-        on_kv: Callable[[], None] | None = None,  # called once this layer's KV store is queued
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, residual stream before it)
+        kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # see ops.rotary_qk
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
+        """Everything before attention: the residual add, the norm, q/k/v with rotary (and the
+        K/V store into ``kv_store``)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, attn)
+        q, k, v = self.self_attn.project_qkv(h, cos, sin, kv_store)
+        return q, k, v, residual
+
+    def end(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's MLP output, residual stream before it)
+        """Everything after attention: output projection, residual add, norm, MLP."""
+        h, residual = self.post_attention_layernorm.add_forward(
+            self.self_attn.project_out(attn_out), residual
+        )
+        return self.mlp(h), residual
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: BaseAttentionBackend,
+        on_kv: Callable[[], None] | None = None,  # called once this layer's KV store is queued
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # see begin and end
+        layer_id = self.self_attn.layer_id
+        kv_store = attn.kv_store_target(layer_id)  # set: the rotary kernel stores K/V in the pool
+        q, k, v, residual = self.begin(x, residual, cos, sin, kv_store)
+        out = attn.forward(layer_id, q, k, v, kv_stored=kv_store is not None)
         if on_kv is not None:
             on_kv()
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.end(out, residual)
 
 
 class LanguageModel(nn.Module):

@@ -62,7 +62,11 @@ class Qwen2_5_VLModel(nn.Module):
         logits_indices: torch.Tensor | None = None,  # rows whose logits are wanted; None = all
         on_layer_kv: Callable[[int], None] | None = None,  # see LanguageModel.forward
     ) -> torch.Tensor:
-        hidden = self.model(input_embeds, positions, attn, on_layer_kv)
+        return self.logits(self.model(input_embeds, positions, attn, on_layer_kv), logits_indices)
+
+    def logits(
+        self, hidden: torch.Tensor, logits_indices: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [rows, vocab] fp32 of the final hidden states [T, hidden]
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()  # [rows, vocab] fp32
+        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
