@@ -95,6 +95,9 @@ class Envs:
     internal_token: str = field(default="", repr=False)
     # STAGESERVE_API_KEY: the key the router's public API requires (the default of its --api-key).
     api_key: str = field(default="", repr=False)
+    # GLIBC_TUNABLES (read by glibc itself): when it sets glibc.malloc.mmap_threshold or
+    # trim_threshold, services.common.malloc leaves malloc's thresholds as glibc set them
+    glibc_tunables: str = ""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Envs:
@@ -115,4 +118,5 @@ class Envs:
             trace_console=env.get("STAGESERVE_TRACE_CONSOLE", "") == "1",
             internal_token=env.get(INTERNAL_TOKEN_ENV, "").strip(),
             api_key=env.get(API_KEY_ENV, "").strip(),
+            glibc_tunables=env.get("GLIBC_TUNABLES", ""),
         )

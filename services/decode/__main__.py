@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from services.common.envs import Envs
+from services.common.malloc import tune_malloc
 from services.common.service_main import internal_credentials_or_exit, setup_logging
 from services.decode.app import run
 from services.decode.config import parse_config
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_config(argv)
     setup_logging("decode", config.log_level, config.log_format)
     envs = Envs.from_environ()
+    tune_malloc(envs)
     auth = internal_credentials_or_exit(
         "decode", envs, config.internal_token_file, config.allow_unauthenticated
     )

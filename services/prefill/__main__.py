@@ -15,6 +15,7 @@ from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.errors import StageServeError
 from services.common.kv_transfer import KV_BACKEND_HELP
+from services.common.malloc import tune_malloc
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
 from services.common.service_main import (
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("prefill", config.log_level, config.log_format)
     envs = Envs.from_environ()
+    tune_malloc(envs)
     auth = internal_credentials_or_exit(
         "prefill", envs, config.internal_token_file, config.allow_unauthenticated
     )

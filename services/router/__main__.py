@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.common.auth import API_KEY, AuthConfigError, Credentials
 from services.common.envs import API_KEY_ENV, Envs
+from services.common.malloc import tune_malloc
 from services.common.service_main import (
     add_common_args,
     internal_credentials_or_exit,
@@ -302,6 +303,7 @@ async def serve(cfg: RouterConfig, metrics_port: int, access: RouterAccess) -> N
 
 def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
+    tune_malloc(envs)
     args = build_parser(envs).parse_args(argv)
     cfg = config_from_args(args)
     setup_logging("router", cfg.log_level, cfg.log_format)

@@ -15,6 +15,7 @@ import sys
 from services.common.auth import Credentials
 from services.common.envs import Envs
 from services.common.errors import StageServeError
+from services.common.malloc import tune_malloc
 from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
 from services.common.service_main import (
@@ -152,6 +153,7 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
+    tune_malloc(envs)
     try:
         config, args = parse_config(argv, envs)
         setup_logging("tokenizer", config.log_level, config.log_format)

@@ -9,6 +9,7 @@ import sys
 
 from services.common.auth import Credentials
 from services.common.envs import Envs
+from services.common.malloc import tune_malloc
 from services.common.ranks.errors import RankStartError
 from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import (
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging("vision_encoder", config.log_level, config.log_format)
     envs = Envs.from_environ()
+    tune_malloc(envs)
     auth = internal_credentials_or_exit(
         "vision_encoder", envs, config.internal_token_file, config.allow_unauthenticated
     )

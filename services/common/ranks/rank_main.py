@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.envs import Envs
+from services.common.malloc import tune_malloc
 from services.common.ranks.channel import Malformed, RankChannel
 from services.common.ranks.messages import (
     Hello,
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     rank_field.rank = str(args.rank) if args.rank >= 0 else "?"
     if args.parent_pid:
         die_with_parent(args.parent_pid)
+    tune_malloc(Envs.from_environ())
     channel = RankChannel(args.leader)
     try:
         try:
