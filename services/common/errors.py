@@ -102,6 +102,15 @@ class AbortedError(StageServeError):
     openai_type = "cancelled"
 
 
+class ImageDataNeededError(StageServeError):
+    """A worker was sent an image by hash alone and does not hold its bytes; nothing happened, and
+    the caller sends the call again with them (internal: never a client's error)."""
+
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 500
+    openai_type = "internal_error"
+
+
 class ModelLoadError(StageServeError):
     """A checkpoint directory cannot be loaded as asked (missing, extra or mis-shaped tensor, unknown architecture)."""
 

@@ -27,6 +27,7 @@ from services.common.service_main import (
 )
 from services.prefill.app import PrefillApp, check_backends
 from services.prefill.config import PrefillConfig, check_block_tokens, rank_devices
+from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 
@@ -96,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         "checks); when full, new requests get RESOURCE_EXHAUSTED",
     )
     p.add_argument(
+        "--image-store-mb",
+        type=int,
+        default=256,
+        help="MiB of compressed image bytes held (least recently used out first), so that a "
+        "router sends an image's bytes once: later calls name it by its hash alone",
+    )
+    p.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
         default=1024,
@@ -115,6 +123,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         "max_queued_requests",
         "watchdog_s",
         "max_kv_ref_nonces",
+        "image_store_mb",
         "ranks",
         "cp_min_tokens",
         "step_timeout_s",
@@ -171,7 +180,8 @@ async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> 
     )
     health = HealthState()
     kv_refs = KvRefVerifier(signing.key_of(auth.token if auth else ""), config.max_kv_ref_nonces)
-    servicer = PrefillServicer(config.default_timeout_s, kv_refs)
+    images = ImageStore(config.image_store_mb * 1024 * 1024)
+    servicer = PrefillServicer(config.default_timeout_s, kv_refs, images)
     server, port = create_server(
         [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
         config.port,

@@ -25,6 +25,9 @@ KV_TRANSFER_S = telemetry.histogram("prefill_kv_transfer_seconds", "Time of one 
 EMBEDDING_ROWS_USED = telemetry.gauge(
     "prefill_embedding_rows_used", "Embedding buffer rows held by requests (encoding, waiting or quarantined)"
 )
+IMAGE_STORE_BYTES = telemetry.gauge(
+    "prefill_image_store_bytes", "Image bytes held for calls that name an image by hash alone"
+)
 QUEUED = telemetry.gauge("prefill_queued_requests", "Requests waiting for a batch (queued, encoding or ready)")
 
 STALLED = telemetry.gauge(

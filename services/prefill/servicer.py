@@ -14,6 +14,8 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.wire import KvRefInfo, kv_ref_from_proto, sampling_params_from_proto
+from services.prefill import metrics
+from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.leader import PrefillLeader
 from services.prefill.request import PrefillInput
@@ -26,16 +28,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     """Answers UNAVAILABLE until ``attach`` hands it a started leader (model loaded).
 
     Every KvRef passes ``kv_refs.verify`` before the leader sees the request, so no
-    connection or write happens for a KvRef decode did not issue for it.
+    connection or write happens for a KvRef decode did not issue for it. An image sent by
+    hash alone comes from ``images`` (image_store.py); one it does not hold fails the call
+    before the KvRef is verified, so the caller's resend with the bytes can still use it.
     """
 
     def __init__(
         self,
         default_timeout_s: float,
         kv_refs: KvRefVerifier,
+        images: ImageStore,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.leader: PrefillLeader | None = None
+        self.images = images
         self._default_timeout_s = default_timeout_s
         self._kv_refs = kv_refs
         self._clock = clock
@@ -56,7 +62,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             request_id=request.request_id,
             **{
                 "gen_ai.usage.input_tokens": len(request.token_ids),
-                "prefill.num_images": len(request.images),
+                "prefill.num_images": len({s.content_hash for s in request.image_spans}),
+                "prefill.num_images_sent": len(request.images),
             },
         ) as span:  # queueing, the images' Encode, the forward and the KV write: all its children
             if self.leader is None:
@@ -85,7 +92,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if not request.HasField("kv_ref"):
             raise InvalidRequestError("kv_ref is missing", param="kv_ref")
         kv_ref = kv_ref_from_proto(request.kv_ref)
+        sent = {image.content_hash: image.data for image in request.images}
+        images = self.images.resolve((s.content_hash for s in request.image_spans), sent)
         self._kv_refs.verify(kv_ref, request.request_id)
+        self.images.put(sent)
+        metrics.IMAGE_STORE_BYTES.set(self.images.num_bytes)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)  # the current span: prefill.request
         prefill_input = PrefillInput(
@@ -101,7 +112,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             prompt_embeds=request.prompt_embeds,
             embeds_dtype=request.prompt_embeds_dtype,
         )
-        return kv_ref, prefill_input, {image.content_hash: image.data for image in request.images}
+        return kv_ref, prefill_input, images
 
     def _deadline(
         self, deadline_unix_ms: int, grpc_remaining_s: float | None, kv_ref_expires_unix_ms: int

@@ -43,6 +43,7 @@ from services.common.server import (
     current_request_id,
 )
 from services.decode.servicer import DecodeServicer
+from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import PrefillServicer
 
@@ -74,7 +75,7 @@ KINDS = [
     Kind(
         "prefill",
         prefill_pb2_grpc.add_PrefillServicer_to_server,
-        lambda: PrefillServicer(60.0, KvRefVerifier(b"k", 16)),
+        lambda: PrefillServicer(60.0, KvRefVerifier(b"k", 16), ImageStore(1 << 20)),
         prefill_pb2.DESCRIPTOR.services_by_name["Prefill"],
     ),
     Kind(

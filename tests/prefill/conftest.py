@@ -40,6 +40,7 @@ from services.engine.processing.image import content_hash
 from services.engine.sampler import SamplingParams
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
+from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from tests.conftest import TINY_MODEL_DIR, image_bytes
@@ -151,6 +152,7 @@ class Harness:
     encoder: FakeVisionEncoder
     decode: DecodePool
     health: HealthState
+    images: ImageStore
     servers: list[grpc.aio.Server] = field(default_factory=list)
 
     @property
@@ -230,8 +232,9 @@ async def start_harness(
     health = HealthState()
     app.leader.on_serving = health.set_serving
     await app.start()
+    images = ImageStore(config.image_store_mb * 1024 * 1024)
     servicer = PrefillServicer(
-        config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces)
+        config.default_timeout_s, KvRefVerifier(KEY, config.max_kv_ref_nonces), images
     )
     servicer.attach(app.leader)
     server, port = create_server(
@@ -245,7 +248,13 @@ async def start_harness(
     )  # as services.prefill.__main__ does
     decode = DecodePool(language_model.config)
     return Harness(
-        app, PrefillClient(f"127.0.0.1:{port}"), encoder, decode, health, [server, *servers]
+        app,
+        PrefillClient(f"127.0.0.1:{port}"),
+        encoder,
+        decode,
+        health,
+        images,
+        [server, *servers],
     )
 
 

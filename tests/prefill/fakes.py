@@ -56,8 +56,8 @@ class DecodePool(cp_ranks.DecodePool):
 
 
 class FakeVisionEncoder(vision_encoder_pb2_grpc.VisionEncoderServicer):
-    """Encodes every span with the real ViT (no cache), writes rows to every destination over shm;
-    ``mode`` injects faults."""
+    """Encodes every span with the real ViT (no cache: a span sent without bytes needs them),
+    writes rows to every destination over shm; ``mode`` injects faults."""
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
@@ -84,6 +84,11 @@ class FakeVisionEncoder(vision_encoder_pb2_grpc.VisionEncoderServicer):
                     SpanResult(
                         span.span.content_hash, SpanStatus.INVALID_IMAGE, False, 0, "not an image"
                     )
+                )
+                continue
+            if not span.image_data:  # no cache here: every image needs its bytes
+                results.append(
+                    SpanResult(span.span.content_hash, SpanStatus.NEEDS_IMAGE_DATA, False)
                 )
                 continue
             rows = self._encode(span.image_data)

@@ -13,7 +13,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.common.errors import (
+    DeadlineExceededError,
+    ImageDataNeededError,
+    InvalidRequestError,
+    UnavailableError,
+)
 from services.common.types import FinishReason, TokenizedPrompt
 from services.engine.sampler import SamplingParams
 from tests.conftest import image_bytes, sdk_provider
@@ -165,10 +170,10 @@ async def test_kv_transfer_failure_is_unavailable_and_frees_pages(
 
 
 async def test_bad_requests_are_invalid_argument(pipeline, harness: Harness) -> None:
+    greedy = SamplingParams(temperature=0.0)
     case = standard_cases(pipeline)[1]
     span = case.prompt.spans[0]
     bad_prompts = {
-        "no image bytes": msgspec.structs.replace(case.prompt, images={}),
         "span over text": msgspec.structs.replace(
             case.prompt, spans=(msgspec.structs.replace(span, offset=span.offset - 1),)
         ),
@@ -187,6 +192,18 @@ async def test_bad_requests_are_invalid_argument(pipeline, harness: Harness) -> 
             await harness.client.prefill(
                 f"bad-{name}", prompt, case.request.params, kv_ref, time.time() + 30
             )
+    # an image named by hash alone that the worker never got: the caller must send its bytes
+    unsent = make_case(pipeline, "no-bytes", "And this?", [image_bytes(70, 50, seed=99)], greedy)
+    kv_ref = harness.decode.kv_ref(harness.decode.reserve("no-bytes", len(unsent.prompt.token_ids)))
+    with pytest.raises(ImageDataNeededError, match="send their bytes") as needed:
+        await harness.client.prefill(
+            "no-bytes",
+            msgspec.structs.replace(unsent.prompt, images={}),
+            unsent.request.params,
+            kv_ref,
+            time.time() + 30,
+        )
+    assert needed.value.param == "images"
     text = standard_cases(pipeline)[0]
     n = len(text.prompt.token_ids)
     short = harness.decode.kv_ref(

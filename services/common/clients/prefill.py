@@ -18,7 +18,8 @@ import msgspec
 from services.common import telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
-from services.common.errors import DeadlineExceededError
+from services.common.clients.sent_hashes import REMEMBERED_IMAGES, SentHashes
+from services.common.errors import DeadlineExceededError, ImageDataNeededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
@@ -43,13 +44,26 @@ class PrefillResult(msgspec.Struct, frozen=True):
 
 
 class PrefillClient:
-    """Client of one prefill worker at ``address`` ("host:port")."""
+    """Client of one prefill worker at ``address`` ("host:port").
 
-    def __init__(self, address: str, *, auth: Credentials | None = None) -> None:
+    It sends an image's bytes only until a call with them succeeded; later calls name the
+    image by its hash and the worker takes the bytes from its image store. When the worker no
+    longer holds one (evicted, restarted) it answers ``ImageDataNeededError`` before doing
+    anything (the KvRef still unused), and the call goes again once with every image's bytes.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth: Credentials | None = None,
+        remembered_images: int = REMEMBERED_IMAGES,
+    ) -> None:
         """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
         self._channel = create_channel(address, auth=auth)
         self._stub = prefill_pb2_grpc.PrefillStub(self._channel)
+        self._sent = SentHashes(remembered_images)  # hashes whose bytes this worker got
 
     async def prefill(
         self,
@@ -68,18 +82,38 @@ class PrefillClient:
         Raises the ``StageServeError`` the worker answered with (``InvalidRequestError``,
         ``CapacityError``, ``UnavailableError``, ``DeadlineExceededError``, ...).
         """
+        held = frozenset(h for h in prompt.images if h in self._sent)
+        try:
+            response = await self._prefill(
+                prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_s, held),
+                request_id,
+                deadline_s,
+            )
+        except ImageDataNeededError:
+            if not held:
+                raise
+            self._sent.forget(held)
+            response = await self._prefill(
+                prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_s),
+                request_id,
+                deadline_s,
+            )
+        self._sent.remember(prompt.images)
+        return prefill_result_from_proto(response)
+
+    async def _prefill(
+        self, request: prefill_pb2.PrefillRequest, request_id: str, deadline_s: float
+    ) -> prefill_pb2.PrefillResponse:
         timeout_s = deadline_s - time.time()
         if timeout_s <= 0:
             raise DeadlineExceededError(
                 f"prefill of {request_id} not sent: its deadline has passed"
             )
-        request = prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_s)
         metadata = telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
         try:
-            response = await self._stub.Prefill(request, timeout=timeout_s, metadata=metadata)
+            return await self._stub.Prefill(request, timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, service="prefill") from exc
-        return prefill_result_from_proto(response)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -101,6 +135,7 @@ def prefill_request_to_proto(
     params: SamplingParams,
     kv_ref: KvRefInfo,
     deadline_s: float,
+    held: frozenset[str] = frozenset(),  # images the worker holds: sent by hash alone
 ) -> prefill_pb2.PrefillRequest:
     request = prefill_pb2.PrefillRequest(
         request_id=request_id,
@@ -113,7 +148,8 @@ def prefill_request_to_proto(
         prompt_embeds_dtype=prompt.prompt_embeds_dtype,
     )
     for content_hash, data in prompt.images.items():  # add(): the bytes are copied once
-        request.images.add(content_hash=content_hash, data=data)
+        if content_hash not in held:
+            request.images.add(content_hash=content_hash, data=data)
     return request
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import grpc
@@ -20,14 +19,13 @@ import msgspec
 from services.common import telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
+from services.common.clients.sent_hashes import REMEMBERED_IMAGES, SentHashes
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, vision_encoder_pb2, vision_encoder_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import ImageSpanRef
 from services.transfer.embeddings import EmbeddingDestination
-
-REMEMBERED_IMAGES = 4096  # content hashes whose bytes the encoder got (64 bytes each)
 
 
 class EncodeSpanInput(msgspec.Struct, frozen=True):
@@ -77,8 +75,7 @@ class VisionEncoderClient:
         self.address = address
         self._channel = create_channel(address, auth=auth)
         self._stub = vision_encoder_pb2_grpc.VisionEncoderStub(self._channel)
-        self._sent: OrderedDict[str, None] = OrderedDict()  # hashes the encoder got, LRU order
-        self._max_sent = remembered_images
+        self._sent = SentHashes(remembered_images)  # hashes the encoder got bytes for
 
     async def encode(
         self,
@@ -107,12 +104,13 @@ class VisionEncoderClient:
         results = await self._encode(request_id, light, destinations, deadline)
         needed = {r.content_hash for r in results if r.status is SpanStatus.NEEDS_IMAGE_DATA}
         if needed and any(s.image_data for s in spans):  # it wrote nothing: again, with bytes
-            for content_hash in needed:
-                self._sent.pop(content_hash, None)
+            self._sent.forget(needed)
             results = await self._encode(request_id, spans, destinations, deadline)
-        for span, result in zip(spans, results, strict=False):
-            if result.status is SpanStatus.WRITTEN:
-                self._remember(span.span.content_hash)
+        self._sent.remember(
+            s.span.content_hash
+            for s, r in zip(spans, results, strict=False)
+            if r.status is SpanStatus.WRITTEN
+        )
         return results
 
     async def _encode(
@@ -133,12 +131,6 @@ class VisionEncoderClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, service="vision_encoder") from exc
         return [span_result_from_proto(r) for r in response.results]
-
-    def _remember(self, content_hash: str) -> None:
-        self._sent[content_hash] = None
-        self._sent.move_to_end(content_hash)
-        while len(self._sent) > self._max_sent:
-            self._sent.popitem(last=False)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -53,7 +53,9 @@ class PrefillServicer:
         Errors: INVALID_ARGUMENT (bad spans or images, prompt too long, a kv_ref decode did
         not issue for this request, expired or already used; see KvRef),
         RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (encoder or decode's transfer engine
-        unreachable, transfer failed), DEADLINE_EXCEEDED, CANCELLED.
+        unreachable, transfer failed), DEADLINE_EXCEEDED, CANCELLED, FAILED_PRECONDITION
+        (ImageDataNeededError: a span's image was neither sent nor held; nothing happened and
+        kv_ref is still unused, so the call can be sent again with the bytes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
