@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument(
         "--cuda-graph-max-tokens",
         type=int,
-        default=1024,
+        default=640,
         help="a CUDA rank runs a pass of up to this many tokens (not CP-sharded) on CUDA graphs "
         "of every layer but attention, captured at start for token sizes up to it; 0 runs "
         "every pass eagerly (CPU ranks always do)",

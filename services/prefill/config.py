@@ -36,7 +36,7 @@ class PrefillConfig(ServiceConfig):
     cp_min_tokens: int = 2048  # a batch with fewer prompt tokens runs on one rank
     step_timeout_s: float = 60.0  # a plan's deadline on the ranks; a rank past it is declared dead
     image_store_mb: int = 256  # image bytes held for calls that name an image by hash alone
-    cuda_graph_max_tokens: int = 1024  # unsharded passes up to this many tokens: graphs; 0: eager
+    cuda_graph_max_tokens: int = 640  # unsharded passes up to this many tokens: graphs; 0: eager
 
     @property
     def num_ranks(self) -> int:

@@ -26,8 +26,9 @@ def test_token_sizes_and_the_flag() -> None:
 
     assert token_sizes_up_to(0) == ()
     assert token_sizes_up_to(100) == (16, 32, 64, 100)
-    assert token_sizes_up_to(1024)[-1] == 1024 and len(set(token_sizes_up_to(1024))) == 10
-    assert rank_init(parse_args([])).cuda_graph_max_tokens == 1024
+    assert token_sizes_up_to(640)[-1] == 640 and len(set(token_sizes_up_to(640))) == 12
+    assert token_sizes_up_to(2048)[-2:] == (640, 2048)
+    assert rank_init(parse_args([])).cuda_graph_max_tokens == 640
     assert rank_init(parse_args(["--cuda-graph-max-tokens", "0"])).cuda_graph_max_tokens == 0
     with pytest.raises(SystemExit):
         parse_args(["--cuda-graph-max-tokens", "-1"])
