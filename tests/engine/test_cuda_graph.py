@@ -9,31 +9,17 @@ only the scratch page.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from benchmarks.random_model import CONFIG_7B, build_random_model
 from services.engine.attention import ForwardMode
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
-from tests.conftest import TINY_MODEL_DIR
 
 pytestmark = pytest.mark.gpu
 
 PROMPT_LENS = [5, 40, 77]
 NUM_STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def small_config_dir(tmp_path_factory):
-    raw = json.loads((TINY_MODEL_DIR / "config.json").read_text())
-    raw.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
-               num_hidden_layers=3, torch_dtype="bfloat16",
-               rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    path = tmp_path_factory.mktemp("small128")
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
 
 
 @pytest.fixture(autouse=True)

@@ -6,8 +6,6 @@ the pieces are CUDA graphs and attention is flashinfer's, compared in bf16."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -111,17 +109,6 @@ def test_a_pass_above_the_largest_size_runs_eagerly() -> None:
     runner.prefill_graphs.forward = lambda *a, **k: calls.append(a)
     logits = runner.forward(ForwardMode.EXTEND, _passes(runner, model.config.text.vocab_size)[0])
     assert logits.shape == (2, model.config.text.vocab_size) and calls == []
-
-
-@pytest.fixture(scope="module")
-def small_config_dir(tmp_path_factory):
-    raw = json.loads((TINY_MODEL_DIR / "config.json").read_text())
-    raw.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
-               num_hidden_layers=3, torch_dtype="bfloat16",
-               rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    path = tmp_path_factory.mktemp("small128")
-    (path / "config.json").write_text(json.dumps(raw))
-    return path
 
 
 @pytest.mark.gpu
