@@ -38,8 +38,9 @@ class ImageStore:
             else:
                 missing.append(content_hash)
         if missing:
+            names = ", ".join(missing)
             raise ImageDataNeededError(
-                f"this prefill worker does not hold image(s) {', '.join(missing)}: send their bytes",
+                f"this prefill worker does not hold image(s) {names}: send their bytes",
                 param="images",
             )
         for content_hash in images:
