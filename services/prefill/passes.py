@@ -8,6 +8,7 @@ tokens (``CpShard``): nothing is merged after the shard.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,17 +45,17 @@ def request_rows(
 
 def chunk_input(request: RankRequest, rows: RequestRows, start: int, end: int) -> StepInput:
     """Tokens ``[start, end)`` as an EXTEND input over the prefix ``[0, start)``."""
-    picked = [(i, p - start) for i, p in enumerate(rows.image_positions) if start <= p < end]
-    embeds = None
-    if picked and rows.image_embeds is not None:
-        embeds = rows.image_embeds[torch.tensor([i for i, _ in picked], dtype=torch.long)]
+    # image rows are in prompt order: the chunk's are one run of them
+    lo = bisect.bisect_left(rows.image_positions, start)
+    hi = bisect.bisect_left(rows.image_positions, end)
+    embeds = rows.image_embeds[lo:hi] if hi > lo and rows.image_embeds is not None else None
     return StepInput(
         request.request_id,
         list(request.token_ids[start:end]),
         rows.positions[:, start:end],
         start,
         embeds,
-        [r for _, r in picked] or None,
+        [p - start for p in rows.image_positions[lo:hi]] or None,
     )
 
 
@@ -93,49 +94,59 @@ def build_pass(
     rows: Sequence[RequestRows],
     segments: Sequence[PassSegment],
 ) -> PassInput:
-    table, page_size = runner.page_table, runner.page_size
+    table = runner.page_table
     num_tokens = sum(s.end - s.start for s in segments)
-    local = shard.local_indices(num_tokens)
+    is_whole = shard.world_size == 1  # every token is this rank's: no index juggling
+    local = shard.local_indices(num_tokens)  # ascending packed indices
     slots, embeds, positions = [], [], []
     seq_lens: list[int] = []
     extend_lens: list[int] = []
     page_tables: list[list[int]] = []
     logits_rows: list[int] = []
     logits_requests: list[int] = []
-    local_of = {packed: row for row, packed in enumerate(local)}
     offset = 0
     for seg in segments:
         request, req_rows = requests[seg.request], rows[seg.request]
-        mine = [i - offset for i in local if offset <= i < offset + seg.end - seg.start]
+        length = seg.end - seg.start
+        lo = bisect.bisect_left(local, offset)  # this segment's local tokens: local[lo:hi]
+        hi = bisect.bisect_left(local, offset + length)
         slots.append(table.slots(request.request_id, seg.start, seg.end))
-        if mine:
-            index = torch.tensor(mine, dtype=torch.long)
+        if hi > lo:
             chunk = merged_embeds(runner, request, req_rows, seg.start, seg.end)
-            embeds.append(chunk[index.to(chunk.device)])
-            positions.append(req_rows.positions[:, seg.start : seg.end][:, index])
-            runs = local_runs(
-                [seg.start + i for i in mine], table.pages(request.request_id), page_size
-            )
+            seg_positions = req_rows.positions[:, seg.start : seg.end]
+            pages = table.pages(request.request_id)
+            if hi - lo == length:  # the whole segment: one run
+                embeds.append(chunk)
+                positions.append(seg_positions)
+                runs = [seg.end], [length], [pages]
+            else:
+                mine = [i - offset for i in local[lo:hi]]
+                index = torch.tensor(mine, dtype=torch.long)
+                embeds.append(chunk[index.to(chunk.device)])
+                positions.append(seg_positions[:, index])
+                runs = local_runs([seg.start + i for i in mine], pages, runner.page_size)
             seq_lens += runs[0]
             extend_lens += runs[1]
             page_tables += runs[2]
-        last = offset + seg.end - seg.start - 1
-        if seg.end == request.num_tokens and last in local_of:
-            logits_rows.append(local_of[last])
+        last = offset + length - 1
+        if seg.end == request.num_tokens and hi > lo and local[hi - 1] == last:
+            logits_rows.append(hi - 1)  # its row among this rank's tokens
             logits_requests.append(seg.request)
-        offset += seg.end - seg.start
+        offset += length
     packed_slots = torch.cat(slots)
-    order = [i for r in range(shard.world_size) for i in shard.local_indices(num_tokens, r)]
+    if is_whole:
+        local_slots = gathered_slots = packed_slots
+    else:
+        order = [i for r in range(shard.world_size) for i in shard.local_indices(num_tokens, r)]
+        local_slots = (
+            packed_slots[torch.tensor(local, dtype=torch.long)]
+            if local
+            else torch.zeros(0, dtype=torch.long)
+        )
+        gathered_slots = packed_slots[torch.tensor(order, dtype=torch.long)]
     hidden = runner.model.config.text.hidden_size
     batch = AttentionBatch(
-        ForwardMode.EXTEND,
-        seq_lens,
-        extend_lens,
-        page_tables,
-        page_size,
-        packed_slots[torch.tensor(local, dtype=torch.long)]
-        if local
-        else torch.zeros(0, dtype=torch.long),
+        ForwardMode.EXTEND, seq_lens, extend_lens, page_tables, runner.page_size, local_slots
     )
     return PassInput(
         torch.cat(embeds)
@@ -143,7 +154,7 @@ def build_pass(
         else torch.zeros(0, hidden, dtype=runner.dtype, device=runner.device),
         torch.cat(positions, dim=1) if positions else torch.zeros(3, 0, dtype=torch.long),
         batch,
-        packed_slots[torch.tensor(order, dtype=torch.long)],
+        gathered_slots,
         shard.sizes(num_tokens),
         logits_rows,
         logits_requests,

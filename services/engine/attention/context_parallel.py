@@ -46,16 +46,19 @@ class CpShard:
     def local_indices(self, num_tokens: int, rank: int | None = None) -> list[int]:
         """Packed indices of ``rank``'s tokens (this rank by default), ascending."""
         rank = self.rank if rank is None else rank
+        if self.world_size == 1:
+            return list(range(num_tokens))
         block, step = self.block_tokens, self.block_tokens * self.world_size
-        return [
-            i
-            for start in range(rank * block, num_tokens, step)
-            for i in range(start, min(start + block, num_tokens))
-        ]
+        indices: list[int] = []
+        for start in range(rank * block, num_tokens, step):
+            indices.extend(range(start, min(start + block, num_tokens)))
+        return indices
 
     def sizes(self, num_tokens: int) -> list[int]:
         """Tokens of each rank in a pass of ``num_tokens``."""
-        return [len(self.local_indices(num_tokens, r)) for r in range(self.world_size)]
+        block, step = self.block_tokens, self.block_tokens * self.world_size
+        full, rest = divmod(num_tokens, step)
+        return [full * block + min(max(rest - r * block, 0), block) for r in range(self.world_size)]
 
 
 def local_runs(
