@@ -84,6 +84,30 @@ def latency_stats(values_s: Sequence[float]) -> LatencyStats | None:
     return LatencyStats(len(ms), float(ms.mean()), float(p50), float(p90), float(p99))
 
 
+def steady_output_throughput(records: Sequence[RequestRecord]) -> float | None:
+    """Output tokens per second while every client of a closed-loop run had a request in flight.
+
+    The window runs from the first request's end (before it the first wave's prompts are still
+    being prefilled) to the last request's start (after it the clients go idle one by one):
+    the load's ramp and drain, which a run's total throughput includes, are left out. A
+    token's time is its content chunk's (TTFT, then the per-token ITL summed). None when the
+    window is empty (too few requests per client) or no successful request reported ITLs.
+    """
+    ok = [r for r in records if r.outcome is Outcome.OK and r.ttft_s is not None]
+    if not ok:
+        return None
+    begin = min(r.start_s + (r.e2e_s or 0.0) for r in ok)
+    end = max(r.start_s for r in records)
+    if end <= begin or not any(r.itl_s for r in ok):
+        return None
+    num_tokens = 0
+    for record in ok:
+        assert record.ttft_s is not None
+        times = record.start_s + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
+        num_tokens += int(np.count_nonzero((times >= begin) & (times <= end)))
+    return num_tokens / (end - begin)
+
+
 def _mean(values: list[int]) -> float | None:
     return float(np.mean(values)) if values else None
 

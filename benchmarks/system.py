@@ -22,7 +22,7 @@ import shlex
 from dataclasses import dataclass
 
 from benchmarks.report import command_line, fmt, markdown_table, write_run_section
-from benchmarks.serve_metrics import Slo, summarize
+from benchmarks.serve_metrics import Slo, steady_output_throughput, summarize
 from benchmarks.system_load import (
     CPU_UP,
     GPU_UP,
@@ -41,6 +41,7 @@ from services.cli import BUNDLED_MODEL
 SECTION_TITLE = "## System (`python -m benchmarks.system`)"
 STEP = ("step", "decode", "stageserve_decode_step_seconds")  # decode's step histogram
 MESSAGES = ("messages", "decode", "stageserve_decode_stream_messages_total")
+PREFILL = ("prefill", "prefill", "stageserve_prefill_forward_seconds")  # per batch
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Level:
 
     concurrency: int
     output_tok_s: float
+    steady_tok_s: float | None  # while every client had a request in flight
     tpot_ms: float | None
     ttft_ms: float | None
     num_ok: int
@@ -56,6 +58,8 @@ class Level:
     mean_prompt_tokens: float | None
     step_ms: float | None  # decode's in-service step (its histogram's mean over the run)
     messages_per_step: float | None  # decode -> router messages per decode step
+    prefill_ms: float | None  # prefill's in-service forward per batch (its histogram's mean)
+    prefill_busy: float  # the fraction of the run prefill spent in forwards
     router_cpu: tuple[float, ...]  # each router process's cores used
     decode_cpu: float  # the decode leader's cores used
 
@@ -107,7 +111,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _run_level(system: System, model: str, load: Load, num_processes: int) -> Level:
-    probe = MetricDelta(system, [MESSAGES], [STEP])
+    probe = MetricDelta(system, [MESSAGES], [STEP, PREFILL])
     pids = {**system.pids("router"), "decode": system.state()["decode"]["pid"]}
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
     records, duration_s = run_load(load, num_processes)
@@ -118,6 +122,7 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
     return Level(
         concurrency=load.concurrency,
         output_tok_s=summary.output_token_throughput,
+        steady_tok_s=steady_output_throughput(records),
         tpot_ms=summary.tpot.mean if summary.tpot else None,
         ttft_ms=summary.ttft.mean if summary.ttft else None,
         num_ok=summary.num_ok,
@@ -125,6 +130,8 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
         mean_prompt_tokens=summary.mean_prompt_tokens,
         step_ms=histogram_mean_ms(delta, "step"),
         messages_per_step=delta["messages"] / num_steps if num_steps else None,
+        prefill_ms=histogram_mean_ms(delta, "prefill"),
+        prefill_busy=delta["prefill sum"] / duration_s,
         router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"),
         decode_cpu=cpu["decode"],
     )
@@ -140,12 +147,16 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
         "system tok/s",
         "engine bound tok/s",
         "system/bound",
+        "steady tok/s",
+        "steady/bound",
         "TPOT ms",
         "engine step ms",
         "TPOT/step",
         "decode step ms (in service)",
         "in-service/engine step",
         "msgs/step",
+        "prefill forward ms (in service)",
+        "prefill busy",
         "router CPU (cores each)",
         "decode leader CPU",
         "ok",
@@ -161,12 +172,16 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
             _fmt(level.output_tok_s, ".0f"),
             _fmt(bound, ".0f"),
             _fmt(bound and level.output_tok_s / bound),
+            _fmt(level.steady_tok_s, ".0f"),
+            _fmt(bound and level.steady_tok_s and level.steady_tok_s / bound),
             _fmt(level.tpot_ms),
             _fmt(step),
             _fmt(level.tpot_ms and step and level.tpot_ms / step),
             _fmt(level.step_ms),
             _fmt(level.step_ms and step and level.step_ms / step),
             _fmt(level.messages_per_step),
+            _fmt(level.prefill_ms),
+            _fmt(level.prefill_busy),
             " / ".join(f"{c:.2f}" for c in level.router_cpu),
             f"{level.decode_cpu:.2f}",
             f"{level.num_ok}/{level.num_requests}",
@@ -186,6 +201,11 @@ NOTES = [
     "rank's pipelined loop, `benchmarks/engine_rows.py:",
     "decode_loop`, at context prompt + output/2); prefill "
     "and decode share the one GPU, so their times add.",
+    "*steady tok/s*: the output rate while every client had a request in flight (from the",
+    "first request's end to the last one's start: the first wave's prefill queue and the drain",
+    "left out; `benchmarks/serve_metrics.py: steady_output_throughput`). *prefill forward ms*:",
+    "prefill's forward per batch in service (its histogram's mean); *prefill busy*: the",
+    "fraction of the run it spent in forwards.",
     "*engine step* is that loop's step; *TPOT* the "
     "client's mean time per output token; *decode step (in",
     "service)* decode's own step histogram over the run; "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serve_client import Outcome, RequestRecord, per_token_itl
-from benchmarks.serve_metrics import Slo, summarize
+from benchmarks.serve_metrics import Slo, steady_output_throughput, summarize
 from benchmarks.serve_workload import IntRange, WorkloadSpec, arrival_offsets, make_requests
 from tests.benchmarks.conftest import WordCounter
 
@@ -36,6 +36,26 @@ def _ok(
         completion_tokens=completion_tokens,
         itl_s=[tpot_s] * (completion_tokens - 1),
     )
+
+
+def _timed(start_s: float, ttft_s: float, itl_s: list[float]) -> RequestRecord:
+    record = RequestRecord(0, 50, len(itl_s) + 1, 0, Outcome.OK, start_s=start_s, ttft_s=ttft_s)
+    record.e2e_s, record.itl_s = ttft_s + sum(itl_s), itl_s
+    return record
+
+
+def test_steady_throughput_counts_tokens_between_the_first_end_and_the_last_start():
+    records = [
+        _timed(0.0, 1.0, [1.0, 1.0]),  # tokens at 1, 2, 3; ends at 3: the window's start
+        _timed(0.0, 2.0, [1.0] * 5),  # 2 .. 7: 3, 4, 5 inside
+        _timed(3.0, 1.0, [1.0] * 3),  # 4 .. 7: 4, 5 inside
+        _timed(5.0, 0.5, [1.0]),  # starts at 5, the window's end; tokens at 5.5, 6.5
+        RequestRecord(0, 50, 4, 0, Outcome.FAILED, start_s=1.0),
+    ]
+    assert steady_output_throughput(records) == pytest.approx((1 + 3 + 2) / 2.0)
+    # every request started before the first one ended: no window
+    assert steady_output_throughput(records[:2]) is None
+    assert steady_output_throughput([]) is None
 
 
 def test_summary_percentiles_throughput_and_goodput():
