@@ -83,7 +83,7 @@ def validate_prompt(
             f"the prompt has {len(token_ids)} tokens; the context limit is {limits.max_context_len}",
             param="token_ids",
         )
-    if any(not 0 <= t < limits.vocab_size for t in token_ids):
+    if min(token_ids) < 0 or max(token_ids) >= limits.vocab_size:
         raise InvalidRequestError(
             f"token ids must be in [0, {limits.vocab_size})", param="token_ids"
         )
@@ -95,7 +95,7 @@ def validate_prompt(
                 f"image_spans[{i}]: no image bytes for hash {span.content_hash!r}", param="images"
             )
         cursor = span.offset + span.length
-    num_placeholders = sum(t == limits.image_token_id for t in token_ids)
+    num_placeholders = token_ids.count(limits.image_token_id)
     if num_placeholders != sum(span.length for span in spans):
         raise InvalidRequestError(
             f"the prompt has {num_placeholders} image placeholder tokens but its spans cover "
@@ -125,9 +125,8 @@ def _check_span(
             f"(merge size {merge})",
             param="image_spans",
         )
-    if any(
-        tok != limits.image_token_id for tok in token_ids[span.offset : span.offset + span.length]
-    ):
+    placeholders = token_ids[span.offset : span.offset + span.length]
+    if placeholders.count(limits.image_token_id) != span.length:
         raise InvalidRequestError(
             f"image_spans[{i}] covers non-placeholder tokens", param="image_spans"
         )

@@ -38,7 +38,10 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
             span.set_attribute("request_id", request.request_id)
             span.set_attribute("num_spans", len(request.spans))
             job = self._job_from_proto(request, context)
-            await asyncio.to_thread(validate_job, job, self._limits)  # hashes every image's bytes
+            if any(s.image_data for s in job.spans):  # hashing megabytes: off the event loop
+                await asyncio.to_thread(validate_job, job, self._limits)
+            else:  # spans by hash alone: checks of a few fields, no thread hop
+                validate_job(job, self._limits)
             results = await self._leader.encode(job)
             span.set_attribute("num_cache_hits", sum(r.is_cache_hit for r in results))
         return vision_encoder_pb2.EncodeResponse(results=[span_result_to_proto(r) for r in results])
