@@ -58,6 +58,7 @@ HISTOGRAMS = (
     ("tokenize ms", "tokenizer", "stageserve_tokenizer_tokenize_seconds"),
     ("router prefill ms", "router", "stageserve_request_prefill_time_seconds"),
     ("encode ms", "vision_encoder", "stageserve_vision_encoder_encode_seconds"),
+    ("prefetch ms", "vision_encoder", "stageserve_vision_encoder_cache_only_seconds"),
     ("ViT ms", "vision_encoder", "stageserve_vision_encoder_vit_seconds"),
     ("preprocess ms", "vision_encoder", "stageserve_vision_encoder_preprocess_seconds"),
     ("prefill ms", "prefill", "stageserve_prefill_latency_seconds"),
@@ -66,6 +67,7 @@ HISTOGRAMS = (
 COUNTERS = (
     ("cache hits", "vision_encoder", "stageserve_vision_encoder_cache_hits_total"),
     ("cache misses", "vision_encoder", "stageserve_vision_encoder_cache_misses_total"),
+    ("prefetched", "vision_encoder", "stageserve_vision_encoder_cache_only_spans_total"),
 )
 
 
@@ -229,12 +231,16 @@ NOTES = [
     "loading. *tokenize ms*: the tokenizer's Tokenize",
     "call. *router prefill ms*: the router's Reserve + Prefill phase (the call's transfer of the",
     "image bytes to prefill included). *encode ms*: the encoder's Encode",
-    "call (arrival to rows written into prefill's buffer); *ViT ms* and *preprocess ms*: a rank's",
+    "call (arrival to rows written into prefill's buffer); *prefetch ms*: the router's",
+    "cache_only Encode of the request's images, sent once the request is admitted (arrival to",
+    "rows cached); *ViT ms* and *preprocess ms*: a rank's",
     "forward and its decoding and pixel preparation per batch; *prefill ms*: a Prefill call's",
     "arrival to its first token with the KV written (the wait for the embeddings included);",
     "*prefill forward ms*: the forward pass and sampling. Each is its histogram's mean over the",
-    "row's requests (`-`: not observed). Cache hits and misses: the encoder's image spans over",
-    "the row; the cached row's first request (a miss) is left out. The issue's targets on one",
+    "row's requests (`-`: not observed). Cache hits and misses: the image spans of the Encode",
+    "calls that wrote rows over the row (a hit: no ViT run of its own, the router's prefetch",
+    "having encoded it), *prefetched*: the image spans of the router's cache_only calls; the",
+    "cached row's first request is left out. The issue's targets on one",
     "H200: fresh 1920x1080 <= 150 ms, cached <= 90 ms, 640x480 <= 60 ms.",
 ]
 

@@ -82,6 +82,13 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
         "--policy", choices=[n.value for n in PolicyName], default=PolicyName.ROUND_ROBIN.value
     )
     p.add_argument(
+        "--no-image-prefetch",
+        dest="prefetch_images",
+        action="store_false",
+        help="leave a request's images to prefill's Encode call (default: with one encoder, "
+        "send them to its cache as soon as the request is admitted)",
+    )
+    p.add_argument(
         "--health-interval-s", type=float, default=1.0, help="seconds between worker health polls"
     )
     p.add_argument(
@@ -248,6 +255,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         http_host=args.http_host or args.host,
         http_port=args.http_port,
         http_reuse_port=args.http_reuse_port,
+        prefetch_images=args.prefetch_images,
         metrics_port=args.metrics_port,
         log_level=args.log_level.upper(),
         log_format=args.log_format,

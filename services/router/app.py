@@ -17,6 +17,7 @@ from services.common.auth import Credentials
 from services.common.clients.decode import DecodeClient
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.tokenizer import TokenizerClient
+from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.pb.stageserve.v1 import router_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.engine.processing import TextProcessor
@@ -43,6 +44,7 @@ CLIENTS: dict[WorkerKind, Callable[..., Any]] = {  # (address, *, auth) -> clien
     WorkerKind.TOKENIZER: TokenizerClient,
     WorkerKind.PREFILL: PrefillClient,
     WorkerKind.DECODE: DecodeClient,
+    WorkerKind.ENCODER: VisionEncoderClient,  # health, and the images' cache_only prefetch
 }
 
 
@@ -99,6 +101,7 @@ class RouterApp:
             limits.default_max_tokens,
             flow=cfg.flow,
             model_name=cfg.served_model_name,
+            prefetch_images=cfg.prefetch_images,
         )
         self.health_generate = None
         if cfg.health_generate_interval_s > 0:

@@ -91,6 +91,7 @@ class RouterConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     http_reuse_port: bool = False  # share http_port with other router processes (SO_REUSEPORT)
+    prefetch_images: bool = True  # a request's images to the encoder's cache once admitted
     metrics_port: int = 0
     log_level: str = "INFO"
     log_format: str = "text"  # text | json

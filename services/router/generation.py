@@ -3,7 +3,8 @@
 Request lifecycle in the router:
   tokenize   -> a tokenizer worker turns the prompt or chat (images as bytes) into ids
   admit      -> the request takes one of the admission slots, or waits in the FIFO
-                admission queue, or gets 429 (admission.py)
+                admission queue, or gets 429 (admission.py); its images go to the encoder
+                at once, into its cache (prefetch.py), while the steps below run
   reserve    -> a decode worker reserves KV pages for prompt + max_new_tokens; when every
                 decode worker is out of pages the request waits in the queue again
   prefill    -> prefill writes the prompt's KV into those pages, returns the first token
@@ -53,6 +54,7 @@ from services.router.metrics import RequestStats, RouterMetrics
 from services.router.output import DetokenizerFactory, OutputAssembler
 from services.router.peers import DecodePeer, TokenizerPeer
 from services.router.placement import KvJob, Placer, Reservation
+from services.router.prefetch import ImagePrefetcher
 from services.router.progress import StallBound
 from services.router.registry import WorkerRegistry
 from services.router.types import GenerationDelta, GenerationRequest
@@ -76,6 +78,7 @@ class GenerationPipeline:
         flow: FlowConfig = FlowConfig(),
         *,
         model_name: str,
+        prefetch_images: bool = True,
     ) -> None:
         self._registry = registry
         self._model_name = model_name  # the served name, on the request's span
@@ -89,6 +92,7 @@ class GenerationPipeline:
         )
         self._bound = StallBound(registry, flow.stall_timeout_s)
         self._placer = Placer(registry, self.admission, self._bound, metrics, self._spawn)
+        self._prefetch = ImagePrefetcher(registry, self._spawn, is_enabled=prefetch_images)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """The request's deltas, the last with finish_reason and usage.
@@ -171,6 +175,7 @@ class GenerationPipeline:
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
         job = KvJob(request.request_id, prompt, params, deadline_s)
         with self.admission.ticket(request.request_id) as ticket:
+            self._prefetch.start(request.request_id, prompt, _remaining(deadline_s))
             place_started = time.perf_counter()
             reservation, result = await self._placer.place(job, ticket)
             emit.stats.placed(ticket.waited_s, time.perf_counter() - place_started)

@@ -11,7 +11,7 @@ class WorkerKind(enum.Enum):
     TOKENIZER = "tokenizer"
     PREFILL = "prefill"
     DECODE = "decode"
-    ENCODER = "vision_encoder"  # polled for health only; prefill calls it itself
+    ENCODER = "vision_encoder"  # polled for health; prefill calls Encode, the router prefetches
 
 
 class Hop(enum.Enum):

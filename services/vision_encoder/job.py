@@ -19,6 +19,7 @@ class EncodeJob(msgspec.Struct, frozen=True):
     spans: tuple[EncodeSpanInput, ...]  # prompt order
     destinations: tuple[EmbeddingDestination, ...]  # one per prefill rank; each gets every row
     deadline: float  # time.monotonic() seconds
+    cache_only: bool = False  # encode into the owners' caches, write nowhere (no destinations)
     num_replans: int = 0  # times planned again after a rank's cache disagreed with the ledger
 
 
@@ -34,7 +35,12 @@ def validate_job(job: EncodeJob, limits: JobLimits) -> None:
     Checks every destination, and every span's hash (SHA-256 of its bytes, when sent), grid,
     length and destination rows; the image bytes themselves are decoded by the owner rank.
     """
-    if job.spans and not job.destinations:
+    if job.cache_only and job.destinations:
+        raise InvalidRequestError(
+            "a cache_only call writes nowhere: embedding_refs must be empty",
+            param="embedding_refs",
+        )
+    if job.spans and not job.destinations and not job.cache_only:
         raise InvalidRequestError(
             "embedding_refs is empty: nowhere to write the rows", param="embedding_refs"
         )

@@ -180,6 +180,9 @@ class EncoderLeader:
             m.requests.labels(outcome=type(outcome).__name__).inc()
         elif any(r.status is SpanStatus.NEEDS_IMAGE_DATA for r in outcome):
             m.requests.labels(outcome="needs_image_data").inc()
+        elif job.cache_only:  # its spans are counted by the call that writes them
+            m.requests.labels(outcome="ok").inc()
+            m.cache_only_spans.inc(len(outcome))
         else:
             m.requests.labels(outcome="ok").inc()
             num_hits = sum(r.is_cache_hit for r in outcome)
@@ -187,7 +190,8 @@ class EncoderLeader:
             m.cache_misses.inc(len(outcome) - num_hits)
             m.mm_cache_queries.inc(len(outcome))
             m.mm_cache_hits.inc(num_hits)
-        m.encode_latency.observe(time.monotonic() - arrival)
+        latency = m.cache_only_latency if job.cache_only else m.encode_latency
+        latency.observe(time.monotonic() - arrival)
         if future.done():
             return
         if isinstance(outcome, BaseException):

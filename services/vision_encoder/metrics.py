@@ -51,7 +51,15 @@ class VisionEncoderMetrics:
             "mm_cache_hits", "Image spans found in the embedding cache", registry=registry
         )
         self.encode_latency = histogram(
-            "encode_seconds", "Encode call latency, arrival to rows written"
+            "encode_seconds",
+            "Encode call latency, arrival to rows written (cache_only calls aside)",
+        )
+        self.cache_only_latency = histogram(
+            "cache_only_seconds", "cache_only Encode call latency, arrival to rows cached"
+        )
+        self.cache_only_spans = counter(
+            "cache_only_spans",
+            "Image spans of successful cache_only calls (encoded ahead, or found cached)",
         )
         # each rank's share of the steps
         self.images_encoded = counter("images_encoded", "Distinct images run through the ViT", RANK)

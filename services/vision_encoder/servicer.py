@@ -37,6 +37,7 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
         with _tracer.start_as_current_span("vision_encoder.encode", context=parent) as span:
             span.set_attribute("request_id", request.request_id)
             span.set_attribute("num_spans", len(request.spans))
+            span.set_attribute("cache_only", request.cache_only)
             job = self._job_from_proto(request, context)
             if any(s.image_data for s in job.spans):  # hashing megabytes: off the event loop
                 await asyncio.to_thread(validate_job, job, self._limits)
@@ -56,6 +57,7 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
             spans=tuple(encode_span_from_proto(s) for s in request.spans),
             destinations=tuple(embedding_destination_from_proto(r) for r in request.embedding_refs),
             deadline=time.monotonic() + timeout_s,
+            cache_only=request.cache_only,
         )
 
     def _timeout_s(self, deadline_unix_ms: int, grpc_remaining_s: float | None) -> float:

@@ -196,7 +196,7 @@ class EncoderWorker:
     def _send(self, job: RankJob, rows_by_hash: dict[str, torch.Tensor], deadline: float) -> int:
         """Write this rank's spans of ``job`` into every destination; bytes written."""
         mine = [s for s in job.spans if s.owner_rank == self.rank]
-        if not mine:
+        if not mine or not job.destinations:  # a cache_only job: its rows are cached already
             return 0
         parts = [rows_by_hash[s.content_hash] for s in mine]
         runs: list[RowRun] = []

@@ -27,11 +27,14 @@ def test_quick_run_writes_its_rows_and_keeps_the_other_sections(quick_benchmark)
     for row in rows.values():
         assert row["ok"] == "2/2" and row["TTFT p50 ms"] != "-"
     assert rows["text only"]["encode ms"] == "-" and rows["text only"]["cache misses"] == "0"
-    for name in ("fresh 320x180", "fresh 160x120"):  # a new image every request: all misses
-        assert (rows[name]["cache misses"], rows[name]["cache hits"]) == ("2", "0"), name
-        assert rows[name]["ViT ms"] != "-"
-    cached = rows["cached 320x180"]  # the first (a miss) left out: all hits, no ViT forward
+    for name in ("fresh 320x180", "fresh 160x120"):  # a new image every request
+        row = rows[name]  # the router's prefetch encodes each; prefill's Encode finds it
+        assert row["prefetched"] == "2" and row["prefetch ms"] != "-", name
+        assert int(row["cache misses"]) + int(row["cache hits"]) == 2, name
+        assert row["ViT ms"] != "-"
+    cached = rows["cached 320x180"]  # the first left out: all hits, no ViT forward, no prefetch
     assert (cached["cache hits"], cached["cache misses"], cached["ViT ms"]) == ("2", "0", "-")
+    assert cached["prefetched"] == "0"
     assert (
         int(cached["prompt tokens"])
         > int(rows["fresh 160x120"]["prompt tokens"])

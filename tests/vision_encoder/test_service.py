@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import grpc
 import msgspec
 import pytest
 import torch
@@ -15,6 +16,7 @@ from services.common.clients.vision_encoder import (
     SpanResult,
     SpanStatus,
     VisionEncoderClient,
+    encode_request_to_proto,
 )
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.engine.sampler import SamplingParams
@@ -287,3 +289,53 @@ async def test_an_image_s_bytes_are_sent_until_the_encoder_holds_it(enc, image_p
 
 async def _forget_cache(enc) -> None:
     enc.app.leader.on_group_down()
+
+
+async def test_a_cache_only_call_encodes_ahead_and_writes_nowhere(enc, image_processor) -> None:
+    """The router's prefetch: a ``cache_only`` call runs the ViT into the owner's cache and
+    touches no buffer; the call that writes the rows then hits it. The client sends each
+    distinct image once and nothing for images it already got cached."""
+    image, other = image_bytes(66, 54, seed=31), image_bytes(54, 66, seed=32)
+    prefill = enc.prefill()
+    client = RecordingClient(enc.address)
+    try:
+        spans = spans_for(image_processor, [image, other, image])
+        refs = [s.span for s in spans]
+        data = {s.span.content_hash: s.image_data for s in spans}
+        encoded, hits, misses = (
+            enc.counter(n) for n in ("images_encoded", "cache_hits", "cache_misses")
+        )
+        cached = enc.counter("cache_only_spans")
+        results = await client.cache("pre", refs, data, 30)
+        assert [r.status for r in results] == [SpanStatus.WRITTEN] * 2  # each image once
+        assert client.sent == [[len(image), len(other)]]
+        assert torch.isnan(prefill.buffer.tensor).all()  # nothing written anywhere
+        assert enc.counter("images_encoded") - encoded == 2
+        assert enc.counter("cache_only_spans") - cached == 2
+        # hits and misses count the calls that write rows only
+        assert (enc.counter("cache_hits") - hits, enc.counter("cache_misses") - misses) == (0, 0)
+        assert await client.cache("again", refs, data, 30) == []  # known cached: nothing sent
+        assert len(client.sent) == 1
+
+        num_rows = sum(s.span.length for s in spans)
+        written = await enc.encode("req", spans, prefill.destination("req", 0, num_rows))
+        assert [r.is_cache_hit for r in written] == [True, True, True]
+        assert enc.counter("images_encoded") - encoded == 2  # no ViT run for the writing call
+    finally:
+        await client.close()
+
+
+async def test_cache_only_takes_no_destination_and_a_write_needs_one(enc, image_processor) -> None:
+    span = span_input(image_processor, image_bytes(40, 40, seed=33), 0)
+    dst = enc.prefill().destination("x", 0, span.span.length)
+    client = VisionEncoderClient(enc.address)
+    try:
+        for cache_only, refs in ((True, [dst]), (False, [])):
+            request = encode_request_to_proto("x", [span], refs)
+            request.cache_only = cache_only
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client._stub.Encode(request, timeout=30)
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "embedding_refs" in info.value.details()
+    finally:
+        await client.close()

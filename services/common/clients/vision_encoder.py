@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 import msgspec
@@ -113,18 +113,50 @@ class VisionEncoderClient:
         )
         return results
 
+    async def cache(
+        self,
+        request_id: str,
+        spans: Sequence[ImageSpanRef],
+        images: Mapping[str, bytes],
+        timeout_s: float,
+    ) -> list[SpanResult]:
+        """Encode the images of ``spans`` (bytes by hash in ``images``) into the encoder's
+        cache, writing nowhere (``cache_only``).
+
+        Each distinct image goes once; those this client already got cached (or sent with a
+        call that succeeded) are left out, and with none left nothing is sent and the result
+        is ``[]``. Otherwise one result per image sent, in order: ``WRITTEN`` once its rows
+        are cached. Raises as ``encode`` does.
+        """
+        todo: list[EncodeSpanInput] = []
+        row = 0  # rows are not written: each span gets its own range, as every call's must
+        for span in {s.content_hash: s for s in spans}.values():
+            data = images.get(span.content_hash, b"")
+            if data and span.content_hash not in self._sent:
+                todo.append(EncodeSpanInput(span, data, row))
+                row += span.length
+        if not todo:
+            return []
+        deadline = time.monotonic() + timeout_s
+        results = await self._encode(request_id, todo, [], deadline, cache_only=True)
+        self._sent.remember(r.content_hash for r in results if r.status is SpanStatus.WRITTEN)
+        return results
+
     async def _encode(
         self,
         request_id: str,
         spans: Sequence[EncodeSpanInput],
         destinations: list[EmbeddingDestination],
         deadline: float,
+        *,
+        cache_only: bool = False,
     ) -> list[SpanResult]:
         timeout_s = deadline - time.monotonic()
         if timeout_s <= 0:
             raise DeadlineExceededError(f"encode of {request_id} not sent: no time left")
         deadline_ms = int((time.time() + timeout_s) * 1000)
         request = encode_request_to_proto(request_id, spans, destinations, deadline_ms)
+        request.cache_only = cache_only
         metadata = telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
         try:
             response = await self._stub.Encode(request, timeout=timeout_s, metadata=metadata)

@@ -25,23 +25,23 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"stageserve/v1/vision_encoder.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"Z\n\nEncodeSpan\x12&\n\x04span\x18\x01 \x01(\x0b\x32\x18.stageserve.v1.ImageSpan\x12\x12\n\nimage_data\x18\x02 \x01(\x0c\x12\x10\n\x08\x64\x65st_row\x18\x03 \x01(\r\"\x9c\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05spans\x18\x02 \x03(\x0b\x32\x19.stageserve.v1.EncodeSpan\x12\x33\n\x0e\x65mbedding_refs\x18\x03 \x03(\x0b\x32\x1b.stageserve.v1.EmbeddingRef\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\"\x8e\x01\n\nSpanResult\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.stageserve.v1.SpanStatus\x12\x14\n\x0cis_cache_hit\x18\x03 \x01(\x08\x12\x12\n\nowner_rank\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\"<\n\x0e\x45ncodeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.stageserve.v1.SpanResult*\xb4\x01\n\nSpanStatus\x12\x1b\n\x17SPAN_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SPAN_STATUS_WRITTEN\x10\x01\x12\x1d\n\x19SPAN_STATUS_INVALID_IMAGE\x10\x02\x12\x16\n\x12SPAN_STATUS_FAILED\x10\x03\x12 \n\x1cSPAN_STATUS_NEEDS_IMAGE_DATA\x10\x04\x12\x17\n\x13SPAN_STATUS_SKIPPED\x10\x05\x32V\n\rVisionEncoder\x12\x45\n\x06\x45ncode\x12\x1c.stageserve.v1.EncodeRequest\x1a\x1d.stageserve.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"stageserve/v1/vision_encoder.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"Z\n\nEncodeSpan\x12&\n\x04span\x18\x01 \x01(\x0b\x32\x18.stageserve.v1.ImageSpan\x12\x12\n\nimage_data\x18\x02 \x01(\x0c\x12\x10\n\x08\x64\x65st_row\x18\x03 \x01(\r\"\xb0\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x05spans\x18\x02 \x03(\x0b\x32\x19.stageserve.v1.EncodeSpan\x12\x33\n\x0e\x65mbedding_refs\x18\x03 \x03(\x0b\x32\x1b.stageserve.v1.EmbeddingRef\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\x12\x12\n\ncache_only\x18\x05 \x01(\x08\"\x8e\x01\n\nSpanResult\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.stageserve.v1.SpanStatus\x12\x14\n\x0cis_cache_hit\x18\x03 \x01(\x08\x12\x12\n\nowner_rank\x18\x04 \x01(\r\x12\x15\n\rerror_message\x18\x05 \x01(\t\"<\n\x0e\x45ncodeResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.stageserve.v1.SpanResult*\xb4\x01\n\nSpanStatus\x12\x1b\n\x17SPAN_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13SPAN_STATUS_WRITTEN\x10\x01\x12\x1d\n\x19SPAN_STATUS_INVALID_IMAGE\x10\x02\x12\x16\n\x12SPAN_STATUS_FAILED\x10\x03\x12 \n\x1cSPAN_STATUS_NEEDS_IMAGE_DATA\x10\x04\x12\x17\n\x13SPAN_STATUS_SKIPPED\x10\x05\x32V\n\rVisionEncoder\x12\x45\n\x06\x45ncode\x12\x1c.stageserve.v1.EncodeRequest\x1a\x1d.stageserve.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stageserve.v1.vision_encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPANSTATUS']._serialized_start=540
-  _globals['_SPANSTATUS']._serialized_end=720
+  _globals['_SPANSTATUS']._serialized_start=560
+  _globals['_SPANSTATUS']._serialized_end=740
   _globals['_ENCODESPAN']._serialized_start=81
   _globals['_ENCODESPAN']._serialized_end=171
   _globals['_ENCODEREQUEST']._serialized_start=174
-  _globals['_ENCODEREQUEST']._serialized_end=330
-  _globals['_SPANRESULT']._serialized_start=333
-  _globals['_SPANRESULT']._serialized_end=475
-  _globals['_ENCODERESPONSE']._serialized_start=477
-  _globals['_ENCODERESPONSE']._serialized_end=537
-  _globals['_VISIONENCODER']._serialized_start=722
-  _globals['_VISIONENCODER']._serialized_end=808
+  _globals['_ENCODEREQUEST']._serialized_end=350
+  _globals['_SPANRESULT']._serialized_start=353
+  _globals['_SPANRESULT']._serialized_end=495
+  _globals['_ENCODERESPONSE']._serialized_start=497
+  _globals['_ENCODERESPONSE']._serialized_end=557
+  _globals['_VISIONENCODER']._serialized_start=742
+  _globals['_VISIONENCODER']._serialized_end=828
 # @@protoc_insertion_point(module_scope)

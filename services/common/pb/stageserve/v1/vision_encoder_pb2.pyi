@@ -34,16 +34,18 @@ class EncodeSpan(_message.Message):
     def __init__(self, span: _Optional[_Union[_common_pb2.ImageSpan, _Mapping]] = ..., image_data: _Optional[bytes] = ..., dest_row: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "spans", "embedding_refs", "deadline_unix_ms")
+    __slots__ = ("request_id", "spans", "embedding_refs", "deadline_unix_ms", "cache_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_REFS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     spans: _containers.RepeatedCompositeFieldContainer[EncodeSpan]
     embedding_refs: _containers.RepeatedCompositeFieldContainer[_common_pb2.EmbeddingRef]
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[EncodeSpan, _Mapping]]] = ..., embedding_refs: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    cache_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., spans: _Optional[_Iterable[_Union[EncodeSpan, _Mapping]]] = ..., embedding_refs: _Optional[_Iterable[_Union[_common_pb2.EmbeddingRef, _Mapping]]] = ..., deadline_unix_ms: _Optional[int] = ..., cache_only: _Optional[bool] = ...) -> None: ...
 
 class SpanResult(_message.Message):
     __slots__ = ("content_hash", "status", "is_cache_hit", "owner_rank", "error_message")

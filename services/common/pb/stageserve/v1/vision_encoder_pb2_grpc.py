@@ -59,6 +59,7 @@ class VisionEncoderServicer:
         destination) fails the whole call with INVALID_ARGUMENT naming the span, since the
         prompt is unusable without it; RESOURCE_EXHAUSTED when the batch does not fit,
         UNAVAILABLE when a destination cannot be written, DEADLINE_EXCEEDED past the deadline.
+        With cache_only, the rows go into the owner ranks' caches only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
