@@ -34,7 +34,8 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
     ) -> vision_encoder_pb2.EncodeResponse:
         """Write every span's rows into every ``embedding_refs`` buffer; one result per span."""
         parent = telemetry.extract_context(context.invocation_metadata())
-        with _tracer.start_as_current_span("vision_encoder.encode", context=parent) as span:
+        name = "vision_encoder.cache" if request.cache_only else "vision_encoder.encode"
+        with _tracer.start_as_current_span(name, context=parent) as span:
             span.set_attribute("request_id", request.request_id)
             span.set_attribute("num_spans", len(request.spans))
             span.set_attribute("cache_only", request.cache_only)

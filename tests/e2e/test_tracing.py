@@ -3,8 +3,8 @@
 
 The request carries a client ``traceparent``; its spans must form one trace under it with
 the stage links the design names, and no orphan: router.request -> tokenizer.tokenize,
-decode.reserve, prefill.request (-> vision_encoder.encode, prefill.forward, kv.transfer),
-decode.generate. A failed request's root span has status ERROR.
+decode.reserve, vision_encoder.cache (the router's image prefetch), prefill.request
+(-> vision_encoder.encode, prefill.forward, kv.transfer), decode.generate. A failed request's root span has status ERROR.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ PARENTS = {  # span -> the span it must be a child of
     "tokenizer.tokenize": "router.request",
     "decode.reserve": "router.request",
     "prefill.request": "router.request",
+    "vision_encoder.cache": "router.request",  # the router's prefetch of the image
     "vision_encoder.encode": "prefill.request",
     "prefill.forward": "prefill.request",
     "kv.transfer": "prefill.request",
