@@ -99,8 +99,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_UP_LINE = re.compile(r"stageserve is up: OpenAI API at http://[^/]+:(\d+)/v1")
+
+
+def up_http_port(line: str) -> int | None:
+    """The HTTP port of ``up``'s "stageserve is up" line; None for any other line."""
+    match = _UP_LINE.match(line)
+    return int(match.group(1)) if match else None
+
+
 def up_command(port: int, workdir: Path, up_args: Sequence[str] = ()) -> list[str]:
-    """``stageserve up`` on ``port``, its state file and logs in ``workdir``, then ``up_args``."""
+    """``stageserve up`` on ``port`` (0: the router binds a free one and ``up`` prints it),
+    its state file and logs in ``workdir``, then ``up_args``."""
     return [
         *(sys.executable, "-m", "services.cli", "up", "--port", str(port)),
         *("--state-file", str(workdir / "state.json"), "--log-dir", str(workdir / "logs")),
@@ -108,8 +118,11 @@ def up_command(port: int, workdir: Path, up_args: Sequence[str] = ()) -> list[st
     ]
 
 
-def start_system(up_args: list[str], workdir: Path, port: int) -> System:
-    """``stageserve up`` with ``up_args``; returns once it says it is up (output: the log)."""
+def start_system(up_args: list[str], workdir: Path, port: int = 0) -> System:
+    """``stageserve up`` with ``up_args``; returns once it says it is up (output: the log).
+
+    ``port`` 0: the router binds a free port and the system takes it from ``up``'s line (a port
+    picked here beforehand can be taken by another socket before the router binds it)."""
     workdir.mkdir(parents=True, exist_ok=True)
     state_file = workdir / "state.json"
     cmd = up_command(port, workdir, up_args)
@@ -122,7 +135,9 @@ def start_system(up_args: list[str], workdir: Path, port: int) -> System:
         assert process.stdout is not None
         for line in process.stdout:
             system.output.append(line.rstrip())
-            if line.startswith("stageserve is up"):
+            http_port = up_http_port(line)
+            if http_port is not None:
+                system.http_port = http_port
                 is_up.set()
 
     threading.Thread(target=read, daemon=True).start()
@@ -152,7 +167,7 @@ def running_system(up_args: list[str], workdir: Path | None, prefix: str) -> Ite
     """``stageserve up`` in ``workdir`` (None: a new temporary one named ``prefix``...), stopped
     on the way out; its exit code is then ``system.process.returncode``."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix=prefix))
-    system = start_system(up_args, workdir, free_port())
+    system = start_system(up_args, workdir)
     try:
         yield system
     finally:

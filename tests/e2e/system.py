@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.system_load import free_port, up_command
+from benchmarks.system_load import up_command, up_http_port
 from tests.conftest import REPO
 
 READY_TIMEOUT_S = 300
@@ -109,12 +109,11 @@ class System:
 def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = None) -> System:
     """``stageserve up`` in ``workdir``; ``env``: the launcher's environment (default: this
     process's)."""
-    port = free_port()
-    cmd = up_command(port, workdir, extra_args)
+    cmd = up_command(0, workdir, extra_args)  # the router binds a free port; up prints it
     process = subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    system = System(process, port, workdir)
+    system = System(process, 0, workdir)
     up = threading.Event()
 
     def read() -> None:
@@ -122,7 +121,9 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
         for line in process.stdout:
             system.output.append(line.rstrip())
             system.output_mono.append(time.monotonic())  # after the line: a reader sees both
-            if line.startswith("stageserve is up"):
+            http_port = up_http_port(line)
+            if http_port is not None:
+                system.http_port = http_port
                 up.set()
 
     threading.Thread(target=read, daemon=True).start()
