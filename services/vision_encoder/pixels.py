@@ -1,7 +1,7 @@
 """Pixels for one ViT call: the encoder rank's one preprocessing function (the device seam).
 
-Images are decoded on the CPU (``decode_image``: a bad file is one job's error). This
-function turns the decoded images of a step into the ViT's input on the rank's device, by
+Images are decoded on the CPU (``decode_pixels``: a bad file is one job's error). This
+function turns the decoded pixels of a step into the ViT's input on the rank's device, by
 one of two methods (``--pixel-method``; ``auto`` picks by device):
 - ``pil`` (CPU ranks): resize, rescale, normalize and patchify on the CPU, bit-exact with
   transformers' PIL processor; the patches are copied to ``device``;
@@ -38,19 +38,20 @@ def resolve_method(name: str, device: torch.device) -> PixelMethod:
 
 def prepare_pixels(
     processor: ImageProcessor,
-    images: Sequence[Image.Image],
+    images: Sequence[np.ndarray],
     device: torch.device,
     method: PixelMethod,
 ) -> torch.Tensor:
-    """The ViT input of ``images``, in order: [sum of patches, C * t * p * p] float32 on ``device``.
+    """The ViT input of ``images`` ([H, W, 3] uint8 each), in order: [sum of patches,
+    C * t * p * p] float32 on ``device``.
 
-    Each image's grid is ``processor.grid_for(image)``. The torch method's device work may
+    Each image's grid is ``processor.grid_for_size(H, W)``. The torch method's device work may
     still be running when this returns (the caller synchronizes to time it).
     """
     if method is PixelMethod.PIL:
-        patches = [processor.preprocess(image).pixel_values for image in images]
+        patches = [processor.preprocess(Image.fromarray(a)).pixel_values for a in images]
         return torch.cat(patches).to(device)
-    return _torch_pixels(processor, [np.asarray(image) for image in images], device)
+    return _torch_pixels(processor, list(images), device)
 
 
 def _torch_pixels(

@@ -3,7 +3,8 @@
 ``EncoderWorker.execute(payload, received_mono)`` works on the spans this rank owns: it
 takes the cached rows of its LOCAL_HIT spans (one that is not cached goes into the
 manifest as missing, and this rank sends nothing for its job: the leader plans the job
-again), decodes the images it must encode, turns them into pixels and runs ONE ViT
+again), decodes the images it must encode (on up to ``DECODE_THREADS`` threads: libjpeg-turbo and
+PIL decode without the GIL), turns them into pixels and runs ONE ViT
 forward over all of them, caches the new rows, then writes each job's owned rows into
 each of the job's destinations with one batched transfer. A job's failure (bad image,
 grid mismatch, transfer error) is reported for that job only; the other jobs go on.
@@ -13,16 +14,19 @@ Anything else it raises fails the step on every rank (the agreed error).
 from __future__ import annotations
 
 import io
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from PIL import Image
 
 from services.common.errors import InvalidRequestError, StageServeError
 from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.processing.image import ImageProcessor, decode_image
+from services.engine.processing.image import ImageProcessor, decode_pixels
 from services.engine.vision_graph import VisionGraphs
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
 from services.vision_encoder.cache import EmbeddingCacheManager
@@ -40,6 +44,7 @@ from services.vision_encoder.rank_messages import (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Owned = tuple[RankJob, RankSpan]
 WARMUP_SIZES = ((56, 56), (448, 336))  # (width, height): a batch of two, as calls come
+DECODE_THREADS = 4  # a step's distinct images decode in parallel, up to this many at once
 
 
 @dataclass
@@ -85,6 +90,9 @@ class EncoderWorker:
             if vit_cuda_graphs and self.device.type == "cuda"
             else None
         )
+        self._decoders = ThreadPoolExecutor(
+            min(DECODE_THREADS, os.cpu_count() or 1), thread_name_prefix=f"decode-{rank}"
+        )
 
     def execute(self, payload: EncodeStepPayload, received_mono: float) -> EncodeStepResult:
         owned = [(j, s) for j in payload.jobs for s in j.spans if s.owner_rank == self.rank]
@@ -123,8 +131,8 @@ class EncoderWorker:
         for size in WARMUP_SIZES:
             buf = io.BytesIO()
             Image.new("RGB", size, (127, 127, 127)).save(buf, format="PNG")
-            images.append(decode_image(buf.getvalue(), self.max_image_bytes))
-        grids = [self.processor.grid_for(image) for image in images]
+            images.append(decode_pixels(buf.getvalue(), self.max_image_bytes))
+        grids = [self.processor.grid_for_size(*image.shape[:2]) for image in images]
         for _ in range(3 if self.vit_graphs is not None else 1):
             self._vit(self._pixels(images), grids)
 
@@ -147,16 +155,15 @@ class EncoderWorker:
             if span.action is SpanAction.OWNER_ENCODE:
                 users.setdefault(span.content_hash, []).append((job, span))
         start = time.perf_counter()
-        decoded: dict[str, Image.Image] = {}
+        decoded: dict[str, np.ndarray] = {}
         grids: list[tuple[int, int, int]] = []
-        for content_hash, spans in users.items():  # first appearance order
-            try:
-                image = decode_image(images[content_hash], self.max_image_bytes)
-            except InvalidRequestError as exc:
+        pixels_by_hash = self._decode([images[h] for h in users])
+        for (content_hash, spans), image in zip(users.items(), pixels_by_hash, strict=True):
+            if isinstance(image, InvalidRequestError):  # first appearance order
                 for job, span in spans:
-                    step.fail(job, _bad_image(span, exc))
+                    step.fail(job, _bad_image(span, image))
                 continue
-            grid = self.processor.grid_for(image)
+            grid = self.processor.grid_for_size(*image.shape[:2])
             for job, span in spans:
                 if span.grid_thw != grid:
                     step.fail(job, _grid_mismatch(span, grid))
@@ -175,8 +182,21 @@ class EncoderWorker:
             step.rows[content_hash] = rows
             self.cache.insert(content_hash, rows, grid)
 
+    def _decode(self, datas: list[bytes]) -> list[np.ndarray | InvalidRequestError]:
+        """Each image's [H, W, 3] uint8 pixels, or why its bytes are not an image."""
+
+        def decode(data: bytes) -> np.ndarray | InvalidRequestError:
+            try:
+                return decode_pixels(data, self.max_image_bytes)
+            except InvalidRequestError as exc:
+                return exc
+
+        if len(datas) == 1:
+            return [decode(datas[0])]
+        return list(self._decoders.map(decode, datas))
+
     @torch.inference_mode()
-    def _pixels(self, images: list[Image.Image]) -> torch.Tensor:
+    def _pixels(self, images: list[np.ndarray]) -> torch.Tensor:
         pixels = prepare_pixels(self.processor, images, self.device, self.pixel_method)
         if self.device.type == "cuda":  # preprocess_s counts the device work, not its launch
             torch.cuda.synchronize(self.device)

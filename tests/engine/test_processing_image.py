@@ -18,6 +18,7 @@ from services.engine.processing.image import (
     _pil_pass_sizes,
     content_hash,
     decode_image,
+    decode_pixels,
     image_size,
     pixel_hash,
     smart_resize,
@@ -350,3 +351,86 @@ def test_preprocess_tensor_refuses_a_filter_without_a_torch_twin():
     lanczos = ImageProcessor(ImageProcessorConfig(resample=int(Image.Resampling.LANCZOS)))
     with pytest.raises(ModelLoadError, match="resample=1 has no torch path"):
         lanczos.preprocess_tensor(torch.zeros(1, 56, 56, 3, dtype=torch.uint8))
+
+
+# --- decode_pixels: decode_image's pixels, JPEGs by simplejpeg ---------------------------------
+
+
+def jpeg(image: Image.Image, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", **options)
+    return buffer.getvalue()
+
+
+def corrupted(data: bytes) -> bytes:
+    """``data`` with bytes of its entropy-coded middle overwritten (libjpeg warns or fails)."""
+    middle = len(data) * 2 // 3
+    return data[:middle] + bytes(16) + data[middle + 16 :]
+
+
+PIXEL_CASES = {
+    **{
+        f"jpeg-{w}x{h}-sub{sub}-q{q}": jpeg(make_rgb(w, h, seed=w), subsampling=sub, quality=q)
+        for w, h in [(123, 77), (8, 8), (17, 33), (640, 480)]
+        for sub in (0, 1, 2)  # 4:4:4, 4:2:2, 4:2:0
+        for q in (50, 95)
+    },
+    "jpeg-progressive": jpeg(make_rgb(99, 61), progressive=True, quality=90),
+    "jpeg-optimized": jpeg(make_rgb(99, 61), optimize=True),
+    "jpeg-restart-markers": jpeg(make_rgb(99, 61), restart_marker_blocks=3),
+    "jpeg-gray": jpeg(make_rgb(57, 31).convert("L")),
+    "jpeg-cmyk": jpeg(make_image("CMYK")),
+    **{f"jpeg-exif-{o}": with_exif(make_rgb(60, 24), "JPEG", o) for o in range(1, 9)},
+    "jpeg-xmp-6": xmp_jpeg(make_rgb(60, 24), 6),
+    "jpeg-corrupt": corrupted(jpeg(make_rgb(200, 120), quality=95)),
+    "jpeg-trailing-bytes": jpeg(make_rgb(40, 30)) + b"trailing",
+    "jpeg-bytes-before-eoi": jpeg(make_rgb(40, 30))[:-2] + b"\x00\x01\x02\xff\xd9",
+    "jpeg-cut-before-eoi": jpeg(make_rgb(200, 120))[:-2],
+    "png": encode(make_rgb(33, 21)),
+    "webp-exif-8": with_exif(make_rgb(60, 24), "WEBP", 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PIXEL_CASES))
+def test_decode_pixels_equals_decode_image(name):
+    """The encoder's decode (simplejpeg for JPEG) gives PIL's pixels, or PIL's error."""
+    data = PIXEL_CASES[name]
+    try:
+        expected = np.asarray(decode_image(data, max_bytes=1 << 22))
+    except InvalidRequestError as exc:
+        with pytest.raises(InvalidRequestError) as info:
+            decode_pixels(data, max_bytes=1 << 22)
+        assert (info.value.message, info.value.param) == (exc.message, exc.param)
+        return
+    pixels = decode_pixels(data, max_bytes=1 << 22)
+    assert pixels.dtype == np.uint8 and pixels.shape == expected.shape
+    assert np.array_equal(pixels, expected)
+
+
+def test_decode_pixels_uses_simplejpeg_for_rgb_and_gray_jpegs_only(monkeypatch):
+    import services.engine.processing.image as image_module
+
+    calls = []
+    real = image_module.simplejpeg.decode_jpeg
+
+    def counting(data, **kwargs):
+        calls.append(kwargs)
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(image_module.simplejpeg, "decode_jpeg", counting)
+    for name in ("jpeg-123x77-sub2-q95", "jpeg-gray", "jpeg-exif-6"):
+        decode_pixels(PIXEL_CASES[name], max_bytes=1 << 22)
+    assert calls == [{"colorspace": "RGB"}] * 3
+    for name in ("jpeg-cmyk", "png", "webp-exif-8"):
+        decode_pixels(PIXEL_CASES[name], max_bytes=1 << 22)
+    assert len(calls) == 3
+
+
+def test_decode_pixels_refuses_what_decode_image_refuses():
+    data = jpeg(make_rgb(200, 200))
+    with pytest.raises(InvalidRequestError, match="truncated or corrupt"):
+        decode_pixels(data[: len(data) // 2], max_bytes=1 << 20)
+    with pytest.raises(InvalidRequestError, match="the limit is 10000"):
+        decode_pixels(data, max_bytes=1 << 20, max_pixels=10_000)
+    with pytest.raises(InvalidRequestError, match="limit is 1024 bytes"):
+        decode_pixels(data, max_bytes=1024)

@@ -4,6 +4,7 @@ tolerance; the torch method on cuda:0 (``gpu``) agrees with it on the CPU and wi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,8 +23,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def images():
-    return [make_image(w, h, seed=50 + i) for i, (w, h) in enumerate(SIZES)]
+def images():  # decoded pixels, as the rank's worker has them
+    return [np.asarray(make_image(w, h, seed=50 + i)) for i, (w, h) in enumerate(SIZES)]
 
 
 def test_auto_is_torch_on_cuda_and_pil_elsewhere() -> None:
@@ -43,7 +44,7 @@ def test_torch_method_keeps_the_layout_and_the_order(image_processor, images) ->
 
 
 def vit_rows(model, processor, images, device, method) -> torch.Tensor:
-    grids = [processor.grid_for(image) for image in images]
+    grids = [processor.grid_for_size(*image.shape[:2]) for image in images]
     with torch.inference_mode(), ops.on_device(device):
         pixels = prepare_pixels(processor, images, device, method)
         return model.encode_images(pixels, grids).float().cpu()

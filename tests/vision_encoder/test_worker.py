@@ -130,3 +130,45 @@ def test_a_bad_image_fails_its_jobs_only(rig, image_processor) -> None:
         (1, "InvalidRequestError", "spans[1].image_data")
     ]
     assert not torch.isnan(buffer.rows(0, 4)).any()
+
+
+def test_a_steps_images_decode_on_the_decode_threads_in_order(
+    rig, vision_model, image_processor, monkeypatch
+) -> None:
+    import threading
+
+    import services.vision_encoder.worker as worker_module
+
+    workers, receiver, buffer = rig
+    threads = []
+    real = worker_module.decode_pixels
+
+    def decode_pixels(data, max_bytes):
+        threads.append(threading.current_thread().name)
+        return real(data, max_bytes)
+
+    monkeypatch.setattr(worker_module, "decode_pixels", decode_pixels)
+    images = [
+        image_bytes(56 + 14 * i, 70 + 28 * (i % 2), seed=70 + i, fmt=("JPEG", "PNG")[i % 2])
+        for i in range(5)
+    ]
+    spans = spans_for(image_processor, images)
+    num_rows = sum(s.span.length for s in spans)
+    junk = b"\xff\xd8\xff not a jpeg"
+    bad = msgspec.structs.replace(
+        spans[0],
+        image_data=junk,
+        span=msgspec.structs.replace(spans[0].span, content_hash=hashlib.sha256(junk).hexdigest()),
+    )
+    deadline = time.monotonic() + 30
+    jobs = [
+        EncodeJob(0, "good", tuple(spans), (receiver.destination("good", 0, num_rows),), deadline),
+        EncodeJob(1, "bad", (bad,), (receiver.destination("bad", 1000, 8),), deadline),
+    ]
+    (result,) = run_step(workers[:1], jobs, CacheLedger(1))  # one rank owns every image
+    assert [(e.job_id, e.param) for e in result.errors] == [(1, "spans[0].image_data")]
+    assert result.num_images_encoded == 5 and result.num_vit_forwards == 1
+    assert len(threads) == 6 and all(name.startswith("decode-0") for name in threads)
+    assert torch.equal(
+        buffer.rows(0, num_rows), torch.cat(reference_rows(vision_model, image_processor, images))
+    )
