@@ -26,8 +26,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.system_load import up_http_port
 from tests.conftest import REPO
-from tests.e2e.system import free_port, pid_alive
+from tests.e2e.system import pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -170,12 +171,12 @@ def test_generate_on_the_bundled_model(install: Install) -> None:
 
 
 def test_up_serves_a_chat(install: Install) -> None:
-    port, state_file = free_port(), install.workdir / "state.json"
+    state_file = install.workdir / "state.json"
     cmd = [
         install.bin("stageserve"),
         "up",
         "--port",
-        str(port),
+        "0",  # the router binds a free port, which up's "is up" line names
         "--state-file",
         str(state_file),
         "--log-dir",
@@ -196,9 +197,10 @@ def test_up_serves_a_chat(install: Install) -> None:
     child_pids: list[int] = []
     try:
         deadline = time.monotonic() + UP_TIMEOUT_S
-        while not any(line.startswith("stageserve is up") for line in output):
+        while not (ports := [p for p in map(up_http_port, output) if p is not None]):
             assert process.poll() is None and time.monotonic() < deadline, "\n".join(output)
             time.sleep(0.2)
+        port = ports[0]
         state = json.loads(state_file.read_text())
         child_pids = [v["pid"] for k, v in state.items() if k != "launcher"]
         body = {

@@ -13,11 +13,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.system_load import free_port
 from services.common import healthcheck
 from services.common.server import LIVENESS_SERVICE, HealthState
 from services.router.config import LimitsConfig, PolicyName, RouterConfig, WorkerAddresses
 from tests.conftest import TINY_MODEL_DIR
-from tests.e2e.system import free_port
 from tests.router.conftest import start_router
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
