@@ -3,8 +3,8 @@
 ``EncoderWorker.execute(payload, received_mono)`` works on the spans this rank owns: it
 takes the cached rows of its LOCAL_HIT spans (one that is not cached goes into the
 manifest as missing, and this rank sends nothing for its job: the leader plans the job
-again), decodes the images it must encode (on up to ``DECODE_THREADS`` threads: libjpeg-turbo and
-PIL decode without the GIL), turns them into pixels and runs ONE ViT
+again), decodes the images it must encode (on up to ``DECODE_THREADS`` threads:
+libjpeg-turbo and PIL decode without the GIL), turns them into pixels and runs ONE ViT
 forward over all of them, caches the new rows, then writes each job's owned rows into
 each of the job's destinations with one batched transfer. A job's failure (bad image,
 grid mismatch, transfer error) is reported for that job only; the other jobs go on.
@@ -157,9 +157,9 @@ class EncoderWorker:
         start = time.perf_counter()
         decoded: dict[str, np.ndarray] = {}
         grids: list[tuple[int, int, int]] = []
-        pixels_by_hash = self._decode([images[h] for h in users])
-        for (content_hash, spans), image in zip(users.items(), pixels_by_hash, strict=True):
-            if isinstance(image, InvalidRequestError):  # first appearance order
+        outcomes = self._decode([images[h] for h in users])  # first appearance order
+        for (content_hash, spans), image in zip(users.items(), outcomes, strict=True):
+            if isinstance(image, InvalidRequestError):
                 for job, span in spans:
                     step.fail(job, _bad_image(span, image))
                 continue

@@ -156,19 +156,22 @@ def decode_pixels(data: bytes, max_bytes: int, max_pixels: int | None = None) ->
     return np.asarray(_decoded(image))
 
 
+# ImageOps.exif_transpose's turn for each EXIF orientation, on [H, W, C] arrays.
+_ORIENTATION_TURNS = {
+    2: lambda a: a[:, ::-1],  # FLIP_LEFT_RIGHT
+    3: lambda a: a[::-1, ::-1],  # ROTATE_180
+    4: lambda a: a[::-1],  # FLIP_TOP_BOTTOM
+    5: lambda a: a.transpose(1, 0, 2),  # TRANSPOSE
+    6: lambda a: a.transpose(1, 0, 2)[:, ::-1],  # ROTATE_270 (clockwise)
+    7: lambda a: a[::-1, ::-1].transpose(1, 0, 2),  # TRANSVERSE
+    8: lambda a: a.transpose(1, 0, 2)[::-1],  # ROTATE_90 (counter-clockwise)
+}
+
+
 def _exif_transposed(pixels: np.ndarray, exif: Image.Exif) -> np.ndarray:
     """``ImageOps.exif_transpose``'s turn of ``pixels`` by the EXIF (or XMP) orientation."""
-    orientation = exif.get(ExifTags.Base.Orientation, 1)
-    turned = {
-        2: lambda a: a[:, ::-1],  # FLIP_LEFT_RIGHT
-        3: lambda a: a[::-1, ::-1],  # ROTATE_180
-        4: lambda a: a[::-1],  # FLIP_TOP_BOTTOM
-        5: lambda a: a.transpose(1, 0, 2),  # TRANSPOSE
-        6: lambda a: a.transpose(1, 0, 2)[:, ::-1],  # ROTATE_270 (clockwise)
-        7: lambda a: a[::-1, ::-1].transpose(1, 0, 2),  # TRANSVERSE
-        8: lambda a: a.transpose(1, 0, 2)[::-1],  # ROTATE_90 (counter-clockwise)
-    }.get(orientation)
-    return pixels if turned is None else np.ascontiguousarray(turned(pixels))
+    turn = _ORIENTATION_TURNS.get(exif.get(ExifTags.Base.Orientation, 1))
+    return pixels if turn is None else np.ascontiguousarray(turn(pixels))
 
 
 def _decoded(image: Image.Image) -> Image.Image:
