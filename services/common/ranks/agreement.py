@@ -66,12 +66,17 @@ def agree(statuses: Sequence[RankStatus], step: int) -> RankStatus | None:
 
 def exchange(group: ProcessGroup, status: RankStatus, timeout_s: float) -> list[RankStatus]:
     """All-gather ``status`` over the gloo ``group``; raises if it does not end within
-    ``timeout_s``."""
+    ``timeout_s``. A group of one rank has nothing to gather: its own row, packed and
+    unpacked as every row is (every decode rank is such a group, and steps once per token)."""
     import torch
     import torch.distributed as dist
 
-    row = torch.frombuffer(bytearray(pack_status(status)), dtype=torch.uint8)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    packed = pack_status(status)
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return [unpack_status(packed)]
+    row = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    rows = [torch.empty_like(row) for _ in range(world_size)]
     work = dist.all_gather(rows, row, group=group, async_op=True)
     assert work is not None
     work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
