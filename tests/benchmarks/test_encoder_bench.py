@@ -21,6 +21,6 @@ def test_quick_run_writes_its_section(tmp_path, monkeypatch) -> None:
     assert [r.split(" | ")[0:2] for r in rows] == [
         [f"| {devices}", case]
         for devices in ("cpu", "cpu,cpu")
-        for case in ("1 misses", "4 misses", "16 misses", "16, half cached")
+        for case in ("1 misses", "4 misses", "16 misses", "16, half cached", "1 cached")
     ]
     assert all(float(r.split(" | ")[3]) > 0 for r in rows)  # images/s
