@@ -45,7 +45,8 @@ from services.common.types import ImageSpanRef
 from services.engine.config import ModelConfig
 from services.engine.loader import finish_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.processing.image import ImageProcessor, content_hash, image_size
+from services.engine.processing.image import ImageProcessor
+from services.engine.processing.image_file import content_hash, image_size
 from services.transfer import create_embedding_receiver
 from services.transfer.embeddings import BaseEmbeddingReceiver, EmbeddingBuffer
 from services.vision_encoder.app import build_app, create_grpc_server

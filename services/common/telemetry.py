@@ -3,8 +3,9 @@
 Tracing: OpenTelemetry, one span per stage, each a child of its caller's: ``router.request``
 (under the client's ``traceparent``) -> ``tokenizer.tokenize``, ``decode.reserve``,
 ``vision_encoder.cache`` (the router's image prefetch), ``prefill.request``
-(-> ``vision_encoder.encode``, ``prefill.forward``, ``kv.transfer``) and ``decode.generate``. The W3C trace context travels in gRPC metadata: ``inject_metadata`` on
-the client side, ``extract_context`` on the server side. ``init_tracing`` installs the SDK
+(-> ``vision_encoder.encode``, ``prefill.forward``, ``kv.transfer``) and ``decode.generate``.
+The W3C trace context travels in gRPC metadata: ``inject_metadata`` on the client side,
+``extract_context`` on the server side. ``init_tracing`` installs the SDK
 the way the ``OTEL_*`` variables say; the SDK and the OTLP exporters read their own
 variables (endpoints, headers, sampler, resource), which stageserve never overrides
 (``services.common.envs`` lists them).

@@ -35,7 +35,7 @@ from services.common.types import (
 from services.engine.config import ModelConfig
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.processing import ImageProcessor, TextProcessor, content_hash
-from services.engine.processing.image import (
+from services.engine.processing.image_file import (
     check_num_bytes,
     check_num_pixels,
     header_size,

@@ -26,7 +26,8 @@ from PIL import Image
 from services.common.errors import InvalidRequestError, StageServeError
 from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.processing.image import ImageProcessor, decode_pixels
+from services.engine.processing.image import ImageProcessor
+from services.engine.processing.image_file import decode_pixels
 from services.engine.vision_graph import VisionGraphs
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
 from services.vision_encoder.cache import EmbeddingCacheManager

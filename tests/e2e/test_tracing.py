@@ -4,7 +4,8 @@
 The request carries a client ``traceparent``; its spans must form one trace under it with
 the stage links the design names, and no orphan: router.request -> tokenizer.tokenize,
 decode.reserve, vision_encoder.cache (the router's image prefetch), prefill.request
-(-> vision_encoder.encode, prefill.forward, kv.transfer), decode.generate. A failed request's root span has status ERROR.
+(-> vision_encoder.encode, prefill.forward, kv.transfer), decode.generate. A failed request's
+root span has status ERROR.
 """
 
 from __future__ import annotations

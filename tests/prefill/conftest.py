@@ -36,7 +36,7 @@ from services.common.types import ImageSpanRef, TokenizedPrompt
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest
 from services.engine.loader import load_model
-from services.engine.processing.image import content_hash
+from services.engine.processing.image_file import content_hash
 from services.engine.sampler import SamplingParams
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig

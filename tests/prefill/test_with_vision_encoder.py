@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.common.errors import UnavailableError
-from services.engine.processing.image import content_hash
+from services.engine.processing.image_file import content_hash
 from services.engine.sampler import SamplingParams
 from services.vision_encoder.plan import owner_rank
 from tests.conftest import image_bytes

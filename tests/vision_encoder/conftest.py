@@ -27,7 +27,8 @@ from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, 
 from services.common.envs import Envs
 from services.common.server import HealthState
 from services.common.types import ImageSpanRef
-from services.engine.processing.image import ImageProcessor, decode_image
+from services.engine.processing.image import ImageProcessor
+from services.engine.processing.image_file import decode_image
 from services.transfer import create_embedding_receiver
 from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination, EmbeddingRowManager
 from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc_server

@@ -29,7 +29,7 @@ from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart, TokenizedPrompt
-from services.engine.processing.image import content_hash, header_size
+from services.engine.processing.image_file import content_hash, header_size
 
 DEFAULT_TIMEOUT_S = 30.0
 INLINE_HEADER_BYTES = 512 * 1024  # a chat's images up to this are hashed on the event loop

@@ -1,17 +1,16 @@
 """Preprocessing shared by the tokenizer and vision encoder services: chat template,
-tokenize/detokenize and placeholder expansion (``text``, ``chat``); image decode, patch grid,
-pixel preprocessing and content hash (``image``)."""
+tokenize/detokenize and placeholder expansion (``text``, ``chat``); image files: their size,
+decode and content hash (``image_file``); patch grid and pixel preprocessing (``image``)."""
 
 from services.engine.processing.chat import iter_image_parts, validate_messages
 from services.engine.processing.image import (
     ImageProcessor,
     ImageProcessorConfig,
     ProcessedImage,
-    content_hash,
-    decode_image,
     pixel_hash,
     smart_resize,
 )
+from services.engine.processing.image_file import content_hash, decode_image
 from services.engine.processing.text import (
     IncrementalDetokenizer,
     PlaceholderSpan,
