@@ -94,6 +94,15 @@ def reference_rows(model, processor: ImageProcessor, images: list[bytes]) -> lis
     return rows
 
 
+def assert_rows_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Rows of the same images from ViT calls that batched them differently (one call per image,
+    or a rank's images together): equal up to the CPU BLAS's batch variance. MKL / oneDNN pick a
+    matmul kernel by the row count, so on an AVX512 Xeon the patch merger's 4-row linear of a
+    4x4-patch image differs from the same rows inside a longer batch by ~1e-6 (other CPUs give
+    equal bits). A wrong, missing or misplaced row is off by far more."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 @contextlib.contextmanager
 def rank_environment() -> Iterator[None]:
     """What spawned ranks inherit: one thread each, and this repo importable (the hooked step)."""

@@ -22,7 +22,13 @@ from services.vision_encoder.plan import CacheLedger, make_plan, owner_rank, ste
 from services.vision_encoder.rank_messages import EncodeStepResult
 from services.vision_encoder.worker import EncoderWorker
 from tests.conftest import image_bytes
-from tests.vision_encoder.conftest import rank_threads, reference_rows, span_input, spans_for
+from tests.vision_encoder.conftest import (
+    assert_rows_close,
+    rank_threads,
+    reference_rows,
+    span_input,
+    spans_for,
+)
 
 
 @pytest.fixture
@@ -76,7 +82,7 @@ def test_each_rank_encodes_and_sends_only_the_images_it_owns(
         mine = {s.span.content_hash for s, o in zip(spans, owners, strict=True) if o == rank}
         assert set(result.manifest.held) == mine and result.manifest.missing == ()
         assert result.errors == ()
-    assert torch.equal(
+    assert_rows_close(
         buffer.rows(0, num_rows), torch.cat(reference_rows(vision_model, image_processor, images))
     )
     again = run_step(workers, [job], ledger)
@@ -169,6 +175,6 @@ def test_a_steps_images_decode_on_the_decode_threads_in_order(
     assert [(e.job_id, e.param) for e in result.errors] == [(1, "spans[0].image_data")]
     assert result.num_images_encoded == 5 and result.num_vit_forwards == 1
     assert len(threads) == 6 and all(name.startswith("decode-0") for name in threads)
-    assert torch.equal(
+    assert_rows_close(
         buffer.rows(0, num_rows), torch.cat(reference_rows(vision_model, image_processor, images))
     )
