@@ -41,3 +41,22 @@ def test_segments_attend_only_within_each_segment():
     q, k, v = (torch.randn(15, 2, 8) for _ in range(3))
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.view(3, 5, 2, 8).transpose(1, 2) for t in (q, k, v)))
     torch.testing.assert_close(segment_attention(q, k, v, tiled), ref.transpose(1, 2).reshape(15, 2, 8))
+
+
+@pytest.mark.gpu
+def test_segments_on_cuda_run_one_varlen_call_within_bf16_of_per_segment_sdpa():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    cu = [0, 64, 128, 176, 192, 192, 204]  # window lengths of a 1080p image, and an empty one
+    assert Segments(cu, torch.device("cuda")).cu is None  # per-length SDPA unless asked
+    segments = Segments(cu, torch.device("cuda"), varlen=True)
+    assert segments.cu.tolist() == [0, 64, 128, 176, 192, 204] and segments.max_length == 64
+    q, k, v = (torch.randn(204, 16, 80, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = segment_attention(q, k, v, segments)
+    for a, b in zip(cu[:-1], cu[1:], strict=True):
+        if b > a:
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                *(t[a:b].float().transpose(0, 1) for t in (q, k, v))
+            ).transpose(0, 1)
+            torch.testing.assert_close(out[a:b].float(), ref, atol=2e-2, rtol=2e-2)

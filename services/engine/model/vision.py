@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.varlen import varlen_attn
 
 from services.engine import ops
 from services.engine.config import VisionConfig
@@ -28,10 +29,15 @@ class Segments:
     Built once per ViT forward (on the host, index tensors uploaded once) and used by every
     block with that layout: the per-layer work is then a gather, attention and a scatter per
     distinct length, or none of the gathers when the segments already tile the sequence in
-    equal lengths (one image in the full-attention blocks).
+    equal lengths (one image in the full-attention blocks). With ``varlen`` on a CUDA device,
+    segments that do not tile the sequence run in one variable-length flash attention call
+    over ``cu`` instead (bf16 / fp16 inputs). The windows take it: a 1920x1080 image's have
+    four lengths, and the gathers, four SDPA calls and scatters took 0.45 ms per block on an
+    H200 against 0.14 ms. The full-attention blocks do not: for a 1920x1080 and a 640x480
+    image, cuDNN's SDPA per image with the gathers took 1.87 ms and the varlen call 2.69 ms.
     """
 
-    def __init__(self, cu_seqlens: list[int], device: torch.device) -> None:
+    def __init__(self, cu_seqlens: list[int], device: torch.device, varlen: bool = False) -> None:
         starts_by_len: dict[int, list[int]] = {}
         for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
             assert b >= a, f"cu_seqlens must not decrease: {cu_seqlens}"
@@ -40,11 +46,16 @@ class Segments:
         self.num_tokens = cu_seqlens[-1]
         self.tiled_length: int | None = None  # set: equal segments covering [0, N) in order, no gather
         self.groups: list[tuple[int, int, torch.Tensor]] = []  # (length, count, token index [count * length])
+        self.cu: torch.Tensor | None = None  # [segments + 1] int32 (varlen), empty ones left out
+        self.max_length = max(starts_by_len, default=0)
         if len(starts_by_len) == 1:
             (length, starts), = starts_by_len.items()
             if starts == list(range(0, self.num_tokens, length)):
                 self.tiled_length = length
                 return
+        if varlen and device.type == "cuda":
+            cu = sorted({*cu_seqlens})
+            self.cu = torch.tensor(cu, dtype=torch.int32).to(device)
         for length, starts in starts_by_len.items():
             index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1)
             self.groups.append((length, len(starts), index.to(device)))
@@ -58,6 +69,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment
         length = segments.tiled_length
         qs, ks, vs = (t.view(n // length, length, heads, dim).transpose(1, 2) for t in (q, k, v))
         return F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2).reshape(n, heads, dim)
+    if segments.cu is not None and q.dtype in (torch.bfloat16, torch.float16):
+        cu, length = segments.cu, segments.max_length
+        return varlen_attn(q, k, v, cu, cu, length, length)
     out = torch.empty_like(q)
     for length, count, index in segments.groups:  # segments of equal length run as one batch
         qs, ks, vs = (t[index].view(count, length, heads, dim).transpose(1, 2) for t in (q, k, v))
@@ -186,7 +200,7 @@ class VisionTransformer(nn.Module):
             window_index,
             torch.argsort(window_index),
             Segments(cu_full, device),
-            Segments(cu_window, device),
+            Segments(cu_window, device, varlen=True),
             permute(cos),
             permute(sin),
         )
