@@ -169,6 +169,11 @@ class AdmissionManager:
 
     # ------------------------------------------------------------ internals
 
+    def can_admit_now(self) -> bool:
+        """True when a request arriving now would take a slot at once (none waiting ahead of
+        it, a slot free, no KV backoff)."""
+        return self._num_waiting == 0 and self._can_grant()
+
     def _can_grant(self) -> bool:
         if self._num_running >= self.max_running:
             return False

@@ -8,6 +8,7 @@ import functools
 import logging
 import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -20,7 +21,7 @@ from services.common.clients.tokenizer import TokenizerClient
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.pb.stageserve.v1 import router_pb2_grpc
 from services.common.server import HealthState, create_server
-from services.engine.processing import TextProcessor
+from services.engine.processing import ImageProcessor, TextProcessor
 from services.router.auth import RouterAccess, require_api_key
 from services.router.config import RouterConfig
 from services.router.generation import GenerationPipeline
@@ -71,6 +72,14 @@ def make_workers(cfg: RouterConfig, auth: Credentials | None = None) -> list[Wor
     ]
 
 
+def _image_processor(model_dir: Path) -> ImageProcessor | None:
+    """The checkpoint's image processor (the grids of the images prefetched before
+    tokenization), or None for a model without one."""
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    return ImageProcessor.from_dir(model_dir)
+
+
 class RouterApp:
     def __init__(
         self,
@@ -102,6 +111,7 @@ class RouterApp:
             flow=cfg.flow,
             model_name=cfg.served_model_name,
             prefetch_images=cfg.prefetch_images,
+            image_processor=_image_processor(cfg.model_dir),
         )
         self.health_generate = None
         if cfg.health_generate_interval_s > 0:

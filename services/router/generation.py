@@ -1,10 +1,12 @@
 """The request pipeline both APIs share.
 
 Request lifecycle in the router:
-  tokenize   -> a tokenizer worker turns the prompt or chat (images as bytes) into ids
+  tokenize   -> a tokenizer worker turns the prompt or chat (images as hash and size, or
+                bytes) into ids; when a slot is free, the images go to the encoder's cache
+                meanwhile (prefetch.py)
   admit      -> the request takes one of the admission slots, or waits in the FIFO
-                admission queue, or gets 429 (admission.py); its images go to the encoder
-                at once, into its cache (prefetch.py), while the steps below run
+                admission queue, or gets 429 (admission.py); the images not prefetched yet
+                go to the encoder at once, into its cache, while the steps below run
   reserve    -> a decode worker reserves KV pages for prompt + max_new_tokens; when every
                 decode worker is out of pages the request waits in the queue again
   prefill    -> prefill writes the prompt's KV into those pages, returns the first token
@@ -39,6 +41,7 @@ from typing import Any
 import msgspec
 
 from services.common import telemetry
+from services.common.clients.tokenizer import image_headers
 from services.common.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -46,7 +49,8 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.server import current_request_id
-from services.common.types import TokenizedPrompt
+from services.common.types import ImageHeader, ImagePart, TokenizedPrompt
+from services.engine.processing import ImageProcessor
 from services.engine.sampler import SamplingParams
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
@@ -79,6 +83,7 @@ class GenerationPipeline:
         *,
         model_name: str,
         prefetch_images: bool = True,
+        image_processor: ImageProcessor | None = None,
     ) -> None:
         self._registry = registry
         self._model_name = model_name  # the served name, on the request's span
@@ -92,7 +97,9 @@ class GenerationPipeline:
         )
         self._bound = StallBound(registry, flow.stall_timeout_s)
         self._placer = Placer(registry, self.admission, self._bound, metrics, self._spawn)
-        self._prefetch = ImagePrefetcher(registry, self._spawn, is_enabled=prefetch_images)
+        self._prefetch = ImagePrefetcher(
+            registry, self._spawn, is_enabled=prefetch_images, processor=image_processor
+        )
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """The request's deltas, the last with finish_reason and usage.
@@ -170,12 +177,23 @@ class GenerationPipeline:
                     telemetry.mark_error(span, error)
 
     async def _run(self, request: GenerationRequest, deadline_s: float, emit: _TimedEmit) -> None:
-        prompt = await self._tokenize(request, deadline_s)
+        headers = None
+        sent: frozenset[str] = frozenset()  # images prefetched before tokenization
+        if request.messages is not None:
+            headers = await image_headers(request.messages)
+            if headers and self.admission.can_admit_now():
+                images = [
+                    p.data for m in request.messages for p in m.content if isinstance(p, ImagePart)
+                ]
+                sent = self._prefetch.start_from_headers(
+                    request.request_id, images, headers, _remaining(deadline_s)
+                )
+        prompt = await self._tokenize(request, deadline_s, headers=headers)
         params = self._bounded_params(request, prompt)
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
         job = KvJob(request.request_id, prompt, params, deadline_s)
         with self.admission.ticket(request.request_id) as ticket:
-            self._prefetch.start(request.request_id, prompt, _remaining(deadline_s))
+            self._prefetch.start(request.request_id, prompt, _remaining(deadline_s), sent)
             place_started = time.perf_counter()
             reservation, result = await self._placer.place(job, ticket)
             emit.stats.placed(ticket.waited_s, time.perf_counter() - place_started)
@@ -201,7 +219,11 @@ class GenerationPipeline:
             ) from None
 
     async def _tokenize(
-        self, request: GenerationRequest, deadline_s: float, add_generation_prompt: bool = True
+        self,
+        request: GenerationRequest,
+        deadline_s: float,
+        add_generation_prompt: bool = True,
+        headers: list[ImageHeader | None] | None = None,
     ) -> TokenizedPrompt:
         embeds = request.prompt_embeds
         if (
@@ -217,7 +239,11 @@ class GenerationPipeline:
             timeout_s = _remaining(deadline_s)
             if request.messages is not None:
                 call = tokenizer.tokenize_chat(
-                    request.request_id, request.messages, add_generation_prompt, timeout_s=timeout_s
+                    request.request_id,
+                    request.messages,
+                    add_generation_prompt,
+                    timeout_s=timeout_s,
+                    headers=headers,
                 )
             else:
                 assert request.prompt is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from services.common.types import ChatMessage, TokenizedPrompt
+from services.common.types import ChatMessage, ImageHeader, TokenizedPrompt
 from services.engine.sampler import SamplingParams
 
 
@@ -20,6 +20,7 @@ class TokenizerPeer(Protocol):
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         timeout_s: float = ...,
+        headers: Sequence[ImageHeader | None] | None = None,
     ) -> TokenizedPrompt: ...
 
     async def tokenize_prompt(

@@ -97,6 +97,21 @@ async def test_slots_then_queue_then_429_at_once(requests_of):
     )
 
 
+async def test_can_admit_now_only_with_a_free_slot_and_no_one_waiting(requests_of):
+    """What decides the image prefetch before tokenization: a request arriving now would run."""
+    admission = manager(max_running=1, max_queued=2)
+    requests = requests_of(admission)
+    assert admission.can_admit_now()
+    await requests.arrive(2)
+    await wait_until(lambda: requests.running() == [0])
+    assert not admission.can_admit_now()  # the slot is taken and one waits
+    requests.close(0)
+    await wait_until(lambda: requests.running() == [1])
+    assert not admission.can_admit_now()  # the waiter took the slot
+    requests.close(1)
+    assert admission.can_admit_now()
+
+
 async def test_a_freed_slot_goes_to_the_oldest_waiter(requests_of):
     admission = manager(max_running=1, max_queued=8)
     requests = requests_of(admission)

@@ -9,7 +9,7 @@ import hashlib
 import grpc
 import pytest
 
-from services.common.clients.tokenizer import chat_to_proto
+from services.common.clients.tokenizer import chat_to_proto, read_image_headers
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.conftest import image_bytes
 from tests.tokenizer.conftest import TEST_LIMITS, TIMEOUT_S, user
@@ -25,7 +25,9 @@ def parts(chat: common_pb2.ChatMessages) -> list[str]:
 
 def test_the_client_sends_headers_where_they_tell_the_size() -> None:
     messages = [user("a", JPEG, "b", PNG, slow_png(3), b"not an image", b"")]
-    chat = chat_to_proto(messages, read_headers=True)
+    headers = read_image_headers(messages)
+    assert [h is not None for h in headers] == [True, True, False, False, False]
+    chat = chat_to_proto(messages, headers)
     assert parts(chat) == ["text", "image_header", "text", "image_header"] + ["image"] * 3
     header = chat.messages[0].content[1].image_header
     assert header.content_hash == hashlib.sha256(JPEG).hexdigest()
@@ -42,7 +44,7 @@ async def test_headers_and_bytes_give_the_same_prompt(served) -> None:
     messages = [user("Compare ", JPEG, " and ", PNG, " and ", JPEG)]
     async with grpc.aio.insecure_channel(served.address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerStub(channel)
-        by_header = await _tokenize(stub, chat_to_proto(messages, read_headers=True))
+        by_header = await _tokenize(stub, chat_to_proto(messages, read_image_headers(messages)))
         by_bytes = await _tokenize(stub, chat_to_proto(messages))
     assert by_header == by_bytes
     assert len(by_header.image_spans) == 3
@@ -95,8 +97,9 @@ async def test_an_oversized_image_gets_the_same_error_either_way(served) -> None
     details = []
     async with grpc.aio.insecure_channel(served.address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerStub(channel)
-        for read_headers in (True, False):
-            chat = chat_to_proto([user(big, "hi")], read_headers=read_headers)
+        messages = [user(big, "hi")]
+        for headers in (read_image_headers(messages), ()):
+            chat = chat_to_proto(messages, headers)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await _tokenize(stub, chat)
             details.append(info.value.details())

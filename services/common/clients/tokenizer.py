@@ -28,7 +28,14 @@ from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
-from services.common.types import ChatMessage, ImagePart, ImageSpanRef, TextPart, TokenizedPrompt
+from services.common.types import (
+    ChatMessage,
+    ImageHeader,
+    ImagePart,
+    ImageSpanRef,
+    TextPart,
+    TokenizedPrompt,
+)
 from services.engine.processing.image_file import content_hash, header_size
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -39,29 +46,56 @@ def _metadata(request_id: str) -> list[tuple[str, str]]:
     return telemetry.inject_metadata([(REQUEST_ID_KEY, request_id)])
 
 
+def read_image_headers(messages: Sequence[ChatMessage]) -> list[ImageHeader | None]:
+    """Each image part's hash and size, in prompt order, read from its header alone; None for
+    an image whose header does not tell its size (or that is not an image)."""
+    headers: list[ImageHeader | None] = []
+    for message in messages:
+        for part in message.content:
+            if isinstance(part, ImagePart):
+                size = _header_size(part.data)
+                headers.append(
+                    None if size is None else ImageHeader(content_hash(part.data), *size)
+                )
+    return headers
+
+
+async def image_headers(messages: Sequence[ChatMessage]) -> list[ImageHeader | None]:
+    """``read_image_headers``, on a thread when the images are large enough to matter."""
+    num_image_bytes = sum(
+        len(p.data) for m in messages for p in m.content if isinstance(p, ImagePart)
+    )
+    if num_image_bytes > INLINE_HEADER_BYTES:  # hashing ~0.6 ms per MB: off the loop
+        return await asyncio.to_thread(read_image_headers, messages)
+    return read_image_headers(messages)
+
+
 def chat_to_proto(
-    messages: Sequence[ChatMessage], read_headers: bool = False
+    messages: Sequence[ChatMessage], headers: Sequence[ImageHeader | None] = ()
 ) -> common_pb2.ChatMessages:
-    """The chat as a proto. ``read_headers``: an image whose header tells its size goes as
-    its hash and size (``ImageHeaderInput``), not its bytes; any other image as its bytes,
-    so the tokenizer decodes it, and a bad file gets the tokenizer's error."""
+    """The chat as a proto. ``headers`` (``read_image_headers``'s, or none): an image with a
+    header goes as its hash and size (``ImageHeaderInput``), not its bytes; any other image
+    as its bytes, so the tokenizer decodes it, and a bad file gets the tokenizer's error."""
     out = common_pb2.ChatMessages()
+    image_index = 0
     for message in messages:
         proto = out.messages.add(role=message.role)
         for part in message.content:
             if isinstance(part, TextPart):
                 proto.content.add(text=part.text)
             elif isinstance(part, ImagePart):
-                size = _header_size(part.data) if read_headers else None
-                if size is None:
+                known = headers[image_index] if headers else None
+                image_index += 1
+                if known is None:
                     proto.content.add().image.data = part.data  # the bytes are copied once
                     continue
                 header = proto.content.add().image_header
-                header.content_hash = content_hash(part.data)
-                header.height, header.width = size
+                header.content_hash = known.content_hash
+                header.height, header.width = known.height, known.width
                 header.num_bytes = len(part.data)
             else:
                 raise TypeError(f"unknown content part {type(part).__name__}")
+    assert not headers or image_index == len(headers), "one header (or None) per image part"
     return out
 
 
@@ -193,22 +227,21 @@ class TokenizerClient:
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        headers: Sequence[ImageHeader | None] | None = None,
     ) -> TokenizedPrompt:
         """Chat template + tokens + image spans of a conversation (images as compressed bytes;
-        each whose header tells its size travels as its hash and size only).
+        each whose header tells its size travels as its hash and size only). ``headers``:
+        ``image_headers(messages)`` when the caller has read them already.
 
         ``InvalidRequestError`` for a bad conversation, a non-image or oversized image, or
         a prompt at or over the context limit.
         """
-        num_image_bytes = sum(
-            len(p.data) for m in messages for p in m.content if isinstance(p, ImagePart)
-        )
-        if num_image_bytes > INLINE_HEADER_BYTES:  # hashing ~0.6 ms per MB: off the loop
-            chat = await asyncio.to_thread(chat_to_proto, messages, True)
-        else:
-            chat = chat_to_proto(messages, read_headers=True)
+        if headers is None:
+            headers = await image_headers(messages)
         request = tokenizer_pb2.TokenizeRequest(
-            request_id=request_id, chat=chat, add_generation_prompt=add_generation_prompt
+            request_id=request_id,
+            chat=chat_to_proto(messages, headers),
+            add_generation_prompt=add_generation_prompt,
         )
         return await self._tokenize(request, timeout_s, messages)
 
