@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from collections import Counter
 from dataclasses import dataclass
 
 from benchmarks.report import command_line, fmt, markdown_table, write_run_section
@@ -42,6 +43,11 @@ SECTION_TITLE = "## System (`python -m benchmarks.system`)"
 STEP = ("step", "decode", "stageserve_decode_step_seconds")  # decode's step histogram
 MESSAGES = ("messages", "decode", "stageserve_decode_stream_messages_total")
 PREFILL = ("prefill", "prefill", "stageserve_prefill_forward_seconds")  # per batch
+# Tokens a request's chat template adds around its prompt (28 with the bundled tokenizer), with
+# room: each request's Reserve is for prompt + output tokens, and the default page count must
+# hold every concurrent request's (at 16 tokens of room, 1000/1000 requests at c = 512 needed
+# 127 pages each against the 126 given: the requests over ran into the 30 s queue limit).
+TEMPLATE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,9 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
     delta = probe.since()
     num_steps = delta["step count"]
     summary = summarize(records, duration_s, Slo(), load.num_requests)
+    errors = Counter(r.error for r in records if r.error)
+    for error, count in errors.most_common():
+        print(f"c = {load.concurrency}: {count} requests failed: {error}", flush=True)
     return Level(
         concurrency=load.concurrency,
         output_tok_s=summary.output_token_throughput,
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     num_ranks = len(args.decode_device.split(",")) if args.decode_device else args.decode_dp
     num_pages = (
-        args.num_pages or max(levels) * -(-(input_len + output_len + 16) // 16) // num_ranks + 64
+        args.num_pages
+        or max(levels) * -(-(input_len + output_len + TEMPLATE_TOKENS) // 16) // num_ranks + 64
     )
     up_args = [
         *settings["up"],

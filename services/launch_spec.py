@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.router.config import FlowConfig
+
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
 METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
 MAX_PORT = 65535
@@ -207,8 +209,18 @@ def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
         str(cfg.prefill_cp),
         *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
         *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
+        "--max-queued-requests",
+        str(prefill_queue_size(cfg)),
     )
     return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
+
+
+def prefill_queue_size(cfg: LaunchConfig) -> int:
+    """Requests the one prefill worker must hold: every request each router process admits
+    can be at prefill at once (with prefill's own 256, 512 concurrent 1000-token requests
+    through two routers on one H200 had 241 of them refused: "prefill queue is full")."""
+    slots = cfg.max_concurrent_requests or FlowConfig.max_concurrent_requests
+    return cfg.router_workers * slots
 
 
 def router_args(

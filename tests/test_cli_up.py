@@ -137,9 +137,21 @@ def test_admission_limits_reach_the_router_only_when_given(monkeypatch) -> None:
         "0",
         "5.0",
     ]
-    assert [n for n, a in args.items() if any(f in a for f in ADMISSION_FLAGS)] == ["router"]
-    defaults = service_args(LaunchConfig(Path("m")), monkeypatch)
-    assert not [f for a in defaults.values() for f in a if f in ADMISSION_FLAGS]
+    # prefill's own queue holds every request the routers admit: 8 slots here
+    assert _flag(args["prefill"], "--max-queued-requests") == "8"
+    assert [n for n, a in args.items() if any(f in a for f in ADMISSION_FLAGS)] == [
+        "prefill",
+        "router",
+    ]
+    defaults = service_args(LaunchConfig(Path("m"), router_workers=3), monkeypatch)
+    given = [f for n, a in defaults.items() if n != "prefill" for f in a if f in ADMISSION_FLAGS]
+    assert given == []  # the routers keep their own defaults
+    assert _flag(defaults["prefill"], "--max-queued-requests") == str(3 * 256)
+
+
+def _flag(args: list[str] | tuple[str, ...], flag: str) -> str:
+    [value] = [args[i + 1] for i, a in enumerate(args) if a == flag]
+    return value
 
 
 def test_up_turns_the_fault_flags_into_the_config(monkeypatch) -> None:
