@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         str(args.decode_dp),
         "--max-concurrent-requests",
         str(max(levels) * 2),
+        "--max-running-requests",  # every request of the top level decodes at once
+        str(-(-max(levels) // num_ranks)),
         "--ready-timeout-s",
         "1800",
     ]

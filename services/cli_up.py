@@ -118,6 +118,13 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         "batch, all on --decode-device",
     )
     p.add_argument(
+        "--max-running-requests",
+        type=at_least(1),
+        default=None,
+        help="decode's largest batch per rank (default: every request the routers admit, "
+        "over the decode ranks; at least 256)",
+    )
+    p.add_argument(
         "--router-workers",
         type=at_least(1),
         default=None,
@@ -267,6 +274,7 @@ def _run_up(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             max_model_len=args.max_model_len,
             decode_dp=args.decode_dp,
+            max_running_requests=args.max_running_requests,
             router_workers=args.router_workers or default_router_workers(),
         )
         num_decode_devices = len(decode_devices(cfg))

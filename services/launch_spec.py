@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.decode.config import DecodeConfig
 from services.router.config import FlowConfig
 
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
@@ -51,6 +52,7 @@ class LaunchConfig:
     num_pages: int = 16384  # per decode rank
     page_size: int = 16
     decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
+    max_running_requests: int | None = None  # decode's batch per rank; None: decode_batch_size
     router_workers: int = (
         1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
     )
@@ -192,6 +194,8 @@ def decode_spec(cfg: LaunchConfig) -> ChildSpec:
         *_page_args(cfg),
         *optional_arg("--max-model-len", cfg.max_model_len),
         *decode_rank_args(cfg),
+        "--max-running-requests",
+        str(decode_batch_size(cfg)),
         *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
     )
     return ChildSpec("decode", args, first_ports(cfg, "decode"))
@@ -221,6 +225,21 @@ def prefill_queue_size(cfg: LaunchConfig) -> int:
     through two routers on one H200 had 241 of them refused: "prefill queue is full")."""
     slots = cfg.max_concurrent_requests or FlowConfig.max_concurrent_requests
     return cfg.router_workers * slots
+
+
+def decode_batch_size(cfg: LaunchConfig) -> int:
+    """Decode's largest batch per rank: ``max_running_requests``, or room for every request
+    the router processes admit, over the decode ranks (at least decode's own 256). A request
+    past it waits on decode for a place (its stream says so); with decode's 256, 512
+    concurrent 1000/1000 requests through two routers on one H200 had half of them wait
+    ~20 s for the first half to finish."""
+    if cfg.max_running_requests is not None:
+        return cfg.max_running_requests
+    num_ranks = max(len(decode_devices(cfg)), cfg.decode_dp)
+    admitted = cfg.router_workers * (
+        cfg.max_concurrent_requests or FlowConfig.max_concurrent_requests
+    )
+    return max(DecodeConfig.max_running_requests, -(-admitted // num_ranks))
 
 
 def router_args(

@@ -149,6 +149,23 @@ def test_admission_limits_reach_the_router_only_when_given(monkeypatch) -> None:
     assert _flag(defaults["prefill"], "--max-queued-requests") == str(3 * 256)
 
 
+def test_decode_batch_holds_every_request_the_routers_admit(monkeypatch) -> None:
+    def batch(**fields) -> str:
+        return _flag(
+            service_args(LaunchConfig(Path("m"), **fields), monkeypatch)["decode"],
+            "--max-running-requests",
+        )
+
+    assert batch() == "256"  # one router's 256 slots: decode's own default
+    assert batch(router_workers=2) == "512"
+    assert batch(router_workers=2, max_concurrent_requests=300, decode_dp=2) == "300"
+    assert batch(router_workers=3, max_concurrent_requests=100, decode_dp=2) == "256"
+    assert batch(router_workers=4, decode_device="cuda:0,cuda:1,cuda:2") == str(-(-1024 // 3))
+    assert batch(router_workers=4, max_running_requests=64) == "64"
+    args = build_parser().parse_args(["up", "--max-running-requests", "96"])
+    assert args.max_running_requests == 96
+
+
 def _flag(args: list[str] | tuple[str, ...], flag: str) -> str:
     [value] = [args[i + 1] for i, a in enumerate(args) if a == flag]
     return value

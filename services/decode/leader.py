@@ -11,7 +11,8 @@ Request lifecycle in the leader (a ``Route``, ``routes.py``):
   reserve   -> placed on the serving rank with the most free pages, then the fewest
                requests (pages of Reserves not yet answered counted); a route names it.
                A rank that dies under the Reserve gives way to another serving rank once
-  generate  -> the route gets its connection; the rank's tokens for it go there
+  generate  -> the route gets its connection; the rank's tokens for it go there, and while
+               it waits for a place in the rank's batch, its id (``WAITING_LIST_S``)
   end       -> finished (reported by the rank), aborted (Abort, the stream gone, its
                deadline), expired (reported), or failed (its rank died: UNAVAILABLE)
 A rank's death ends every request routed to it; the others keep serving, and readiness
@@ -52,7 +53,7 @@ from services.decode.messages import (
 from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of, place
 from services.decode.routes import Route, Routes
 from services.decode.scheduler import check_prompt_len
-from services.decode.streams import Connection, RequestEnded
+from services.decode.streams import WAITING_LIST_S, Connection, RequestEnded
 from services.transfer.base import KvDestination
 
 logger = logging.getLogger(__name__)
@@ -303,6 +304,10 @@ class DecodeLeader:
         rank.settle(queued, report.replies)
         rank.load, rank.is_busy = report.load, report.is_busy
         self._routes.deliver(report)
+        now = time.monotonic()
+        if now - rank.waiting_listed_mono >= WAITING_LIST_S:
+            rank.waiting_listed_mono = now
+            self._routes.list_waiting(rank.dp_rank, report.token_request_ids)
         for done in report.finished:
             metrics.REQUESTS.labels(done.reason.value).inc()
         if report.expired:

@@ -54,6 +54,7 @@ class RankSlot:
     queue: list[Queued] = field(default_factory=list)
     num_pending_pages: int = 0  # pages of Reserves queued or sent, not yet reported
     num_pending_requests: int = 0
+    waiting_listed_mono: float = 0.0  # when its waiting requests were last listed (streams.py)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     driver: asyncio.Task | None = None
 

@@ -9,6 +9,7 @@ fails UNAVAILABLE rather than NOT_FOUND.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import UnavailableError
@@ -74,6 +75,14 @@ class Routes:
                 route.end(RequestEnded(done.request_id, done.reason, done.usage))
         for request_id in report.expired:
             self._live.pop(request_id, None)
+
+    def list_waiting(self, dp_rank: int, token_request_ids: Sequence[str]) -> None:
+        """List on its connection each generating request on ``dp_rank`` that got no token in
+        the rank's report (``token_request_ids``): it waits for a place in the batch."""
+        stepped = set(token_request_ids)
+        for request_id, route in self._live.items():
+            if route.rank == dp_rank and route.conn is not None and request_id not in stepped:
+                route.conn.add_waiting(request_id)
 
     def fail_rank(self, dp_rank: int, error: UnavailableError) -> int:
         """End every request on ``dp_rank`` with ``error`` (reserved ones become lost); how many."""

@@ -69,6 +69,7 @@ def _response(batch: StreamBatch) -> decode_pb2.DecodeStreamResponse:
         request_ids=batch.request_ids,
         token_ids=batch.token_ids,
         ends=[_end_to_proto(e) for e in batch.ends],
+        waiting_request_ids=batch.waiting_ids,
     )
 
 

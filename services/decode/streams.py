@@ -1,10 +1,10 @@
 """One caller's token streams on the decode leader: the requests of one Stream call.
 
-The leader (on the event loop) adds each rank step's tokens for the connection's requests
-and ends requests; the Stream handler takes everything that piled up since its last
-message as one ``StreamBatch``, so a connection gets at most one message per rank step
-however many requests it carries (fewer when its reader is behind). Single-threaded: the
-event loop's thread only.
+The leader (on the event loop) adds each rank step's tokens for the connection's requests,
+lists the requests that wait (``WAITING_LIST_S``) and ends requests; the Stream handler
+takes everything that piled up since its last message as one ``StreamBatch``, so a
+connection gets at most one message per rank step however many requests it carries (fewer
+when its reader is behind). Single-threaded: the event loop's thread only.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 
 from services.common.errors import StageServeError
 from services.common.types import FinishReason, Usage
+
+# How often a stepping rank lists its generating requests that got no token (waiting for a
+# place in its running batch): the caller's progress bound (the router's --stall-timeout-s,
+# which must be longer) sees them alive while their rank steps, and stalled when it does not.
+WAITING_LIST_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -28,14 +33,16 @@ class RequestEnded:
 
 @dataclass
 class StreamBatch:
-    """What one message carries: tokens as parallel lists (in step order), then the ends."""
+    """What one message carries: tokens as parallel lists (in step order), the ends, and the
+    requests that wait."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     ends: list[RequestEnded] = field(default_factory=list)
+    waiting_ids: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.request_ids or self.ends)
+        return bool(self.request_ids or self.ends or self.waiting_ids)
 
 
 class Connection:
@@ -56,6 +63,11 @@ class Connection:
     def add_token(self, request_id: str, token_id: int) -> None:
         self._batch.request_ids.append(request_id)
         self._batch.token_ids.append(token_id)
+        self._has_batch.set()
+
+    def add_waiting(self, request_id: str) -> None:
+        """``request_id`` is live on a rank that stepped without a token for it."""
+        self._batch.waiting_ids.append(request_id)
         self._has_batch.set()
 
     def end(self, ended: RequestEnded) -> None:

@@ -7,9 +7,9 @@ A request's ticket moves through:
   waiting  -> until a slot frees and the KV gate lets it through, or ``OverloadedError``
               once it has waited ``queue_timeout_s`` in all
   running  -> it holds a slot: Reserve on decode, prefill, decode
-  refused  -> every decode worker answered RESOURCE_EXHAUSTED (no KV pages): it gives its
-              slot back and returns to its place in the queue (ahead of later arrivals,
-              past the queue bound), and the KV gate narrows
+  refused  -> every decode worker answered RESOURCE_EXHAUSTED (no KV pages), or prefill
+              did (its queue full): it gives its slot back and returns to its place in the
+              queue (ahead of later arrivals, past the queue bound), and the KV gate narrows
   closed   -> the slot (or the place in the queue) is given back, in ``finally``
 
 The KV gate keeps requests that wait for decode's pages in order and the Reserve calls
@@ -53,6 +53,7 @@ class RejectReason(enum.Enum):
     QUEUE_FULL = "queue_full"  # the queue held max_queued requests when it arrived
     QUEUE_TIMEOUT = "queue_timeout"  # it waited queue_timeout_s for a slot
     KV_CAPACITY = "kv_capacity"  # it waited queue_timeout_s while decode had no KV pages
+    PREFILL_CAPACITY = "prefill_capacity"  # ... while prefill's queue was full
 
 
 class AdmissionSnapshot(msgspec.Struct, frozen=True):
@@ -73,7 +74,8 @@ class Ticket:
         self.seq = seq  # arrival order: the queue's key
         self.wait_deadline = wait_deadline  # event-loop clock
         self.state = TicketState.NEW
-        self.refusal: CapacityError | None = None  # why it waits for KV pages, if it does
+        self.refusal: CapacityError | None = None  # why it waits for capacity, if it does
+        self.refusal_reason = RejectReason.KV_CAPACITY  # whose capacity: decode's or prefill's
         self.waited_s = 0.0
         self.is_wait_observed = False
         self.granted: asyncio.Future[None] | None = None
@@ -105,6 +107,7 @@ class AdmissionManager:
         self._trying: set[Ticket] = set()
         self._num_refusals = 0  # in a row, for the backoff
         self._last_refusal: CapacityError | None = None
+        self._last_refusal_reason = RejectReason.KV_CAPACITY
         self._backoff: asyncio.TimerHandle | None = None
 
     def snapshot(self) -> AdmissionSnapshot:
@@ -142,10 +145,18 @@ class AdmissionManager:
         if ticket.state is TicketState.WAITING:
             await self._wait_granted(ticket)
 
-    def refused(self, ticket: Ticket, error: CapacityError) -> None:
-        """Every decode worker refused ``ticket`` KV pages: back to its place in the queue."""
+    def refused(
+        self,
+        ticket: Ticket,
+        error: CapacityError,
+        reason: RejectReason = RejectReason.KV_CAPACITY,
+    ) -> None:
+        """Every decode worker refused ``ticket`` KV pages (or prefill refused it a place in
+        its queue, ``PREFILL_CAPACITY``): back to its place in the queue."""
         assert ticket.state is TicketState.RUNNING
+        assert reason in (RejectReason.KV_CAPACITY, RejectReason.PREFILL_CAPACITY)
         ticket.refusal = self._last_refusal = error
+        ticket.refusal_reason = self._last_refusal_reason = reason
         self._trying.discard(ticket)
         self._num_running -= 1
         self._enqueue(ticket)
@@ -217,10 +228,11 @@ class AdmissionManager:
             if ticket.state is not TicketState.RUNNING:  # granted just as the limit passed: run
                 if ticket.refusal is None and self._is_kv_limited:  # held back by the KV gate
                     ticket.refusal = self._last_refusal
+                    ticket.refusal_reason = self._last_refusal_reason
                 self._unqueue(ticket)
-                is_kv = ticket.refusal is not None
+                is_refused = ticket.refusal is not None
                 self._reject(
-                    ticket, RejectReason.KV_CAPACITY if is_kv else RejectReason.QUEUE_TIMEOUT
+                    ticket, ticket.refusal_reason if is_refused else RejectReason.QUEUE_TIMEOUT
                 )
         finally:
             ticket.granted = None
@@ -245,6 +257,8 @@ class AdmissionManager:
         waited = f"request {ticket.request_id} waited {ticket.waited_s:.1f} s (--queue-timeout-s)"
         if reason is RejectReason.KV_CAPACITY:
             return f"{waited} for KV pages on decode: {ticket.refusal}"
+        if reason is RejectReason.PREFILL_CAPACITY:
+            return f"{waited} for room in prefill's queue: {ticket.refusal}"
         return f"{waited} for one of {self.max_running} request slots ({load})"
 
     def _close(self, ticket: Ticket) -> None:

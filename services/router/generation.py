@@ -310,6 +310,8 @@ class GenerationPipeline:
                     chunk = await self._bound.call(Hop.GENERATE, decode, request_id, anext(stream))
                 except StopAsyncIteration:
                     break
+                if not chunk.token_ids and chunk.finish_reason is None:
+                    continue  # it waits on decode for a place in a batch: not a stall
                 if chunk.finish_reason is not None:
                     self._registry.record_completed(decode)
                     flow.emit(flow.output.finish(chunk.finish_reason, chunk.token_ids))

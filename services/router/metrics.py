@@ -198,19 +198,26 @@ class RouterMetrics:
         )
         self.admission_rejected = telemetry.counter(
             "router_admission_rejected_total",
-            "Requests refused with 429, by reason (queue_full, queue_timeout, kv_capacity).",
+            "Requests refused with 429, by reason "
+            "(queue_full, queue_timeout, kv_capacity, prefill_capacity).",
             ("reason",),
             registry=registry,
         )
         self.admission_wait = telemetry.histogram(
             "router_admission_wait_seconds",
             "Time a request waited in the admission queue in all "
-            "(for a slot and for KV pages), observed once it stops waiting.",
+            "(for a slot, KV pages and prefill's queue), observed once it stops waiting.",
             registry=registry,
         )
         self.kv_refusals = telemetry.counter(
             "router_kv_refusals_total",
             "Reserve calls a decode worker answered RESOURCE_EXHAUSTED.",
+            ("address",),
+            registry=registry,
+        )
+        self.prefill_refusals = telemetry.counter(
+            "router_prefill_refusals_total",
+            "Prefill calls a prefill worker answered RESOURCE_EXHAUSTED (its queue full).",
             ("address",),
             registry=registry,
         )

@@ -8,7 +8,10 @@
               answering UNAVAILABLE or stalling, while another ready prefill worker
               exists, gives way to it once: the reservation is aborted first with
               ``is_kv_written=False`` (decode quarantines its pages against a late write
-              from the abandoned call) and a fresh one is reserved for the second attempt
+              from the abandoned call) and a fresh one is reserved for the second attempt.
+              One answering RESOURCE_EXHAUSTED (its queue full) refuses the request as a
+              full decode does: the reservation is aborted the same way, the request gives
+              its admission slot back and waits in the queue, then reserves afresh
   end      -> the reservation's lease is released; unless decode finished the request
               itself, decode's Abort is sent in the background (idempotent) with
               ``is_kv_written`` true exactly when prefill returned successfully
@@ -26,7 +29,7 @@ from typing import Any
 from services.common.errors import CapacityError, StageServeError, UnavailableError
 from services.common.types import TokenizedPrompt
 from services.engine.sampler import SamplingParams
-from services.router.admission import AdmissionManager, Ticket
+from services.router.admission import AdmissionManager, RejectReason, Ticket
 from services.router.metrics import RouterMetrics
 from services.router.peers import DecodePeer, PrefillPeer
 from services.router.progress import StallBound
@@ -84,6 +87,7 @@ class Placer:
         while True:
             reservation = await self.reserve(job, ticket)
             prefill: Worker | None = None
+            refusal: CapacityError | None = None
             try:
                 prefill = self._registry.acquire(WorkerKind.PREFILL, exclude=failed)
                 client: PrefillPeer = prefill.client
@@ -93,6 +97,10 @@ class Placer:
                 result = await self._bound.call(Hop.PREFILL, prefill, job.request_id, call)
                 reservation.is_kv_written = True  # prefill answers only after the whole KV landed
                 return reservation, result
+            except CapacityError as exc:  # its queue is full: wait in admission for room
+                assert prefill is not None
+                self._metrics.prefill_refusals.labels(prefill.address).inc()
+                refusal = error = exc
             except UnavailableError as exc:
                 has_other = prefill is not None and self._registry.has_ready(
                     WorkerKind.PREFILL, [prefill]
@@ -111,6 +119,9 @@ class Placer:
                     self._registry.release(prefill)
             if not await self._abort_for_retry(reservation):
                 raise error
+            if refusal is not None:
+                self._admission.refused(ticket, refusal, RejectReason.PREFILL_CAPACITY)
+                continue
             self._metrics.worker_retries.labels(WorkerKind.PREFILL.value).inc()
             logger.warning(
                 "%s: prefill on %s failed (%s); once more on another prefill worker",

@@ -10,7 +10,9 @@ for longer than the bound while it completes others. For the hops that complete 
 request's part at once (tokenize, prefill) the bound runs from the later of the call's
 start and the worker's last completed part of any request: the call stalls once the worker
 itself has completed nothing for ``stall_timeout_s``, and the request deadline still bounds
-the wait. A decode stream sends every step, so its bound is per message.
+the wait. A decode stream sends every step, so its bound is per message; a request that
+waits on decode for a place in the running batch gets a message saying so while its rank
+steps (decode's ``WAITING_LIST_S``), so only a decode that stopped stepping stalls it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class Hop(enum.Enum):
     TOKENIZE = "tokenize"  # tokenizer: the Tokenize call
     RESERVE = "reserve"  # decode: the Reserve call
     PREFILL = "prefill"  # prefill: the Prefill call, until it returns the first token
-    GENERATE = "generate"  # decode: each gap between two messages of the Generate stream
+    GENERATE = "generate"  # decode: each gap between two messages for a request's stream
 
 
 class WorkerState(enum.Enum):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from opentelemetry import trace
@@ -15,6 +16,7 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.types import FinishReason, Usage
+from services.decode import leader as leader_module
 from services.decode.scheduler import DecodePlan
 from services.engine.sampler import SamplingParams
 from tests.conftest import sdk_provider
@@ -80,6 +82,40 @@ async def test_continuous_batching_matches_offline_engine(make_decode: MakeDecod
     assert max(plan.num_rows for plan in plans) > 1
     joined_mid_flight = [plan for plan in plans if plan.joined and len(plan.joined) < plan.num_rows]
     assert joined_mid_flight, "no request joined a batch that was already running"
+
+
+async def test_a_request_waiting_for_a_place_in_the_batch_is_listed_until_it_runs(
+    make_decode: MakeDecode, offline, monkeypatch
+) -> None:
+    """With a batch of one, the second request waits while the first runs: its stream gets
+    empty chunks (decode lists it as waiting, what the router's stall bound reads), then
+    exactly the offline engine's tokens."""
+    monkeypatch.setattr(leader_module, "WAITING_LIST_S", 0.0)  # list at every report
+    harness = await make_decode(max_running_requests=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True)
+    prompts = {"first": prompt_of(7, seed=3), "second": prompt_of(11, seed=4)}
+    chunks: dict[str, list] = {"first": [], "second": []}
+    first_running = asyncio.Event()
+
+    async def run(request_id: str) -> list[int]:
+        prompt = prompts[request_id]
+        if request_id == "second":
+            await first_running.wait()
+        kv_ref = await harness.reserve(request_id, prompt, params)
+        first = harness.prefill.prefill(request_id, prompt, params, kv_ref)
+        tokens = [first]
+        async for chunk in harness.generate(kv_ref, first):
+            chunks[request_id].append(chunk)
+            tokens += chunk.token_ids
+            first_running.set()
+        return tokens
+
+    tokens = dict(zip(prompts, await asyncio.gather(*(run(r) for r in prompts)), strict=True))
+    for request_id, prompt in prompts.items():
+        assert tokens[request_id] == offline_tokens(offline, prompt, params)[0], request_id
+    waited = list(itertools.takewhile(lambda c: not c.token_ids, chunks["second"]))
+    assert waited and all(c.finish_reason is None for c in waited)
+    assert chunks["first"][-1].finish_reason is FinishReason.LENGTH
 
 
 @pytest.mark.parametrize(

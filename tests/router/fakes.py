@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from services.common.pb.stageserve.v1 import (
 )
 from services.common.server import HealthState, create_server
 from services.common.wire import stream_error_to_proto
+from services.decode.streams import WAITING_LIST_S
 from services.engine.processing import TextProcessor
 from tests.conftest import TINY_MODEL_DIR
 
@@ -177,6 +179,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.holding: set[str] = set()  # requests holding pages (reserved, not ended or aborted)
         self.num_refused = 0
         self.release = asyncio.Event()  # Generate waits for it before its first message
+        self.waiting_s = 0.0  # Generate lists its request as waiting this long before tokens
         self.release.set()
         self.cancelled: list[str] = []  # Reserve calls the caller cancelled, and generates it left
         self.ended: set[str] = set()  # aborted and not reserved again
@@ -243,6 +246,10 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 )
             self.generate_started.set()
             await self.release.wait()
+            waited_until = time.monotonic() + self.waiting_s
+            while time.monotonic() < waited_until:  # what decode says while its batch is full
+                outbox.put_nowait(decode_pb2.DecodeStreamResponse(waiting_request_ids=[request_id]))
+                await asyncio.sleep(WAITING_LIST_S)
             async for message in self._generate(request, reserve):
                 outbox.put_nowait(message)
         except StageServeError as exc:
@@ -315,9 +322,22 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.first_delay_s = 0.0  # the first Prefill answers this much later (queued behind others)
         self.error: Exception | None = None  # this worker's failure (over the script's)
         self.cancelled: list[str] = []
+        self.capacity: int | None = None  # requests its queue holds at once (None: any)
+        self.num_in_flight = 0
+        self.num_refused = 0
 
     @handle_errors
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
+        if self.capacity is not None and self.num_in_flight >= self.capacity:
+            self.num_refused += 1
+            raise CapacityError(f"prefill queue is full ({self.capacity} requests)")
+        self.num_in_flight += 1
+        try:
+            return await self._prefill(request)
+        finally:
+            self.num_in_flight -= 1
+
+    async def _prefill(self, request: Any) -> prefill_pb2.PrefillResponse:
         self.requests.append(request)
         if self.hang:
             await hang_until_cancelled(self.cancelled, request.request_id)

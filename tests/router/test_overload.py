@@ -99,6 +99,37 @@ async def test_requests_wait_for_kv_pages_and_all_finish():
         assert not decode.holding and served.app.pipeline.admission.snapshot().num_queued == 0
 
 
+async def test_requests_refused_by_a_full_prefill_queue_wait_and_all_finish():
+    """Prefill's RESOURCE_EXHAUSTED puts the request back in admission (its reservation
+    aborted, not written), as a full decode does; every request ends 200."""
+    script = Script(chunk_size=1, prefill_delay_s=0.05)
+    async with serve(FlowConfig(max_concurrent_requests=16), script) as served:
+        prefill, decode = served.cluster.prefill, served.cluster.decode
+        prefill.capacity = 2
+        async with asyncio.timeout(BOUND_S):
+            replies = await asyncio.gather(*(post(served.http) for _ in range(8)))
+        assert [r.status_code for r in replies] == [200] * 8, [r.text for r in replies]
+        assert [r.json()["choices"][0]["message"]["content"] for r in replies] == ["Hello"] * 8
+        assert prefill.num_refused > 0
+        address = served.cluster.prefills[0].address
+        assert served.metric("prefill_refusals_total", address=address) == prefill.num_refused
+        assert served.metric("admission_rejected_total", reason="prefill_capacity") == 0
+        # each refused reservation was aborted, unwritten, before its request reserved again
+        assert len(decode.aborted) == prefill.num_refused
+        assert not any(decode.is_kv_written.values())
+        assert not decode.holding and served.app.pipeline.admission.snapshot().num_queued == 0
+
+
+async def test_a_wait_for_room_in_prefill_past_the_limit_is_a_429():
+    script = Script(prefill_error=CapacityError("prefill queue is full (256 requests)"))
+    async with serve(FlowConfig(queue_timeout_s=0.3), script) as served:
+        assert_429(await post(served.http), "room in prefill's queue: prefill queue is full")
+        assert served.metric("admission_rejected_total", reason="prefill_capacity") == 1
+        decode = served.cluster.decode
+        assert decode.aborted and not decode.holding
+        assert not any(decode.is_kv_written.values())  # prefill wrote nothing
+
+
 async def test_a_wait_for_kv_pages_past_the_limit_is_a_429_before_the_first_byte():
     script = Script(reserve_error=CapacityError("no free KV pages"))
     async with serve(FlowConfig(queue_timeout_s=0.3), script) as served:

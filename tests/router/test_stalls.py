@@ -135,6 +135,17 @@ async def test_a_stalled_decode_stream_ends_the_request_and_aborts_it(num_messag
         assert stalls(served, "generate", served.cluster.decodes[0].address) == 1
 
 
+async def test_a_request_waiting_on_decode_past_the_bound_is_not_a_stall():
+    """Decode lists a request that waits for a place in its batch: alive, not frozen."""
+    async with serve() as served:
+        served.cluster.decode.waiting_s = 3 * STALL_S
+        response, elapsed_s = await timed_post(served.http, {**CHAT, "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == "Hell"
+        assert elapsed_s >= 3 * STALL_S
+        assert stalls(served, "generate", served.cluster.decodes[0].address) == 0
+
+
 async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
     async with serve() as served:
         served.cluster.decode.hang_after = 3

@@ -46,7 +46,9 @@ class DecodeChunk(msgspec.Struct, frozen=True):
     """Tokens generated since the previous chunk; the last chunk carries finish_reason and usage.
 
     The stream never repeats ``first_token_id``: completion tokens = 1 + all streamed
-    tokens, which is what ``usage.num_completion_tokens`` says.
+    tokens, which is what ``usage.num_completion_tokens`` says. A chunk with no tokens and
+    no finish says the request is live on a decode rank that steps, waiting for a place in
+    its batch.
     """
 
     token_ids: tuple[int, ...]
@@ -125,6 +127,10 @@ class _TokenStream:
         for request_id, token_id in zip(response.request_ids, response.token_ids, strict=True):
             tokens.setdefault(request_id, []).append(token_id)
         ends = {end.request_id: end for end in response.ends}
+        for request_id in response.waiting_request_ids:
+            queue = self._queues.get(request_id)
+            if queue is not None and queue.empty():  # anything queued says as much already
+                queue.put_nowait(DecodeChunk(()))
         for request_id in tokens.keys() | ends.keys():
             queue = self._queues.get(request_id)
             if queue is None:  # the caller left already

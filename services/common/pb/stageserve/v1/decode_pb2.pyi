@@ -52,14 +52,16 @@ class DecodeStreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[DecodeGenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class DecodeStreamResponse(_message.Message):
-    __slots__ = ("request_ids", "token_ids", "ends")
+    __slots__ = ("request_ids", "token_ids", "ends", "waiting_request_ids")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     ends: _containers.RepeatedCompositeFieldContainer[RequestEnd]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., ends: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ...) -> None: ...
+    waiting_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., ends: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
     __slots__ = ("request_id", "finish_reason", "usage", "error")
