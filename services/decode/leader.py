@@ -304,8 +304,8 @@ class DecodeLeader:
         rank.settle(queued, report.replies)
         rank.load, rank.is_busy = report.load, report.is_busy
         self._routes.deliver(report)
-        now = time.monotonic()
-        if now - rank.waiting_listed_mono >= WAITING_LIST_S:
+        now = time.monotonic()  # a step that read rows: requests past them wait for a place
+        if report.num_read_rows and now - rank.waiting_listed_mono >= WAITING_LIST_S:
             rank.waiting_listed_mono = now
             self._routes.list_waiting(rank.dp_rank, report.token_request_ids)
         for done in report.finished:
