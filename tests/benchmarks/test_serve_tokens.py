@@ -19,7 +19,8 @@ from benchmarks.serve_tokens import LocalTokenCounter, PromptBuilder
 from services.engine.processing import TextProcessor
 from tests.conftest import TINY_MODEL_DIR
 from tests.router.conftest import Cluster, router_config, serve_http, stop_router
-from tests.router.fakes import FakeDecode, FakePrefill, Script, start_worker
+from tests.router.fake_decode import FakeDecode
+from tests.router.fakes import FakePrefill, Script, start_worker
 from tests.tokenizer.conftest import start_served, stop_served
 
 TEXT = TextProcessor.from_dir(TINY_MODEL_DIR)

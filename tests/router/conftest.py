@@ -21,8 +21,8 @@ from services.router.config import LimitsConfig, PolicyName, RouterConfig, Worke
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
 from tests.conftest import INTERNAL_AUTH, REPO, TINY_MODEL_DIR
+from tests.router.fake_decode import FakeDecode
 from tests.router.fakes import (
-    FakeDecode,
     FakePrefill,
     FakeTokenizer,
     FakeWorker,
@@ -131,8 +131,7 @@ async def process_cluster() -> AsyncIterator[ProcessCluster]:
     decode = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests.router.fakes",
-        "decode",
+        "tests.router.fake_decode",
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,
     )
