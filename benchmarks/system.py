@@ -43,6 +43,7 @@ SECTION_TITLE = "## System (`python -m benchmarks.system`)"
 STEP = ("step", "decode", "stageserve_decode_step_seconds")  # decode's step histogram
 MESSAGES = ("messages", "decode", "stageserve_decode_stream_messages_total")
 PREFILL = ("prefill", "prefill", "stageserve_prefill_forward_seconds")  # per batch
+PREFILL_WAIT = ("prefill wait", "decode", "stageserve_decode_prefill_wait_seconds_total")
 # Tokens a request's chat template adds around its prompt (28 with the bundled tokenizer), with
 # room: each request's Reserve is for prompt + output tokens, and the default page count must
 # hold every concurrent request's (at 16 tokens of room, 1000/1000 requests at c = 512 needed
@@ -66,6 +67,8 @@ class Level:
     messages_per_step: float | None  # decode -> router messages per decode step
     prefill_ms: float | None  # prefill's in-service forward per batch (its histogram's mean)
     prefill_busy: float  # the fraction of the run prefill spent in forwards
+    decode_held: float  # the fraction of the run decode held steps back for prefill's forwards
+    num_steps: int  # decode steps read over the run
     router_cpu: tuple[float, ...]  # each router process's cores used
     decode_cpu: float  # the decode leader's cores used
 
@@ -92,6 +95,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--router-workers", type=int, default=None, help="default: stageserve up's")
     p.add_argument(
+        "--prefill-first-ms",
+        type=float,
+        default=None,
+        help="stageserve up's --prefill-first-ms (default: up's; 0: decode never waits)",
+    )
+    p.add_argument(
         "--client-processes", type=int, default=None, help="default: one per 32 concurrent"
     )
     p.add_argument(
@@ -117,7 +126,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _run_level(system: System, model: str, load: Load, num_processes: int) -> Level:
-    probe = MetricDelta(system, [MESSAGES], [STEP, PREFILL])
+    probe = MetricDelta(system, [MESSAGES, PREFILL_WAIT], [STEP, PREFILL])
     pids = {**system.pids("router"), "decode": system.state()["decode"]["pid"]}
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
     records, duration_s = run_load(load, num_processes)
@@ -141,6 +150,8 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
         messages_per_step=delta["messages"] / num_steps if num_steps else None,
         prefill_ms=histogram_mean_ms(delta, "prefill"),
         prefill_busy=delta["prefill sum"] / duration_s,
+        decode_held=delta["prefill wait"] / duration_s,
+        num_steps=round(num_steps),
         router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"),
         decode_cpu=cpu["decode"],
     )
@@ -166,6 +177,8 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
         "msgs/step",
         "prefill forward ms (in service)",
         "prefill busy",
+        "decode held",
+        "decode steps",
         "router CPU (cores each)",
         "decode leader CPU",
         "ok",
@@ -191,6 +204,8 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
             _fmt(level.messages_per_step),
             _fmt(level.prefill_ms),
             _fmt(level.prefill_busy),
+            _fmt(level.decode_held),
+            str(level.num_steps),
             " / ".join(f"{c:.2f}" for c in level.router_cpu),
             f"{level.decode_cpu:.2f}",
             f"{level.num_ok}/{level.num_requests}",
@@ -214,7 +229,9 @@ NOTES = [
     "first request's end to the last one's start: the first wave's prefill queue and the drain",
     "left out; `benchmarks/serve_metrics.py: steady_output_throughput`). *prefill forward ms*:",
     "prefill's forward per batch in service (its histogram's mean); *prefill busy*: the",
-    "fraction of the run it spent in forwards.",
+    "fraction of the run it spent in forwards; *decode held*: the fraction decode held its",
+    "steps back while a prefill forward ran (prefill first on a shared GPU, `--prefill-first-ms`",
+    "of `stageserve up`); *decode steps*: the steps decode read over the run.",
     "*engine step* is that loop's step; *TPOT* the "
     "client's mean time per output token; *decode step (in",
     "service)* decode's own step histogram over the run; "
@@ -275,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         up_args += ["--router-workers", str(args.router_workers)]
     if args.decode_device:
         up_args += ["--decode-device", args.decode_device]
+    if args.prefill_first_ms is not None:
+        up_args += ["--prefill-first-ms", str(args.prefill_first_ms)]
     with running_system(up_args, args.workdir, "stageserve-system-") as system:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model

@@ -125,6 +125,14 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         "over the decode ranks; at least 256)",
     )
     p.add_argument(
+        "--prefill-first-ms",
+        type=non_negative,
+        default=None,
+        help="when prefill and decode share one device: the longest a decode step waits for "
+        "prefill's forwards, so prompts run on the GPU alone (default: on for a CUDA device, "
+        "with decode's default; 0: off)",
+    )
+    p.add_argument(
         "--router-workers",
         type=at_least(1),
         default=None,
@@ -218,6 +226,7 @@ def _run_up(args: argparse.Namespace) -> int:
         decode_devices,
         default_router_workers,
         device_of,
+        with_gpu_share,
     )
     from services.launcher import new_run_dir, run_up
 
@@ -284,6 +293,7 @@ def _run_up(args: argparse.Namespace) -> int:
                 f"({num_decode_devices} devices)"
             )
         check_prefill_cp(cfg)
+        cfg = with_gpu_share(cfg, args.prefill_first_ms)
         check_embedding_backend(  # the two ends of the embedding rows
             transfer_backend, (device_of(cfg, "vision_encoder"), device_of(cfg, "prefill"))
         )

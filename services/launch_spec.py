@@ -7,8 +7,9 @@ services started before) into a ``ChildSpec``; ``services.launcher`` runs them.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.decode.config import DecodeConfig
@@ -69,6 +70,8 @@ class LaunchConfig:
     prefill_cp: int = 1  # prefill's CP rank processes (its --ranks)
     prefill_cp_block_tokens: int | None = None  # prefill's --cp-block-tokens
     prefill_cp_min_tokens: int | None = None  # prefill's --cp-min-tokens
+    gpu_share_file: Path | None = None  # prefill and decode on one device: prefill first
+    prefill_first_ms: float | None = None  # decode's --prefill-first-ms (None: decode's)
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 10.0
     log_dir: Path | None = None
@@ -178,6 +181,39 @@ def encoder_spec(cfg: LaunchConfig) -> ChildSpec:
     return ChildSpec("vision_encoder", args, first_ports(cfg, "vision_encoder"))
 
 
+def shared_device(cfg: LaunchConfig) -> str | None:
+    """The device prefill and decode both run on, all their ranks on it; None otherwise."""
+    devices = {
+        "cuda:0" if d == "cuda" else d for d in (device_of(cfg, "prefill"), *decode_devices(cfg))
+    }
+    if cfg.prefill_cp != 1 or len(devices) != 1:
+        return None
+    return devices.pop()
+
+
+def with_gpu_share(cfg: LaunchConfig, prefill_first_ms: float | None) -> LaunchConfig:
+    """``cfg`` with its GPU share file (``services/common/gpu_share.py``) when prefill and
+    decode share one device: by default for a CUDA device, and on any shared device when
+    ``prefill_first_ms`` is given (0: none). ``ValueError`` for a ``prefill_first_ms`` that
+    nothing would use."""
+    device = shared_device(cfg)
+    if device is None:
+        if prefill_first_ms is not None:
+            raise ValueError(
+                "--prefill-first-ms needs prefill and decode on one device (and --prefill-cp 1)"
+            )
+        return cfg
+    if prefill_first_ms == 0 or (prefill_first_ms is None and not device.startswith("cuda")):
+        return cfg
+    run_dir = cfg.log_dir or Path(tempfile.gettempdir())
+    path = run_dir / f"gpu-share-{os.getpid()}"
+    return replace(cfg, gpu_share_file=path, prefill_first_ms=prefill_first_ms)
+
+
+def _gpu_share_args(cfg: LaunchConfig) -> tuple[str, ...]:
+    return () if cfg.gpu_share_file is None else ("--gpu-share-file", str(cfg.gpu_share_file))
+
+
 def decode_rank_args(cfg: LaunchConfig) -> tuple[str, ...]:
     devices = decode_devices(cfg)
     if len(devices) > 1:
@@ -197,6 +233,8 @@ def decode_spec(cfg: LaunchConfig) -> ChildSpec:
         "--max-running-requests",
         str(decode_batch_size(cfg)),
         *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
+        *_gpu_share_args(cfg),
+        *optional_arg("--prefill-first-ms", cfg.prefill_first_ms),
     )
     return ChildSpec("decode", args, first_ports(cfg, "decode"))
 
@@ -215,6 +253,7 @@ def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
         *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
         "--max-queued-requests",
         str(prefill_queue_size(cfg)),
+        *_gpu_share_args(cfg),
     )
     return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
 

@@ -280,6 +280,8 @@ class Launcher:
                 c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill(c)
+        if self.cfg.gpu_share_file is not None:  # prefill's and decode's, both stopped
+            self.cfg.gpu_share_file.unlink(missing_ok=True)
 
 
 def ready_table(host: str, children: list[Child]) -> list[str]:

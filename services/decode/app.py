@@ -35,6 +35,8 @@ def rank_init(config: DecodeConfig) -> RankInit:
         kv_backend=config.kv_backend,
         transfer_host=config.transfer_host or config.host,
         kv_quarantine_s=config.kv_quarantine_s,
+        gpu_share_file=config.gpu_share_file,
+        prefill_first_s=config.prefill_first_s,
     )
 
 

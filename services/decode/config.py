@@ -7,11 +7,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import KV_BACKEND_HELP, check_kv_backend, resolve_kv_backend
 from services.common.paths import BUNDLED_MODEL
 from services.common.service_main import ServiceConfig, add_common_args
 
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
+# With a GPU share file: a step waits at most this long for prefill's forwards. 100 ms keeps
+# decode near one step per prefill forward (a 4 x 1000-token batch takes ~80 ms alone on an
+# H200 at 7B dimensions) while a burst of prompts runs.
+PREFILL_FIRST_MS = 100.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,16 @@ class DecodeConfig(ServiceConfig):
     kv_quarantine_s: float = (
         35.0  # pages of a reservation that failed before its KV was ready rest this long
     )
+    gpu_share_file: str = ""  # prefill on this GPU marks its forwards there (gpu_share.py)
+    prefill_first_ms: float | None = None  # with gpu_share_file; None: PREFILL_FIRST_MS
+
+    @property
+    def prefill_first_s(self) -> float:
+        """How long a step waits at most for prefill's forwards (0: no share file)."""
+        if not self.gpu_share_file:
+            return 0.0
+        ms = PREFILL_FIRST_MS if self.prefill_first_ms is None else self.prefill_first_ms
+        return ms / 1000
 
     @property
     def rank_devices(self) -> tuple[str, ...]:
@@ -121,6 +136,20 @@ def build_parser() -> argparse.ArgumentParser:
         "wait before reuse, since an abandoned transfer may still write them; keep it above "
         "Mooncake's MC_TRANSFER_TIMEOUT (default 30); 0 frees them at once",
     )
+    p.add_argument(
+        "--gpu-share-file",
+        default="",
+        help="the file a prefill service on the same GPU marks its forwards in (its "
+        "--gpu-share-file): a rank holds its next step back while one runs, so the prompts "
+        "run on the GPU alone; stageserve up sets it when prefill and decode share a CUDA device",
+    )
+    p.add_argument(
+        "--prefill-first-ms",
+        type=float,
+        default=None,
+        help="with --gpu-share-file: the longest a rank's step waits for prefill's forwards "
+        f"(what it may add to one token's latency; default {PREFILL_FIRST_MS:g}); 0: never waits",
+    )
     return p
 
 
@@ -166,6 +195,16 @@ def _check(config: DecodeConfig) -> None:
         )
     if config.kv_quarantine_s < 0:
         raise SystemExit(f"--kv-quarantine-s must be >= 0, got {config.kv_quarantine_s}")
+    if config.prefill_first_ms is not None:
+        if not config.gpu_share_file:
+            raise SystemExit("--prefill-first-ms needs --gpu-share-file (prefill's marks)")
+        if config.prefill_first_ms < 0:
+            raise SystemExit(f"--prefill-first-ms must be >= 0, got {config.prefill_first_ms}")
+    if config.gpu_share_file:
+        try:
+            GpuShare(config.gpu_share_file).close()  # a path it cannot map fails here
+        except ValueError as exc:
+            raise SystemExit(f"--gpu-share-file: {exc}") from None
     if config.max_model_len is not None and config.max_model_len < 2:
         raise SystemExit(f"--max-model-len must be >= 2, got {config.max_model_len}")
     try:

@@ -312,6 +312,8 @@ class DecodeLeader:
             metrics.REQUESTS.labels(done.reason.value).inc()
         if report.expired:
             metrics.REQUESTS.labels("expired").inc(len(report.expired))
+        if report.prefill_wait_s:
+            metrics.PREFILL_WAIT.inc(report.prefill_wait_s)
         if report.num_read_rows:
             metrics.STEPS.labels(str(rank.dp_rank)).inc()
             metrics.STEP_TIME.observe(report.read_step_s)

@@ -31,6 +31,8 @@ class RankInit(msgspec.Struct, frozen=True):
     kv_backend: str  # the KV receiver the rank creates (shm, cuda_ipc, mooncake, inprocess)
     transfer_host: str  # Mooncake: the hostname its engine advertises
     kv_quarantine_s: float
+    gpu_share_file: str = ""  # prefill on this GPU marks its forwards there; empty: none
+    prefill_first_s: float = 0.0  # the longest a step waits for a marked prefill forward
 
 
 class WireError(msgspec.Struct, frozen=True):
@@ -137,3 +139,4 @@ class RankReport(msgspec.Struct, frozen=True):
     is_busy: bool  # work left (requests generating, or a step not read yet): step again at once
     num_read_rows: int  # rows of the step read here (0: none was read)
     read_step_s: float  # launch to read of that step, seconds
+    prefill_wait_s: float = 0.0  # this step's wait for prefill's forwards (not in read_step_s)

@@ -34,6 +34,11 @@ STEP_TIME = telemetry.histogram(
     "to its read",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+PREFILL_WAIT = telemetry.counter(
+    "decode_prefill_wait_seconds_total",
+    "Time decode ranks held a step back while a prefill forward on their GPU ran "
+    "(--gpu-share-file); not in decode_step_seconds",
+)
 BATCH_SIZE = telemetry.histogram(
     "decode_batch_size",
     "Requests in one decode step",

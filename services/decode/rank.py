@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, StageServeError
+from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import check_kv_backend
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.decode.batch import DecodeBatchRunner, StepLoop
@@ -61,6 +62,7 @@ class _StepOutput:
     finished: list[Finished]
     num_rows: int = 0
     step_s: float = 0.0
+    prefill_wait_s: float = 0.0
 
 
 class DecodeRank:
@@ -72,10 +74,16 @@ class DecodeRank:
         loop: StepLoop,
         receiver: BaseKVReceiver,
         clock: Clock = time.monotonic,
+        gpu_share: GpuShare | None = None,
+        prefill_first_s: float = 0.0,
     ) -> None:
+        """``gpu_share``: where a prefill on the same GPU marks its forwards; a step about to
+        launch waits for them at most ``prefill_first_s``."""
         self.scheduler = scheduler
         self.loop = loop
         self.receiver = receiver
+        self.gpu_share = gpu_share
+        self.prefill_first_s = prefill_first_s
         self.vocab_size = loop.batch.vocab_size
         self._clock = clock
         self._next_step = 0
@@ -155,17 +163,22 @@ class DecodeRank:
 
     def _step(self) -> _StepOutput:
         plan = self.scheduler.schedule(self._next_step) if self.scheduler.has_work else None
+        waited_s, wait_end = 0.0, 0.0
         if plan is not None:
             self._next_step += 1
+            if self.gpu_share is not None:  # prefill first: its forward runs on the GPU alone
+                waited_s = self.gpu_share.wait_for_prefill(self.prefill_first_s)
+                wait_end = self._clock()
         done = self.loop.step(plan)
         if done is None:
-            return _StepOutput([], [])
+            return _StepOutput([], [], prefill_wait_s=waited_s)
         launched, token_ids = done
         tokens, finished = self.scheduler.update_from_output(launched.plan, token_ids)
         now = self._clock()
-        step_s = now - max(self._last_read_s, launched.launch_s)
+        start = max(self._last_read_s, launched.launch_s)
+        step_s = now - start - (waited_s if start < wait_end else 0.0)  # the step, not the wait
         self._last_read_s = now
-        return _StepOutput(tokens, finished, launched.plan.num_rows, step_s)
+        return _StepOutput(tokens, finished, launched.plan.num_rows, step_s, waited_s)
 
     def _validate(self, request: DecodeRequest, lifetime_s: float) -> None:
         request.params.validate()
@@ -208,6 +221,7 @@ class DecodeRank:
             is_busy=self.scheduler.has_work or self.loop.has_unread,
             num_read_rows=output.num_rows,
             read_step_s=output.step_s,
+            prefill_wait_s=output.prefill_wait_s,
         )
 
     def load(self) -> RankLoad:
@@ -246,6 +260,8 @@ class DecodeRankStep(BaseRankStep):
 
     def close(self) -> None:
         self.rank.receiver.close()
+        if self.rank.gpu_share is not None:
+            self.rank.gpu_share.close()
 
 
 def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
@@ -302,4 +318,8 @@ def build_rank(
     except BaseException:
         receiver.close()
         raise
-    return DecodeRank(scheduler, StepLoop(batch, is_overlapped), receiver)
+    share = GpuShare(init.gpu_share_file) if init.gpu_share_file else None
+    loop = StepLoop(batch, is_overlapped)
+    return DecodeRank(
+        scheduler, loop, receiver, gpu_share=share, prefill_first_s=init.prefill_first_s
+    )

@@ -14,6 +14,7 @@ from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.errors import StageServeError
+from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import KV_BACKEND_HELP
 from services.common.malloc import tune_malloc
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
@@ -111,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         "of every layer but attention, captured at start for token sizes up to it; 0 runs "
         "every pass eagerly (CPU ranks always do)",
     )
+    p.add_argument(
+        "--gpu-share-file",
+        default="",
+        help="a file shared with a decode service on the same GPU: each rank marks its forwards "
+        "in it and that decode holds its steps back while one runs (its --prefill-first-ms); "
+        "stageserve up sets it when prefill and decode share a CUDA device",
+    )
     add_cp_args(p)
     args = p.parse_args(argv)
     if args.cuda_graph_max_tokens < 0:
@@ -134,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     try:
         args.devices = rank_devices(args.device, args.devices, args.ranks)
         check_block_tokens(args.cp_block_tokens, args.page_size)
+        if args.gpu_share_file:
+            GpuShare(args.gpu_share_file).close()  # a path it cannot map fails here, not in a rank
         check_backends(PrefillConfig(**{k: v for k, v in vars(args).items() if k != "ranks"}))
     except ValueError as exc:
         p.error(str(exc))

@@ -56,6 +56,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         transfer_hostname=config.advertised_hostname,
         kv_exchange_over_cpu=len(set(config.devices)) < len(config.devices),
         cuda_graph_max_tokens=config.cuda_graph_max_tokens,
+        gpu_share_file=config.gpu_share_file,
     )
 
 

@@ -37,6 +37,7 @@ class PrefillConfig(ServiceConfig):
     step_timeout_s: float = 60.0  # a plan's deadline on the ranks; a rank past it is declared dead
     image_store_mb: int = 256  # image bytes held for calls that name an image by hash alone
     cuda_graph_max_tokens: int = 640  # unsharded passes up to this many tokens: graphs; 0: eager
+    gpu_share_file: str = ""  # the ranks mark their forwards there for a decode on the same GPU
 
     @property
     def num_ranks(self) -> int:

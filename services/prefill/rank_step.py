@@ -16,6 +16,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from services.common.gpu_share import GpuShare
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
@@ -53,6 +54,7 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     # (NCCL needs one GPU per rank)
     kv_exchange_over_cpu: bool = False
     cuda_graph_max_tokens: int = 0  # the prefill graphs' largest size (prefill_graph.py); 0: eager
+    gpu_share_file: str = ""  # each rank marks its forwards there for decode (gpu_share.py)
 
 
 def _engine_kwargs(backend: str, hostname: str) -> dict[str, Any]:
@@ -68,6 +70,7 @@ class PrefillRankStep(BaseRankStep):
         if ctx.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # C ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
         self.ctx = ctx
+        self.gpu_share = GpuShare(init.gpu_share_file) if init.gpu_share_file else None
         model = load_model(
             init.model, device=ctx.device, dtype=init.dtype, components=("language",)
         )
@@ -109,6 +112,7 @@ class PrefillRankStep(BaseRankStep):
             ctx.world_size,
             group,
             exchange_device="cpu" if init.kv_exchange_over_cpu else None,
+            gpu_share=self.gpu_share,
         )
 
     def warmup(self) -> None:
@@ -164,3 +168,5 @@ class PrefillRankStep(BaseRankStep):
     def close(self) -> None:
         self.kv_sender.close()
         self.receiver.close()
+        if self.gpu_share is not None:
+            self.gpu_share.close()

@@ -12,6 +12,7 @@ stop without sampling or writing (``peer_failed``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.gpu_share import GpuShare
 from services.common.types import FinishReason
 from services.engine import ops
 from services.engine.attention.context_parallel import ContextParallelAttention, CpShard, KvExchange
@@ -68,8 +70,11 @@ class PrefillRankWorker:
         world_size: int = 1,
         group: object = None,
         exchange_device: str | None = None,
+        gpu_share: GpuShare | None = None,
     ) -> None:
+        """``gpu_share``: where this rank marks its forwards for a decode on the same GPU."""
         config = runner.model.config
+        self.gpu_share = gpu_share
         self.runner = runner
         self.kv_sender = kv_sender
         self.embeddings = embeddings
@@ -106,7 +111,8 @@ class PrefillRankWorker:
             if write_kv and self.kv_sender.streams_layers and len(plan.passes) == 1:
                 handoff.begin_layerwise(plan.requests)
             start = time.perf_counter()
-            token_ids = self._run(plan, shard, handoff)
+            with self._marking():
+                token_ids = self._run(plan, shard, handoff)
             forward_s = time.perf_counter() - start
             if token_ids is None:
                 return Executed((), forward_s, peer_failed=True)
@@ -118,6 +124,11 @@ class PrefillRankWorker:
             handoff.close()
             for request in plan.requests:
                 table.release(request.request_id)
+
+    def _marking(self) -> contextlib.AbstractContextManager[None]:
+        if self.gpu_share is None:
+            return contextlib.nullcontext()
+        return self.gpu_share.marking(self.rank)
 
     def finish_reason(self, request: RankRequest, token_id: int) -> FinishReason | None:
         return first_token_finish_reason(

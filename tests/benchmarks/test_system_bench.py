@@ -13,7 +13,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def test_quick_run_writes_its_section_and_keeps_the_others(quick_benchmark) -> None:
     other = "## Engine (`python -m benchmarks.engine`)"
-    text = quick_benchmark("benchmarks.system", SECTION_TITLE, other, "--concurrency", "1,2")
+    # prefill first, as on a GPU by default (the share file on the CPU)
+    flags = ("--concurrency", "1,2", "--prefill-first-ms", "20")
+    text = quick_benchmark("benchmarks.system", SECTION_TITLE, other, *flags)
     lines = text.splitlines()
     header = next(line for line in lines if line.startswith("| concurrency |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
@@ -25,3 +27,4 @@ def test_quick_run_writes_its_section_and_keeps_the_others(quick_benchmark) -> N
         # at most one decode message per step to the one router
         assert float(cells["msgs/step"]) <= 1.0
         assert 0.0 < float(cells["prefill busy"]) < 1.0  # the prompts' forwards were counted
+        assert 0.0 <= float(cells["decode held"]) < 1.0 and int(cells["decode steps"]) > 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from services.common.errors import UnavailableError
+from services.common.gpu_share import GpuShare
 from services.engine.kv_cache import KVPageManager, KVPool
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.prefill.messages import RankRequest
@@ -267,3 +268,33 @@ def test_a_batch_starts_every_kv_write_before_awaiting_one(pipeline, setup) -> N
             assert not outcome.error
             setup.assert_kv(pipeline, case, request)
     setup.assert_all_free()
+
+
+def test_a_forward_is_marked_in_the_gpu_share_file_while_it_runs(pipeline, setup, tmp_path):
+    """What a decode on the same GPU sees (``--gpu-share-file``): marked during the forward,
+    clear after it, and clear after a forward that failed."""
+    setup.worker.gpu_share = GpuShare(tmp_path / "share")
+    decode_view = GpuShare(tmp_path / "share")
+    model, seen = setup.worker.runner.model, []
+
+    def forward(*args, _forward=model.forward, **kwargs):
+        seen.append(decode_view.is_prefill_running())
+        return _forward(*args, **kwargs)
+
+    model.forward = forward
+    case = standard_cases(pipeline)[0]
+    request = setup.request(pipeline, case, 0)
+    done = setup.worker.execute(plan_of(1, [request], solo_rank=0))
+    assert seen == [True] and not decode_view.is_prefill_running()
+    assert done.outcomes[0].first_token_id == reference(pipeline, case).first_token_id
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("device fault in the forward")
+
+    model.forward = failing
+    with pytest.raises(RuntimeError, match="device fault"):
+        setup.worker.execute(plan_of(2, [setup.request(pipeline, case, 0)], solo_rank=0))
+    assert not decode_view.is_prefill_running()
+    setup.assert_all_free()
+    decode_view.close()
+    setup.worker.gpu_share.close()

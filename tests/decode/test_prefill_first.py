@@ -1,0 +1,92 @@
+"""Prefill first on a shared GPU: while a prefill rank's forward is marked in the GPU share
+file, a decode rank holds each step back for at most ``--prefill-first-ms``, reports the wait
+(outside its step time) and streams exactly the tokens it streams without the file."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from services.common.gpu_share import GpuShare
+from services.decode.app import rank_init
+from services.decode.config import parse_config
+from services.decode.messages import RankReport
+from services.decode.rank import build_rank
+from services.engine.sampler import SamplingParams
+from services.transfer import create_kv_receiver
+from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
+from tests.decode.conftest import BASE_CONFIG, FakePrefill, prompt_of
+from tests.decode.test_step_loop import Driver, Outcome, offline_run
+
+WAIT_MS = 300.0
+PARAMS = SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+
+
+class RecordingDriver(Driver):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reports: list[RankReport] = []
+
+    def step(self, *commands) -> RankReport:
+        report = super().step(*commands)
+        self.reports.append(report)
+        return report
+
+
+@pytest.fixture
+def shared_rank(language_model, tmp_path):
+    """A rank reading the share file ``tmp_path/share``, its prefill, and the file as prefill
+    marks it."""
+    path = tmp_path / "share"
+    config = replace(BASE_CONFIG, gpu_share_file=str(path), prefill_first_ms=WAIT_MS)
+    fabric = InProcessFabric()
+    receiver = create_kv_receiver("inprocess", fabric=fabric)
+    rank = build_rank(rank_init(config), "cpu", language_model, receiver)
+    prefill_marks = GpuShare(path)
+    yield rank, FakePrefill(language_model, InProcessKVSender(fabric)), prefill_marks
+    prefill_marks.close()
+    rank.gpu_share.close()
+    receiver.close()
+
+
+def test_steps_wait_for_a_marked_prefill_forward_and_stream_the_same_tokens(
+    shared_rank, offline
+) -> None:
+    rank, prefill, marks = shared_rank
+    assert rank.prefill_first_s == WAIT_MS / 1000
+    prompt = prompt_of(6, seed=21)
+    expected, reason = offline_run(offline, prompt, PARAMS)
+
+    held = RecordingDriver(rank, prefill)
+    with marks.marking(0):  # a prefill forward that outlasts every step's bound
+        held.start("held", prompt, PARAMS)
+        held.drain()
+    assert held.outcomes["held"] == Outcome(expected, reason)
+    launching = [r for r in held.reports if r.prefill_wait_s > 0]
+    assert len(launching) == len(expected) - 1  # every DECODE step waited, once each
+    assert all(r.prefill_wait_s >= WAIT_MS / 1000 for r in launching)
+    # a step's time is its own: the wait before the next launch is not in it
+    read = [r for r in held.reports if r.num_read_rows]
+    assert read and all(r.read_step_s < WAIT_MS / 1000 for r in read)
+
+    free = RecordingDriver(rank, prefill)  # no forward marked: no step waits
+    free.start("free", prompt, PARAMS)
+    free.drain()
+    assert free.outcomes["free"] == Outcome(expected, reason)
+    assert all(r.prefill_wait_s == 0.0 for r in free.reports)
+
+
+def test_prefill_first_flags(tmp_path) -> None:
+    path = str(tmp_path / "share")
+    assert parse_config(["--gpu-share-file", path]).prefill_first_s == 0.1  # the default
+    config = parse_config(["--gpu-share-file", path, "--prefill-first-ms", "0"])
+    assert config.prefill_first_s == 0.0
+    assert parse_config([]).prefill_first_s == 0.0  # no file: never waits
+    with pytest.raises(SystemExit, match="--prefill-first-ms needs --gpu-share-file"):
+        parse_config(["--prefill-first-ms", "50"])
+    with pytest.raises(SystemExit, match="--prefill-first-ms must be >= 0"):
+        parse_config(["--gpu-share-file", path, "--prefill-first-ms", "-1"])
+    missing = tmp_path / "missing" / "share"
+    with pytest.raises(SystemExit, match=f"--gpu-share-file: GPU share file {missing}"):
+        parse_config(["--gpu-share-file", str(missing)])
