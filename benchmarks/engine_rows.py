@@ -12,6 +12,7 @@ from benchmarks.report import Row
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
+from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
 from services.engine.sampler import Sampler, SamplingParams
@@ -29,12 +30,19 @@ IMAGE_COUNTS = (1, 8)
 
 
 def make_runner(
-    model: Qwen2_5_VLModel, max_tokens: int, attention_backend: str = "flashinfer"
+    model: Qwen2_5_VLModel,
+    max_tokens: int,
+    attention_backend: str = "flashinfer",
+    max_batch: int = max(DECODE_BATCHES),
 ) -> ModelRunner:
-    num_pages = (
-        -(-max_tokens // PAGE_SIZE) + max(DECODE_BATCHES) + 2
-    )  # + last partial pages + scratch
-    runner = ModelRunner(model, KVCacheConfig(num_pages, PAGE_SIZE), attention_backend)
+    """A runner with decode graphs up to ``max_batch``, as a decode rank of that batch has."""
+    num_pages = -(-max_tokens // PAGE_SIZE) + max_batch + 2  # + last partial pages + scratch
+    runner = ModelRunner(
+        model,
+        KVCacheConfig(num_pages, PAGE_SIZE),
+        attention_backend,
+        cuda_graph_batch_sizes=graph_batch_sizes(max_batch),
+    )
     runner.kv_pool.k_buffer.normal_()  # never time attention over zeros
     runner.kv_pool.v_buffer.normal_()
     return runner

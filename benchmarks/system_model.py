@@ -145,7 +145,8 @@ def engine_times(
     else:
         model = load_model(model_dir, device=device, components=("language",))
     context_len = prompt_len + output_len // 2
-    runner = er.make_runner(model, max(batches) * (context_len + 1) + prompt_len, attention)
+    max_tokens = max(batches) * (context_len + 1) + prompt_len
+    runner = er.make_runner(model, max_tokens, attention, max_batch=max(batches))
     decode, unpipelined = {}, {}
     request_ids = [f"bench-decode-{i}" for i in range(max(batches))]
     for request_id in request_ids:

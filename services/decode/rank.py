@@ -46,6 +46,7 @@ from services.decode.messages import (
     WireError,
 )
 from services.decode.scheduler import DecodeRequest, DecodeScheduler, check_prompt_len
+from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
@@ -303,8 +304,11 @@ def build_rank(
         check_kv_backend(init.kv_backend, init.kv_backend, device)
     if model is None:
         model = load_model(init.model, device=device, dtype=init.dtype, components=("language",))
-    runner = ModelRunner(
-        model, KVCacheConfig(init.num_pages, init.page_size), init.attention_backend
+    runner = ModelRunner(  # a batch as large as the rank runs replays a graph
+        model,
+        KVCacheConfig(init.num_pages, init.page_size),
+        init.attention_backend,
+        cuda_graph_batch_sizes=graph_batch_sizes(init.max_running_requests),
     )
     receiver = receiver if receiver is not None else create_receiver(init)
     try:

@@ -25,6 +25,20 @@ from services.engine.attention.base import AttentionBatch, BaseAttentionBackend,
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+LARGE_BATCH_STEP = 64  # graph sizes above the defaults' 256: every 64 requests
+MAX_GRAPH_BATCH = 1024  # larger batches run eagerly (each size's logits hold B x vocab fp32)
+
+
+def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """Graph sizes for a runner whose batches reach ``max_batch``: the defaults up to it, then
+    every ``LARGE_BATCH_STEP`` up to it (rounded up; at most ``MAX_GRAPH_BATCH``). A decode rank
+    of 512 ran its batch of 512 eagerly on the defaults (one H200, 7B dimensions: an engine
+    step of 22-26 ms at b512 against 11.9 ms at b256)."""
+    top = min(-(-max_batch // LARGE_BATCH_STEP) * LARGE_BATCH_STEP, MAX_GRAPH_BATCH)
+    large = range(DEFAULT_BATCH_SIZES[-1] + LARGE_BATCH_STEP, top + 1, LARGE_BATCH_STEP)
+    small = [b for b in DEFAULT_BATCH_SIZES if b < max_batch]
+    covering = [b for b in DEFAULT_BATCH_SIZES if b >= max_batch][:1]
+    return tuple(small + covering + list(large))
 _IDS, _POS, _SLOTS = 0, slice(1, 4), 4  # rows of the fixed input buffer
 
 

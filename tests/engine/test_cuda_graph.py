@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.random_model import CONFIG_7B, build_random_model
 from services.engine.attention import ForwardMode
+from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, graph_batch_sizes
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
 
 pytestmark = pytest.mark.gpu
@@ -45,16 +46,17 @@ def _decode(runner: ModelRunner, tokens: list[int], seq_lens: list[int]) -> torc
     return runner.forward(ForwardMode.DECODE, steps).clone()
 
 
-def _compare(model) -> None:
+def _compare(model, prompt_lens=PROMPT_LENS, graph_sizes=DEFAULT_BATCH_SIZES, padded_to=4):
     vocab = model.config.text.vocab_size
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in PROMPT_LENS]
-    graph = ModelRunner(model, KVCacheConfig(256, 16), "flashinfer")
-    eager = ModelRunner(model, KVCacheConfig(256, 16), "flashinfer", cuda_graph_batch_sizes=())
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in prompt_lens]
+    kv = KVCacheConfig(256 + 2 * len(prompts), 16)
+    graph = ModelRunner(model, kv, "flashinfer", cuda_graph_batch_sizes=graph_sizes)
+    eager = ModelRunner(model, kv, "flashinfer", cuda_graph_batch_sizes=())
     assert graph.cuda_graph is not None and eager.cuda_graph is None
-    assert graph.cuda_graph.graph_size(len(prompts)) == 4  # padded
+    assert graph.cuda_graph.graph_size(len(prompts)) == padded_to
     tokens = _prefill(eager, prompts).argmax(-1).tolist()
     _prefill(graph, prompts)
-    seq_lens = list(PROMPT_LENS)
+    seq_lens = list(prompt_lens)
     for step in range(NUM_STEPS):
         expected = _decode(eager, tokens, seq_lens)
         got = _decode(graph, tokens, seq_lens)
@@ -73,6 +75,13 @@ def _compare(model) -> None:
 def test_graph_decode_matches_eager_small(small_config_dir):
     torch.manual_seed(0)
     _compare(build_random_model(small_config_dir, seed=1))
+
+
+def test_a_batch_past_256_replays_its_large_graph_and_matches_eager(small_config_dir):
+    """300 requests (a decode rank of --max-running-requests 300) run in the graph of 320."""
+    torch.manual_seed(0)
+    lens = [5 + i % 9 for i in range(300)]
+    _compare(build_random_model(small_config_dir, seed=3), lens, graph_batch_sizes(300), 320)
 
 
 def test_graph_decode_matches_eager_7b():
