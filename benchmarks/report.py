@@ -148,7 +148,10 @@ def command_line(module: str, argv: list[str] | None) -> str:
 def write_run_section(
     out: str | Path, title: str, command: str, info: list[str], table: list[str], notes: list[str]
 ) -> None:
-    """Write ``title``'s section of ``out``: provenance, ``info``, ``table`` and ``notes``."""
+    """Write ``title``'s section of ``out``: provenance, ``info``, ``table`` and ``notes``;
+    an empty ``out`` writes nothing."""
+    if not str(out):
+        return
     write_section(Path(out), title, [*provenance_lines(command), *info, "", *table, "", *notes])
     print(f"wrote {out}")
 

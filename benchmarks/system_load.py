@@ -152,7 +152,9 @@ def start_system(up_args: list[str], workdir: Path, port: int = 0) -> System:
 def add_system_args(p: argparse.ArgumentParser) -> None:
     """The system benchmarks' shared options: ``--out``, ``--checkpoint-dir``, ``--workdir``."""
     p.add_argument(
-        "--out", default="docs/benchmarks.md", help="markdown report whose section is written"
+        "--out",
+        default="docs/benchmarks.md",
+        help="markdown report whose section is written ('': none)",
     )
     p.add_argument(
         "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()) / "stageserve-7b-random"
