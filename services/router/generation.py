@@ -304,10 +304,11 @@ class GenerationPipeline:
             _remaining(flow.job.deadline_s),
             kv_written_proof=kv_written_proof,
         )
+        bound = self._bound.stream(Hop.GENERATE, decode, request_id)
         try:
             while True:
                 try:  # each gap between two messages is bounded, the first one included
-                    chunk = await self._bound.call(Hop.GENERATE, decode, request_id, anext(stream))
+                    chunk = await bound.next(stream)
                 except StopAsyncIteration:
                     break
                 if not chunk.token_ids and chunk.finish_reason is None:
@@ -320,6 +321,7 @@ class GenerationPipeline:
                 if flow.output.is_finished:  # a stop string matched
                     return False
         finally:
+            bound.close()
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()

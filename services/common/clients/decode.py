@@ -56,7 +56,12 @@ class DecodeChunk(msgspec.Struct, frozen=True):
     usage: Usage | None = None
 
 
-Queued = DecodeChunk | StageServeError
+class _Deadline:
+    """Queued for a generate when its deadline passes."""
+
+
+_DEADLINE = _Deadline()
+Queued = DecodeChunk | StageServeError | _Deadline
 
 
 def _trace_fields() -> dict[str, str]:
@@ -252,22 +257,24 @@ class DecodeClient:
             **_trace_fields(),
         )
         tokens.send(decode_pb2.DecodeStreamRequest(generate=start))
+        # One timer for the whole stream, not one per message: at the deadline it queues
+        # _DEADLINE behind what came before it.
+        expiry = asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE)
         is_done = False
         try:
             while not is_done:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        item = await queue.get()
-                except TimeoutError:
+                item = await queue.get()
+                if isinstance(item, _Deadline):
                     raise DeadlineExceededError(
                         f"{request_id}: decode did not finish within {timeout_s:g} s"
-                    ) from None
+                    )
                 if isinstance(item, StageServeError):
                     is_done = True
                     raise item
                 is_done = item.finish_reason is not None
                 yield item
         finally:
+            expiry.cancel()
             tokens.forget(request_id)
             if not is_done:
                 abort = decode_pb2.AbortRequest(
