@@ -3,6 +3,7 @@
     python -m benchmarks.system [--out docs/benchmarks.md] [--concurrency 1,64,256]
         [--input-len 1000] [--output-len 1000] [--decode-dp 1] [--router-workers 4]
     python -m benchmarks.system --quick      # CPU smoke run on the bundled tiny model
+    python -m benchmarks.system --sglang-bench-serving PATH/bench_serving.py  # SGLang's too
 
 In one run: writes (or reuses) a checkpoint with 7B dimensions, random bf16 weights and the
 bundled tokenizer's vocabulary (benchmarks/system_model.py); times the engine alone on the
@@ -12,7 +13,9 @@ CUDA IPC), warms it up; runs the serving client at each concurrency, spread over
 processes, ``--input-len`` prompt tokens and ``--output-len`` output tokens with ignore_eos;
 prints one table (system against engine: throughput, TPOT, decode's in-service step, the
 messages decode sent per step, router and decode-leader CPU) and writes its section of
-``--out``. Tests never assert on these numbers.
+``--out``. With ``--sglang-bench-serving`` each level also runs SGLang's client (same
+concurrency, requests and lengths; benchmarks/sglang_client.py) after ours, in a second
+table. Tests never assert on these numbers.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ import argparse
 import shlex
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.report import command_line, fmt, markdown_table, write_run_section
 from benchmarks.serve_metrics import Slo, steady_output_throughput, summarize
+from benchmarks.sglang_client import (
+    SglangResult,
+    run_sglang,
+    sglang_table_lines,
+    write_sharegpt_words,
+)
 from benchmarks.system_load import (
     CPU_UP,
     GPU_UP,
@@ -109,7 +119,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="decode KV pages per rank (default: fits the run)",
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--sglang-bench-serving",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="SGLang's standalone bench_serving.py: each level runs it after our client",
+    )
+    args = p.parse_args(argv)
+    if args.sglang_bench_serving is not None and not args.sglang_bench_serving.is_file():
+        p.error(f"--sglang-bench-serving {args.sglang_bench_serving}: no such file")
+    return args
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -216,6 +236,14 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
     return markdown_table(header, [cells(level) for level in levels])
 
 
+def _sglang_lines(
+    runs: list[SglangResult], levels: list[Level], engine: EngineTimes, output_len: int
+) -> list[str]:
+    ours = {level.concurrency: level.output_tok_s for level in levels}
+    bounds = {c: engine.bound_tok_s(c, output_len) for c in ours if c in engine.decode_ms}
+    return sglang_table_lines(runs, ours, bounds)
+
+
 NOTES = [
     "How to read it: *engine bound* is the output "
     "throughput if the GPU did nothing but the engine's",
@@ -302,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99),
             1,
         )  # warm-up
-        results = []
+        results: list[Level] = []
+        sglang_runs: list[SglangResult] = []
+        sglang_dir = system.state_file.parent if args.sglang_bench_serving else None
+        dataset = sglang_dir and write_sharegpt_words(sglang_dir / "sharegpt-words.json")
         for concurrency in levels:
             num_requests = max(concurrency, round(args.requests_per_level * concurrency))
             load = Load(
@@ -318,9 +349,29 @@ def main(argv: list[str] | None = None) -> int:
             processes = args.client_processes or -(-concurrency // 32)
             results.append(_run_level(system, model, load, processes))
             print("\n".join(table_lines(results, engine, output_len)[-1:]), flush=True)
+            if args.sglang_bench_serving is not None:
+                assert sglang_dir is not None and dataset is not None
+                sglang_runs.append(
+                    run_sglang(
+                        args.sglang_bench_serving,
+                        system.base_url,
+                        model,
+                        model_dir,
+                        dataset,
+                        concurrency,
+                        num_requests,
+                        input_len,
+                        output_len,
+                        sglang_dir,
+                    )
+                )
+                lines = _sglang_lines(sglang_runs, results, engine, output_len)
+                print(lines[-1], flush=True)
         routers = len(system.pids("router"))
     code = system.process.returncode
     lines = table_lines(results, engine, output_len)
+    if sglang_runs:
+        lines += ["", *_sglang_lines(sglang_runs, results, engine, output_len)]
     print("\n".join(lines))
     weights = "bundled tiny model" if args.quick else "7B dimensions, random bf16 weights"
     info = [
