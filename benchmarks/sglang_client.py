@@ -29,7 +29,6 @@ import numpy as np
 from benchmarks.report import fmt, markdown_table
 from benchmarks.serve_tokens import WORDS
 
-NUM_CONVERSATIONS = 512
 WORDS_PER_TURN = 300  # more than 1000 tokens' worth is not needed: bench_serving repeats them
 
 
@@ -44,8 +43,9 @@ class SglangResult:
     mean_itl_ms: float
 
 
-def write_sharegpt_words(path: Path, seed: int = 0) -> Path:
-    """A ShareGPT-format file of random-word conversations (two turns each)."""
+def write_sharegpt_words(path: Path, num_conversations: int, seed: int = 0) -> Path:
+    """A ShareGPT-format file of ``num_conversations`` random-word conversations (two turns
+    each): bench_serving sends at most one prompt per conversation."""
     rng = np.random.default_rng(seed)
 
     def turn() -> str:
@@ -59,7 +59,7 @@ def write_sharegpt_words(path: Path, seed: int = 0) -> Path:
                 {"from": "gpt", "value": turn()},
             ],
         }
-        for i in range(NUM_CONVERSATIONS)
+        for i in range(num_conversations)
     ]
     path.write_text(json.dumps(conversations))
     return path

@@ -333,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         results: list[Level] = []
         sglang_runs: list[SglangResult] = []
         sglang_dir = system.state_file.parent if args.sglang_bench_serving else None
-        dataset = sglang_dir and write_sharegpt_words(sglang_dir / "sharegpt-words.json")
-        for concurrency in levels:
-            num_requests = max(concurrency, round(args.requests_per_level * concurrency))
+        requests = [max(c, round(args.requests_per_level * c)) for c in levels]
+        dataset = sglang_dir and write_sharegpt_words(
+            sglang_dir / "sharegpt-words.json", max(requests)
+        )
+        for concurrency, num_requests in zip(levels, requests, strict=True):
             load = Load(
                 system.base_url,
                 model,

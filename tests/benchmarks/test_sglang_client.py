@@ -38,7 +38,7 @@ FAKE_SCRIPT = textwrap.dedent(
 def fake_run(tmp_path: Path, concurrency: int) -> SglangResult:
     script = tmp_path / "bench_serving.py"
     script.write_text(FAKE_SCRIPT)
-    dataset = write_sharegpt_words(tmp_path / "words.json")
+    dataset = write_sharegpt_words(tmp_path / "words.json", 2 * concurrency)
     return run_sglang(
         script,
         "http://127.0.0.1:8000/v1",
@@ -79,8 +79,8 @@ def test_a_failed_run_raises_with_its_output(tmp_path):
 
 
 def test_the_dataset_is_sharegpt_conversations_of_our_words(tmp_path):
-    data = json.loads(write_sharegpt_words(tmp_path / "w.json").read_text())
-    assert len(data) == 512
+    data = json.loads(write_sharegpt_words(tmp_path / "w.json", 1024).read_text())
+    assert len(data) == 1024  # one per prompt: bench_serving sends at most one per conversation
     for item in data[:5]:
         human, gpt = item["conversations"]
         assert human["from"] == "human" and gpt["from"] == "gpt"
