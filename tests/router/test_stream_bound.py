@@ -128,9 +128,9 @@ async def test_a_cancellation_from_outside_passes_through_and_is_not_a_stall():
 
 async def deadline_run(num_messages: int) -> tuple[int, int]:
     """A generate of 0.5 s on a fake decode that sends ``num_messages`` one-token messages,
-    then nothing: (tokens received, timers scheduled meanwhile, whether decode saw the
-    request left: the stream's abort message cancels its generate). The fake decode shares the loop; its timers do not depend on
-    ``num_messages``."""
+    then nothing: (tokens received, timers scheduled meanwhile), once decode saw the request
+    cancelled (the stream's abort message). The fake decode shares the loop; its own timers
+    do not depend on ``num_messages``."""
     decode = FakeDecode(Script(output_ids=list(range(100, 200)), chunk_size=1))
     decode.hang_after = num_messages
     worker = await start_worker(decode)
