@@ -19,13 +19,16 @@ placeholder token, which the router refuses in a text prompt (400).
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.gpu_monitor import GPU_COLUMNS, GpuMonitor, GpuSummary, gpu_cells
 from benchmarks.report import fmt, markdown_table
 from benchmarks.serve_tokens import WORDS
 
@@ -41,6 +44,9 @@ class SglangResult:
     mean_ttft_ms: float
     mean_tpot_ms: float
     mean_itl_ms: float
+    duration_s: float  # its benchmark's own duration (after its warm-up request)
+    client_cpu: float  # its process's CPU seconds (start-up included) over that duration
+    gpu: GpuSummary | None = None  # nvidia-smi over that duration
 
 
 def write_sharegpt_words(path: Path, num_conversations: int, seed: int = 0) -> Path:
@@ -76,8 +82,12 @@ def run_sglang(
     input_len: int,
     output_len: int,
     out_dir: Path,
+    monitor: GpuMonitor | None = None,
 ) -> SglangResult:
-    """One run of ``script`` at ``concurrency``; raises ``RuntimeError`` when it fails."""
+    """One run of ``script`` at ``concurrency``; raises ``RuntimeError`` when it fails.
+
+    ``monitor``: the GPU's samples, summarized over the script's own benchmark duration (its
+    last seconds: after the run it only writes its result)."""
     out_file = out_dir / f"sglang-c{concurrency}.jsonl"
     out_file.unlink(missing_ok=True)
     command = [
@@ -111,11 +121,16 @@ def run_sglang(
         "--output-file",
         str(out_file),
     ]
+    cpu_start = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
+    end = time.monotonic()
+    cpu_end = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = sum(getattr(cpu_end, f) - getattr(cpu_start, f) for f in ("ru_utime", "ru_stime"))
     if done.returncode != 0 or not out_file.is_file():
         tail = (done.stdout + done.stderr)[-2000:]
         raise RuntimeError(f"sglang bench_serving exited {done.returncode}:\n{tail}")
     result = json.loads(out_file.read_text().splitlines()[-1])
+    duration_s = float(result["duration"])
     return SglangResult(
         concurrency=concurrency,
         num_requests=num_requests,
@@ -124,6 +139,9 @@ def run_sglang(
         mean_ttft_ms=float(result["mean_ttft_ms"]),
         mean_tpot_ms=float(result["mean_tpot_ms"]),
         mean_itl_ms=float(result["mean_itl_ms"]),
+        duration_s=duration_s,
+        client_cpu=cpu_s / duration_s,
+        gpu=monitor.window(end - duration_s, end) if monitor is not None else None,
     )
 
 
@@ -142,6 +160,8 @@ def sglang_table_lines(
         "TTFT ms (sglang)",
         "TPOT ms (sglang)",
         "ITL ms (sglang)",
+        "client CPU (cores)",
+        *GPU_COLUMNS,
     )
     rows = []
     for run in runs:
@@ -157,6 +177,8 @@ def sglang_table_lines(
                 fmt(run.mean_ttft_ms, ".1f"),
                 fmt(run.mean_tpot_ms, ".2f"),
                 fmt(run.mean_itl_ms, ".2f"),
+                fmt(run.client_cpu, ".2f"),
+                *gpu_cells(run.gpu),
             )
         )
     return markdown_table(header, rows)

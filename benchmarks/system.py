@@ -12,8 +12,8 @@ batch); starts ``stageserve up`` on the checkpoint (prefill and decode on one GP
 CUDA IPC), warms it up; runs the serving client at each concurrency, spread over client
 processes, ``--input-len`` prompt tokens and ``--output-len`` output tokens with ignore_eos;
 prints one table (system against engine: throughput, TPOT, decode's in-service step, the
-messages decode sent per step, router and decode-leader CPU) and writes its section of
-``--out``. With ``--sglang-bench-serving`` each level also runs SGLang's client (same
+messages decode sent per step, router, decode-leader and client CPU, and what ``nvidia-smi``
+saw of the GPU: busy share, SM clock, power, slowdowns) and writes its section of ``--out``. With ``--sglang-bench-serving`` each level also runs SGLang's client (same
 concurrency, requests and lengths; benchmarks/sglang_client.py) after ours, in a second
 table. Tests never assert on these numbers.
 """
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import command_line, fmt, markdown_table, write_run_section
+from benchmarks.gpu_monitor import GpuMonitor, gpu_monitor
+from benchmarks.report import command_line, write_run_section
 from benchmarks.serve_metrics import Slo, steady_output_throughput, summarize
-from benchmarks.sglang_client import (
-    SglangResult,
-    run_sglang,
-    sglang_table_lines,
-    write_sharegpt_words,
-)
+from benchmarks.sglang_client import SglangResult, run_sglang, write_sharegpt_words
 from benchmarks.system_load import (
     CPU_UP,
     GPU_UP,
@@ -41,12 +37,14 @@ from benchmarks.system_load import (
     MetricDelta,
     System,
     add_system_args,
+    children_cpu_seconds,
     cpu_seconds,
     histogram_mean_ms,
     run_load,
     running_system,
 )
-from benchmarks.system_model import EngineTimes, engine_times, write_checkpoint
+from benchmarks.system_model import engine_times, write_checkpoint
+from benchmarks.system_table import NOTES, Level, sglang_lines, table_lines
 from services.cli import BUNDLED_MODEL
 
 SECTION_TITLE = "## System (`python -m benchmarks.system`)"
@@ -59,28 +57,6 @@ PREFILL_WAIT = ("prefill wait", "decode", "stageserve_decode_prefill_wait_second
 # hold every concurrent request's (at 16 tokens of room, 1000/1000 requests at c = 512 needed
 # 127 pages each against the 126 given: the requests over ran into the 30 s queue limit).
 TEMPLATE_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class Level:
-    """One concurrency level's run, with what the services reported over it."""
-
-    concurrency: int
-    output_tok_s: float
-    steady_tok_s: float | None  # while every client had a request in flight
-    tpot_ms: float | None
-    ttft_ms: float | None
-    num_ok: int
-    num_requests: int
-    mean_prompt_tokens: float | None
-    step_ms: float | None  # decode's in-service step (its histogram's mean over the run)
-    messages_per_step: float | None  # decode -> router messages per decode step
-    prefill_ms: float | None  # prefill's in-service forward per batch (its histogram's mean)
-    prefill_busy: float  # the fraction of the run prefill spent in forwards
-    decode_held: float  # the fraction of the run decode held steps back for prefill's forwards
-    num_steps: int  # decode steps read over the run
-    router_cpu: tuple[float, ...]  # each router process's cores used
-    decode_cpu: float  # the decode leader's cores used
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -145,11 +121,13 @@ def _settings(args: argparse.Namespace) -> dict:
     )
 
 
-def _run_level(system: System, model: str, load: Load, num_processes: int) -> Level:
+def _run_level(system: System, load: Load, num_processes: int, monitor: GpuMonitor) -> Level:
     probe = MetricDelta(system, [MESSAGES, PREFILL_WAIT], [STEP, PREFILL])
     pids = {**system.pids("router"), "decode": system.state()["decode"]["pid"]}
     cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    clients_cpu = children_cpu_seconds()
     records, duration_s = run_load(load, num_processes)
+    end, clients_cpu = time.monotonic(), children_cpu_seconds() - clients_cpu
     cpu = {name: (cpu_seconds(pid) - cpu[name]) / duration_s for name, pid in pids.items()}
     delta = probe.since()
     num_steps = delta["step count"]
@@ -174,100 +152,9 @@ def _run_level(system: System, model: str, load: Load, num_processes: int) -> Le
         num_steps=round(num_steps),
         router_cpu=tuple(cpu[name] for name in sorted(cpu) if name != "decode"),
         decode_cpu=cpu["decode"],
+        client_cpu=clients_cpu / duration_s,
+        gpu=monitor.window(end - duration_s, end),  # the clients' longest run, not their start
     )
-
-
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return fmt(value, spec)
-
-
-def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> list[str]:
-    header = (
-        "concurrency",
-        "system tok/s",
-        "engine bound tok/s",
-        "system/bound",
-        "steady tok/s",
-        "steady/bound",
-        "TPOT ms",
-        "engine step ms",
-        "TPOT/step",
-        "decode step ms (in service)",
-        "in-service/engine step",
-        "msgs/step",
-        "prefill forward ms (in service)",
-        "prefill busy",
-        "decode held",
-        "decode steps",
-        "router CPU (cores each)",
-        "decode leader CPU",
-        "ok",
-        "mean prompt tokens",
-        "TTFT ms",
-    )
-
-    def cells(level: Level) -> tuple[str, ...]:
-        step = engine.decode_ms.get(level.concurrency)
-        bound = engine.bound_tok_s(level.concurrency, output_len) if step else None
-        return (
-            str(level.concurrency),
-            _fmt(level.output_tok_s, ".0f"),
-            _fmt(bound, ".0f"),
-            _fmt(bound and level.output_tok_s / bound),
-            _fmt(level.steady_tok_s, ".0f"),
-            _fmt(bound and level.steady_tok_s and level.steady_tok_s / bound),
-            _fmt(level.tpot_ms),
-            _fmt(step),
-            _fmt(level.tpot_ms and step and level.tpot_ms / step),
-            _fmt(level.step_ms),
-            _fmt(level.step_ms and step and level.step_ms / step),
-            _fmt(level.messages_per_step),
-            _fmt(level.prefill_ms),
-            _fmt(level.prefill_busy),
-            _fmt(level.decode_held),
-            str(level.num_steps),
-            " / ".join(f"{c:.2f}" for c in level.router_cpu),
-            f"{level.decode_cpu:.2f}",
-            f"{level.num_ok}/{level.num_requests}",
-            _fmt(level.mean_prompt_tokens, ".0f"),
-            _fmt(level.ttft_ms, ".1f"),
-        )
-
-    return markdown_table(header, [cells(level) for level in levels])
-
-
-def _sglang_lines(
-    runs: list[SglangResult], levels: list[Level], engine: EngineTimes, output_len: int
-) -> list[str]:
-    ours = {level.concurrency: level.output_tok_s for level in levels}
-    bounds = {c: engine.bound_tok_s(c, output_len) for c in ours if c in engine.decode_ms}
-    return sglang_table_lines(runs, ours, bounds)
-
-
-NOTES = [
-    "How to read it: *engine bound* is the output "
-    "throughput if the GPU did nothing but the engine's",
-    "own work for this workload: per request one prefill "
-    "of the prompt, then its output tokens at the",
-    "concurrency's batch per decode step (the decode "
-    "rank's pipelined loop, `benchmarks/engine_rows.py:",
-    "decode_loop`, at context prompt + output/2); prefill "
-    "and decode share the one GPU, so their times add.",
-    "*steady tok/s*: the output rate while every client had a request in flight (from the",
-    "first request's end to the last one's start: the first wave's prefill queue and the drain",
-    "left out; `benchmarks/serve_metrics.py: steady_output_throughput`). *prefill forward ms*:",
-    "prefill's forward per batch in service (its histogram's mean); *prefill busy*: the",
-    "fraction of the run it spent in forwards; *decode held*: the fraction decode held its",
-    "steps back while a prefill forward ran (prefill first on a shared GPU, `--prefill-first-ms`",
-    "of `stageserve up`); *decode steps*: the steps decode read over the run.",
-    "*engine step* is that loop's step; *TPOT* the "
-    "client's mean time per output token; *decode step (in",
-    "service)* decode's own step histogram over the run; "
-    "*msgs/step* the messages decode sent to the routers",
-    "per decode step (at most one per router process). CPU "
-    "columns: cores used over the run (utime + stime /",
-    "wall). The load comes from several client processes so the client is never the bottleneck.",
-]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         up_args += ["--decode-device", args.decode_device]
     if args.prefill_first_ms is not None:
         up_args += ["--prefill-first-ms", str(args.prefill_first_ms)]
-    with running_system(up_args, args.workdir, "stageserve-system-") as system:
+    system_run = running_system(up_args, args.workdir, "stageserve-system-")
+    with system_run as system, gpu_monitor() as monitor:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
@@ -349,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=concurrency,
             )
             processes = args.client_processes or -(-concurrency // 32)
-            results.append(_run_level(system, model, load, processes))
+            results.append(_run_level(system, load, processes, monitor))
             print("\n".join(table_lines(results, engine, output_len)[-1:]), flush=True)
             if args.sglang_bench_serving is not None:
                 assert sglang_dir is not None and dataset is not None
@@ -365,15 +253,16 @@ def main(argv: list[str] | None = None) -> int:
                         input_len,
                         output_len,
                         sglang_dir,
+                        monitor,
                     )
                 )
-                lines = _sglang_lines(sglang_runs, results, engine, output_len)
+                lines = sglang_lines(sglang_runs, results, engine, output_len)
                 print(lines[-1], flush=True)
         routers = len(system.pids("router"))
     code = system.process.returncode
     lines = table_lines(results, engine, output_len)
     if sglang_runs:
-        lines += ["", *_sglang_lines(sglang_runs, results, engine, output_len)]
+        lines += ["", *sglang_lines(sglang_runs, results, engine, output_len)]
     print("\n".join(lines))
     weights = "bundled tiny model" if args.quick else "7B dimensions, random bf16 weights"
     info = [

@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -218,6 +219,12 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of ``pid`` (its threads included), seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU time of this process's children that ended and were waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 @dataclass(frozen=True)

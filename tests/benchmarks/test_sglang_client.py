@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.gpu_monitor import GpuSummary
 from benchmarks.serve_tokens import WORDS
 from benchmarks.sglang_client import (
     SglangResult,
@@ -30,12 +32,24 @@ FAKE_SCRIPT = textwrap.dedent(
     with open(value("--output-file"), "a") as f:
         f.write(json.dumps({"completed": int(value("--num-prompts")) - 1,
                             "output_throughput": 1234.5, "mean_ttft_ms": 10.25,
-                            "mean_tpot_ms": 4.5, "mean_itl_ms": 4.25}) + "\\n")
+                            "mean_tpot_ms": 4.5, "mean_itl_ms": 4.25,
+                            "duration": 0.5}) + "\\n")
     """
 )
 
 
-def fake_run(tmp_path: Path, concurrency: int) -> SglangResult:
+class FakeMonitor:
+    """Stands for the GPU monitor: records the window it was asked for."""
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[float, float]] = []
+
+    def window(self, start: float, end: float) -> GpuSummary:
+        self.windows.append((start, end))
+        return GpuSummary(3, 0.9, 1980.0, 650.0, 0.0)
+
+
+def fake_run(tmp_path: Path, concurrency: int, monitor: FakeMonitor | None = None) -> SglangResult:
     script = tmp_path / "bench_serving.py"
     script.write_text(FAKE_SCRIPT)
     dataset = write_sharegpt_words(tmp_path / "words.json", 2 * concurrency)
@@ -50,12 +64,20 @@ def fake_run(tmp_path: Path, concurrency: int) -> SglangResult:
         1000,
         900,
         tmp_path,
+        monitor,
     )
 
 
 def test_runs_the_completions_backend_on_fixed_lengths_and_reads_its_result(tmp_path):
-    result = fake_run(tmp_path, 4)
-    assert result == SglangResult(4, 8, 7, 1234.5, 10.25, 4.5, 4.25)
+    monitor = FakeMonitor()
+    before = time.monotonic()
+    result = fake_run(tmp_path, 4, monitor)
+    after = time.monotonic()
+    assert result.client_cpu > 0.0  # the script's CPU seconds over its 0.5 s
+    gpu = GpuSummary(3, 0.9, 1980.0, 650.0, 0.0)
+    assert result == SglangResult(4, 8, 7, 1234.5, 10.25, 4.5, 4.25, 0.5, result.client_cpu, gpu)
+    [(start, end)] = monitor.windows  # its own duration, ending when the script did
+    assert end - start == pytest.approx(0.5) and before < end <= after
     args = json.loads((tmp_path / "sglang-c4.jsonl.args").read_text())
     assert args == [
         *("--backend", "sglang-oai"),
@@ -89,10 +111,17 @@ def test_the_dataset_is_sharegpt_conversations_of_our_words(tmp_path):
 
 
 def test_table_puts_sglang_beside_our_client_and_the_bound():
-    runs = [SglangResult(4, 8, 8, 900.0, 12.0, 4.0, 4.1), SglangResult(9, 18, 18, 50.0, 1, 2, 3)]
+    gpu = GpuSummary(5, 0.97, 1755.4, 689.6, 0.4)
+    runs = [
+        SglangResult(4, 8, 8, 900.0, 12.0, 4.0, 4.1, 10.0, 0.85, gpu),
+        SglangResult(9, 18, 18, 50.0, 1, 2, 3, 2.0, 0.5),
+    ]
     lines = sglang_table_lines(runs, {4: 800.0, 9: 40.0}, {4: 1000.0})
-    assert lines[2] == "| 4 | 900 | 800 | 1000 | 0.90 | 8/8 | 12.0 | 4.00 | 4.10 |"
-    assert lines[3] == "| 9 | 50 | 40 | - | - | 18/18 | 1.0 | 2.00 | 3.00 |"
+    assert lines[0].endswith("| client CPU (cores) | GPU busy | SM MHz | GPU W | clocks slowed |")
+    assert lines[2] == (
+        "| 4 | 900 | 800 | 1000 | 0.90 | 8/8 | 12.0 | 4.00 | 4.10 | 0.85 | 0.97 | 1755 | 690 | 0.40 |"
+    )
+    assert lines[3] == "| 9 | 50 | 40 | - | - | 18/18 | 1.0 | 2.00 | 3.00 | 0.50 | - | - | - | - |"
 
 
 def test_the_flag_names_an_existing_file(tmp_path, capsys):
