@@ -18,6 +18,7 @@ Both produce the same tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,13 +87,26 @@ class DecodeBatchRunner:
         self._slots_staged = torch.cuda.Event() if is_cuda else None
 
     @torch.inference_mode()
-    def launch(self, plan: DecodePlan) -> LaunchedStep:
-        """Queue ``plan``'s forward, sampling and the copy of its samples to the host."""
+    def launch(
+        self, plan: DecodePlan, before_launch: Callable[[], None] | None = None
+    ) -> LaunchedStep:
+        """Queue ``plan``'s forward, sampling and the copy of its samples to the host.
+
+        ``before_launch``: called once the step's host work is done, right before its forward
+        is launched (``ModelRunner.forward_decode``); the step's launch time is taken after it."""
         launch_s = time.monotonic()
+        gate = None
+        if before_launch is not None:
+
+            def gate() -> None:
+                nonlocal launch_s
+                before_launch()
+                launch_s = time.monotonic()
+
         if plan.joined:
             self._join(plan.joined)
         slots = self._upload_slots(plan.slots)  # [B] int64 on the device
-        logits = self.runner.forward_decode(self._inputs(plan, slots))  # [B, V] fp32
+        logits = self.runner.forward_decode(self._inputs(plan, slots), gate)  # [B, V] fp32
         tokens = self._sample(plan, slots, logits)  # [B] int64 on the device
         self._last_tokens.index_copy_(0, slots, tokens)
         if self._output_counts is not None:
@@ -219,11 +233,15 @@ class StepLoop:
     def has_unread(self) -> bool:
         return self._unread is not None
 
-    def step(self, plan: DecodePlan | None) -> tuple[LaunchedStep, list[int]] | None:
-        """Launch ``plan`` (None: nothing to launch), then read; the step read and its tokens."""
+    def step(
+        self, plan: DecodePlan | None, before_launch: Callable[[], None] | None = None
+    ) -> tuple[LaunchedStep, list[int]] | None:
+        """Launch ``plan`` (None: nothing to launch), then read; the step read and its tokens.
+
+        ``before_launch``: see ``DecodeBatchRunner.launch`` (not called without a plan)."""
         launched = None
         if plan is not None:
-            launched = self.batch.launch(plan)
+            launched = self.batch.launch(plan, before_launch)
             self.last_launched_step = plan.step
         if self.is_overlapped:
             to_read, self._unread = self._unread, launched

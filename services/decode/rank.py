@@ -164,13 +164,18 @@ class DecodeRank:
 
     def _step(self) -> _StepOutput:
         plan = self.scheduler.schedule(self._next_step) if self.scheduler.has_work else None
-        waited_s, wait_end = 0.0, 0.0
+        waited: list[float] = []  # (seconds waited, when the wait ended) once waited
         if plan is not None:
             self._next_step += 1
-            if self.gpu_share is not None:  # prefill first: its forward runs on the GPU alone
-                waited_s = self.gpu_share.wait_for_prefill(self.prefill_first_s)
-                wait_end = self._clock()
-        done = self.loop.step(plan)
+
+        def wait_for_prefill() -> None:
+            # prefill first: its forward runs on the GPU alone. Called with the step's inputs
+            # staged and its attention planned, so the GPU gets the step right after the wait
+            assert self.gpu_share is not None
+            waited.extend((self.gpu_share.wait_for_prefill(self.prefill_first_s), self._clock()))
+
+        done = self.loop.step(plan, wait_for_prefill if self.gpu_share is not None else None)
+        waited_s, wait_end = waited or (0.0, 0.0)
         if done is None:
             return _StepOutput([], [], prefill_wait_s=waited_s)
         launched, token_ids = done

@@ -19,6 +19,8 @@ pinned staging memory, is guarded by an event recorded after its upload.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from services.engine.attention.base import AttentionBatch, BaseAttentionBackend, ForwardMode
@@ -39,6 +41,8 @@ def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
     small = [b for b in DEFAULT_BATCH_SIZES if b < max_batch]
     covering = [b for b in DEFAULT_BATCH_SIZES if b >= max_batch][:1]
     return tuple(small + covering + list(large))
+
+
 _IDS, _POS, _SLOTS = 0, slice(1, 4), 4  # rows of the fixed input buffer
 
 
@@ -54,7 +58,9 @@ class CudaGraphDecodeRunner:
         max_num_pages: int,
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     ) -> None:
-        assert attention.supports_cuda_graph, f"{type(attention).__name__} cannot run inside CUDA graphs"
+        assert attention.supports_cuda_graph, (
+            f"{type(attention).__name__} cannot run inside CUDA graphs"
+        )
         assert batch_sizes and all(b > 0 for b in batch_sizes)
         self.model = model
         self.attention = attention
@@ -82,8 +88,12 @@ class CudaGraphDecodeRunner:
     def capture(self) -> None:
         """Capture every size, largest first (the smaller graphs reuse its memory pool)."""
         for size in reversed(self.batch_sizes):
-            self._stage_inputs(size, torch.empty(0, dtype=torch.long), torch.empty(3, 0, dtype=torch.long),
-                               torch.empty(0, dtype=torch.long))
+            self._stage_inputs(
+                size,
+                torch.empty(0, dtype=torch.long),
+                torch.empty(3, 0, dtype=torch.long),
+                torch.empty(0, dtype=torch.long),
+            )
             self.attention.plan_cuda_graph(self._padded_batch(size, [], []))
             self._forward(size)  # warm-up outside the graph: kernel compilation, library handles
             torch.cuda.synchronize()
@@ -100,6 +110,7 @@ class CudaGraphDecodeRunner:
         batch: AttentionBatch,  # DECODE, len(seq_lens) <= max_batch_size; out_slots on any device
         input_ids: torch.Tensor,  # [n] int64, CPU, or on the graph's device (copied on the stream)
         positions: torch.Tensor,  # [3, n] int64, CPU
+        before_replay: Callable[[], None] | None = None,  # called once staged and planned
     ) -> torch.Tensor:  # [n, vocab] fp32, a view of the graph output
         assert batch.mode is ForwardMode.DECODE
         n = len(batch.seq_lens)
@@ -111,6 +122,8 @@ class CudaGraphDecodeRunner:
         if on_device:
             self._inputs[_IDS, :n].copy_(input_ids, non_blocking=True)
         self.attention.plan_cuda_graph(self._padded_batch(size, batch.seq_lens, batch.page_tables))
+        if before_replay is not None:
+            before_replay()
         self._graphs[size].replay()
         return self._logits[size][:n]
 
@@ -138,7 +151,9 @@ class CudaGraphDecodeRunner:
         self._inputs.copy_(host, non_blocking=True)
         self._staged.record()
 
-    def _padded_batch(self, size: int, seq_lens: list[int], page_tables: list[list[int]]) -> AttentionBatch:
+    def _padded_batch(
+        self, size: int, seq_lens: list[int], page_tables: list[list[int]]
+    ) -> AttentionBatch:
         num_padding = size - len(seq_lens)
         return AttentionBatch(
             mode=ForwardMode.DECODE,

@@ -155,14 +155,18 @@ class ModelRunner:
             return self._forward(mode, inputs, all_logits, input_ids, on_layer_kv)
 
     @torch.inference_mode()
-    def forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:
+    def forward_decode(
+        self, inputs: DecodeInputs, before_launch: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         """Logits ``[B, vocab]`` fp32 of one DECODE step; never synchronizes with the device.
 
         The logits may be a view of a CUDA graph's output: consume them on the stream
-        (sample) before the next call.
+        (sample) before the next call. ``before_launch``: called once the step's inputs are
+        staged and its attention planned, right before its forward is launched (decode waits
+        there for a prefill forward on a shared GPU, its host work done).
         """
         with ops.on_device(self.device):
-            return self._forward_decode(inputs)
+            return self._forward_decode(inputs, before_launch)
 
     def _forward(
         self,
@@ -214,7 +218,9 @@ class ModelRunner:
         positions = positions.to(self.device)
         return self.model(embeds, positions, self.attention, logits_indices, on_layer_kv)
 
-    def _forward_decode(self, inputs: DecodeInputs) -> torch.Tensor:
+    def _forward_decode(
+        self, inputs: DecodeInputs, before_launch: Callable[[], None] | None = None
+    ) -> torch.Tensor:
         input_ids = inputs.input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
         batch = AttentionBatch(
             mode=ForwardMode.DECODE,
@@ -226,9 +232,11 @@ class ModelRunner:
         )
         graph = self.cuda_graph
         if graph is not None and graph.can_run(len(inputs.seq_lens)):
-            return graph.run(batch, input_ids, inputs.positions)
+            return graph.run(batch, input_ids, inputs.positions, before_launch)
         self.attention.plan(batch)
         positions = inputs.positions.to(self.device, non_blocking=True)
+        if before_launch is not None:
+            before_launch()
         return self.model(self.model.embed(input_ids), positions, self.attention)
 
     def _decode_inputs(

@@ -90,3 +90,33 @@ def test_prefill_first_flags(tmp_path) -> None:
     missing = tmp_path / "missing" / "share"
     with pytest.raises(SystemExit, match=f"--gpu-share-file: GPU share file {missing}"):
         parse_config(["--gpu-share-file", str(missing)])
+
+
+def test_a_held_step_waits_with_its_host_work_done(shared_rank, offline, monkeypatch) -> None:
+    """The wait sits between the step's attention plan and its forward's launch, so the GPU gets
+    the step as soon as prefill's forward ends."""
+    rank, prefill, marks = shared_rank
+    runner, share = rank.loop.batch.runner, rank.gpu_share
+    events: list[str] = []
+
+    def recorded(name, call):
+        def run(*args, **kwargs):
+            events.append(name)
+            return call(*args, **kwargs)
+
+        return run
+
+    prompt = prompt_of(6, seed=22)
+    expected, reason = offline_run(offline, prompt, PARAMS)
+    driver = RecordingDriver(rank, prefill)
+    with marks.marking(0):
+        driver.start("held", prompt, PARAMS)
+        num_started = len(driver.reports)
+        monkeypatch.setattr(runner.attention, "plan", recorded("plan", runner.attention.plan))
+        monkeypatch.setattr(share, "wait_for_prefill", recorded("wait", share.wait_for_prefill))
+        monkeypatch.setattr(runner.model, "forward", recorded("forward", runner.model.forward))
+        driver.drain()
+    assert driver.outcomes["held"] == Outcome(expected, reason)
+    num_waits = sum(r.prefill_wait_s > 0 for r in driver.reports[num_started:])
+    assert num_waits >= 2  # the steps after the start, each held once
+    assert "".join(e[0] for e in events) == "pwf" * num_waits
