@@ -146,16 +146,21 @@ def run_sglang(
 
 
 def sglang_table_lines(
-    runs: list[SglangResult], ours: dict[int, float], bounds: dict[int, float]
+    runs: list[SglangResult],
+    ours: dict[int, float],
+    bounds: dict[int, float],
+    sustained: dict[int, float | None] | None = None,
 ) -> list[str]:
-    """SGLang's client at each level, beside our client's tok/s and the engine bound (both
-    by concurrency)."""
+    """SGLang's client at each level, beside our client's tok/s and the engine bound, and the
+    sustained one (each by concurrency)."""
+    sustained = sustained or {}
     header = (
         "concurrency",
         "sglang bench_serving tok/s",
         "our client tok/s",
         "engine bound tok/s",
         "sglang/bound",
+        "sglang/sustained bound",
         "completed",
         "TTFT ms (sglang)",
         "TPOT ms (sglang)",
@@ -166,6 +171,7 @@ def sglang_table_lines(
     rows = []
     for run in runs:
         bound = bounds.get(run.concurrency)
+        sustained_bound = sustained.get(run.concurrency)
         rows.append(
             (
                 str(run.concurrency),
@@ -173,6 +179,7 @@ def sglang_table_lines(
                 fmt(ours.get(run.concurrency), ".0f"),
                 fmt(bound, ".0f"),
                 fmt(bound and run.output_tok_s / bound, ".2f"),
+                fmt(sustained_bound and run.output_tok_s / sustained_bound, ".2f"),
                 f"{run.completed}/{run.num_requests}",
                 fmt(run.mean_ttft_ms, ".1f"),
                 fmt(run.mean_tpot_ms, ".2f"),

@@ -44,7 +44,7 @@ from benchmarks.system_load import (
     running_system,
 )
 from benchmarks.system_model import engine_times, write_checkpoint
-from benchmarks.system_table import NOTES, Level, sglang_lines, table_lines
+from benchmarks.system_table import NOTES, Level, engine_lines, sglang_lines, table_lines
 from services.cli import BUNDLED_MODEL
 
 SECTION_TITLE = "## System (`python -m benchmarks.system`)"
@@ -90,6 +90,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--client-processes", type=int, default=None, help="default: one per 32 concurrent"
     )
     p.add_argument(
+        "--sustain-s",
+        type=float,
+        default=None,
+        help="seconds each engine phase also runs back to back for the sustained bound "
+        "(default 10; --quick 0.5; 0: none)",
+    )
+    p.add_argument(
         "--num-pages",
         type=int,
         default=None,
@@ -105,6 +112,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.sglang_bench_serving is not None and not args.sglang_bench_serving.is_file():
         p.error(f"--sglang-bench-serving {args.sglang_bench_serving}: no such file")
+    if args.sustain_s is not None and args.sustain_s < 0:
+        p.error(f"--sustain-s must be >= 0, got {args.sustain_s}")
     return args
 
 
@@ -118,6 +127,7 @@ def _settings(args: argparse.Namespace) -> dict:
         input_len=args.input_len or (64 if quick else 1000),
         output_len=args.output_len or (16 if quick else 1000),
         up=CPU_UP if quick else GPU_UP,
+        sustain_s=args.sustain_s if args.sustain_s is not None else (0.5 if quick else 10.0),
     )
 
 
@@ -159,6 +169,11 @@ def _run_level(system: System, load: Load, num_processes: int, monitor: GpuMonit
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    with gpu_monitor() as monitor:
+        return _run(args, argv, monitor)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) -> int:
     settings = _settings(args)
     if args.quick:
         model_dir, random_weights = BUNDLED_MODEL, False
@@ -177,12 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         output_len,
         levels,
         random_weights,
+        settings["sustain_s"],
+        monitor,
     )
-    print(
-        f"engine: prefill {engine.prefill_ms:.2f} ms, decode "
-        + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_ms.items()),
-        flush=True,
-    )
+    print("\n".join(engine_lines(engine)), flush=True)
     num_ranks = len(args.decode_device.split(",")) if args.decode_device else args.decode_dp
     num_pages = (
         args.num_pages
@@ -209,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         up_args += ["--decode-device", args.decode_device]
     if args.prefill_first_ms is not None:
         up_args += ["--prefill-first-ms", str(args.prefill_first_ms)]
-    system_run = running_system(up_args, args.workdir, "stageserve-system-")
-    with system_run as system, gpu_monitor() as monitor:
+    with running_system(up_args, args.workdir, "stageserve-system-") as system:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
@@ -272,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- workload: {input_len} prompt tokens (asked), {output_len} output tokens (ignore_eos), "
         f"greedy; engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),
+        *(f"- {line}" for line in engine_lines(engine)),
     ]
     command = command_line("benchmarks.system", argv)
     write_run_section(args.out, SECTION_TITLE, command, info, lines, NOTES)

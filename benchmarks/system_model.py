@@ -12,15 +12,17 @@ the same way, see the same model as the services that load the file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from benchmarks import engine_rows as er
+from benchmarks.gpu_monitor import GpuMonitor, GpuSummary
 from benchmarks.random_model import CONFIG_7B, build_random_model
 from services.cli import BUNDLED_MODEL
 from services.engine.attention import ForwardMode
@@ -89,19 +91,37 @@ def write_checkpoint(
 
 @dataclass(frozen=True)
 class EngineTimes:
-    """The engine alone on the benchmark's model: one prompt's prefill, a decode step per batch."""
+    """The engine alone on the benchmark's model: one prompt's prefill, a decode step per batch.
+
+    The first times are a few runs each after an idle GPU (as ``benchmarks.engine`` times its
+    rows); the sustained ones the same work back to back for seconds, the GPU at the power and
+    clocks a loaded run holds it to (an H200 under this workload runs at its 700 W cap)."""
 
     prompt_len: int
     context_len: int  # of the decode rows: the prompt plus half the output (the run's mean)
     prefill_ms: float
     decode_ms: dict[int, float]  # batch -> pipelined step (the decode rank's loop)
     decode_unpipelined_ms: dict[int, float]
+    sustained_prefill_ms: float | None = None
+    sustained_decode_ms: dict[int, float] = field(default_factory=dict)
+    gpu: dict[str, GpuSummary | None] = field(default_factory=dict)  # phase -> nvidia-smi
 
     def bound_tok_s(self, batch: int, output_len: int) -> float:
         """Output tok/s if the GPU did nothing but these: each request's prefill, then its
         ``output_len`` tokens at ``batch`` per step (prefill and decode time-share the GPU)."""
-        per_request_ms = self.prefill_ms + output_len * self.decode_ms[batch] / batch
-        return output_len / per_request_ms * 1e3
+        return _bound(self.prefill_ms, self.decode_ms[batch], batch, output_len)
+
+    def sustained_bound_tok_s(self, batch: int, output_len: int) -> float | None:
+        """``bound_tok_s`` of the sustained times; None where they were not measured."""
+        step = self.sustained_decode_ms.get(batch)
+        if self.sustained_prefill_ms is None or step is None:
+            return None
+        return _bound(self.sustained_prefill_ms, step, batch, output_len)
+
+
+def _bound(prefill_ms: float, step_ms: float, batch: int, output_len: int) -> float:
+    per_request_ms = prefill_ms + output_len * step_ms / batch
+    return output_len / per_request_ms * 1e3
 
 
 def _synchronize(device: torch.device) -> None:
@@ -109,23 +129,41 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def prefill_ms(runner: ModelRunner, num_tokens: int, iters: int = 3) -> float:
-    """Median wall time of one prompt's EXTEND step, device idle before and after each."""
+def prefill_ms(
+    runner: ModelRunner, num_tokens: int, iters: int = 3, sustain_s: float = 0.0
+) -> float:
+    """Median wall time of one prompt's EXTEND step, the device idle before and after each;
+    with ``sustain_s``, of the second half of such steps run back to back for that long."""
     request_id = "bench-prefill"
     runner.page_table.reserve(request_id, num_tokens)
     step = StepInput(request_id, [7] * num_tokens, torch.arange(num_tokens).expand(3, -1), 0)
     times = []
     try:
-        for i in range(iters + 1):
+        end = time.perf_counter() + sustain_s
+        for i in itertools.count():
             _synchronize(runner.device)
             start = time.perf_counter()
             runner.forward(ForwardMode.EXTEND, [step])
             _synchronize(runner.device)
             if i:  # the first is a warm-up
                 times.append((time.perf_counter() - start) * 1e3)
+            if i >= iters and time.perf_counter() >= end:
+                break
     finally:
         runner.page_table.release(request_id)
+    times = times[len(times) // 2 :] if sustain_s else times
     return sorted(times)[len(times) // 2]
+
+
+def sustained_decode_ms(runner: ModelRunner, steps: list[StepInput], sustain_s: float) -> float:
+    """``decode_loop_ms``'s step with loops run back to back for ``sustain_s``: the mean of the
+    second half's."""
+    times = [er.decode_loop_ms(runner, steps, warmup=0)]
+    end = time.perf_counter() + sustain_s
+    while time.perf_counter() < end:
+        times.append(er.decode_loop_ms(runner, steps, warmup=0))
+    half = times[len(times) // 2 :]
+    return sum(half) / len(half)
 
 
 def engine_times(
@@ -136,8 +174,13 @@ def engine_times(
     output_len: int,
     batches: tuple[int, ...],
     random_weights: bool,
+    sustain_s: float = 0.0,
+    monitor: GpuMonitor | None = None,
 ) -> EngineTimes:
-    """Time the engine on the benchmark's model (built as the checkpoint was, or loaded from it)."""
+    """Time the engine on the benchmark's model (built as the checkpoint was, or loaded from it).
+
+    ``sustain_s`` > 0: also the sustained times, each phase back to back for that long;
+    ``monitor``: what the GPU did in each phase (``EngineTimes.gpu``)."""
     from services.engine.loader import load_model
 
     if random_weights:
@@ -147,22 +190,44 @@ def engine_times(
     context_len = prompt_len + output_len // 2
     max_tokens = max(batches) * (context_len + 1) + prompt_len
     runner = er.make_runner(model, max_tokens, attention, max_batch=max(batches))
-    decode, unpipelined = {}, {}
+    decode, unpipelined, sustained = {}, {}, {}
+    gpu: dict[str, GpuSummary | None] = {}
+
+    def watched(phase: str, measure, *args, **kwargs) -> float:
+        start = time.monotonic()
+        result = measure(*args, **kwargs)
+        if monitor is not None:
+            gpu[phase] = monitor.window(start, time.monotonic())
+        return result
+
     request_ids = [f"bench-decode-{i}" for i in range(max(batches))]
+    steps = {batch: er._decode_steps(request_ids[:batch], context_len) for batch in batches}
     for request_id in request_ids:
         runner.page_table.reserve(request_id, context_len + 1)
-    try:
+    try:  # the short times first, on a GPU that was idle
         for batch in batches:
-            steps = er._decode_steps(request_ids[:batch], context_len)
-            decode[batch] = er.decode_loop_ms(runner, steps)
+            decode[batch] = watched(f"decode b{batch}", er.decode_loop_ms, runner, steps[batch])
             unpipelined[batch] = er.decode_loop_ms(
-                runner, steps, num_steps=20, warmup=3, is_overlapped=False
+                runner, steps[batch], num_steps=20, warmup=3, is_overlapped=False
+            )
+        prefill = watched("prefill", prefill_ms, runner, prompt_len)
+        sustained_prefill = None
+        if sustain_s > 0:
+            for batch in batches:
+                sustained[batch] = watched(
+                    f"sustained decode b{batch}",
+                    sustained_decode_ms,
+                    *(runner, steps[batch], sustain_s),
+                )
+            sustained_prefill = watched(
+                "sustained prefill", prefill_ms, runner, prompt_len, sustain_s=sustain_s
             )
     finally:
         for request_id in request_ids:
             runner.page_table.release(request_id)
-    prefill = prefill_ms(runner, prompt_len)
     del runner, model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return EngineTimes(prompt_len, context_len, prefill, decode, unpipelined)
+    return EngineTimes(
+        prompt_len, context_len, prefill, decode, unpipelined, sustained_prefill, sustained, gpu
+    )

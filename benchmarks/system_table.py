@@ -44,6 +44,8 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
         "system tok/s",
         "engine bound tok/s",
         "system/bound",
+        "sustained bound tok/s",
+        "system/sustained bound",
         "steady tok/s",
         "steady/bound",
         "TPOT ms",
@@ -68,11 +70,14 @@ def table_lines(levels: list[Level], engine: EngineTimes, output_len: int) -> li
     def cells(level: Level) -> tuple[str, ...]:
         step = engine.decode_ms.get(level.concurrency)
         bound = engine.bound_tok_s(level.concurrency, output_len) if step else None
+        sustained = engine.sustained_bound_tok_s(level.concurrency, output_len)
         return (
             str(level.concurrency),
             _fmt(level.output_tok_s, ".0f"),
             _fmt(bound, ".0f"),
             _fmt(bound and level.output_tok_s / bound),
+            _fmt(sustained, ".0f"),
+            _fmt(sustained and level.output_tok_s / sustained),
             _fmt(level.steady_tok_s, ".0f"),
             _fmt(bound and level.steady_tok_s and level.steady_tok_s / bound),
             _fmt(level.tpot_ms),
@@ -102,7 +107,34 @@ def sglang_lines(
 ) -> list[str]:
     ours = {level.concurrency: level.output_tok_s for level in levels}
     bounds = {c: engine.bound_tok_s(c, output_len) for c in ours if c in engine.decode_ms}
-    return sglang_table_lines(runs, ours, bounds)
+    sustained = {c: engine.sustained_bound_tok_s(c, output_len) for c in ours}
+    return sglang_table_lines(runs, ours, bounds, sustained)
+
+
+def engine_lines(engine: EngineTimes) -> list[str]:
+    """The engine's times, short and sustained, each with what the GPU did meanwhile."""
+
+    def gpu(phase: str) -> str:
+        summary = engine.gpu.get(phase)
+        if summary is None:
+            return ""
+        return (
+            f" (GPU busy {summary.busy:.2f}, SM {summary.sm_mhz:.0f} MHz, "
+            + (f"{summary.power_w:.0f} W, " if summary.power_w is not None else "")
+            + f"clocks slowed {fmt(summary.slowed, '.2f')})"
+        )
+
+    short = [f"prefill {engine.prefill_ms:.2f} ms{gpu('prefill')}"]
+    short += [f"b{b} {ms:.3f} ms{gpu(f'decode b{b}')}" for b, ms in engine.decode_ms.items()]
+    lines = ["engine, after an idle GPU: " + ", ".join(short)]
+    if engine.sustained_prefill_ms is not None:
+        sustained = [f"prefill {engine.sustained_prefill_ms:.2f} ms{gpu('sustained prefill')}"]
+        sustained += [
+            f"b{b} {ms:.3f} ms{gpu(f'sustained decode b{b}')}"
+            for b, ms in engine.sustained_decode_ms.items()
+        ]
+        lines.append("engine, sustained (each phase back to back): " + ", ".join(sustained))
+    return lines
 
 
 NOTES = [
@@ -114,6 +146,9 @@ NOTES = [
     "rank's pipelined loop, `benchmarks/engine_rows.py:",
     "decode_loop`, at context prompt + output/2); prefill "
     "and decode share the one GPU, so their times add.",
+    "Those times are a few runs each after an idle GPU; *sustained bound* takes the same work",
+    "run back to back (`--sustain-s` seconds each, the second half counted), the GPU at the",
+    "power and clocks it holds under load (the engine lines above give both, with nvidia-smi).",
     "*steady tok/s*: the output rate while every client had a request in flight (from the",
     "first request's end to the last one's start: the first wave's prefill queue and the drain",
     "left out; `benchmarks/serve_metrics.py: steady_output_throughput`). *prefill forward ms*:",

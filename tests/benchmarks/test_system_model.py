@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors import safe_open
 
+from benchmarks.gpu_monitor import GpuSummary
 from benchmarks.random_model import CONFIG_7B, build_random_model
-from benchmarks.system_model import checkpoint_config, write_checkpoint
+from benchmarks.system_model import EngineTimes, checkpoint_config, engine_times, write_checkpoint
 from services.engine.loader import load_model
 from services.engine.processing import TextProcessor
 from services.engine.processing.image import ImageProcessor
@@ -67,3 +69,40 @@ def test_the_checkpoint_has_the_configs_vision_tower_and_preprocessor(tmp_path) 
     shutil.copy(TINY_MODEL_DIR / "preprocessor_config.json", out / "preprocessor_config.json")
     write_checkpoint(out, "cpu", config_dir=config_dir)  # weights kept, the preprocessor refreshed
     assert ImageProcessor.from_dir(out).config.max_pixels == max_pixels
+
+
+def test_the_bound_of_each_requests_prefill_and_its_share_of_decode_steps() -> None:
+    engine = EngineTimes(1000, 1500, 20.0, {256: 12.0}, {256: 15.0}, 25.0, {256: 12.8})
+    # 1000 tokens per request: 20 ms of prefill + 1000 steps' 1/256 share of 12 ms
+    assert engine.bound_tok_s(256, 1000) == pytest.approx(1000 / (20.0 + 1000 * 12.0 / 256) * 1e3)
+    assert engine.sustained_bound_tok_s(256, 1000) == pytest.approx(
+        1000 / (25.0 + 1000 * 12.8 / 256) * 1e3
+    )
+    assert engine.sustained_bound_tok_s(512, 1000) is None  # not measured at that batch
+    short_only = EngineTimes(1000, 1500, 20.0, {256: 12.0}, {256: 15.0})
+    assert short_only.sustained_bound_tok_s(256, 1000) is None
+
+
+class PhaseMonitor:
+    """Stands for the GPU monitor: a summary for every window asked."""
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[float, float]] = []
+
+    def window(self, start: float, end: float) -> GpuSummary:
+        self.windows.append((start, end))
+        return GpuSummary(1, 1.0, 1650.0, 690.0, 1.0)
+
+
+def test_engine_times_short_then_sustained_each_phase_watched() -> None:
+    monitor = PhaseMonitor()
+    engine = engine_times(TINY_MODEL_DIR, "cpu", "torch", 16, 8, (1, 2), False, 0.3, monitor)
+    assert set(engine.decode_ms) == set(engine.sustained_decode_ms) == {1, 2}
+    assert engine.prefill_ms > 0 and engine.sustained_prefill_ms > 0
+    phases = ["decode b1", "decode b2", "prefill", "sustained decode b1", "sustained decode b2"]
+    assert list(engine.gpu) == [*phases, "sustained prefill"]  # the short times first
+    sustained = monitor.windows[3:]
+    assert all(end - start >= 0.3 for start, end in sustained)  # each ran back to back that long
+    without = engine_times(TINY_MODEL_DIR, "cpu", "torch", 16, 8, (1,), False)
+    assert without.sustained_prefill_ms is None and without.sustained_decode_ms == {}
+    assert without.gpu == {}
