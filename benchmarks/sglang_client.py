@@ -86,8 +86,8 @@ def run_sglang(
 ) -> SglangResult:
     """One run of ``script`` at ``concurrency``; raises ``RuntimeError`` when it fails.
 
-    ``monitor``: the GPU's samples, summarized over the script's own benchmark duration (its
-    last seconds: after the run it only writes its result)."""
+    ``monitor``: the GPU's samples, summarized over the script's own benchmark duration, which
+    ends when it wrote its result line (the file's mtime; its exit takes seconds more)."""
     out_file = out_dir / f"sglang-c{concurrency}.jsonl"
     out_file.unlink(missing_ok=True)
     command = [
@@ -123,7 +123,6 @@ def run_sglang(
     ]
     cpu_start = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
-    end = time.monotonic()
     cpu_end = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = sum(getattr(cpu_end, f) - getattr(cpu_start, f) for f in ("ru_utime", "ru_stime"))
     if done.returncode != 0 or not out_file.is_file():
@@ -131,6 +130,7 @@ def run_sglang(
         raise RuntimeError(f"sglang bench_serving exited {done.returncode}:\n{tail}")
     result = json.loads(out_file.read_text().splitlines()[-1])
     duration_s = float(result["duration"])
+    end = time.monotonic() - (time.time() - out_file.stat().st_mtime)  # when it was written
     return SglangResult(
         concurrency=concurrency,
         num_requests=num_requests,
