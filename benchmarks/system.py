@@ -13,7 +13,8 @@ CUDA IPC), warms it up; runs the serving client at each concurrency, spread over
 processes, ``--input-len`` prompt tokens and ``--output-len`` output tokens with ignore_eos;
 prints one table (system against engine: throughput, TPOT, decode's in-service step, the
 messages decode sent per step, router, decode-leader and client CPU, and what ``nvidia-smi``
-saw of the GPU: busy share, SM clock, power, slowdowns) and writes its section of ``--out``. With ``--sglang-bench-serving`` each level also runs SGLang's client (same
+saw of the GPU: busy share, SM clock, power, slowdowns) and writes its section of ``--out``.
+With ``--sglang-bench-serving`` each level also runs SGLang's client (same
 concurrency, requests and lengths; benchmarks/sglang_client.py) after ours, in a second
 table. Tests never assert on these numbers.
 """
