@@ -19,6 +19,7 @@ from benchmarks.sglang_client import (
     write_sharegpt_words,
 )
 from benchmarks.system import _parse
+from tests.benchmarks.fake_monitor import RecordingMonitor
 
 # Stands for bench_serving.py: records its arguments, appends a result line as SGLang does.
 FAKE_SCRIPT = textwrap.dedent(
@@ -39,18 +40,12 @@ FAKE_SCRIPT = textwrap.dedent(
 )
 
 
-class FakeMonitor:
-    """Stands for the GPU monitor: records the window it was asked for."""
-
-    def __init__(self) -> None:
-        self.windows: list[tuple[float, float]] = []
-
-    def window(self, start: float, end: float) -> GpuSummary:
-        self.windows.append((start, end))
-        return GpuSummary(3, 0.9, 1980.0, 650.0, 0.0)
+MONITORED = GpuSummary(3, 0.9, 1980.0, 650.0, 0.0)
 
 
-def fake_run(tmp_path: Path, concurrency: int, monitor: FakeMonitor | None = None) -> SglangResult:
+def fake_run(
+    tmp_path: Path, concurrency: int, monitor: RecordingMonitor | None = None
+) -> SglangResult:
     script = tmp_path / "bench_serving.py"
     script.write_text(FAKE_SCRIPT)
     dataset = write_sharegpt_words(tmp_path / "words.json", 2 * concurrency)
@@ -70,13 +65,14 @@ def fake_run(tmp_path: Path, concurrency: int, monitor: FakeMonitor | None = Non
 
 
 def test_runs_the_completions_backend_on_fixed_lengths_and_reads_its_result(tmp_path):
-    monitor = FakeMonitor()
+    monitor = RecordingMonitor(MONITORED)
     before = time.monotonic()
     result = fake_run(tmp_path, 4, monitor)
     after = time.monotonic()
     assert result.client_cpu > 0.0  # the script's CPU seconds over its 0.5 s
-    gpu = GpuSummary(3, 0.9, 1980.0, 650.0, 0.0)
-    assert result == SglangResult(4, 8, 7, 1234.5, 10.25, 4.5, 4.25, 0.5, result.client_cpu, gpu)
+    assert result == SglangResult(
+        4, 8, 7, 1234.5, 10.25, 4.5, 4.25, 0.5, result.client_cpu, MONITORED
+    )
     [(start, end)] = monitor.windows  # its own duration, ending when it wrote its result
     assert end - start == pytest.approx(0.5) and before - 0.05 < end <= after - 0.45
     args = json.loads((tmp_path / "sglang-c4.jsonl.args").read_text())

@@ -16,6 +16,7 @@ from benchmarks.system_model import EngineTimes, checkpoint_config, engine_times
 from services.engine.loader import load_model
 from services.engine.processing import TextProcessor
 from services.engine.processing.image import ImageProcessor
+from tests.benchmarks.fake_monitor import RecordingMonitor
 from tests.conftest import TINY_MODEL_DIR
 
 
@@ -83,19 +84,8 @@ def test_the_bound_of_each_requests_prefill_and_its_share_of_decode_steps() -> N
     assert short_only.sustained_bound_tok_s(256, 1000) is None
 
 
-class PhaseMonitor:
-    """Stands for the GPU monitor: a summary for every window asked."""
-
-    def __init__(self) -> None:
-        self.windows: list[tuple[float, float]] = []
-
-    def window(self, start: float, end: float) -> GpuSummary:
-        self.windows.append((start, end))
-        return GpuSummary(1, 1.0, 1650.0, 690.0, 1.0)
-
-
 def test_engine_times_short_then_sustained_each_phase_watched() -> None:
-    monitor = PhaseMonitor()
+    monitor = RecordingMonitor(GpuSummary(1, 1.0, 1650.0, 690.0, 1.0))
     engine = engine_times(TINY_MODEL_DIR, "cpu", "torch", 16, 8, (1, 2), False, 0.3, monitor)
     assert set(engine.decode_ms) == set(engine.sustained_decode_ms) == {1, 2}
     assert engine.prefill_ms > 0 and engine.sustained_prefill_ms > 0
