@@ -29,6 +29,7 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -281,8 +282,22 @@ class _Run:
         return sorted(records, key=lambda r: r.index), duration_s
 
 
-async def run_benchmark(cfg: BenchConfig) -> tuple[str, list[RequestRecord], float]:
-    """Resolve the model, build the requests, run them; returns (model, records, duration_s)."""
+@dataclass(frozen=True)
+class BenchRun:
+    model: str
+    records: list[RequestRecord]
+    t0: float  # time.perf_counter() when sending began; each record's start_s counts from it
+    duration_s: float  # t0 to the last request's end
+
+
+async def run_benchmark(
+    cfg: BenchConfig, before_start: Callable[[], None] | None = None
+) -> BenchRun:
+    """Resolve the model, build the requests, run them.
+
+    ``before_start`` is called once the requests are built, just before the clock starts (the
+    system benchmark's client processes wait there for each other, so that they start
+    together)."""
     headers = {"content-type": "application/json"}
     if cfg.api_key:
         headers["Authorization"] = f"Bearer {cfg.api_key}"
@@ -302,8 +317,11 @@ async def run_benchmark(cfg: BenchConfig) -> tuple[str, list[RequestRecord], flo
             else ServerTokenCounter(client, tokenize_url(cfg.base_url), model, headers)
         )
         specs = await make_requests(model, cfg.workload, cfg.num_requests, cfg.seed, counter)
-        records, duration_s = await _Run(cfg, client, headers).run(specs)
-    return model, records, duration_s
+        if before_start is not None:
+            before_start()
+        run = _Run(cfg, client, headers)
+        records, duration_s = await run.run(specs)
+    return BenchRun(model, records, run.t0, duration_s)
 
 
 def _jsonable(value: object) -> object:
@@ -361,14 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
     try:
-        model, records, duration_s = asyncio.run(run_benchmark(cfg))
+        run = asyncio.run(run_benchmark(cfg))
     except (EndpointError, TokenCountError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a dataset file that cannot serve the run
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    summary = summarize(records, duration_s, cfg.slo, cfg.num_requests)
+    model, records = run.model, run.records
+    summary = summarize(records, run.duration_s, cfg.slo, cfg.num_requests)
     title = describe(cfg, model)
     print(f"\n{title}\n{format_table(summary)}")
     errors = sorted({r.error for r in records if r.error})

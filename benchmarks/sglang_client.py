@@ -47,6 +47,7 @@ class SglangResult:
     duration_s: float  # its benchmark's own duration (after its warm-up request)
     client_cpu: float  # its process's CPU seconds (start-up included) over that duration
     gpu: GpuSummary | None = None  # nvidia-smi over that duration
+    mean_prompt_tokens: float | None = None  # as the server counted them, when it was asked
 
 
 def write_sharegpt_words(path: Path, num_conversations: int, seed: int = 0) -> Path:
@@ -162,6 +163,7 @@ def sglang_table_lines(
         "sglang/bound",
         "sglang/sustained bound",
         "completed",
+        "mean prompt tokens",
         "TTFT ms (sglang)",
         "TPOT ms (sglang)",
         "ITL ms (sglang)",
@@ -181,6 +183,7 @@ def sglang_table_lines(
                 fmt(bound and run.output_tok_s / bound, ".2f"),
                 fmt(sustained_bound and run.output_tok_s / sustained_bound, ".2f"),
                 f"{run.completed}/{run.num_requests}",
+                fmt(run.mean_prompt_tokens, ".0f"),
                 fmt(run.mean_ttft_ms, ".1f"),
                 fmt(run.mean_tpot_ms, ".2f"),
                 fmt(run.mean_itl_ms, ".2f"),

@@ -10,7 +10,9 @@ bundled tokenizer's vocabulary (benchmarks/system_model.py); times the engine al
 same weights (one prompt's prefill, the decode rank's pipelined loop at each concurrency's
 batch); starts ``stageserve up`` on the checkpoint (prefill and decode on one GPU, KV over
 CUDA IPC), warms it up; runs the serving client at each concurrency, spread over client
-processes, ``--input-len`` prompt tokens and ``--output-len`` output tokens with ignore_eos;
+processes, ``--input-len`` prompt tokens (as the server counts them: the text is shorter by
+the chat template's tokens, measured in the warm-up) and ``--output-len`` output tokens with
+ignore_eos;
 prints one table (system against engine: throughput, TPOT, decode's in-service step, the
 messages decode sent per step, router, decode-leader and client CPU, and what ``nvidia-smi``
 saw of the GPU: busy share, SM clock, power, slowdowns) and writes its section of ``--out``.
@@ -25,6 +27,7 @@ import argparse
 import shlex
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.gpu_monitor import GpuMonitor, gpu_monitor
@@ -43,6 +46,7 @@ from benchmarks.system_load import (
     histogram_mean_ms,
     run_load,
     running_system,
+    template_tokens,
 )
 from benchmarks.system_model import engine_times, write_checkpoint
 from benchmarks.system_table import NOTES, Level, engine_lines, sglang_lines, table_lines
@@ -52,8 +56,9 @@ SECTION_TITLE = "## System (`python -m benchmarks.system`)"
 STEP = ("step", "decode", "stageserve_decode_step_seconds")  # decode's step histogram
 MESSAGES = ("messages", "decode", "stageserve_decode_stream_messages_total")
 PREFILL = ("prefill", "prefill", "stageserve_prefill_forward_seconds")  # per batch
+PROMPT_TOKENS = "stageserve_request_prompt_tokens"  # the router's histogram of them
 PREFILL_WAIT = ("prefill wait", "decode", "stageserve_decode_prefill_wait_seconds_total")
-# Tokens a request's chat template adds around its prompt (28 with the bundled tokenizer), with
+# Tokens a request's chat template adds around its text (28 with the bundled tokenizer), with
 # room: each request's Reserve is for prompt + output tokens, and the default page count must
 # hold every concurrent request's (at 16 tokens of room, 1000/1000 requests at c = 512 needed
 # 127 pages each against the 126 given: the requests over ran into the 30 s queue limit).
@@ -130,6 +135,17 @@ def _settings(args: argparse.Namespace) -> dict:
         up=CPU_UP if quick else GPU_UP,
         sustain_s=args.sustain_s if args.sustain_s is not None else (0.5 if quick else 10.0),
     )
+
+
+def _prompt_histograms(system: System) -> list[tuple[str, str, str]]:
+    """Each router process's histogram of the prompt tokens of its requests."""
+    return [(name, name, PROMPT_TOKENS) for name in system.pids("router")]
+
+
+def _mean(delta: dict[str, float]) -> float | None:
+    """The mean of histograms summed over processes (a ``MetricDelta.since``)."""
+    count = sum(v for k, v in delta.items() if k.endswith(" count"))
+    return sum(v for k, v in delta.items() if k.endswith(" sum")) / count if count else None
 
 
 def _run_level(system: System, load: Load, num_processes: int, monitor: GpuMonitor) -> Level:
@@ -227,10 +243,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
-        run_load(
+        warm_up, _ = run_load(
             Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99),
             1,
-        )  # warm-up
+        )
+        # the levels' prompts are input_len tokens as the server counts them, as the bound's
+        text_len = input_len - template_tokens(warm_up, input_len)
         results: list[Level] = []
         sglang_runs: list[SglangResult] = []
         sglang_dir = system.state_file.parent if args.sglang_bench_serving else None
@@ -244,7 +262,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
                 model,
                 concurrency,
                 num_requests,
-                input_len,
+                text_len,
                 output_len,
                 tokenizer,
                 seed=concurrency,
@@ -254,21 +272,21 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
             print("\n".join(table_lines(results, engine, output_len)[-1:]), flush=True)
             if args.sglang_bench_serving is not None:
                 assert sglang_dir is not None and dataset is not None
-                sglang_runs.append(
-                    run_sglang(
-                        args.sglang_bench_serving,
-                        system.base_url,
-                        model,
-                        model_dir,
-                        dataset,
-                        concurrency,
-                        num_requests,
-                        input_len,
-                        output_len,
-                        sglang_dir,
-                        monitor,
-                    )
+                prompts = MetricDelta(system, histograms=_prompt_histograms(system))
+                run = run_sglang(
+                    args.sglang_bench_serving,
+                    system.base_url,
+                    model,
+                    model_dir,
+                    dataset,
+                    concurrency,
+                    num_requests,
+                    input_len,
+                    output_len,
+                    sglang_dir,
+                    monitor,
                 )
+                sglang_runs.append(replace(run, mean_prompt_tokens=_mean(prompts.since())))
                 lines = sglang_lines(sglang_runs, results, engine, output_len)
                 print(lines[-1], flush=True)
         routers = len(system.pids("router"))
@@ -282,7 +300,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         f"- model: {weights}, the bundled "
         f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router "
         f"processes, decode DP {num_ranks}); stop exit code {code}",
-        f"- workload: {input_len} prompt tokens (asked), {output_len} output tokens (ignore_eos), "
+        f"- workload: {input_len} prompt tokens ({text_len} of text and the chat template's "
+        f"{input_len - text_len}), {output_len} output tokens (ignore_eos), "
         f"greedy; engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),
         *(f"- {line}" for line in engine_lines(engine)),

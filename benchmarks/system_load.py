@@ -2,9 +2,10 @@
 client spread over several processes, and what the services report while it runs.
 
 The load of one concurrency level is split over ``num_processes`` client processes (each
-``benchmarks.serve``'s client with its share of the requests and of the concurrency),
-released together by a barrier, so no client process is the bottleneck; their records are
-summarized as one run. CPU use of a process is its utime + stime over the wall time.
+``benchmarks.serve``'s client with its share of the requests and of the concurrency), which
+build their requests and then start together at a barrier, so no client process is the
+bottleneck; their records are summarized as one run, on one clock. CPU use of a process is
+its utime + stime over the wall time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.serve import BenchConfig, run_benchmark
-from benchmarks.serve_client import RequestRecord
+from benchmarks.serve_client import Outcome, RequestRecord
 from benchmarks.serve_metrics import Slo
 from benchmarks.serve_workload import IntRange, WorkloadSpec
 
@@ -44,6 +45,7 @@ GPU_UP = [
     "cuda_ipc",
 ]
 CPU_UP = ["--device", "cpu"]
+BARRIER_S = 600.0  # for every client process to have built its requests
 
 
 @dataclass
@@ -267,15 +269,39 @@ def _client(load: Load, index: int, num_processes: int, barrier, results) -> Non
         output_json=None,
         markdown=None,
     )
-    barrier.wait()
-    _, records, duration_s = asyncio.run(run_benchmark(cfg))
-    results.put((records, duration_s))
+    try:
+        run = asyncio.run(run_benchmark(cfg, before_start=lambda: barrier.wait(BARRIER_S)))
+    except BaseException as exc:  # the parent reports it instead of waiting for a result
+        barrier.abort()  # the others stop waiting at the start
+        results.put(f"client {index}: {type(exc).__name__}: {exc}")
+        raise
+    results.put((run.records, run.t0, run.duration_s))
+
+
+def template_tokens(records: Sequence[RequestRecord], text_len: int) -> int:
+    """Tokens the server put around prompts of ``text_len`` tokens of text (the chat
+    template's), from the usage of ``records``' successful requests (their median)."""
+    counts = sorted(
+        r.prompt_tokens for r in records if r.outcome is Outcome.OK and r.prompt_tokens is not None
+    )
+    if not counts:
+        raise RuntimeError("no successful request reported its prompt tokens (usage)")
+    served = counts[len(counts) // 2]
+    if not text_len <= served < 2 * text_len:
+        raise RuntimeError(
+            f"the server counted {served} prompt tokens for {text_len} tokens of text: the chat "
+            "template's tokens cannot be taken out of a prompt of that length"
+        )
+    return served - text_len
 
 
 def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float]:
-    """Run ``load`` over ``num_processes`` client processes started together.
+    """Run ``load`` over ``num_processes`` client processes that build their requests, wait for
+    each other, then send.
 
-    Returns (records, duration).
+    Returns the records, each ``start_s`` counted from the first process's start, and the
+    duration from that start to the last request's end. The processes' clocks are one clock:
+    ``time.perf_counter`` is the host's ``CLOCK_MONOTONIC`` on Linux.
     """
     num_processes = max(1, min(num_processes, load.concurrency))
     context = multiprocessing.get_context("spawn")
@@ -293,7 +319,24 @@ def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float
             client.join(60)
             if client.is_alive():
                 client.kill()
-    records = [r for records, _ in outcomes for r in records]
+    errors = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return merge_runs(outcomes)
+
+
+def merge_runs(
+    runs: Sequence[tuple[list[RequestRecord], float, float]],
+) -> tuple[list[RequestRecord], float]:
+    """One run of several processes' (records, t0, duration): every ``start_s`` moved to count
+    from the first t0, and the duration from it to the last process's end."""
+    origin = min(t0 for _, t0, _ in runs)
+    end = max(t0 + duration_s for _, t0, duration_s in runs)
+    records = []
+    for process_records, t0, _ in runs:
+        for record in process_records:
+            record.start_s += t0 - origin
+            records.append(record)
     for index, record in enumerate(records):
         record.index = index
-    return records, max(duration for _, duration in outcomes)
+    return records, end - origin

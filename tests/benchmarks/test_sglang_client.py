@@ -110,15 +110,15 @@ def test_the_dataset_is_sharegpt_conversations_of_our_words(tmp_path):
 def test_table_puts_sglang_beside_our_client_and_the_bound():
     gpu = GpuSummary(5, 0.97, 1755.4, 689.6, 0.4)
     runs = [
-        SglangResult(4, 8, 8, 900.0, 12.0, 4.0, 4.1, 10.0, 0.85, gpu),
+        SglangResult(4, 8, 8, 900.0, 12.0, 4.0, 4.1, 10.0, 0.85, gpu, 1000.4),
         SglangResult(9, 18, 18, 50.0, 1, 2, 3, 2.0, 0.5),
     ]
     lines = sglang_table_lines(runs, {4: 800.0, 9: 40.0}, {4: 1000.0}, {4: 947.4, 9: None})
     assert lines[0].startswith("| concurrency | sglang bench_serving tok/s | our client tok/s |")
     assert lines[0].endswith("| client CPU (cores) | GPU busy | SM MHz | GPU W | clocks slowed |")
-    cells = "| 4 | 900 | 800 | 1000 | 0.90 | 0.95 | 8/8 | 12.0 | 4.00 | 4.10 | 0.85 | 0.97 | 1755 |"
-    assert lines[2] == cells + " 690 | 0.40 |"
-    cells = "| 9 | 50 | 40 | - | - | - | 18/18 | 1.0 | 2.00 | 3.00 | 0.50 | - | - | - | - |"
+    cells = "| 4 | 900 | 800 | 1000 | 0.90 | 0.95 | 8/8 | 1000 | 12.0 | 4.00 | 4.10 | 0.85 | 0.97 |"
+    assert lines[2] == cells + " 1755 | 690 | 0.40 |"
+    cells = "| 9 | 50 | 40 | - | - | - | 18/18 | - | 1.0 | 2.00 | 3.00 | 0.50 | - | - | - | - |"
     assert lines[3] == cells
 
 

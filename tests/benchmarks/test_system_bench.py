@@ -24,6 +24,8 @@ def test_quick_run_writes_its_section_and_keeps_the_others(quick_benchmark) -> N
     for row in rows:
         cells = dict(zip(columns, (c.strip() for c in row.strip("|").split("|")), strict=True))
         assert cells["ok"] in ("2/2", "4/4")  # every request of the level succeeded
+        # --quick's 64 prompt tokens as the server counted them, the chat template's included
+        assert cells["mean prompt tokens"] == "64"
         # at most one decode message per step to the one router
         assert float(cells["msgs/step"]) <= 1.0
         assert 0.0 < float(cells["prefill busy"]) < 1.0  # the prompts' forwards were counted
