@@ -84,19 +84,21 @@ def latency_stats(values_s: Sequence[float]) -> LatencyStats | None:
     return LatencyStats(len(ms), float(ms.mean()), float(p50), float(p90), float(p99))
 
 
-def steady_output_throughput(records: Sequence[RequestRecord]) -> float | None:
-    """Output tokens per second while every client of a closed-loop run had a request in flight.
+def steady_output_throughput(records: Sequence[RequestRecord], concurrency: int) -> float | None:
+    """Output tokens per second while all ``concurrency`` clients of a closed-loop run decoded.
 
-    The window runs from the first request's end (before it the first wave's prompts are still
-    being prefilled) to the last request's start (after it the clients go idle one by one):
-    the load's ramp and drain, which a run's total throughput includes, are left out. A
-    token's time is its content chunk's (TTFT, then the per-token ITL summed). None when the
-    window is empty (too few requests per client) or no successful request reported ITLs.
+    The window runs from the ``concurrency``-th first token (the first wave's prompts all
+    prefilled: the ramp is over) to the last request's start (after it the clients go idle one
+    by one: the drain), so it holds a full request's decode and, as the first wave ends, the
+    next wave's prefills. A token's time is its content chunk's (TTFT, then the per-token ITL
+    summed). None when the window is empty (fewer than two requests per client) or no
+    successful request reported ITLs.
     """
     ok = [r for r in records if r.outcome is Outcome.OK and r.ttft_s is not None]
-    if not ok:
+    first_tokens = sorted(r.start_s + (r.ttft_s or 0.0) for r in ok)
+    if len(first_tokens) < concurrency or not records:
         return None
-    begin = min(r.start_s + (r.e2e_s or 0.0) for r in ok)
+    begin = first_tokens[concurrency - 1]
     end = max(r.start_s for r in records)
     if end <= begin or not any(r.itl_s for r in ok):
         return None

@@ -165,7 +165,7 @@ def _run_level(system: System, load: Load, num_processes: int, monitor: GpuMonit
     return Level(
         concurrency=load.concurrency,
         output_tok_s=summary.output_token_throughput,
-        steady_tok_s=steady_output_throughput(records),
+        steady_tok_s=steady_output_throughput(records, load.concurrency),
         tpot_ms=summary.tpot.mean if summary.tpot else None,
         ttft_ms=summary.ttft.mean if summary.ttft else None,
         num_ok=summary.num_ok,

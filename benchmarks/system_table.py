@@ -16,7 +16,7 @@ class Level:
 
     concurrency: int
     output_tok_s: float
-    steady_tok_s: float | None  # while every client had a request in flight
+    steady_tok_s: float | None  # while every client decoded (ramp and drain left out)
     tpot_ms: float | None
     ttft_ms: float | None
     num_ok: int
@@ -149,9 +149,10 @@ NOTES = [
     "Those times are a few runs each after an idle GPU; *sustained bound* takes the same work",
     "run back to back (`--sustain-s` seconds each, the second half counted), the GPU at the",
     "power and clocks it holds under load (the engine lines above give both, with nvidia-smi).",
-    "*steady tok/s*: the output rate while every client had a request in flight (from the",
-    "first request's end to the last one's start: the first wave's prefill queue and the drain",
-    "left out; `benchmarks/serve_metrics.py: steady_output_throughput`). *prefill forward ms*:",
+    "*steady tok/s*: the output rate while every client decoded (from the concurrency-th first",
+    "token to the last request's start: the first wave's prefill queue and the drain left out,",
+    "the next wave's prefills in; `benchmarks/serve_metrics.py: steady_output_throughput`).",
+    "*prefill forward ms*:",
     "prefill's forward per batch in service (its histogram's mean); *prefill busy*: the",
     "fraction of the run it spent in forwards; *decode held*: the fraction decode held its",
     "steps back while a prefill forward ran (prefill first on a shared GPU, `--prefill-first-ms`",

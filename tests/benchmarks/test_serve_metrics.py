@@ -44,18 +44,21 @@ def _timed(start_s: float, ttft_s: float, itl_s: list[float]) -> RequestRecord:
     return record
 
 
-def test_steady_throughput_counts_tokens_between_the_first_end_and_the_last_start():
-    records = [
-        _timed(0.0, 1.0, [1.0, 1.0]),  # tokens at 1, 2, 3; ends at 3: the window's start
-        _timed(0.0, 2.0, [1.0] * 5),  # 2 .. 7: 3, 4, 5 inside
+def test_steady_throughput_counts_tokens_from_the_last_clients_first_token_to_the_last_start():
+    records = [  # two clients
+        _timed(0.0, 1.0, [1.0, 1.0]),  # tokens at 1, 2, 3: 2 and 3 inside
+        _timed(0.0, 2.0, [1.0] * 5),  # 2 .. 7: the second first token, the window's start
         _timed(3.0, 1.0, [1.0] * 3),  # 4 .. 7: 4, 5 inside
         _timed(5.0, 0.5, [1.0]),  # starts at 5, the window's end; tokens at 5.5, 6.5
         RequestRecord(0, 50, 4, 0, Outcome.FAILED, start_s=1.0),
     ]
-    assert steady_output_throughput(records) == pytest.approx((1 + 3 + 2) / 2.0)
-    # every request started before the first one ended: no window
-    assert steady_output_throughput(records[:2]) is None
-    assert steady_output_throughput([]) is None
+    assert steady_output_throughput(records, 2) == pytest.approx((2 + 4 + 2) / 3.0)
+    # one client's window starts at its first token (1) and ends at the last start (5)
+    assert steady_output_throughput(records, 1) == pytest.approx((3 + 4 + 2) / 4.0)
+    # every request started before the last client's first token: no window
+    assert steady_output_throughput(records[:2], 2) is None
+    assert steady_output_throughput(records, 5) is None  # fewer first tokens than clients
+    assert steady_output_throughput([], 1) is None
 
 
 def test_summary_percentiles_throughput_and_goodput():
