@@ -77,7 +77,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--output-len", type=int, default=None, help="output tokens, ignore_eos (default 1000)"
     )
     p.add_argument(
-        "--requests-per-level", type=float, default=2.0, help="requests = this x concurrency"
+        "--requests-per-level",
+        type=float,
+        default=4.0,
+        help="requests = this x concurrency (default 4: the first wave's prefill queue and the "
+        "last one's drain, which the bound leaves out, weigh a quarter of the run, not a half)",
     )
     p.add_argument(
         "--decode-dp", type=int, default=1, help="decode ranks, all on the GPU prefill uses"
