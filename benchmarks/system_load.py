@@ -30,9 +30,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.serve import BenchConfig, run_benchmark
 from benchmarks.serve_client import Outcome, RequestRecord
 from benchmarks.serve_metrics import Slo
+from benchmarks.serve_run import BenchConfig, run_benchmark
 from benchmarks.serve_workload import IntRange, WorkloadSpec
 
 UP_TIMEOUT_S = 1800.0  # a 7B checkpoint loaded by three services on one GPU

@@ -1,0 +1,162 @@
+"""One run of the serving benchmark: resolve the model, build the requests, send them on their
+schedule (a Poisson process, all at once, or a closed loop of ``max_concurrency`` clients) and
+collect a record per request. ``benchmarks.serve`` is its command line; the system benchmark's
+client processes (``benchmarks/system_load.py``) call ``run_benchmark`` directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from benchmarks.serve_client import Outcome, RequestRecord, new_record, send_request
+from benchmarks.serve_metrics import Slo
+from benchmarks.serve_tokens import (
+    LocalTokenCounter,
+    ServerTokenCounter,
+    TokenCounter,
+    tokenize_url,
+)
+from benchmarks.serve_workload import (
+    ENDPOINTS,
+    RequestSpec,
+    WorkloadSpec,
+    arrival_offsets,
+    make_requests,
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str
+    model: str | None  # None: the first of GET /models
+    api_key: str | None
+    tokenizer: Path | None  # a tokenizer.json (or its directory); None: the server's /tokenize
+    request_rate: float  # req/s; inf = all at once
+    max_concurrency: int | None
+    num_requests: int
+    seed: int
+    workload: WorkloadSpec
+    request_timeout_s: float
+    max_duration_s: float
+    slo: Slo
+    output_json: Path | None
+    markdown: Path | None
+
+
+class EndpointError(Exception):
+    """The endpoint cannot say which model it serves (not retried: the run never starts)."""
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
+    url = f"{base_url}/models"
+    try:
+        response = await client.get(url, headers=headers)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+        return models[0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise EndpointError(
+            f"cannot read the first model from GET {url} ({exc!r}); pass --model"
+        ) from exc
+
+
+class _Run:
+    """Sends the prepared requests on their schedule and collects the records."""
+
+    def __init__(
+        self, cfg: BenchConfig, client: httpx.AsyncClient, headers: dict[str, str]
+    ) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.headers = headers
+        self.url = cfg.base_url + ENDPOINTS[cfg.workload.backend]
+        self.slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        self.started: set[int] = set()
+        self.t0 = 0.0
+
+    async def _one(self, spec: RequestSpec, offset_s: float) -> RequestRecord:
+        await asyncio.sleep(max(0.0, self.t0 + offset_s - time.perf_counter()))
+        if self.slots is None:
+            return await self._send(spec)
+        async with self.slots:
+            return await self._send(spec)
+
+    async def _send(self, spec: RequestSpec) -> RequestRecord:
+        self.started.add(spec.index)
+        return await send_request(
+            self.client, self.url, self.headers, spec, self.cfg.request_timeout_s, self.t0
+        )
+
+    async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
+        """Records of every request sent (aborted ones included) and the run's duration."""
+        offsets = arrival_offsets(len(specs), self.cfg.request_rate, self.cfg.seed)
+        self.t0 = time.perf_counter()
+        tasks = {
+            asyncio.create_task(self._one(s, o)): s for s, o in zip(specs, offsets, strict=True)
+        }
+        done, pending = await asyncio.wait(tasks, timeout=self.cfg.max_duration_s)
+        duration_s = time.perf_counter() - self.t0
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        records = [t.result() for t in done]
+        for task in pending:
+            spec = tasks[task]
+            if spec.index in self.started:
+                records.append(
+                    replace(
+                        new_record(spec),
+                        outcome=Outcome.ABORTED,
+                        error="aborted at --max-duration-s",
+                    )
+                )
+        return sorted(records, key=lambda r: r.index), duration_s
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    model: str
+    records: list[RequestRecord]
+    t0: float  # time.perf_counter() when sending began; each record's start_s counts from it
+    duration_s: float  # t0 to the last request's end
+
+
+async def run_benchmark(
+    cfg: BenchConfig, before_start: Callable[[], None] | None = None
+) -> BenchRun:
+    """Resolve the model, build the requests, run them.
+
+    ``before_start`` is called once the requests are built, just before the clock starts (the
+    system benchmark's client processes wait there for each other, so that they start
+    together)."""
+    headers = {"content-type": "application/json"}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    limits = httpx.Limits(
+        max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency
+    )
+    timeout = httpx.Timeout(cfg.request_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        model = cfg.model or await first_model(client, cfg.base_url, headers)
+        print(
+            f"preparing {cfg.num_requests} requests for {model!r} at {cfg.base_url}",
+            file=sys.stderr,
+        )
+        counter: TokenCounter = (
+            LocalTokenCounter(cfg.tokenizer)
+            if cfg.tokenizer
+            else ServerTokenCounter(client, tokenize_url(cfg.base_url), model, headers)
+        )
+        specs = await make_requests(model, cfg.workload, cfg.num_requests, cfg.seed, counter)
+        if before_start is not None:
+            before_start()
+        run = _Run(cfg, client, headers)
+        records, duration_s = await run.run(specs)
+    return BenchRun(model, records, run.t0, duration_s)
