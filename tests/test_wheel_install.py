@@ -123,18 +123,26 @@ def install(tmp_path_factory) -> Install:
     return Install(sdist, wheel, env_dir, workdir)
 
 
+JPEG_ROWS_FILES = [
+    f"services/engine/processing/libjpeg/{f}"
+    for f in ("jpeg_rows.c", "jpeglib.h", "jmorecfg.h", "jconfig.h")
+]
+
+
 def test_sdist_carries_protos_and_the_model(install: Install) -> None:
     with tarfile.open(install.sdist) as tar:
         names = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
     assert "protos/stageserve/v1/decode.proto" in names
     assert {f"services/assets/tiny-qwen2.5-vl/{f}" for f in ASSET_FILES} <= names
     assert "services/py.typed" in names
+    assert set(JPEG_ROWS_FILES) <= names
 
 
 def test_wheel_carries_the_model_and_type_information(install: Install) -> None:
     names = set(zipfile.ZipFile(install.wheel).namelist())
     assert {f"services/assets/tiny-qwen2.5-vl/{f}" for f in ASSET_FILES} <= names
     assert {"services/py.typed", "services/common/pb/stageserve/v1/decode_pb2.pyi"} <= names
+    assert set(JPEG_ROWS_FILES) <= names  # the encoder's band JPEG decoder builds from them
     assert not any(n.startswith(("models/", "tests/")) for n in names)
 
 

@@ -3,8 +3,9 @@
 ``EncoderWorker.execute(payload, received_mono)`` works on the spans this rank owns: it
 takes the cached rows of its LOCAL_HIT spans (one that is not cached goes into the
 manifest as missing, and this rank sends nothing for its job: the leader plans the job
-again), decodes the images it must encode (on up to ``DECODE_THREADS`` threads:
-libjpeg-turbo and PIL decode without the GIL), turns them into pixels and runs ONE ViT
+again), decodes the images it must encode (on up to ``DECODE_THREADS`` threads, which
+libjpeg-turbo and PIL use without the GIL: one image per thread, or a step's one JPEG by
+bands of rows on all of them, ``jpeg_rows``), turns them into pixels and runs ONE ViT
 forward over all of them, caches the new rows, then writes each job's owned rows into
 each of the job's destinations with one batched transfer. A job's failure (bad image,
 grid mismatch, transfer error) is reported for that job only; the other jobs go on.
@@ -28,6 +29,7 @@ from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.processing.image import ImageProcessor
 from services.engine.processing.image_file import decode_pixels
+from services.engine.processing.jpeg_rows import BandDecoder, load_band_decoder
 from services.engine.vision_graph import VisionGraphs
 from services.transfer.embeddings import BaseEmbeddingSender, RowRun
 from services.vision_encoder.cache import EmbeddingCacheManager
@@ -91,9 +93,9 @@ class EncoderWorker:
             if vit_cuda_graphs and self.device.type == "cuda"
             else None
         )
-        self._decoders = ThreadPoolExecutor(
-            min(DECODE_THREADS, os.cpu_count() or 1), thread_name_prefix=f"decode-{rank}"
-        )
+        num_threads = min(DECODE_THREADS, os.cpu_count() or 1)
+        self._decoders = ThreadPoolExecutor(num_threads, thread_name_prefix=f"decode-{rank}")
+        self._bands = load_band_decoder(self._decoders, num_threads)  # None: one thread per JPEG
 
     def execute(self, payload: EncodeStepPayload, received_mono: float) -> EncodeStepResult:
         owned = [(j, s) for j in payload.jobs for s in j.spans if s.owner_rank == self.rank]
@@ -186,14 +188,16 @@ class EncoderWorker:
     def _decode(self, datas: list[bytes]) -> list[np.ndarray | InvalidRequestError]:
         """Each image's [H, W, 3] uint8 pixels, or why its bytes are not an image."""
 
-        def decode(data: bytes) -> np.ndarray | InvalidRequestError:
+        def decode(
+            data: bytes, bands: BandDecoder | None = None
+        ) -> np.ndarray | InvalidRequestError:
             try:
-                return decode_pixels(data, self.max_image_bytes)
+                return decode_pixels(data, self.max_image_bytes, bands=bands)
             except InvalidRequestError as exc:
                 return exc
 
-        if len(datas) == 1:
-            return [decode(datas[0])]
+        if len(datas) == 1:  # on this thread, its bands (if any) on the pool's
+            return [decode(datas[0], self._bands)]
         return list(self._decoders.map(decode, datas))
 
     @torch.inference_mode()

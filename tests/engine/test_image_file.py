@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
 from services.common.errors import InvalidRequestError
+from services.engine.processing import jpeg_rows
 from services.engine.processing.image_file import (
     content_hash,
     decode_image,
@@ -215,18 +218,32 @@ PIXEL_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def band_decoder():
+    """``jpeg_rows``' decoder on 4 threads: built wherever a C compiler and PIL's libjpeg are."""
+    if shutil.which("cc") is None or jpeg_rows.pil_libjpeg() is None:
+        pytest.skip("no C compiler, or a PIL without its own libjpeg: the bands are not built")
+    with ThreadPoolExecutor(4) as pool:
+        decoder = jpeg_rows.load_band_decoder(pool, 4)
+        assert decoder is not None, "cc and PIL's libjpeg are here: the build must succeed"
+        yield decoder
+
+
+@pytest.mark.parametrize("with_bands", [False, True], ids=["one-thread", "bands"])
 @pytest.mark.parametrize("name", sorted(PIXEL_CASES))
-def test_decode_pixels_equals_decode_image(name):
-    """The encoder's decode (simplejpeg for JPEG) gives PIL's pixels, or PIL's error."""
+def test_decode_pixels_equals_decode_image(name, with_bands, request):
+    """The encoder's decode (bands of rows or simplejpeg for JPEG) gives PIL's pixels, or
+    PIL's error."""
+    bands = request.getfixturevalue("band_decoder") if with_bands else None
     data = PIXEL_CASES[name]
     try:
         expected = np.asarray(decode_image(data, max_bytes=1 << 22))
     except InvalidRequestError as exc:
         with pytest.raises(InvalidRequestError) as info:
-            decode_pixels(data, max_bytes=1 << 22)
+            decode_pixels(data, max_bytes=1 << 22, bands=bands)
         assert (info.value.message, info.value.param) == (exc.message, exc.param)
         return
-    pixels = decode_pixels(data, max_bytes=1 << 22)
+    pixels = decode_pixels(data, max_bytes=1 << 22, bands=bands)
     assert pixels.dtype == np.uint8 and pixels.shape == expected.shape
     assert np.array_equal(pixels, expected)
 

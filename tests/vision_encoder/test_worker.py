@@ -4,6 +4,7 @@ one ViT call, its manifest (held, evicted, missing), per-job errors."""
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 import msgspec
@@ -138,6 +139,43 @@ def test_a_bad_image_fails_its_jobs_only(rig, image_processor) -> None:
     assert not torch.isnan(buffer.rows(0, 4)).any()
 
 
+def test_a_steps_one_jpeg_decodes_by_bands_of_rows(
+    rig, vision_model, image_processor, monkeypatch
+) -> None:
+    """A step with one image gives it the rank's band decoder (``jpeg_rows``: every decode
+    thread on its rows); its rows are the reference's."""
+    import services.vision_encoder.worker as worker_module
+    from services.engine.processing import jpeg_rows
+
+    workers, receiver, buffer = rig
+    if jpeg_rows.pil_libjpeg() is None or jpeg_rows.shutil.which("cc") is None:
+        pytest.skip("no C compiler, or a PIL without its own libjpeg: no band decoder")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: one decode thread, no bands")
+    assert workers[0]._bands is not None
+    calls = []
+    real = workers[0]._bands.decode
+
+    def decode(data, width, height):
+        pixels = real(data, width, height)
+        calls.append((width, height, pixels is not None))
+        return pixels
+
+    monkeypatch.setattr(workers[0]._bands, "decode", decode)
+    images = [image_bytes(300, 200, seed=91, fmt="JPEG")]
+    spans = spans_for(image_processor, images)
+    num_rows = spans[0].span.length
+    job = EncodeJob(
+        0, "one", tuple(spans), (receiver.destination("one", 0, num_rows),), time.monotonic() + 30
+    )
+    run_step(workers[:1], [job], CacheLedger(1))
+    assert calls == [(300, 200, True)]
+    assert worker_module.DECODE_THREADS >= workers[0]._bands.num_bands >= 2
+    assert_rows_close(
+        buffer.rows(0, num_rows), torch.cat(reference_rows(vision_model, image_processor, images))
+    )
+
+
 def test_a_steps_images_decode_on_the_decode_threads_in_order(
     rig, vision_model, image_processor, monkeypatch
 ) -> None:
@@ -149,7 +187,8 @@ def test_a_steps_images_decode_on_the_decode_threads_in_order(
     threads = []
     real = worker_module.decode_pixels
 
-    def decode_pixels(data, max_bytes):
+    def decode_pixels(data, max_bytes, bands=None):
+        assert bands is None  # several images: one thread each, no bands
         threads.append(threading.current_thread().name)
         return real(data, max_bytes)
 

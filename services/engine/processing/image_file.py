@@ -4,8 +4,9 @@ Images travel between services as their compressed bytes. The services key image
 (embedding cache, owner election) on ``content_hash``: the SHA-256 of those bytes, which
 the tokenizer computes without decoding. The tokenizer needs only an image's size:
 ``image_size`` reads it from the header (no pixel decode where the header says everything).
-The vision encoder needs pixels: ``decode_pixels`` (JPEGs by simplejpeg, with PIL's pixels),
-or ``decode_image`` for a PIL image (the offline engine, transformers' path).
+The vision encoder needs pixels: ``decode_pixels`` (JPEGs by bands of rows on several threads,
+``jpeg_rows``, or by simplejpeg, with PIL's pixels either way), or ``decode_image`` for a PIL
+image (the offline engine, transformers' path).
 
 Colour conversion follows ``transformers`` 5.17 (``convert_to_rgb``): any non-RGB mode
 goes through PIL's ``Image.convert("RGB")``. For RGBA and LA that drops alpha without
@@ -22,6 +23,7 @@ import simplejpeg
 from PIL import ExifTags, Image, ImageOps
 
 from services.common.errors import InvalidRequestError
+from services.engine.processing.jpeg_rows import BandDecoder
 
 # Errors PIL raises on bytes that are not a (complete) image of a known format.
 _PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
@@ -82,16 +84,26 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> 
     return _decoded(_open_image(data, max_bytes, max_pixels))
 
 
-def decode_pixels(data: bytes, max_bytes: int, max_pixels: int | None = None) -> np.ndarray:
+def decode_pixels(
+    data: bytes, max_bytes: int, max_pixels: int | None = None, bands: BandDecoder | None = None
+) -> np.ndarray:
     """``np.asarray(decode_image(data, ...))``: [H, W, 3] uint8, equal pixels and errors.
 
-    A JPEG that PIL opens as RGB or gray is decoded by simplejpeg straight into the array:
-    the same libjpeg-turbo decoder with PIL's settings (accurate DCT, fancy upsampling), no
-    pass through PIL's 4-byte pixel storage and back (a 1920x1080 noise JPEG: 28.8 -> 23.5 ms
-    on the CI machine). Anything else, and any JPEG simplejpeg refuses (its strict mode
-    refuses what libjpeg only warns about, such as a file cut short), is ``decode_image``'s.
+    With ``bands``, a sequential colour JPEG is decoded by bands of rows on its threads
+    (``jpeg_rows``: PIL's libjpeg, the pixels of one full decode). Else, or when it refuses
+    the file, a JPEG that PIL opens as RGB or gray is decoded by simplejpeg straight into the
+    array: the same libjpeg-turbo decoder with PIL's settings (accurate DCT, fancy
+    upsampling), no pass through PIL's 4-byte pixel storage and back (a 1920x1080 noise JPEG:
+    28.8 -> 23.5 ms on the CI machine). Anything else, and any JPEG simplejpeg refuses (its
+    strict mode refuses what libjpeg only warns about, such as a file cut short), is
+    ``decode_image``'s.
     """
     image = _open_image(data, max_bytes, max_pixels)
+    if bands is not None and image.format == "JPEG" and image.mode == "RGB":
+        if "progressive" not in image.info:  # a band would decode every scan
+            pixels = bands.decode(data, image.width, image.height)
+            if pixels is not None:
+                return _exif_transposed(pixels, _header_exif(image))
     if image.format == "JPEG" and image.mode in ("RGB", "L"):
         try:
             pixels = simplejpeg.decode_jpeg(data, colorspace="RGB")  # strict: warnings raise
