@@ -102,9 +102,26 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: Segments,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the block's output is their sum, which the next norm adds.
+
+        ``residual`` is the stream so far (None: ``x`` is the tower's input). Each residual add
+        runs inside the following RMSNorm (``add_forward``): the same bf16 sums, one pass over
+        the activations fewer (64 adds of ~20 us each for a 1920x1080 image on an H200).
+        """
+        if residual is None:
+            h, residual = self.norm1(x), x
+        else:
+            h, residual = self.norm1.add_forward(x, residual)
+        h, residual = self.norm2.add_forward(self.attn(h, cos, sin, segments), residual)
+        return self.mlp(h), residual
 
 
 class PatchEmbed(nn.Module):
@@ -129,8 +146,9 @@ class PatchMerger(nn.Module):
             nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, cfg.out_hidden_size)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The merged tokens of the last block's ``x + residual`` (the add fused with ``ln_q``)."""
+        return self.mlp(self.ln_q.add_forward(x, residual)[0].view(-1, self.merged_dim))
 
 
 def hw_positions(grids: GridList, merge: int) -> torch.Tensor:
@@ -211,10 +229,13 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, hidden]
         n = x.shape[0]
         x = x.view(n // unit, unit, -1)[layout.window_index].reshape(n, -1)
+        residual = None
         for i, block in enumerate(self.blocks):
             is_full = i in self.cfg.fullatt_block_indexes
-            x = block(x, layout.cos, layout.sin, layout.full if is_full else layout.windowed)
-        merged = self.merger(x)  # [N / unit, out_hidden] in window order
+            segments = layout.full if is_full else layout.windowed
+            x, residual = block(x, residual, layout.cos, layout.sin, segments)
+        assert residual is not None, "the tower has blocks"
+        merged = self.merger(x, residual)  # [N / unit, out_hidden] in window order
         return merged[layout.inverse_index]
 
 
