@@ -153,7 +153,7 @@ class PrefillGraphs:
             x, residual = self.layers[i - 1].end(self._attn_out[:size], self._residual[:size])
         if i == len(self.layers):
             final = self.model.model.norm
-            out = final(x) if residual is None else final.add_forward(x, residual)[0]
+            out = final.add_forward(x, residual)[0]
             self._hidden[:size].copy_(out)
             return
         kv_store = (self.kv_pool.k_slots(i), self.kv_pool.v_slots(i), self._slots[:size])

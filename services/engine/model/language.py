@@ -74,10 +74,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k, v, residual
         """Everything before attention: the residual add, the norm, q/k/v with rotary (and the
         K/V store into ``kv_store``)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.input_layernorm.add_forward(x, residual)
         q, k, v = self.self_attn.project_qkv(h, cos, sin, kv_store)
         return q, k, v, residual
 
@@ -134,6 +131,4 @@ class LanguageModel(nn.Module):
         for i, layer in enumerate(self.layers):
             on_kv = None if on_layer_kv is None else (lambda i=i: on_layer_kv(i))
             x, residual = layer(x, residual, cos, sin, attn, on_kv)
-        if residual is None:
-            return self.norm(x)
         return self.norm.add_forward(x, residual)[0]

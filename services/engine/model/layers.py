@@ -28,8 +28,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the residual add fused with the norm."""
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the residual add fused with the norm; with no
+        residual yet (``x`` starts the stream), ``(norm(x), x)``."""
+        if residual is None:
+            return self(x), x
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
