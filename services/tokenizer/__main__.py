@@ -25,7 +25,6 @@ from services.common.service_main import (
     setup_logging,
     start_telemetry,
 )
-from services.engine.processing import TextProcessor
 from services.tokenizer.config import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
@@ -117,9 +116,8 @@ async def serve(
         config.metrics_port,
         model_name=config.model_dir.resolve().name,
     )
-    text = TextProcessor.from_dir(config.model_dir)
     pool = WorkerPool(config.model_dir, config.limits, config.num_workers, config.max_queued_bytes)
-    servicer = TokenizerServicer(pool, text, TokenizerMetrics())
+    servicer = TokenizerServicer(pool, TokenizerMetrics())
     health = HealthState()
     server, port = create_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)],

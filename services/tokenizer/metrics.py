@@ -38,10 +38,3 @@ class TokenizerMetrics:
             "Compressed bytes of the images received (one sent as its header adds none).",
             registry=registry,
         )
-        self.detokenized_tokens = telemetry.counter(
-            "tokenizer_detokenized_tokens", "Token ids turned back into text by Detokenize streams.",
-            registry=registry,
-        )
-        self.detokenize_streams = telemetry.gauge(
-            "tokenizer_detokenize_streams", "Detokenize streams open now.", registry=registry
-        )

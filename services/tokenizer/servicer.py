@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from services.common import telemetry
@@ -13,7 +12,6 @@ from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.types import ChatMessage as DomainChatMessage
 from services.common.types import ContentPart, ImagePart, TextPart, TokenizedPrompt
-from services.engine.processing import TextProcessor
 from services.tokenizer.config import Limits
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.pipeline import header_from_input
@@ -73,12 +71,10 @@ def prompt_to_proto(prompt: TokenizedPrompt) -> tokenizer_pb2.TokenizeResponse:
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    """Tokenize runs on the worker pool; Detokenize streams run on the event loop (cheap per
-    token)."""
+    """Tokenize runs on the worker pool."""
 
-    def __init__(self, pool: WorkerPool, text: TextProcessor, metrics: TokenizerMetrics) -> None:
+    def __init__(self, pool: WorkerPool, metrics: TokenizerMetrics) -> None:
         self._pool = pool
-        self._text = text
         self._metrics = metrics
 
     @handle_errors
@@ -112,42 +108,3 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._metrics.prompt_len.observe(len(prompt.token_ids))
         self._metrics.images_decoded.inc(len(prompt.images))
         self._metrics.image_bytes.inc(sum(len(data) for data in prompt.images.values()))
-
-    @handle_errors
-    async def Detokenize(
-        self, request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeRequest], context: Any
-    ) -> AsyncIterator[tokenizer_pb2.DetokenizeResponse]:
-        """One reply per request message (its text delta), and a last one on half-close (the flush).
-
-        ``prompt_token_ids`` are accepted but not needed: every byte-level BPE token
-        decodes to the same bytes whatever precedes it.
-        """
-        detokenizer, num_tokens, outcome = None, 0, "INTERNAL"
-        self._metrics.detokenize_streams.inc()
-        try:
-            async for request in request_iterator:
-                if detokenizer is None:
-                    if not request.HasField("options"):
-                        raise InvalidRequestError(
-                            "the first message of a detokenize stream must carry options",
-                            param="options",
-                        )
-                    detokenizer = self._text.detokenizer(request.options.skip_special_tokens)
-                text = "".join(detokenizer.step(token_id) for token_id in request.token_ids)
-                num_tokens += len(request.token_ids)
-                self._metrics.detokenized_tokens.inc(len(request.token_ids))
-                yield tokenizer_pb2.DetokenizeResponse(text_delta=text, num_tokens=num_tokens)
-            if detokenizer is not None:
-                yield tokenizer_pb2.DetokenizeResponse(
-                    text_delta=detokenizer.finish(), num_tokens=num_tokens
-                )
-            outcome = "OK"
-        except StageServeError as exc:
-            outcome = exc.grpc_code
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "CANCELLED"
-            raise
-        finally:
-            self._metrics.detokenize_streams.dec()
-            self._metrics.requests.labels("Detokenize", outcome).inc()

@@ -260,7 +260,7 @@ async def test_channel_sends_token_and_request_id_on_all_four_call_kinds() -> No
         stream_unary = channel.stream_unary("/test.Kinds/stream_unary")
         assert await stream_unary(iter([b""]), timeout=TIMEOUT_S) == b"ok"
         call = channel.stream_stream("/test.Kinds/stream_stream")(timeout=TIMEOUT_S)
-        await call.write(b"")  # the write()/read() style the tokenizer's Detokenize client uses
+        await call.write(b"")  # the write()/read() style of decode's Stream
         assert await call.read() == b"ok"
         await call.done_writing()
     finally:

@@ -12,7 +12,6 @@ from services.common.clients.tokenizer import TokenizerClient
 from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.common.types import ChatMessage, ImagePart, TextPart
-from services.engine.processing import TextProcessor
 from services.tokenizer.config import Limits
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
@@ -40,7 +39,7 @@ async def start_served(num_workers: int, limits: Limits = TEST_LIMITS) -> tuple[
     pool = WorkerPool(TINY_MODEL_DIR, limits, num_workers)
     registry = CollectorRegistry()
     metrics = TokenizerMetrics(registry)
-    servicer = TokenizerServicer(pool, TextProcessor.from_dir(TINY_MODEL_DIR), metrics)
+    servicer = TokenizerServicer(pool, metrics)
     health = HealthState()
     server, port = create_server(
         [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)], 0, "127.0.0.1", [SERVICE_NAME],

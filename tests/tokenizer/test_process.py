@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import sys
 
-import grpc
 import pytest
 
 from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.errors import CredentialsRefusedError
-from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.tokenizer.servicer import SERVICE_NAME
 from tests.conftest import INTERNAL_AUTH, REPO, image_bytes
 from tests.tokenizer.conftest import TIMEOUT_S, user
@@ -53,12 +50,8 @@ async def test_ready_serving_and_sigterm(tmp_path):
         prompt = await client.tokenize_chat(
             "r", [user(image_bytes(56, 56), "hi")], timeout_s=TIMEOUT_S
         )
-        async with client.detokenize_stream(
-            "r", timeout_s=TIMEOUT_S
-        ) as stream:  # stream-stream carries it too
-            text = await stream.send(prompt.token_ids[-3:]) + await stream.finish()
         await client.close()
-        assert len(prompt.spans) == 1 and text
+        assert len(prompt.spans) == 1
         await check_unauthenticated(address)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), EXIT_TIMEOUT_S) == 0
@@ -79,14 +72,3 @@ async def check_unauthenticated(address: str) -> None:
             await anonymous.tokenize_prompt("anon", "hi", timeout_s=TIMEOUT_S)
     finally:
         await anonymous.close()
-    channel = create_channel(address)
-    try:
-        call = tokenizer_pb2_grpc.TokenizerStub(channel).Detokenize(timeout=TIMEOUT_S)
-        # No message: the refusal answers the call's metadata. A write could race the refusal
-        # (the client's own failed write, not the server's status, would then end the call).
-        with contextlib.suppress(asyncio.InvalidStateError):  # the server may end it first
-            await call.done_writing()
-        assert await call.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert await call.details() == "missing or invalid internal credentials"
-    finally:
-        await channel.close()

@@ -1,13 +1,6 @@
 """Typed client of the tokenizer service (``stageserve.v1.Tokenizer``).
 
-``tokenize_chat`` / ``tokenize_prompt`` return a ``TokenizedPrompt``; ``detokenize_stream``
-opens one incremental-detokenize stream per request::
-
-    stream = client.detokenize_stream(request_id, skip_special_tokens=True,
-                                      prompt_token_ids=prompt[-8:], timeout_s=60)
-    async with stream:                       # aborts the stream if not finished
-        text = await stream.send([token])    # text completed by these tokens
-        text += await stream.finish()        # flush a held-back partial character
+``tokenize_chat`` / ``tokenize_prompt`` return a ``TokenizedPrompt``.
 
 Every call carries a deadline, the request id (``x-request-id``) and the trace
 context; gRPC failures become ``StageServeError`` subclasses (``error_from_rpc``).
@@ -17,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from types import TracebackType
 
 import grpc
 
@@ -137,81 +129,6 @@ def prompt_from_proto(
     )
 
 
-class DetokenizeStream:
-    """One request's incremental detokenization: ``send`` token ids, then ``finish`` once.
-
-    Calls on one stream must not overlap (each ``send`` waits for its reply). Leaving
-    an ``async with`` block, or ``aclose``, without ``finish`` cancels the stream.
-    """
-
-    def __init__(
-        self, call: grpc.aio.StreamStreamCall, options: tokenizer_pb2.DetokenizeOptions
-    ) -> None:
-        self._call = call
-        self._options: tokenizer_pb2.DetokenizeOptions | None = (
-            options  # sent with the first message
-        )
-        self._is_done = False
-
-    async def send(self, token_ids: Sequence[int]) -> str:
-        """Append generated token ids; return the text they complete (may be empty)."""
-        if self._is_done:
-            raise RuntimeError("send() after finish() or aclose()")
-        request = tokenizer_pb2.DetokenizeRequest(token_ids=token_ids)
-        if self._options is not None:
-            request.options.CopyFrom(self._options)
-            self._options = None
-        try:
-            await self._call.write(request)
-            response = await self._call.read()
-        except grpc.RpcError as exc:
-            self._is_done = True
-            raise error_from_rpc(exc, service="tokenizer") from None
-        except asyncio.InvalidStateError as exc:  # the call had already ended with OK
-            self._is_done = True
-            raise UnavailableError("the tokenizer closed the detokenize stream") from exc
-        if response is grpc.aio.EOF:
-            self._is_done = True
-            raise UnavailableError("the tokenizer ended the detokenize stream before answering")
-        return response.text_delta
-
-    async def finish(self) -> str:
-        """End of output: return the remaining text (a partial character becomes U+FFFD)."""
-        if self._is_done:
-            raise RuntimeError("finish() called twice or after aclose()")
-        self._is_done = True
-        try:
-            if self._options is not None:  # no token was sent: the stream still needs its options
-                await self._call.write(tokenizer_pb2.DetokenizeRequest(options=self._options))
-                self._options = None
-            await self._call.done_writing()
-            texts = []
-            while (response := await self._call.read()) is not grpc.aio.EOF:
-                texts.append(response.text_delta)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, service="tokenizer") from None
-        except asyncio.InvalidStateError as exc:
-            raise UnavailableError("the tokenizer closed the detokenize stream") from exc
-        return "".join(texts)
-
-    async def aclose(self) -> None:
-        """Cancel the stream unless it has finished; safe to call more than once."""
-        if not self._call.done():
-            self._call.cancel()
-        self._is_done = True
-
-    async def __aenter__(self) -> DetokenizeStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-
 class TokenizerClient:
     """Calls one tokenizer service at ``address`` ("host:port")."""
 
@@ -266,22 +183,6 @@ class TokenizerClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, service="tokenizer") from None
         return prompt_from_proto(response, messages)
-
-    def detokenize_stream(
-        self,
-        request_id: str,
-        skip_special_tokens: bool = True,
-        prompt_token_ids: Sequence[int] = (),
-        timeout_s: float = 600.0,
-    ) -> DetokenizeStream:
-        """Open a detokenize stream for one request's output; ``timeout_s`` bounds its whole life."""
-        options = tokenizer_pb2.DetokenizeOptions(
-            request_id=request_id,
-            skip_special_tokens=skip_special_tokens,
-            prompt_token_ids=prompt_token_ids,
-        )
-        call = self._stub.Detokenize(timeout=timeout_s, metadata=_metadata(request_id))
-        return DetokenizeStream(call, options)
 
     async def close(self) -> None:
         await self._channel.close()

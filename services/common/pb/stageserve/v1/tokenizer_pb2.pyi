@@ -28,29 +28,3 @@ class TokenizeResponse(_message.Message):
     image_spans: _containers.RepeatedCompositeFieldContainer[_common_pb2.ImageSpan]
     mrope_position_delta: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., mrope_position_delta: _Optional[int] = ...) -> None: ...
-
-class DetokenizeOptions(_message.Message):
-    __slots__ = ("request_id", "skip_special_tokens", "prompt_token_ids")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    skip_special_tokens: bool
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class DetokenizeRequest(_message.Message):
-    __slots__ = ("options", "token_ids")
-    OPTIONS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    options: DetokenizeOptions
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, options: _Optional[_Union[DetokenizeOptions, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class DetokenizeResponse(_message.Message):
-    __slots__ = ("text_delta", "num_tokens")
-    TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
-    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    text_delta: str
-    num_tokens: int
-    def __init__(self, text_delta: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...

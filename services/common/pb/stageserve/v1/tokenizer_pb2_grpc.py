@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class TokenizerStub:
-    """Turns requests into token ids and image spans, and token ids back into text.
+    """Turns requests into token ids and image spans.
     """
 
     def __init__(self, channel):
@@ -40,15 +40,10 @@ class TokenizerStub:
                 request_serializer=stageserve_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=stageserve_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
-        self.Detokenize = channel.stream_stream(
-                '/stageserve.v1.Tokenizer/Detokenize',
-                request_serializer=stageserve_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=stageserve_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
-                _registered_method=True)
 
 
 class TokenizerServicer:
-    """Turns requests into token ids and image spans, and token ids back into text.
+    """Turns requests into token ids and image spans.
     """
 
     def Tokenize(self, request, context):
@@ -57,16 +52,8 @@ class TokenizerServicer:
         expands its placeholder tokens. Special-token text
         typed by a user is tokenized as text, never as a marker.
         INVALID_ARGUMENT for an undecodable image, unknown role or over-long prompt.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Detokenize(self, request_iterator, context):
-        """Incremental detokenization of one request's output: the client streams token ids
-        as they are generated and receives the text they complete. Text that could still
-        change with the next token (a partial UTF-8 character) is held back until it is
-        final or the client half-closes the stream.
+        Was Detokenize, a streaming RPC no caller used: the router detokenizes with its own
+        copy of the tokenizer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -80,11 +67,6 @@ def add_TokenizerServicer_to_server(servicer, server):
                     request_deserializer=stageserve_dot_v1_dot_tokenizer__pb2.TokenizeRequest.FromString,
                     response_serializer=stageserve_dot_v1_dot_tokenizer__pb2.TokenizeResponse.SerializeToString,
             ),
-            'Detokenize': grpc.stream_stream_rpc_method_handler(
-                    servicer.Detokenize,
-                    request_deserializer=stageserve_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.FromString,
-                    response_serializer=stageserve_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'stageserve.v1.Tokenizer', rpc_method_handlers)
@@ -94,7 +76,7 @@ def add_TokenizerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Tokenizer:
-    """Turns requests into token ids and image spans, and token ids back into text.
+    """Turns requests into token ids and image spans.
     """
 
     @staticmethod
@@ -114,33 +96,6 @@ class Tokenizer:
             '/stageserve.v1.Tokenizer/Tokenize',
             stageserve_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
             stageserve_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Detokenize(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/stageserve.v1.Tokenizer/Detokenize',
-            stageserve_dot_v1_dot_tokenizer__pb2.DetokenizeRequest.SerializeToString,
-            stageserve_dot_v1_dot_tokenizer__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
