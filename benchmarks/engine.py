@@ -53,11 +53,9 @@ NOTES = [
     "",
     "KV transfer (`benchmarks/transfer_bench.py`; one "
     "process per GPU, the 7B KV layout in 16-token pages,",
-    "destination pages shuffled): NCCL is two-sided, timed "
-    "on decode's rank from a shared barrier until its",
-    "session is SUCCESS; CUDA IPC is one-sided, timed on "
-    "prefill's rank from the barrier until the last write",
-    "landed. A plain row is one request after the barrier "
+    "destination pages shuffled): raw NCCL send/recv is the link's ceiling; the CUDA IPC",
+    "backend is one-sided, timed on prefill's rank from a shared barrier until the last",
+    "write landed. A plain row is one request after the barrier "
     "(the link idle for the few ms since the previous",
     "sample); an `N x M MiB back to back` row starts N "
     "requests, then waits for each (what the prefill",

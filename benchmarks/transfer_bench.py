@@ -1,12 +1,11 @@
-"""KV transfer between two GPUs of one host: raw NCCL send/recv, then the NCCL and CUDA IPC KV
-backends.
+"""KV transfer between two GPUs of one host: raw NCCL send/recv (the link's ceiling), then the
+CUDA IPC KV backend.
 
 One process per GPU. Rank 0 is prefill (sender), rank 1 decode (receiver). Pools have
 the 7B layout (28 layers, 4 KV heads, head dim 128, bf16, 16-token pages); a request's
 source pages are contiguous, its destination pages shuffled. Each sample starts at a
-gloo barrier; it ends when the pages hold the KV: for NCCL (two-sided) when rank 1's
-session is SUCCESS after its scatter, for CUDA IPC (one-sided) when rank 0's ``send``
-returns after its copy kernel finished. The median of several samples is reported, and
+gloo barrier; it ends when the pages hold the KV: when rank 0's ``send`` returns after its
+copy kernel finished (CUDA IPC is one-sided). The median of several samples is reported, and
 each case's last transfer is checked page by page on rank 1.
 
 Two kinds of case: one request after the barrier (its latency, with the link idle since
@@ -46,7 +45,7 @@ NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 28, 16, 4, 128
 RAW_BYTES = 1 << 30
 RAW_SMALL_BYTES = 64 << 20
 SAMPLES = 7
-BACKENDS = ("nccl", "cuda_ipc")
+BACKENDS = ("cuda_ipc",)
 # Requests per back-to-back case, started and awaited from one thread (start()/wait()): a thread
 # per request is slower, the threads' completion polls contend for the GIL.
 STREAM = 8
@@ -106,14 +105,13 @@ def _num_pages(mib: int) -> int:
 def _receiver_samples(
     ctrl: Any, device: torch.device, num_pages: int, backend: str
 ) -> list[tuple[int, int, int, float]]:
-    """Rank 1. nccl: time from the barrier to the session's SUCCESS (scatter done) on this rank.
-    cuda_ipc: the sender's time from the barrier to its last request landing (``send`` or the last
-    ``wait`` returned: the kernels finished); the sessions are completed afterwards, as ``Generate``
-    does. Each case's last sample is checked page by page."""
+    """Rank 1: the sender's time from the barrier to its last request landing (``send`` or the
+    last ``wait`` returned: the kernels finished). Each case's last sample is checked page by
+    page."""
     from services.transfer import create_kv_receiver
 
     pool = _pool(device, num_pages)
-    receiver = create_kv_receiver(backend, **({"peer_rank": 0} if backend == "nccl" else {}))
+    receiver = create_kv_receiver(backend)
     receiver.register(pool)
     out = []
     for mib, k in _cases():
@@ -121,31 +119,17 @@ def _receiver_samples(
         times = []
         for sample in range(SAMPLES + 1):
             pages = torch.randperm(num_pages)[: k * n].view(k, n).tolist()
-            sessions = [
-                receiver.open_session(
-                    f"{mib}-{k}-{sample}-{i}", pages[i], time.monotonic() + 60, lambda r, p: None
-                )
-                for i in range(k)
+            destinations = [
+                receiver.destination(f"{mib}-{k}-{sample}-{i}", pages[i]) for i in range(k)
             ]
             dist.broadcast_object_list(
-                [[msgspec.msgpack.encode(s.destination) for s in sessions]], src=1, group=ctrl
+                [[msgspec.msgpack.encode(d) for d in destinations]], src=1, group=ctrl
             )
             dist.barrier(group=ctrl)
-            start = time.perf_counter()
-            if backend == "nccl":
-                states = [s.wait(time.monotonic() + 60) for s in sessions]
-                elapsed_ms = (time.perf_counter() - start) * 1e3
-            else:
-                box: list[Any] = [None]
-                # the sender's time, once the bytes landed
-                dist.broadcast_object_list(box, src=0, group=ctrl)
-                elapsed_ms = box[0]
-                for session in sessions:
-                    receiver.sessions.complete(session.request_id)
-                states = [s.state for s in sessions]
-            assert all(s.name == "SUCCESS" for s in states), (
-                f"{backend} transfer of {k} x {mib} MiB ended {states}"
-            )
+            box: list[Any] = [None]
+            # the sender's time, once the bytes landed
+            dist.broadcast_object_list(box, src=0, group=ctrl)
+            elapsed_ms = box[0]
             if sample:
                 times.append(elapsed_ms)
             if sample == SAMPLES:
@@ -165,7 +149,7 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
     from services.transfer.base import KvDestination
 
     pool = _pool(device, num_pages)
-    sender = create_kv_sender(backend, **({"peer_rank": 1} if backend == "nccl" else {}))
+    sender = create_kv_sender(backend)
     for mib, k in _cases():
         n = _num_pages(mib)
         src_pages = [list(range(i * n, (i + 1) * n)) for i in range(k)]
@@ -186,8 +170,7 @@ def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: st
                 ]
                 for send in pending:
                     send.wait()
-            if backend != "nccl":
-                dist.broadcast_object_list([(time.perf_counter() - start) * 1e3], src=0, group=ctrl)
+            dist.broadcast_object_list([(time.perf_counter() - start) * 1e3], src=0, group=ctrl)
             if sample == SAMPLES:
                 dist.broadcast_object_list([_page_sums(pool, src_pages[-1])], src=0, group=ctrl)
     sender.close()
@@ -259,16 +242,11 @@ def _overlap_receiver(
     for sample in range(SAMPLES + 1):
         for mode in OVERLAP_MODES:
             pages = torch.randperm(num_pages)[:n].tolist()
-            session = receiver.open_session(
-                f"overlap-{mode}-{sample}", pages, time.monotonic() + 60, lambda r, p: None
-            )
-            dist.broadcast_object_list(
-                [msgspec.msgpack.encode(session.destination)], src=1, group=ctrl
-            )
+            destination = receiver.destination(f"overlap-{mode}-{sample}", pages)
+            dist.broadcast_object_list([msgspec.msgpack.encode(destination)], src=1, group=ctrl)
             dist.barrier(group=ctrl)
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=ctrl)
-            receiver.sessions.complete(session.request_id)
             if sample:
                 samples[mode].append(box[0])
             if sample == SAMPLES:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Sequence
 
-# KV backends a service can build on its own. "nccl" is registered in services.transfer but
-# needs a torch.distributed group spanning prefill and decode, which the services do not build.
+# KV backends a service can build on its own (all of services.transfer's).
 SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc", "shm")
 EMBEDDING_BACKENDS = ("mooncake", "inprocess", "shm", "cuda_ipc")
 
@@ -44,11 +43,6 @@ def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -
     """The KV backend to run (``kv_transfer_backend``, else ``transfer_backend``); ``ValueError`` if unsupported."""
     name = transfer_backend if kv_transfer_backend is None else kv_transfer_backend
     choices = ", ".join(SERVICE_KV_BACKENDS)
-    if name == "nccl":
-        raise ValueError(
-            "the nccl KV transfer backend needs a torch.distributed group spanning prefill and decode, "
-            f"which the services do not build; supported: {choices}"
-        )
     if name not in SERVICE_KV_BACKENDS:
         raise ValueError(f"unknown KV transfer backend {name!r}; supported: {choices}")
     return name

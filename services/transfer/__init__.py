@@ -23,7 +23,6 @@ from services.transfer.embeddings import (
     BaseEmbeddingSender,
     EmbeddingDestination,
 )
-from services.transfer.sessions import TransferSession, TransferSessionManager, TransferState
 
 
 def _factory(module: str, cls: str) -> Callable[..., Any]:
@@ -33,20 +32,17 @@ def _factory(module: str, cls: str) -> Callable[..., Any]:
     return create
 
 
-# "nccl" needs a torch.distributed group spanning prefill and decode (GPUs of one host):
-# create it with peer_rank= and group=. "cuda_ipc" (GPUs of one host, peers) and "shm" (host
-# memory shared by the processes of one host, through /dev/shm) need nothing.
+# "cuda_ipc" (GPUs of one host, peers) and "shm" (host memory shared by the processes of one
+# host, through /dev/shm) need nothing; "inprocess" works inside one process only.
 _SENDER_FACTORIES: dict[str, Callable[..., BaseKVSender]] = {
     "mooncake": _factory("mooncake_backend", "MooncakeKVSender"),
     "inprocess": _factory("inprocess_backend", "InProcessKVSender"),
-    "nccl": _factory("nccl_backend", "NcclKVSender"),
     "cuda_ipc": _factory("cuda_ipc_backend", "CudaIpcKVSender"),
     "shm": _factory("shm_backend", "ShmKVSender"),
 }
 _RECEIVER_FACTORIES: dict[str, Callable[..., BaseKVReceiver]] = {
     "mooncake": _factory("mooncake_backend", "MooncakeKVReceiver"),
     "inprocess": _factory("inprocess_backend", "InProcessKVReceiver"),
-    "nccl": _factory("nccl_backend", "NcclKVReceiver"),
     "cuda_ipc": _factory("cuda_ipc_backend", "CudaIpcKVReceiver"),
     "shm": _factory("shm_backend", "ShmKVReceiver"),
 }
@@ -108,9 +104,6 @@ __all__ = [
     "KvPoolLayout",
     "TransferPlan",
     "TransferResult",
-    "TransferSession",
-    "TransferSessionManager",
-    "TransferState",
     "BaseEmbeddingReceiver",
     "BaseEmbeddingSender",
     "EmbeddingDestination",

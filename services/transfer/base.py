@@ -1,34 +1,33 @@
-"""KV handoff contracts: wire types, descriptor math, transfer sessions, sender/receiver.
+"""KV handoff contracts: wire types, descriptor math, sender/receiver.
 
 Lifecycle of one request's KV handoff (decode owns the pages):
 
   decode: pages = page_table.reserve(...)
-          session = receiver.open_session(request_id, pages, deadline, release)
-            -> BOOTSTRAPPING; session.destination travels to prefill (msgspec, via the router)
+          destination = receiver.destination(request_id, pages)
+            -> travels to prefill (msgspec, via the router, signed in a KvRef)
   prefill: sender.send(request_id, pool, src_pages, destination, deadline)
             -> one batched write of every layer x {K, V} x page run, then "KV ready"
-  decode: sessions.mark_transferring(request_id) when prefill acknowledges (optional)
-          sessions.complete(request_id)  -> SUCCESS: the pages now hold the prompt's KV
-          deadline sweep / abort / failure -> FAILED: ``release`` runs exactly once
+  decode: the request's generate message carries prefill's proof that the write landed;
+          a reservation that expires or is aborted before it releases its pages
 
-Only FAILED releases pages; after SUCCESS the pages belong to the running request.
 A write that missed its deadline may still land in the pages until the engine's own
 transfer timeout passes (Mooncake: ``MC_TRANSFER_TIMEOUT``, default 30 s), so decode's
-release puts them in quarantine (``--kv-quarantine-s``) rather than on the free list.
+scheduler puts such pages in quarantine (``--kv-quarantine-s``) rather than on the free list.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError
 from services.engine.kv_cache import KVPool
-from services.transfer.sessions import Clock, ReleaseFn, TransferSession, TransferSessionManager
+
+Clock = Callable[[], float]  # monotonic seconds
 
 
 class KvPoolLayout(msgspec.Struct, frozen=True):
@@ -290,13 +289,12 @@ class BaseKVSender(ABC):
 
 
 class BaseKVReceiver(ABC):
-    """Decode side: registers its pool once and owns the sessions of the writes it awaits."""
+    """Decode side: registers its pool once and describes its pages to senders."""
 
     backend: str
     _registers = "pool"
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
-        self.sessions = TransferSessionManager(clock)
+    def __init__(self) -> None:
         self._pool: KVPool | None = None
 
     @property
@@ -327,18 +325,8 @@ class BaseKVReceiver(ABC):
             page_ids=tuple(pages),
         )
 
-    def open_session(
-        self, request_id: str, pages: Sequence[int], deadline: float, release: ReleaseFn
-    ) -> TransferSession:
-        """Await ``request_id``'s KV in ``pages``; ``session.destination`` goes to prefill."""
-        destination = self.destination(request_id, pages)
-        session = self.sessions.start(request_id, pages, deadline, release)
-        session.destination = destination
-        return session
-
     def close(self) -> None:
-        """Abort every in-flight session (their pages are released), then unregister the pool."""
-        self.sessions.abort_all()
+        """Unregister the pool; the receiver is unusable afterwards."""
         if self._pool is not None:
             self._unregister_memory(self._pool)
             self._pool = None

@@ -43,8 +43,7 @@ def test_flag_parses_and_defaults_to_transfer_backend() -> None:
     [
         (
             ["--kv-transfer-backend", "nccl"],
-            f"torch.distributed group spanning prefill and decode, which the "
-            f"services do not build; supported: {CHOICES}",
+            f"unknown KV transfer backend 'nccl'; supported: {CHOICES}",
         ),
         (["--transfer-backend", "nccl"], f"supported: {CHOICES}"),
         (

@@ -37,8 +37,7 @@ def test_flag_parses_and_defaults_to_transfer_backend(monkeypatch) -> None:
     [
         (
             ["--kv-transfer-backend", "nccl"],
-            f"torch.distributed group spanning prefill and decode, which the "
-            f"services do not build; supported: {CHOICES}",
+            f"unknown KV transfer backend 'nccl'; supported: {CHOICES}",
         ),
         (
             ["--kv-transfer-backend", "rdma"],

@@ -122,14 +122,8 @@ def test_close_unlinks_and_senders_then_fail_unavailable(kv_pair) -> None:
     src = make_pool(8, torch.float32, seed=1)
     sender.send("req-1", src, [2], dst, time.monotonic() + WAIT_S)  # mapped now
     path = segment_path(receiver.session_id)
-    released: list[str] = []
-    receiver.open_session(
-        "req-2", [3], time.monotonic() + WAIT_S, lambda rid, _: released.append(rid)
-    )
     receiver.close()
-    assert not os.path.exists(path) and released == [
-        "req-2"
-    ]  # live sessions aborted, pages released
+    assert not os.path.exists(path)
     pool.k_buffer[:, 5] = 1.0  # decode's own mapping stays valid while it shuts down
     with pytest.raises(UnavailableError, match="was closed by its owner"):
         sender.send("req-1", src, [2], dst, time.monotonic() + WAIT_S)

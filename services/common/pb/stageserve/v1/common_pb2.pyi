@@ -13,14 +13,6 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
 
-class KvTransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    KV_TRANSFER_STATE_UNSPECIFIED: _ClassVar[KvTransferState]
-    KV_TRANSFER_STATE_BOOTSTRAPPING: _ClassVar[KvTransferState]
-    KV_TRANSFER_STATE_TRANSFERRING: _ClassVar[KvTransferState]
-    KV_TRANSFER_STATE_SUCCESS: _ClassVar[KvTransferState]
-    KV_TRANSFER_STATE_FAILED: _ClassVar[KvTransferState]
-
 class KvBufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_BUFFER_KIND_UNSPECIFIED: _ClassVar[KvBufferKind]
@@ -29,11 +21,6 @@ class KvBufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
-KV_TRANSFER_STATE_UNSPECIFIED: KvTransferState
-KV_TRANSFER_STATE_BOOTSTRAPPING: KvTransferState
-KV_TRANSFER_STATE_TRANSFERRING: KvTransferState
-KV_TRANSFER_STATE_SUCCESS: KvTransferState
-KV_TRANSFER_STATE_FAILED: KvTransferState
 KV_BUFFER_KIND_UNSPECIFIED: KvBufferKind
 KV_BUFFER_KIND_K: KvBufferKind
 KV_BUFFER_KIND_V: KvBufferKind

@@ -49,7 +49,7 @@ class PrefillServicer:
     def Prefill(self, request, context):
         """Encodes the images the embedding cache lacks (through the vision encoder), runs
         the forward pass, writes the prompt's KV into kv_ref's pages and samples the first
-        token. Returns OK only when the whole KV is written (kv_state SUCCESS).
+        token. Returns OK only when the whole KV is written.
         Errors: INVALID_ARGUMENT (bad spans or images, prompt too long, a kv_ref decode did
         not issue for this request, expired or already used; see KvRef),
         RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (encoder or decode's transfer engine
