@@ -35,7 +35,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2_000),
     # No transparent retries: a retried Prefill or Reserve could run twice; retrying is
-    # the router's decision, from the error's `retryable` mark.
+    # the router's decision, by the error's class.
     ("grpc.enable_retries", 0),
 )
 

@@ -1,9 +1,9 @@
 """One exception hierarchy for the world outside the process.
 
 Internal invariants use ``assert``. Everything a caller can cause or observe (bad
-input, capacity, an unavailable peer, a timeout) is a ``StageServeError`` subclass,
-marked retryable or not. One function maps it to a gRPC status code; the router maps
-that to an OpenAI-style HTTP error.
+input, capacity, an unavailable peer, a timeout) is a ``StageServeError`` subclass;
+callers decide retries by its class. One function maps it to a gRPC status code; the
+router maps that to an OpenAI-style HTTP error.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 class StageServeError(Exception):
     """Base of every error that crosses a service boundary."""
 
-    retryable: bool = False
     grpc_code: str = "INTERNAL"  # name of a grpc.StatusCode member
     http_status: int = 500
     openai_type: str = "internal_error"
@@ -42,7 +41,6 @@ class NotFoundError(StageServeError):
 class CapacityError(StageServeError):
     """Not enough of a scarce resource (KV pages, slots, cache bytes) right now."""
 
-    retryable = True
     grpc_code = "RESOURCE_EXHAUSTED"
     http_status = 503
     openai_type = "server_overloaded"
@@ -79,7 +77,6 @@ class CredentialsRefusedError(StageServeError):
 class UnavailableError(StageServeError):
     """A peer is down, not ready, or went away mid-request."""
 
-    retryable = True
     grpc_code = "UNAVAILABLE"
     http_status = 503
     openai_type = "service_unavailable"
@@ -88,7 +85,6 @@ class UnavailableError(StageServeError):
 class DeadlineExceededError(StageServeError):
     """The request's deadline passed before it finished."""
 
-    retryable = True
     grpc_code = "DEADLINE_EXCEEDED"
     http_status = 504
     openai_type = "timeout"

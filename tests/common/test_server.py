@@ -181,7 +181,6 @@ async def test_client_gets_typed_errors(
     )
     assert type(error) is cls
     assert error.param == param
-    assert error.retryable == cls.retryable
 
 
 async def test_client_maps_transport_codes(served: Served) -> None:

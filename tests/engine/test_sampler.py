@@ -174,7 +174,6 @@ def test_validate_rejects(kwargs: dict[str, object], param: str) -> None:
     with pytest.raises(InvalidRequestError, match=param) as info:
         SamplingParams(**kwargs).validate()  # type: ignore[arg-type]
     assert info.value.param == param
-    assert not info.value.retryable
 
 
 def test_validate_accepts_edges() -> None:
