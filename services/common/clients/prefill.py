@@ -157,7 +157,6 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
     return prefill_pb2.PrefillResponse(
         first_token_id=result.first_token_id,
         finish_reason=_FINISH_TO_PROTO[result.finish_reason],
-        kv_state=common_pb2.KV_TRANSFER_STATE_SUCCESS,
         num_kv_bytes=result.num_kv_bytes,
         kv_transfer_us=result.kv_transfer_us,
         num_cached_image_tokens=result.num_cached_image_tokens,
