@@ -155,6 +155,13 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         help="how long a service may take to print READY, at start and after a restart",
     )
     p.add_argument(
+        "--liveness-timeout-s",
+        type=positive,
+        default=10.0,
+        help="a running service (or tokenizer worker process) that answers no liveness check "
+        "for this long is killed and restarted",
+    )
+    p.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -223,6 +230,7 @@ def _run_up(args: argparse.Namespace) -> int:
     from services.common.telemetry import tracing_plan
     from services.launch_spec import (
         LaunchConfig,
+        LivenessPolicy,
         decode_devices,
         default_router_workers,
         device_of,
@@ -272,6 +280,7 @@ def _run_up(args: argparse.Namespace) -> int:
             queue_timeout_s=args.queue_timeout_s,
             embedding_quarantine_s=args.embedding_quarantine_s,
             ready_timeout_s=args.ready_timeout_s,
+            liveness=LivenessPolicy(args.liveness_timeout_s),
             prefill_cp=args.prefill_cp,
             prefill_cp_block_tokens=args.prefill_cp_block_tokens,
             prefill_cp_min_tokens=args.prefill_cp_min_tokens,

@@ -31,6 +31,23 @@ class RestartPolicy:
     stable_s: float = 30.0
 
 
+MAX_LIVENESS_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class LivenessPolicy:
+    """A running child that answered no liveness check (gRPC health ``liveness``) for
+    ``timeout_s``, the latest check included, is killed (SIGKILL) and restarted like one that
+    exited. Checks go out every ``interval_s``, each with that deadline. The tokenizer's pool
+    workers get the same bound (its ``--worker-liveness-timeout-s``)."""
+
+    timeout_s: float = 10.0
+
+    @property
+    def interval_s(self) -> float:
+        return min(MAX_LIVENESS_INTERVAL_S, self.timeout_s / 4)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     model: Path
@@ -79,6 +96,7 @@ class LaunchConfig:
     metrics_port_base: int | None = None  # None: every service picks a free metrics port
     state_file: Path | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
 
     def __post_init__(self) -> None:
         base = self.metrics_port_base
@@ -172,7 +190,10 @@ def _page_args(cfg: LaunchConfig) -> tuple[str, ...]:
 
 
 def tokenizer_spec(cfg: LaunchConfig) -> ChildSpec:
-    args = tuple(optional_arg("--max-model-len", cfg.max_model_len))
+    args = (
+        *optional_arg("--max-model-len", cfg.max_model_len),
+        *("--worker-liveness-timeout-s", str(cfg.liveness.timeout_s)),
+    )
     return ChildSpec("tokenizer", args, first_ports(cfg, "tokenizer"))
 
 

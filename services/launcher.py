@@ -9,9 +9,10 @@ addresses on, and prints every service's ports once all are ready (``ready_table
 A child that exits before it was ever ready fails start-up.
 
 Once everything is up, the ``Supervisor`` (``services.supervisor``) restarts a child that
-exits (any code, any signal) after a bounded exponential backoff, on the ports it had, so
-every address the others hold stays valid (their channels reconnect by themselves), and
-rewrites the state file when the new process is ready. The flags and ports each child
+exits (any code, any signal), or that it killed for answering no liveness check for
+``liveness.timeout_s``, after a bounded exponential backoff, on the ports it had, so every
+address the others hold stays valid (their channels reconnect by themselves), and rewrites
+the state file when the new process is ready. The flags and ports each child
 starts with are built in ``services.launch_spec``.
 
 Children die with the launcher: they are asked for SIGTERM on the launcher's death
@@ -310,8 +311,11 @@ def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         for line in ready_table(cfg.host, launcher.children):
             print(line, flush=True)
         supervisor = Supervisor(launcher, stop)
-        while not stop.wait(POLL_INTERVAL_S):
-            supervisor.poll()
+        try:
+            while not stop.wait(POLL_INTERVAL_S):
+                supervisor.poll()
+        finally:
+            supervisor.close()
         return 0
     except StartInterrupted:
         print("interrupted while starting: stopping the services", file=sys.stderr, flush=True)

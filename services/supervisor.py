@@ -1,13 +1,20 @@
-"""Restarts ``stageserve up``'s children that exit after start-up.
+"""Restarts ``stageserve up``'s children that exit or stop answering after start-up.
 
-A watched child moves RUNNING -> (exits) WAITING -> (its delay passed) STARTING ->
-(READY line) RUNNING; a restart that exits or misses the ready timeout while STARTING
-goes back to WAITING with a longer delay. The launcher keeps the processes; this module
-only decides when to restart them.
+A watched child moves RUNNING -> (exits, or is killed for not answering) WAITING -> (its
+delay passed) STARTING -> (READY line) RUNNING; a restart that exits or misses the ready
+timeout while STARTING goes back to WAITING with a longer delay. The launcher keeps the
+processes; this module only decides when to restart them.
+
+Liveness: every ``interval_s`` of the launch config's ``LivenessPolicy`` each RUNNING child
+gets a gRPC health ``Check`` of ``liveness`` (on a thread, deadline ``interval_s``; the
+main-thread loop only looks at finished checks). A child whose checks all failed for
+``timeout_s``, the latest one included, is stopped or hung (SIGSTOP, a blocked event loop):
+it is killed (SIGKILL) and restarted on its ports like a child that exited.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import sys
 import threading
@@ -16,8 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+from services.common.healthcheck import is_serving
+from services.common.server import LIVENESS_SERVICE
+
 if TYPE_CHECKING:
     from services.launcher import Child, Launcher
+
+Probe = Callable[[str, float], bool]  # (address, deadline in s) -> answered
+
+
+def check_liveness(address: str, timeout_s: float) -> bool:
+    return is_serving(address, LIVENESS_SERVICE, timeout_s=timeout_s)
 
 
 class WatchState(enum.Enum):
@@ -33,15 +49,24 @@ class _Watch:
     state: WatchState = WatchState.RUNNING
     restart_at: float = 0.0
     num_restarts: int = 0
+    answered_at: float = 0.0  # when the latest answered liveness check was sent
+    check: concurrent.futures.Future[bool] | None = None  # the liveness check in flight
+    check_sent_at: float = float("-inf")
+    missed: bool = False  # the latest finished check got no answer
+
+    def enter_running(self, now: float) -> None:
+        self.state, self.since, self.answered_at = WatchState.RUNNING, now, now
+        self.check, self.missed = None, False
 
 
 class Supervisor:
     """Restarts the launcher's children when they exit after start-up.
 
     Call ``poll`` from the main thread (it spawns processes) until ``stop`` is set; no
-    restart starts once it is. Lines go to ``out``: the exit and the delay, then
-    ``<name> is ready again (pid N)``. A restart that exits or misses ``ready_timeout_s``
-    before its READY line counts as another exit (the delay keeps growing).
+    restart starts once it is. Lines go to ``out``: the exit (or the silence) and the delay,
+    then ``<name> is ready again (pid N)``. A restart that exits or misses ``ready_timeout_s``
+    before its READY line counts as another exit (the delay keeps growing). ``probe`` runs
+    on ``executor``'s threads (default: one thread per child); ``close`` stops them.
     """
 
     def __init__(
@@ -50,16 +75,27 @@ class Supervisor:
         stop: threading.Event,
         clock: Callable[[], float] = time.monotonic,
         out: TextIO | None = None,
+        probe: Probe = check_liveness,
+        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         self._launcher = launcher
         self._policy = launcher.cfg.restart
+        self._liveness = launcher.cfg.liveness
         self._stop = stop
         self._clock = clock
         self._out = out
+        self._probe = probe
+        self._executor = executor or concurrent.futures.ThreadPoolExecutor(
+            max(1, len(launcher.children)), thread_name_prefix="liveness"
+        )
         now = clock()
         self._watches = {
-            c.name: _Watch(self._policy.initial_backoff_s, now) for c in launcher.children
+            c.name: _Watch(self._policy.initial_backoff_s, now, answered_at=now)
+            for c in launcher.children
         }
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _say(self, line: str) -> None:
         print(line, file=self._out if self._out is not None else sys.stderr, flush=True)
@@ -78,12 +114,23 @@ class Supervisor:
                 self._schedule(
                     child.name, watch, now, f"exited with code {code}", up_s=up_s, code=code
                 )
+            elif not self._is_live(child, watch, now):
+                self._launcher.kill(child)
+                silent_s = now - watch.answered_at
+                self._schedule(
+                    child.name,
+                    watch,
+                    now,
+                    f"(pid {child.process.pid}) answered no liveness check for {silent_s:.1f} s "
+                    "(killed)",
+                    up_s=now - watch.since,
+                )
         elif watch.state is WatchState.WAITING:
             if now >= watch.restart_at:
                 self._launcher.restart(child)
                 watch.state, watch.since = WatchState.STARTING, now
         elif child.ready:
-            watch.state, watch.since = WatchState.RUNNING, now
+            watch.enter_running(now)
             self._launcher.write_state()
             self._say(f"{child.name} is ready again (pid {child.process.pid})")
         elif code is not None:
@@ -96,6 +143,25 @@ class Supervisor:
             self._schedule(
                 child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)"
             )
+
+    def _is_live(self, child: Child, watch: _Watch, now: float) -> bool:
+        """False once every check of the last ``timeout_s`` failed, the latest one included
+        (one still in flight twice its deadline after it was sent failed); sends the next check
+        when one is due."""
+        check, interval_s = watch.check, self._liveness.interval_s
+        if check is not None and check.done():
+            watch.check = None
+            watch.missed = check.exception() is not None or not check.result()
+            if not watch.missed:
+                watch.answered_at = max(watch.answered_at, watch.check_sent_at)
+        elif check is not None and now - watch.check_sent_at > 2 * interval_s:
+            watch.check, watch.missed = None, True
+        if watch.missed and now - watch.answered_at >= self._liveness.timeout_s:
+            return False
+        if watch.check is None and now - watch.check_sent_at >= interval_s:
+            watch.check_sent_at = now
+            watch.check = self._executor.submit(self._probe, child.address, interval_s)
+        return True
 
     def _schedule(
         self, name: str, watch: _Watch, now: float, what: str, up_s: float = 0.0, code: int = 0

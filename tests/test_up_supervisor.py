@@ -1,8 +1,9 @@
-"""``stageserve up``'s supervisor: an exited service is restarted on its ports, after a
-growing delay, with the same command and environment."""
+"""``stageserve up``'s supervisor: an exited service, or one that answers no liveness check,
+is restarted on its ports, after a growing delay, with the same command and environment."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import itertools
 import json
@@ -10,7 +11,7 @@ import threading
 from pathlib import Path
 
 from services import launcher as launcher_module
-from services.launch_spec import ChildSpec, LaunchConfig, RestartPolicy
+from services.launch_spec import ChildSpec, LaunchConfig, LivenessPolicy, RestartPolicy
 from services.launcher import Child, Launcher
 from services.supervisor import Supervisor
 
@@ -34,9 +35,22 @@ class FakeProcess:
         return self.returncode
 
 
+class FakeExecutor(concurrent.futures.Executor):
+    """Runs each liveness check at once, or (``hold``) leaves it in flight."""
+
+    def __init__(self) -> None:
+        self.hold = False
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.hold:
+            future.set_result(fn(*args, **kwargs))
+        return future
+
+
 class FakeSystem:
     """A launcher whose children are fake processes; each spawn gets fresh ports unless given
-    some."""
+    some. Liveness checks answer unless the child's name is in ``silent``."""
 
     def __init__(self, tmp_path: Path, monkeypatch, **cfg) -> None:
         self.launcher = Launcher(LaunchConfig(Path("m"), state_file=tmp_path / "state.json", **cfg))
@@ -45,12 +59,27 @@ class FakeSystem:
         self.now = 0.0
         self.stop = threading.Event()
         self.out = io.StringIO()
+        self.silent: set[str] = set()
+        self.checks: list[tuple[str, float, float]] = []  # (child, when, deadline)
+        self.executor = FakeExecutor()
         monkeypatch.setattr(self.launcher, "_spawn", self.spawn)
         monkeypatch.setattr(
             self.launcher, "wait_ready", lambda children: [self.ready(c) for c in children]
         )
         self.launcher.start_all()
-        self.supervisor = Supervisor(self.launcher, self.stop, clock=lambda: self.now, out=self.out)
+        self.supervisor = Supervisor(
+            self.launcher,
+            self.stop,
+            clock=lambda: self.now,
+            out=self.out,
+            probe=self.probe,
+            executor=self.executor,
+        )
+
+    def probe(self, address: str, deadline_s: float) -> bool:
+        (child,) = [c for c in self.launcher.children if c.ready and c.address == address]
+        self.checks.append((child.name, self.now, deadline_s))
+        return child.name not in self.silent
 
     def spawn(self, spec: ChildSpec, ports) -> Child:
         self.spawned.append((spec.name, dict(ports)))
@@ -201,3 +230,65 @@ def test_a_restart_gets_the_same_command_ports_and_environment(tmp_path, monkeyp
     assert all(
         p["stderr"].closed for p in popens
     )  # the launcher keeps no log file open per restart
+
+
+def test_a_child_that_answers_no_liveness_check_is_killed_and_restarted(tmp_path, monkeypatch):
+    system = FakeSystem(tmp_path, monkeypatch, liveness=LivenessPolicy(timeout_s=4.0))
+    old = system.child("router")
+    first_ports = old.bound_ports()
+    assert system.poll_at(0.0) == []
+    assert {name for name, _, _ in system.checks} == {c.name for c in system.launcher.children}
+    assert {deadline for _, _, deadline in system.checks} == {1.0}  # interval: timeout / 4
+    system.silent.add("router")
+    for now in (0.5, 1.0, 2.0, 3.0, 3.9):  # the check sent at 0.0 answered
+        assert system.poll_at(now) == []
+    assert old.process.returncode is None
+    assert system.poll_at(4.0) == [
+        f"router (pid {old.process.pid}) answered no liveness check for 4.0 s (killed); "
+        "restarting in 0.5 s (restart 1)"
+    ]
+    assert old.process.returncode == -9
+    checks_of_router = [when for name, when, _ in system.checks if name == "router"]
+    assert checks_of_router == [0.0, 1.0, 2.0, 3.0]  # one per interval, none piled up
+    system.poll_at(4.5)
+    new = system.child("router")
+    assert new is not old and system.spawned[-1] == ("router", first_ports)
+    system.silent.clear()
+    system.ready(new)
+    assert system.poll_at(5.0) == [f"router is ready again (pid {new.process.pid})"]
+    assert all(system.poll_at(5.0 + i) == [] for i in range(20))
+    assert new.process.returncode is None
+
+
+def test_one_answer_within_the_bound_keeps_a_child(tmp_path, monkeypatch):
+    system = FakeSystem(tmp_path, monkeypatch, liveness=LivenessPolicy(timeout_s=4.0))
+    system.silent.add("tokenizer")
+    for now in range(3):
+        assert system.poll_at(float(now)) == []
+    system.silent.clear()  # the check sent at 3.0 answers
+    assert all(system.poll_at(now) == [] for now in (3.0, 4.0, 5.0))
+    system.silent.add("tokenizer")
+    assert all(system.poll_at(now) == [] for now in (6.0, 7.0, 8.0))
+    (line,) = system.poll_at(9.0)  # the last answered check went out at 5.0
+    assert line.startswith("tokenizer (pid") and "for 4.0 s (killed)" in line
+
+
+def test_a_check_in_flight_past_its_deadline_is_a_miss(tmp_path, monkeypatch):
+    system = FakeSystem(tmp_path, monkeypatch, liveness=LivenessPolicy(timeout_s=4.0))
+    system.poll_at(0.0)
+    system.executor.hold = True  # every check from now on hangs
+    killed = []
+    for step in range(1, 31):
+        killed += system.poll_at(step * 0.2)
+    assert sorted(line.split()[0] for line in killed) == sorted(
+        c.name for c in system.launcher.children
+    )
+    assert all("answered no liveness check for 4.0 s (killed)" in line for line in killed)
+
+
+def test_no_child_is_killed_for_silence_once_stopping(tmp_path, monkeypatch):
+    system = FakeSystem(tmp_path, monkeypatch, liveness=LivenessPolicy(timeout_s=4.0))
+    system.silent.add("decode")
+    system.poll_at(0.0)
+    system.stop.set()
+    assert system.poll_at(20.0) == [] and system.child("decode").process.returncode is None

@@ -29,6 +29,7 @@ from services.tokenizer.config import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_QUEUED_BYTES,
+    WORKER_LIVENESS_TIMEOUT_S,
     Limits,
     TokenizerConfig,
     default_num_workers,
@@ -61,6 +62,13 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
         "refused as overloaded (RESOURCE_EXHAUSTED)",
     )
     p.add_argument(
+        "--worker-liveness-timeout-s",
+        type=float,
+        default=WORKER_LIVENESS_TIMEOUT_S,
+        help="a worker process that does not beat for this long (stopped, hung) is killed and "
+        "the workers restarted; the jobs they held fail as unavailable",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -83,6 +91,10 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
     for flag in ("num_workers", "max_image_bytes", "max_image_pixels", "max_queued_bytes"):
         if getattr(args, flag) < (0 if flag == "num_workers" else 1):
             parser.error(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
+    if not args.worker_liveness_timeout_s > 0:
+        parser.error(
+            f"--worker-liveness-timeout-s must be > 0, got {args.worker_liveness_timeout_s}"
+        )
     max_model_len = (
         args.max_model_len if args.max_model_len is not None else max_model_len_of(args.model)
     )
@@ -96,6 +108,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
         metrics_port=args.metrics_port,
         num_workers=args.num_workers,
         max_queued_bytes=args.max_queued_bytes,
+        worker_liveness_timeout_s=args.worker_liveness_timeout_s,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
     )
@@ -116,7 +129,13 @@ async def serve(
         config.metrics_port,
         model_name=config.model_dir.resolve().name,
     )
-    pool = WorkerPool(config.model_dir, config.limits, config.num_workers, config.max_queued_bytes)
+    pool = WorkerPool(
+        config.model_dir,
+        config.limits,
+        config.num_workers,
+        config.max_queued_bytes,
+        config.worker_liveness_timeout_s,
+    )
     servicer = TokenizerServicer(pool, TokenizerMetrics())
     health = HealthState()
     server, port = create_server(

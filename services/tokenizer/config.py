@@ -10,6 +10,7 @@ MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1000 * 1000
 MAX_QUEUED_BYTES = 256 * 1024 * 1024  # four of the largest gRPC messages (64 MiB)
 MAX_DEFAULT_WORKERS = 4
+WORKER_LIVENESS_TIMEOUT_S = 10.0  # a worker process silent this long is killed and replaced
 
 
 def default_num_workers() -> int:
@@ -42,5 +43,6 @@ class TokenizerConfig:
     max_queued_bytes: int = (
         MAX_QUEUED_BYTES  # encoded jobs waiting or running, all workers together
     )
+    worker_liveness_timeout_s: float = WORKER_LIVENESS_TIMEOUT_S
     log_level: str = "INFO"
     log_format: str = "text"  # text | json

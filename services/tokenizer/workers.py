@@ -17,16 +17,29 @@ server's memory without bound. A lone job is always admitted.
 
 A worker that dies (killed, out of memory) fails the jobs it held with
 ``UnavailableError`` (retryable) and the pool is rebuilt for the next job.
+
+Liveness: each worker claims a slot of a shared array (``WorkerBeat``: its pid and a
+``CLOCK_MONOTONIC`` time, system-wide on Linux) and a thread of it rewrites the time every
+``liveness_timeout_s / 4`` (at most 1 s), the same thread that watches for the server's
+death. A watchdog thread in the server reads the slots: a worker whose time is older than
+``liveness_timeout_s`` is frozen as a whole (SIGSTOP, swapped out, stuck in the kernel), not
+just busy with a long job (the beat thread runs beside the job). It is killed (SIGKILL),
+which breaks its pool: the jobs the pool held fail with ``UnavailableError`` (the router
+retries or answers 503), and the watchdog rebuilds the pool at once and warms its new workers
+(with ``PingJob``s), so new jobs go to live workers. A job submitted to a pool found broken
+before the job ran goes to the new pool instead of failing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import functools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -37,12 +50,12 @@ import torch
 
 from services.common.errors import InvalidRequestError, OverloadedError, UnavailableError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TokenizedPrompt
-from services.tokenizer.config import MAX_QUEUED_BYTES, Limits
+from services.tokenizer.config import MAX_QUEUED_BYTES, WORKER_LIVENESS_TIMEOUT_S, Limits
 from services.tokenizer.pipeline import TokenizePipeline, image_header
 
 logger = logging.getLogger(__name__)
 
-ORPHAN_CHECK_INTERVAL_S = 1.0
+MAX_BEAT_INTERVAL_S = 1.0  # also how often a worker checks that the server is alive
 INLINE_HEADER_BYTES = 4 * 1024 * 1024  # a chat's images up to this are hashed on the event loop
 
 
@@ -97,18 +110,32 @@ def run_job(pipeline: TokenizePipeline, job_bytes: bytes) -> bytes:
     return _result_encoder.encode(JobDone(prompt))
 
 
+class WorkerBeat(ctypes.Structure):
+    """One worker's slot: its pid (0: free) and when it last beat (``time.monotonic()``)."""
+
+    _fields_ = [("pid", ctypes.c_int64), ("beat_at", ctypes.c_double)]
+
+
 _worker_pipeline: TokenizePipeline | None = None  # one per worker process, set by _init_worker
 
 
-def _exit_when_gone(server_pid: int) -> None:
+def _beat_until_gone(server_pid: int, beat: WorkerBeat, interval_s: float) -> None:
     while True:
-        time.sleep(ORPHAN_CHECK_INTERVAL_S)
+        beat.beat_at = time.monotonic()
+        time.sleep(interval_s)
         try:
             os.kill(server_pid, 0)
         except ProcessLookupError:
             os._exit(0)  # the server died without stopping us: nobody will send a job again
         except PermissionError:
             pass  # alive, owned by someone else (pid reuse): keep waiting
+
+
+def _claim_slot(beats) -> WorkerBeat:
+    with beats.get_lock():
+        slot = next(slot for slot in beats if slot.pid == 0)  # a pool starts len(beats) workers
+        slot.pid, slot.beat_at = os.getpid(), time.monotonic()
+    return slot
 
 
 def _headers_only(job: ChatJob, limits: Limits) -> tuple[ChatJob, dict[str, bytes]]:
@@ -128,11 +155,20 @@ def _headers_only(job: ChatJob, limits: Limits) -> tuple[ChatJob, dict[str, byte
 
 
 def _init_worker(
-    server_pid: int, model_dir: str, max_model_len: int, max_image_bytes: int, max_image_pixels: int
+    server_pid: int,
+    beats,
+    beat_interval_s: float,
+    model_dir: str,
+    max_model_len: int,
+    max_image_bytes: int,
+    max_image_pixels: int,
 ) -> None:
     global _worker_pipeline
     threading.Thread(
-        target=_exit_when_gone, args=(server_pid,), name="orphan-check", daemon=True
+        target=_beat_until_gone,
+        args=(server_pid, _claim_slot(beats), beat_interval_s),
+        name="beat",
+        daemon=True,
     ).start()
     torch.set_num_threads(
         1
@@ -156,7 +192,9 @@ def _worker_context() -> multiprocessing.context.BaseContext:
 
 
 class WorkerPool:
-    """Tokenize jobs on ``num_workers`` processes (0: one thread); ``start`` before ``run``."""
+    """Tokenize jobs on ``num_workers`` processes (0: one thread); ``start`` before ``run``,
+    ``close`` at the end. A worker frozen for ``liveness_timeout_s`` is killed and the pool
+    rebuilt (the module docstring)."""
 
     def __init__(
         self,
@@ -164,13 +202,20 @@ class WorkerPool:
         limits: Limits,
         num_workers: int,
         max_queued_bytes: int = MAX_QUEUED_BYTES,
+        liveness_timeout_s: float = WORKER_LIVENESS_TIMEOUT_S,
     ) -> None:
         assert num_workers >= 0 and max_queued_bytes > 0, (num_workers, max_queued_bytes)
+        assert liveness_timeout_s > 0, liveness_timeout_s
         self.model_dir = str(model_dir)
         self.limits = limits
         self.num_workers = num_workers
         self.max_queued_bytes = max_queued_bytes
+        self.liveness_timeout_s = liveness_timeout_s
+        self.beat_interval_s = min(MAX_BEAT_INTERVAL_S, liveness_timeout_s / 4)
         self._executor: concurrent.futures.Executor | None = None
+        self._beats = None  # the current executor's WorkerBeat slots (processes only)
+        self._replace_lock = threading.Lock()  # the event loop and the watchdog replace pools
+        self._closed = threading.Event()
         self._run = _run_in_worker
         # Encoded bytes of the jobs admitted and not finished; released by the executor's
         # thread when a job ends, so guarded by a lock.
@@ -186,6 +231,8 @@ class WorkerPool:
         """Create the workers and wait until each has loaded its tokenizer."""
         self._executor = self._new_executor()
         await asyncio.gather(*(self.run(PingJob()) for _ in range(max(self.num_workers, 1))))
+        if self.num_workers:
+            threading.Thread(target=self._watch, name="tokenizer-watchdog", daemon=True).start()
 
     def _new_executor(self) -> concurrent.futures.Executor:
         if self.num_workers == 0:
@@ -193,12 +240,16 @@ class WorkerPool:
             self._run = functools.partial(run_job, pipeline)
             return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         limits = self.limits
+        context = _worker_context()
+        self._beats = context.Array(WorkerBeat, self.num_workers)
         return concurrent.futures.ProcessPoolExecutor(
             self.num_workers,
-            mp_context=_worker_context(),
+            mp_context=context,
             initializer=_init_worker,
             initargs=(
                 os.getpid(),
+                self._beats,
+                self.beat_interval_s,
                 self.model_dir,
                 limits.max_model_len,
                 limits.max_image_bytes,
@@ -226,8 +277,16 @@ class WorkerPool:
             elif num_image_bytes:
                 job, images = _headers_only(job, self.limits)
         held = sum(len(data) for data in images.values())
+        job_bytes = _job_encoder.encode(job)
         try:
-            result_bytes = await self._submit(executor, _job_encoder.encode(job), held)
+            submitted = self._submit(executor, job_bytes, held)
+        except (BrokenProcessPool, RuntimeError):  # RuntimeError: shut down by its replacement
+            self._replace_broken(executor)  # the job never ran: it goes to the new pool
+            executor = self._executor
+            assert executor is not None, "WorkerPool.close() while a job was submitted"
+            submitted = self._submit(executor, job_bytes, held)
+        try:
+            result_bytes = await submitted
         except BrokenProcessPool as exc:
             self._replace_broken(executor)
             raise UnavailableError(
@@ -272,14 +331,45 @@ class WorkerPool:
             self._queued_bytes -= num_bytes
 
     def _replace_broken(self, broken: concurrent.futures.Executor) -> None:
-        if self._executor is not broken:
-            return  # another failed job already replaced it
-        logger.error("a tokenizer worker died; restarting %d worker processes", self.num_workers)
-        broken.shutdown(wait=False, cancel_futures=True)
-        self._executor = self._new_executor()
+        with self._replace_lock:
+            if self._executor is not broken or self._closed.is_set():
+                return  # another failed job (or the watchdog) already replaced it
+            logger.error(
+                "a tokenizer worker died; restarting %d worker processes", self.num_workers
+            )
+            # Its jobs fail with BrokenProcessPool once its manager sees the dead worker.
+            broken.shutdown(wait=False, cancel_futures=False)
+            self._executor = self._new_executor()
+            for _ in range(self.num_workers):  # start the workers now, not on the next jobs
+                self._executor.submit(self._run, _job_encoder.encode(PingJob()))
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.beat_interval_s):
+            with self._replace_lock:
+                executor, beats = self._executor, self._beats
+            if executor is None or beats is None:
+                continue
+            now = time.monotonic()
+            frozen = [(slot.pid, now - slot.beat_at) for slot in beats if slot.pid]
+            frozen = [
+                (pid, silent_s) for pid, silent_s in frozen if silent_s > self.liveness_timeout_s
+            ]
+            for pid, silent_s in frozen:
+                logger.error(
+                    "tokenizer worker %d did not beat for %.1f s (stopped or hung): killing it",
+                    pid,
+                    silent_s,
+                )
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # it died by itself meanwhile
+            if frozen:
+                self._replace_broken(executor)
 
     def close(self) -> None:
         """Stop the workers (waits for running jobs; queued ones are cancelled)."""
+        self._closed.set()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None

@@ -81,3 +81,26 @@ async def test_router_with_every_worker_down_is_alive_and_not_ready() -> None:
         await app.grpc_server.stop(None)
         await app.stop()
     assert not app.health.is_serving
+
+
+def test_k8s_liveness_probes_keep_the_launchers_bound() -> None:
+    """A process that answers nothing is restarted after as long as ``stageserve up`` waits
+    (``LivenessPolicy``): failureThreshold probes, periodSeconds apart."""
+    import yaml
+
+    from services.launch_spec import LivenessPolicy
+    from tests.deploy.manifests import K8S
+
+    policy = LivenessPolicy()
+    probes = [
+        container["livenessProbe"]
+        for path in sorted((K8S / "base").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc and doc.get("kind") in ("Deployment", "StatefulSet")
+        for container in doc["spec"]["template"]["spec"]["containers"]
+    ]
+    assert len(probes) == 5
+    for probe in probes:
+        assert probe["grpc"]["service"] == LIVENESS_SERVICE
+        assert probe["periodSeconds"] * probe["failureThreshold"] == policy.timeout_s
+        assert probe["timeoutSeconds"] <= policy.interval_s
