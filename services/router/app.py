@@ -141,6 +141,7 @@ class RouterApp:
             limits.request_timeout_s,
             limits.max_stop_strings,
             limits.max_image_bytes,
+            cfg.max_context_len,
         )
         self.grpc_server, self.grpc_port = create_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],

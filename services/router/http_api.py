@@ -114,7 +114,7 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
-            given = completion_input(body)
+            given = completion_input(body, self.max_context_len)
             prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
             if embeds is not None and body.echo:
                 raise InvalidRequestError(

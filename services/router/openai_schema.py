@@ -213,12 +213,13 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def completion_input(body: CompletionBody) -> str | PromptEmbeds:
-    """The completion's one input: its prompt text, or its ``prompt_embeds`` unpacked."""
+def completion_input(body: CompletionBody, max_context_len: int) -> str | PromptEmbeds:
+    """The completion's one input: its prompt text, or its ``prompt_embeds`` unpacked (fewer
+    rows than ``max_context_len``)."""
     if (body.prompt is None) == (body.prompt_embeds is None):
         raise InvalidRequestError("give exactly one of prompt and prompt_embeds", param="prompt")
     if body.prompt_embeds is not None:
-        return prompt_embeds.from_base64(body.prompt_embeds)
+        return prompt_embeds.from_base64(body.prompt_embeds, max_context_len)
     return completion_prompt(body)
 
 

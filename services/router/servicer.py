@@ -56,6 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_timeout_s: float,
         max_stop_strings: int,
         max_image_bytes: int,
+        max_context_len: int,
     ) -> None:
         self._pipeline = pipeline
         self._metrics = metrics
@@ -63,6 +64,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._request_timeout_s = request_timeout_s
         self._max_stop_strings = max_stop_strings
         self._max_image_bytes = max_image_bytes
+        self._max_context_len = max_context_len
 
     @handle_errors
     async def Generate(
@@ -148,7 +150,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 request_id, messages=await self._messages(request.chat), **common
             )
         if request.WhichOneof("input") == "prompt_embeds":
-            embeds = prompt_embeds.from_saved(request.prompt_embeds)
+            embeds = prompt_embeds.from_saved(request.prompt_embeds, self._max_context_len)
             return GenerationRequest(request_id, prompt_embeds=embeds, **common)
         raise InvalidRequestError(
             "the request needs a prompt, a chat or prompt_embeds", param="input"
