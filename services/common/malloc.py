@@ -12,13 +12,26 @@ through the whole system (tiny model, CPU) fell from 96-108 ms to 84-88 ms.
 blocks come from the heap) and the trim threshold to 256 MiB (free memory up to that stays
 mapped). An operator who sets either through ``GLIBC_TUNABLES`` keeps theirs: then this
 changes nothing. Off glibc (no ``mallopt``) it does nothing either.
+
+The trim threshold also keeps what one large request freed: a body near the router's 32 MB
+limit passes through several copies (body, parsed text, protobuf message, worker job) in the
+router and the tokenizer, spread over malloc's per-thread arenas, and none of it went back.
+``MemoryReleaser`` therefore, ``RELEASE_DELAY_S`` after the last request of at least
+``LARGE_REQUEST_BYTES`` finished, collects garbage on a worker thread (a refused request's
+frames, and the buffers they hold, sit in a reference cycle with its exception) and runs
+``malloc_trim(0)`` (every arena, free pages inside a heap too): image-sized requests keep their
+reused memory, large ones hand theirs back, and concurrent large requests share one trim.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
+import functools
+import gc
 import logging
+import threading
 
 from services.common.envs import Envs
 
@@ -28,6 +41,16 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's HEAP_MAX_SIZE / 2 on 64-bit, the largest it accepts
 TRIM_THRESHOLD = 256 * 1024 * 1024
 TUNABLE_KEYS = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+LARGE_REQUEST_BYTES = 8 * 1024 * 1024
+RELEASE_DELAY_S = 0.2
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def tune_malloc(envs: Envs) -> bool:
@@ -35,10 +58,8 @@ def tune_malloc(envs: Envs) -> bool:
     if any(key in envs.glibc_tunables for key in TUNABLE_KEYS):
         logger.debug("GLIBC_TUNABLES sets malloc thresholds: left as they are")
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     applied = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
@@ -46,3 +67,45 @@ def tune_malloc(envs: Envs) -> bool:
     if not applied:
         logger.warning("mallopt refused the malloc thresholds; large buffers fault in per request")
     return applied
+
+
+def release_free_memory() -> bool:
+    """Give the process's free heap memory back to the OS (glibc ``malloc_trim(0)``); True when
+    some was released. Blocks while it walks the heap: call it off the event loop."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim(0) == 1
+
+
+class MemoryReleaser:
+    """Calls ``release_free_memory`` on a worker thread once no large request has finished for
+    ``delay_s``. ``request_done`` is called on the event loop with each request's input size."""
+
+    def __init__(
+        self, min_request_bytes: int = LARGE_REQUEST_BYTES, delay_s: float = RELEASE_DELAY_S
+    ) -> None:
+        self.min_request_bytes = min_request_bytes
+        self.delay_s = delay_s
+        self.num_releases = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._lock = threading.Lock()
+
+    def request_done(self, num_bytes: int) -> None:
+        if num_bytes < self.min_request_bytes:
+            return
+        loop = asyncio.get_running_loop()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_later(self.delay_s, self._release_soon, loop)
+
+    def _release_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        loop.run_in_executor(None, self._release)
+
+    def _release(self) -> None:
+        with self._lock:  # one trim at a time; a second one right after finds little
+            gc.collect()  # a refused request's frames sit in a cycle with its exception
+            release_free_memory()
+            self.num_releases += 1

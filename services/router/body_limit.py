@@ -10,6 +10,9 @@ The whole 413 is written at once; the connection then closes. Before closing, up
 ``DRAIN_MAX_BYTES`` / ``DRAIN_MAX_S`` of the rest of the body is read and discarded:
 clients that read the reply only after sending everything (httpx, requests) get the
 413 instead of a reset connection, which they would retry.
+
+Once a request whose body was large has been answered, ``MemoryReleaser`` hands the memory its
+copies took back to the OS (``services.common.malloc``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from services.common.malloc import MemoryReleaser
 from services.router.openai_format import dump_json, error_body
 
 Scope = MutableMapping[str, Any]
@@ -36,6 +40,7 @@ class BodyLimitMiddleware:
         assert max_request_bytes > 0
         self.app = app
         self.max_request_bytes = max_request_bytes
+        self.releaser = MemoryReleaser()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,7 +64,13 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        replay = _replay(b"".join(chunks), receive)
+        chunks.clear()
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            del replay
+            self.releaser.request_done(size)
 
     async def _refuse(self, receive: Receive, send: Send, *, more_body: bool = True) -> None:
         message = f"the request body is larger than the limit of {self.max_request_bytes} bytes"

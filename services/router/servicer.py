@@ -25,6 +25,7 @@ from opentelemetry import trace
 from services.common import telemetry
 from services.common.errors import InvalidRequestError, NotFoundError, StageServeError
 from services.common.grpc_errors import handle_errors
+from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.types import ChatMessage, ContentPart, FinishReason, ImagePart, TextPart, Usage
 from services.common.wire import sampling_params_from_proto
@@ -65,6 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._max_stop_strings = max_stop_strings
         self._max_image_bytes = max_image_bytes
         self._max_context_len = max_context_len
+        self._releaser = MemoryReleaser()
 
     @handle_errors
     async def Generate(
@@ -104,6 +106,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             tracker.finish(outcome)
             span.end()
+            self._releaser.request_done(request.ByteSize())
             if deltas is not None:
                 await deltas.aclose()  # type: ignore[attr-defined]
 

@@ -9,6 +9,7 @@ from typing import Any
 from services.common import telemetry
 from services.common.errors import InvalidRequestError, StageServeError
 from services.common.grpc_errors import handle_errors
+from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.types import ChatMessage as DomainChatMessage
 from services.common.types import ContentPart, ImagePart, TextPart, TokenizedPrompt
@@ -76,6 +77,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, pool: WorkerPool, metrics: TokenizerMetrics) -> None:
         self._pool = pool
         self._metrics = metrics
+        self._releaser = MemoryReleaser()
 
     @handle_errors
     async def Tokenize(
@@ -98,6 +100,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             finally:
                 self._metrics.requests.labels("Tokenize", outcome).inc()
                 self._metrics.tokenize_latency.observe(time.perf_counter() - start)
+                self._releaser.request_done(request.ByteSize())
             span.set_attribute("num_prompt_tokens", len(prompt.token_ids))
             span.set_attribute("num_images", len(prompt.spans))
         self._record_prompt(prompt)

@@ -8,14 +8,14 @@ import subprocess
 import sys
 
 from services.common.envs import Envs
-from services.common.malloc import tune_malloc
+from services.common.malloc import MemoryReleaser, tune_malloc
 
 # Builds and frees a 2 MB buffer 20 times (base64 text -> bytes, as the router does with an
 # image); prints whether the thresholds were set and the page faults per round after the first.
 PROBE = """
 import base64, os, resource, sys
 from services.common.envs import Envs
-from services.common.malloc import tune_malloc
+from services.common.malloc import MemoryReleaser, tune_malloc
 applied = tune_malloc(Envs.from_environ())
 text = base64.b64encode(os.urandom(2_000_000))
 def faults():
@@ -48,3 +48,43 @@ def test_freed_large_buffers_are_reused_without_page_faults() -> None:
 
 def test_an_operator_setting_is_kept() -> None:
     assert not tune_malloc(Envs(glibc_tunables="glibc.malloc.mmap_threshold=131072"))
+
+
+# Frees 160 MB of 4 MB buffers (kept by the 256 MiB trim threshold), then releases it.
+RELEASE_PROBE = """
+from services.common.envs import Envs
+from services.common.malloc import release_free_memory, tune_malloc
+assert tune_malloc(Envs())
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+buffers = [bytearray(4 * 2**20) for _ in range(40)]
+del buffers
+kept = rss_mb()
+released = release_free_memory()
+print(released, kept - rss_mb())
+"""
+
+
+def test_release_gives_freed_heap_memory_back() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, check=True, env=env
+    ).stdout.split()
+    assert out[0] == "True" and float(out[1]) > 100, out
+
+
+async def test_the_releaser_trims_once_after_a_burst_of_large_requests() -> None:
+    import asyncio
+
+    releaser = MemoryReleaser(min_request_bytes=1000, delay_s=0.05)
+    releaser.request_done(999)  # small: nothing scheduled
+    for _ in range(5):
+        releaser.request_done(1000)
+    for _ in range(200):
+        if releaser.num_releases:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    assert releaser.num_releases == 1
