@@ -8,6 +8,20 @@ router maps that to an OpenAI-style HTTP error.
 
 from __future__ import annotations
 
+# Error text sent to a caller may echo the caller's strings (a model name, a field name, a
+# media type): rendered messages and params are clipped to these lengths (``clip``).
+MAX_MESSAGE_CHARS = 600
+MAX_PARAM_CHARS = 200
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` if at most ``limit`` characters, else its head and tail around a note of the
+    original length (an echoed client string is cut, the explanation after it is kept)."""
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit * 2 // 3], text[len(text) - limit // 3 :]
+    return f"{head}...[{len(text)} characters, cut]...{tail}"
+
 
 class StageServeError(Exception):
     """Base of every error that crosses a service boundary."""

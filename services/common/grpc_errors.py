@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from services.common import errors
-from services.common.errors import StageServeError
+from services.common.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, StageServeError, clip
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,15 @@ def status_code_of(error: StageServeError) -> grpc.StatusCode:
 def error_metadata(error: StageServeError) -> tuple[tuple[str, str], ...]:
     pairs = [(ERROR_TYPE_KEY, type(error).__name__)]
     if error.param is not None:
-        pairs.append((ERROR_PARAM_KEY, error.param))
+        pairs.append((ERROR_PARAM_KEY, clip(error.param, MAX_PARAM_CHARS)))
     return tuple(pairs)
 
 
 async def abort_with_error(context: grpc.aio.ServicerContext, error: StageServeError) -> NoReturn:
-    """End the RPC with ``error``'s status code and message; never returns."""
-    await context.abort(status_code_of(error), error.message, error_metadata(error))
+    """End the RPC with ``error``'s status code and message (clipped: ``errors.clip``); never
+    returns."""
+    message = clip(error.message, MAX_MESSAGE_CHARS)
+    await context.abort(status_code_of(error), message, error_metadata(error))
     raise AssertionError("context.abort returned")  # grpc raises AbortError above
 
 

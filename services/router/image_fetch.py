@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 UNREACHABLE = "fetching the image failed: the URL could not be fetched"
 NON_PUBLIC = "image_url names a private, loopback, link-local or otherwise non-public address"
+BAD_HOST_NAME = (
+    "image_url's host is not a valid DNS name (each dot-separated label must have 1 to 63 "
+    "characters, the whole name at most 253)"
+)
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
@@ -79,7 +83,11 @@ class SystemResolver:
     """The operating system's resolver (``getaddrinfo``), off the event loop."""
 
     async def resolve(self, host: str, port: int) -> Sequence[IPAddress]:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except UnicodeError as exc:  # the name has no IDNA form: no query is sent
+            raise socket.gaierror(socket.EAI_NONAME, f"not a valid host name: {exc}") from None
         return list(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
 
 
@@ -218,6 +226,8 @@ class ImageFetcher:
         try:
             literal = ipaddress.ip_address(url.host)
         except ValueError:
+            if not is_dns_name(url.raw_host):
+                raise InvalidRequestError(BAD_HOST_NAME, param=param) from None
             return url  # a name: GuardedBackend checks what it resolves to
         if not self._backend.is_allowed(literal):
             raise InvalidRequestError(NON_PUBLIC, param=param)
@@ -242,6 +252,13 @@ class ImageFetcher:
 
     async def close(self) -> None:
         await self._pool.aclose()
+
+
+def is_dns_name(raw_host: bytes) -> bool:
+    """Whether a (parsed, IDNA-encoded) host name can be looked up: labels of 1 to 63
+    characters, at most 253 in all; one trailing dot (the root) is allowed."""
+    name = raw_host[:-1] if raw_host.endswith(b".") else raw_host
+    return 0 < len(name) <= 253 and all(0 < len(label) <= 63 for label in name.split(b"."))
 
 
 def _header(response: httpcore.Response, name: bytes) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from services.common.errors import StageServeError
+from services.common.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, StageServeError, clip
 from services.common.types import FinishReason, Usage
 
 # What json.dumps(ensure_ascii=False) leaves raw that breaks clients: the line breaks that
@@ -41,6 +41,10 @@ def usage_body(usage: Usage) -> dict[str, int]:
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
+    """Every HTTP error body and SSE error event; message and param clipped (``clip``)."""
+    if param is not None:
+        param = clip(param, MAX_PARAM_CHARS)
+    message = clip(message, MAX_MESSAGE_CHARS)
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 

@@ -42,6 +42,8 @@ def refuse_unsupported(body: GenerationBody) -> None:
 def generation_options(body: GenerationBody, max_stop_strings: int) -> GenerationOptions:
     """Check the fields every generation endpoint shares; ``InvalidRequestError`` on the first bad
     one."""
+    if body.n is not None and body.n < 1:
+        raise InvalidRequestError(f"n must be >= 1, got {body.n}", param="n")
     refuse_unsupported(body)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError(

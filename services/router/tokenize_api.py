@@ -10,15 +10,17 @@ BPE, Qwen2.5-VL) add no special tokens, so both give the same ids, as in vLLM.
 ``continue_final_message`` and ``return_token_strs`` are refused when true (not built).
 
 ``/detokenize`` decodes token ids with the router's copy of the tokenizer, special
-tokens kept (vLLM's ``tokenizer.decode``); an id outside the vocabulary is a 400.
+tokens kept (vLLM's ``tokenizer.decode``), on a thread; an id outside the vocabulary, or
+more ids than the context length, is a 400.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Annotated, Any
 
-from pydantic import BaseModel, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, StrictBool, StrictInt, StrictStr
 
 from services.common.errors import InvalidRequestError
 from services.engine.processing import TextProcessor
@@ -53,9 +55,20 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None  # never set: return_token_strs is refused
 
 
+# More ids than any context this server loads; checked before each id is validated, so a
+# huge list costs the event loop no per-item work (the handler then checks max_model_len).
+MAX_DETOKENIZE_IDS = 1 << 20
+
+
+def _at_most_max_ids(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_DETOKENIZE_IDS:
+        raise ValueError(f"{len(value)} ids; at most {MAX_DETOKENIZE_IDS} are decoded")
+    return value
+
+
 class DetokenizeBody(Body):
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: Annotated[list[StrictInt], BeforeValidator(_at_most_max_ids)]
 
 
 class DetokenizeResponse(BaseModel):
@@ -107,17 +120,24 @@ class TokenizeApi:
 
     async def detokenize(self, body: DetokenizeBody) -> DetokenizeResponse:
         check_model(body.model, self._served_model_name)
+        if len(body.tokens) > self._max_context_len:
+            raise InvalidRequestError(
+                f"tokens has {len(body.tokens)} ids; at most max_model_len "
+                f"({self._max_context_len}) are decoded",
+                param="tokens",
+            )
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self._decode, body.tokens))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """``token_ids`` checked against the vocabulary and decoded (off the event loop)."""
         vocab_size = self._text.vocab_size
-        for i, token_id in enumerate(body.tokens):
+        for i, token_id in enumerate(token_ids):
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(
                     f"tokens[{i}] is {token_id}; token ids are in [0, {vocab_size})",
                     param=f"tokens[{i}]",
                 )
-        text = await asyncio.to_thread(
-            self._text.decode, body.tokens
-        )  # long lists stay off the loop
-        return DetokenizeResponse(prompt=text)
+        return self._text.decode(token_ids)
 
 
 def _check_tokenize_options(body: TokenizeBody) -> None:

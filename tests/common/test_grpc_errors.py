@@ -12,10 +12,13 @@ import pytest
 
 from services.common.client import create_channel
 from services.common.errors import (
+    MAX_MESSAGE_CHARS,
+    MAX_PARAM_CHARS,
     DeadlineExceededError,
     InvalidRequestError,
     StageServeError,
     UnavailableError,
+    clip,
 )
 from services.common.grpc_errors import error_from_rpc, handle_errors
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
@@ -164,3 +167,44 @@ async def test_an_overloaded_peer_stays_overloaded_across_the_hop() -> None:
     finally:
         await channel.close()
         await server.stop(None)
+
+
+class EchoingDecode(decode_pb2_grpc.DecodeServicer):
+    @handle_errors
+    async def Reserve(self, request: Any, context: Any) -> decode_pb2.ReserveResponse:
+        echoed = "x" * 1_000_000  # a client string the error names
+        raise InvalidRequestError(f"{echoed} is not a known name", param=echoed)
+
+
+async def test_long_messages_and_params_are_clipped_on_the_wire() -> None:
+    server, port = create_server(
+        [(decode_pb2_grpc.add_DecodeServicer_to_server, EchoingDecode())], 0, health=HealthState()
+    )
+    await server.start()
+    channel = create_channel(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await decode_pb2_grpc.DecodeStub(channel).Reserve(
+                decode_pb2.ReserveRequest(), timeout=TIMEOUT_S
+            )
+    finally:
+        await channel.close()
+        await server.stop(None)
+    error = error_from_rpc(info.value, service="decode")
+    assert type(error) is InvalidRequestError
+    assert len(error.message) <= MAX_MESSAGE_CHARS + 50 and len(error.param) <= MAX_PARAM_CHARS + 50
+    assert error.message.endswith(" is not a known name")  # the explanation is kept
+    assert "...[1000020 characters, cut]..." in error.message
+    assert "...[1000000 characters, cut]..." in error.param
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "clipped"),
+    [
+        ("short", 10, "short"),
+        ("x" * 10, 10, "x" * 10),
+        ("a" * 20 + "b" * 20, 9, "aaaaaa...[40 characters, cut]...bbb"),
+    ],
+)
+def test_clip(text, limit, clipped) -> None:
+    assert clip(text, limit) == clipped

@@ -7,7 +7,7 @@ import math
 import httpx
 import pytest
 
-from services.common.errors import InvalidRequestError
+from services.common.errors import MAX_PARAM_CHARS, InvalidRequestError, clip
 from services.router.http_api import create_app
 from tests.router.conftest import (
     MODEL_NAME,
@@ -69,6 +69,18 @@ BAD_REQUESTS = {
     ),
     "bad_image_scheme": (
         _image_chat("ftp://example.com/a.png"),
+        "messages[0].content[0].image_url",
+    ),
+    "image_host_label_too_long_for_idna": (
+        _image_chat("http://" + "a" * 64 + ".invalid/x.png"),
+        "messages[0].content[0].image_url",
+    ),
+    "image_host_too_long_for_idna": (
+        _image_chat("http://" + "a" * 300 + "/x.png"),
+        "messages[0].content[0].image_url",
+    ),
+    "image_host_empty_label": (
+        _image_chat("http://a..invalid/x.png"),
         "messages[0].content[0].image_url",
     ),
     "decompression_bomb": (_image_chat(_data_url(png_bomb())), "messages[0].content[0].image_url"),
@@ -153,6 +165,8 @@ async def test_bad_input_gets_400_and_router_keeps_answering(http, cluster, case
     assert " at 0x" not in error["message"]  # no Python reprs (PIL's messages carry them)
     if case == "unknown_model":
         assert error["code"] == "model_not_found"
+    if case.startswith("image_host_"):
+        assert "not a valid DNS name" in error["message"]
     assert not cluster.decode.reserved  # nothing reached decode
     reply = await http.post("/v1/chat/completions", json=CHAT)
     assert reply.json()["choices"][0]["message"]["content"] == EXPECTED
@@ -242,3 +256,46 @@ async def test_dead_worker_503_names_no_internal_address(cluster, kind):
         assert str(worker.port) not in error["message"]
     finally:
         await stop_router(app)
+
+
+LONG = "q" * 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "explained"),
+    [
+        ({**CHAT, "model": LONG}, "model", "does not exist; this server serves"),
+        ({**CHAT, LONG: 1}, LONG, "is not a field this server knows"),
+        (
+            _image_chat(f"data:text/{LONG};base64,AAAA"),
+            "messages[0].content[0].image_url",
+            "not image/*",
+        ),
+    ],
+    ids=["model", "unknown_field", "media_type"],
+)
+async def test_echoed_client_strings_are_clipped(http, body, param, explained):
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert len(response.content) < 2000  # not the megabyte the client sent
+    error = response.json()["error"]
+    assert "characters, cut]..." in error["message"] and explained in error["message"]
+    assert error["param"] == clip(param, MAX_PARAM_CHARS)
+
+
+async def test_n_below_one_is_out_of_range_not_unsupported(http):
+    for n in (0, -3):
+        response = await http.post("/v1/chat/completions", json={**CHAT, "n": n})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert (error["message"], error["param"]) == (f"n must be >= 1, got {n}", "n")
+    response = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "a", "n": 0})
+    assert response.json()["error"]["message"] == "n must be >= 1, got 0"
+
+
+async def test_an_empty_or_omitted_model_is_the_served_one(http):
+    """vLLM's rule (``_is_model_supported``: a falsy name is the default model)."""
+    for body in ({**CHAT, "model": ""}, {k: v for k, v in CHAT.items() if k != "model"}):
+        reply = await http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == MODEL_NAME

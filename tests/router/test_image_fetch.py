@@ -12,10 +12,13 @@ import pytest
 from services.common.errors import InvalidRequestError
 from services.router.config import LimitsConfig
 from services.router.image_fetch import (
+    BAD_HOST_NAME,
     NON_PUBLIC,
     UNREACHABLE,
     GuardedBackend,
     ImageFetcher,
+    SystemResolver,
+    is_dns_name,
     is_public_address,
 )
 from services.router.images import ImageLoader
@@ -199,6 +202,49 @@ async def test_connection_failures_share_one_message(url):
     with pytest.raises(InvalidRequestError) as info:
         await fetch(make_fetcher(network), url)
     assert info.value.message == UNREACHABLE
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "a" * 64 + ".test",
+        "a" * 300,
+        ("a" * 60 + ".") * 5 + "test",
+        "a..test",
+        ".a.test",
+        "a.test..",
+    ],
+)
+async def test_host_names_without_a_dns_form_are_refused_before_resolving(network, host):
+    resolver = FakeResolver(dict(RESOLVER_ANSWERS))
+    with pytest.raises(InvalidRequestError) as info:
+        await fetch(make_fetcher(network, resolver=resolver), f"http://{host}/x.png")
+    assert info.value.message == BAD_HOST_NAME and info.value.param == PARAM
+    assert resolver.lookups == [] and network.attempts == []
+
+
+@pytest.mark.parametrize(
+    ("raw_host", "is_valid"),
+    [
+        (b"images.test", True),
+        (b"images.test.", True),
+        (b"a" * 63 + b".test", True),
+        (b"xn--bcher-kva.de", True),
+        ((b"a" * 63 + b".") * 3 + b"a" * 61, True),  # 253
+        ((b"a" * 63 + b".") * 3 + b"a" * 62, False),  # 254
+        (b"a" * 64 + b".test", False),
+        (b"a..test", False),
+        (b"", False),
+        (b".", False),
+    ],
+)
+def test_is_dns_name(raw_host, is_valid):
+    assert is_dns_name(raw_host) is is_valid
+
+
+async def test_the_system_resolver_turns_an_idna_failure_into_an_oserror():
+    with pytest.raises(OSError, match="not a valid host name"):
+        await SystemResolver().resolve("a" * 64 + ".invalid", 80)
 
 
 async def test_private_addresses_can_be_allowed(network):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from services.router.tokenize_api import MAX_DETOKENIZE_IDS
 from tests.conftest import image_bytes
 from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import NUM_IMAGE_TOKENS, TEXT
@@ -105,6 +106,27 @@ async def test_detokenize_refuses_ids_outside_the_vocabulary(http, tokens, param
     response = await http.post("/detokenize", json={"tokens": tokens})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+async def test_detokenize_takes_at_most_the_context_of_ids(http, router):
+    max_len = router.cfg.max_context_len
+    assert (await http.post("/detokenize", json={"tokens": [1] * max_len})).status_code == 200
+    response = await http.post("/detokenize", json={"tokens": [1] * (max_len + 1)})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tokens"
+    assert error["message"] == (
+        f"tokens has {max_len + 1} ids; at most max_model_len ({max_len}) are decoded"
+    )
+
+
+async def test_detokenize_refuses_a_huge_list_before_checking_its_ids(http):
+    tokens = [-1] * (MAX_DETOKENIZE_IDS + 1)  # every id bad: no id was looked at
+    response = await http.post("/detokenize", json={"tokens": tokens})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tokens"
+    assert f"{MAX_DETOKENIZE_IDS + 1} ids; at most {MAX_DETOKENIZE_IDS}" in error["message"]
 
 
 async def test_version(http):
