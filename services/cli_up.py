@@ -14,12 +14,14 @@ from services.cli_up_checks import (
     port_number,
     positive,
 )
+from services.common.exposure import INSECURE_NO_API_KEY_FLAG
 from services.common.kv_transfer import (
     KV_BACKEND_HELP,
     SERVICE_KV_BACKENDS,
     check_embedding_backend,
     check_kv_backend,
     default_embedding_backend,
+    resolve_kv_backend,
 )
 from services.common.paths import BUNDLED_MODEL
 
@@ -215,8 +217,15 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=(
             "key the API requires "
-            "(passed to the router as STAGESERVE_API_KEY; default: that variable)"
+            "(passed to the router as STAGESERVE_API_KEY; default: that variable); a "
+            "non-loopback --host needs one unless --insecure-no-api-key"
         ),
+    )
+    p.add_argument(
+        INSECURE_NO_API_KEY_FLAG,
+        action="store_true",
+        help="serve the API without a key although --host is not a loopback address "
+        "(anyone who reaches the port may call it)",
     )
     p.set_defaults(func=_run_up)
 
@@ -226,6 +235,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
     from services.common.auth import child_environment
     from services.common.envs import Envs
+    from services.common.exposure import check_api_exposure, check_transfer_exposure
     from services.common.logs import LOG_FORMATS
     from services.common.telemetry import tracing_plan
     from services.launch_spec import (
@@ -241,6 +251,8 @@ def _run_up(args: argparse.Namespace) -> int:
     envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
         check_up_args(args)
+        has_api_key = bool(envs.api_key if args.api_key is None else args.api_key)
+        check_api_exposure((args.host,), has_api_key, args.insecure_no_api_key)
         transfer_backend = args.transfer_backend or default_embedding_backend(
             args.kv_transfer_backend,
             args.encoder_device or args.device,
@@ -294,6 +306,7 @@ def _run_up(args: argparse.Namespace) -> int:
             decode_dp=args.decode_dp,
             max_running_requests=args.max_running_requests,
             router_workers=args.router_workers or default_router_workers(),
+            insecure_no_api_key=args.insecure_no_api_key,
         )
         num_decode_devices = len(decode_devices(cfg))
         if num_decode_devices > 1 and args.decode_dp not in (1, num_decode_devices):
@@ -311,10 +324,14 @@ def _run_up(args: argparse.Namespace) -> int:
             *decode_devices(cfg),
         ):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, transfer_backend, device)
+        kv_backend = resolve_kv_backend(args.kv_transfer_backend, transfer_backend)
+        exposure = check_transfer_exposure(args.host, (transfer_backend, kv_backend))
         env = child_environment(
             os.environ, api_key=args.api_key
         )  # AuthConfigError: a bad --api-key
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if exposure is not None:
+        print(f"warning: {exposure}", file=sys.stderr)
     return run_up(cfg, env)

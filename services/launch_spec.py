@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from services.common.exposure import INSECURE_NO_API_KEY_FLAG
 from services.decode.config import DecodeConfig
 from services.router.config import FlowConfig
 
@@ -80,6 +81,7 @@ class LaunchConfig:
     max_queued_requests: int | None = None  # router: admission queue
     queue_timeout_s: float | None = None  # router: wait limit in the admission queue
     served_model_name: str | None = None  # router
+    insecure_no_api_key: bool = False  # router: serve a non-loopback host without an API key
     max_model_len: int | None = None  # tokenizer, decode and router (--max-context-len)
     log_level: str | None = None  # every service
     kv_quarantine_s: float | None = None  # decode
@@ -325,6 +327,7 @@ def router_args(
         *optional_arg("--max-queued-requests", cfg.max_queued_requests),
         *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
         *(("--http-reuse-port",) if cfg.router_workers > 1 else ()),
+        *((INSECURE_NO_API_KEY_FLAG,) if cfg.insecure_no_api_key else ()),
     )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.common.auth import API_KEY, AuthConfigError, Credentials
 from services.common.envs import API_KEY_ENV, Envs
+from services.common.exposure import INSECURE_NO_API_KEY_FLAG, ExposureError, check_api_exposure
 from services.common.malloc import tune_malloc
 from services.common.service_main import (
     add_common_args,
@@ -46,7 +47,14 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
         "--api-key",
         default=envs.api_key,
         help=f"key API callers must send as 'Authorization: Bearer <key>' on /v1/* and "
-        f"gRPC Router (default: {API_KEY_ENV}; empty: the API is open)",
+        f"gRPC Router (default: {API_KEY_ENV}; empty: the API is open, which a non-loopback "
+        f"--host / --http-host refuses without {INSECURE_NO_API_KEY_FLAG})",
+    )
+    p.add_argument(
+        INSECURE_NO_API_KEY_FLAG,
+        action="store_true",
+        help="serve the API without a key although --host or --http-host is not a loopback "
+        "address (anyone who reaches the ports may call it)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: the dir name)"
@@ -263,8 +271,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
-    """The router's secrets; exits with one error line when the internal token is missing or a
-    secret is unusable."""
+    """The router's secrets; exits with one error line when the internal token is missing, a
+    secret is unusable, or the API would listen beyond loopback without a key."""
     internal = internal_credentials_or_exit(
         "router", envs, args.internal_token_file, args.allow_unauthenticated
     )
@@ -274,7 +282,12 @@ def access_from_args(args: argparse.Namespace, envs: Envs) -> RouterAccess:
             api_key = Credentials(args.api_key.strip(), API_KEY)
         except AuthConfigError as exc:
             raise SystemExit(f"router: error: --api-key / {API_KEY_ENV}: {exc}") from None
-    else:
+    hosts = (args.host, args.http_host or args.host)
+    try:
+        check_api_exposure(hosts, api_key is not None, args.insecure_no_api_key)
+    except ExposureError as exc:
+        raise SystemExit(f"router: error: {exc}") from None
+    if api_key is None:
         logger.warning(
             "no API key (--api-key / %s): anyone who reaches the HTTP or gRPC port "
             "may call the API",

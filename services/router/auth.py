@@ -2,7 +2,8 @@
 
 The public API (HTTP ``/v1/*`` and gRPC ``stageserve.v1.Router``) requires the API key,
 when one is set, as ``Authorization: Bearer <key>``; ``GET /health`` and gRPC health
-stay open for probes. Calls to the workers carry the internal token instead.
+stay open for probes, but ``/health`` details workers and load only to callers with the
+key (``is_authorized``). Calls to the workers carry the internal token instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.router.openai_format import error_body_of
 
 OPEN_PATHS = frozenset({"/health"})  # every other HTTP path needs the API key
 _AUTHORIZATION_HEADER = AUTHORIZATION_KEY.encode()
+_AUTHORIZED_SCOPE_KEY = "stageserve.authorized"  # set by ApiKeyMiddleware on OPEN_PATHS
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,8 @@ class ApiKeyMiddleware:
 
     The 401 carries the OpenAI error body of ``UnauthenticatedError``
     (``invalid_request_error`` / ``invalid_api_key``) and ``WWW-Authenticate: Bearer``;
-    the request never reaches a route, so nothing of it is parsed.
+    the request never reaches a route, so nothing of it is parsed. A request to an open
+    path goes on either way, marked with whether it carried the key (``is_authorized``).
     """
 
     def __init__(self, app: Any, api_key: Credentials) -> None:
@@ -43,7 +46,14 @@ class ApiKeyMiddleware:
         self._api_key = api_key
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._is_authorized(scope):
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        is_authorized = self._is_authorized(scope)
+        if scope["path"] in OPEN_PATHS:
+            await self._app({**scope, _AUTHORIZED_SCOPE_KEY: is_authorized}, receive, send)
+            return
+        if is_authorized:
             await self._app(scope, receive, send)
             return
         error = UnauthenticatedError(self._api_key.denied_message)
@@ -57,6 +67,12 @@ class ApiKeyMiddleware:
     def _is_authorized(self, scope: dict[str, Any]) -> bool:
         values = [value for name, value in scope["headers"] if name == _AUTHORIZATION_HEADER]
         return len(values) == 1 and self._api_key.accepts(values[0])
+
+
+def is_authorized(scope: dict[str, Any]) -> bool:
+    """Whether the HTTP request of ``scope`` may see more than a status: it carried the API
+    key, or the API has none (no ``ApiKeyMiddleware`` marked it)."""
+    return bool(scope.get(_AUTHORIZED_SCOPE_KEY, True))
 
 
 def require_api_key(app: FastAPI, api_key: Credentials | None) -> None:

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from services.common.errors import AbortedError, InvalidRequestError, StageServeError
 from services.engine.processing import TextProcessor
+from services.router.auth import is_authorized
 from services.router.body_limit import BodyLimitMiddleware
 from services.router.fast_json import FastJSONRoute
 from services.router.generation import GenerationPipeline
@@ -193,10 +194,14 @@ class OpenAIApi:
         }
         return {"object": "list", "data": [model]}
 
-    def health(self) -> OpenAIJSONResponse:
-        """200 while every needed kind has a ready worker, else 503; the body details workers and
-        load."""
+    def health(self, request: Request) -> OpenAIJSONResponse:
+        """200 while every needed kind has a ready worker, else 503. The body is the status
+        alone, unless the caller may see the detail (``auth.is_authorized``): the missing
+        kinds, every worker's address, state and load, and admission."""
         missing = [k.value for k in self.registry.missing_kinds()]
+        status, code = ("unavailable", 503) if missing else ("ok", 200)
+        if not is_authorized(request.scope):
+            return OpenAIJSONResponse({"status": status}, status_code=code)
         workers = [
             {
                 "kind": w.kind.value,
@@ -209,15 +214,9 @@ class OpenAIApi:
             for w in self.registry.workers()
         ]
         admission = msgspec.to_builtins(self.pipeline.admission.snapshot())
-        if missing:
-            body = {
-                "status": "unavailable",
-                "missing": missing,
-                "workers": workers,
-                "admission": admission,
-            }
-            return OpenAIJSONResponse(body, status_code=503)
-        return OpenAIJSONResponse({"status": "ok", "workers": workers, "admission": admission})
+        body = {"status": status, **({"missing": missing} if missing else {})}
+        body |= {"workers": workers, "admission": admission}
+        return OpenAIJSONResponse(body, status_code=code)
 
 
 class _SSEResponse(StreamingResponse):

@@ -15,20 +15,26 @@ thread and stops waiting at the caller's deadline, so a slow peer becomes
 
 ``hostname`` is only the address the engine advertises (its ``session_id``): Mooncake binds
 its handshake port and its TCP data port on every interface (0.0.0.0 and [::]) and has no
-setting that changes it (MC_TCP_BIND_ADDRESS, MC_LEGACY_RPC_PORT_BINDING, MC_USE_IPV6 do not),
-and anyone who reaches them can read and write the registered memory. Between the processes
-of one host use the ``shm`` backend; across hosts, fence the ports off (NetworkPolicy, firewall).
+setting that changes it (MC_TCP_BIND_ADDRESS, MC_LEGACY_RPC_PORT_BINDING, MC_USE_IPV6,
+MC_HANDSHAKE_PORT do not), and anyone who reaches them can read and write the registered
+memory. Every engine logs that at start (WARNING, with its handshake port), and
+``stageserve up`` refuses Mooncake on a loopback ``--host`` (``exposure.check_transfer_exposure``).
+Between the processes of one host use the ``shm`` backend; across hosts, fence the ports off
+(NetworkPolicy, firewall).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.common.errors import DeadlineExceededError, UnavailableError
+from services.common.exposure import MOONCAKE_EXPOSURE
 from services.transfer.base import TransferPlan
 
+logger = logging.getLogger(__name__)
 _INSTALL_HINT = (
     "install mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (GPU) "
     "and libibverbs1 librdmacm1 libnuma1"
@@ -53,8 +59,15 @@ class MooncakeEngine:
             "initialize",
             hostname,
         )
-        self.session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        self.session_id = f"{hostname}:{rpc_port}"
         self._registered: list[int] = []
+        logger.warning(
+            "%s (this engine: handshake port %d, advertised as %s)",
+            MOONCAKE_EXPOSURE,
+            rpc_port,
+            hostname,
+        )
 
     def register(self, regions: Sequence[tuple[int, int]]) -> None:
         addrs = [addr for addr, _ in regions]

@@ -18,6 +18,7 @@ import jsonschema
 import pytest
 import yaml
 
+from services.common.exposure import ExposureError, check_api_exposure
 from tests.deploy.manifests import (
     DEPLOY,
     SERVICES,
@@ -28,7 +29,7 @@ from tests.deploy.manifests import (
     read_env_file,
 )
 
-TOKEN_ENV = {"STAGESERVE_INTERNAL_TOKEN": "test-token"}
+TOKEN_ENV = {"STAGESERVE_INTERNAL_TOKEN": "test-token", "STAGESERVE_API_KEY": "sk-test"}
 VARIANTS = {
     "cpu": (["compose.yaml"], {}),
     "gpu": (
@@ -111,15 +112,22 @@ def test_matches_the_compose_spec_schema(project) -> None:
     assert not errors, "\n".join(errors)
 
 
-def test_the_internal_token_is_required(variant) -> None:
+def test_the_internal_token_and_the_api_key_are_required(variant) -> None:
     with pytest.raises(KeyError, match="STAGESERVE_INTERNAL_TOKEN"):
-        load_variant(variant, {})
+        load_variant(variant, {"STAGESERVE_API_KEY": "sk-test"})
+    with pytest.raises(KeyError, match="STAGESERVE_API_KEY"):
+        load_variant(variant, {"STAGESERVE_INTERNAL_TOKEN": "test-token"})
     for name, service in load_variant(variant, TOKEN_ENV)["services"].items():
         assert (
             service["environment"]["STAGESERVE_INTERNAL_TOKEN"]
             == TOKEN_ENV["STAGESERVE_INTERNAL_TOKEN"]
         ), name
-    assert "STAGESERVE_API_KEY" in project_services(variant)["router"]["environment"]
+    router = project_services(variant)["router"]
+    assert router["environment"]["STAGESERVE_API_KEY"] == TOKEN_ENV["STAGESERVE_API_KEY"]
+    args = parse_service_args("router", router["command"][2:])
+    check_api_exposure((args.host, args.http_host), True, args.insecure_no_api_key)
+    with pytest.raises(ExposureError, match="without an API key"):  # 0.0.0.0 needs the key
+        check_api_exposure((args.host, args.http_host), False, args.insecure_no_api_key)
 
 
 def project_services(variant: str) -> dict:

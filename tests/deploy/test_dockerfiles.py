@@ -17,6 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from services.cli import build_parser
+from services.common.exposure import ExposureError, check_api_exposure
 from tests.conftest import REPO
 from tests.deploy.manifests import DEPLOY, Instruction, dockerfile, stages
 
@@ -192,7 +193,10 @@ def test_ports_entrypoint_and_command(image) -> None:
     final = {i.keyword: i.value for i in final_stage(image)}
     assert set(final["EXPOSE"].split()) == {"8000", "50051", "9090"}
     assert json.loads(final["ENTRYPOINT"]) == list(PYPROJECT["project"]["scripts"])
-    build_parser().parse_args(json.loads(final["CMD"]))
+    args = build_parser().parse_args(json.loads(final["CMD"]))
+    assert not args.insecure_no_api_key  # the key comes from STAGESERVE_API_KEY at run time
+    with pytest.raises(ExposureError, match="without an API key"):
+        check_api_exposure((args.host,), False, args.insecure_no_api_key)
 
 
 def test_constraints_satisfy_pyproject_and_cover_every_runtime_dependency() -> None:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from services.common.envs import MOONCAKE_ENV_VARS
+from services.common.exposure import ExposureError, check_api_exposure
 from services.common.server import LIVENESS_SERVICE
 from tests.conftest import REPO
 from tests.deploy.manifests import (
@@ -178,7 +179,12 @@ def test_secrets_config_and_volumes_are_wired(docs, by_service) -> None:
         assert token == {"name": "stageserve-secrets", "key": "internal-token"}
         if service == "router":
             api_key = env["STAGESERVE_API_KEY"]["valueFrom"]["secretKeyRef"]
-            assert api_key == {"name": "stageserve-secrets", "key": "api-key", "optional": True}
+            assert api_key == {"name": "stageserve-secrets", "key": "api-key"}  # required
+            args = parse_service_args("router", c.args[2:])
+            hosts = (args.host, args.http_host)
+            check_api_exposure(hosts, True, args.insecure_no_api_key)
+            with pytest.raises(ExposureError, match="without an API key"):  # 0.0.0.0
+                check_api_exposure(hosts, False, args.insecure_no_api_key)
         assert {s["configMapRef"]["name"] for s in c.spec["envFrom"]} == {
             "stageserve-env",
             "stageserve-flags",

@@ -25,6 +25,7 @@ from tests.router.conftest import (
     router_config,
     start_router,
     stop_router,
+    wait_until,
 )
 
 API = Credentials("sk-test-key", API_KEY)
@@ -106,6 +107,35 @@ async def test_api_with_the_key_serves_and_health_stays_open(http, secured_clust
     assert reply.json()["choices"][0]["message"]["content"]
     health = await http.get("/health")  # no key: probes stay open
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, bearer("sk-wrong"), bearer(INTERNAL.token)], ids=["none", "wrong", "internal"]
+)
+@pytest.mark.parametrize("path", ["/health", "/health?x=1"])
+async def test_health_without_the_key_tells_only_the_status(
+    http, secured_router, secured_cluster, headers, path
+) -> None:
+    health = await http.get(path, headers=headers)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    await secured_cluster.decodes[0].server.stop(None)
+    await wait_until(lambda: not secured_router.registry.is_ready)
+    down = await http.get(path, headers=headers)
+    assert down.status_code == 503 and down.json() == {"status": "unavailable"}
+
+
+async def test_health_with_the_key_details_workers_and_admission(
+    http, secured_router, secured_cluster
+) -> None:
+    health = await http.get("/health", headers=bearer(API.token))
+    body = health.json()
+    assert health.status_code == 200 and body["status"] == "ok" and "admission" in body
+    addresses = {w["address"] for w in body["workers"]}
+    assert secured_cluster.tokenizer.address in addresses
+    await secured_cluster.decodes[0].server.stop(None)
+    await wait_until(lambda: not secured_router.registry.is_ready)
+    down = await http.get("/health", headers=bearer(API.token))
+    assert down.status_code == 503 and down.json()["missing"] == ["decode"]
 
 
 def generate_request() -> router_pb2.GenerateRequest:
@@ -195,3 +225,30 @@ def test_router_refuses_an_unusable_key_or_no_internal_token() -> None:
     with pytest.raises(SystemExit, match="router: error: no internal token"):
         access_of([], {})
     assert access_of(["--allow-unauthenticated"], {}).internal is None
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        ["--host", "0.0.0.0"],
+        ["--http-host", "::"],
+        ["--host", "10.1.2.3", "--http-host", "127.0.0.1"],
+        ["--http-host", "router.example"],
+    ],
+)
+def test_router_refuses_a_non_loopback_address_without_a_key(hosts) -> None:
+    token = {"STAGESERVE_INTERNAL_TOKEN": "t0ken"}
+    with pytest.raises(SystemExit) as info:
+        access_of(hosts, token)
+    message = str(info.value.code)
+    assert message.startswith("router: error: the API would listen on ")
+    assert "--api-key or STAGESERVE_API_KEY" in message and "--insecure-no-api-key" in message
+    with_key = access_of(hosts, {**token, "STAGESERVE_API_KEY": "sk-env"})
+    assert with_key.api_key == Credentials("sk-env", API_KEY)
+    assert access_of([*hosts, "--insecure-no-api-key"], token).api_key is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_router_serves_loopback_without_a_key(host) -> None:
+    token = {"STAGESERVE_INTERNAL_TOKEN": "t0ken"}
+    assert access_of(["--host", host, "--http-host", host], token).api_key is None

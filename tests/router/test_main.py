@@ -62,7 +62,8 @@ async def test_router_process_ready_health_and_sigterm(secured_cluster):
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{ready['http_port']}", timeout=BOUND_S
         ) as http:
-            assert (await http.get("/health")).status_code == 200  # open without the key
+            health = await http.get("/health")  # open without the key, the status alone
+            assert health.status_code == 200 and health.json() == {"status": "ok"}
             chat = {
                 "model": MODEL_NAME,
                 "messages": [{"role": "user", "content": "hi"}],
@@ -72,6 +73,8 @@ async def test_router_process_ready_health_and_sigterm(secured_cluster):
             key = {"authorization": "Bearer sk-process"}  # from STAGESERVE_API_KEY
             reply = await http.post("/v1/chat/completions", json=chat, headers=key)
             assert reply.json()["choices"][0]["message"]["content"] == "Hello"
+            detail = (await http.get("/health", headers=key)).json()
+            assert cluster.decodes[0].address in {w["address"] for w in detail["workers"]}
             assert (
                 await http.get("/metrics", headers=key)
             ).status_code == 404  # not on the API port
@@ -116,3 +119,30 @@ async def test_killed_decode_process_fails_the_stream_and_is_ejected():
         finally:
             if app is not None:
                 await stop_router(app)
+
+
+async def test_router_process_refuses_to_serve_every_interface_without_a_key():
+    env = {k: v for k, v in os.environ.items() if k != "STAGESERVE_API_KEY"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.router",
+        *("--host", "0.0.0.0", "--port", "0", "--http-port", "0", "--metrics-port", "0"),
+        *("--tokenizer-address", "127.0.0.1:1", "--prefill-address", "127.0.0.1:1"),
+        *("--decode-address", "127.0.0.1:1"),
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        async with asyncio.timeout(BOUND_S):
+            stdout, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 1 and b"READY" not in stdout
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("router: error: the API would listen on 0.0.0.0 (not loopback only)")
+    assert "--api-key or STAGESERVE_API_KEY" in last and "--insecure-no-api-key" in last

@@ -129,3 +129,35 @@ def test_silent_peer_hits_the_deadline() -> None:
         spawn(ctx, sender_main, msgspec.msgpack.encode(dst), 1.0, results)
         status, message = results.get(timeout=QUEUE_TIMEOUT_S)
     assert status == "DeadlineExceededError" and "did not finish before its deadline" in message
+
+
+def listeners_main(result_queue) -> None:
+    from services.transfer.mooncake_engine import MooncakeEngine
+
+    engine = MooncakeEngine("127.0.0.1")
+    port = int(engine.session_id.rsplit(":", 1)[1])
+    local = []  # the LISTEN sockets of that port, as (hex address, family)
+    for family in ("tcp", "tcp6"):
+        with open(f"/proc/net/{family}") as table:
+            for row in list(table)[1:]:
+                address, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(address.rsplit(":", 1)[1], 16) == port:
+                    local.append((address.rsplit(":", 1)[0], family))
+    result_queue.put(local)
+    result_queue.close()
+    result_queue.join_thread()
+    os._exit(0)
+
+
+def test_the_handshake_port_listens_on_every_interface_whatever_the_hostname() -> None:
+    """Why ``up`` refuses Mooncake on a loopback --host (``exposure.MOONCAKE_EXPOSURE``): when
+    this fails, Mooncake binds the host it is given; bind it there and lift the refusal."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    process = spawn(ctx, listeners_main, results)
+    try:
+        local = results.get(timeout=QUEUE_TIMEOUT_S)
+    finally:
+        process.kill()
+        process.join()
+    assert local == [("00000000", "tcp")]  # 0.0.0.0, not 127.0.0.1 (0100007F)
