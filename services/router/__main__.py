@@ -29,6 +29,7 @@ from services.router.app import GRPC_GRACE_S, RouterApp
 from services.router.auth import RouterAccess
 from services.router.config import (
     FlowConfig,
+    HttpLimits,
     LimitsConfig,
     PolicyName,
     RouterConfig,
@@ -151,7 +152,51 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
         help="redirects followed when fetching an image URL",
     )
     add_flow_args(p)
+    add_http_limit_args(p)
     return p
+
+
+def add_http_limit_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP server's connection bounds (``HttpLimits``), held before authentication."""
+    defaults = HttpLimits()
+    p.add_argument(
+        "--http-max-connections",
+        type=_positive_int,
+        default=defaults.max_connections,
+        help="open HTTP connections per router process; more get 503 at once and are closed "
+        "(lowered to fit RLIMIT_NOFILE)",
+    )
+    p.add_argument(
+        "--http-max-header-bytes",
+        type=_positive_int,
+        default=defaults.max_header_bytes,
+        help="largest request line + headers, else 431",
+    )
+    p.add_argument(
+        "--http-max-headers",
+        type=_positive_int,
+        default=defaults.max_headers,
+        help="most header fields in a request, else 431",
+    )
+    p.add_argument(
+        "--http-header-timeout-s",
+        type=_positive_float,
+        default=defaults.header_timeout_s,
+        help="a request's line and headers must arrive within this from the connection's start "
+        "or the previous response's end, else 408 and the connection is closed",
+    )
+    p.add_argument(
+        "--http-body-timeout-s",
+        type=_positive_float,
+        default=defaults.body_timeout_s,
+        help="a request body that sends nothing for this long has its connection closed",
+    )
+    p.add_argument(
+        "--http-keep-alive-timeout-s",
+        type=_positive_float,
+        default=defaults.keep_alive_timeout_s,
+        help="an idle connection between two requests is closed after this",
+    )
 
 
 def add_flow_args(p: argparse.ArgumentParser) -> None:
@@ -253,6 +298,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             max_image_redirects=args.max_image_redirects,
         ),
         flow=flow_config_from_args(args),
+        http=HttpLimits(
+            max_connections=args.http_max_connections,
+            max_header_bytes=args.http_max_header_bytes,
+            max_headers=args.http_max_headers,
+            header_timeout_s=args.http_header_timeout_s,
+            body_timeout_s=args.http_body_timeout_s,
+            keep_alive_timeout_s=args.http_keep_alive_timeout_s,
+        ),
         policy=PolicyName(args.policy),
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,

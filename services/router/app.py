@@ -8,6 +8,7 @@ import functools
 import logging
 import socket
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,12 @@ from services.router.config import RouterConfig
 from services.router.generation import GenerationPipeline
 from services.router.health_generate import HealthGenerateChecker
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
+from services.router.http_server import (
+    ACCEPT_BATCH,
+    LISTEN_BACKLOG,
+    connection_budget,
+    protocol_class,
+)
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
 from services.router.policy import make_policy
@@ -180,8 +187,14 @@ class RouterApp:
         """Start gRPC (and HTTP on ``http_socket`` unless None), poll the workers once, keep polling."""
         await self.grpc_server.start()
         if http_socket is not None:
+            limits = replace(
+                self.cfg.http, max_connections=connection_budget(self.cfg.http.max_connections)
+            )
             config = uvicorn.Config(
                 self.http_app,
+                http=protocol_class(limits),  # type: ignore[arg-type]
+                backlog=ACCEPT_BATCH,
+                ws="none",  # no WebSocket routes: an Upgrade request is served as plain HTTP
                 lifespan="off",
                 access_log=False,
                 log_level=self.cfg.log_level.lower(),
@@ -198,6 +211,7 @@ class RouterApp:
                     await self._http_task  # raises why it failed
                     raise RuntimeError("the HTTP server stopped during start-up")
                 await asyncio.sleep(0.01)
+            http_socket.listen(LISTEN_BACKLOG)  # the kernel's queue; asyncio's batch stays
         await self.registry.poll_once()
         self.registry.start(self.cfg.health_interval_s)
         if self.health_generate is not None:

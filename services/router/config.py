@@ -49,6 +49,27 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class HttpLimits:
+    """Bounds the router's HTTP server holds on every connection, before a request reaches the
+    app (``services/router/http_server.py``)."""
+
+    max_connections: int = 4096  # open in one process; more get 503 at once and are closed
+    max_header_bytes: int = 64 * 1024  # request line + headers, else 431
+    max_headers: int = 100  # header fields, else 431
+    header_timeout_s: float = 10.0  # a request head must arrive within this, else 408
+    body_timeout_s: float = 30.0  # a body with no new bytes for this long: connection closed
+    keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_header_bytes", "max_headers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--http-{name.replace('_', '-')} must be >= 1")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--http-{name.replace('_', '-')} must be > 0")
+
+
+@dataclass(frozen=True)
 class FlowConfig:
     """How the router bounds each hop's progress and admits requests under load."""
 
@@ -80,6 +101,7 @@ class RouterConfig:
     workers: WorkerAddresses = field(default_factory=WorkerAddresses)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
+    http: HttpLimits = field(default_factory=HttpLimits)
     policy: PolicyName = PolicyName.ROUND_ROBIN
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
