@@ -1,5 +1,6 @@
 """Log lines as text (the default) or one JSON object per line, with the request's ids.
 
+``RateLimitFilter`` keeps a repeated line from flooding the log.
 ``RequestContextFilter`` puts on every record the id of the request being handled
 (``services.common.server.current_request_id``: the RPC's ``x-request-id``, or the router's
 own id inside its pipeline) and the current span's ``trace_id`` / ``span_id``. The text
@@ -14,6 +15,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from opentelemetry import trace
@@ -34,6 +36,66 @@ class RequestContextFilter(logging.Filter):
         record.trace_id = trace.format_trace_id(context.trace_id) if is_valid else ""
         record.span_id = trace.format_span_id(context.span_id) if is_valid else ""
         return True
+
+
+class RateLimitFilter(logging.Filter):
+    """Passes at most ``max_records`` records of one logger, level and message template (the
+    unformatted ``msg``) in each ``window_s``, and drops the rest, so a flood of one line (an
+    attacker's bad requests, asyncio's ``socket.accept() out of system resource``) cannot fill
+    the disk. Once a window with dropped records has ended, the next record that reaches the
+    filter (of any kind) is preceded by one WARNING of the same logger with their count."""
+
+    def __init__(
+        self,
+        max_records: int = 20,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        assert max_records >= 1 and window_s > 0
+        self._max_records = max_records
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._windows: dict[tuple[str, int, str], list[float]] = {}  # key -> [start, num]
+        self._next_sweep = 0.0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, str(record.msg))
+        now = self._clock()
+        with self._lock:
+            ended = self._sweep(now) if now >= self._next_sweep else []
+            window = self._windows.get(key)
+            if window is None or now - window[0] >= self._window_s:
+                if window is not None and window[1] > self._max_records:
+                    ended.append((key, int(window[1]) - self._max_records))
+                window = self._windows[key] = [now, 0]
+            window[1] += 1
+            is_passed = window[1] <= self._max_records
+        for (name, _, template), num_dropped in ended:
+            logging.getLogger(name).warning(
+                "dropped %d more records like %r (at most %d every %.0f s)",
+                num_dropped,
+                template[:200],
+                self._max_records,
+                self._window_s,
+            )
+        return is_passed
+
+    def _sweep(self, now: float) -> list[tuple[tuple[str, int, str], int]]:
+        self._next_sweep = now + 1.0
+        ended = [
+            (key, window)
+            for key, window in self._windows.items()
+            if now - window[0] >= self._window_s
+        ]
+        for key, _ in ended:
+            del self._windows[key]
+        return [
+            (key, int(window[1]) - self._max_records)
+            for key, window in ended
+            if window[1] > self._max_records
+        ]
 
 
 class TextFormatter(logging.Formatter):
@@ -88,6 +150,7 @@ def configure(service: str, level: str, log_format: str) -> None:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RateLimitFilter())
     handler.addFilter(RequestContextFilter())
     handler.setFormatter(JsonFormatter(service) if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level.upper(), handlers=[handler])
