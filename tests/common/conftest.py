@@ -11,18 +11,7 @@ from services.common.client import create_channel
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, RpcMetrics, create_server
 from tests.common.ranks_group_helpers import REPO
-from tests.common.ranks_helpers import Joined, join_config
 from tests.common.server_helpers import DECODE, FakeDecode, Served
-
-
-@pytest.fixture
-async def joined(tmp_path, request):
-    world_size, overrides = getattr(request, "param", (2, {}))
-    group = Joined(join_config(tmp_path, world_size, **overrides))
-    try:
-        yield group
-    finally:
-        await group.close()
 
 
 @pytest.fixture

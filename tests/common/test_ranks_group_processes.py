@@ -1,11 +1,13 @@
-"""Rank processes apart from an in-process leader: ranks started apart that join through
-env://, CUDA ranks over NCCL, ranks that die with their leader, and the listening sockets of
-spawned ranks."""
+"""Rank processes apart from an in-process leader: an idle rank frozen with SIGSTOP, CUDA
+ranks over NCCL, ranks that die with their leader, and the listening sockets of spawned
+ranks."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,87 +16,40 @@ import tempfile
 
 import pytest
 
-from benchmarks.system_load import free_port
-from services.common.errors import UnavailableError
-from services.common.ranks.config import RankMode, StepSpec
-from services.common.ranks.group import RankGroup
-from services.common.ranks.rank_loop import STUCK_EXIT_GRACE_S, LoopExit
 from tests.common.ranks_group_helpers import (
     REPO,
     START_TIMEOUT_S,
-    config,
+    is_gone,
     running,
     wait_for,
 )
-from tests.common.test_ranks_steps import TARGET, EchoInit, EchoPayload, EchoResult
-from tests.conftest import RANK_MAIN
+from tests.common.test_ranks_steps import EchoPayload
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_env")]
+LIVENESS_S = 3.0
 
 
-async def test_ranks_started_apart_join_through_env_and_a_leader_attaches(tmp_path) -> None:
-    """A deployment's ranks: env:// rendezvous, then the same path; stuck ones exit by
-    themselves."""
-    control_addr = f"ipc://{tmp_path}/control"
-    master_port = str(free_port())
-    ranks = []
-    try:
-        for rank in range(2):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=master_port,
-                STAGESERVE_INTERNAL_TOKEN="join-token",  # what the deployment gives every pod
-            )
-            argv = [
-                sys.executable,
-                "-m",
-                RANK_MAIN,
-                "--join",
-                "--leader",
-                control_addr,
-                "--device",
-                "cpu",
-                "--rendezvous-timeout-s",
-                str(START_TIMEOUT_S),
-            ]
-            ranks.append(subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL))
-        join = config(
-            (),
-            mode=RankMode.JOIN,
-            world_size=2,
-            control_addr=control_addr,
-            internal_token="join-token",
-        )
-        group = RankGroup(join, StepSpec(TARGET, EchoResult, EchoInit()))
-        await group.start()
-        try:
-            results = await group.step(EchoPayload(value=4))
-            assert [(r.rank, r.world_size, r.device_total, r.cpu_total) for r in results] == [
-                (0, 2, 8, 8),
-                (1, 2, 8, 8),
-            ]
-            assert [r.pid for r in results] == [p.pid for p in ranks]
-            # Stuck past the deadline: the leader fail-stops; the ranks, which it cannot kill, end
-            # themselves.
-            with pytest.raises(
-                UnavailableError, match="did not finish step 2 within its 1.0 s deadline"
-            ):
-                await group.step(EchoPayload(value=1, sleep_s=60.0), timeout_s=1.0)
-            assert not group.is_ready
-            codes = [
-                await asyncio.to_thread(p.wait, 1.0 + STUCK_EXIT_GRACE_S + 10.0) for p in ranks
-            ]
-            assert codes == [LoopExit.STUCK, LoopExit.STUCK]
-        finally:
-            await group.aclose()
-    finally:
-        for process in ranks:  # exactly the processes this test started
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+async def test_an_idle_rank_frozen_with_sigstop_is_killed_and_the_group_reforms(caplog) -> None:
+    """Busy in a step longer than the liveness bound, a rank is not dead; idle and silent, it
+    is: fail-stop naming it, killed and reaped, then a new generation serves."""
+    caplog.set_level(logging.ERROR, logger="services.common.ranks.supervisor")
+    async with running(("cpu", "cpu"), heartbeat_s=0.5, liveness_timeout_s=LIVENESS_S) as run:
+        await run.group.step(EchoPayload(value=1, sleep_s=LIVENESS_S + 1.0), timeout_s=60.0)
+        await run.group.step(EchoPayload(value=1))
+        assert run.readiness == [True]
+        frozen_pid, other_pid = run.group.rank_pids[1], run.group.rank_pids[0]
+        loop = asyncio.get_running_loop()
+        frozen_at = loop.time()
+        os.kill(frozen_pid, signal.SIGSTOP)  # on failure, the group's stop kills it
+        await wait_for(lambda: run.readiness == [True, False], LIVENESS_S + 10.0)
+        assert loop.time() - frozen_at < LIVENESS_S + 10.0
+        await wait_for(lambda: is_gone(frozen_pid), 10.0)  # killed and reaped, not left stopped
+        reasons = [r.getMessage() for r in caplog.records if "fail-stop" in r.getMessage()]
+        assert len(reasons) == 1, reasons
+        assert re.search(rf"rank 1 \(cpu, pid {frozen_pid}\) answered no ping for \d", reasons[0])
+        await wait_for(lambda: run.group.is_ready, START_TIMEOUT_S)
+        assert not {frozen_pid, other_pid} & set(run.group.rank_pids)
+        assert [r.device_total for r in await run.group.step(EchoPayload(value=2))] == [4, 4]
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
 """The rank group's leader side without torch: messages, the agreement and outcome rules,
-the config's checks and the restart policy."""
+the config's checks, the restart policy and the liveness rule."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from services.common.ranks.agreement import (
     pack_status,
     unpack_status,
 )
-from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
+from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.errors import StepFailedError
+from services.common.ranks.liveness import Liveness
 from services.common.ranks.messages import (
     MAX_ERROR_CHARS,
     Executed,
     Hello,
     Ping,
+    Pong,
     RankStatus,
     Ready,
     Setup,
@@ -43,7 +45,11 @@ from services.common.ranks.messages import (
 )
 from services.common.ranks.outcome import step_outcome
 from services.common.ranks.restarts import RestartPolicy
-from tests.common.ranks_helpers import REPO, Value
+from tests.common.ranks_group_helpers import REPO
+
+
+class Value(msgspec.Struct, frozen=True):
+    value: int
 
 
 # --- messages ------------------------------------------------------------------------
@@ -69,6 +75,7 @@ def test_messages_to_a_rank_round_trip(message: ToRank) -> None:
         StartFailed(rank=1, generation=3, stage=StartStage.DEVICE, error="RuntimeError: no GPU"),
         Ready(rank=1),
         Executed(step=4, rank=1),
+        Pong(step=4, rank=1),
         StepReply(step=4, rank=1, status=StepStatus.OK, result=encode_raw(Value(2))),
         StepReply(
             step=4,
@@ -88,6 +95,8 @@ def test_messages_to_the_leader_round_trip(message: ToLeader) -> None:
 def test_a_message_of_the_other_direction_or_garbage_does_not_decode() -> None:
     with pytest.raises(msgspec.ValidationError):
         decode_to_leader(encode(Ping(step=1)))
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_rank(encode(Pong(step=1, rank=0)))
     with pytest.raises(msgspec.DecodeError):
         decode_to_rank(b"\xff\x00garbage")
 
@@ -182,22 +191,16 @@ def test_outcome_of_a_malformed_reply_or_result_names_the_rank() -> None:
     [
         ({}, "at least one device"),
         ({"devices": ("gpu0",)}, "'cpu' or 'cuda:N'"),
-        ({"devices": ("cpu",), "world_size": 2}, "world_size is len"),
         ({"devices": ("cpu",), "control_addr": "tcp://0.0.0.0:5000"}, "never a wildcard"),
         ({"devices": ("cpu",), "control_addr": "tcp://10.0.0.1:5000"}, "must be loopback"),
         ({"devices": ("cpu",), "control_addr": "udp://x"}, "is not ipc://PATH"),
         ({"devices": ("cpu",), "step_timeout_s": 0}, "step_timeout_s must be > 0"),
         ({"devices": ("cpu",), "heartbeat_s": 5, "leader_timeout_s": 5}, "must exceed heartbeat_s"),
-        ({"mode": RankMode.JOIN, "world_size": 2}, "needs control_addr"),
+        ({"devices": ("cpu",), "liveness_timeout_s": 0}, "liveness_timeout_s must be > 0"),
         (
-            {"mode": RankMode.JOIN, "control_addr": "tcp://*:5000", "world_size": 2},
-            "never a wildcard",
+            {"devices": ("cpu",), "heartbeat_s": 2, "liveness_timeout_s": 2},
+            "liveness_timeout_s must exceed heartbeat_s",
         ),
-        (
-            {"mode": RankMode.JOIN, "control_addr": "ipc:///tmp/x", "devices": ("cpu",)},
-            "leave devices empty",
-        ),
-        ({"mode": RankMode.JOIN, "control_addr": "ipc:///tmp/x"}, "world_size >= 1"),
     ],
 )
 def test_config_refuses_what_cannot_run(kwargs: dict, match: str) -> None:
@@ -222,6 +225,31 @@ def test_restart_backoff_doubles_up_to_its_cap_and_attempts_are_bounded() -> Non
     assert [policy.next_backoff_s() for _ in range(5)] == [1.0, 2.0, 3.0, 3.0, None]
     policy.reset()
     assert policy.next_backoff_s() == 1.0
+
+
+# --- liveness: an idle rank that answers no ping ----------------------------------------
+def test_an_idle_rank_that_answers_no_ping_for_the_bound_is_named() -> None:
+    liveness = Liveness(num_ranks=2, timeout_s=10.0)
+    liveness.start(100.0)  # the group became ready
+    liveness.answered(0, 105.0)
+    assert liveness.deadline_mono(idle_since_mono=0.0) == 110.0  # rank 1's bound
+    assert liveness.silent(109.5, idle_since_mono=0.0) is None
+    assert liveness.silent(110.0, idle_since_mono=0.0) == (1, 10.0)
+    liveness.answered(1, 109.0)
+    assert liveness.silent(112.0, idle_since_mono=0.0) is None
+    assert liveness.deadline_mono(idle_since_mono=0.0) == 115.0  # now rank 0's
+    assert liveness.silent(115.0, idle_since_mono=0.0) == (0, 10.0)
+
+
+def test_silence_counts_from_the_end_of_the_last_step() -> None:
+    liveness = Liveness(num_ranks=2, timeout_s=10.0)
+    liveness.start(100.0)
+    # A 30 s step ran from 101 to 131: no rank answered a ping meanwhile.
+    assert liveness.silent(131.0, idle_since_mono=131.0) is None
+    assert liveness.deadline_mono(idle_since_mono=131.0) == 141.0
+    assert liveness.silent(141.0, idle_since_mono=131.0) == (0, 10.0)
+    liveness.start(150.0)  # a new generation's ranks: the old answers do not count
+    assert liveness.silent(155.0, idle_since_mono=131.0) is None
 
 
 def test_the_leader_imports_no_torch() -> None:

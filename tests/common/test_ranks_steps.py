@@ -1,6 +1,6 @@
 """The step classes the rank processes of the rank tests import by path, and the rank's step
 loop driven in this process (one gloo rank): OK, a raising step, a malformed payload, a
-wrong result type, a malformed control message, a StageServeError's class.
+wrong result type, a malformed control message, a StageServeError's class, Pings answered.
 
 ``EchoStep`` (``tests.common.test_ranks_steps:EchoStep``) runs an all-reduce on each of its
 groups (on its device for the device group: NCCL on CUDA ranks), then does what the payload
@@ -25,13 +25,16 @@ from services.common.ranks.channel import Malformed
 from services.common.ranks.messages import (
     NIL,
     Executed,
+    Ping,
+    Pong,
     Setup,
+    Shutdown,
     StepReply,
     StepRequest,
     StepStatus,
     encode_raw,
 )
-from services.common.ranks.rank_loop import RankLoop
+from services.common.ranks.rank_loop import LoopExit, RankLoop
 from services.common.ranks.step import BaseRankStep, RankContext
 
 TARGET = "tests.common.test_ranks_steps:EchoStep"
@@ -134,9 +137,14 @@ class EchoStep(BaseRankStep):
 class FakeChannel:
     def __init__(self) -> None:
         self.sent: list[msgspec.Struct] = []
+        self.inbox: list[msgspec.Struct] = []  # what ``receive`` hands the loop, in order
 
     def send(self, message: msgspec.Struct) -> None:
         self.sent.append(message)
+
+    def receive(self, timeout_s: float) -> msgspec.Struct:
+        assert self.inbox, "the loop asked for more messages than the test gave it"
+        return self.inbox.pop(0)
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +242,13 @@ def test_a_malformed_control_message_counts_as_the_due_step(world_of_one) -> Non
     )
     assert channel.sent == [Executed(step=7, rank=0)]
     assert loop.run_step(request(8, EchoPayload(value=1))).status is StepStatus.OK
+
+
+def test_an_idle_rank_answers_each_ping_with_a_pong_apart_from_its_steps(world_of_one) -> None:
+    loop, channel = make_loop(world_of_one)
+    channel.inbox += [Ping(step=6), request(7, EchoPayload(value=2)), Ping(step=7), Shutdown(7)]
+    assert loop.serve() is LoopExit.SHUTDOWN
+    pong_6, executed, reply, pong_7 = channel.sent
+    assert (pong_6, executed, pong_7) == (Pong(step=6, rank=0), Executed(7, 0), Pong(7, 0))
+    assert isinstance(reply, StepReply) and (reply.step, reply.status) == (7, StepStatus.OK)
+    assert msgspec.msgpack.decode(reply.result, type=EchoResult).value == 2

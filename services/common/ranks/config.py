@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass
 
@@ -12,11 +11,6 @@ _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}
 _TCP = re.compile(r"^tcp://(?P<host>.*):(?P<port>\d+)$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
-
-
-class RankMode(enum.Enum):
-    SPAWN = "spawn"  # the leader starts one rank process per device on its own host
-    JOIN = "join"  # a deployment starts the ranks; they join through env:// and connect here
 
 
 @dataclass(frozen=True)
@@ -38,16 +32,14 @@ class StepSpec:
 @dataclass(frozen=True)
 class RankGroupConfig:
     name: str = "ranks"  # in log lines, errors and watchdog names
-    mode: RankMode = RankMode.SPAWN
-    devices: tuple[str, ...] = ()  # spawn: one rank per entry ("cpu", "cuda:0", ...)
-    world_size: int = 0  # join: how many ranks join; spawn: 0 (it is len(devices))
-    # Where ranks connect. spawn: "" (a private ipc:// socket) or ipc://PATH or
-    # tcp://127.0.0.1:PORT; join: required, ipc://PATH or tcp://HOST:PORT (never a wildcard).
+    devices: tuple[str, ...] = ()  # the leader spawns one rank per entry ("cpu", "cuda:0", ...)
+    # Where ranks connect: "" (a private ipc:// socket), ipc://PATH or tcp://127.0.0.1:PORT.
     control_addr: str = ""
     step_timeout_s: float = 30.0  # a step's deadline unless its caller gives one
     start_timeout_s: float = 300.0  # spawn to Ready on every rank (model load, warm-up)
     collective_timeout_s: float = 30.0  # the ranks' process groups and their start-up barrier
     heartbeat_s: float = 1.0  # the leader pings idle ranks this often
+    liveness_timeout_s: float = 10.0  # an idle rank that answers no ping this long is dead
     leader_timeout_s: float = 10.0  # a rank that hears nothing from its leader this long exits
     max_restart_attempts: int = 5  # consecutive failed re-forms before the group gives up
     restart_backoff_s: float = 1.0  # before the first re-form; doubles per failed attempt
@@ -64,6 +56,7 @@ class RankGroupConfig:
             "start_timeout_s",
             "collective_timeout_s",
             "heartbeat_s",
+            "liveness_timeout_s",
             "leader_timeout_s",
             "restart_backoff_s",
             "stop_grace_s",
@@ -77,36 +70,25 @@ class RankGroupConfig:
             raise ValueError(
                 "leader_timeout_s must exceed heartbeat_s (ranks would leave an idle leader)"
             )
+        if self.liveness_timeout_s <= self.heartbeat_s:
+            raise ValueError(
+                "liveness_timeout_s must exceed heartbeat_s (idle ranks would be declared dead)"
+            )
 
     @property
     def num_ranks(self) -> int:
-        return len(self.devices) if self.mode is RankMode.SPAWN else self.world_size
+        return len(self.devices)
 
     def _check_ranks(self) -> None:
-        if self.mode is RankMode.SPAWN:
-            if not self.devices:
-                raise ValueError("spawn mode needs at least one device (e.g. devices=('cpu',))")
-            if self.world_size not in (0, len(self.devices)):
-                raise ValueError(
-                    f"spawn mode: world_size is len(devices)={len(self.devices)}; "
-                    f"leave it 0, got {self.world_size}"
-                )
-            bad = [d for d in self.devices if not _DEVICE.match(d)]
-            if bad:
-                raise ValueError(f"devices must be 'cpu' or 'cuda:N', got {bad}")
-        else:
-            if self.devices:
-                raise ValueError(
-                    "join mode: each rank names its own device (--device); leave devices empty"
-                )
-            if self.world_size < 1:
-                raise ValueError(f"join mode needs world_size >= 1, got {self.world_size}")
+        if not self.devices:
+            raise ValueError("a rank group needs at least one device (e.g. devices=('cpu',))")
+        bad = [d for d in self.devices if not _DEVICE.match(d)]
+        if bad:
+            raise ValueError(f"devices must be 'cpu' or 'cuda:N', got {bad}")
 
     def _check_control_addr(self) -> None:
         addr = self.control_addr
         if not addr:
-            if self.mode is RankMode.JOIN:
-                raise ValueError("join mode needs control_addr (tcp://HOST:PORT or ipc://PATH)")
             return
         if addr.startswith("ipc://") and len(addr) > len("ipc://"):
             return
@@ -116,7 +98,5 @@ class RankGroupConfig:
         host = match["host"]
         if host in _WILDCARD_HOSTS:
             raise ValueError(f"control_addr {addr!r}: bind a named interface, never a wildcard")
-        if self.mode is RankMode.SPAWN and host not in _LOOPBACK_HOSTS:
-            raise ValueError(
-                f"spawn mode: control_addr {addr!r} must be loopback (the ranks are local)"
-            )
+        if host not in _LOOPBACK_HOSTS:
+            raise ValueError(f"control_addr {addr!r} must be loopback (the ranks are local)")

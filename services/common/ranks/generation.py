@@ -1,9 +1,9 @@
-"""One formation of a rank group: its slots, their processes (spawn mode) and their zmq peers.
+"""One formation of a rank group: its slots, their processes and their zmq peers.
 
-A generation is born FORMING (spawned, or waiting for joiners), accepts one Hello per
-rank, and ends for good: its processes are killed and reaped (spawn) or told to Shutdown
-(join). A re-formed group is a new generation with new processes and a new rendezvous.
-Owned by the supervisor thread.
+A generation is born FORMING (its processes spawned), accepts one Hello per rank, and
+ends for good: its processes are told to Shutdown, then killed and reaped. A re-formed
+group is a new generation with new processes and a new rendezvous. Owned by the
+supervisor thread.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from services.common.ranks.channel import LeaderChannel
-from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
+from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.messages import Hello, Setup, Shutdown, StartFailed, encode_raw
 from services.common.ranks.procs import RankLaunch, RankProcess, kill_all, stop_all
 
@@ -29,8 +29,8 @@ def describe_exit(code: int) -> str:
 @dataclass
 class Slot:
     rank: int
-    device: str  # spawn: from the config; join: "?" until its Hello names it
-    process: RankProcess | None = None  # spawn mode
+    device: str
+    process: RankProcess | None = None  # once spawned
     peer: bytes | None = None  # its zmq routing id, from its Hello
     is_setup_sent: bool = False
     is_ready: bool = False
@@ -47,10 +47,8 @@ class Generation:
         self.number = number
         self.config = config
         self.deadline_mono = deadline_mono  # FORMING must end by then
-        self.is_spawn = config.mode is RankMode.SPAWN
-        devices = config.devices if self.is_spawn else ("?",) * config.world_size
-        self.slots = [Slot(rank, device) for rank, device in enumerate(devices)]
-        self.store_port = 0  # spawn: rank 0's TCPStore, from its Hello
+        self.slots = [Slot(rank, device) for rank, device in enumerate(config.devices)]
+        self.store_port = 0  # rank 0's TCPStore, from its Hello
         self._peers: dict[bytes, int] = {}
 
     @property
@@ -58,8 +56,7 @@ class Generation:
         return tuple(s.process.pid for s in self.slots if s.process is not None)
 
     def spawn(self, control_addr: str) -> None:
-        """Start one process per rank (spawn mode); raises OSError."""
-        assert self.is_spawn
+        """Start one process per rank; raises OSError."""
         for slot in self.slots:
             launch = RankLaunch(
                 control_addr,
@@ -83,12 +80,11 @@ class Generation:
             return (
                 f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.slots)}"
             )
-        expected = self.number if self.is_spawn else -1
-        if hello.generation != expected:
-            return f"generation {hello.generation}, expected {expected}"
+        if hello.generation != self.number:
+            return f"generation {hello.generation}, expected {self.number}"
         slot = self.slots[hello.rank]
         if slot.peer is not None:
-            return "that rank has joined already"
+            return "that rank said Hello already"
         if slot.process is not None and slot.process.pid != hello.pid:
             return f"rank {hello.rank} is pid {slot.process.pid}"
         return None
@@ -101,13 +97,10 @@ class Generation:
         return problem
 
     def start_failure(self, failed: StartFailed) -> str | None:
-        """This generation's failure for ``failed``; None when it is another generation's."""
-        if self.is_spawn and failed.generation != self.number:
+        """This generation's failure for ``failed``; None when it is no rank of this one."""
+        if failed.generation != self.number or not 0 <= failed.rank < len(self.slots):
             return None
-        if 0 <= failed.rank < len(self.slots):
-            who = self.slots[failed.rank].who
-        else:
-            who = "a joining rank (before it knew its rank)"
+        who = self.slots[failed.rank].who
         return f"{who} failed to start at {failed.stage.value}: {failed.error}"
 
     def mark_ready(self, rank: int) -> bool:
@@ -130,7 +123,7 @@ class Generation:
         return self.forming_timeout_reason() if now >= self.deadline_mono else None
 
     def exit_cause(self, step: int | None, grace_s: float = 0.0) -> str | None:
-        """A spawned rank that has exited (lowest first), as a fail-stop reason; or None.
+        """A rank that has exited (lowest first), as a fail-stop reason; or None.
 
         ``grace_s``: how long to wait for an exit to show (a peer saw its connections close
         first: the kernel closes a dying process's sockets before its exit can be reaped).
@@ -151,12 +144,12 @@ class Generation:
         slot = self.slots[hello.rank]
         slot.peer, slot.device = peer, hello.device
         self._peers[peer] = hello.rank
-        if self.is_spawn and hello.rank == 0:
+        if hello.rank == 0:
             self.store_port = hello.store_port
 
     def needing_setup(self) -> list[Slot]:
-        """Slots whose Setup can go out now (spawn: once rank 0 named its store)."""
-        if self.is_spawn and self.slots[0].peer is None:
+        """Slots whose Setup can go out now (once rank 0 named its store)."""
+        if self.slots[0].peer is None:
             return []
         return [s for s in self.slots if s.peer is not None and not s.is_setup_sent]
 
@@ -165,7 +158,7 @@ class Generation:
             step_target=spec.target,
             init=encode_raw(spec.init),
             first_step=first_step,
-            store_host="127.0.0.1" if self.is_spawn else "",  # join: env:// did the rendezvous
+            store_host="127.0.0.1",
             store_port=self.store_port,
             collective_timeout_s=self.config.collective_timeout_s,
             leader_timeout_s=self.config.leader_timeout_s,
@@ -175,7 +168,7 @@ class Generation:
         return all(s.is_ready for s in self.slots)
 
     def exit_watch(self) -> dict[int, Slot]:
-        """pidfd -> slot of every spawned process not yet seen exiting."""
+        """pidfd -> slot of every process not yet seen exiting."""
         return {
             s.process.exit_fd: s
             for s in self.slots
@@ -198,7 +191,7 @@ class Generation:
         return f"the group did not form within {timeout_s:.1f} s ({'; '.join(parts)})"
 
     def end(self, channel: LeaderChannel, last_step: int, grace_s: float = 0.0) -> None:
-        """Tell every joined rank to Shutdown; spawn: wait ``grace_s`` for exits, kill the rest,
+        """Tell every connected rank to Shutdown, wait ``grace_s`` for exits, kill the rest,
         reap."""
         for slot in self.slots:
             if slot.peer is not None:

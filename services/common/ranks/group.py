@@ -1,7 +1,7 @@
 """``RankGroup``: what a model service's leader holds to run steps on its R rank processes.
 
 Use: ``group = RankGroup(config, spec, on_ready_change=...)``; ``await group.start()``
-(forms the group: every rank spawned or joined, its step class built and warmed up; raises
+(forms the group: every rank spawned, its step class built and warmed up; raises
 ``RankStartError`` naming the rank and cause); ``await group.step(payload)`` (every rank's
 result in rank order, or the step's one error); ``group.stop()`` at shutdown.
 
@@ -69,8 +69,7 @@ class RankGroup:
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
-        """The current generation's rank processes (spawn mode), in rank order; () between
-        generations."""
+        """The current generation's rank processes, in rank order; () between generations."""
         return self._supervisor.rank_pids
 
     async def start(self) -> None:

@@ -59,13 +59,12 @@ class Lifecycle:
         )
         self.gen, self.state = gen, GroupState.FORMING
         self._log.info("forming generation %d (%d ranks)", gen.number, self.config.num_ranks)
-        if gen.is_spawn:
-            try:
-                gen.spawn(self.channel.addr)
-            except OSError as exc:
-                self.generation_failed(f"cannot start the rank processes: {exc}")
-                return
-            self.rank_pids = gen.pids
+        try:
+            gen.spawn(self.channel.addr)
+        except OSError as exc:
+            self.generation_failed(f"cannot start the rank processes: {exc}")
+            return
+        self.rank_pids = gen.pids
 
     def become_ready(self) -> None:
         assert self.gen is not None

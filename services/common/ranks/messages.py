@@ -42,12 +42,12 @@ class StepStatus(enum.Enum):
 
 # --- leader -> rank -------------------------------------------------------------------
 class Setup(msgspec.Struct, frozen=True, tag="setup"):
-    """What a rank needs after its Hello: the rendezvous (spawn), its step class and its init."""
+    """What a rank needs after its Hello: the rendezvous, its step class and its init."""
 
     step_target: str  # "package.module:ClassName", a BaseRankStep subclass
     init: msgspec.Raw  # msgpack of the step class's init_type
     first_step: int  # the step number the first StepRequest will carry
-    store_host: str  # spawn: rank 0's TCPStore; join: "" (the env:// rendezvous is done)
+    store_host: str  # rank 0's TCPStore
     store_port: int
     collective_timeout_s: float
     leader_timeout_s: float  # a rank that hears nothing from the leader this long exits
@@ -60,7 +60,7 @@ class StepRequest(msgspec.Struct, frozen=True, tag="step"):
 
 
 class Ping(msgspec.Struct, frozen=True, tag="ping"):
-    """The leader is alive; sent while no step is in flight. ``step``: the last one sent."""
+    """The leader is alive; a rank answers with ``Pong``. ``step``: the last one sent."""
 
     step: int
 
@@ -74,14 +74,14 @@ ToRank = Setup | StepRequest | Ping | Shutdown
 
 # --- rank -> leader -------------------------------------------------------------------
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
-    """First message of a rank process; spawn mode's rank 0 names its TCPStore port."""
+    """First message of a rank process; rank 0 names its TCPStore port."""
 
     rank: int
     world_size: int
-    generation: int  # spawn: the generation the leader started it for; join: -1
+    generation: int  # the generation the leader started it for
     pid: int
     device: str
-    store_port: int  # spawn, rank 0: its TCPStore; else 0
+    store_port: int  # rank 0: its TCPStore; else 0
     token: str  # STAGESERVE_INTERNAL_TOKEN as the rank sees it
 
 
@@ -114,7 +114,14 @@ class StepReply(msgspec.Struct, frozen=True, tag="step_reply"):
     error_type: str = ""  # FAILED: the StageServeError class the failing rank raised, or ""
 
 
-ToLeader = Hello | StartFailed | Ready | Executed | StepReply
+class Pong(msgspec.Struct, frozen=True, tag="pong"):
+    """This rank read a Ping (it is alive and idle); ``step``: the Ping's. Never a step's reply."""
+
+    step: int
+    rank: int
+
+
+ToLeader = Hello | StartFailed | Ready | Executed | StepReply | Pong
 
 
 # --- rank <-> rank (all-gathered, see agreement.py) ------------------------------------

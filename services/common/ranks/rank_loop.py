@@ -7,10 +7,11 @@ verdict every rank reached: OK with this rank's result, or FAILED with the agree
 failed on this rank. An exchange that cannot complete (a peer dead or stuck, a desync)
 makes this rank reply BROKEN and leave: the group is restarted as a whole.
 
-The loop also leaves when the leader says Shutdown, when its parent (spawn mode) is gone,
-and when the leader has been silent for ``leader_timeout_s`` (it pings idle ranks). A step
+The loop also leaves when the leader says Shutdown, when its parent (the leader) is gone,
+and when the leader has been silent for ``leader_timeout_s`` (it pings idle ranks, each
+Ping answered with a Pong: the leader's check that this rank is alive). A step
 still running ``STUCK_EXIT_GRACE_S`` past its deadline (the leader has given up on it)
-ends the process from a watchdog thread: in join mode nobody else would.
+ends the process from a watchdog thread, should the leader not have killed it yet.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from services.common.ranks.messages import (
     NIL,
     Executed,
     Ping,
+    Pong,
     RankStatus,
     Setup,
     Shutdown,
@@ -101,7 +103,7 @@ class RankLoop:
         self.control_group = control_group  # the status exchange's own group (the default one)
         self.rank = rank
         self.setup = setup
-        self.parent_pid = parent_pid  # spawn mode: the leader; 0 in join mode
+        self.parent_pid = parent_pid  # the leader; 0: none (a loop driven in-process)
         self._next_step = setup.first_step
 
     def serve(self) -> LoopExit:
@@ -119,6 +121,7 @@ class RankLoop:
                 logger.info("shutdown after step %d", message.step)
                 return LoopExit.SHUTDOWN
             if isinstance(message, Ping):
+                self.channel.send(Pong(step=message.step, rank=self.rank))
                 continue
             if isinstance(message, Setup):
                 logger.error("ignored a second Setup from the leader (a bug)")

@@ -1,13 +1,10 @@
 """A rank process: ``python -m services.common.ranks.rank_main --leader ADDR ...``.
 
 Start-up, in order; a failure at any stage reaches the leader as StartFailed naming this
-rank, the stage and the cause, and the process exits 1:
-  spawn: device -> (rank 0: a TCPStore on a free port) -> Hello -> Setup -> import -> rendezvous
-  join:  rendezvous (env://: torch reads MASTER_ADDR/PORT, RANK, WORLD_SIZE) -> device -> Hello
-         -> Setup -> import
-  both:  groups -> construct -> warmup -> barrier -> Ready, then the step loop.
-The leader spawns ranks itself; a deployment starts a joining one with
-``--join --leader tcp://LEADER:PORT --device cuda:0``. Exit codes: ``LoopExit``.
+rank, the stage and the cause, and the process exits 1: device -> (rank 0: a TCPStore on a
+free port) -> Hello -> Setup -> import -> rendezvous -> groups -> construct -> warmup ->
+barrier -> Ready, then the step loop. The leader spawns every rank (``procs.RankLaunch``).
+Exit codes: ``LoopExit``.
 """
 
 from __future__ import annotations
@@ -52,12 +49,11 @@ LISTEN_BACKLOG = 128
 @dataclass(frozen=True)
 class RankArgs:
     leader: str
-    is_join: bool
-    generation: int  # spawn: the leader's generation; join: -1
-    rank: int  # spawn: this rank; join: -1 (torch's RANK decides)
-    world_size: int  # spawn: the group's size; join: 0 (torch's WORLD_SIZE decides)
+    generation: int  # the leader's generation
+    rank: int
+    world_size: int
     device: str
-    parent_pid: int  # spawn: the leader (this rank leaves when it is gone); join: 0
+    parent_pid: int  # the leader (this rank leaves when it is gone); 0: none
     rendezvous_timeout_s: float
     log_level: str
 
@@ -67,9 +63,6 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
     p.add_argument(
         "--leader", required=True, help="the leader's control address (ipc:// or tcp://)"
     )
-    p.add_argument(
-        "--join", action="store_true", help="join through env:// (RANK, WORLD_SIZE, MASTER_*)"
-    )
     p.add_argument("--generation", type=int, default=-1)
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--world-size", type=int, default=0)
@@ -78,11 +71,10 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
     p.add_argument("--rendezvous-timeout-s", type=float, default=300.0)
     p.add_argument("--log-level", type=str.upper, default=Envs.from_environ().log_level)
     a = p.parse_args(argv)
-    if not a.join and not 0 <= a.rank < a.world_size:
-        p.error("spawn mode needs --rank R --world-size W with 0 <= R < W (or --join)")
+    if not 0 <= a.rank < a.world_size:
+        p.error("needs --rank R --world-size W with 0 <= R < W")
     return RankArgs(
         a.leader,
-        a.join,
         a.generation,
         a.rank,
         a.world_size,
@@ -141,7 +133,7 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Spawn mode, rank 0: the group's TCPStore on a free port of 127.0.0.1 only.
+    """Rank 0: the group's TCPStore on a free port of 127.0.0.1 only.
 
     A TCPStore given a port binds every interface; its socket is made here instead.
     """
@@ -183,11 +175,9 @@ def loopback_gloo_options() -> dist.ProcessGroupGloo._Options:
     return options
 
 
-def _form_groups(
-    device: str, timeout_s: float, is_local: bool
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """``is_local`` (spawn mode): the gloo groups listen on loopback only."""
-    gloo = loopback_gloo_options() if is_local else None
+def _form_groups(device: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The gloo groups listen on loopback only."""
+    gloo = loopback_gloo_options()
     cpu_group = dist.new_group(backend="gloo", timeout=_timeout(timeout_s), pg_options=gloo)
     if device.startswith("cuda"):
         device_group = dist.new_group(backend="nccl", timeout=_timeout(timeout_s))
@@ -199,15 +189,9 @@ def _form_groups(
 
 def _start(args: RankArgs, channel: RankChannel) -> _Started:
     rank, world_size, store = args.rank, args.world_size, None
-    if args.is_join:
-        with _stage(StartStage.RENDEZVOUS, rank):
-            dist.init_process_group(
-                "gloo", init_method="env://", timeout=_timeout(args.rendezvous_timeout_s)
-            )
-            rank, world_size = dist.get_rank(), dist.get_world_size()
     with _stage(StartStage.DEVICE, rank):
         bind_device(args.device)
-    if not args.is_join and rank == 0:
+    if rank == 0:
         with _stage(StartStage.RENDEZVOUS, rank):
             store = loopback_store(world_size, args.rendezvous_timeout_s)
     channel.send(
@@ -225,33 +209,32 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         setup = _await_setup(channel, args.rendezvous_timeout_s)
     with _stage(StartStage.IMPORT, rank):  # before the rendezvous: a bad target fails at once
         cls = import_step(setup.step_target)
-    if not args.is_join:
-        with _stage(StartStage.RENDEZVOUS, rank):
-            if store is None:
-                store = dist.TCPStore(
-                    setup.store_host,
-                    setup.store_port,
-                    world_size,
-                    is_master=False,
-                    timeout=_timeout(args.rendezvous_timeout_s),
-                )
-            dist.init_process_group(
-                "gloo",
-                store=store,
-                rank=rank,
-                world_size=world_size,
-                timeout=_timeout(setup.collective_timeout_s),
-                pg_options=loopback_gloo_options(),
+    with _stage(StartStage.RENDEZVOUS, rank):
+        if store is None:
+            store = dist.TCPStore(
+                setup.store_host,
+                setup.store_port,
+                world_size,
+                is_master=False,
+                timeout=_timeout(args.rendezvous_timeout_s),
             )
-    step_fn = _build_step(cls, args.device, rank, world_size, setup, is_local=not args.is_join)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=_timeout(setup.collective_timeout_s),
+            pg_options=loopback_gloo_options(),
+        )
+    step_fn = _build_step(cls, args.device, rank, world_size, setup)
     return _Started(rank, setup, step_fn)
 
 
 def _build_step(
-    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup, is_local: bool
+    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
 ) -> BaseRankStep:
     with _stage(StartStage.GROUPS, rank):
-        cpu_group, device_group = _form_groups(device, setup.collective_timeout_s, is_local)
+        cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
     ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
     with _stage(StartStage.CONSTRUCT, rank):
         step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))
@@ -269,7 +252,7 @@ def _build_step(
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """Spawn mode: SIGKILL this process when its leader dies (Linux), even in the middle of
+    """SIGKILL this process when its leader dies (Linux), even in the middle of
     start-up."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -299,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for handler in logging.getLogger().handlers:
         handler.addFilter(rank_field)
-    rank_field.rank = str(args.rank) if args.rank >= 0 else "?"
+    rank_field.rank = str(args.rank)
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     tune_malloc(Envs.from_environ())
@@ -318,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             return int(LoopExit.BROKEN)
-        rank_field.rank = str(started.rank)
         channel.send(Ready(rank=started.rank))
         loop = RankLoop(
             channel, started.step_fn, dist.group.WORLD, started.rank, started.setup, args.parent_pid

@@ -54,6 +54,7 @@ class StepRunner:
         )  # ticks when the rank executed and when it replied
         self.next_step = 1  # numbers go on across generations
         self.inflight: InFlight | None = None
+        self.idle_since_mono = 0.0  # when the last step ended
 
     @property
     def last_step(self) -> int:
@@ -96,6 +97,7 @@ class StepRunner:
         """End the step in flight, if any, with ``error``."""
         if self.inflight is not None:
             inflight, self.inflight = self.inflight, None
+            self.idle_since_mono = time.monotonic()
             inflight.future.set_exception(error)
 
     def deadline_reason(self) -> str:
@@ -118,7 +120,7 @@ class StepRunner:
         inflight.replies.setdefault(rank, reply)
         if len(inflight.replies) < self.num_ranks:
             return
-        self.inflight = None
+        self.inflight, self.idle_since_mono = None, time.monotonic()
         self._progress.tick()
         outcome = step_outcome(
             inflight.step, [inflight.replies[r] for r in range(self.num_ranks)], self._decoder

@@ -1,18 +1,19 @@
 """The leader's side of a rank group: one thread owns the control socket and the rank processes.
 
 Lifecycle of a generation (one formation of the group):
-  FORMING  spawn W ranks (join: wait for W Hellos); Hello -> Setup (spawn: once rank 0
-           named its TCPStore); Ready from every rank -> READY. A StartFailed, a rank's exit
-           or ``start_timeout_s`` fails it: the first start raises ``RankStartError``; a
-           re-form counts one attempt.
+  FORMING  spawn W ranks; Hello -> Setup (once rank 0 named its TCPStore); Ready from
+           every rank -> READY. A StartFailed, a rank's exit or ``start_timeout_s`` fails
+           it: the first start raises ``RankStartError``; a re-form counts one attempt.
   READY    one step at a time, in submission order: StepRequest to every rank, replies
-           gathered until the step's deadline. Idle ranks are pinged every ``heartbeat_s``.
-  fail-stop  a rank exited, missed the deadline, broke the status exchange or is
-           unreachable: the step's caller gets ``UnavailableError``, readiness goes false,
-           the generation is killed (join: told to Shutdown), and after a backoff a new one
-           forms: new processes, a new rendezvous. Steps submitted meanwhile fail at once.
-  BACKOFF -> FORMING (join mode: at once when a rank says Hello); FAILED after
-           ``max_restart_attempts`` consecutive failed re-forms.
+           gathered until the step's deadline. Ranks are pinged every ``heartbeat_s`` and
+           answer each Ping with a Pong; while no step is in flight, a rank that answered
+           none for ``liveness_timeout_s`` (frozen, wedged) is dead (``liveness.py``).
+  fail-stop  a rank exited, missed the deadline, broke the status exchange, is
+           unreachable or, idle, answered no ping: the step's caller gets
+           ``UnavailableError``, readiness goes false, the generation is killed, and after
+           a backoff a new one forms: new processes, a new rendezvous. Steps submitted
+           meanwhile fail at once.
+  BACKOFF -> FORMING; FAILED after ``max_restart_attempts`` consecutive failed re-forms.
   STOPPED  after ``stop``: queued and in-flight steps fail, ranks get Shutdown,
            the ones still running after ``stop_grace_s`` are killed; all are reaped.
 Callers hand steps over through a queue (and a wake-up pipe); results go back through
@@ -33,15 +34,17 @@ import zmq
 from services.common.errors import UnavailableError
 from services.common.progress import ProgressWatchdog
 from services.common.ranks.channel import LeaderChannel, Malformed
-from services.common.ranks.config import RankGroupConfig, RankMode, StepSpec
+from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.errors import RankStartError
 from services.common.ranks.generation import Generation, Slot
 from services.common.ranks.handover import Results, StepHandover, Submitted
 from services.common.ranks.lifecycle import GroupState, Lifecycle
+from services.common.ranks.liveness import Liveness
 from services.common.ranks.messages import (
     Executed,
     Hello,
     Ping,
+    Pong,
     Ready,
     Shutdown,
     StartFailed,
@@ -100,6 +103,7 @@ class Supervisor:
         self.control_addr = ""
         self._channel: LeaderChannel | None = None
         self._last_ping_mono = 0.0
+        self._liveness = Liveness(self.num_ranks, config.liveness_timeout_s)
 
     @property
     def state(self) -> GroupState:
@@ -188,6 +192,7 @@ class Supervisor:
             timers.append(self._steps.inflight.deadline_mono)
         elif self.state is GroupState.READY:
             timers.append(self._last_ping_mono + self.config.heartbeat_s)
+            timers.append(self._liveness.deadline_mono(self._steps.idle_since_mono))
         return min(timers)
 
     def _on_timers(self, now: float) -> None:
@@ -199,9 +204,19 @@ class Supervisor:
             self._life.begin_generation()
         elif self._steps.inflight is not None and now >= self._steps.inflight.deadline_mono:
             self._life.fail_stop(self._steps.deadline_reason())
-        elif (
-            self.state is GroupState.READY and now >= self._last_ping_mono + self.config.heartbeat_s
-        ):
+        elif self.state is GroupState.READY:
+            self._on_ready_timers(now)
+
+    def _on_ready_timers(self, now: float) -> None:
+        gen = self._life.gen
+        assert gen is not None
+        silent = None
+        if self._steps.inflight is None:  # a rank busy in a step reads no ping
+            silent = self._liveness.silent(now, self._steps.idle_since_mono)
+        if silent is not None:
+            rank, silent_s = silent
+            self._life.fail_stop(f"{gen.slots[rank].who} answered no ping for {silent_s:.1f} s")
+        elif now >= self._last_ping_mono + self.config.heartbeat_s:
             self._ping(now)
 
     # --- messages ----------------------------------------------------------------------
@@ -223,6 +238,8 @@ class Supervisor:
             self._steps.on_executed(rank, message.step)
         elif isinstance(message, StepReply):
             self._on_reply(rank, message)
+        elif isinstance(message, Pong):
+            self._liveness.answered(rank, time.monotonic())
 
     def _on_malformed(self, rank: int | None, reason: str) -> None:
         if rank is None:
@@ -238,9 +255,6 @@ class Supervisor:
 
     def _on_hello(self, peer: bytes, hello: Hello) -> None:
         assert self._channel is not None
-        if self.state is GroupState.BACKOFF and self.config.mode is RankMode.JOIN:
-            # the deployment restarted its ranks: it paces the re-forms
-            self._life.begin_generation()
         gen = self._life.gen
         if self.state is not GroupState.FORMING or gen is None:
             problem: str | None = f"the group is {self.state.value}, not forming"
@@ -279,6 +293,7 @@ class Supervisor:
             and self._life.gen.mark_ready(rank)
         ):
             self._last_ping_mono = time.monotonic()
+            self._liveness.start(self._last_ping_mono)
             self._life.become_ready()
 
     def _on_reply(self, rank: int, reply: StepReply) -> None:
