@@ -5,11 +5,12 @@ handled."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import threading
 import time
+import types
 
 import pytest
 
+from services.common import gpu_share
 from services.common.gpu_share import NUM_SLOTS, STALE_S, GpuShare
 
 WAIT_S = 20.0  # bound on every wait: a hang fails the test instead of stalling it
@@ -38,15 +39,25 @@ def marker(tmp_path):
     assert process.exitcode == 0
 
 
-def test_a_mark_in_another_process_holds_a_wait_until_it_clears(marker) -> None:
+def test_a_mark_in_another_process_holds_a_wait_until_it_clears(marker, monkeypatch) -> None:
     path, release = marker
     share = GpuShare(path)
     assert share.is_prefill_running()
     assert share.wait_for_prefill(0.3) >= 0.3  # held for its whole bound
-    started = time.monotonic()
-    threading.Timer(0.2, release.set).start()
-    waited = share.wait_for_prefill(WAIT_S)
-    assert waited >= 0.15 and time.monotonic() - started < WAIT_S  # ended by the clear
+    polls = []
+
+    def poll(seconds: float) -> None:  # the wait saw the mark: now the prefill rank clears it
+        polls.append(seconds)
+        release.set()
+        time.sleep(seconds)
+
+    clock = types.SimpleNamespace(
+        monotonic=time.monotonic, monotonic_ns=time.monotonic_ns, sleep=poll
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(gpu_share, "time", clock)
+        waited = share.wait_for_prefill(WAIT_S)
+    assert polls and 0 < waited < WAIT_S  # held by the mark, ended by the clear, not the bound
     deadline = time.monotonic() + WAIT_S
     while share.is_prefill_running() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -119,7 +119,8 @@ async def test_a_sigkilled_rank_fails_the_step_unavailable_and_the_group_reforms
             match=r"rank 1 \(cpu, pid \d+\) exited with signal SIGKILL during step 1",
         ):
             await run.group.step(EchoPayload(value=1, kill_on_rank=1))
-        assert asyncio.get_running_loop().time() - start < 3.0  # within the step deadline
+        # the exit ended it, not the 3 s step deadline (whose error names the deadline)
+        assert asyncio.get_running_loop().time() - start < 3.0 + 10.0
         assert run.readiness == [True, False] and not run.group.is_ready
         with pytest.raises(UnavailableError, match="re-forming after: rank 1"):
             await run.group.step(EchoPayload(value=1))
@@ -165,13 +166,14 @@ async def test_a_sigstopped_rank_fails_the_step_within_its_deadline_and_is_kille
         stopped_pid = run.group.rank_pids[1]
         start = asyncio.get_running_loop().time()
         step = asyncio.ensure_future(run.group.step(EchoPayload(value=1, stop_on_rank=1)))
-        await wait_for(run.group.progress.is_stalled, 1.8)  # the watchdogs see the stall first
+        await wait_for(lambda: run.group.progress.is_stalled() or step.done(), 10.0)
+        assert not step.done()  # the watchdogs see the stall first, before the deadline
         assert run.group.rank_progress[1].is_stalled()
         with pytest.raises(
             UnavailableError, match=r"did not finish step 1 within its 2.0 s deadline"
         ):
             await step
-        assert asyncio.get_running_loop().time() - start < 2.0 + 1.0
+        assert 2.0 <= asyncio.get_running_loop().time() - start < 2.0 + 10.0
         assert run.readiness == [True, False]
         await wait_for(lambda: is_gone(stopped_pid), 10.0)  # killed and reaped, not leaked
         await wait_for(lambda: run.group.is_ready, START_TIMEOUT_S)

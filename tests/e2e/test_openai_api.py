@@ -91,6 +91,20 @@ def decode_stats(system):
     return asyncio.run(stats())
 
 
+def settled_stats(system, is_settled, timeout_s: float):
+    """Decode's stats once ``is_settled(stats)``, else its last ones at the bound."""
+    deadline = time.monotonic() + timeout_s
+    stats = decode_stats(system)
+    while not is_settled(stats) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = decode_stats(system)
+    return stats
+
+
+def holds_nothing(stats) -> bool:
+    return not (stats.num_used_pages or stats.num_running_requests or stats.num_reserved_requests)
+
+
 def reference(pipeline, hf_model, text: str, images: list[bytes]) -> tuple[str, int, int]:
     """transformers' greedy continuation: (text, completion tokens, prompt tokens)."""
     messages = [
@@ -278,7 +292,7 @@ def test_completions_and_models(system, client, model_name):
     assert httpx.get(f"http://127.0.0.1:{system.http_port}/health", timeout=10).status_code == 200
 
 
-def test_aborted_stream_frees_pages(system, client, model_name):
+def test_aborted_stream_frees_pages(system, client, model_name, initial_free_pages):
     stream = client.chat.completions.create(
         model=model_name,
         messages=chat("Go on and on."),
@@ -291,17 +305,19 @@ def test_aborted_stream_frees_pages(system, client, model_name):
         if i == 3:
             break
     stream.close()
+    stats = settled_stats(system, holds_nothing, 60)
+    assert holds_nothing(stats), stats
+    # every page is back, but those of earlier failed reservations, resting in quarantine
+    assert stats.num_free_pages + stats.num_quarantined_pages == initial_free_pages
 
 
 def test_zz_no_kv_page_is_lost(system, initial_free_pages):
     # An aborted stream's pages come back asynchronously; those of a reservation that failed
     # before its KV was ready (a prefill error) only after decode's quarantine (35 s).
-    deadline = time.monotonic() + 90
-    stats = decode_stats(system)
-    while (
-        stats.num_quarantined_pages or stats.num_free_pages != initial_free_pages
-    ) and time.monotonic() < deadline:
-        time.sleep(0.5)
-        stats = decode_stats(system)
+    stats = settled_stats(
+        system,
+        lambda s: not s.num_quarantined_pages and s.num_free_pages == initial_free_pages,
+        90,
+    )
     assert stats.num_quarantined_pages == 0
     assert stats.num_free_pages == initial_free_pages

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
-from tokenizers import pre_tokenizers
+from tokenizers import Tokenizer, pre_tokenizers
 
 from services.common.errors import InvalidRequestError
+from services.engine.processing import text as text_module
 from services.engine.processing.chat import iter_image_parts
-from services.engine.processing.detokenize import byte_level_char_to_byte
+from services.engine.processing.detokenize import byte_level_char_to_byte, token_bytes_table
 from services.engine.processing.text import (
     PlaceholderSpan,
     TextProcessor,
     expand_image_placeholders,
 )
+from services.engine.processing.token_bound import CHUNK_CHARS, MAX_COMPOSED, TokenBound
 from tests.conftest import TINY_MODEL_DIR
 
 TINY_DIR = TINY_MODEL_DIR
@@ -252,16 +253,67 @@ def test_a_prompt_at_the_limit_is_refused_with_its_length(processor, text):
         assert info.value.param == param
 
 
+class CountedTokenizer:
+    """A tokenizer that adds the characters it is asked to encode to ``counts``."""
+
+    def __init__(self, tokenizer: Tokenizer, counts: list[int]) -> None:
+        object.__setattr__(self, "_tokenizer", tokenizer)
+        object.__setattr__(self, "_counts", counts)
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        self._counts[0] += len(text)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._tokenizer, name, value)
+
+
+@pytest.fixture
+def counted(monkeypatch) -> tuple[TextProcessor, list[int]]:
+    """A processor every tokenizer of which (the plain copy too) counts the characters encoded."""
+    counts = [0]
+
+    class Tokenizers:
+        @staticmethod
+        def from_file(path: str) -> CountedTokenizer:
+            return CountedTokenizer(Tokenizer.from_file(path), counts)
+
+        @staticmethod
+        def from_str(json_text: str) -> CountedTokenizer:
+            return CountedTokenizer(Tokenizer.from_str(json_text), counts)
+
+    monkeypatch.setattr(text_module, "Tokenizer", Tokenizers)
+    return TextProcessor.from_dir(TINY_DIR), counts
+
+
 @pytest.mark.parametrize("text", ["x" * (50 << 20), "hello world " * (4 << 20)])
-def test_a_huge_text_is_refused_without_tokenizing_it(processor, text):
-    start = time.monotonic()
+def test_a_huge_text_is_refused_without_tokenizing_it(counted, text):
+    processor, counts = counted
+    tokenizer = Tokenizer.from_file(str(TINY_DIR / "tokenizer.json"))
+    max_token_chars = TokenBound.from_tokenizer(
+        tokenizer, token_bytes_table(tokenizer)
+    ).max_token_chars
+    # At most the text of max_len tokens of the longest kind, and two chunks (as TokenBound's
+    # own tests bound it): nothing near the text's length.
+    work_bound = MAX_COMPOSED * max_token_chars * 4096 + 2 * CHUNK_CHARS
     for call in (
         lambda: processor.encode(text, max_len=4096),
         lambda: processor.encode_chat([{"role": "user", "content": text}], max_len=4096),
     ):
+        counts[0] = 0
         with pytest.raises(
             InvalidRequestError,
             match=r"^prompt has at least \d+ tokens; the context limit is 4096$",
         ):
             call()
-    assert time.monotonic() - start < 5.0  # tokenizing it whole takes minutes
+        assert counts[0] <= work_bound < len(text) // 10
+    for call in (  # the counting sees both tokenizers' work
+        lambda: processor.encode(text[:1000]),
+        lambda: processor.encode_chat([{"role": "user", "content": text[:1000]}]),
+    ):
+        counts[0] = 0
+        call()
+        assert counts[0] >= 1000

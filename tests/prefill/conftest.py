@@ -42,6 +42,7 @@ from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
+from services.prefill.request import ReqStatus
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from tests.conftest import TINY_MODEL_DIR, image_bytes
 from tests.prefill.cp_ranks import PAGE_SIZE, TARGET, RecordingResult, group_config, rank_env
@@ -49,6 +50,7 @@ from tests.prefill.fakes import KEY, DecodePool, FakeVisionEncoder
 
 KV_ATOL = 1e-5
 WATCHDOG_POLL_S = 0.01
+WAIT_S = 30.0  # bound on every wait for a state: a hang fails the test instead of stalling it
 
 
 @pytest.fixture(scope="session")
@@ -278,6 +280,17 @@ async def harness(pipeline, language_model) -> AsyncIterator[Harness]:
         await stop_harness(h)
 
 
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def wait_until_ready(harness: Harness, num_requests: int) -> None:
+    """Until ``num_requests`` requests are READY (text admitted, every image's Encode done)."""
+    await wait_until(lambda: harness.scheduler.num_in(ReqStatus.READY) == num_requests)
+
+
 def record_sends(harness: Harness) -> list[str]:
     """Request ids of every plan the leader sends to the ranks (the only way a request reaches a
     rank, and so a transfer engine)."""
@@ -322,13 +335,9 @@ async def prefill_as_one_batch(
     blocker = asyncio.create_task(
         harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams()))
     )
-    while not plans:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: bool(plans))
     tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
-    num_image = sum(bool(c.prompt.spans) for c in cases)
-    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < num_image:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
+    await wait_until_ready(harness, len(cases))
     release()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     await blocker

@@ -26,6 +26,8 @@ from tests.prefill.conftest import (
     standard_cases,
     start_harness,
     stop_harness,
+    wait_until,
+    wait_until_ready,
 )
 from tests.prefill.test_service import assert_matches
 
@@ -96,8 +98,7 @@ async def check_kinds_never_share_a_batch(h, pipeline, language_model) -> None:
     release, plans = gate_worker(h)
     greedy = SamplingParams(temperature=0.0)
     blocker = asyncio.create_task(h.prefill(make_case(pipeline, "first", "Hi.", [], greedy)))
-    while not plans:
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: bool(plans))
     image, text = standard_cases(pipeline)[1], standard_cases(pipeline)[0]
     embeds = override_prompt(language_model, text, torch.bfloat16, "bfloat16")
     tasks = [
@@ -105,9 +106,7 @@ async def check_kinds_never_share_a_batch(h, pipeline, language_model) -> None:
         asyncio.create_task(prefill(h, "override", embeds, greedy)),
         asyncio.create_task(h.prefill(make_case(pipeline, "plain", "Sea.", [], greedy))),
     ]
-    while h.scheduler.num_live < 4 or h.encoder.num_calls < 1:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
+    await wait_until_ready(h, len(tasks))
     release()
     results = await asyncio.gather(*tasks)
     await blocker

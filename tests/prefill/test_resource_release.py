@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from services.common.errors import StageServeError
 from services.prefill.leader import TICK_S
-from tests.prefill.conftest import Harness, record_sends, standard_cases
+from tests.prefill.conftest import Harness, record_sends, standard_cases, wait_until
 
 
 def gauge(name: str) -> float:
@@ -66,7 +66,14 @@ async def test_an_error_on_the_callers_path_drops_its_request(pipeline, harness:
     scheduler.admit = admit_failing_once
     with pytest.raises(StageServeError, match="internal error in PrefillServicer.Prefill"):
         await harness.prefill(standard_cases(pipeline)[0])
-    await asyncio.sleep(10 * TICK_S)  # ticks that would have run a request left behind
+    expire, num_ticks = scheduler.expire, [0]
+
+    def expire_counting():
+        num_ticks[0] += 1
+        return expire()
+
+    scheduler.expire = expire_counting
+    await wait_until(lambda: num_ticks[0] >= 10)  # pumps that would run a request left behind
     assert raised and sends == []
     harness.assert_all_free()
 

@@ -35,6 +35,8 @@ from tests.prefill.conftest import (
     standard_cases,
     start_harness,
     stop_harness,
+    wait_until,
+    wait_until_ready,
 )
 
 
@@ -90,12 +92,9 @@ async def test_concurrent_requests_share_a_batch_and_give_identical_results(
     blocker = asyncio.create_task(
         harness.prefill(make_case(pipeline, "first", "Hi.", [], SamplingParams()))
     )
-    while not plans:  # the first plan is held in the worker; the others queue up behind it
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: bool(plans))  # the first plan is held; the others queue behind it
     tasks = [asyncio.create_task(harness.prefill(case)) for case in cases]
-    while harness.scheduler.num_live < len(cases) + 1 or harness.encoder.num_calls < 3:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)  # let the Encodes finish so every request is READY
+    await wait_until_ready(harness, len(cases))
     release()
     results = await asyncio.gather(*tasks)
     await blocker

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from prometheus_client import REGISTRY
 
@@ -15,15 +14,8 @@ from tests.prefill.conftest import (
     prefill_config,
     start_harness,
     stop_harness,
+    wait_until,
 )
-
-WAIT_S = 30.0
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def stalled() -> float | None:

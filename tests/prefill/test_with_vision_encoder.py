@@ -21,7 +21,7 @@ from tests.conftest import image_bytes
 from tests.prefill.conftest import make_case, prefill_config, reference, start_harness, stop_harness
 from tests.prefill.test_service import assert_matches
 from tests.vision_encoder.conftest import serve_encoder, wait_until
-from tests.vision_encoder.rank_hooks import Delay
+from tests.vision_encoder.rank_hooks import Announce, Delay, ranks_done
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0.0)
@@ -31,7 +31,9 @@ def rows_used() -> float:
     return REGISTRY.get_sample_value("stageserve_prefill_embedding_rows_used") or 0.0
 
 
-async def test_real_encoder_rows_cache_hits_and_a_killed_rank(pipeline, language_model) -> None:
+async def test_real_encoder_rows_cache_hits_and_a_killed_rank(
+    pipeline, language_model, tmp_path
+) -> None:
     with serve_encoder(2) as encoder:
         harness = await start_harness(
             pipeline,
@@ -58,11 +60,13 @@ async def test_real_encoder_rows_cache_hits_and_a_killed_rank(pipeline, language
             killed = make_case(pipeline, "killed", "Describe them.", images, GREEDY)
             pids = encoder.app.group.rank_pids
             await encoder.on_loop(encoder.app.group.step(Delay(rank=1, seconds=30.0)))
+            await encoder.on_loop(encoder.app.group.step(Announce(str(tmp_path))))
             call = asyncio.ensure_future(harness.prefill(killed))
             await wait_until(
                 lambda: encoder.app.leader.num_pending == 1 and rows_used() > start_rows
             )
-            await asyncio.sleep(0.3)  # rank 0 wrote its rows into prefill's buffer; rank 1 sleeps
+            # rank 0 wrote its rows into prefill's buffer; rank 1 sleeps
+            await wait_until(lambda: ranks_done(tmp_path) == {0})
             os.kill(pids[1], signal.SIGKILL)
             with pytest.raises(UnavailableError, match="rank 1"):
                 await call

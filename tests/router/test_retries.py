@@ -16,6 +16,7 @@ from tests.router.served import Served
 from tests.router.served import serve as serve_flow
 
 STALL_S = 1.0
+RETRIED_WITHIN_S = STALL_S + 10.0  # generous, and far inside the request deadline (BOUND_S)
 EXPECTED = "Hello there, world!"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -58,7 +59,7 @@ async def test_a_stalled_prefill_is_retried_on_another():
         first.hang = True
         started = time.monotonic()
         assert answered(await chat(served)) == EXPECTED
-        assert time.monotonic() - started < STALL_S + 1.0
+        assert STALL_S <= time.monotonic() - started < RETRIED_WITHIN_S
         request_id = second.requests[0].request_id
         await wait_until(lambda: first.cancelled == [request_id])
         assert served.cluster.is_kv_written() == {request_id: False}

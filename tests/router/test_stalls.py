@@ -1,8 +1,9 @@
 """The per-hop progress bound over fake workers that answer nothing (frozen, port still open).
 
-Each hop that stalls ends the request within the bound (+1 s) with UNAVAILABLE naming the
-hop, cancels the call on the worker, aborts the request on decode with the right
-``is_kv_written``, and counts the stall; the request deadline still bounds the whole.
+Each hop that stalls ends the request once the bound has passed (long before the request
+deadline would) with UNAVAILABLE naming the hop, cancels the call on the worker, aborts the
+request on decode with the right ``is_kv_written``, and counts the stall; the request
+deadline still bounds the whole.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from tests.router.served import Served
 from tests.router.served import serve as serve_flow
 
 STALL_S = 1.0
+# Generous on a loaded machine, yet far inside the request deadline (BOUND_S): the error
+# message and the stall counter show which bound ended the request.
+ENDED_WITHIN_S = STALL_S + 10.0
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
 
 
@@ -56,7 +60,7 @@ def assert_stall_503(response: httpx.Response, elapsed_s: float, silence: str) -
     error = response.json()["error"]
     assert error["type"] == "service_unavailable"
     assert f"{silence} for 1 s (--stall-timeout-s)" in error["message"], error
-    assert STALL_S <= elapsed_s < STALL_S + 1.0, elapsed_s
+    assert STALL_S <= elapsed_s < ENDED_WITHIN_S, elapsed_s
 
 
 async def test_a_stalled_tokenizer_ends_the_request():
@@ -150,7 +154,7 @@ async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
     async with serve() as served:
         served.cluster.decode.hang_after = 3
         response, elapsed_s = await timed_post(served.http, {**CHAT, "stream": True})
-        assert response.status_code == 200 and elapsed_s < STALL_S + 1.0
+        assert response.status_code == 200 and STALL_S <= elapsed_s < ENDED_WITHIN_S
         events = [line[len("data: ") :] for line in response.text.split("\n\n") if line.strip()]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
@@ -161,6 +165,7 @@ async def test_a_stall_after_the_first_byte_is_an_sse_error_event():
         error = chunks[-1]["error"]
         assert error["type"] == "service_unavailable"
         assert "the decode worker sent nothing for 1 s" in error["message"]
+        assert stalls(served, "generate", served.cluster.decodes[0].address) == 1
         request_id = only_request_id(served)
         await wait_until(lambda: served.cluster.is_kv_written() == {request_id: True})
 

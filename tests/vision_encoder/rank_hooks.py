@@ -4,12 +4,15 @@ A test sends a hook straight to the rank group (``app.group.step(hook)``), past 
 leader, so the leader's ledger knows nothing of it: ``ClearCache`` empties one rank's
 cache behind the leader's back; ``Delay`` makes one rank's next encode step sleep first
 (its peers run theirs meanwhile: a batch held mid-way); ``Fail`` makes one rank's next
-encode step raise after its peers' work. A hook step answers every rank's empty result.
+encode step raise after its peers' work; ``Announce`` has every rank mark a file once its
+next encode step has run (its rows sent), which ``ranks_done`` reads. A hook step answers
+every rank's empty result.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import msgspec
 
@@ -35,14 +38,26 @@ class Fail(msgspec.Struct, frozen=True, tag="fail"):
     rank: int
 
 
+class Announce(msgspec.Struct, frozen=True, tag="announce"):
+    directory: str
+
+
+def ranks_done(directory: Path) -> set[int]:
+    """The ranks that ran their encode step after an ``Announce`` of ``directory``."""
+    return {int(path.name.removeprefix("rank-")) for path in directory.glob("rank-*")}
+
+
 class HookedEncoderStep(EncoderRankStep):
-    payload_type = EncodeStepPayload | ClearCache | Delay | Fail  # type: ignore[assignment]
+    payload_type = (  # type: ignore[assignment]
+        EncodeStepPayload | ClearCache | Delay | Fail | Announce
+    )
 
     def __init__(self, ctx: RankContext, init: EncoderRankInit) -> None:
         super().__init__(ctx, init)
         self.rank = ctx.rank
         self._delay_s = 0.0
         self._fail = False
+        self._announce_in: str | None = None
 
     def execute(self, step: int, payload) -> EncodeStepResult:
         if isinstance(payload, ClearCache):
@@ -56,9 +71,15 @@ class HookedEncoderStep(EncoderRankStep):
         if isinstance(payload, Fail):
             self._fail = payload.rank == self.rank
             return EncodeStepResult(rank=self.rank)
+        if isinstance(payload, Announce):
+            self._announce_in = payload.directory
+            return EncodeStepResult(rank=self.rank)
         delay_s, self._delay_s = self._delay_s, 0.0
         time.sleep(delay_s)
         result = super().execute(step, payload)
+        if self._announce_in is not None:
+            (Path(self._announce_in) / f"rank-{self.rank}").touch()
+            self._announce_in = None
         if self._fail:
             self._fail = False
             raise RuntimeError(f"injected failure of rank {self.rank}")

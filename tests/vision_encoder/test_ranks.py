@@ -24,7 +24,7 @@ from tests.vision_encoder.conftest import (
     spans_for,
     wait_until,
 )
-from tests.vision_encoder.rank_hooks import ClearCache, Delay, Fail
+from tests.vision_encoder.rank_hooks import Announce, ClearCache, Delay, Fail, ranks_done
 
 pytestmark = pytest.mark.slow
 SIZES = [(64, 48), (90, 60), (40, 120), (150, 100), (56, 56), (200, 90)]
@@ -192,7 +192,7 @@ async def test_cache_capacity_grows_with_the_ranks(image_processor) -> None:
 
 
 async def test_a_killed_rank_fails_its_calls_unavailable_and_the_group_reforms(
-    encoders, image_processor, vision_model
+    encoders, image_processor, vision_model, tmp_path
 ) -> None:
     enc = encoders[3]
     prefill = enc.prefill()
@@ -202,12 +202,13 @@ async def test_a_killed_rank_fails_its_calls_unavailable_and_the_group_reforms(
     await enc.encode("cached", spans, prefill.destination("cached", 0, num_rows))
     old_pids = enc.app.group.rank_pids
     await enc.on_loop(enc.app.group.step(Delay(rank=2, seconds=30.0)))
+    await enc.on_loop(enc.app.group.step(Announce(str(tmp_path))))
     other = span_input(image_processor, image_bytes(98, 98, seed=801), 0)
     killed_spans = [*spans[:1], msgspec.structs.replace(other, dest_row=num_rows)]
     dst = prefill.destination("killed", 0, num_rows + 64)
     call = asyncio.ensure_future(enc.encode("killed", killed_spans, dst))
     await wait_until(lambda: is_holding_one_call(enc))
-    await asyncio.sleep(0.3)  # ranks 0 and 1 have done their part; rank 2 sleeps
+    await wait_until(lambda: ranks_done(tmp_path) == {0, 1})  # rank 2 sleeps
     os.kill(old_pids[2], signal.SIGKILL)
     with pytest.raises(
         UnavailableError, match=r"rank 2 \(cpu, pid \d+\) exited with signal SIGKILL"
