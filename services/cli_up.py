@@ -16,8 +16,10 @@ from services.cli_up_checks import (
 )
 from services.common.exposure import INSECURE_NO_API_KEY_FLAG
 from services.common.kv_transfer import (
+    BACKENDS,
+    CROSS_PROCESS_BACKENDS,
     KV_BACKEND_HELP,
-    SERVICE_KV_BACKENDS,
+    check_cross_process,
     check_embedding_backend,
     check_kv_backend,
     default_embedding_backend,
@@ -96,13 +98,13 @@ def add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--transfer-backend",
         default=None,
-        help="embedding transfer (and KV unless --kv-transfer-backend): shm | cuda_ipc | mooncake; "
-        "shm: /dev/shm shared by this host's processes, no network port; cuda_ipc: GPU to GPU "
+        help="embedding transfer (and KV unless --kv-transfer-backend): "
+        f"{' | '.join(CROSS_PROCESS_BACKENDS)}; shm: /dev/shm shared by this host's processes, no network port; cuda_ipc: GPU to GPU "
         "on one host (encoder and prefill on CUDA). Default: cuda_ipc when "
         "--kv-transfer-backend is cuda_ipc and the encoder and prefill run on CUDA, else shm",
     )
     p.add_argument(
-        "--kv-transfer-backend", default=None, choices=SERVICE_KV_BACKENDS, help=KV_BACKEND_HELP
+        "--kv-transfer-backend", default=None, choices=list(BACKENDS), help=KV_BACKEND_HELP
     )
     p.add_argument(
         "--attention-backend",
@@ -258,11 +260,7 @@ def _run_up(args: argparse.Namespace) -> int:
             args.encoder_device or args.device,
             args.prefill_device or args.device,
         )
-        if transfer_backend == "inprocess":
-            raise ValueError(
-                "--transfer-backend inprocess moves tensors inside one process; up runs every "
-                "service as its own process: use shm (one host) or mooncake"
-            )
+        check_cross_process(transfer_backend, "up runs every service as its own process")
         if args.encoder_ranks is not None and args.encoder_ranks < 1:
             raise ValueError(f"--encoder-ranks must be >= 1, got {args.encoder_ranks}")
         log_format = args.log_format or envs.log_format
@@ -325,6 +323,7 @@ def _run_up(args: argparse.Namespace) -> int:
         ):  # the two ends of the KV handoff
             check_kv_backend(args.kv_transfer_backend, transfer_backend, device)
         kv_backend = resolve_kv_backend(args.kv_transfer_backend, transfer_backend)
+        check_cross_process(kv_backend, "up runs every service as its own process")
         exposure = check_transfer_exposure(args.host, (transfer_backend, kv_backend))
         env = child_environment(
             os.environ, api_key=args.api_key

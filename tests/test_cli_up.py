@@ -34,6 +34,12 @@ def test_up_rejects_cuda_ipc_on_the_cpu_before_starting_anything(capsys) -> None
     assert "needs a CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--transfer-backend", "--kv-transfer-backend"])
+def test_up_rejects_inprocess_before_starting_anything(flag, capsys) -> None:
+    assert main(["up", "--port", "0", flag, "inprocess"]) == 2
+    assert "up runs every service as its own process: use one of" in capsys.readouterr().err
+
+
 def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
     args = service_args(
         LaunchConfig(Path("m"), transfer_backend="mooncake", kv_transfer_backend="cuda_ipc"),

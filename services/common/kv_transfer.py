@@ -1,29 +1,34 @@
-"""Which transfer backends the prefill and decode services run: ``--kv-transfer-backend``.
+"""The transfer backends by name: what each can move, and the checks the services run on them.
 
-The KV handoff (prefill -> decode) and the embedding rows (vision encoder -> prefill)
-pick their backends separately: ``--transfer-backend`` names the embedding one (and the
-KV one unless ``--kv-transfer-backend`` is given). Kept free of heavy imports: the
-``stageserve`` command line reads it.
+One ``TransferBackend`` per name carries both families' constructors (KV handoff prefill ->
+decode, embedding rows vision encoder -> prefill) as ``"module:Class"`` under
+``services.transfer`` (imported only when ``services.transfer`` creates one), where the memory
+it moves may live, how far it reaches, and the constructor kwargs it takes from a
+``TransferSpec``. ``--transfer-backend`` names the embedding backend (and the KV one unless
+``--kv-transfer-backend`` is given). Kept free of heavy imports: the ``stageserve`` command
+line reads it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-# KV backends a service can build on its own (all of services.transfer's).
-SERVICE_KV_BACKENDS = ("mooncake", "inprocess", "cuda_ipc", "shm")
-EMBEDDING_BACKENDS = ("mooncake", "inprocess", "shm", "cuda_ipc")
-
-KV_BACKEND_HELP = (
-    "KV handoff prefill -> decode: mooncake | inprocess | cuda_ipc | shm (cuda_ipc = CUDA IPC "
-    "between GPUs of one host, needs --device cuda; shm = host memory shared through /dev/shm by "
-    "processes of one host and user, no network port, CPU KV pools only); default: "
-    "--transfer-backend"
-)
-
+import msgspec
 
 MOONCAKE_HOST_ONLY_BUILD = "mooncake-transfer-engine-non-cuda"
+ROLES = ("kv_sender", "kv_receiver", "embedding_sender", "embedding_receiver")
+
+
+class TransferSpec(msgspec.Struct, frozen=True):
+    """How a process builds its end of ``backend``; what a backend does not take is not passed."""
+
+    backend: str
+    host: str = "127.0.0.1"  # Mooncake: the address its engine advertises
+    protocol: str = "tcp"  # Mooncake: "tcp" | "rdma"
+    staging_rows: int = 8192  # Mooncake: rows of the encoder's registered send staging buffer
 
 
 def mooncake_moves_device_memory() -> bool:
@@ -39,62 +44,212 @@ def mooncake_moves_device_memory() -> bool:
     return False
 
 
+def _mooncake_kwargs(spec: TransferSpec, role: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"hostname": spec.host, "protocol": spec.protocol}
+    if role == "embedding_sender":
+        kwargs["staging_rows"] = spec.staging_rows
+    return kwargs
+
+
+def _mooncake_gpu_build() -> str:
+    if mooncake_moves_device_memory():
+        return ""
+    return f"mooncake-transfer-engine (the CUDA build; {MOONCAKE_HOST_ONLY_BUILD} is installed)"
+
+
+def _no_kwargs(spec: TransferSpec, role: str) -> dict[str, Any]:
+    del spec, role
+    return {}
+
+
+def _any_build() -> str:
+    return ""
+
+
+BOTH = frozenset({"cpu", "cuda"})
+
+
+@dataclass(frozen=True)
+class TransferBackend:
+    """One backend: its four constructors, what memory it moves, how far, and what it takes."""
+
+    name: str
+    kv_sender: str  # "module:Class" in services.transfer
+    kv_receiver: str
+    embedding_sender: str
+    embedding_receiver: str
+    kv_devices: frozenset[str]  # device types ("cpu", "cuda") the KV pool it moves may be on
+    buffer_devices: frozenset[str]  # device types prefill's embedding buffer may be on
+    cross_process: bool  # its two ends may be different processes
+    cross_host: bool  # ... on different hosts
+    summary: str  # what it is, for --help
+    spec_kwargs: Callable[[TransferSpec, str], dict[str, Any]] = _no_kwargs  # (spec, role)
+    # "" when the installed build moves GPU memory, else the build to install for that
+    gpu_build: Callable[[], str] = _any_build
+
+    def kwargs(self, spec: TransferSpec, role: str) -> dict[str, Any]:
+        """The constructor kwargs ``spec`` gives this backend's ``role`` (one of ``ROLES``)."""
+        assert spec.backend == self.name and role in ROLES
+        return self.spec_kwargs(spec, role)
+
+
+BACKENDS: dict[str, TransferBackend] = {
+    b.name: b
+    for b in (
+        TransferBackend(
+            "mooncake",
+            "mooncake_backend:MooncakeKVSender",
+            "mooncake_backend:MooncakeKVReceiver",
+            "embeddings_mooncake:MooncakeEmbeddingSender",
+            "embeddings_mooncake:MooncakeEmbeddingReceiver",
+            kv_devices=BOTH,
+            buffer_devices=BOTH,
+            cross_process=True,
+            cross_host=True,
+            summary="Mooncake Transfer Engine over TCP or RDMA, across hosts",
+            spec_kwargs=_mooncake_kwargs,
+            gpu_build=_mooncake_gpu_build,
+        ),
+        TransferBackend(
+            "inprocess",
+            "inprocess_backend:InProcessKVSender",
+            "inprocess_backend:InProcessKVReceiver",
+            "embeddings_inprocess:InProcessEmbeddingSender",
+            "embeddings_inprocess:InProcessEmbeddingReceiver",
+            kv_devices=BOTH,
+            buffer_devices=BOTH,
+            cross_process=False,
+            cross_host=False,
+            summary="tensor copies inside one process",
+        ),
+        TransferBackend(
+            "cuda_ipc",
+            "cuda_ipc_backend:CudaIpcKVSender",
+            "cuda_ipc_backend:CudaIpcKVReceiver",
+            "embeddings_cuda_ipc:CudaIpcEmbeddingSender",
+            "embeddings_cuda_ipc:CudaIpcEmbeddingReceiver",
+            kv_devices=frozenset({"cuda"}),
+            buffer_devices=frozenset({"cuda"}),
+            cross_process=True,
+            cross_host=False,
+            summary="CUDA IPC between GPUs of one host, needs --device cuda",
+        ),
+        TransferBackend(
+            "shm",
+            "shm_backend:ShmKVSender",
+            "shm_backend:ShmKVReceiver",
+            "embeddings_shm:ShmEmbeddingSender",
+            "embeddings_shm:ShmEmbeddingReceiver",
+            kv_devices=frozenset({"cpu"}),
+            buffer_devices=frozenset({"cpu"}),
+            cross_process=True,
+            cross_host=False,
+            summary="host memory shared through /dev/shm by processes of one host and user, "
+            "no network port, CPU KV pools only",
+        ),
+    )
+}
+CROSS_PROCESS_BACKENDS = tuple(name for name, b in BACKENDS.items() if b.cross_process)
+
+KV_BACKEND_HELP = (
+    f"KV handoff prefill -> decode: {' | '.join(BACKENDS)} ("
+    + "; ".join(f"{b.name} = {b.summary}" for b in BACKENDS.values())
+    + "); default: --transfer-backend"
+)
+
+
+def lookup_backend(name: str, family: str = "KV") -> TransferBackend:
+    """The backend registered as ``name``; ``ValueError`` naming ``family`` if there is none."""
+    backend = BACKENDS.get(name)
+    if backend is None:
+        raise ValueError(
+            f"unknown {family} transfer backend {name!r}; supported: {', '.join(BACKENDS)}"
+        )
+    return backend
+
+
+def device_type(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def one_host_backend(device: str) -> str:
+    """The backend made for memory on ``device`` between processes of one host (shm, cuda_ipc)."""
+    kind = frozenset({device_type(device)})
+    return next(
+        name
+        for name, b in BACKENDS.items()
+        if b.cross_process and not b.cross_host and b.kv_devices == kind
+    )
+
+
+def check_cross_process(name: str, why: str) -> None:
+    """``ValueError`` when backend ``name`` cannot cross processes (``why`` says whose are
+    apart); an unknown name is left to the checks of its family."""
+    backend = BACKENDS.get(name)
+    if backend is not None and not backend.cross_process:
+        raise ValueError(
+            f"the {name} transfer backend moves data within one process, and {why}: use one of "
+            f"{', '.join(CROSS_PROCESS_BACKENDS)}"
+        )
+
+
 def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -> str:
-    """The KV backend to run (``kv_transfer_backend``, else ``transfer_backend``); ``ValueError`` if unsupported."""
+    """The KV backend to run (``kv_transfer_backend``, else ``transfer_backend``); ``ValueError``
+    if unknown."""
     name = transfer_backend if kv_transfer_backend is None else kv_transfer_backend
-    choices = ", ".join(SERVICE_KV_BACKENDS)
-    if name not in SERVICE_KV_BACKENDS:
-        raise ValueError(f"unknown KV transfer backend {name!r}; supported: {choices}")
-    return name
+    return lookup_backend(name).name
 
 
 def check_kv_backend(kv_transfer_backend: str | None, transfer_backend: str, device: str) -> str:
-    """``resolve_kv_backend``; cuda_ipc only on a CUDA ``device``, shm only off one, and Mooncake on
-    one only with a build that moves GPU memory (the KV pool lives there); ``ValueError``
-    otherwise."""
-    name = resolve_kv_backend(kv_transfer_backend, transfer_backend)
-    if name == "cuda_ipc" and not device.startswith("cuda"):
+    """``resolve_kv_backend``, with a KV pool on ``device`` the backend can move (its
+    ``kv_devices``, and GPU memory only with a build that moves it); ``ValueError`` otherwise."""
+    backend = BACKENDS[resolve_kv_backend(kv_transfer_backend, transfer_backend)]
+    kind, alternative = device_type(device), one_host_backend(device)
+    if kind not in backend.kv_devices:
         raise ValueError(
-            f"the cuda_ipc KV transfer backend needs a CUDA device (--device cuda), got {device!r}"
+            f"the {backend.name} KV transfer backend moves host memory and the KV pool is on "
+            f"{device!r}: use --kv-transfer-backend {alternative} ({BACKENDS[alternative].summary})"
+            if kind == "cuda"
+            else f"the {backend.name} KV transfer backend needs a CUDA device (--device cuda), "
+            f"got {device!r}"
         )
-    if name == "shm" and device.startswith("cuda"):
+    gpu_build = backend.gpu_build() if kind == "cuda" else ""
+    if gpu_build:
         raise ValueError(
-            f"the shm KV transfer backend moves host memory and the KV pool is on {device!r}: use "
-            "--kv-transfer-backend cuda_ipc (GPUs of one host)"
+            f"the installed {backend.name} build moves host memory only and the KV pool is on "
+            f"{device!r}: use --kv-transfer-backend {alternative} or install {gpu_build}"
         )
-    if name == "mooncake" and device.startswith("cuda") and not mooncake_moves_device_memory():
+    return backend.name
+
+
+def check_embedding_backend(name: str, devices: Sequence[str]) -> str:
+    """``name`` if embedding rows can travel over it between ends on ``devices`` (the encoder's
+    or prefill's): a backend whose buffer must be GPU memory only when every one is a CUDA
+    device; ``ValueError`` otherwise."""
+    if name not in BACKENDS:
         raise ValueError(
-            f"the installed Mooncake build ({MOONCAKE_HOST_ONLY_BUILD}) moves host memory only and the KV "
-            f"pool is on {device!r}: use --kv-transfer-backend cuda_ipc (GPUs of one host) or install "
-            "mooncake-transfer-engine (the CUDA build)"
+            f"embedding transfer backend {name!r} is not supported; supported: "
+            f"{', '.join(BACKENDS)} (choose the KV backend with --kv-transfer-backend)"
+        )
+    backend = BACKENDS[name]
+    off_gpu = [device for device in devices if device_type(device) == "cpu"]
+    if "cpu" not in backend.buffer_devices and off_gpu:
+        reach = "" if backend.cross_host else " of one host"
+        raise ValueError(
+            f"the {name} embedding transfer backend moves rows between GPUs{reach} and needs the "
+            f"vision encoder and prefill on CUDA devices, got {off_gpu[0]!r}: use "
+            f"--transfer-backend {one_host_backend('cpu')}"
         )
     return name
-
-
-def check_embedding_backend(transfer_backend: str, devices: Sequence[str]) -> str:
-    """``transfer_backend`` if embedding rows can travel over it between ends on ``devices`` (the
-    encoder's or prefill's); cuda_ipc only when every one is a CUDA device; ``ValueError``
-    otherwise."""
-    if transfer_backend not in EMBEDDING_BACKENDS:
-        raise ValueError(
-            f"embedding transfer backend {transfer_backend!r} is not supported; supported: "
-            f"{', '.join(EMBEDDING_BACKENDS)} (choose the KV backend with --kv-transfer-backend)"
-        )
-    off_gpu = [device for device in devices if not device.startswith("cuda")]
-    if transfer_backend == "cuda_ipc" and off_gpu:
-        raise ValueError(
-            "the cuda_ipc embedding transfer backend moves rows between GPUs of one host and "
-            f"needs the vision encoder and prefill on CUDA devices, got {off_gpu[0]!r}: use "
-            "--transfer-backend shm"
-        )
-    return transfer_backend
 
 
 def default_embedding_backend(
     kv_backend: str | None, encoder_device: str, prefill_device: str
 ) -> str:
-    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: cuda_ipc when
-    the
-    KV handoff is cuda_ipc and the encoder and prefill both run on CUDA, shm otherwise."""
-    on_gpus = encoder_device.startswith("cuda") and prefill_device.startswith("cuda")
-    return "cuda_ipc" if kv_backend == "cuda_ipc" and on_gpus else "shm"
+    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: the KV
+    backend when it moves GPU memory only and the encoder and prefill both run on CUDA
+    (cuda_ipc), the one-host host-memory backend (shm) otherwise."""
+    on_gpus = device_type(encoder_device) == device_type(prefill_device) == "cuda"
+    if on_gpus and kv_backend in BACKENDS and BACKENDS[kv_backend].buffer_devices == {"cuda"}:
+        return kv_backend
+    return one_host_backend("cpu")

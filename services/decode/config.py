@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.gpu_share import GpuShare
-from services.common.kv_transfer import KV_BACKEND_HELP, check_kv_backend, resolve_kv_backend
+from services.common.kv_transfer import (
+    BACKENDS,
+    KV_BACKEND_HELP,
+    check_kv_backend,
+    resolve_kv_backend,
+)
 from services.common.paths import BUNDLED_MODEL
 from services.common.service_main import ServiceConfig, add_common_args
 
@@ -95,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--transfer-backend",
         default="mooncake",
-        help="transfer backend: mooncake | inprocess; the KV one unless --kv-transfer-backend",
+        help=f"transfer backend: {' | '.join(BACKENDS)}; the KV one unless --kv-transfer-backend",
     )
     p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
     p.add_argument(

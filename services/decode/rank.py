@@ -25,7 +25,7 @@ from typing import Any
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, StageServeError
 from services.common.gpu_share import GpuShare
-from services.common.kv_transfer import check_kv_backend
+from services.common.kv_transfer import TransferSpec, check_kv_backend
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.kv_manager import KVReservationManager
@@ -286,9 +286,7 @@ def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
 
 def create_receiver(init: RankInit, **kwargs: Any) -> BaseKVReceiver:
     """The KV receiver of ``init.kv_backend``, created in the rank that owns the pool."""
-    if init.kv_backend == "mooncake":
-        kwargs.setdefault("hostname", init.transfer_host)
-    return create_kv_receiver(init.kv_backend, **kwargs)
+    return create_kv_receiver(TransferSpec(init.kv_backend, init.transfer_host), **kwargs)
 
 
 def build_rank(

@@ -15,7 +15,7 @@ from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.errors import StageServeError
 from services.common.gpu_share import GpuShare
-from services.common.kv_transfer import KV_BACKEND_HELP
+from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, KV_BACKEND_HELP
 from services.common.malloc import tune_malloc
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.server import HealthState, create_server, serve_until_signal
@@ -44,9 +44,9 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
     p.add_argument(
         "--transfer-backend",
         default="mooncake",
-        help="embedding rows from the encoder (and KV unless --kv-transfer-backend): mooncake | "
-        "shm | cuda_ipc | inprocess (cuda_ipc: into a GPU buffer over CUDA IPC, needs --device "
-        "cuda)",
+        help="embedding rows from the encoder (and KV unless --kv-transfer-backend): "
+        f"{' | '.join(CROSS_PROCESS_BACKENDS)} (cuda_ipc: into a GPU buffer over CUDA IPC, needs "
+        "--device cuda)",
     )
     p.add_argument("--kv-transfer-backend", default=None, help=KV_BACKEND_HELP)
     p.add_argument(

@@ -10,7 +10,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from services.common.kv_transfer import check_embedding_backend, check_kv_backend
+from services.common.kv_transfer import (
+    check_cross_process,
+    check_embedding_backend,
+    check_kv_backend,
+)
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from services.engine.config import ModelConfig
@@ -33,11 +37,8 @@ def check_backends(config: PrefillConfig) -> tuple[str, str]:
     kv_backend = check_kv_backend(
         config.kv_transfer_backend, config.transfer_backend, config.devices[0]
     )
-    if "inprocess" in (embedding, kv_backend):
-        raise ValueError(
-            "the inprocess transfer backend moves data within one process, and prefill's ranks are "
-            "rank processes of their own: use shm (one host) or mooncake"
-        )
+    for name in (embedding, kv_backend):
+        check_cross_process(name, "prefill's ranks are rank processes of their own")
     return embedding, kv_backend
 
 

@@ -10,13 +10,13 @@ plans fail the step together instead of diverging in a collective.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from services.common.gpu_share import GpuShare
+from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
@@ -57,10 +57,6 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     gpu_share_file: str = ""  # each rank marks its forwards there for decode (gpu_share.py)
 
 
-def _engine_kwargs(backend: str, hostname: str) -> dict[str, Any]:
-    return {"hostname": hostname} if backend == "mooncake" else {}
-
-
 class PrefillRankStep(BaseRankStep):
     init_type = PrefillRankInit
     payload_type = RankPayload
@@ -86,13 +82,9 @@ class PrefillRankStep(BaseRankStep):
             cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
             prefill_graph_tokens=graph_tokens,
         )
-        self.kv_sender = create_kv_sender(
-            init.kv_backend, **_engine_kwargs(init.kv_backend, init.transfer_hostname)
-        )
+        self.kv_sender = create_kv_sender(TransferSpec(init.kv_backend, init.transfer_hostname))
         self.receiver = create_embedding_receiver(
-            init.transfer_backend,
-            cp_rank=ctx.rank,
-            **_engine_kwargs(init.transfer_backend, init.transfer_hostname),
+            TransferSpec(init.transfer_backend, init.transfer_hostname), cp_rank=ctx.rank
         )
         device = self.receiver.buffer_device(runner.device)
         buffer = EmbeddingBuffer(

@@ -150,11 +150,14 @@ def plan_transfer(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestinatio
     return TransferPlan(*columns)
 
 
-def check_deadline(request_id: str, deadline: float, clock: Clock = time.monotonic) -> float:
-    """Seconds left before ``deadline``; ``DeadlineExceededError`` when none are."""
+def check_deadline(
+    request_id: str, deadline: float, what: str = "KV", clock: Clock = time.monotonic
+) -> float:
+    """Seconds left before ``deadline``; ``DeadlineExceededError`` naming the ``what`` transfer
+    (KV, embedding) when none are."""
     remaining = deadline - clock()
     if remaining <= 0:
-        raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
+        raise DeadlineExceededError(f"{what} transfer for {request_id} passed its deadline")
     return remaining
 
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
+from services.common.errors import InvalidRequestError, UnavailableError
 from services.engine import ops
 from services.engine.kv_cache import KVPool
 from services.transfer.base import (
@@ -278,12 +278,8 @@ class _IpcSend(PendingSend):
 
     def wait(self) -> TransferResult:
         while not self.done.query():
-            if (
-                time.monotonic() >= self.deadline
-            ):  # the kernel still finishes; decode quarantines the pages
-                raise DeadlineExceededError(
-                    f"KV transfer for {self.request_id} passed its deadline"
-                )
+            # past the deadline the kernel still finishes; decode quarantines the pages
+            check_deadline(self.request_id, self.deadline)
             # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
             os.sched_yield()
         elapsed = time.monotonic() - self.started

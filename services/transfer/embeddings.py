@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 import msgspec
 import torch
 
-from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError
-from services.transfer.base import TransferResult, check_backend
+from services.common.errors import CapacityError, InvalidRequestError
+from services.transfer.base import TransferResult, check_backend, check_deadline
 
 RowRun = tuple[int, int, int]  # (src_row, dst_row, num_rows)
 
@@ -347,7 +347,7 @@ class BaseEmbeddingSender(ABC):
         merged = coalesce_runs(runs)
         if not merged:
             return rows_sent(request_id, rows, merged, start)
-        check_deadline(request_id, deadline)
+        check_deadline(request_id, deadline, "embedding")
         return self._write_runs(request_id, rows, merged, dst, deadline, start)
 
     @abstractmethod
@@ -373,11 +373,3 @@ def rows_sent(
     """The result of writing the ``merged`` runs of ``rows``, one copy each, begun at ``start``."""
     num_bytes = sum(n for _, _, n in merged) * rows.shape[1] * rows.element_size()
     return TransferResult(request_id, num_bytes, len(merged), time.monotonic() - start)
-
-
-def check_deadline(request_id: str, deadline: float) -> float:
-    """Seconds left before ``deadline`` (monotonic); ``DeadlineExceededError`` if none."""
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise DeadlineExceededError(f"embedding transfer for {request_id} passed its deadline")
-    return remaining

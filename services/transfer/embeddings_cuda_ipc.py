@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import msgspec
 import torch
 
-from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
-from services.transfer.base import TransferResult
+from services.common.errors import InvalidRequestError, UnavailableError
+from services.transfer.base import TransferResult, check_deadline
 from services.transfer.cuda_ipc_memory import (
     IpcBuffer,
     IpcReceiver,
@@ -239,6 +238,5 @@ def _open(exported: IpcRows, device: torch.device) -> torch.Tensor:
 def _wait(done: torch.cuda.Event, request_id: str, deadline: float) -> None:
     """Until the copies before ``done`` finished; past ``deadline`` they still land."""
     while not done.query():
-        if time.monotonic() >= deadline:
-            raise DeadlineExceededError(f"embedding transfer for {request_id} passed its deadline")
+        check_deadline(request_id, deadline, "embedding")
         os.sched_yield()  # releases the GIL without a sleep's timer slack

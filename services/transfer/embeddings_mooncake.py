@@ -27,7 +27,7 @@ import torch
 
 from services.common.errors import CapacityError
 from services.common.kv_transfer import mooncake_moves_device_memory
-from services.transfer.base import TransferPlan, TransferResult
+from services.transfer.base import TransferPlan, TransferResult, check_deadline
 from services.transfer.embeddings import (
     BaseEmbeddingReceiver,
     BaseEmbeddingSender,
@@ -35,7 +35,6 @@ from services.transfer.embeddings import (
     EmbeddingDestination,
     EmbeddingRowManager,
     RowRun,
-    check_deadline,
     coalesce_runs,
 )
 from services.transfer.mooncake_engine import MooncakeEngine
@@ -121,7 +120,7 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
             plan = plan_row_transfer(
                 src.data_ptr(), merged, rows.shape[1] * rows.element_size(), dst
             )
-            remaining = check_deadline(request_id, deadline)
+            remaining = check_deadline(request_id, deadline, "embedding")
         except BaseException:
             release()
             raise

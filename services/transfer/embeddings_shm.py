@@ -11,13 +11,12 @@ stages prefill's copy of a request's rows to the GPU.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
-from services.common.errors import DeadlineExceededError, InvalidRequestError
-from services.transfer.base import TransferResult
+from services.common.errors import InvalidRequestError
+from services.transfer.base import TransferResult, check_deadline
 from services.transfer.embeddings import (
     BaseEmbeddingReceiver,
     BaseEmbeddingSender,
@@ -73,10 +72,7 @@ class ShmEmbeddingSender(ShmSender, BaseEmbeddingSender):
     ) -> TransferResult:
         window = self._window(request_id, dst)
         for src, dst_row, num_rows in merged:
-            if time.monotonic() >= deadline:
-                raise DeadlineExceededError(
-                    f"embedding transfer for {request_id} passed its deadline"
-                )
+            check_deadline(request_id, deadline, "embedding")
             window[dst_row : dst_row + num_rows].copy_(rows[src : src + num_rows])
         return rows_sent(request_id, rows, merged, start)
 

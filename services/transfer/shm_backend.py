@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.common.errors import DeadlineExceededError, InvalidRequestError
+from services.common.errors import InvalidRequestError
 from services.engine.kv_cache import KVPool
 from services.transfer.base import (
     BaseKVReceiver,
@@ -85,8 +85,7 @@ class ShmKVSender(ShmSender, BaseKVSender):
         dst_k, dst_v = self._pool_of(dst)
         runs = page_runs(src_pages, dst.page_ids)
         for src_page, dst_page, num_pages in runs:
-            if time.monotonic() >= deadline:
-                raise DeadlineExceededError(f"KV transfer for {request_id} passed its deadline")
+            check_deadline(request_id, deadline)
             src, dst_run = (
                 slice(src_page, src_page + num_pages),
                 slice(dst_page, dst_page + num_pages),

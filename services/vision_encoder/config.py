@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.kv_transfer import check_embedding_backend
+from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, check_embedding_backend
 from services.common.service_main import ServiceConfig
 
 # The encoder's ranks are their own processes: rows leave them through a backend that
 # crosses processes ("inprocess" needs the encoder and prefill in one process).
-TRANSFER_BACKENDS = ("mooncake", "shm", "cuda_ipc")
+TRANSFER_BACKENDS = CROSS_PROCESS_BACKENDS
 PIXEL_METHODS = (
     "auto",
     "pil",

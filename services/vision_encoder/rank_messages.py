@@ -13,6 +13,7 @@ import enum
 
 import msgspec
 
+from services.common.kv_transfer import TransferSpec
 from services.transfer.embeddings import EmbeddingDestination
 
 
@@ -21,21 +22,12 @@ class SpanAction(enum.Enum):
     OWNER_ENCODE = "owner_encode"  # the owner runs the ViT (once per distinct image), caches, sends
 
 
-class TransferSpec(msgspec.Struct, frozen=True):
-    """How each rank builds its embedding sender."""
-
-    backend: str  # "mooncake" | "shm" | "cuda_ipc"
-    host: str = "127.0.0.1"  # Mooncake: the address its engine advertises
-    protocol: str = "tcp"  # Mooncake: "tcp" | "rdma"
-    staging_rows: int = 8192  # Mooncake: rows of the registered send staging buffer
-
-
 class EncoderRankInit(msgspec.Struct, frozen=True):
     model: str  # checkpoint directory (the vision tower and preprocessor_config.json)
     dtype: str | None  # None: the checkpoint's
     cache_bytes: int  # this rank's embedding cache budget
     max_image_bytes: int
-    transfer: TransferSpec
+    transfer: TransferSpec  # how each rank builds its embedding sender
     pixel_method: str = "auto"  # pixels.PIXEL_METHODS: "auto" | "pil" | "torch"
     vit_cuda_graphs: int = 8  # ViT graphs a CUDA rank keeps (vision_graph.py); 0: eager
 

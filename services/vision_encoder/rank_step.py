@@ -16,23 +16,13 @@ from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.processing.image import ImageProcessor
 from services.transfer import create_embedding_sender
-from services.transfer.embeddings import BaseEmbeddingSender
 from services.vision_encoder.cache import EmbeddingCacheManager
 from services.vision_encoder.rank_messages import (
     EncoderRankInit,
     EncodeStepPayload,
     EncodeStepResult,
-    TransferSpec,
 )
 from services.vision_encoder.worker import EncoderWorker
-
-
-def create_sender(spec: TransferSpec) -> BaseEmbeddingSender:
-    if spec.backend == "mooncake":
-        return create_embedding_sender(
-            "mooncake", hostname=spec.host, protocol=spec.protocol, staging_rows=spec.staging_rows
-        )
-    return create_embedding_sender(spec.backend)
 
 
 class EncoderRankStep(BaseRankStep):
@@ -46,7 +36,7 @@ class EncoderRankStep(BaseRankStep):
         processor = ImageProcessor.from_dir(init.model)
         model = self.load_model(init, torch.device(ctx.device))
         cache = EmbeddingCacheManager(init.cache_bytes)
-        sender = create_sender(init.transfer)  # last: nothing after it can fail
+        sender = create_embedding_sender(init.transfer)  # last: nothing after it can fail
         self.worker = EncoderWorker(
             ctx.rank,
             model,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from services.common import kv_transfer
+from services.common.kv_transfer import BACKENDS, TransferSpec
 from services.decode import rank as rank_module
 from services.decode.app import rank_init
 from services.decode.config import DecodeConfig, parse_config
@@ -106,8 +107,8 @@ def test_shm_engine_keeps_its_pool_in_the_segment(language_model) -> None:
 @pytest.mark.parametrize(
     ("transfer", "kv", "expected"),
     [
-        ("mooncake", None, ("mooncake", {"hostname": "h"})),
-        ("inprocess", "mooncake", ("mooncake", {"hostname": "h"})),
+        ("mooncake", None, ("mooncake", {"hostname": "h", "protocol": "tcp"})),
+        ("inprocess", "mooncake", ("mooncake", {"hostname": "h", "protocol": "tcp"})),
         ("mooncake", "inprocess", ("inprocess", {})),
         ("mooncake", "cuda_ipc", ("cuda_ipc", {})),
     ],
@@ -119,9 +120,13 @@ def test_mooncake_hostname_only_for_a_mooncake_kv_backend(
         kv_transfer, "mooncake_moves_device_memory", lambda: True
     )  # as with the CUDA build
     calls: list[tuple[str, dict[str, Any]]] = []
-    monkeypatch.setattr(
-        rank_module, "create_kv_receiver", lambda name, **kw: calls.append((name, kw))
-    )
+
+    def create(spec: TransferSpec, **kwargs: Any) -> None:  # what the registry passes the class
+        calls.append(
+            (spec.backend, {**BACKENDS[spec.backend].kwargs(spec, "kv_receiver"), **kwargs})
+        )
+
+    monkeypatch.setattr(rank_module, "create_kv_receiver", create)
     config = DecodeConfig(
         transfer_backend=transfer, kv_transfer_backend=kv, transfer_host="h", device="cuda"
     )

@@ -7,7 +7,6 @@ import pytest
 from services.common import kv_transfer
 from services.prefill.__main__ import parse_args
 from services.prefill.app import PrefillApp, rank_init
-from services.prefill.rank_step import _engine_kwargs
 from tests.prefill.conftest import prefill_config
 
 CHOICES = "mooncake, inprocess, cuda_ipc, shm"
@@ -46,7 +45,7 @@ def test_flag_parses_and_defaults_to_transfer_backend(monkeypatch) -> None:
         (
             ["--transfer-backend", "nccl"],
             "embedding transfer backend 'nccl' is not supported; supported: "
-            "mooncake, inprocess, shm, cuda_ipc",
+            "mooncake, inprocess, cuda_ipc, shm",
         ),
         (
             ["--transfer-backend", "cuda_ipc", "--kv-transfer-backend", "shm"],
@@ -123,12 +122,6 @@ def test_cuda_ipc_embeddings_need_every_cp_rank_on_a_gpu(monkeypatch) -> None:
                 devices=("cuda:0", "cpu"),
             )
         )
-
-
-def test_mooncake_hostname_goes_only_to_mooncake_endpoints() -> None:
-    assert _engine_kwargs("mooncake", "h") == {"hostname": "h"}
-    for backend in ("shm", "cuda_ipc"):
-        assert _engine_kwargs(backend, "h") == {}
 
 
 def test_the_host_only_mooncake_build_is_refused_for_a_gpu_kv_pool(monkeypatch) -> None:

@@ -39,6 +39,6 @@ def test_the_command_line_refuses_cuda_ipc_on_the_cpu(capsys) -> None:
 
 def test_inprocess_is_refused() -> None:
     with pytest.raises(
-        ValueError, match="sends rows through mooncake, shm, cuda_ipc, got 'inprocess'"
+        ValueError, match="sends rows through mooncake, cuda_ipc, shm, got 'inprocess'"
     ):
         VisionEncoderConfig(model=Path("m"), transfer_backend="inprocess")
