@@ -27,10 +27,10 @@ import torch
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from services.common.ranks.step import RankContext
+from services.common.types import SamplingParams
 from services.engine.attention.context_parallel import KvExchange
 from services.engine.config import ModelConfig
 from services.engine.kv_cache import KVPool
-from services.engine.sampler import SamplingParams
 from services.prefill.messages import SHARDED, PassSegment, RankPlan, RankRequest, RankResult
 from services.prefill.rank_step import PrefillRankInit, PrefillRankStep
 from services.transfer import create_kv_receiver

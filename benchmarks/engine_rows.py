@@ -9,13 +9,14 @@ import torch
 
 from benchmarks.measure import Ceilings, decode_floor_bytes, prefill_flops, time_ms, vit_flops
 from benchmarks.report import Row
+from services.common.types import SamplingParams
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
 from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
-from services.engine.sampler import Sampler, SamplingParams
+from services.engine.sampler import Sampler
 
 PAGE_SIZE = 16
 PREFILL_LENS = (1024, 8192, 32768)

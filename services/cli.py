@@ -38,8 +38,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from services.common.types import SamplingParams
     from services.engine.offline import OfflinePipeline
-    from services.engine.sampler import SamplingParams
 
     pipeline = OfflinePipeline.from_dir(
         args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend

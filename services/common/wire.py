@@ -18,10 +18,9 @@ from services.common import signing
 from services.common.errors import InvalidRequestError, StageServeError, UnavailableError
 from services.common.grpc_errors import known_error_classes
 from services.common.pb.stageserve.v1 import common_pb2, decode_pb2
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage
 
 if TYPE_CHECKING:
-    from services.engine.sampler import SamplingParams
     from services.transfer.base import KvDestination
 
 
@@ -216,8 +215,6 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take ``SamplingParams``' defaults; not validated here."""
-    from services.engine.sampler import SamplingParams
-
     optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens")
     values = {name: getattr(message, name) for name in optional if message.HasField(name)}
     return SamplingParams(

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.common.types import SamplingParams
 from services.decode.scheduler import DecodePlan, JoinedRow, uses_history
 from services.engine.model_runner import DecodeInputs, ModelRunner
-from services.engine.sampler import Sampler, SamplingParams, make_generator
+from services.engine.sampler import Sampler, make_generator
 
 NUM_HOST_BUFFERS = 2  # one step being copied while the previous one is read
 

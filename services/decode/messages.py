@@ -13,8 +13,7 @@ import msgspec
 
 from services.common.errors import StageServeError
 from services.common.grpc_errors import known_error_classes
-from services.common.types import FinishReason, Usage
-from services.engine.sampler import SamplingParams
+from services.common.types import FinishReason, SamplingParams, Usage
 from services.transfer.base import KvDestination
 
 

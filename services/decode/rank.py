@@ -16,17 +16,16 @@ process's ``BaseRankStep``: it builds a ``DecodeRank`` on the rank's device.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from services.common.errors import DeadlineExceededError, InvalidRequestError, StageServeError
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec, check_kv_backend
 from services.common.ranks.step import BaseRankStep, RankContext
+from services.common.types import SamplingParams
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.kv_manager import KVReservationManager
 from services.decode.messages import (
@@ -50,7 +49,7 @@ from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
-from services.engine.sampler import Sampler, SamplingParams
+from services.engine.sampler import Sampler
 from services.transfer import BaseKVReceiver, create_kv_receiver
 from services.transfer.base import Clock
 
@@ -270,20 +269,6 @@ class DecodeRankStep(BaseRankStep):
             self.rank.gpu_share.close()
 
 
-def eos_token_ids(model_dir: Path, config: Any) -> frozenset[int]:
-    """The model's EOS ids: config.json's plus generation_config.json's (as ``transformers``
-    stops)."""
-    ids = set(config.eos_token_ids)
-    path = Path(model_dir) / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(token_id) for token_id in eos)
-    return frozenset(ids)
-
-
 def create_receiver(init: RankInit, **kwargs: Any) -> BaseKVReceiver:
     """The KV receiver of ``init.kv_backend``, created in the rank that owns the pool."""
     return create_kv_receiver(TransferSpec(init.kv_backend, init.transfer_host), **kwargs)
@@ -316,7 +301,7 @@ def build_rank(
     receiver = receiver if receiver is not None else create_receiver(init)
     try:
         receiver.register(runner.kv_pool)
-        eos_ids = eos_token_ids(Path(init.model), model.config)
+        eos_ids = model.config.eos_token_ids
         max_model_len = init.max_model_len or model.config.text.max_position_embeddings
         kv = KVReservationManager(runner.page_table, init.kv_quarantine_s, quarantine_clock)
         scheduler = DecodeScheduler(kv, eos_ids, max_model_len, init.max_running_requests)

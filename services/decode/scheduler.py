@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.errors import InvalidRequestError, NotFoundError
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage, finish_reason
 from services.decode.kv_manager import KVReservationManager
 from services.decode.messages import Finished
-from services.engine.sampler import SamplingParams
 
 
 class ReqStatus(enum.Enum):
@@ -357,16 +356,14 @@ class DecodeScheduler:
         )
 
     def _finish_reason(self, request: DecodeRequest, token_id: int) -> FinishReason | None:
-        params = request.params
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
-        ):
-            return FinishReason.STOP
-        if len(request.output_ids) >= params.max_new_tokens:
-            return FinishReason.LENGTH
-        if len(request.prompt_ids) + len(request.output_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return finish_reason(
+            request.params,
+            token_id,
+            len(request.prompt_ids),
+            len(request.output_ids),
+            self.eos_token_ids,
+            self.max_model_len,
+        )
 
     def _remove(self, request: DecodeRequest, status: ReqStatus, quarantine: bool = False) -> None:
         request_id = request.request_id

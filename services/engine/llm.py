@@ -13,7 +13,6 @@ Pages are released in ``finally``: an error leaves no page held.
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,16 +20,12 @@ from pathlib import Path
 import torch
 
 from services.common.errors import CapacityError, InvalidRequestError
+from services.common.types import FinishReason, SamplingParams, finish_reason
 from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
-from services.engine.sampler import Sampler, SamplingParams, make_generator
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
+from services.engine.sampler import Sampler, make_generator
 
 
 @dataclass
@@ -192,19 +187,14 @@ class LLMEngine:
         ).tolist()
         for s, token in zip(running, token_ids, strict=True):
             s.output_ids.append(token)
-            s.finish_reason = self._finish_reason(s, token)
-
-    def _finish_reason(self, s: _Running, token: int) -> FinishReason | None:
-        params = s.request.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
-            return FinishReason.STOP
-        if len(s.output_ids) >= params.max_new_tokens:
-            return FinishReason.LENGTH
-        if len(s.request.prompt_ids) + len(s.output_ids) >= self.max_context_len:
-            return FinishReason.LENGTH
-        return None
+            s.finish_reason = finish_reason(
+                s.request.params,
+                token,
+                len(s.request.prompt_ids),
+                len(s.output_ids),
+                self.eos_token_ids,
+                self.max_context_len,
+            )
 
     @staticmethod
     def _output(s: _Running) -> EngineOutput:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.types import SamplingParams
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.model.rope import ImageSpan
 from services.engine.processing import (
@@ -20,7 +21,6 @@ from services.engine.processing import (
     decode_image,
     validate_messages,
 )
-from services.engine.sampler import SamplingParams
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 

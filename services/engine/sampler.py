@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched sampler.
+"""The batched sampler.
 
 Logits pass through, in order: repetition penalty (prompt + output tokens,
 HF-style), frequency and presence penalties (output tokens, OpenAI-style), logit bias,
@@ -10,112 +10,14 @@ seeded request gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 
-from services.common.errors import InvalidRequestError
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens were generated
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids distinct
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self) -> None:
-        """Raise ``InvalidRequestError`` (with ``param``) for the first field out of its range.
-
-        The one owner of the sampling rules: both router APIs, prefill and decode call it.
-        Every range is bounded, so NaN and infinities fail too.
-        """
-        for param, low, high, is_low_open in _FLOAT_RANGES:
-            value = getattr(self, param)
-            if not (low < value <= high if is_low_open else low <= value <= high):  # False for NaN
-                bound = f"{'(' if is_low_open else '['}{low:g}, {high:g}]"
-                raise InvalidRequestError(f"{param} must be in {bound}, got {value!r}", param=param)
-        int_checks: list[tuple[bool, str, str]] = [
-            (
-                0 <= self.top_k <= MAX_TOP_K,
-                "top_k",
-                f"must be in [0, {MAX_TOP_K}] (0 disables top-k)",
-            ),
-            (0 < self.max_new_tokens < 2**32, "max_new_tokens", "must be in [1, 2**32)"),
-            (self.seed is None or 0 <= self.seed < 2**64, "seed", "must be in [0, 2**64)"),
-            (
-                all(0 <= t < 2**32 for t in self.stop_token_ids),
-                "stop_token_ids",
-                "must be in [0, 2**32)",
-            ),
-            (
-                0 <= self.min_tokens <= self.max_new_tokens,
-                "min_tokens",
-                "must be in [0, max_new_tokens]",
-            ),
-            (
-                len(self.logit_bias) <= MAX_LOGIT_BIAS,
-                "logit_bias",
-                f"takes at most {MAX_LOGIT_BIAS} tokens",
-            ),
-        ]
-        for is_ok, param, rule in int_checks:
-            if not is_ok:
-                value = getattr(self, param)
-                raise InvalidRequestError(f"{param} {rule}, got {value!r}", param=param)
-        self._validate_logit_bias()
-
-    def _validate_logit_bias(self) -> None:
-        token_ids = [token_id for token_id, _ in self.logit_bias]
-        if len(set(token_ids)) != len(token_ids):
-            raise InvalidRequestError("logit_bias names a token twice", param="logit_bias")
-        for token_id, bias in self.logit_bias:
-            if not 0 <= token_id < 2**32:
-                raise InvalidRequestError(
-                    f"logit_bias token ids must be >= 0, got {token_id}", param="logit_bias"
-                )
-            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
-                raise InvalidRequestError(
-                    f"logit_bias values must be in [-100, 100], got {bias!r}", param="logit_bias"
-                )
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """``InvalidRequestError`` when a token id of these params is outside the vocabulary."""
-        for param, token_ids in (
-            ("logit_bias", [t for t, _ in self.logit_bias]),
-            ("stop_token_ids", self.stop_token_ids),
-        ):
-            if any(t >= vocab_size for t in token_ids):
-                raise InvalidRequestError(f"{param} token ids must be < {vocab_size}", param=param)
-
-
-MAX_LOGIT_BIAS = 1024  # tokens one request may bias
-MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
-# (field, low, high, is the low end open): every float field's range.
-_FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (
-    ("temperature", 0.0, 2.0, False),
-    ("top_p", 0.0, 1.0, True),
-    ("min_p", 0.0, 1.0, False),
-    # Logits are divided by it: a penalty near 0 turns them into inf (NaN probabilities).
-    ("repetition_penalty", 0.01, 2.0, False),
-    ("frequency_penalty", -2.0, 2.0, False),
-    ("presence_penalty", -2.0, 2.0, False),
-)
+if TYPE_CHECKING:
+    from services.common.types import SamplingParams
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

@@ -12,8 +12,7 @@ import hashlib
 
 import msgspec
 
-from services.common.types import ImageSpanRef
-from services.engine.sampler import SamplingParams
+from services.common.types import ImageSpanRef, SamplingParams
 from services.transfer.base import KvDestination, KvPoolLayout
 from services.transfer.embeddings import EmbeddingDestination
 

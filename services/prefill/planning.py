@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from services.common.errors import StageServeError
 from services.common.ranks.outcome import agreed_error
+from services.common.types import finish_reason
 from services.engine.config import ModelConfig
 from services.prefill.messages import SHARDED, PassSegment, RankPlan, RankRequest, RankResult
 from services.prefill.request import PrefillOutput, PrefillPlan, RequestOutcome
-from services.prefill.worker import first_token_finish_reason
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,11 @@ def merge_results(
             f"{request.request_id}: {len(tokens)} ranks sampled its first token"
         )
         failed = [(rank, o) for rank, o in mine if o.error]
-        finish = first_token_finish_reason(
-            tokens[0],
+        finish = finish_reason(
             request.params,
+            tokens[0],
             request.num_tokens,
+            1,
             config.eos_token_ids,
             config.text.max_position_embeddings,
         )

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
+from services.common.types import SamplingParams
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.prefill_graph import token_sizes_up_to
-from services.engine.sampler import SamplingParams
 from services.prefill.messages import (
     SHARDED,
     Describe,

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from services.common.errors import StageServeError
-from services.common.types import FinishReason, ImageSpanRef
-from services.engine.sampler import SamplingParams
+from services.common.types import FinishReason, ImageSpanRef, SamplingParams
 from services.transfer.base import KvDestination
 
 

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import msgspec
 
 from services.common.errors import InvalidRequestError
-from services.common.types import ImageSpanRef
+from services.common.types import ImageSpanRef, SamplingParams
 from services.engine.config import ModelConfig
-from services.engine.sampler import SamplingParams
 from services.transfer.base import KvDestination, KvPoolLayout, check_compatible
 
 EMBEDS_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # prompt_embeds dtypes

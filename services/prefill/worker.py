@@ -15,17 +15,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from services.common.gpu_share import GpuShare
-from services.common.types import FinishReason
 from services.engine import ops
 from services.engine.attention.context_parallel import ContextParallelAttention, CpShard, KvExchange
 from services.engine.model_runner import ModelRunner
-from services.engine.sampler import Sampler, SamplingParams, make_generator
+from services.engine.sampler import Sampler, make_generator
 from services.prefill.handoff import KvHandoff
 from services.prefill.messages import SHARDED, RankOutcome, RankPlan, RankRequest
 from services.prefill.passes import PassInput, RequestRows, build_pass, request_rows
@@ -33,21 +31,6 @@ from services.transfer.base import BaseKVSender
 from services.transfer.embeddings import EmbeddingBuffer
 
 logger = logging.getLogger(__name__)
-
-
-def first_token_finish_reason(
-    token_id: int,
-    params: SamplingParams,
-    num_prompt_tokens: int,
-    eos_token_ids: Iterable[int],
-    max_context_len: int,
-) -> FinishReason | None:
-    """Whether the first token already ends the request (the offline engine's rule after one token)."""
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
-        return FinishReason.STOP
-    if params.max_new_tokens <= 1 or num_prompt_tokens + 1 >= max_context_len:
-        return FinishReason.LENGTH
-    return None
 
 
 @dataclass(frozen=True)
@@ -81,9 +64,7 @@ class PrefillRankWorker:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.exchange_device = torch.device(exchange_device) if exchange_device else runner.device
         self.spatial_merge_size = config.vision.spatial_merge_size
-        self.eos_token_ids = frozenset(config.eos_token_ids)
-        self.sampler = Sampler(self.eos_token_ids)
-        self.max_context_len = config.text.max_position_embeddings
+        self.sampler = Sampler(config.eos_token_ids)
         self.cp_attention = ContextParallelAttention(runner.attention, runner.kv_pool)
         text = config.text
         self._kv_width = 2 * text.num_key_value_heads * text.head_dim
@@ -129,11 +110,6 @@ class PrefillRankWorker:
         if self.gpu_share is None:
             return contextlib.nullcontext()
         return self.gpu_share.marking(self.rank)
-
-    def finish_reason(self, request: RankRequest, token_id: int) -> FinishReason | None:
-        return first_token_finish_reason(
-            token_id, request.params, request.num_tokens, self.eos_token_ids, self.max_context_len
-        )
 
     def _run(self, plan: RankPlan, shard: CpShard, handoff: KvHandoff) -> dict[str, int] | None:
         """Every pass, then the first tokens this rank samples; None when a peer failed."""

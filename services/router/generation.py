@@ -49,9 +49,8 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.server import current_request_id
-from services.common.types import ImageHeader, ImagePart, TokenizedPrompt
+from services.common.types import ImageHeader, ImagePart, SamplingParams, TokenizedPrompt
 from services.engine.processing import ImageProcessor
-from services.engine.sampler import SamplingParams
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
 from services.router.metrics import RequestStats, RouterMetrics

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 
 from services.common.errors import StageServeError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.router.generation import GenerationPipeline
 from services.router.registry import ROUTED_KINDS, WorkerRegistry
 from services.router.types import GenerationRequest

@@ -1,9 +1,9 @@
 """A generation body's fields, checked, into ``SamplingParams``, a token budget and stop strings.
 
-The order of checks: fields this server does not implement (each body's ``REFUSALS``:
-a 400 naming the field and saying what is not supported), then stream options, the
-token budget, logit_bias, and last the sampling ranges of ``SamplingParams.validate``
-(the same rules for HTTP and gRPC). The context check of ``max_tokens`` needs the
+The order of checks: ``n`` below 1 (meaningless, not unsupported), fields this server does
+not implement (each body's ``REFUSALS``: a 400 naming the field and saying what is not
+supported), then stream options, the token budget, logit_bias, and last the sampling
+ranges of ``SamplingParams.validate`` (the same rules for HTTP and gRPC). The context check of ``max_tokens`` needs the
 prompt's length, so the pipeline makes it after tokenizing.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequestError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_text
 
 GenerationBody = ChatCompletionBody | CompletionBody

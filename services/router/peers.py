@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
-from services.common.types import ChatMessage, ImageHeader, TokenizedPrompt
-from services.engine.sampler import SamplingParams
+from services.common.types import ChatMessage, ImageHeader, SamplingParams, TokenizedPrompt
 
 
 class TokenizerPeer(Protocol):

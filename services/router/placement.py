@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import CapacityError, StageServeError, UnavailableError
-from services.common.types import TokenizedPrompt
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams, TokenizedPrompt
 from services.router.admission import AdmissionManager, RejectReason, Ticket
 from services.router.metrics import RouterMetrics
 from services.router.peers import DecodePeer, PrefillPeer

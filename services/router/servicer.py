@@ -27,9 +27,16 @@ from services.common.errors import InvalidRequestError, NotFoundError, StageServ
 from services.common.grpc_errors import handle_errors
 from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.types import ChatMessage, ContentPart, FinishReason, ImagePart, TextPart, Usage
+from services.common.types import (
+    ChatMessage,
+    ContentPart,
+    FinishReason,
+    ImagePart,
+    SamplingParams,
+    TextPart,
+    Usage,
+)
 from services.common.wire import sampling_params_from_proto
-from services.engine.sampler import SamplingParams
 from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline
 from services.router.images import check_image

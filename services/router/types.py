@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.common.types import ChatMessage, FinishReason, Usage
-from services.engine.sampler import SamplingParams
+from services.common.types import ChatMessage, FinishReason, SamplingParams, Usage
 from services.router.prompt_embeds import PromptEmbeds
 
 

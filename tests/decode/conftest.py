@@ -20,20 +20,20 @@ from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeClient
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.server import HealthState, create_server
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage
 from services.common.wire import KvRefInfo
 from services.decode.app import rank_init
 from services.decode.config import DecodeConfig
 from services.decode.leader import DecodeLeader
 from services.decode.messages import RankLoad
-from services.decode.rank import build_rank, eos_token_ids
+from services.decode.rank import build_rank
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.loader import load_model
 from services.engine.model.rope import mrope_positions
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
-from services.engine.sampler import Sampler, SamplingParams, make_generator
+from services.engine.sampler import Sampler, make_generator
 from services.transfer import BaseKVSender, create_kv_receiver
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
 from tests.conftest import TINY_MODEL_DIR
@@ -52,10 +52,8 @@ def language_model():
 
 @pytest.fixture(scope="session")
 def offline(language_model) -> LLMEngine:
-    """The single-process engine; it stops on the same EOS ids as decode (config + generation_config)."""
-    engine = LLMEngine(ModelRunner(language_model, KVCacheConfig(1024, PAGE_SIZE)))
-    engine.eos_token_ids = set(eos_token_ids(TINY_MODEL_DIR, language_model.config))
-    return engine
+    """The single-process engine; it stops on the same EOS ids as decode (the model config's)."""
+    return LLMEngine(ModelRunner(language_model, KVCacheConfig(1024, PAGE_SIZE)))
 
 
 def offline_tokens(

@@ -10,7 +10,7 @@ from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeRankStats, DecodeStats
 from services.common.errors import InvalidRequestError
 from services.common.pb.stageserve.v1 import common_pb2
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage
 from services.common.wire import (
     KvBufferInfo,
     KvRefInfo,
@@ -21,7 +21,6 @@ from services.common.wire import (
     sampling_params_to_proto,
 )
 from services.engine.kv_cache import KVPool
-from services.engine.sampler import SamplingParams
 from services.transfer.base import pool_layout
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVReceiver
 

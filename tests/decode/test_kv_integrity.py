@@ -11,8 +11,8 @@ from services.common import signing
 from services.common.client import create_channel
 from services.common.errors import InvalidRequestError, NotFoundError
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
+from services.common.types import SamplingParams
 from services.decode.config import parse_config
-from services.engine.sampler import SamplingParams
 from tests.decode.conftest import KEY, WAIT_S, MakeDecode, prompt_of
 
 YEAR_S = 365 * 24 * 3600.0

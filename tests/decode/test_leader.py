@@ -14,8 +14,8 @@ from services.common import signing
 from services.common.client import create_channel
 from services.common.errors import UnavailableError
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
+from services.common.types import SamplingParams
 from services.decode.messages import ReserveCommand
-from services.engine.sampler import SamplingParams
 from tests.decode.conftest import KEY, WAIT_S, MakeDecode, offline_tokens, prompt_of
 
 LONG = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)

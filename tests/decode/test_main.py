@@ -18,8 +18,8 @@ from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.clients.decode import DecodeClient
 from services.common.errors import CredentialsRefusedError
+from services.common.types import SamplingParams
 from services.decode.servicer import SERVICE_NAME
-from services.engine.sampler import SamplingParams
 from tests.conftest import REPO
 
 READY_TIMEOUT_S = 120.0

@@ -13,7 +13,7 @@ from services.common.errors import (
     DeadlineExceededError,
     NotFoundError,
 )
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from tests.decode.conftest import MakeDecode, prompt_of
 
 

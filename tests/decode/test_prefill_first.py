@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from services.common.gpu_share import GpuShare
+from services.common.types import SamplingParams
 from services.decode.app import rank_init
 from services.decode.config import parse_config
 from services.decode.messages import RankReport
 from services.decode.rank import build_rank
-from services.engine.sampler import SamplingParams
 from services.transfer import create_kv_receiver
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
 from tests.decode.conftest import BASE_CONFIG, FakePrefill, prompt_of

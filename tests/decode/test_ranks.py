@@ -28,12 +28,13 @@ from services.common import signing
 from services.common.auth import Credentials
 from services.common.clients.decode import DecodeClient
 from services.common.errors import UnavailableError
+from services.common.types import SamplingParams
 from services.common.wire import KvRefInfo
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.model.rope import mrope_positions
 from services.engine.offline import OfflinePipeline
-from services.engine.sampler import SamplingParams, make_generator
+from services.engine.sampler import make_generator
 from services.transfer import BaseKVSender
 from services.transfer.shm_backend import ShmKVSender
 from tests.conftest import REPO, TINY_MODEL_DIR, image_bytes
@@ -128,13 +129,9 @@ def decode(request, tmp_path_factory) -> Iterator[Decode]:
 
 def make_pipeline(device: str = "cpu", **engine_kwargs) -> OfflinePipeline:
     """The offline engine (the reference) and the stand-in prefill's model."""
-    from services.decode.rank import eos_token_ids
-
-    result = OfflinePipeline.from_dir(
+    return OfflinePipeline.from_dir(
         TINY_MODEL_DIR, page_size=PAGE_SIZE, device=device, **engine_kwargs
     )
-    result.engine.eos_token_ids = set(eos_token_ids(TINY_MODEL_DIR, result.engine.config))
-    return result
 
 
 @pytest.fixture(scope="module")

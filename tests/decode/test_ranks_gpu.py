@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from services.common.types import SamplingParams
 from services.engine.llm import EngineRequest
-from services.engine.sampler import SamplingParams
 from services.transfer.cuda_ipc_backend import CudaIpcKVSender
 from tests.conftest import image_bytes
 from tests.decode.conftest import prompt_of

@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import CapacityError, InvalidRequestError, NotFoundError
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage
 from services.decode.kv_manager import KVReservationManager
 from services.decode.messages import Finished
 from services.decode.scheduler import DecodeRequest, DecodeScheduler, ReqStatus
 from services.engine.kv_cache import KVPageManager, RequestPageTable
-from services.engine.sampler import SamplingParams
 
 EOS = 2
 NUM_PAGES, PAGE_SIZE = 32, 4

@@ -15,10 +15,9 @@ from services.common.errors import (
     InvalidRequestError,
     UnavailableError,
 )
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage
 from services.decode import leader as leader_module
 from services.decode.scheduler import DecodePlan
-from services.engine.sampler import SamplingParams
 from tests.conftest import sdk_provider
 from tests.decode.conftest import EOS, MakeDecode, offline_tokens, prompt_of
 

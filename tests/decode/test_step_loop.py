@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from services.common import signing
-from services.common.types import FinishReason
+from services.common.types import FinishReason, SamplingParams
 from services.decode.app import rank_init
 from services.decode.messages import (
     AbortCommand,
@@ -28,7 +28,6 @@ from services.decode.messages import (
 )
 from services.decode.rank import DecodeRank, build_rank
 from services.engine.llm import EngineRequest
-from services.engine.sampler import SamplingParams
 from services.transfer import create_kv_receiver
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
 from tests.decode.conftest import BASE_CONFIG, FakePrefill, prompt_of

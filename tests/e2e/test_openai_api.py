@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from tests.conftest import INTERNAL_AUTH, image_bytes
 from tests.e2e.system import pid_alive, start_system
 from tests.engine.test_model_parity import hf_inputs

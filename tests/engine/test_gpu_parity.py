@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.types import SamplingParams
 from services.engine.offline import OfflinePipeline
-from services.engine.sampler import SamplingParams
 from tests.conftest import TINY_MODEL_DIR
 from tests.engine.test_model_parity import PROMPTS, hf_inputs
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from services.common.errors import CapacityError, InvalidRequestError
-from services.engine.llm import EngineRequest, FinishReason, LLMEngine
-from services.engine.sampler import SamplingParams
+from services.common.types import FinishReason, SamplingParams
+from services.engine.llm import EngineRequest, LLMEngine
 from tests.conftest import REPO, TINY_MODEL_DIR, image_bytes
 
 

@@ -110,6 +110,18 @@ def test_unknown_architecture_names_supported(tiny_model_dir, tmp_path):
         ModelConfig.from_dir(dst)
 
 
+def test_eos_ids_are_config_and_generation_config_ids(tiny_model_dir, tmp_path):
+    """The one read of the EOS ids every service stops on (as ``transformers`` stops)."""
+    assert ModelConfig.from_dir(tiny_model_dir).eos_token_ids == (2, 0)
+    assert load_model(tiny_model_dir, components=("language",)).config.eos_token_ids == (2, 0)
+    dst = tmp_path / "no_generation_config"
+    dst.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", dst / "config.json")
+    assert ModelConfig.from_dir(dst).eos_token_ids == (2,)
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert ModelConfig.from_dir(dst).eos_token_ids == (2, 7)
+
+
 def test_missing_files_are_clear(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(tmp_path)

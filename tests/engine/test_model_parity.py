@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from tests.conftest import image_bytes
 
 TOLERANCE = 1e-4

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from services.common.types import SamplingParams
 from services.engine.attention import ForwardMode
 from services.engine.model.rope import mrope_positions
 from services.engine.model_runner import StepInput
-from services.engine.sampler import SamplingParams
 from tests.conftest import image_bytes
 
 TOLERANCE = 1e-4

@@ -32,12 +32,11 @@ from services.common.pb.stageserve.v1 import (
     vision_encoder_pb2_grpc,
 )
 from services.common.server import HealthState, create_server
-from services.common.types import ImageSpanRef, TokenizedPrompt
+from services.common.types import ImageSpanRef, SamplingParams, TokenizedPrompt
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest
 from services.engine.loader import load_model
 from services.engine.processing.image_file import content_hash
-from services.engine.sampler import SamplingParams
 from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.image_store import ImageStore

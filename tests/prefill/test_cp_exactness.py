@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.prefill.messages import RankRequest
 from tests.prefill.conftest import make_case, standard_cases
 from tests.prefill.cp_ranks import DecodePool, plan_of, started_ranks, write_rows

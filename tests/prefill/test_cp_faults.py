@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.common.errors import StageServeError, UnavailableError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from tests.prefill.conftest import (
     make_case,
     prefill_config,

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from services.common.errors import StageServeError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.prefill.messages import RankPlan
 from tests.conftest import image_bytes
 from tests.prefill.conftest import make_case, prefill_config, start_harness, stop_harness

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import ImageDataNeededError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.prefill.image_store import ImageStore
 from tests.conftest import image_bytes
 from tests.prefill.conftest import Harness, make_case, reference

@@ -15,7 +15,7 @@ import pytest
 
 from services.common import signing
 from services.common.errors import CapacityError, DeadlineExceededError, InvalidRequestError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.prefill.kv_refs import NonceManager
 from tests.prefill.conftest import (
     Harness,

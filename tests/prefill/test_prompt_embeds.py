@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from services.common.errors import InvalidRequestError
-from services.common.types import TokenizedPrompt
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams, TokenizedPrompt
 from tests.prefill.conftest import (
     gate_worker,
     make_case,

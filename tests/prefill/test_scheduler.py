@@ -11,8 +11,7 @@ from services.common.errors import (
     InvalidRequestError,
     UnavailableError,
 )
-from services.common.types import ImageSpanRef
-from services.engine.sampler import SamplingParams
+from services.common.types import ImageSpanRef, SamplingParams
 from services.prefill.request import (
     BatchKind,
     PlannedRequest,

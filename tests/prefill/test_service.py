@@ -19,8 +19,7 @@ from services.common.errors import (
     InvalidRequestError,
     UnavailableError,
 )
-from services.common.types import FinishReason, TokenizedPrompt
-from services.engine.sampler import SamplingParams
+from services.common.types import FinishReason, SamplingParams, TokenizedPrompt
 from tests.conftest import image_bytes, sdk_provider
 from tests.prefill.conftest import (
     KV_ATOL,

@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client import REGISTRY
 
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from tests.conftest import count_progress_checks
 from tests.prefill.conftest import (
     gate_worker,

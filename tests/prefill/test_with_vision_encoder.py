@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.common.errors import UnavailableError
+from services.common.types import SamplingParams
 from services.engine.processing.image_file import content_hash
-from services.engine.sampler import SamplingParams
 from services.vision_encoder.plan import owner_rank
 from tests.conftest import image_bytes
 from tests.prefill.conftest import make_case, prefill_config, reference, start_harness, stop_harness

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from services.engine.sampler import MAX_LOGIT_BIAS
+from services.common.types import MAX_LOGIT_BIAS
 from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import TEXT
 from tests.router.http_helpers import CHAT, EXPECTED, sse_events

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.clients.decode import DecodeClient
 from services.common.errors import DeadlineExceededError, UnavailableError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from services.router.metrics import RouterMetrics
 from services.router.policy import RoundRobinPolicy
 from services.router.progress import StallBound

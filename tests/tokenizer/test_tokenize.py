@@ -10,10 +10,9 @@ import pytest
 from services.common.clients.tokenizer import chat_to_proto, prompt_from_proto
 from services.common.errors import UnavailableError
 from services.common.pb.stageserve.v1 import tokenizer_pb2
-from services.common.types import ChatMessage, TextPart
+from services.common.types import ChatMessage, SamplingParams, TextPart
 from services.engine.model.rope import mrope_positions
 from services.engine.processing import TextProcessor
-from services.engine.sampler import SamplingParams
 from tests.conftest import TINY_MODEL_DIR, image_bytes
 from tests.tokenizer.conftest import TIMEOUT_S, to_template_messages, user
 

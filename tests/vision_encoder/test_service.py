@@ -19,7 +19,7 @@ from services.common.clients.vision_encoder import (
     encode_request_to_proto,
 )
 from services.common.errors import InvalidRequestError, UnavailableError
-from services.engine.sampler import SamplingParams
+from services.common.types import SamplingParams
 from tests.conftest import image_bytes
 from tests.vision_encoder.conftest import rank_threads, serve_encoder, span_input, spans_for
 

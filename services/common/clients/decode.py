@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 import msgspec
@@ -26,7 +25,7 @@ from services.common.errors import (
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, SamplingParams, Usage
 from services.common.wire import (
     FINISH_REASON_FROM_PROTO,
     KvRefInfo,
@@ -35,9 +34,6 @@ from services.common.wire import (
     stream_error_from_proto,
     usage_from_proto,
 )
-
-if TYPE_CHECKING:
-    from services.engine.sampler import SamplingParams
 
 DEFAULT_TIMEOUT_S = 10.0  # Abort / Stats, and the cap on Reserve when the deadline is far
 

@@ -10,7 +10,6 @@ the prompt's KV into the decode pages described by ``kv_ref`` and returns the fi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 import msgspec
@@ -23,11 +22,8 @@ from services.common.errors import DeadlineExceededError, ImageDataNeededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
-from services.common.types import FinishReason, ImageSpanRef, TokenizedPrompt
+from services.common.types import FinishReason, ImageSpanRef, SamplingParams, TokenizedPrompt
 from services.common.wire import KvRefInfo, kv_ref_to_proto, sampling_params_to_proto
-
-if TYPE_CHECKING:
-    from services.engine.sampler import SamplingParams
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
