@@ -137,6 +137,6 @@ def test_serve_passes_help_to_the_service(capsys) -> None:
 def test_the_in_process_backend_is_refused_by_up(capsys) -> None:
     assert main(["up", "--port", "0", "--transfer-backend", "inprocess"]) == 2
     assert (
-        "up runs every service as its own process: use shm (one host) or mooncake"
-        in capsys.readouterr().err
-    )
+        "the inprocess transfer backend moves data within one process, and up runs every "
+        "service as its own process: use one of mooncake, cuda_ipc, shm"
+    ) in capsys.readouterr().err
