@@ -4,38 +4,17 @@ from __future__ import annotations
 
 import argparse
 import socket
-from collections.abc import Callable
 
+from services.common.settings import at_least, non_negative, port_number, positive
 
-def at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def port_number(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
-    return value
-
-
-def positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+__all__ = [
+    "at_least",
+    "check_prefill_cp",
+    "check_up_args",
+    "non_negative",
+    "port_number",
+    "positive",
+]
 
 
 def check_up_args(args: argparse.Namespace) -> None:

@@ -13,23 +13,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.exposure import INSECURE_NO_API_KEY_FLAG
+from services.common.restarts import RestartPolicy
+from services.common.service_main import COMMON_SETTINGS
+from services.common.settings import config_to_argv
 from services.decode.config import DecodeConfig
 from services.router.config import FlowConfig
+from services.tokenizer.config import TokenizerConfig
 
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
 METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
 MAX_PORT = 65535
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """Delay before restarting a child: ``initial_backoff_s``, doubling per exit up to
-    ``max_backoff_s``; a child that stayed up ``stable_s`` starts again from the initial
-    delay."""
-
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 10.0
-    stable_s: float = 30.0
 
 
 MAX_LIVENESS_INTERVAL_S = 2.0
@@ -192,10 +185,11 @@ def _page_args(cfg: LaunchConfig) -> tuple[str, ...]:
 
 
 def tokenizer_spec(cfg: LaunchConfig) -> ChildSpec:
-    args = (
-        *optional_arg("--max-model-len", cfg.max_model_len),
-        *("--worker-liveness-timeout-s", str(cfg.liveness.timeout_s)),
+    """The tokenizer's own flags, from its config (``common_args`` give the shared ones)."""
+    config = TokenizerConfig(
+        max_model_len=cfg.max_model_len, worker_liveness_timeout_s=cfg.liveness.timeout_s
     )
+    args = tuple(config_to_argv(config, skip=COMMON_SETTINGS))
     return ChildSpec("tokenizer", args, first_ports(cfg, "tokenizer"))
 
 

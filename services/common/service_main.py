@@ -9,91 +9,88 @@ one ``READY <service> port=<grpc> ... metrics_port=<port>`` line on stdout once 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from services.common import logs, telemetry
 from services.common.auth import AuthConfigError, Credentials, internal_credentials
 from services.common.envs import INTERNAL_TOKEN_ENV, Envs
 from services.common.paths import BUNDLED_MODEL
+from services.common.settings import add_config_args, flag
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """The fields ``add_common_args`` fills; a service's config extends it with its own."""
+    """The flags every service takes; a service's config extends it with its own."""
 
-    model: Path
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    device: str = "cpu"
-    dtype: str | None = None  # None: the checkpoint's
-    log_level: str = "INFO"
-    log_format: str = "text"  # text | json (one object per line)
-    internal_token_file: Path | None = None  # wins over STAGESERVE_INTERNAL_TOKEN
-    allow_unauthenticated: bool = False  # start without an internal token (no authentication)
-    enable_reflection: bool = False  # serve gRPC server reflection
+    model: Path = flag(BUNDLED_MODEL, help="Hugging Face checkpoint directory")
+    host: str = flag("127.0.0.1", help="address the gRPC and metrics servers bind")
+    port: int = flag(0, help="gRPC port (0: a free one, printed on the READY line)")
+    metrics_port: int = flag(0, help="Prometheus /metrics port (0: a free one)")
+    device: str = flag("cpu", help="where the model runs: cpu, cuda, cuda:N")
+    dtype: str | None = flag(None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    log_level: str = flag(
+        "INFO", type=str.upper, help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)"
+    )
+    log_format: str = flag(
+        "text",
+        type=str.lower,
+        choices=logs.LOG_FORMATS,
+        help="text, or json: one object per line with request_id and trace_id "
+        "(default: STAGESERVE_LOG_FORMAT, else text)",
+    )
+    internal_token_file: Path | None = flag(
+        None,
+        metavar="PATH",
+        help=f"file holding the internal gRPC token (wins over {INTERNAL_TOKEN_ENV})",
+    )
+    allow_unauthenticated: bool = flag(
+        False,
+        help="start without an internal token: internal gRPC calls are neither "
+        "checked nor sent with credentials",
+    )
+    enable_reflection: bool = flag(False, help="serve gRPC server reflection")
+
+
+COMMON_SETTINGS = frozenset(f.name for f in fields(ServiceConfig))
+
+_UNUSED_MODEL_FLAGS = {
+    "device": "unused (this service runs no model); accepted for uniformity",
+    "dtype": "unused; accepted for uniformity",
+}
+
+
+def env_defaults(envs: Envs | None = None) -> dict[str, str]:
+    """The common flags whose default comes from the environment (``Envs``)."""
+    envs = envs if envs is not None else Envs.from_environ()
+    return {"log_level": envs.log_level, "log_format": envs.log_format}
 
 
 def add_common_args(
     parser: argparse.ArgumentParser, *, runs_model: bool = True, envs: Envs | None = None
 ) -> None:
-    """Add the flags every service takes. Without ``runs_model``, ``--device`` and ``--dtype`` are
-    accepted and unused. ``--log-level`` defaults to ``envs.log_level`` (``STAGESERVE_LOG_LEVEL``, else
-    INFO), ``--log-format`` to ``envs.log_format`` (``STAGESERVE_LOG_FORMAT``, else text); ``envs``
-    defaults to ``Envs.from_environ()``."""
-    envs = envs if envs is not None else Envs.from_environ()
-    p = parser
-    p.add_argument(
-        "--model", type=Path, default=BUNDLED_MODEL, help="Hugging Face checkpoint directory"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address the gRPC and metrics servers bind")
-    p.add_argument(
-        "--port", type=int, default=0, help="gRPC port (0: a free one, printed on the READY line)"
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: a free one)"
-    )
-    if runs_model:
-        p.add_argument("--device", default="cpu")
-        p.add_argument(
-            "--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)"
-        )
-    else:
-        p.add_argument(
-            "--device",
-            default="cpu",
-            help="unused (this service runs no model); accepted for uniformity",
-        )
-        p.add_argument("--dtype", default=None, help="unused; accepted for uniformity")
-    p.add_argument(
-        "--log-level",
-        type=str.upper,
-        default=envs.log_level,
-        help="DEBUG, INFO, ... (default: STAGESERVE_LOG_LEVEL, else INFO)",
-    )
-    p.add_argument(
-        "--log-format",
-        type=str.lower,
-        choices=logs.LOG_FORMATS,
-        default=envs.log_format,
-        help="text, or json: one object per line with request_id and trace_id "
-        "(default: STAGESERVE_LOG_FORMAT, else text)",
-    )
-    p.add_argument(
-        "--internal-token-file",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help=f"file holding the internal gRPC token (wins over {INTERNAL_TOKEN_ENV})",
-    )
-    p.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        help="start without an internal token: internal gRPC calls are neither "
-        "checked nor sent with credentials",
-    )
-    p.add_argument("--enable-reflection", action="store_true", help="serve gRPC server reflection")
+    """Add the flags every service takes (``ServiceConfig``'s). Without ``runs_model``,
+    ``--device`` and ``--dtype`` are accepted and unused. ``--log-level`` defaults to
+    ``envs.log_level`` (``STAGESERVE_LOG_LEVEL``, else INFO), ``--log-format`` to
+    ``envs.log_format`` (``STAGESERVE_LOG_FORMAT``, else text); ``envs`` defaults to
+    ``Envs.from_environ()``."""
+    helps = {} if runs_model else _UNUSED_MODEL_FLAGS
+    add_config_args(parser, ServiceConfig, defaults=env_defaults(envs), helps=helps)
+
+
+def build_service_parser(
+    prog: str,
+    description: str,
+    config_cls: type,
+    *,
+    runs_model: bool = True,
+    envs: Envs | None = None,
+) -> argparse.ArgumentParser:
+    """A service's parser: the common flags, then ``config_cls``'s own (``settings``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    helps = {} if runs_model else _UNUSED_MODEL_FLAGS
+    add_config_args(parser, config_cls, defaults=env_defaults(envs), helps=helps)
+    return parser
 
 
 def internal_credentials_or_exit(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+
+from services.common.service_main import ServiceConfig
+from services.common.settings import at_least, flag, non_negative_int, positive, positive_int
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1000 * 1000
@@ -32,17 +34,39 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class TokenizerConfig:
-    model_dir: Path
-    limits: Limits
-    host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    # Worker processes for CPU-heavy work; 0 = one thread in this process.
-    num_workers: int = field(default_factory=default_num_workers)
-    max_queued_bytes: int = (
-        MAX_QUEUED_BYTES  # encoded jobs waiting or running, all workers together
+class TokenizerConfig(ServiceConfig):
+    """The tokenizer's flags; ``max_model_len`` None until ``__main__`` reads the checkpoint."""
+
+    num_workers: int = flag(
+        default_factory=default_num_workers,
+        type=non_negative_int,
+        help="worker processes for tokenization and image decoding (default: one per CPU, "
+        "at most 4; 0: one thread in this process)",
     )
-    worker_liveness_timeout_s: float = WORKER_LIVENESS_TIMEOUT_S
-    log_level: str = "INFO"
-    log_format: str = "text"  # text | json
+    max_queued_bytes: int = flag(
+        MAX_QUEUED_BYTES,
+        type=positive_int,
+        help="encoded requests waiting for or held by the workers; past it a request is "
+        "refused as overloaded (RESOURCE_EXHAUSTED)",
+    )
+    worker_liveness_timeout_s: float = flag(
+        WORKER_LIVENESS_TIMEOUT_S,
+        type=positive,
+        help="a worker process that does not beat for this long (stopped, hung) is killed and "
+        "the workers restarted; the jobs they held fail as unavailable",
+    )
+    max_model_len: int | None = flag(
+        None,
+        type=at_least(2),
+        help="prompts must be shorter than this many tokens (default: config.json "
+        "max_position_embeddings)",
+    )
+    max_image_bytes: int = flag(MAX_IMAGE_BYTES, type=positive_int, help="largest compressed image")
+    max_image_pixels: int = flag(
+        MAX_IMAGE_PIXELS, type=positive_int, help="largest decoded image (w*h)"
+    )
+
+    @property
+    def limits(self) -> Limits:
+        assert self.max_model_len is not None, "resolved from the checkpoint by __main__"
+        return Limits(self.max_model_len, self.max_image_bytes, self.max_image_pixels)

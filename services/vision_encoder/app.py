@@ -8,6 +8,7 @@ the rank group and the progress watchdogs (``readiness.ReadinessGate``).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,8 +18,10 @@ from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import vision_encoder_pb2, vision_encoder_pb2_grpc
 from services.common.progress import ProgressWatchdog
 from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.errors import RankStartError
 from services.common.ranks.group import RankGroup
-from services.common.server import HealthState, create_server
+from services.common.server import HealthState, create_server, serve_until_signal
+from services.common.service_main import print_ready, start_telemetry
 from services.engine.config import ModelConfig
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.job import JobLimits
@@ -29,6 +32,7 @@ from services.vision_encoder.readiness import ReadinessGate
 from services.vision_encoder.scheduler import EncodeScheduler
 from services.vision_encoder.servicer import VisionEncoderServicer
 
+logger = logging.getLogger("services.vision_encoder")
 SERVICE_NAME = vision_encoder_pb2.DESCRIPTOR.services_by_name["VisionEncoder"].full_name
 STEP_TARGET = "services.vision_encoder.rank_step:EncoderRankStep"  # imported by the ranks only
 
@@ -140,3 +144,32 @@ def create_grpc_server(
         auth=auth,
         enable_reflection=config.enable_reflection,
     )
+
+
+async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | None) -> None:
+    metrics_port = start_telemetry(
+        "vision_encoder",
+        envs,
+        config.host,
+        config.metrics_port,
+        model_name=config.model.resolve().name,
+    )
+    app = build_app(config, VisionEncoderMetrics(), envs)
+    health = HealthState()
+    server, port = create_grpc_server(app, config, health, auth)
+    await server.start()
+    try:
+        await app.start(health)  # SERVING once every rank is loaded and warmed up
+    except RankStartError:
+        await server.stop(None)
+        raise
+    devices = ",".join(config.devices)
+    logger.info(
+        "serving on %s:%d (ranks on %s, transfer %s)",
+        config.host,
+        port,
+        devices,
+        config.transfer_backend,
+    )
+    print_ready("vision_encoder", port=port, metrics_port=metrics_port)
+    await serve_until_signal(server, health, app.close)

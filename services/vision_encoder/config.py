@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, check_embedding_backend
 from services.common.service_main import ServiceConfig
+from services.common.settings import flag
 
 # The encoder's ranks are their own processes: rows leave them through a backend that
 # crosses processes ("inprocess" needs the encoder and prefill in one process).
@@ -19,21 +20,55 @@ PIXEL_METHODS = (
 
 @dataclass(frozen=True)
 class VisionEncoderConfig(ServiceConfig):
-    devices: tuple[str, ...] = ("cpu",)  # one rank process per entry ("cpu", "cuda:N")
-    transfer_backend: str = "mooncake"  # embedding rows to prefill: "mooncake" | "shm" | "cuda_ipc"
-    transfer_host: str = "127.0.0.1"  # address each rank's transfer engine advertises (Mooncake)
-    transfer_protocol: str = "tcp"  # Mooncake transport: "tcp" | "rdma"
-    staging_rows: int = 8192  # rows of each rank's registered staging buffer (Mooncake)
-    cache_bytes: int = 256 * 1024 * 1024  # embedding cache budget of each rank
-    max_batch_images: int = 32  # images (spans) one batch takes at most, over all ranks
-    max_image_bytes: int = 20 * 1024 * 1024  # compressed size limit of one image
-    default_timeout_s: float = 60.0  # deadline of a call that carries none
-    step_timeout_s: float = 60.0  # a batch's step on the ranks; a rank past it is declared dead
-    watchdog_s: float = 30.0  # NOT_SERVING while encodes wait but no batch starts or ends this long
-    pixel_method: str = (
-        "auto"  # resize/normalize/patchify: "auto" (torch on CUDA) | "pil" | "torch"
+    devices: tuple[str, ...] = flag(
+        ("cpu",),
+        metavar="DEV,DEV,...",
+        help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)",
     )
-    vit_cuda_graphs: int = 8  # batch layouts whose ViT graphs each CUDA rank keeps; 0: eager
+    cache_bytes: int = flag(
+        256 * 1024 * 1024,
+        help="embedding cache budget of each rank, bytes (W ranks hold W times this)",
+    )
+    max_batch_images: int = flag(32, help="images one batch takes at most, over all ranks")
+    max_image_bytes: int = flag(20 * 1024 * 1024, help="size limit of one compressed image")
+    default_timeout_s: float = flag(60.0, help="deadline of a call that carries none")
+    step_timeout_s: float = flag(
+        60.0,
+        help="a batch's limit on the ranks: a rank past it is declared dead, the rank "
+        "group restarts",
+    )
+    watchdog_s: float = flag(
+        30.0,
+        help="health turns NOT_SERVING when encodes wait but no batch starts or ends for this long",
+    )
+    pixel_method: str = flag(
+        "auto",
+        choices=PIXEL_METHODS,
+        help="where the ranks resize, normalize and patchify: pil (CPU, bit-exact with "
+        "transformers), torch (on the rank's device, within one uint8 level), "
+        "auto (torch on CUDA ranks, pil on CPU ranks)",
+    )
+    vit_cuda_graphs: int = flag(
+        8,
+        help="batch layouts (lists of image grids) whose ViT CUDA graph each CUDA rank keeps, "
+        "least recently used out first; a layout is captured the second time it is seen; "
+        "0 runs the ViT eagerly (CPU ranks always do)",
+    )
+    transfer_backend: str = flag(
+        "mooncake",
+        choices=TRANSFER_BACKENDS,
+        help="embedding rows to prefill (cuda_ipc: GPU to GPU on one host, ranks on CUDA "
+        "devices; shm: /dev/shm on one host)",
+    )
+    transfer_host: str = flag(
+        "127.0.0.1",
+        help="address each rank's transfer engine advertises to peers (Mooncake; it "
+        "listens on every interface)",
+    )
+    transfer_protocol: str = flag("tcp", help="Mooncake transport: tcp | rdma")
+    staging_rows: int = flag(
+        8192, help="rows of each rank's registered send staging buffer (Mooncake)"
+    )
 
     def __post_init__(self) -> None:
         if self.transfer_backend not in TRANSFER_BACKENDS:
