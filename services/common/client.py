@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from services.common.auth import AUTHORIZATION_KEY, Credentials
 from services.common.errors import DeadlineExceededError, NotFoundError, UnavailableError
+from services.common.healthcheck import check_async
 from services.common.server import MAX_MESSAGE_BYTES, REQUEST_ID_KEY, current_request_id
 
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -139,18 +140,15 @@ async def wait_ready(
         remaining = deadline - loop.time()
         if remaining <= 0:
             break
-        try:
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=min(remaining, 1.0)
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFoundError(f"peer does not serve {service!r}: {exc.details()}") from exc
-            last_error = f"{exc.code().name}: {exc.details()}"
+        answer = await check_async(stub, service=service, timeout_s=min(remaining, 1.0))
+        if answer.is_serving:
+            return
+        if answer.code == grpc.StatusCode.NOT_FOUND:
+            raise NotFoundError(f"peer does not serve {service!r}: {answer.details}")
+        if answer.status is None:
+            last_error = answer.why_not_serving or last_error
         else:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            last_status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            last_status = answer.status
         await asyncio.sleep(min(poll_interval_s, max(deadline - loop.time(), 0.0)))
         poll_interval_s = min(poll_interval_s * 2, 0.5)
     if last_status is None:

@@ -26,11 +26,12 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import UnavailableError
+from services.common.healthcheck import check_async
 from services.router.metrics import RouterMetrics
 from services.router.policy import BaseRoutingPolicy
 from services.router.workers import Hop, Worker, WorkerKind, WorkerState
@@ -78,15 +79,8 @@ class HealthProbe:
 
     async def check(self, address: str) -> str | None:
         """None when the worker is SERVING, else why not."""
-        try:
-            reply = await self._stub(address).Check(
-                health_pb2.HealthCheckRequest(), timeout=self._timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            return f"{exc.code().name}: {exc.details()}"
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        return None
+        answer = await check_async(self._stub(address), timeout_s=self._timeout_s)
+        return answer.why_not_serving
 
     async def close(self) -> None:
         for channel in self._channels:

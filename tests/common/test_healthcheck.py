@@ -3,9 +3,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from grpc_health.v1 import health_pb2
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.healthcheck import main
+from services.common.healthcheck import HealthAnswer, check, check_async, main
 from services.common.server import HealthState, create_server
 from tests.conftest import INTERNAL_AUTH, REPO
 
@@ -36,3 +37,35 @@ async def test_healthcheck_follows_readiness(tmp_path):
     assert main(["127.0.0.1:1"]) == 1
     assert main([]) == 2
     assert main(["127.0.0.1:1", "--token-file", str(tmp_path / "missing")]) == 2
+
+
+async def test_check_async_reads_each_answer_as_the_blocking_check_does():
+    health = HealthState()
+    server, port = create_server([], port=0, service_names=["stageserve.v1.Decode"], health=health)
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            answer = await check_async(stub, timeout_s=5)
+            assert (answer.is_serving, answer.why_not_serving) == (False, "NOT_SERVING")
+            health.set_serving(True)
+            assert (await check_async(stub, timeout_s=5)).why_not_serving is None
+            missing = await check_async(stub, service="nope", timeout_s=5)
+            assert missing.code == grpc.StatusCode.NOT_FOUND and missing.status is None
+            assert missing.why_not_serving.startswith("NOT_FOUND: ")
+        with grpc.insecure_channel(address) as channel:
+            blocking = await asyncio.to_thread(check, channel, service="nope", timeout_s=5)
+        assert blocking == missing
+    finally:
+        await server.stop(0)
+    answer = HealthAnswer.of_error(_Unreachable())
+    assert answer.why_not_serving == "UNAVAILABLE: connection refused"
+
+
+class _Unreachable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "connection refused"

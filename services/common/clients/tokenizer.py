@@ -18,6 +18,7 @@ from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import error_from_rpc
+from services.common.image_header import content_hash, header_size
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import (
@@ -28,7 +29,6 @@ from services.common.types import (
     TextPart,
     TokenizedPrompt,
 )
-from services.engine.processing.image_file import content_hash, header_size
 
 DEFAULT_TIMEOUT_S = 30.0
 INLINE_HEADER_BYTES = 512 * 1024  # a chat's images up to this are hashed on the event loop
@@ -57,7 +57,7 @@ async def image_headers(messages: Sequence[ChatMessage]) -> list[ImageHeader | N
     num_image_bytes = sum(
         len(p.data) for m in messages for p in m.content if isinstance(p, ImagePart)
     )
-    if num_image_bytes > INLINE_HEADER_BYTES:  # hashing ~0.6 ms per MB: off the loop
+    if num_image_bytes > INLINE_HEADER_BYTES:  # hashing blocks the loop: on a thread
         return await asyncio.to_thread(read_image_headers, messages)
     return read_image_headers(messages)
 

@@ -15,64 +15,36 @@ compositing on a background: a fully transparent pixel keeps its stored colour.
 
 from __future__ import annotations
 
-import hashlib
-import io
-
 import numpy as np
 import simplejpeg
 from PIL import ExifTags, Image, ImageOps
 
 from services.common.errors import InvalidRequestError
+from services.common.image_header import (
+    PIL_DECODE_ERRORS,
+    check_num_bytes,
+    check_num_pixels,
+    content_hash,
+    header_exif,
+    header_size,
+    open_image,
+)
 from services.engine.processing.jpeg_rows import BandDecoder
 
-# Errors PIL raises on bytes that are not a (complete) image of a known format.
-_PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError)
-# Formats whose header (what Image.open reads) holds every orientation source (EXIF, XMP).
-_HEADER_COMPLETE_FORMATS = ("JPEG", "MPO", "WEBP")
-_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
-_PNG_SIGNATURE_LEN = 8
-_PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")  # read only on a full decode after IDAT
+__all__ = [
+    "check_num_bytes",
+    "check_num_pixels",
+    "content_hash",
+    "decode_image",
+    "decode_pixels",
+    "header_size",
+    "image_size",
+    "to_rgb",
+]
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def _open_image(data: bytes, max_bytes: int, max_pixels: int | None) -> Image.Image:
-    """``Image.open`` (the header only) with the size and pixel limits checked."""
-    check_num_bytes(len(data), max_bytes)
-    try:
-        image = Image.open(io.BytesIO(data))
-    except Image.DecompressionBombError as e:
-        raise InvalidRequestError(f"image has too many pixels: {e}", param="image") from e
-    except _PIL_DECODE_ERRORS as e:
-        raise InvalidRequestError(
-            "image data is not an image in a supported format "
-            "(PNG, JPEG, GIF, WebP, BMP, TIFF, ...)",
-            param="image",
-        ) from e
-    check_num_pixels(image.width, image.height, max_pixels)
-    return image
-
-
-def check_num_bytes(num_bytes: int, max_bytes: int) -> None:
-    """InvalidRequestError for an empty image file or one over ``max_bytes``."""
-    if not num_bytes:
-        raise InvalidRequestError("image data is empty", param="image")
-    if num_bytes > max_bytes:
-        raise InvalidRequestError(
-            f"image is {num_bytes} bytes; the limit is {max_bytes} bytes", param="image"
-        )
-
-
-def check_num_pixels(width: int, height: int, max_pixels: int | None) -> None:
-    """InvalidRequestError for an image over ``max_pixels`` (None: no limit)."""
-    num_pixels = width * height
-    if max_pixels is not None and num_pixels > max_pixels:
-        raise InvalidRequestError(
-            f"image is {width}x{height} = {num_pixels} pixels; the limit is {max_pixels}",
-            param="image",
-        )
 
 
 def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> Image.Image:
@@ -81,7 +53,7 @@ def decode_image(data: bytes, max_bytes: int, max_pixels: int | None = None) -> 
     Raises InvalidRequestError for empty or oversized data, bytes that are not an image
     of a format PIL reads, truncated or corrupt data, and images over ``max_pixels``.
     """
-    return _decoded(_open_image(data, max_bytes, max_pixels))
+    return _decoded(open_image(data, max_bytes, max_pixels))
 
 
 def decode_pixels(
@@ -93,17 +65,17 @@ def decode_pixels(
     (``jpeg_rows``: PIL's libjpeg, the pixels of one full decode). Else, or when it refuses
     the file, a JPEG that PIL opens as RGB or gray is decoded by simplejpeg straight into the
     array: the same libjpeg-turbo decoder with PIL's settings (accurate DCT, fancy
-    upsampling), no pass through PIL's 4-byte pixel storage and back (a 1920x1080 noise JPEG:
-    28.8 -> 23.5 ms on the CI machine). Anything else, and any JPEG simplejpeg refuses (its
+    upsampling), no pass through PIL's 4-byte pixel storage and back. Anything else, and any
+    JPEG simplejpeg refuses (its
     strict mode refuses what libjpeg only warns about, such as a file cut short), is
     ``decode_image``'s.
     """
-    image = _open_image(data, max_bytes, max_pixels)
+    image = open_image(data, max_bytes, max_pixels)
     if bands is not None and image.format == "JPEG" and image.mode == "RGB":
         if "progressive" not in image.info:  # a band would decode every scan
             pixels = bands.decode(data, image.width, image.height)
             if pixels is not None:
-                return _exif_transposed(pixels, _header_exif(image))
+                return _exif_transposed(pixels, header_exif(image))
     if image.format == "JPEG" and image.mode in ("RGB", "L"):
         try:
             pixels = simplejpeg.decode_jpeg(data, colorspace="RGB")  # strict: warnings raise
@@ -111,7 +83,7 @@ def decode_pixels(
             pass
         else:
             if pixels.shape == (image.height, image.width, 3):
-                return _exif_transposed(pixels, _header_exif(image))
+                return _exif_transposed(pixels, header_exif(image))
     return np.asarray(_decoded(image))
 
 
@@ -137,7 +109,7 @@ def _decoded(image: Image.Image) -> Image.Image:
     try:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # no copy of an image it need not turn
-    except _PIL_DECODE_ERRORS as e:
+    except PIL_DECODE_ERRORS as e:
         raise InvalidRequestError(f"image data is truncated or corrupt: {e}", param="image") from e
     return to_rgb(image)
 
@@ -155,49 +127,3 @@ def image_size(data: bytes, max_bytes: int, max_pixels: int | None = None) -> tu
         decoded = decode_image(data, max_bytes, max_pixels)
         return decoded.height, decoded.width
     return size
-
-
-def header_size(
-    data: bytes, max_bytes: int, max_pixels: int | None = None
-) -> tuple[int, int] | None:
-    """``image_size`` where the header alone tells it (no pixel decode), else None."""
-    image = _open_image(data, max_bytes, max_pixels)
-    if image.format == "PNG" and _png_header_is_complete(data):
-        exif = Image.Image.getexif(image)  # the base method: PNG's own would decode to look further
-    elif image.format in _HEADER_COMPLETE_FORMATS:
-        exif = _header_exif(image)
-    else:
-        return None
-    is_transposed = exif.get(ExifTags.Base.Orientation, 1) in _TRANSPOSING_ORIENTATIONS
-    return (image.width, image.height) if is_transposed else (image.height, image.width)
-
-
-def _header_exif(image: Image.Image) -> Image.Exif:
-    try:
-        return image.getexif()
-    except _PIL_DECODE_ERRORS as e:
-        raise InvalidRequestError(f"image data is truncated or corrupt: {e}", param="image") from e
-
-
-def _png_header_is_complete(data: bytes) -> bool:
-    """Whether the chunks are whole up to IEND and no metadata chunk follows the first IDAT."""
-    pos, is_past_pixels = _PNG_SIGNATURE_LEN, False
-    while pos + 8 <= len(data):
-        length = int.from_bytes(data[pos : pos + 4], "big")
-        kind = data[pos + 4 : pos + 8]
-        end = pos + 12 + length  # length, type, data, CRC
-        if end > len(data):
-            return False
-        if kind == b"IEND":
-            return True
-        if kind == b"IDAT":
-            is_past_pixels = True
-        elif is_past_pixels and kind in _PNG_LATE_METADATA:
-            return False
-        pos = end
-    return False
-
-
-def content_hash(data: bytes) -> str:
-    """SHA-256 hex of the compressed image bytes: the key the services use for an image."""
-    return hashlib.sha256(data).hexdigest()
