@@ -8,7 +8,7 @@ metrics_port=...`` on stdout; the launcher waits for that line (bounded), then p
 addresses on, and prints every service's ports once all are ready (``ready_table``).
 A child that exits before it was ever ready fails start-up.
 
-Once everything is up, the ``Supervisor`` (``services.supervisor``) restarts a child that
+Once everything is up, the ``ChildSupervisor`` (``services.supervisor``) restarts a child that
 exits (any code, any signal), or that it killed for answering no liveness check for
 ``liveness.timeout_s``, after a bounded exponential backoff, on the ports it had, so every
 address the others hold stays valid (their channels reconnect by themselves), and rewrites
@@ -50,7 +50,7 @@ from services.launch_spec import (
     router_worker_specs,
     tokenizer_spec,
 )
-from services.supervisor import Supervisor
+from services.supervisor import ChildSupervisor
 
 _PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
@@ -310,7 +310,7 @@ def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
         print(f"stageserve is up: OpenAI API at http://{cfg.host}:{http_port}/v1", flush=True)
         for line in ready_table(cfg.host, launcher.children):
             print(line, flush=True)
-        supervisor = Supervisor(launcher, stop)
+        supervisor = ChildSupervisor(launcher, stop)
         try:
             while not stop.wait(POLL_INTERVAL_S):
                 supervisor.poll()

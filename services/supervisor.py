@@ -21,19 +21,58 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 from services.common.healthcheck import is_serving
+from services.common.restarts import RestartCounter
 from services.common.server import LIVENESS_SERVICE
 
 if TYPE_CHECKING:
-    from services.launcher import Child, Launcher
+    import subprocess
+
+    from services.launch_spec import LaunchConfig
 
 Probe = Callable[[str, float], bool]  # (address, deadline in s) -> answered
 
 
 def check_liveness(address: str, timeout_s: float) -> bool:
     return is_serving(address, LIVENESS_SERVICE, timeout_s=timeout_s)
+
+
+class WatchedChild(Protocol):
+    """What the supervisor reads of one child process (``services.launcher.Child``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def process(self) -> subprocess.Popen: ...
+
+    @property
+    def ready(self) -> dict[str, str]: ...  # its READY line's fields; empty until it printed one
+
+    @property
+    def address(self) -> str: ...
+
+
+class ChildHost(Protocol):
+    """What the supervisor asks of the launcher (``services.launcher.Launcher``)."""
+
+    @property
+    def cfg(self) -> LaunchConfig: ...
+
+    @property
+    def children(self) -> list[WatchedChild]: ...
+
+    def kill(self, child: WatchedChild) -> None: ...
+
+    def restart(self, old: WatchedChild) -> WatchedChild: ...
+
+    def write_state(self) -> None: ...
+
+    def log_hint(self, name: str) -> str: ...
+
+    def why(self, name: str) -> str: ...
 
 
 class WatchState(enum.Enum):
@@ -44,7 +83,7 @@ class WatchState(enum.Enum):
 
 @dataclass
 class _Watch:
-    backoff_s: float
+    restarts: RestartCounter
     since: float  # when ``state`` was entered
     state: WatchState = WatchState.RUNNING
     restart_at: float = 0.0
@@ -59,7 +98,7 @@ class _Watch:
         self.check, self.missed = None, False
 
 
-class Supervisor:
+class ChildSupervisor:
     """Restarts the launcher's children when they exit after start-up.
 
     Call ``poll`` from the main thread (it spawns processes) until ``stop`` is set; no
@@ -71,7 +110,7 @@ class Supervisor:
 
     def __init__(
         self,
-        launcher: Launcher,
+        launcher: ChildHost,
         stop: threading.Event,
         clock: Callable[[], float] = time.monotonic,
         out: TextIO | None = None,
@@ -90,7 +129,7 @@ class Supervisor:
         )
         now = clock()
         self._watches = {
-            c.name: _Watch(self._policy.initial_backoff_s, now, answered_at=now)
+            c.name: _Watch(RestartCounter(self._policy), now, answered_at=now)
             for c in launcher.children
         }
 
@@ -106,7 +145,7 @@ class Supervisor:
                 return
             self._step(child, self._watches[child.name], self._clock())
 
-    def _step(self, child: Child, watch: _Watch, now: float) -> None:
+    def _step(self, child: WatchedChild, watch: _Watch, now: float) -> None:
         code = child.process.poll()
         if watch.state is WatchState.RUNNING:
             if code is not None:
@@ -144,7 +183,7 @@ class Supervisor:
                 child.name, watch, now, f"was not ready after {timeout_s:.0f} s (killed)"
             )
 
-    def _is_live(self, child: Child, watch: _Watch, now: float) -> bool:
+    def _is_live(self, child: WatchedChild, watch: _Watch, now: float) -> bool:
         """False once every check of the last ``timeout_s`` failed, the latest one included
         (one still in flight twice its deadline after it was sent failed); sends the next check
         when one is due."""
@@ -168,10 +207,8 @@ class Supervisor:
     ) -> None:
         """``code`` > 0: the child exited by itself, so its log says why (printed after the
         line)."""
-        if up_s >= self._policy.stable_s:
-            watch.backoff_s = self._policy.initial_backoff_s
-        delay_s = watch.backoff_s
-        watch.backoff_s = min(delay_s * 2, self._policy.max_backoff_s)
+        delay_s = watch.restarts.next_backoff_s(up_s)
+        assert delay_s is not None, "up's children restart without bound"
         watch.num_restarts += 1
         watch.state, watch.restart_at, watch.since = WatchState.WAITING, now + delay_s, now
         why = self._launcher.log_hint(name) + self._launcher.why(name) if code > 0 else ""

@@ -13,7 +13,7 @@ from pathlib import Path
 from services import launcher as launcher_module
 from services.launch_spec import ChildSpec, LaunchConfig, LivenessPolicy, RestartPolicy
 from services.launcher import Child, Launcher
-from services.supervisor import Supervisor
+from services.supervisor import ChildSupervisor
 
 
 class FakeProcess:
@@ -67,7 +67,7 @@ class FakeSystem:
             self.launcher, "wait_ready", lambda children: [self.ready(c) for c in children]
         )
         self.launcher.start_all()
-        self.supervisor = Supervisor(
+        self.supervisor = ChildSupervisor(
             self.launcher,
             self.stop,
             clock=lambda: self.now,

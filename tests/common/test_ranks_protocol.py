@@ -22,7 +22,6 @@ from services.common.ranks.errors import StepFailedError
 from services.common.ranks.liveness import Liveness
 from services.common.ranks.messages import (
     MAX_ERROR_CHARS,
-    Executed,
     Hello,
     Ping,
     Pong,
@@ -32,6 +31,7 @@ from services.common.ranks.messages import (
     Shutdown,
     StartFailed,
     StartStage,
+    StepExecuted,
     StepReply,
     StepRequest,
     StepStatus,
@@ -44,7 +44,7 @@ from services.common.ranks.messages import (
     error_text,
 )
 from services.common.ranks.outcome import step_outcome
-from services.common.ranks.restarts import RestartPolicy
+from services.common.ranks.restarts import group_restarts
 from tests.common.ranks_group_helpers import REPO
 
 
@@ -74,7 +74,7 @@ def test_messages_to_a_rank_round_trip(message: ToRank) -> None:
         Hello(rank=1, world_size=2, generation=3, pid=99, device="cuda:1", store_port=0, token="t"),
         StartFailed(rank=1, generation=3, stage=StartStage.DEVICE, error="RuntimeError: no GPU"),
         Ready(rank=1),
-        Executed(step=4, rank=1),
+        StepExecuted(step=4, rank=1),
         Pong(step=4, rank=1),
         StepReply(step=4, rank=1, status=StepStatus.OK, result=encode_raw(Value(2))),
         StepReply(
@@ -214,7 +214,7 @@ def test_a_step_target_must_name_a_class() -> None:
 
 
 def test_restart_backoff_doubles_up_to_its_cap_and_attempts_are_bounded() -> None:
-    policy = RestartPolicy(
+    policy = group_restarts(
         RankGroupConfig(
             devices=("cpu",),
             max_restart_attempts=4,

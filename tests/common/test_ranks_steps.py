@@ -24,11 +24,11 @@ from services.common.errors import CapacityError
 from services.common.ranks.channel import Malformed
 from services.common.ranks.messages import (
     NIL,
-    Executed,
     Ping,
     Pong,
     Setup,
     Shutdown,
+    StepExecuted,
     StepReply,
     StepRequest,
     StepStatus,
@@ -186,7 +186,7 @@ def test_a_step_returns_the_result_and_reports_executed(world_of_one) -> None:
     assert reply.status is StepStatus.OK and reply.step == 7 and reply.rank == 0
     result = msgspec.msgpack.decode(reply.result, type=EchoResult)
     assert (result.step, result.value, result.device_total, result.cpu_total) == (7, 3, 3, 3)
-    assert channel.sent == [Executed(step=7, rank=0)]
+    assert channel.sent == [StepExecuted(step=7, rank=0)]
 
 
 def test_a_raising_step_fails_with_the_agreed_text_and_the_next_succeeds(world_of_one) -> None:
@@ -240,7 +240,7 @@ def test_a_malformed_control_message_counts_as_the_due_step(world_of_one) -> Non
         "step 7 failed on rank 0: malformed control message from the leader: MessagePack data is "
         "malformed"
     )
-    assert channel.sent == [Executed(step=7, rank=0)]
+    assert channel.sent == [StepExecuted(step=7, rank=0)]
     assert loop.run_step(request(8, EchoPayload(value=1))).status is StepStatus.OK
 
 
@@ -249,6 +249,6 @@ def test_an_idle_rank_answers_each_ping_with_a_pong_apart_from_its_steps(world_o
     channel.inbox += [Ping(step=6), request(7, EchoPayload(value=2)), Ping(step=7), Shutdown(7)]
     assert loop.serve() is LoopExit.SHUTDOWN
     pong_6, executed, reply, pong_7 = channel.sent
-    assert (pong_6, executed, pong_7) == (Pong(step=6, rank=0), Executed(7, 0), Pong(7, 0))
+    assert (pong_6, executed, pong_7) == (Pong(step=6, rank=0), StepExecuted(7, 0), Pong(7, 0))
     assert isinstance(reply, StepReply) and (reply.step, reply.status) == (7, StepStatus.OK)
     assert msgspec.msgpack.decode(reply.result, type=EchoResult).value == 2

@@ -25,7 +25,7 @@ from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.handover import Results
 from services.common.ranks.lifecycle import GroupState
 from services.common.ranks.messages import encode_raw
-from services.common.ranks.supervisor import Supervisor
+from services.common.ranks.supervisor import RankGroupSupervisor
 
 
 def _ignore(is_ready: bool) -> None:
@@ -45,7 +45,7 @@ class RankGroup:
     ) -> None:
         self.config = config
         self.num_ranks = config.num_ranks
-        self._supervisor = Supervisor(config, spec, on_ready_change)
+        self._supervisor = RankGroupSupervisor(config, spec, on_ready_change)
         self.progress = (
             self._supervisor.progress
         )  # the leader loop: ticks when a step is sent and done

@@ -17,7 +17,7 @@ from services.common.ranks.channel import LeaderChannel
 from services.common.ranks.config import RankGroupConfig
 from services.common.ranks.errors import RankStartError
 from services.common.ranks.generation import Generation
-from services.common.ranks.restarts import RestartPolicy
+from services.common.ranks.restarts import group_restarts
 from services.common.ranks.steps import StepRunner
 
 
@@ -47,7 +47,7 @@ class Lifecycle:
         self.channel: LeaderChannel | None = None  # set by the supervisor once bound
         self.gen: Generation | None = None
         self._num_generations = 0
-        self._restarts = RestartPolicy(config)
+        self._restarts = group_restarts(config)
         self.restart_at_mono = 0.0
         self._last_error = ""
 
@@ -114,14 +114,14 @@ class Lifecycle:
         backoff_s = self._restarts.next_backoff_s()
         if backoff_s is None:
             self.state = GroupState.FAILED
-            self._log.error("giving up after %d failed re-forms", self._restarts.max_attempts)
+            self._log.error("giving up after %d failed re-forms", self._restarts.policy.max_attempts)
             return
         self.state, self.restart_at_mono = GroupState.BACKOFF, time.monotonic() + backoff_s
         self._log.warning(
             "re-forming in %.1f s (attempt %d of %d)",
             backoff_s,
             self._restarts.num_attempts,
-            self._restarts.max_attempts,
+            self._restarts.policy.max_attempts,
         )
 
     def notify_ready(self, is_ready: bool) -> None:

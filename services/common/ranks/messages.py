@@ -98,7 +98,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     rank: int
 
 
-class Executed(msgspec.Struct, frozen=True, tag="executed"):
+class StepExecuted(msgspec.Struct, frozen=True, tag="executed"):
     """This rank finished ``execute`` for ``step`` and entered the status exchange."""
 
     step: int
@@ -121,7 +121,7 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
     rank: int
 
 
-ToLeader = Hello | StartFailed | Ready | Executed | StepReply | Pong
+ToLeader = Hello | StartFailed | Ready | StepExecuted | StepReply | Pong
 
 
 # --- rank <-> rank (all-gathered, see agreement.py) ------------------------------------

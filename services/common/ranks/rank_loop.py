@@ -1,6 +1,6 @@
 """A rank's step loop: answer each StepRequest with one StepReply, in step order.
 
-Per step: decode the payload, ``execute`` it, tell the leader ``Executed``, all-gather the
+Per step: decode the payload, ``execute`` it, tell the leader ``StepExecuted``, all-gather the
 ranks' statuses (``agreement.exchange``) before the step's deadline, and reply with the
 verdict every rank reached: OK with this rank's result, or FAILED with the agreed error
 (after ``on_failed``). A malformed message where a step was due counts as that step,
@@ -31,12 +31,12 @@ from services.common.ranks.agreement import agree, exchange
 from services.common.ranks.channel import Malformed, RankChannel
 from services.common.ranks.messages import (
     NIL,
-    Executed,
     Ping,
     Pong,
     RankStatus,
     Setup,
     Shutdown,
+    StepExecuted,
     StepReply,
     StepRequest,
     StepStatus,
@@ -154,7 +154,7 @@ class RankLoop:
             step, timeout_s = message.step, message.timeout_s
             status, result = self._execute(step, message.payload)
         self._next_step = step + 1
-        self.channel.send(Executed(step=step, rank=self.rank))
+        self.channel.send(StepExecuted(step=step, rank=self.rank))
         try:
             remaining_s = start_s + timeout_s - time.monotonic()
             agreed = agree(exchange(self.control_group, status, remaining_s), step)

@@ -1,25 +1,20 @@
-"""How often and how soon a broken rank group is re-formed: bounded attempts, doubling backoff."""
+"""How often and how soon a broken rank group is re-formed: bounded attempts, doubling backoff
+(``services.common.restarts``); a group that became ready starts the count again."""
 
 from __future__ import annotations
 
+import math
+
 from services.common.ranks.config import RankGroupConfig
+from services.common.restarts import RestartCounter, RestartPolicy
 
 
-class RestartPolicy:
-    """Counts consecutive failed formations; a group that became ready starts the count again."""
-
-    def __init__(self, config: RankGroupConfig) -> None:
-        self.max_attempts = config.max_restart_attempts
-        self.base_s = config.restart_backoff_s
-        self.max_s = config.max_restart_backoff_s
-        self.num_attempts = 0
-
-    def next_backoff_s(self) -> float | None:
-        """Count one more attempt; its backoff, or None once the attempts are spent."""
-        self.num_attempts += 1
-        if self.num_attempts > self.max_attempts:
-            return None
-        return min(self.base_s * 2 ** (self.num_attempts - 1), self.max_s)
-
-    def reset(self) -> None:
-        self.num_attempts = 0
+def group_restarts(config: RankGroupConfig) -> RestartCounter:
+    """The group's restart counter; ``reset`` when the group becomes ready."""
+    policy = RestartPolicy(
+        initial_backoff_s=config.restart_backoff_s,
+        max_backoff_s=config.max_restart_backoff_s,
+        stable_s=math.inf,
+        max_attempts=config.max_restart_attempts,
+    )
+    return RestartCounter(policy)

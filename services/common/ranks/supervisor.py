@@ -41,13 +41,13 @@ from services.common.ranks.handover import Results, StepHandover, Submitted
 from services.common.ranks.lifecycle import GroupState, Lifecycle
 from services.common.ranks.liveness import Liveness
 from services.common.ranks.messages import (
-    Executed,
     Hello,
     Ping,
     Pong,
     Ready,
     Shutdown,
     StartFailed,
+    StepExecuted,
     StepReply,
     StepStatus,
     ToLeader,
@@ -66,7 +66,7 @@ MAX_POLL_S = 1.0
 BROKEN_EXIT_GRACE_S = 0.5  # a BROKEN reply waits this long for a peer's exit to show (named then)
 
 
-class Supervisor:
+class RankGroupSupervisor:
     def __init__(
         self,
         config: RankGroupConfig,
@@ -234,7 +234,7 @@ class Supervisor:
             self._on_malformed(rank, f"{type(message).__name__} claims rank {message.rank}")
         elif isinstance(message, Ready):
             self._on_ready(rank)
-        elif isinstance(message, Executed):
+        elif isinstance(message, StepExecuted):
             self._steps.on_executed(rank, message.step)
         elif isinstance(message, StepReply):
             self._on_reply(rank, message)
