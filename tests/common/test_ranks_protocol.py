@@ -201,6 +201,7 @@ def test_outcome_of_a_malformed_reply_or_result_names_the_rank() -> None:
             {"devices": ("cpu",), "heartbeat_s": 2, "liveness_timeout_s": 2},
             "liveness_timeout_s must exceed heartbeat_s",
         ),
+        ({"devices": ("cpu",), "rank_module": "-c import os"}, "not a dotted module name"),
     ],
 )
 def test_config_refuses_what_cannot_run(kwargs: dict, match: str) -> None:

@@ -11,6 +11,8 @@ _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}
 _TCP = re.compile(r"^tcp://(?P<host>.*):(?P<port>\d+)$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+RANK_MAIN = "services.common.ranks.rank_main"
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,13 @@ class StepSpec:
 
 @dataclass(frozen=True)
 class RankGroupConfig:
+    """How a leader runs its rank group: one rank process per ``devices`` entry.
+
+    ``rank_module`` is the module every rank process runs (``python -m``, with the arguments
+    of ``procs.RankLaunch``): ``rank_main``, the rank of every service. A test names a fake
+    rank there that speaks the control protocol by hand (``tests/common/fake_rank.py``).
+    """
+
     name: str = "ranks"  # in log lines, errors and watchdog names
     devices: tuple[str, ...] = ()  # the leader spawns one rank per entry ("cpu", "cuda:0", ...)
     # Where ranks connect: "" (a private ipc:// socket), ipc://PATH or tcp://127.0.0.1:PORT.
@@ -47,10 +56,13 @@ class RankGroupConfig:
     stop_grace_s: float = 5.0  # after Shutdown, before the ranks still running are killed
     watchdog_s: float = 30.0  # the progress watchdogs' stall_s
     internal_token: str = ""  # Envs.internal_token: a rank's Hello must carry the same
+    rank_module: str = RANK_MAIN
 
     def __post_init__(self) -> None:
         self._check_ranks()
         self._check_control_addr()
+        if not _MODULE.match(self.rank_module):
+            raise ValueError(f"rank_module {self.rank_module!r} is not a dotted module name")
         for field in (
             "step_timeout_s",
             "start_timeout_s",

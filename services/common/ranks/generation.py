@@ -65,6 +65,7 @@ class Generation:
                 len(self.slots),
                 slot.device,
                 self.config.start_timeout_s,
+                self.config.rank_module,
                 self.config.internal_token,
             )
             slot.process = RankProcess(launch)

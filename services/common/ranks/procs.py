@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from services.common.envs import INTERNAL_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
-RANK_MAIN = "services.common.ranks.rank_main"
 REAP_TIMEOUT_S = 10.0  # a SIGKILLed process is gone long before this
 
 
@@ -33,6 +32,7 @@ class RankLaunch:
     world_size: int
     device: str
     rendezvous_timeout_s: float
+    module: str  # run as ``python -m``: RankGroupConfig.rank_module
     internal_token: str = ""  # the group's; the rank's Hello carries it (environment, never argv)
 
     def environment(self) -> dict[str, str]:
@@ -46,7 +46,7 @@ class RankLaunch:
         return [
             sys.executable,
             "-m",
-            RANK_MAIN,
+            self.module,
             "--leader",
             self.control_addr,
             "--generation",
