@@ -16,7 +16,7 @@ ratio uses) and for one 64 MiB message (what a lone request costs NCCL itself).
 
 Last, what a 64 MiB request's KV adds to its prefill: a stand-in 28-layer forward (per
 layer a GEMM for attention, then the layer's KV counts as stored, then one for the MLP:
-0.55 TFLOP, ~0.75 ms on H200) is timed alone, then with the KV sent by
+0.55 TFLOP) is timed alone, then with the KV sent by
 CUDA IPC after it (``send``: the link idled through the forward) and layer by layer
 during it (``start_layerwise``, what the prefill worker does with cuda_ipc), the three modes
 interleaved sample by sample; the rows give each one's time beyond the forward alone and

@@ -8,10 +8,8 @@ waiting prompts. With this file, each prefill rank marks the time it starts a fo
 its slot and clears it when the forward's results are read (``GpuShare.marking``); a
 decode rank about to launch a step while a slot is marked waits for it to clear, at most
 ``max_wait_s`` (``GpuShare.wait_for_prefill``), so a prompt burst runs on the GPU alone
-while running requests see at most that much added to one token's latency. On one H200
-at 7B dimensions, 256 concurrent 1000/1000 requests (``benchmarks.system``, three
-machines): 12,290-13,839 output tok/s, 0.89-0.93 of the engine's bound, against 0.86-0.87
-without it; decode's step in service fell from 1.2-1.3x the engine's to 0.95-0.99x.
+while running requests see at most that much added to one token's latency. It raises the
+system's throughput under a prompt burst (``docs/benchmarks.md``, System).
 ``stageserve up`` sets it when prefill and decode share one CUDA device.
 
 A mark older than ``STALE_S`` is ignored (a prefill rank that died in a forward leaves

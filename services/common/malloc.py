@@ -3,10 +3,8 @@
 A request's image is a few megabytes that several buffers hold in turn (the base64 text,
 the decoded bytes, the protobuf message, its serialization). glibc serves such sizes with
 fresh ``mmap`` pages and gives them back at ``free``, or trims them off the heap's top, so
-every request pays the page faults again: building and serializing a PrefillRequest with a
-1.86 MB image took 4.6 ms and 1,797 page faults per call on the CI machine, and 0.36 ms
-with none once freed memory stayed with the process; a cached 1920x1080 request's TTFT
-through the whole system (tiny model, CPU) fell from 96-108 ms to 84-88 ms.
+every request pays the page faults again; keeping freed memory in the process removes them
+(measurements: ``docs/benchmarks.md``, "Measurements cited by the code").
 
 ``tune_malloc`` therefore raises the mmap threshold to glibc's maximum (32 MiB: smaller
 blocks come from the heap) and the trim threshold to 256 MiB (free memory up to that stays

@@ -33,9 +33,8 @@ MAX_GRAPH_BATCH = 1024  # larger batches run eagerly (each size's logits hold B 
 
 def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
     """Graph sizes for a runner whose batches reach ``max_batch``: the defaults up to it, then
-    every ``LARGE_BATCH_STEP`` up to it (rounded up; at most ``MAX_GRAPH_BATCH``). A decode rank
-    of 512 ran its batch of 512 eagerly on the defaults (one H200, 7B dimensions: an engine
-    step of 22-26 ms at b512 against 11.9 ms at b256)."""
+    every ``LARGE_BATCH_STEP`` up to it (rounded up; at most ``MAX_GRAPH_BATCH``), so a batch
+    past the defaults' largest size does not fall back to an eager step."""
     top = min(-(-max_batch // LARGE_BATCH_STEP) * LARGE_BATCH_STEP, MAX_GRAPH_BATCH)
     large = range(DEFAULT_BATCH_SIZES[-1] + LARGE_BATCH_STEP, top + 1, LARGE_BATCH_STEP)
     small = [b for b in DEFAULT_BATCH_SIZES if b < max_batch]

@@ -149,9 +149,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def gated_linear(
     gate_up: torch.Tensor, act_name: str, act, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``linear(gated_act(gate_up), weight, bias)``. The activation stays its own kernel on H200: fused
-    into the down GEMV every program recomputed it (45% slower); applied by the gate/up GEMV to its own
-    outputs (each program reading gate and up rows) it was 66-82 us per layer against 66 us apart."""
+    """``linear(gated_act(gate_up), weight, bias)``. The activation stays its own kernel: fused
+    into either GEMV it was no faster (``docs/benchmarks.md``, "Measurements cited by the code")."""
     return linear(gated_act(gate_up, act_name, act), weight, bias)
 
 

@@ -1,7 +1,6 @@
 """Piecewise CUDA graphs for short prefill (EXTEND) passes: every layer but its attention.
 
-An eager prefill of a short prompt is bound by kernel launches, not by the GPU: on an H200 a
-40-token pass of a 7B model took 22 ms of wall time for 4.4 ms of GPU work. Attention cannot
+An eager prefill of a short prompt is bound by kernel launches, not by the GPU. Attention cannot
 be captured once for every layout (its plan follows the requests' lengths and pages), so
 the pass is cut at each attention call: piece ``i`` is layer ``i - 1``'s output projection,
 residual add, norm and MLP, then layer ``i``'s norm, q/k/v projection and rotary with the
@@ -28,8 +27,8 @@ from services.engine.attention.base import BaseAttentionBackend
 from services.engine.kv_cache import KVPool
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 
-# Steps of 64 from 128 on: padding costs at most 64 tokens of GPU time. Past ~600 tokens (7B, H200)
-# a pass is bound by the GPU, not by its launches, and padding only adds work.
+# Steps of 64 from 128 on: padding costs at most 64 tokens of GPU time. Past the largest size a
+# pass is bound by the GPU, not by its launches, and padding only adds work.
 DEFAULT_TOKEN_SIZES = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640)
 
 

@@ -1,5 +1,5 @@
-"""Request bodies parsed by msgspec: a 1080p image's 2.5 MB JSON body takes ~0.6 ms where the
-standard library takes ~3.8 ms on the router's event loop.
+"""Request bodies parsed by msgspec, several times faster than the standard library on the
+router's event loop.
 
 FastAPI reads a JSON body through ``Request.json()``; ``FastJSONRoute`` hands its handlers a
 request whose ``json()`` decodes with msgspec. What msgspec refuses (NaN and Infinity

@@ -1,9 +1,8 @@
 """The encoder starts on a request's images while the request is still on its way to prefill.
 
 Prefill asks the vision encoder for a request's image rows when its Prefill call arrives:
-after tokenization, admission, the Reserve on decode and the hop to prefill (about 17 ms for
-a cached 1920x1080 image on one H200, 30 ms with its 1.9 MB sent along), and the image's
-decode and ViT (~70 ms) would only start then. ``ImagePrefetcher`` sends the images to the
+after tokenization, admission, the Reserve on decode and the hop to prefill, and the image's
+decode and ViT, the longer part, would only start then. ``ImagePrefetcher`` sends the images to the
 encoder as a ``cache_only`` Encode (rows into the owner ranks' caches, written nowhere) in
 the background: prefill's own Encode then finds the rows cached, or queues behind this call
 and finds them when it ends. The prefetch changes no result: prefill's call writes the rows
@@ -13,8 +12,8 @@ encode it as before.
 Two moments. ``start_from_headers``, before tokenization, when the request would be
 admitted at once: each image whose header tells its size goes with the grid the router
 computes from the checkpoint's image processor (the encoder checks it against the image's
-own, so a wrong one fails only the prefetch); on one H200 the encoder then has the 1.9 MB
-image ~6 ms sooner than after tokenization. ``start``, once the request is tokenized and
+own, so a wrong one fails only the prefetch), so the encoder has the image before the
+tokenizer is done. ``start``, once the request is tokenized and
 holds its admission ticket, sends the images not sent already.
 
 Only with exactly one ready encoder: which encoder a prefill worker calls is that worker's

@@ -8,7 +8,7 @@ after the server process is gone, even one killed without a chance to stop its p
 ``num_workers`` == 0: one thread in this process (tests, debugging).
 Jobs and results cross the process boundary as msgpack-encoded ``msgspec`` structs. A
 chat's image bytes do not: this process reads each image's hash and size
-(``ImageHeader``) and keeps the bytes (1.9 MB through the pool's pipe cost ~7 ms each way).
+(``ImageHeader``) and keeps the bytes, which would cost a copy through the pool's pipe.
 
 When every worker is busy, jobs wait in a queue bounded by their encoded size
 (``max_queued_bytes``, counting the running ones): a job that would pass it is refused
@@ -272,7 +272,7 @@ class WorkerPool:
             num_image_bytes = sum(
                 len(p.data) for m in job.messages for p in m.content if isinstance(p, ImagePart)
             )
-            if num_image_bytes > INLINE_HEADER_BYTES:  # hashing ~0.5 ms per MB: off the loop
+            if num_image_bytes > INLINE_HEADER_BYTES:  # hashing blocks the loop: on a thread
                 job, images = await asyncio.to_thread(_headers_only, job, self.limits)
             elif num_image_bytes:
                 job, images = _headers_only(job, self.limits)

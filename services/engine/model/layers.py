@@ -76,9 +76,9 @@ class GatedMLP(nn.Module):
 
         I' is the intermediate size rounded up to a multiple of ``PAD_INTERMEDIATE`` with zero
         rows (gate, up) and zero columns (down): the padded activations are act(0) * 0 = 0, so
-        the output is unchanged, and the down matmul gets 16-byte aligned rows. The ViT's
-        3420 made cuBLAS fall back to an sm80 kernel for it on H200 (0.49 ms per block at a
-        1080p image, about 190 TFLOP/s). The per-layer parameters stay, as views.
+        the output is unchanged, and the down matmul gets 16-byte aligned rows (the ViT's
+        unaligned 3420 made cuBLAS fall back to a slower kernel). The per-layer parameters
+        stay, as views.
         """
         inter = self.gate_proj.out_features
         padded = -(-inter // PAD_INTERMEDIATE) * PAD_INTERMEDIATE

@@ -31,10 +31,9 @@ class Segments:
     distinct length, or none of the gathers when the segments already tile the sequence in
     equal lengths (one image in the full-attention blocks). With ``varlen`` on a CUDA device,
     segments that do not tile the sequence run in one variable-length flash attention call
-    over ``cu`` instead (bf16 / fp16 inputs). The windows take it: a 1920x1080 image's have
-    four lengths, and the gathers, four SDPA calls and scatters took 0.45 ms per block on an
-    H200 against 0.14 ms. The full-attention blocks do not: for a 1920x1080 and a 640x480
-    image, cuDNN's SDPA per image with the gathers took 1.87 ms and the varlen call 2.69 ms.
+    over ``cu`` instead (bf16 / fp16 inputs). The windows take it (several lengths per image,
+    where the varlen call is faster); the full-attention blocks do not (cuDNN's SDPA per
+    image is faster there).
     """
 
     def __init__(self, cu_seqlens: list[int], device: torch.device, varlen: bool = False) -> None:
@@ -114,8 +113,7 @@ class VisionBlock(nn.Module):
 
         ``residual`` is the stream so far (None: ``x`` is the tower's input). Each residual add
         runs inside the following RMSNorm (``add_forward``, as the decoder layers do): the same
-        bf16 sums, one pass over the activations fewer (64 adds of ~20 us each for a 1920x1080
-        image on an H200).
+        bf16 sums, one pass over the activations fewer.
         """
         h, residual = self.norm1.add_forward(x, residual)
         h, residual = self.norm2.add_forward(self.attn(h, cos, sin, segments), residual)

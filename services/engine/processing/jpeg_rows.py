@@ -1,14 +1,13 @@
 """One JPEG decoded on several threads, by bands of rows, with PIL's own libjpeg.
 
 A baseline JPEG's entropy-coded data has no index: a row's bits can only be found by
-reading every bit before them, so one decoder runs on one core. On an H200 host (16 cores
-of a VM's "Intel Xeon Processor") a 1920x1080 noise JPEG (quality 90, 1.9 MB) decodes in
-~37 ms, of which ~23 ms is the entropy decode and the rest the IDCT, upsampling and colour
-conversion of its rows. ``BandDecoder`` splits the rows into bands, one thread each: the
+reading every bit before them, so one decoder runs on one core, and the entropy decode is
+the larger share of the time (the rest: the IDCT, upsampling and colour conversion of the
+rows). ``BandDecoder`` splits the rows into bands, one thread each: the
 thread of band k skips the rows above it (``jpeg_skip_scanlines``: entropy decode only) and
 decodes its own rows fully, all threads writing into one array. The top bands are the tall
-ones (their threads skip little), so every thread ends at about the same time: ~24 ms for
-that image with four bands. The pixels are those of one full decode by the same library,
+ones (their threads skip little), so every thread ends at about the same time. The pixels
+are those of one full decode by the same library,
 bit for bit (libjpeg-turbo rebuilds the upsampling context of a band's first row).
 
 The decoder is a small C file (``libjpeg/jpeg_rows.c``, compiled with the host's C compiler
@@ -44,9 +43,9 @@ _SYMBOL = "stageserve_jpeg_rows"
 _MESSAGE_LEN = 256
 ROWS_OK = 0  # jpeg_rows.c's status codes
 _STATUS = {1: "error", 2: "warning", 3: "mismatch", 4: "unsupported"}
-# The entropy decode's share of a full decode, which sets the bands' heights (measured: 0.63
-# on an H200 host's CPU, 0.82 on the CI machine's, for the 1920x1080 noise JPEG above). A
-# wrong share makes the threads end at different times, never wrong pixels.
+# The entropy decode's share of a full decode, which sets the bands' heights (a typical
+# host's; see docs/benchmarks.md). A wrong share makes the threads end at different times,
+# never wrong pixels.
 ENTROPY_SHARE = 0.6
 ROW_ALIGN = 16  # band edges on iMCU rows of 4:2:0 files (16 pixel rows)
 MIN_BAND_ROWS = 64  # no band thinner than this: a thread per 16 rows costs more than it saves

@@ -208,7 +208,7 @@ class TokenBound:
 
     @functools.cached_property
     def _leads(self) -> _LeadTable:
-        return _LeadTable(self._tokens)  # built on first use: a vocabulary pass (~0.5 s for 150k)
+        return _LeadTable(self._tokens)  # built on first use: one pass over the vocabulary
 
     def count_until(
         self, pieces: Sequence[str | int], tokenizer: Tokenizer, max_len: int
