@@ -36,11 +36,13 @@ def check_up_args(args: argparse.Namespace) -> None:
 def check_prefill_cp(cfg) -> None:
     """``ValueError`` naming ``--prefill-cp`` (or its block size) when prefill could not start
     with it."""
+    from services.common.rank_devices import rank_devices
     from services.launch_spec import device_of
-    from services.prefill.config import check_block_tokens, rank_devices
+    from services.prefill.config import check_block_tokens
 
-    if cfg.prefill_cp < 1:
-        raise ValueError(f"--prefill-cp {cfg.prefill_cp} must be >= 1")
-    rank_devices(device_of(cfg, "prefill"), "", cfg.prefill_cp, flag="--prefill-cp")
+    device = device_of(cfg, "prefill")
+    rank_devices(
+        (), cfg.prefill_cp, device, spread_cuda=True, service="prefill", flag="--prefill-cp"
+    )
     if cfg.prefill_cp_block_tokens is not None:
         check_block_tokens(cfg.prefill_cp_block_tokens, cfg.page_size)

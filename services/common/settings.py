@@ -1,9 +1,11 @@
 """Every setting declared once: a frozen config dataclass's fields carry their flag's help.
 
 A field made with ``flag(...)`` is a command-line flag: ``--<name with dashes>``, its type from
-the annotation (``int``, ``float``, ``str``, ``Path``, ``bool`` as a switch, ``tuple[str, ...]``
-as a comma-separated list, ``X | None`` as ``X``), its default the field's. ``nested(...)``
-flattens a dataclass field's flags under a prefix (``--http-max-body-bytes``). A field made
+the annotation (``int``, ``float``, ``str``, ``Path``, ``bool`` as a switch (one that defaults
+to on is named for turning it off: ``--no-image-prefetch``), ``tuple[str, ...]`` as a
+comma-separated list (``repeatable``: the flag may also come once per item), ``X | None`` as
+``X``), its default the field's. ``nested(...)`` flattens a dataclass field's flags under a
+prefix (``--http-max-body-bytes``), or none. A field made
 with plain ``field`` (or none) is not a flag: the service computes it.
 
 ``add_config_args`` builds a parser's flags from a config class, ``config_from_args`` builds the
@@ -43,6 +45,7 @@ class Flag:
     choices: Sequence[str] | None = None
     metavar: str | None = None
     aliases: tuple[str, ...] = ()  # other spellings accepted (full flags, with dashes)
+    repeatable: bool = False  # a tuple flag given more than once adds to the list
 
 
 def flag(
@@ -55,16 +58,18 @@ def flag(
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
     aliases: tuple[str, ...] = (),
+    repeatable: bool = False,
 ) -> Any:
     """A dataclass field that is also a command-line flag (see the module docstring)."""
-    meta = {_FLAG: Flag(help, name, type, choices, metavar, aliases)}
+    meta = {_FLAG: Flag(help, name, type, choices, metavar, aliases, repeatable)}
     if default_factory is not MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
-def nested(default_factory: Callable[[], Any], *, prefix: str) -> Any:
-    """A dataclass field whose own flagged fields are flags named ``--<prefix>-<name>``."""
+def nested(default_factory: Callable[[], Any], *, prefix: str = "") -> Any:
+    """A dataclass field whose own flagged fields are flags named ``--<prefix>-<name>``
+    (``--<name>`` without a prefix)."""
     return dataclasses.field(default_factory=default_factory, metadata={_NESTED: prefix})
 
 
@@ -101,13 +106,16 @@ def _settings(cls: type, path: tuple[str, ...] = (), prefix: str = "") -> Iterat
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if _NESTED in f.metadata:
-            inner = f"{prefix}{f.metadata[_NESTED]}_"
-            yield from _settings(hints[f.name], (*path, f.name), inner)
+            yield from _settings(hints[f.name], (*path, f.name), _inner(prefix, f))
         elif _FLAG in f.metadata:
             meta: Flag = f.metadata[_FLAG]
             kind = _unwrap_optional(hints[f.name])
             dest = f"{prefix}{f.name}"
             yield _Setting(dest, (*path, f.name), meta, kind, _default_of(f))
+
+
+def _inner(prefix: str, f: dataclasses.Field) -> str:
+    return prefix + (f"{f.metadata[_NESTED]}_" if f.metadata[_NESTED] else "")
 
 
 def comma_list(text: str) -> tuple[str, ...]:
@@ -136,9 +144,13 @@ def add_config_args(
     for s in _settings(cls):
         default = defaults.get(s.dest, s.default)
         kwargs: dict[str, Any] = {"dest": s.dest, "help": helps.get(s.dest, s.flag.help)}
-        if s.kind is bool:
-            parser.add_argument(s.option, *s.flag.aliases, action="store_true", **kwargs)
+        if s.kind is bool:  # a switch; one whose default is on is named for turning it off
+            action = "store_false" if default is True else "store_true"
+            parser.add_argument(s.option, *s.flag.aliases, action=action, **kwargs)
             continue
+        if s.flag.repeatable:  # "a,b", or the flag once per item
+            kwargs["action"] = "extend"
+            default = list(default)
         if default is MISSING:
             kwargs["required"] = True
         else:
@@ -162,10 +174,10 @@ def _build(cls: type, args: argparse.Namespace, prefix: str, values: dict) -> An
         if f.name in kwargs:
             continue
         if _NESTED in f.metadata:
-            inner = f"{prefix}{f.metadata[_NESTED]}_"
-            kwargs[f.name] = _build(hints[f.name], args, inner, {})
+            kwargs[f.name] = _build(hints[f.name], args, _inner(prefix, f), {})
         elif _FLAG in f.metadata:
-            kwargs[f.name] = getattr(args, f"{prefix}{f.name}")
+            value = getattr(args, f"{prefix}{f.name}")
+            kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)
 
 
@@ -188,9 +200,8 @@ def config_to_argv(config: Any, *, skip: Collection[str] = ()) -> list[str]:
             value = getattr(value, name)
         if s.default is not MISSING and value == s.default:
             continue
-        if s.kind is bool:
-            if value:
-                argv.append(s.option)
+        if s.kind is bool:  # not the default: the switch is given
+            argv.append(s.option)
             continue
         if value is not None:
             argv += [s.option, _format(value)]

@@ -6,13 +6,55 @@ formed: its model loaded, its KV pool registered with its transfer receiver, war
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import sys
 
 from services.common.envs import Envs
+from services.common.gpu_share import GpuShare
+from services.common.kv_transfer import check_kv_backend
 from services.common.malloc import tune_malloc
-from services.common.service_main import internal_credentials_or_exit, setup_logging
-from services.decode.app import run
-from services.decode.config import parse_config
+from services.common.rank_devices import add_rank_args, rank_devices
+from services.common.service_main import (
+    build_service_parser,
+    internal_credentials_or_exit,
+    setup_logging,
+)
+from services.common.settings import config_from_args
+from services.decode.app import serve
+from services.decode.config import DecodeConfig
+
+
+def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
+    p = build_service_parser(
+        "python -m services.decode", "The stageserve decode service.", DecodeConfig, envs=envs
+    )
+    add_rank_args(
+        p,
+        "data-parallel decode ranks, each its own process with its own KV pool and running "
+        "batch, all on --device (default 1; with --devices: how many there are)",
+    )
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> DecodeConfig:
+    p = build_parser()
+    args = p.parse_args(argv)
+    try:
+        devices = rank_devices(
+            args.devices, args.ranks, args.device, spread_cuda=False, service="decode"
+        )
+        config = config_from_args(DecodeConfig, args, devices=devices)
+        if config.gpu_share_file:
+            try:  # a path it cannot map fails here, not in a rank
+                GpuShare(config.gpu_share_file).close()
+            except ValueError as exc:
+                raise ValueError(f"--gpu-share-file: {exc}") from None
+        for device in config.devices:
+            check_kv_backend(config.kv_transfer_backend, config.transfer_backend, device)
+    except ValueError as exc:
+        p.error(str(exc))
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     auth = internal_credentials_or_exit(
         "decode", envs, config.internal_token_file, config.allow_unauthenticated
     )
-    run(config, envs, auth)
+    asyncio.run(serve(config, envs, auth))
     return 0
 
 

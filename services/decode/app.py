@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from services.common import signing
@@ -41,9 +40,9 @@ def rank_init(config: DecodeConfig) -> RankInit:
 
 
 def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
-    """Rank ``r`` is a rank group of one process on ``config.rank_devices[r]``, restarted alone."""
+    """Rank ``r`` is a rank group of one process on ``config.devices[r]``, restarted alone."""
     init = rank_init(config)
-    devices = config.rank_devices
+    devices = config.devices
 
     def make(dp_rank: int, on_ready_change: Callable[[bool], None]) -> RankHandle:
         group_config = RankGroupConfig(
@@ -82,7 +81,7 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
     )
     await server.start()  # liveness answers (NOT_SERVING) while the ranks form
     leader = DecodeLeader(
-        len(config.rank_devices),
+        len(config.devices),
         process_ranks(config, envs),
         config.watchdog_s,
         config.sweep_interval_s,
@@ -96,7 +95,3 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
         raise
     print_ready("decode", port=port, metrics_port=metrics_port)
     await serve_until_signal(server, health, leader.stop)
-
-
-def run(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> None:
-    asyncio.run(serve(config, envs, auth))

@@ -1,4 +1,4 @@
-"""Wiring of one prefill worker: the scheduler, the rank group (C processes) and the leader.
+"""Wiring of one prefill worker: the scheduler, the rank group (C processes), the leader, gRPC.
 
 The leader's process loads no weights and touches no device: the model, the local KV
 pools, the KV senders and the embedding receivers live in the rank processes
@@ -10,21 +10,32 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from services.common import signing
+from services.common.auth import Credentials
+from services.common.client import create_channel, wait_ready
+from services.common.clients.vision_encoder import VisionEncoderClient
+from services.common.envs import Envs
 from services.common.kv_transfer import (
     check_cross_process,
     check_embedding_backend,
     check_kv_backend,
 )
+from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
+from services.common.server import HealthState, create_server, serve_until_signal
+from services.common.service_main import print_ready, start_telemetry
 from services.engine.config import ModelConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.encoding import Encoder
+from services.prefill.image_store import ImageStore
+from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.leader import LeaderOptions, PrefillLeader
 from services.prefill.messages import RankResult
 from services.prefill.planning import CpPolicy
 from services.prefill.rank_step import PrefillRankInit
 from services.prefill.scheduler import PrefillScheduler
+from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from services.transfer.embeddings import EmbeddingRowManager
 
 logger = logging.getLogger(__name__)
@@ -129,3 +140,49 @@ class PrefillApp:
         """Stop the leader (failing live requests), then the rank group."""
         await self.leader.stop()
         await self.ranks.aclose()
+
+
+async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> None:
+    """Serve until SIGTERM: liveness at once, SERVING once the rank group formed."""
+    metrics_port = start_telemetry(
+        "prefill", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
+    )
+    health = HealthState()
+    kv_refs = KvRefVerifier(signing.key_of(auth.token if auth else ""), config.max_kv_ref_nonces)
+    images = ImageStore(config.image_store_mb * 1024 * 1024)
+    servicer = PrefillServicer(config.default_timeout_s, kv_refs, images)
+    server, port = create_server(
+        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
+        config.port,
+        config.host,
+        [SERVICE_NAME],
+        health=health,
+        auth=auth,
+        enable_reflection=config.enable_reflection,
+    )
+    await server.start()
+    encoder = None
+    if config.encoder_address:
+        encoder = VisionEncoderClient(config.encoder_address, auth=auth)
+        await _wait_encoder_ready(config)
+    app = PrefillApp.build(config, internal_token=envs.internal_token, encoder=encoder)
+    app.leader.on_serving = health.set_serving  # once the rank group formed and described itself
+    await app.start()
+    servicer.attach(app.leader)
+    app.leader.progress.start(health)  # readiness follows the ranks: NOT_SERVING while stuck
+    print_ready("prefill", port=port, metrics_port=metrics_port)
+
+    async def release() -> None:
+        await app.close()
+        if encoder is not None:
+            await encoder.close()
+
+    await serve_until_signal(server, health, release)
+
+
+async def _wait_encoder_ready(config: PrefillConfig) -> None:
+    channel = create_channel(config.encoder_address)
+    try:
+        await wait_ready(channel, config.peer_ready_timeout_s)
+    finally:
+        await channel.close()

@@ -4,40 +4,109 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.kv_transfer import resolve_kv_backend
+from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, KV_BACKEND_HELP, resolve_kv_backend
+from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
+from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
 
 
 @dataclass(frozen=True)
 class PrefillConfig(ServiceConfig):
-    encoder_address: str = ""  # vision encoder "host:port"; empty: text-only prompts
-    transfer_backend: str = (
-        "mooncake"  # embedding rows from the encoder (and KV unless kv_transfer_backend)
+    encoder_address: str = flag("", help="vision encoder host:port (empty: text-only prompts)")
+    transfer_backend: str = flag(
+        "mooncake",
+        help="embedding rows from the encoder (and KV unless --kv-transfer-backend): "
+        f"{' | '.join(CROSS_PROCESS_BACKENDS)} (cuda_ipc: into a GPU buffer over CUDA IPC, needs "
+        "--device cuda)",
     )
-    kv_transfer_backend: str | None = None  # KV handoff backend; None = same as transfer_backend
-    transfer_hostname: str = ""  # address the transfer engine advertises; empty: --host
-    num_pages: int = 1024  # local KV pool: the batch's KV is computed here, then copied to decode
-    page_size: int = 16  # must equal decode's page size
-    embedding_rows: int = 16384  # rows of the image-embedding buffer the encoder writes into
-    max_batch_tokens: int = 8192  # prompt tokens per prefill batch (a longer prompt runs alone)
-    max_queued_requests: int = 256  # live requests before RESOURCE_EXHAUSTED
-    attention_backend: str = "torch"
-    default_timeout_s: float = 300.0  # requests that carry no deadline at all
-    embedding_quarantine_s: float = 30.0  # rows of a timed-out Encode rest this long before reuse
-    peer_ready_timeout_s: float = 120.0  # wait this long for the encoder to be SERVING at start
-    watchdog_s: float = (
-        30.0  # NOT_SERVING while the worker has work but makes no progress this long
+    kv_transfer_backend: str | None = flag(None, help=KV_BACKEND_HELP)
+    transfer_hostname: str = flag(
+        "",
+        name="transfer_host",
+        aliases=("--transfer-hostname",),
+        help="address the transfer engine advertises (default --host)",
     )
-    max_kv_ref_nonces: int = 262144  # used KvRef nonces kept, each until its KvRef expires
-    devices: tuple[str, ...] = ("cpu",)  # one rank process per entry: C = len(devices) CP ranks
-    cp_block_tokens: int = (
-        64  # block b of a pass's tokens goes to CP rank b % C (1 or k * page_size)
+    num_pages: int = flag(
+        1024,
+        type=positive_int,
+        help="pages of the local KV pool (the batch's KV is computed here, then copied to decode)",
     )
-    cp_min_tokens: int = 2048  # a batch with fewer prompt tokens runs on one rank
-    step_timeout_s: float = 60.0  # a plan's deadline on the ranks; a rank past it is declared dead
-    image_store_mb: int = 256  # image bytes held for calls that name an image by hash alone
-    cuda_graph_max_tokens: int = 640  # unsharded passes up to this many tokens: graphs; 0: eager
-    gpu_share_file: str = ""  # the ranks mark their forwards there for a decode on the same GPU
+    page_size: int = flag(16, type=positive_int, help="tokens per KV page; must equal decode's")
+    embedding_rows: int = flag(
+        16384, type=positive_int, help="rows of the image-embedding buffer the encoder writes into"
+    )
+    max_batch_tokens: int = flag(
+        8192,
+        type=positive_int,
+        help="prompt tokens per prefill batch (a longer prompt runs alone)",
+    )
+    max_queued_requests: int = flag(
+        256, type=positive_int, help="live requests; more get RESOURCE_EXHAUSTED"
+    )
+    attention_backend: str = flag("torch", help="torch | flashinfer")
+    default_timeout_s: float = flag(
+        300.0, type=positive, help="deadline of a request that carries none"
+    )
+    embedding_quarantine_s: float = flag(
+        30.0, type=non_negative, help="rows of a timed-out Encode wait this long before reuse"
+    )
+    peer_ready_timeout_s: float = flag(
+        120.0, type=positive, help="how long to wait at start for the vision encoder to be SERVING"
+    )
+    watchdog_s: float = flag(
+        30.0,
+        type=positive,
+        help="health turns NOT_SERVING when the worker has a batch but makes no progress for "
+        "this long",
+    )
+    max_kv_ref_nonces: int = flag(
+        262144,
+        type=positive_int,
+        help="nonces of used KvRefs kept (each until its KvRef expires, for replay "
+        "checks); when full, new requests get RESOURCE_EXHAUSTED",
+    )
+    devices: tuple[str, ...] = flag(
+        ("cpu",),
+        type=device_list,
+        metavar="DEV,DEV,...",
+        help="one CP rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)",
+    )
+    cp_block_tokens: int = flag(
+        64,
+        type=int,
+        help="CP shard: block b of a pass's tokens goes to rank b %% C (1, or a multiple of "
+        "--page-size)",
+    )
+    cp_min_tokens: int = flag(
+        2048,
+        type=positive_int,
+        help="a batch with fewer prompt tokens runs on one rank (no CP collectives)",
+    )
+    step_timeout_s: float = flag(
+        60.0,
+        type=positive,
+        help="a batch's deadline on the ranks: a rank past it is declared dead and the group "
+        "re-formed",
+    )
+    image_store_mb: int = flag(
+        256,
+        type=positive_int,
+        help="MiB of compressed image bytes held (least recently used out first), so that a "
+        "router sends an image's bytes once: later calls name it by its hash alone",
+    )
+    cuda_graph_max_tokens: int = flag(
+        640,
+        type=non_negative_int,
+        help="a CUDA rank runs a pass of up to this many tokens (not CP-sharded) on CUDA graphs "
+        "of every layer but attention, captured at start for token sizes up to it; 0 runs "
+        "every pass eagerly (CPU ranks always do)",
+    )
+    gpu_share_file: str = flag(
+        "",
+        help="a file shared with a decode service on the same GPU: each rank marks its forwards "
+        "in it and that decode holds its steps back while one runs (its --prefill-first-ms); "
+        "stageserve up sets it when prefill and decode share a CUDA device",
+    )
 
     @property
     def num_ranks(self) -> int:
@@ -51,36 +120,6 @@ class PrefillConfig(ServiceConfig):
     @property
     def advertised_hostname(self) -> str:
         return self.transfer_hostname or self.host
-
-
-def rank_devices(device: str, devices: str, ranks: int, flag: str = "--ranks") -> tuple[str, ...]:
-    """One device per CP rank from ``--devices`` or ``ranks`` x ``--device``; ``ValueError`` naming
-    the
-    value (``flag``: the flag that gave ``ranks``)."""
-    if devices:
-        named = tuple(d.strip() for d in devices.split(","))
-        if ranks not in (1, len(named)):
-            raise ValueError(
-                f"{flag} {ranks} does not match the {len(named)} --devices {devices!r}"
-            )
-        return named
-    if device == "cuda" and ranks == 1:
-        return (
-            "cuda:0",
-        )  # that it exists is the rank's start-up check, as for decode and the encoder
-    if device == "cuda":
-        import torch
-
-        if ranks > torch.cuda.device_count():
-            raise ValueError(
-                f"{flag} {ranks} needs {ranks} GPUs; this host has {torch.cuda.device_count()}"
-            )
-        return tuple(f"cuda:{i}" for i in range(ranks))
-    if device.startswith("cuda:") and ranks > 1:
-        raise ValueError(
-            f"{flag} {ranks} with device {device}: name each rank's GPU (prefill --devices)"
-        )
-    return (device,) * ranks
 
 
 def check_block_tokens(block_tokens: int, page_size: int) -> None:

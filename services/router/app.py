@@ -118,7 +118,7 @@ class RouterApp:
             flow=cfg.flow,
             model_name=cfg.served_model_name,
             prefetch_images=cfg.prefetch_images,
-            image_processor=_image_processor(cfg.model_dir),
+            image_processor=_image_processor(cfg.model),
         )
         self.health_generate = None
         if cfg.health_generate_interval_s > 0:
@@ -178,7 +178,7 @@ class RouterApp:
             metrics = RouterMetrics(
                 max_latency_s=cfg.limits.request_timeout_s, max_model_len=cfg.max_context_len
             )
-        return cls(cfg, metrics, TextProcessor.from_dir(cfg.model_dir), images, access)
+        return cls(cfg, metrics, TextProcessor.from_dir(cfg.model), images, access)
 
     def _update_health(self) -> None:
         self.health.set_serving(self.registry.is_ready)

@@ -3,23 +3,45 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+
+from services.common.exposure import INSECURE_NO_API_KEY_FLAG
+from services.common.service_main import ServiceConfig
+from services.common.settings import (
+    flag,
+    nested,
+    non_negative,
+    non_negative_int,
+    port_number,
+    positive,
+    positive_int,
+)
 
 
-class PolicyName(enum.Enum):
+class PolicyName(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     LEAST_LOAD = "least-load"
+
+
+def _address(kind: str) -> tuple[str, ...]:
+    return flag(
+        (),
+        name=f"{kind}_address",
+        metavar="HOST:PORT",
+        repeatable=True,
+        help=f"{kind} workers, comma-separated or the flag once each",
+    )
 
 
 @dataclass(frozen=True)
 class WorkerAddresses:
     """Where the router finds each kind of worker ("host:port" each)."""
 
-    tokenizer: tuple[str, ...] = ()
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-    encoder: tuple[str, ...] = ()  # polled for /health only; prefill calls the encoder itself
+    tokenizer: tuple[str, ...] = _address("tokenizer")
+    prefill: tuple[str, ...] = _address("prefill")
+    decode: tuple[str, ...] = _address("decode")
+    # polled for /health only; prefill calls the encoder itself
+    encoder: tuple[str, ...] = _address("encoder")
 
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -36,16 +58,34 @@ def default_max_request_bytes(max_image_bytes: int) -> int:
 class LimitsConfig:
     """Per-request bounds the router enforces before anything reaches a worker."""
 
-    request_timeout_s: float = 300.0
-    max_image_bytes: int = MAX_IMAGE_BYTES
-    image_fetch_timeout_s: float = 10.0  # the whole fetch of one image URL, redirects included
+    request_timeout_s: float = flag(300.0, help="per-request deadline")
+    max_image_bytes: int = flag(MAX_IMAGE_BYTES, help="largest image, bytes (else 400)")
+    image_fetch_timeout_s: float = flag(
+        10.0, help="total time for fetching one image URL, redirects and body included"
+    )
     max_stop_strings: int = 4
-    # Generation budget when the client names none; 0 = up to the context limit.
-    default_max_tokens: int = 0
+    default_max_tokens: int = flag(0, help="when a request sets none; 0 = up to the context")
     # The public input surface: HTTP bodies and image URLs.
-    max_request_bytes: int = default_max_request_bytes(MAX_IMAGE_BYTES)  # HTTP 413 above
-    allow_private_image_urls: bool = False  # fetch image URLs on private/loopback/... addresses
-    max_image_redirects: int = 3
+    max_request_bytes: int | None = flag(
+        None,
+        type=positive_int,
+        help="largest HTTP request body, else 413 (default: one --max-image-bytes image "
+        "as base64 + 4 MiB)",
+    )
+    allow_private_image_urls: bool = flag(
+        False,
+        help="also fetch image URLs on private, loopback, link-local and other "
+        "non-public addresses",
+    )
+    max_image_redirects: int = flag(
+        3, type=non_negative_int, help="redirects followed when fetching an image URL"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes is None:
+            object.__setattr__(
+                self, "max_request_bytes", default_max_request_bytes(self.max_image_bytes)
+            )
 
 
 @dataclass(frozen=True)
@@ -53,12 +93,32 @@ class HttpLimits:
     """Bounds the router's HTTP server holds on every connection, before a request reaches the
     app (``services/router/http_server.py``)."""
 
-    max_connections: int = 4096  # open in one process; more get 503 at once and are closed
-    max_header_bytes: int = 64 * 1024  # request line + headers, else 431
-    max_headers: int = 100  # header fields, else 431
-    header_timeout_s: float = 10.0  # a request head must arrive within this, else 408
-    body_timeout_s: float = 30.0  # a body with no new bytes for this long: connection closed
-    keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
+    max_connections: int = flag(
+        4096,
+        type=positive_int,
+        help="open HTTP connections per router process; more get 503 at once and are closed "
+        "(lowered to fit RLIMIT_NOFILE)",
+    )
+    max_header_bytes: int = flag(
+        64 * 1024, type=positive_int, help="largest request line + headers, else 431"
+    )
+    max_headers: int = flag(
+        100, type=positive_int, help="most header fields in a request, else 431"
+    )
+    header_timeout_s: float = flag(
+        10.0,
+        type=positive,
+        help="a request's line and headers must arrive within this from the connection's start "
+        "or the previous response's end, else 408 and the connection is closed",
+    )
+    body_timeout_s: float = flag(
+        30.0,
+        type=positive,
+        help="a request body that sends nothing for this long has its connection closed",
+    )
+    keep_alive_timeout_s: float = flag(
+        5.0, type=positive, help="an idle connection between two requests is closed after this"
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_header_bytes", "max_headers"):
@@ -73,12 +133,16 @@ class HttpLimits:
 class FlowConfig:
     """How the router bounds each hop's progress and admits requests under load."""
 
-    # The tokenize call, Reserve, the prefill call and each gap between two decode
-    # messages must answer within this, else the request ends UNAVAILABLE.
-    stall_timeout_s: float = 10.0
-    max_concurrent_requests: int = 256  # requests past tokenization in flight at once
-    max_queued_requests: int = 1024  # requests waiting for a slot; more get 429 at once
-    queue_timeout_s: float = 30.0  # a request waits this long in all (slot, KV pages), then 429
+    stall_timeout_s: float = flag(
+        10.0,
+        help="each hop (tokenize, Reserve, prefill, each gap between decode messages) must "
+        "answer within this, else the request ends UNAVAILABLE",
+    )
+    max_concurrent_requests: int = flag(256, help="requests past tokenization in flight at once")
+    max_queued_requests: int = flag(1024, help="requests waiting for a slot; more get 429 at once")
+    queue_timeout_s: float = flag(
+        30.0, help="how long a request may wait for a slot and for KV pages in all, then 429"
+    )
 
     def __post_init__(self) -> None:
         if not self.stall_timeout_s > 0:
@@ -94,26 +158,55 @@ class FlowConfig:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    model_dir: Path
-    served_model_name: str
-    max_context_len: int  # prompt + generated tokens may not exceed this
-    workers: WorkerAddresses = field(default_factory=WorkerAddresses)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-    flow: FlowConfig = field(default_factory=FlowConfig)
-    http: HttpLimits = field(default_factory=HttpLimits)
-    policy: PolicyName = PolicyName.ROUND_ROBIN
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 1.0
-    # a worker that completed no request for this long runs a health-check generate; 0 = never
-    health_generate_interval_s: float = 30.0
-    health_generate_timeout_s: float = 30.0  # a health-check generate slower than this ejects
-    host: str = "127.0.0.1"  # gRPC
-    port: int = 0  # gRPC
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    http_reuse_port: bool = False  # share http_port with other router processes (SO_REUSEPORT)
-    prefetch_images: bool = True  # a request's images to the encoder's cache once admitted
-    metrics_port: int = 0
-    log_level: str = "INFO"
-    log_format: str = "text"  # text | json
+class RouterConfig(ServiceConfig):
+    """The router's flags; ``__main__`` resolves the model name and the context limit from the
+    checkpoint; ``http_host`` defaults to ``host``."""
+
+    served_model_name: str | None = flag(None, help="model name in the API (default: the dir name)")
+    max_context_len: int = flag(0, help="default: the model's max_position_embeddings")
+    http_host: str | None = flag(None, help="HTTP bind address (default: --host)")
+    http_port: int = flag(
+        8000,
+        type=port_number,
+        help="OpenAI HTTP port (0 = any free port); /metrics is on --metrics-port",
+    )
+    http_reuse_port: bool = flag(
+        False,
+        help="share --http-port with other router processes started with this flag "
+        "(SO_REUSEPORT: the kernel spreads new connections over them)",
+    )
+    workers: WorkerAddresses = nested(WorkerAddresses)
+    policy: PolicyName = flag(
+        PolicyName.ROUND_ROBIN, type=PolicyName, choices=tuple(PolicyName), help="worker choice"
+    )
+    prefetch_images: bool = flag(
+        True,
+        name="no_image_prefetch",
+        help="leave a request's images to prefill's Encode call (default: with one encoder, "
+        "send them to its cache as soon as the request is admitted)",
+    )
+    health_interval_s: float = flag(1.0, help="seconds between worker health polls")
+    health_timeout_s: float = flag(1.0, help="timeout of one health check")
+    health_generate_interval_s: float = flag(
+        30.0,
+        type=non_negative,
+        help="a worker that completed no request for this long runs a one-token health-check "
+        "generate through tokenizer, prefill and decode; failing it ejects the worker "
+        "until one passes (0: never)",
+    )
+    health_generate_timeout_s: float = flag(
+        30.0, type=positive, help="a health-check generate that takes longer fails"
+    )
+    limits: LimitsConfig = nested(LimitsConfig)
+    flow: FlowConfig = nested(FlowConfig)
+    http: HttpLimits = nested(HttpLimits, prefix="http")
+    insecure_no_api_key: bool = flag(
+        False,
+        name=INSECURE_NO_API_KEY_FLAG.removeprefix("--").replace("-", "_"),
+        help="serve the API without a key although --host or --http-host is not a loopback "
+        "address (anyone who reaches the ports may call it)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.http_host is None:
+            object.__setattr__(self, "http_host", self.host)

@@ -8,6 +8,7 @@ import sys
 
 from services.common.envs import Envs
 from services.common.malloc import tune_malloc
+from services.common.rank_devices import add_rank_args, rank_devices
 from services.common.ranks.errors import RankStartError
 from services.common.service_main import (
     build_service_parser,
@@ -16,19 +17,15 @@ from services.common.service_main import (
 )
 from services.common.settings import config_from_args
 from services.vision_encoder.app import rank_group_config, serve
-from services.vision_encoder.config import VisionEncoderConfig, rank_devices
+from services.vision_encoder.config import VisionEncoderConfig
 
 
 def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = build_service_parser(
         "python -m services.vision_encoder", __doc__, VisionEncoderConfig, envs=envs
     )
-    p.set_defaults(devices=())  # none named: --ranks on --device
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=None,
-        help="rank processes, each on --device (default 1; with --devices: how many there are)",
+    add_rank_args(
+        p, "rank processes, each on --device (default 1; with --devices: how many there are)"
     )
     return p
 
@@ -37,7 +34,9 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
     p = build_parser()
     a = p.parse_args(argv)
     try:
-        devices = rank_devices(",".join(a.devices), a.ranks, a.device)
+        devices = rank_devices(
+            a.devices, a.ranks, a.device, spread_cuda=False, service="vision_encoder"
+        )
         config = config_from_args(VisionEncoderConfig, a, devices=devices)
         rank_group_config(config, Envs())  # the devices, checked before anything starts
     except ValueError as exc:

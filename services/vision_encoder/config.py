@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, check_embedding_backend
+from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import flag
 
@@ -22,6 +23,7 @@ PIXEL_METHODS = (
 class VisionEncoderConfig(ServiceConfig):
     devices: tuple[str, ...] = flag(
         ("cpu",),
+        type=device_list,
         metavar="DEV,DEV,...",
         help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)",
     )
@@ -96,16 +98,3 @@ class VisionEncoderConfig(ServiceConfig):
     @property
     def num_ranks(self) -> int:
         return len(self.devices)
-
-
-def rank_devices(devices: str | None, num_ranks: int | None, device: str) -> tuple[str, ...]:
-    """The ranks' devices from ``--devices a,b`` or ``--ranks W`` (each on ``--device``);
-    ``ValueError`` when they disagree."""
-    if num_ranks is not None and num_ranks < 1:
-        raise ValueError(f"--ranks must be >= 1, got {num_ranks}")
-    if devices:
-        listed = tuple(d.strip() for d in devices.split(","))
-        if num_ranks is not None and num_ranks != len(listed):
-            raise ValueError(f"--ranks {num_ranks} disagrees with --devices {devices!r}")
-        return listed
-    return ("cuda:0" if device == "cuda" else device,) * (num_ranks or 1)

@@ -32,7 +32,7 @@ def test_log_level_default_comes_from_envs() -> None:
 
 
 def test_every_service_reads_stageserve_log_level(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.decode.config import parse_config as decode_config
+    from services.decode.__main__ import parse_config as decode_config
     from services.prefill.__main__ import parse_args as prefill_config
     from services.router.__main__ import build_parser as router_parser
     from services.tokenizer.__main__ import build_parser as tokenizer_parser
@@ -47,7 +47,7 @@ def test_every_service_reads_stageserve_log_level(monkeypatch: pytest.MonkeyPatc
 
 
 def test_every_service_takes_the_common_auth_flags(tmp_path) -> None:
-    from services.decode.config import parse_config as decode_config
+    from services.decode.__main__ import parse_config as decode_config
     from services.prefill.__main__ import parse_args as prefill_config
     from services.router.__main__ import build_parser as router_parser
     from services.tokenizer.__main__ import parse_config as tokenizer_config
@@ -114,7 +114,7 @@ def test_a_service_without_a_token_refuses_to_start(service: str) -> None:
 def test_every_service_takes_log_format_from_the_flag_or_stageserve_log_format(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from services.decode.config import parse_config as decode_config
+    from services.decode.__main__ import parse_config as decode_config
     from services.prefill.__main__ import parse_args as prefill_config
     from services.router.__main__ import build_parser as router_parser
     from services.router.__main__ import config_from_args as router_config

@@ -100,3 +100,20 @@ def test_the_tokenizer_and_encoder_configs_round_trip_through_their_parsers() ->
         devices=("cpu", "cpu"), transfer_backend="shm", pixel_method="pil", log_level="DEBUG"
     )
     assert parse_args(config_to_argv(encoder)) == encoder
+
+
+@dataclass(frozen=True)
+class Router:
+    addresses: tuple[str, ...] = flag((), repeatable=True, help="workers")
+    prefetch: bool = flag(True, name="no_prefetch", help="turn prefetching off")
+    http: Http = nested(Http)
+
+
+def test_repeatable_lists_off_switches_and_unprefixed_nesting_round_trip() -> None:
+    p = argparse.ArgumentParser()
+    add_config_args(p, Router)
+    argv = ["--addresses", "a:1", "--addresses", "b:1,c:1", "--no-prefetch", "--timeout-s", "2"]
+    config = config_from_args(Router, p.parse_args(argv))
+    assert config == Router(("a:1", "b:1", "c:1"), False, Http(timeout_s=2.0))
+    assert config_from_args(Router, p.parse_args(config_to_argv(config))) == config
+    assert config_from_args(Router, p.parse_args([])) == Router()

@@ -10,8 +10,8 @@ import pytest
 
 from services.common.gpu_share import GpuShare
 from services.common.types import SamplingParams
+from services.decode.__main__ import parse_config
 from services.decode.app import rank_init
-from services.decode.config import parse_config
 from services.decode.messages import RankReport
 from services.decode.rank import build_rank
 from services.transfer import create_kv_receiver
@@ -77,19 +77,28 @@ def test_steps_wait_for_a_marked_prefill_forward_and_stream_the_same_tokens(
     assert all(r.prefill_wait_s == 0.0 for r in free.reports)
 
 
-def test_prefill_first_flags(tmp_path) -> None:
+def test_prefill_first_flags(tmp_path, capsys) -> None:
     path = str(tmp_path / "share")
     assert parse_config(["--gpu-share-file", path]).prefill_first_s == 0.1  # the default
     config = parse_config(["--gpu-share-file", path, "--prefill-first-ms", "0"])
     assert config.prefill_first_s == 0.0
     assert parse_config([]).prefill_first_s == 0.0  # no file: never waits
-    with pytest.raises(SystemExit, match="--prefill-first-ms needs --gpu-share-file"):
-        parse_config(["--prefill-first-ms", "50"])
-    with pytest.raises(SystemExit, match="--prefill-first-ms must be >= 0"):
-        parse_config(["--gpu-share-file", path, "--prefill-first-ms", "-1"])
-    missing = tmp_path / "missing" / "share"
-    with pytest.raises(SystemExit, match=f"--gpu-share-file: GPU share file {missing}"):
-        parse_config(["--gpu-share-file", str(missing)])
+    refusals = [
+        (["--prefill-first-ms", "50"], "--prefill-first-ms needs --gpu-share-file"),
+        (
+            ["--gpu-share-file", path, "--prefill-first-ms", "-1"],
+            "argument --prefill-first-ms: must be >= 0, got -1",
+        ),
+        (
+            ["--gpu-share-file", str(tmp_path / "missing" / "share")],
+            f"--gpu-share-file: GPU share file {tmp_path / 'missing' / 'share'}",
+        ),
+    ]
+    for argv, message in refusals:
+        with pytest.raises(SystemExit) as exc:
+            parse_config(argv)
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_a_held_step_waits_with_its_host_work_done(shared_rank, offline, monkeypatch) -> None:

@@ -11,8 +11,9 @@ import pytest
 from services.common import kv_transfer
 from services.common.kv_transfer import BACKENDS, TransferSpec
 from services.decode import rank as rank_module
+from services.decode.__main__ import parse_config
 from services.decode.app import rank_init
-from services.decode.config import DecodeConfig, parse_config
+from services.decode.config import DecodeConfig
 from services.decode.rank import build_rank, create_receiver
 from services.transfer.inprocess_backend import InProcessKVReceiver
 from services.transfer.shm_backend import ShmKVReceiver
@@ -60,10 +61,11 @@ def test_flag_parses_and_defaults_to_transfer_backend() -> None:
         ),
     ],
 )
-def test_unsupported_backends_are_rejected_at_startup(argv, message) -> None:
+def test_unsupported_backends_are_rejected_at_startup(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_config(argv)
-    assert message in str(exc.value.code)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["nccl", "rdma"])

@@ -51,7 +51,7 @@ def unreachable_router_config() -> RouterConfig:
     """Every worker kind at a loopback port nothing listens on."""
     dead = tuple(f"127.0.0.1:{free_port()}" for _ in range(4))
     return RouterConfig(
-        model_dir=TINY_MODEL_DIR,
+        model=TINY_MODEL_DIR,
         served_model_name="tiny-qwen2.5-vl",
         max_context_len=4096,
         workers=WorkerAddresses(

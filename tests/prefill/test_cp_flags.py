@@ -35,15 +35,15 @@ def test_ranks_and_devices_give_one_device_per_rank(monkeypatch) -> None:
         (["--cp-block-tokens", "-16"], "--cp-block-tokens -16 must be 1 or a positive multiple"),
         (
             ["--ranks", "3", "--devices", "cuda:0,cuda:1"],
-            "--ranks 3 does not match the 2 --devices 'cuda:0,cuda:1'",
+            "--ranks 3 disagrees with the 2 --devices 'cuda:0,cuda:1'",
         ),
         (["--ranks", "4", "--device", "cuda"], "--ranks 4 needs 4 GPUs; this host has 0"),
         (
             ["--ranks", "2", "--device", "cuda:1"],
             "--ranks 2 with device cuda:1: name each rank's GPU (prefill --devices)",
         ),
-        (["--ranks", "0"], "--ranks must be > 0"),
-        (["--cp-min-tokens", "0"], "--cp-min-tokens must be > 0"),
+        (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
+        (["--cp-min-tokens", "0"], "argument --cp-min-tokens: must be >= 1, got 0"),
     ],
 )
 def test_bad_cp_flags_are_startup_errors_naming_the_value(argv, message, capsys) -> None:

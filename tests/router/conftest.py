@@ -76,7 +76,7 @@ async def start_cluster(
 
 def router_config(cluster: Cluster, **overrides) -> RouterConfig:
     cfg = RouterConfig(
-        model_dir=TINY_MODEL_DIR,
+        model=TINY_MODEL_DIR,
         served_model_name=MODEL_NAME,
         max_context_len=4096,
         workers=WorkerAddresses(
