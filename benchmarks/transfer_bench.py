@@ -145,8 +145,8 @@ def _receiver_samples(
 
 
 def _sender_samples(ctrl: Any, device: torch.device, num_pages: int, backend: str) -> None:
+    from services.common.destinations import KvDestination
     from services.transfer import create_kv_sender
-    from services.transfer.base import KvDestination
 
     pool = _pool(device, num_pages)
     sender = create_kv_sender(backend)
@@ -189,8 +189,8 @@ def _stand_in_layer(device: torch.device) -> tuple[Any, Any]:
 def _overlap_sender(ctrl: Any, device: torch.device, num_pages: int) -> None:
     """Rank 0: a 28-layer stand-in forward alone, then with the request's KV sent after it, then
     layer by layer."""
+    from services.common.destinations import KvDestination
     from services.transfer import create_kv_sender
-    from services.transfer.base import KvDestination
 
     pool, (attention, mlp) = _pool(device, num_pages), _stand_in_layer(device)
     sender, src_pages = create_kv_sender("cuda_ipc"), list(range(_num_pages(OVERLAP_MIB)))

@@ -4,9 +4,15 @@ Internal invariants use ``assert``. Everything a caller can cause or observe (ba
 input, capacity, an unavailable peer, a timeout) is a ``StageServeError`` subclass;
 callers decide retries by its class. One function maps it to a gRPC status code; the
 router maps that to an OpenAI-style HTTP error.
+
+An error crossing a process (a rank's reply, a Stream's end, gRPC trailers, an encoder
+job's failure) travels as an ``ErrorRecord`` and becomes its own class again on the other
+side (``ErrorRecord.to_error``).
 """
 
 from __future__ import annotations
+
+import msgspec
 
 # Error text sent to a caller may echo the caller's strings (a model name, a field name, a
 # media type): rendered messages and params are clipped to these lengths (``clip``).
@@ -127,3 +133,41 @@ class ModelLoadError(StageServeError):
     grpc_code = "FAILED_PRECONDITION"
     http_status = 500
     openai_type = "internal_error"
+
+
+def _known_error_classes() -> dict[str, type[StageServeError]]:
+    """Every ``StageServeError`` class of this process, by class name."""
+    found: dict[str, type[StageServeError]] = {}
+    pending: list[type[StageServeError]] = [StageServeError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.__name__, cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+class ErrorRecord(msgspec.Struct, frozen=True):
+    """A ``StageServeError`` as data: its class name, message and ``param``."""
+
+    error_type: str  # a StageServeError class name; "" or one this process lacks: the fallback
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, error: StageServeError) -> ErrorRecord:
+        return cls(type(error).__name__, error.message, error.param)
+
+    def error_class(self, grpc_code: str | None = None) -> type[StageServeError] | None:
+        """The class ``error_type`` names, if this process knows it and (given ``grpc_code``)
+        it maps to that status code; else None."""
+        cls = _known_error_classes().get(self.error_type)
+        if cls is None or (grpc_code is not None and cls.grpc_code != grpc_code):
+            return None
+        return cls
+
+    def to_error(
+        self, fallback: type[StageServeError] = StageServeError, grpc_code: str | None = None
+    ) -> StageServeError:
+        """The error again, with its message and ``param``: its own class (``error_class``),
+        else ``fallback``."""
+        return (self.error_class(grpc_code) or fallback)(self.message, param=self.param)

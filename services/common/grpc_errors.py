@@ -23,7 +23,13 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from services.common import errors
-from services.common.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, StageServeError, clip
+from services.common.errors import (
+    MAX_MESSAGE_CHARS,
+    MAX_PARAM_CHARS,
+    ErrorRecord,
+    StageServeError,
+    clip,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +76,6 @@ async def abort_with_error(context: grpc.aio.ServicerContext, error: StageServeE
     raise AssertionError("context.abort returned")  # grpc raises AbortError above
 
 
-def known_error_classes() -> dict[str, type[StageServeError]]:
-    found: dict[str, type[StageServeError]] = {}
-    pending: list[type[StageServeError]] = [StageServeError]
-    while pending:
-        cls = pending.pop()
-        found.setdefault(cls.__name__, cls)
-        pending.extend(cls.__subclasses__())
-    return found
-
-
 def _metadata_value(metadata: Any, key: str) -> str | None:
     for item_key, value in metadata or ():
         if item_key == key:
@@ -105,10 +101,14 @@ def error_from_rpc(rpc_error: grpc.RpcError, service: str = "") -> StageServeErr
         )
         error.__cause__ = rpc_error
         return error
-    cls = known_error_classes().get(_metadata_value(trailing, ERROR_TYPE_KEY) or "")
-    if cls is not None and cls.grpc_code == getattr(code, "name", None):
-        message = rpc_error.details() or code.name
-        error = cls(message, param=_metadata_value(trailing, ERROR_PARAM_KEY))
+    record = ErrorRecord(
+        _metadata_value(trailing, ERROR_TYPE_KEY) or "",
+        rpc_error.details() or getattr(code, "name", ""),
+        _metadata_value(trailing, ERROR_PARAM_KEY),
+    )
+    code_name = getattr(code, "name", "")  # "": no class matches
+    if record.error_class(code_name) is not None:
+        error = record.to_error(grpc_code=code_name)
     else:
         details = rpc_error.details()
         logger.info("gRPC call to %s failed: %s: %s", service or "a service", code, details)

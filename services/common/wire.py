@@ -1,27 +1,28 @@
-"""Proto <-> domain conversions of the shared messages: sampling parameters, KV refs,
-finish reasons, usage and Stream errors. Servicers and clients call these.
+"""Proto <-> domain conversions of every ``common.proto`` message (sampling parameters, KV
+refs, finish reasons, image spans, usage) and of Stream errors. Clients and servicers call
+these and convert only their own RPC's messages themselves.
 
 ``KvRefInfo`` is the domain form of ``stageserve.v1.KvRef``: decode issues it signed
 (``issue_kv_ref``), the router gets it from ``DecodeClient.reserve`` and hands it
 unchanged to the prefill client (``kv_ref_to_proto``); prefill checks its MAC and turns it
 back into a ``KvDestination`` (``KvRefInfo.to_destination``) to write the KV. Importing
-this module does not import torch: only ``to_destination`` touches ``services.transfer``.
+this module does not import torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from services.common import signing
-from services.common.errors import InvalidRequestError, StageServeError, UnavailableError
-from services.common.grpc_errors import known_error_classes
+from services.common.destinations import KvDestination, KvPoolLayout
+from services.common.errors import (
+    ErrorRecord,
+    InvalidRequestError,
+    StageServeError,
+    UnavailableError,
+)
 from services.common.pb.stageserve.v1 import common_pb2, decode_pb2
-from services.common.types import FinishReason, SamplingParams, Usage
-
-if TYPE_CHECKING:
-    from services.transfer.base import KvDestination
+from services.common.types import FinishReason, ImageSpanRef, SamplingParams, Usage
 
 
 class KvBufferInfo(msgspec.Struct, frozen=True):
@@ -69,9 +70,7 @@ class KvRefInfo(msgspec.Struct, frozen=True):
         return signing.verify(key, signing.KV_REF, self.signed_fields(), self.mac)
 
     def to_destination(self) -> KvDestination:
-        """The ``services.transfer`` destination prefill's KV sender writes to."""
-        from services.transfer.base import KvDestination, KvPoolLayout
-
+        """The destination prefill's KV sender writes to."""
         k, v = self.buffer("k"), self.buffer("v")
         layout = KvPoolLayout(
             k_base=k.base_address,
@@ -226,31 +225,71 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
     )
 
 
-FINISH_REASON_FROM_PROTO = {
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
     common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
 }
-FINISH_REASON_TO_PROTO = {reason: code for code, reason in FINISH_REASON_FROM_PROTO.items()}
+_FINISH_REASON_CODES = {reason: code for code, reason in _FINISH_REASONS.items()}
 
 
-def stream_error_to_proto(error: StageServeError) -> decode_pb2.StreamError:
-    return decode_pb2.StreamError(
-        code=error.grpc_code,
-        error_type=type(error).__name__,
-        message=error.message,
-        param=error.param or "",
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    """``None`` (the request goes on) is ``FINISH_REASON_UNSPECIFIED``."""
+    return _FINISH_REASON_CODES[reason]
+
+
+def finish_reason_from_proto(code: int) -> FinishReason | None:
+    """``None`` for ``FINISH_REASON_UNSPECIFIED`` and for a code this build does not know."""
+    return _FINISH_REASONS.get(code)
+
+
+def image_span_to_proto(span: ImageSpanRef) -> common_pb2.ImageSpan:
+    t, h, w = span.grid_thw
+    return common_pb2.ImageSpan(
+        offset=span.offset,
+        length=span.length,
+        content_hash=span.content_hash,
+        grid_t=t,
+        grid_h=h,
+        grid_w=w,
     )
 
 
-def stream_error_from_proto(message: decode_pb2.StreamError) -> StageServeError:
-    """The error a Stream request ended with: its own class when it matches the code."""
-    cls = known_error_classes().get(message.error_type)
-    if cls is None or cls.grpc_code != message.code:
-        cls = UnavailableError if message.code == "UNAVAILABLE" else StageServeError
-    return cls(message.message or message.code, param=message.param or None)
+def image_span_from_proto(span: common_pb2.ImageSpan) -> ImageSpanRef:
+    return ImageSpanRef(
+        offset=span.offset,
+        length=span.length,
+        content_hash=span.content_hash,
+        grid_thw=(span.grid_t, span.grid_h, span.grid_w),
+    )
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(
+        num_prompt_tokens=usage.num_prompt_tokens,
+        num_completion_tokens=usage.num_completion_tokens,
+        num_cached_image_tokens=usage.num_cached_image_tokens,
+    )
 
 
 def usage_from_proto(message: common_pb2.Usage) -> Usage:
     return Usage(
         message.num_prompt_tokens, message.num_completion_tokens, message.num_cached_image_tokens
     )
+
+
+def stream_error_to_proto(error: StageServeError) -> decode_pb2.StreamError:
+    record = ErrorRecord.of(error)
+    return decode_pb2.StreamError(
+        code=error.grpc_code,
+        error_type=record.error_type,
+        message=record.message,
+        param=record.param or "",
+    )
+
+
+def stream_error_from_proto(message: decode_pb2.StreamError) -> StageServeError:
+    """The error a Stream request ended with: its own class when it matches the code."""
+    record = ErrorRecord(message.error_type, message.message or message.code, message.param or None)
+    fallback = UnavailableError if message.code == "UNAVAILABLE" else StageServeError
+    return record.to_error(fallback, grpc_code=message.code)

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from services.common.destinations import KvDestination
 from services.common.errors import (
     AbortedError,
     CapacityError,
@@ -54,7 +55,6 @@ from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of,
 from services.decode.routes import Route, Routes
 from services.decode.scheduler import check_prompt_len
 from services.decode.streams import WAITING_LIST_S, Connection, RequestEnded
-from services.transfer.base import KvDestination
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class DecodeLeader:
         request_id: str,
         first_token_id: int,
         kv_written_proof: bytes,
-        deadline_s: float = float("inf"),
+        deadline_mono: float = float("inf"),
     ) -> None:
         """Start a reserved request on its rank; its tokens and end go to ``conn`` (errors too)."""
         route = self._routes.get(request_id)
@@ -195,7 +195,7 @@ class DecodeLeader:
             )
             conn.end(RequestEnded(request_id, error=error))
             return
-        route.conn, route.deadline_s = conn, deadline_s
+        route.conn, route.deadline_mono = conn, deadline_mono
         conn.request_ids.add(request_id)
         reply: asyncio.Future[Reply] = self._loop.create_future()
         reply.add_done_callback(lambda done: self._on_started(request_id, route, conn, done))

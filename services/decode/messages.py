@@ -3,7 +3,7 @@
 Every step of a rank (``DecodeRankStep.execute``) takes one ``RankCommands`` (what the
 leader received since the rank's previous step, in arrival order) and answers one
 ``RankReport``: a reply per command, the tokens the step read, the requests that ended,
-and the rank's load. Errors a command meets travel as ``WireError`` and become the same
+and the rank's load. Errors a command meets travel as ``ErrorRecord`` and become the same
 ``StageServeError`` class on the leader. msgpack on the control channel, never pickle.
 """
 
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from services.common.errors import StageServeError
-from services.common.grpc_errors import known_error_classes
+from services.common.destinations import KvDestination
+from services.common.errors import ErrorRecord
 from services.common.types import FinishReason, SamplingParams, Usage
-from services.transfer.base import KvDestination
 
 
 class RankInit(msgspec.Struct, frozen=True):
@@ -32,23 +31,6 @@ class RankInit(msgspec.Struct, frozen=True):
     kv_quarantine_s: float
     gpu_share_file: str = ""  # prefill on this GPU marks its forwards there; empty: none
     prefill_first_s: float = 0.0  # the longest a step waits for a marked prefill forward
-
-
-class WireError(msgspec.Struct, frozen=True):
-    """A ``StageServeError`` as data: its class name, message and ``param``."""
-
-    error_type: str
-    message: str
-    param: str | None = None
-
-    @classmethod
-    def of(cls, error: StageServeError) -> WireError:
-        return cls(type(error).__name__, error.message, error.param)
-
-    def to_error(self) -> StageServeError:
-        """The error again: its own class when this process knows it, else ``StageServeError``."""
-        error_class = known_error_classes().get(self.error_type, StageServeError)
-        return error_class(self.message, param=self.param)
 
 
 # --- leader -> rank ---------------------------------------------------------------
@@ -87,12 +69,12 @@ class RankCommands(msgspec.Struct, frozen=True):
 class ReserveReply(msgspec.Struct, frozen=True, tag="reserve"):
     request_id: str
     destination: KvDestination | None = None  # where prefill writes; None on error
-    error: WireError | None = None
+    error: ErrorRecord | None = None
 
 
 class StartReply(msgspec.Struct, frozen=True, tag="start"):
     request_id: str
-    error: WireError | None = None
+    error: ErrorRecord | None = None
 
 
 class AbortReply(msgspec.Struct, frozen=True, tag="abort"):

@@ -21,7 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import DeadlineExceededError, InvalidRequestError, StageServeError
+from services.common.errors import (
+    DeadlineExceededError,
+    ErrorRecord,
+    InvalidRequestError,
+    StageServeError,
+)
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec, check_kv_backend
 from services.common.ranks.step import BaseRankStep, RankContext
@@ -42,7 +47,6 @@ from services.decode.messages import (
     ReserveReply,
     StartCommand,
     StartReply,
-    WireError,
 )
 from services.decode.scheduler import DecodeRequest, DecodeScheduler, check_prompt_len
 from services.engine.cuda_graph import graph_batch_sizes
@@ -129,14 +133,14 @@ class DecodeRank:
             prompt_ids=command.prompt_ids,
             params=command.params,
             rope_delta=command.rope_delta,
-            deadline_s=self._clock() + command.lifetime_s,
+            deadline_mono=self._clock() + command.lifetime_s,
             kv_written_proof=command.kv_written_proof,
         )
         try:
             self._validate(request, command.lifetime_s)
             pages = self.scheduler.add(request)
         except StageServeError as exc:
-            return ReserveReply(command.request_id, error=WireError.of(exc))
+            return ReserveReply(command.request_id, error=ErrorRecord.of(exc))
         prompt_pages = pages[: self.scheduler.kv.num_pages_for(len(request.prompt_ids))]
         return ReserveReply(
             command.request_id,
@@ -152,7 +156,7 @@ class DecodeRank:
             self.scheduler.check_kv_written(command.request_id, command.kv_written_proof)
             done = self.scheduler.start(command.request_id, command.first_token_id)
         except StageServeError as exc:
-            return StartReply(command.request_id, error=WireError.of(exc))
+            return StartReply(command.request_id, error=ErrorRecord.of(exc))
         if done is not None:
             finished.append(done)
         return StartReply(command.request_id)

@@ -25,7 +25,7 @@ class Route:
 
     rank: int
     conn: Connection | None = None  # set by generate
-    deadline_s: float = float("inf")  # monotonic; past it a running request ends DEADLINE_EXCEEDED
+    deadline_mono: float = float("inf")  # past it a running request ends DEADLINE_EXCEEDED
 
     def end(self, ended: RequestEnded) -> None:
         """End the request's stream (once; a route without a connection has none)."""
@@ -103,4 +103,6 @@ class Routes:
 
     def overdue(self, now: float) -> list[tuple[str, Route]]:
         """The generating requests whose deadline is at or before ``now``."""
-        return [(i, r) for i, r in self._live.items() if r.conn is not None and r.deadline_s <= now]
+        return [
+            (i, r) for i, r in self._live.items() if r.conn is not None and r.deadline_mono <= now
+        ]

@@ -61,7 +61,7 @@ class DecodeRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     rope_delta: int  # M-RoPE position delta of the prompt
-    deadline_s: float = float("inf")  # monotonic: a reservation not started by then expires
+    deadline_mono: float = float("inf")  # a reservation not started by then expires
     # What prefill returns once the KV landed (signing.kv_written_proof); b"" accepts no proof
     kv_written_proof: bytes = b""
     status: ReqStatus = ReqStatus.RESERVED
@@ -253,7 +253,7 @@ class DecodeScheduler:
 
     def expire(self, now_s: float) -> list[str]:
         """Reservations past their deadline: EXPIRED, pages quarantined; their ids."""
-        expired = [r for r in self._reserved.values() if r.deadline_s <= now_s]
+        expired = [r for r in self._reserved.values() if r.deadline_mono <= now_s]
         for request in expired:
             self._remove(request, ReqStatus.EXPIRED, quarantine=True)
         return [r.request_id for r in expired]

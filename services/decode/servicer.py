@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,16 +14,18 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from services.common import signing, telemetry
+from services.common.deadlines import deadline_mono
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
-from services.common.pb.stageserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import current_request_id
 from services.common.wire import (
-    FINISH_REASON_TO_PROTO,
+    finish_reason_to_proto,
     issue_kv_ref,
     kv_ref_to_proto,
     sampling_params_from_proto,
     stream_error_to_proto,
+    usage_to_proto,
 )
 from services.decode import metrics
 from services.decode.leader import DecodeLeader
@@ -41,26 +44,14 @@ _LOAD_FIELDS = (
 )
 
 
-def _monotonic_deadline(deadline_unix_ms: int) -> float:
-    """``deadline_unix_ms`` (wall clock, 0 = none) on this process's monotonic clock."""
-    if deadline_unix_ms <= 0:
-        return float("inf")
-    return time.monotonic() + deadline_unix_ms / 1000 - time.time()
-
-
 def _end_to_proto(ended: RequestEnded) -> decode_pb2.RequestEnd:
     message = decode_pb2.RequestEnd(request_id=ended.request_id)
     if ended.error is not None:
         message.error.CopyFrom(stream_error_to_proto(ended.error))
     else:
         assert ended.finish_reason is not None and ended.usage is not None
-        message.finish_reason = FINISH_REASON_TO_PROTO[ended.finish_reason]
-        message.usage.CopyFrom(
-            common_pb2.Usage(
-                num_prompt_tokens=ended.usage.num_prompt_tokens,
-                num_completion_tokens=ended.usage.num_completion_tokens,
-            )
-        )
+        message.finish_reason = finish_reason_to_proto(ended.finish_reason)
+        message.usage.CopyFrom(usage_to_proto(ended.usage))
     return message
 
 
@@ -239,7 +230,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                         start.request_id,
                         start.first_token_id,
                         start.kv_written_proof,
-                        _monotonic_deadline(start.deadline_unix_ms),
+                        # a Stream carries many requests: its gRPC deadline is none of theirs
+                        deadline_mono(start.deadline_unix_ms, None, math.inf),
                     )
                 elif kind == "abort":
                     abort = message.abort

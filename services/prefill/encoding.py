@@ -19,6 +19,7 @@ from opentelemetry import context as otel_context
 
 from services.common import telemetry
 from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, SpanStatus
+from services.common.destinations import EmbeddingDestination
 from services.common.errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -28,7 +29,6 @@ from services.common.errors import (
 from services.prefill.messages import RankDescription
 from services.prefill.request import PrefillInput
 from services.prefill.scheduler import SchedEntry
-from services.transfer.embeddings import EmbeddingDestination
 
 logger = logging.getLogger(__name__)
 

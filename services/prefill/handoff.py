@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from services.common.destinations import KvDestination
 from services.common.errors import StageServeError
 from services.engine.model_runner import ModelRunner
 from services.prefill.messages import RankOutcome, RankRequest
-from services.transfer.base import BaseKVSender, KvDestination, LayerwiseSend, PendingSend
+from services.transfer.base import BaseKVSender, LayerwiseSend, PendingSend
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ import hashlib
 
 import msgspec
 
+from services.common.destinations import EmbeddingDestination, KvDestination, KvPoolLayout
 from services.common.types import ImageSpanRef, SamplingParams
-from services.transfer.base import KvDestination, KvPoolLayout
-from services.transfer.embeddings import EmbeddingDestination
 
 SHARDED = -1  # RankPlan.solo_rank: every rank runs its shard of the plan
 

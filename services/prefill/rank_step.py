@@ -15,6 +15,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from services.common.destinations import KvDestination
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
@@ -34,7 +35,7 @@ from services.prefill.messages import (
 )
 from services.prefill.worker import PrefillRankWorker
 from services.transfer import create_embedding_receiver, create_kv_sender
-from services.transfer.base import KvDestination, pool_layout
+from services.transfer.base import pool_layout
 from services.transfer.embeddings import EmbeddingBuffer
 
 WARMUP_TOKENS = 8  # tokens per rank of the warm-up pass

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import msgspec
 
+from services.common.destinations import KvDestination
 from services.common.errors import StageServeError
 from services.common.types import FinishReason, ImageSpanRef, SamplingParams
-from services.transfer.base import KvDestination
 
 
 class ReqStatus(enum.Enum):

@@ -9,11 +9,17 @@ import grpc
 from opentelemetry import propagate
 
 from services.common import telemetry
-from services.common.clients.prefill import PrefillResult, prefill_result_to_proto, span_from_proto
+from services.common.clients.prefill import PrefillResult, prefill_result_to_proto
+from services.common.deadlines import deadline_mono
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
-from services.common.wire import KvRefInfo, kv_ref_from_proto, sampling_params_from_proto
+from services.common.wire import (
+    KvRefInfo,
+    image_span_from_proto,
+    kv_ref_from_proto,
+    sampling_params_from_proto,
+)
 from services.prefill import metrics
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
@@ -102,26 +108,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         prefill_input = PrefillInput(
             request_id=request.request_id,
             token_ids=tuple(request.token_ids),
-            spans=tuple(span_from_proto(span) for span in request.image_spans),
+            spans=tuple(image_span_from_proto(span) for span in request.image_spans),
             params=sampling_params_from_proto(request.sampling_params),
             kv_dst=kv_ref.to_destination(),
-            deadline=self._deadline(
-                request.deadline_unix_ms, context.time_remaining(), kv_ref.expires_unix_ms
+            # no write may start after decode let the KvRef's pages go
+            deadline=deadline_mono(
+                request.deadline_unix_ms,
+                context.time_remaining(),
+                self._default_timeout_s,
+                cap_unix_ms=kv_ref.expires_unix_ms,
+                clock=self._clock,
             ),
             trace_carrier=carrier,
             prompt_embeds=request.prompt_embeds,
             embeds_dtype=request.prompt_embeds_dtype,
         )
         return kv_ref, prefill_input, images
-
-    def _deadline(
-        self, deadline_unix_ms: int, grpc_remaining_s: float | None, kv_ref_expires_unix_ms: int
-    ) -> float:
-        """The request's deadline on the monotonic clock: the earlier of its own and the RPC's
-        (``default_timeout_s`` without either), and never past the reservation's expiry: no write
-        may start after decode let the pages go."""
-        own = [] if grpc_remaining_s is None else [grpc_remaining_s]
-        if deadline_unix_ms > 0:
-            own.append(deadline_unix_ms / 1000 - time.time())
-        remaining = min(own) if own else self._default_timeout_s
-        return self._clock() + min(remaining, kv_ref_expires_unix_ms / 1000 - time.time())

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import InvalidRequestError
 from services.common.types import ImageSpanRef, SamplingParams
 from services.engine.config import ModelConfig
-from services.transfer.base import KvDestination, KvPoolLayout, check_compatible
+from services.transfer.base import check_compatible
 
 EMBEDS_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # prompt_embeds dtypes
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.deadlines import mono_of_unix_s
 from services.common.gpu_share import GpuShare
 from services.engine import ops
 from services.engine.attention.context_parallel import ContextParallelAttention, CpShard, KvExchange
@@ -82,8 +83,7 @@ class PrefillRankWorker:
         shard = (
             CpShard(self.rank, self.world_size, plan.block_tokens) if sharded else CpShard(0, 1, 1)
         )
-        to_mono = time.monotonic() - time.time()
-        deadlines = {r.request_id: r.deadline_unix_s + to_mono for r in plan.requests}
+        deadlines = {r.request_id: mono_of_unix_s(r.deadline_unix_s) for r in plan.requests}
         handoff = KvHandoff(self.runner, self.kv_sender, shard.rank, shard.world_size, deadlines)
         table = self.runner.page_table
         try:

@@ -175,7 +175,9 @@ class GenerationPipeline:
                 if error is not None:
                     telemetry.mark_error(span, error)
 
-    async def _run(self, request: GenerationRequest, deadline_s: float, emit: _TimedEmit) -> None:
+    async def _run(
+        self, request: GenerationRequest, deadline_unix_s: float, emit: _TimedEmit
+    ) -> None:
         headers = None
         sent: frozenset[str] = frozenset()  # images prefetched before tokenization
         if request.messages is not None:
@@ -185,14 +187,14 @@ class GenerationPipeline:
                     p.data for m in request.messages for p in m.content if isinstance(p, ImagePart)
                 ]
                 sent = self._prefetch.start_from_headers(
-                    request.request_id, images, headers, _remaining(deadline_s)
+                    request.request_id, images, headers, _remaining(deadline_unix_s)
                 )
-        prompt = await self._tokenize(request, deadline_s, headers=headers)
+        prompt = await self._tokenize(request, deadline_unix_s, headers=headers)
         params = self._bounded_params(request, prompt)
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
-        job = KvJob(request.request_id, prompt, params, deadline_s)
+        job = KvJob(request.request_id, prompt, params, deadline_unix_s)
         with self.admission.ticket(request.request_id) as ticket:
-            self._prefetch.start(request.request_id, prompt, _remaining(deadline_s), sent)
+            self._prefetch.start(request.request_id, prompt, _remaining(deadline_unix_s), sent)
             place_started = time.perf_counter()
             reservation, result = await self._placer.place(job, ticket)
             emit.stats.placed(ticket.waited_s, time.perf_counter() - place_started)
@@ -220,7 +222,7 @@ class GenerationPipeline:
     async def _tokenize(
         self,
         request: GenerationRequest,
-        deadline_s: float,
+        deadline_unix_s: float,
         add_generation_prompt: bool = True,
         headers: list[ImageHeader | None] | None = None,
     ) -> TokenizedPrompt:
@@ -235,7 +237,7 @@ class GenerationPipeline:
             )
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
-            timeout_s = _remaining(deadline_s)
+            timeout_s = _remaining(deadline_unix_s)
             if request.messages is not None:
                 call = tokenizer.tokenize_chat(
                     request.request_id,
@@ -300,7 +302,7 @@ class GenerationPipeline:
         stream = client.generate(
             request_id,
             first_token_id,
-            _remaining(flow.job.deadline_s),
+            _remaining(flow.job.deadline_unix_s),
             kv_written_proof=kv_written_proof,
         )
         bound = self._bound.stream(Hop.GENERATE, decode, request_id)
@@ -390,8 +392,8 @@ def request_attributes(request: GenerationRequest, model_name: str) -> dict[str,
     return attributes
 
 
-def _remaining(deadline_s: float) -> float:
-    remaining = deadline_s - time.time()
+def _remaining(deadline_unix_s: float) -> float:
+    remaining = deadline_unix_s - time.time()
     if remaining <= 0:
         raise DeadlineExceededError("the request's deadline has passed")
     return remaining

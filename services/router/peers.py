@@ -36,7 +36,7 @@ class PrefillPeer(Protocol):
         prompt: TokenizedPrompt,
         params: SamplingParams,
         kv_ref: Any,
-        deadline_s: float,
+        deadline_unix_s: float,
     ) -> Any: ...  # PrefillResult: first_token_id, finish_reason, kv_written_proof, ...
 
     async def close(self) -> None: ...
@@ -49,7 +49,7 @@ class DecodePeer(Protocol):
         prompt_token_ids: Sequence[int],
         mrope_position_delta: int,
         params: SamplingParams,
-        deadline_s: float,
+        deadline_unix_s: float,
     ) -> Any: ...  # KvRefInfo: where prefill writes the prompt's KV
 
     def generate(

@@ -48,7 +48,7 @@ class KvJob:
     request_id: str
     prompt: TokenizedPrompt
     params: SamplingParams  # max_new_tokens already fitted to the context
-    deadline_s: float  # absolute, time.time() clock
+    deadline_unix_s: float  # absolute, time.time() clock
 
 
 @dataclass(eq=False)
@@ -91,7 +91,7 @@ class Placer:
                 prefill = self._registry.acquire(WorkerKind.PREFILL, exclude=failed)
                 client: PrefillPeer = prefill.client
                 call = client.prefill(
-                    job.request_id, job.prompt, job.params, reservation.kv_ref, job.deadline_s
+                    job.request_id, job.prompt, job.params, reservation.kv_ref, job.deadline_unix_s
                 )
                 result = await self._bound.call(Hop.PREFILL, prefill, job.request_id, call)
                 reservation.is_kv_written = True  # prefill answers only after the whole KV landed
@@ -159,7 +159,7 @@ class Placer:
                     job.prompt.token_ids,
                     job.prompt.mrope_position_delta,
                     job.params,
-                    job.deadline_s,
+                    job.deadline_unix_s,
                 )
                 kv_ref = await self._bound.call(Hop.RESERVE, worker, job.request_id, call)
                 return Reservation(job.request_id, worker, kv_ref)

@@ -27,16 +27,8 @@ from services.common.errors import InvalidRequestError, NotFoundError, StageServ
 from services.common.grpc_errors import handle_errors
 from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.types import (
-    ChatMessage,
-    ContentPart,
-    FinishReason,
-    ImagePart,
-    SamplingParams,
-    TextPart,
-    Usage,
-)
-from services.common.wire import sampling_params_from_proto
+from services.common.types import ChatMessage, ContentPart, ImagePart, SamplingParams, TextPart
+from services.common.wire import finish_reason_to_proto, sampling_params_from_proto, usage_to_proto
 from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline
 from services.router.images import check_image
@@ -48,11 +40,6 @@ GRPC_ENDPOINT = "grpc:Generate"
 MAX_CLIENT_REQUEST_ID_LEN = 256
 _tracer = telemetry.tracer("router")
 logger = logging.getLogger(__name__)
-_FINISH_TO_PROTO = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-}
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -227,16 +214,8 @@ def _to_proto(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateRes
         request_id=request_id,
         text_delta=delta.text,
         token_ids=delta.token_ids,
-        finish_reason=_FINISH_TO_PROTO[delta.finish_reason],
+        finish_reason=finish_reason_to_proto(delta.finish_reason),
     )
     if delta.usage is not None:
-        response.usage.CopyFrom(_usage_to_proto(delta.usage))
+        response.usage.CopyFrom(usage_to_proto(delta.usage))
     return response
-
-
-def _usage_to_proto(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(
-        num_prompt_tokens=usage.num_prompt_tokens,
-        num_completion_tokens=usage.num_completion_tokens,
-        num_cached_image_tokens=usage.num_cached_image_tokens,
-    )

@@ -10,20 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from services.common.destinations import EmbeddingDestination, KvDestination, KvPoolLayout
 from services.common.kv_transfer import TransferSpec, lookup_backend
-from services.transfer.base import (
-    BaseKVReceiver,
-    BaseKVSender,
-    KvDestination,
-    KvPoolLayout,
-    TransferPlan,
-    TransferResult,
-)
-from services.transfer.embeddings import (
-    BaseEmbeddingReceiver,
-    BaseEmbeddingSender,
-    EmbeddingDestination,
-)
+from services.transfer.base import BaseKVReceiver, BaseKVSender, TransferPlan, TransferResult
+from services.transfer.embeddings import BaseEmbeddingReceiver, BaseEmbeddingSender
 
 
 def _create(spec: str | TransferSpec, role: str, family: str, kwargs: dict[str, Any]) -> Any:

@@ -24,34 +24,11 @@ from typing import Any
 
 import msgspec
 
+from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import DeadlineExceededError, InvalidRequestError
 from services.engine.kv_cache import KVPool
 
 Clock = Callable[[], float]  # monotonic seconds
-
-
-class KvPoolLayout(msgspec.Struct, frozen=True):
-    """Where a KV pool lives and its layout: ``[num_layers, num_pages, page_size, heads, dim]``."""
-
-    k_base: int  # address of k_buffer in its owner's process
-    v_base: int  # address of v_buffer in its owner's process
-    num_layers: int
-    num_pages: int
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    page_nbytes: int  # bytes of one page of one layer in one of K or V
-
-
-class KvDestination(msgspec.Struct, frozen=True):
-    """Everything prefill needs to write one request's KV into decode's pages."""
-
-    backend: str  # transfer backend that registered the pool ("mooncake", "inprocess", ...)
-    session_id: str  # engine address of the decode pool's owner (Mooncake: "host:rpc_port")
-    request_id: str
-    layout: KvPoolLayout
-    page_ids: tuple[int, ...]  # position order: page i of the request is page_ids[i]
 
 
 class TransferPlan(msgspec.Struct, frozen=True):

@@ -26,9 +26,9 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-import msgspec
 import torch
 
+from services.common.destinations import EmbeddingDestination
 from services.common.errors import CapacityError, InvalidRequestError
 from services.transfer.base import TransferResult, check_backend, check_deadline
 
@@ -37,27 +37,6 @@ RowRun = tuple[int, int, int]  # (src_row, dst_row, num_rows)
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-class EmbeddingDestination(msgspec.Struct, frozen=True):
-    """Where an encoder writes a request's rows; the ``EmbeddingRef`` proto, field for field."""
-
-    # transfer backend that registered the buffer ("shm", "cuda_ipc", "mooncake", "inprocess")
-    backend: str
-    engine_address: (
-        str  # receiver's engine endpoint (Mooncake: "host:rpc_port"); may equal session_id
-    )
-    session_id: str  # receiver's engine session (Mooncake: "host:rpc_port"; in-process: fabric key)
-    cp_rank: int  # prefill context-parallel rank owning the buffer
-    base_address: int  # address of the window's first row in the receiver's registered memory
-    num_rows: int  # rows in the window; row r starts at base_address + r * row_stride_bytes
-    row_stride_bytes: int
-    hidden_size: int  # elements per row
-    dtype: str  # torch dtype name without prefix ("bfloat16")
-
-    @property
-    def row_nbytes(self) -> int:
-        return self.hidden_size * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
 
 class EmbeddingBuffer:

@@ -7,8 +7,8 @@ import hashlib
 import msgspec
 
 from services.common.clients.vision_encoder import EncodeSpanInput
+from services.common.destinations import EmbeddingDestination
 from services.common.errors import InvalidRequestError
-from services.transfer.embeddings import EmbeddingDestination
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

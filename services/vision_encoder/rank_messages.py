@@ -13,8 +13,9 @@ import enum
 
 import msgspec
 
+from services.common.destinations import EmbeddingDestination
+from services.common.errors import ErrorRecord
 from services.common.kv_transfer import TransferSpec
-from services.transfer.embeddings import EmbeddingDestination
 
 
 class SpanAction(enum.Enum):
@@ -59,9 +60,7 @@ class JobError(msgspec.Struct, frozen=True):
     """Why one job failed on this rank (its other jobs went on)."""
 
     job_id: int
-    error_type: str  # a StageServeError class name
-    message: str
-    param: str | None = None
+    error: ErrorRecord
 
 
 class RankManifest(msgspec.Struct, frozen=True):

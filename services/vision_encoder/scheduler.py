@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.common.clients.vision_encoder import SpanResult, SpanStatus
-from services.common.errors import StageServeError, UnavailableError
-from services.common.grpc_errors import known_error_classes
+from services.common.errors import UnavailableError
 from services.vision_encoder.job import EncodeJob
 from services.vision_encoder.plan import CacheLedger, EncodePlan, SpanPlan, make_plan
 from services.vision_encoder.rank_messages import EncodeStepResult, JobError, SpanAction
@@ -110,7 +109,7 @@ class EncodeScheduler:
             span_plans = [next(plans) for _ in job.spans]
             lost = [p for p in span_plans if p.content_hash in missing]
             if job.job_id in errors:
-                outcome.finished.append((job, job_error(errors[job.job_id])))
+                outcome.finished.append((job, errors[job.job_id].error.to_error()))
             elif lost and job.num_replans >= MAX_REPLANS:
                 ranks = sorted({missing[p.content_hash] for p in lost})
                 outcome.finished.append((job, _lost_again(job, ranks)))
@@ -169,9 +168,3 @@ def _lost_again(job: EncodeJob, ranks: list[int]) -> UnavailableError:
         f"encode of {job.request_id}: the cache of encoder rank {who} lost planned hits "
         f"{job.num_replans + 1} times"
     )
-
-
-def job_error(error: JobError) -> StageServeError:
-    """The error a rank reported for a job, as the class it raised (StageServeError if unknown)."""
-    cls = known_error_classes().get(error.error_type, StageServeError)
-    return cls(error.message, param=error.param)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
-import time
 
 import grpc
 
@@ -14,6 +12,7 @@ from services.common.clients.vision_encoder import (
     encode_span_from_proto,
     span_result_to_proto,
 )
+from services.common.deadlines import deadline_mono
 from services.common.grpc_errors import handle_errors
 from services.common.pb.stageserve.v1 import vision_encoder_pb2, vision_encoder_pb2_grpc
 from services.vision_encoder.job import EncodeJob, JobLimits, validate_job
@@ -51,23 +50,13 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
     def _job_from_proto(
         self, request: vision_encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
     ) -> EncodeJob:
-        timeout_s = self._timeout_s(request.deadline_unix_ms, context.time_remaining())
         return EncodeJob(
             job_id=self._leader.next_job_id(),
             request_id=request.request_id,
             spans=tuple(encode_span_from_proto(s) for s in request.spans),
             destinations=tuple(embedding_destination_from_proto(r) for r in request.embedding_refs),
-            deadline=time.monotonic() + timeout_s,
+            deadline=deadline_mono(
+                request.deadline_unix_ms, context.time_remaining(), self._default_timeout_s
+            ),
             cache_only=request.cache_only,
         )
-
-    def _timeout_s(self, deadline_unix_ms: int, grpc_remaining_s: float | None) -> float:
-        """Seconds left: the earlier of the request's own deadline and the gRPC deadline, else
-        the default."""
-        remaining = [math.inf]
-        if deadline_unix_ms > 0:
-            remaining.append(deadline_unix_ms / 1000 - time.time())
-        if grpc_remaining_s is not None:
-            remaining.append(grpc_remaining_s)
-        timeout_s = min(remaining)
-        return self._default_timeout_s if math.isinf(timeout_s) else timeout_s

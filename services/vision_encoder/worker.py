@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from services.common.errors import InvalidRequestError, StageServeError
+from services.common.errors import ErrorRecord, InvalidRequestError, StageServeError
 from services.engine import ops
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.processing.image import ImageProcessor
@@ -63,7 +63,7 @@ class _Step:
 
     def fail(self, job: RankJob, exc: StageServeError) -> None:
         if job.job_id not in self.errors:
-            error = JobError(job.job_id, type(exc).__name__, exc.message, exc.param)
+            error = JobError(job.job_id, ErrorRecord.of(exc))
             self.errors[job.job_id] = error
 
 

@@ -45,11 +45,19 @@ def page_counts(scheduler: DecodeScheduler) -> tuple[int, int, int]:
 
 
 def request(
-    request_id: str, prompt_len: int = 5, delta: int = 0, deadline_s: float = 1e9, **params: object
+    request_id: str,
+    prompt_len: int = 5,
+    delta: int = 0,
+    deadline_mono: float = 1e9,
+    **params: object,
 ) -> DecodeRequest:
     params.setdefault("max_new_tokens", 8)
     return DecodeRequest(
-        request_id, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), delta, deadline_s
+        request_id,
+        tuple(range(10, 10 + prompt_len)),
+        SamplingParams(**params),
+        delta,
+        deadline_mono,
     )
 
 
@@ -228,12 +236,12 @@ def test_abort_during_a_step_frees_pages_and_slot_only_after_it() -> None:
 
 def test_expired_reservations_are_quarantined() -> None:
     scheduler = make_scheduler()
-    scheduler.add(request("late", deadline_s=5.0))
-    scheduler.add(request("later", deadline_s=9.0))
+    scheduler.add(request("late", deadline_mono=5.0))
+    scheduler.add(request("later", deadline_mono=9.0))
     assert scheduler.expire(4.9) == []
     assert scheduler.expire(5.0) == ["late"]
     assert scheduler.status("late") is None and page_counts(scheduler) == (NUM_PAGES - 8, 4, 4)
-    started(scheduler, request("started", deadline_s=1.0))  # started in time: no expiry
+    started(scheduler, request("started", deadline_mono=1.0))  # started in time: no expiry
     assert scheduler.expire(10.0) == ["later"]
     assert scheduler.status("started") is ReqStatus.WAITING
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
+from services.common.destinations import EmbeddingDestination
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from services.common.ranks.step import RankContext
@@ -35,7 +36,6 @@ from services.prefill.messages import (
     RankResult,
 )
 from services.prefill.rank_step import PrefillRankInit, PrefillRankStep
-from services.transfer.embeddings import EmbeddingDestination
 from services.transfer.embeddings_shm import ShmEmbeddingSender
 from services.transfer.shm_backend import ShmKVReceiver
 from tests.conftest import REPO, TINY_MODEL_DIR, environ

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import (
     CapacityError,
     DeadlineExceededError,
@@ -23,7 +24,6 @@ from services.prefill.request import (
     can_share_batch,
 )
 from services.prefill.scheduler import PrefillScheduler
-from services.transfer.base import KvDestination, KvPoolLayout
 from services.transfer.embeddings import EmbeddingRowManager
 
 LAYOUT = KvPoolLayout(0, 0, 1, 8, 4, 1, 8, "float32", 128)

@@ -18,11 +18,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.common.destinations import KvDestination
 from services.common.errors import DeadlineExceededError, InvalidRequestError
 from services.engine import ops
 from services.engine.kv_cache import KVPool
 from services.transfer import create_kv_receiver, create_kv_sender, cuda_ipc_backend
-from services.transfer.base import KvDestination, pool_layout
+from services.transfer.base import pool_layout
 from services.transfer.cuda_ipc_backend import (
     CudaIpcKVReceiver,
     CudaIpcKVSender,

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.common.destinations import EmbeddingDestination
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
 from services.transfer import (
     create_embedding_receiver,
@@ -31,7 +32,7 @@ from services.transfer import (
 from services.transfer.cuda_ipc_backend import IpcPool
 from services.transfer.cuda_ipc_backend import encode_session_id as encode_kv_session_id
 from services.transfer.cuda_ipc_memory import IpcBuffer, OwnerProcess
-from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination
+from services.transfer.embeddings import EmbeddingBuffer
 from services.transfer.embeddings_cuda_ipc import (
     CudaIpcEmbeddingReceiver,
     CudaIpcEmbeddingSender,

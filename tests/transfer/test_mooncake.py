@@ -9,8 +9,9 @@ import msgspec
 import pytest
 import torch
 
+from services.common.destinations import KvDestination
 from services.engine.kv_cache import KVPool
-from services.transfer.base import KvDestination, TransferResult
+from services.transfer.base import TransferResult
 from tests.conftest import needs_mooncake
 
 pytestmark = [pytest.mark.integration, needs_mooncake]

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 import torch
 
+from services.common.destinations import EmbeddingDestination, KvDestination
 from services.common.errors import DeadlineExceededError, InvalidRequestError, UnavailableError
 from services.engine.kv_cache import KVPool
-from services.transfer.base import KvDestination
-from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination
+from services.transfer.embeddings import EmbeddingBuffer
 from services.transfer.embeddings_shm import ShmEmbeddingReceiver, ShmEmbeddingSender
 from services.transfer.shm_backend import ShmKVReceiver, ShmKVSender
 from services.transfer.shm_memory import ShmPeers, ShmSegment, decode_session_id

@@ -24,13 +24,14 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.common.clients.vision_encoder import EncodeSpanInput, SpanResult, VisionEncoderClient
+from services.common.destinations import EmbeddingDestination
 from services.common.envs import Envs
 from services.common.server import HealthState
 from services.common.types import ImageSpanRef
 from services.engine.processing.image import ImageProcessor
 from services.engine.processing.image_file import decode_image
 from services.transfer import create_embedding_receiver
-from services.transfer.embeddings import EmbeddingBuffer, EmbeddingDestination, EmbeddingRowManager
+from services.transfer.embeddings import EmbeddingBuffer, EmbeddingRowManager
 from services.vision_encoder.app import VisionEncoderApp, build_app, create_grpc_server
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.metrics import VisionEncoderMetrics

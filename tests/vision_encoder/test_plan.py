@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from services.common.clients.vision_encoder import EncodeSpanInput
+from services.common.destinations import EmbeddingDestination
 from services.common.types import ImageSpanRef
-from services.transfer.embeddings import EmbeddingDestination
 from services.vision_encoder.job import EncodeJob
 from services.vision_encoder.plan import CacheLedger, make_plan, owner_rank, step_payload
 from services.vision_encoder.rank_messages import (

@@ -7,9 +7,9 @@ import hashlib
 import pytest
 
 from services.common.clients.vision_encoder import EncodeSpanInput, SpanStatus
-from services.common.errors import InvalidRequestError, UnavailableError
+from services.common.destinations import EmbeddingDestination
+from services.common.errors import ErrorRecord, InvalidRequestError, UnavailableError
 from services.common.types import ImageSpanRef
-from services.transfer.embeddings import EmbeddingDestination
 from services.vision_encoder.job import EncodeJob, JobLimits, validate_job
 from services.vision_encoder.plan import CacheLedger, owner_rank, step_payload
 from services.vision_encoder.rank_messages import (
@@ -70,9 +70,12 @@ def test_update_from_output_marks_hits_repeats_and_errors() -> None:
         scheduler.add(j)
     batch = scheduler.schedule(0, ledger)
     bad = JobError(
-        2, "InvalidRequestError", "spans[0].image_data: not an image", "spans[0].image_data"
+        2,
+        ErrorRecord(
+            "InvalidRequestError", "spans[0].image_data: not an image", "spans[0].image_data"
+        ),
     )
-    later = JobError(2, "UnavailableError", "prefill is gone")
+    later = JobError(2, ErrorRecord("UnavailableError", "prefill is gone"))
     outcome = scheduler.update_from_output(
         batch,
         results(2, r0=EncodeStepResult(0, errors=(bad,)), r1=EncodeStepResult(1, errors=(later,))),

@@ -27,8 +27,8 @@ from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, SamplingParams, Usage
 from services.common.wire import (
-    FINISH_REASON_FROM_PROTO,
     KvRefInfo,
+    finish_reason_from_proto,
     kv_ref_from_proto,
     sampling_params_to_proto,
     stream_error_from_proto,
@@ -144,7 +144,7 @@ class _TokenStream:
                     queue.put_nowait(DecodeChunk(token_ids))
                 queue.put_nowait(stream_error_from_proto(end.error))
             else:
-                reason = FINISH_REASON_FROM_PROTO.get(end.finish_reason)
+                reason = finish_reason_from_proto(end.finish_reason)
                 queue.put_nowait(DecodeChunk(token_ids, reason, usage_from_proto(end.usage)))
 
 
@@ -197,17 +197,17 @@ class DecodeClient:
         prompt_token_ids: Sequence[int],
         mrope_position_delta: int,
         params: SamplingParams,
-        deadline_s: float,
+        deadline_unix_s: float,
     ) -> KvRefInfo:
         """Reserve KV pages; returns where prefill writes the prompt's KV.
 
-        ``deadline_s``: the request's absolute deadline, seconds since the Unix epoch
+        ``deadline_unix_s``: the request's absolute deadline, seconds since the Unix epoch
         (``time.time()``); the reservation expires then unless Generate started. Raises
         ``CapacityError`` (no pages now; retryable elsewhere), ``InvalidRequestError``
         (bad params, prompt too long, duplicate id), ``DeadlineExceededError``,
         ``UnavailableError``.
         """
-        remaining_s = deadline_s - time.time()
+        remaining_s = deadline_unix_s - time.time()
         if remaining_s <= 0:
             raise DeadlineExceededError(f"{request_id}: deadline passed before Reserve")
         request = decode_pb2.ReserveRequest(
@@ -215,7 +215,7 @@ class DecodeClient:
             prompt_token_ids=prompt_token_ids,
             mrope_position_delta=mrope_position_delta,
             sampling_params=sampling_params_to_proto(params),
-            deadline_unix_ms=int(deadline_s * 1000),
+            deadline_unix_ms=int(deadline_unix_s * 1000),
         )
         try:
             reply = await self._stub.Reserve(

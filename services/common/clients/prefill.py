@@ -1,6 +1,7 @@
 """Typed client of the prefill service, and the protobuf <-> domain conversions it shares with it.
 
-KvRef and SamplingParams conversions are the decode client's (one mapping for both hops).
+The ``common.proto`` conversions (KvRef, SamplingParams, ImageSpan, FinishReason) are
+``services.common.wire``'s.
 
 ``PrefillClient(address).prefill(...)`` runs one prompt on a prefill worker: the worker
 encodes the prompt's images (through the vision encoder), runs the forward pass, writes
@@ -20,10 +21,17 @@ from services.common.client import create_channel
 from services.common.clients.sent_hashes import REMEMBERED_IMAGES, SentHashes
 from services.common.errors import DeadlineExceededError, ImageDataNeededError
 from services.common.grpc_errors import error_from_rpc
-from services.common.pb.stageserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
-from services.common.types import FinishReason, ImageSpanRef, SamplingParams, TokenizedPrompt
-from services.common.wire import KvRefInfo, kv_ref_to_proto, sampling_params_to_proto
+from services.common.types import FinishReason, SamplingParams, TokenizedPrompt
+from services.common.wire import (
+    KvRefInfo,
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    image_span_to_proto,
+    kv_ref_to_proto,
+    sampling_params_to_proto,
+)
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
@@ -67,40 +75,40 @@ class PrefillClient:
         prompt: TokenizedPrompt,
         params: SamplingParams,
         kv_ref: KvRefInfo,
-        deadline_s: float,
+        deadline_unix_s: float,
     ) -> PrefillResult:
-        """Prefill ``prompt`` and write its KV into ``kv_ref``'s pages, by ``deadline_s``.
+        """Prefill ``prompt`` and write its KV into ``kv_ref``'s pages, by ``deadline_unix_s``.
 
         ``kv_ref`` is what ``DecodeClient.reserve`` returned, signed by decode; prefill
         accepts it once, for ``request_id``, until it expires.
 
-        ``deadline_s`` is absolute: seconds since the Unix epoch (``time.time()`` clock).
+        ``deadline_unix_s`` is absolute: seconds since the Unix epoch (``time.time()`` clock).
         Raises the ``StageServeError`` the worker answered with (``InvalidRequestError``,
         ``CapacityError``, ``UnavailableError``, ``DeadlineExceededError``, ...).
         """
         held = frozenset(h for h in prompt.images if h in self._sent)
         try:
             response = await self._prefill(
-                prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_s, held),
+                prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_unix_s, held),
                 request_id,
-                deadline_s,
+                deadline_unix_s,
             )
         except ImageDataNeededError:
             if not held:
                 raise
             self._sent.forget(held)
             response = await self._prefill(
-                prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_s),
+                prefill_request_to_proto(request_id, prompt, params, kv_ref, deadline_unix_s),
                 request_id,
-                deadline_s,
+                deadline_unix_s,
             )
         self._sent.remember(prompt.images)
         return prefill_result_from_proto(response)
 
     async def _prefill(
-        self, request: prefill_pb2.PrefillRequest, request_id: str, deadline_s: float
+        self, request: prefill_pb2.PrefillRequest, request_id: str, deadline_unix_s: float
     ) -> prefill_pb2.PrefillResponse:
-        timeout_s = deadline_s - time.time()
+        timeout_s = deadline_unix_s - time.time()
         if timeout_s <= 0:
             raise DeadlineExceededError(
                 f"prefill of {request_id} not sent: its deadline has passed"
@@ -117,29 +125,22 @@ class PrefillClient:
 
 # --- conversions (also used by the prefill servicer) ---------------------------------
 
-_FINISH_TO_PROTO = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-}
-_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
-
 
 def prefill_request_to_proto(
     request_id: str,
     prompt: TokenizedPrompt,
     params: SamplingParams,
     kv_ref: KvRefInfo,
-    deadline_s: float,
+    deadline_unix_s: float,
     held: frozenset[str] = frozenset(),  # images the worker holds: sent by hash alone
 ) -> prefill_pb2.PrefillRequest:
     request = prefill_pb2.PrefillRequest(
         request_id=request_id,
         token_ids=prompt.token_ids,
-        image_spans=[span_to_proto(span) for span in prompt.spans],
+        image_spans=[image_span_to_proto(span) for span in prompt.spans],
         sampling_params=sampling_params_to_proto(params),
         kv_ref=kv_ref_to_proto(kv_ref),
-        deadline_unix_ms=int(deadline_s * 1000),
+        deadline_unix_ms=int(deadline_unix_s * 1000),
         prompt_embeds=prompt.prompt_embeds,
         prompt_embeds_dtype=prompt.prompt_embeds_dtype,
     )
@@ -152,7 +153,7 @@ def prefill_request_to_proto(
 def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:
     return prefill_pb2.PrefillResponse(
         first_token_id=result.first_token_id,
-        finish_reason=_FINISH_TO_PROTO[result.finish_reason],
+        finish_reason=finish_reason_to_proto(result.finish_reason),
         num_kv_bytes=result.num_kv_bytes,
         kv_transfer_us=result.kv_transfer_us,
         num_cached_image_tokens=result.num_cached_image_tokens,
@@ -167,26 +168,5 @@ def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillR
         kv_transfer_us=response.kv_transfer_us,
         kv_written_proof=response.kv_written_proof,
         num_cached_image_tokens=response.num_cached_image_tokens,
-        finish_reason=_FINISH_FROM_PROTO.get(response.finish_reason),
-    )
-
-
-def span_to_proto(span: ImageSpanRef) -> common_pb2.ImageSpan:
-    t, h, w = span.grid_thw
-    return common_pb2.ImageSpan(
-        offset=span.offset,
-        length=span.length,
-        content_hash=span.content_hash,
-        grid_t=t,
-        grid_h=h,
-        grid_w=w,
-    )
-
-
-def span_from_proto(span: common_pb2.ImageSpan) -> ImageSpanRef:
-    return ImageSpanRef(
-        offset=span.offset,
-        length=span.length,
-        content_hash=span.content_hash,
-        grid_thw=(span.grid_t, span.grid_h, span.grid_w),
+        finish_reason=finish_reason_from_proto(response.finish_reason),
     )

@@ -20,12 +20,13 @@ from services.common import telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.clients.sent_hashes import REMEMBERED_IMAGES, SentHashes
+from services.common.destinations import EmbeddingDestination
 from services.common.errors import DeadlineExceededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import common_pb2, vision_encoder_pb2, vision_encoder_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import ImageSpanRef
-from services.transfer.embeddings import EmbeddingDestination
+from services.common.wire import image_span_from_proto, image_span_to_proto
 
 
 class EncodeSpanInput(msgspec.Struct, frozen=True):
@@ -178,27 +179,6 @@ _STATUS_TO_PROTO = {
     SpanStatus.SKIPPED: vision_encoder_pb2.SPAN_STATUS_SKIPPED,
 }
 _STATUS_FROM_PROTO = {v: k for k, v in _STATUS_TO_PROTO.items()}
-
-
-def image_span_to_proto(span: ImageSpanRef) -> common_pb2.ImageSpan:
-    t, h, w = span.grid_thw
-    return common_pb2.ImageSpan(
-        offset=span.offset,
-        length=span.length,
-        content_hash=span.content_hash,
-        grid_t=t,
-        grid_h=h,
-        grid_w=w,
-    )
-
-
-def image_span_from_proto(span: common_pb2.ImageSpan) -> ImageSpanRef:
-    return ImageSpanRef(
-        offset=span.offset,
-        length=span.length,
-        content_hash=span.content_hash,
-        grid_thw=(span.grid_t, span.grid_h, span.grid_w),
-    )
 
 
 def embedding_destination_to_proto(dst: EmbeddingDestination) -> common_pb2.EmbeddingRef:

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from services.common.errors import StageServeError
-from services.common.grpc_errors import known_error_classes
+from services.common.errors import ErrorRecord, StageServeError
 from services.common.ranks.errors import StepFailedError
 from services.common.ranks.messages import StepReply, StepStatus
 
@@ -24,8 +23,7 @@ Reply = StepReply | str  # str: why the rank's message for this step was malform
 def agreed_error(error_type: str, text: str) -> StageServeError:
     """The agreed error as the class the failing rank raised (a StageServeError), else
     StepFailedError."""
-    cls = known_error_classes().get(error_type) if error_type else None
-    return (cls or StepFailedError)(text)
+    return ErrorRecord(error_type, text).to_error(StepFailedError)
 
 
 def step_outcome(
