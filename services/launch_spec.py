@@ -12,13 +12,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.common.exposure import INSECURE_NO_API_KEY_FLAG
+from services.common.rank_devices import rank_devices
 from services.common.restarts import RestartPolicy
 from services.common.service_main import COMMON_SETTINGS
 from services.common.settings import config_to_argv
 from services.decode.config import DecodeConfig
-from services.router.config import FlowConfig
+from services.prefill.config import PrefillConfig
+from services.router.config import FlowConfig, RouterConfig, WorkerAddresses
 from services.tokenizer.config import TokenizerConfig
+from services.vision_encoder.config import VisionEncoderConfig
 
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
 METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
@@ -149,9 +151,13 @@ def decode_devices(cfg: LaunchConfig) -> tuple[str, ...]:
     return tuple(device for device in device_of(cfg, "decode").split(",") if device)
 
 
+def service_device(cfg: LaunchConfig, name: str) -> str:
+    """Service ``name``'s ``--device``: decode's first device of a list."""
+    return decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
+
+
 def common_args(cfg: LaunchConfig, name: str) -> list[str]:
-    device = decode_devices(cfg)[0] if name == "decode" else device_of(cfg, name)
-    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", device]
+    args = ["--model", str(cfg.model), "--host", cfg.host, "--device", service_device(cfg, name)]
     args += ["--log-format", cfg.log_format]
     return (
         args
@@ -176,14 +182,6 @@ def optional_arg(flag: str, value: float | str | None) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
 
-def _transfer_args(cfg: LaunchConfig) -> tuple[str, ...]:
-    return ("--transfer-backend", cfg.transfer_backend)
-
-
-def _page_args(cfg: LaunchConfig) -> tuple[str, ...]:
-    return ("--page-size", str(cfg.page_size), "--attention-backend", cfg.attention_backend)
-
-
 def tokenizer_spec(cfg: LaunchConfig) -> ChildSpec:
     """The tokenizer's own flags, from its config (``common_args`` give the shared ones)."""
     config = TokenizerConfig(
@@ -193,8 +191,36 @@ def tokenizer_spec(cfg: LaunchConfig) -> ChildSpec:
     return ChildSpec("tokenizer", args, first_ports(cfg, "tokenizer"))
 
 
+def _given(**values: object) -> dict[str, object]:
+    """The settings up was given (None: the child keeps its own default)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _service_settings(cfg: LaunchConfig, name: str) -> dict[str, object]:
+    """The common settings ``common_args`` passes, for a config's own checks."""
+    return {"model": cfg.model, "host": cfg.host, "device": service_device(cfg, name)}
+
+
+def _ranks_arg(ranks: int | None) -> tuple[str, ...]:
+    """``--ranks`` (not a config field: the child resolves it into its ``devices``)."""
+    return () if ranks is None else ("--ranks", str(ranks))
+
+
 def encoder_spec(cfg: LaunchConfig) -> ChildSpec:
-    args = (*_transfer_args(cfg), *optional_arg("--ranks", cfg.encoder_ranks))
+    """The vision encoder's own flags, from its config (its ranks as ``--ranks``)."""
+    settings = _service_settings(cfg, "vision_encoder")
+    devices = rank_devices(
+        (),
+        cfg.encoder_ranks,
+        service_device(cfg, "vision_encoder"),
+        spread_cuda=False,
+        service="vision_encoder",
+    )
+    config = VisionEncoderConfig(**settings, devices=devices, transfer_backend=cfg.transfer_backend)
+    args = (
+        *config_to_argv(config, skip=COMMON_SETTINGS | {"devices"}),
+        *_ranks_arg(cfg.encoder_ranks),
+    )
     return ChildSpec("vision_encoder", args, first_ports(cfg, "vision_encoder"))
 
 
@@ -227,51 +253,55 @@ def with_gpu_share(cfg: LaunchConfig, prefill_first_ms: float | None) -> LaunchC
     return replace(cfg, gpu_share_file=path, prefill_first_ms=prefill_first_ms)
 
 
-def _gpu_share_args(cfg: LaunchConfig) -> tuple[str, ...]:
-    return () if cfg.gpu_share_file is None else ("--gpu-share-file", str(cfg.gpu_share_file))
+def _gpu_share_file(cfg: LaunchConfig) -> str:
+    return "" if cfg.gpu_share_file is None else str(cfg.gpu_share_file)
 
 
-def decode_rank_args(cfg: LaunchConfig) -> tuple[str, ...]:
+def decode_config(cfg: LaunchConfig) -> DecodeConfig:
+    """Decode's config as ``up`` starts it: one rank per device of a device list, else
+    ``decode_dp`` ranks on its device (``--ranks``, resolved by decode)."""
     devices = decode_devices(cfg)
-    if len(devices) > 1:
-        return ("--devices", ",".join(devices))
-    return ("--ranks", str(cfg.decode_dp))
+    return DecodeConfig(
+        **_service_settings(cfg, "decode"),
+        **_given(devices=devices if len(devices) > 1 else None),
+        transfer_backend=cfg.transfer_backend,
+        kv_transfer_backend=cfg.kv_transfer_backend,
+        num_pages=cfg.num_pages,
+        page_size=cfg.page_size,
+        attention_backend=cfg.attention_backend,
+        max_model_len=cfg.max_model_len,
+        max_running_requests=decode_batch_size(cfg),
+        **_given(kv_quarantine_s=cfg.kv_quarantine_s),
+        gpu_share_file=_gpu_share_file(cfg),
+        prefill_first_ms=cfg.prefill_first_ms,
+    )
 
 
 def decode_spec(cfg: LaunchConfig) -> ChildSpec:
-    args = (
-        *_transfer_args(cfg),
-        *optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend),
-        "--num-pages",
-        str(cfg.num_pages),
-        *_page_args(cfg),
-        *optional_arg("--max-model-len", cfg.max_model_len),
-        *decode_rank_args(cfg),
-        "--max-running-requests",
-        str(decode_batch_size(cfg)),
-        *optional_arg("--kv-quarantine-s", cfg.kv_quarantine_s),
-        *_gpu_share_args(cfg),
-        *optional_arg("--prefill-first-ms", cfg.prefill_first_ms),
-    )
+    """Decode's own flags, from its config."""
+    ranks = None if len(decode_devices(cfg)) > 1 else cfg.decode_dp
+    args = (*config_to_argv(decode_config(cfg), skip=COMMON_SETTINGS), *_ranks_arg(ranks))
     return ChildSpec("decode", args, first_ports(cfg, "decode"))
 
 
 def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
-    args = (
-        *_transfer_args(cfg),
-        *optional_arg("--kv-transfer-backend", cfg.kv_transfer_backend),
-        *_page_args(cfg),
-        "--encoder-address",
-        encoder_address,
-        *optional_arg("--embedding-quarantine-s", cfg.embedding_quarantine_s),
-        "--ranks",
-        str(cfg.prefill_cp),
-        *optional_arg("--cp-block-tokens", cfg.prefill_cp_block_tokens),
-        *optional_arg("--cp-min-tokens", cfg.prefill_cp_min_tokens),
-        "--max-queued-requests",
-        str(prefill_queue_size(cfg)),
-        *_gpu_share_args(cfg),
+    """Prefill's own flags, from its config (its CP ranks as ``--ranks``)."""
+    config = PrefillConfig(
+        **_service_settings(cfg, "prefill"),
+        encoder_address=encoder_address,
+        transfer_backend=cfg.transfer_backend,
+        kv_transfer_backend=cfg.kv_transfer_backend,
+        page_size=cfg.page_size,
+        attention_backend=cfg.attention_backend,
+        max_queued_requests=prefill_queue_size(cfg),
+        **_given(
+            embedding_quarantine_s=cfg.embedding_quarantine_s,
+            cp_block_tokens=cfg.prefill_cp_block_tokens,
+            cp_min_tokens=cfg.prefill_cp_min_tokens,
+        ),
+        gpu_share_file=_gpu_share_file(cfg),
     )
+    args = (*config_to_argv(config, skip=COMMON_SETTINGS), *_ranks_arg(cfg.prefill_cp))
     return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
 
 
@@ -298,31 +328,45 @@ def decode_batch_size(cfg: LaunchConfig) -> int:
     return max(DecodeConfig.max_running_requests, -(-admitted // num_ranks))
 
 
+# given as a port (``http_port``); derived by the router from --max-image-bytes, which up
+# leaves to it (``max_request_bytes``)
+ROUTER_UNSET = frozenset({"http_port", "max_request_bytes"})
+
+
+def router_config(
+    cfg: LaunchConfig, *, tokenizer: str, prefill: str, decode: str, encoder: str
+) -> RouterConfig:
+    """Every router process's config (the first and the workers alike); the others are given
+    by their gRPC addresses ("host:port")."""
+    flow = FlowConfig(
+        **_given(
+            stall_timeout_s=cfg.stall_timeout_s,
+            max_concurrent_requests=cfg.max_concurrent_requests,
+            max_queued_requests=cfg.max_queued_requests,
+            queue_timeout_s=cfg.queue_timeout_s,
+        )
+    )
+    return RouterConfig(
+        model=cfg.model,
+        host=cfg.host,
+        http_host=cfg.host,
+        served_model_name=cfg.served_model_name,
+        max_context_len=cfg.max_model_len or RouterConfig.max_context_len,
+        http_reuse_port=cfg.router_workers > 1,
+        workers=WorkerAddresses((tokenizer,), (prefill,), (decode,), (encoder,)),
+        flow=flow,
+        insecure_no_api_key=cfg.insecure_no_api_key,
+    )
+
+
 def router_args(
     cfg: LaunchConfig, *, tokenizer: str, prefill: str, decode: str, encoder: str
 ) -> tuple[str, ...]:
-    """The flags every router process gets (the first and the workers alike); the others
-    are given by their gRPC addresses ("host:port")."""
-    return (
-        "--http-host",
-        cfg.host,
-        "--tokenizer-address",
-        tokenizer,
-        "--prefill-address",
-        prefill,
-        "--decode-address",
-        decode,
-        "--encoder-address",
-        encoder,
-        *optional_arg("--served-model-name", cfg.served_model_name),
-        *optional_arg("--max-context-len", cfg.max_model_len),
-        *optional_arg("--stall-timeout-s", cfg.stall_timeout_s),
-        *optional_arg("--max-concurrent-requests", cfg.max_concurrent_requests),
-        *optional_arg("--max-queued-requests", cfg.max_queued_requests),
-        *optional_arg("--queue-timeout-s", cfg.queue_timeout_s),
-        *(("--http-reuse-port",) if cfg.router_workers > 1 else ()),
-        *((INSECURE_NO_API_KEY_FLAG,) if cfg.insecure_no_api_key else ()),
+    """Every router process's own flags, from ``router_config`` (the HTTP port is a port)."""
+    config = router_config(
+        cfg, tokenizer=tokenizer, prefill=prefill, decode=decode, encoder=encoder
     )
+    return tuple(config_to_argv(config, skip=COMMON_SETTINGS | ROUTER_UNSET))
 
 
 def router_spec(cfg: LaunchConfig, args: tuple[str, ...]) -> ChildSpec:

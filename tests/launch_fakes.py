@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
-from services.launch_spec import ChildSpec, LaunchConfig
+from services.launch_spec import ChildSpec, LaunchConfig, common_args, port_args
 from services.launcher import Launcher
 
 
@@ -33,3 +35,28 @@ def service_args(cfg: LaunchConfig, monkeypatch) -> dict[str, list[str]]:
 def started_ports(cfg: LaunchConfig, monkeypatch) -> dict[str, dict[str, int]]:
     """The ports ``start_all`` gives each service, without starting any process."""
     return {spec.name: dict(spec.ports) for spec in _started_specs(cfg, monkeypatch)}
+
+
+def child_configs(cfg: LaunchConfig, monkeypatch) -> dict[str, Any]:
+    """The config each model service and the first router would run with: its whole argv (the
+    common flags, its ports, its own flags) parsed by the function its ``__main__`` uses."""
+    from services.decode.__main__ import parse_config as parse_decode
+    from services.prefill.__main__ import parse_args as parse_prefill
+    from services.router import __main__ as router_main
+    from services.vision_encoder.__main__ import parse_args as parse_encoder
+
+    parsers: dict[str, Callable[[list[str]], Any]] = {
+        "vision_encoder": parse_encoder,
+        "prefill": parse_prefill,
+        "decode": parse_decode,
+        "router": lambda argv: router_main.config_from_args(
+            router_main.build_parser().parse_args(argv)
+        ),
+    }
+    return {
+        spec.name: parsers[spec.name](
+            [*common_args(cfg, spec.name), *port_args(spec.ports), *spec.args]
+        )
+        for spec in _started_specs(cfg, monkeypatch)
+        if spec.name in parsers
+    }

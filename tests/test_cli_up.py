@@ -10,8 +10,9 @@ import pytest
 
 from services import launcher as launcher_module
 from services.cli import build_parser, main
+from services.common.paths import BUNDLED_MODEL
 from services.launch_spec import LaunchConfig, common_args
-from tests.launch_fakes import service_args
+from tests.launch_fakes import child_configs, service_args
 
 
 def test_up_parses_the_flag() -> None:
@@ -41,21 +42,19 @@ def test_up_rejects_inprocess_before_starting_anything(flag, capsys) -> None:
 
 
 def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
-    args = service_args(
-        LaunchConfig(Path("m"), transfer_backend="mooncake", kv_transfer_backend="cuda_ipc"),
-        monkeypatch,
-    )
+    cfg = LaunchConfig(BUNDLED_MODEL, transfer_backend="shm", kv_transfer_backend="mooncake")
+    configs = child_configs(cfg, monkeypatch)
     for name in ("prefill", "decode"):
-        assert args[name][:4] == [
-            "--transfer-backend",
+        assert (configs[name].transfer_backend, configs[name].kv_transfer_backend) == (
+            "shm",
             "mooncake",
-            "--kv-transfer-backend",
-            "cuda_ipc",
-        ]
-    assert args["vision_encoder"] == ["--transfer-backend", "mooncake"]
-    args = service_args(LaunchConfig(Path("m"), transfer_backend="inprocess"), monkeypatch)
-    assert not any("--kv-transfer-backend" in a for a in args.values())
-    assert args["prefill"][:2] == args["decode"][:2] == ["--transfer-backend", "inprocess"]
+        )
+    assert configs["vision_encoder"].transfer_backend == "shm"
+    args = service_args(cfg, monkeypatch)
+    assert [n for n, a in args.items() if "--kv-transfer-backend" in a] == ["decode", "prefill"]
+    configs = child_configs(LaunchConfig(BUNDLED_MODEL, transfer_backend="shm"), monkeypatch)
+    assert configs["prefill"].kv_transfer_backend is configs["decode"].kv_transfer_backend is None
+    assert configs["prefill"].transfer_backend == configs["decode"].transfer_backend == "shm"
 
 
 def up_configs(monkeypatch, *argvs: list[str]) -> list[LaunchConfig]:
@@ -85,7 +84,7 @@ def test_up_moves_embeddings_over_cuda_ipc_when_the_kv_does_and_both_ends_are_gp
     assert [c.kv_transfer_backend for c in configs] == ["cuda_ipc"] * 3 + [None]
     args = service_args(configs[0], monkeypatch)
     for name in ("vision_encoder", "prefill"):
-        assert args[name][:2] == ["--transfer-backend", "cuda_ipc"]
+        assert _flag(args[name], "--transfer-backend") == "cuda_ipc"
 
 
 @pytest.mark.parametrize(
@@ -156,18 +155,16 @@ def test_admission_limits_reach_the_router_only_when_given(monkeypatch) -> None:
 
 
 def test_decode_batch_holds_every_request_the_routers_admit(monkeypatch) -> None:
-    def batch(**fields) -> str:
-        return _flag(
-            service_args(LaunchConfig(Path("m"), **fields), monkeypatch)["decode"],
-            "--max-running-requests",
-        )
+    def batch(**fields) -> int:
+        cfg = LaunchConfig(BUNDLED_MODEL, **fields)
+        return child_configs(cfg, monkeypatch)["decode"].max_running_requests
 
-    assert batch() == "256"  # one router's 256 slots: decode's own default
-    assert batch(router_workers=2) == "512"
-    assert batch(router_workers=2, max_concurrent_requests=300, decode_dp=2) == "300"
-    assert batch(router_workers=3, max_concurrent_requests=100, decode_dp=2) == "256"
-    assert batch(router_workers=4, decode_device="cuda:0,cuda:1,cuda:2") == str(-(-1024 // 3))
-    assert batch(router_workers=4, max_running_requests=64) == "64"
+    assert batch() == 256  # one router's 256 slots: decode's own default
+    assert batch(router_workers=2) == 512
+    assert batch(router_workers=2, max_concurrent_requests=300, decode_dp=2) == 300
+    assert batch(router_workers=3, max_concurrent_requests=100, decode_dp=2) == 256
+    assert batch(router_workers=4, decode_device="cpu,cpu,cpu") == -(-1024 // 3)
+    assert batch(router_workers=4, max_running_requests=64) == 64
     args = build_parser().parse_args(["up", "--max-running-requests", "96"])
     assert args.max_running_requests == 96
 
