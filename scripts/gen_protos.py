@@ -39,7 +39,9 @@ def run_protoc(out_dir: Path) -> None:
         import grpc_tools
         from grpc_tools import protoc
     except ImportError as exc:  # a dev-only dependency
-        raise SystemExit("gen_protos needs grpcio-tools: pip install 'grpcio-tools==1.85.1'") from exc
+        raise SystemExit(
+            "gen_protos needs grpcio-tools: pip install 'grpcio-tools==1.85.1'"
+        ) from exc
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",

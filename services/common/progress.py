@@ -86,7 +86,11 @@ class ProgressWatchdog:
         if self._stalled_gauge is not None:
             self._stalled_gauge.set(int(is_stalled))
         if is_stalled and health.is_serving:
-            logger.warning("%s loop is stuck or dead (no progress for %.1f s): NOT_SERVING", self.name, self.stall_s)
+            logger.warning(
+                "%s loop is stuck or dead (no progress for %.1f s): NOT_SERVING",
+                self.name,
+                self.stall_s,
+            )
             self._is_holding_readiness = True
             health.set_serving(False)
         elif not is_stalled and self._is_holding_readiness:
@@ -103,7 +107,9 @@ class ProgressWatchdog:
     def start(self, health: HealthState, interval_s: float = POLL_S) -> None:
         """Run ``run(health)`` as a task of the running event loop until ``stop``."""
         assert self._task is None, "start the watchdog once"
-        self._task = asyncio.get_running_loop().create_task(self.run(health, interval_s), name=f"{self.name}-watchdog")
+        self._task = asyncio.get_running_loop().create_task(
+            self.run(health, interval_s), name=f"{self.name}-watchdog"
+        )
 
     def stop(self) -> None:
         """Cancel the ``run`` task started by ``start``; from any thread."""

@@ -31,7 +31,9 @@ class KVReservationManager:
         self._manager = page_table.manager
         self._quarantine_s = quarantine_s
         self._clock = clock
-        self._quarantine: deque[tuple[float, list[int]]] = deque()  # (release time, pages), by release time
+        self._quarantine: deque[tuple[float, list[int]]] = (
+            deque()
+        )  # (release time, pages), by release time
         self._num_quarantined = 0
 
     @property

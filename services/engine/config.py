@@ -161,6 +161,8 @@ def _vision_config(v: dict[str, Any]) -> VisionConfig:
         spatial_merge_size=int(v.get("spatial_merge_size", 2)),
         window_size=int(v.get("window_size", 112)),
         out_hidden_size=int(v.get("out_hidden_size", 3584)),
-        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        fullatt_block_indexes=tuple(
+            int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))
+        ),
         rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
     )

@@ -82,9 +82,15 @@ def check_tensors(model: Qwen2_5_VLModel, tensors: dict[str, torch.Tensor]) -> N
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing:
-        raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+        raise ModelLoadError(
+            f"checkpoint is missing tensors: {', '.join(missing[:10])}"
+            + (" ..." if len(missing) > 10 else "")
+        )
     if extra:
-        raise ModelLoadError(f"checkpoint has unexpected tensors: {', '.join(extra[:10])}" + (" ..." if len(extra) > 10 else ""))
+        raise ModelLoadError(
+            f"checkpoint has unexpected tensors: {', '.join(extra[:10])}"
+            + (" ..." if len(extra) > 10 else "")
+        )
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != tuple(shape):
             raise ModelLoadError(
@@ -106,7 +112,9 @@ def load_model(
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
-        raise ValueError(f"components must be a non-empty subset of {COMPONENTS}, got {sorted(components)}")
+        raise ValueError(
+            f"components must be a non-empty subset of {COMPONENTS}, got {sorted(components)}"
+        )
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)

@@ -43,12 +43,17 @@ class OfflinePipeline:
     @classmethod
     def from_dir(cls, model_dir: str | Path, **engine_kwargs: Any) -> OfflinePipeline:
         return cls(
-            TextProcessor.from_dir(model_dir), ImageProcessor.from_dir(model_dir),
+            TextProcessor.from_dir(model_dir),
+            ImageProcessor.from_dir(model_dir),
             LLMEngine.from_dir(model_dir, **engine_kwargs),
         )
 
     def build_request(
-        self, messages: list[dict[str, Any]], images: list[bytes], params: SamplingParams, request_id: str | None = None
+        self,
+        messages: list[dict[str, Any]],
+        images: list[bytes],
+        params: SamplingParams,
+        request_id: str | None = None,
     ) -> EngineRequest:
         """Tokenized request with one placeholder span and pixel tensor per image, in prompt order."""
         validate_messages(messages)
@@ -60,13 +65,22 @@ class OfflinePipeline:
             request_id=request_id or f"offline-{next(self._ids)}",
             prompt_ids=ids,
             params=params,
-            spans=[ImageSpan(s.offset, s.length, p.grid_thw) for s, p in zip(spans, processed, strict=True)],
+            spans=[
+                ImageSpan(s.offset, s.length, p.grid_thw)
+                for s, p in zip(spans, processed, strict=True)
+            ],
             pixel_values=[p.pixel_values for p in processed],
         )
 
-    def chat(self, prompt: str, images: list[bytes], params: SamplingParams, system: str | None = None) -> ChatResult:
-        content: list[dict[str, Any]] = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    def chat(
+        self, prompt: str, images: list[bytes], params: SamplingParams, system: str | None = None
+    ) -> ChatResult:
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in images] + [
+            {"type": "text", "text": prompt}
+        ]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": content}
+        ]
         request = self.build_request(messages, images, params)
         out = self.engine.generate([request])[0]
         return ChatResult(

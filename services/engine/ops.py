@@ -67,7 +67,8 @@ def rotary_qk(
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (k_slots, v_slots, slots)
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    | None = None,  # (k_slots, v_slots, slots)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotary applied to the q and k heads; returns q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
 
@@ -80,10 +81,21 @@ def rotary_qk(
     kernels = _fused(qkv)
     if kernels is not None:
         fused_store = kv_store is not None and kv_store[0].dtype == qkv.dtype
-        kernels.rotary_inplace(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim,
-                               kv_store if fused_store else None, num_kv_heads)
+        kernels.rotary_inplace(
+            qkv,
+            cos,
+            sin,
+            num_q_heads + num_kv_heads,
+            head_dim,
+            kv_store if fused_store else None,
+            num_kv_heads,
+        )
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q, k, v = q.view(n, num_q_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+        q, k, v = (
+            q.view(n, num_q_heads, head_dim),
+            k.view(n, num_kv_heads, head_dim),
+            v.view(n, num_kv_heads, head_dim),
+        )
         if kv_store is not None and not fused_store:
             k_slots, v_slots, slots = kv_store
             store_kv(k_slots, v_slots, slots, k.to(k_slots.dtype), v.to(v_slots.dtype))
@@ -147,7 +159,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def gated_linear(
-    gate_up: torch.Tensor, act_name: str, act, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    act_name: str,
+    act,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear(gated_act(gate_up), weight, bias)``. The activation stays its own kernel: fused
     into either GEMV it was no faster (``docs/benchmarks.md``, "Measurements cited by the code")."""
@@ -155,11 +171,20 @@ def gated_linear(
 
 
 def store_kv(
-    k_slots: torch.Tensor, v_slots: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_slots: torch.Tensor,
+    v_slots: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> None:
     """``k_slots[slots[i]] = k[i]`` and the same for v; slots/k/v on the pool's device and dtype."""
     kernels = _fused(k)
-    if kernels is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
+    if (
+        kernels is not None
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == k.shape[2]
+    ):
         kernels.store_kv(k_slots, v_slots, slots, k, v)
         return
     k_slots.index_copy_(0, slots, k)
@@ -167,8 +192,12 @@ def store_kv(
 
 
 def copy_pages(
-    src_k: torch.Tensor, src_v: torch.Tensor, src_pages: torch.Tensor,
-    dst_k: torch.Tensor, dst_v: torch.Tensor, dst_pages: torch.Tensor,
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    dst_pages: torch.Tensor,
 ) -> None:
     """Pool pages ``src_pages[i]`` -> ``dst_pages[i]`` for every layer of K and V (buffers ``[L, P, S, H, D]``)."""
     kernels = _fused(src_k)

@@ -48,9 +48,18 @@ def _pdl_begin(PDL: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    x_stride, res_stride, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    x_stride,
+    res_stride,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -76,7 +85,9 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # normed [T, H], x + residual [T, H] (or None)
     n_rows, n_cols = x.shape
     assert x.stride(1) == 1 and weight.is_contiguous()
-    out = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty(
+        (n_rows, n_cols), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device
+    )
     summed = None
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
@@ -86,9 +97,18 @@ def rms_norm(
     block = triton.next_power_of_2(n_cols)
     res = residual if residual is not None else x
     _rms_norm_kernel[(n_rows,)](
-        x, res, weight, out, summed if summed is not None else out,
-        x.stride(0), res.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 512, 1), 8),
+        x,
+        res,
+        weight,
+        out,
+        summed if summed is not None else out,
+        x.stride(0),
+        res.stride(0),
+        n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 512, 1), 8),
         **_pdl_args(x),
     )
     return out, summed
@@ -96,10 +116,23 @@ def rms_norm(
 
 @triton.jit
 def _rotary_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cos_stride, sin_stride, num_heads,
-    k_dst, v_dst, slot_ptr, num_kv_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, BLOCK_KV: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    qkv_stride,
+    cos_stride,
+    sin_stride,
+    num_heads,
+    k_dst,
+    v_dst,
+    slot_ptr,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    BLOCK_KV: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # rotates heads [0, num_heads) of token t in place; STORE_KV: the last num_kv_heads of them (k)
     # and the num_kv_heads heads after them (v) also go to slot slot_ptr[t] of k_dst / v_dst.
@@ -148,7 +181,8 @@ def rotary_inplace(
     sin: torch.Tensor,  # [T, head_dim]
     num_heads: int,
     head_dim: int,
-    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # (k_slots, v_slots, slots)
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    | None = None,  # (k_slots, v_slots, slots)
     num_kv_heads: int = 0,  # with kv_store: the last num_kv_heads rotated heads are k, the next ones v
 ) -> None:
     n = qkv.shape[0]
@@ -156,22 +190,43 @@ def rotary_inplace(
     assert cos.shape[0] == n and head_dim % 2 == 0
     half = head_dim // 2
     if kv_store is not None:
-        assert half & (half - 1) == 0, f"the fused KV store needs a power-of-two half head dim, got {half}"
+        assert half & (half - 1) == 0, (
+            f"the fused KV store needs a power-of-two half head dim, got {half}"
+        )
         k_slots, v_slots, slots = kv_store
-        assert 0 < num_kv_heads <= num_heads and qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim
+        assert (
+            0 < num_kv_heads <= num_heads and qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim
+        )
         for dst in (k_slots, v_slots):
-            assert dst.is_contiguous() and dst.dtype == qkv.dtype and dst.shape[1:] == (num_kv_heads, head_dim)
+            assert (
+                dst.is_contiguous()
+                and dst.dtype == qkv.dtype
+                and dst.shape[1:] == (num_kv_heads, head_dim)
+            )
         assert slots.shape == (n,)
     else:
         k_slots = v_slots = slots = qkv  # unused
     if n == 0:
         return
     _rotary_kernel[(n,)](
-        qkv, cos, sin, qkv.stride(0), cos.stride(0), sin.stride(0), num_heads,
-        k_slots, v_slots, slots, num_kv_heads,
-        HALF=half, BLOCK_H=triton.next_power_of_2(num_heads), STORE_KV=kv_store is not None,
-        BLOCK_KV=triton.next_power_of_2(max(num_kv_heads, 1)), num_warps=4,
-        BLOCK_HALF=triton.next_power_of_2(half), **_pdl_args(qkv),
+        qkv,
+        cos,
+        sin,
+        qkv.stride(0),
+        cos.stride(0),
+        sin.stride(0),
+        num_heads,
+        k_slots,
+        v_slots,
+        slots,
+        num_kv_heads,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        STORE_KV=kv_store is not None,
+        BLOCK_KV=triton.next_power_of_2(max(num_kv_heads, 1)),
+        num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        **_pdl_args(qkv),
     )
 
 
@@ -197,7 +252,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         return out
     block = 1024
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, block))](
-        gate_up, out, gate_up.stride(0), n_cols, BLOCK=block, num_warps=4,
+        gate_up,
+        out,
+        gate_up.stride(0),
+        n_cols,
+        BLOCK=block,
+        num_warps=4,
         **_pdl_args(gate_up),
     )
     return out
@@ -205,8 +265,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    n_out,
+    k_in,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # y[n] = sum_k w[n, k] * x[k] (+ b[n])
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -264,23 +332,44 @@ def gemv(
     y = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = _gemv_config(n_out, k_in)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n_out, k_in,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages, **_pdl_args(x),
+        x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n_out,
+        k_in,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        **_pdl_args(x),
     )
     return y
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, slot_ptr, k_dst, v_dst, k_stride, v_stride, row_size, BLOCK: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    k_dst,
+    v_dst,
+    k_stride,
+    v_stride,
+    row_size,
+    BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < row_size
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    tl.store(k_dst + slot * row_size + cols, tl.load(k_ptr + t * k_stride + cols, mask=mask), mask=mask)
-    tl.store(v_dst + slot * row_size + cols, tl.load(v_ptr + t * v_stride + cols, mask=mask), mask=mask)
+    tl.store(
+        k_dst + slot * row_size + cols, tl.load(k_ptr + t * k_stride + cols, mask=mask), mask=mask
+    )
+    tl.store(
+        v_dst + slot * row_size + cols, tl.load(v_ptr + t * v_stride + cols, mask=mask), mask=mask
+    )
 
 
 def store_kv(
@@ -299,22 +388,40 @@ def store_kv(
     if n == 0:
         return
     _store_kv_kernel[(n,)](
-        k, v, slots, k_slots, v_slots, k.stride(0), v.stride(0), row_size,
-        BLOCK=triton.next_power_of_2(row_size), num_warps=4,
+        k,
+        v,
+        slots,
+        k_slots,
+        v_slots,
+        k.stride(0),
+        v.stride(0),
+        row_size,
+        BLOCK=triton.next_power_of_2(row_size),
+        num_warps=4,
     )
 
 
 @triton.jit
 def _copy_pages_kernel(
-    src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_layer_stride, dst_layer_stride,
-    PAGE_NUMEL: tl.constexpr, BLOCK: tl.constexpr,
+    src_k,
+    src_v,
+    dst_k,
+    dst_v,
+    src_pages,
+    dst_pages,
+    src_layer_stride,
+    dst_layer_stride,
+    PAGE_NUMEL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # one program per (request page, layer, K or V): PAGE_NUMEL contiguous elements
     i = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     src_off = layer * src_layer_stride + tl.load(src_pages + i).to(tl.int64) * PAGE_NUMEL
     dst_off = layer * dst_layer_stride + tl.load(dst_pages + i).to(tl.int64) * PAGE_NUMEL
-    for start in tl.static_range(0, PAGE_NUMEL, BLOCK):  # BLOCK divides PAGE_NUMEL: no mask, wide accesses
+    for start in tl.static_range(
+        0, PAGE_NUMEL, BLOCK
+    ):  # BLOCK divides PAGE_NUMEL: no mask, wide accesses
         offs = start + tl.arange(0, BLOCK)
         if tl.program_id(2) == 0:
             tl.store(dst_k + dst_off + offs, tl.load(src_k + src_off + offs))
@@ -333,11 +440,25 @@ def copy_pages(
     """Page ``src_pages[i]`` of every layer of K and V to ``dst_pages[i]``: one launch, no staging."""
     num_layers, n = src_k.shape[0], src_pages.shape[0]
     page_numel = src_k.stride(1)  # contiguous [L, P, S, H, D]: one page of one layer
-    for t in (src_k, src_v, dst_k, dst_v):  # shape arithmetic only: this runs once per request on the host
+    for t in (
+        src_k,
+        src_v,
+        dst_k,
+        dst_v,
+    ):  # shape arithmetic only: this runs once per request on the host
         assert t.is_contiguous() and t.shape[0] == num_layers and t.stride(1) == page_numel
     if n == 0:
         return
     _copy_pages_kernel[(n, num_layers, 2)](
-        src_k, src_v, dst_k, dst_v, src_pages, dst_pages, src_k.stride(0), dst_k.stride(0),
-        PAGE_NUMEL=page_numel, BLOCK=min(2048, page_numel & -page_numel), num_warps=4,  # largest 2^k dividing it
+        src_k,
+        src_v,
+        dst_k,
+        dst_v,
+        src_pages,
+        dst_pages,
+        src_k.stride(0),
+        dst_k.stride(0),
+        PAGE_NUMEL=page_numel,
+        BLOCK=min(2048, page_numel & -page_numel),
+        num_warps=4,  # largest 2^k dividing it
     )

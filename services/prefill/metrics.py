@@ -6,32 +6,47 @@ from services.common import telemetry
 from services.common.errors import StageServeError
 
 REQUESTS = telemetry.counter(
-    "prefill_requests_total", "Prefill requests by outcome (ok or the gRPC status name, lower case)", ["outcome"]
+    "prefill_requests_total",
+    "Prefill requests by outcome (ok or the gRPC status name, lower case)",
+    ["outcome"],
 )
 LATENCY_S = telemetry.histogram(
     "prefill_latency_seconds",
     "Time from a Prefill call's arrival to its first token with the KV written (prefill's part of TTFT)",
 )
 BATCH_SIZE = telemetry.histogram(
-    "prefill_batch_size", "Requests per prefill (EXTEND) batch", buckets=(1, 2, 4, 8, 16, 32, 64, 128)
+    "prefill_batch_size",
+    "Requests per prefill (EXTEND) batch",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
 )
 BATCH_TOKENS = telemetry.histogram(
-    "prefill_batch_tokens", "Prompt tokens per prefill batch",
+    "prefill_batch_tokens",
+    "Prompt tokens per prefill batch",
     buckets=(16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768),
 )
-FORWARD_S = telemetry.histogram("prefill_forward_seconds", "Forward pass and first-token sampling of one batch")
-KV_BYTES = telemetry.counter("prefill_kv_transfer_bytes_total", "KV bytes written into decode's pages")
-KV_TRANSFER_S = telemetry.histogram("prefill_kv_transfer_seconds", "Time of one request's batched KV write")
+FORWARD_S = telemetry.histogram(
+    "prefill_forward_seconds", "Forward pass and first-token sampling of one batch"
+)
+KV_BYTES = telemetry.counter(
+    "prefill_kv_transfer_bytes_total", "KV bytes written into decode's pages"
+)
+KV_TRANSFER_S = telemetry.histogram(
+    "prefill_kv_transfer_seconds", "Time of one request's batched KV write"
+)
 EMBEDDING_ROWS_USED = telemetry.gauge(
-    "prefill_embedding_rows_used", "Embedding buffer rows held by requests (encoding, waiting or quarantined)"
+    "prefill_embedding_rows_used",
+    "Embedding buffer rows held by requests (encoding, waiting or quarantined)",
 )
 IMAGE_STORE_BYTES = telemetry.gauge(
     "prefill_image_store_bytes", "Image bytes held for calls that name an image by hash alone"
 )
-QUEUED = telemetry.gauge("prefill_queued_requests", "Requests waiting for a batch (queued, encoding or ready)")
+QUEUED = telemetry.gauge(
+    "prefill_queued_requests", "Requests waiting for a batch (queued, encoding or ready)"
+)
 
 STALLED = telemetry.gauge(
-    "prefill_stalled", "1 while the rank worker is stuck (a plan in flight, no progress for --watchdog-s); 0 otherwise"
+    "prefill_stalled",
+    "1 while the rank worker is stuck (a plan in flight, no progress for --watchdog-s); 0 otherwise",
 )
 
 

@@ -41,4 +41,6 @@ class LeastLoadPolicy(RoundRobinPolicy):
 
 
 def make_policy(name: PolicyName) -> BaseRoutingPolicy:
-    return {PolicyName.ROUND_ROBIN: RoundRobinPolicy, PolicyName.LEAST_LOAD: LeastLoadPolicy}[name]()
+    return {PolicyName.ROUND_ROBIN: RoundRobinPolicy, PolicyName.LEAST_LOAD: LeastLoadPolicy}[
+        name
+    ]()

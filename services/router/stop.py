@@ -30,7 +30,7 @@ class StopStringMatcher:
             self._held = ""
             return text[:match_at]
         keep = self._partial_suffix_len(text)
-        self._held = text[len(text) - keep:] if keep else ""
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def flush(self) -> str:

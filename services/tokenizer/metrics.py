@@ -14,18 +14,25 @@ class TokenizerMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = telemetry.counter(
-            "tokenizer_requests", "Tokenizer RPCs by method and outcome (ok or the error's gRPC code).",
-            ["method", "outcome"], registry,
+            "tokenizer_requests",
+            "Tokenizer RPCs by method and outcome (ok or the error's gRPC code).",
+            ["method", "outcome"],
+            registry,
         )
         self.tokenize_latency = telemetry.histogram(
-            "tokenizer_tokenize_seconds", "Time to answer a Tokenize call (queueing in the worker pool included).",
+            "tokenizer_tokenize_seconds",
+            "Time to answer a Tokenize call (queueing in the worker pool included).",
             registry=registry,
         )
         self.prompt_tokens = telemetry.counter(
-            "tokenizer_prompt_tokens", "Prompt tokens produced, image placeholders included.", registry=registry
+            "tokenizer_prompt_tokens",
+            "Prompt tokens produced, image placeholders included.",
+            registry=registry,
         )
         self.prompt_len = telemetry.histogram(
-            "tokenizer_prompt_len_tokens", "Tokens per tokenized prompt.", buckets=PROMPT_LEN_BUCKETS,
+            "tokenizer_prompt_len_tokens",
+            "Tokens per tokenized prompt.",
+            buckets=PROMPT_LEN_BUCKETS,
             registry=registry,
         )
         self.images_decoded = telemetry.counter(

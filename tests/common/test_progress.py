@@ -29,10 +29,21 @@ class Loop:
         self.is_alive = True
 
 
-def make(loop: Loop, clock: FakeClock, registry: CollectorRegistry | None = None) -> ProgressWatchdog:
-    gauge = telemetry.gauge("test_stalled", "stalled", registry=registry) if registry is not None else None
+def make(
+    loop: Loop, clock: FakeClock, registry: CollectorRegistry | None = None
+) -> ProgressWatchdog:
+    gauge = (
+        telemetry.gauge("test_stalled", "stalled", registry=registry)
+        if registry is not None
+        else None
+    )
     return ProgressWatchdog(
-        "test", STALL_S, lambda: loop.is_pending, is_alive=lambda: loop.is_alive, clock=clock, stalled_gauge=gauge
+        "test",
+        STALL_S,
+        lambda: loop.is_pending,
+        is_alive=lambda: loop.is_alive,
+        clock=clock,
+        stalled_gauge=gauge,
     )
 
 

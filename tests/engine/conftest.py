@@ -13,9 +13,15 @@ from tests.conftest import TINY_MODEL_DIR
 def small_config_dir(tmp_path_factory):
     """The tiny model's config with head dim 128 (flashinfer has no kernels for its 16), bf16."""
     raw = json.loads((TINY_MODEL_DIR / "config.json").read_text())
-    raw.update(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=512,
-               num_hidden_layers=3, torch_dtype="bfloat16",
-               rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+    raw.update(
+        hidden_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        torch_dtype="bfloat16",
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    )
     path = tmp_path_factory.mktemp("small128")
     (path / "config.json").write_text(json.dumps(raw))
     return path

@@ -64,8 +64,10 @@ def _compare(model, prompt_lens=PROMPT_LENS, graph_sizes=DEFAULT_BATCH_SIZES, pa
         top2 = expected.topk(2, dim=-1).values
         decided = (top2[:, 0] - top2[:, 1]) > 2 * diff + 1e-3
         agree = got.argmax(-1) == expected.argmax(-1)
-        print(f"step {step}: max |graph - eager| {diff:.4f} (logit scale {expected.abs().max().item():.2f}); "
-              f"argmax agree {agree.tolist()}")
+        print(
+            f"step {step}: max |graph - eager| {diff:.4f} (logit scale {expected.abs().max().item():.2f}); "
+            f"argmax agree {agree.tolist()}"
+        )
         assert diff <= 0.02 * expected.abs().max().item() + 0.05
         assert bool(agree[decided].all())
         tokens = expected.argmax(-1).tolist()
@@ -105,9 +107,12 @@ def test_padding_rows_write_only_the_scratch_page(small_config_dir):
     _decode(runner, [1, 2, 3], list(PROMPT_LENS))  # 3 requests in the graph of 4
     torch.cuda.synchronize()
     changed = {
-        p for p in range(64)
-        if not (torch.equal(runner.kv_pool.k_buffer[:, p], before_k[:, p])
-                and torch.equal(runner.kv_pool.v_buffer[:, p], before_v[:, p]))
+        p
+        for p in range(64)
+        if not (
+            torch.equal(runner.kv_pool.k_buffer[:, p], before_k[:, p])
+            and torch.equal(runner.kv_pool.v_buffer[:, p], before_v[:, p])
+        )
     }
     written = {runner.page_table.pages(f"r{i}")[n // 16] for i, n in enumerate(PROMPT_LENS)}
     print(f"pages changed {sorted(changed)}, written {sorted(written)}, scratch {scratch}")
@@ -133,8 +138,10 @@ def test_pipelined_device_fed_loop_matches_synchronous_loop(small_config_dir):
         tokens = runner.forward(ForwardMode.EXTEND, steps).argmax(-1)
         seq_lens, history = list(PROMPT_LENS), []
         for _ in range(num_steps):
-            decode = [StepInput(f"r{i}", [0], torch.full((3, 1), n, dtype=torch.long), n)
-                      for i, n in enumerate(seq_lens)]
+            decode = [
+                StepInput(f"r{i}", [0], torch.full((3, 1), n, dtype=torch.long), n)
+                for i, n in enumerate(seq_lens)
+            ]
             if pipelined:
                 tokens = runner.forward(ForwardMode.DECODE, decode, input_ids=tokens).argmax(-1)
                 history.append(tokens)  # read at the end: nothing waits on the host in between

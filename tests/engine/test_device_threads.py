@@ -49,12 +49,18 @@ def test_a_model_on_gpu_1_runs_from_a_thread_whose_current_device_is_gpu_0():
     ids = list(range(3, 40))
     runner.page_table.reserve("r", len(ids) + 2)
     step = StepInput("r", ids, torch.arange(len(ids)).expand(3, -1), 0)
-    logits = _in_a_fresh_thread(lambda: runner.forward(ForwardMode.EXTEND, [step]))  # Triton kernels inside
+    logits = _in_a_fresh_thread(
+        lambda: runner.forward(ForwardMode.EXTEND, [step])
+    )  # Triton kernels inside
     assert logits.device == device and torch.isfinite(logits).all()
     token = int(logits.argmax(-1))
     decode = StepInput("r", [token], torch.full((3, 1), len(ids), dtype=torch.long), len(ids))
     assert _in_a_fresh_thread(lambda: runner.forward(ForwardMode.DECODE, [decode])).device == device
-    pixels = torch.randn(16, model.config.vision.in_channels * model.config.vision.temporal_patch_size
-                         * model.config.vision.patch_size**2)
+    pixels = torch.randn(
+        16,
+        model.config.vision.in_channels
+        * model.config.vision.temporal_patch_size
+        * model.config.vision.patch_size**2,
+    )
     embeds = _in_a_fresh_thread(lambda: runner.encode_images(pixels, [(1, 4, 4)]))
     assert embeds.device == device and torch.isfinite(embeds).all()

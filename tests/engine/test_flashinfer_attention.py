@@ -26,7 +26,10 @@ def _cuda():
 
 
 def _pools(num_kv_heads: int) -> tuple[KVPool, KVPool]:
-    pools = [KVPool(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, num_kv_heads, HEAD_DIM, torch.bfloat16, "cuda") for _ in "ab"]
+    pools = [
+        KVPool(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, num_kv_heads, HEAD_DIM, torch.bfloat16, "cuda")
+        for _ in "ab"
+    ]
     pools[0].k_buffer.normal_()
     pools[0].v_buffer.normal_()
     pools[1].k_buffer.copy_(pools[0].k_buffer)
@@ -38,11 +41,16 @@ def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]) ->
     order = torch.randperm(NUM_PAGES).tolist()
     tables, slots, start = [], [], 0
     for prefix, extend in zip(prefix_lens, extend_lens, strict=True):
-        num_pages = -(-(prefix + extend) // PAGE_SIZE) + 1  # one spare page, as a reservation may hold
+        num_pages = (
+            -(-(prefix + extend) // PAGE_SIZE) + 1
+        )  # one spare page, as a reservation may hold
         table = order[start : start + num_pages]
         start += num_pages
         tables.append(table)
-        slots += [table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(prefix, prefix + extend)]
+        slots += [
+            table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
+            for p in range(prefix, prefix + extend)
+        ]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     return AttentionBatch(mode, seq_lens, list(extend_lens), tables, PAGE_SIZE, torch.tensor(slots))
 
@@ -76,4 +84,6 @@ def test_flashinfer_matches_torch_backend(case, num_q_heads, num_kv_heads):
         err = (got.float() - expected.float()).abs().max().item()
         print(f"{case} {num_q_heads}/{num_kv_heads} layer {layer}: max abs err {err:.4f}")
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    assert torch.equal(fi_pool.k_buffer, ref_pool.k_buffer) and torch.equal(fi_pool.v_buffer, ref_pool.v_buffer)
+    assert torch.equal(fi_pool.k_buffer, ref_pool.k_buffer) and torch.equal(
+        fi_pool.v_buffer, ref_pool.v_buffer
+    )

@@ -26,13 +26,17 @@ def test_metadata_of_ragged_extend_batch():
     assert meta.kv_indptr.tolist() == [0, 2, 3, 6]
     assert meta.kv_indices.tolist() == [7, 2, 3, 0, 1, 4]
     assert meta.kv_last_page_len.tolist() == [1, 4, 1]
-    assert {t.dtype for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)} == {
-        torch.int32
-    }
+    assert {
+        t.dtype for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+    } == {torch.int32}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed"
+)
 def test_missing_flashinfer_names_the_gpu_extra():
     pool = KVPool(1, 4, 4, 1, 64, torch.float32, "cpu")
     with pytest.raises(ImportError, match="gpu"):
-        create_attention_backend("flashinfer", kv_pool=pool, num_q_heads=2, num_kv_heads=1, head_dim=64)
+        create_attention_backend(
+            "flashinfer", kv_pool=pool, num_q_heads=2, num_kv_heads=1, head_dim=64
+        )

@@ -25,9 +25,15 @@ def cuda_models():
     from transformers import AutoModelForImageTextToText
 
     def hf(dtype):
-        return AutoModelForImageTextToText.from_pretrained(str(TINY_MODEL_DIR), dtype=dtype).to("cuda").eval()
+        return (
+            AutoModelForImageTextToText.from_pretrained(str(TINY_MODEL_DIR), dtype=dtype)
+            .to("cuda")
+            .eval()
+        )
 
-    ours = OfflinePipeline.from_dir(TINY_MODEL_DIR, device="cuda", dtype="bfloat16", page_size=16, num_pages=512)
+    ours = OfflinePipeline.from_dir(
+        TINY_MODEL_DIR, device="cuda", dtype="bfloat16", page_size=16, num_pages=512
+    )
     return ours, hf(torch.bfloat16), hf(torch.float32)
 
 
@@ -63,8 +69,12 @@ def test_bf16_greedy_tokens_match_fp32(cuda_models):
     tokens = ours.engine.generate([request])[0].token_ids
     inputs = {k: v.to("cuda") for k, v in hf_inputs(request).items()}
     with torch.no_grad():
-        out = hf_fp32.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None)
-    ref = out[0, len(request.prompt_ids):].tolist()
-    matching = next((i for i, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b), len(ref))
+        out = hf_fp32.generate(
+            **inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None
+        )
+    ref = out[0, len(request.prompt_ids) :].tolist()
+    matching = next(
+        (i for i, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b), len(ref)
+    )
     print(f"bf16 greedy agrees with fp32 for the first {matching} of 16 tokens")
     assert matching >= 8

@@ -114,7 +114,13 @@ def test_detach_hands_pages_over_still_allocated() -> None:
 
 def test_pool_layout_and_write() -> None:
     pool = KVPool(
-        num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32, device="cpu"
+        num_layers=3,
+        num_pages=5,
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        device="cpu",
     )
     assert pool.k_buffer.shape == (3, 5, 4, 2, 8) and pool.k_buffer.is_contiguous()
     assert pool.k_cache[1].shape == (5, 4, 2, 8)

@@ -13,17 +13,27 @@ TOLERANCE = 1e-4
 PROMPTS = {
     "text": ([{"role": "user", "content": "Tell me a short story about a lighthouse."}], []),
     "one_image": (
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}],
+            }
+        ],
         [image_bytes(300, 97, seed=1)],
     ),
     "two_images": (
         [
             {"role": "system", "content": "You compare pictures."},
-            {"role": "user", "content": [
-                {"type": "text", "text": "First:"}, {"type": "image"},
-                {"type": "text", "text": "second:"}, {"type": "image"},
-                {"type": "text", "text": "How do they differ?"},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "First:"},
+                    {"type": "image"},
+                    {"type": "text", "text": "second:"},
+                    {"type": "image"},
+                    {"type": "text", "text": "How do they differ?"},
+                ],
+            },
         ],
         [image_bytes(224, 224, seed=2), image_bytes(90, 200, seed=3, fmt="JPEG")],
     ),
@@ -61,9 +71,13 @@ def test_greedy_32_tokens_match_transformers(name, pipeline, hf_model):
     ours = pipeline.engine.generate([request])[0].token_ids
     with torch.no_grad():
         out = hf_model.generate(
-            **hf_inputs(request), max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+            **hf_inputs(request),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
         )
-    ref = out[0, len(request.prompt_ids):].tolist()
+    ref = out[0, len(request.prompt_ids) :].tolist()
     assert len(ours) == 32
     assert ours == ref
     assert len(set(ours)) > 3, "a degenerate continuation would not test much"

@@ -15,11 +15,15 @@ TOLERANCE = 1e-4
 
 def one_image_request(pipeline, request_id: str, text: str, size=(120, 80), seed=0):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    return pipeline.build_request(messages, [image_bytes(*size, seed=seed)], SamplingParams(), request_id)
+    return pipeline.build_request(
+        messages, [image_bytes(*size, seed=seed)], SamplingParams(), request_id
+    )
 
 
 def text_request(pipeline, request_id: str, text: str):
-    return pipeline.build_request([{"role": "user", "content": text}], [], SamplingParams(), request_id)
+    return pipeline.build_request(
+        [{"role": "user", "content": text}], [], SamplingParams(), request_id
+    )
 
 
 def test_incremental_paged_decode_equals_full_recompute(pipeline):
@@ -38,21 +42,27 @@ def test_incremental_paged_decode_equals_full_recompute(pipeline):
             seq_len = len(request.prompt_ids) + len(tokens) - 1
             runner.page_table.reserve("inc", seq_len + 1)
             position = torch.full((3, 1), seq_len + delta, dtype=torch.long)
-            out = runner.forward(ForwardMode.DECODE, [StepInput("inc", [tokens[-1]], position, seq_len)])
+            out = runner.forward(
+                ForwardMode.DECODE, [StepInput("inc", [tokens[-1]], position, seq_len)]
+            )
             step_logits.append(out[0])
     finally:
         runner.page_table.release("inc")
     assert runner.page_manager.num_free_pages == free_before
 
-    full = type(request)("full", request.prompt_ids + tokens, request.params, request.spans, request.pixel_values)
+    full = type(request)(
+        "full", request.prompt_ids + tokens, request.params, request.spans, request.pixel_values
+    )
     recomputed = engine.prompt_logits([full])[0]
     prompt_len = len(request.prompt_ids)
-    expected = recomputed[prompt_len - 1:]
+    expected = recomputed[prompt_len - 1 :]
     assert torch.stack(step_logits).shape == expected.shape
     assert (torch.stack(step_logits) - expected).abs().max().item() < TOLERANCE
     # the decode positions are those of the full sequence
     positions, _ = mrope_positions(len(full.prompt_ids), full.spans, merge)
-    assert positions[:, prompt_len:].eq(torch.arange(prompt_len, len(full.prompt_ids)) + delta).all()
+    assert (
+        positions[:, prompt_len:].eq(torch.arange(prompt_len, len(full.prompt_ids)) + delta).all()
+    )
 
 
 def test_batched_prefill_equals_each_alone(pipeline):
@@ -72,8 +82,12 @@ def test_batched_prefill_equals_each_alone(pipeline):
 
 def test_batched_generate_equals_each_alone(pipeline):
     engine = pipeline.engine
-    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9)]
-    params.append(SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=11, ignore_eos=True))
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (5, 17, 9)
+    ]
+    params.append(
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=11, ignore_eos=True)
+    )
     requests = [
         text_request(pipeline, "g1", "One."),
         one_image_request(pipeline, "g2", "Two, with a picture.", (100, 100), seed=6),
@@ -93,7 +107,10 @@ def test_batched_generate_equals_each_alone(pipeline):
 def test_decode_with_device_token_ids_equals_host_ids(pipeline):
     """``forward(..., input_ids=tensor)`` (a loop feeding the previous argmax back) = StepInput ids."""
     engine, runner = pipeline.engine, pipeline.engine.runner
-    requests = [text_request(pipeline, f"dev{i}", text) for i, text in enumerate(["Hi there.", "Count to three."])]
+    requests = [
+        text_request(pipeline, f"dev{i}", text)
+        for i, text in enumerate(["Hi there.", "Count to three."])
+    ]
     try:
         steps = []
         for request in requests:
@@ -101,7 +118,12 @@ def test_decode_with_device_token_ids_equals_host_ids(pipeline):
             steps.append(engine.prefill_input(request, None)[0])
         tokens = runner.forward(ForwardMode.EXTEND, steps).argmax(-1)
         decode = [
-            StepInput(r.request_id, [0], torch.full((3, 1), len(r.prompt_ids), dtype=torch.long), len(r.prompt_ids))
+            StepInput(
+                r.request_id,
+                [0],
+                torch.full((3, 1), len(r.prompt_ids), dtype=torch.long),
+                len(r.prompt_ids),
+            )
             for r in requests
         ]
         from_device = runner.forward(ForwardMode.DECODE, decode, input_ids=tokens).clone()

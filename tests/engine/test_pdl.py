@@ -32,8 +32,14 @@ def _weights() -> list[tuple[torch.Tensor, ...]]:
 
     qkv = (NUM_Q + 2 * NUM_KV) * HEAD_DIM
     return [
-        (torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5, w(qkv, HIDDEN),
-         w(qkv).mul(HIDDEN**0.5), w(HIDDEN, NUM_Q * HEAD_DIM), w(2 * INTER, HIDDEN), w(HIDDEN, INTER))
+        (
+            torch.rand(HIDDEN, device="cuda", dtype=torch.bfloat16) + 0.5,
+            w(qkv, HIDDEN),
+            w(qkv).mul(HIDDEN**0.5),
+            w(HIDDEN, NUM_Q * HEAD_DIM),
+            w(2 * INTER, HIDDEN),
+            w(HIDDEN, INTER),
+        )
         for _ in range(LAYERS)
     ]
 
@@ -42,7 +48,9 @@ def _chain(x, residual, weights, cos, sin, k_pool, v_pool, slot):
     for layer, (norm, w_qkv, b_qkv, w_o, w_gate_up, w_down) in enumerate(weights):
         h, residual = ops.add_rms_norm(x, residual, norm, 1e-6)
         qkv = ops.linear(h, w_qkv, b_qkv)
-        q, _, _ = ops.rotary_qk(qkv, cos, sin, NUM_Q, NUM_KV, HEAD_DIM, (k_pool[layer], v_pool[layer], slot))
+        q, _, _ = ops.rotary_qk(
+            qkv, cos, sin, NUM_Q, NUM_KV, HEAD_DIM, (k_pool[layer], v_pool[layer], slot)
+        )
         x = ops.linear(q.reshape(1, -1), w_o)
         h, residual = ops.add_rms_norm(x, residual, norm, 1e-6)
         x = ops.gated_linear(ops.linear(h, w_gate_up), "silu", torch.nn.functional.silu, w_down)
@@ -59,9 +67,14 @@ def test_graph_replays_with_pdl_match_eager_without_it(monkeypatch):
     weights = _weights()
     angles = torch.rand(1, HEAD_DIM // 2, device="cuda") * 6.28
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    inputs = [(torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16),
-               torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16),
-               torch.randint(0, 32, (1,), device="cuda")) for _ in range(5)]
+    inputs = [
+        (
+            torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16),
+            torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16),
+            torch.randint(0, 32, (1,), device="cuda"),
+        )
+        for _ in range(5)
+    ]
     k_pool = torch.zeros(LAYERS, 32, NUM_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     v_pool = torch.zeros_like(k_pool)
 
@@ -70,7 +83,9 @@ def test_graph_replays_with_pdl_match_eager_without_it(monkeypatch):
         expected = []
         for x, residual, slot in inputs:
             out, res = _chain(x, residual, weights, cos, sin, k_pool, v_pool, slot)
-            expected.append((out.clone(), res.clone(), k_pool[:, slot].clone(), v_pool[:, slot].clone()))
+            expected.append(
+                (out.clone(), res.clone(), k_pool[:, slot].clone(), v_pool[:, slot].clone())
+            )
 
     res_in, slot_in = torch.empty_like(x_in), torch.zeros(1, dtype=torch.long, device="cuda")
     stream = torch.cuda.Stream()
@@ -91,4 +106,6 @@ def test_graph_replays_with_pdl_match_eager_without_it(monkeypatch):
         slot_in.copy_(slot)
         graph.replay()
         assert torch.equal(out, want_out) and torch.equal(res, want_res), f"replay {i}"
-        assert torch.equal(k_pool[:, slot], want_k) and torch.equal(v_pool[:, slot], want_v), f"replay {i}"
+        assert torch.equal(k_pool[:, slot], want_k) and torch.equal(v_pool[:, slot], want_v), (
+            f"replay {i}"
+        )

@@ -72,7 +72,9 @@ def run_paged_vs_dense(dtype: torch.dtype, shuffled: bool, atol: float) -> None:
     steps += [(ForwardMode.DECODE, [1] * len(max_lens))] * NUM_DECODE_STEPS
     for mode, extend_lens in steps:
         seq_lens = [s + e for s, e in zip(starts, extend_lens, strict=True)]
-        out_slots = [s for r in range(len(starts)) for s in slots_of(tables[r], starts[r], seq_lens[r])]
+        out_slots = [
+            s for r in range(len(starts)) for s in slots_of(tables[r], starts[r], seq_lens[r])
+        ]
         batch = AttentionBatch(
             mode=mode,
             seq_lens=seq_lens,

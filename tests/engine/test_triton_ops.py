@@ -44,10 +44,13 @@ def test_rotary_in_place_matches_reference(num_q, num_kv, head_dim):
     cos = torch.cat([angles.cos(), angles.cos()], -1).bfloat16()
     sin = torch.cat([angles.sin(), angles.sin()], -1).bfloat16()
     ref = qkv.float().cpu()
-    q_ref = apply_rotary(ref[:, : num_q * head_dim].view(n, num_q, head_dim), cos.float().cpu(), sin.float().cpu())
+    q_ref = apply_rotary(
+        ref[:, : num_q * head_dim].view(n, num_q, head_dim), cos.float().cpu(), sin.float().cpu()
+    )
     k_ref = apply_rotary(
         ref[:, num_q * head_dim : (num_q + num_kv) * head_dim].view(n, num_kv, head_dim),
-        cos.float().cpu(), sin.float().cpu(),
+        cos.float().cpu(),
+        sin.float().cpu(),
     )
     v_ref = ref[:, (num_q + num_kv) * head_dim :].view(n, num_kv, head_dim)
     num_slots = 64
@@ -72,8 +75,17 @@ def test_silu_mul():
     _close(out, torch.nn.functional.silu(gate) * up)
 
 
-@pytest.mark.parametrize(("n_out", "k_in", "bias"), [(4608, 3584, True), (3584, 3584, False), (37888, 3584, False),
-                                                     (3584, 18944, False), (1000, 130, True), (64, 64, False)])
+@pytest.mark.parametrize(
+    ("n_out", "k_in", "bias"),
+    [
+        (4608, 3584, True),
+        (3584, 3584, False),
+        (37888, 3584, False),
+        (3584, 18944, False),
+        (1000, 130, True),
+        (64, 64, False),
+    ],
+)
 def test_one_row_linear_is_the_gemv_kernel_and_matches_fp32(n_out, k_in, bias):
     x = torch.randn(1, k_in, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(n_out, k_in, device="cuda", dtype=torch.bfloat16) / k_in**0.5
@@ -100,7 +112,10 @@ def test_store_kv_writes_each_token_to_its_slot(num_kv, head_dim):
     num_q, n, num_slots = 7 * num_kv, 9, 64
     qkv = torch.randn(n, (num_q + 2 * num_kv) * head_dim, device="cuda", dtype=torch.bfloat16)
     _, k, v = qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
-    k, v = k.view(n, num_kv, head_dim), v.view(n, num_kv, head_dim)  # strided views, as after rotary
+    k, v = (
+        k.view(n, num_kv, head_dim),
+        v.view(n, num_kv, head_dim),
+    )  # strided views, as after rotary
     slots = torch.randperm(num_slots, device="cuda")[:n]
     k_slots = torch.zeros(num_slots, num_kv, head_dim, device="cuda", dtype=torch.bfloat16)
     v_slots = torch.zeros_like(k_slots)
@@ -111,7 +126,9 @@ def test_store_kv_writes_each_token_to_its_slot(num_kv, head_dim):
     assert torch.equal(k_slots, ref_k) and torch.equal(v_slots, ref_v)
 
 
-@pytest.mark.parametrize(("num_heads", "head_dim"), [(16, 80), (2, 16)])  # the 7B ViT (half 40), the tiny one
+@pytest.mark.parametrize(
+    ("num_heads", "head_dim"), [(16, 80), (2, 16)]
+)  # the 7B ViT (half 40), the tiny one
 def test_vision_rotary_kernel_matches_the_fp32_reference(num_heads, head_dim):
     n = 300
     qkv = torch.randn(n, 3 * num_heads * head_dim, device="cuda", dtype=torch.bfloat16)

@@ -9,11 +9,14 @@ import torch
 from services.engine.model.vision import Segments, segment_attention
 
 
-@pytest.mark.parametrize("grids", [
-    [(1, 8, 12)],  # one image: the full-attention blocks see one segment (no gather)
-    [(2, 6, 10), (1, 4, 4)],  # two frames of one input, then an image: full attention per frame
-    [(3, 4, 6), (1, 10, 6), (1, 2, 2)],
-])
+@pytest.mark.parametrize(
+    "grids",
+    [
+        [(1, 8, 12)],  # one image: the full-attention blocks see one segment (no gather)
+        [(2, 6, 10), (1, 4, 4)],  # two frames of one input, then an image: full attention per frame
+        [(3, 4, 6), (1, 10, 6), (1, 2, 2)],
+    ],
+)
 def test_vision_embeddings_match_transformers(pipeline, hf_model, grids):
     model = pipeline.engine.runner.model
     v = model.config.vision
@@ -23,24 +26,41 @@ def test_vision_embeddings_match_transformers(pipeline, hf_model, grids):
     with torch.inference_mode():
         ours = model.encode_images(pixels, grids)
         theirs = hf_model.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
-    assert ours.shape == theirs.shape == (pixels.shape[0] // v.spatial_merge_size**2, model.config.text.hidden_size)
+    assert (
+        ours.shape
+        == theirs.shape
+        == (pixels.shape[0] // v.spatial_merge_size**2, model.config.text.hidden_size)
+    )
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_segments_attend_only_within_each_segment():
     torch.manual_seed(0)
-    cu = [0, 3, 7, 10, 10, 14]  # lengths 3, 4, 3, 0, 4: two groups gathered, an empty segment skipped
+    cu = [
+        0,
+        3,
+        7,
+        10,
+        10,
+        14,
+    ]  # lengths 3, 4, 3, 0, 4: two groups gathered, an empty segment skipped
     q, k, v = (torch.randn(14, 2, 8) for _ in range(3))
     out = segment_attention(q, k, v, Segments(cu, torch.device("cpu")))
     for a, b in zip(cu[:-1], cu[1:], strict=True):
         if b > a:
-            ref = torch.nn.functional.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)))
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                *(t[a:b].transpose(0, 1) for t in (q, k, v))
+            )
             torch.testing.assert_close(out[a:b], ref.transpose(0, 1))
     tiled = Segments([0, 5, 10, 15], torch.device("cpu"))
     assert tiled.tiled_length == 5 and not tiled.groups
     q, k, v = (torch.randn(15, 2, 8) for _ in range(3))
-    ref = torch.nn.functional.scaled_dot_product_attention(*(t.view(3, 5, 2, 8).transpose(1, 2) for t in (q, k, v)))
-    torch.testing.assert_close(segment_attention(q, k, v, tiled), ref.transpose(1, 2).reshape(15, 2, 8))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.view(3, 5, 2, 8).transpose(1, 2) for t in (q, k, v))
+    )
+    torch.testing.assert_close(
+        segment_attention(q, k, v, tiled), ref.transpose(1, 2).reshape(15, 2, 8)
+    )
 
 
 @pytest.mark.gpu

@@ -22,12 +22,16 @@ def stalled() -> float | None:
     return REGISTRY.get_sample_value("stageserve_prefill_stalled")
 
 
-async def test_a_stuck_worker_flips_readiness_until_it_moves_again(pipeline, language_model) -> None:
+async def test_a_stuck_worker_flips_readiness_until_it_moves_again(
+    pipeline, language_model
+) -> None:
     harness = await start_harness(pipeline, language_model, prefill_config(watchdog_s=0.05))
     try:
         release, plans = gate_worker(harness)
         assert harness.health.is_serving
-        task = asyncio.create_task(harness.prefill(make_case(pipeline, "held", "Hi.", [], SamplingParams())))
+        task = asyncio.create_task(
+            harness.prefill(make_case(pipeline, "held", "Hi.", [], SamplingParams()))
+        )
         await wait_until(lambda: bool(plans))
         await wait_until(lambda: not harness.health.is_serving)
         assert stalled() == 1

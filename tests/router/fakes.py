@@ -164,7 +164,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         proof = signing.kv_written_proof(FAKE_KEY, request.kv_ref.request_id, request.kv_ref.nonce)
         response = prefill_pb2.PrefillResponse(
             first_token_id=first,
-                kv_written_proof=proof,
+            kv_written_proof=proof,
         )
         if first == EOS_ID:
             response.finish_reason = common_pb2.FINISH_REASON_STOP

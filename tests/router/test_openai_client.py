@@ -37,7 +37,9 @@ async def served(cluster: Cluster) -> AsyncIterator[tuple[RouterApp, str]]:
 @pytest.fixture
 async def client(served) -> AsyncIterator[openai.AsyncOpenAI]:
     _, url = served
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=BOUND_S)
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=BOUND_S
+    )
     yield client
     await client.close()
 
@@ -48,26 +50,35 @@ async def test_chat_stream_and_not(client, cluster):
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens == len(cluster.script.output_ids)
     stream = await client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_tokens=50, stream=True, stream_options={"include_usage": True}
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=50,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == EXPECTED
     assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["stop"]
 
 
 async def test_completions_and_models(client):
     assert [m.id async for m in client.models.list()] == [MODEL_NAME]
     reply = await client.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=4)
     assert reply.choices[0].text == EXPECTED[:4] and reply.choices[0].finish_reason == "length"
-    stream = await client.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=4, stream=True)
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt="Once", max_tokens=4, stream=True
+    )
     assert "".join([c.choices[0].text async for c in stream]) == EXPECTED[:4]
 
 
 async def test_stop_string_across_tokens_while_streaming(client, cluster):
     cluster.script.chunk_size = 1
-    stream = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=True,
-                                                  stop=["re, w"])
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, stream=True, stop=["re, w"]
+    )
     chunks = [c async for c in stream]
     deltas = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
     assert "".join(deltas) == "Hello the"
@@ -100,26 +111,42 @@ async def test_no_ready_worker_is_a_503_at_once(client, served, cluster):
     assert health.status_code == 503 and health.json()["missing"] == ["decode"]
     cluster.decodes[0].health.set_serving(True)  # readmitted by the background poll
     await wait_until(lambda: app.registry.is_ready)
-    assert (await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)).choices[0].message.content
+    assert (
+        (await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES))
+        .choices[0]
+        .message.content
+    )
 
 
 async def test_deadline_is_a_504_and_decode_is_aborted(cluster):
     cluster.script.chunk_delay_s = 60
-    app, url = await serve_http(replace(router_config(cluster), limits=replace(router_config(cluster).limits,
-                                                                          request_timeout_s=0.5)))
+    app, url = await serve_http(
+        replace(
+            router_config(cluster),
+            limits=replace(router_config(cluster).limits, request_timeout_s=0.5),
+        )
+    )
     try:
         async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-            response = await http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES})
+            response = await http.post(
+                "/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES}
+            )
             assert response.status_code == 504
             assert response.json()["error"]["type"] == "timeout"
             await wait_until(lambda: len(cluster.aborted()) == 1)
-            async with http.stream("POST", "/v1/chat/completions",
-                                   json={"model": MODEL_NAME, "messages": MESSAGES, "stream": True}) as stream:
+            async with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={"model": MODEL_NAME, "messages": MESSAGES, "stream": True},
+            ) as stream:
                 assert stream.status_code == 200  # the first token came before the deadline
                 events = [line async for line in stream.aiter_lines() if line]
             assert '"type":"timeout"' in events[-2] and events[-1] == "data: [DONE]"
             await wait_until(lambda: len(cluster.aborted()) == 2)
-            assert list(cluster.is_kv_written().values()) == [True, True]  # both timed out after prefill
+            assert list(cluster.is_kv_written().values()) == [
+                True,
+                True,
+            ]  # both timed out after prefill
     finally:
         await stop_router(app)
 
@@ -129,8 +156,11 @@ async def test_client_disconnect_while_streaming_aborts_decode(served, cluster):
     cluster.script.output_ids = [*char_ids("x" * 200), EOS_ID]
     cluster.script.chunk_size, cluster.script.chunk_delay_s = 1, 0.02
     async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-        async with http.stream("POST", "/v1/chat/completions",
-                               json={"model": MODEL_NAME, "messages": MESSAGES, "stream": True}) as stream:
+        async with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": MODEL_NAME, "messages": MESSAGES, "stream": True},
+        ) as stream:
             lines = stream.aiter_lines()
             for _ in range(3):
                 await anext(lines)
@@ -142,20 +172,26 @@ async def test_client_disconnect_during_prefill_aborts_decode_with_kv_not_writte
     _, url = served
     cluster.script.prefill_delay_s = 60
     async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-        request = asyncio.create_task(http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES}))
+        request = asyncio.create_task(
+            http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES})
+        )
         await wait_until(lambda: bool(cluster.prefill.requests))
         request.cancel()
         with pytest.raises(asyncio.CancelledError):
             await request
     await wait_until(lambda: cluster.aborted() == list(cluster.decode.reserved))
-    assert cluster.is_kv_written() == dict.fromkeys(cluster.decode.reserved, False)  # prefill may still write
+    assert cluster.is_kv_written() == dict.fromkeys(
+        cluster.decode.reserved, False
+    )  # prefill may still write
 
 
 async def test_client_disconnect_while_waiting_aborts_decode(served, cluster):
     _, url = served
     cluster.script.chunk_delay_s = 60
     async with httpx.AsyncClient(base_url=url, timeout=BOUND_S) as http:
-        request = asyncio.create_task(http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES}))
+        request = asyncio.create_task(
+            http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES})
+        )
         await asyncio.wait_for(cluster.decode.generate_started.wait(), BOUND_S)
         request.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -46,7 +46,11 @@ def test_round_robin_cycles_through_ready_workers():
 
 
 def test_least_load_prefers_the_idlest_worker():
-    workers = [ready(WorkerKind.PREFILL, "p0", 2), ready(WorkerKind.PREFILL, "p1", 0), ready(WorkerKind.PREFILL, "p2", 1)]
+    workers = [
+        ready(WorkerKind.PREFILL, "p0", 2),
+        ready(WorkerKind.PREFILL, "p1", 0),
+        ready(WorkerKind.PREFILL, "p2", 1),
+    ]
     registry = registry_of(workers, LeastLoadPolicy())
     first = registry.acquire(WorkerKind.PREFILL)
     second = registry.acquire(WorkerKind.PREFILL)
@@ -59,7 +63,9 @@ def test_least_load_prefers_the_idlest_worker():
 
 
 def test_no_ready_worker_raises_unavailable():
-    registry = registry_of([Worker(WorkerKind.DECODE, "d0")], RoundRobinPolicy())  # never polled: not ready
+    registry = registry_of(
+        [Worker(WorkerKind.DECODE, "d0")], RoundRobinPolicy()
+    )  # never polled: not ready
     with pytest.raises(UnavailableError, match="no ready decode worker"):
         registry.acquire(WorkerKind.DECODE)
     assert registry.missing_kinds() == [WorkerKind.TOKENIZER, WorkerKind.PREFILL, WorkerKind.DECODE]
@@ -80,7 +86,9 @@ async def test_poll_ejects_and_readmits(script):
         cluster.decodes[0].health.set_serving(True)
         await wait_until(lambda: registry.is_ready)
         assert app.health.is_serving
-        assert [w.address for w in registry.ready_workers(WorkerKind.DECODE)] == [cluster.decodes[0].address]
+        assert [w.address for w in registry.ready_workers(WorkerKind.DECODE)] == [
+            cluster.decodes[0].address
+        ]
     finally:
         await stop_router(app)
         await cluster.stop()
@@ -91,7 +99,9 @@ async def run_chats(app, num: int) -> None:
 
     transport = httpx.ASGITransport(app=app.http_app)
     async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
-        replies = await asyncio.gather(*(http.post("/v1/chat/completions", json=CHAT) for _ in range(num)))
+        replies = await asyncio.gather(
+            *(http.post("/v1/chat/completions", json=CHAT) for _ in range(num))
+        )
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
 
 

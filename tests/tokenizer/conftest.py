@@ -42,7 +42,10 @@ async def start_served(num_workers: int, limits: Limits = TEST_LIMITS) -> tuple[
     servicer = TokenizerServicer(pool, metrics)
     health = HealthState()
     server, port = create_server(
-        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)], 0, "127.0.0.1", [SERVICE_NAME],
+        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)],
+        0,
+        "127.0.0.1",
+        [SERVICE_NAME],
         health=health,
     )
     await server.start()
@@ -71,7 +74,8 @@ async def served() -> AsyncIterator[Served]:
 def user(*parts: str | bytes) -> ChatMessage:
     """A user message; str parts are text, bytes parts are images."""
     return ChatMessage(
-        role="user", content=tuple(TextPart(p) if isinstance(p, str) else ImagePart(p) for p in parts)
+        role="user",
+        content=tuple(TextPart(p) if isinstance(p, str) else ImagePart(p) for p in parts),
     )
 
 
@@ -81,7 +85,8 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
         {
             "role": m.role,
             "content": [
-                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in m.content
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in m.content
             ],
         }
         for m in messages

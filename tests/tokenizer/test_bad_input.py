@@ -28,19 +28,43 @@ MANY_PIXELS = flat_png(1100, 1000)  # a small file, but over TEST_LIMITS.max_ima
 LONG_TEXT = "hello world " * TEST_LIMITS.max_model_len
 
 CHAT_CASES = {
-    "unknown_role": ([ChatMessage(role="robot", content=(TextPart("hi"),))], "messages[0].role", "'robot'"),
-    "missing_content": ([user("hi"), ChatMessage(role="user", content=())], "messages[1].content",
-                        "messages[1].content is missing"),
+    "unknown_role": (
+        [ChatMessage(role="robot", content=(TextPart("hi"),))],
+        "messages[0].role",
+        "'robot'",
+    ),
+    "missing_content": (
+        [user("hi"), ChatMessage(role="user", content=())],
+        "messages[1].content",
+        "messages[1].content is missing",
+    ),
     "no_messages": ([], "messages", "non-empty"),
-    "not_an_image": ([user("look", b"GIF89a but not really an image")], "messages[0].content[1]",
-                     "not an image"),
+    "not_an_image": (
+        [user("look", b"GIF89a but not really an image")],
+        "messages[0].content[1]",
+        "not an image",
+    ),
     "empty_image": ([user(b"")], "messages[0].content[0]", "empty"),
-    "truncated_image": ([user(image_bytes(64, 64)[:200])], "messages[0].content[0]", "truncated or corrupt"),
-    "image_too_large": ([user(BIG_FILE)], "messages[0].content[0]",
-                        f"bytes; the limit is {TEST_LIMITS.max_image_bytes} bytes"),
-    "too_many_pixels": ([user("a", MANY_PIXELS)], "messages[0].content[1]",
-                        f"1100x1000 = 1100000 pixels; the limit is {TEST_LIMITS.max_image_pixels}"),
-    "prompt_too_long": ([user(LONG_TEXT)], "messages", f"; the context limit is {TEST_LIMITS.max_model_len}"),
+    "truncated_image": (
+        [user(image_bytes(64, 64)[:200])],
+        "messages[0].content[0]",
+        "truncated or corrupt",
+    ),
+    "image_too_large": (
+        [user(BIG_FILE)],
+        "messages[0].content[0]",
+        f"bytes; the limit is {TEST_LIMITS.max_image_bytes} bytes",
+    ),
+    "too_many_pixels": (
+        [user("a", MANY_PIXELS)],
+        "messages[0].content[1]",
+        f"1100x1000 = 1100000 pixels; the limit is {TEST_LIMITS.max_image_pixels}",
+    ),
+    "prompt_too_long": (
+        [user(LONG_TEXT)],
+        "messages",
+        f"; the context limit is {TEST_LIMITS.max_model_len}",
+    ),
 }
 
 
@@ -56,7 +80,10 @@ async def test_bad_chat(served, name):
         await served.client.tokenize_chat(f"bad-{name}", messages, timeout_s=TIMEOUT_S)
     assert info.value.param == param
     assert fragment in info.value.message
-    assert served.metric("tokenizer_requests_total", method="Tokenize", outcome="INVALID_ARGUMENT") == 1
+    assert (
+        served.metric("tokenizer_requests_total", method="Tokenize", outcome="INVALID_ARGUMENT")
+        == 1
+    )
     await assert_still_serving(served)
 
 
@@ -72,7 +99,9 @@ async def test_too_long_prompt_names_its_length(served):
 async def test_images_push_a_prompt_over_the_limit(served):
     text = "hi " * (TEST_LIMITS.max_model_len - 100)  # fits without the image's placeholders
     with pytest.raises(InvalidRequestError, match="context limit"):
-        await served.client.tokenize_chat("r", [user(text, image_bytes(600, 600))], timeout_s=TIMEOUT_S)
+        await served.client.tokenize_chat(
+            "r", [user(text, image_bytes(600, 600))], timeout_s=TIMEOUT_S
+        )
 
 
 @pytest.mark.parametrize(
@@ -93,7 +122,9 @@ async def test_bad_prompt(served, prompt, fragment):
         (
             tokenizer_pb2.TokenizeRequest(
                 chat=common_pb2.ChatMessages(
-                    messages=[common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart()])]
+                    messages=[
+                        common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart()])
+                    ]
                 )
             ),
             "messages[0].content[0]",

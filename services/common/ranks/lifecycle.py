@@ -114,7 +114,9 @@ class Lifecycle:
         backoff_s = self._restarts.next_backoff_s()
         if backoff_s is None:
             self.state = GroupState.FAILED
-            self._log.error("giving up after %d failed re-forms", self._restarts.policy.max_attempts)
+            self._log.error(
+                "giving up after %d failed re-forms", self._restarts.policy.max_attempts
+            )
             return
         self.state, self.restart_at_mono = GroupState.BACKOFF, time.monotonic() + backoff_s
         self._log.warning(

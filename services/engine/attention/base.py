@@ -68,7 +68,9 @@ class BaseAttentionBackend(ABC):
         """Write the new K/V of ``layer_id`` into the pool (unless ``kv_stored``: the caller wrote them
         to ``kv_store_target``), then attend over each request's pages."""
 
-    def kv_store_target(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def kv_store_target(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(k_slots, v_slots, out_slots)`` of this step for a caller that stores K/V itself (fused with
         rotary), or None: ``forward`` writes them. Default None."""
         del layer_id

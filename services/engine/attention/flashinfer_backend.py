@@ -55,9 +55,13 @@ def paged_kv_metadata(batch: AttentionBatch) -> PagedKVMetadata:
     seq_lens = np.asarray(batch.seq_lens, dtype=np.int64)
     num_pages = (seq_lens + page_size - 1) // page_size
     for table, needed in zip(batch.page_tables, num_pages.tolist(), strict=True):
-        assert len(table) >= needed, f"{len(table)} pages cannot hold {needed * page_size} positions"
+        assert len(table) >= needed, (
+            f"{len(table)} pages cannot hold {needed * page_size} positions"
+        )
     total = int(num_pages.sum())
-    chunks = (table[:needed] for table, needed in zip(batch.page_tables, num_pages.tolist(), strict=True))
+    chunks = (
+        table[:needed] for table, needed in zip(batch.page_tables, num_pages.tolist(), strict=True)
+    )
     indices = np.fromiter(itertools.chain.from_iterable(chunks), dtype=np.int32, count=total)
     kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
     np.cumsum(num_pages, out=kv_indptr[1:])
@@ -65,8 +69,10 @@ def paged_kv_metadata(batch: AttentionBatch) -> PagedKVMetadata:
     np.cumsum(np.asarray(batch.extend_lens, dtype=np.int64), out=qo_indptr[1:])
     last_page_len = (seq_lens - (num_pages - 1) * page_size).astype(np.int32)
     return PagedKVMetadata(
-        torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr),
-        torch.from_numpy(indices), torch.from_numpy(last_page_len),
+        torch.from_numpy(qo_indptr),
+        torch.from_numpy(kv_indptr),
+        torch.from_numpy(indices),
+        torch.from_numpy(last_page_len),
     )
 
 
@@ -85,7 +91,9 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         prefill_backend: str = "auto",  # flashinfer's choice: fa3 on Hopper, fa2 elsewhere
     ) -> None:
         self._fi = import_flashinfer()
-        assert kv_pool.device.type == "cuda", "the flashinfer backend needs the KV pool on a CUDA device"
+        assert kv_pool.device.type == "cuda", (
+            "the flashinfer backend needs the KV pool on a CUDA device"
+        )
         assert num_q_heads % num_kv_heads == 0 and kv_pool.num_kv_heads == num_kv_heads
         assert kv_pool.head_dim == head_dim
         self.kv_pool = kv_pool
@@ -116,8 +124,14 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
 
     def _plan_decode(self, wrapper: Any, meta: PagedKVMetadata, indices: torch.Tensor) -> None:
         wrapper.plan(
-            meta.kv_indptr, indices, meta.kv_last_page_len, self.num_q_heads, self.num_kv_heads,
-            self.head_dim, self.kv_pool.page_size, **self._plan_kwargs(),
+            meta.kv_indptr,
+            indices,
+            meta.kv_last_page_len,
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_pool.page_size,
+            **self._plan_kwargs(),
         )
 
     def plan(self, batch: AttentionBatch) -> None:
@@ -131,13 +145,22 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
             self._active = self.decode_wrapper
         else:
             self.prefill_wrapper.plan(
-                meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_pool.page_size,
-                causal=True, **self._plan_kwargs(),
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                self.num_q_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.kv_pool.page_size,
+                causal=True,
+                **self._plan_kwargs(),
             )
             self._active = self.prefill_wrapper
         self._planned.record()
-        self._out_slots = batch.out_slots.to(device=self.device, dtype=torch.long, non_blocking=True)
+        self._out_slots = batch.out_slots.to(
+            device=self.device, dtype=torch.long, non_blocking=True
+        )
 
     def forward(
         self,
@@ -147,13 +170,20 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-        assert self._active is not None and self._out_slots is not None, "plan(batch) must run before forward"
+        assert self._active is not None and self._out_slots is not None, (
+            "plan(batch) must run before forward"
+        )
         if not kv_stored:
             self.kv_pool.write(layer_id, self._out_slots, k, v)
-        kv_cache = (self.kv_pool.k_cache[layer_id], self.kv_pool.v_cache[layer_id])  # NHD, per layer
+        kv_cache = (
+            self.kv_pool.k_cache[layer_id],
+            self.kv_pool.v_cache[layer_id],
+        )  # NHD, per layer
         return self._active.run(q, kv_cache)
 
-    def kv_store_target(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def kv_store_target(
+        self, layer_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The pool's slots for this step: the decoder stores K/V in its rotary kernel (one launch fewer)."""
         assert self._out_slots is not None, "plan(batch) must run before kv_store_target"
         return self.kv_pool.k_slots(layer_id), self.kv_pool.v_slots(layer_id), self._out_slots
@@ -164,10 +194,15 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         indices_buffer = torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
         for size in batch_sizes:
             self._graph_wrappers[size] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
                 paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=self.device),
                 paged_kv_indices_buffer=indices_buffer,  # one at a time: sizes share it
-                paged_kv_last_page_len_buffer=torch.ones(size, dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.ones(
+                    size, dtype=torch.int32, device=self.device
+                ),
             )
 
     def plan_cuda_graph(self, batch: AttentionBatch) -> None:
@@ -176,7 +211,9 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         assert self._indices_host is not None and self._indices_stage is not None
         meta = paged_kv_metadata(batch)
         n = meta.kv_indices.numel()
-        assert n <= self._indices_host.numel(), f"{n} pages exceed the graph's {self._indices_host.numel()}"
+        assert n <= self._indices_host.numel(), (
+            f"{n} pages exceed the graph's {self._indices_host.numel()}"
+        )
         # pinned staging keeps the upload asynchronous (flashinfer copies a CPU index list synchronously)
         self._planned.synchronize()
         self._indices_host[:n].copy_(meta.kv_indices)

@@ -20,7 +20,9 @@ from services.engine.kv_cache import KVPool
 class _RequestPlan:
     query_start: int  # first row of this request in the packed q/k/v
     extend_len: int
-    gather_slots: torch.Tensor  # [seq_len] int64 on the pool device, slots of positions 0..seq_len-1
+    gather_slots: (
+        torch.Tensor
+    )  # [seq_len] int64 on the pool device, slots of positions 0..seq_len-1
     mask: torch.Tensor | None  # [extend_len, seq_len] bool, True = may attend; None = attend to all
 
 
@@ -59,7 +61,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
         head_dim: int,
         scale: float | None = None,
     ) -> None:
-        assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} q heads not a multiple of {num_kv_heads}"
+        assert num_q_heads % num_kv_heads == 0, (
+            f"{num_q_heads} q heads not a multiple of {num_kv_heads}"
+        )
         assert kv_pool.num_kv_heads == num_kv_heads and kv_pool.head_dim == head_dim
         self.kv_pool = kv_pool
         self.num_q_heads = num_q_heads
@@ -122,7 +126,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         mask: torch.Tensor | None,  # [extend_len, seq_len] bool
     ) -> torch.Tensor:  # [extend_len, num_q_heads, head_dim], dtype of q
         q32 = q.float().transpose(0, 1)  # [num_q_heads, extend_len, head_dim] fp32
-        k32 = k.float().repeat_interleave(self.num_q_per_kv, dim=1).transpose(0, 1)  # [Hq, seq_len, D]
-        v32 = v.float().repeat_interleave(self.num_q_per_kv, dim=1).transpose(0, 1)  # [Hq, seq_len, D]
+        k32 = (
+            k.float().repeat_interleave(self.num_q_per_kv, dim=1).transpose(0, 1)
+        )  # [Hq, seq_len, D]
+        v32 = (
+            v.float().repeat_interleave(self.num_q_per_kv, dim=1).transpose(0, 1)
+        )  # [Hq, seq_len, D]
         out = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask, scale=self.scale)
         return out.transpose(0, 1).to(q.dtype)

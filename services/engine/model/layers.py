@@ -8,9 +8,15 @@ from torch import nn
 
 from services.engine import ops
 
-PAD_INTERMEDIATE = 64  # fused MLPs round their intermediate size up to this (see GatedMLP.fuse_projections)
+PAD_INTERMEDIATE = (
+    64  # fused MLPs round their intermediate size up to this (see GatedMLP.fuse_projections)
+)
 
-ACTIVATIONS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "gelu": nn.functional.gelu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
 
 
 def activation(name: str):
@@ -84,12 +90,18 @@ class GatedMLP(nn.Module):
         padded = -(-inter // PAD_INTERMEDIATE) * PAD_INTERMEDIATE
         if padded != inter:
             for layer in (self.gate_proj, self.up_proj):
-                layer.weight = nn.Parameter(F.pad(layer.weight.detach(), (0, 0, 0, padded - inter)),
-                                            requires_grad=False)
+                layer.weight = nn.Parameter(
+                    F.pad(layer.weight.detach(), (0, 0, 0, padded - inter)), requires_grad=False
+                )
                 if layer.bias is not None:
-                    layer.bias = nn.Parameter(F.pad(layer.bias.detach(), (0, padded - inter)), requires_grad=False)
+                    layer.bias = nn.Parameter(
+                        F.pad(layer.bias.detach(), (0, padded - inter)), requires_grad=False
+                    )
         self.gate_up_weight, self.gate_up_bias = fuse_linears(self.gate_proj, self.up_proj)
-        for layer in (self.gate_proj, self.up_proj):  # back to the checkpoint's shape, as views of the fused weight
+        for layer in (
+            self.gate_proj,
+            self.up_proj,
+        ):  # back to the checkpoint's shape, as views of the fused weight
             layer.weight = nn.Parameter(layer.weight[:inter], requires_grad=False)
             if layer.bias is not None:
                 layer.bias = nn.Parameter(layer.bias[:inter], requires_grad=False)
@@ -101,4 +113,6 @@ class GatedMLP(nn.Module):
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I']
-        return ops.gated_linear(gate_up, self.act_name, self.act, self.down_weight, self.down_proj.bias)
+        return ops.gated_linear(
+            gate_up, self.act_name, self.act, self.down_weight, self.down_proj.bias
+        )

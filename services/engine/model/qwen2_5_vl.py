@@ -45,7 +45,8 @@ class Qwen2_5_VLModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         image_embeds: torch.Tensor | None = None,  # [num_image_tokens, hidden]
-        image_rows: torch.Tensor | None = None,  # [num_image_tokens] int64, row of T each embedding replaces
+        image_rows: torch.Tensor
+        | None = None,  # [num_image_tokens] int64, row of T each embedding replaces
     ) -> torch.Tensor:
         """Token embeddings with image embeddings written over the image placeholder rows; [T, hidden]."""
         embeds = self.model.embed_tokens(input_ids)

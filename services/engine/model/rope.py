@@ -38,7 +38,9 @@ def mrope_positions(
         t, h, w = span.grid_thw
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         assert t * gh * gw == span.length, f"span length {span.length} != grid {span.grid_thw}"
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        tt, hh, ww = torch.meshgrid(
+            torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij"
+        )
         chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + current)
         current += max(gh, gw)
         cursor = span.offset + span.length
@@ -64,11 +66,15 @@ class MRotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        )
         return 1.0 / (self.theta**exponents)
 
     @torch.no_grad()
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [3, T] -> cos, sin [T, head_dim] in dtype
         freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq.float()  # [3, T, D/2]
         parts = freqs.split(self.mrope_section, dim=-1)
@@ -91,7 +97,10 @@ class VisionRotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        exponents = torch.arange(0, self.spatial_dim, 2, dtype=torch.float32, device=device) / self.spatial_dim
+        exponents = (
+            torch.arange(0, self.spatial_dim, 2, dtype=torch.float32, device=device)
+            / self.spatial_dim
+        )
         return 1.0 / (self.theta**exponents)
 
     @torch.no_grad()

@@ -43,12 +43,16 @@ class Segments:
             if b > a:
                 starts_by_len.setdefault(b - a, []).append(a)
         self.num_tokens = cu_seqlens[-1]
-        self.tiled_length: int | None = None  # set: equal segments covering [0, N) in order, no gather
-        self.groups: list[tuple[int, int, torch.Tensor]] = []  # (length, count, token index [count * length])
+        self.tiled_length: int | None = (
+            None  # set: equal segments covering [0, N) in order, no gather
+        )
+        self.groups: list[
+            tuple[int, int, torch.Tensor]
+        ] = []  # (length, count, token index [count * length])
         self.cu: torch.Tensor | None = None  # [segments + 1] int32 (varlen), empty ones left out
         self.max_length = max(starts_by_len, default=0)
         if len(starts_by_len) == 1:
-            (length, starts), = starts_by_len.items()
+            ((length, starts),) = starts_by_len.items()
             if starts == list(range(0, self.num_tokens, length)):
                 self.tiled_length = length
                 return
@@ -60,7 +64,9 @@ class Segments:
             self.groups.append((length, len(starts), index.to(device)))
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments) -> torch.Tensor:
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments
+) -> torch.Tensor:
     """Non-causal attention inside each segment; q/k/v [N, H, D] -> [N, H, D]."""
     n, heads, dim = q.shape
     assert n == segments.num_tokens, (n, segments.num_tokens)
@@ -87,9 +93,13 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, cfg.hidden_size * 3, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
+    ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = ops.rotary_qk_fp32(self.qkv(x), cos, sin, self.num_heads, self.head_dim)  # [N, H, D] each
+        q, k, v = ops.rotary_qk_fp32(
+            self.qkv(x), cos, sin, self.num_heads, self.head_dim
+        )  # [N, H, D] each
         return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
 
 
@@ -125,7 +135,9 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.embed_dim = cfg.hidden_size
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(
+            cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=False
+        )
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # [N, C*T*P*P] -> [N, hidden]; a stride==kernel conv is a matmul over the flattened patch
@@ -139,7 +151,9 @@ class PatchMerger(nn.Module):
         self.merged_dim = cfg.hidden_size * cfg.spatial_merge_size**2
         self.ln_q = RMSNorm(cfg.hidden_size, eps=1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, cfg.out_hidden_size)
+            nn.Linear(self.merged_dim, self.merged_dim),
+            nn.GELU(),
+            nn.Linear(self.merged_dim, cfg.out_hidden_size),
         )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

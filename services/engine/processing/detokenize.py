@@ -46,7 +46,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, token_bytes: Sequence[bytes], special_token_ids: frozenset[int], skip_special_tokens: bool
+        self,
+        token_bytes: Sequence[bytes],
+        special_token_ids: frozenset[int],
+        skip_special_tokens: bool,
     ) -> None:
         self._token_bytes = token_bytes
         self._skipped_ids = special_token_ids if skip_special_tokens else frozenset()
