@@ -133,7 +133,7 @@ def test_a_bad_image_fails_its_jobs_only(rig, image_processor) -> None:
     ]
     results = run_step(workers, jobs, CacheLedger(2))
     errors = [e for r in results for e in r.errors]
-    assert [(e.job_id, e.error_type, e.param) for e in errors] == [
+    assert [(e.job_id, e.error.error_type, e.error.param) for e in errors] == [
         (1, "InvalidRequestError", "spans[1].image_data")
     ]
     assert not torch.isnan(buffer.rows(0, 4)).any()
@@ -211,7 +211,7 @@ def test_a_steps_images_decode_on_the_decode_threads_in_order(
         EncodeJob(1, "bad", (bad,), (receiver.destination("bad", 1000, 8),), deadline),
     ]
     (result,) = run_step(workers[:1], jobs, CacheLedger(1))  # one rank owns every image
-    assert [(e.job_id, e.param) for e in result.errors] == [(1, "spans[0].image_data")]
+    assert [(e.job_id, e.error.param) for e in result.errors] == [(1, "spans[0].image_data")]
     assert result.num_images_encoded == 5 and result.num_vit_forwards == 1
     assert len(threads) == 6 and all(name.startswith("decode-0") for name in threads)
     assert_rows_close(
