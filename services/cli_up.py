@@ -99,9 +99,10 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         "--transfer-backend",
         default=None,
         help="embedding transfer (and KV unless --kv-transfer-backend): "
-        f"{' | '.join(CROSS_PROCESS_BACKENDS)}; shm: /dev/shm shared by this host's processes, no network port; cuda_ipc: GPU to GPU "
-        "on one host (encoder and prefill on CUDA). Default: cuda_ipc when "
-        "--kv-transfer-backend is cuda_ipc and the encoder and prefill run on CUDA, else shm",
+        f"{' | '.join(CROSS_PROCESS_BACKENDS)}; shm: /dev/shm shared by this host's processes, "
+        "no network port; cuda_ipc: GPU to GPU on one host (encoder and prefill on CUDA). "
+        "Default: cuda_ipc when --kv-transfer-backend is cuda_ipc and the encoder and prefill "
+        "run on CUDA, else shm",
     )
     p.add_argument(
         "--kv-transfer-backend", default=None, choices=list(BACKENDS), help=KV_BACKEND_HELP

@@ -12,10 +12,13 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import grpc
+
 from services.common import logs, telemetry
 from services.common.auth import AuthConfigError, Credentials, internal_credentials
 from services.common.envs import INTERNAL_TOKEN_ENV, Envs
 from services.common.paths import BUNDLED_MODEL
+from services.common.server import HealthState, Registration, create_server
 from services.common.settings import add_config_args, flag
 
 
@@ -125,6 +128,26 @@ def start_telemetry(
         raise SystemExit(f"{service}: error: {exc}") from None
     return telemetry.start_metrics_server(
         metrics_port, host, service=service, model_name=model_name
+    )
+
+
+def service_server(
+    registration: Registration,
+    service_name: str,
+    config: ServiceConfig,
+    health: HealthState,
+    auth: Credentials | None,
+) -> tuple[grpc.aio.Server, int]:
+    """A service's gRPC server (bound, not started) on its config's host, port and reflection
+    setting; ``auth``: the internal token callers must send (None: none)."""
+    return create_server(
+        [registration],
+        config.port,
+        config.host,
+        [service_name],
+        health=health,
+        auth=auth,
+        enable_reflection=config.enable_reflection,
     )
 
 

@@ -10,8 +10,8 @@ from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
-from services.common.server import HealthState, create_server, serve_until_signal
-from services.common.service_main import print_ready, start_telemetry
+from services.common.server import HealthState, serve_until_signal
+from services.common.service_main import print_ready, service_server, start_telemetry
 from services.decode.config import DecodeConfig
 from services.decode.leader import DecodeLeader
 from services.decode.messages import RankInit, RankReport
@@ -70,14 +70,8 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
         config.max_reservation_s,
         signing.key_of(auth.token if auth else ""),
     )
-    server, port = create_server(
-        [(decode_pb2_grpc.add_DecodeServicer_to_server, servicer)],
-        config.port,
-        config.host,
-        [SERVICE_NAME],
-        health=health,
-        auth=auth,
-        enable_reflection=config.enable_reflection,
+    server, port = service_server(
+        (decode_pb2_grpc.add_DecodeServicer_to_server, servicer), SERVICE_NAME, config, health, auth
     )
     await server.start()  # liveness answers (NOT_SERVING) while the ranks form
     leader = DecodeLeader(

@@ -1,8 +1,8 @@
 """CUDA graphs for the vision tower: one per batch layout (the step's list of grids).
 
 A ViT forward is hundreds of small kernels whose launches cost more host time than the
-GPU spends on them. A graph replays the whole tower in one launch. Shapes follow the grids, so a graph
-serves only the exact layout it was captured for; the graphs are kept in an LRU of
+GPU spends on them. A graph replays the whole tower in one launch. Shapes follow the grids,
+so a graph serves only the exact layout it was captured for; the graphs are kept in an LRU of
 ``max_graphs`` layouts sharing one memory pool (replays run one at a time, and each
 replay's output is copied out before the next one).
 

@@ -23,8 +23,8 @@ from services.common.kv_transfer import (
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
-from services.common.server import HealthState, create_server, serve_until_signal
-from services.common.service_main import print_ready, start_telemetry
+from services.common.server import HealthState, serve_until_signal
+from services.common.service_main import print_ready, service_server, start_telemetry
 from services.engine.config import ModelConfig
 from services.prefill.config import PrefillConfig
 from services.prefill.encoding import Encoder
@@ -151,14 +151,12 @@ async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> 
     kv_refs = KvRefVerifier(signing.key_of(auth.token if auth else ""), config.max_kv_ref_nonces)
     images = ImageStore(config.image_store_mb * 1024 * 1024)
     servicer = PrefillServicer(config.default_timeout_s, kv_refs, images)
-    server, port = create_server(
-        [(prefill_pb2_grpc.add_PrefillServicer_to_server, servicer)],
-        config.port,
-        config.host,
-        [SERVICE_NAME],
-        health=health,
-        auth=auth,
-        enable_reflection=config.enable_reflection,
+    server, port = service_server(
+        (prefill_pb2_grpc.add_PrefillServicer_to_server, servicer),
+        SERVICE_NAME,
+        config,
+        health,
+        auth,
     )
     await server.start()
     encoder = None

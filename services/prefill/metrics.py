@@ -46,7 +46,8 @@ QUEUED = telemetry.gauge(
 
 STALLED = telemetry.gauge(
     "prefill_stalled",
-    "1 while the rank worker is stuck (a plan in flight, no progress for --watchdog-s); 0 otherwise",
+    "1 while the rank worker is stuck (a plan in flight, no progress for --watchdog-s); "
+    "0 otherwise",
 )
 
 

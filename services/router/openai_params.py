@@ -3,8 +3,8 @@
 The order of checks: ``n`` below 1 (meaningless, not unsupported), fields this server does
 not implement (each body's ``REFUSALS``: a 400 naming the field and saying what is not
 supported), then stream options, the token budget, logit_bias, and last the sampling
-ranges of ``SamplingParams.validate`` (the same rules for HTTP and gRPC). The context check of ``max_tokens`` needs the
-prompt's length, so the pipeline makes it after tokenizing.
+ranges of ``SamplingParams.validate`` (the same rules for HTTP and gRPC). The context check
+of ``max_tokens`` needs the prompt's length, so the pipeline makes it after tokenizing.
 """
 
 from __future__ import annotations

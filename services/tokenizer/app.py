@@ -7,8 +7,8 @@ import logging
 from services.common.auth import Credentials
 from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
-from services.common.server import HealthState, create_server, serve_until_signal
-from services.common.service_main import print_ready, start_telemetry
+from services.common.server import HealthState, serve_until_signal
+from services.common.service_main import print_ready, service_server, start_telemetry
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.servicer import SERVICE_NAME, TokenizerServicer
@@ -38,14 +38,12 @@ async def serve(
     )
     servicer = TokenizerServicer(pool, TokenizerMetrics())
     health = HealthState()
-    server, port = create_server(
-        [(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer)],
-        config.port,
-        config.host,
-        [SERVICE_NAME],
-        health=health,
-        auth=auth,
-        enable_reflection=config.enable_reflection,
+    server, port = service_server(
+        (tokenizer_pb2_grpc.add_TokenizerServicer_to_server, servicer),
+        SERVICE_NAME,
+        config,
+        health,
+        auth,
     )
     await server.start()  # live (NOT_SERVING) while the workers load
     try:

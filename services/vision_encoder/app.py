@@ -20,8 +20,8 @@ from services.common.progress import ProgressWatchdog
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.errors import RankStartError
 from services.common.ranks.group import RankGroup
-from services.common.server import HealthState, create_server, serve_until_signal
-from services.common.service_main import print_ready, start_telemetry
+from services.common.server import HealthState, serve_until_signal
+from services.common.service_main import print_ready, service_server, start_telemetry
 from services.engine.config import ModelConfig
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.job import JobLimits
@@ -135,15 +135,8 @@ def create_grpc_server(
     auth: Credentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The encoder's gRPC server; ``auth``: the internal token callers must send (None: none)."""
-    return create_server(
-        [(vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, app.servicer)],
-        port=config.port,
-        host=config.host,
-        service_names=[SERVICE_NAME],
-        health=health,
-        auth=auth,
-        enable_reflection=config.enable_reflection,
-    )
+    registration = (vision_encoder_pb2_grpc.add_VisionEncoderServicer_to_server, app.servicer)
+    return service_server(registration, SERVICE_NAME, config, health, auth)
 
 
 async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | None) -> None:

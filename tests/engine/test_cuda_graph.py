@@ -65,7 +65,8 @@ def _compare(model, prompt_lens=PROMPT_LENS, graph_sizes=DEFAULT_BATCH_SIZES, pa
         decided = (top2[:, 0] - top2[:, 1]) > 2 * diff + 1e-3
         agree = got.argmax(-1) == expected.argmax(-1)
         print(
-            f"step {step}: max |graph - eager| {diff:.4f} (logit scale {expected.abs().max().item():.2f}); "
+            f"step {step}: max |graph - eager| {diff:.4f} "
+            f"(logit scale {expected.abs().max().item():.2f}); "
             f"argmax agree {agree.tolist()}"
         )
         assert diff <= 0.02 * expected.abs().max().item() + 0.05
