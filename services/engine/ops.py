@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from types import ModuleType
 
 import torch
@@ -17,16 +18,15 @@ from services.engine.model.rope import apply_rotary, rotate_half
 
 
 @functools.cache
-def _triton_kernels() -> ModuleType | None:
+def _triton_module(name: str) -> ModuleType | None:
     try:
-        from services.engine import triton_kernels
+        return importlib.import_module(f"services.engine.{name}")
     except ImportError:  # no triton in this environment: the torch definitions run
         return None
-    return triton_kernels
 
 
-def _fused(x: torch.Tensor) -> ModuleType | None:
-    return _triton_kernels() if x.is_cuda else None
+def _fused(x: torch.Tensor, module: str = "triton_kernels") -> ModuleType | None:
+    return _triton_module(module) if x.is_cuda else None
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -178,7 +178,7 @@ def store_kv(
     v: torch.Tensor,
 ) -> None:
     """``k_slots[slots[i]] = k[i]`` and the same for v; slots/k/v on the pool's device and dtype."""
-    kernels = _fused(k)
+    kernels = _fused(k, "triton_kv")
     if (
         kernels is not None
         and k.stride(2) == 1
@@ -200,7 +200,7 @@ def copy_pages(
     dst_pages: torch.Tensor,
 ) -> None:
     """Pool pages ``src_pages[i]`` -> ``dst_pages[i]`` for every layer of K and V (buffers ``[L, P, S, H, D]``)."""
-    kernels = _fused(src_k)
+    kernels = _fused(src_k, "triton_kv")
     if kernels is not None:
         kernels.copy_pages(src_k, src_v, src_pages, dst_k, dst_v, dst_pages)
         return
