@@ -56,7 +56,7 @@ from services.prefill.validation import (
 
 logger = logging.getLogger(__name__)
 _tracer = telemetry.tracer("prefill")
-TICK_S = 0.05  # deadline sweep and row-quarantine release period
+RETRY_S = 0.5  # a pump that raised is tried again after this long
 
 
 class Ranks(Protocol):
@@ -130,7 +130,7 @@ class PrefillLeader:
         self._futures: dict[str, asyncio.Future[RequestOutcome]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the next deadline's pump
         self._is_stopping = False
         # Progress: a plan launched, a plan done. Run by the caller (``progress.start``).
         self.progress = ProgressWatchdog(
@@ -142,10 +142,9 @@ class PrefillLeader:
         )
 
     async def start(self) -> None:
-        """Describe the ranks (the group has formed) and start the ticker."""
+        """Describe the ranks (the group has formed); from then on every event pumps."""
         self._loop = asyncio.get_running_loop()
         await self._describe()
-        self._ticker = self._loop.create_task(self._tick_forever())
 
     def on_group_ready(self, is_ready: bool) -> None:
         """The rank group's readiness changed (from its thread): serve only after a fresh
@@ -183,8 +182,8 @@ class PrefillLeader:
         """Fail every live request (UNAVAILABLE) and stop the tasks; the caller stops the group."""
         self._is_stopping = True
         self.progress.stop()
-        if self._ticker is not None:
-            self._ticker.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
         for request_id, future in list(self._futures.items()):
             if not future.done():
                 future.set_exception(
@@ -274,7 +273,8 @@ class PrefillLeader:
 
     # --- driving the scheduler ---------------------------------------------------------
     def _pump(self) -> None:
-        """Expire, admit (start Encodes), and launch a plan if none is in flight."""
+        """Expire, admit (start Encodes), and launch a plan if none is in flight; then sleep
+        until the scheduler's next deadline (or the next event: a call, an Encode, a plan)."""
         if self._is_stopping:
             return
         self._resolve(self.scheduler.expire())
@@ -288,19 +288,29 @@ class PrefillLeader:
         metrics.QUEUED.set(
             sum(
                 self.scheduler.num_in(s)
-                for s in (ReqStatus.QUEUED, ReqStatus.ENCODING, ReqStatus.READY)
+                for s in (ReqStatus.QUEUED, ReqStatus.READY, ReqStatus.ENCODING)
             )
         )
+        self._arm(self.scheduler.next_wake())
 
-    async def _tick_forever(self) -> None:
-        """Pump every ``TICK_S``; a failing pump is logged and retried (expiry and quarantine need
-        it)."""
-        while True:
-            await asyncio.sleep(TICK_S)
-            try:
-                self._pump()
-            except Exception:  # the ticker's last resort: dead, it would leak every later deadline
-                logger.exception("prefill scheduler tick failed")
+    def _arm(self, wake_at: float | None) -> None:
+        """Pump at ``wake_at`` (the leader's clock), replacing the timer armed before."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if wake_at is not None and self._loop is not None and not self._is_stopping:
+            delay_s = max(wake_at - self._clock(), 0.0)
+            self._timer = self._loop.call_later(delay_s, self._timed_pump)
+
+    def _timed_pump(self) -> None:
+        """A deadline's pump; one that raises is logged and tried again (expiry and quarantine
+        release need it), as every later event would also try."""
+        self._timer = None
+        try:
+            self._pump()
+        except Exception:
+            logger.exception("prefill scheduler pump failed")
+            self._arm(self._clock() + RETRY_S)
 
     def _spawn(self, coro: object) -> None:
         assert self._loop is not None

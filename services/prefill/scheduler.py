@@ -103,6 +103,17 @@ class PrefillScheduler:
             e.status is ReqStatus.READY for e in self._entries.values()
         )
 
+    def next_wake(self) -> float | None:
+        """The earliest time (``clock``) a pump has work: a queued request's deadline or a
+        quarantine release; None when nothing waits on time."""
+        times = [q.release_at for q in self._quarantine]
+        times.extend(
+            e.input.deadline
+            for e in self._entries.values()
+            if e.status in (ReqStatus.QUEUED, ReqStatus.READY)
+        )
+        return min(times, default=None)
+
     def get(self, request_id: str) -> SchedEntry | None:
         return self._entries.get(request_id)
 
@@ -246,7 +257,9 @@ class PrefillScheduler:
             self._finish(entry, RequestOutcome(request_id, error=error))
 
     def expire(self) -> list[RequestOutcome]:
-        """QUEUED / READY requests past their deadline -> FAILED (DEADLINE_EXCEEDED)."""
+        """QUEUED / READY requests past their deadline -> FAILED (DEADLINE_EXCEEDED); quarantined
+        rows past their release time -> free."""
+        self._release_quarantine()
         now = self.clock()
         expired = [
             e

@@ -192,9 +192,25 @@ def test_encoder_failure_frees_rows_and_timeouts_quarantine_them() -> None:
     assert s.num_rows_used == 4
     s.finish_encoding("slow", DeadlineExceededError("late"), may_still_write=True)
     assert s.num_rows_used == 4 and s.num_live == 0  # quarantined, not free
+    assert s.next_wake() == clock.now + 5.0  # the leader's pump is armed for the release
     clock.now += 5.0
-    s.admit()
+    s.expire()  # the pump at the release time: rows free even while nothing can be admitted
     assert s.num_rows_used == 0 and s.rows.num_free_rows == 8
+    assert s.next_wake() is None
+
+
+def test_next_wake_is_the_earliest_waiting_deadline() -> None:
+    clock = Clock()
+    s = make_scheduler(clock=clock)
+    assert s.next_wake() is None
+    s.add(make_input("late", 4, deadline=clock.now + 9), {})
+    s.add(make_input("soon", 4, deadline=clock.now + 2), {})
+    s.add(make_input("encoding", 4, num_image_tokens=2, deadline=clock.now + 1), {"h": b"x"})
+    s.admit()  # "encoding" waits on its Encode (the caller's own deadline ends it), not a pump
+    assert s.next_wake() == clock.now + 2
+    clock.now += 2
+    assert [o.request_id for o in s.expire()] == ["soon"]
+    assert s.next_wake() == clock.now + 7
 
 
 def test_abort_and_expire() -> None:
