@@ -43,7 +43,7 @@ from services.prefill.request import (
     PrefillInput,
     PrefillOutput,
     PrefillPlan,
-    ReqStatus,
+    PrefillStatus,
     RequestOutcome,
 )
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
@@ -288,7 +288,7 @@ class PrefillLeader:
         metrics.QUEUED.set(
             sum(
                 self.scheduler.num_in(s)
-                for s in (ReqStatus.QUEUED, ReqStatus.READY, ReqStatus.ENCODING)
+                for s in (PrefillStatus.QUEUED, PrefillStatus.READY, PrefillStatus.ENCODING)
             )
         )
         self._arm(self.scheduler.next_wake())

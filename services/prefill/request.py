@@ -12,7 +12,7 @@ from services.common.errors import StageServeError
 from services.common.types import FinishReason, ImageSpanRef, SamplingParams
 
 
-class ReqStatus(enum.Enum):
+class PrefillStatus(enum.Enum):
     QUEUED = "queued"
     ENCODING = "encoding"
     READY = "ready"
@@ -22,7 +22,7 @@ class ReqStatus(enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        return self in (ReqStatus.DONE, ReqStatus.FAILED)
+        return self in (PrefillStatus.DONE, PrefillStatus.FAILED)
 
 
 class BatchKind(enum.Enum):

@@ -42,7 +42,7 @@ from services.prefill.request import (
     PrefillInput,
     PrefillOutput,
     PrefillPlan,
-    ReqStatus,
+    PrefillStatus,
     RequestOutcome,
     can_share_batch,
 )
@@ -53,7 +53,7 @@ from services.transfer.embeddings import EmbeddingRowManager
 class SchedEntry:
     input: PrefillInput
     images: dict[str, bytes]  # content_hash -> compressed bytes, for Encode
-    status: ReqStatus = ReqStatus.QUEUED
+    status: PrefillStatus = PrefillStatus.QUEUED
     row_start: int = -1  # -1: no rows held
     num_cached_image_tokens: int = 0
     is_aborted: bool = False  # the caller is gone; the outcome is dropped
@@ -90,7 +90,7 @@ class PrefillScheduler:
     def num_live(self) -> int:
         return len(self._entries)
 
-    def num_in(self, status: ReqStatus) -> int:
+    def num_in(self, status: PrefillStatus) -> int:
         return sum(e.status is status for e in self._entries.values())
 
     @property
@@ -100,7 +100,7 @@ class PrefillScheduler:
         Requests still QUEUED or ENCODING wait on the vision encoder (or its rows), not on this worker.
         """
         return self._in_flight is not None or any(
-            e.status is ReqStatus.READY for e in self._entries.values()
+            e.status is PrefillStatus.READY for e in self._entries.values()
         )
 
     def next_wake(self) -> float | None:
@@ -110,7 +110,7 @@ class PrefillScheduler:
         times.extend(
             e.input.deadline
             for e in self._entries.values()
-            if e.status in (ReqStatus.QUEUED, ReqStatus.READY)
+            if e.status in (PrefillStatus.QUEUED, PrefillStatus.READY)
         )
         return min(times, default=None)
 
@@ -151,14 +151,14 @@ class PrefillScheduler:
         to_encode: list[SchedEntry] = []
         is_image_blocked = False
         for entry in self._entries.values():
-            if entry.status is not ReqStatus.QUEUED:
+            if entry.status is not PrefillStatus.QUEUED:
                 continue
             num_rows = entry.input.num_image_tokens
             if num_rows == 0:
-                entry.status = ReqStatus.READY
+                entry.status = PrefillStatus.READY
             elif not is_image_blocked and self.rows.can_allocate(num_rows):
                 entry.row_start = self.rows.allocate(num_rows)
-                entry.status = ReqStatus.ENCODING
+                entry.status = PrefillStatus.ENCODING
                 to_encode.append(entry)
             else:
                 is_image_blocked = True  # FIFO among image requests: no overtaking the blocked one
@@ -177,10 +177,10 @@ class PrefillScheduler:
         so they are quarantined instead of freed.
         """
         entry = self._entries[request_id]
-        assert entry.status is ReqStatus.ENCODING, f"{request_id} is {entry.status}"
+        assert entry.status is PrefillStatus.ENCODING, f"{request_id} is {entry.status}"
         error = error or entry.failure
         if error is None and not entry.is_aborted:
-            entry.status = ReqStatus.READY
+            entry.status = PrefillStatus.READY
             entry.num_cached_image_tokens = num_cached_image_tokens
             return None
         error = error or AbortedError(f"{request_id} was aborted while its images were encoding")
@@ -195,7 +195,7 @@ class PrefillScheduler:
         chosen: list[SchedEntry] = []
         num_tokens = num_pages = 0
         for entry in self._entries.values():
-            if entry.status is not ReqStatus.READY:
+            if entry.status is not PrefillStatus.READY:
                 continue
             tokens, pages = entry.input.num_tokens, self.pages_needed(entry.input.num_tokens)
             if chosen and (
@@ -209,7 +209,7 @@ class PrefillScheduler:
         if not chosen:
             return None
         for entry in chosen:
-            entry.status = ReqStatus.RUNNING
+            entry.status = PrefillStatus.RUNNING
         planned = tuple(PlannedRequest(e.input, e.row_start) for e in chosen)
         self._in_flight = PrefillPlan(next(self._plan_ids), planned)
         return self._in_flight
@@ -239,9 +239,9 @@ class PrefillScheduler:
         for entry in list(self._entries.values()):
             if not entry.input.num_image_tokens:
                 continue
-            if entry.status is ReqStatus.ENCODING:
+            if entry.status is PrefillStatus.ENCODING:
                 entry.failure = error
-            elif entry.status is ReqStatus.READY:
+            elif entry.status is PrefillStatus.READY:
                 outcome = self._finish(entry, RequestOutcome(entry.request_id, error=error))
                 if outcome is not None:
                     outcomes.append(outcome)
@@ -253,7 +253,7 @@ class PrefillScheduler:
         if entry is None:
             return
         entry.is_aborted = True
-        if entry.status in (ReqStatus.QUEUED, ReqStatus.READY):
+        if entry.status in (PrefillStatus.QUEUED, PrefillStatus.READY):
             self._finish(entry, RequestOutcome(request_id, error=error))
 
     def expire(self) -> list[RequestOutcome]:
@@ -264,7 +264,7 @@ class PrefillScheduler:
         expired = [
             e
             for e in self._entries.values()
-            if e.status in (ReqStatus.QUEUED, ReqStatus.READY) and e.input.deadline <= now
+            if e.status in (PrefillStatus.QUEUED, PrefillStatus.READY) and e.input.deadline <= now
         ]
         outcomes = []
         for entry in expired:
@@ -284,7 +284,7 @@ class PrefillScheduler:
     def _finish(
         self, entry: SchedEntry, outcome: RequestOutcome, quarantine_rows: bool = False
     ) -> RequestOutcome | None:
-        entry.status = ReqStatus.DONE if outcome.is_ok else ReqStatus.FAILED
+        entry.status = PrefillStatus.DONE if outcome.is_ok else PrefillStatus.FAILED
         self._free_rows(entry, quarantine=quarantine_rows)
         del self._entries[entry.request_id]
         if entry.is_aborted:

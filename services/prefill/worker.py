@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Executed:
+class PlanOutcome:
     outcomes: tuple[RankOutcome, ...]  # plan order; () when this rank did not run the plan
     forward_s: float = 0.0
     peer_failed: bool = False
@@ -71,14 +71,14 @@ class PrefillRankWorker:
         self._kv_width = 2 * text.num_key_value_heads * text.head_dim
         kv_sender.register(runner.kv_pool)
 
-    def execute(self, plan: RankPlan, write_kv: bool = True) -> Executed:
+    def execute(self, plan: RankPlan, write_kv: bool = True) -> PlanOutcome:
         """Run ``plan`` if it is this rank's; KV write failures become error outcomes, the rest
         raises.
 
         ``write_kv`` False (warm-up): forward and sample only.
         """
         if plan.solo_rank not in (SHARDED, self.rank):
-            return Executed(())
+            return PlanOutcome(())
         sharded = plan.solo_rank == SHARDED and self.world_size > 1
         shard = (
             CpShard(self.rank, self.world_size, plan.block_tokens) if sharded else CpShard(0, 1, 1)
@@ -96,11 +96,11 @@ class PrefillRankWorker:
                 token_ids = self._run(plan, shard, handoff)
             forward_s = time.perf_counter() - start
             if token_ids is None:
-                return Executed((), forward_s, peer_failed=True)
+                return PlanOutcome((), forward_s, peer_failed=True)
             if not write_kv:
-                return Executed((), forward_s)
+                return PlanOutcome((), forward_s)
             handoff.start(plan.requests)
-            return Executed(handoff.wait(plan.requests, token_ids), forward_s)
+            return PlanOutcome(handoff.wait(plan.requests, token_ids), forward_s)
         finally:
             handoff.close()
             for request in plan.requests:

@@ -41,7 +41,7 @@ from services.prefill.app import PrefillApp
 from services.prefill.config import PrefillConfig
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
-from services.prefill.request import ReqStatus
+from services.prefill.request import PrefillStatus
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
 from tests.conftest import TINY_MODEL_DIR, image_bytes
 from tests.prefill.cp_ranks import PAGE_SIZE, TARGET, RecordingResult, group_config, rank_env
@@ -287,7 +287,7 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = WAIT_S) -
 
 async def wait_until_ready(harness: Harness, num_requests: int) -> None:
     """Until ``num_requests`` requests are READY (text admitted, every image's Encode done)."""
-    await wait_until(lambda: harness.scheduler.num_in(ReqStatus.READY) == num_requests)
+    await wait_until(lambda: harness.scheduler.num_in(PrefillStatus.READY) == num_requests)
 
 
 def record_sends(harness: Harness) -> list[str]:

@@ -19,7 +19,7 @@ from services.prefill.request import (
     PrefillInput,
     PrefillOutput,
     PrefillPlan,
-    ReqStatus,
+    PrefillStatus,
     RequestOutcome,
     can_share_batch,
 )
@@ -112,9 +112,9 @@ def test_lifecycle_rows_and_one_plan_in_flight() -> None:
     encoding = s.admit()
     assert [e.request_id for e in encoding] == ["a"]
     assert [s.get(i).status for i in "abt"] == [
-        ReqStatus.ENCODING,
-        ReqStatus.QUEUED,
-        ReqStatus.READY,
+        PrefillStatus.ENCODING,
+        PrefillStatus.QUEUED,
+        PrefillStatus.READY,
     ]
     assert s.get("a").row_start == 0 and s.num_rows_used == 6
     s.finish_encoding("a", num_cached_image_tokens=6)
@@ -225,8 +225,8 @@ def test_abort_and_expire() -> None:
     assert plan is not None and plan.request_ids == ["queued", "running"]
     s.abort("running", DeadlineExceededError("gone"))
     s.abort("encoding", DeadlineExceededError("gone"))
-    assert s.get("running").status is ReqStatus.RUNNING  # finishes with its plan
-    assert s.get("encoding").status is ReqStatus.ENCODING  # rows stay until the Encode returns
+    assert s.get("running").status is PrefillStatus.RUNNING  # finishes with its plan
+    assert s.get("encoding").status is PrefillStatus.ENCODING  # rows stay until the Encode returns
     outcomes = s.update_from_output(plan, ok_output(plan))
     assert [o.request_id for o in outcomes] == ["queued"]  # the aborted one's outcome is dropped
     assert s.finish_encoding("encoding") is None and s.num_rows_used == 0 and s.num_live == 0
@@ -279,7 +279,7 @@ def test_a_mixed_stream_of_image_and_override_requests_never_mixes_and_never_sta
     num_plans, waited = 0, {}
     while s.num_live:
         oldest = min(
-            (e for e in s._entries.values() if e.status is ReqStatus.READY),
+            (e for e in s._entries.values() if e.status is PrefillStatus.READY),
             key=lambda e: arrivals[e.request_id],
         )
         plan = s.schedule()
