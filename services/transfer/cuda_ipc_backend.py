@@ -16,8 +16,7 @@ end (milliseconds), which decode's page quarantine already covers (see base.py).
 Prefill streams a request layer by layer (``start_layerwise``): each chunk of layers is
 copied on a side stream as soon as the forward queued those layers, so the link carries
 the KV while later layers compute (and does not go idle, which makes a lone copy after
-the forward up to ~2x slower on H200 NVLink); only the last chunk is left when the
-forward ends.
+the forward slower); only the last chunk is left when the forward ends.
 
 Both processes must see both GPUs (no disjoint ``CUDA_VISIBLE_DEVICES``) and the GPUs
 must be peers; otherwise ``send`` fails with ``UnavailableError``.
@@ -280,7 +279,7 @@ class _IpcSend(PendingSend):
         while not self.done.query():
             # past the deadline the kernel still finishes; decode quarantines the pages
             check_deadline(self.request_id, self.deadline)
-            # releases the GIL; sleep(0) would add the kernel's timer slack (~50 us)
+            # releases the GIL; sleep(0) would add the kernel's timer slack
             os.sched_yield()
         elapsed = time.monotonic() - self.started
         return TransferResult(self.request_id, self.num_bytes, 1 if self.num_bytes else 0, elapsed)
@@ -291,7 +290,7 @@ class _LayerwiseIpcSend(LayerwiseSend):
 
     Each chunk waits (an event on the forward's stream) for its layers' KV, then reads those
     layers of every page of the request. Chunks hold at least ``LAYER_CHUNK_BYTES`` (each launch
-    costs ~70 us of host time), so a small request goes in one copy after its last layer.
+    costs host time), so a small request goes in one copy after its last layer.
     """
 
     def __init__(

@@ -5,11 +5,11 @@ sender opens the segment on the first write to it. A plan is written in
 ``batch_transfer_sync_write`` calls of at most ``max_descriptors`` descriptors: the TCP
 transport queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (1024) +
 ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (1024) descriptors per peer and fails a larger
-batch outright (measured: 2049 pass, 3000 fail).
+batch outright.
 
 The engine call blocks (GIL released) until the bytes land, the peer fails, or the
 engine's own timeout passes (``MC_TRANSFER_TIMEOUT``; a peer that accepts TCP but never
-answers the handshake holds it for about 60 s). ``write_within`` runs it on a daemon
+answers the handshake holds it for the engine's own handshake timeout). ``write_within`` runs it on a daemon
 thread and stops waiting at the caller's deadline, so a slow peer becomes
 ``DeadlineExceededError``.
 
