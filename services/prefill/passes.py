@@ -87,6 +87,40 @@ class PassInput:
     logits_requests: list[int]  # plan request index of each
 
 
+def _local_part(
+    runner: ModelRunner,
+    request: RankRequest,
+    req_rows: RequestRows,
+    seg: PassSegment,
+    mine: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, tuple[list[int], list[int], list[list[int]]]]:
+    """This rank's tokens of ``seg`` (``mine``: offsets into it): their embeddings, positions,
+    and attention runs (seq lens, extend lens, page tables)."""
+    chunk = merged_embeds(runner, request, req_rows, seg.start, seg.end)
+    seg_positions = req_rows.positions[:, seg.start : seg.end]
+    pages = runner.page_table.pages(request.request_id)
+    if len(mine) == seg.end - seg.start:  # the whole segment: one run
+        return chunk, seg_positions, ([seg.end], [len(mine)], [pages])
+    index = torch.tensor(mine, dtype=torch.long)
+    runs = local_runs([seg.start + i for i in mine], pages, runner.page_size)
+    return chunk[index.to(chunk.device)], seg_positions[:, index], runs
+
+
+def _sharded_slots(
+    shard: CpShard, packed_slots: torch.Tensor, local: list[int], num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV slots of this rank's tokens, and of every rank's in all-gather order."""
+    if shard.world_size == 1:  # every token is this rank's: no index juggling
+        return packed_slots, packed_slots
+    order = [i for r in range(shard.world_size) for i in shard.local_indices(num_tokens, r)]
+    local_slots = (
+        packed_slots[torch.tensor(local, dtype=torch.long)]
+        if local
+        else torch.zeros(0, dtype=torch.long)
+    )
+    return local_slots, packed_slots[torch.tensor(order, dtype=torch.long)]
+
+
 def build_pass(
     runner: ModelRunner,
     shard: CpShard,
@@ -96,7 +130,6 @@ def build_pass(
 ) -> PassInput:
     table = runner.page_table
     num_tokens = sum(s.end - s.start for s in segments)
-    is_whole = shard.world_size == 1  # every token is this rank's: no index juggling
     local = shard.local_indices(num_tokens)  # ascending packed indices
     slots, embeds, positions = [], [], []
     seq_lens: list[int] = []
@@ -112,19 +145,10 @@ def build_pass(
         hi = bisect.bisect_left(local, offset + length)
         slots.append(table.slots(request.request_id, seg.start, seg.end))
         if hi > lo:
-            chunk = merged_embeds(runner, request, req_rows, seg.start, seg.end)
-            seg_positions = req_rows.positions[:, seg.start : seg.end]
-            pages = table.pages(request.request_id)
-            if hi - lo == length:  # the whole segment: one run
-                embeds.append(chunk)
-                positions.append(seg_positions)
-                runs = [seg.end], [length], [pages]
-            else:
-                mine = [i - offset for i in local[lo:hi]]
-                index = torch.tensor(mine, dtype=torch.long)
-                embeds.append(chunk[index.to(chunk.device)])
-                positions.append(seg_positions[:, index])
-                runs = local_runs([seg.start + i for i in mine], pages, runner.page_size)
+            mine = [i - offset for i in local[lo:hi]]
+            seg_embeds, seg_positions, runs = _local_part(runner, request, req_rows, seg, mine)
+            embeds.append(seg_embeds)
+            positions.append(seg_positions)
             seq_lens += runs[0]
             extend_lens += runs[1]
             page_tables += runs[2]
@@ -133,17 +157,7 @@ def build_pass(
             logits_rows.append(hi - 1)  # its row among this rank's tokens
             logits_requests.append(seg.request)
         offset += length
-    packed_slots = torch.cat(slots)
-    if is_whole:
-        local_slots = gathered_slots = packed_slots
-    else:
-        order = [i for r in range(shard.world_size) for i in shard.local_indices(num_tokens, r)]
-        local_slots = (
-            packed_slots[torch.tensor(local, dtype=torch.long)]
-            if local
-            else torch.zeros(0, dtype=torch.long)
-        )
-        gathered_slots = packed_slots[torch.tensor(order, dtype=torch.long)]
+    local_slots, gathered_slots = _sharded_slots(shard, torch.cat(slots), local, num_tokens)
     hidden = runner.model.config.text.hidden_size
     batch = AttentionBatch(
         ForwardMode.EXTEND, seq_lens, extend_lens, page_tables, runner.page_size, local_slots
