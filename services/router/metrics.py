@@ -125,6 +125,11 @@ class RouterMetrics:
             buckets=token_buckets,
             registry=r,
         )
+        self._add_request_outcomes(r, request_buckets, max_model_len)
+
+    def _add_request_outcomes(
+        self, r: CollectorRegistry, request_buckets: tuple[float, ...], max_model_len: int
+    ) -> None:
         phases = {
             "queue": "In the admission queue, waiting for a slot and for decode's KV pages.",
             "prefill": "From leaving the queue (Reserve on decode, then prefill's queue, images, "
