@@ -252,3 +252,20 @@ def test_an_idle_rank_answers_each_ping_with_a_pong_apart_from_its_steps(world_o
     assert (pong_6, executed, pong_7) == (Pong(step=6, rank=0), StepExecuted(7, 0), Pong(7, 0))
     assert isinstance(reply, StepReply) and (reply.step, reply.status) == (7, StepStatus.OK)
     assert msgspec.msgpack.decode(reply.result, type=EchoResult).value == 2
+
+
+def test_a_group_of_one_agrees_on_its_own_status_without_an_exchange(
+    world_of_one, monkeypatch
+) -> None:
+    def no_exchange(*args, **kwargs):
+        raise AssertionError("a group of one exchanged its status")
+
+    monkeypatch.setattr("services.common.ranks.rank_loop.exchange", no_exchange)
+    loop, _ = make_loop(world_of_one)
+    ok = loop.run_step(request(7, EchoPayload(value=2)))
+    assert ok.status is StepStatus.OK
+    failed = loop.run_step(request(8, EchoPayload(value=1, raise_on_rank=0)))
+    assert (failed.status, failed.error) == (
+        StepStatus.FAILED,
+        "step 8 failed on rank 0: RuntimeError: injected failure at value 1",
+    )

@@ -1,8 +1,9 @@
 """A rank's step loop: answer each StepRequest with one StepReply, in step order.
 
 Per step: decode the payload, ``execute`` it, tell the leader ``StepExecuted``, all-gather the
-ranks' statuses (``agreement.exchange``) before the step's deadline, and reply with the
-verdict every rank reached: OK with this rank's result, or FAILED with the agreed error
+ranks' statuses (``agreement.exchange``) before the step's deadline (a group of one rank has
+none to gather: its own status is the agreed one), and reply with the verdict every rank
+reached: OK with this rank's result, or FAILED with the agreed error
 (after ``on_failed``). A malformed message where a step was due counts as that step,
 failed on this rank. An exchange that cannot complete (a peer dead or stuck, a desync)
 makes this rank reply BROKEN and leave: the group is restarted as a whole.
@@ -101,6 +102,7 @@ class RankLoop:
         self.channel = channel
         self.step_fn = step_fn
         self.control_group = control_group  # the status exchange's own group (the default one)
+        self._is_alone = control_group.size() == 1
         self.rank = rank
         self.setup = setup
         self.parent_pid = parent_pid  # the leader; 0: none (a loop driven in-process)
@@ -157,7 +159,10 @@ class RankLoop:
         self.channel.send(StepExecuted(step=step, rank=self.rank))
         try:
             remaining_s = start_s + timeout_s - time.monotonic()
-            agreed = agree(exchange(self.control_group, status, remaining_s), step)
+            statuses = (
+                [status] if self._is_alone else exchange(self.control_group, status, remaining_s)
+            )
+            agreed = agree(statuses, step)
         except Exception as exc:  # a timeout, a lost peer, a desync: no verdict is possible
             cause = f"rank {self.rank}: status exchange of step {step} failed: {error_text(exc)}"
             return StepReply(step=step, rank=self.rank, status=StepStatus.BROKEN, error=cause)
