@@ -16,7 +16,7 @@ from services.common.service_main import (
     setup_logging,
 )
 from services.common.settings import config_from_args
-from services.vision_encoder.app import rank_group_config, serve
+from services.vision_encoder.app import rank_group_configs, serve
 from services.vision_encoder.config import VisionEncoderConfig
 
 
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
             a.devices, a.ranks, a.device, spread_cuda=False, service="vision_encoder"
         )
         config = config_from_args(VisionEncoderConfig, a, devices=devices)
-        rank_group_config(config, Envs())  # the devices, checked before anything starts
+        rank_group_configs(config, Envs())  # the devices, checked before anything starts
     except ValueError as exc:
         p.error(str(exc))
     return config

@@ -1,8 +1,10 @@
-"""Wiring of the leader process: config -> rank group, scheduler, leader, servicer, readiness.
+"""Wiring of the leader process: config -> rank groups, scheduler, leader, servicer, readiness.
 
-The leader process reads the checkpoint's config only (the limits every call is checked
-against); each rank process loads the vision tower (``rank_step``). Readiness follows
-the rank group and the progress watchdogs (``readiness.ReadinessGate``).
+Each of the W ranks is a rank group of one process on its device, started, stepped and
+re-formed alone. The leader process reads the checkpoint's config only (the limits every
+call is checked against); each rank process loads the vision tower (``rank_step``).
+Readiness follows the ranks' groups and the progress watchdogs
+(``readiness.ReadinessGate``): SERVING while at least one rank serves.
 """
 
 from __future__ import annotations
@@ -47,30 +49,34 @@ class VisionEncoderApp:
     _watchdogs: list[ProgressWatchdog] = field(default_factory=list)
 
     @property
-    def group(self) -> RankGroup:
-        return self.leader.group
+    def groups(self) -> tuple[RankGroup, ...]:
+        return self.leader.groups
 
     async def start(self, health: HealthState, watchdog_poll_s: float = 1.0) -> None:
-        """Form the rank group (every rank loaded and warmed up; ``RankStartError`` naming the
-        rank and cause), start the batch loop; readiness follows the group and the watchdogs."""
+        """Form every rank's group (each rank loaded and warmed up; ``RankStartError`` naming
+        the rank and cause), start the batch loop; readiness follows the groups and the
+        watchdogs."""
         self._loop = asyncio.get_running_loop()
-        self._gate = ReadinessGate(health)
+        self._gate = ReadinessGate(health, self.leader.num_ranks)
         await self.leader.start()
-        group = self.leader.group
-        self._watchdogs = [self.leader.progress, group.progress, *group.rank_progress]
-        for watchdog in self._watchdogs:
-            watchdog.start(self._gate.view(), interval_s=watchdog_poll_s)  # type: ignore[arg-type]
+        views = [(self.leader.progress, self._gate.view())]
+        for rank, group in enumerate(self.groups):
+            for watchdog in (group.progress, *group.rank_progress):
+                views.append((watchdog, self._gate.view(rank)))
+        self._watchdogs = [watchdog for watchdog, _ in views]
+        for watchdog, view in views:
+            watchdog.start(view, interval_s=watchdog_poll_s)  # type: ignore[arg-type]
 
-    def on_ready_change(self, is_ready: bool) -> None:
-        """The rank group's readiness (called from its thread)."""
+    def on_ready_change(self, rank: int, is_ready: bool) -> None:
+        """Rank ``rank``'s group readiness (called from that group's thread)."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._apply_ready, is_ready)
+            self._loop.call_soon_threadsafe(self._apply_ready, rank, is_ready)
 
-    def _apply_ready(self, is_ready: bool) -> None:
+    def _apply_ready(self, rank: int, is_ready: bool) -> None:
         if not is_ready:
-            self.leader.on_group_down()
+            self.leader.on_rank_down(rank)
         if self._gate is not None:
-            self._gate.set_group_ready(is_ready)
+            self._gate.set_rank_ready(rank, is_ready)
 
     async def close(self) -> None:
         """Stop the ranks and the batch loop; every call still waiting fails UNAVAILABLE."""
@@ -79,17 +85,21 @@ class VisionEncoderApp:
         await self.leader.stop()
 
 
-def rank_group_config(config: VisionEncoderConfig, envs: Envs) -> RankGroupConfig:
-    return RankGroupConfig(
-        name="vision encoder",
-        devices=config.devices,
-        step_timeout_s=config.step_timeout_s,
-        watchdog_s=config.watchdog_s,
-        internal_token=envs.internal_token,  # what the spawned ranks inherit and send back
+def rank_group_configs(config: VisionEncoderConfig, envs: Envs) -> tuple[RankGroupConfig, ...]:
+    """Rank ``r``'s group: one process on ``config.devices[r]``."""
+    return tuple(
+        RankGroupConfig(
+            name=f"vision encoder rank {rank}",
+            devices=(device,),
+            step_timeout_s=config.step_timeout_s,
+            watchdog_s=config.watchdog_s,
+            internal_token=envs.internal_token,  # what the spawned rank inherits and sends back
+        )
+        for rank, device in enumerate(config.devices)
     )
 
 
-def rank_init(config: VisionEncoderConfig) -> EncoderRankInit:
+def rank_init(config: VisionEncoderConfig, rank: int) -> EncoderRankInit:
     transfer = TransferSpec(
         config.transfer_backend, config.transfer_host, config.transfer_protocol, config.staging_rows
     )
@@ -101,6 +111,8 @@ def rank_init(config: VisionEncoderConfig) -> EncoderRankInit:
         transfer,
         config.pixel_method,
         config.vit_cuda_graphs,
+        rank,
+        config.num_ranks,
     )
 
 
@@ -115,13 +127,17 @@ def build_app(
     envs = envs if envs is not None else Envs.from_environ()
     vision = ModelConfig.from_dir(config.model).vision
     limits = JobLimits(vision.spatial_merge_size, vision.out_hidden_size, config.transfer_backend)
-    spec = StepSpec(step_target, EncodeStepResult, rank_init(config))
-    app: VisionEncoderApp  # the group calls back only once started, when ``app`` exists
-    group = RankGroup(
-        rank_group_config(config, envs), spec, on_ready_change=lambda r: app.on_ready_change(r)
-    )
+    app: VisionEncoderApp  # a group calls back only once started, when ``app`` exists
+    groups = [
+        RankGroup(
+            group_config,
+            StepSpec(step_target, EncodeStepResult, rank_init(config, rank)),
+            on_ready_change=lambda is_ready, rank=rank: app.on_ready_change(rank, is_ready),
+        )
+        for rank, group_config in enumerate(rank_group_configs(config, envs))
+    ]
     leader = EncoderLeader(
-        EncodeScheduler(config.max_batch_images), group, metrics, watchdog_s=config.watchdog_s
+        EncodeScheduler(config.max_batch_images), groups, metrics, watchdog_s=config.watchdog_s
     )
     servicer = VisionEncoderServicer(leader, limits, config.default_timeout_s)
     app = VisionEncoderApp(leader, servicer, limits)
@@ -152,7 +168,7 @@ async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | Non
     server, port = create_grpc_server(app, config, health, auth)
     await server.start()
     try:
-        await app.start(health)  # SERVING once every rank is loaded and warmed up
+        await app.start(health)  # SERVING once the ranks are loaded and warmed up
     except RankStartError:
         await server.stop(None)
         raise

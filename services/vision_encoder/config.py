@@ -36,8 +36,7 @@ class VisionEncoderConfig(ServiceConfig):
     default_timeout_s: float = flag(60.0, help="deadline of a call that carries none")
     step_timeout_s: float = flag(
         60.0,
-        help="a batch's limit on the ranks: a rank past it is declared dead, the rank "
-        "group restarts",
+        help="a batch's limit on the ranks: a rank past it is declared dead and re-formed alone",
     )
     watchdog_s: float = flag(
         30.0,

@@ -1,13 +1,18 @@
-"""The encoder's leader: queues Encode calls, plans each batch, runs it as one step on its ranks.
+"""The encoder's leader: queues Encode calls, plans each batch, runs it on the ranks that own it.
 
-The batch loop is one asyncio task on the server's event loop: it takes a batch from the
-scheduler, plans it from the cache ledger, hands it to the rank group as one step (the
-payload is encoded on a worker thread; the group's own thread does the waiting) and
-turns every rank's result into the jobs' outcomes, so the loop never blocks and no two
-batches run at once. Every job ends with its results or an error: expired in the queue,
-failed in its step (a rank's error for that job, or the step's agreed error for all of
-them, or UNAVAILABLE when a rank died), or refused at shutdown. The leader never touches
-a device. ``progress`` ticks when a batch is taken and when it ends.
+Each of the W ranks is a rank group of one process (``RankGroup``): the ranks share no
+collective, so each is started, stepped and re-formed alone. The batch loop is one
+asyncio task on the server's event loop: it takes a batch from the scheduler, planned
+from the cache ledger over the ranks that serve, sends each rank that owns a span its
+share of the batch as one step, to all of them at once (each payload is encoded on a
+worker thread; each group's own thread does the waiting), and turns the ranks' results
+into the jobs' outcomes, so the loop never blocks and no two batches run at once. Every
+job ends with its results or an error: expired in the queue, failed in its step (a
+rank's error for that job, or the step error of a rank it has a span on: the rank's
+agreed error, or UNAVAILABLE when it died, hung or re-forms), or refused at shutdown.
+The calls with no span on a failed rank finish normally. A rank that fail-stops loses
+its cache: its ledger entries and cache gauges alone are cleared (``on_rank_down``). The
+leader never touches a device. ``progress`` ticks when a batch is taken and when it ends.
 """
 
 from __future__ import annotations
@@ -16,16 +21,24 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
+import msgspec
+
 from services.common.clients.vision_encoder import SpanResult, SpanStatus
-from services.common.errors import DeadlineExceededError, StageServeError, UnavailableError
+from services.common.errors import (
+    DeadlineExceededError,
+    ErrorRecord,
+    StageServeError,
+    UnavailableError,
+)
 from services.common.progress import ProgressWatchdog
 from services.common.ranks.group import RankGroup
 from services.vision_encoder.job import EncodeJob
 from services.vision_encoder.metrics import VisionEncoderMetrics
-from services.vision_encoder.plan import CacheLedger, step_payload
-from services.vision_encoder.rank_messages import EncodeStepResult
+from services.vision_encoder.plan import CacheLedger, rank_payloads, step_payload
+from services.vision_encoder.rank_messages import EncodeStepPayload, EncodeStepResult
 from services.vision_encoder.scheduler import (
     BatchOutcome,
     EncodeBatch,
@@ -40,14 +53,15 @@ class EncoderLeader:
     def __init__(
         self,
         scheduler: EncodeScheduler,
-        group: RankGroup,
+        groups: Sequence[RankGroup],
         metrics: VisionEncoderMetrics,
         *,
         watchdog_s: float = 30.0,
     ) -> None:
+        assert groups and all(g.num_ranks == 1 for g in groups), "one rank group per rank"
         self.scheduler = scheduler
-        self.group = group
-        self.ledger = CacheLedger(group.num_ranks)
+        self.groups = tuple(groups)  # rank r: groups[r]
+        self.ledger = CacheLedger(len(self.groups))
         self.metrics = metrics
         self._pending: dict[int, tuple[asyncio.Future[list[SpanResult]], float]] = {}
         self._wake = asyncio.Event()
@@ -64,7 +78,15 @@ class EncoderLeader:
 
     @property
     def num_ranks(self) -> int:
-        return self.group.num_ranks
+        return len(self.groups)
+
+    @property
+    def rank_pids(self) -> tuple[int, ...]:
+        """Each rank's current process, in rank order (none for a rank between generations)."""
+        return tuple(pid for group in self.groups for pid in group.rank_pids)
+
+    def serving_ranks(self) -> tuple[int, ...]:
+        return tuple(r for r, group in enumerate(self.groups) if group.is_ready)
 
     @property
     def num_pending(self) -> int:
@@ -75,25 +97,34 @@ class EncoderLeader:
         return next(self._job_ids)
 
     async def start(self) -> None:
-        """Form the rank group (``RankStartError`` naming the rank and cause), then run the loop."""
-        await self.group.start()
+        """Form every rank's group at once, then run the loop; if one fails to start, stop
+        them all and raise its ``RankStartError`` (naming the rank and cause)."""
+        starts = [asyncio.ensure_future(group.start()) for group in self.groups]
+        await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in starts if t.done() and t.exception() is not None]
+        if failed:
+            await self._close_groups()
+            await asyncio.gather(*starts, return_exceptions=True)
+            raise failed[0].exception()  # type: ignore[misc]
         self._task = asyncio.get_running_loop().create_task(self._run(), name="encoder-batches")
 
-    def on_group_down(self) -> None:
-        """The rank group fail-stopped: its ranks come back with empty caches."""
-        self.ledger.clear()
-        for rank in range(self.num_ranks):
-            self.metrics.cache_bytes.labels(rank=str(rank)).set(0)
-            self.metrics.cache_entries.labels(rank=str(rank)).set(0)
+    def on_rank_down(self, rank: int) -> None:
+        """``rank`` fail-stopped: it comes back with an empty cache (the others keep theirs)."""
+        self.ledger.clear_rank(rank)
+        self.metrics.cache_bytes.labels(rank=str(rank)).set(0)
+        self.metrics.cache_entries.labels(rank=str(rank)).set(0)
 
     async def stop(self) -> None:
-        """Stop the rank group (the batch in flight fails UNAVAILABLE), fail every waiting job."""
+        """Stop every rank (the batch in flight fails UNAVAILABLE), fail every waiting job."""
         self.progress.stop()
         self._is_stopping = True
         self._wake.set()
-        await self.group.aclose()
+        await self._close_groups()
         if self._task is not None:
             await self._task
+
+    async def _close_groups(self) -> None:
+        await asyncio.gather(*(group.aclose() for group in self.groups))
 
     async def encode(self, job: EncodeJob) -> list[SpanResult]:
         """Queue ``job`` (already validated) and wait for its span results, or raise its error."""
@@ -119,7 +150,8 @@ class EncoderLeader:
             await self._wake.wait()
             self._wake.clear()
             while not self._is_stopping and self.scheduler.num_waiting:
-                batch = self.scheduler.schedule(time.monotonic(), self.ledger)
+                now, serving = time.monotonic(), self.serving_ranks()
+                batch = self.scheduler.schedule(now, self.ledger, serving)
                 self.metrics.queue_depth.set(self.scheduler.num_waiting)
                 self.progress.tick()
                 for job in batch.expired:
@@ -139,12 +171,16 @@ class EncoderLeader:
 
     async def _run_batch(self, batch: EncodeBatch) -> None:
         try:
-            outcome = self._fold(batch, await self._step(batch))
-        except StageServeError as exc:  # the step's agreed error, or UNAVAILABLE (a rank died)
-            logger.warning("encode batch of %d calls failed: %s", len(batch.jobs), exc.message)
-            for job in batch.jobs:
-                self._finish(job, exc)
-            return
+            payload = step_payload(batch.jobs, batch.plan, time.monotonic())
+            shares = rank_payloads(payload)
+            outcomes = await asyncio.gather(*(self._step(r, p) for r, p in shares.items()))
+            results = [o for o in outcomes if isinstance(o, EncodeStepResult)]
+            failed = {
+                r: o
+                for r, o in zip(shares, outcomes, strict=True)
+                if isinstance(o, StageServeError)
+            }
+            outcome = self._fold(batch, results, failed)
         except Exception as exc:  # a bug here must still end every call of the batch
             logger.exception("encode batch of %d calls failed", len(batch.jobs))
             for job in batch.jobs:
@@ -154,21 +190,34 @@ class EncoderLeader:
         for job, job_outcome in outcome.finished:
             self._finish(job, job_outcome)
 
-    def _fold(self, batch: EncodeBatch, results: list[EncodeStepResult]) -> BatchOutcome:
-        """Every rank's result into the metrics, the ledger and the calls' outcomes."""
+    def _fold(
+        self,
+        batch: EncodeBatch,
+        results: list[EncodeStepResult],
+        failed: dict[int, StageServeError],
+    ) -> BatchOutcome:
+        """The ranks' results into the metrics, the ledger and the calls' outcomes."""
         for result in results:
             self.metrics.record_step(result)
         if self.ledger.update_from_results(batch.plan, results):
             logger.warning("a rank's cache disagreed with the ledger: its calls are planned again")
-        return self.scheduler.update_from_output(batch, results)
+        return self.scheduler.update_from_output(batch, results, failed)
 
-    async def _step(self, batch: EncodeBatch) -> list[EncodeStepResult]:
-        payload = step_payload(batch.jobs, batch.plan, time.monotonic())
-        # Encoding the payload copies every image's bytes: off the event loop.
-        future: Future = await asyncio.to_thread(self.group.submit, payload)
-        results = await asyncio.wrap_future(future)
-        assert all(isinstance(r, EncodeStepResult) for r in results)
-        return results
+    async def _step(
+        self, rank: int, payload: EncodeStepPayload
+    ) -> EncodeStepResult | StageServeError:
+        """``rank``'s share of the batch: its result, or its step's error naming the rank."""
+        group = self.groups[rank]
+        try:
+            # Encoding the payload copies its images' bytes: off the event loop.
+            future: Future = await asyncio.to_thread(group.submit, payload)
+            (result,) = await asyncio.wrap_future(future)
+        except StageServeError as exc:  # its agreed error, or UNAVAILABLE (died, hung, re-forms)
+            error = _naming(exc, group.config.name)
+            logger.warning("%d calls' share failed: %s", len(payload.jobs), error.message)
+            return error
+        assert isinstance(result, EncodeStepResult) and result.rank == rank
+        return result
 
     def _finish(self, job: EncodeJob, outcome: JobOutcome) -> None:
         entry = self._pending.pop(job.job_id, None)
@@ -198,3 +247,11 @@ class EncoderLeader:
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
+
+
+def _naming(exc: StageServeError, name: str) -> StageServeError:
+    """``exc`` with its text led by ``name`` (its rank group's), unless it already is."""
+    if exc.message.startswith(f"{name}:"):
+        return exc
+    record = ErrorRecord.of(exc)
+    return msgspec.structs.replace(record, message=f"{name}: {exc.message}").to_error(type(exc))

@@ -1,8 +1,8 @@
 """What the encoder's leader and its ranks exchange: the rank init, one step's payload and result.
 
-Every rank gets the same payload (the whole batch and its plan) and works on the spans it
-owns. Image bytes travel only for the images an owner encodes in this step; a planned
-cache hit carries none. Each rank's result reports its jobs' errors, its counters and its
+Each rank is a rank group of its own and gets its share of the batch only: the jobs with
+a span it owns, those spans (with their plans) and each job's destinations. Image bytes
+travel only for the images it encodes in this step; a planned cache hit carries none. Each rank's result reports its jobs' errors, its counters and its
 manifest: what its cache holds of the step's images afterwards, what it evicted, and which
 planned hits it did not hold (the leader's ledger was wrong; those jobs are planned again).
 """
@@ -31,6 +31,8 @@ class EncoderRankInit(msgspec.Struct, frozen=True):
     transfer: TransferSpec  # how each rank builds its embedding sender
     pixel_method: str = "auto"  # pixels.PIXEL_METHODS: "auto" | "pil" | "torch"
     vit_cuda_graphs: int = 8  # ViT graphs a CUDA rank keeps (vision_graph.py); 0: eager
+    rank: int = 0  # this rank among the encoder's W (each is a rank group of one process)
+    num_ranks: int = 1  # W
 
 
 class RankSpan(msgspec.Struct, frozen=True):

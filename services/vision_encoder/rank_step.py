@@ -1,7 +1,8 @@
 """The encoder's rank step: what each of its W rank processes runs (``STEP_TARGET``).
 
-The rank owns the vision tower on its device, its embedding cache (``cache_bytes``) and
-its embedding sender; each step it runs its share of one batch (``worker.EncoderWorker``).
+Each rank is a rank group of one process (its encoder rank and W come in its init). It
+owns the vision tower on its device, its embedding cache (``cache_bytes``) and its
+embedding sender; each step it runs its share of one batch (``worker.EncoderWorker``).
 Warm-up is one ViT forward, before the group reports ready.
 """
 
@@ -32,13 +33,13 @@ class EncoderRankStep(BaseRankStep):
 
     def __init__(self, ctx: RankContext, init: EncoderRankInit) -> None:
         if ctx.device == "cpu":  # the host's cores are shared by the W ranks
-            torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world_size))
+            torch.set_num_threads(max(1, torch.get_num_threads() // init.num_ranks))
         processor = ImageProcessor.from_dir(init.model)
         model = self.load_model(init, torch.device(ctx.device))
         cache = EmbeddingCacheManager(init.cache_bytes)
         sender = create_embedding_sender(init.transfer)  # last: nothing after it can fail
         self.worker = EncoderWorker(
-            ctx.rank,
+            init.rank,
             model,
             processor,
             cache,

@@ -2,23 +2,25 @@
 
 Lifecycle of an Encode call:
   servicer: proto -> EncodeJob, validate_job -> leader.encode(job) -> scheduler.add   WAITING (FIFO)
-  schedule(now, ledger): jobs past their deadline leave as ``expired``; the oldest waiting
-      jobs join one EncodeBatch while their spans fit ``max_batch_images`` (the first
-      always does), planned from the ledger (``plan.make_plan``); a job with a span sent
-      without bytes that its plan must encode, and that no job of the batch brings bytes
-      for, leaves as ``needs_data`` (FINISHES at once: NEEDS_IMAGE_DATA, nothing written)
-  leader: one step on every rank -> every rank's EncodeStepResult, or the step's one error
-      (then every job of the batch FINISHES with it)
-  update_from_output(batch, results): a job some rank failed FINISHES with that rank's error
-      (the lowest rank's); a job with a planned hit that its owner did not hold goes back to
-      the head of the queue (WAITING, planned again from the corrected ledger, at most
-      ``MAX_REPLANS`` times); every other job FINISHES with its span results.
+  schedule(now, ledger, serving): jobs past their deadline leave as ``expired``; the oldest
+      waiting jobs join one EncodeBatch while their spans fit ``max_batch_images`` (the
+      first always does), planned from the ledger over the serving ranks
+      (``plan.make_plan``); a job with a span sent without bytes that its plan must encode,
+      and that no job of the batch brings bytes for, leaves as ``needs_data`` (FINISHES at
+      once: NEEDS_IMAGE_DATA, nothing written)
+  leader: one step on each rank that owns a span of the batch, all at once -> each rank's
+      EncodeStepResult, or that rank's step error
+  update_from_output(batch, results, failed): a job with a span on a rank whose step failed,
+      or that a rank failed, FINISHES with the error of the lowest such rank; a job with a
+      planned hit that its owner did not hold goes back to the head of the queue (WAITING,
+      planned again from the corrected ledger, at most ``MAX_REPLANS`` times); every other
+      job FINISHES with its span results.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -69,7 +71,10 @@ class EncodeScheduler:
         jobs, self._waiting = list(self._waiting), deque()
         return jobs
 
-    def schedule(self, now: float, ledger: CacheLedger) -> EncodeBatch:
+    def schedule(
+        self, now: float, ledger: CacheLedger, serving: Collection[int] | None = None
+    ) -> EncodeBatch:
+        """The next batch; ``serving``: the ranks that serve (None: every rank)."""
         jobs: list[EncodeJob] = []
         expired: list[EncodeJob] = []
         num_images = 0
@@ -82,34 +87,42 @@ class EncodeScheduler:
                 break
             jobs.append(self._waiting.popleft())
             num_images += len(job.spans)
-        plan = make_plan([s.span.content_hash for job in jobs for s in job.spans], ledger)
+        plan = make_plan([s.span.content_hash for job in jobs for s in job.spans], ledger, serving)
         needs_data = _needing_data(jobs, plan)
         if needs_data:
             held = {id(job) for job, _ in needs_data}
             jobs = [job for job in jobs if id(job) not in held]
-            plan = make_plan([s.span.content_hash for job in jobs for s in job.spans], ledger)
+            hashes = [s.span.content_hash for job in jobs for s in job.spans]
+            plan = make_plan(hashes, ledger, serving)
         return EncodeBatch(tuple(jobs), plan, tuple(expired), tuple(needs_data))
 
     def update_from_output(
-        self, batch: EncodeBatch, results: Sequence[EncodeStepResult]
+        self,
+        batch: EncodeBatch,
+        results: Sequence[EncodeStepResult],
+        failed: Mapping[int, BaseException] | None = None,
     ) -> BatchOutcome:
-        """Each job's outcome (see the module docstring). A span is a cache hit when its rows
-        needed no ViT run of their own: cached on its owner, or a repeat of an image encoded
-        earlier in the same batch."""
-        errors: dict[int, JobError] = {}
+        """Each job's outcome (see the module docstring); ``results``: the ranks whose step
+        ran, ``failed``: each rank whose step failed, with its error. A span is a cache hit
+        when its rows needed no ViT run of their own: cached on its owner, or a repeat of an
+        image encoded earlier in the same batch."""
+        errors: dict[int, dict[int, JobError]] = {}  # job_id -> rank -> its error there
         missing: dict[str, int] = {}  # planned hit the owner did not hold -> that owner
-        for result in results:  # rank order: the lowest rank's error wins
+        for result in results:
             for error in result.errors:
-                errors.setdefault(error.job_id, error)
+                errors.setdefault(error.job_id, {}).setdefault(result.rank, error)
             missing.update(dict.fromkeys(result.manifest.missing, result.rank))
+        failed = failed or {}
         outcome = BatchOutcome()
         seen: set[str] = set()
         plans = iter(batch.plan.spans)
         for job in batch.jobs:
             span_plans = [next(plans) for _ in job.spans]
             lost = [p for p in span_plans if p.content_hash in missing]
-            if job.job_id in errors:
-                outcome.finished.append((job, errors[job.job_id].error.to_error()))
+            ranks = {p.owner_rank for p in span_plans}
+            error = _first_error(ranks, errors.get(job.job_id, {}), failed)
+            if error is not None:
+                outcome.finished.append((job, error))
             elif lost and job.num_replans >= MAX_REPLANS:
                 ranks = sorted({missing[p.content_hash] for p in lost})
                 outcome.finished.append((job, _lost_again(job, ranks)))
@@ -120,6 +133,18 @@ class EncodeScheduler:
                 outcome.finished.append((job, _span_results(span_plans, seen)))
             seen.update(p.content_hash for p in span_plans)
         return outcome
+
+
+def _first_error(
+    ranks: set[int], errors: Mapping[int, JobError], failed: Mapping[int, BaseException]
+) -> BaseException | None:
+    """A job's error: the lowest rank's that failed the job (``errors``), or failed its step
+    while the job had a span on it (``ranks``); None when no rank did."""
+    candidates = ranks & failed.keys() | errors.keys()
+    if not candidates:
+        return None
+    rank = min(candidates)
+    return errors[rank].error.to_error() if rank in errors else failed[rank]
 
 
 def _needing_data(

@@ -9,7 +9,7 @@ bands of rows on all of them, ``jpeg_rows``), turns them into pixels and runs ON
 forward over all of them, caches the new rows, then writes each job's owned rows into
 each of the job's destinations with one batched transfer. A job's failure (bad image,
 grid mismatch, transfer error) is reported for that job only; the other jobs go on.
-Anything else it raises fails the step on every rank (the agreed error).
+Anything else it raises fails this rank's step: the calls with a span on this rank.
 """
 
 from __future__ import annotations

@@ -193,6 +193,17 @@ class ServedEncoder:
     def per_rank(self, name: str) -> list[float]:
         return [self.counter(name, rank=str(r)) for r in range(self.num_ranks)]
 
+    async def hook(self, payload: Any) -> None:
+        """Step a test hook (``rank_hooks``) past the leader: on its ``rank``'s group, else on
+        every rank's."""
+        rank = getattr(payload, "rank", None)
+        groups = self.app.groups if rank is None else (self.app.groups[rank],)
+
+        async def step_all() -> None:
+            await asyncio.gather(*(group.step(payload) for group in groups))
+
+        await self.on_loop(step_all())
+
 
 async def _start(config: VisionEncoderConfig, registry: CollectorRegistry, step_target: str):
     app = build_app(
@@ -230,11 +241,11 @@ def serve_encoder(
             started = asyncio.run_coroutine_threadsafe(_start(config, registry, step_target), loop)
             app, health, server, port = started.result(START_TIMEOUT_S)
         served = ServedEncoder(app, config, registry, health, f"127.0.0.1:{port}", loop)
-        pids = set(app.group.rank_pids)
+        pids = set(app.leader.rank_pids)
         try:
             yield served
         finally:
-            pids.update(app.group.rank_pids)  # a re-formed group's too
+            pids.update(app.leader.rank_pids)  # a re-formed group's too
             served.run(server.stop(None))
             served.run(app.close())
         assert [pid for pid in pids if pid in rank_children()] == []

@@ -1,12 +1,12 @@
 """The encoder rank step the tests' rank processes import by path: the real step plus hooks.
 
-A test sends a hook straight to the rank group (``app.group.step(hook)``), past the
-leader, so the leader's ledger knows nothing of it: ``ClearCache`` empties one rank's
-cache behind the leader's back; ``Delay`` makes one rank's next encode step sleep first
-(its peers run theirs meanwhile: a batch held mid-way); ``Fail`` makes one rank's next
-encode step raise after its peers' work; ``Announce`` has every rank mark a file once its
-next encode step has run (its rows sent), which ``ranks_done`` reads. A hook step answers
-every rank's empty result.
+A test sends a hook straight to a rank's group (``ServedEncoder.hook``: the group of the
+hook's ``rank``, else every rank's), past the leader, so the leader's ledger knows nothing
+of it: ``ClearCache`` empties one rank's cache behind the leader's back; ``Delay`` makes
+one rank's next encode step sleep first (its peers run theirs meanwhile: a batch held
+mid-way); ``Fail`` makes one rank's next encode step raise after its peers' work;
+``Announce`` has every rank mark a file once its next encode step has run (its rows
+sent), which ``ranks_done`` reads. A hook step answers the rank's empty result.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class HookedEncoderStep(EncoderRankStep):
 
     def __init__(self, ctx: RankContext, init: EncoderRankInit) -> None:
         super().__init__(ctx, init)
-        self.rank = ctx.rank
+        self.rank = init.rank
         self._delay_s = 0.0
         self._fail = False
         self._announce_in: str | None = None

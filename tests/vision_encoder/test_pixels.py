@@ -80,7 +80,7 @@ def test_the_pixel_method_flag_reaches_the_rank_worker(vision_model, image_proce
     from services.vision_encoder.worker import EncoderWorker
 
     assert parse_args([]).pixel_method == "auto"
-    init = rank_init(parse_args(["--pixel-method", "torch"]))
+    init = rank_init(parse_args(["--pixel-method", "torch"]), 0)
     assert init.pixel_method == "torch"
     sender = InProcessEmbeddingSender(EmbeddingFabric())
     cache = EmbeddingCacheManager(1 << 20)

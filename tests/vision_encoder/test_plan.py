@@ -1,4 +1,5 @@
-"""Owner-elected plans for W = 1, 2, 4 ranks, the leader's cache ledger, and the step payload."""
+"""Owner-elected plans for W = 1, 2, 4 ranks, a stand-in for an owner that does not serve, the
+leader's cache ledger, the step payload and each rank's share of it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from services.common.clients.vision_encoder import EncodeSpanInput
 from services.common.destinations import EmbeddingDestination
 from services.common.types import ImageSpanRef
 from services.vision_encoder.job import EncodeJob
-from services.vision_encoder.plan import CacheLedger, make_plan, owner_rank, step_payload
+from services.vision_encoder.plan import (
+    CacheLedger,
+    make_plan,
+    owner_rank,
+    rank_payloads,
+    serving_owner,
+    step_payload,
+)
 from services.vision_encoder.rank_messages import (
     EncodeStepPayload,
     EncodeStepResult,
@@ -77,8 +85,30 @@ def test_the_ledger_takes_each_ranks_manifest() -> None:
     actions = {s.content_hash: s.action for s in replan.spans}
     assert actions[gone] is actions[evicted] is SpanAction.OWNER_ENCODE  # encoded again
     assert sum(a is SpanAction.LOCAL_HIT for a in actions.values()) == len(hashes) - 2
-    ledger.clear()
+    ledger.clear_rank(0)  # rank 0 re-formed: rank 1's entries stay
+    actions = {s.content_hash: s.action for s in make_plan(hashes, ledger).spans}
+    assert all(
+        (actions[x] is SpanAction.LOCAL_HIT) == (owner_rank(x, 2) == 1 and x != evicted)
+        for x in hashes
+    )
+    ledger.clear_rank(1)
     assert all(s.action is SpanAction.OWNER_ENCODE for s in make_plan(hashes, ledger).spans)
+
+
+def test_the_next_serving_rank_stands_in_for_an_owner_that_does_not_serve() -> None:
+    hashes = [h(i) for i in range(40)]
+    by_owner = {r: [x for x in hashes if owner_rank(x, 4) == r] for r in range(4)}
+    assert all(by_owner.values())
+    assert [serving_owner(x, 4, {0, 1, 2, 3}) for x in hashes] == [owner_rank(x, 4) for x in hashes]
+    assert {serving_owner(x, 4, {0, 1, 3}) for x in by_owner[2]} == {3}
+    assert {serving_owner(x, 4, {0, 1}) for x in by_owner[2] + by_owner[3]} == {0}  # wraps
+    assert {serving_owner(x, 4, ()) for x in by_owner[3]} == {3}  # none serves: the owner's
+    ledger = ledger_holding(4, set(hashes))
+    plan = make_plan(hashes, ledger, serving={0, 1, 3})
+    for x, span in zip(hashes, plan.spans, strict=True):
+        standing_in = owner_rank(x, 4) == 2
+        assert span.owner_rank == (3 if standing_in else owner_rank(x, 4))
+        assert span.action is (SpanAction.OWNER_ENCODE if standing_in else SpanAction.LOCAL_HIT)
 
 
 def span(data: bytes, dest_row: int) -> EncodeSpanInput:
@@ -106,3 +136,32 @@ def test_the_payload_carries_bytes_only_for_encodes() -> None:
     assert rank_job.destinations == (DST,)
     wire = msgspec.msgpack.encode(payload)
     assert msgspec.msgpack.decode(wire, type=EncodeStepPayload) == payload
+
+
+def test_each_rank_gets_the_jobs_and_bytes_of_its_own_spans_only() -> None:
+    datas = [f"image-{i}".encode() for i in range(12)]
+    hashes = [hashlib.sha256(d).hexdigest() for d in datas]
+    owners = [owner_rank(x, 2) for x in hashes]
+    assert set(owners) == {0, 1}
+    only_0 = next(i for i, o in enumerate(owners) if o == 0)
+    mixed = EncodeJob(1, "mixed", tuple(span(d, 6 * i) for i, d in enumerate(datas)), (DST,), 110.0)
+    solo = EncodeJob(2, "solo", (span(datas[only_0], 0),), (DST,), 110.0)
+    cached = {hashes[i] for i, o in enumerate(owners) if o == 1}  # rank 1 holds all of its own
+    ledger = ledger_holding(2, cached)
+    plan = make_plan([s.span.content_hash for j in (mixed, solo) for s in j.spans], ledger)
+    payload = step_payload([mixed, solo], plan, now=100.0)
+    shares = rank_payloads(payload)
+    assert list(shares) == [0, 1]
+    assert [j.job_id for j in shares[0].jobs] == [1, 2] and [j.job_id for j in shares[1].jobs] == [
+        1
+    ]
+    for rank, share in shares.items():
+        for rank_job, whole in zip(share.jobs, payload.jobs, strict=False):
+            assert rank_job.destinations == whole.destinations
+            assert rank_job.timeout_s == whole.timeout_s
+            assert [s for s in whole.spans if s.owner_rank == rank] == list(rank_job.spans)
+    assert shares[0].images == {hashes[i]: datas[i] for i, o in enumerate(owners) if o == 0}
+    assert shares[1].images == {}  # its spans are all cache hits
+    assert rank_payloads(
+        step_payload([solo], make_plan([hashes[only_0]], ledger), 100.0)
+    ).keys() == {0}

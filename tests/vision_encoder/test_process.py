@@ -122,5 +122,7 @@ def test_a_rank_that_cannot_start_is_one_clear_error() -> None:
     )
     assert done.returncode == 1 and "READY" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("vision_encoder: error: vision encoder: rank 1 (cuda:5, pid "), last
+    assert last.startswith("vision_encoder: error: vision encoder rank 1: rank 0 (cuda:5, pid "), (
+        last
+    )
     assert "failed to start at device: RuntimeError: cuda:5: CUDA is not available" in last

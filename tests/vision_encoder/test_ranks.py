@@ -1,6 +1,7 @@
-"""The encoder on W = 1, 2, 3 rank processes (gloo on CPU): the same rows as one rank, each
-distinct image encoded once by its owner, per-rank caches, a ledger the ranks correct, a
-rank's failure, a killed rank. One encoder per W serves the whole module."""
+"""The encoder on W = 1, 2, 3 rank processes (each a rank group of one): the same rows as one
+rank, each distinct image encoded once by its owner, per-rank caches, a ledger the ranks
+correct, a rank's failure, a killed rank that fails only its calls and costs the other
+ranks none of their cache. One encoder per W serves the whole module."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.vision_encoder.conftest import (
     spans_for,
     wait_until,
 )
-from tests.vision_encoder.rank_hooks import Announce, ClearCache, Delay, Fail, ranks_done
+from tests.vision_encoder.rank_hooks import ClearCache, Delay, Fail
 
 pytestmark = pytest.mark.slow
 SIZES = [(64, 48), (90, 60), (40, 120), (150, 100), (56, 56), (200, 90)]
@@ -42,6 +43,16 @@ def distinct_images(seed: int, sizes=SIZES) -> list[bytes]:
 
 def gained(now: list[float], before: list[float]) -> list[float]:
     return [a - b for a, b in zip(now, before, strict=True)]
+
+
+def owned_image(image_processor, rank: int, world_size: int, seed: int, size=(56, 56)) -> bytes:
+    """The first image from ``seed`` on whose owner is ``rank``."""
+    for k in range(200):
+        data = image_bytes(*size, seed=seed + k)
+        content_hash = span_input(image_processor, data, 0).span.content_hash
+        if owner_rank(content_hash, world_size) == rank:
+            return data
+    raise AssertionError(f"no image of rank {rank} among 200 seeds")
 
 
 def is_holding_one_call(enc: ServedEncoder) -> bool:
@@ -88,8 +99,8 @@ async def test_a_batch_of_calls_encodes_each_image_once_across_ranks(
     calls = [[0, 1], [2, 0], [3, 4, 5], [1, 5]]  # four calls sharing images, one batch
     prefill = enc.prefill()
     encoded, forwards = enc.per_rank("images_encoded"), enc.per_rank("vit_forwards")
-    await enc.on_loop(enc.app.group.step(Delay(rank=0, seconds=2.0)))
     blocker = span_input(image_processor, image_bytes(56, 56, seed=7 * num_ranks + 1), 0)
+    await enc.hook(Delay(rank=owner_rank(blocker.span.content_hash, num_ranks), seconds=2.0))
     held = asyncio.ensure_future(enc.encode("blocker", [blocker], prefill.destination("b", 0, 4)))
     await wait_until(lambda: is_holding_one_call(enc))
     starts, tasks = [], []
@@ -133,9 +144,7 @@ async def test_a_cache_cleared_behind_the_leaders_back_is_encoded_again(
     num_rows = sum(s.span.length for s in spans)
     prefill = enc.prefill()
     await enc.encode("warm", spans, prefill.destination("warm", 0, num_rows))
-    await enc.on_loop(
-        enc.app.group.step(ClearCache(rank=1))
-    )  # the leader still believes rank 1 holds its images
+    await enc.hook(ClearCache(rank=1))  # the leader still believes rank 1 holds its images
     misses, encoded = enc.per_rank("ledger_misses"), enc.per_rank("images_encoded")
     again = await enc.encode("again", spans, prefill.destination("again", 1000, num_rows))
     assert [r.is_cache_hit for r in again] == [
@@ -154,13 +163,15 @@ async def test_a_failing_rank_fails_its_step_alike_and_the_next_batch_runs(
 ) -> None:
     enc = encoders[2]
     prefill = enc.prefill()
-    span = span_input(image_processor, image_bytes(63, 77, seed=600), 0)
-    await enc.on_loop(enc.app.group.step(Fail(rank=1)))
+    span = span_input(image_processor, owned_image(image_processor, 1, 2, seed=600), 0)
+    await enc.hook(Fail(rank=1))
     with pytest.raises(
-        StageServeError, match=r"step \d+ failed on rank 1: RuntimeError: injected failure"
+        StageServeError,
+        match=r"vision encoder rank 1: step \d+ failed on rank 0: RuntimeError: injected failure "
+        r"of rank 1",
     ):
         await enc.encode("fails", [span], prefill.destination("fails", 0, span.span.length))
-    assert enc.health.is_serving and enc.app.group.is_ready
+    assert enc.health.is_serving and all(group.is_ready for group in enc.app.groups)
     results = await enc.encode("next", [span], prefill.destination("next", 0, span.span.length))
     assert not torch.isnan(prefill.buffer.rows(0, span.span.length)).any()
     assert len(results) == 1
@@ -191,37 +202,54 @@ async def test_cache_capacity_grows_with_the_ranks(image_processor) -> None:
     assert [hits[2, 1, k] for k in range(6)] == [True] * 6  # two ranks hold all six
 
 
-async def test_a_killed_rank_fails_its_calls_unavailable_and_the_group_reforms(
-    encoders, image_processor, vision_model, tmp_path
+async def test_a_killed_rank_fails_only_its_calls_and_the_others_keep_their_caches(
+    encoders, image_processor, vision_model
 ) -> None:
     enc = encoders[3]
+    leader = enc.app.leader
     prefill = enc.prefill()
-    images = distinct_images(seed=800, sizes=[(56, 84), (84, 56), (70, 70), (112, 56)])
-    spans = spans_for(image_processor, images)
+    images = [
+        owned_image(image_processor, r, 3, seed=800 + 50 * r, size=(56, 84)) for r in range(3)
+    ]
+    spans = spans_for(image_processor, images)  # image r: owned by rank r
     num_rows = sum(s.span.length for s in spans)
     await enc.encode("cached", spans, prefill.destination("cached", 0, num_rows))
-    old_pids = enc.app.group.rank_pids
-    await enc.on_loop(enc.app.group.step(Delay(rank=2, seconds=30.0)))
-    await enc.on_loop(enc.app.group.step(Announce(str(tmp_path))))
-    other = span_input(image_processor, image_bytes(98, 98, seed=801), 0)
-    killed_spans = [*spans[:1], msgspec.structs.replace(other, dest_row=num_rows)]
-    dst = prefill.destination("killed", 0, num_rows + 64)
-    call = asyncio.ensure_future(enc.encode("killed", killed_spans, dst))
+    old_pid = enc.app.groups[2].rank_pids[0]
+    blocker = span_input(image_processor, owned_image(image_processor, 0, 3, seed=950), 0)
+    await enc.hook(Delay(rank=0, seconds=2.0))
+    await enc.hook(Delay(rank=2, seconds=30.0))
+    held = asyncio.ensure_future(enc.encode("b", [blocker], prefill.destination("b", 0, 4)))
     await wait_until(lambda: is_holding_one_call(enc))
-    await wait_until(lambda: ranks_done(tmp_path) == {0, 1})  # rank 2 sleeps
-    os.kill(old_pids[2], signal.SIGKILL)
+    # one batch: "killed" has a span on rank 2, "spared" only spans on ranks 0 and 1
+    other = span_input(image_processor, owned_image(image_processor, 2, 3, seed=960), 0)
+    killed_spans = [spans[0], msgspec.structs.replace(other, dest_row=spans[0].span.length)]
+    killed_rows = sum(s.span.length for s in killed_spans)
+    dst = prefill.destination("killed", 1000, killed_rows)
+    killed = asyncio.ensure_future(enc.encode("killed", killed_spans, dst))
+    spared_spans = spans_for(image_processor, [images[1], images[0]])
+    spared_rows = sum(s.span.length for s in spared_spans)
+    dst = prefill.destination("spared", 2000, spared_rows)
+    spared = asyncio.ensure_future(enc.encode("spared", spared_spans, dst))
+    await held
+    await wait_until(lambda: leader.num_pending == 2 and leader.scheduler.num_waiting == 0)
+    os.kill(old_pid, signal.SIGKILL)
     with pytest.raises(
-        UnavailableError, match=r"rank 2 \(cpu, pid \d+\) exited with signal SIGKILL"
+        UnavailableError,
+        match=r"vision encoder rank 2: rank 0 \(cpu, pid \d+\) exited with signal SIGKILL",
     ):
-        await call
-    await wait_until(lambda: not enc.health.is_serving, 10.0)
-    await wait_until(lambda: enc.health.is_serving, 300.0)  # re-formed and warmed up
-    assert not set(enc.app.group.rank_pids) & set(old_pids)
+        await killed
+    assert [r.is_cache_hit for r in await spared] == [True, True]  # in the batch, not failed
+    assert enc.health.is_serving  # ranks 0 and 1 serve while rank 2 re-forms
+    reference = reference_rows(vision_model, image_processor, images)
+    assert_rows_close(
+        prefill.buffer.rows(2000, spared_rows), torch.cat([reference[1], reference[0]])
+    )
+    await wait_until(lambda: enc.app.groups[2].is_ready, 300.0)  # re-formed alone, warmed up
+    assert enc.app.groups[2].rank_pids[0] != old_pid
+    assert enc.health.is_serving
     misses = enc.counter("ledger_misses")
-    results = await enc.encode("after", spans, prefill.destination("after", 2000, num_rows))
-    assert [r.is_cache_hit for r in results] == [
-        False
-    ] * 4  # new ranks, empty caches, a fresh ledger
+    results = await enc.encode("after", spans, prefill.destination("after", 3000, num_rows))
+    # ranks 0 and 1 kept their caches; rank 2 came back empty and the ledger knew it
+    assert [r.is_cache_hit for r in results] == [True, True, False]
     assert enc.counter("ledger_misses") == misses
-    expected = torch.cat(reference_rows(vision_model, image_processor, images))
-    assert_rows_close(prefill.buffer.rows(2000, num_rows), expected)
+    assert_rows_close(prefill.buffer.rows(3000, num_rows), torch.cat(reference))

@@ -11,7 +11,7 @@ from services.common.destinations import EmbeddingDestination
 from services.common.errors import ErrorRecord, InvalidRequestError, UnavailableError
 from services.common.types import ImageSpanRef
 from services.vision_encoder.job import EncodeJob, JobLimits, validate_job
-from services.vision_encoder.plan import CacheLedger, owner_rank, step_payload
+from services.vision_encoder.plan import CacheLedger, owner_rank, rank_payloads, step_payload
 from services.vision_encoder.rank_messages import (
     EncodeStepResult,
     JobError,
@@ -210,3 +210,30 @@ def test_a_span_without_bytes_whose_planned_hit_was_lost_needs_its_data() -> Non
 
 def test_a_span_without_bytes_is_not_hash_checked() -> None:
     validate_job(EncodeJob(0, "r", (without_bytes(span(b"x")),), (DST,), 100.0), LIMITS)
+
+
+def test_a_failed_rank_fails_only_the_jobs_with_a_span_on_it() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=16), CacheLedger(2)
+    jobs = [job(i, 3) for i in range(5)]
+    for j in jobs:
+        scheduler.add(j)
+    batch = scheduler.schedule(0, ledger)
+    assert batch.jobs == tuple(jobs)
+    ranks = {j.job_id: {owner_rank(s.span.content_hash, 2) for s in j.spans} for j in jobs}
+    assert {0, 1} in ranks.values() and {0} in ranks.values(), "the seeds must give both kinds"
+    died = UnavailableError("vision encoder rank 1: rank 0 (cpu, pid 7) exited with signal 9")
+    outcome = scheduler.update_from_output(batch, [EncodeStepResult(0)], {1: died})
+    outcomes = {j.job_id: o for j, o in outcome.finished}
+    for job_id, job_ranks in ranks.items():
+        if 1 in job_ranks:
+            assert outcomes[job_id] is died
+        else:
+            assert [r.status for r in outcomes[job_id]] == [SpanStatus.WRITTEN] * 3
+
+
+def test_a_rank_that_does_not_serve_is_planned_around() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=16), CacheLedger(2)
+    scheduler.add(job(0, 6))
+    batch = scheduler.schedule(0, ledger, serving=(0,))
+    assert {p.owner_rank for p in batch.plan.spans} == {0}
+    assert list(rank_payloads(step_payload(batch.jobs, batch.plan, 0))) == [0]

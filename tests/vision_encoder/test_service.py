@@ -269,7 +269,7 @@ async def test_an_image_s_bytes_are_sent_until_the_encoder_holds_it(enc, image_p
         assert client.sent == [[len(image)], [0]]  # the second call carried no bytes
         assert torch.equal(prefill.buffer.rows(200, n), rows)
 
-        # The encoder forgot it (a restarted rank group starts with an empty ledger): the
+        # The encoder forgot it (a re-formed rank starts with empty ledger entries): the
         # call without bytes writes nothing, then goes again with every span's bytes.
         needed = enc.counter("requests", outcome="needs_image_data")
         enc.run(_forget_cache(enc))
@@ -288,7 +288,8 @@ async def test_an_image_s_bytes_are_sent_until_the_encoder_holds_it(enc, image_p
 
 
 async def _forget_cache(enc) -> None:
-    enc.app.leader.on_group_down()
+    for rank in range(enc.num_ranks):
+        enc.app.leader.on_rank_down(rank)
 
 
 async def test_a_cache_only_call_encodes_ahead_and_writes_nowhere(enc, image_processor) -> None:

@@ -16,8 +16,8 @@ def test_the_graphs_flag_reaches_the_rank_init_and_is_checked() -> None:
     from services.vision_encoder.__main__ import parse_args
     from services.vision_encoder.app import rank_init
 
-    assert rank_init(parse_args([])).vit_cuda_graphs == 8
-    assert rank_init(parse_args(["--vit-cuda-graphs", "0"])).vit_cuda_graphs == 0
+    assert rank_init(parse_args([]), 0).vit_cuda_graphs == 8
+    assert rank_init(parse_args(["--vit-cuda-graphs", "0"]), 0).vit_cuda_graphs == 0
     with pytest.raises(SystemExit):
         parse_args(["--vit-cuda-graphs", "-1"])
 
