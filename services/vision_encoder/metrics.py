@@ -19,16 +19,23 @@ class VisionEncoderMetrics:
     """One set per process (``REGISTRY``); tests pass their own registry."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()):
-            return telemetry.counter(_PREFIX + name, doc, labels, registry=registry)
+        self._registry = registry
+        self._add_call_metrics()
+        self._add_rank_metrics()
 
-        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()):
-            return telemetry.gauge(_PREFIX + name, doc, labels, registry=registry)
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()):
+        return telemetry.counter(_PREFIX + name, doc, labels, registry=self._registry)
 
-        def histogram(name: str, doc: str):
-            return telemetry.histogram(_PREFIX + name, doc, registry=registry)
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()):
+        return telemetry.gauge(_PREFIX + name, doc, labels, registry=self._registry)
 
-        # calls, on the leader
+    def _histogram(self, name: str, doc: str):
+        return telemetry.histogram(_PREFIX + name, doc, registry=self._registry)
+
+    def _add_call_metrics(self) -> None:
+        """Calls, on the leader."""
+        counter, gauge, histogram = self._counter, self._gauge, self._histogram
+        registry = self._registry
         self.requests = counter(
             "requests",
             "Encode calls by outcome (ok, needs_image_data or the error class)",
@@ -61,7 +68,10 @@ class VisionEncoderMetrics:
             "cache_only_spans",
             "Image spans of successful cache_only calls (encoded ahead, or found cached)",
         )
-        # each rank's share of the steps
+
+    def _add_rank_metrics(self) -> None:
+        """Each rank's share of the steps."""
+        counter, gauge, histogram = self._counter, self._gauge, self._histogram
         self.images_encoded = counter("images_encoded", "Distinct images run through the ViT", RANK)
         self.vit_forwards = counter(
             "vit_forwards", "ViT forward calls (one per rank per batch)", RANK
