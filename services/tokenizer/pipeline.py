@@ -33,7 +33,7 @@ from services.common.types import (
     TokenizedPrompt,
 )
 from services.engine.config import ModelConfig
-from services.engine.model.rope import ImageSpan, mrope_positions
+from services.engine.model.spans import ImageSpan, rope_delta
 from services.engine.processing import ImageProcessor, TextProcessor, content_hash
 from services.engine.processing.image_file import (
     check_num_bytes,
@@ -123,8 +123,7 @@ class TokenizePipeline:
         if not spans:
             return 0
         rope_spans = [ImageSpan(s.offset, s.length, s.grid_thw) for s in spans]
-        _, delta = mrope_positions(num_tokens, rope_spans, self.images.config.merge_size)
-        return delta
+        return rope_delta(num_tokens, rope_spans, self.images.config.merge_size)
 
 
 def image_header(data: bytes, limits: Limits) -> ImageHeader | None:

@@ -46,7 +46,6 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import msgspec
-import torch
 
 from services.common.errors import InvalidRequestError, OverloadedError, UnavailableError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TokenizedPrompt
@@ -170,9 +169,6 @@ def _init_worker(
         name="beat",
         daemon=True,
     ).start()
-    torch.set_num_threads(
-        1
-    )  # torch only computes small position tables here; N workers share the cores
     _worker_pipeline = TokenizePipeline.from_dir(
         model_dir, Limits(max_model_len, max_image_bytes, max_image_pixels)
     )
@@ -184,7 +180,7 @@ def _run_in_worker(job_bytes: bytes) -> bytes:
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
-    # Workers fork from a fresh server process that has imported this module (and torch)
+    # Workers fork from a fresh server process that has imported this module (and tokenizers)
     # once: no fork of a process running gRPC threads, no multi-second import per worker.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])

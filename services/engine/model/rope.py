@@ -9,18 +9,10 @@ an image continues from ``start + max(h, w)``. Decode continues with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """An image's placeholder run inside a request's token ids (request-global offset)."""
-
-    offset: int  # index of the first image token in the prompt
-    length: int  # number of image tokens = t * h * w / merge**2
-    grid_thw: tuple[int, int, int]  # patch grid before merging
+from services.engine.model.spans import ImageSpan
 
 
 def mrope_positions(

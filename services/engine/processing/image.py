@@ -7,6 +7,9 @@ bicubic), rescales, normalizes and patchifies decoded pixels on the CPU, equal t
 decoded uint8 pixels on any torch device (the encoder's GPU path), within a tolerance of it
 (PIL's two rounded passes, mirrored). ``pixel_hash`` hashes the preprocessed pixels, for
 checks that two byte-different files preprocess the same.
+
+torch is imported by the pixel functions only: the router and the tokenizer compute grids
+with this module and never load torch.
 """
 
 from __future__ import annotations
@@ -16,16 +19,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import PIL
-import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from services.common.errors import InvalidRequestError, ModelLoadError
 from services.engine.processing.image_file import to_rgb
+
+if TYPE_CHECKING:
+    import torch
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -167,6 +171,8 @@ class ImageProcessor:
         resized = image.resize(
             (grid_w * cfg.patch_size, grid_h * cfg.patch_size), resample=cfg.resample
         )
+        import torch
+
         pixels = torch.from_numpy(np.array(resized, dtype=np.uint8))  # [H, W, 3] uint8
         return ProcessedImage(self._normalize_patchify(pixels.permute(2, 0, 1)[None]), grid_thw)
 
@@ -178,6 +184,9 @@ class ImageProcessor:
         PIL's resize is mirrored: two separable antialiased passes in PIL's order, each
         rounded and clamped to uint8; the rest is the PIL path's arithmetic.
         """
+        import torch
+        import torch.nn.functional as F
+
         mode = self.tensor_resample_mode()
         _, height, width, _ = pixels.shape
         _, grid_h, grid_w = self.grid_for_size(height, width)
@@ -200,7 +209,9 @@ class ImageProcessor:
 
     def _normalize_patchify(self, pixels: torch.Tensor) -> torch.Tensor:
         # [N, C, H, W] uint8 -> [N * grid_h * grid_w, C * t * p * p] float32 on pixels' device.
-        table = self._table.to(pixels.device)  # [C, 256]: value v of channel c, normalized
+        import torch
+
+        table = torch.from_numpy(self._table).to(pixels.device)  # [C, 256] float32
         normalized = torch.stack([table[c][pixels[:, c].long()] for c in range(table.shape[0])], 1)
         return self._patchify(normalized)
 
@@ -220,13 +231,13 @@ class ImageProcessor:
         return x.reshape(num_images * grid_h * grid_w, channels * t * p * p).contiguous()
 
 
-def _normalize_table(config: ImageProcessorConfig) -> torch.Tensor:
+def _normalize_table(config: ImageProcessorConfig) -> np.ndarray:
     """[C, 256] float32: each uint8 value rescaled (in float64) and normalized, as transformers
     does."""
     values = (np.arange(256, dtype=np.float64) * config.rescale_factor).astype(np.float32)
     mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]
     std = np.asarray(config.image_std, dtype=np.float32)[:, None]
-    return torch.from_numpy((values[None, :] - mean) / std)
+    return (values[None, :] - mean) / std
 
 
 def _pil_pass_sizes(size: tuple[int, int], target: tuple[int, int]) -> list[tuple[int, int]]:
