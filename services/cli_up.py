@@ -51,6 +51,12 @@ _DEFAULTED_BY_THE_SERVICE = (
         "decode's rest for the pages of a failed reservation (default: decode's)",
     ),
     (
+        "--drain-timeout-s",
+        non_negative,
+        "on Ctrl-C / SIGTERM: how long the routers' requests in flight get to finish before "
+        "the services stop (default: the router's, its request deadline)",
+    ),
+    (
         "--embedding-quarantine-s",
         non_negative,
         "prefill's rest for the embedding rows of a timed-out Encode (default: prefill's)",
@@ -289,6 +295,7 @@ def _run_up(args: argparse.Namespace) -> int:
             max_concurrent_requests=args.max_concurrent_requests,
             max_queued_requests=args.max_queued_requests,
             queue_timeout_s=args.queue_timeout_s,
+            drain_timeout_s=args.drain_timeout_s,
             embedding_quarantine_s=args.embedding_quarantine_s,
             ready_timeout_s=args.ready_timeout_s,
             liveness=LivenessPolicy(args.liveness_timeout_s),

@@ -75,6 +75,7 @@ class LaunchConfig:
     max_concurrent_requests: int | None = None  # router: admission slots
     max_queued_requests: int | None = None  # router: admission queue
     queue_timeout_s: float | None = None  # router: wait limit in the admission queue
+    drain_timeout_s: float | None = None  # router: on SIGTERM, for its requests in flight
     served_model_name: str | None = None  # router
     insecure_no_api_key: bool = False  # router: serve a non-loopback host without an API key
     max_model_len: int | None = None  # tokenizer, decode and router (--max-context-len)
@@ -355,8 +356,15 @@ def router_config(
         http_reuse_port=cfg.router_workers > 1,
         workers=WorkerAddresses((tokenizer,), (prefill,), (decode,), (encoder,)),
         flow=flow,
+        drain_timeout_s=cfg.drain_timeout_s,
         insecure_no_api_key=cfg.insecure_no_api_key,
     )
+
+
+def router_stop_s(cfg: LaunchConfig) -> float:
+    """How long a router may take to exit after SIGTERM (``RouterConfig.stop_s``: its drain
+    budget, then the rest of its shutdown)."""
+    return RouterConfig(model=cfg.model, drain_timeout_s=cfg.drain_timeout_s).stop_s
 
 
 def router_args(

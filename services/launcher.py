@@ -16,12 +16,17 @@ the state file when the new process is ready. The flags and ports each child
 starts with are built in ``services.launch_spec``.
 
 Children die with the launcher: they are asked for SIGTERM on the launcher's death
-(``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM the launcher stops supervising, then
-stops them in reverse order (SIGTERM, grace, then SIGKILL), so no process outlives it.
+(``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM the launcher stops supervising, drains the
+routers (SIGTERM: they refuse new requests and finish their streams, up to their drain budget
+and the rest of their shutdown, ``router_stop_s``), then stops the workers in reverse start
+order (SIGTERM, ``stop_grace_s``, then SIGKILL), so no process outlives it. A second Ctrl-C /
+SIGTERM cuts the drain short (the routers are killed). The children run in their own process
+group, so a terminal's Ctrl-C reaches the launcher alone and the workers outlive the drain.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -47,6 +52,7 @@ from services.launch_spec import (
     prefill_spec,
     router_args,
     router_spec,
+    router_stop_s,
     router_worker_specs,
     tokenizer_spec,
 )
@@ -143,6 +149,7 @@ class Launcher:
         self.env = dict(env) if env is not None else child_environment(os.environ)
         self.children: list[Child] = []
         self.stop = stop if stop is not None else threading.Event()  # set: start-up is abandoned
+        self.hurry = threading.Event()  # set: stop_all kills the routers instead of draining
 
     def start(self, spec: ChildSpec) -> Child:
         child = self._spawn(spec, spec.ports)
@@ -179,6 +186,7 @@ class Launcher:
                 text=True,
                 env=self.env,
                 preexec_fn=_die_with_parent,
+                process_group=0,  # the terminal's Ctrl-C goes to up alone, which drains first
             )
         finally:
             if stderr is not subprocess.DEVNULL:
@@ -271,18 +279,40 @@ class Launcher:
         child.process.wait()
 
     def stop_all(self) -> None:
-        """SIGTERM every child (router first), wait ``stop_grace_s``, SIGKILL what is left."""
-        for c in reversed(self.children):
-            if c.process.poll() is None:
-                c.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.stop_grace_s
-        for c in reversed(self.children):
-            try:
-                c.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill(c)
+        """Drain the routers (SIGTERM, up to ``router_stop_s``, less once ``hurry`` is set),
+        then SIGTERM the workers in reverse start order, wait ``stop_grace_s``; SIGKILL what is
+        left."""
+        routers = [c for c in self.children if c.service == "router"]
+        workers = [c for c in reversed(self.children) if c.service != "router"]
+        if any(c.process.poll() is None for c in routers):
+            print(
+                f"draining the routers (up to {router_stop_s(self.cfg):g} s; Ctrl-C again stops "
+                "them at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._stop(routers, router_stop_s(self.cfg), self.hurry)
+        self._stop(workers, self.cfg.stop_grace_s)
         if self.cfg.gpu_share_file is not None:  # prefill's and decode's, both stopped
             self.cfg.gpu_share_file.unlink(missing_ok=True)
+
+    def _stop(
+        self, children: list[Child], grace_s: float, hurry: threading.Event | None = None
+    ) -> None:
+        for c in children:
+            if c.process.poll() is None:
+                c.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in children:
+            while c.process.poll() is None and time.monotonic() < deadline:
+                if hurry is not None and hurry.is_set():
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.process.wait(
+                        timeout=min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+                    )
+            if c.process.poll() is None:
+                self.kill(c)
 
 
 def ready_table(host: str, children: list[Child]) -> list[str]:
@@ -300,8 +330,14 @@ def ready_table(host: str, children: list[Child]) -> list[str]:
 def run_up(cfg: LaunchConfig, env: Mapping[str, str] | None = None) -> int:
     stop = threading.Event()
     launcher = Launcher(cfg, env, stop)
+
+    def on_signal(*_: object) -> None:
+        if stop.is_set():
+            launcher.hurry.set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     if cfg.log_dir is not None:
         print(f"logs: {cfg.log_dir}", flush=True)
     try:

@@ -5,7 +5,9 @@ standard ``grpc.health.v1`` health service, the telemetry interceptor, bearer-to
 authentication (``services.common.auth``; health is exempt) and, when asked,
 reflection, and binds it (port 0 picks a free port and returns it).
 ``serve_until_signal`` runs it until SIGTERM/SIGINT, then shuts down in order: health
-NOT_SERVING -> ``server.stop`` with grace -> the release callback.
+NOT_SERVING -> the service's drain, if it has one (the router: refuse new requests, let the
+ones in flight finish within its budget) -> ``server.stop`` with grace (new RPCs refused, the
+ones in flight given ``grace_s``) -> the release callback.
 
 Health: liveness is the process answering ``Check`` at all; readiness is ``SERVING``,
 which ``HealthState`` reports only after the service calls ``set_serving(True)``
@@ -333,14 +335,20 @@ async def shutdown(
     health: HealthState,
     on_shutdown: Callable[[], Any] | None = None,
     grace_s: float = 5.0,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """NOT_SERVING -> stop accepting RPCs, give in-flight ones ``grace_s`` -> release.
+    """NOT_SERVING -> ``drain`` -> stop accepting RPCs, give in-flight ones ``grace_s`` ->
+    release.
 
+    ``drain`` runs while the server still accepts RPCs (the service refuses what it must
+    itself) and returns when the work in flight is done or its budget is spent.
     ``on_shutdown`` (sync or async) releases what the service holds (engine, rank
     group, transfer sessions); it runs once, after the server has stopped.
     """
     health.enter_shutdown()
     try:
+        if drain is not None:
+            await drain()
         await server.stop(grace_s)
     finally:
         if on_shutdown is not None:
@@ -355,6 +363,7 @@ async def serve_until_signal(
     on_shutdown: Callable[[], Any] | None = None,
     *,
     grace_s: float = 5.0,
+    drain: Callable[[], Awaitable[None]] | None = None,
     stop: asyncio.Event | None = None,
     signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
 ) -> None:
@@ -379,4 +388,4 @@ async def serve_until_signal(
         for task in (stop_task, terminated):
             task.cancel()
     logger.info("shutting down (grace %.1f s)", grace_s)
-    await shutdown(server, health, on_shutdown, grace_s)
+    await shutdown(server, health, on_shutdown, grace_s, drain)

@@ -118,7 +118,9 @@ async def serve(cfg: RouterConfig, metrics_port: int, access: RouterAccess) -> N
         http_port=http_socket.getsockname()[1],
         metrics_port=metrics_port,
     )
-    await serve_until_signal(app.grpc_server, app.health, app.stop, grace_s=GRPC_GRACE_S)
+    await serve_until_signal(
+        app.grpc_server, app.health, app.stop, grace_s=GRPC_GRACE_S, drain=app.drain
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

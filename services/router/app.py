@@ -20,11 +20,12 @@ from services.common.clients.decode import DecodeClient
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.clients.vision_encoder import VisionEncoderClient
+from services.common.errors import UnavailableError
 from services.common.pb.stageserve.v1 import router_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.engine.processing import ImageProcessor, TextProcessor
 from services.router.auth import RouterAccess, require_api_key
-from services.router.config import RouterConfig
+from services.router.config import STOP_AFTER_DRAIN_S, RouterConfig
 from services.router.generation import GenerationPipeline
 from services.router.health_generate import HealthGenerateChecker
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
@@ -44,10 +45,11 @@ from services.router.workers import Worker, WorkerKind
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Router"
-# Shutdown budget (gRPC grace + HTTP grace + draining) stays under the launcher's 10 s before SIGKILL.
+# After the drain (``RouterApp.drain``, up to ``cfg.drain_s``), within STOP_AFTER_DRAIN_S.
 GRPC_GRACE_S = 3.0
 HTTP_GRACE_S = 3.0
-DRAIN_S = 2.0
+ABORTS_S = 2.0  # decode's Aborts of the requests the drain budget cut off
+assert GRPC_GRACE_S + HTTP_GRACE_S + ABORTS_S < STOP_AFTER_DRAIN_S
 CLIENTS: dict[WorkerKind, Callable[..., Any]] = {  # (address, *, auth) -> client
     WorkerKind.TOKENIZER: TokenizerClient,
     WorkerKind.PREFILL: PrefillClient,
@@ -217,6 +219,30 @@ class RouterApp:
         if self.health_generate is not None:
             self.health_generate.start()
 
+    async def drain(self) -> None:
+        """SIGTERM (health is NOT_SERVING already): refuse new requests (503 / UNAVAILABLE,
+        ``GET /health`` 503), give the ones in flight ``cfg.drain_s`` to finish, then end the
+        rest with UNAVAILABLE. Both servers keep serving meanwhile."""
+        self.pipeline.start_drain()
+        if self.health_generate is not None:
+            await self.health_generate.close()
+        budget_s = self.cfg.drain_s
+        logger.info(
+            "draining: %d requests in flight, %g s to finish", self.pipeline.num_in_flight, budget_s
+        )
+        if not await self.pipeline.wait_idle(budget_s):
+            logger.warning(
+                "drain budget of %g s spent: ending %d requests",
+                budget_s,
+                self.pipeline.num_in_flight,
+            )
+            self.pipeline.end_all(
+                UnavailableError(
+                    f"the router shut down before the request finished (its drain budget of "
+                    f"{budget_s:g} s ran out); retry the request"
+                )
+            )
+
     async def stop(self) -> None:
         """Release everything (the gRPC server is already stopped by the skeleton)."""
         if self._http_server is not None and self._http_task is not None:
@@ -224,8 +250,6 @@ class RouterApp:
             await self._http_task
         if self.health_generate is not None:
             await self.health_generate.close()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(DRAIN_S):
-                await self.pipeline.wait_idle()
+        await self.pipeline.wait_idle(ABORTS_S)
         await self.registry.close()
         await self.images.close()

@@ -45,6 +45,8 @@ class WorkerAddresses:
 
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+# A router's shutdown after its drain: gRPC and HTTP grace, decode's last Aborts (router/app.py).
+STOP_AFTER_DRAIN_S = 10.0
 
 
 def default_max_request_bytes(max_image_bytes: int) -> int:
@@ -200,6 +202,13 @@ class RouterConfig(ServiceConfig):
     limits: LimitsConfig = nested(LimitsConfig)
     flow: FlowConfig = nested(FlowConfig)
     http: HttpLimits = nested(HttpLimits, prefix="http")
+    drain_timeout_s: float | None = flag(
+        None,
+        type=non_negative,
+        help="on SIGTERM: report not ready, refuse new requests (503) and give the ones in "
+        "flight this long to finish, then end the rest with an error and exit "
+        "(default: --request-timeout-s, the longest a request can run)",
+    )
     insecure_no_api_key: bool = flag(
         False,
         name=INSECURE_NO_API_KEY_FLAG.removeprefix("--").replace("-", "_"),
@@ -210,3 +219,17 @@ class RouterConfig(ServiceConfig):
     def __post_init__(self) -> None:
         if self.http_host is None:
             object.__setattr__(self, "http_host", self.host)
+        if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def drain_s(self) -> float:
+        """How long a SIGTERM leaves the requests in flight to finish."""
+        if self.drain_timeout_s is None:
+            return self.limits.request_timeout_s
+        return self.drain_timeout_s
+
+    @property
+    def stop_s(self) -> float:
+        """The longest a SIGTERM takes to end the process: the drain, then the rest."""
+        return self.drain_s + STOP_AFTER_DRAIN_S

@@ -23,7 +23,8 @@ anything ends it early (error, stall, deadline, disconnect, stop string, prefill
 finishing the request), decode's Abort is sent in the background (idempotent, frees the
 pages). The Abort says ``is_kv_written`` exactly when prefill returned successfully: its
 KV write has landed, so decode frees the pages at once instead of quarantining them
-against a late write.
+against a late write. Shutdown: ``start_drain`` refuses every new request (UNAVAILABLE:
+503) while the ones in flight go on; ``end_all`` ends those still running with its error.
 
 The producer's ``router.request`` span (a child of the caller's trace context) is the
 parent of every worker's span; it ends with status ERROR when the request fails.
@@ -91,6 +92,9 @@ class GenerationPipeline:
         self._default_max_tokens = default_max_tokens
         self._metrics = metrics
         self._tasks: set[asyncio.Task] = set()  # producers and aborts still running
+        self._producers: set[asyncio.Task] = set()
+        self._is_draining = False
+        self._cut_off: StageServeError | None = None  # what producers ended by end_all emit
         self.admission = AdmissionManager(
             flow.max_concurrent_requests, flow.max_queued_requests, flow.queue_timeout_s, metrics
         )
@@ -103,13 +107,21 @@ class GenerationPipeline:
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """The request's deltas, the last with finish_reason and usage.
 
-        Raises the ``StageServeError`` that ended it. Closing the iterator early (or
-        cancelling its consumer) cancels the request and aborts it on decode.
+        Raises the ``StageServeError`` that ended it (``UnavailableError`` at once while
+        draining). Closing the iterator early (or cancelling its consumer) cancels the
+        request and aborts it on decode.
         """
+        if self._is_draining:
+            raise UnavailableError(
+                "this router is shutting down and admits no new requests; retry the request "
+                "(another router serves it)"
+            )
         queue: asyncio.Queue[GenerationDelta | StageServeError] = asyncio.Queue()
         producer = self._spawn(
             self._produce(request, queue.put_nowait), f"request-{request.request_id}"
         )
+        self._producers.add(producer)
+        producer.add_done_callback(self._producers.discard)
         is_over = False  # the producer has delivered its terminal item and winds down by itself
         try:
             while True:
@@ -124,10 +136,37 @@ class GenerationPipeline:
             if not is_over:
                 producer.cancel()
 
-    async def wait_idle(self) -> None:
-        """Wait for every producer and background abort to end (shutdown, tests)."""
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted to ``stream`` and not ended yet."""
+        return len(self._producers)
+
+    def start_drain(self) -> None:
+        """Refuse every request ``stream`` gets from now on; the ones in flight go on."""
+        self._is_draining = True
+
+    def end_all(self, error: StageServeError) -> None:
+        """End every request in flight: each gets ``error`` as its terminal item and is
+        aborted on decode (``wait_idle`` then waits for the aborts)."""
+        self._cut_off = error
+        for producer in list(self._producers):
+            producer.cancel()
+
+    async def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` (None: no bound) for every producer and background abort
+        to end, cancelling none of them; True once there are none."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            remaining_s = None if deadline is None else deadline - loop.time()
+            if remaining_s is not None and remaining_s <= 0:
+                return False
+            await asyncio.wait(set(self._tasks), timeout=remaining_s)
+        return True
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -168,9 +207,10 @@ class GenerationPipeline:
                 error = exc
                 raise
             finally:
-                if not state.is_done:  # an unexpected exception or cancellation
+                if not state.is_done:  # an unexpected exception or cancellation (end_all)
                     state.emit(
-                        StageServeError(f"request {request.request_id} failed inside the router")
+                        self._cut_off
+                        or StageServeError(f"request {request.request_id} failed inside the router")
                     )
                 if error is not None:
                     telemetry.mark_error(span, error)

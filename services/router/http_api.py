@@ -195,11 +195,14 @@ class OpenAIApi:
         return {"object": "list", "data": [model]}
 
     def health(self, request: Request) -> OpenAIJSONResponse:
-        """200 while every needed kind has a ready worker, else 503. The body is the status
-        alone, unless the caller may see the detail (``auth.is_authorized``): the missing
-        kinds, every worker's address, state and load, and admission."""
+        """200 while every needed kind has a ready worker, else 503; 503 ``draining`` once a
+        SIGTERM started the shutdown. The body is the status alone, unless the caller may see
+        the detail (``auth.is_authorized``): the missing kinds, every worker's address, state
+        and load, and admission."""
         missing = [k.value for k in self.registry.missing_kinds()]
         status, code = ("unavailable", 503) if missing else ("ok", 200)
+        if self.pipeline.is_draining:
+            status, code = "draining", 503
         if not is_authorized(request.scope):
             return OpenAIJSONResponse({"status": status}, status_code=code)
         workers = [

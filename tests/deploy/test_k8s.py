@@ -19,6 +19,7 @@ import yaml
 from services.common.envs import MOONCAKE_ENV_VARS
 from services.common.exposure import ExposureError, check_api_exposure
 from services.common.server import LIVENESS_SERVICE
+from services.router.config import STOP_AFTER_DRAIN_S
 from tests.conftest import REPO
 from tests.deploy.manifests import (
     DEPLOY,
@@ -214,6 +215,18 @@ def test_timeouts_agree(by_service, gpu_mooncake) -> None:
     assert decode.kv_quarantine_s > float(by_service["decode"].env["MC_TRANSFER_TIMEOUT"])
     assert decode.max_reservation_s >= router.request_timeout_s
     assert decode.page_size == prefill.page_size
+
+
+def test_the_router_has_time_to_drain(by_service) -> None:
+    """preStop, then the drain budget (default: the request deadline), then the rest of the
+    router's shutdown, all within the pod's grace period."""
+    container = by_service["router"]
+    router = parse_service_args("router", container.args[2:])
+    drain_s = router.request_timeout_s if router.drain_timeout_s is None else router.drain_timeout_s
+    command = container.spec["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    needed_s = float(command[1]) + drain_s + STOP_AFTER_DRAIN_S
+    assert container.pod["spec"]["terminationGracePeriodSeconds"] >= needed_s
 
 
 def test_containers_are_non_root_with_resources(by_service, overlay) -> None:
