@@ -14,6 +14,13 @@ from services.cli_up_checks import (
     port_number,
     positive,
 )
+from services.cli_up_defaults import (
+    ENCODER_SHARE,
+    PREFILL_SHARE,
+    UpFlags,
+    rank_layout,
+    resolve_up,
+)
 from services.common.exposure import INSECURE_NO_API_KEY_FLAG
 from services.common.kv_transfer import (
     BACKENDS,
@@ -22,10 +29,16 @@ from services.common.kv_transfer import (
     check_cross_process,
     check_embedding_backend,
     check_kv_backend,
-    default_embedding_backend,
     resolve_kv_backend,
 )
 from services.common.paths import BUNDLED_MODEL
+from services.engine.gpu_defaults import (
+    ATTENTION_CHOICES,
+    ATTENTION_HELP,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    memory_fraction,
+)
+from services.launch_spec import LaunchConfig
 
 # Flags passed on to one service only when given; None leaves the service's own default.
 _DEFAULTED_BY_THE_SERVICE = (
@@ -46,15 +59,15 @@ _DEFAULTED_BY_THE_SERVICE = (
         "a request's wait limit in the admission queue before 429 (default: the router's)",
     ),
     (
-        "--kv-quarantine-s",
-        non_negative,
-        "decode's rest for the pages of a failed reservation (default: decode's)",
-    ),
-    (
         "--drain-timeout-s",
         non_negative,
         "on Ctrl-C / SIGTERM: how long the routers' requests in flight get to finish before "
         "the services stop (default: the router's, its request deadline)",
+    ),
+    (
+        "--kv-quarantine-s",
+        non_negative,
+        "decode's rest for the pages of a failed reservation (default: decode's)",
     ),
     (
         "--embedding-quarantine-s",
@@ -107,19 +120,37 @@ def add_up(sub: argparse._SubParsersAction) -> None:
         help="embedding transfer (and KV unless --kv-transfer-backend): "
         f"{' | '.join(CROSS_PROCESS_BACKENDS)}; shm: /dev/shm shared by this host's processes, "
         "no network port; cuda_ipc: GPU to GPU on one host (encoder and prefill on CUDA). "
-        "Default: cuda_ipc when --kv-transfer-backend is cuda_ipc and the encoder and prefill "
-        "run on CUDA, else shm",
+        "Default: cuda_ipc when the encoder and prefill run on CUDA, else shm",
     )
     p.add_argument(
-        "--kv-transfer-backend", default=None, choices=list(BACKENDS), help=KV_BACKEND_HELP
+        "--kv-transfer-backend",
+        default=None,
+        choices=list(BACKENDS),
+        help=f"{KV_BACKEND_HELP}, else cuda_ipc when prefill and decode run on CUDA, shm on the CPU",
     )
     p.add_argument(
         "--attention-backend",
-        default="torch",
-        help="prefill and decode attention: torch | flashinfer",
+        default=None,
+        choices=ATTENTION_CHOICES,
+        help=f"prefill and decode attention: {ATTENTION_HELP} (default: auto)",
     )
     p.add_argument(
-        "--num-pages", type=at_least(1), default=16384, help="decode KV pages (per decode rank)"
+        "--num-pages",
+        type=at_least(1),
+        default=None,
+        help="decode KV pages per decode rank (default: sized from --gpu-memory-utilization on "
+        "CUDA, decode's default on the CPU)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        "--mem-fraction-static",
+        type=memory_fraction,
+        default=None,
+        help="share of each GPU the services hold together (weights, activations, CUDA graphs, "
+        "KV pools): each prefill rank on a GPU is set "
+        f"{PREFILL_SHARE:g} aside, each encoder rank {ENCODER_SHARE:g}, and decode's ranks "
+        "size their KV pools to the rest "
+        f"(default {DEFAULT_GPU_MEMORY_UTILIZATION:g})",
     )
     p.add_argument(
         "--decode-dp",
@@ -262,12 +293,6 @@ def _run_up(args: argparse.Namespace) -> int:
         check_up_args(args)
         has_api_key = bool(envs.api_key if args.api_key is None else args.api_key)
         check_api_exposure((args.host,), has_api_key, args.insecure_no_api_key)
-        transfer_backend = args.transfer_backend or default_embedding_backend(
-            args.kv_transfer_backend,
-            args.encoder_device or args.device,
-            args.prefill_device or args.device,
-        )
-        check_cross_process(transfer_backend, "up runs every service as its own process")
         if args.encoder_ranks is not None and args.encoder_ranks < 1:
             raise ValueError(f"--encoder-ranks must be >= 1, got {args.encoder_ranks}")
         log_format = args.log_format or envs.log_format
@@ -285,9 +310,6 @@ def _run_up(args: argparse.Namespace) -> int:
             prefill_device=args.prefill_device,
             decode_device=args.decode_device,
             dtype=args.dtype,
-            transfer_backend=transfer_backend,
-            kv_transfer_backend=args.kv_transfer_backend,
-            attention_backend=args.attention_backend,
             num_pages=args.num_pages,
             page_size=args.page_size,
             stall_timeout_s=args.stall_timeout_s,
@@ -321,6 +343,9 @@ def _run_up(args: argparse.Namespace) -> int:
                 f"({num_decode_devices} devices)"
             )
         check_prefill_cp(cfg)
+        cfg, chosen = _with_device_choices(cfg, args)
+        transfer_backend = cfg.transfer_backend
+        check_cross_process(transfer_backend, "up runs every service as its own process")
         cfg = with_gpu_share(cfg, args.prefill_first_ms)
         check_embedding_backend(  # the two ends of the embedding rows
             transfer_backend, (device_of(cfg, "vision_encoder"), device_of(cfg, "prefill"))
@@ -329,8 +354,8 @@ def _run_up(args: argparse.Namespace) -> int:
             device_of(cfg, "prefill"),
             *decode_devices(cfg),
         ):  # the two ends of the KV handoff
-            check_kv_backend(args.kv_transfer_backend, transfer_backend, device)
-        kv_backend = resolve_kv_backend(args.kv_transfer_backend, transfer_backend)
+            check_kv_backend(cfg.kv_transfer_backend, transfer_backend, device)
+        kv_backend = resolve_kv_backend(cfg.kv_transfer_backend, transfer_backend)
         check_cross_process(kv_backend, "up runs every service as its own process")
         exposure = check_transfer_exposure(args.host, (transfer_backend, kv_backend))
         env = child_environment(
@@ -341,4 +366,37 @@ def _run_up(args: argparse.Namespace) -> int:
         return 2
     if exposure is not None:
         print(f"warning: {exposure}", file=sys.stderr)
+    print(f"stageserve up: {chosen}", file=sys.stderr, flush=True)
     return run_up(cfg, env)
+
+
+def _with_device_choices(cfg: LaunchConfig, args: argparse.Namespace) -> tuple[LaunchConfig, str]:
+    """``cfg`` with the backends and decode's memory share chosen for its devices
+    (``services.cli_up_defaults``), and the line that says them."""
+    from dataclasses import replace
+
+    from services.engine.gpu_defaults import flashinfer_importable
+
+    named = (cfg.device, cfg.encoder_device, cfg.prefill_device, cfg.decode_device)
+    num_cuda_devices = 0
+    if any("cuda" in (device or "") for device in named):
+        import torch
+
+        num_cuda_devices = torch.cuda.device_count()
+    layout = rank_layout(cfg, num_cuda_devices)
+    flags = UpFlags(
+        args.transfer_backend,
+        args.kv_transfer_backend,
+        args.attention_backend,
+        args.gpu_memory_utilization,
+        args.num_pages,
+    )
+    choices = resolve_up(layout, flags, num_cuda_devices, flashinfer_importable())
+    cfg = replace(
+        cfg,
+        transfer_backend=choices.transfer_backend,
+        kv_transfer_backend=choices.kv_transfer_backend,
+        attention_backend=choices.attention_backend,
+        decode_memory_fraction=choices.decode_memory_fraction,
+    )
+    return cfg, choices.describe(layout, flags)

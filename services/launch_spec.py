@@ -63,7 +63,8 @@ class LaunchConfig:
         None  # prefill and decode's KV handoff; None: transfer_backend
     )
     attention_backend: str = "torch"
-    num_pages: int = 16384  # per decode rank
+    num_pages: int | None = None  # per decode rank; None: decode sizes its pool
+    decode_memory_fraction: float | None = None  # decode's --gpu-memory-utilization (None: its)
     page_size: int = 16
     decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
     max_running_requests: int | None = None  # decode's batch per rank; None: decode_batch_size
@@ -268,6 +269,7 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         transfer_backend=cfg.transfer_backend,
         kv_transfer_backend=cfg.kv_transfer_backend,
         num_pages=cfg.num_pages,
+        **_given(gpu_memory_utilization=cfg.decode_memory_fraction),
         page_size=cfg.page_size,
         attention_backend=cfg.attention_backend,
         max_model_len=cfg.max_model_len,

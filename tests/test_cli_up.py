@@ -81,7 +81,7 @@ def test_up_moves_embeddings_over_cuda_ipc_when_the_kv_does_and_both_ends_are_gp
         [],  # the CPU default
     )
     assert [c.transfer_backend for c in configs] == ["cuda_ipc", "shm", "shm", "shm"]
-    assert [c.kv_transfer_backend for c in configs] == ["cuda_ipc"] * 3 + [None]
+    assert [c.kv_transfer_backend for c in configs] == ["cuda_ipc"] * 3 + ["shm"]
     args = service_args(configs[0], monkeypatch)
     for name in ("vision_encoder", "prefill"):
         assert _flag(args[name], "--transfer-backend") == "cuda_ipc"
@@ -241,7 +241,10 @@ def test_each_model_service_can_get_its_own_device() -> None:
     ]
 
 
-def test_up_checks_the_kv_backend_against_both_ends_devices(capsys) -> None:
+def test_up_checks_the_kv_backend_against_both_ends_devices(capsys, monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # cuda:0 and cuda:1
     assert (
         main(
             [

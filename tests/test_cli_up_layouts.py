@@ -124,6 +124,9 @@ def test_up_takes_decode_dp_and_router_workers(monkeypatch, capsys) -> None:
 
 
 def test_a_decode_device_list_puts_one_rank_on_each(monkeypatch, capsys) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # cuda:0 and cuda:1
     cfg = LaunchConfig(Path("m"), device="cuda:0", decode_device="cuda:0,cuda:1")
     args = service_args(cfg, monkeypatch)
     assert args["decode"][args["decode"].index("--devices") + 1] == "cuda:0,cuda:1"

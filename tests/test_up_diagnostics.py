@@ -106,6 +106,7 @@ def test_ctrl_c_while_starting_stops_cleanly(tmp_path: Path) -> None:
     )
     try:
         assert process.stdout is not None
+        assert process.stdout.readline().startswith("stageserve up: devices: ")  # its choices
         assert process.stdout.readline().startswith("logs: ")  # started; the services are loading
         time.sleep(1.0)
         process.send_signal(signal.SIGINT)

@@ -243,13 +243,21 @@ def check_embedding_backend(name: str, devices: Sequence[str]) -> str:
     return name
 
 
-def default_embedding_backend(
-    kv_backend: str | None, encoder_device: str, prefill_device: str
-) -> str:
-    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: the KV
-    backend when it moves GPU memory only and the encoder and prefill both run on CUDA
-    (cuda_ipc), the one-host host-memory backend (shm) otherwise."""
+def default_embedding_backend(encoder_device: str, prefill_device: str) -> str:
+    """``stageserve up``'s embedding backend when ``--transfer-backend`` is not given: GPU to
+    GPU (cuda_ipc) when the encoder and prefill both run on CUDA, else host memory (shm)."""
     on_gpus = device_type(encoder_device) == device_type(prefill_device) == "cuda"
-    if on_gpus and kv_backend in BACKENDS and BACKENDS[kv_backend].buffer_devices == {"cuda"}:
-        return kv_backend
-    return one_host_backend("cpu")
+    return one_host_backend("cuda" if on_gpus else "cpu")
+
+
+def default_kv_backend(devices: Sequence[str]) -> str:
+    """``stageserve up``'s KV backend when neither transfer flag is given: the one-host backend
+    of the memory every KV pool (prefill's and decode's, on ``devices``) is in; ``ValueError``
+    when they are in both."""
+    kinds = {device_type(device) for device in devices}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"prefill and decode's KV pools are on {', '.join(devices)}: no one-host KV backend "
+            "moves both host and GPU memory; use --kv-transfer-backend mooncake (its CUDA build)"
+        )
+    return one_host_backend(kinds.pop())

@@ -39,12 +39,14 @@ def rank_devices(
     spread_cuda: bool,
     service: str,
     flag: str = "--ranks",
+    num_cuda_devices: int | None = None,
 ) -> tuple[str, ...]:
     """The device of each rank: the named ``devices`` (``ranks``, when given, must count
     them), else ``ranks`` (default 1) on ``device``; ``cuda`` alone is ``cuda:0``. With
     ``spread_cuda``, ``cuda`` and C ranks mean ``cuda:0`` .. ``cuda:C-1`` (this host must have
     them) and ``cuda:N`` with C > 1 is refused; without it every rank shares ``device``.
-    ``ValueError`` naming ``flag`` (the flag that gave ``ranks``)."""
+    ``ValueError`` naming ``flag`` (the flag that gave ``ranks``). ``num_cuda_devices``: this
+    host's GPUs (default: torch's count, asked only when needed)."""
     if ranks is not None and ranks < 1:
         raise ValueError(f"{flag} must be >= 1, got {ranks}")
     if devices:
@@ -58,12 +60,12 @@ def rank_devices(
         raise ValueError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     count = ranks or 1
     if spread_cuda and count > 1 and device == "cuda":
-        import torch
+        if num_cuda_devices is None:
+            import torch
 
-        if count > torch.cuda.device_count():
-            raise ValueError(
-                f"{flag} {count} needs {count} GPUs; this host has {torch.cuda.device_count()}"
-            )
+            num_cuda_devices = torch.cuda.device_count()
+        if count > num_cuda_devices:
+            raise ValueError(f"{flag} {count} needs {count} GPUs; this host has {num_cuda_devices}")
         return tuple(f"cuda:{i}" for i in range(count))
     if spread_cuda and count > 1 and device.startswith("cuda:"):
         raise ValueError(

@@ -27,6 +27,7 @@ def rank_init(config: DecodeConfig) -> RankInit:
         model=str(config.model),
         dtype=config.dtype,
         num_pages=config.num_pages,
+        gpu_memory_utilization=config.rank_memory_fraction,
         page_size=config.page_size,
         max_model_len=config.max_model_len,
         max_running_requests=config.max_running_requests,

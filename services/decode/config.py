@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from services.common.kv_transfer import BACKENDS, KV_BACKEND_HELP, resolve_kv_backend
 from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import at_least, flag, non_negative, positive, positive_int
+from services.engine.gpu_defaults import (
+    ATTENTION_CHOICES,
+    ATTENTION_HELP,
+    AUTO_ATTENTION,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    memory_fraction,
+)
+from services.engine.kv_sizing import CPU_NUM_PAGES
 
 # With a GPU share file: a step waits at most this long for prefill's forwards. 100 ms keeps
 # decode near one step per prefill forward (a 4 x 1000-token batch takes ~80 ms alone on an
@@ -24,7 +33,20 @@ class DecodeConfig(ServiceConfig):
         help="one data-parallel rank per device, comma-separated (cuda:0,cuda:1); "
         "default: --ranks on --device",
     )
-    num_pages: int = flag(2048, type=positive_int, help="KV pages in the pool of each rank")
+    num_pages: int | None = flag(
+        None,
+        type=positive_int,
+        help="KV pages in the pool of each rank (default: sized at start from "
+        f"--gpu-memory-utilization on CUDA, {CPU_NUM_PAGES} on the CPU)",
+    )
+    gpu_memory_utilization: float = flag(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        type=memory_fraction,
+        aliases=("--mem-fraction-static",),
+        help="share of each of its GPUs decode holds, split evenly between its ranks on that "
+        "GPU: weights, activations, CUDA graphs, and a KV pool of what is left (without "
+        "--num-pages)",
+    )
     page_size: int = flag(16, type=positive_int, help="token slots per KV page")
     max_model_len: int | None = flag(
         None,
@@ -34,7 +56,7 @@ class DecodeConfig(ServiceConfig):
     max_running_requests: int = flag(
         256, type=positive_int, help="largest decode batch of each rank"
     )
-    attention_backend: str = flag("torch", help="torch | flashinfer")
+    attention_backend: str = flag(AUTO_ATTENTION, choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
     transfer_backend: str = flag(
         "mooncake",
         help=f"transfer backend: {' | '.join(BACKENDS)}; the KV one unless --kv-transfer-backend",
@@ -96,6 +118,12 @@ class DecodeConfig(ServiceConfig):
             return 0.0
         ms = PREFILL_FIRST_MS if self.prefill_first_ms is None else self.prefill_first_ms
         return ms / 1000
+
+    @property
+    def rank_memory_fraction(self) -> float:
+        """Each rank's share of its GPU: ``gpu_memory_utilization`` over the most ranks that
+        share one device."""
+        return self.gpu_memory_utilization / max(Counter(self.devices).values())
 
     @property
     def kv_backend(self) -> str:

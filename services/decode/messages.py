@@ -21,7 +21,8 @@ class RankInit(msgspec.Struct, frozen=True):
 
     model: str  # checkpoint directory
     dtype: str | None
-    num_pages: int
+    num_pages: int | None  # None: sized from gpu_memory_utilization (CUDA)
+    gpu_memory_utilization: float  # this rank's share of its GPU
     page_size: int
     max_model_len: int | None  # None: the model's max_position_embeddings
     max_running_requests: int

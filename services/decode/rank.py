@@ -298,10 +298,13 @@ def build_rank(
         model = load_model(init.model, device=device, dtype=init.dtype, components=("language",))
     runner = ModelRunner(  # a batch as large as the rank runs replays a graph
         model,
-        KVCacheConfig(init.num_pages, init.page_size),
+        KVCacheConfig(
+            init.num_pages, init.page_size, init.gpu_memory_utilization, init.max_running_requests
+        ),
         init.attention_backend,
         cuda_graph_batch_sizes=graph_batch_sizes(init.max_running_requests),
     )
+    logger.info("%s on %s", runner.pool_size.describe(), device)
     receiver = receiver if receiver is not None else create_receiver(init)
     try:
         receiver.register(runner.kv_pool)
@@ -309,7 +312,7 @@ def build_rank(
         max_model_len = init.max_model_len or model.config.text.max_position_embeddings
         kv = KVReservationManager(runner.page_table, init.kv_quarantine_s, quarantine_clock)
         scheduler = DecodeScheduler(kv, eos_ids, max_model_len, init.max_running_requests)
-        max_pages = min(kv.num_pages_for(max_model_len), init.num_pages)
+        max_pages = min(kv.num_pages_for(max_model_len), runner.page_manager.num_pages)
         batch = DecodeBatchRunner(runner, Sampler(eos_ids), init.max_running_requests, max_pages)
     except BaseException:
         receiver.close()

@@ -14,15 +14,29 @@ holds one KV page as the padding rows' scratch page.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from services.engine import ops
-from services.engine.attention import AttentionBatch, ForwardMode, create_attention_backend
+from services.engine.attention import (
+    AttentionBatch,
+    ForwardMode,
+    create_attention_backend,
+    resolve_attention_backend,
+)
 from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphDecodeRunner
+from services.engine.gpu_defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
+from services.engine.kv_sizing import (
+    CPU_NUM_PAGES,
+    PROFILE_NUM_PAGES,
+    KVPoolSize,
+    kv_page_bytes,
+    pages_for_memory,
+)
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.prefill_graph import PrefillGraphs
 
@@ -63,8 +77,13 @@ class DecodeInputs:
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    num_pages: int
+    """The pool's pages: ``num_pages``, or (None) a share of the GPU's memory sized at start
+    (kv_sizing.py), ``CPU_NUM_PAGES`` off CUDA."""
+
+    num_pages: int | None
     page_size: int
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # with num_pages None
+    max_batch_size: int = DEFAULT_BATCH_SIZES[-1]  # the DECODE batch the sizing profiles
 
 
 class ModelRunner:
@@ -81,6 +100,19 @@ class ModelRunner:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.page_size = kv_config.page_size
+        attention_backend = resolve_attention_backend(attention_backend, self.device)
+        self.pool_size = self._pool_size(
+            kv_config,
+            lambda num_pages: ModelRunner(
+                model,
+                replace(kv_config, num_pages=num_pages),
+                attention_backend,
+                cuda_graph_batch_sizes,
+                prefill_graph_tokens,
+            ),
+        )
+        kv_config = replace(kv_config, num_pages=self.pool_size.num_pages)
+        assert kv_config.num_pages is not None
         self.kv_pool = KVPool(
             text.num_hidden_layers,
             kv_config.num_pages,
@@ -122,6 +154,42 @@ class ModelRunner:
             )
             with ops.on_device(self.device):
                 self.prefill_graphs.capture()
+
+    def _page_bytes(self, page_size: int) -> int:
+        text = self.model.config.text
+        return kv_page_bytes(
+            text.num_hidden_layers,
+            page_size,
+            text.num_key_value_heads,
+            text.head_dim,
+            self.model.lm_head.weight.element_size(),
+        )
+
+    def _pool_size(
+        self, kv_config: KVCacheConfig, profile_runner: Callable[[int], ModelRunner]
+    ) -> KVPoolSize:
+        """``kv_config.num_pages``, else the pages of ``kv_config.gpu_memory_utilization`` of
+        this CUDA device next to what ``profile_runner`` holds at its peak (kv_sizing.py),
+        ``CPU_NUM_PAGES`` off CUDA."""
+        page_bytes = self._page_bytes(kv_config.page_size)
+        if kv_config.num_pages is not None:
+            return KVPoolSize(kv_config.num_pages, kv_config.page_size, page_bytes)
+        if self.device.type != "cuda":
+            return KVPoolSize(CPU_NUM_PAGES, kv_config.page_size, page_bytes, source="CPU default")
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile_bytes = _profile(profile_runner(PROFILE_NUM_PAGES), kv_config.max_batch_size)
+        gc.collect()
+        peak_bytes = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        total_bytes = torch.cuda.mem_get_info(self.device)[1]
+        used_bytes = peak_bytes - profile_bytes
+        utilization = kv_config.gpu_memory_utilization
+        num_pages = pages_for_memory(total_bytes, utilization, used_bytes, page_bytes)
+        return KVPoolSize(
+            num_pages, kv_config.page_size, page_bytes, utilization, total_bytes, used_bytes
+        )
 
     @torch.inference_mode()
     def encode_images(
@@ -304,3 +372,20 @@ class ModelRunner:
             return self.model.embed(ids)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model.embed(ids, torch.cat(embeds), row_index)
+
+
+def _profile(runner: ModelRunner, batch_size: int) -> int:
+    """Run one DECODE step of ``batch_size`` one-token rows on ``runner`` (graphs captured
+    already), wait for it, and return the bytes of its pool; the caller drops the runner."""
+    page = runner.page_manager.allocate(1)[0]
+    slot = page * runner.page_size
+    inputs = DecodeInputs(
+        torch.zeros(batch_size, dtype=torch.long),
+        torch.zeros(3, batch_size, dtype=torch.long),
+        [1] * batch_size,
+        [[page]] * batch_size,
+        torch.full((batch_size,), slot, dtype=torch.long),
+    )
+    runner.forward_decode(inputs)
+    torch.cuda.synchronize(runner.device)
+    return 2 * runner.kv_pool.k_buffer.numel() * runner.kv_pool.k_buffer.element_size()

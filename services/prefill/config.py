@@ -8,6 +8,7 @@ from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, KV_BACKEND_HELP,
 from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
+from services.engine.gpu_defaults import ATTENTION_CHOICES, ATTENTION_HELP, AUTO_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class PrefillConfig(ServiceConfig):
     max_queued_requests: int = flag(
         256, type=positive_int, help="live requests; more get RESOURCE_EXHAUSTED"
     )
-    attention_backend: str = flag("torch", help="torch | flashinfer")
+    attention_backend: str = flag(AUTO_ATTENTION, choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
     default_timeout_s: float = flag(
         300.0, type=positive, help="deadline of a request that carries none"
     )

@@ -17,6 +17,7 @@ from services.common.kv_transfer import (
     check_embedding_backend,
     check_kv_backend,
     default_embedding_backend,
+    default_kv_backend,
 )
 from services.transfer import (
     BaseEmbeddingReceiver,
@@ -110,16 +111,23 @@ def test_the_host_only_mooncake_build_names_the_cuda_one(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("kv", "encoder", "prefill", "expected"),
+    ("encoder", "prefill", "expected"),
     [
-        ("cuda_ipc", "cuda:0", "cuda:1", "cuda_ipc"),
-        ("cuda_ipc", "cpu", "cuda:1", "shm"),
-        ("mooncake", "cuda:0", "cuda:1", "shm"),
-        (None, "cuda:0", "cuda:0", "shm"),
+        ("cuda:0", "cuda:1", "cuda_ipc"),
+        ("cuda:0", "cuda:0", "cuda_ipc"),
+        ("cpu", "cuda:1", "shm"),
+        ("cpu", "cpu", "shm"),
     ],
 )
-def test_up_defaults_the_embedding_backend(kv, encoder, prefill, expected) -> None:
-    assert default_embedding_backend(kv, encoder, prefill) == expected
+def test_up_defaults_the_embedding_backend(encoder, prefill, expected) -> None:
+    assert default_embedding_backend(encoder, prefill) == expected
+
+
+def test_up_defaults_the_kv_backend_to_the_memory_of_both_ends() -> None:
+    assert default_kv_backend(("cuda:0", "cuda:1", "cuda:1")) == "cuda_ipc"
+    assert default_kv_backend(("cpu", "cpu")) == "shm"
+    with pytest.raises(ValueError, match="use --kv-transfer-backend mooncake"):
+        default_kv_backend(("cuda:0", "cpu"))
 
 
 def test_the_help_lists_every_backend() -> None:

@@ -6,10 +6,21 @@ library (flashinfer) is needed only by the processes that pick it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.engine.attention.base import AttentionBatch, BaseAttentionBackend, ForwardMode
+from services.engine.gpu_defaults import (
+    AUTO_ATTENTION,
+    default_attention_backend,
+    flashinfer_importable,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
 
 
 def _create_torch(**kwargs: Any) -> BaseAttentionBackend:
@@ -34,6 +45,21 @@ def supported_attention_backends() -> list[str]:
     return sorted(_BACKEND_FACTORIES)
 
 
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """The backend ``name`` (``auto``: ``default_attention_backend``) runs on ``device``;
+    ``auto`` that falls back to torch on CUDA says so in the log."""
+    if name != AUTO_ATTENTION:
+        return name
+    chosen = default_attention_backend((str(device),), flashinfer_importable())
+    if chosen == "torch" and str(device).startswith("cuda"):
+        logger.warning(
+            "attention: torch on %s (flashinfer is not installed: install the `gpu` extra "
+            "for paged attention kernels and decode CUDA graphs)",
+            device,
+        )
+    return chosen
+
+
 def create_attention_backend(name: str, **kwargs: Any) -> BaseAttentionBackend:
     """Build the backend registered as ``name`` with ``kwargs``; ``ValueError`` for an unknown name."""
     factory = _BACKEND_FACTORIES.get(name)
@@ -49,5 +75,6 @@ __all__ = [
     "BaseAttentionBackend",
     "ForwardMode",
     "create_attention_backend",
+    "resolve_attention_backend",
     "supported_attention_backends",
 ]
