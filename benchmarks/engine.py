@@ -113,17 +113,20 @@ def _engine_rows(
     contexts = (1024,) if quick else er.DECODE_CONTEXTS
     batches = (1, 64) if quick else er.DECODE_BATCHES
     prefill_lens = (1024, 8192) if quick else er.PREFILL_LENS
-    max_tokens = max(max(batches) * (max(contexts) + 1), max(prefill_lens))
-    runner = er.make_runner(model, max_tokens)
     rows: list[Row] = []
+    runner = er.make_runner(model, max(prefill_lens))  # a pool for one prompt, not decode's
     if "prefill" in sections:
         rows += _guarded("prefill", lambda: er.prefill_rows(runner, ceilings, prefill_lens))
-    if "decode" in sections:
-        rows += _guarded("decode", lambda: er.decode_rows(runner, ceilings, contexts, batches))
     if "vit" in sections:
         rows += _guarded(
             "vit", lambda: er.vit_rows(runner, ceilings, (1,) if quick else er.IMAGE_COUNTS)
         )
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "decode" in sections:
+        runner = er.make_runner(model, max(batches) * (max(contexts) + 1))
+        rows += _guarded("decode", lambda: er.decode_rows(runner, ceilings, contexts, batches))
     return rows
 
 
