@@ -1,11 +1,12 @@
-"""Regenerate the bundled tiny Qwen2.5-VL checkpoint bit for bit.
+"""Regenerate the bundled tiny checkpoints bit for bit.
 
-    python scripts/make_tiny_checkpoint.py [--out services/assets/tiny-qwen2.5-vl]
+    python scripts/make_tiny_checkpoint.py [--arch qwen2_5_vl|qwen3_vl|qwen3_vl_moe] [--out DIR]
 
-Same architecture as Qwen2.5-VL with small dimensions and seeded random weights, plus
-the project's own small BPE tokenizer (scripts/tiny_tokenizer.py). The directory is a
-complete Hugging Face checkpoint: transformers' AutoTokenizer, AutoImageProcessor and
-AutoModelForImageTextToText load it.
+Same architecture as Qwen2.5-VL (default; ``services/assets/tiny-qwen2.5-vl``), Qwen3-VL
+(``tiny-qwen3-vl``) or Qwen3-VL-MoE (``tiny-qwen3-vl-moe``, see tiny_qwen3_vl.py) with small
+dimensions and seeded random weights, plus the project's own small BPE tokenizer
+(scripts/tiny_tokenizer.py). Each directory is a complete Hugging Face checkpoint:
+transformers' AutoTokenizer, AutoImageProcessor and AutoModelForImageTextToText load it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_tokenizer import DEFAULT_OUT_DIR, build_tokenizer_files  # noqa: E402
+import tiny_qwen3_vl  # noqa: E402
+from tiny_tokenizer import (  # noqa: E402
+    DEFAULT_OUT_DIR,
+    build_tokenizer_files,
+    preprocessor_config,
+)
 
 SEED = 20261130
 SPECIAL_IDS = {
@@ -147,18 +153,18 @@ def parameter_shapes() -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights() -> dict[str, torch.Tensor]:
+def random_weights(shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(SEED)
     tensors = {}
-    for name, shape in sorted(parameter_shapes().items()):
+    for name, shape in sorted((shapes or parameter_shapes()).items()):
         if name.endswith("norm.weight") or ".norm" in name or "layernorm" in name or "ln_q" in name:
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif name.endswith(".bias"):
             t = 0.05 * torch.randn(shape, generator=gen)
         elif "embed_tokens" in name:
             t = torch.randn(shape, generator=gen)
-        else:
-            fan_in = math.prod(shape[1:])
+        else:  # stacked experts [E, in, out]: each expert's fan-in is its input dim
+            fan_in = shape[1] if ".experts." in name else math.prod(shape[1:])
             t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
         tensors[name] = t.contiguous()
     return tensors
@@ -168,24 +174,41 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def build(out_dir: Path) -> None:
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+ASSETS = DEFAULT_OUT_DIR.parent
+
+
+def default_out(arch: str) -> Path:
+    return DEFAULT_OUT_DIR if arch == "qwen2_5_vl" else ASSETS / f"tiny-{arch.replace('_', '-')}"
+
+
+def build(out_dir: Path, arch: str = "qwen2_5_vl") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer_files(out_dir)
+    if arch == "qwen2_5_vl":
+        config, weights = CONFIG, random_weights()
+    else:
+        config = tiny_qwen3_vl.config(moe=arch == "qwen3_vl_moe")
+        weights = random_weights(tiny_qwen3_vl.parameter_shapes(config))
+        processor = tiny_qwen3_vl.preprocessor_config(preprocessor_config())
+        write_json(out_dir / "preprocessor_config.json", processor)
     vocab = json.loads((out_dir / "tokenizer.json").read_text())
     added = {t["content"]: t["id"] for t in vocab["added_tokens"]}
     for token, expected in SPECIAL_IDS.items():
         assert added.get(token) == expected, (
             f"tokenizer gives {token} id {added.get(token)}, expected {expected}"
         )
-    write_json(out_dir / "config.json", CONFIG)
+    write_json(out_dir / "config.json", config)
     write_json(out_dir / "generation_config.json", GENERATION)
-    save_file(random_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
-    build(parser.parse_args().out)
+    parser.add_argument("--arch", choices=ARCHS, default="qwen2_5_vl")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    build(args.out or default_out(args.arch), args.arch)
 
 
 if __name__ == "__main__":
