@@ -1,8 +1,10 @@
 """Model configuration read from a Hugging Face checkpoint directory's ``config.json``.
 
-Both layouts Qwen2.5-VL checkpoints come in are accepted: the original flat one (text
-fields at the top level, ``rope_scaling`` with ``mrope_section``) and the nested one
-``transformers`` 5 writes (``text_config`` / ``vision_config``).
+The architecture comes from ``architectures`` through the model registry
+(``model/registry.py``). Both layouts Qwen2.5-VL checkpoints come in are accepted: the
+original flat one (text fields at the top level, ``rope_scaling`` with ``mrope_section``)
+and the nested one ``transformers`` 5 writes (``text_config`` / ``vision_config``), which
+Qwen3-VL checkpoints use.
 """
 
 from __future__ import annotations
@@ -14,9 +16,32 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import ModelLoadError
+from services.engine.model.registry import SUPPORTED_ARCHITECTURES, ModelFamily, family_for
 
-SUPPORTED_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl",)
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "MoEConfig", "TextConfig", "VisionConfig"]
+
+_QWEN2_5_VISION_DEFAULTS = {
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "hidden_act": "silu",
+    "patch_size": 14,
+    "out_hidden_size": 3584,
+    "num_position_embeddings": 0,
+    "deepstack_visual_indexes": (),
+}
+_QWEN3_VISION_DEFAULTS = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "hidden_act": "gelu_pytorch_tanh",
+    "patch_size": 16,
+    "out_hidden_size": 3584,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": (8, 16, 24),
+}
 
 
 @dataclass(frozen=True)
@@ -30,14 +55,34 @@ class VisionConfig:
     patch_size: int
     temporal_patch_size: int
     spatial_merge_size: int
-    window_size: int
+    window_size: int  # Qwen2.5-VL's windowed blocks; 0 for Qwen3-VL (full attention only)
     out_hidden_size: int
     fullatt_block_indexes: tuple[int, ...]
     rope_theta: float
+    num_position_embeddings: int = 0  # Qwen3-VL: learned position table (a square grid)
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: ViT blocks feeding DeepStack
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+
+    def is_sparse(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` has the MoE block (else the dense MLP)."""
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
 
 @dataclass(frozen=True)
@@ -54,10 +99,12 @@ class TextConfig:
     mrope_section: tuple[int, ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    head_dim: int
+    qkv_bias: bool = True
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before rotary
+    mrope_interleaved: bool = False  # Qwen3: t/h/w frequencies interleaved, not in sections
+    moe: MoEConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -88,15 +135,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        architecture = _architecture(raw)
+        family = family_for(list(raw.get("architectures") or []), raw.get("model_type"))
         text_raw = {**raw, **(raw.get("text_config") or {})}
         vision_raw = raw.get("vision_config") or {}
         eos = text_raw.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
-            architecture=architecture,
-            text=_text_config(text_raw, raw),
-            vision=_vision_config(vision_raw),
+            architecture=family.architecture,
+            text=_text_config(text_raw, raw, family),
+            vision=_vision_config(vision_raw, family),
             image_token_id=int(raw["image_token_id"]),
             video_token_id=int(raw["video_token_id"]),
             vision_start_token_id=int(raw["vision_start_token_id"]),
@@ -106,31 +153,18 @@ class ModelConfig:
         )
 
 
-def _architecture(raw: dict[str, Any]) -> str:
-    architectures = raw.get("architectures") or []
-    model_type = raw.get("model_type")
-    for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    if not architectures and model_type in SUPPORTED_MODEL_TYPES:
-        return SUPPORTED_ARCHITECTURES[0]
-    raise ModelLoadError(
-        f"unsupported architecture {architectures or model_type!r}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _text_config(text_raw: dict[str, Any], raw: dict[str, Any]) -> TextConfig:
+def _text_config(text_raw: dict[str, Any], raw: dict[str, Any], family: ModelFamily) -> TextConfig:
     rope = text_raw.get("rope_scaling") or text_raw.get("rope_parameters") or {}
     section = rope.get("mrope_section")
     if not section:
         raise ModelLoadError("config.json has no mrope_section (rope_scaling / rope_parameters)")
     hidden = int(text_raw["hidden_size"])
     heads = int(text_raw["num_attention_heads"])
-    head_dim = hidden // heads
+    head_dim = int(text_raw.get("head_dim") or hidden // heads)
     if sum(section) * 2 != head_dim:
         raise ModelLoadError(f"mrope_section {section} does not cover head_dim {head_dim}")
     tie = raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False))
+    attention_bias = bool(text_raw.get("attention_bias", False))
     return TextConfig(
         vocab_size=int(text_raw["vocab_size"]),
         hidden_size=hidden,
@@ -144,25 +178,61 @@ def _text_config(text_raw: dict[str, Any], raw: dict[str, Any]) -> TextConfig:
         mrope_section=tuple(int(s) for s in section),
         max_position_embeddings=int(text_raw.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(tie),
+        head_dim=head_dim,
+        qkv_bias=attention_bias if family.is_qwen3 else True,
+        o_bias=attention_bias if family.is_qwen3 else False,
+        qk_norm=family.is_qwen3,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", family.is_qwen3)),
+        moe=_moe_config(text_raw) if family.model_type.endswith("_moe") else None,
     )
 
 
-def _vision_config(v: dict[str, Any]) -> VisionConfig:
+def _moe_config(text_raw: dict[str, Any]) -> MoEConfig:
+    missing = [
+        key
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if key not in text_raw
+    ]
+    if missing:
+        raise ModelLoadError(f"MoE config.json has no {', '.join(missing)}")
+    moe = MoEConfig(
+        num_experts=int(text_raw["num_experts"]),
+        num_experts_per_tok=int(text_raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(text_raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(text_raw.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(text_raw.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in text_raw.get("mlp_only_layers") or ()),
+    )
+    if not 0 < moe.num_experts_per_tok <= moe.num_experts or moe.decoder_sparse_step < 1:
+        raise ModelLoadError(
+            f"MoE config needs 0 < num_experts_per_tok <= num_experts and decoder_sparse_step "
+            f">= 1, got {moe.num_experts_per_tok}, {moe.num_experts}, {moe.decoder_sparse_step}"
+        )
+    return moe
+
+
+def _vision_config(v: dict[str, Any], family: ModelFamily) -> VisionConfig:
     rope = v.get("rope_parameters") or {}
+    defaults = _QWEN3_VISION_DEFAULTS if family.is_qwen3 else _QWEN2_5_VISION_DEFAULTS
+    depth = int(v.get("depth", defaults["depth"]))
+    full_default = tuple(range(depth)) if family.is_qwen3 else (7, 15, 23, 31)
+    deepstack = v.get("deepstack_visual_indexes", defaults["deepstack_visual_indexes"])
     return VisionConfig(
-        depth=int(v.get("depth", 32)),
-        hidden_size=int(v.get("hidden_size", 1280)),
-        intermediate_size=int(v.get("intermediate_size", 3420)),
-        num_heads=int(v.get("num_heads", 16)),
-        hidden_act=str(v.get("hidden_act", "silu")),
+        depth=depth,
+        hidden_size=int(v.get("hidden_size", defaults["hidden_size"])),
+        intermediate_size=int(v.get("intermediate_size", defaults["intermediate_size"])),
+        num_heads=int(v.get("num_heads", defaults["num_heads"])),
+        hidden_act=str(v.get("hidden_act", defaults["hidden_act"])),
         in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        patch_size=int(v.get("patch_size", 14)),
+        patch_size=int(v.get("patch_size", defaults["patch_size"])),
         temporal_patch_size=int(v.get("temporal_patch_size", 2)),
         spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        window_size=int(v.get("window_size", 112)),
-        out_hidden_size=int(v.get("out_hidden_size", 3584)),
-        fullatt_block_indexes=tuple(
-            int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))
-        ),
+        window_size=0 if family.is_qwen3 else int(v.get("window_size", 112)),
+        out_hidden_size=int(v.get("out_hidden_size", defaults["out_hidden_size"])),
+        fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", full_default)),
         rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        num_position_embeddings=int(
+            v.get("num_position_embeddings", defaults["num_position_embeddings"])
+        ),
+        deepstack_visual_indexes=tuple(int(i) for i in deepstack),
     )

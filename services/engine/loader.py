@@ -17,7 +17,9 @@ from safetensors import safe_open
 
 from services.common.errors import ModelLoadError
 from services.engine.config import ModelConfig
+from services.engine.model.moe import EXPERT_TENSORS, checkpoint_expert
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.model.registry import model_class
 
 # transformers >= 5 saves the nested layout; the engine uses the original one.
 _PREFIX_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -79,6 +81,9 @@ def check_tensors(model: Qwen2_5_VLModel, tensors: dict[str, torch.Tensor]) -> N
     if tied:
         expected.pop("lm_head.weight", None)
         tensors.pop("lm_head.weight", None)
+    for name in tensors.keys() & expected.keys():
+        if name.endswith(EXPERT_TENSORS) and tensors[name].dim() == 3:
+            tensors[name] = checkpoint_expert(tensors[name], tuple(expected[name]))
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
     if missing:
@@ -120,7 +125,7 @@ def load_model(
     device = torch.device(device)
     dtype = resolve_dtype(dtype or config.torch_dtype)
     with torch.device("meta"):
-        model = Qwen2_5_VLModel(config)
+        model = model_class(config.architecture)(config)
     if "vision" not in components:
         model.visual = None
     if "language" not in components:

@@ -268,7 +268,7 @@ class ModelRunner:
 
     def forward_extend(
         self,
-        embeds: torch.Tensor,  # [T, hidden] on the device, image rows merged in
+        embeds: torch.Tensor,  # [T, hidden (+ DeepStack rows)] on the device, images merged in
         positions: torch.Tensor,  # [3, T] int64
         batch: AttentionBatch,  # EXTEND, T tokens, pages in this runner's pool
         logits_indices: torch.Tensor | None = None,  # see Qwen2_5_VLModel.forward
@@ -279,7 +279,8 @@ class ModelRunner:
         assert batch.mode is ForwardMode.EXTEND
         self.attention.plan(batch)
         graphs = self.prefill_graphs
-        if graphs is not None and graphs.can_run(batch.num_tokens):
+        is_plain = embeds.shape[1] == self.model.config.text.hidden_size  # no DeepStack rows
+        if graphs is not None and is_plain and graphs.can_run(batch.num_tokens):
             return graphs.forward(
                 embeds, positions, batch.out_slots, self.attention, logits_indices, on_layer_kv
             )

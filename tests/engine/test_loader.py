@@ -140,3 +140,54 @@ def test_load_one_component(tiny_model_dir):
     assert language.visual is None and language.lm_head is not None
     with pytest.raises(ValueError, match="components must be"):
         load_model(tiny_model_dir, components=("audio",))
+
+
+QWEN3_MOE_DIR = TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe"
+LAYER0 = "model.language_model.layers.0."
+
+
+def _qwen3_moe_error(tmp_path: Path, mutate, **text_changes) -> str:
+    dst = tmp_path / "qwen3_moe"
+    weights = copy_checkpoint(QWEN3_MOE_DIR, dst)
+    mutate(weights)
+    save_file(weights, str(dst / "model.safetensors"))
+    if text_changes:
+        config = json.loads((dst / "config.json").read_text())
+        config["text_config"].update(text_changes)
+        (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(dst)
+    return str(err.value)
+
+
+def test_qwen3_moe_missing_tensor_is_named(tmp_path):
+    name = LAYER0 + "self_attn.q_norm.weight"
+    message = _qwen3_moe_error(tmp_path, lambda w: w.pop(name))
+    assert "missing tensors: model.layers.0.self_attn.q_norm.weight" in message
+
+
+def test_qwen3_moe_wrong_shape_is_named(tmp_path):
+    name = "model.visual.deepstack_merger_list.1.linear_fc1.weight"
+    message = _qwen3_moe_error(tmp_path, lambda w: w.__setitem__(name, torch.zeros(128, 64)))
+    assert (
+        "tensor 'visual.deepstack_merger_list.1.linear_fc1.weight' has shape (128, 64)" in message
+    )
+
+
+def test_qwen3_moe_expert_count_mismatch_is_named(tmp_path):
+    message = _qwen3_moe_error(tmp_path, lambda w: None, num_experts=6)
+    assert "tensor 'model.layers.0.mlp.gate.weight' has shape (8, 64)" in message
+    assert "config implies (6, 64)" in message
+
+
+def test_qwen3_moe_loads_the_transformers_saved_expert_layout(tmp_path):
+    dst = tmp_path / "saved_layout"
+    weights = copy_checkpoint(QWEN3_MOE_DIR, dst)
+    for key in [k for k in weights if ".mlp.experts." in k]:
+        weights[key] = weights[key].transpose(1, 2).contiguous()  # [E, 2I, H], [E, H, I]
+    save_file(weights, str(dst / "model.safetensors"))
+    ours = load_model(dst).model.layers[0].mlp.experts
+    released = load_file(str(QWEN3_MOE_DIR / "model.safetensors"))
+    assert ours.gate_up_proj.shape == (8, 96, 64)
+    assert torch.equal(ours.gate_up_proj, released[LAYER0 + "mlp.experts.gate_up_proj"].mT)
+    assert torch.equal(ours.down_proj, released[LAYER0 + "mlp.experts.down_proj"].mT)

@@ -1,7 +1,10 @@
-"""Qwen2 decoder (GQA, RMSNorm, SwiGLU, M-RoPE) over a paged KV cache.
+"""Qwen2 / Qwen3 decoder (GQA, RMSNorm, SwiGLU or MoE, M-RoPE) over a paged KV cache.
 
 Tokens of all requests in a step are packed ragged in one ``[num_tokens, hidden]``
-tensor; the attention backend holds the step's layout (see attention/base.py).
+tensor; the attention backend holds the step's layout (see attention/base.py). Qwen3
+adds RMSNorm over each q and k head, interleaved M-RoPE, MoE layers (``moe.py``) and
+DeepStack: the input may carry, next to each token's embedding, one row per DeepStack
+layer that is added to that decoder layer's output (zero rows for text tokens).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from services.engine import ops
 from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import TextConfig
 from services.engine.model.layers import GatedMLP, RMSNorm, fuse_linears
+from services.engine.model.moe import SparseMoE
 from services.engine.model.rope import MRotaryEmbedding
 
 
@@ -25,10 +29,13 @@ class DecoderAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, hidden] once fused
         self.qkv_bias: torch.Tensor | None = None
 
@@ -47,9 +54,19 @@ class DecoderAttention(nn.Module):
             qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
         else:
             qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+        if self.q_norm is not None:
+            qkv = self.norm_qk(qkv)
         return ops.rotary_qk(
             qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, kv_store
         )
+
+    def norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D], same shape
+        assert self.q_norm is not None and self.k_norm is not None
+        n, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q = self.q_norm(q.reshape(-1, d)).view(n, -1)  # per head: [T * H, D]
+        k = self.k_norm(k.reshape(-1, d)).view(n, -1)
+        return torch.cat([q, k, v], dim=-1)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, hidden]
         out = out.reshape(out.shape[0], self.num_heads * self.head_dim)  # T may be 0 (a CP rank)
@@ -60,7 +77,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, layer_id)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -108,13 +129,16 @@ class DecoderLayer(nn.Module):
 class LanguageModel(nn.Module):
     """Token embedding, decoder layers and final norm (``model.*`` in the checkpoint)."""
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, num_deepstack: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.deepstack_layers = tuple(range(num_deepstack))  # layer i adds DeepStack row set i
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = MRotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved
+        )
 
     def forward(
         self,
@@ -123,12 +147,20 @@ class LanguageModel(nn.Module):
         attn: BaseAttentionBackend,
         on_layer_kv: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        # input_embeds [T, hidden], positions [3, T] -> hidden states [T, hidden]
+        # input_embeds [T, hidden] or, with DeepStack rows, [T, hidden * (1 + num_deepstack)];
+        # positions [3, T] -> hidden states [T, hidden]
         # on_layer_kv(i): called once layer i's attention (its KV store included) is queued, before
         # its MLP: a copy of that KV queued then on another stream overlaps the MLP
+        hidden = self.cfg.hidden_size
+        deepstack = (
+            input_embeds[:, hidden:].split(hidden, 1) if input_embeds.shape[1] > hidden else ()
+        )
+        assert len(deepstack) in (0, len(self.deepstack_layers)), (input_embeds.shape, hidden)
         cos, sin = self.rotary(positions, input_embeds.dtype)  # [T, D] each, once per step
-        x, residual = input_embeds, None
+        x, residual = input_embeds[:, :hidden].contiguous(), None
         for i, layer in enumerate(self.layers):
             on_kv = None if on_layer_kv is None else (lambda i=i: on_layer_kv(i))
             x, residual = layer(x, residual, cos, sin, attn, on_kv)
+            if deepstack and i in self.deepstack_layers:
+                x = x + deepstack[self.deepstack_layers.index(i)]
         return self.norm.add_forward(x, residual)[0]

@@ -16,6 +16,7 @@ ACTIVATIONS = {
     "silu": nn.functional.silu,
     "gelu": nn.functional.gelu,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
 }
 
 

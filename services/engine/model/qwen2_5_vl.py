@@ -4,7 +4,9 @@ Parameter names follow the original Qwen2.5-VL checkpoints (``visual.*``, ``mode
 ``lm_head.*``), so a real checkpoint's tensors load by name.
 
 Image embeddings are merged into the token embeddings of the *whole* request, in
-request-global order, before any split of the sequence across ranks.
+request-global order, before any split of the sequence across ranks. The class is also
+the base of the Qwen3-VL family (``qwen3_vl.py``), whose image rows are wider: they carry
+DeepStack rows, which ``embed`` keeps next to each token's embedding (see language.py).
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ class Qwen2_5_VLModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.visual = VisionTransformer(config.vision)
-        self.model = LanguageModel(config.text)
+        self.visual = self.build_vision_tower(config)
+        self.model = LanguageModel(config.text, len(config.vision.deepstack_visual_indexes))
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         if config.text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_vision_tower(self, config: ModelConfig) -> nn.Module:
+        return VisionTransformer(config.vision)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls of every layer; parameter names and values are unchanged."""
@@ -38,20 +43,25 @@ class Qwen2_5_VLModel(nn.Module):
                 module.fuse_projections()
 
     def encode_images(self, pixel_values: torch.Tensor, grids: GridList) -> torch.Tensor:
-        """ViT forward for a batch of images; [sum of image tokens, hidden] in image order."""
+        """ViT forward for a batch of images; [sum of image tokens, hidden * (1 + K)] in image
+        order, K being the number of DeepStack row sets (0 for Qwen2.5-VL)."""
         return self.visual(pixel_values, grids)
 
     def embed(
         self,
         input_ids: torch.Tensor,  # [T] int64
-        image_embeds: torch.Tensor | None = None,  # [num_image_tokens, hidden]
+        image_embeds: torch.Tensor | None = None,  # [num_image_tokens, hidden * (1 + K)]
         image_rows: torch.Tensor
         | None = None,  # [num_image_tokens] int64, row of T each embedding replaces
     ) -> torch.Tensor:
-        """Token embeddings with image embeddings written over the image placeholder rows; [T, hidden]."""
+        """Token embeddings with image rows written over the image placeholder rows; [T, hidden],
+        or [T, hidden * (1 + K)] when the image rows carry K DeepStack rows (zero for text)."""
         embeds = self.model.embed_tokens(input_ids)
         if image_embeds is not None and image_embeds.numel():
             assert image_rows is not None and image_rows.numel() == image_embeds.shape[0]
+            extra = image_embeds.shape[1] - embeds.shape[1]
+            if extra:
+                embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], extra)], dim=1)
             embeds = embeds.index_copy(0, image_rows, image_embeds.to(embeds.dtype))
         return embeds
 

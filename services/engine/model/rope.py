@@ -49,11 +49,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class MRotaryEmbedding(torch.nn.Module):
-    """Text rotary embedding with per-axis frequency sections (M-RoPE)."""
+    """Text rotary embedding with per-axis frequency sections (M-RoPE); ``interleaved``
+    (Qwen3-VL): frequency j takes the h axis when j % 3 == 1 and j < 3 * section[1], the w
+    axis when j % 3 == 2 and j < 3 * section[2], else the t axis."""
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: Sequence[int]) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, mrope_section: Sequence[int], interleaved: bool = False
+    ) -> None:
         super().__init__()
         self.mrope_section = list(mrope_section)
+        self.interleaved = interleaved
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
@@ -69,8 +74,15 @@ class MRotaryEmbedding(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [3, T] -> cos, sin [T, head_dim] in dtype
         freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq.float()  # [3, T, D/2]
-        parts = freqs.split(self.mrope_section, dim=-1)
-        freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [T, D/2]
+        if self.interleaved:
+            picked = freqs[0].clone()
+            for axis in (1, 2):
+                index = slice(axis, 3 * self.mrope_section[axis], 3)
+                picked[..., index] = freqs[axis, ..., index]
+            freqs = picked  # [T, D/2]
+        else:
+            parts = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
