@@ -163,6 +163,8 @@ class Generation:
             store_port=self.store_port,
             collective_timeout_s=self.config.collective_timeout_s,
             leader_timeout_s=self.config.leader_timeout_s,
+            is_free_running=self.config.is_free_running,
+            step_timeout_s=self.config.step_timeout_s,
         )
 
     def is_ready(self) -> bool:

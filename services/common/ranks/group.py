@@ -3,7 +3,9 @@
 Use: ``group = RankGroup(config, spec, on_ready_change=...)``; ``await group.start()``
 (forms the group: every rank spawned, its step class built and warmed up; raises
 ``RankStartError`` naming the rank and cause); ``await group.step(payload)`` (every rank's
-result in rank order, or the step's one error); ``group.stop()`` at shutdown.
+result in rank order, or the step's one error); ``group.stop()`` at shutdown. A
+free-running group (one rank that steps by itself, ``free_supervisor.py``) takes
+``post(payload)`` instead of steps and hands each of the rank's reports to ``on_report``.
 
 Errors a step raises: the agreed error (``StepFailedError``, or the ``StageServeError``
 class the failing rank raised; the group serves on), ``UnavailableError`` when the group
@@ -22,6 +24,7 @@ from concurrent.futures import Future
 import msgspec
 
 from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.free_supervisor import FreeRankSupervisor, OnReport
 from services.common.ranks.handover import Results
 from services.common.ranks.lifecycle import GroupState
 from services.common.ranks.messages import encode_raw
@@ -42,10 +45,19 @@ class RankGroup:
         spec: StepSpec,
         *,
         on_ready_change: Callable[[bool], None] = _ignore,
+        on_report: OnReport | None = None,
     ) -> None:
+        """``on_report``: a free-running group's (and only its) report callback, called from
+        the group's thread."""
+        if config.is_free_running is (on_report is None):
+            raise ValueError("on_report is for a free-running group, and it needs one")
         self.config = config
         self.num_ranks = config.num_ranks
-        self._supervisor = RankGroupSupervisor(config, spec, on_ready_change)
+        self._supervisor: RankGroupSupervisor = (
+            FreeRankSupervisor(config, spec, on_ready_change, on_report)
+            if on_report is not None
+            else RankGroupSupervisor(config, spec, on_ready_change)
+        )
         self.progress = (
             self._supervisor.progress
         )  # the leader loop: ticks when a step is sent and done
@@ -88,10 +100,18 @@ class RankGroup:
         error."""
         if not isinstance(payload, msgspec.Struct):
             raise TypeError(f"a step payload is a msgspec.Struct, got {type(payload).__name__}")
+        if self.config.is_free_running:
+            raise TypeError(f"{self.config.name} runs free: post to it, it steps by itself")
         timeout_s = self.config.step_timeout_s if timeout_s is None else timeout_s
         if timeout_s <= 0:
             raise ValueError(f"a step's timeout_s must be > 0, got {timeout_s}")
         return self._supervisor.submit(encode_raw(payload), timeout_s)
+
+    def post(self, payload: msgspec.Struct) -> int:
+        """A free-running group: send ``payload`` to its rank; its seq (``Reported``)."""
+        if not isinstance(self._supervisor, FreeRankSupervisor):
+            raise TypeError(f"{self.config.name} is stepped: submit steps to it")
+        return self._supervisor.post(encode_raw(payload))
 
     async def step(self, payload: msgspec.Struct, timeout_s: float | None = None) -> Results:
         """``submit`` and await its results; cancelling the wait drops a step that has not

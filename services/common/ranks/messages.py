@@ -51,6 +51,8 @@ class Setup(msgspec.Struct, frozen=True, tag="setup"):
     store_port: int
     collective_timeout_s: float
     leader_timeout_s: float  # a rank that hears nothing from the leader this long exits
+    is_free_running: bool = False  # a world of one that steps by itself (``free_loop.py``)
+    step_timeout_s: float = 0.0  # free-running: the deadline of each of its own steps
 
 
 class StepRequest(msgspec.Struct, frozen=True, tag="step"):
@@ -69,7 +71,14 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     step: int  # the last step sent
 
 
-ToRank = Setup | StepRequest | Ping | Shutdown
+class Post(msgspec.Struct, frozen=True, tag="post"):
+    """Commands for a free-running rank, applied at its next step; ``seq``: the leader's number."""
+
+    seq: int
+    payload: msgspec.Raw  # msgpack of the step class's payload_type
+
+
+ToRank = Setup | StepRequest | Ping | Shutdown | Post
 
 
 # --- rank -> leader -------------------------------------------------------------------
@@ -121,7 +130,21 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
     rank: int
 
 
-ToLeader = Hello | StartFailed | Ready | StepExecuted | StepReply | Pong
+class Report(msgspec.Struct, frozen=True, tag="report"):
+    """A free-running rank's step, sent unsolicited: OK with its result, or FAILED (the rank
+    goes on). ``num_posts``: the Posts of this generation applied by it and the steps before."""
+
+    step: int
+    rank: int
+    num_posts: int
+    status: StepStatus  # OK or FAILED
+    has_work: bool  # it steps again at once (without a Post)
+    result: msgspec.Raw = NIL
+    error: str = ""
+    error_type: str = ""  # FAILED: the StageServeError class the step raised, or ""
+
+
+ToLeader = Hello | StartFailed | Ready | StepExecuted | StepReply | Pong | Report
 
 
 # --- rank <-> rank (all-gathered, see agreement.py) ------------------------------------

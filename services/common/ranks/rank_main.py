@@ -3,8 +3,8 @@
 Start-up, in order; a failure at any stage reaches the leader as StartFailed naming this
 rank, the stage and the cause, and the process exits 1: device -> (rank 0: a TCPStore on a
 free port) -> Hello -> Setup -> import -> rendezvous -> groups -> construct -> warmup ->
-barrier -> Ready, then the step loop. The leader spawns every rank (``procs.RankLaunch``).
-Exit codes: ``LoopExit``.
+barrier -> Ready, then the step loop (``rank_loop.py``; a free-running rank's is
+``free_loop.py``). The leader spawns every rank (``procs.RankLaunch``). Exit codes: ``LoopExit``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from services.common.envs import Envs
 from services.common.malloc import tune_malloc
 from services.common.ranks.channel import Malformed, RankChannel
+from services.common.ranks.free_loop import FreeRankLoop
 from services.common.ranks.messages import (
     Hello,
     Ready,
@@ -39,7 +40,7 @@ from services.common.ranks.messages import (
     error_text,
 )
 from services.common.ranks.rank_loop import LoopExit, RankLoop
-from services.common.ranks.step import BaseRankStep, RankContext
+from services.common.ranks.step import BaseRankStep, FreeRankStep, RankContext
 
 logger = logging.getLogger("services.common.ranks.rank")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -209,6 +210,9 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         setup = _await_setup(channel, args.rendezvous_timeout_s)
     with _stage(StartStage.IMPORT, rank):  # before the rendezvous: a bad target fails at once
         cls = import_step(setup.step_target)
+        if setup.is_free_running is not issubclass(cls, FreeRankStep):
+            mode = "free-running" if setup.is_free_running else "stepped"
+            raise TypeError(f"{setup.step_target} cannot run in a {mode} group")
     with _stage(StartStage.RENDEZVOUS, rank):
         if store is None:
             store = dist.TCPStore(
@@ -249,6 +253,13 @@ def _build_step(
         step_fn.close()
         raise
     return step_fn
+
+
+def _serve(channel: RankChannel, started: _Started, parent_pid: int) -> LoopExit:
+    step_fn, setup = started.step_fn, started.setup
+    if isinstance(step_fn, FreeRankStep):
+        return FreeRankLoop(channel, step_fn, started.rank, setup, parent_pid).serve()
+    return RankLoop(channel, step_fn, dist.group.WORLD, started.rank, setup, parent_pid).serve()
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -302,10 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return int(LoopExit.BROKEN)
         channel.send(Ready(rank=started.rank))
-        loop = RankLoop(
-            channel, started.step_fn, dist.group.WORLD, started.rank, started.setup, args.parent_pid
-        )
-        exit_code = loop.serve()
+        exit_code = _serve(channel, started, args.parent_pid)
         started.step_fn.close()
         if exit_code is LoopExit.SHUTDOWN:  # a broken group's collectives may never return
             dist.destroy_process_group()

@@ -11,6 +11,7 @@ class's ``payload_type``, ``result_type`` and ``init_type``.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,3 +58,28 @@ class BaseRankStep(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (a hook)
         """Release what ``__init__`` took; called once at exit."""
+
+
+class FreeRankStep(BaseRankStep):
+    """A rank that steps by itself (``RankGroupConfig.is_free_running``; ``free_loop.py``).
+
+    Its loop calls ``run_step(step, payloads)`` with the payloads posted since its previous
+    step (in order; maybe none) once after warm-up, then whenever posts came, while
+    ``has_work()``, and once ``seconds_until_due()`` has run out; each result goes to the
+    leader. After a step that raised, ``on_failed`` runs and a step without posts follows.
+    """
+
+    @abc.abstractmethod
+    def run_step(self, step: int, payloads: list[Any]) -> msgspec.Struct:
+        """Apply ``payloads`` and run one step; return a ``result_type`` struct or raise."""
+
+    @abc.abstractmethod
+    def has_work(self) -> bool:
+        """Whether the next step should run at once, with no post."""
+
+    def seconds_until_due(self) -> float:
+        """How long an idle rank may wait before a step is due by itself (a timer)."""
+        return math.inf
+
+    def execute(self, step: int, payload: Any) -> msgspec.Struct:
+        return self.run_step(step, [payload])

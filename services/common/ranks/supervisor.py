@@ -91,9 +91,7 @@ class RankGroupSupervisor:
             )
             for rank in range(self.num_ranks)
         )
-        self._steps = StepRunner(
-            self.num_ranks, spec.result_type, self.progress, self.rank_progress
-        )
+        self._steps = self._new_steps()
         self._handover = StepHandover()
         self._is_stopping = False
         self._is_finished = False
@@ -104,6 +102,9 @@ class RankGroupSupervisor:
         self._channel: LeaderChannel | None = None
         self._last_ping_mono = 0.0
         self._liveness = Liveness(self.num_ranks, config.liveness_timeout_s)
+
+    def _new_steps(self) -> StepRunner:
+        return StepRunner(self.num_ranks, self.spec.result_type, self.progress, self.rank_progress)
 
     @property
     def state(self) -> GroupState:
