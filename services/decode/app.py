@@ -1,4 +1,5 @@
-"""Wires a decode service from its config: D rank groups of one process each, the leader, gRPC."""
+"""Wires a decode service from its config: D free-running rank groups of one process each, the
+leader, gRPC."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from services.common.auth import Credentials
 from services.common.envs import Envs
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.free_supervisor import Reported
 from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import print_ready, service_server, start_telemetry
@@ -41,20 +43,29 @@ def rank_init(config: DecodeConfig) -> RankInit:
 
 
 def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
-    """Rank ``r`` is a rank group of one process on ``config.devices[r]``, restarted alone."""
+    """Rank ``r`` is a free-running rank group of one process on ``config.devices[r]``,
+    restarted alone."""
     init = rank_init(config)
     devices = config.devices
 
-    def make(dp_rank: int, on_ready_change: Callable[[bool], None]) -> RankHandle:
+    def make(
+        dp_rank: int,
+        on_ready_change: Callable[[bool], None],
+        on_report: Callable[[Reported], None],
+    ) -> RankHandle:
         group_config = RankGroupConfig(
             name=f"decode rank {dp_rank}",
             devices=(devices[dp_rank],),
             step_timeout_s=config.watchdog_s,
             watchdog_s=config.watchdog_s,
             internal_token=envs.internal_token,  # what the spawned rank reads from its environment
+            is_free_running=True,
         )
         return RankGroup(
-            group_config, StepSpec(RANK_STEP, RankReport, init), on_ready_change=on_ready_change
+            group_config,
+            StepSpec(RANK_STEP, RankReport, init),
+            on_ready_change=on_ready_change,
+            on_report=on_report,
         )
 
     return make
@@ -79,7 +90,6 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
         len(config.devices),
         process_ranks(config, envs),
         config.watchdog_s,
-        config.sweep_interval_s,
         on_ready_change=health.set_serving,
     )
     servicer.attach(leader)  # UNAVAILABLE ("no decode rank serves") until a rank has formed

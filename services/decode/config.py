@@ -68,10 +68,8 @@ class DecodeConfig(ServiceConfig):
     watchdog_s: float = flag(
         30.0,
         type=positive,
-        help="a rank whose step takes longer is declared dead: its requests fail and it restarts",
-    )
-    sweep_interval_s: float = flag(
-        0.5, type=positive, help="how often expired reservations are released"
+        help="a rank with work that reports no step for this long is declared dead (hung): "
+        "its requests fail and it restarts",
     )
     reservation_timeout_s: float = flag(
         60.0, type=positive, help="lifetime of a reservation whose request carries no deadline"

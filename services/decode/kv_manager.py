@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -106,6 +107,10 @@ class KVReservationManager:
             num_released += len(pages)
         self._num_quarantined -= num_released
         return num_released
+
+    def seconds_to_release(self) -> float:
+        """Until the oldest quarantined pages are due back (inf: none in quarantine)."""
+        return self._quarantine[0][0] - self._clock() if self._quarantine else math.inf
 
     def pages(self, request_id: str) -> list[int]:
         return self._table.pages(request_id)

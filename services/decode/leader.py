@@ -1,11 +1,12 @@
 """The decode leader: D data-parallel ranks behind one gRPC face; placement, routes, streams.
 
-Everything here runs on the event loop's thread. Each rank is a rank group of one process
-(``RankHandle``; D ranks share no collective, so each is started, stepped and restarted
-alone) and has a driver task: it sends the commands queued for the rank as one step,
-awaits the report and hands it out, and steps again at once while the rank is busy (so
-the rank's device runs a step while the report travels), else after a command arrives or
-``sweep_interval_s`` (reservation expiry, quarantine release).
+Everything here runs on the event loop's thread. Each rank is a free-running rank group of
+one process (``RankHandle``; D ranks share no collective, so each is started and restarted
+alone) that steps by itself: the leader posts commands to it as they come (``rank_slots``)
+and one reader task per rank hands out the reports the rank sends unasked (replies,
+tokens, ends, load). Reservation expiry and quarantine release are the rank's own timers.
+One more task ends running requests past their deadline: it wakes when a deadline is set
+and at the earliest one, never on a fixed tick.
 
 Request lifecycle in the leader (a ``Route``, ``routes.py``):
   reserve   -> placed on the serving rank with the most free pages, then the fewest
@@ -37,12 +38,12 @@ from services.common.errors import (
     StageServeError,
     UnavailableError,
 )
+from services.common.ranks.free_supervisor import Reported
 from services.decode import metrics
 from services.decode.messages import (
     AbortCommand,
     AbortReply,
     Command,
-    RankCommands,
     RankLoad,
     RankReport,
     Reply,
@@ -67,17 +68,20 @@ class DecodeLeader:
         num_ranks: int,
         make_rank: MakeRank,
         step_timeout_s: float,
-        sweep_interval_s: float,
         on_ready_change: Callable[[bool], None] = lambda is_ready: None,
     ) -> None:
-        assert num_ranks > 0 and step_timeout_s > 0 and sweep_interval_s > 0
+        """``step_timeout_s``: how long ``start`` waits for each rank's first report."""
+        assert num_ranks > 0 and step_timeout_s > 0
         self._loop = asyncio.get_running_loop()
-        self._ranks = [RankSlot(r, make_rank(r, self._ready_callback(r))) for r in range(num_ranks)]
+        self._ranks = [
+            RankSlot(r, make_rank(r, self._ready_callback(r), self._report_callback(r)))
+            for r in range(num_ranks)
+        ]
         self._step_timeout_s = step_timeout_s
-        self._sweep_interval_s = sweep_interval_s
         self._on_ready_change = on_ready_change
         self._routes = Routes()
-        self._sweeper: asyncio.Task | None = None
+        self._deadlines_changed = asyncio.Event()
+        self._deadline_task: asyncio.Task | None = None
         self._is_stopping = False
         self._was_ready = False
 
@@ -98,33 +102,37 @@ class DecodeLeader:
         except BaseException:
             await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
             raise
-        for rank in self._ranks:  # a first step each: its load, so placement can use it
+        for rank in self._ranks:  # each rank's first report: its load, so placement can use it
             self._on_report(rank, [], await self._first_report(rank))
         for rank in self._ranks:
-            rank.driver = asyncio.create_task(self._drive(rank), name=f"decode-rank-{rank.dp_rank}")
-            rank.driver.add_done_callback(self._driver_done)
-        self._sweeper = asyncio.create_task(self._sweep_deadlines(), name="decode-deadlines")
-        self._sweeper.add_done_callback(self._driver_done)
+            rank.reader = asyncio.create_task(
+                self._read_reports(rank), name=f"decode-rank-{rank.dp_rank}"
+            )
+            rank.reader.add_done_callback(self._task_done)
+        self._deadline_task = asyncio.create_task(self._end_overdue(), name="decode-deadlines")
+        self._deadline_task.add_done_callback(self._task_done)
 
     async def _first_report(self, rank: RankSlot) -> RankReport:
         try:
-            results = await asyncio.wrap_future(
-                rank.handle.submit(RankCommands(), self._step_timeout_s)
-            )
+            reported = await asyncio.wait_for(rank.reports.get(), self._step_timeout_s)
+            if reported.result is None:
+                assert reported.error is not None
+                raise reported.error
         except BaseException:
             await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
             raise
-        return results[0]
+        assert isinstance(reported.result, RankReport)
+        return reported.result
 
     async def stop(self) -> None:
-        """Fail every live request, stop the drivers, stop the ranks."""
+        """Fail every live request, stop the tasks, stop the ranks."""
         self._is_stopping = True
-        tasks = [t for t in (self._sweeper, *(r.driver for r in self._ranks)) if t is not None]
+        tasks = [t for t in (self._deadline_task, *(r.reader for r in self._ranks)) if t]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for rank in self._ranks:
-            self._fail_rank(rank, rank.take(), UnavailableError("decode is shutting down"))
+            self._fail_rank(rank, rank.take_all(), UnavailableError("decode is shutting down"))
         await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
 
     # --- requests -------------------------------------------------------------------------
@@ -196,6 +204,8 @@ class DecodeLeader:
             conn.end(RequestEnded(request_id, error=error))
             return
         route.conn, route.deadline_mono = conn, deadline_mono
+        if deadline_mono != float("inf"):
+            self._deadlines_changed.set()
         conn.request_ids.add(request_id)
         reply: asyncio.Future[Reply] = self._loop.create_future()
         reply.add_done_callback(lambda done: self._on_started(request_id, route, conn, done))
@@ -269,40 +279,29 @@ class DecodeLeader:
             assert isinstance(error, StageServeError)
             conn.end(RequestEnded(request_id, error=error))
 
-    # --- the drivers ----------------------------------------------------------------------
-    async def _drive(self, rank: RankSlot) -> None:
+    # --- the reports ----------------------------------------------------------------------
+    async def _read_reports(self, rank: RankSlot) -> None:
         while True:
-            if not rank.is_busy or not rank.handle.is_ready:
-                rank.wake.clear()
-                if not rank.queue:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(rank.wake.wait(), self._sweep_interval_s)
-            if not rank.handle.is_ready:
-                self._fail_rank(
-                    rank, rank.take(), UnavailableError(f"decode rank {rank.dp_rank} is down")
-                )
-                continue
-            queued = rank.take()
-            payload = RankCommands(tuple(q.command for q in queued))
-            try:
-                results = await asyncio.wrap_future(
-                    rank.handle.submit(payload, self._step_timeout_s)
-                )
-            except StageServeError as exc:
-                metrics.RANK_FAILURES.inc()
-                logger.error("decode rank %d failed: %s", rank.dp_rank, exc.message)
-                self._fail_rank(
-                    rank,
-                    queued,
-                    UnavailableError(f"decode rank {rank.dp_rank} failed: {exc.message}"),
-                )
-                continue
-            self._on_report(rank, queued, results[0])
+            self._on_reported(rank, await rank.reports.get())
+
+    def _on_reported(self, rank: RankSlot, reported: Reported) -> None:
+        queued = rank.take_through(reported.through_seq)
+        if reported.result is not None:
+            assert isinstance(reported.result, RankReport)
+            self._on_report(rank, queued, reported.result)
+            return
+        assert reported.error is not None
+        if reported.is_down and not queued and rank.load is None:
+            return  # posts lost with a rank already failed (or never serving): nothing more
+        metrics.RANK_FAILURES.inc()  # its step failed (it goes on, empty) or it is down
+        logger.error("decode rank %d failed: %s", rank.dp_rank, reported.error.message)
+        error = UnavailableError(f"decode rank {rank.dp_rank} failed: {reported.error.message}")
+        self._fail_rank(rank, queued, error)
 
     def _on_report(self, rank: RankSlot, queued: list[Queued], report: RankReport) -> None:
         assert len(report.replies) == len(queued), "one reply per command"
         rank.settle(queued, report.replies)
-        rank.load, rank.is_busy = report.load, report.is_busy
+        rank.load = report.load
         self._routes.deliver(report)
         now = time.monotonic()  # a step that read rows: requests past them wait for a place
         if report.num_read_rows and now - rank.waiting_listed_mono >= WAITING_LIST_S:
@@ -329,11 +328,16 @@ class DecodeLeader:
             metrics.REQUESTS.labels("failed").inc(lost)
         self._update_gauges()
 
-    async def _sweep_deadlines(self) -> None:
+    async def _end_overdue(self) -> None:
         while True:
-            await asyncio.sleep(self._sweep_interval_s)
-            now = time.monotonic()
-            for request_id, route in self._routes.overdue(now):
+            self._deadlines_changed.clear()
+            wait_s = self._routes.next_deadline_mono() - time.monotonic()
+            if wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    timeout_s = None if wait_s == float("inf") else wait_s
+                    await asyncio.wait_for(self._deadlines_changed.wait(), timeout_s)
+                continue
+            for request_id, route in self._routes.overdue(time.monotonic()):
                 error = DeadlineExceededError(f"request {request_id} passed its deadline on decode")
                 route.end(RequestEnded(request_id, error=error))
                 metrics.REQUESTS.labels("failed").inc()
@@ -347,12 +351,14 @@ class DecodeLeader:
         return on_change
 
     def _rank_ready_changed(self, dp_rank: int, is_ready: bool) -> None:
-        rank = self._ranks[dp_rank]
         logger.info("decode rank %d is %s", dp_rank, "ready" if is_ready else "not ready")
-        if is_ready:
-            rank.is_busy = True  # step at once: its first report makes it serve
-        rank.wake.set()
-        self._update_gauges()
+        self._update_gauges()  # a rank ready again serves from its first report on
+
+    def _report_callback(self, dp_rank: int) -> Callable[[Reported], None]:
+        def on_report(reported: Reported) -> None:  # the rank group's thread
+            self._loop.call_soon_threadsafe(self._ranks[dp_rank].reports.put_nowait, reported)
+
+        return on_report
 
     def _update_gauges(self) -> None:
         loads = [load for load in self.rank_loads() if load is not None]
@@ -370,7 +376,7 @@ class DecodeLeader:
             self._was_ready = is_ready
             self._on_ready_change(is_ready)
 
-    def _driver_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             logger.error(
                 "%s failed: decode stops serving", task.get_name(), exc_info=task.exception()

@@ -1,10 +1,11 @@
-"""What the decode leader and one decode rank exchange: a step's commands in, its report out.
+"""What the decode leader and one decode rank exchange: commands in, a report per step out.
 
-Every step of a rank (``DecodeRankStep.execute``) takes one ``RankCommands`` (what the
-leader received since the rank's previous step, in arrival order) and answers one
-``RankReport``: a reply per command, the tokens the step read, the requests that ended,
-and the rank's load. Errors a command meets travel as ``ErrorRecord`` and become the same
-``StageServeError`` class on the leader. msgpack on the control channel, never pickle.
+The leader posts ``RankCommands`` as it gets them; every step of a rank
+(``DecodeRankStep.run_step``) takes the commands posted since its previous step, in
+arrival order, and reports one ``RankReport`` unasked: a reply per command, the tokens
+the step read, the requests that ended, and the rank's load. Errors a command meets
+travel as ``ErrorRecord`` and become the same ``StageServeError`` class on the leader.
+msgpack on the control channel, never pickle.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ Command = ReserveCommand | StartCommand | AbortCommand
 
 
 class RankCommands(msgspec.Struct, frozen=True):
-    """One step's payload: commands in arrival order (may be empty: a tick)."""
+    """One post: commands in arrival order."""
 
     commands: tuple[Command, ...] = ()
 
@@ -108,7 +109,8 @@ class RankLoad(msgspec.Struct, frozen=True):
 
 
 class RankReport(msgspec.Struct, frozen=True):
-    """The result of one step: replies in command order, then what the step read."""
+    """The result of one step: replies in command order (the posts it applied), then what the
+    step read."""
 
     replies: tuple[Reply, ...]
     # Parallel: token_ids[i] is the new token of token_request_ids[i] (one per request per read
@@ -118,7 +120,6 @@ class RankReport(msgspec.Struct, frozen=True):
     finished: tuple[Finished, ...]  # after their tokens above
     expired: tuple[str, ...]  # reservations that passed their deadline (pages quarantined)
     load: RankLoad
-    is_busy: bool  # work left (requests generating, or a step not read yet): step again at once
     num_read_rows: int  # rows of the step read here (0: none was read)
     read_step_s: float  # launch to read of that step, seconds
     prefill_wait_s: float = 0.0  # this step's wait for prefill's forwards (not in read_step_s)

@@ -9,9 +9,11 @@ batch.
   3. plan step N+1 and launch it on the device
   4. read step N (overlapped; synchronous: step N+1 itself) and apply the stop rules
   5. report: replies, the tokens read, finished and expired requests, the load
-The leader sends the next commands as soon as the report arrives while the rank is busy,
-so the device runs step N+1 while the report travels. ``DecodeRankStep`` is the rank
-process's ``BaseRankStep``: it builds a ``DecodeRank`` on the rank's device.
+``DecodeRankStep`` is the rank process's ``FreeRankStep``: it builds a ``DecodeRank`` on
+the rank's device, and the rank's own loop (``common/ranks/free_loop.py``) runs
+``execute`` with the commands posted since its previous step, again at once while the
+rank ``has_work`` (so the device runs step N+1 while step N's report travels), and when
+``seconds_until_due`` runs out (a reservation's expiry, quarantined pages due back).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from services.common.errors import (
 )
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec, check_kv_backend
-from services.common.ranks.step import BaseRankStep, RankContext
+from services.common.ranks.step import FreeRankStep, RankContext
 from services.common.types import SamplingParams
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.kv_manager import KVReservationManager
@@ -100,6 +102,16 @@ class DecodeRank:
         self.scheduler.kv.release_quarantined()
         output = self._step()
         return self._report(replies, output, finished + output.finished, expired)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests generating, or a launched step not read yet: step again at once."""
+        return self.scheduler.has_work or self.loop.has_unread
+
+    def seconds_until_due(self) -> float:
+        """Until a reservation expires or quarantined pages are due back (inf: neither)."""
+        expiry_s = self.scheduler.next_expiry_mono() - self._clock()
+        return min(expiry_s, self.scheduler.kv.seconds_to_release())
 
     def reset(self) -> None:
         """After a failed step: every live request ends (the leader fails them), the loop
@@ -227,7 +239,6 @@ class DecodeRank:
             finished=tuple(finished),
             expired=tuple(expired),
             load=self.load(),
-            is_busy=self.scheduler.has_work or self.loop.has_unread,
             num_read_rows=output.num_rows,
             read_step_s=output.step_s,
             prefill_wait_s=output.prefill_wait_s,
@@ -247,7 +258,7 @@ class DecodeRank:
         )
 
 
-class DecodeRankStep(BaseRankStep):
+class DecodeRankStep(FreeRankStep):
     """The rank process's step: builds its ``DecodeRank`` on ``ctx.device`` from ``RankInit``."""
 
     init_type = RankInit
@@ -260,8 +271,14 @@ class DecodeRankStep(BaseRankStep):
     def warmup(self) -> None:
         self.rank.warmup()
 
-    def execute(self, step: int, payload: RankCommands) -> RankReport:
-        return self.rank.execute(payload)
+    def run_step(self, step: int, payloads: list[RankCommands]) -> RankReport:
+        return self.rank.execute(RankCommands(tuple(c for p in payloads for c in p.commands)))
+
+    def has_work(self) -> bool:
+        return self.rank.has_work
+
+    def seconds_until_due(self) -> float:
+        return self.rank.seconds_until_due()
 
     def on_failed(self, step: int, error: str) -> None:
         logger.error("step %d failed, every request of this rank ends: %s", step, error)

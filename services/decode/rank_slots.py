@@ -1,41 +1,45 @@
-"""The leader's view of each DP rank: its handle, its last load, its command queue, placement.
+"""The leader's view of each DP rank: its handle, its last load, its commands, placement.
 
-A command for a rank waits in the rank's queue until the rank's next step carries it; a
+A command for a rank is queued, and posted to the rank (with the others queued in the same
+turn of the event loop) right after; the rank's report names the posts it applied. A
 Reserve's pages count against the rank from the moment it is queued until the report of
-that step (which includes them), so a burst of Reserves spreads over the ranks before any
-of them reports. Owned by the leader's event loop.
+the step that applied it (which includes them), so a burst of Reserves spreads over the
+ranks before any of them reports. Owned by the leader's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 
 from services.common.errors import UnavailableError
-from services.decode.messages import Command, RankLoad, Reply, ReserveCommand
+from services.common.ranks.free_supervisor import Reported
+from services.decode.messages import Command, RankCommands, RankLoad, Reply, ReserveCommand
 
 
 class RankHandle(Protocol):
-    """What the leader needs of one rank's group (``services.common.ranks.group.RankGroup``)."""
+    """What the leader needs of one rank's group (a free-running
+    ``services.common.ranks.group.RankGroup``)."""
 
     @property
     def is_ready(self) -> bool: ...
 
     async def start(self) -> None: ...
 
-    def submit(self, payload: msgspec.Struct, timeout_s: float | None = None) -> Future[Any]: ...
+    def post(self, payload: msgspec.Struct) -> int: ...
 
     async def aclose(self) -> None: ...
 
 
 MakeRank = Callable[
-    [int, Callable[[bool], None]], RankHandle
-]  # (dp_rank, on_ready_change) -> handle
+    [int, Callable[[bool], None], Callable[[Reported], None]], RankHandle
+]  # (dp_rank, on_ready_change, on_report) -> handle; both callbacks from any thread
 
 
 @dataclass
@@ -50,13 +54,13 @@ class RankSlot:
     dp_rank: int
     handle: RankHandle
     load: RankLoad | None = None  # from its last report; None until its first after (re)forming
-    is_busy: bool = False  # its last report said it has work: step again at once
-    queue: list[Queued] = field(default_factory=list)
-    num_pending_pages: int = 0  # pages of Reserves queued or sent, not yet reported
+    queue: list[Queued] = field(default_factory=list)  # not posted yet
+    posted: deque[tuple[int, list[Queued]]] = field(default_factory=deque)  # (seq, commands)
+    num_pending_pages: int = 0  # pages of Reserves queued or posted, not yet reported
     num_pending_requests: int = 0
     waiting_listed_mono: float = 0.0  # when its waiting requests were last listed (streams.py)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    driver: asyncio.Task | None = None
+    reports: asyncio.Queue[Reported] = field(default_factory=asyncio.Queue)
+    reader: asyncio.Task | None = None
 
     @property
     def is_serving(self) -> bool:
@@ -65,19 +69,40 @@ class RankSlot:
     def send(
         self, command: Command, reply: asyncio.Future[Reply] | None, num_pages: int = 0
     ) -> None:
-        """Queue ``command`` for the rank's next step; ``reply`` gets its answer."""
+        """Queue ``command`` for the rank (posted this turn); ``reply`` gets its answer."""
         if isinstance(command, ReserveCommand):
             self.num_pending_pages += num_pages
             self.num_pending_requests += 1
         self.queue.append(Queued(command, reply, num_pages))
-        self.wake.set()
+        if len(self.queue) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
 
-    def take(self) -> list[Queued]:
+    def flush(self) -> None:
+        """Post the queued commands; a rank that does not serve fails them at once."""
         queued, self.queue = self.queue, []
-        return queued
+        if not queued:
+            return
+        if not self.handle.is_ready:
+            self.fail(queued, UnavailableError(f"decode rank {self.dp_rank} is down"))
+            return
+        seq = self.handle.post(RankCommands(tuple(q.command for q in queued)))
+        self.posted.append((seq, queued))
+
+    def take_through(self, seq: int) -> list[Queued]:
+        """The commands of the posts up to ``seq``, in order (a report covered them)."""
+        taken: list[Queued] = []
+        while self.posted and self.posted[0][0] <= seq:
+            taken += self.posted.popleft()[1]
+        return taken
+
+    def take_all(self) -> list[Queued]:
+        """Every command posted or queued, in order (none will be answered)."""
+        taken = self.take_through(sys.maxsize) + self.queue
+        self.queue = []
+        return taken
 
     def settle(self, queued: list[Queued], replies: Sequence[Reply] | None) -> None:
-        """The step carrying ``queued`` ended: its replies in order, or None (it failed)."""
+        """The step that applied ``queued`` ended: its replies in order, or None (it failed)."""
         for index, item in enumerate(queued):
             if isinstance(item.command, ReserveCommand):
                 self.num_pending_pages -= item.num_pages
@@ -86,12 +111,13 @@ class RankSlot:
                 item.reply.set_result(replies[index])
 
     def fail(self, queued: list[Queued], error: UnavailableError) -> None:
-        """The rank lost its state: the step carrying ``queued`` and the rank's load are gone."""
+        """The rank lost its state: the step that applied ``queued`` and the rank's load are
+        gone."""
         self.settle(queued, None)
         for item in queued:
             if item.reply is not None and not item.reply.done():
                 item.reply.set_exception(error)
-        self.load, self.is_busy = None, False
+        self.load = None
 
 
 def place(ranks: Sequence[RankSlot], exclude: Sequence[RankSlot] = ()) -> RankSlot:

@@ -8,6 +8,7 @@ fails UNAVAILABLE rather than NOT_FOUND.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,6 +101,12 @@ class Routes:
                 )
             )
         return len(lost)
+
+    def next_deadline_mono(self) -> float:
+        """The earliest deadline of a generating request (inf: none)."""
+        return min(
+            (r.deadline_mono for r in self._live.values() if r.conn is not None), default=math.inf
+        )
 
     def overdue(self, now: float) -> list[tuple[str, Route]]:
         """The generating requests whose deadline is at or before ``now``."""

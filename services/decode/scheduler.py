@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import math
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -250,6 +251,10 @@ class DecodeScheduler:
         is_reserved = request.status is ReqStatus.RESERVED
         self._remove(request, ReqStatus.ABORTED, quarantine=is_reserved and not is_kv_written)
         return True
+
+    def next_expiry_mono(self) -> float:
+        """When the first reservation expires (inf: none)."""
+        return min((r.deadline_mono for r in self._reserved.values()), default=math.inf)
 
     def expire(self, now_s: float) -> list[str]:
         """Reservations past their deadline: EXPIRED, pages quarantined; their ids."""

@@ -19,6 +19,7 @@ import pytest
 from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeClient
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
+from services.common.ranks.free_supervisor import Reported
 from services.common.server import HealthState, create_server
 from services.common.types import FinishReason, SamplingParams, Usage
 from services.common.wire import KvRefInfo
@@ -171,7 +172,8 @@ class DecodeHarness:
         await self.wait_for(lambda: self.stats().num_free_pages == self.num_start_free_pages)
 
     async def pass_quarantine(self) -> None:
-        """Move the quarantine clock past ``kv_quarantine_s``; the sweep returns every quarantined page."""
+        """Move the quarantine clock past ``kv_quarantine_s``; the rank's timer returns every
+        quarantined page."""
         self.quarantine_clock.offset_s += self.quarantine_s
         await self.wait_for(lambda: self.stats().num_quarantined_pages == 0)
 
@@ -182,7 +184,6 @@ BASE_CONFIG = DecodeConfig(
     num_pages=256,
     page_size=PAGE_SIZE,
     transfer_backend="inprocess",
-    sweep_interval_s=0.02,
     watchdog_s=30.0,
 )
 
@@ -204,18 +205,22 @@ async def make_decode(language_model) -> AsyncIterator[MakeDecode]:
         fabric, clock = InProcessFabric(), ShiftedClock()
         ranks: list[LocalRank] = []
 
-        def make_rank(dp_rank: int, on_ready_change: Callable[[bool], None]) -> LocalRank:
+        def make_rank(
+            dp_rank: int,
+            on_ready_change: Callable[[bool], None],
+            on_report: Callable[[Reported], None],
+        ) -> LocalRank:
             def build():
                 receiver = create_kv_receiver("inprocess", fabric=fabric)
                 return build_rank(
                     rank_init(config), "cpu", language_model, receiver, clock, is_overlapped
                 )
 
-            rank = LocalRank(build, on_ready_change, f"decode-rank-{dp_rank}")
+            rank = LocalRank(build, on_ready_change, on_report, f"decode-rank-{dp_rank}")
             ranks.append(rank)
             return rank
 
-        leader = DecodeLeader(num_ranks, make_rank, config.watchdog_s, config.sweep_interval_s)
+        leader = DecodeLeader(num_ranks, make_rank, config.watchdog_s)
         await leader.start()
         servicer = DecodeServicer(
             config.reservation_timeout_s, config.max_reservation_s, KEY, leader

@@ -98,8 +98,6 @@ def decode_process(num_ranks: int, log_path, *flags: str) -> Iterator[Decode]:
             str(PAGE_SIZE),
             "--kv-quarantine-s",
             "0.5",
-            "--sweep-interval-s",
-            "0.05",
             *flags,
         ],
         cwd=REPO,
