@@ -119,6 +119,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
 
+    @property
+    def num_deepstack(self) -> int:
+        """DeepStack row sets each image row carries (0 for Qwen2.5-VL)."""
+        return len(self.vision.deepstack_visual_indexes)
+
+    @property
+    def embedding_row_width(self) -> int:
+        """Elements of one image embedding row, the width the encoder writes, the transfer
+        buffers hold and prefill merges: the merged embedding, then each DeepStack set's."""
+        return self.vision.out_hidden_size * (1 + self.num_deepstack)
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

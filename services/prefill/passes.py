@@ -3,7 +3,10 @@
 Every rank builds the pass's full packed sequence first: token embeddings with the
 request's image (or override) rows merged at their request-global positions, and M-RoPE
 positions computed on the whole prompt. Only then does a sharded pass keep this rank's
-tokens (``CpShard``): nothing is merged after the shard.
+tokens (``CpShard``): nothing is merged after the shard. A Qwen3-VL image row carries its
+DeepStack rows after the merged embedding (``ModelConfig.embedding_row_width``); they are
+merged in the same step, so each rank's tokens keep their own DeepStack rows (zeros for
+text tokens), and the pass is as wide as its widest part.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from services.engine.attention import AttentionBatch, ForwardMode
 from services.engine.attention.context_parallel import CpShard, local_runs
@@ -26,7 +30,7 @@ class RequestRows:
     """A request's prompt as every rank sees it before any shard."""
 
     positions: torch.Tensor  # [3, num_tokens] int64, the whole prompt
-    image_embeds: torch.Tensor | None  # [num_image_tokens, hidden] in span order
+    image_embeds: torch.Tensor | None  # [num_image_tokens, embedding_row_width] in span order
     image_positions: list[int]  # prompt position of each image row
     override: torch.Tensor | None  # [num_tokens, hidden]: replaces the token embeddings
 
@@ -62,7 +66,8 @@ def chunk_input(request: RankRequest, rows: RequestRows, start: int, end: int) -
 def merged_embeds(
     runner: ModelRunner, request: RankRequest, rows: RequestRows, start: int, end: int
 ) -> torch.Tensor:
-    """[end - start, hidden]: token embeddings with image or override rows merged in."""
+    """[end - start, hidden], or [end - start, embedding_row_width] when a DeepStack image
+    row is among them: token embeddings with image or override rows merged in."""
     device = runner.device
     if rows.override is not None:
         return rows.override[start:end].to(device=device, dtype=runner.dtype)
@@ -74,11 +79,18 @@ def merged_embeds(
     return runner.model.embed(ids, step.image_embeds.to(device), row_index)
 
 
+def widened_cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` ([n_i, width_i]) stacked, each padded with zero columns to the widest: a
+    text part's missing DeepStack rows are zeros."""
+    width = max(part.shape[1] for part in parts)
+    return torch.cat([F.pad(part, (0, width - part.shape[1])) for part in parts])
+
+
 @dataclass
 class PassInput:
     """This rank's share of one pass (all of it when ``shard.world_size`` is 1)."""
 
-    embeds: torch.Tensor  # [num_local, hidden]
+    embeds: torch.Tensor  # [num_local, hidden], or embedding_row_width with DeepStack rows
     positions: torch.Tensor  # [3, num_local] int64
     batch: AttentionBatch  # the local runs as EXTEND requests (unsharded: one per segment)
     gathered_slots: torch.Tensor  # [num_tokens] int64: pool slot of each gathered row, rank-major
@@ -163,7 +175,7 @@ def build_pass(
         ForwardMode.EXTEND, seq_lens, extend_lens, page_tables, runner.page_size, local_slots
     )
     return PassInput(
-        torch.cat(embeds)
+        widened_cat(embeds)
         if embeds
         else torch.zeros(0, hidden, dtype=runner.dtype, device=runner.device),
         torch.cat(positions, dim=1) if positions else torch.zeros(3, 0, dtype=torch.long),

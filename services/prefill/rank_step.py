@@ -90,7 +90,7 @@ class PrefillRankStep(BaseRankStep):
         device = self.receiver.buffer_device(runner.device)
         buffer = EmbeddingBuffer(
             init.embedding_rows,
-            model.config.text.hidden_size,
+            model.config.embedding_row_width,
             runner.dtype,
             device,
             pin_memory=device.type == "cpu" and runner.device.type == "cuda",

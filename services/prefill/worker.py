@@ -149,7 +149,7 @@ class PrefillRankWorker:
         if request.num_image_tokens:
             embeds = self.embeddings.rows(
                 request.row_start, request.num_image_tokens
-            )  # [n, hidden]
+            )  # [n, embedding_row_width]
         if request.prompt_embeds:
             override = override_rows(request, self.runner.model.config.text.hidden_size)
         return request_rows(request, embeds, override, self.spatial_merge_size)

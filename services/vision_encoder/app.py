@@ -125,8 +125,10 @@ def build_app(
 ) -> VisionEncoderApp:
     """Everything but the ranks (``start`` forms them); ``step_target``: the rank step class."""
     envs = envs if envs is not None else Envs.from_environ()
-    vision = ModelConfig.from_dir(config.model).vision
-    limits = JobLimits(vision.spatial_merge_size, vision.out_hidden_size, config.transfer_backend)
+    model = ModelConfig.from_dir(config.model)
+    limits = JobLimits(
+        model.vision.spatial_merge_size, model.embedding_row_width, config.transfer_backend
+    )
     app: VisionEncoderApp  # a group calls back only once started, when ``app`` exists
     groups = [
         RankGroup(

@@ -11,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class CacheEntry:
-    rows: torch.Tensor  # [num_image_tokens, hidden], owns its storage
+    rows: torch.Tensor  # [num_image_tokens, embedding_row_width], owns its storage
     grid_thw: tuple[int, int, int]
 
     @property

@@ -25,7 +25,7 @@ class EncodeJob(msgspec.Struct, frozen=True):
 
 class JobLimits(msgspec.Struct, frozen=True):
     merge_size: int  # spatial merge of the ViT: placeholder tokens = t * h * w / merge^2
-    hidden_size: int  # elements per embedding row
+    hidden_size: int  # elements per embedding row: ModelConfig.embedding_row_width
     backend: str  # the transfer backend this encoder sends through
 
 

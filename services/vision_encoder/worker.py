@@ -52,7 +52,7 @@ DECODE_THREADS = 4  # a step's distinct images decode in parallel, up to this ma
 
 @dataclass
 class _Step:
-    rows: dict[str, torch.Tensor] = field(default_factory=dict)  # hash -> [length, hidden]
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)  # hash -> [length, row width]
     errors: dict[int, JobError] = field(default_factory=dict)  # job_id -> its first error
     missing: dict[str, None] = field(default_factory=dict)  # planned hits not cached
     skipped: set[int] = field(default_factory=set)  # jobs with a missing hit: replanned
@@ -213,7 +213,7 @@ class EncoderWorker:
             if self.vit_graphs is not None:
                 embeds = self.vit_graphs.forward(pixels, grids)
             else:
-                embeds = self.model.encode_images(pixels, grids)  # [sum of image tokens, hidden]
+                embeds = self.model.encode_images(pixels, grids)  # [image tokens, row width]
             if self.device.type == "cuda":  # the ViT's time, not its launch (the sends wait anyway)
                 torch.cuda.synchronize(self.device)
         return list(embeds.split([self.processor.num_image_tokens(g) for g in grids]))
@@ -230,7 +230,7 @@ class EncoderWorker:
             assert part.shape[0] == span.length
             runs.append((offset, span.dest_row, span.length))
             offset += span.length
-        rows = torch.cat(parts)  # [rows of this rank's spans, hidden]
+        rows = torch.cat(parts)  # [rows of this rank's spans, row width]
         num_bytes = 0
         for dst in job.destinations:
             out = rows.to(_DTYPES[dst.dtype]).contiguous()

@@ -28,7 +28,7 @@ class Qwen2_5_VLModel(nn.Module):
         super().__init__()
         self.config = config
         self.visual = self.build_vision_tower(config)
-        self.model = LanguageModel(config.text, len(config.vision.deepstack_visual_indexes))
+        self.model = LanguageModel(config.text, config.num_deepstack)
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
         if config.text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
