@@ -49,6 +49,7 @@ from benchmarks.system_load import (
 )
 from benchmarks.system_model import write_checkpoint
 from services.cli import BUNDLED_MODEL
+from services.engine.processing import TextProcessor
 
 SECTION_TITLE = "## Image TTFT (`python -m benchmarks.image_ttft`)"
 PROMPT = "Describe this image in one sentence."
@@ -219,8 +220,8 @@ def table_lines(results: list[CaseResult]) -> list[str]:
             f"{r.num_ok}/{r.num_requests}",
             _fmt(r.mean_prompt_tokens, ".0f"),
             _fmt(r.ttft and r.ttft.mean),
-            _fmt(r.ttft and r.ttft.p50),
-            _fmt(r.ttft and r.ttft.p90),
+            _fmt(r.ttft and r.ttft.median),
+            _fmt(r.ttft and r.ttft.at(90)),
             *(_fmt(r.histogram_ms[column]) for column, _, _ in HISTOGRAMS),
             *(str(r.counts[column]) for column, _, _ in COUNTERS),
         )
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         "bundled tiny model" if quick else "7B dimensions (vision tower included), random bf16"
     )
     info = [
-        f"- model: {weights}, the bundled tokenizer's vocabulary; `stageserve up "
+        f"- model: {weights}, a byte-level BPE vocabulary of "
+        f"{TextProcessor.from_dir(model_dir).vocab_size:,} ids; `stageserve up "
         f"{shlex.join(up_args)}`; stop exit code {code}",
         f"- workload: {num_requests} requests per row at concurrency 1, max_tokens 1, "
         f"prompt {PROMPT!r}; images: random-noise JPEG, quality 90 ({jpeg_sizes})",

@@ -6,20 +6,25 @@
         --output-json run.json --markdown docs/benchmarks.md
 
 Workload, as vLLM's and sglang's clients build it at the same flags: ``--input-len`` is
-prompt tokens counted with the model's tokenizer (``--tokenizer``, else the server's
-``/tokenize``), the chat template's tokens coming on top; images are random-noise JPEGs
+prompt tokens counted on the client with the model's tokenizer (``--tokenizer``, by default
+``--model``'s tokenizer.json; ``--tokenizer server``: the server's ``/tokenize``), the chat
+template's tokens coming on top; images are random-noise JPEGs
 (quality 90) unless ``--image-kind`` / ``--image-format`` say otherwise;
 ``--dataset-name sharegpt --dataset-path FILE`` takes prompts from a local ShareGPT
-file; ``--backend openai-chat`` (default) or ``openai`` (text completions).
+file; ``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
+streamed unless ``--disable-stream``; ``--extra-body JSON`` is merged into every request body.
 
 Load: ``--request-rate R`` sends on a Poisson process (``inf``, the default, sends all at
-once); ``--max-concurrency C`` caps requests in flight (alone it is a closed loop of C
-clients); both together give Poisson arrivals with a cap. Requests and images are built
-before the clock starts. Every request has ``--request-timeout-s``; the run stops at
+once), or burstier (``--burstiness`` < 1) or steadier (> 1) gamma arrivals at the same rate;
+``--max-concurrency C`` caps requests in flight (alone it is a closed loop of C clients); both
+together give Poisson arrivals with a cap. Requests and images are built before the clock
+starts; ``--num-warmups N`` requests (prompts and images of their own) are sent and waited for
+before it, and left out of the results. Every request has ``--request-timeout-s``; the run stops at
 ``--max-duration-s`` (requests in flight are aborted and counted, unsent ones are not
 sent). Traffic goes only to ``--base-url`` (proxy environment variables are ignored).
 The run itself is ``benchmarks/serve_run.py``; how each number is measured:
-``benchmarks/serve_client.py`` and ``serve_metrics.py``.
+``benchmarks/serve_client.py`` and ``serve_metrics.py``; ``--output-json`` has the fields of
+``vllm bench serve``'s result file, then ours (``benchmarks/serve_result.py``).
 """
 
 from __future__ import annotations
@@ -29,15 +34,14 @@ import asyncio
 import json
 import shlex
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.serve_client import RequestRecord
 from benchmarks.serve_dataset import DatasetSpec
 from benchmarks.serve_images import IMAGE_FORMATS, IMAGE_KINDS, parse_size
-from benchmarks.serve_metrics import Slo, Summary, format_table, markdown_table, summarize
+from benchmarks.serve_metrics import Slo, format_table, markdown_table, summarize
+from benchmarks.serve_result import write_json
 from benchmarks.serve_run import BenchConfig, EndpointError, run_benchmark
-from benchmarks.serve_tokens import TokenCountError
+from benchmarks.serve_tokens import SERVER_TOKENIZER, TokenCountError
 from benchmarks.serve_workload import BACKENDS, IntRange, WorkloadSpec
 
 
@@ -57,7 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="Poisson arrivals, req/s (inf: all at once)",
     )
     p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps (1: Poisson; < 1 burstier, > 1 steadier)",
+    )
+    p.add_argument(
         "--max-concurrency", type=int, default=None, help="most requests in flight (closed loop)"
+    )
+    p.add_argument(
+        "--num-warmups", type=int, default=0, help="requests sent before the run, not timed"
     )
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -69,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenizer",
-        type=Path,
         default=None,
-        help="tokenizer.json (or a model directory) to count tokens; default: POST /tokenize",
+        help="tokenizer.json or a model directory to count tokens with (default: the model's, "
+        f"a local directory or the Hugging Face cache); '{SERVER_TOKENIZER}': POST /tokenize",
     )
     p.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
     p.add_argument("--dataset-path", type=Path, default=None, help="a local ShareGPT JSON file")
@@ -108,6 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)"
     )
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into every request body (after the client's own fields)",
+    )
+    p.add_argument(
+        "--disable-stream", action="store_true", help="one JSON reply per request: no ITL, TPOT"
+    )
+    p.add_argument(
+        "--metric-percentiles",
+        default="50,90,99",
+        help="comma-separated latency percentiles to report",
+    )
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument(
         "--max-duration-s", type=float, default=1800.0, help="the whole run stops after this"
@@ -152,6 +179,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         image_kind=args.image_kind,
         image_format=args.image_format,
         dataset=_dataset(args),
+        stream=not args.disable_stream,
+        extra_body=_extra_body(args.extra_body),
     )
     if workload.output_len.low < 1:
         raise ValueError("output lengths must be >= 1")
@@ -159,6 +188,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--backend openai sends text completions: no images (use openai-chat)")
     if args.request_rate <= 0 or args.num_requests < 1 or (args.max_concurrency or 1) < 1:
         raise ValueError("--request-rate, --num-requests and --max-concurrency must be positive")
+    if args.burstiness <= 0 or args.num_warmups < 0:
+        raise ValueError("--burstiness must be positive and --num-warmups at least 0")
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     return BenchConfig(
         base_url=args.base_url.rstrip("/"),
@@ -175,35 +206,37 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         slo=slo,
         output_json=args.output_json,
         markdown=args.markdown,
+        burstiness=args.burstiness,
+        num_warmups=args.num_warmups,
+        percentiles=_percentiles(args.metric_percentiles),
     )
 
 
-def _jsonable(value: object) -> object:
-    if isinstance(value, float) and value == float("inf"):
-        return "inf"
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
+def _extra_body(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--extra-body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    return body
 
 
-def write_json(
-    path: Path, cfg: BenchConfig, model: str, records: list[RequestRecord], summary: Summary
-) -> None:
-    report = {
-        "config": {**asdict(cfg), "model": model, "api_key": "<redacted>" if cfg.api_key else None},
-        "summary": asdict(summary),
-        "requests": [asdict(r) for r in records],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(report), indent=1))
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        percentiles = tuple(float(p) for p in text.split(","))
+    except ValueError as exc:
+        raise ValueError(f"--metric-percentiles {text!r}: numbers separated by commas") from exc
+    if not all(0 < p < 100 for p in percentiles):
+        raise ValueError("--metric-percentiles must be between 0 and 100 (exclusive)")
+    return percentiles
 
 
 def describe(cfg: BenchConfig, model: str) -> str:
-    load = f"rate {cfg.request_rate:g} req/s" + (
+    burst = f" (burstiness {cfg.burstiness:g})" if cfg.burstiness != 1.0 else ""
+    load = f"rate {cfg.request_rate:g} req/s{burst}" + (
         f", concurrency {cfg.max_concurrency}" if cfg.max_concurrency else ""
     )
     w = cfg.workload
@@ -241,14 +274,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     model, records = run.model, run.records
-    summary = summarize(records, run.duration_s, cfg.slo, cfg.num_requests)
+    summary = summarize(records, run.duration_s, cfg.slo, cfg.num_requests, cfg.percentiles)
     title = describe(cfg, model)
     print(f"\n{title}\n{format_table(summary)}")
     errors = sorted({r.error for r in records if r.error})
     for error in errors[:5]:
         print(f"error: {error}", file=sys.stderr)
     if cfg.output_json:
-        write_json(cfg.output_json, cfg, model, records, summary)
+        write_json(cfg.output_json, cfg, run, summary)
     if cfg.markdown:
         command = "stageserve bench serve " + shlex.join(sys.argv[1:] if argv is None else argv)
         with cfg.markdown.open("a") as f:

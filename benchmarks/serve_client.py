@@ -1,4 +1,4 @@
-"""One streaming chat or text completion against any OpenAI-compatible server, timed.
+"""One chat or text completion against any OpenAI-compatible server, timed.
 
 What is measured, per request (all clocks are ``time.perf_counter`` on the client):
 
@@ -21,8 +21,12 @@ What is measured, per request (all clocks are ``time.perf_counter`` on the clien
 - TPOT: ``(E2E - TTFT) / (completion_tokens - 1)``, the usual definition (vLLM's and
   SGLang's benchmarks use it), for requests with at least two completion tokens.
 
-A request succeeds when the server answers 200, sends no ``error`` event and streams at
-least one content chunk; anything else is a failure carrying the error text.
+Without streaming (``--no-stream``) the reply is one JSON body: TTFT and E2E are both
+start → the body read, there is no ITL and no TPOT, and the tokens are the reply's ``usage``.
+
+A request succeeds when the server answers 200, sends no ``error`` event and streams (or
+returns) some content; anything else is a failure carrying the error text. The generated text
+is kept (vLLM's result JSON has it).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class RequestRecord:
     completion_tokens: int | None = None  # server-reported
     num_chunks: int = 0  # content chunks received
     itl_s: list[float] = field(default_factory=list)  # per token
+    generated_text: str = ""
 
 
 def new_record(spec: RequestSpec) -> RequestRecord:
@@ -89,6 +94,7 @@ class _Stream:
 
     def __init__(self) -> None:
         self.chunk_times: list[float] = []
+        self.texts: list[str] = []
         self.usage: dict | None = None
         self.error = ""
 
@@ -109,10 +115,25 @@ class _Stream:
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
+            text = delta.get("content") or delta.get("reasoning_content") or choice.get("text")
+            if text:
                 self.chunk_times.append(now)
+                self.texts.append(text)
                 break
         return True
+
+    def take_reply(self, reply: object, now: float) -> None:
+        """Take a whole (non-streamed) completion: its text arrives at once, at ``now``."""
+        if not isinstance(reply, dict):
+            raise ValueError("the reply is not a JSON object")
+        self.usage = reply.get("usage")
+        for choice in reply.get("choices") or ():
+            message = choice.get("message") or {}
+            text = message.get("content") or message.get("reasoning_content") or choice.get("text")
+            if text:
+                self.chunk_times.append(now)
+                self.texts.append(text)
+                break
 
 
 async def send_request(
@@ -123,7 +144,8 @@ async def send_request(
     timeout_s: float,
     t0: float,
 ) -> RequestRecord:
-    """POST one streaming completion and time it; never raises except on cancellation."""
+    """POST one completion (streamed unless ``spec.is_streamed`` is off) and time it; never
+    raises except on cancellation."""
     record = new_record(spec)
     stream = _Stream()
     start = time.perf_counter()
@@ -134,6 +156,9 @@ async def send_request(
                 if response.status_code != 200:
                     text = (await response.aread()).decode("utf-8", "replace")
                     record.error = f"HTTP {response.status_code}: {text[:ERROR_TEXT_LEN]}"
+                elif not spec.is_streamed:
+                    reply = json.loads(await response.aread())
+                    stream.take_reply(reply, time.perf_counter())
                 else:
                     async for line in response.aiter_lines():
                         if not stream.feed(line, time.perf_counter()):
@@ -144,13 +169,16 @@ async def send_request(
         record.error = f"{type(exc).__name__}: {exc}"[:ERROR_TEXT_LEN]
     except ValueError as exc:  # not JSON, or JSON that is not an event object
         record.error = f"malformed stream: {exc}"[:ERROR_TEXT_LEN]
-    finish(record, stream, start, time.perf_counter())
+    finish(record, stream, start, time.perf_counter(), spec.is_streamed)
     return record
 
 
-def finish(record: RequestRecord, stream: _Stream, start: float, end: float) -> None:
+def finish(
+    record: RequestRecord, stream: _Stream, start: float, end: float, is_streamed: bool = True
+) -> None:
     record.error = record.error or stream.error
     record.num_chunks = len(stream.chunk_times)
+    record.generated_text = "".join(stream.texts)
     usage = stream.usage or {}
     record.prompt_tokens = usage.get("prompt_tokens")
     record.completion_tokens = usage.get("completion_tokens", record.num_chunks or None)
@@ -162,6 +190,9 @@ def finish(record: RequestRecord, stream: _Stream, start: float, end: float) -> 
     record.outcome = Outcome.OK
     record.ttft_s = stream.chunk_times[0] - start
     record.e2e_s = end - start
+    if not is_streamed:
+        record.ttft_s = record.e2e_s  # the whole reply is the first token's arrival
+        return
     record.itl_s = per_token_itl(stream.chunk_times, record.completion_tokens)
     if record.completion_tokens and record.completion_tokens > 1:
         record.tpot_s = (record.e2e_s - record.ttft_s) / (record.completion_tokens - 1)

@@ -3,9 +3,14 @@
 ``summarize`` is a pure function of the per-request records and the run's duration.
 Latency statistics cover successful requests only. ITL percentiles pool the per-token
 ITL values of all requests (so long outputs weigh more); TTFT, TPOT and E2E have one
-value per request. Percentiles interpolate linearly (numpy's default). Throughputs
-divide by the run's duration (first send → last request finished, or the
-``--max-duration-s`` cut). Goodput counts successful requests that meet every SLO given;
+value per request. Each has its mean, standard deviation (numpy's, over the values), median
+and the ``--metric-percentiles`` (default 50, 90, 99), which interpolate linearly (numpy's
+default). Throughputs divide by the run's duration (first send → last request finished, or
+the ``--max-duration-s`` cut); total token throughput is input plus output tokens. Measured
+concurrency: the most successful requests in flight at once (from their start and end times)
+and the mean (their summed E2E over the duration). Peak output throughput counts output tokens
+per whole second of the run (a token's time is its content chunk's), as vLLM's
+``max_output_tokens_per_s``. Goodput counts successful requests that meet every SLO given;
 a TPOT SLO is met by requests with a single completion token (they have no TPOT).
 """
 
@@ -19,7 +24,7 @@ import numpy as np
 
 from benchmarks.serve_client import Outcome, RequestRecord
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50.0, 90.0, 99.0)
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,12 @@ class LatencyStats:
 
     count: int
     mean: float
-    p50: float
-    p90: float
-    p99: float
+    std: float
+    median: float
+    percentiles: dict[str, float]  # percentile_name(p) -> value
+
+    def at(self, percentile: float) -> float:
+        return self.percentiles[percentile_name(percentile)]
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,12 @@ class Summary:
     request_throughput: float  # successful requests / s
     input_token_throughput: float  # prompt tokens of successful requests / s
     output_token_throughput: float  # completion tokens of successful requests / s
+    total_token_throughput: float  # both / s
+    total_input_tokens: int
+    total_output_tokens: int
+    max_output_tokens_per_s: float | None  # the busiest whole second's output tokens
+    max_concurrent_requests: int  # successful requests in flight at once, at the most
+    mean_concurrency: float  # their summed E2E / duration
     num_good: int | None  # successful requests meeting all SLOs; None without SLOs
     goodput: float | None  # num_good / s
     mean_prompt_tokens: float | None
@@ -74,14 +88,55 @@ class Summary:
     itl: LatencyStats | None
     tpot: LatencyStats | None
     e2e: LatencyStats | None
+    percentiles: tuple[float, ...] = PERCENTILES  # those of each LatencyStats
 
 
-def latency_stats(values_s: Sequence[float]) -> LatencyStats | None:
+def percentile_name(percentile: float) -> str:
+    """vLLM's: ``99`` for 99.0, ``99.9`` for 99.9."""
+    return str(int(percentile)) if int(percentile) == percentile else str(percentile)
+
+
+def latency_stats(
+    values_s: Sequence[float], percentiles: Sequence[float] = PERCENTILES
+) -> LatencyStats | None:
     if not len(values_s):
         return None
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
-    p50, p90, p99 = np.percentile(ms, PERCENTILES)
-    return LatencyStats(len(ms), float(ms.mean()), float(p50), float(p90), float(p99))
+    values = np.percentile(ms, list(percentiles)) if percentiles else []
+    by_name = {percentile_name(p): float(v) for p, v in zip(percentiles, values, strict=True)}
+    return LatencyStats(len(ms), float(ms.mean()), float(ms.std()), float(np.median(ms)), by_name)
+
+
+def _token_times(record: RequestRecord) -> np.ndarray:
+    """Seconds from the run's start at which each output token arrived (content chunks')."""
+    assert record.ttft_s is not None
+    first = record.start_s + record.ttft_s
+    if record.itl_s:
+        return first + np.concatenate(([0.0], np.cumsum(record.itl_s)))
+    return np.full(record.completion_tokens or 1, first)  # one chunk, or a whole reply
+
+
+def max_output_tokens_per_s(records: Sequence[RequestRecord]) -> float | None:
+    ok = [r for r in records if r.outcome is Outcome.OK and r.ttft_s is not None]
+    if not ok:
+        return None
+    times = np.concatenate([_token_times(r) for r in ok])
+    return float(np.bincount(np.floor(times).astype(np.int64)).max())
+
+
+def max_concurrent_requests(records: Sequence[RequestRecord]) -> int:
+    """The most successful requests in flight at one time (an end before a start at a tie)."""
+    events = sorted(
+        (t, delta)
+        for r in records
+        if r.outcome is Outcome.OK and r.e2e_s is not None
+        for t, delta in ((r.start_s, 1), (r.start_s + r.e2e_s, -1))
+    )
+    in_flight = peak = 0
+    for _, delta in events:
+        in_flight += delta
+        peak = max(peak, in_flight)
+    return peak
 
 
 def steady_output_throughput(records: Sequence[RequestRecord], concurrency: int) -> float | None:
@@ -104,8 +159,7 @@ def steady_output_throughput(records: Sequence[RequestRecord], concurrency: int)
         return None
     num_tokens = 0
     for record in ok:
-        assert record.ttft_s is not None
-        times = record.start_s + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
+        times = _token_times(record)
         num_tokens += int(np.count_nonzero((times >= begin) & (times <= end)))
     return num_tokens / (end - begin)
 
@@ -115,7 +169,11 @@ def _mean(values: list[int]) -> float | None:
 
 
 def summarize(
-    records: Sequence[RequestRecord], duration_s: float, slo: Slo, num_requests: int
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    slo: Slo,
+    num_requests: int,
+    percentiles: Sequence[float] = PERCENTILES,
 ) -> Summary:
     ok = [r for r in records if r.outcome is Outcome.OK]
     prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
@@ -132,14 +190,21 @@ def summarize(
         request_throughput=len(ok) * per_s,
         input_token_throughput=sum(prompt_tokens) * per_s,
         output_token_throughput=sum(completion_tokens) * per_s,
+        total_token_throughput=(sum(prompt_tokens) + sum(completion_tokens)) * per_s,
+        total_input_tokens=sum(prompt_tokens),
+        total_output_tokens=sum(completion_tokens),
+        max_output_tokens_per_s=max_output_tokens_per_s(ok),
+        max_concurrent_requests=max_concurrent_requests(ok),
+        mean_concurrency=sum(r.e2e_s for r in ok if r.e2e_s is not None) * per_s,
         num_good=num_good,
         goodput=None if num_good is None else num_good * per_s,
         mean_prompt_tokens=_mean(prompt_tokens),
         mean_completion_tokens=_mean(completion_tokens),
-        ttft=latency_stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        itl=latency_stats([v for r in ok for v in r.itl_s]),
-        tpot=latency_stats([r.tpot_s for r in ok if r.tpot_s is not None]),
-        e2e=latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        ttft=latency_stats([r.ttft_s for r in ok if r.ttft_s is not None], percentiles),
+        itl=latency_stats([v for r in ok for v in r.itl_s], percentiles),
+        tpot=latency_stats([r.tpot_s for r in ok if r.tpot_s is not None], percentiles),
+        e2e=latency_stats([r.e2e_s for r in ok if r.e2e_s is not None], percentiles),
+        percentiles=tuple(percentiles),
     )
 
 
@@ -169,6 +234,12 @@ def _count_rows(summary: Summary) -> list[tuple[str, str]]:
         ("request throughput (req/s)", _fmt(summary.request_throughput, 3)),
         ("input token throughput (tok/s)", _fmt(summary.input_token_throughput, 1)),
         ("output token throughput (tok/s)", _fmt(summary.output_token_throughput, 1)),
+        ("total token throughput (tok/s)", _fmt(summary.total_token_throughput, 1)),
+        ("peak output throughput (tok/s, 1 s)", _fmt(summary.max_output_tokens_per_s, 1)),
+        (
+            "concurrency max / mean (measured)",
+            f"{summary.max_concurrent_requests} / {summary.mean_concurrency:.2f}",
+        ),
         (
             "goodput (req/s meeting SLOs)",
             "-"
@@ -182,18 +253,27 @@ def _count_rows(summary: Summary) -> list[tuple[str, str]]:
     ]
 
 
+def _latency_columns(summary: Summary) -> list[str]:
+    return ["mean", "std", "median", *(f"p{percentile_name(p)}" for p in summary.percentiles)]
+
+
+def _latency_cells(summary: Summary, stats: LatencyStats | None) -> list[str]:
+    if stats is None:
+        return ["-"] * len(_latency_columns(summary))
+    values = [stats.mean, stats.std, stats.median, *stats.percentiles.values()]
+    return [f"{v:.2f}" for v in values]
+
+
 def format_table(summary: Summary) -> str:
     """The plain-text table printed at the end of a run."""
     counts = _count_rows(summary)
     width = max(len(name) for name, _ in counts)
     lines = [f"{name:<{width}}  {value}" for name, value in counts]
-    lines += ["", f"{'latency (ms)':<12} {'mean':>10} {'p50':>10} {'p90':>10} {'p99':>10} {'n':>8}"]
+    header = "".join(f" {c:>10}" for c in _latency_columns(summary))
+    lines += ["", f"{'latency (ms)':<12}{header} {'n':>8}"]
     for name, stats in _latency_rows(summary):
-        if stats is None:
-            lines.append(f"{name:<12} {'-':>10} {'-':>10} {'-':>10} {'-':>10} {0:>8}")
-        else:
-            values = " ".join(f"{v:>10.2f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99))
-            lines.append(f"{name:<12} {values} {stats.count:>8}")
+        cells = "".join(f" {c:>10}" for c in _latency_cells(summary, stats))
+        lines.append(f"{name:<12}{cells} {stats.count if stats else 0:>8}")
     return "\n".join(lines)
 
 
@@ -202,12 +282,9 @@ def markdown_table(summary: Summary, title: str, command: str) -> str:
     lines = [f"### {title}", "", f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "", f"`{command}`", ""]
     lines += ["| metric | value |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in _count_rows(summary)]
-    lines += ["", "| latency (ms) | mean | p50 | p90 | p99 |", "|---|---:|---:|---:|---:|"]
+    columns = _latency_columns(summary)
+    lines += ["", "| latency (ms) | " + " | ".join(columns) + " |"]
+    lines.append("|---|" + "---:|" * len(columns))
     for name, stats in _latency_rows(summary):
-        cells = (
-            ["-"] * 4
-            if stats is None
-            else [f"{v:.2f}" for v in (stats.mean, stats.p50, stats.p90, stats.p99)]
-        )
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(_latency_cells(summary, stats)) + " |")
     return "\n".join(lines) + "\n\n"

@@ -1,7 +1,9 @@
-"""One run of the serving benchmark: resolve the model, build the requests, send them on their
-schedule (a Poisson process, all at once, or a closed loop of ``max_concurrency`` clients) and
-collect a record per request. ``benchmarks.serve`` is its command line; the system benchmark's
-client processes (``benchmarks/system_load.py``) call ``run_benchmark`` directly.
+"""One run of the serving benchmark: resolve the model and its tokenizer, build the requests,
+send the warm-up requests (``num_warmups``, their own prompts and images, at most
+``max_concurrency`` at once, not timed), then the requests on their schedule (gamma-distributed
+gaps of shape ``burstiness``, Poisson at 1; all at once; or a closed loop of ``max_concurrency``
+clients) and collect a record per request. ``benchmarks.serve`` is its command line; the system
+benchmark's client processes (``benchmarks/system_load.py``) call ``run_benchmark`` directly.
 """
 
 from __future__ import annotations
@@ -10,17 +12,19 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
 from benchmarks.serve_client import Outcome, RequestRecord, new_record, send_request
-from benchmarks.serve_metrics import Slo
+from benchmarks.serve_metrics import PERCENTILES, Slo
 from benchmarks.serve_tokens import (
+    SERVER_TOKENIZER,
     LocalTokenCounter,
     ServerTokenCounter,
     TokenCounter,
+    model_tokenizer,
     tokenize_url,
 )
 from benchmarks.serve_workload import (
@@ -37,7 +41,7 @@ class BenchConfig:
     base_url: str
     model: str | None  # None: the first of GET /models
     api_key: str | None
-    tokenizer: Path | None  # a tokenizer.json (or its directory); None: the server's /tokenize
+    tokenizer: Path | str | None  # tokenizer.json or its directory; None: the model's; "server"
     request_rate: float  # req/s; inf = all at once
     max_concurrency: int | None
     num_requests: int
@@ -48,6 +52,9 @@ class BenchConfig:
     slo: Slo
     output_json: Path | None
     markdown: Path | None
+    burstiness: float = 1.0  # gamma shape of the arrival gaps; 1: Poisson
+    num_warmups: int = 0
+    percentiles: tuple[float, ...] = PERCENTILES
 
 
 class EndpointError(Exception):
@@ -96,7 +103,8 @@ class _Run:
 
     async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
         """Records of every request sent (aborted ones included) and the run's duration."""
-        offsets = arrival_offsets(len(specs), self.cfg.request_rate, self.cfg.seed)
+        cfg = self.cfg
+        offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.seed, cfg.burstiness)
         self.t0 = time.perf_counter()
         tasks = {
             asyncio.create_task(self._one(s, o)): s for s, o in zip(specs, offsets, strict=True)
@@ -126,6 +134,35 @@ class BenchRun:
     records: list[RequestRecord]
     t0: float  # time.perf_counter() when sending began; each record's start_s counts from it
     duration_s: float  # t0 to the last request's end
+    tokenizer: str = ""  # what counted the prompts' tokens: a file, or the /tokenize URL
+    warmups: list[RequestRecord] = field(default_factory=list)
+
+
+WARMUP_SEED = 1_000_000_007  # warm-up requests' seed offset: prompts and images of their own
+
+
+def token_counter(
+    cfg: BenchConfig, client: httpx.AsyncClient, model: str, headers: dict[str, str]
+) -> tuple[TokenCounter, str]:
+    """The counter of ``cfg.tokenizer`` (by default the model's tokenizer.json) and its name."""
+    if cfg.tokenizer == SERVER_TOKENIZER:
+        url = tokenize_url(cfg.base_url)
+        return ServerTokenCounter(client, url, model, headers), url
+    path = Path(cfg.tokenizer) if cfg.tokenizer else model_tokenizer(model)
+    return LocalTokenCounter(path), str(path)
+
+
+async def warm_up(
+    cfg: BenchConfig, client: httpx.AsyncClient, headers: dict[str, str], specs: list[RequestSpec]
+) -> list[RequestRecord]:
+    """Send ``specs`` at most ``max_concurrency`` at once and wait for all (not timed)."""
+    if not specs:
+        return []
+    print(f"warming up with {len(specs)} requests", file=sys.stderr)
+    records, _ = await _Run(replace(cfg, request_rate=float("inf")), client, headers).run(specs)
+    num_ok = sum(r.outcome is Outcome.OK for r in records)
+    print(f"warm-up: {num_ok} of {len(specs)} requests succeeded", file=sys.stderr)
+    return records
 
 
 async def run_benchmark(
@@ -149,14 +186,18 @@ async def run_benchmark(
             f"preparing {cfg.num_requests} requests for {model!r} at {cfg.base_url}",
             file=sys.stderr,
         )
-        counter: TokenCounter = (
-            LocalTokenCounter(cfg.tokenizer)
-            if cfg.tokenizer
-            else ServerTokenCounter(client, tokenize_url(cfg.base_url), model, headers)
-        )
+        counter, tokenizer = token_counter(cfg, client, model, headers)
         specs = await make_requests(model, cfg.workload, cfg.num_requests, cfg.seed, counter)
+        warmup_specs = (
+            await make_requests(
+                model, cfg.workload, cfg.num_warmups, cfg.seed + WARMUP_SEED, counter
+            )
+            if cfg.num_warmups
+            else []
+        )
+        warmups = await warm_up(cfg, client, headers, warmup_specs)
         if before_start is not None:
             before_start()
         run = _Run(cfg, client, headers)
         records, duration_s = await run.run(specs)
-    return BenchRun(model, records, run.t0, duration_s)
+    return BenchRun(model, records, run.t0, duration_s, tokenizer, warmups)

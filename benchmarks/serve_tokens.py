@@ -1,9 +1,11 @@
 """Token counts for the serving benchmark, and prompts of an exact token count.
 
-Counts come from the model's tokenizer: a local ``tokenizer.json`` (``--tokenizer``) or
-the server's ``POST /tokenize`` (vLLM's shape; stageserve and vLLM serve it). Special
-tokens are not added, so a count is the text's own tokens: the server adds the chat
-template's tokens (chat backend) on top.
+Counts come from the model's tokenizer, on the client: a ``tokenizer.json`` (``--tokenizer``: the
+file, or a directory holding one), by default the model's (``--model`` as a local directory, or
+its ``tokenizer.json`` in the Hugging Face cache; nothing is downloaded). ``--tokenizer server``
+counts with the server's ``POST /tokenize`` instead (vLLM's shape; stageserve and vLLM serve
+it), one call per text counted. Special tokens are not added, so a count is the text's own
+tokens: the server adds the chat template's tokens (chat backend) on top.
 
 Prompts are random words of ``WORDS``. A byte-level BPE pre-tokenizer splits text before
 each space, so a prompt's count is the sum of its words' counts (the first word counted
@@ -99,6 +101,32 @@ class ServerTokenCounter:
                     f"cannot count tokens with POST {self._url} ({exc!r}); "
                     "pass --tokenizer with the model's tokenizer.json"
                 ) from exc
+
+
+SERVER_TOKENIZER = "server"  # --tokenizer server: count with POST /tokenize
+
+
+def model_tokenizer(model: str) -> Path:
+    """The ``tokenizer.json`` of ``model``: a local directory (or file), else the Hugging Face
+    cache's copy (never downloaded)."""
+    local = Path(model).expanduser()
+    file = local / "tokenizer.json" if local.is_dir() else local
+    if file.is_file():
+        return file
+    cached = None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "tokenizer.json")
+    except (ImportError, ValueError):  # no hub library, or a name that is not a repo id
+        pass
+    if isinstance(cached, str):
+        return Path(cached)
+    raise TokenCountError(
+        f"no local tokenizer.json for model {model!r} (not a directory, not in the Hugging Face "
+        "cache): pass --tokenizer PATH (the model's tokenizer.json or its directory), or "
+        "--tokenizer server to count with the server's POST /tokenize"
+    )
 
 
 def tokenize_url(base_url: str) -> str:

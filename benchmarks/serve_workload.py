@@ -3,7 +3,9 @@
 Backends (vLLM's names): ``openai-chat`` posts to ``/chat/completions`` (images as data
 URLs before the text, the prompt as the user message), ``openai`` to ``/completions``
 (the prompt as is: no chat template, no images). Every body streams with
-``stream_options.include_usage``, so the server's token counts are what gets reported.
+``stream_options.include_usage`` (unless ``stream`` is off: one JSON reply with its usage), so
+the server's token counts are what gets reported; ``extra_body`` (``--extra-body``) is merged
+into every body last, so it may add fields or override the client's (vLLM's ``--extra-body``).
 Prompts come from ``serve_dataset`` (exact token lengths, or ShareGPT), images from
 ``serve_images``; everything is built before the clock starts.
 """
@@ -11,7 +13,7 @@ Prompts come from ``serve_dataset`` (exact token lengths, or ShareGPT), images f
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +60,8 @@ class WorkloadSpec:
     image_kind: str = "noise"
     image_format: str = "jpeg"
     dataset: DatasetSpec | None = None  # None: random prompts of input_len tokens
+    stream: bool = True
+    extra_body: dict = field(default_factory=dict)  # merged into every request body last
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class RequestSpec:
     output_len: int  # max_tokens
     num_images: int
     body: bytes  # the JSON body
+    is_streamed: bool = True
 
 
 def chat_body(
@@ -86,22 +91,20 @@ def chat_body(
             prompt  # plain string: accepted by every OpenAI-compatible server, even text-only ones
         )
     body = {"model": model, "messages": [{"role": "user", "content": content}]}
-    return _streamed(body, max_tokens, workload)
+    return _sampled(body, max_tokens, workload)
 
 
 def completion_body(model: str, prompt: str, max_tokens: int, workload: WorkloadSpec) -> dict:
-    return _streamed({"model": model, "prompt": prompt}, max_tokens, workload)
+    return _sampled({"model": model, "prompt": prompt}, max_tokens, workload)
 
 
-def _streamed(body: dict, max_tokens: int, workload: WorkloadSpec) -> dict:
-    body.update(
-        max_tokens=max_tokens,
-        temperature=workload.temperature,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+def _sampled(body: dict, max_tokens: int, workload: WorkloadSpec) -> dict:
+    body.update(max_tokens=max_tokens, temperature=workload.temperature, stream=workload.stream)
+    if workload.stream:
+        body["stream_options"] = {"include_usage": True}
     if workload.ignore_eos:
         body["ignore_eos"] = True  # extension accepted by vLLM, SGLang and stageserve
+    body.update(workload.extra_body)
     return body
 
 
@@ -127,7 +130,11 @@ async def make_requests(
         image_seeds = [seed * 1_000_003 + index * max_images + j for j in range(num_images)]
         body = _body(model, prompt, image_seeds, workload)
         encoded = json.dumps(body).encode()
-        specs.append(RequestSpec(index, prompt.input_len, prompt.output_len, num_images, encoded))
+        specs.append(
+            RequestSpec(
+                index, prompt.input_len, prompt.output_len, num_images, encoded, workload.stream
+            )
+        )
     return specs
 
 
@@ -143,12 +150,18 @@ def _body(model: str, prompt: PromptSpec, image_seeds: list[int], workload: Work
     return chat_body(model, prompt.text, urls, prompt.output_len, workload)
 
 
-def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
-    """Send times in seconds from the start: a Poisson process at ``request_rate``; all 0 when
-    infinite."""
+def arrival_offsets(
+    num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0
+) -> list[float]:
+    """Send times in seconds from the start, all 0 when ``request_rate`` is infinite; else gaps
+    drawn from a gamma distribution of mean ``1 / request_rate`` and shape ``burstiness``
+    (vLLM's ``--burstiness``): 1 is a Poisson process, lower is burstier, higher steadier."""
     if request_rate == float("inf"):
         return [0.0] * num_requests
     rng = np.random.default_rng(seed + 1)
-    gaps = rng.exponential(1.0 / request_rate, size=num_requests)
+    if burstiness == 1.0:  # the exponential draws of a Poisson run stay as they were
+        gaps = rng.exponential(1.0 / request_rate, size=num_requests)
+    else:
+        gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), size=num_requests)
     gaps[0] = 0.0  # the first request goes out at once
     return np.cumsum(gaps).tolist()

@@ -6,19 +6,19 @@
     python -m benchmarks.system --sglang-bench-serving PATH/bench_serving.py  # SGLang's too
 
 In one run: writes (or reuses) a checkpoint with 7B dimensions, random bf16 weights and the
-bundled tokenizer's vocabulary (benchmarks/system_model.py); times the engine alone on the
-same weights (one prompt's prefill, the decode rank's pipelined loop at each concurrency's
-batch); starts ``stageserve up`` on the checkpoint (prefill and decode on one GPU, KV over
-CUDA IPC), warms it up; runs the serving client at each concurrency, spread over client
-processes, ``--input-len`` prompt tokens (as the server counts them: the text is shorter by
-the chat template's tokens, measured in the warm-up) and ``--output-len`` output tokens with
-ignore_eos;
-prints one table (system against engine: throughput, TPOT, decode's in-service step, the
-messages decode sent per step, router, decode-leader and client CPU, and what ``nvidia-smi``
-saw of the GPU: busy share, SM clock, power, slowdowns) and writes its section of ``--out``.
-With ``--sglang-bench-serving`` each level also runs SGLang's client (same
-concurrency, requests and lengths; benchmarks/sglang_client.py) after ours, in a second
-table. Tests never assert on these numbers.
+real vocabulary size, 152,064 (the bundled tokenizer grown to it; benchmarks/system_model.py);
+times the engine alone on the same checkpoint's model (one prompt's prefill, the decode rank's
+pipelined loop at each concurrency's batch); starts ``stageserve up`` on the checkpoint
+(prefill and decode on one GPU, KV over CUDA IPC), warms it up; runs the serving client at each
+concurrency, spread over client processes, ``--input-len`` prompt tokens (as the server counts
+them: the text is shorter by the chat template's tokens, measured in the warm-up) and
+``--output-len`` output tokens with ignore_eos; prints one table (system against engine:
+throughput, TPOT, decode's in-service step, the messages decode sent per step, router,
+decode-leader and client CPU, and what ``nvidia-smi`` saw of the GPU: busy share, SM clock,
+power, slowdowns) and writes its section of ``--out``. With ``--sglang-bench-serving`` each
+level also runs SGLang's client (same concurrency, requests and lengths;
+benchmarks/sglang_client.py) after ours, in a second table. Tests never assert on these
+numbers.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from benchmarks.system_load import (
 from benchmarks.system_model import engine_times, write_checkpoint
 from benchmarks.system_table import NOTES, Level, engine_lines, sglang_lines, table_lines
 from services.cli import BUNDLED_MODEL
+from services.engine.processing import TextProcessor
 
 SECTION_TITLE = "## System (`python -m benchmarks.system`)"
 STEP = ("step", "decode", "stageserve_decode_step_seconds")  # decode's step histogram
@@ -300,9 +301,10 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         lines += ["", *sglang_lines(sglang_runs, results, engine, output_len)]
     print("\n".join(lines))
     weights = "bundled tiny model" if args.quick else "7B dimensions, random bf16 weights"
+    vocab = TextProcessor.from_dir(model_dir).vocab_size
     info = [
-        f"- model: {weights}, the bundled "
-        f"tokenizer's vocabulary; `stageserve up {shlex.join(up_args)}` ({routers} router "
+        f"- model: {weights}, a byte-level BPE vocabulary of {vocab:,} ids; "
+        f"`stageserve up {shlex.join(up_args)}` ({routers} router "
         f"processes, decode DP {num_ranks}); stop exit code {code}",
         f"- workload: {input_len} prompt tokens ({text_len} of text and the chat template's "
         f"{input_len - text_len}), {output_len} output tokens (ignore_eos), "

@@ -1,13 +1,15 @@
 """The system benchmark's model: a checkpoint with 7B dimensions, random bf16 weights and the
-bundled tokenizer's vocabulary, and the engine's own times on the same weights.
+real vocabulary size, and the engine's own times on the same weights.
 
-The checkpoint takes the 7B config with the bundled tokenizer's vocabulary size and special
-token ids, and that tokenizer's files, so every id the model samples decodes to text and a
-client counts the tokens the server does; its vision tower and ``preprocessor_config.json``
-(image sizes up to 12.8 M pixels) are the 7B config's, so an image becomes as many tokens as
-with the real model. The weights are ``build_random_model``'s (seeded,
-made on the device), so the engine rows, timed in the benchmark's process on weights built
-the same way, see the same model as the services that load the file.
+The checkpoint takes the 7B config, its vocabulary size included (152,064), with the bundled
+tokenizer's special token ids; its ``tokenizer.json`` is the bundled one grown to that size
+(``benchmarks/vocab_tokenizer.py``), so the ``lm_head`` and the sampler cover the real model's
+logits, every id the model samples decodes to text and a client counts the tokens the server
+does. Its vision tower and ``preprocessor_config.json`` (image sizes up to 12.8 M pixels) are the
+7B config's, so an image becomes as many tokens as with the real model. The weights are
+``build_random_model``'s (seeded, made on the device), so the engine rows, timed in the
+benchmark's process on weights built the same way from the checkpoint's config, see the same
+model as the services that load the file.
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ import torch
 from benchmarks import engine_rows as er
 from benchmarks.gpu_monitor import GpuMonitor, GpuSummary
 from benchmarks.random_model import CONFIG_7B, build_random_model
+from benchmarks.vocab_tokenizer import write_grown_tokenizer
 from services.cli import BUNDLED_MODEL
 from services.engine.attention import ForwardMode
 from services.engine.model_runner import ModelRunner, StepInput
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "generation_config.json")  # tokenizer.json is grown
 PREPROCESSOR_FILE = (
     "preprocessor_config.json"  # the config's: image sizes belong to the vision tower
 )
-TOKEN_ID_FIELDS = (
-    "vocab_size",
+SPECIAL_ID_FIELDS = (
     "bos_token_id",
     "eos_token_id",
     "pad_token_id",
@@ -45,10 +47,10 @@ TOKEN_ID_FIELDS = (
 
 
 def checkpoint_config(config_dir: Path = CONFIG_7B, tokenizer_dir: Path = BUNDLED_MODEL) -> dict:
-    """The 7B config with the tokenizer model's vocabulary size and special token ids."""
+    """The 7B config (its vocabulary size kept) with the tokenizer model's special token ids."""
     config = json.loads((config_dir / "config.json").read_text())
     tokens = json.loads((tokenizer_dir / "config.json").read_text())
-    config.update({name: tokens[name] for name in TOKEN_ID_FIELDS if name in tokens})
+    config.update({name: tokens[name] for name in SPECIAL_ID_FIELDS if name in tokens})
     return config
 
 
@@ -60,13 +62,17 @@ def write_checkpoint(
     tokenizer_dir: Path = BUNDLED_MODEL,
 ) -> Path:
     """Write the benchmark checkpoint in ``out_dir``; its weights are kept when its config matches
-    (the tokenizer and preprocessor files are copied every time)."""
+    (the tokenizer, grown to the config's vocabulary size, and the preprocessor file are written
+    every time)."""
     config = checkpoint_config(config_dir, tokenizer_dir)
     weights = out_dir / "model.safetensors"
     config_path = out_dir / "config.json"
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
+    write_grown_tokenizer(
+        tokenizer_dir / "tokenizer.json", out_dir / "tokenizer.json", config["vocab_size"]
+    )
     shutil.copy(config_dir / PREPROCESSOR_FILE, out_dir / PREPROCESSOR_FILE)
     if (
         weights.is_file()

@@ -118,6 +118,17 @@ async def _events(body: dict):
         STATE.num_in_flight -= 1
 
 
+def _reply(body: dict) -> dict:
+    """A whole (non-streamed) completion of ``max_tokens`` words."""
+    num_tokens, text = body["max_tokens"], " tok" * body["max_tokens"]
+    usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": num_tokens}
+    if "messages" in body:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": text}
+    return {"choices": [{**choice, "finish_reason": "length"}], "usage": usage}
+
+
 def fake_app() -> FastAPI:
     app = FastAPI()
 
@@ -144,6 +155,8 @@ def fake_app() -> FastAPI:
             return JSONResponse(
                 {"error": {"message": "bad prompt", "type": "invalid_request_error"}}, 400
             )
+        if body.get("stream") is False:
+            return _reply(body)
         return StreamingResponse(_events(body), media_type="text/event-stream")
 
     return app
@@ -181,7 +194,7 @@ WORD_TOKENIZER = Path(__file__).parent / "word_tokenizer.json"
 def run(base_url: str, tmp_path, *args: str, tokenizer: bool = True) -> tuple[int, dict]:
     """One benchmark run; ``tokenizer=False`` counts tokens with the server's /tokenize."""
     out = tmp_path / "run.json"
-    count_with = ["--tokenizer", str(WORD_TOKENIZER)] if tokenizer else []
+    count_with = ["--tokenizer", str(WORD_TOKENIZER) if tokenizer else "server"]
     common = ["--base-url", base_url, "--output-json", str(out), "--request-timeout-s", "10"]
     rc = main([*common, *count_with, *args])
     return rc, json.loads(out.read_text())

@@ -149,7 +149,7 @@ def test_unreachable_endpoint_fails_fast(tmp_path):
     )
     assert rc == 1 and report["summary"]["num_failed"] == 2
     assert main(["--base-url", url, "--num-requests", "1"]) == 1  # no --model and no /models
-    assert (
-        main(["--base-url", url, "--model", "m", "--num-requests", "1"]) == 1
-    )  # no /tokenize to count with
+    assert main(["--base-url", url, "--model", "m", "--num-requests", "1"]) == 1  # no tokenizer
+    server = ["--tokenizer", "server"]  # no /tokenize to count with
+    assert main(["--base-url", url, "--model", "m", "--num-requests", "1", *server]) == 1
     sock.close()

@@ -76,20 +76,50 @@ def test_summary_percentiles_throughput_and_goodput():
     )
     assert summary.ttft.count == 4
     assert summary.ttft.mean == pytest.approx(25.0)
-    assert summary.ttft.p50 == pytest.approx(25.0)
-    assert summary.ttft.p90 == pytest.approx(37.0)  # linear: 10 + 0.9 * 3 * 10
-    assert summary.ttft.p99 == pytest.approx(39.7)
-    assert summary.tpot.p50 == pytest.approx(22.5)  # TPOTs 9, 18, 27, 36 ms
-    assert summary.itl.count == 40 and summary.e2e.p99 == pytest.approx(397.0)
+    assert summary.ttft.median == summary.ttft.at(50) == pytest.approx(25.0)
+    assert summary.ttft.std == pytest.approx(125**0.5)  # TTFTs 10, 20, 30, 40 ms
+    assert summary.ttft.at(90) == pytest.approx(37.0)  # linear: 10 + 0.9 * 3 * 10
+    assert summary.ttft.at(99) == pytest.approx(39.7)
+    assert summary.tpot.median == pytest.approx(22.5)  # TPOTs 9, 18, 27, 36 ms
+    assert summary.itl.count == 40 and summary.e2e.at(99) == pytest.approx(397.0)
     assert summary.request_throughput == pytest.approx(2.0)
     assert summary.input_token_throughput == pytest.approx(100.0)
     assert summary.output_token_throughput == pytest.approx(22.0)
+    assert summary.total_token_throughput == pytest.approx(122.0)
+    assert (summary.total_input_tokens, summary.total_output_tokens) == (200, 44)
+    assert summary.max_concurrent_requests == 4  # all four start at 0
+    assert summary.mean_concurrency == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 2.0)
+    assert summary.max_output_tokens_per_s == 44  # every token within the first second
     assert summary.num_good == 2 and summary.goodput == pytest.approx(
         1.0
     )  # TTFT <= 25 and TPOT <= 30
     assert summarize(records, 2.0, Slo(e2e_ms=300), 7).num_good == 3
     no_slo = summarize(records, 2.0, Slo(), 7)
     assert no_slo.goodput is None and no_slo.num_good is None
+
+
+def test_configured_percentiles_and_measured_concurrency():
+    first, second = _timed(0.0, 0.5, [0.5] * 3), _timed(1.0, 0.5, [0.5] * 3)  # 0-2 s and 1-3 s
+    third = _timed(2.0, 0.5, [])  # starts as the first ends: not in flight together
+    summary = summarize([first, second, third], 4.0, Slo(), 3, percentiles=(25.0, 99.9))
+    assert summary.percentiles == (25.0, 99.9)
+    assert set(summary.ttft.percentiles) == {"25", "99.9"}
+    assert summary.max_concurrent_requests == 2
+    assert summary.mean_concurrency == pytest.approx((2.0 + 2.0 + 0.5) / 4.0)
+    # tokens at 0.5, 1, 1.5, 2 | 1.5, 2, 2.5, 3 | 2.5: per whole second 1, 3, 4, 1
+    assert summary.max_output_tokens_per_s == 4
+
+
+def test_burstiness_keeps_the_rate_and_changes_the_spread():
+    poisson = arrival_offsets(20_000, 50.0, 0)
+    assert arrival_offsets(20_000, 50.0, 0, burstiness=1.0) == poisson
+    for burstiness in (0.25, 4.0):
+        offsets = arrival_offsets(20_000, 50.0, 0, burstiness)
+        assert offsets[-1] / len(offsets) == pytest.approx(1 / 50, rel=0.05)
+        gaps = [b - a for a, b in zip(offsets[1:], offsets[2:], strict=False)]
+        mean = sum(gaps) / len(gaps)
+        cv2 = sum((g - mean) ** 2 for g in gaps) / len(gaps) / mean**2
+        assert cv2 == pytest.approx(1 / burstiness, rel=0.1)  # a gamma's squared CV: 1 / shape
 
 
 async def test_workload_is_deterministic():

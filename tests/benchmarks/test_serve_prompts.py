@@ -157,7 +157,7 @@ def test_sharegpt_dataset_gives_its_prompts_and_reply_lengths(base_url, tmp_path
 def test_sharegpt_with_too_few_conversations_or_a_bad_file_fails_clearly(
     base_url, tmp_path, state, capsys
 ):
-    args = ["--base-url", base_url, "--dataset-name", "sharegpt"]
+    args = ["--base-url", base_url, "--dataset-name", "sharegpt", "--tokenizer", "server"]
     assert main([*args, "--dataset-path", str(SHAREGPT), "--num-requests", "5"]) == 2
     assert "4 usable conversations, fewer than --num-requests 5" in capsys.readouterr().err
     bad = tmp_path / "bad.json"

@@ -81,8 +81,7 @@ async def test_input_len_64_is_64_prompt_tokens_plus_the_chat_template(
         "--request-timeout-s",
         "60",
     ]
-    if count_with == "local":
-        argv += ["--tokenizer", str(TINY_MODEL_DIR)]
+    argv += ["--tokenizer", str(TINY_MODEL_DIR) if count_with == "local" else "server"]
     assert await asyncio.to_thread(main, argv) == 0
     records = json.loads(out.read_text())["requests"]
     assert [r["outcome"] for r in records] == ["ok"] * 4
@@ -107,6 +106,8 @@ async def test_completions_backend_prompt_is_the_input_len(router_url, tmp_path)
         "3",
         "--output-json",
         str(out),
+        "--tokenizer",
+        str(TINY_MODEL_DIR),
     ]
     assert await asyncio.to_thread(main, argv) == 0
     assert [r["prompt_tokens"] for r in json.loads(out.read_text())["requests"]] == [INPUT_LEN] * 2
@@ -129,6 +130,8 @@ async def test_a_noise_jpeg_is_accepted_and_counted_by_the_real_tokenizer(router
         "56x56",
         "--output-json",
         str(out),
+        "--tokenizer",
+        str(TINY_MODEL_DIR),
     ]
     assert await asyncio.to_thread(main, argv) == 0
     [record] = json.loads(out.read_text())["requests"]

@@ -20,12 +20,24 @@ from tests.benchmarks.fake_monitor import RecordingMonitor
 from tests.conftest import TINY_MODEL_DIR
 
 
-def test_the_7b_config_takes_the_tokenizers_vocabulary_and_special_ids() -> None:
+def test_the_7b_config_keeps_its_vocabulary_and_takes_the_tokenizers_special_ids() -> None:
     config = checkpoint_config()
     tiny = json.loads((TINY_MODEL_DIR / "config.json").read_text())
     assert config["hidden_size"] == 3584 and config["num_hidden_layers"] == 28
-    for name in ("vocab_size", "eos_token_id", "image_token_id", "vision_start_token_id"):
+    assert config["vocab_size"] == 152_064  # Qwen2.5-VL-7B's, not the bundled tokenizer's 2,048
+    for name in ("eos_token_id", "image_token_id", "vision_start_token_id"):
         assert config[name] == tiny[name], name
+
+
+def test_the_checkpoints_tokenizer_has_the_configs_vocabulary_size(tmp_path) -> None:
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    (config_dir / "config.json").write_text(json.dumps({**config, "vocab_size": 5000}))
+    shutil.copy(TINY_MODEL_DIR / "preprocessor_config.json", config_dir)
+    out = write_checkpoint(tmp_path / "ckpt", "cpu", config_dir=config_dir)
+    assert TextProcessor.from_dir(out).vocab_size == 5000
+    assert load_model(out, device="cpu").lm_head.weight.shape[0] == 5000
 
 
 def test_the_written_checkpoint_loads_as_the_random_model(tmp_path) -> None:
