@@ -1,43 +1,61 @@
-"""What ``stageserve up`` checks before it starts anything: its flag types and validations."""
+"""What ``stageserve up`` checks before it starts anything: each check names the cause
+(``ValueError``), so ``up`` fails at once instead of as a service that exits before READY."""
 
 from __future__ import annotations
 
-import argparse
 import socket
 
-from services.common.settings import at_least, non_negative, port_number, positive
+from services.common.exposure import check_transfer_exposure
+from services.common.kv_transfer import (
+    check_cross_process,
+    check_embedding_backend,
+    check_kv_backend,
+    resolve_kv_backend,
+)
+from services.common.logs import LOG_FORMATS
+from services.launch_config import LaunchConfig
+from services.launch_spec import decode_devices, device_of
 
-__all__ = [
-    "at_least",
-    "check_prefill_cp",
-    "check_up_args",
-    "non_negative",
-    "port_number",
-    "positive",
-]
+ONE_PROCESS_EACH = "up runs every service as its own process"
 
 
-def check_up_args(args: argparse.Namespace) -> None:
-    """What `up` can tell before starting anything: ``ValueError`` naming the cause."""
-    if not (args.model / "config.json").is_file():
-        raise ValueError(f"no config.json in model directory {args.model}")
-    if args.port:
-        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+def check_model_and_port(cfg: LaunchConfig) -> None:
+    """The model directory has a ``config.json``; the HTTP port (unless 0) is free."""
+    if not (cfg.model / "config.json").is_file():
+        raise ValueError(f"no config.json in model directory {cfg.model}")
+    if cfg.http_port:
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                probe.bind((args.host, args.port))
+                probe.bind((cfg.host, cfg.http_port))
             except OSError as exc:
                 raise ValueError(
-                    f"cannot bind the HTTP port {args.host}:{args.port}: {exc.strerror}"
+                    f"cannot bind the HTTP port {cfg.host}:{cfg.http_port}: {exc.strerror}"
                 ) from None
 
 
-def check_prefill_cp(cfg) -> None:
+def check_log_format(log_format: str) -> None:
+    """``--log-format`` checks its own value; its default comes from ``STAGESERVE_LOG_FORMAT``."""
+    if log_format not in LOG_FORMATS:
+        formats = ", ".join(LOG_FORMATS)
+        raise ValueError(f"STAGESERVE_LOG_FORMAT must be one of {formats}, got {log_format!r}")
+
+
+def check_decode_dp(cfg: LaunchConfig) -> None:
+    """``--decode-dp`` agrees with a ``--decode-device`` list (one rank on each device)."""
+    num_decode_devices = len(decode_devices(cfg))
+    if num_decode_devices > 1 and cfg.decode_dp not in (1, num_decode_devices):
+        raise ValueError(
+            f"--decode-dp {cfg.decode_dp} disagrees with --decode-device "
+            f"({num_decode_devices} devices)"
+        )
+
+
+def check_prefill_cp(cfg: LaunchConfig) -> None:
     """``ValueError`` naming ``--prefill-cp`` (or its block size) when prefill could not start
     with it."""
     from services.common.rank_devices import rank_devices
-    from services.launch_spec import device_of
     from services.prefill.config import check_block_tokens
 
     device = device_of(cfg, "prefill")
@@ -46,3 +64,18 @@ def check_prefill_cp(cfg) -> None:
     )
     if cfg.prefill_cp_block_tokens is not None:
         check_block_tokens(cfg.prefill_cp_block_tokens, cfg.page_size)
+
+
+def check_transfers(cfg: LaunchConfig) -> str | None:
+    """The chosen embedding and KV backends cross processes and reach both ends' devices;
+    returns the warning to print for Mooncake on a non-loopback host (``ExposureError``, a
+    ``ValueError``, on a loopback one)."""
+    check_cross_process(cfg.transfer_backend, ONE_PROCESS_EACH)
+    check_embedding_backend(  # the two ends of the embedding rows
+        cfg.transfer_backend, (device_of(cfg, "vision_encoder"), device_of(cfg, "prefill"))
+    )
+    for device in (device_of(cfg, "prefill"), *decode_devices(cfg)):  # the KV handoff's ends
+        check_kv_backend(cfg.kv_transfer_backend, cfg.transfer_backend, device)
+    kv_backend = resolve_kv_backend(cfg.kv_transfer_backend, cfg.transfer_backend)
+    check_cross_process(kv_backend, ONE_PROCESS_EACH)
+    return check_transfer_exposure(cfg.host, (cfg.transfer_backend, kv_backend))

@@ -3,8 +3,9 @@
 On CUDA: CUDA IPC for the KV handoff and the embedding rows (GPUs of one host), flashinfer
 attention when it is importable (else torch, said in the line ``UpChoices.describe`` gives),
 and decode's CUDA graphs (on with flashinfer; torch attention runs eagerly). On the CPU: shm
-and torch. A choice given on the command line is kept; one that cannot work on its devices is
-refused with the reason (``ValueError``), before anything starts.
+and torch. A choice given on the command line (``UpFlags``, ``LaunchConfig.given``) is kept; one
+that cannot work on its devices is refused with the reason (``ValueError``), before anything
+starts.
 
 GPU memory, ``--gpu-memory-utilization U`` (SGLang's ``--mem-fraction-static``): the share of
 each GPU the services hold together. On a device, each prefill rank is set ``PREFILL_SHARE``
@@ -32,10 +33,8 @@ from services.engine.gpu_defaults import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     default_attention_backend,
 )
-from services.launch_spec import LaunchConfig, decode_devices, device_of
-
-PREFILL_SHARE = 0.3  # of a GPU, set aside for each prefill rank on it
-ENCODER_SHARE = 0.05  # of a GPU, set aside for each vision encoder rank on it
+from services.launch_config import ENCODER_SHARE, PREFILL_SHARE, LaunchConfig, UpFlags
+from services.launch_spec import decode_devices, device_of
 
 
 @dataclass(frozen=True)
@@ -49,17 +48,6 @@ class RankLayout:
     @property
     def all(self) -> tuple[str, ...]:
         return (*self.encoder, *self.prefill, *self.decode)
-
-
-@dataclass(frozen=True)
-class UpFlags:
-    """The flags the choices come from; None: not given."""
-
-    transfer_backend: str | None = None
-    kv_transfer_backend: str | None = None
-    attention_backend: str | None = None
-    gpu_memory_utilization: float | None = None
-    num_pages: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""What ``stageserve up`` starts: the launch config, and each child's flags and ports.
+"""What ``stageserve up`` starts: each child's flags and ports, from the launch config.
 
-Every function here is pure: it turns a ``LaunchConfig`` (and the addresses of the
-services started before) into a ``ChildSpec``; ``services.launcher`` runs them.
+Every function here is pure: it turns a ``LaunchConfig`` (``services.launch_config``; and the
+addresses of the services started before) into a ``ChildSpec``; ``services.launcher`` runs them.
 """
 
 from __future__ import annotations
@@ -13,109 +13,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.rank_devices import rank_devices
-from services.common.restarts import RestartPolicy
 from services.common.service_main import COMMON_SETTINGS
 from services.common.settings import config_to_argv
 from services.decode.config import DecodeConfig
+from services.launch_config import METRICS_PORT_ORDER, LaunchConfig
 from services.prefill.config import PrefillConfig
 from services.router.config import FlowConfig, RouterConfig, WorkerAddresses
 from services.tokenizer.config import TokenizerConfig
 from services.vision_encoder.config import VisionEncoderConfig
-
-# --metrics-port-base N: the service at index i serves /metrics on port N + i.
-METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
-MAX_PORT = 65535
-
-
-MAX_LIVENESS_INTERVAL_S = 2.0
-
-
-@dataclass(frozen=True)
-class LivenessPolicy:
-    """A running child that answered no liveness check (gRPC health ``liveness``) for
-    ``timeout_s``, the latest check included, is killed (SIGKILL) and restarted like one that
-    exited. Checks go out every ``interval_s``, each with that deadline. The tokenizer's pool
-    workers get the same bound (its ``--worker-liveness-timeout-s``)."""
-
-    timeout_s: float = 10.0
-
-    @property
-    def interval_s(self) -> float:
-        return min(MAX_LIVENESS_INTERVAL_S, self.timeout_s / 4)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    model: Path
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    device: str = "cpu"
-    # per-service devices (default ``device``): e.g. prefill on cuda:0 and decode on cuda:1
-    encoder_device: str | None = None
-    encoder_ranks: int | None = (
-        None  # the vision encoder's rank processes (--ranks; None: its default, 1)
-    )
-    prefill_device: str | None = None
-    decode_device: str | None = None
-    dtype: str | None = None
-    transfer_backend: str = "shm"
-    kv_transfer_backend: str | None = (
-        None  # prefill and decode's KV handoff; None: transfer_backend
-    )
-    attention_backend: str = "torch"
-    num_pages: int | None = None  # per decode rank; None: decode sizes its pool
-    decode_memory_fraction: float | None = None  # decode's --gpu-memory-utilization (None: its)
-    page_size: int = 16
-    decode_dp: int = 1  # decode's data-parallel ranks (decode --ranks)
-    max_running_requests: int | None = None  # decode's batch per rank; None: decode_batch_size
-    router_workers: int = (
-        1  # router processes sharing the HTTP port (default_router_workers() in the CLI)
-    )
-    # passed on only when set (None: the service's own default)
-    stall_timeout_s: float | None = None  # router: per-hop progress bound
-    max_concurrent_requests: int | None = None  # router: admission slots
-    max_queued_requests: int | None = None  # router: admission queue
-    queue_timeout_s: float | None = None  # router: wait limit in the admission queue
-    drain_timeout_s: float | None = None  # router: on SIGTERM, for its requests in flight
-    served_model_name: str | None = None  # router
-    insecure_no_api_key: bool = False  # router: serve a non-loopback host without an API key
-    max_model_len: int | None = None  # tokenizer, decode and router (--max-context-len)
-    log_level: str | None = None  # every service
-    kv_quarantine_s: float | None = None  # decode
-    embedding_quarantine_s: float | None = None  # prefill
-    prefill_cp: int = 1  # prefill's CP rank processes (its --ranks)
-    prefill_cp_block_tokens: int | None = None  # prefill's --cp-block-tokens
-    prefill_cp_min_tokens: int | None = None  # prefill's --cp-min-tokens
-    gpu_share_file: Path | None = None  # prefill and decode on one device: prefill first
-    prefill_first_ms: float | None = None  # decode's --prefill-first-ms (None: decode's)
-    ready_timeout_s: float = 300.0
-    stop_grace_s: float = 10.0
-    log_dir: Path | None = None
-    log_format: str = "text"  # every service's --log-format: text | json
-    metrics_port_base: int | None = None  # None: every service picks a free metrics port
-    state_file: Path | None = None
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
-    liveness: LivenessPolicy = field(default_factory=LivenessPolicy)
-
-    def __post_init__(self) -> None:
-        base = self.metrics_port_base
-        if base is None:
-            return
-        last = base + len(METRICS_PORT_ORDER) - 1
-        if not 1 <= base <= last <= MAX_PORT:
-            highest = MAX_PORT - len(METRICS_PORT_ORDER) + 1
-            raise ValueError(f"--metrics-port-base must be in [1, {highest}], got {base}")
-        if base <= self.http_port <= last:
-            raise ValueError(
-                f"--metrics-port-base {base} gives the ports {base}-{last}, which include "
-                f"the HTTP port {self.http_port}"
-            )
-
-
-def default_router_workers(num_cpus: int | None = None) -> int:
-    """Router processes for this machine: one per 8 CPUs, at least 1, at most 4."""
-    num_cpus = num_cpus if num_cpus is not None else os.cpu_count() or 1
-    return max(1, min(4, num_cpus // 8))
 
 
 @dataclass(frozen=True)
@@ -236,12 +141,13 @@ def shared_device(cfg: LaunchConfig) -> str | None:
     return devices.pop()
 
 
-def with_gpu_share(cfg: LaunchConfig, prefill_first_ms: float | None) -> LaunchConfig:
+def with_gpu_share(cfg: LaunchConfig) -> LaunchConfig:
     """``cfg`` with its GPU share file (``services/common/gpu_share.py``) when prefill and
     decode share one device: by default for a CUDA device, and on any shared device when
-    ``prefill_first_ms`` is given (0: none). ``ValueError`` for a ``prefill_first_ms`` that
-    nothing would use."""
+    ``cfg.prefill_first_ms`` is given (0: none). ``ValueError`` for a ``prefill_first_ms``
+    that nothing would use."""
     device = shared_device(cfg)
+    prefill_first_ms = cfg.prefill_first_ms
     if device is None:
         if prefill_first_ms is not None:
             raise ValueError(
@@ -251,8 +157,7 @@ def with_gpu_share(cfg: LaunchConfig, prefill_first_ms: float | None) -> LaunchC
     if prefill_first_ms == 0 or (prefill_first_ms is None and not device.startswith("cuda")):
         return cfg
     run_dir = cfg.log_dir or Path(tempfile.gettempdir())
-    path = run_dir / f"gpu-share-{os.getpid()}"
-    return replace(cfg, gpu_share_file=path, prefill_first_ms=prefill_first_ms)
+    return replace(cfg, gpu_share_file=run_dir / f"gpu-share-{os.getpid()}")
 
 
 def _gpu_share_file(cfg: LaunchConfig) -> str:
@@ -268,7 +173,7 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         **_given(devices=devices if len(devices) > 1 else None),
         transfer_backend=cfg.transfer_backend,
         kv_transfer_backend=cfg.kv_transfer_backend,
-        num_pages=cfg.num_pages,
+        num_pages=cfg.given.num_pages,
         **_given(gpu_memory_utilization=cfg.decode_memory_fraction),
         page_size=cfg.page_size,
         attention_backend=cfg.attention_backend,
@@ -276,7 +181,7 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         max_running_requests=decode_batch_size(cfg),
         **_given(kv_quarantine_s=cfg.kv_quarantine_s),
         gpu_share_file=_gpu_share_file(cfg),
-        prefill_first_ms=cfg.prefill_first_ms,
+        prefill_first_ms=cfg.prefill_first_ms if cfg.gpu_share_file else None,
     )
 
 
@@ -334,6 +239,8 @@ def decode_batch_size(cfg: LaunchConfig) -> int:
 # given as a port (``http_port``); derived by the router from --max-image-bytes, which up
 # leaves to it (``max_request_bytes``)
 ROUTER_UNSET = frozenset({"http_port", "max_request_bytes"})
+# the common settings up gives the routers alone, through their config
+ROUTER_COMMON = frozenset({"enable_reflection"})
 
 
 def router_config(
@@ -360,6 +267,7 @@ def router_config(
         flow=flow,
         drain_timeout_s=cfg.drain_timeout_s,
         insecure_no_api_key=cfg.insecure_no_api_key,
+        enable_reflection=cfg.enable_reflection,
     )
 
 
@@ -376,11 +284,14 @@ def router_args(
     config = router_config(
         cfg, tokenizer=tokenizer, prefill=prefill, decode=decode, encoder=encoder
     )
-    return tuple(config_to_argv(config, skip=COMMON_SETTINGS | ROUTER_UNSET))
+    skip = (COMMON_SETTINGS - ROUTER_COMMON) | ROUTER_UNSET
+    return tuple(config_to_argv(config, skip=skip))
 
 
 def router_spec(cfg: LaunchConfig, args: tuple[str, ...]) -> ChildSpec:
-    return ChildSpec("router", args, {**first_ports(cfg, "router"), "http_port": cfg.http_port})
+    """The first router: on ``cfg.grpc_port`` (0: a free one) and ``cfg.http_port``."""
+    ports = {**first_ports(cfg, "router"), "port": cfg.grpc_port, "http_port": cfg.http_port}
+    return ChildSpec("router", args, ports)
 
 
 def router_worker_specs(

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services import launch_spec
+from services import launch_config
 from services import launcher as launcher_module
 from services.cli import main
 from services.launch_spec import ChildSpec, LaunchConfig, common_args
@@ -94,7 +94,7 @@ def test_decode_dp_and_router_workers_reach_their_processes(monkeypatch) -> None
 
 
 def test_router_workers_default_to_the_machine_size() -> None:
-    assert [launch_spec.default_router_workers(n) for n in (1, 2, 8, 16, 31, 64, 256)] == [
+    assert [launch_config.default_router_workers(n) for n in (1, 2, 8, 16, 31, 64, 256)] == [
         1,
         1,
         1,
@@ -114,7 +114,7 @@ def test_up_takes_decode_dp_and_router_workers(monkeypatch, capsys) -> None:
     assert (given.decode_dp, given.router_workers) == (2, 3)
     assert (default.decode_dp, default.router_workers) == (
         1,
-        launch_spec.default_router_workers(),
+        launch_config.default_router_workers(),
     )
     for flag in ("--decode-dp", "--router-workers"):
         with pytest.raises(SystemExit) as exc:

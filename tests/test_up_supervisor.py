@@ -11,7 +11,9 @@ import threading
 from pathlib import Path
 
 from services import launcher as launcher_module
-from services.launch_spec import ChildSpec, LaunchConfig, LivenessPolicy, RestartPolicy
+from services.common.restarts import RestartPolicy
+from services.launch_config import LaunchConfig, LivenessPolicy
+from services.launch_spec import ChildSpec
 from services.launcher import Child, Launcher
 from services.supervisor import ChildSupervisor
 

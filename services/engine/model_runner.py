@@ -111,18 +111,17 @@ class ModelRunner:
                 prefill_graph_tokens,
             ),
         )
-        kv_config = replace(kv_config, num_pages=self.pool_size.num_pages)
-        assert kv_config.num_pages is not None
+        num_pages = self.pool_size.num_pages
         self.kv_pool = KVPool(
             text.num_hidden_layers,
-            kv_config.num_pages,
-            kv_config.page_size,
+            num_pages,
+            self.page_size,
             text.num_key_value_heads,
             text.head_dim,
             self.dtype,
             self.device,
         )
-        self.page_manager = KVPageManager(kv_config.num_pages, kv_config.page_size)
+        self.page_manager = KVPageManager(num_pages, self.page_size)
         self.page_table = RequestPageTable(self.page_manager)
         self.attention = create_attention_backend(
             attention_backend,
@@ -133,24 +132,30 @@ class ModelRunner:
         )
         self.cuda_graph: CudaGraphDecodeRunner | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self._capture_graphs(cuda_graph_batch_sizes, prefill_graph_tokens)
+
+    def _capture_graphs(
+        self, cuda_graph_batch_sizes: tuple[int, ...], prefill_graph_tokens: tuple[int, ...]
+    ) -> None:
         decode_graphs = bool(cuda_graph_batch_sizes) and self.device.type == "cuda"
         decode_graphs = decode_graphs and self.attention.supports_cuda_graph
-        if decode_graphs or prefill_graph_tokens:
-            scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding writes here
+        if not (decode_graphs or prefill_graph_tokens):
+            return
+        scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding writes here
         if decode_graphs:
             self.cuda_graph = CudaGraphDecodeRunner(
-                model,
+                self.model,
                 self.attention,
                 self.page_size,
                 scratch_page,
-                kv_config.num_pages,
+                self.pool_size.num_pages,
                 cuda_graph_batch_sizes,
             )
             with ops.on_device(self.device):
                 self.cuda_graph.capture()
         if prefill_graph_tokens:  # attention runs between the pieces: any backend; off CUDA, eager
             self.prefill_graphs = PrefillGraphs(
-                model, self.kv_pool, scratch_page * self.page_size, prefill_graph_tokens
+                self.model, self.kv_pool, scratch_page * self.page_size, prefill_graph_tokens
             )
             with ops.on_device(self.device):
                 self.prefill_graphs.capture()

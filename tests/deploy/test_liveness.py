@@ -88,7 +88,7 @@ def test_k8s_liveness_probes_keep_the_launchers_bound() -> None:
     (``LivenessPolicy``): failureThreshold probes, periodSeconds apart."""
     import yaml
 
-    from services.launch_spec import LivenessPolicy
+    from services.launch_config import LivenessPolicy
     from tests.deploy.manifests import K8S
 
     policy = LivenessPolicy()
