@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import uvicorn
 from fastapi import FastAPI
 
@@ -26,6 +27,7 @@ from services.common.server import HealthState, create_server
 from services.engine.processing import ImageProcessor, TextProcessor
 from services.router.auth import RouterAccess, require_api_key
 from services.router.config import STOP_AFTER_DRAIN_S, RouterConfig
+from services.router.discovery import BaseResolver, SystemResolver, WorkerDiscovery
 from services.router.generation import GenerationPipeline
 from services.router.health_generate import HealthGenerateChecker
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
@@ -40,7 +42,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policy import make_policy
 from services.router.registry import HealthProbe, WorkerRegistry
 from services.router.servicer import RouterServicer
-from services.router.workers import Worker, WorkerKind
+from services.router.workers import Worker, WorkerKind, parse_dns_name
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +68,18 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
+def make_worker(kind: WorkerKind, address: str, auth: Credentials | None = None) -> Worker:
+    """A ``Worker`` at ``address``; its client sends ``auth`` (the internal token)."""
+    return Worker(kind, address, CLIENTS[kind](address, auth=auth))
+
+
 def make_workers(cfg: RouterConfig, auth: Credentials | None = None) -> list[Worker]:
-    """One ``Worker`` per configured address; its client sends ``auth`` (the internal token)."""
-    addresses = {
-        WorkerKind.TOKENIZER: cfg.workers.tokenizer,
-        WorkerKind.PREFILL: cfg.workers.prefill,
-        WorkerKind.DECODE: cfg.workers.decode,
-        WorkerKind.ENCODER: cfg.workers.encoder,
-    }
+    """One ``Worker`` per static address (discovery adds those of the ``dns:///`` names)."""
     return [
-        Worker(kind, address, CLIENTS[kind](address, auth=auth) if kind in CLIENTS else None)
-        for kind, kind_addresses in addresses.items()
+        make_worker(kind, address, auth)
+        for kind, kind_addresses in cfg.workers.by_kind().items()
         for address in kind_addresses
+        if parse_dns_name(address) is None
     ]
 
 
@@ -97,6 +99,7 @@ class RouterApp:
         text: TextProcessor,
         images: ImageLoader | None = None,
         access: RouterAccess | None = None,
+        resolver: BaseResolver | None = None,
     ) -> None:
         access = access if access is not None else RouterAccess()
         self.cfg = cfg
@@ -108,6 +111,14 @@ class RouterApp:
             metrics,
             HealthProbe(cfg.health_timeout_s, auth=access.internal),
             on_poll=self._update_health,
+            required_kinds=[k for k, a in cfg.workers.by_kind().items() if a],
+        )
+        self.discovery = WorkerDiscovery(
+            self.registry,
+            cfg.workers.by_kind(),
+            functools.partial(make_worker, auth=access.internal),
+            resolver or SystemResolver(),
+            cfg.workers.discovery_interval_s,
         )
         limits = cfg.limits
         detokenizer_factory = functools.partial(text.detokenizer, skip_special_tokens=True)
@@ -131,28 +142,38 @@ class RouterApp:
                 cfg.health_generate_timeout_s,
             )
         self.images = images or ImageLoader.from_limits(limits)
-        self.api = OpenAIApi(
+        self.api = self._openai_api(text)
+        self.http_app: FastAPI = create_app(self.api)
+        require_api_key(self.http_app, access.api_key)
+        self.grpc_server, self.grpc_port = self._grpc_server(access)
+        self._http_server: _EmbeddedUvicorn | None = None
+        self._http_task: asyncio.Task | None = None
+
+    def _openai_api(self, text: TextProcessor) -> OpenAIApi:
+        cfg, limits = self.cfg, self.cfg.limits
+        return OpenAIApi(
             self.pipeline,
             self.registry,
             self.images,
-            metrics,
+            self.metrics,
             cfg.served_model_name,
             cfg.max_context_len,
             ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),
             text,
         )
-        self.http_app: FastAPI = create_app(self.api)
-        require_api_key(self.http_app, access.api_key)
+
+    def _grpc_server(self, access: RouterAccess) -> tuple[grpc.aio.Server, int]:
+        cfg, limits = self.cfg, self.cfg.limits
         servicer = RouterServicer(
             self.pipeline,
-            metrics,
+            self.metrics,
             cfg.served_model_name,
             limits.request_timeout_s,
             limits.max_stop_strings,
             limits.max_image_bytes,
             cfg.max_context_len,
         )
-        self.grpc_server, self.grpc_port = create_server(
+        return create_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],
             cfg.port,
             cfg.host,
@@ -161,8 +182,6 @@ class RouterApp:
             auth=access.api_key,
             enable_reflection=access.enable_reflection,
         )
-        self._http_server: _EmbeddedUvicorn | None = None
-        self._http_task: asyncio.Task | None = None
 
     @classmethod
     def build(
@@ -171,16 +190,19 @@ class RouterApp:
         metrics: RouterMetrics | None = None,
         images: ImageLoader | None = None,
         access: RouterAccess | None = None,
+        resolver: BaseResolver | None = None,
     ) -> RouterApp:
         """A router detokenizing locally with the model directory's tokenizer.
 
-        ``access``: API key, internal token and reflection (default: none of them).
+        ``access``: API key, internal token and reflection (default: none of them);
+        ``resolver``: what the ``dns:///`` worker addresses resolve through (default: the
+        system's).
         """
         if metrics is None:
             metrics = RouterMetrics(
                 max_latency_s=cfg.limits.request_timeout_s, max_model_len=cfg.max_context_len
             )
-        return cls(cfg, metrics, TextProcessor.from_dir(cfg.model), images, access)
+        return cls(cfg, metrics, TextProcessor.from_dir(cfg.model), images, access, resolver)
 
     def _update_health(self) -> None:
         self.health.set_serving(self.registry.is_ready)
@@ -214,8 +236,10 @@ class RouterApp:
                     raise RuntimeError("the HTTP server stopped during start-up")
                 await asyncio.sleep(0.01)
             http_socket.listen(LISTEN_BACKLOG)  # the kernel's queue; asyncio's batch stays
+        await self.discovery.refresh()
         await self.registry.poll_once()
         self.registry.start(self.cfg.health_interval_s)
+        self.discovery.start()
         if self.health_generate is not None:
             self.health_generate.start()
 
@@ -251,5 +275,6 @@ class RouterApp:
         if self.health_generate is not None:
             await self.health_generate.close()
         await self.pipeline.wait_idle(ABORTS_S)
+        await self.discovery.close()
         await self.registry.close()
         await self.images.close()

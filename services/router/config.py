@@ -16,6 +16,7 @@ from services.common.settings import (
     positive,
     positive_int,
 )
+from services.router.workers import WorkerKind, parse_dns_name
 
 
 class PolicyName(enum.StrEnum):
@@ -27,21 +28,43 @@ def _address(kind: str) -> tuple[str, ...]:
     return flag(
         (),
         name=f"{kind}_address",
-        metavar="HOST:PORT",
+        metavar="HOST:PORT|dns:///NAME:PORT",
         repeatable=True,
-        help=f"{kind} workers, comma-separated or the flag once each",
+        help=f"{kind} workers, comma-separated or the flag once each; dns:///NAME:PORT is "
+        "every address NAME resolves to (a headless Service), re-resolved every "
+        "--discovery-interval-s",
     )
 
 
 @dataclass(frozen=True)
 class WorkerAddresses:
-    """Where the router finds each kind of worker ("host:port" each)."""
+    """Where the router finds each kind of worker: "host:port" each, or a ``dns:///name:port``
+    that stands for every address the name resolves to (``services/router/discovery.py``)."""
 
     tokenizer: tuple[str, ...] = _address("tokenizer")
     prefill: tuple[str, ...] = _address("prefill")
     decode: tuple[str, ...] = _address("decode")
     # polled for /health only; prefill calls the encoder itself
     encoder: tuple[str, ...] = _address("encoder")
+    discovery_interval_s: float = flag(
+        5.0, type=positive, help="seconds between two resolutions of the dns:/// worker addresses"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.discovery_interval_s > 0:
+            interval_s = self.discovery_interval_s
+            raise ValueError(f"--discovery-interval-s must be > 0, got {interval_s}")
+        for addresses in self.by_kind().values():
+            for address in addresses:
+                parse_dns_name(address)  # ValueError names a malformed one
+
+    def by_kind(self) -> dict[WorkerKind, tuple[str, ...]]:
+        return {
+            WorkerKind.TOKENIZER: self.tokenizer,
+            WorkerKind.PREFILL: self.prefill,
+            WorkerKind.DECODE: self.decode,
+            WorkerKind.ENCODER: self.encoder,
+        }
 
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024

@@ -56,6 +56,7 @@ class HealthGenerateChecker:
             for kind in ROUTED_KINDS
             for w in self._registry.workers(kind)
             if w.state is WorkerState.READY
+            and not w.is_leaving
             and (w.generate_error or now - w.last_completed_mono >= self.interval_s)
         ]
 

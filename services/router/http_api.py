@@ -212,6 +212,7 @@ class OpenAIApi:
                 "state": w.state.value,
                 "in_flight": w.num_in_flight,
                 "stalls": w.num_stalls,
+                **({"leaving": True} if w.is_leaving else {}),
                 **({"error": w.last_error} if w.last_error else {}),
             }
             for w in self.registry.workers()

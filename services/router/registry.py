@@ -13,6 +13,12 @@ one-token generate pinned to it (``pin``: within that generate's task, ``acquire
 kind returns it). A failed generate ejects the worker whose call failed or was in flight
 (``record_failure``; the pinned one when none was) until a generate passes
 (``record_generate``).
+
+Membership: the workers of a static address list are there from the start; discovery
+(``discovery.py``) adds and retires the others. A worker ``join``s not ready (UNKNOWN) and is
+routed to only once a health check passes. A worker that ``leave``s gets no new request; the
+ones it holds finish or fail through their own calls as above, and once it has held none for a
+grace period (its last Aborts have run) ``drop_idle`` forgets it and closes its channels.
 """
 
 from __future__ import annotations
@@ -68,12 +74,12 @@ class HealthProbe:
         self._timeout_s = timeout_s
         self._auth = auth
         self._stubs: dict[str, health_pb2_grpc.HealthStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> health_pb2_grpc.HealthStub:
         if address not in self._stubs:
             channel = create_channel(address, auth=self._auth)
-            self._channels.append(channel)
+            self._channels[address] = channel
             self._stubs[address] = health_pb2_grpc.HealthStub(channel)
         return self._stubs[address]
 
@@ -82,9 +88,18 @@ class HealthProbe:
         answer = await check_async(self._stub(address), timeout_s=self._timeout_s)
         return answer.why_not_serving
 
-    async def close(self) -> None:
-        for channel in self._channels:
+    async def forget(self, address: str) -> None:
+        """Close the channel to ``address`` (a later ``check`` opens a new one)."""
+        self._stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
             await channel.close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
 
 
 class WorkerRegistry:
@@ -95,7 +110,10 @@ class WorkerRegistry:
         metrics: RouterMetrics,
         probe: HealthProbe,
         on_poll: Callable[[], None] | None = None,
+        required_kinds: Collection[WorkerKind] = (),
     ) -> None:
+        """``required_kinds``: kinds besides the routed ones that need a ready worker (those
+        configured, including ones discovery has not found yet)."""
         self._workers = list(workers)
         self._policy = policy
         self._metrics = metrics
@@ -103,7 +121,9 @@ class WorkerRegistry:
         self._on_poll = on_poll
         self._poller: asyncio.Task | None = None
         self.required_kinds = tuple(
-            k for k in WorkerKind if k in ROUTED_KINDS or any(w.kind is k for w in self._workers)
+            k
+            for k in WorkerKind
+            if k in ROUTED_KINDS or k in required_kinds or any(w.kind is k for w in self._workers)
         )
         self._publish()
 
@@ -166,6 +186,8 @@ class WorkerRegistry:
     def release(self, worker: Worker) -> None:
         assert worker.num_in_flight > 0, f"release without acquire on {worker.address}"
         worker.num_in_flight -= 1
+        if worker.num_in_flight == 0:
+            worker.idle_since_mono = time.monotonic()
         self._metrics.worker_in_flight.labels(worker.kind.value, worker.address).set(
             worker.num_in_flight
         )
@@ -227,12 +249,61 @@ class WorkerRegistry:
         finally:
             self.release(worker)
 
+    # ------------------------------------------------------------ membership
+
+    def join(self, worker: Worker) -> None:
+        """Add ``worker`` (or take a leaving one back); not routed to until a check passes."""
+        if worker not in self._workers:
+            self._workers.append(worker)
+        logger.info("%s worker %s joined", worker.kind.value, worker.address)
+        worker.is_leaving, worker.state = False, WorkerState.UNKNOWN
+        self._changed()
+
+    def leave(self, worker: Worker) -> None:
+        """Route no new request to ``worker``; ``drop_idle`` forgets it once it holds none."""
+        logger.info(
+            "%s worker %s left (%d requests in flight on it)",
+            worker.kind.value,
+            worker.address,
+            worker.num_in_flight,
+        )
+        worker.is_leaving = True
+        if worker.num_in_flight == 0:
+            worker.idle_since_mono = time.monotonic()
+        self._changed()
+
+    async def drop_idle(self, grace_s: float) -> list[Worker]:
+        """Forget the leaving workers that held no request for ``grace_s``; close their
+        channels."""
+        now = time.monotonic()
+        dropped = [
+            w
+            for w in self._workers
+            if w.is_leaving and w.num_in_flight == 0 and now - w.idle_since_mono >= grace_s
+        ]
+        self._workers = [w for w in self._workers if w not in dropped]
+        for worker in dropped:
+            for gauge in (self._metrics.worker_ready, self._metrics.worker_in_flight):
+                with contextlib.suppress(KeyError):  # a series never set
+                    gauge.remove(worker.kind.value, worker.address)
+            if worker.client is not None:
+                await worker.client.close()
+            await self._probe.forget(worker.address)
+        return dropped
+
+    def _changed(self) -> None:
+        self._publish()
+        if self._on_poll is not None:
+            self._on_poll()
+
     # ------------------------------------------------------------ health
 
-    async def poll_once(self) -> None:
-        """Check every worker once (concurrently) and update its state."""
-        reasons = await asyncio.gather(*(self._probe.check(w.address) for w in self._workers))
-        for worker, reason in zip(self._workers, reasons, strict=True):
+    async def poll_once(self, workers: Collection[Worker] | None = None) -> None:
+        """Check every worker (or those of ``workers``) once, concurrently, and update its
+        state."""
+        polled = list(self._workers if workers is None else workers)
+        reasons = await asyncio.gather(*(self._probe.check(w.address) for w in polled))
+        for worker, reason in zip(polled, reasons, strict=True):
             self._set_state(
                 worker, WorkerState.READY if reason is None else WorkerState.NOT_READY, reason or ""
             )

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+DNS_SCHEME = "dns:///"
+
 
 class WorkerKind(enum.Enum):
     TOKENIZER = "tokenizer"
@@ -44,7 +46,35 @@ class Worker:
         0.0  # time.monotonic() when it last completed its part of a request
     )
     generate_error: str = ""  # set while ejected by a failed health-check generate
+    is_leaving: bool = False  # gone from discovery's answer: no new requests, closed once idle
+    idle_since_mono: float = 0.0  # time.monotonic() when its last request in flight ended
 
     @property
     def is_ready(self) -> bool:
-        return self.state is WorkerState.READY and not self.generate_error
+        return self.state is WorkerState.READY and not self.generate_error and not self.is_leaving
+
+
+@dataclass(frozen=True)
+class DnsName:
+    """A worker address given as ``dns:///host:port``: every address ``host`` resolves to, each
+    at ``port``, is one worker (a headless Service's name resolves to each ready pod)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{DNS_SCHEME}{self.host}:{self.port}"
+
+
+def parse_dns_name(address: str) -> DnsName | None:
+    """The ``DnsName`` of a ``dns:///host:port`` address, None for a plain ``host:port``;
+    ``ValueError`` for a ``dns:`` address of another form."""
+    if not address.startswith("dns:"):
+        return None
+    rest = address.removeprefix(DNS_SCHEME)
+    host, sep, port = rest.rpartition(":")
+    if not address.startswith(DNS_SCHEME) or not sep or not host or "/" in rest:
+        raise ValueError(f"worker address {address!r}: expected {DNS_SCHEME}HOST:PORT")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker address {address!r}: port must be 1-65535")
+    return DnsName(host.removeprefix("[").removesuffix("]"), int(port))

@@ -161,14 +161,26 @@ def _pod_names(docs: list[dict], service_name: str) -> list[str]:
     return [f"{sts['metadata']['name']}-{i}.{service_name}" for i in range(sts["spec"]["replicas"])]
 
 
-def test_worker_addresses_name_every_pod_of_the_right_kind(docs, by_service) -> None:
-    listed = {kind: [] for kind in ADDRESS_FLAGS.values()}
+def test_the_router_finds_each_kind_of_worker_by_its_headless_service(docs, by_service) -> None:
+    """Each router address is the ``dns:///`` name of the kind's headless Service (every pod,
+    however many replicas); prefill's encoder is the first encoder pod by its stable name."""
     for name, kind in ADDRESS_FLAGS.items():
-        listed[kind] = flag(by_service["router"].args, name)
-    assert flag(by_service["prefill"].args, "--encoder-address") == listed["vision_encoder"][:1]
-    for kind, addresses in listed.items():
         headless = by_service[kind].workload["spec"]["serviceName"]
-        assert addresses == [f"{pod}:{GRPC_PORT}" for pod in _pod_names(docs, headless)], kind
+        pods = _pod_names(docs, headless)
+        assert flag(by_service["router"].args, name) == [f"dns:///{headless}:{GRPC_PORT}"], kind
+        if kind == "vision_encoder":
+            assert flag(by_service["prefill"].args, "--encoder-address") == [
+                f"{pods[0]}:{GRPC_PORT}"
+            ]
+
+
+def test_every_workload_has_a_disruption_budget_of_one_pod(docs) -> None:
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    for workload in workloads(docs):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        (budget,) = [b for b in budgets if b["spec"]["selector"]["matchLabels"] == labels]
+        assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": labels}}
+    assert len(budgets) == len(workloads(docs))
 
 
 def test_secrets_config_and_volumes_are_wired(docs, by_service) -> None:

@@ -2,12 +2,15 @@
 tokens from the ``Script`` (``fakes.py``), with knobs for fault tests (``hang_reserve``,
 ``hang_after``, ``capacity``, ``waiting_s``, ``release``, ``reserve_errors``).
 
-``python -m tests.router.fake_decode`` runs one alone (for kill tests) and prints its port.
+``python -m tests.router.fake_decode [LETTER]`` runs one alone (for kill tests) and prints its
+port; it generates LETTER (default x) over and over, and SIGUSR1 / SIGUSR2 turn its health
+NOT_SERVING / SERVING.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from typing import Any
@@ -222,13 +225,16 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.StatsResponse(page_size=16, num_total_pages=64, num_free_pages=64)
 
 
-async def _serve_decode_forever() -> None:
-    script = Script(output_ids=[*char_ids("x" * 500), EOS_ID], chunk_size=1, chunk_delay_s=0.02)
+async def _serve_decode_forever(letter: str) -> None:
+    script = Script(output_ids=[*char_ids(letter * 500), EOS_ID], chunk_size=1, chunk_delay_s=0.02)
     worker = await start_worker(FakeDecode(script))
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, worker.health.set_serving, False)
+    loop.add_signal_handler(signal.SIGUSR2, worker.health.set_serving, True)
     print(f"READY decode port={worker.port}", flush=True)
     await worker.server.wait_for_termination()
 
 
 if __name__ == "__main__":
-    assert sys.argv[1:] == [], "usage: python -m tests.router.fake_decode"
-    asyncio.run(_serve_decode_forever())
+    assert len(sys.argv) <= 2, "usage: python -m tests.router.fake_decode [LETTER]"
+    asyncio.run(_serve_decode_forever(sys.argv[1] if len(sys.argv) == 2 else "x"))
