@@ -21,6 +21,7 @@ PROBE = "import importlib, sys; importlib.import_module(sys.argv[1]); print('tor
         "services.tokenizer.app",
         "services.tokenizer.__main__",
         "services.tokenizer.workers",
+        "stageserve.client",  # what users import: the gRPC client
     ],
 )
 def test_service_imports_no_torch(module: str) -> None:

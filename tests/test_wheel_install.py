@@ -143,7 +143,13 @@ def test_wheel_carries_the_model_and_type_information(install: Install) -> None:
     assert {f"services/assets/tiny-qwen2.5-vl/{f}" for f in ASSET_FILES} <= names
     assert {"services/py.typed", "services/common/pb/stageserve/v1/decode_pb2.pyi"} <= names
     assert set(JPEG_ROWS_FILES) <= names  # the encoder's band JPEG decoder builds from them
-    assert not any(n.startswith(("models/", "tests/")) for n in names)
+    # the gRPC contracts (stageserve.PROTO_ROOT) and the client users import
+    assert {
+        "services/common/pb/stageserve/v1/router.proto",
+        "services/common/pb/stageserve/v1/common.proto",
+        "stageserve/client/__init__.py",
+    } <= names
+    assert not any(n.startswith(("models/", "tests/", "examples/")) for n in names)
 
 
 def test_everything_is_imported_from_the_venv(install: Install) -> None:

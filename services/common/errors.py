@@ -35,6 +35,8 @@ class StageServeError(Exception):
     grpc_code: str = "INTERNAL"  # name of a grpc.StatusCode member
     http_status: int = 500
     openai_type: str = "internal_error"
+    # The failed request's id, on the errors ``stageserve.client`` raises; None elsewhere.
+    request_id: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

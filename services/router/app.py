@@ -172,6 +172,7 @@ class RouterApp:
             limits.max_stop_strings,
             limits.max_image_bytes,
             cfg.max_context_len,
+            self.images,
         )
         return create_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],

@@ -7,7 +7,8 @@ so two calls with one label are two requests and neither can abort the other.
 Fields follow the HTTP API's rules: nothing is ignored. A field this server's protos do
 not define (a newer client's) is INVALID_ARGUMENT naming its number; an explicit
 ``sampling_params.max_new_tokens`` above what the context leaves is INVALID_ARGUMENT
-(unset, it is the documented 16, fitted to the context).
+(unset, it is the documented 16, fitted to the context). An image given by URL
+(``ImageInput.url``) is loaded by the HTTP API's ``ImageLoader``, with its guards and limits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from services.common.types import ChatMessage, ContentPart, ImagePart, SamplingP
 from services.common.wire import finish_reason_to_proto, sampling_params_from_proto, usage_to_proto
 from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline
-from services.router.images import check_image
+from services.router.images import ImageLoader, check_image
 from services.router.metrics import RequestTracker, RouterMetrics
 from services.router.openai_schema import ROLES
 from services.router.types import GenerationDelta, GenerationRequest
@@ -52,6 +53,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_stop_strings: int,
         max_image_bytes: int,
         max_context_len: int,
+        images: ImageLoader,
     ) -> None:
         self._pipeline = pipeline
         self._metrics = metrics
@@ -60,6 +62,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._max_stop_strings = max_stop_strings
         self._max_image_bytes = max_image_bytes
         self._max_context_len = max_context_len
+        self._images = images
         self._releaser = MemoryReleaser()
 
     @handle_errors
@@ -164,18 +167,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     f"unknown role {message.role!r}", param=f"chat.messages[{i}].role"
                 )
             parts = [
-                self._part(part, f"chat.messages[{i}].content[{j}]")
+                await self._part(part, f"chat.messages[{i}].content[{j}]")
                 for j, part in enumerate(message.content)
             ]
             messages.append(ChatMessage(role, tuple(parts)))
         return tuple(messages)
 
-    def _part(self, part: common_pb2.ContentPart, param: str) -> ContentPart:
+    async def _part(self, part: common_pb2.ContentPart, param: str) -> ContentPart:
         kind = part.WhichOneof("part")
         if kind == "text":
             return TextPart(part.text)
         if kind != "image":
             raise InvalidRequestError("a content part needs text or an image", param=param)
+        if part.image.WhichOneof("source") == "url":
+            return ImagePart(await self._images.load(part.image.url, f"{param}.image.url"))
         check_image(part.image.data, self._max_image_bytes, f"{param}.image.data")
         return ImagePart(part.image.data)
 

@@ -31,6 +31,11 @@ def _part_from_proto(part: common_pb2.ContentPart, param: str, limits: Limits) -
         return header_from_input(h.content_hash, h.height, h.width, h.num_bytes, limits)
     if kind != "image":
         raise InvalidRequestError(f"{param} is empty: set text, image or image_header", param=param)
+    if part.image.WhichOneof("source") == "url":
+        raise InvalidRequestError(
+            "the tokenizer takes image bytes, not URLs (the router fetches them)",
+            param=f"{param}.image.url",
+        )
     return ImagePart(part.image.data)  # empty data: decode_image rejects it
 
 

@@ -143,3 +143,14 @@ async def test_malformed_requests(served, request_, param):
         await channel.close()
     assert isinstance(error, InvalidRequestError) and error.param == param
     await assert_still_serving(served)
+
+
+def test_an_image_url_is_refused_the_router_fetches_urls() -> None:
+    from services.tokenizer.servicer import job_from_proto
+
+    request = tokenizer_pb2.TokenizeRequest()
+    message = request.chat.messages.add(role="user")
+    message.content.add().image.url = "https://images.test/cat.png"
+    with pytest.raises(InvalidRequestError, match="not URLs") as info:
+        job_from_proto(request, TEST_LIMITS)
+    assert info.value.param == "messages[0].content[0].image.url"

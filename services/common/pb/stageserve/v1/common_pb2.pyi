@@ -88,10 +88,12 @@ class ImageData(_message.Message):
     def __init__(self, content_hash: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ImageInput(_message.Message):
-    __slots__ = ("data",)
+    __slots__ = ("data", "url")
     DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
     data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class ImageHeaderInput(_message.Message):
     __slots__ = ("content_hash", "height", "width", "num_bytes")

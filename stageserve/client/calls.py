@@ -1,0 +1,78 @@
+"""What the blocking and the asyncio client share: the channel's options and one call's
+request, metadata and deadline."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.auth import API_KEY, AUTHORIZATION_KEY, AuthConfigError, Credentials
+from services.common.errors import InvalidRequestError
+from services.common.pb.stageserve.v1 import router_pb2
+from stageserve.client.types import Message, Sampling, build_request
+
+# Every service logs a request under this metadata value and passes it on to the next hop
+# (services.common.server.REQUEST_ID_KEY).
+REQUEST_ID_KEY = "x-request-id"
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    # A stream can stay quiet for long (a request queued behind others, a long prompt): ping
+    # every 30 s, the rate the router accepts, so a router that went away ends the call.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+)
+
+
+def api_credentials(api_key: str | None) -> Credentials | None:
+    """``api_key`` as the bearer credentials the router checks; ``InvalidRequestError`` for a
+    key no header can carry (empty, spaces, non-ASCII)."""
+    if api_key is None:
+        return None
+    try:
+        return Credentials(api_key, API_KEY)
+    except AuthConfigError as exc:
+        raise InvalidRequestError(str(exc), param="api_key") from None
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One ``Router.Generate`` call: its request, metadata and deadline (None: none)."""
+
+    request: router_pb2.GenerateRequest
+    metadata: tuple[tuple[str, str], ...]
+    timeout_s: float | None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def call_spec(
+    *,
+    prompt: str | None,
+    messages: Sequence[Message] | None,
+    sampling: Sampling | None,
+    stop: Sequence[str],
+    model: str,
+    request_id: str | None,
+    timeout_s: float | None,
+    credentials: Credentials | None,
+) -> CallSpec:
+    """The call for these arguments; ``request_id`` None: a fresh one (``uuid4().hex``), so
+    every error and chunk names the request the router's logs show."""
+    request_id = request_id if request_id is not None else uuid.uuid4().hex
+    if timeout_s is not None and not timeout_s > 0:
+        raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s}", param="timeout_s")
+    request = build_request(
+        prompt=prompt,
+        messages=messages,
+        sampling=sampling,
+        stop=stop,
+        model=model,
+        request_id=request_id,
+    )
+    metadata = [(REQUEST_ID_KEY, request_id)] if request_id else []
+    if credentials is not None:
+        metadata.append((AUTHORIZATION_KEY, credentials.header_value))
+    return CallSpec(request, tuple(metadata), timeout_s)

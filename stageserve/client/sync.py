@@ -1,0 +1,145 @@
+"""The blocking client of ``stageserve.v1.Router``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from services.common.pb.stageserve.v1 import router_pb2_grpc
+from stageserve.client.calls import CHANNEL_OPTIONS, CallSpec, api_credentials, call_spec
+from stageserve.client.errors import error_from_rpc
+from stageserve.client.types import (
+    Chunk,
+    Completion,
+    CompletionBuilder,
+    Message,
+    Sampling,
+    chunk_from_proto,
+)
+
+
+class Stream:
+    """One call's chunks as they arrive: iterate it, or ``completion()`` joins them. A failure
+    raises its ``StageServeError`` class. ``cancel()`` (or leaving a ``with`` block) ends the
+    call on the router; iterating it then raises ``AbortedError``."""
+
+    def __init__(self, call: Any, request_id: str) -> None:
+        self.request_id = request_id
+        self._call = call
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
+        try:
+            response = next(self._call)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.request_id) from exc
+        return chunk_from_proto(response)
+
+    def completion(self) -> Completion:
+        """Every remaining chunk, joined."""
+        builder = CompletionBuilder()
+        for chunk in self:
+            builder.add(chunk)
+        return builder.completion()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+
+class Client:
+    """A blocking client of the router's gRPC API at ``address`` (``host:port``: ``stageserve up
+    --grpc-port``). ``api_key``: sent on every call (the router's ``--api-key``).
+    ``timeout_s``: each call's deadline unless the call gives its own (None: no deadline of the
+    client's; the router's ``--request-timeout-s`` still applies). Threads may share it."""
+
+    def __init__(
+        self, address: str, *, api_key: str | None = None, timeout_s: float | None = 300.0
+    ) -> None:
+        self._credentials = api_credentials(api_key)
+        self._timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        model: str = "",
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Stream:
+        """Start generating from a raw ``prompt`` (no chat template) or from ``messages`` (the
+        model's chat template); the chunks stream as they are generated. ``stop``: strings that
+        end the text (not included). ``model``: empty for the served one. ``request_id``: the
+        id the router's logs and every chunk carry (default: a fresh one)."""
+        spec = call_spec(
+            prompt=prompt,
+            messages=messages,
+            sampling=sampling,
+            stop=stop,
+            model=model,
+            request_id=request_id,
+            timeout_s=timeout_s if timeout_s is not None else self._timeout_s,
+            credentials=self._credentials,
+        )
+        return self._start(spec)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        sampling: Sampling | None = None,
+        stop: Sequence[str] = (),
+        model: str = "",
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
+        """``stream`` with the same arguments, joined into one ``Completion``."""
+        with self.stream(
+            prompt,
+            messages=messages,
+            sampling=sampling,
+            stop=stop,
+            model=model,
+            request_id=request_id,
+            timeout_s=timeout_s,
+        ) as stream:
+            return stream.completion()
+
+    def _start(self, spec: CallSpec) -> Stream:
+        call = self._stub.Generate(spec.request, timeout=spec.timeout_s, metadata=spec.metadata)
+        return Stream(call, spec.request_id)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
