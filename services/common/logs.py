@@ -129,6 +129,8 @@ class JsonFormatter(logging.Formatter):
             "trace_id": getattr(record, "trace_id", "") or None,
             "span_id": getattr(record, "span_id", "") or None,
         }
+        if hasattr(record, "rank"):  # a rank process's records (services.common.ranks)
+            entry["rank"] = record.rank
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         if record.stack_info:

@@ -9,6 +9,7 @@ one ``READY <service> port=<grpc> ... metrics_port=<port>`` line on stdout once 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -114,6 +115,8 @@ def setup_logging(service: str, level: str, log_format: str) -> None:
         logs.configure(service, level, log_format)
     except ValueError as exc:
         raise SystemExit(f"{service}: error: --log-format / STAGESERVE_LOG_FORMAT: {exc}") from None
+    os.environ["STAGESERVE_LOG_FORMAT"] = log_format  # its rank processes log the same way
+    os.environ["STAGESERVE_LOG_SERVICE"] = service
 
 
 def start_telemetry(

@@ -26,6 +26,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from services.common import logs
 from services.common.envs import Envs
 from services.common.malloc import tune_malloc
 from services.common.ranks.channel import Malformed, RankChannel
@@ -286,11 +287,14 @@ class _RankField(logging.Filter):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank_field = _RankField()
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s rank %(rank)s %(name)s: %(message)s",
-    )
+    if Envs.from_environ().log_format == "json":  # as its service logs (service_main)
+        logs.configure(os.environ.get("STAGESERVE_LOG_SERVICE", "rank"), args.log_level, "json")
+    else:
+        logging.basicConfig(
+            level=args.log_level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s rank %(rank)s %(name)s: %(message)s",
+        )
     for handler in logging.getLogger().handlers:
         handler.addFilter(rank_field)
     rank_field.rank = str(args.rank)
