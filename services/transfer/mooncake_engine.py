@@ -9,9 +9,9 @@ batch outright.
 
 The engine call blocks (GIL released) until the bytes land, the peer fails, or the
 engine's own timeout passes (``MC_TRANSFER_TIMEOUT``; a peer that accepts TCP but never
-answers the handshake holds it for the engine's own handshake timeout). ``write_within`` runs it on a daemon
-thread and stops waiting at the caller's deadline, so a slow peer becomes
-``DeadlineExceededError``.
+answers the handshake holds it for the engine's own handshake timeout).
+``write_within`` runs it on a daemon thread and stops waiting at the caller's deadline, so a
+slow peer becomes ``DeadlineExceededError``.
 
 ``hostname`` is only the address the engine advertises (its ``session_id``): Mooncake binds
 its handshake port and its TCP data port on every interface (0.0.0.0 and [::]) and has no

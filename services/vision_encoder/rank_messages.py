@@ -2,8 +2,8 @@
 
 Each rank is a rank group of its own and gets its share of the batch only: the jobs with
 a span it owns, those spans (with their plans) and each job's destinations. Image bytes
-travel only for the images it encodes in this step; a planned cache hit carries none. Each rank's result reports its jobs' errors, its counters and its
-manifest: what its cache holds of the step's images afterwards, what it evicted, and which
+travel only for the images it encodes in this step; a planned cache hit carries none. Each
+rank's result reports its jobs' errors, its counters and its manifest: what its cache holds of the step's images afterwards, what it evicted, and which
 planned hits it did not hold (the leader's ledger was wrong; those jobs are planned again).
 """
 
