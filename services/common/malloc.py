@@ -19,6 +19,13 @@ router and the tokenizer, spread over malloc's per-thread arenas, and none of it
 frames, and the buffers they hold, sit in a reference cycle with its exception) and runs
 ``malloc_trim(0)`` (every arena, free pages inside a heap too): image-sized requests keep their
 reused memory, large ones hand theirs back, and concurrent large requests share one trim.
+
+``malloc_trim`` shrinks the main arena's top but never the top of a per-thread arena, and a
+per-thread arena shrinks its own top at ``free`` only past the trim threshold, which at 256 MiB
+is beyond a thread heap's 64 MiB: a process whose gRPC and executor threads each took an arena
+kept up to 64 MiB per arena after every trim. The processes that release memory (the router
+and the tokenizer) therefore pass ``single_arena=True``: every thread allocates from the main
+arena, and one ``malloc_trim`` reaches all of it.
 """
 
 from __future__ import annotations
@@ -35,10 +42,11 @@ from services.common.envs import Envs
 
 logger = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's HEAP_MAX_SIZE / 2 on 64-bit, the largest it accepts
 TRIM_THRESHOLD = 256 * 1024 * 1024
 TUNABLE_KEYS = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+ARENA_TUNABLE_KEY = "glibc.malloc.arena_max"
 LARGE_REQUEST_BYTES = 8 * 1024 * 1024
 RELEASE_DELAY_S = 0.2
 
@@ -51,15 +59,19 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def tune_malloc(envs: Envs) -> bool:
-    """Apply the thresholds above; True when they were set, False when left as they are."""
-    if any(key in envs.glibc_tunables for key in TUNABLE_KEYS):
-        logger.debug("GLIBC_TUNABLES sets malloc thresholds: left as they are")
-        return False
+def tune_malloc(envs: Envs, *, single_arena: bool = False) -> bool:
+    """Apply the thresholds above, and with ``single_arena`` one arena for every thread (call it
+    before the process starts threads); True when they were set, False when left as they are."""
     mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:  # not glibc
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    if single_arena and ARENA_TUNABLE_KEY not in envs.glibc_tunables:
+        if mallopt(M_ARENA_MAX, 1) != 1:
+            logger.warning("mallopt refused one malloc arena; threads keep their own")
+    if any(key in envs.glibc_tunables for key in TUNABLE_KEYS):
+        logger.debug("GLIBC_TUNABLES sets malloc thresholds: left as they are")
+        return False
     applied = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     applied = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and applied
     if not applied:

@@ -125,7 +125,7 @@ async def serve(cfg: RouterConfig, metrics_port: int, access: RouterAccess) -> N
 
 def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
-    tune_malloc(envs)
+    tune_malloc(envs, single_arena=True)
     args = build_parser(envs).parse_args(argv)
     cfg = config_from_args(args)
     setup_logging("router", cfg.log_level, cfg.log_format)

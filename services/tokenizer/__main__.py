@@ -48,7 +48,7 @@ def parse_config(argv: list[str] | None, envs: Envs) -> tuple[TokenizerConfig, a
 
 def main(argv: list[str] | None = None) -> int:
     envs = Envs.from_environ()
-    tune_malloc(envs)
+    tune_malloc(envs, single_arena=True)
     try:
         config, _ = parse_config(argv, envs)
         setup_logging("tokenizer", config.log_level, config.log_format)

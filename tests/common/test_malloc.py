@@ -88,3 +88,46 @@ async def test_the_releaser_trims_once_after_a_burst_of_large_requests() -> None
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.1)
     assert releaser.num_releases == 1
+
+
+# Four threads each build and free 48 MB of 1 MB buffers, then the main thread releases.
+THREADS_PROBE = """
+import sys, threading
+from services.common.envs import Envs
+from services.common.malloc import release_free_memory, tune_malloc
+assert tune_malloc(Envs(), single_arena=sys.argv[1] == "single")
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+before = rss_mb()
+def churn():
+    buffers = [bytearray(2**20) for _ in range(48)]
+    del buffers
+threads = [threading.Thread(target=churn) for _ in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+release_free_memory()
+print(rss_mb() - before)
+"""
+
+
+def _held_after_threads(mode: str) -> float:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    return float(
+        subprocess.run(
+            [sys.executable, "-c", THREADS_PROBE, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        ).stdout
+    )
+
+
+def test_one_arena_lets_a_release_reach_memory_other_threads_freed() -> None:
+    # per-thread arenas keep their tops (up to a 64 MiB heap each) past malloc_trim
+    assert _held_after_threads("per-thread") > 100
+    assert _held_after_threads("single") < 30
