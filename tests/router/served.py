@@ -17,6 +17,7 @@ from tests.router.conftest import (
     start_cluster,
     start_router,
     stop_router,
+    wait_until,
 )
 from tests.router.fakes import Script
 
@@ -43,6 +44,9 @@ async def serve(
 ) -> AsyncIterator[Served]:
     cluster = await start_cluster(script or Script(), num_prefills, num_decodes)
     app = await start_router(router_config(cluster, flow=flow, **overrides))
+    # A fake's port may be one an earlier test's worker had: gRPC's shared subchannel to it
+    # can still be in reconnect backoff at the router's first poll.
+    await wait_until(lambda: all(w.is_ready for w in app.registry.workers()))
     transport = httpx.ASGITransport(app=app.http_app)
     try:
         async with httpx.AsyncClient(

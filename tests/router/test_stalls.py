@@ -111,7 +111,8 @@ async def test_a_prefill_queued_past_the_bound_while_its_worker_completes_others
         prefill = served.cluster.prefill
         prefill.first_delay_s = 3 * STALL_S
         held = asyncio.create_task(timed_post(served.http, {**CHAT, "max_tokens": 2}))
-        await wait_until(lambda: len(prefill.requests) == 1)
+        await wait_until(lambda: len(prefill.requests) == 1 or held.done())
+        assert not held.done(), held.result()[0].text
         others = []
         while not held.done():  # another request through the same worker every 0.3 s
             others.append(
