@@ -95,7 +95,15 @@ def _with_device_choices(cfg: LaunchConfig) -> tuple[LaunchConfig, str]:
 
         num_cuda_devices = torch.cuda.device_count()
     layout = rank_layout(cfg, num_cuda_devices)
-    choices = resolve_up(layout, cfg.given, num_cuda_devices, flashinfer_importable())
+    dtype, head_dim = cfg.dtype or "bfloat16", 128
+    if num_cuda_devices:  # flashinfer's choice depends on the model's dtype and head size
+        from services.engine.config import ModelConfig
+
+        model = ModelConfig.from_dir(cfg.model)
+        dtype, head_dim = cfg.dtype or model.torch_dtype, model.text.head_dim
+    choices = resolve_up(
+        layout, cfg.given, num_cuda_devices, flashinfer_importable(), dtype, head_dim
+    )
     cfg = replace(
         cfg,
         transfer_backend=choices.transfer_backend,

@@ -31,6 +31,7 @@ from services.common.rank_devices import rank_devices
 from services.engine.gpu_defaults import (
     AUTO_ATTENTION,
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    FLASHINFER_DTYPES,
     default_attention_backend,
 )
 from services.launch_config import ENCODER_SHARE, PREFILL_SHARE, LaunchConfig, UpFlags
@@ -124,10 +125,15 @@ def check_cuda_devices(devices: Sequence[str], num_cuda_devices: int) -> None:
 
 
 def resolve_up(
-    layout: RankLayout, flags: UpFlags, num_cuda_devices: int, has_flashinfer: bool
+    layout: RankLayout,
+    flags: UpFlags,
+    num_cuda_devices: int,
+    has_flashinfer: bool,
+    dtype: str = "bfloat16",
+    head_dim: int = 128,
 ) -> UpChoices:
-    """The backends and memory share ``up`` gives its services; ``ValueError`` for a
-    combination that cannot work on ``layout``'s devices."""
+    """The backends and memory share ``up`` gives its services for a model run in ``dtype``;
+    ``ValueError`` for a combination that cannot work on ``layout``'s devices."""
     check_cuda_devices(layout.all, num_cuda_devices)
     if flags.num_pages is not None and flags.gpu_memory_utilization is not None:
         raise ValueError(
@@ -138,7 +144,7 @@ def resolve_up(
         layout.encoder[0], layout.prefill[0]
     )
     kv = flags.kv_transfer_backend or flags.transfer_backend or default_kv_backend(kv_ends)
-    attention, note = _attention(kv_ends, flags.attention_backend, has_flashinfer)
+    attention, note = _attention(kv_ends, flags.attention_backend, has_flashinfer, dtype, head_dim)
     utilization = flags.gpu_memory_utilization
     fraction = None
     if flags.num_pages is None and device_type(layout.decode[0]) == "cuda":
@@ -146,7 +152,9 @@ def resolve_up(
     return UpChoices(transfer, kv, attention, fraction, note)
 
 
-def _attention(devices: Sequence[str], given: str | None, has_flashinfer: bool) -> tuple[str, str]:
+def _attention(
+    devices: Sequence[str], given: str | None, has_flashinfer: bool, dtype: str, head_dim: int
+) -> tuple[str, str]:
     on_cuda = all(device_type(device) == "cuda" for device in devices)
     if given == "flashinfer" and not on_cuda:
         raise ValueError(
@@ -158,11 +166,20 @@ def _attention(devices: Sequence[str], given: str | None, has_flashinfer: bool) 
             "--attention-backend flashinfer: flashinfer is not installed (pip install "
             "'stageserve[gpu]'), or choose --attention-backend torch"
         )
+    if given == "flashinfer" and dtype not in FLASHINFER_DTYPES:
+        raise ValueError(
+            f"--attention-backend flashinfer runs bfloat16 or float16 models; this one runs "
+            f"{dtype} (give --dtype bfloat16, or --attention-backend torch)"
+        )
     if given not in (None, AUTO_ATTENTION):
         return given, ""
-    chosen = default_attention_backend(devices, has_flashinfer)
-    if on_cuda and chosen == "torch":
+    chosen = default_attention_backend(devices, has_flashinfer, dtype, head_dim)
+    if on_cuda and chosen == "torch" and not has_flashinfer:
         return chosen, "flashinfer is not installed: install the `gpu` extra"
+    if on_cuda and chosen == "torch" and dtype not in FLASHINFER_DTYPES:
+        return chosen, f"flashinfer runs bfloat16 or float16; the model is {dtype}"
+    if on_cuda and chosen == "torch":
+        return chosen, f"flashinfer has no kernels for the model's head size {head_dim}"
     return chosen, ""
 
 

@@ -3,6 +3,8 @@ what each service is started with, and what it refuses before starting anything.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services import launcher as launcher_module
@@ -13,6 +15,8 @@ from tests.launch_fakes import service_args
 
 ONE_GPU = RankLayout(("cuda:0",), ("cuda:0",), ("cuda:0",))
 THREE_GPUS = RankLayout(("cuda:0",), ("cuda:1",), ("cuda:2",))
+
+SEVEN_B_CONFIG = Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen2.5-vl-7b"
 
 
 def _flag(args: list[str], flag: str) -> str | None:
@@ -80,7 +84,10 @@ def _up(monkeypatch, argv: list[str], num_gpus: int = 1) -> LaunchConfig:
 
 
 def test_up_device_cuda_starts_every_service_with_what_works_on_the_gpu(monkeypatch, capsys):
-    cfg = _up(monkeypatch, ["--device", "cuda"])
+    _up(monkeypatch, ["--device", "cuda"])  # the bundled model is float32: no flashinfer
+    assert "attention torch (flashinfer runs bfloat16 or float16" in capsys.readouterr().err
+    seven_b = ["--model", str(SEVEN_B_CONFIG)]  # bfloat16, head size 128 (config only)
+    cfg = _up(monkeypatch, ["--device", "cuda", *seven_b])
     assert "attention flashinfer; KV transfer cuda_ipc" in capsys.readouterr().err
     args = service_args(cfg, monkeypatch)
     for name in ("prefill", "decode"):
@@ -107,3 +114,25 @@ def test_up_refuses_a_gpu_the_host_does_not_have(monkeypatch, capsys) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["up", "--port", "0", "--device", "cuda:0", "--decode-device", "cuda:1"]) == 2
     assert "device 'cuda:1': this host has 1 CUDA device" in capsys.readouterr().err
+
+
+def test_auto_attention_takes_torch_for_a_float32_model_and_says_why() -> None:
+    chosen = resolve_up(
+        ONE_GPU, UpFlags(), num_cuda_devices=1, has_flashinfer=True, dtype="float32"
+    )
+    assert chosen.attention_backend == "torch"
+    assert "float32" in chosen.describe(ONE_GPU, UpFlags())
+    bf16 = resolve_up(ONE_GPU, UpFlags(), num_cuda_devices=1, has_flashinfer=True, dtype="bfloat16")
+    assert bf16.attention_backend == "flashinfer"
+
+
+def test_flashinfer_asked_for_a_float32_model_is_refused_with_the_reason() -> None:
+    flags = UpFlags(attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="bfloat16 or float16.*float32"):
+        resolve_up(ONE_GPU, flags, num_cuda_devices=1, has_flashinfer=True, dtype="float32")
+
+
+def test_auto_attention_takes_torch_for_a_head_size_flashinfer_has_no_kernels_for() -> None:
+    chosen = resolve_up(ONE_GPU, UpFlags(), 1, True, dtype="bfloat16", head_dim=16)
+    assert chosen.attention_backend == "torch"
+    assert "head size 16" in chosen.describe(ONE_GPU, UpFlags())

@@ -29,8 +29,17 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def default_attention_backend(devices: Sequence[str], has_flashinfer: bool) -> str:
-    """What ``auto`` runs on ``devices`` (every device of the ranks that share one choice):
-    flashinfer when each is a CUDA device and flashinfer is importable, else torch."""
+FLASHINFER_DTYPES = ("bfloat16", "float16")  # the KV dtypes its kernels are built for
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its paged prefill kernels are built for
+
+
+def default_attention_backend(
+    devices: Sequence[str], has_flashinfer: bool, dtype: str = "bfloat16", head_dim: int = 128
+) -> str:
+    """What ``auto`` runs on ``devices`` (every device of the ranks that share one choice) for a
+    model in ``dtype``: flashinfer when each is a CUDA device, flashinfer is importable and
+    ``dtype`` and ``head_dim`` are ones it runs, else torch."""
     on_cuda = bool(devices) and all(device.startswith("cuda") for device in devices)
-    return "flashinfer" if on_cuda and has_flashinfer else "torch"
+    kernels = dtype in FLASHINFER_DTYPES and head_dim in FLASHINFER_HEAD_DIMS
+    usable = on_cuda and has_flashinfer and kernels
+    return "flashinfer" if usable else "torch"

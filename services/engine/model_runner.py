@@ -100,7 +100,9 @@ class ModelRunner:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.page_size = kv_config.page_size
-        attention_backend = resolve_attention_backend(attention_backend, self.device)
+        attention_backend = resolve_attention_backend(
+            attention_backend, self.device, self.dtype, model.config.text.head_dim
+        )
         self.pool_size = self._pool_size(
             kv_config,
             lambda num_pages: ModelRunner(

@@ -45,17 +45,24 @@ def supported_attention_backends() -> list[str]:
     return sorted(_BACKEND_FACTORIES)
 
 
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+def resolve_attention_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int = 128
+) -> str:
     """The backend ``name`` (``auto``: ``default_attention_backend``) runs on ``device``;
     ``auto`` that falls back to torch on CUDA says so in the log."""
     if name != AUTO_ATTENTION:
         return name
-    chosen = default_attention_backend((str(device),), flashinfer_importable())
+    dtype_name = "bfloat16" if dtype is None else str(dtype).removeprefix("torch.")
+    chosen = default_attention_backend(
+        (str(device),), flashinfer_importable(), dtype_name, head_dim
+    )
     if chosen == "torch" and str(device).startswith("cuda"):
         logger.warning(
-            "attention: torch on %s (flashinfer is not installed: install the `gpu` extra "
-            "for paged attention kernels and decode CUDA graphs)",
+            "attention: torch on %s (flashinfer needs the `gpu` extra installed and a model "
+            "in bfloat16 or float16 with a head size of 64, 128 or 256; this one: %s, %d)",
             device,
+            dtype_name,
+            head_dim,
         )
     return chosen
 
