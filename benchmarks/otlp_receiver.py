@@ -96,13 +96,13 @@ class OtlpReceiver:
     ) -> list[ReceivedSpan]:
         """The spans received so far, once ``predicate`` holds on them (AssertionError after
         ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
+        deadline_mono = time.monotonic() + timeout_s
         while True:
             with self._lock:
                 spans = list(self.spans)
             if predicate(spans):
                 return spans
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline_mono:
                 names = sorted((s.service, s.name) for s in spans)
                 raise AssertionError(f"spans not received within {timeout_s:.0f} s; got {names}")
             time.sleep(0.05)

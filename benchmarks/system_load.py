@@ -144,9 +144,9 @@ def start_system(up_args: list[str], workdir: Path, port: int = 0) -> System:
                 is_up.set()
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + UP_TIMEOUT_S
+    deadline_mono = time.monotonic() + UP_TIMEOUT_S
     while not is_up.wait(0.5):
-        if process.poll() is not None or time.monotonic() > deadline:
+        if process.poll() is not None or time.monotonic() > deadline_mono:
             system.stop()
             raise RuntimeError("the system did not come up:\n" + "\n".join(system.output[-40:]))
     return system

@@ -303,9 +303,9 @@ def run_transfer_benchmark() -> list[Row]:
     context = mp.start_processes(
         _worker, args=(port, queue), nprocs=2, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    deadline_mono = time.monotonic() + JOIN_TIMEOUT_S
     while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline_mono:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"the 2-GPU transfer benchmark did not finish in {JOIN_TIMEOUT_S} s")

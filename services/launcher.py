@@ -221,7 +221,7 @@ class Launcher:
         return "".join(f"\n    {line}" for line in lines)
 
     def wait_ready(self, children: list[Child]) -> None:
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        deadline_mono = time.monotonic() + self.cfg.ready_timeout_s
         while not all(c.ready for c in children):
             if self.stop.is_set():  # checked first: a Ctrl-C also stops the children themselves
                 raise StartInterrupted()
@@ -232,7 +232,7 @@ class Launcher:
                         + self.log_hint(c.name)
                         + self.why(c.name)
                     )
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline_mono:
                 late = [c.name for c in children if not c.ready]
                 timeout_s = self.cfg.ready_timeout_s
                 raise UnavailableError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
@@ -302,14 +302,14 @@ class Launcher:
         for c in children:
             if c.process.poll() is None:
                 c.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        deadline_mono = time.monotonic() + grace_s
         for c in children:
-            while c.process.poll() is None and time.monotonic() < deadline:
+            while c.process.poll() is None and time.monotonic() < deadline_mono:
                 if hurry is not None and hurry.is_set():
                     break
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     c.process.wait(
-                        timeout=min(POLL_INTERVAL_S, max(0.0, deadline - time.monotonic()))
+                        timeout=min(POLL_INTERVAL_S, max(0.0, deadline_mono - time.monotonic()))
                     )
             if c.process.poll() is None:
                 self.kill(c)

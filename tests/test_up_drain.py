@@ -62,9 +62,9 @@ def events(log: Path) -> list[str]:
 
 
 def wait_for(predicate, timeout_s: float = BOUND_S) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline_mono, "timed out"
         time.sleep(0.02)
 
 

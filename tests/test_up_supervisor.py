@@ -240,7 +240,9 @@ def test_a_child_that_answers_no_liveness_check_is_killed_and_restarted(tmp_path
     first_ports = old.bound_ports()
     assert system.poll_at(0.0) == []
     assert {name for name, _, _ in system.checks} == {c.name for c in system.launcher.children}
-    assert {deadline for _, _, deadline in system.checks} == {1.0}  # interval: timeout / 4
+    assert {deadline_mono for _, _, deadline_mono in system.checks} == {
+        1.0
+    }  # interval: timeout / 4
     system.silent.add("router")
     for now in (0.5, 1.0, 2.0, 3.0, 3.9):  # the check sent at 0.0 answered
         assert system.poll_at(now) == []

@@ -210,9 +210,9 @@ def test_up_serves_a_chat(install: Install) -> None:
     ).start()
     child_pids: list[int] = []
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
+        deadline_mono = time.monotonic() + UP_TIMEOUT_S
         while not (ports := [p for p in map(up_http_port, output) if p is not None]):
-            assert process.poll() is None and time.monotonic() < deadline, "\n".join(output)
+            assert process.poll() is None and time.monotonic() < deadline_mono, "\n".join(output)
             time.sleep(0.2)
         port = ports[0]
         state = json.loads(state_file.read_text())

@@ -133,11 +133,11 @@ async def wait_ready(
     """
     stub = health_pb2_grpc.HealthStub(channel)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline_mono = loop.time() + timeout_s
     last_status: str | None = None  # None: the peer has not answered yet
     last_error = "no attempt"
     while True:
-        remaining = deadline - loop.time()
+        remaining = deadline_mono - loop.time()
         if remaining <= 0:
             break
         answer = await check_async(stub, service=service, timeout_s=min(remaining, 1.0))
@@ -149,7 +149,7 @@ async def wait_ready(
             last_error = answer.why_not_serving or last_error
         else:
             last_status = answer.status
-        await asyncio.sleep(min(poll_interval_s, max(deadline - loop.time(), 0.0)))
+        await asyncio.sleep(min(poll_interval_s, max(deadline_mono - loop.time(), 0.0)))
         poll_interval_s = min(poll_interval_s * 2, 0.5)
     if last_status is None:
         raise UnavailableError(f"peer unreachable for {timeout_s:.1f} s ({last_error})")

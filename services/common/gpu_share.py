@@ -70,8 +70,8 @@ class GpuShare:
         if max_wait_s <= 0 or not self.is_prefill_running():
             return 0.0
         start = time.monotonic()
-        deadline = start + max_wait_s
-        while self.is_prefill_running() and time.monotonic() < deadline:
+        deadline_mono = start + max_wait_s
+        while self.is_prefill_running() and time.monotonic() < deadline_mono:
             time.sleep(POLL_S)
         return time.monotonic() - start
 

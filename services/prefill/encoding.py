@@ -132,5 +132,5 @@ async def _call_encoder(
         raise UnavailableError("the prefill rank group is re-forming")
     destinations = [window(d.embeddings, entry.row_start, dest_row) for d in descriptions]
     return await encoder.encode(
-        request.request_id, spans, destinations, timeout_s=request.deadline - clock()
+        request.request_id, spans, destinations, timeout_s=request.deadline_mono - clock()
     )

@@ -252,7 +252,7 @@ class PrefillLeader:
     ) -> RequestOutcome:
         request_id = request.request_id
         try:
-            async with asyncio.timeout(max(request.deadline - self._clock(), 0.0)):
+            async with asyncio.timeout(max(request.deadline_mono - self._clock(), 0.0)):
                 outcome = await asyncio.shield(future)
         except TimeoutError:
             raise DeadlineExceededError(f"prefill of {request_id} passed its deadline") from None

@@ -58,7 +58,7 @@ def rank_plan(plan: PrefillPlan, policy: CpPolicy, num_ranks: int, now_mono: flo
             r.spans,
             r.params,
             r.kv_dst,
-            r.deadline + to_unix,
+            r.deadline_mono + to_unix,
             p.row_start,
             r.trace_carrier,
             r.prompt_embeds,

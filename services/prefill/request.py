@@ -53,7 +53,7 @@ class PrefillInput(msgspec.Struct, frozen=True):
     spans: tuple[ImageSpanRef, ...]  # prompt order, request-global offsets
     params: SamplingParams
     kv_dst: KvDestination  # decode's pages for this prompt
-    deadline: float  # time.monotonic() seconds
+    deadline_mono: float  # time.monotonic() seconds
     kind: BatchKind = BatchKind.TEXT
     trace_carrier: dict[str, str] = {}  # W3C trace context of the caller (traceparent)
     # [num_tokens, hidden] little-endian rows of ``embeds_dtype`` replacing the token embeddings

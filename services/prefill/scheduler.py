@@ -108,7 +108,7 @@ class PrefillScheduler:
         quarantine release; None when nothing waits on time."""
         times = [q.release_at for q in self._quarantine]
         times.extend(
-            e.input.deadline
+            e.input.deadline_mono
             for e in self._entries.values()
             if e.status in (PrefillStatus.QUEUED, PrefillStatus.READY)
         )
@@ -264,7 +264,8 @@ class PrefillScheduler:
         expired = [
             e
             for e in self._entries.values()
-            if e.status in (PrefillStatus.QUEUED, PrefillStatus.READY) and e.input.deadline <= now
+            if e.status in (PrefillStatus.QUEUED, PrefillStatus.READY)
+            and e.input.deadline_mono <= now
         ]
         outcomes = []
         for entry in expired:

@@ -112,7 +112,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             params=sampling_params_from_proto(request.sampling_params),
             kv_dst=kv_ref.to_destination(),
             # no write may start after decode let the KvRef's pages go
-            deadline=deadline_mono(
+            deadline_mono=deadline_mono(
                 request.deadline_unix_ms,
                 context.time_remaining(),
                 self._default_timeout_s,

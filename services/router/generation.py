@@ -160,9 +160,9 @@ class GenerationPipeline:
         """Wait up to ``timeout_s`` (None: no bound) for every producer and background abort
         to end, cancelling none of them; True once there are none."""
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
+        deadline_mono = None if timeout_s is None else loop.time() + timeout_s
         while self._tasks:
-            remaining_s = None if deadline is None else deadline - loop.time()
+            remaining_s = None if deadline_mono is None else deadline_mono - loop.time()
             if remaining_s is not None and remaining_s <= 0:
                 return False
             await asyncio.wait(set(self._tasks), timeout=remaining_s)

@@ -128,11 +128,11 @@ def plan_transfer(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestinatio
 
 
 def check_deadline(
-    request_id: str, deadline: float, what: str = "KV", clock: Clock = time.monotonic
+    request_id: str, deadline_mono: float, what: str = "KV", clock: Clock = time.monotonic
 ) -> float:
     """Seconds left before ``deadline``; ``DeadlineExceededError`` naming the ``what`` transfer
     (KV, embedding) when none are."""
-    remaining = deadline - clock()
+    remaining = deadline_mono - clock()
     if remaining <= 0:
         raise DeadlineExceededError(f"{what} transfer for {request_id} passed its deadline")
     return remaining
@@ -218,7 +218,7 @@ class BaseKVSender(ABC):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
         """Write page ``src_pages[i]`` of every layer of K and V into ``dst.page_ids[i]``, batched.
 
@@ -233,7 +233,7 @@ class BaseKVSender(ABC):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> PendingSend:
         """Begin the write ``send`` does; ``wait()`` on the result finishes it.
 
@@ -242,7 +242,7 @@ class BaseKVSender(ABC):
         host work overlaps another's bytes on the link. Errors found before the write began
         raise here, the rest from ``wait``. Default: the whole write happens here.
         """
-        return CompletedSend(self.send(request_id, src_pool, src_pages, dst, deadline))
+        return CompletedSend(self.send(request_id, src_pool, src_pages, dst, deadline_mono))
 
     def start_layerwise(
         self,
@@ -250,7 +250,7 @@ class BaseKVSender(ABC):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> LayerwiseSend:
         """Begin the write before the forward that fills ``src_pages`` (see ``LayerwiseSend``).
 

@@ -128,9 +128,9 @@ class CudaIpcKVSender(BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
-        return self.start(request_id, src_pool, src_pages, dst, deadline).wait()
+        return self.start(request_id, src_pool, src_pages, dst, deadline_mono).wait()
 
     def start(
         self,
@@ -138,11 +138,11 @@ class CudaIpcKVSender(BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> PendingSend:
         """Check, map decode's pool if new, and queue the copy kernel on the caller's stream."""
         start = time.monotonic()
-        peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline)
+        peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline_mono)
         with torch.cuda.device(
             src_pool.k_buffer.device
         ):  # Triton launches on the current device's stream
@@ -152,7 +152,7 @@ class CudaIpcKVSender(BaseKVSender):
             done = torch.cuda.Event()
             done.record()
         self._track(done, (*peer, pages))
-        return _IpcSend(request_id, _num_bytes(src_pool, src_pages), done, start, deadline)
+        return _IpcSend(request_id, _num_bytes(src_pool, src_pages), done, start, deadline_mono)
 
     def start_layerwise(
         self,
@@ -160,12 +160,12 @@ class CudaIpcKVSender(BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> LayerwiseSend:
         """Check and map as ``start``; the copies are queued as the forward's layers finish."""
         start = time.monotonic()
-        peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline)
-        return _LayerwiseIpcSend(self, request_id, src_pool, peer, pages, start, deadline)
+        peer, pages = self._prepare(request_id, src_pool, src_pages, dst, deadline_mono)
+        return _LayerwiseIpcSend(self, request_id, src_pool, peer, pages, start, deadline_mono)
 
     def _prepare(
         self,
@@ -173,7 +173,7 @@ class CudaIpcKVSender(BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Decode's K and V mapped here, and the page numbers ``[2, n]`` (source, destination),
         pinned.
@@ -190,7 +190,7 @@ class CudaIpcKVSender(BaseKVSender):
             raise InvalidRequestError(
                 f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}"
             )
-        check_deadline(request_id, deadline)
+        check_deadline(request_id, deadline_mono)
         peer = self._peer(dst, src_pool)
         pages = torch.empty((2, len(src_pages)), dtype=torch.int32, pin_memory=True)
         numbers = pages.numpy()
@@ -270,15 +270,15 @@ class _IpcSend(PendingSend):
         num_bytes: int,
         done: torch.cuda.Event,
         started: float,
-        deadline: float,
+        deadline_mono: float,
     ) -> None:
         self.request_id, self.num_bytes, self.done = request_id, num_bytes, done
-        self.started, self.deadline = started, deadline
+        self.started, self.deadline_mono = started, deadline_mono
 
     def wait(self) -> TransferResult:
         while not self.done.query():
             # past the deadline the kernel still finishes; decode quarantines the pages
-            check_deadline(self.request_id, self.deadline)
+            check_deadline(self.request_id, self.deadline_mono)
             # releases the GIL; sleep(0) would add the kernel's timer slack
             os.sched_yield()
         elapsed = time.monotonic() - self.started
@@ -301,7 +301,7 @@ class _LayerwiseIpcSend(LayerwiseSend):
         peer: tuple[torch.Tensor, torch.Tensor],
         pages: torch.Tensor,
         started: float,
-        deadline: float,
+        deadline_mono: float,
     ) -> None:
         self.sender, self.request_id, self.src_pool, self.peer, self.pages = (
             sender,
@@ -310,7 +310,7 @@ class _LayerwiseIpcSend(LayerwiseSend):
             peer,
             pages,
         )
-        self.started, self.deadline = started, deadline
+        self.started, self.deadline_mono = started, deadline_mono
         self.device = src_pool.k_buffer.device
         self.stream = sender._side_stream(self.device)
         self.num_layers = src_pool.num_layers
@@ -363,7 +363,7 @@ class _LayerwiseIpcSend(LayerwiseSend):
             _num_bytes(self.src_pool, self.pages[0]),
             done,
             self.started,
-            self.deadline,
+            self.deadline_mono,
         )
 
     def cancel(self) -> None:

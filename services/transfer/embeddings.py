@@ -301,10 +301,10 @@ class BaseEmbeddingSender(ABC):
         rows: torch.Tensor,
         dst: EmbeddingDestination,
         dst_row: int,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
         """Write all of ``rows`` ([n, hidden], contiguous) to ``dst`` rows ``[dst_row, +n)``."""
-        return self.send_runs(request_id, rows, [(0, dst_row, rows.shape[0])], dst, deadline)
+        return self.send_runs(request_id, rows, [(0, dst_row, rows.shape[0])], dst, deadline_mono)
 
     def send_runs(
         self,
@@ -312,7 +312,7 @@ class BaseEmbeddingSender(ABC):
         rows: torch.Tensor,
         runs: Sequence[RowRun],
         dst: EmbeddingDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
         """Write ``rows[src:src+n]`` to destination rows ``[dst_row, dst_row+n)`` per run, batched.
 
@@ -326,8 +326,8 @@ class BaseEmbeddingSender(ABC):
         merged = coalesce_runs(runs)
         if not merged:
             return rows_sent(request_id, rows, merged, start)
-        check_deadline(request_id, deadline, "embedding")
-        return self._write_runs(request_id, rows, merged, dst, deadline, start)
+        check_deadline(request_id, deadline_mono, "embedding")
+        return self._write_runs(request_id, rows, merged, dst, deadline_mono, start)
 
     @abstractmethod
     def _write_runs(
@@ -336,7 +336,7 @@ class BaseEmbeddingSender(ABC):
         rows: torch.Tensor,
         merged: Sequence[RowRun],
         dst: EmbeddingDestination,
-        deadline: float,
+        deadline_mono: float,
         start: float,
     ) -> TransferResult:
         """Copy each of the (checked, non-empty, merged) runs; the result counts from ``start``."""

@@ -154,7 +154,7 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
         rows: torch.Tensor,
         merged: Sequence[RowRun],
         dst: EmbeddingDestination,
-        deadline: float,
+        deadline_mono: float,
         start: float,
     ) -> TransferResult:
         exported = decode_session_id(dst.session_id)
@@ -168,7 +168,7 @@ class CudaIpcEmbeddingSender(BaseEmbeddingSender):
                 window[dst_row : dst_row + num_rows].copy_(rows[src : src + num_rows])
             done = torch.cuda.Event()
             done.record()
-        _wait(done, request_id, deadline)
+        _wait(done, request_id, deadline_mono)
         return rows_sent(request_id, rows, merged, start)
 
     def _window(
@@ -235,8 +235,8 @@ def _open(exported: IpcRows, device: torch.device) -> torch.Tensor:
         ) from exc
 
 
-def _wait(done: torch.cuda.Event, request_id: str, deadline: float) -> None:
+def _wait(done: torch.cuda.Event, request_id: str, deadline_mono: float) -> None:
     """Until the copies before ``done`` finished; past ``deadline`` they still land."""
     while not done.query():
-        check_deadline(request_id, deadline, "embedding")
+        check_deadline(request_id, deadline_mono, "embedding")
         os.sched_yield()  # releases the GIL without a sleep's timer slack

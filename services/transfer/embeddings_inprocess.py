@@ -47,7 +47,7 @@ class InProcessEmbeddingSender(BaseEmbeddingSender):
         rows: torch.Tensor,
         merged: Sequence[RowRun],
         dst: EmbeddingDestination,
-        deadline: float,
+        deadline_mono: float,
         start: float,
     ) -> TransferResult:
         buffer = self._fabric.get(dst.session_id)

@@ -112,7 +112,7 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
         rows: torch.Tensor,
         merged: Sequence[RowRun],
         dst: EmbeddingDestination,
-        deadline: float,
+        deadline_mono: float,
         start: float,
     ) -> TransferResult:
         src, release = self._stage(rows)
@@ -120,7 +120,7 @@ class MooncakeEmbeddingSender(BaseEmbeddingSender):
             plan = plan_row_transfer(
                 src.data_ptr(), merged, rows.shape[1] * rows.element_size(), dst
             )
-            remaining = check_deadline(request_id, deadline, "embedding")
+            remaining = check_deadline(request_id, deadline_mono, "embedding")
         except BaseException:
             release()
             raise

@@ -67,12 +67,12 @@ class ShmEmbeddingSender(ShmSender, BaseEmbeddingSender):
         rows: torch.Tensor,
         merged: Sequence[RowRun],
         dst: EmbeddingDestination,
-        deadline: float,
+        deadline_mono: float,
         start: float,
     ) -> TransferResult:
         window = self._window(request_id, dst)
         for src, dst_row, num_rows in merged:
-            check_deadline(request_id, deadline, "embedding")
+            check_deadline(request_id, deadline_mono, "embedding")
             window[dst_row : dst_row + num_rows].copy_(rows[src : src + num_rows])
         return rows_sent(request_id, rows, merged, start)
 

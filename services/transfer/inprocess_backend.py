@@ -48,11 +48,11 @@ class InProcessKVSender(BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
         start = time.monotonic()
         check_compatible(pool_layout(src_pool), src_pages, dst)
-        check_deadline(request_id, deadline)
+        check_deadline(request_id, deadline_mono)
         dst_pool = self._fabric.get(dst.session_id)
         if dst_pool.k_buffer.data_ptr() != dst.layout.k_base:
             raise UnavailableError(

@@ -57,13 +57,13 @@ class MooncakeKVSender(BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
         start = time.monotonic()
         plan = plan_transfer(pool_layout(src_pool), src_pages, dst)
         if plan.num_descriptors:
             self.register(src_pool)
-            remaining = check_deadline(request_id, deadline)
+            remaining = check_deadline(request_id, deadline_mono)
             self._engine.write_within(
                 dst.session_id,
                 plan,

@@ -76,16 +76,16 @@ class ShmKVSender(ShmSender, BaseKVSender):
         src_pool: KVPool,
         src_pages: Sequence[int],
         dst: KvDestination,
-        deadline: float,
+        deadline_mono: float,
     ) -> TransferResult:
         start = time.monotonic()
         check_backend(request_id, self.backend, dst)
         check_compatible(pool_layout(src_pool), src_pages, dst)
-        check_deadline(request_id, deadline)
+        check_deadline(request_id, deadline_mono)
         dst_k, dst_v = self._pool_of(dst)
         runs = page_runs(src_pages, dst.page_ids)
         for src_page, dst_page, num_pages in runs:
-            check_deadline(request_id, deadline)
+            check_deadline(request_id, deadline_mono)
             src, dst_run = (
                 slice(src_page, src_page + num_pages),
                 slice(dst_page, dst_page + num_pages),

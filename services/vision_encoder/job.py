@@ -18,7 +18,7 @@ class EncodeJob(msgspec.Struct, frozen=True):
     request_id: str
     spans: tuple[EncodeSpanInput, ...]  # prompt order
     destinations: tuple[EmbeddingDestination, ...]  # one per prefill rank; each gets every row
-    deadline: float  # time.monotonic() seconds
+    deadline_mono: float  # time.monotonic() seconds
     cache_only: bool = False  # encode into the owners' caches, write nowhere (no destinations)
     num_replans: int = 0  # times planned again after a rank's cache disagreed with the ledger
 

@@ -136,7 +136,9 @@ def step_payload(jobs: Sequence[EncodeJob], plan: EncodePlan, now: float) -> Enc
                 )
             )
         rank_jobs.append(
-            RankJob(job.job_id, job.request_id, job.deadline - now, tuple(spans), job.destinations)
+            RankJob(
+                job.job_id, job.request_id, job.deadline_mono - now, tuple(spans), job.destinations
+            )
         )
     return EncodeStepPayload(tuple(rank_jobs), images)
 

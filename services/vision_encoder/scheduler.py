@@ -80,7 +80,7 @@ class EncodeScheduler:
         num_images = 0
         while self._waiting:
             job = self._waiting[0]
-            if job.deadline <= now:
+            if job.deadline_mono <= now:
                 expired.append(self._waiting.popleft())
                 continue
             if jobs and num_images + len(job.spans) > self.max_batch_images:

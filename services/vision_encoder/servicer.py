@@ -55,7 +55,7 @@ class VisionEncoderServicer(vision_encoder_pb2_grpc.VisionEncoderServicer):
             request_id=request.request_id,
             spans=tuple(encode_span_from_proto(s) for s in request.spans),
             destinations=tuple(embedding_destination_from_proto(r) for r in request.embedding_refs),
-            deadline=deadline_mono(
+            deadline_mono=deadline_mono(
                 request.deadline_unix_ms, context.time_remaining(), self._default_timeout_s
             ),
             cache_only=request.cache_only,

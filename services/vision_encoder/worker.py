@@ -218,7 +218,9 @@ class EncoderWorker:
                 torch.cuda.synchronize(self.device)
         return list(embeds.split([self.processor.num_image_tokens(g) for g in grids]))
 
-    def _send(self, job: RankJob, rows_by_hash: dict[str, torch.Tensor], deadline: float) -> int:
+    def _send(
+        self, job: RankJob, rows_by_hash: dict[str, torch.Tensor], deadline_mono: float
+    ) -> int:
         """Write this rank's spans of ``job`` into every destination; bytes written."""
         mine = [s for s in job.spans if s.owner_rank == self.rank]
         if not mine or not job.destinations:  # a cache_only job: its rows are cached already
@@ -234,7 +236,7 @@ class EncoderWorker:
         num_bytes = 0
         for dst in job.destinations:
             out = rows.to(_DTYPES[dst.dtype]).contiguous()
-            result = self.sender.send_runs(job.request_id, out, runs, dst, deadline)
+            result = self.sender.send_runs(job.request_id, out, runs, dst, deadline_mono)
             num_bytes += result.num_bytes
         return num_bytes
 

@@ -171,9 +171,9 @@ def base_url():
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline_mono = time.monotonic() + 10
     while not server.started:
-        assert time.monotonic() < deadline, "fake server did not start"
+        assert time.monotonic() < deadline_mono, "fake server did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{port}/v1"
     server.should_exit = True

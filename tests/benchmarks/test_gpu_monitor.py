@@ -65,8 +65,8 @@ def test_the_monitor_samples_until_closed_and_summarizes_a_window(tmp_path, monk
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with gpu_monitor(interval_ms=50) as monitor:
         start = time.monotonic()
-        deadline = start + 30
-        while len(monitor.samples) < 5 and time.monotonic() < deadline:
+        deadline_mono = start + 30
+        while len(monitor.samples) < 5 and time.monotonic() < deadline_mono:
             time.sleep(0.05)
         end = time.monotonic()
     count = len(monitor.samples)

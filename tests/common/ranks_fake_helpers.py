@@ -74,9 +74,9 @@ class Puppets:
         self._socket.send_multipart([relay, verb, frame])
 
     def _wait(self, predicate, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline_mono = time.monotonic() + timeout_s
         while not predicate():
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            remaining_ms = int((deadline_mono - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self._socket.poll(remaining_ms):
                 raise TimeoutError(f"{what} within {timeout_s} s")
             self._file(*self._socket.recv_multipart())

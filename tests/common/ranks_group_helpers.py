@@ -61,7 +61,7 @@ async def running(
 
 async def wait_for(predicate, timeout_s: float) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+    deadline_mono = loop.time() + timeout_s
     while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
+        assert loop.time() < deadline_mono, "condition not reached in time"
         await asyncio.sleep(0.02)

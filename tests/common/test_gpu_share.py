@@ -58,8 +58,8 @@ def test_a_mark_in_another_process_holds_a_wait_until_it_clears(marker, monkeypa
         patch.setattr(gpu_share, "time", clock)
         waited = share.wait_for_prefill(WAIT_S)
     assert polls and 0 < waited < WAIT_S  # held by the mark, ended by the clear, not the bound
-    deadline = time.monotonic() + WAIT_S
-    while share.is_prefill_running() and time.monotonic() < deadline:
+    deadline_mono = time.monotonic() + WAIT_S
+    while share.is_prefill_running() and time.monotonic() < deadline_mono:
         time.sleep(0.01)
     assert not share.is_prefill_running()
     assert share.wait_for_prefill(WAIT_S) == 0.0

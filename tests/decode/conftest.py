@@ -163,9 +163,9 @@ class DecodeHarness:
         return Result(tokens, chunks[-1].finish_reason, chunks[-1].usage, chunks)
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + WAIT_S
+        deadline_mono = time.monotonic() + WAIT_S
         while not predicate():
-            assert time.monotonic() < deadline, "condition not reached in time"
+            assert time.monotonic() < deadline_mono, "condition not reached in time"
             await asyncio.sleep(0.01)
 
     async def wait_all_pages_free(self) -> None:

@@ -28,9 +28,9 @@ READY = re.compile(r"^READY decode port=(\d+) metrics_port=(\d+)$")
 
 
 def read_ready_line(process: subprocess.Popen, timeout_s: float) -> re.Match:
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     assert process.stdout is not None
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline_mono:
         line = process.stdout.readline()  # the service prints nothing else on stdout
         if not line:
             pytest.fail(f"decode exited with {process.wait(5)} before READY")

@@ -208,14 +208,14 @@ def chat_request(
 
 async def wait_idle(decode: Decode, client: DecodeClient) -> None:
     """Every rank serves with every page free (quarantine passed)."""
-    deadline = time.monotonic() + BOUND_S
+    deadline_mono = time.monotonic() + BOUND_S
     while True:
         stats = await client.stats()
         if len(stats.ranks) == decode.num_ranks and all(
             r.is_serving and r.num_free_pages == r.num_total_pages for r in stats.ranks
         ):
             return
-        assert time.monotonic() < deadline, f"decode did not come back idle: {stats}"
+        assert time.monotonic() < deadline_mono, f"decode did not come back idle: {stats}"
         await asyncio.sleep(0.1)
 
 
@@ -313,9 +313,9 @@ async def test_a_rank_killed_mid_stream_fails_its_requests_and_comes_back(decode
     prefill, client = Prefill(pipeline.engine), decode.client()
     try:
         tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
-        deadline = time.monotonic() + BOUND_S
+        deadline_mono = time.monotonic() + BOUND_S
         while (await client.stats()).num_running_requests < len(requests):
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline_mono
             await asyncio.sleep(0.05)
         victim = decode.rank_pids()[0]
         os.kill(victim, signal.SIGKILL)

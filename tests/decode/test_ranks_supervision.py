@@ -49,9 +49,9 @@ async def test_a_reservation_expires_and_its_pages_return_with_no_command(decode
         )
         stats = await client.stats()
         assert stats.ranks[kv_ref.dp_rank].num_reserved_requests == 1
-        deadline = time.monotonic() + BOUND_S
+        deadline_mono = time.monotonic() + BOUND_S
         while (await client.stats()).ranks[kv_ref.dp_rank].num_reserved_requests:
-            assert time.monotonic() < deadline, "the reservation did not expire"
+            assert time.monotonic() < deadline_mono, "the reservation did not expire"
             await asyncio.sleep(0.05)
         await wait_idle(decode, client)  # its pages back from quarantine, still no command
     finally:
@@ -64,9 +64,9 @@ async def test_a_rank_frozen_mid_stream_is_found_hung_and_restarts(decode) -> No
     prefill, client = Prefill(make_pipeline().engine), decode.client()
     try:
         tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
-        deadline = time.monotonic() + BOUND_S
+        deadline_mono = time.monotonic() + BOUND_S
         while (await client.stats()).num_running_requests < len(requests):
-            assert time.monotonic() < deadline
+            assert time.monotonic() < deadline_mono
             await asyncio.sleep(0.05)
         victim = decode.rank_pids()[0]
         os.kill(victim, signal.SIGSTOP)  # the leader kills it (SIGKILL ends a stopped process)

@@ -85,8 +85,8 @@ class System:
     ) -> tuple[str, float]:
         """The first launcher output line from index ``start`` on that contains ``text``, and
         when it arrived (``time.monotonic()``)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        deadline_mono = time.monotonic() + timeout_s
+        while time.monotonic() < deadline_mono:
             for index in range(start, len(self.output_mono)):
                 if text in self.output[index]:
                     return self.output[index], self.output_mono[index]
@@ -127,9 +127,9 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
                 up.set()
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline_mono = time.monotonic() + READY_TIMEOUT_S
     while not up.wait(0.2):
-        if process.poll() is not None or time.monotonic() > deadline:
+        if process.poll() is not None or time.monotonic() > deadline_mono:
             system.stop()
             raise RuntimeError(
                 "system did not come up:\n" + "\n".join(system.output) + "\n" + system.logs()

@@ -59,8 +59,8 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         # Down for at least the 0.5 s restart delay plus decode's start-up; the router
         # polls every 1 s, so /health names decode as missing in between.
         health = httpx.get(f"http://127.0.0.1:{system.http_port}/health", timeout=10)
-        deadline = time.monotonic() + BOUND_S
-        while health.status_code == 200 and time.monotonic() < deadline:
+        deadline_mono = time.monotonic() + BOUND_S
+        while health.status_code == 200 and time.monotonic() < deadline_mono:
             time.sleep(0.1)
             health = httpx.get(f"http://127.0.0.1:{system.http_port}/health", timeout=10)
         assert health.status_code == 503
@@ -78,8 +78,8 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         new = system.reload_state()["decode"]
         assert new["pid"] != old["pid"] and pid_alive(new["pid"])
         assert (new["port"], new["metrics_port"]) == (old["port"], old["metrics_port"])
-        deadline = time.monotonic() + BOUND_S
-        while system.health() != 200 and time.monotonic() < deadline:
+        deadline_mono = time.monotonic() + BOUND_S
+        while system.health() != 200 and time.monotonic() < deadline_mono:
             time.sleep(0.2)
         reply = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0

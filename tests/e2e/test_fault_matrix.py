@@ -152,10 +152,10 @@ def open_streams(system: System, model: str, count: int, tag: str, seed: int) ->
 
 
 def wait_streaming(streams: list[Stream]) -> None:
-    deadline = time.monotonic() + SETTLE_S
+    deadline_mono = time.monotonic() + SETTLE_S
     while not all(s.num_chunks >= 2 for s in streams):
         ended = [s.outcome for s in streams if s.ended_mono is not None]
-        assert not ended and time.monotonic() < deadline, f"streams did not get going: {ended}"
+        assert not ended and time.monotonic() < deadline_mono, f"streams did not get going: {ended}"
         time.sleep(0.05)
 
 
@@ -168,15 +168,15 @@ def status_at_bound(s: Stream, fault_mono: float, now: float) -> str:
 
 
 def wait_health(system: System, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     while system.health() != 200:
-        assert time.monotonic() < deadline, f"/health not 200 within {timeout_s:.0f} s"
+        assert time.monotonic() < deadline_mono, f"/health not 200 within {timeout_s:.0f} s"
         time.sleep(0.1)
 
 
 def serve_again(system: System, model: str, seed: int) -> int:
     """Send a text and an image request until both succeed (bounded); the failed attempts."""
-    deadline, num_failed = time.monotonic() + SETTLE_S, 0
+    deadline_mono, num_failed = time.monotonic() + SETTLE_S, 0
     for image in (None, image_bytes(80, 60, seed=seed)):
         body = chat_body(model, "Say something.", image, 4, stream=False)
         while True:
@@ -184,7 +184,7 @@ def serve_again(system: System, model: str, seed: int) -> int:
             if reply.status_code == 200:
                 break
             num_failed += 1
-            assert time.monotonic() < deadline, (
+            assert time.monotonic() < deadline_mono, (
                 f"not serving again: {reply.status_code} {reply.text}"
             )
             time.sleep(0.5)
@@ -206,13 +206,13 @@ def settled_resources(start_rows: float) -> dict[str, float]:
 
 def wait_resources(system: System, start_rows: float) -> dict[str, float]:
     settled = settled_resources(start_rows)
-    deadline = time.monotonic() + SETTLE_S
+    deadline_mono = time.monotonic() + SETTLE_S
     while True:
         try:
             now = resources(system)
         except OSError:  # a metrics server not back yet
             now = {}
-        if now == settled or time.monotonic() > deadline:
+        if now == settled or time.monotonic() > deadline_mono:
             return now
         time.sleep(0.2)
 

@@ -40,8 +40,8 @@ def requests_until(base_url: str, done) -> list[tuple[str, float]]:
     """Requests every 0.2 s until ``done()``; each one's outcome and wait once all ended."""
     results: list[tuple[str, float]] = []
     threads = []
-    deadline = time.monotonic() + REPLACED_S + 30
-    while not done() and time.monotonic() < deadline:
+    deadline_mono = time.monotonic() + REPLACED_S + 30
+    while not done() and time.monotonic() < deadline_mono:
         threads.append(threading.Thread(target=chat, args=(base_url, results)))
         threads[-1].start()
         time.sleep(0.2)

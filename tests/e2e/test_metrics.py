@@ -221,10 +221,10 @@ def log_entries(system, service: str) -> list[dict]:
 def wait_for_log_line(system, service: str, predicate, timeout_s: float = 30) -> list[dict]:
     import time
 
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     while True:
         entries = log_entries(system, service)
         if any(predicate(e) for e in entries):
             return entries
-        assert time.monotonic() < deadline, f"no such line in {service}'s log"
+        assert time.monotonic() < deadline_mono, f"no such line in {service}'s log"
         time.sleep(0.1)

@@ -93,9 +93,9 @@ def decode_stats(system):
 
 def settled_stats(system, is_settled, timeout_s: float):
     """Decode's stats once ``is_settled(stats)``, else its last ones at the bound."""
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     stats = decode_stats(system)
-    while not is_settled(stats) and time.monotonic() < deadline:
+    while not is_settled(stats) and time.monotonic() < deadline_mono:
         time.sleep(0.2)
         stats = decode_stats(system)
     return stats

@@ -120,8 +120,8 @@ def test_memory_of_large_rejected_bodies_is_given_back(system):
             del bodies
             assert all(status == 400 for status, _ in answers), answers[:2]
     grown: dict[str, float] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    deadline_mono = time.monotonic() + 30
+    while time.monotonic() < deadline_mono:
         grown = {name: _status_mb(pid, "VmRSS") - before[name] for name, pid in pids.items()}
         if max(grown.values()) < RETURNED_MB:
             break

@@ -86,8 +86,10 @@ async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model)
                 await asyncio.gather(task, return_exceptions=True)
                 outcomes["cancelled"] += 1
                 return
-            deadline = rng.uniform(0.02, 0.2) if give_up < 0.2 else 30.0  # some pass their deadline
-            await prefill(case, deadline)
+            timeout_s = (
+                rng.uniform(0.02, 0.2) if give_up < 0.2 else 30.0
+            )  # some pass their deadline
+            await prefill(case, timeout_s)
             outcomes["ok"] += 1
         except StageServeError:
             outcomes["error"] += 1

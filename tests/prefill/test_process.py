@@ -24,11 +24,11 @@ pytestmark = pytest.mark.integration
 
 
 def _read_ready_line(process: subprocess.Popen) -> str:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline_mono = time.monotonic() + READY_TIMEOUT_S
     assert process.stdout is not None
     os.set_blocking(process.stdout.fileno(), False)
     buffered = ""
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline_mono:
         chunk = process.stdout.readline()
         if chunk:
             buffered += chunk

@@ -41,7 +41,7 @@ def make_input(
     request_id: str,
     num_tokens: int,
     num_image_tokens: int = 0,
-    deadline: float = 1e9,
+    deadline_mono: float = 1e9,
     kind: BatchKind | None = None,
 ) -> PrefillInput:
     spans = (
@@ -52,7 +52,9 @@ def make_input(
     if kind is None:
         kind = BatchKind.IMAGE if num_image_tokens else BatchKind.TEXT
     dst = KvDestination("inprocess", "s", request_id, LAYOUT, ())
-    return PrefillInput(request_id, (1,) * num_tokens, spans, SamplingParams(), dst, deadline, kind)
+    return PrefillInput(
+        request_id, (1,) * num_tokens, spans, SamplingParams(), dst, deadline_mono, kind
+    )
 
 
 def make_scheduler(
@@ -203,9 +205,9 @@ def test_next_wake_is_the_earliest_waiting_deadline() -> None:
     clock = Clock()
     s = make_scheduler(clock=clock)
     assert s.next_wake() is None
-    s.add(make_input("late", 4, deadline=clock.now + 9), {})
-    s.add(make_input("soon", 4, deadline=clock.now + 2), {})
-    s.add(make_input("encoding", 4, num_image_tokens=2, deadline=clock.now + 1), {"h": b"x"})
+    s.add(make_input("late", 4, deadline_mono=clock.now + 9), {})
+    s.add(make_input("soon", 4, deadline_mono=clock.now + 2), {})
+    s.add(make_input("encoding", 4, num_image_tokens=2, deadline_mono=clock.now + 1), {"h": b"x"})
     s.admit()  # "encoding" waits on its Encode (the caller's own deadline ends it), not a pump
     assert s.next_wake() == clock.now + 2
     clock.now += 2
@@ -216,7 +218,7 @@ def test_next_wake_is_the_earliest_waiting_deadline() -> None:
 def test_abort_and_expire() -> None:
     clock = Clock()
     s = make_scheduler(clock=clock)
-    s.add(make_input("queued", 4, deadline=clock.now + 1), {})
+    s.add(make_input("queued", 4, deadline_mono=clock.now + 1), {})
     s.add(make_input("encoding", 4, num_image_tokens=2), {"h": b"x"})
     s.add(make_input("running", 4), {})
     s.admit()
@@ -231,7 +233,7 @@ def test_abort_and_expire() -> None:
     assert [o.request_id for o in outcomes] == ["queued"]  # the aborted one's outcome is dropped
     assert s.finish_encoding("encoding") is None and s.num_rows_used == 0 and s.num_live == 0
 
-    s.add(make_input("late", 4, deadline=clock.now + 1), {})
+    s.add(make_input("late", 4, deadline_mono=clock.now + 1), {})
     clock.now += 2
     [expired] = s.expire()
     assert expired.request_id == "late" and isinstance(expired.error, DeadlineExceededError)

@@ -138,7 +138,7 @@ def stream_layers(setup: Setup, faults: dict | None = None) -> list:
         finally:
             events.append(("forward done", None))
 
-    def start_layerwise(request_id, src_pool, src_pages, dst, deadline):
+    def start_layerwise(request_id, src_pool, src_pages, dst, deadline_mono):
         events.append(("begin", request_id))
         return CopyingLayerwise(
             events, request_id, src_pool, src_pages, dst, setup.decode_pool, faults.get("fail_at")

@@ -171,9 +171,9 @@ async def stop_router(app: RouterApp) -> None:
 
 
 async def wait_until(predicate: Callable[[], bool], timeout_s: float = BOUND_S) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        assert time.monotonic() < deadline_mono, "condition not reached in time"
         await asyncio.sleep(0.02)
 
 

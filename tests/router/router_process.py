@@ -111,10 +111,10 @@ def close_all(socks: list[socket.socket]) -> None:
 def read_until_closed(sock: socket.socket, timeout_s: float = BOUND_S) -> bytes:
     """Everything the server sends until it closes (b"" cut short by a reset)."""
     chunks = []
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     sock.settimeout(timeout_s)
     with contextlib.suppress(ConnectionResetError):
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline_mono:
             chunk = sock.recv(65536)
             if not chunk:
                 return b"".join(chunks)

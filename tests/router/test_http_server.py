@@ -45,9 +45,11 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 async def wait_all_closed(socks: list[socket.socket]) -> None:
-    deadline = time.monotonic() + BOUND_S
+    deadline_mono = time.monotonic() + BOUND_S
     while num_closed_by_server(socks) < len(socks):
-        assert time.monotonic() < deadline, f"{num_closed_by_server(socks)}/{len(socks)} closed"
+        assert time.monotonic() < deadline_mono, (
+            f"{num_closed_by_server(socks)}/{len(socks)} closed"
+        )
         await asyncio.sleep(0.1)
 
 

@@ -27,9 +27,9 @@ def worker_pids(pool: WorkerPool) -> set[int]:
 
 
 async def wait_for(condition, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline_mono = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline_mono, "timed out"
         await asyncio.sleep(0.05)
 
 

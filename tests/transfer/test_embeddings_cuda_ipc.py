@@ -110,17 +110,23 @@ def test_registry_builds_both_ends_and_a_host_buffer_is_refused():
 def test_sender_refuses_before_touching_cuda():
     sender, rows = CudaIpcEmbeddingSender(), torch.zeros(20, HIDDEN, dtype=torch.bfloat16)
     dst = _destination(_exported())
-    deadline = time.monotonic() + 5
+    deadline_mono = time.monotonic() + 5
     with pytest.raises(InvalidRequestError, match="a shm destination for the cuda_ipc sender"):
-        sender.send_runs("r", rows, RUNS, msgspec.structs.replace(dst, backend="shm"), deadline)
+        sender.send_runs(
+            "r", rows, RUNS, msgspec.structs.replace(dst, backend="shm"), deadline_mono
+        )
     with pytest.raises(InvalidRequestError, match="malformed CUDA IPC embedding destination"):
         sender.send_runs(
-            "r", rows, RUNS, msgspec.structs.replace(dst, session_id="cuda-ipc-rows:QUJD"), deadline
+            "r",
+            rows,
+            RUNS,
+            msgspec.structs.replace(dst, session_id="cuda-ipc-rows:QUJD"),
+            deadline_mono,
         )
     with pytest.raises(InvalidRequestError, match="sends rows from a GPU, got rows on cpu"):
-        sender.send_runs("r", rows, RUNS, dst, deadline)
+        sender.send_runs("r", rows, RUNS, dst, deadline_mono)
     with pytest.raises(InvalidRequestError, match="outside the 32 rows allocated"):
-        sender.send_runs("r", rows, [(0, 30, 5)], dst, deadline)
+        sender.send_runs("r", rows, [(0, 30, 5)], dst, deadline_mono)
 
 
 def test_an_owner_is_gone_once_its_process_exited():

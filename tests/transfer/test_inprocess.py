@@ -46,7 +46,7 @@ def test_pages_land_in_place_and_other_pages_are_untouched(backend) -> None:
     src_pages, dst_pages = [2, 3, 4, 7, 0], [9, 10, 11, 1, 5]
     dst = receiver.destination("req-1", dst_pages)
 
-    result = sender.send("req-1", src_pool, src_pages, dst, deadline=time.monotonic() + 10)
+    result = sender.send("req-1", src_pool, src_pages, dst, deadline_mono=time.monotonic() + 10)
 
     assert result.num_descriptors == 2 * 3  # runs (2->9 x3), (7->1), (0->5), for K and V
     assert result.num_bytes == 2 * 3 * 5 * dst_pool.page_nbytes
@@ -66,10 +66,10 @@ def test_unknown_peer_and_passed_deadline_are_errors(backend) -> None:
     dst = receiver.destination("req-1", [0])
     src_pool = make_pool(4, seed=3)
     with pytest.raises(DeadlineExceededError):
-        sender.send("req-1", src_pool, [1], dst, deadline=time.monotonic() - 1)
+        sender.send("req-1", src_pool, [1], dst, deadline_mono=time.monotonic() - 1)
     receiver.close()
     with pytest.raises(UnavailableError, match=GONE[backend]):
-        sender.send("req-1", src_pool, [1], dst, deadline=time.monotonic() + 10)
+        sender.send("req-1", src_pool, [1], dst, deadline_mono=time.monotonic() + 10)
 
 
 def test_registry_rejects_unknown_backends() -> None:

@@ -39,20 +39,20 @@ from tests.transfer.shm_helpers import (
 def sender_main(kv_dst: bytes, emb_dst: bytes, dtype_name: str, results) -> None:
     dtype = getattr(torch, dtype_name)
     kv_sender, emb_sender = ShmKVSender(), ShmEmbeddingSender()
-    deadline = time.monotonic() + WAIT_S
+    deadline_mono = time.monotonic() + WAIT_S
     kv = kv_sender.send(
         "req-1",
         make_pool(32, dtype, seed=1),
         SRC_PAGES,
         msgspec.msgpack.decode(kv_dst, type=KvDestination),
-        deadline,
+        deadline_mono,
     )
     emb = emb_sender.send_runs(
         "req-1",
         source_rows(dtype, seed=3),
         ROW_RUNS,
         msgspec.msgpack.decode(emb_dst, type=EmbeddingDestination),
-        deadline,
+        deadline_mono,
     )
     results.put((kv.num_descriptors, kv.num_bytes, emb.num_descriptors, emb.num_bytes))
 

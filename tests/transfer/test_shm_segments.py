@@ -157,8 +157,8 @@ def test_an_owner_that_exits_or_is_killed_leaves_no_file() -> None:
         assert os.path.exists(path)
         os.kill(owner.pid, signal.SIGKILL)  # nothing runs in the owner: its reaper removes the name
         owner.wait(timeout=WAIT_S)
-        deadline = time.monotonic() + WAIT_S
-        while os.path.exists(path) and time.monotonic() < deadline:
+        deadline_mono = time.monotonic() + WAIT_S
+        while os.path.exists(path) and time.monotonic() < deadline_mono:
             time.sleep(0.05)
         assert not os.path.exists(path)
     finally:

@@ -120,7 +120,7 @@ def span(data: bytes, dest_row: int) -> EncodeSpanInput:
 def test_the_payload_carries_bytes_only_for_encodes() -> None:
     cached, fresh = b"cached image", b"fresh image"
     job = EncodeJob(
-        3, "req", (span(cached, 0), span(fresh, 6), span(fresh, 12)), (DST,), deadline=110.0
+        3, "req", (span(cached, 0), span(fresh, 6), span(fresh, 12)), (DST,), deadline_mono=110.0
     )
     ledger = ledger_holding(2, {hashlib.sha256(cached).hexdigest()})
     hashes = [s.span.content_hash for s in job.spans]

@@ -31,9 +31,9 @@ def span(data: bytes, dest_row: int = 0, grid: tuple[int, int, int] = (1, 4, 6))
     )
 
 
-def job(job_id: int, num_spans: int, deadline: float = 100.0) -> EncodeJob:
+def job(job_id: int, num_spans: int, deadline_mono: float = 100.0) -> EncodeJob:
     spans = tuple(span(f"img-{job_id}-{i}".encode(), 6 * i) for i in range(num_spans))
-    return EncodeJob(job_id, f"req-{job_id}", spans, (DST,), deadline)
+    return EncodeJob(job_id, f"req-{job_id}", spans, (DST,), deadline_mono)
 
 
 def results(world_size: int, **by_rank) -> list[EncodeStepResult]:
@@ -55,8 +55,8 @@ def test_schedule_takes_the_oldest_jobs_that_fit() -> None:
 
 def test_jobs_past_their_deadline_leave_as_expired() -> None:
     scheduler = EncodeScheduler(max_batch_images=8)
-    scheduler.add(job(0, 1, deadline=5.0))
-    scheduler.add(job(1, 1, deadline=50.0))
+    scheduler.add(job(0, 1, deadline_mono=5.0))
+    scheduler.add(job(1, 1, deadline_mono=50.0))
     batch = scheduler.schedule(now=10.0, ledger=CacheLedger(1))
     assert [j.job_id for j in batch.expired] == [0] and [j.job_id for j in batch.jobs] == [1]
 

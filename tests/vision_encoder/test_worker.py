@@ -120,15 +120,15 @@ def test_a_bad_image_fails_its_jobs_only(rig, image_processor) -> None:
         image_data=junk,
         span=msgspec.structs.replace(good.span, content_hash=hashlib.sha256(junk).hexdigest()),
     )
-    deadline = time.monotonic() + 30
+    deadline_mono = time.monotonic() + 30
     jobs = [
-        EncodeJob(0, "good", (good,), (receiver.destination("good", 0, 4),), deadline),
+        EncodeJob(0, "good", (good,), (receiver.destination("good", 0, 4),), deadline_mono),
         EncodeJob(
             1,
             "bad",
             (good, msgspec.structs.replace(bad, dest_row=4)),
             (receiver.destination("bad", 100, 8),),
-            deadline,
+            deadline_mono,
         ),
     ]
     results = run_step(workers, jobs, CacheLedger(2))
@@ -205,10 +205,12 @@ def test_a_steps_images_decode_on_the_decode_threads_in_order(
         image_data=junk,
         span=msgspec.structs.replace(spans[0].span, content_hash=hashlib.sha256(junk).hexdigest()),
     )
-    deadline = time.monotonic() + 30
+    deadline_mono = time.monotonic() + 30
     jobs = [
-        EncodeJob(0, "good", tuple(spans), (receiver.destination("good", 0, num_rows),), deadline),
-        EncodeJob(1, "bad", (bad,), (receiver.destination("bad", 1000, 8),), deadline),
+        EncodeJob(
+            0, "good", tuple(spans), (receiver.destination("good", 0, num_rows),), deadline_mono
+        ),
+        EncodeJob(1, "bad", (bad,), (receiver.destination("bad", 1000, 8),), deadline_mono),
     ]
     (result,) = run_step(workers[:1], jobs, CacheLedger(1))  # one rank owns every image
     assert [(e.job_id, e.error.param) for e in result.errors] == [(1, "spans[0].image_data")]

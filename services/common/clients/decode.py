@@ -244,7 +244,7 @@ class DecodeClient:
             self._tokens = _TokenStream(self._stub)
         tokens = self._tokens
         queue = tokens.open(request_id)
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline_mono = asyncio.get_running_loop().time() + timeout_s
         start = decode_pb2.DecodeGenerateRequest(
             request_id=request_id,
             first_token_id=first_token_id,
@@ -255,7 +255,7 @@ class DecodeClient:
         tokens.send(decode_pb2.DecodeStreamRequest(generate=start))
         # One timer for the whole stream, not one per message: at the deadline it queues
         # _DEADLINE behind what came before it.
-        expiry = asyncio.get_running_loop().call_at(deadline, queue.put_nowait, _DEADLINE)
+        expiry = asyncio.get_running_loop().call_at(deadline_mono, queue.put_nowait, _DEADLINE)
         is_done = False
         try:
             while not is_done:

@@ -94,7 +94,7 @@ class VisionEncoderClient:
         ``CapacityError``, ``UnavailableError`` (encoder down, or the destination
         unreachable), ``DeadlineExceededError``.
         """
-        deadline = time.monotonic() + timeout_s
+        deadline_mono = time.monotonic() + timeout_s
         destinations = (
             [destination] if isinstance(destination, EmbeddingDestination) else list(destination)
         )
@@ -102,11 +102,11 @@ class VisionEncoderClient:
             msgspec.structs.replace(s, image_data=b"") if s.span.content_hash in self._sent else s
             for s in spans
         ]
-        results = await self._encode(request_id, light, destinations, deadline)
+        results = await self._encode(request_id, light, destinations, deadline_mono)
         needed = {r.content_hash for r in results if r.status is SpanStatus.NEEDS_IMAGE_DATA}
         if needed and any(s.image_data for s in spans):  # it wrote nothing: again, with bytes
             self._sent.forget(needed)
-            results = await self._encode(request_id, spans, destinations, deadline)
+            results = await self._encode(request_id, spans, destinations, deadline_mono)
         self._sent.remember(
             s.span.content_hash
             for s, r in zip(spans, results, strict=False)
@@ -138,8 +138,8 @@ class VisionEncoderClient:
                 row += span.length
         if not todo:
             return []
-        deadline = time.monotonic() + timeout_s
-        results = await self._encode(request_id, todo, [], deadline, cache_only=True)
+        deadline_mono = time.monotonic() + timeout_s
+        results = await self._encode(request_id, todo, [], deadline_mono, cache_only=True)
         self._sent.remember(r.content_hash for r in results if r.status is SpanStatus.WRITTEN)
         return results
 
@@ -148,11 +148,11 @@ class VisionEncoderClient:
         request_id: str,
         spans: Sequence[EncodeSpanInput],
         destinations: list[EmbeddingDestination],
-        deadline: float,
+        deadline_mono: float,
         *,
         cache_only: bool = False,
     ) -> list[SpanResult]:
-        timeout_s = deadline - time.monotonic()
+        timeout_s = deadline_mono - time.monotonic()
         if timeout_s <= 0:
             raise DeadlineExceededError(f"encode of {request_id} not sent: no time left")
         deadline_ms = int((time.time() + timeout_s) * 1000)

@@ -101,9 +101,9 @@ class RankProcess:
 def stop_all(processes: Sequence[RankProcess], grace_s: float) -> None:
     """Wait up to ``grace_s`` for every process to exit by itself, then SIGKILL the rest; reap
     all."""
-    deadline = time.monotonic() + grace_s
+    deadline_mono = time.monotonic() + grace_s
     for process in processes:
-        while process.exit_code() is None and time.monotonic() < deadline:
+        while process.exit_code() is None and time.monotonic() < deadline_mono:
             time.sleep(0.02)
     kill_all(processes)
 

@@ -80,10 +80,10 @@ class StepWatchdog:
     def _run(self) -> None:
         while True:
             time.sleep(POLL_S)
-            deadline = self._deadline_mono
-            if deadline is not None and time.monotonic() > deadline + STUCK_EXIT_GRACE_S:
+            deadline_mono = self._deadline_mono
+            if deadline_mono is not None and time.monotonic() > deadline_mono + STUCK_EXIT_GRACE_S:
                 logger.critical(
-                    "a step is %.1f s past its deadline: exiting", time.monotonic() - deadline
+                    "a step is %.1f s past its deadline: exiting", time.monotonic() - deadline_mono
                 )
                 sys.stderr.flush()
                 os._exit(LoopExit.STUCK)

@@ -106,12 +106,12 @@ class StepRunner:
         assert inflight is not None
         pending = [r for r in range(self.num_ranks) if r not in inflight.replies]
         stuck = [r for r in pending if r not in inflight.executed]
-        deadline = f"its {inflight.timeout_s:.1f} s deadline"
+        limit = f"its {inflight.timeout_s:.1f} s deadline"
         if stuck:
-            return f"{ranks_text(stuck)} did not finish step {inflight.step} within {deadline}"
+            return f"{ranks_text(stuck)} did not finish step {inflight.step} within {limit}"
         return (
             f"{ranks_text(pending)} did not end the status exchange of step {inflight.step} "
-            f"within {deadline}"
+            f"within {limit}"
         )
 
     def _add(self, rank: int, reply: Reply) -> None:
