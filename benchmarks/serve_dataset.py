@@ -1,4 +1,5 @@
-"""Prompts for the serving benchmark: random words of an exact length, or a ShareGPT file.
+"""Prompts for the serving benchmark: random words of an exact length, a ShareGPT file, or
+prompts that share prefixes.
 
 ShareGPT format (a local JSON file; nothing is downloaded): a list of
 ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``
@@ -8,6 +9,11 @@ reference reply, the list is shuffled (by ``--seed``), and a prompt or reply of 
 than ``MIN_SHAREGPT_TOKENS`` tokens is skipped, as is a pair longer than
 ``--sharegpt-context-len`` when given. The output length is the reply's token count
 unless ``--sharegpt-output-len`` fixes it.
+
+Prefix repetition (vLLM's ``prefix_repetition`` dataset, at its flag names): ``num_prefixes``
+random prefixes of ``prefix_len`` tokens, each request one of them (in turn, then shuffled by
+``--seed``) followed by a random suffix of ``suffix_len`` tokens, ``output_len`` tokens out: a
+shared-system-prompt workload for a prefix cache.
 """
 
 from __future__ import annotations
@@ -24,10 +30,25 @@ MIN_SHAREGPT_TOKENS = 2
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
+class ShareGptSpec:
     path: Path
     output_len: int | None  # None: each reply's token count
     context_len: int | None  # None: no pair is too long
+
+
+@dataclass(frozen=True)
+class PrefixRepetitionSpec:
+    prefix_len: int
+    suffix_len: int
+    num_prefixes: int
+    output_len: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"prefix_repetition {self.num_prefixes} x {self.prefix_len} prefix tokens "
+            f"+ {self.suffix_len}, output {self.output_len}"
+        )
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,7 @@ def _is_turn(turn: object) -> bool:
 
 
 async def sharegpt_prompts(
-    dataset: DatasetSpec, num_requests: int, seed: int, counter: TokenCounter
+    dataset: ShareGptSpec, num_requests: int, seed: int, counter: TokenCounter
 ) -> list[PromptSpec]:
     pairs = load_sharegpt(dataset.path)
     order = np.random.default_rng(seed).permutation(len(pairs))
@@ -95,3 +116,17 @@ async def random_prompts(
     return [
         PromptSpec(text, count, n) for (text, count), n in zip(prompts, output_lens, strict=True)
     ]
+
+
+async def prefix_repetition_prompts(
+    dataset: PrefixRepetitionSpec,
+    num_requests: int,
+    rng: np.random.Generator,
+    counter: TokenCounter,
+) -> list[PromptSpec]:
+    builder = await PromptBuilder.create(counter)
+    prefixes = await builder.prompts([dataset.prefix_len] * dataset.num_prefixes, rng)
+    starts = [prefixes[i % dataset.num_prefixes] for i in range(num_requests)]
+    starts = [starts[i] for i in rng.permutation(num_requests)]
+    prompts = await builder.extend(starts, [dataset.suffix_len] * num_requests, rng)
+    return [PromptSpec(text, count, dataset.output_len) for text, count in prompts]

@@ -156,10 +156,32 @@ class PromptBuilder:
     ) -> list[tuple[str, int]]:
         """One (text, counted tokens) per wanted length, deterministic in ``rng``."""
         drafts = [self._words(n, [], rng) for n in lengths]
+        return await self._fit(drafts, list(lengths), [0] * len(drafts), rng)
+
+    async def extend(
+        self, starts: Sequence[tuple[str, int]], extra: Sequence[int], rng: np.random.Generator
+    ) -> list[tuple[str, int]]:
+        """Each start (a text and its counted tokens, e.g. a shared prefix) followed by random
+        words worth ``extra`` more tokens; only the added words are corrected, so every text
+        begins with its start unchanged."""
+        heads = [text.split() for text, _ in starts]
+        lengths = [count + n for (_, count), n in zip(starts, extra, strict=True)]
+        drafts = [self._words(n, head, rng) for head, n in zip(heads, extra, strict=True)]
+        return await self._fit(drafts, lengths, [len(head) for head in heads], rng)
+
+    async def _fit(
+        self,
+        drafts: list[list[str]],
+        lengths: list[int],
+        kept: list[int],  # words at the start of each draft that are never dropped
+        rng: np.random.Generator,
+    ) -> list[tuple[str, int]]:
         counts = await self._counter.count([" ".join(d) for d in drafts])
         for _ in range(MAX_FIX_ROUNDS):
             wrong = [
-                i for i, (count, n) in enumerate(zip(counts, lengths, strict=True)) if count != n
+                i
+                for i, (count, n) in enumerate(zip(counts, lengths, strict=True))
+                if count != n and (count < n or len(drafts[i]) > kept[i])
             ]
             if not wrong:
                 break

@@ -6,8 +6,8 @@ URLs before the text, the prompt as the user message), ``openai`` to ``/completi
 ``stream_options.include_usage`` (unless ``stream`` is off: one JSON reply with its usage), so
 the server's token counts are what gets reported; ``extra_body`` (``--extra-body``) is merged
 into every body last, so it may add fields or override the client's (vLLM's ``--extra-body``).
-Prompts come from ``serve_dataset`` (exact token lengths, or ShareGPT), images from
-``serve_images``; everything is built before the clock starts.
+Prompts come from ``serve_dataset`` (exact token lengths, ShareGPT, or shared prefixes),
+images from ``serve_images``; everything is built before the clock starts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.serve_dataset import DatasetSpec, PromptSpec, random_prompts, sharegpt_prompts
+from benchmarks.serve_dataset import (
+    PrefixRepetitionSpec,
+    PromptSpec,
+    ShareGptSpec,
+    prefix_repetition_prompts,
+    random_prompts,
+    sharegpt_prompts,
+)
 from benchmarks.serve_images import image_data_url
 from benchmarks.serve_tokens import TokenCounter
 
@@ -59,7 +66,8 @@ class WorkloadSpec:
     backend: str = "openai-chat"
     image_kind: str = "noise"
     image_format: str = "jpeg"
-    dataset: DatasetSpec | None = None  # None: random prompts of input_len tokens
+    # None: random prompts of input_len tokens
+    dataset: ShareGptSpec | PrefixRepetitionSpec | None = None
     stream: bool = True
     extra_body: dict = field(default_factory=dict)  # merged into every request body last
 
@@ -118,8 +126,10 @@ async def make_requests(
         (w.input_len.sample(rng), w.output_len.sample(rng), w.num_images.sample(rng))
         for _ in range(num_requests)
     ]
-    if workload.dataset is not None:
+    if isinstance(workload.dataset, ShareGptSpec):
         prompts = await sharegpt_prompts(workload.dataset, num_requests, seed, counter)
+    elif isinstance(workload.dataset, PrefixRepetitionSpec):
+        prompts = await prefix_repetition_prompts(workload.dataset, num_requests, rng, counter)
     else:
         prompts = await random_prompts(
             [n for n, _, _ in lengths], [m for _, m, _ in lengths], rng, counter

@@ -1,5 +1,5 @@
 """What the serving benchmark sends the fake server: images of each kind and format, length
-ranges, the completions backend and the ShareGPT dataset."""
+ranges, the completions backend, the ShareGPT dataset and shared prefixes."""
 
 from __future__ import annotations
 
@@ -166,4 +166,37 @@ def test_sharegpt_with_too_few_conversations_or_a_bad_file_fails_clearly(
     assert "JSON list of conversations" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--base-url", base_url, "--dataset-name", "sharegpt"])  # no --dataset-path
+    assert not state.bodies
+
+
+def test_prefix_repetition_shares_each_prefix_and_varies_the_suffix(base_url, tmp_path, state):
+    flags = ["--prefix-repetition-prefix-len", "20", "--prefix-repetition-suffix-len", "7"]
+    flags += ["--prefix-repetition-num-prefixes", "3", "--prefix-repetition-output-len", "4"]
+    rc, report = run(
+        base_url, tmp_path, "--dataset-name", "prefix_repetition", *flags, "--num-requests", "12"
+    )
+    assert rc == 0 and report["summary"]["num_ok"] == 12
+    prompts = [body["messages"][0]["content"].split() for body in state.bodies]
+    prefixes = [" ".join(words[:20]) for words in prompts]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [4, 4, 4]
+    assert len({" ".join(words[20:]) for words in prompts}) == 12
+    assert prefixes != sorted(prefixes)  # shuffled, not grouped by prefix
+    for body, record in zip(state.bodies, report["requests"], strict=True):
+        assert body["max_tokens"] == record["output_len"] == 4
+        assert record["input_len"] == len(body["messages"][0]["content"].split()) == 27
+
+
+def test_dataset_flags_of_another_dataset_are_refused(base_url, tmp_path, state, capsys):
+    args = ["--base-url", base_url, "--tokenizer", "server"]
+    for argv in (
+        ["--prefix-repetition-prefix-len", "5"],  # random dataset
+        ["--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT)]
+        + ["--prefix-repetition-num-prefixes", "2"],
+        ["--dataset-name", "prefix_repetition", "--dataset-path", str(SHAREGPT)],
+        ["--dataset-name", "prefix_repetition", "--prefix-repetition-num-prefixes", "0"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main([*args, *argv])
+        assert exited.value.code == 2
+    assert "need --dataset-name prefix_repetition" in capsys.readouterr().err
     assert not state.bodies

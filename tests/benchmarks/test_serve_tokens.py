@@ -37,6 +37,19 @@ async def test_prompts_have_the_exact_token_count():
     assert len({text for text, _ in prompts}) == len(lengths)
 
 
+async def test_extended_prompts_keep_their_start_and_have_the_exact_count():
+    counter = LocalTokenCounter(TINY_MODEL_DIR)
+    builder = await PromptBuilder.create(counter)
+    rng = np.random.default_rng(1)
+    starts = await builder.prompts([50, 300], rng)
+    extra = [1, 3, 40, 257]
+    chosen = [starts[i % 2] for i in range(len(extra))]
+    prompts = await builder.extend(chosen, extra, rng)
+    for (text, count), (start, start_count), n in zip(prompts, chosen, extra, strict=True):
+        assert text.startswith(start + " ")
+        assert count == start_count + n == len(TEXT.encode(text)), (n, text[-60:])
+
+
 def template_len() -> int:
     """Tokens the chat template adds around one user message (its text excluded)."""
     return len(TEXT.encode_chat([{"role": "user", "content": [{"type": "text", "text": ""}]}]))
