@@ -11,7 +11,8 @@ prompt tokens counted on the client with the model's tokenizer (``--tokenizer``,
 template's tokens coming on top; images are random-noise JPEGs
 (quality 90) unless ``--image-kind`` / ``--image-format`` say otherwise;
 ``--dataset-name sharegpt --dataset-path FILE`` takes prompts from a local ShareGPT
-file, ``--dataset-name prefix_repetition`` shares prefixes between prompts (vLLM's flags); ``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
+file, ``--dataset-name prefix_repetition`` shares prefixes between prompts (vLLM's flags),
+``--dataset-name multi_turn`` sends conversations turn after turn with their history; ``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
 streamed unless ``--disable-stream``; ``--extra-body JSON`` is merged into every request body.
 
 Load: ``--request-rate R`` sends on a Poisson process (``inf``, the default, sends all at
@@ -36,21 +37,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.serve_dataset import PrefixRepetitionSpec, ShareGptSpec
+from benchmarks.serve_dataset import MultiTurnSpec, ShareGptSpec
+from benchmarks.serve_dataset_flags import add_dataset_flags, dataset_from_args
 from benchmarks.serve_images import IMAGE_FORMATS, IMAGE_KINDS, parse_size
 from benchmarks.serve_metrics import Slo, format_table, markdown_table, summarize
 from benchmarks.serve_result import write_json
 from benchmarks.serve_run import BenchConfig, EndpointError, run_benchmark
 from benchmarks.serve_tokens import SERVER_TOKENIZER, TokenCountError
 from benchmarks.serve_workload import BACKENDS, IntRange, WorkloadSpec
-
-DATASETS = ("random", "sharegpt", "prefix_repetition")
-PREFIX_REPETITION_FLAGS = (  # name, default (vLLM's), help
-    ("prefix-len", 256, "prefix_repetition: tokens of each shared prefix"),
-    ("suffix-len", 256, "prefix_repetition: tokens after the prefix, distinct per request"),
-    ("num-prefixes", 10, "prefix_repetition: distinct prefixes"),
-    ("output-len", 128, "prefix_repetition: max_tokens"),
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,21 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer.json or a model directory to count tokens with (default: the model's, "
         f"a local directory or the Hugging Face cache); '{SERVER_TOKENIZER}': POST /tokenize",
     )
-    p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", type=Path, default=None, help="a local ShareGPT JSON file")
-    p.add_argument(
-        "--sharegpt-output-len",
-        type=int,
-        default=None,
-        help="max_tokens (default: the reply's tokens)",
-    )
-    p.add_argument(
-        "--sharegpt-context-len", type=int, default=None, help="skip longer prompt + reply pairs"
-    )
-    for name, default, text in PREFIX_REPETITION_FLAGS:
-        p.add_argument(
-            f"--prefix-repetition-{name}", type=int, default=None, help=f"{text} ({default})"
-        )
+    add_dataset_flags(p)
     p.add_argument(
         "--input-len", type=int, default=256, help="prompt tokens, chat template not included"
     )
@@ -163,44 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dataset(args: argparse.Namespace) -> ShareGptSpec | PrefixRepetitionSpec | None:
-    """The dataset ``--dataset-name`` names; a flag of another dataset is an error."""
-    sharegpt = args.dataset_path or args.sharegpt_output_len or args.sharegpt_context_len
-    repetition = {
-        name: getattr(args, "prefix_repetition_" + name.replace("-", "_"))
-        for name, _, _ in PREFIX_REPETITION_FLAGS
-    }
-    if args.dataset_name != "sharegpt" and sharegpt:
-        raise ValueError("--dataset-path and --sharegpt-* need --dataset-name sharegpt")
-    if args.dataset_name != "prefix_repetition" and any(v is not None for v in repetition.values()):
-        raise ValueError("--prefix-repetition-* need --dataset-name prefix_repetition")
-    if args.dataset_name == "random":
-        return None
-    if args.input_len_range or args.output_len_range:
-        raise ValueError("--input-len-range / --output-len-range apply to --dataset-name random")
-    if args.dataset_name == "prefix_repetition":
-        values = {
-            name: default if repetition[name] is None else repetition[name]
-            for name, default, _ in PREFIX_REPETITION_FLAGS
-        }
-        if values["num-prefixes"] < 1 or values["output-len"] < 1 or values["suffix-len"] < 0:
-            raise ValueError(
-                "--prefix-repetition-num-prefixes and -output-len must be >= 1, -suffix-len >= 0"
-            )
-        if values["prefix-len"] < 1:
-            raise ValueError("--prefix-repetition-prefix-len must be >= 1")
-        return PrefixRepetitionSpec(
-            values["prefix-len"], values["suffix-len"], values["num-prefixes"], values["output-len"]
-        )
-    if args.dataset_path is None:
-        raise ValueError(
-            "--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)"
-        )
-    if (args.sharegpt_output_len or 1) < 1:
-        raise ValueError("--sharegpt-output-len must be >= 1")
-    return ShareGptSpec(args.dataset_path, args.sharegpt_output_len, args.sharegpt_context_len)
-
-
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     workload = WorkloadSpec(
         input_len=IntRange.parse(args.input_len_range or str(args.input_len)),
@@ -212,12 +154,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         backend=args.backend,
         image_kind=args.image_kind,
         image_format=args.image_format,
-        dataset=_dataset(args),
+        dataset=dataset_from_args(args),
         stream=not args.disable_stream,
         extra_body=_extra_body(args.extra_body),
     )
     if workload.output_len.low < 1:
         raise ValueError("output lengths must be >= 1")
+    if workload.backend == "openai" and isinstance(workload.dataset, MultiTurnSpec):
+        raise ValueError("--dataset-name multi_turn sends chats: use --backend openai-chat")
+    if (
+        isinstance(workload.dataset, MultiTurnSpec)
+        and args.num_requests % workload.dataset.num_turns
+    ):
+        raise ValueError("--num-requests counts every turn: a multiple of --multi-turn-num-turns")
     if workload.backend == "openai" and workload.num_images.high:
         raise ValueError("--backend openai sends text completions: no images (use openai-chat)")
     if args.request_rate <= 0 or args.num_requests < 1 or (args.max_concurrency or 1) < 1:
@@ -276,7 +225,7 @@ def describe(cfg: BenchConfig, model: str) -> str:
     w = cfg.workload
     if isinstance(w.dataset, ShareGptSpec):
         prompts = f"sharegpt {w.dataset.path.name}"
-    elif isinstance(w.dataset, PrefixRepetitionSpec):
+    elif w.dataset is not None:
         prompts = w.dataset.name
     else:
         prompts = f"input {w.input_len} tokens, output {w.output_len}"

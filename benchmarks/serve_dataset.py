@@ -14,6 +14,11 @@ Prefix repetition (vLLM's ``prefix_repetition`` dataset, at its flag names): ``n
 random prefixes of ``prefix_len`` tokens, each request one of them (in turn, then shuffled by
 ``--seed``) followed by a random suffix of ``suffix_len`` tokens, ``output_len`` tokens out: a
 shared-system-prompt workload for a prefix cache.
+
+Multi-turn: conversations of ``num_turns`` user turns of ``turn_len`` random tokens each, the
+images (``--images-per-request``) in the first turn; each later turn is sent once the previous
+one has answered, with the whole history (earlier turns, the server's replies, the images) in
+front of it, as a chat client sends it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,19 @@ class PrefixRepetitionSpec:
         return (
             f"prefix_repetition {self.num_prefixes} x {self.prefix_len} prefix tokens "
             f"+ {self.suffix_len}, output {self.output_len}"
+        )
+
+
+@dataclass(frozen=True)
+class MultiTurnSpec:
+    num_turns: int
+    turn_len: int
+    output_len: int
+
+    @property
+    def name(self) -> str:
+        return (
+            f"multi_turn {self.num_turns} turns of {self.turn_len} tokens, output {self.output_len}"
         )
 
 

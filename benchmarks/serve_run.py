@@ -32,6 +32,7 @@ from benchmarks.serve_workload import (
     RequestSpec,
     WorkloadSpec,
     arrival_offsets,
+    follow_up,
     make_requests,
 )
 
@@ -86,46 +87,83 @@ class _Run:
         self.url = cfg.base_url + ENDPOINTS[cfg.workload.backend]
         self.slots = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.started: set[int] = set()
+        self.records: dict[int, RequestRecord] = {}  # by index, as each request ends
         self.t0 = 0.0
 
-    async def _one(self, spec: RequestSpec, offset_s: float) -> RequestRecord:
+    async def _one(self, spec: RequestSpec, offset_s: float) -> None:
         await asyncio.sleep(max(0.0, self.t0 + offset_s - time.perf_counter()))
-        if self.slots is None:
-            return await self._send(spec)
-        async with self.slots:
-            return await self._send(spec)
+        await self._send(spec)
+
+    async def _conversation(self, turns: list[RequestSpec], offset_s: float) -> None:
+        """A conversation's turns in order, each sent once the previous one has answered with
+        the history in front of it; after a failed turn the later ones fail unsent."""
+        await asyncio.sleep(max(0.0, self.t0 + offset_s - time.perf_counter()))
+        sent = turns[0]
+        record = await self._send(sent)
+        for spec in turns[1:]:
+            if record.outcome is not Outcome.OK:
+                self.records[spec.index] = replace(
+                    new_record(spec), error=f"turn {spec.turn - 1} of its conversation failed"
+                )
+                continue
+            sent = follow_up(sent.body, record.generated_text, spec)
+            record = await self._send(sent)
 
     async def _send(self, spec: RequestSpec) -> RequestRecord:
+        if self.slots is None:
+            return await self._post(spec)
+        async with self.slots:
+            return await self._post(spec)
+
+    async def _post(self, spec: RequestSpec) -> RequestRecord:
         self.started.add(spec.index)
-        return await send_request(
+        record = await send_request(
             self.client, self.url, self.headers, spec, self.cfg.request_timeout_s, self.t0
         )
+        self.records[spec.index] = record
+        return record
 
     async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
         """Records of every request sent (aborted ones included) and the run's duration."""
         cfg = self.cfg
-        offsets = arrival_offsets(len(specs), cfg.request_rate, cfg.seed, cfg.burstiness)
+        groups = _schedule_groups(specs)
+        offsets = arrival_offsets(len(groups), cfg.request_rate, cfg.seed, cfg.burstiness)
         self.t0 = time.perf_counter()
-        tasks = {
-            asyncio.create_task(self._one(s, o)): s for s, o in zip(specs, offsets, strict=True)
-        }
-        done, pending = await asyncio.wait(tasks, timeout=self.cfg.max_duration_s)
+        tasks = [
+            asyncio.create_task(
+                self._one(group[0], offset)
+                if group[0].conversation is None
+                else self._conversation(group, offset)
+            )
+            for group, offset in zip(groups, offsets, strict=True)
+        ]
+        _, pending = await asyncio.wait(tasks, timeout=self.cfg.max_duration_s)
         duration_s = time.perf_counter() - self.t0
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        records = [t.result() for t in done]
-        for task in pending:
-            spec = tasks[task]
-            if spec.index in self.started:
-                records.append(
-                    replace(
-                        new_record(spec),
-                        outcome=Outcome.ABORTED,
-                        error="aborted at --max-duration-s",
-                    )
+        records = dict(self.records)
+        for spec in specs:
+            if spec.index in self.started and spec.index not in records:
+                records[spec.index] = replace(
+                    new_record(spec), outcome=Outcome.ABORTED, error="aborted at --max-duration-s"
                 )
-        return sorted(records, key=lambda r: r.index), duration_s
+        return sorted(records.values(), key=lambda r: r.index), duration_s
+
+
+def _schedule_groups(specs: list[RequestSpec]) -> list[list[RequestSpec]]:
+    """What the arrival schedule spaces out: each independent request, each conversation."""
+    groups: list[list[RequestSpec]] = []
+    conversations: dict[int, list[RequestSpec]] = {}
+    for spec in specs:
+        if spec.conversation is None:
+            groups.append([spec])
+        elif spec.conversation in conversations:
+            conversations[spec.conversation].append(spec)
+        else:
+            conversations[spec.conversation] = [spec]
+            groups.append(conversations[spec.conversation])
+    return groups
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ images from ``serve_images``; everything is built before the clock starts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from benchmarks.serve_dataset import (
+    MultiTurnSpec,
     PrefixRepetitionSpec,
     PromptSpec,
     ShareGptSpec,
@@ -67,7 +68,7 @@ class WorkloadSpec:
     image_kind: str = "noise"
     image_format: str = "jpeg"
     # None: random prompts of input_len tokens
-    dataset: ShareGptSpec | PrefixRepetitionSpec | None = None
+    dataset: ShareGptSpec | PrefixRepetitionSpec | MultiTurnSpec | None = None
     stream: bool = True
     extra_body: dict = field(default_factory=dict)  # merged into every request body last
 
@@ -82,8 +83,19 @@ class RequestSpec:
     )
     output_len: int  # max_tokens
     num_images: int
-    body: bytes  # the JSON body
+    body: bytes  # the JSON body; a later turn's holds only its own user message
     is_streamed: bool = True
+    conversation: int | None = None  # multi-turn: which conversation (None: independent)
+    turn: int = 0
+
+
+def follow_up(previous_body: bytes, reply: str, spec: RequestSpec) -> RequestSpec:
+    """A later turn as sent: the previous turn's messages, its reply as the assistant's
+    message, then this turn's user message."""
+    previous, body = json.loads(previous_body), json.loads(spec.body)
+    assistant = {"role": "assistant", "content": reply}
+    body["messages"] = [*previous["messages"], assistant, *body["messages"]]
+    return replace(spec, body=json.dumps(body).encode())
 
 
 def chat_body(
@@ -126,6 +138,13 @@ async def make_requests(
         (w.input_len.sample(rng), w.output_len.sample(rng), w.num_images.sample(rng))
         for _ in range(num_requests)
     ]
+    multi_turn = workload.dataset if isinstance(workload.dataset, MultiTurnSpec) else None
+    if multi_turn is not None:  # images in each conversation's first turn only
+        turns = multi_turn.num_turns
+        lengths = [
+            (multi_turn.turn_len, multi_turn.output_len, n if i % turns == 0 else 0)
+            for i, (_, _, n) in enumerate(lengths)
+        ]
     if isinstance(workload.dataset, ShareGptSpec):
         prompts = await sharegpt_prompts(workload.dataset, num_requests, seed, counter)
     elif isinstance(workload.dataset, PrefixRepetitionSpec):
@@ -140,11 +159,13 @@ async def make_requests(
         image_seeds = [seed * 1_000_003 + index * max_images + j for j in range(num_images)]
         body = _body(model, prompt, image_seeds, workload)
         encoded = json.dumps(body).encode()
-        specs.append(
-            RequestSpec(
-                index, prompt.input_len, prompt.output_len, num_images, encoded, workload.stream
-            )
+        spec = RequestSpec(
+            index, prompt.input_len, prompt.output_len, num_images, encoded, workload.stream
         )
+        if multi_turn is not None:
+            turns = multi_turn.num_turns
+            spec = replace(spec, conversation=index // turns, turn=index % turns)
+        specs.append(spec)
     return specs
 
 

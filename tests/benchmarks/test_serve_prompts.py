@@ -200,3 +200,70 @@ def test_dataset_flags_of_another_dataset_are_refused(base_url, tmp_path, state,
         assert exited.value.code == 2
     assert "need --dataset-name prefix_repetition" in capsys.readouterr().err
     assert not state.bodies
+
+
+def _user_texts(body: dict) -> list[str]:
+    texts = []
+    for message in body["messages"]:
+        if message["role"] == "user":
+            content = message["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            texts += [p["text"] for p in parts if p["type"] == "text"]
+    return texts
+
+
+def test_multi_turn_sends_each_turn_with_its_history(base_url, tmp_path, state):
+    flags = ["--multi-turn-num-turns", "3", "--multi-turn-turn-len", "6"]
+    flags += ["--multi-turn-output-len", "4", "--images-per-request", "1", "--image-size", "8x8"]
+    rc, report = run(
+        base_url, tmp_path, "--dataset-name", "multi_turn", *flags, "--num-requests", "6"
+    )
+    assert rc == 0 and report["summary"]["num_ok"] == 6
+    records = sorted(report["requests"], key=lambda r: r["index"])
+    assert [r["num_images"] for r in records] == [1, 0, 0, 1, 0, 0]
+    assert all(r["input_len"] == 6 and r["output_len"] == 4 for r in records)
+    bodies = {tuple(_user_texts(body)): body for body in state.bodies}
+    assert len(bodies) == 6
+    conversations = [key for key in bodies if len(key) == 3]
+    assert len(conversations) == 2
+    for turns in conversations:
+        last = bodies[turns]["messages"]
+        assert [m["role"] for m in last] == ["user", "assistant"] * 2 + ["user"]
+        assert [m["content"] for m in last[1::2]] == [" tok" * 4] * 2  # the replies, as sent
+        assert _image_urls({"messages": last[:1]})  # the first turn's image stays in history
+        assert tuple(turns[:1]) in bodies and tuple(turns[:2]) in bodies  # earlier turns sent
+
+
+def test_a_failed_turn_ends_its_conversation_unsent(base_url, tmp_path, state):
+    flags = ["--multi-turn-num-turns", "2", "--multi-turn-turn-len", "3"]
+    rc, report = run(
+        base_url,
+        tmp_path,
+        "--dataset-name",
+        "multi_turn",
+        *flags,
+        "--num-requests",
+        "4",
+        "--model",
+        "error-event",
+    )
+    assert rc == 1 and report["summary"]["num_ok"] == 0
+    assert len(state.bodies) == 2  # each conversation's first turn
+    unsent = [r for r in report["requests"] if "turn 0 of its conversation failed" in r["error"]]
+    assert sorted(r["index"] for r in unsent) == [1, 3]
+
+
+def test_multi_turn_needs_whole_conversations_and_the_chat_backend(base_url, state, capsys):
+    args = ["--base-url", base_url, "--tokenizer", "server", "--dataset-name", "multi_turn"]
+    for argv in (
+        ["--multi-turn-num-turns", "3", "--num-requests", "4"],
+        ["--backend", "openai", "--num-requests", "3"],
+        ["--multi-turn-turn-len", "0", "--num-requests", "3"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main([*args, *argv])
+        assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "a multiple of --multi-turn-num-turns" in err and "use --backend openai-chat" in err
+    assert "--multi-turn-turn-len must be >= 1" in err
+    assert not state.bodies
