@@ -212,6 +212,12 @@ class RouterConfig(ServiceConfig):
     )
     health_interval_s: float = flag(1.0, help="seconds between worker health polls")
     health_timeout_s: float = flag(1.0, help="timeout of one health check")
+    health_readmit_passes: int = flag(
+        2,
+        type=positive_int,
+        help="consecutive passing health checks that readmit an ejected worker (a worker not "
+        "yet ready is admitted at its first)",
+    )
     health_generate_interval_s: float = flag(
         30.0,
         type=non_negative,

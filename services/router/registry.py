@@ -2,7 +2,9 @@
 
 A background task polls each worker's ``grpc.health.v1`` ``Check`` every interval. A
 worker that fails (no answer in time, or not SERVING) is ejected: no new request is
-routed to it. It is readmitted as soon as a check passes again. Requests already on a
+routed to it. A worker never ready yet is admitted at its first passing check; an ejected one
+is readmitted only after ``readmit_passes`` consecutive passing checks, so a worker whose check
+flaps (pass, fail, pass) gets no traffic between its failures. Requests already on a
 worker that dies or stalls fail through their own calls (the pipeline bounds each one),
 not through the registry; the pipeline records a stall here (``record_stall``) and may
 ask for another worker of the kind (``acquire(kind, exclude=...)``).
@@ -111,10 +113,13 @@ class WorkerRegistry:
         probe: HealthProbe,
         on_poll: Callable[[], None] | None = None,
         required_kinds: Collection[WorkerKind] = (),
+        readmit_passes: int = 1,
     ) -> None:
         """``required_kinds``: kinds besides the routed ones that need a ready worker (those
-        configured, including ones discovery has not found yet)."""
+        configured, including ones discovery has not found yet); ``readmit_passes``: the
+        consecutive passing checks that readmit an ejected worker."""
         self._workers = list(workers)
+        self._readmit_passes = readmit_passes
         self._policy = policy
         self._metrics = metrics
         self._probe = probe
@@ -304,12 +309,20 @@ class WorkerRegistry:
         polled = list(self._workers if workers is None else workers)
         reasons = await asyncio.gather(*(self._probe.check(w.address) for w in polled))
         for worker, reason in zip(polled, reasons, strict=True):
-            self._set_state(
-                worker, WorkerState.READY if reason is None else WorkerState.NOT_READY, reason or ""
-            )
+            self._set_state(worker, self._next_state(worker, reason), reason or "")
         self._publish()
         if self._on_poll is not None:
             self._on_poll()
+
+    def _next_state(self, worker: Worker, reason: str | None) -> WorkerState:
+        """The state one check (``reason`` None: passed) moves ``worker`` to."""
+        if reason is not None:
+            worker.num_passes = 0
+            return WorkerState.NOT_READY
+        worker.num_passes += 1
+        if worker.state is WorkerState.NOT_READY and worker.num_passes < self._readmit_passes:
+            return WorkerState.NOT_READY
+        return WorkerState.READY
 
     def _set_state(self, worker: Worker, state: WorkerState, reason: str) -> None:
         if state is not worker.state:

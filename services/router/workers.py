@@ -41,6 +41,7 @@ class Worker:
     state: WorkerState = WorkerState.UNKNOWN
     num_in_flight: int = 0  # requests this router routed here and not finished
     last_error: str = ""  # why the last health check failed
+    num_passes: int = 0  # consecutive passing health checks
     num_stalls: int = 0  # calls it made no progress on within the stall bound
     last_completed_mono: float = (
         0.0  # time.monotonic() when it last completed its part of a request

@@ -94,6 +94,35 @@ async def test_poll_ejects_and_readmits(script):
         await cluster.stop()
 
 
+class ScriptedProbe(HealthProbe):
+    """Answers each worker's checks from a script: None passes, a string fails."""
+
+    def __init__(self, answers: dict[str, list[str | None]]) -> None:
+        super().__init__(1.0)
+        self.answers = answers
+
+    async def check(self, address: str) -> str | None:
+        return self.answers[address].pop(0)
+
+
+async def test_a_flapping_worker_gets_no_traffic_until_it_passes_twice_in_a_row():
+    workers = [Worker(WorkerKind.DECODE, a) for a in ("steady", "flaky")]
+    flaps = [None, "down", None, "down", None, "down", None, None, None]
+    probe = ScriptedProbe({"steady": [None] * len(flaps), "flaky": list(flaps)})
+    registry = WorkerRegistry(
+        workers, RoundRobinPolicy(), RouterMetrics(CollectorRegistry()), probe, readmit_passes=2
+    )
+    routable = []
+    for _ in flaps:
+        await registry.poll_once()
+        routable.append([w.address for w in registry.ready_workers(WorkerKind.DECODE)])
+    flaky_ready = ["flaky" in r for r in routable]
+    # admitted at its first pass (never ready before), then ejected by each failure and
+    # readmitted only by the second of two passes in a row
+    assert flaky_ready == [True, False, False, False, False, False, False, True, True]
+    assert all("steady" in r for r in routable)
+
+
 async def run_chats(app, num: int) -> None:
     import httpx
 
