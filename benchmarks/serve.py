@@ -12,7 +12,8 @@ template's tokens coming on top; images are random-noise JPEGs
 (quality 90) unless ``--image-kind`` / ``--image-format`` say otherwise;
 ``--dataset-name sharegpt --dataset-path FILE`` takes prompts from a local ShareGPT
 file, ``--dataset-name prefix_repetition`` shares prefixes between prompts (vLLM's flags),
-``--dataset-name multi_turn`` sends conversations turn after turn with their history; ``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
+``--dataset-name multi_turn`` sends conversations turn after turn with their history,
+``--dataset-name mooncake --dataset-path TRACE`` replays a Mooncake trace at its timestamps; ``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
 streamed unless ``--disable-stream``; ``--extra-body JSON`` is merged into every request body.
 
 Load: ``--request-rate R`` sends on a Poisson process (``inf``, the default, sends all at
@@ -37,7 +38,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.serve_dataset import MultiTurnSpec, ShareGptSpec
+from benchmarks.serve_dataset import MooncakeTraceSpec, MultiTurnSpec, ShareGptSpec
 from benchmarks.serve_dataset_flags import add_dataset_flags, dataset_from_args
 from benchmarks.serve_images import IMAGE_FORMATS, IMAGE_KINDS, parse_size
 from benchmarks.serve_metrics import Slo, format_table, markdown_table, summarize
@@ -169,6 +170,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--num-requests counts every turn: a multiple of --multi-turn-num-turns")
     if workload.backend == "openai" and workload.num_images.high:
         raise ValueError("--backend openai sends text completions: no images (use openai-chat)")
+    is_trace = isinstance(workload.dataset, MooncakeTraceSpec)
+    if is_trace and (args.request_rate != float("inf") or args.burstiness != 1.0):
+        raise ValueError(
+            "--dataset-name mooncake sends at the trace's timestamps: no --request-rate"
+        )
     if args.request_rate <= 0 or args.num_requests < 1 or (args.max_concurrency or 1) < 1:
         raise ValueError("--request-rate, --num-requests and --max-concurrency must be positive")
     if args.burstiness <= 0 or args.num_warmups < 0:

@@ -19,12 +19,19 @@ Multi-turn: conversations of ``num_turns`` user turns of ``turn_len`` random tok
 images (``--images-per-request``) in the first turn; each later turn is sent once the previous
 one has answered, with the whole history (earlier turns, the server's replies, the images) in
 front of it, as a chat client sends it.
+
+Mooncake trace (SGLang's ``mooncake`` dataset, from a local file): JSON lines of
+``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``, each hash id a
+block of ``block_size`` tokens. A hash id's block is the same random words wherever it appears
+(drawn from ``--seed`` and the id), so requests that share leading hash ids share that prefix
+token for token; the last block is cut or extended to ``input_length`` tokens. Requests are sent
+at their timestamps (relative to the first, times ``slowdown_factor``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -70,10 +77,30 @@ class MultiTurnSpec:
 
 
 @dataclass(frozen=True)
+class MooncakeTraceSpec:
+    path: Path
+    slowdown_factor: float
+    block_size: int
+
+    @property
+    def name(self) -> str:
+        return f"mooncake trace {self.path.name} (x{self.slowdown_factor:g} time)"
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    arrival_s: float  # from the first entry's timestamp, slowed down
+    input_len: int
+    output_len: int
+    hash_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class PromptSpec:
     text: str
     input_len: int  # the text's tokens, counted by the model's tokenizer
     output_len: int  # max_tokens
+    arrival_s: float | None = None  # a trace's send time; None: the arrival schedule's
 
 
 def load_sharegpt(path: Path) -> list[tuple[str, str]]:
@@ -148,3 +175,65 @@ async def prefix_repetition_prompts(
     starts = [starts[i] for i in rng.permutation(num_requests)]
     prompts = await builder.extend(starts, [dataset.suffix_len] * num_requests, rng)
     return [PromptSpec(text, count, dataset.output_len) for text, count in prompts]
+
+
+def load_mooncake_trace(dataset: MooncakeTraceSpec, num_requests: int) -> list[TraceEntry]:
+    """The first ``num_requests`` entries of the trace file; ValueError names a bad line."""
+    entries: list[TraceEntry] = []
+    try:
+        lines = dataset.path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"--dataset-path {dataset.path}: not readable ({exc})") from exc
+    for number, line in enumerate(lines, 1):
+        if len(entries) == num_requests:
+            break
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            entry = TraceEntry(
+                float(row["timestamp"]) / 1000,
+                int(row["input_length"]),
+                int(row["output_length"]),
+                tuple(int(h) for h in row["hash_ids"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"--dataset-path {dataset.path}, line {number}: not a Mooncake trace entry "
+                f"(timestamp, input_length, output_length, hash_ids): {exc!r}"
+            ) from exc
+        if entry.input_len < 1 or entry.output_len < 1 or not entry.hash_ids:
+            raise ValueError(
+                f"--dataset-path {dataset.path}, line {number}: input_length and output_length "
+                "must be >= 1, hash_ids not empty"
+            )
+        entries.append(entry)
+    if len(entries) < num_requests:
+        raise ValueError(
+            f"--dataset-path {dataset.path}: {len(entries)} entries, "
+            f"fewer than --num-requests {num_requests}"
+        )
+    start = min(e.arrival_s for e in entries)
+    return [replace(e, arrival_s=(e.arrival_s - start) * dataset.slowdown_factor) for e in entries]
+
+
+async def mooncake_prompts(
+    dataset: MooncakeTraceSpec, num_requests: int, seed: int, counter: TokenCounter
+) -> list[PromptSpec]:
+    entries = load_mooncake_trace(dataset, num_requests)
+    builder = await PromptBuilder.create(counter)
+    blocks: dict[int, str] = {}
+    for hash_id in sorted({h for e in entries for h in e.hash_ids[:-1]}):
+        rng = np.random.default_rng([seed, hash_id])
+        [(blocks[hash_id], _)] = await builder.prompts([dataset.block_size], rng)
+    heads = [" ".join(blocks[h] for h in e.hash_ids[:-1]) for e in entries]
+    counts = await counter.count(heads)
+    out = []
+    for entry, head, count in zip(entries, heads, counts, strict=True):
+        rng = np.random.default_rng([seed, entry.hash_ids[-1]])
+        if head and count <= entry.input_len:
+            [(text, n)] = await builder.extend([(head, count)], [entry.input_len - count], rng)
+        else:  # one block, or the earlier blocks already reach input_length: words from scratch
+            [(text, n)] = await builder.prompts([entry.input_len], rng)
+        out.append(PromptSpec(text, n, entry.output_len, entry.arrival_s))
+    return out

@@ -10,7 +10,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.serve_dataset import MultiTurnSpec, PrefixRepetitionSpec, ShareGptSpec
+from benchmarks.serve_dataset import (
+    MooncakeTraceSpec,
+    MultiTurnSpec,
+    PrefixRepetitionSpec,
+    ShareGptSpec,
+)
 
 # dataset -> (spec, ((flag suffix, default, minimum, help), ...) in the spec's field order)
 GENERATED = {
@@ -32,13 +37,31 @@ GENERATED = {
         ),
     ),
 }
-DATASETS = ("random", "sharegpt", *GENERATED)
-Dataset = ShareGptSpec | PrefixRepetitionSpec | MultiTurnSpec
+DATASETS = ("random", "sharegpt", "mooncake", *GENERATED)
+Dataset = ShareGptSpec | PrefixRepetitionSpec | MultiTurnSpec | MooncakeTraceSpec
+MOONCAKE_BLOCK_SIZE = 512  # tokens per hash id in the published Mooncake traces
 
 
 def add_dataset_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=DATASETS, default="random")
-    p.add_argument("--dataset-path", type=Path, default=None, help="a local ShareGPT JSON file")
+    p.add_argument(
+        "--dataset-path",
+        type=Path,
+        default=None,
+        help="a local ShareGPT JSON file, or a Mooncake trace (JSON lines)",
+    )
+    p.add_argument(
+        "--mooncake-slowdown-factor",
+        type=float,
+        default=None,
+        help="mooncake: times between the trace's timestamps are multiplied by this (1)",
+    )
+    p.add_argument(
+        "--mooncake-block-size",
+        type=int,
+        default=None,
+        help=f"mooncake: tokens per hash id ({MOONCAKE_BLOCK_SIZE})",
+    )
     p.add_argument(
         "--sharegpt-output-len",
         type=int,
@@ -58,9 +81,14 @@ def dataset_from_args(args: argparse.Namespace) -> Dataset | None:
     """The dataset ``--dataset-name`` names (None: random prompts); ValueError on a flag of
     another dataset or a value out of range."""
     name = args.dataset_name
-    sharegpt = args.dataset_path or args.sharegpt_output_len or args.sharegpt_context_len
+    sharegpt = args.sharegpt_output_len or args.sharegpt_context_len
+    mooncake = args.mooncake_slowdown_factor is not None or args.mooncake_block_size is not None
     if name != "sharegpt" and sharegpt:
-        raise ValueError("--dataset-path and --sharegpt-* need --dataset-name sharegpt")
+        raise ValueError("--sharegpt-* need --dataset-name sharegpt")
+    if name != "mooncake" and mooncake:
+        raise ValueError("--mooncake-* need --dataset-name mooncake")
+    if name not in ("sharegpt", "mooncake") and args.dataset_path:
+        raise ValueError("--dataset-path needs --dataset-name sharegpt or mooncake")
     for dataset, (_, flags) in GENERATED.items():
         if dataset != name and any(_value(args, dataset, f[0]) is not None for f in flags):
             prefix = dataset.replace("_", "-")
@@ -73,8 +101,14 @@ def dataset_from_args(args: argparse.Namespace) -> Dataset | None:
         return _generated(args, name)
     if args.dataset_path is None:
         raise ValueError(
-            "--dataset-name sharegpt needs --dataset-path (a local file; nothing is downloaded)"
+            f"--dataset-name {name} needs --dataset-path (a local file; nothing is downloaded)"
         )
+    if name == "mooncake":
+        slowdown = 1.0 if args.mooncake_slowdown_factor is None else args.mooncake_slowdown_factor
+        block_size = args.mooncake_block_size or MOONCAKE_BLOCK_SIZE
+        if slowdown <= 0 or block_size < 1:
+            raise ValueError("--mooncake-slowdown-factor must be > 0, -block-size >= 1")
+        return MooncakeTraceSpec(args.dataset_path, slowdown, block_size)
     if (args.sharegpt_output_len or 1) < 1:
         raise ValueError("--sharegpt-output-len must be >= 1")
     return ShareGptSpec(args.dataset_path, args.sharegpt_output_len, args.sharegpt_context_len)

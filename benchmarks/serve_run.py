@@ -127,7 +127,11 @@ class _Run:
         """Records of every request sent (aborted ones included) and the run's duration."""
         cfg = self.cfg
         groups = _schedule_groups(specs)
-        offsets = arrival_offsets(len(groups), cfg.request_rate, cfg.seed, cfg.burstiness)
+        offsets = (
+            [group[0].arrival_s for group in groups]
+            if groups and groups[0][0].arrival_s is not None
+            else arrival_offsets(len(groups), cfg.request_rate, cfg.seed, cfg.burstiness)
+        )
         self.t0 = time.perf_counter()
         tasks = [
             asyncio.create_task(

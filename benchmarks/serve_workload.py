@@ -18,10 +18,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from benchmarks.serve_dataset import (
+    MooncakeTraceSpec,
     MultiTurnSpec,
     PrefixRepetitionSpec,
     PromptSpec,
     ShareGptSpec,
+    mooncake_prompts,
     prefix_repetition_prompts,
     random_prompts,
     sharegpt_prompts,
@@ -68,7 +70,7 @@ class WorkloadSpec:
     image_kind: str = "noise"
     image_format: str = "jpeg"
     # None: random prompts of input_len tokens
-    dataset: ShareGptSpec | PrefixRepetitionSpec | MultiTurnSpec | None = None
+    dataset: ShareGptSpec | PrefixRepetitionSpec | MultiTurnSpec | MooncakeTraceSpec | None = None
     stream: bool = True
     extra_body: dict = field(default_factory=dict)  # merged into every request body last
 
@@ -87,6 +89,7 @@ class RequestSpec:
     is_streamed: bool = True
     conversation: int | None = None  # multi-turn: which conversation (None: independent)
     turn: int = 0
+    arrival_s: float | None = None  # a trace's send time; None: the arrival schedule's
 
 
 def follow_up(previous_body: bytes, reply: str, spec: RequestSpec) -> RequestSpec:
@@ -147,6 +150,8 @@ async def make_requests(
         ]
     if isinstance(workload.dataset, ShareGptSpec):
         prompts = await sharegpt_prompts(workload.dataset, num_requests, seed, counter)
+    elif isinstance(workload.dataset, MooncakeTraceSpec):
+        prompts = await mooncake_prompts(workload.dataset, num_requests, seed, counter)
     elif isinstance(workload.dataset, PrefixRepetitionSpec):
         prompts = await prefix_repetition_prompts(workload.dataset, num_requests, rng, counter)
     else:
@@ -160,7 +165,13 @@ async def make_requests(
         body = _body(model, prompt, image_seeds, workload)
         encoded = json.dumps(body).encode()
         spec = RequestSpec(
-            index, prompt.input_len, prompt.output_len, num_images, encoded, workload.stream
+            index,
+            prompt.input_len,
+            prompt.output_len,
+            num_images,
+            encoded,
+            workload.stream,
+            arrival_s=prompt.arrival_s,
         )
         if multi_turn is not None:
             turns = multi_turn.num_turns

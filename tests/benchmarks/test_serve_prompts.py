@@ -267,3 +267,67 @@ def test_multi_turn_needs_whole_conversations_and_the_chat_backend(base_url, sta
     assert "a multiple of --multi-turn-num-turns" in err and "use --backend openai-chat" in err
     assert "--multi-turn-turn-len must be >= 1" in err
     assert not state.bodies
+
+
+TRACE = [  # (timestamp ms, input_length, output_length, hash_ids); block size 10 below
+    (1000, 30, 3, [1, 2, 3]),
+    (1100, 25, 2, [1, 2, 4]),
+    (1050, 12, 4, [1, 9]),
+    (1200, 7, 2, [5]),
+]
+
+
+def _write_trace(path: Path, rows=TRACE) -> Path:
+    lines = [
+        json.dumps({"timestamp": t, "input_length": n, "output_length": m, "hash_ids": h})
+        for t, n, m, h in rows
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_mooncake_trace_shares_blocks_by_hash_id_and_sends_at_its_timestamps(
+    base_url, tmp_path, state
+):
+    trace = _write_trace(tmp_path / "trace.jsonl")
+    flags = ["--dataset-path", str(trace), "--mooncake-block-size", "10"]
+    flags += ["--mooncake-slowdown-factor", "2", "--num-requests", "4"]
+    rc, report = run(base_url, tmp_path, "--dataset-name", "mooncake", *flags)
+    assert rc == 0 and report["summary"]["num_ok"] == 4
+    records = sorted(report["requests"], key=lambda r: r["index"])
+    assert [r["input_len"] for r in records] == [30, 25, 12, 7]
+    assert [r["output_len"] for r in records] == [3, 2, 4, 2]
+    words = {}
+    for body in state.bodies:
+        text = body["messages"][0]["content"].split()
+        words[len(text)] = text
+    assert words[30][:20] == words[25][:20] and words[30][20:] != words[25][20:25]
+    assert words[12][:10] == words[30][:10] and words[12][10:] != words[30][10:12]
+    assert words[7] != words[30][:7]  # hash 5's block is not hash 1's
+    # sent in timestamp order, none before its slowed-down offset from the first timestamp
+    assert [r["index"] for r in sorted(records, key=lambda r: r["start_s"])] == [0, 2, 1, 3]
+    for record, offset_s in zip(records, [0.0, 0.2, 0.1, 0.4], strict=True):
+        assert record["start_s"] >= offset_s
+
+
+def test_a_bad_mooncake_trace_or_a_request_rate_is_refused(base_url, tmp_path, state, capsys):
+    args = ["--base-url", base_url, "--tokenizer", "server", "--dataset-name", "mooncake"]
+    trace = _write_trace(tmp_path / "trace.jsonl")
+    assert main([*args, "--dataset-path", str(trace), "--num-requests", "5"]) == 2
+    assert "4 entries, fewer than --num-requests 5" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 3, "output_length": 2, "hash_ids": [1]}\n{}\n')
+    assert main([*args, "--dataset-path", str(bad), "--num-requests", "2"]) == 2
+    assert "line 2: not a Mooncake trace entry" in capsys.readouterr().err
+    for argv in (
+        ["--dataset-path", str(trace), "--request-rate", "4"],
+        ["--dataset-path", str(trace), "--mooncake-slowdown-factor", "0"],
+        ["--mooncake-block-size", "8"],  # no --dataset-path
+    ):
+        with pytest.raises(SystemExit):
+            main([*args, *argv])
+    with pytest.raises(SystemExit):
+        main(["--base-url", base_url, "--mooncake-block-size", "8"])  # random dataset
+    err = capsys.readouterr().err
+    assert "sends at the trace's timestamps" in err and "need --dataset-name mooncake" in err
+    assert not state.bodies
