@@ -76,6 +76,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens were generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids distinct
+    return_logprobs: bool = False  # each generated token's logprob (raw model log-softmax)
+    num_top_logprobs: int = 0  # with return_logprobs: the most likely tokens' logprobs too
 
     @property
     def is_greedy(self) -> bool:
@@ -109,6 +111,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 0 <= self.min_tokens <= self.max_new_tokens,
                 "min_tokens",
                 "must be in [0, max_new_tokens]",
+            ),
+            (
+                0 <= self.num_top_logprobs <= MAX_TOP_LOGPROBS,
+                "num_top_logprobs",
+                f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+            (
+                self.return_logprobs or self.num_top_logprobs == 0,
+                "num_top_logprobs",
+                "needs return_logprobs",
             ),
             (
                 len(self.logit_bias) <= MAX_LOGIT_BIAS,
@@ -147,6 +159,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_TOP_LOGPROBS = 20  # most top logprobs per token (OpenAI's and vLLM's bound)
 MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
 # (field, low, high, is the low end open): every float field's range.
 _FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (
@@ -158,6 +171,19 @@ _FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (
     ("frequency_penalty", -2.0, 2.0, False),
     ("presence_penalty", -2.0, 2.0, False),
 )
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's logprob and the most likely tokens' (``SamplingParams`` asks).
+
+    Raw model logprobs: the log-softmax of the logits the sampler got, before penalties,
+    logit bias, temperature and filters. ``top_token_ids`` by logprob, descending.
+    """
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()  # parallel to top_token_ids
 
 
 class FinishReason(enum.Enum):

@@ -22,7 +22,13 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.pb.stageserve.v1 import common_pb2, decode_pb2
-from services.common.types import FinishReason, ImageSpanRef, SamplingParams, Usage
+from services.common.types import (
+    FinishReason,
+    ImageSpanRef,
+    SamplingParams,
+    TokenLogprob,
+    Usage,
+)
 
 
 class KvBufferInfo(msgspec.Struct, frozen=True):
@@ -205,6 +211,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
         logit_bias=[common_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
+        return_logprobs=params.return_logprobs,
+        num_top_logprobs=params.num_top_logprobs,
         **{name: getattr(params, name) for name in _FLOAT_FIELDS},
     )
     if params.seed is not None:
@@ -221,7 +229,27 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         ignore_eos=message.ignore_eos,
         min_tokens=message.min_tokens,
         logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
+        return_logprobs=message.return_logprobs,
+        num_top_logprobs=message.num_top_logprobs,
         **values,
+    )
+
+
+def token_logprob_to_proto(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=logprob.token_id,
+        logprob=logprob.logprob,
+        top_token_ids=logprob.top_token_ids,
+        top_logprobs=logprob.top_logprobs,
+    )
+
+
+def token_logprob_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        message.token_id,
+        message.logprob,
+        tuple(message.top_token_ids),
+        tuple(message.top_logprobs),
     )
 
 

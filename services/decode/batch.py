@@ -6,7 +6,9 @@ parameters' token histories (output counts and the prompt mask, only once a pena
 request runs) and, on the host, the page table row. A step (``launch``) gathers the rows'
 input tokens on the device, runs the forward, samples on the device, scatters the samples
 back into the slots and starts one copy of them to pinned host memory; nothing waits for
-the device. ``read`` waits for that copy alone.
+the device. ``read`` waits for that copy alone. Rows whose request asked for logprobs get
+them from the step's logits (the ones the graph returned, outside it) and copied with the
+tokens; a step where no row asks computes none.
 
 ``StepLoop`` is the loop both the decode rank and the engine benchmark run: each ``step``
 launches a plan, then reads the oldest step not read: overlapped, the previous one (the
@@ -24,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.common.types import SamplingParams
+from services.common.types import SamplingParams, TokenLogprob
 from services.decode.scheduler import DecodePlan, JoinedRow, uses_history
 from services.engine.model_runner import DecodeInputs, ModelRunner
-from services.engine.sampler import Sampler, make_generator
+from services.engine.sampler import LogprobRows, Sampler, make_generator
 
 NUM_HOST_BUFFERS = 2  # one step being copied while the previous one is read
 
@@ -38,6 +40,7 @@ class LaunchedStep:
     host_tokens: torch.Tensor  # [B] int64 (pinned on CUDA): the step's samples once ``copied``
     copied: torch.cuda.Event | None  # None on CPU: the copy is done when ``launch`` returns
     launch_s: float  # time.monotonic() when it was launched
+    logprobs: LogprobRows | None = None  # on the host once ``copied``; None: no row asked
 
 
 def is_plain(params: SamplingParams) -> bool:
@@ -69,6 +72,7 @@ class DecodeBatchRunner:
         self._pages: list[list[int]] = [[] for _ in range(num_slots)]
         self._params: list[SamplingParams] = [SamplingParams(temperature=0.0)] * num_slots
         self._is_plain = np.ones(num_slots, dtype=bool)
+        self._num_top_logprobs = np.full(num_slots, -1, dtype=np.int64)  # -1: no logprobs
         self._generators: dict[
             int, torch.Generator
         ] = {}  # slot -> a seeded random request's generator
@@ -117,16 +121,33 @@ class DecodeBatchRunner:
         self._next_buffer = (buffer + 1) % NUM_HOST_BUFFERS
         host = self._host[buffer][: plan.num_rows]
         host.copy_(tokens, non_blocking=True)
+        logprobs = self._logprobs(plan, logits, tokens)
         event = self._events[buffer]
         if event is not None:
             event.record()
-        return LaunchedStep(plan, host, event, launch_s)
+        return LaunchedStep(plan, host, event, launch_s, logprobs)
 
     def read(self, launched: LaunchedStep) -> list[int]:
         """The step's sampled tokens, in row order (waits for their copy only)."""
         if launched.copied is not None:
             launched.copied.synchronize()
         return launched.host_tokens.tolist()
+
+    def read_logprobs(self, launched: LaunchedStep) -> dict[str, TokenLogprob]:
+        """The logprobs of the step's rows that asked, by request id (after ``read``)."""
+        rows = launched.logprobs
+        if rows is None:
+            return {}
+        request_ids = launched.plan.request_ids
+        return dict(zip([request_ids[r] for r in rows.rows], rows.to_list(), strict=True))
+
+    def _logprobs(
+        self, plan: DecodePlan, logits: torch.Tensor, tokens: torch.Tensor
+    ) -> LogprobRows | None:
+        num_top = self._num_top_logprobs[plan.slots]  # [B]
+        asks = [(int(row), int(num_top[row])) for row in np.flatnonzero(num_top >= 0)]
+        rows = self.sampler.logprobs(logits, tokens, asks)
+        return None if rows is None else rows.to_host()
 
     def synchronize(self) -> None:
         """Wait until the device finished everything queued (before pages of abandoned steps are
@@ -165,6 +186,8 @@ class DecodeBatchRunner:
             self._page_table[slot, : len(row.pages)] = row.pages
             self._params[slot] = row.params
             self._is_plain[slot] = is_plain(row.params)
+            wants = row.params.return_logprobs
+            self._num_top_logprobs[slot] = row.params.num_top_logprobs if wants else -1
             self._generators.pop(slot, None)
             if not row.params.is_greedy and row.params.seed is not None:
                 self._generators[slot] = self._resumed_generator(row.params.seed)

@@ -14,7 +14,7 @@ import msgspec
 
 from services.common.destinations import KvDestination
 from services.common.errors import ErrorRecord
-from services.common.types import FinishReason, SamplingParams, Usage
+from services.common.types import FinishReason, SamplingParams, TokenLogprob, Usage
 
 
 class RankInit(msgspec.Struct, frozen=True):
@@ -123,3 +123,6 @@ class RankReport(msgspec.Struct, frozen=True):
     num_read_rows: int  # rows of the step read here (0: none was read)
     read_step_s: float  # launch to read of that step, seconds
     prefill_wait_s: float = 0.0  # this step's wait for prefill's forwards (not in read_step_s)
+    # The logprobs of the tokens whose request asked: logprobs[j] is token_ids[logprob_indices[j]]'s
+    logprob_indices: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import (
@@ -32,7 +32,7 @@ from services.common.errors import (
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec, check_kv_backend
 from services.common.ranks.step import FreeRankStep, RankContext
-from services.common.types import SamplingParams
+from services.common.types import SamplingParams, TokenLogprob
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.kv_manager import KVReservationManager
 from services.decode.messages import (
@@ -69,6 +69,7 @@ class _StepOutput:
     num_rows: int = 0
     step_s: float = 0.0
     prefill_wait_s: float = 0.0
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of requests that asked
 
 
 class DecodeRank:
@@ -195,11 +196,12 @@ class DecodeRank:
             return _StepOutput([], [], prefill_wait_s=waited_s)
         launched, token_ids = done
         tokens, finished = self.scheduler.update_from_output(launched.plan, token_ids)
+        logprobs = self.loop.batch.read_logprobs(launched)
         now = self._clock()
         start = max(self._last_read_s, launched.launch_s)
         step_s = now - start - (waited_s if start < wait_end else 0.0)  # the step, not the wait
         self._last_read_s = now
-        return _StepOutput(tokens, finished, launched.plan.num_rows, step_s, waited_s)
+        return _StepOutput(tokens, finished, launched.plan.num_rows, step_s, waited_s, logprobs)
 
     def _validate(self, request: DecodeRequest, lifetime_s: float) -> None:
         request.params.validate()
@@ -232,10 +234,13 @@ class DecodeRank:
     ) -> RankReport:
         request_ids = tuple(request_id for request_id, _ in output.tokens)
         token_ids = tuple(token_id for _, token_id in output.tokens)
+        logprob_indices = tuple(i for i, r in enumerate(request_ids) if r in output.logprobs)
         return RankReport(
             replies=replies,
             token_request_ids=request_ids,
             token_ids=token_ids,
+            logprob_indices=logprob_indices,
+            logprobs=tuple(output.logprobs[request_ids[i]] for i in logprob_indices),
             finished=tuple(finished),
             expired=tuple(expired),
             load=self.load(),

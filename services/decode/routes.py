@@ -66,10 +66,12 @@ class Routes:
 
     def deliver(self, report: RankReport) -> None:
         """Hand a rank's report out: tokens to their streams, ends; forget expired requests."""
-        for request_id, token_id in zip(report.token_request_ids, report.token_ids, strict=True):
+        logprobs = dict(zip(report.logprob_indices, report.logprobs, strict=True))
+        tokens = zip(report.token_request_ids, report.token_ids, strict=True)
+        for i, (request_id, token_id) in enumerate(tokens):
             route = self._live.get(request_id)
             if route is not None and route.conn is not None:
-                route.conn.add_token(request_id, token_id)
+                route.conn.add_token(request_id, token_id, logprobs.get(i))
         for done in report.finished:
             route = self._live.pop(done.request_id, None)
             if route is not None:

@@ -25,6 +25,7 @@ from services.common.wire import (
     kv_ref_to_proto,
     sampling_params_from_proto,
     stream_error_to_proto,
+    token_logprob_to_proto,
     usage_to_proto,
 )
 from services.decode import metrics
@@ -61,6 +62,8 @@ def _response(batch: StreamBatch) -> decode_pb2.DecodeStreamResponse:
         token_ids=batch.token_ids,
         ends=[_end_to_proto(e) for e in batch.ends],
         waiting_request_ids=batch.waiting_ids,
+        logprobs=[token_logprob_to_proto(logprob) for logprob in batch.logprobs],
+        logprob_indices=batch.logprob_indices,
     )
 
 

@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from services.common.errors import StageServeError
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, TokenLogprob, Usage
 
 # How often a stepping rank lists its generating requests that got no token (waiting for a
 # place in its running batch): the caller's progress bound (the router's --stall-timeout-s,
@@ -33,11 +33,14 @@ class RequestEnded:
 
 @dataclass
 class StreamBatch:
-    """What one message carries: tokens as parallel lists (in step order), the ends, and the
-    requests that wait."""
+    """What one message carries: tokens as parallel lists (in step order), the logprobs of
+    those whose request asked (``logprobs[j]`` is ``token_ids[logprob_indices[j]]``'s), the
+    ends, and the requests that wait."""
 
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprob_indices: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     ends: list[RequestEnded] = field(default_factory=list)
     waiting_ids: list[str] = field(default_factory=list)
 
@@ -60,7 +63,10 @@ class Connection:
         """Nothing more can come: the caller stopped sending and every request ended."""
         return self.is_input_closed and not self.request_ids
 
-    def add_token(self, request_id: str, token_id: int) -> None:
+    def add_token(self, request_id: str, token_id: int, logprob: TokenLogprob | None) -> None:
+        if logprob is not None:
+            self._batch.logprob_indices.append(len(self._batch.token_ids))
+            self._batch.logprobs.append(logprob)
         self._batch.request_ids.append(request_id)
         self._batch.token_ids.append(token_id)
         self._has_batch.set()

@@ -6,18 +6,54 @@ the min_tokens mask (EOS and stop tokens out until min_tokens were generated),
 temperature, top-k, top-p, min-p. Greedy rows (temperature 0) take the argmax of the
 penalized logits. Random rows draw their noise only from their own generator, so a
 seeded request gets the same tokens whatever else is in the batch.
+
+Logprobs (``logprobs``) are raw: the log-softmax of the logits the sampler got, before
+any of the above (vLLM's default ``raw_logprobs``), computed only for the rows that ask.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.types import TokenLogprob
+
 if TYPE_CHECKING:
     from services.common.types import SamplingParams
+
+
+@dataclass(frozen=True)
+class LogprobRows:
+    """The logprobs of the batch rows whose request asked for them, on one device."""
+
+    rows: tuple[int, ...]  # batch rows, ascending
+    num_top: tuple[int, ...]  # each row's num_top_logprobs
+    token_ids: torch.Tensor  # [R] int64: the sampled tokens
+    logprobs: torch.Tensor  # [R] float32: their logprobs
+    top_ids: torch.Tensor  # [R, K] int64, K = max(num_top)
+    top_logprobs: torch.Tensor  # [R, K] float32, descending per row
+
+    def to_host(self) -> LogprobRows:
+        """A copy on the CPU, queued without waiting (pinned memory from CUDA): read it once the
+        stream's work up to here has finished."""
+        tensors = (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+        host = [t.to("cpu", non_blocking=True) for t in tensors]
+        return LogprobRows(self.rows, self.num_top, *host)
+
+    def to_list(self) -> list[TokenLogprob]:
+        """One ``TokenLogprob`` per row of ``rows``, each with its own number of top tokens."""
+        token_ids, logprobs = self.token_ids.tolist(), self.logprobs.tolist()
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [
+            TokenLogprob(
+                token_ids[j], logprobs[j], tuple(top_ids[j][:k]), tuple(top_logprobs[j][:k])
+            )
+            for j, k in enumerate(self.num_top)
+        ]
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
@@ -203,6 +239,25 @@ class Sampler:
                 noise[j] = self._exponential_noise(probs[j], generators[i])
         token_ids[row_index] = (probs / noise).argmax(dim=1)
         return token_ids
+
+    def logprobs(
+        self,
+        logits: torch.Tensor,  # [B, V]: the logits the rows were sampled from
+        token_ids: torch.Tensor,  # [B] int64: the sampled tokens
+        asks: Sequence[tuple[int, int]],  # (row, num_top_logprobs) of each row that asks
+    ) -> LogprobRows | None:
+        """The raw logprobs of the asking rows (None when none asks): nothing is computed for
+        the other rows."""
+        if not asks:
+            return None
+        rows = tuple(row for row, _ in asks)
+        num_top = tuple(k for _, k in asks)
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = logits[index].float().log_softmax(dim=1)  # [R, V]
+        chosen = token_ids[index]
+        top_logprobs, top_ids = logprobs.topk(max(num_top), dim=1)  # [R, K], sorted
+        token_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [R]
+        return LogprobRows(rows, num_top, chosen, token_logprobs, top_ids, top_logprobs)
 
     def skip(self, generator: torch.Generator, vocab_size: int) -> None:
         """Advance ``generator`` past the draw ``sample`` makes for one random row of ``vocab_size`` logits.

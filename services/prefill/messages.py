@@ -13,7 +13,7 @@ import hashlib
 import msgspec
 
 from services.common.destinations import EmbeddingDestination, KvDestination, KvPoolLayout
-from services.common.types import ImageSpanRef, SamplingParams
+from services.common.types import ImageSpanRef, SamplingParams, TokenLogprob
 
 SHARDED = -1  # RankPlan.solo_rank: every rank runs its shard of the plan
 
@@ -87,6 +87,7 @@ class RankOutcome(msgspec.Struct, frozen=True, array_like=True):
     kv_transfer_s: float = 0.0
     error: str = ""  # this rank's KV write failed: the error text
     error_type: str = ""  # its StageServeError class name
+    first_logprob: TokenLogprob | None = None  # with first_token_id, when the request asked
 
 
 class RankResult(msgspec.Struct, frozen=True):

@@ -86,10 +86,11 @@ def merge_results(
         mine = [
             (rank, p[request.request_id]) for rank, p in enumerate(parts) if request.request_id in p
         ]
-        tokens = [o.first_token_id for _, o in mine if o.first_token_id >= 0]
-        assert len(tokens) == 1, (
-            f"{request.request_id}: {len(tokens)} ranks sampled its first token"
+        sampled = [o for _, o in mine if o.first_token_id >= 0]
+        assert len(sampled) == 1, (
+            f"{request.request_id}: {len(sampled)} ranks sampled its first token"
         )
+        tokens = [sampled[0].first_token_id]
         failed = [(rank, o) for rank, o in mine if o.error]
         finish = finish_reason(
             request.params,
@@ -111,6 +112,7 @@ def merge_results(
                 sum(o.num_kv_bytes for _, o in mine),
                 max(o.kv_transfer_s for _, o in mine),
                 error=error,
+                first_logprob=sampled[0].first_logprob,
             )
         )
     return PrefillOutput(plan.plan_id, tuple(outcomes), max(r.forward_s for r in results))

@@ -9,7 +9,7 @@ import msgspec
 
 from services.common.destinations import KvDestination
 from services.common.errors import StageServeError
-from services.common.types import FinishReason, ImageSpanRef, SamplingParams
+from services.common.types import FinishReason, ImageSpanRef, SamplingParams, TokenLogprob
 
 
 class PrefillStatus(enum.Enum):
@@ -100,6 +100,7 @@ class RequestOutcome:
     kv_transfer_s: float = 0.0
     num_cached_image_tokens: int = 0  # image tokens whose rows came from the encoder's cache
     error: StageServeError | None = None
+    first_logprob: TokenLogprob | None = None  # set when the request asked (return_logprobs)
 
     @property
     def is_ok(self) -> bool:

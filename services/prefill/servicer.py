@@ -87,6 +87,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 ),  # the leader answered: KV landed
                 num_cached_image_tokens=outcome.num_cached_image_tokens,
                 finish_reason=outcome.finish_reason,
+                first_logprob=outcome.first_logprob,
             )
         )
 

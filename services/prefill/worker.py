@@ -17,10 +17,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from services.common.deadlines import mono_of_unix_s
 from services.common.gpu_share import GpuShare
+from services.common.types import TokenLogprob
 from services.engine import ops
 from services.engine.attention.context_parallel import ContextParallelAttention, CpShard, KvExchange
 from services.engine.model_runner import ModelRunner
@@ -93,14 +95,16 @@ class PrefillRankWorker:
                 handoff.begin_layerwise(plan.requests)
             start = time.perf_counter()
             with self._marking():
-                token_ids = self._run(plan, shard, handoff)
+                sampled = self._run(plan, shard, handoff)
             forward_s = time.perf_counter() - start
-            if token_ids is None:
+            if sampled is None:
                 return PlanOutcome((), forward_s, peer_failed=True)
             if not write_kv:
                 return PlanOutcome((), forward_s)
+            token_ids, logprobs = sampled
             handoff.start(plan.requests)
-            return PlanOutcome(handoff.wait(plan.requests, token_ids), forward_s)
+            outcomes = handoff.wait(plan.requests, token_ids)
+            return PlanOutcome(_with_logprobs(outcomes, logprobs), forward_s)
         finally:
             handoff.close()
             for request in plan.requests:
@@ -111,7 +115,7 @@ class PrefillRankWorker:
             return contextlib.nullcontext()
         return self.gpu_share.marking(self.rank)
 
-    def _run(self, plan: RankPlan, shard: CpShard, handoff: KvHandoff) -> dict[str, int] | None:
+    def _run(self, plan: RankPlan, shard: CpShard, handoff: KvHandoff) -> _Sampled | None:
         """Every pass, then the first tokens this rank samples; None when a peer failed."""
         rows: list[RequestRows] = []
         logits, owners = [], []
@@ -178,19 +182,45 @@ class PrefillRankWorker:
 
     def _sample(
         self, requests: tuple[RankRequest, ...], logits: torch.Tensor, owners: list[int]
-    ) -> dict[str, int]:
+    ) -> _Sampled:
         if not owners:
-            return {}
+            return {}, {}
         picked = [requests[i] for i in owners]
         generators = [make_generator(r.params.seed, self.runner.device) for r in picked]
-        token_ids = self.sampler.sample(
+        sampled = self.sampler.sample(
             logits,
             [r.params for r in picked],
             [list(r.token_ids) for r in picked],
             [[] for _ in picked],
             generators,
-        ).tolist()
-        return {r.request_id: t for r, t in zip(picked, token_ids, strict=True)}
+        )
+        asks = [
+            (j, r.params.num_top_logprobs) for j, r in enumerate(picked) if r.params.return_logprobs
+        ]
+        rows = self.sampler.logprobs(logits, sampled, asks)
+        logprobs: dict[str, TokenLogprob] = {}
+        if rows is not None:
+            listed = zip(rows.rows, rows.to_list(), strict=True)
+            logprobs = {picked[j].request_id: logprob for j, logprob in listed}
+        token_ids = sampled.tolist()
+        return {r.request_id: t for r, t in zip(picked, token_ids, strict=True)}, logprobs
+
+
+# A rank's first tokens by request id, and the logprobs of those whose request asked.
+_Sampled = tuple[dict[str, int], dict[str, TokenLogprob]]
+
+
+def _with_logprobs(
+    outcomes: tuple[RankOutcome, ...], logprobs: dict[str, TokenLogprob]
+) -> tuple[RankOutcome, ...]:
+    if not logprobs:
+        return outcomes
+    return tuple(
+        msgspec.structs.replace(o, first_logprob=logprobs[o.request_id])
+        if o.request_id in logprobs
+        else o
+        for o in outcomes
+    )
 
 
 def override_rows(request: RankRequest, hidden_size: int) -> torch.Tensor:

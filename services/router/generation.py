@@ -323,10 +323,11 @@ class GenerationPipeline:
         itself."""
         output = flow.output
         output.num_cached_image_tokens = result.num_cached_image_tokens
+        first_logprobs = () if result.first_logprob is None else (result.first_logprob,)
         if result.finish_reason is not None:
-            flow.emit(output.finish(result.finish_reason, [result.first_token_id]))
+            flow.emit(output.finish(result.finish_reason, [result.first_token_id], first_logprobs))
             return False
-        flow.emit(output.add_tokens([result.first_token_id]))
+        flow.emit(output.add_tokens([result.first_token_id], first_logprobs))
         if output.is_finished:
             return False
         return await self._stream_decode(
@@ -356,9 +357,12 @@ class GenerationPipeline:
                     continue  # it waits on decode for a place in a batch: not a stall
                 if chunk.finish_reason is not None:
                     self._registry.record_completed(decode)
-                    flow.emit(flow.output.finish(chunk.finish_reason, chunk.token_ids))
+                    output = flow.output.finish(
+                        chunk.finish_reason, chunk.token_ids, chunk.logprobs
+                    )
+                    flow.emit(output)
                     return True
-                flow.emit(flow.output.add_tokens(chunk.token_ids))
+                flow.emit(flow.output.add_tokens(chunk.token_ids, chunk.logprobs))
                 if flow.output.is_finished:  # a stop string matched
                     return False
         finally:

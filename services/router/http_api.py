@@ -24,6 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from services.common.errors import AbortedError, InvalidRequestError, StageServeError
+from services.common.types import TokenLogprob
 from services.engine.processing import TextProcessor
 from services.router.auth import is_authorized
 from services.router.body_limit import BodyLimitMiddleware
@@ -37,7 +38,13 @@ from services.router.http_errors import (
 )
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
-from services.router.openai_format import OpenAIJSONResponse, ResponseFormatter, error_body_of, sse
+from services.router.openai_format import (
+    LogprobFormatter,
+    OpenAIJSONResponse,
+    ResponseFormatter,
+    error_body_of,
+    sse,
+)
 from services.router.openai_params import GenerationOptions, generation_options
 from services.router.openai_schema import (
     ChatCompletionBody,
@@ -69,7 +76,7 @@ class VersionResponse(BaseModel):
 
 class OpenAIApi:
     """The handlers; ``create_app`` wires them into a FastAPI app. ``text``: the router's copy
-    of the model's tokenizer (``/detokenize``)."""
+    of the model's tokenizer (``/detokenize``, logprobs' token texts)."""
 
     def __init__(
         self,
@@ -90,6 +97,7 @@ class OpenAIApi:
         self.max_context_len = max_context_len
         self.limits = limits
         self.created = int(time.time())
+        self._token_bytes = text.token_bytes
         self.tokens = TokenizeApi(
             pipeline, images, text, served_model_name, max_context_len, limits.request_timeout_s
         )
@@ -163,15 +171,23 @@ class OpenAIApi:
         echo: str = "",
     ) -> Response:
         """``echo``: text the output starts with (completions' echo: the prompt)."""
+        logprobs = None
+        if generation.params.return_logprobs:
+            logprobs = LogprobFormatter(self._token_bytes)
         formatter = ResponseFormatter(
-            generation.request_id, self.served_model_name, int(time.time()), is_chat=is_chat
+            generation.request_id,
+            self.served_model_name,
+            int(time.time()),
+            is_chat=is_chat,
+            logprobs=logprobs,
         )
         deltas = self.pipeline.stream(generation)
         if not stream:
-            text, last = await _until_disconnect(request, _collect(deltas))
+            text, last, token_logprobs = await _until_disconnect(request, _collect(deltas))
             assert last.finish_reason is not None and last.usage is not None
             tracker.finish("ok", last.usage)
-            return OpenAIJSONResponse(formatter.full(echo + text, last.finish_reason, last.usage))
+            body = formatter.full(echo + text, last.finish_reason, last.usage, token_logprobs)
+            return OpenAIJSONResponse(body)
         # The first delta comes before the headers, so errors up to prefill are plain HTTP errors.
         first = await _until_disconnect(request, anext(deltas))
         include_usage = bool(stream_options and stream_options.include_usage)
@@ -233,12 +249,15 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def _collect(deltas: AsyncIterator[GenerationDelta]) -> tuple[str, GenerationDelta]:
-    texts = []
+async def _collect(
+    deltas: AsyncIterator[GenerationDelta],
+) -> tuple[str, GenerationDelta, list[TokenLogprob]]:
+    texts, logprobs = [], []
     async for delta in deltas:
         texts.append(delta.text)
+        logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            return "".join(texts), delta
+            return "".join(texts), delta, logprobs
     raise AssertionError("the pipeline ended without a final delta")
 
 
@@ -258,7 +277,12 @@ async def _sse_events(
             yield sse(formatter.chunk(echo, with_usage_field=include_usage))
         delta = first
         while True:
-            if delta.text:
+            if formatter.has_logprobs and delta.logprobs:
+                body = formatter.logprobs_body(delta.logprobs)
+                yield sse(
+                    formatter.chunk(delta.text, with_usage_field=include_usage, logprobs=body)
+                )
+            elif delta.text:
                 yield formatter.text_event(delta.text, include_usage)
             if delta.finish_reason is not None:
                 break

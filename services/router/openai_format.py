@@ -1,15 +1,23 @@
-"""OpenAI response bodies: whole responses, stream chunks and error bodies."""
+"""OpenAI response bodies: whole responses, stream chunks and error bodies.
+
+Logprobs take OpenAI's shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
+completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``. A
+token's text is its bytes decoded (a character split across tokens shows as U+FFFD; ``bytes``
+holds the exact bytes); a logprob of -inf is written as -9999.0, as OpenAI and vLLM do.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
 
 from services.common.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, StageServeError, clip
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, TokenLogprob, Usage
 
 # What json.dumps(ensure_ascii=False) leaves raw that breaks clients: the line breaks that
 # str.splitlines() splits on besides \n and \r (U+0085, U+2028, U+2029; json escapes the
@@ -58,6 +66,56 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+LOGPROB_FLOOR = -9999.0  # what JSON gets for -inf
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def _top(entry: TokenLogprob) -> zip[tuple[int, float]]:
+    return zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+
+
+class LogprobFormatter:
+    """Logprob bodies of one response; completions' ``text_offset`` runs on across chunks."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._text_offset = 0
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self._token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self._token(token_id)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": raw}
+
+    def chat(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for entry in logprobs:
+            body = self._chat_entry(entry.token_id, entry.logprob)
+            body["top_logprobs"] = [self._chat_entry(t, lp) for t, lp in _top(entry)]
+            content.append(body)
+        return {"content": content}
+
+    def completion(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for entry in logprobs:
+            text = self._token(entry.token_id)[0]
+            tokens.append(text)
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        top = [{self._token(t)[0]: _logprob(lp) for t, lp in _top(e)} for e in logprobs]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_logprob(e.logprob) for e in logprobs],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
 _TEXT_MARK = "\x00"  # stands for a chunk's text while its event template is made
 _TEXT_MARK_JSON = dump_json(_TEXT_MARK)
 
@@ -65,11 +123,21 @@ _TEXT_MARK_JSON = dump_json(_TEXT_MARK)
 class ResponseFormatter:
     """Bodies of one response (one id, one creation time) of a chat or completion endpoint."""
 
-    def __init__(self, response_id: str, model: str, created: int, *, is_chat: bool) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        created: int,
+        *,
+        is_chat: bool,
+        logprobs: LogprobFormatter | None = None,
+    ) -> None:
+        """``logprobs``: set when the request asked for logprobs."""
         self.response_id = response_id
         self.model = model
         self.created = created
         self.is_chat = is_chat
+        self._logprobs = logprobs
         self._text_events: dict[bool, tuple[str, str]] = {}  # with_usage_field -> (head, tail)
 
     def text_event(self, text: str, with_usage_field: bool = False) -> str:
@@ -93,12 +161,30 @@ class ResponseFormatter:
             "choices": choices,
         }
 
-    def full(self, text: str, finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
+    @property
+    def has_logprobs(self) -> bool:
+        return self._logprobs is not None
+
+    def logprobs_body(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """The choice's ``logprobs``: None unless the request asked."""
+        if self._logprobs is None:
+            return None
+        return (
+            self._logprobs.chat(logprobs) if self.is_chat else self._logprobs.completion(logprobs)
+        )
+
+    def full(
+        self,
+        text: str,
+        finish_reason: FinishReason,
+        usage: Usage,
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> dict[str, Any]:
         if self.is_chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": self.logprobs_body(logprobs),
                 "finish_reason": finish_reason.value,
             }
             body = self._envelope("chat.completion", [choice])
@@ -106,7 +192,7 @@ class ResponseFormatter:
             choice = {
                 "index": 0,
                 "text": text,
-                "logprobs": None,
+                "logprobs": self.logprobs_body(logprobs),
                 "finish_reason": finish_reason.value,
             }
             body = self._envelope("text_completion", [choice])
@@ -120,8 +206,10 @@ class ResponseFormatter:
         *,
         role: bool = False,
         with_usage_field: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """A stream chunk with ``text`` (chat: as a delta; ``None`` = empty delta)."""
+        """A stream chunk with ``text`` (chat: as a delta; ``None`` = empty delta) and the
+        ``logprobs`` body of its tokens (``logprobs_body``)."""
         reason = None if finish_reason is None else finish_reason.value
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -129,12 +217,12 @@ class ResponseFormatter:
                 delta["content"] = text
             body = self._envelope(
                 "chat.completion.chunk",
-                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+                [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
             )
         else:
             body = self._envelope(
                 "text_completion",
-                [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}],
+                [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}],
             )
         if with_usage_field:
             body["usage"] = None

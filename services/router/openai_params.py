@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequestError
-from services.common.types import SamplingParams
+from services.common.types import MAX_TOP_LOGPROBS, SamplingParams
 from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_text
 
 GenerationBody = ChatCompletionBody | CompletionBody
@@ -71,12 +71,35 @@ def generation_options(body: GenerationBody, max_stop_strings: int) -> Generatio
         ignore_eos=body.ignore_eos,
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=logit_bias(body.logit_bias),
+        **_logprobs(body),
         # The pipeline sets the real budget; this one bounds min_tokens meanwhile.
         max_new_tokens=min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
     )
     params.validate()
     stop = _stop_strings(body.stop, max_stop_strings)
     return GenerationOptions(params, max_tokens, max_tokens_param, stop)
+
+
+def _logprobs(body: GenerationBody) -> dict[str, Any]:
+    """``SamplingParams``' logprob fields from chat's ``logprobs`` / ``top_logprobs`` or
+    completions' ``logprobs``; a 400 naming the field out of its range."""
+    if isinstance(body, ChatCompletionBody):
+        param, num_top = "top_logprobs", body.top_logprobs
+        if num_top is not None and not body.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: true", param=param)
+        is_wanted = bool(body.logprobs)
+    else:
+        param, num_top = "logprobs", body.logprobs
+        is_wanted = num_top is not None
+        if is_wanted and body.echo:
+            raise InvalidRequestError(
+                "echo: echo with logprobs (prompt logprobs) is not supported yet", param="echo"
+            )
+    if num_top is not None and not 0 <= num_top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}", param=param
+        )
+    return {"return_logprobs": is_wanted, "num_top_logprobs": num_top or 0}
 
 
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

@@ -105,8 +105,6 @@ class _GenerationBody(Body):
 class ChatCompletionBody(_GenerationBody):
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
         *_GenerationBody.REFUSALS,
-        ("logprobs", lambda v: not v, "logprobs are not supported yet"),
-        ("top_logprobs", _unset, "top_logprobs are not supported yet (logprobs are not supported)"),
         (
             "response_format",
             lambda v: v in (None, {"type": "text"}),
@@ -138,8 +136,8 @@ class ChatCompletionBody(_GenerationBody):
     )
     messages: list[ChatMessageBody]
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    logprobs: StrictBool | None = None  # each output token's logprob (raw model log-softmax)
+    top_logprobs: StrictInt | None = None  # 0..20 most likely tokens per position; needs logprobs
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
@@ -160,15 +158,14 @@ class ChatCompletionBody(_GenerationBody):
 class CompletionBody(_GenerationBody):
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
         *_GenerationBody.REFUSALS,
-        # Any value asks for something: 0 still means "the sampled token's logprob".
-        ("logprobs", _unset, "logprobs are not supported yet"),
         ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported yet"),
         ("suffix", lambda v: v in (None, ""), "suffix is not supported yet"),
     )
     prompt: StrictStr | list[StrictStr] | None = None
     # vLLM's format: base64 of torch.save of a [num_tokens, hidden] float32/bfloat16/float16 tensor
     prompt_embeds: StrictStr | None = None
-    echo: StrictBool = False  # the prompt text comes first in the output
+    echo: StrictBool = False  # the prompt text comes first in the output (not with logprobs)
+    # 0..20 (OpenAI: 0..5; vLLM allows 20): the sampled tokens' logprobs and this many top ones
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, TokenLogprob, Usage
 from services.router.stop import StopStringMatcher
 from services.router.types import GenerationDelta
 
@@ -38,8 +38,13 @@ class OutputAssembler:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add_tokens(self, token_ids: Iterable[int]) -> GenerationDelta:
-        """The delta for ``token_ids``; final (with finish_reason STOP) if a stop string matched."""
+    def add_tokens(
+        self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob] = ()
+    ) -> GenerationDelta:
+        """The delta for ``token_ids``; final (with finish_reason STOP) if a stop string matched.
+
+        ``logprobs``: parallel to ``token_ids`` (the request asked for them) or empty; the
+        delta carries those of the ids it took."""
         assert not self.is_finished, "tokens after the request finished"
         taken: list[int] = []
         texts: list[str] = []
@@ -49,23 +54,31 @@ class OutputAssembler:
             texts.append(self._stop.feed(self._detokenizer.step(token_id)))
             if self._stop.is_stopped:
                 self.finish_reason = FinishReason.STOP
-                return self._final("".join(texts), tuple(taken))
-        return GenerationDelta("".join(texts), tuple(taken))
+                return self._final("".join(texts), tuple(taken), tuple(logprobs[: len(taken)]))
+        return GenerationDelta("".join(texts), tuple(taken), logprobs=tuple(logprobs))
 
-    def finish(self, reason: FinishReason, token_ids: Iterable[int] = ()) -> GenerationDelta:
+    def finish(
+        self,
+        reason: FinishReason,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> GenerationDelta:
         """The last delta: ``token_ids`` ended the request for ``reason`` (EOS, length).
 
         STOP from a worker means the last id is the stop token (EOS or one of
-        ``stop_token_ids``): it counts as generated but its text is not shown, as in vLLM.
+        ``stop_token_ids``): it counts as generated (its logprob too) but its text is not
+        shown, as in vLLM.
         """
         ids = list(token_ids)
         stop_token = ids.pop() if reason is FinishReason.STOP and ids else None
-        delta = self.add_tokens(ids)
+        delta = self.add_tokens(ids, logprobs[: len(ids)])
         if self.is_finished:  # a stop string matched inside token_ids
             return delta
         if stop_token is not None:
             self.num_completion_tokens += 1
-            delta = GenerationDelta(delta.text, (*delta.token_ids, stop_token))
+            delta = GenerationDelta(
+                delta.text, (*delta.token_ids, stop_token), logprobs=tuple(logprobs)
+            )
         tail = self._detokenizer.finish()
         text = delta.text + self._stop.feed(tail) if tail else delta.text
         if self._stop.is_stopped:
@@ -73,15 +86,17 @@ class OutputAssembler:
         else:
             text += self._stop.flush()
         self.finish_reason = reason
-        return self._final(text, delta.token_ids)
+        return self._final(text, delta.token_ids, delta.logprobs)
 
     def usage(self) -> Usage:
         return Usage(
             self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_image_tokens
         )
 
-    def _final(self, text: str, token_ids: tuple[int, ...]) -> GenerationDelta:
-        return GenerationDelta(text, token_ids, self.finish_reason, self.usage())
+    def _final(
+        self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]
+    ) -> GenerationDelta:
+        return GenerationDelta(text, token_ids, self.finish_reason, self.usage(), logprobs)
 
 
 DetokenizerFactory = Callable[[], Detokenizer]

@@ -29,7 +29,12 @@ from services.common.grpc_errors import handle_errors
 from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.types import ChatMessage, ContentPart, ImagePart, SamplingParams, TextPart
-from services.common.wire import finish_reason_to_proto, sampling_params_from_proto, usage_to_proto
+from services.common.wire import (
+    finish_reason_to_proto,
+    sampling_params_from_proto,
+    token_logprob_to_proto,
+    usage_to_proto,
+)
 from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader, check_image
@@ -220,6 +225,7 @@ def _to_proto(request_id: str, delta: GenerationDelta) -> router_pb2.GenerateRes
         text_delta=delta.text,
         token_ids=delta.token_ids,
         finish_reason=finish_reason_to_proto(delta.finish_reason),
+        logprobs=[token_logprob_to_proto(logprob) for logprob in delta.logprobs],
     )
     if delta.usage is not None:
         response.usage.CopyFrom(usage_to_proto(delta.usage))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.common.types import ChatMessage, FinishReason, SamplingParams, Usage
+from services.common.types import ChatMessage, FinishReason, SamplingParams, TokenLogprob, Usage
 from services.router.prompt_embeds import PromptEmbeds
 
 
@@ -40,3 +40,4 @@ class GenerationDelta(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids when the request asked

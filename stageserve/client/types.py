@@ -9,8 +9,12 @@ from pathlib import Path
 
 from services.common.errors import InvalidRequestError, StageServeError
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2
-from services.common.types import FinishReason, Usage
-from services.common.wire import finish_reason_from_proto, usage_from_proto
+from services.common.types import FinishReason, TokenLogprob, Usage
+from services.common.wire import (
+    finish_reason_from_proto,
+    token_logprob_from_proto,
+    usage_from_proto,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class Sampling:
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> bias
+    return_logprobs: bool = False  # each token's logprob (raw model log-softmax) in the chunks
+    num_top_logprobs: int = 0  # with return_logprobs: the most likely tokens' too, in [0, 20]
 
     def to_proto(self) -> common_pb2.SamplingParams:
         optional = {
@@ -79,6 +85,8 @@ class Sampling:
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
+            return_logprobs=self.return_logprobs,
+            num_top_logprobs=self.num_top_logprobs,
             logit_bias=[
                 common_pb2.LogitBias(token_id=token_id, bias=bias)
                 for token_id, bias in self.logit_bias.items()
@@ -88,14 +96,16 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed message: the text and token ids generated since the previous one. Only
-    the last chunk of a stream has ``finish_reason`` and ``usage``."""
+    """One streamed message: the text and token ids generated since the previous one (and their
+    logprobs when ``Sampling.return_logprobs``). Only the last chunk of a stream has
+    ``finish_reason`` and ``usage``."""
 
     request_id: str
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids, or empty
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,7 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids, or empty
 
 
 class CompletionBuilder:
@@ -115,11 +126,13 @@ class CompletionBuilder:
     def __init__(self) -> None:
         self._texts: list[str] = []
         self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
         self._texts.append(chunk.text)
         self._token_ids.extend(chunk.token_ids)
+        self._logprobs.extend(chunk.logprobs)
         self._last = chunk
 
     def completion(self) -> Completion:
@@ -133,6 +146,7 @@ class CompletionBuilder:
             tuple(self._token_ids),
             last.finish_reason,
             last.usage,
+            tuple(self._logprobs),
         )
 
 
@@ -193,4 +207,5 @@ def chunk_from_proto(response: router_pb2.GenerateResponse) -> Chunk:
         tuple(response.token_ids),
         finish_reason_from_proto(response.finish_reason),
         usage_from_proto(response.usage) if is_last else None,
+        tuple(token_logprob_from_proto(logprob) for logprob in response.logprobs),
     )

@@ -311,6 +311,90 @@ def test_aborted_stream_frees_pages(system, client, model_name, initial_free_pag
     assert stats.num_free_pages + stats.num_quarantined_pages == initial_free_pages
 
 
+LOGPROB_TOLERANCE = 1e-4  # fp32 on both sides
+
+
+def reference_logprobs(hf_model, prompt_ids: list[int], max_new_tokens: int):
+    """transformers' greedy tokens after ``prompt_ids`` and the log-softmax at each of them."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False
+        )
+        logits = hf_model(input_ids=out[:, :-1]).logits[0].float()
+    tokens = out[0, len(prompt_ids) :].tolist()
+    return tokens, logits[len(prompt_ids) - 1 :].log_softmax(dim=-1)  # [len(tokens), V]
+
+
+def check_token_logprobs(pipeline, tokens, reference, got, num_top):
+    """``got``: (bytes, logprob, [(bytes, logprob)] top) per token, as the API returned them."""
+    token_bytes = pipeline.text.token_bytes
+    assert len(got) == len(tokens)
+    for i, (token_id, (raw, logprob, top)) in enumerate(zip(tokens, got, strict=True)):
+        assert raw == token_bytes(token_id), i
+        assert abs(logprob - reference[i, token_id].item()) < LOGPROB_TOLERANCE, i
+        values, ids = reference[i].topk(num_top)
+        assert [t for t, _ in top] == [token_bytes(t) for t in ids.tolist()], i
+        assert all(
+            abs(a - b) < LOGPROB_TOLERANCE for (_, a), b in zip(top, values.tolist(), strict=True)
+        )
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        assert top[0] == (raw, logprob)  # greedy: the sampled token leads
+
+
+def chat_entries(content) -> list:
+    return [
+        (bytes(c.bytes), c.logprob, [(bytes(t.bytes), t.logprob) for t in c.top_logprobs])
+        for c in content
+    ]
+
+
+def test_chat_logprobs_match_transformers(client, model_name, pipeline, hf_model):
+    text = "Tell me about the moon."
+    request = pipeline.build_request(
+        [{"role": "user", "content": [{"type": "text", "text": text}]}], [], SamplingParams()
+    )
+    tokens, reference = reference_logprobs(hf_model, list(request.prompt_ids), 8)
+    call = dict(model=model_name, messages=chat(text), max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(**call, logprobs=True, top_logprobs=5)
+    content = reply.choices[0].logprobs.content
+    check_token_logprobs(pipeline, tokens, reference, chat_entries(content), 5)
+    stream = client.chat.completions.create(**call, logprobs=True, top_logprobs=5, stream=True)
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert chat_entries(streamed) == chat_entries(content)
+    assert client.chat.completions.create(**call).choices[0].logprobs is None
+
+
+def test_completion_logprobs_match_transformers(system, client, model_name, pipeline, hf_model):
+    prompt = "Once upon a time"
+    tokenized = httpx.post(
+        f"http://127.0.0.1:{system.http_port}/tokenize", json={"prompt": prompt}, timeout=30
+    )
+    prompt_ids = tokenized.json()["tokens"]
+    tokens, reference = reference_logprobs(hf_model, prompt_ids, 6)
+    reply = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=6, temperature=0, logprobs=3
+    )
+    logprobs = reply.choices[0].logprobs
+    token_bytes = pipeline.text.token_bytes
+    as_text = [token_bytes(t).decode("utf-8", errors="replace") for t in tokens]
+    assert logprobs.tokens == as_text
+    assert logprobs.text_offset == [sum(map(len, as_text[:i])) for i in range(len(tokens))]
+    for i, token_id in enumerate(tokens):
+        assert abs(logprobs.token_logprobs[i] - reference[i, token_id].item()) < LOGPROB_TOLERANCE
+        values, ids = reference[i].topk(3)
+        top = logprobs.top_logprobs[i]
+        assert list(top) == [token_bytes(t).decode("utf-8", errors="replace") for t in ids.tolist()]
+        assert all(
+            abs(a - b) < LOGPROB_TOLERANCE
+            for a, b in zip(top.values(), values.tolist(), strict=True)
+        )
+
+
 def test_zz_no_kv_page_is_lost(system, initial_free_pages):
     # An aborted stream's pages come back asynchronously; those of a reservation that failed
     # before its KV was ready (a prefill error) only after decode's quarantine (35 s).

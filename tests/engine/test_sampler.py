@@ -2,6 +2,7 @@ import msgspec
 import pytest
 import torch
 
+from services.common.errors import InvalidRequestError
 from services.common.types import FinishReason, SamplingParams, finish_reason
 from services.engine.sampler import Sampler, make_generator
 
@@ -186,3 +187,51 @@ def test_finish_reason_and_the_min_tokens_mask_agree() -> None:
             ).tolist()
             reason = finish_reason(params, token, 5, num_before + 1, (1,), 100)
             assert (reason is FinishReason.STOP) == (num_before >= 2) == (token != 3)
+
+
+def test_logprobs_only_for_rows_that_ask() -> None:
+    logits = torch.randn(4, VOCAB_SIZE, generator=torch.Generator().manual_seed(7))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, return_logprobs=True, num_top_logprobs=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, return_logprobs=True),
+    ]
+    sampler = Sampler()
+    tokens = sample_rows(logits, params, [None, None, None, 3])
+    assert sampler.logprobs(logits, tokens, []) is None
+    asks = [(i, p.num_top_logprobs) for i, p in enumerate(params) if p.return_logprobs]
+    rows = sampler.logprobs(logits, tokens, asks)
+    assert rows is not None and rows.rows == (1, 3)
+    greedy, sampled = rows.to_list()
+    reference = logits.log_softmax(dim=1)
+    assert greedy.token_id == int(logits[1].argmax())
+    assert greedy.logprob == pytest.approx(reference[1].max().item(), abs=1e-6)
+    assert list(greedy.top_token_ids) == reference[1].argsort(descending=True)[:5].tolist()
+    assert list(greedy.top_logprobs) == sorted(greedy.top_logprobs, reverse=True)
+    assert (greedy.top_token_ids[0], greedy.top_logprobs[0]) == (greedy.token_id, greedy.logprob)
+    # raw logprobs: the temperature does not change them
+    assert sampled.token_id == int(tokens[3])
+    assert sampled.logprob == pytest.approx(reference[3, sampled.token_id].item(), abs=1e-6)
+    assert sampled.top_token_ids == () and sampled.top_logprobs == ()
+
+
+def test_logprobs_are_raw_before_penalties() -> None:
+    logits = torch.randn(1, VOCAB_SIZE, generator=torch.Generator().manual_seed(8))
+    banned = int(logits[0].argmax())
+    params = SamplingParams(
+        temperature=0.0, logit_bias=((banned, -100.0),), return_logprobs=True, num_top_logprobs=1
+    )
+    tokens = Sampler().sample(logits, [params], [[]], [[]], [None])
+    assert int(tokens[0]) != banned
+    (entry,) = Sampler().logprobs(logits, tokens, [(0, 1)]).to_list()
+    assert entry.top_token_ids == (banned,)
+    assert entry.logprob == pytest.approx(logits.log_softmax(dim=1)[0, int(tokens[0])].item())
+
+
+def test_logprob_params_are_validated() -> None:
+    with pytest.raises(InvalidRequestError, match="num_top_logprobs must be in"):
+        SamplingParams(return_logprobs=True, num_top_logprobs=21).validate()
+    with pytest.raises(InvalidRequestError, match="needs return_logprobs"):
+        SamplingParams(num_top_logprobs=2).validate()
+    SamplingParams(return_logprobs=True, num_top_logprobs=20).validate()

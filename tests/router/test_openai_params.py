@@ -22,9 +22,6 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 # (path, field, a value that asks for what is not built); each must be a 400 naming the field.
 REFUSED = [
     (CHAT_PATH, "n", 2),
-    (CHAT_PATH, "logprobs", True),
-    (CHAT_PATH, "top_logprobs", 0),
-    (CHAT_PATH, "top_logprobs", 3),
     (CHAT_PATH, "response_format", {"type": "json_object"}),
     (
         CHAT_PATH,
@@ -50,8 +47,6 @@ REFUSED = [
     (CHAT_PATH, "prompt_cache_key", "k"),
     (CHAT_PATH, "service_tier", "flex"),
     (COMPLETIONS_PATH, "n", 3),
-    (COMPLETIONS_PATH, "logprobs", 0),
-    (COMPLETIONS_PATH, "logprobs", 2),
     (COMPLETIONS_PATH, "best_of", 2),
     (COMPLETIONS_PATH, "suffix", " the end"),
     (COMPLETIONS_PATH, "service_tier", "priority"),
@@ -75,6 +70,10 @@ HONOURED = [
             "tools": None,
         },
     ),
+    (CHAT_PATH, {"logprobs": True, "top_logprobs": 20}),
+    (CHAT_PATH, {"logprobs": True}),
+    (COMPLETIONS_PATH, {"logprobs": 0}),
+    (COMPLETIONS_PATH, {"logprobs": 20, "stream": True}),
     (
         COMPLETIONS_PATH,
         {
@@ -369,3 +368,42 @@ async def test_openapi_documents_the_new_fields(http):
     for name in ("echo", "suffix", "best_of", "logit_bias"):
         assert name in completion["properties"], name
     assert chat["additionalProperties"] is False and completion["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "wanted"),
+    [
+        (CHAT_PATH, {"logprobs": True, "top_logprobs": 4}, (True, 4)),
+        (CHAT_PATH, {"logprobs": True}, (True, 0)),
+        (CHAT_PATH, {"logprobs": False}, (False, 0)),
+        (COMPLETIONS_PATH, {"logprobs": 3}, (True, 3)),
+        (COMPLETIONS_PATH, {"logprobs": 0}, (True, 0)),
+        (COMPLETIONS_PATH, {}, (False, 0)),
+    ],
+)
+async def test_logprobs_reach_prefill_and_decode(http, cluster, path, fields, wanted):
+    response = await http.post(path, json=body_for(path, max_tokens=3, **fields))
+    assert response.status_code == 200, response.text
+    params = next(iter(cluster.decode.reserved.values())).sampling_params
+    assert (params.return_logprobs, params.num_top_logprobs) == wanted
+    assert cluster.prefill.requests[0].sampling_params == params
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "said"),
+    [
+        (CHAT_PATH, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        (CHAT_PATH, {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "[0, 20]"),
+        (CHAT_PATH, {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        (CHAT_PATH, {"logprobs": False, "top_logprobs": 0}, "top_logprobs", "needs logprobs"),
+        (CHAT_PATH, {"logprobs": 1}, "logprobs", "boolean"),
+        (COMPLETIONS_PATH, {"logprobs": 21}, "logprobs", "[0, 20]"),
+        (COMPLETIONS_PATH, {"logprobs": -1}, "logprobs", "[0, 20]"),
+        (COMPLETIONS_PATH, {"logprobs": True}, "logprobs", "integer"),
+        (COMPLETIONS_PATH, {"logprobs": 1, "echo": True}, "echo", "not supported yet"),
+    ],
+)
+async def test_bad_logprobs_are_a_400_naming_the_field(http, cluster, path, fields, param, said):
+    message = await assert_400(http, path, body_for(path, **fields), param)
+    assert said in message, message
+    assert not cluster.decode.reserved and not cluster.tokenizer.servicer.requests

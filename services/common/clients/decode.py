@@ -25,13 +25,14 @@ from services.common.errors import (
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
-from services.common.types import FinishReason, SamplingParams, Usage
+from services.common.types import FinishReason, SamplingParams, TokenLogprob, Usage
 from services.common.wire import (
     KvRefInfo,
     finish_reason_from_proto,
     kv_ref_from_proto,
     sampling_params_to_proto,
     stream_error_from_proto,
+    token_logprob_from_proto,
     usage_from_proto,
 )
 
@@ -50,6 +51,7 @@ class DecodeChunk(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids when the request asked
 
 
 class _Deadline:
@@ -127,6 +129,11 @@ class _TokenStream:
         tokens: dict[str, list[int]] = {}
         for request_id, token_id in zip(response.request_ids, response.token_ids, strict=True):
             tokens.setdefault(request_id, []).append(token_id)
+        logprobs: dict[str, list[TokenLogprob]] = {}
+        for i, message in zip(response.logprob_indices, response.logprobs, strict=True):
+            logprobs.setdefault(response.request_ids[i], []).append(
+                token_logprob_from_proto(message)
+            )
         ends = {end.request_id: end for end in response.ends}
         for request_id in response.waiting_request_ids:
             queue = self._queues.get(request_id)
@@ -137,15 +144,17 @@ class _TokenStream:
             if queue is None:  # the caller left already
                 continue
             token_ids, end = tuple(tokens.get(request_id, ())), ends.get(request_id)
+            chunk = DecodeChunk(token_ids, logprobs=tuple(logprobs.get(request_id, ())))
             if end is None:
-                queue.put_nowait(DecodeChunk(token_ids))
+                queue.put_nowait(chunk)
             elif end.HasField("error"):
                 if token_ids:
-                    queue.put_nowait(DecodeChunk(token_ids))
+                    queue.put_nowait(chunk)
                 queue.put_nowait(stream_error_from_proto(end.error))
             else:
                 reason = finish_reason_from_proto(end.finish_reason)
-                queue.put_nowait(DecodeChunk(token_ids, reason, usage_from_proto(end.usage)))
+                usage = usage_from_proto(end.usage)
+                queue.put_nowait(msgspec.structs.replace(chunk, finish_reason=reason, usage=usage))
 
 
 class DecodeRankStats(msgspec.Struct, frozen=True):

@@ -23,7 +23,7 @@ from services.common.errors import DeadlineExceededError, ImageDataNeededError
 from services.common.grpc_errors import error_from_rpc
 from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
-from services.common.types import FinishReason, SamplingParams, TokenizedPrompt
+from services.common.types import FinishReason, SamplingParams, TokenizedPrompt, TokenLogprob
 from services.common.wire import (
     KvRefInfo,
     finish_reason_from_proto,
@@ -31,6 +31,8 @@ from services.common.wire import (
     image_span_to_proto,
     kv_ref_to_proto,
     sampling_params_to_proto,
+    token_logprob_from_proto,
+    token_logprob_to_proto,
 )
 
 
@@ -45,6 +47,7 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # Set when the first token already ends the request (EOS / stop token,
     # max_new_tokens == 1, context limit): the router aborts decode's reservation.
     finish_reason: FinishReason | None = None
+    first_logprob: TokenLogprob | None = None  # set when the request asked (return_logprobs)
 
 
 class PrefillClient:
@@ -151,7 +154,7 @@ def prefill_request_to_proto(
 
 
 def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillResponse:
-    return prefill_pb2.PrefillResponse(
+    response = prefill_pb2.PrefillResponse(
         first_token_id=result.first_token_id,
         finish_reason=finish_reason_to_proto(result.finish_reason),
         num_kv_bytes=result.num_kv_bytes,
@@ -159,6 +162,9 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         num_cached_image_tokens=result.num_cached_image_tokens,
         kv_written_proof=result.kv_written_proof,
     )
+    if result.first_logprob is not None:
+        response.first_logprob.CopyFrom(token_logprob_to_proto(result.first_logprob))
+    return response
 
 
 def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillResult:
@@ -169,4 +175,9 @@ def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillR
         kv_written_proof=response.kv_written_proof,
         num_cached_image_tokens=response.num_cached_image_tokens,
         finish_reason=finish_reason_from_proto(response.finish_reason),
+        first_logprob=(
+            token_logprob_from_proto(response.first_logprob)
+            if response.HasField("first_logprob")
+            else None
+        ),
     )

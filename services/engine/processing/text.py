@@ -271,6 +271,12 @@ class TextProcessor:
         )
         return re.compile(f"({alternatives})"), ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (a piece of UTF-8 text); b"" outside the vocabulary."""
+        if not 0 <= token_id < len(self._token_bytes):
+            return b""
+        return self._token_bytes[token_id]
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

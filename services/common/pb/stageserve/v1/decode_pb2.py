@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/decode.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xae\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14mrope_position_delta\x18\x03 \x01(\x11\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"7\n\x0fReserveResponse\x12$\n\x06kv_ref\x18\x01 \x01(\x0b\x32\x14.stageserve.v1.KvRef\"\xa0\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10kv_written_proof\x18\x03 \x01(\x0c\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x12\n\ntracestate\x18\x06 \x01(\t\"\x85\x01\n\x13\x44\x65\x63odeStreamRequest\x12\x38\n\x08generate\x18\x01 \x01(\x0b\x32$.stageserve.v1.DecodeGenerateRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.stageserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\x84\x01\n\x14\x44\x65\x63odeStreamResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\'\n\x04\x65nds\x18\x03 \x03(\x0b\x32\x19.stageserve.v1.RequestEnd\x12\x1b\n\x13waiting_request_ids\x18\x04 \x03(\t\"\xa4\x01\n\nRequestEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.stageserve.v1.StreamError\"O\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x12\n\nerror_type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\"I\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\ris_kv_written\x18\x03 \x01(\x08\"!\n\rAbortResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xdb\x01\n\x0f\x44\x65\x63odeRankStats\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12\x1d\n\x15num_quarantined_pages\x18\x07 \x01(\r\x12\x12\n\nis_serving\x18\x08 \x01(\x08\"\xf6\x01\n\rStatsResponse\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12-\n\x05ranks\x18\x07 \x03(\x0b\x32\x1e.stageserve.v1.DecodeRankStats\x12\x1d\n\x15num_quarantined_pages\x18\x08 \x01(\r2\xb1\x02\n\x06\x44\x65\x63ode\x12H\n\x07Reserve\x12\x1d.stageserve.v1.ReserveRequest\x1a\x1e.stageserve.v1.ReserveResponse\x12U\n\x06Stream\x12\".stageserve.v1.DecodeStreamRequest\x1a#.stageserve.v1.DecodeStreamResponse(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.stageserve.v1.AbortRequest\x1a\x1c.stageserve.v1.AbortResponse\x12\x42\n\x05Stats\x12\x1b.stageserve.v1.StatsRequest\x1a\x1c.stageserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/decode.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xae\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14mrope_position_delta\x18\x03 \x01(\x11\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"7\n\x0fReserveResponse\x12$\n\x06kv_ref\x18\x01 \x01(\x0b\x32\x14.stageserve.v1.KvRef\"\xa0\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x18\n\x10kv_written_proof\x18\x03 \x01(\x0c\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x12\n\ntracestate\x18\x06 \x01(\t\"\x85\x01\n\x13\x44\x65\x63odeStreamRequest\x12\x38\n\x08generate\x18\x01 \x01(\x0b\x32$.stageserve.v1.DecodeGenerateRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.stageserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\xcc\x01\n\x14\x44\x65\x63odeStreamResponse\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\'\n\x04\x65nds\x18\x03 \x03(\x0b\x32\x19.stageserve.v1.RequestEnd\x12\x1b\n\x13waiting_request_ids\x18\x04 \x03(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x17\n\x0flogprob_indices\x18\x06 \x03(\r\"\xa4\x01\n\nRequestEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.stageserve.v1.StreamError\"O\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x12\n\nerror_type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05param\x18\x04 \x01(\t\"I\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\ris_kv_written\x18\x03 \x01(\x08\"!\n\rAbortResponse\x12\x10\n\x08is_found\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xdb\x01\n\x0f\x44\x65\x63odeRankStats\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12\x1d\n\x15num_quarantined_pages\x18\x07 \x01(\r\x12\x12\n\nis_serving\x18\x08 \x01(\x08\"\xf6\x01\n\rStatsResponse\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x17\n\x0fnum_total_pages\x18\x02 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x03 \x01(\r\x12\x16\n\x0enum_used_pages\x18\x04 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x05 \x01(\r\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\r\x12-\n\x05ranks\x18\x07 \x03(\x0b\x32\x1e.stageserve.v1.DecodeRankStats\x12\x1d\n\x15num_quarantined_pages\x18\x08 \x01(\r2\xb1\x02\n\x06\x44\x65\x63ode\x12H\n\x07Reserve\x12\x1d.stageserve.v1.ReserveRequest\x1a\x1e.stageserve.v1.ReserveResponse\x12U\n\x06Stream\x12\".stageserve.v1.DecodeStreamRequest\x1a#.stageserve.v1.DecodeStreamResponse(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.stageserve.v1.AbortRequest\x1a\x1c.stageserve.v1.AbortResponse\x12\x42\n\x05Stats\x12\x1b.stageserve.v1.StatsRequest\x1a\x1c.stageserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODESTREAMREQUEST']._serialized_start=471
   _globals['_DECODESTREAMREQUEST']._serialized_end=604
   _globals['_DECODESTREAMRESPONSE']._serialized_start=607
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=739
-  _globals['_REQUESTEND']._serialized_start=742
-  _globals['_REQUESTEND']._serialized_end=906
-  _globals['_STREAMERROR']._serialized_start=908
-  _globals['_STREAMERROR']._serialized_end=987
-  _globals['_ABORTREQUEST']._serialized_start=989
-  _globals['_ABORTREQUEST']._serialized_end=1062
-  _globals['_ABORTRESPONSE']._serialized_start=1064
-  _globals['_ABORTRESPONSE']._serialized_end=1097
-  _globals['_STATSREQUEST']._serialized_start=1099
-  _globals['_STATSREQUEST']._serialized_end=1113
-  _globals['_DECODERANKSTATS']._serialized_start=1116
-  _globals['_DECODERANKSTATS']._serialized_end=1335
-  _globals['_STATSRESPONSE']._serialized_start=1338
-  _globals['_STATSRESPONSE']._serialized_end=1584
-  _globals['_DECODE']._serialized_start=1587
-  _globals['_DECODE']._serialized_end=1892
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=811
+  _globals['_REQUESTEND']._serialized_start=814
+  _globals['_REQUESTEND']._serialized_end=978
+  _globals['_STREAMERROR']._serialized_start=980
+  _globals['_STREAMERROR']._serialized_end=1059
+  _globals['_ABORTREQUEST']._serialized_start=1061
+  _globals['_ABORTREQUEST']._serialized_end=1134
+  _globals['_ABORTRESPONSE']._serialized_start=1136
+  _globals['_ABORTRESPONSE']._serialized_end=1169
+  _globals['_STATSREQUEST']._serialized_start=1171
+  _globals['_STATSREQUEST']._serialized_end=1185
+  _globals['_DECODERANKSTATS']._serialized_start=1188
+  _globals['_DECODERANKSTATS']._serialized_end=1407
+  _globals['_STATSRESPONSE']._serialized_start=1410
+  _globals['_STATSRESPONSE']._serialized_end=1656
+  _globals['_DECODE']._serialized_start=1659
+  _globals['_DECODE']._serialized_end=1964
 # @@protoc_insertion_point(module_scope)

@@ -52,16 +52,20 @@ class DecodeStreamRequest(_message.Message):
     def __init__(self, generate: _Optional[_Union[DecodeGenerateRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class DecodeStreamResponse(_message.Message):
-    __slots__ = ("request_ids", "token_ids", "ends", "waiting_request_ids")
+    __slots__ = ("request_ids", "token_ids", "ends", "waiting_request_ids", "logprobs", "logprob_indices")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_INDICES_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     ends: _containers.RepeatedCompositeFieldContainer[RequestEnd]
     waiting_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., ends: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    logprob_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., ends: _Optional[_Iterable[_Union[RequestEnd, _Mapping]]] = ..., waiting_request_ids: _Optional[_Iterable[str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., logprob_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
     __slots__ = ("request_id", "finish_reason", "usage", "error")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/router.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.stageserve.v1.ChatMessagesH\x00\x12\x17\n\rprompt_embeds\x18\x08 \x01(\x0cH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x07\n\x05input\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.stageserve.v1.Usage2W\n\x06Router\x12M\n\x08Generate\x12\x1e.stageserve.v1.GenerateRequest\x1a\x1f.stageserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/router.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.stageserve.v1.ChatMessagesH\x00\x12\x17\n\rprompt_embeds\x18\x08 \x01(\x0cH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\rB\x07\n\x05input\"\xd5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob2W\n\x06Router\x12M\n\x08Generate\x12\x1e.stageserve.v1.GenerateRequest\x1a\x1f.stageserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=74
   _globals['_GENERATEREQUEST']._serialized_end=313
   _globals['_GENERATERESPONSE']._serialized_start=316
-  _globals['_GENERATERESPONSE']._serialized_end=482
-  _globals['_ROUTER']._serialized_start=484
-  _globals['_ROUTER']._serialized_end=571
+  _globals['_GENERATERESPONSE']._serialized_end=529
+  _globals['_ROUTER']._serialized_start=531
+  _globals['_ROUTER']._serialized_end=618
 # @@protoc_insertion_point(module_scope)
