@@ -371,6 +371,7 @@ class DecodeLeader:
         total = sum(load.num_total_pages for load in loads)
         free = sum(load.num_free_pages for load in loads)
         metrics.KV_CACHE_USAGE.set(1.0 - free / total if total else 0.0)
+        metrics.SATURATION.set(metrics.saturation(loads))
         is_ready = self.is_ready
         if is_ready is not self._was_ready:
             self._was_ready = is_ready

@@ -106,6 +106,7 @@ class RankLoad(msgspec.Struct, frozen=True):
     num_quarantined_pages: int
     num_running_requests: int  # generating: running or waiting to join
     num_reserved_requests: int  # holding pages, waiting for their KV
+    max_running_requests: int  # batch slots: the most requests one step runs
 
 
 class RankReport(msgspec.Struct, frozen=True):

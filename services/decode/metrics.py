@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.common import telemetry
+from services.decode.messages import RankLoad
 
 # outcome: stop | length (finished), aborted, expired (deadline passed before generate),
 # failed (its rank died or stopped, or its running deadline passed), rejected (no pages at
@@ -19,6 +22,13 @@ KV_PAGES_FREE = telemetry.gauge("decode_kv_pages_free", "KV pages free")
 KV_CACHE_USAGE = telemetry.gauge(
     "kv_cache_usage_perc",
     "Fraction of the KV pool not free (held by requests or quarantined); 1 = full",
+)
+SATURATION = telemetry.gauge(
+    "decode_saturation",
+    "How full this decode worker is, 0..1: the larger of its KV pool's use (pages not free "
+    "over all pages; at 1 a Reserve is refused) and its batch slots' (requests held, reserved "
+    "or generating, over max_running_requests; at 1 new requests wait for a slot); 0 while no "
+    "rank serves. The autoscaling signal of deploy/k8s/components.",
 )
 KV_PAGES_QUARANTINED = telemetry.gauge(
     "decode_kv_pages_quarantined",
@@ -54,3 +64,14 @@ STREAM_MESSAGES = telemetry.counter(
     "decode_stream_messages_total",
     "Messages decode sent on Stream calls (each: every new token of its stream)",
 )
+
+
+def saturation(loads: Sequence[RankLoad]) -> float:
+    """``SATURATION`` of the serving ranks' ``loads`` (every rank's pages and slots summed)."""
+    num_total_pages = sum(load.num_total_pages for load in loads)
+    num_slots = sum(load.max_running_requests for load in loads)
+    if not num_total_pages or not num_slots:
+        return 0.0
+    kv_use = 1.0 - sum(load.num_free_pages for load in loads) / num_total_pages
+    num_held = sum(load.num_running_requests + load.num_reserved_requests for load in loads)
+    return min(1.0, max(kv_use, num_held / num_slots))

@@ -260,6 +260,7 @@ class DecodeRank:
             num_quarantined_pages=kv.num_quarantined_pages,
             num_running_requests=self.scheduler.num_running,
             num_reserved_requests=self.scheduler.num_reserved,
+            max_running_requests=self.scheduler.max_running_requests,
         )
 
 

@@ -285,6 +285,7 @@ class PrefillLeader:
             if plan is not None:
                 self._launch(plan)
         metrics.EMBEDDING_ROWS_USED.set(self.scheduler.num_rows_used)
+        metrics.SATURATION.set(self.scheduler.saturation)
         metrics.QUEUED.set(
             sum(
                 self.scheduler.num_in(s)

@@ -43,6 +43,12 @@ IMAGE_STORE_BYTES = telemetry.gauge(
 QUEUED = telemetry.gauge(
     "prefill_queued_requests", "Requests waiting for a batch (queued, encoding or ready)"
 )
+SATURATION = telemetry.gauge(
+    "prefill_saturation",
+    "How full this prefill worker is, 0..1: the larger of its queue's use (live requests over "
+    "--max-queued-requests) and the prompt tokens waiting for a batch over --max-batch-tokens "
+    "(PrefillScheduler.saturation). The autoscaling signal of deploy/k8s/components.",
+)
 
 STALLED = telemetry.gauge(
     "prefill_stalled",

@@ -94,6 +94,20 @@ class PrefillScheduler:
         return sum(e.status is status for e in self._entries.values())
 
     @property
+    def saturation(self) -> float:
+        """How full this prefill is, 0..1: the larger of its queue's use (live requests over
+        ``max_queued``; at 1 ``add`` refuses) and the prompt tokens waiting for a batch over
+        ``max_batch_tokens`` (at 1 a whole batch waits behind the one running)."""
+        num_waiting_tokens = sum(
+            e.input.num_tokens
+            for e in self._entries.values()
+            if e.status in (PrefillStatus.QUEUED, PrefillStatus.ENCODING, PrefillStatus.READY)
+        )
+        return min(
+            1.0, max(self.num_live / self.max_queued, num_waiting_tokens / self.max_batch_tokens)
+        )
+
+    @property
     def has_worker_work(self) -> bool:
         """A plan is in flight or READY requests wait for one: the rank worker should be progressing.
 

@@ -135,12 +135,16 @@ class EncoderLeader:
         future: asyncio.Future[list[SpanResult]] = asyncio.get_running_loop().create_future()
         self._pending[job.job_id] = (future, time.monotonic())
         self.scheduler.add(job)
-        self.metrics.queue_depth.set(self.scheduler.num_waiting)
+        self._set_queue_gauges()
         self._wake.set()
         try:
             return await future
         finally:
             self._pending.pop(job.job_id, None)  # its caller is gone: its outcome goes nowhere
+
+    def _set_queue_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.scheduler.num_waiting)
+        self.metrics.saturation.set(self.scheduler.saturation)
 
     def _is_alive(self) -> bool:
         return self._task is None or not self._task.done()
@@ -152,7 +156,7 @@ class EncoderLeader:
             while not self._is_stopping and self.scheduler.num_waiting:
                 now, serving = time.monotonic(), self.serving_ranks()
                 batch = self.scheduler.schedule(now, self.ledger, serving)
-                self.metrics.queue_depth.set(self.scheduler.num_waiting)
+                self._set_queue_gauges()
                 self.progress.tick()
                 for job in batch.expired:
                     error = DeadlineExceededError(

@@ -46,6 +46,12 @@ class VisionEncoderMetrics:
         )
         self.cache_misses = counter("cache_misses", "Image spans encoded by the ViT")
         self.queue_depth = gauge("queue_depth", "Encode calls waiting for a batch")
+        self.saturation = gauge(
+            "saturation",
+            "How full this encoder is, 0..1: images waiting for a batch over "
+            "--max-batch-images (EncodeScheduler.saturation). The autoscaling signal of "
+            "deploy/k8s/components.",
+        )
         self.stalled = gauge(
             "stalled",
             "1 while the batch loop is stuck (calls waiting, no batch for --watchdog-s) or dead",

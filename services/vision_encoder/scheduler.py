@@ -59,6 +59,13 @@ class EncodeScheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def saturation(self) -> float:
+        """How full the encoder is, 0..1: the images waiting for a batch over
+        ``max_batch_images`` (at 1 a whole batch waits behind the one running)."""
+        num_images = sum(len(job.spans) for job in self._waiting)
+        return min(1.0, num_images / self.max_batch_images)
+
     def add(self, job: EncodeJob) -> None:
         self._waiting.append(job)
 

@@ -121,7 +121,10 @@ def total_load(leader: DecodeLeader) -> RankLoad:
     fields = [name for name in RankLoad.__struct_fields__ if name.startswith("num_")]
     sums = {name: sum(getattr(load, name) for load in loads) for name in fields}
     return RankLoad(
-        page_size=PAGE_SIZE, max_model_len=loads[0].max_model_len if loads else 0, **sums
+        page_size=PAGE_SIZE,
+        max_model_len=loads[0].max_model_len if loads else 0,
+        max_running_requests=sum(load.max_running_requests for load in loads),
+        **sums,
     )
 
 

@@ -302,6 +302,9 @@ async def test_metrics_count_outcomes_tokens_and_pages(make_decode: MakeDecode) 
     )
     assert value("reserved_requests") == 1
     assert value("kv_pages_quarantined") == 0
+    stats = harness.stats()  # one reserved request: its pages or its batch slot, the larger
+    held = max(1 - stats.num_free_pages / stats.num_total_pages, 1 / stats.max_running_requests)
+    assert value("saturation") == pytest.approx(held) and 0 < held < 1
     await harness.client.abort("m-aborted")
     assert value("kv_pages_quarantined") == used and value("kv_pages_used") == 0
     await harness.pass_quarantine()
@@ -314,3 +317,4 @@ async def test_metrics_count_outcomes_tokens_and_pages(make_decode: MakeDecode) 
     assert value("tokens_generated_total") == before["tokens"] + 5
     assert value("step_seconds_count") == before["steps"] + 5
     assert value("running_requests") == 0 and value("kv_pages_used") == 0
+    assert value("saturation") == 0

@@ -1,7 +1,7 @@
 """Read deploy/ as the tools would: kustomize renders, compose files, Dockerfiles, service flags.
 
-``render_kustomization`` is a small kustomize for what deploy/k8s uses (resources, strategic
-merge patches, images) and refuses anything else, so a new kustomize feature cannot slip
+``render_kustomization`` is a small kustomize for what deploy/k8s uses (resources, components,
+strategic merge patches, images) and refuses anything else, so a new kustomize feature cannot slip
 past the tests unrendered; test_k8s.py checks it against ``kubectl kustomize`` where that
 exists. ``parse_service_args`` hands a container's arguments to the service's own parser.
 """
@@ -29,7 +29,8 @@ DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 OVERLAYS = ("cpu", "gpu")
 SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
-KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
+KUSTOMIZE_KEYS = {"apiVersion", "kind", "resources", "components", "images", "patches"}
+COMPONENTS = K8S / "components"
 # Strategic-merge keys of the lists deploy/k8s patches (others are replaced whole).
 MERGE_KEYS = {
     "containers": "name",
@@ -49,6 +50,9 @@ def _merge(target: Any, patch: Any, key: str = "") -> Any:
     if isinstance(target, dict) and isinstance(patch, dict):
         assert not any(k.startswith("$") for k in patch), f"unsupported patch directive in {patch}"
         for name, value in patch.items():
+            if value is None:  # a strategic merge patch's null deletes the field
+                target.pop(name, None)
+                continue
             target[name] = (
                 _merge(target[name], value, name) if name in target else copy.deepcopy(value)
             )
@@ -71,12 +75,15 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
     return found[0]
 
 
-def render_kustomization(directory: Path) -> list[dict]:
-    """The resources ``kustomize build directory`` prints, for the features deploy/k8s uses."""
+def _kustomization(directory: Path, kind: str) -> dict:
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(kustomization) - KUSTOMIZE_KEYS
     assert not unknown, f"{directory}: this test's renderer does not implement {sorted(unknown)}"
-    docs: list[dict] = []
+    assert kustomization.get("kind", "Kustomization") == kind, f"{directory}: not a {kind}"
+    return kustomization
+
+
+def _add_resources_and_patches(directory: Path, kustomization: dict, docs: list[dict]) -> None:
     for resource in kustomization.get("resources", []):
         path = directory / resource
         docs += render_kustomization(path) if path.is_dir() else load_docs(path)
@@ -84,6 +91,17 @@ def render_kustomization(directory: Path) -> list[dict]:
         assert set(patch) == {"path"}, f"{directory}: only file patches are rendered here: {patch}"
         for doc in load_docs(directory / patch["path"]):
             _merge(find(docs, doc["kind"], doc["metadata"]["name"]), doc)
+
+
+def render_kustomization(directory: Path, components: tuple[Path, ...] = ()) -> list[dict]:
+    """The resources ``kustomize build directory`` prints, for the features deploy/k8s uses;
+    ``components`` are added after the kustomization's own, as an overlay listing them would."""
+    kustomization = _kustomization(directory, "Kustomization")
+    docs: list[dict] = []
+    _add_resources_and_patches(directory, {"resources": kustomization.get("resources", [])}, docs)
+    for component in [*(directory / c for c in kustomization.get("components", [])), *components]:
+        _add_resources_and_patches(component, _kustomization(component, "Component"), docs)
+    _add_resources_and_patches(directory, {"patches": kustomization.get("patches", [])}, docs)
     for image in kustomization.get("images", []):
         for container in containers(docs):
             if container["image"].split(":")[0] == image["name"]:

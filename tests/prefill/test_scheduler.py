@@ -183,6 +183,26 @@ def test_add_refuses_what_can_never_run_and_a_full_queue() -> None:
         s.add(make_input("c", 4), {})
 
 
+def test_saturation_is_the_fuller_of_the_queue_and_the_tokens_waiting_for_a_batch() -> None:
+    s = make_scheduler(num_pages=32, max_batch_tokens=64, max_queued=8)
+    assert s.saturation == 0.0
+    s.add(make_input("a", 16), {})
+    assert s.saturation == pytest.approx(16 / 64)  # tokens: a quarter of a batch waits
+    s.add(make_input("b", 32), {})
+    s.admit()
+    assert s.saturation == pytest.approx(48 / 64)
+    plan = s.schedule()
+    assert plan is not None and plan.request_ids == ["a", "b"]
+    assert s.saturation == pytest.approx(2 / 8)  # running: only their queue places count
+    for request_id in "cde":
+        s.add(make_input(request_id, 12), {})
+    assert s.saturation == pytest.approx(5 / 8)  # the queue: 36 tokens wait
+    s.add(make_input("f", 40), {})
+    assert s.saturation == 1.0  # 76 tokens: more than a whole batch waits
+    s.update_from_output(plan, ok_output(plan))
+    assert s.num_live == 4 and s.saturation == 1.0
+
+
 def test_encoder_failure_frees_rows_and_timeouts_quarantine_them() -> None:
     clock = Clock()
     s = make_scheduler(num_rows=8, row_quarantine_s=5.0, clock=clock)

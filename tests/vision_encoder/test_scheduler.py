@@ -53,6 +53,20 @@ def test_schedule_takes_the_oldest_jobs_that_fit() -> None:
     assert scheduler.num_waiting == 0 and scheduler.schedule(0, ledger).jobs == ()
 
 
+def test_saturation_is_the_images_waiting_over_one_batch() -> None:
+    scheduler, ledger = EncodeScheduler(max_batch_images=4), CacheLedger(1)
+    assert scheduler.saturation == 0.0
+    scheduler.add(job(0, 1))
+    scheduler.add(job(1, 2))
+    assert scheduler.saturation == pytest.approx(3 / 4)
+    scheduler.add(job(2, 3))
+    assert scheduler.saturation == 1.0  # six images: more than a batch waits
+    assert [j.job_id for j in scheduler.schedule(0, ledger).jobs] == [0, 1]
+    assert scheduler.saturation == pytest.approx(3 / 4)
+    scheduler.schedule(0, ledger)
+    assert scheduler.saturation == 0.0
+
+
 def test_jobs_past_their_deadline_leave_as_expired() -> None:
     scheduler = EncodeScheduler(max_batch_images=8)
     scheduler.add(job(0, 1, deadline_mono=5.0))
