@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -21,7 +20,6 @@ from services.common.clients.decode import DecodeClient
 from services.common.clients.prefill import PrefillClient
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.clients.vision_encoder import VisionEncoderClient
-from services.common.errors import UnavailableError
 from services.common.pb.stageserve.v1 import router_pb2_grpc
 from services.common.server import HealthState, create_server
 from services.engine.processing import ImageProcessor, TextProcessor
@@ -43,8 +41,6 @@ from services.router.policy import make_policy
 from services.router.registry import HealthProbe, WorkerRegistry
 from services.router.servicer import RouterServicer
 from services.router.workers import Worker, WorkerKind, parse_dns_name
-
-logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "stageserve.v1.Router"
 # After the drain (``RouterApp.drain``, up to ``cfg.drain_s``), within STOP_AFTER_DRAIN_S.
@@ -249,25 +245,10 @@ class RouterApp:
         """SIGTERM (health is NOT_SERVING already): refuse new requests (503 / UNAVAILABLE,
         ``GET /health`` 503), give the ones in flight ``cfg.drain_s`` to finish, then end the
         rest with UNAVAILABLE. Both servers keep serving meanwhile."""
-        self.pipeline.start_drain()
+        self.pipeline.tasks.start_drain()
         if self.health_generate is not None:
             await self.health_generate.close()
-        budget_s = self.cfg.drain_s
-        logger.info(
-            "draining: %d requests in flight, %g s to finish", self.pipeline.num_in_flight, budget_s
-        )
-        if not await self.pipeline.wait_idle(budget_s):
-            logger.warning(
-                "drain budget of %g s spent: ending %d requests",
-                budget_s,
-                self.pipeline.num_in_flight,
-            )
-            self.pipeline.end_all(
-                UnavailableError(
-                    f"the router shut down before the request finished (its drain budget of "
-                    f"{budget_s:g} s ran out); retry the request"
-                )
-            )
+        await self.pipeline.tasks.finish_drain(self.cfg.drain_s)
 
     async def stop(self) -> None:
         """Release everything (the gRPC server is already stopped by the skeleton)."""
@@ -276,7 +257,7 @@ class RouterApp:
             await self._http_task
         if self.health_generate is not None:
             await self.health_generate.close()
-        await self.pipeline.wait_idle(ABORTS_S)
+        await self.pipeline.tasks.wait_idle(ABORTS_S)
         await self.discovery.close()
         await self.registry.close()
         await self.images.close()

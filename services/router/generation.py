@@ -23,8 +23,8 @@ anything ends it early (error, stall, deadline, disconnect, stop string, prefill
 finishing the request), decode's Abort is sent in the background (idempotent, frees the
 pages). The Abort says ``is_kv_written`` exactly when prefill returned successfully: its
 KV write has landed, so decode frees the pages at once instead of quarantining them
-against a late write. Shutdown: ``start_drain`` refuses every new request (UNAVAILABLE:
-503) while the ones in flight go on; ``end_all`` ends those still running with its error.
+against a late write. Every task a request starts runs through ``RequestTasks``
+(drain.py), which also owns the router's drain on shutdown.
 
 The producer's ``router.request`` span (a child of the caller's trace context) is the
 parent of every worker's span; it ends with status ERROR when the request fails.
@@ -33,7 +33,6 @@ parent of every worker's span; it ends with status ERROR when the request fails.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from services.common.types import ImageHeader, ImagePart, SamplingParams, Tokeni
 from services.engine.processing import ImageProcessor
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
+from services.router.drain import RequestTasks
 from services.router.metrics import RequestStats, RouterMetrics
 from services.router.output import DetokenizerFactory, OutputAssembler
 from services.router.peers import DecodePeer, TokenizerPeer
@@ -63,8 +63,6 @@ from services.router.progress import StallBound
 from services.router.registry import WorkerRegistry
 from services.router.types import GenerationDelta, GenerationRequest
 from services.router.workers import Hop, Worker, WorkerKind
-
-logger = logging.getLogger(__name__)
 
 _tracer = telemetry.tracer("router")
 
@@ -91,17 +89,14 @@ class GenerationPipeline:
         self._max_context_len = max_context_len
         self._default_max_tokens = default_max_tokens
         self._metrics = metrics
-        self._tasks: set[asyncio.Task] = set()  # producers and aborts still running
-        self._producers: set[asyncio.Task] = set()
-        self._is_draining = False
-        self._cut_off: StageServeError | None = None  # what producers ended by end_all emit
+        self.tasks = RequestTasks()
         self.admission = AdmissionManager(
             flow.max_concurrent_requests, flow.max_queued_requests, flow.queue_timeout_s, metrics
         )
         self._bound = StallBound(registry, flow.stall_timeout_s)
-        self._placer = Placer(registry, self.admission, self._bound, metrics, self._spawn)
+        self._placer = Placer(registry, self.admission, self._bound, metrics, self.tasks.spawn)
         self._prefetch = ImagePrefetcher(
-            registry, self._spawn, is_enabled=prefetch_images, processor=image_processor
+            registry, self.tasks.spawn, is_enabled=prefetch_images, processor=image_processor
         )
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
@@ -111,17 +106,10 @@ class GenerationPipeline:
         draining). Closing the iterator early (or cancelling its consumer) cancels the
         request and aborts it on decode.
         """
-        if self._is_draining:
-            raise UnavailableError(
-                "this router is shutting down and admits no new requests; retry the request "
-                "(another router serves it)"
-            )
         queue: asyncio.Queue[GenerationDelta | StageServeError] = asyncio.Queue()
-        producer = self._spawn(
+        producer = self.tasks.admit(
             self._produce(request, queue.put_nowait), f"request-{request.request_id}"
         )
-        self._producers.add(producer)
-        producer.add_done_callback(self._producers.discard)
         is_over = False  # the producer has delivered its terminal item and winds down by itself
         try:
             while True:
@@ -135,49 +123,6 @@ class GenerationPipeline:
         finally:
             if not is_over:
                 producer.cancel()
-
-    @property
-    def is_draining(self) -> bool:
-        return self._is_draining
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests admitted to ``stream`` and not ended yet."""
-        return len(self._producers)
-
-    def start_drain(self) -> None:
-        """Refuse every request ``stream`` gets from now on; the ones in flight go on."""
-        self._is_draining = True
-
-    def end_all(self, error: StageServeError) -> None:
-        """End every request in flight: each gets ``error`` as its terminal item and is
-        aborted on decode (``wait_idle`` then waits for the aborts)."""
-        self._cut_off = error
-        for producer in list(self._producers):
-            producer.cancel()
-
-    async def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Wait up to ``timeout_s`` (None: no bound) for every producer and background abort
-        to end, cancelling none of them; True once there are none."""
-        loop = asyncio.get_running_loop()
-        deadline_mono = None if timeout_s is None else loop.time() + timeout_s
-        while self._tasks:
-            remaining_s = None if deadline_mono is None else deadline_mono - loop.time()
-            if remaining_s is not None and remaining_s <= 0:
-                return False
-            await asyncio.wait(set(self._tasks), timeout=remaining_s)
-        return True
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("%s failed", task.get_name(), exc_info=task.exception())
 
     async def _produce(self, request: GenerationRequest, emit: Emit) -> None:
         """Run the request under its deadline; always emits exactly one terminal item."""
@@ -209,7 +154,7 @@ class GenerationPipeline:
             finally:
                 if not state.is_done:  # an unexpected exception or cancellation (end_all)
                     state.emit(
-                        self._cut_off
+                        self.tasks.cut_off
                         or StageServeError(f"request {request.request_id} failed inside the router")
                     )
                 if error is not None:

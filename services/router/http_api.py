@@ -217,7 +217,7 @@ class OpenAIApi:
         and load, and admission."""
         missing = [k.value for k in self.registry.missing_kinds()]
         status, code = ("unavailable", 503) if missing else ("ok", 200)
-        if self.pipeline.is_draining:
+        if self.pipeline.tasks.is_draining:
             status, code = "draining", 503
         if not is_authorized(request.scope):
             return OpenAIJSONResponse({"status": status}, status_code=code)
