@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
 from services.common.errors import AbortedError
 from services.common.pb.stageserve.v1 import router_pb2_grpc
-from stageserve.client.calls import CHANNEL_OPTIONS, api_credentials, call_spec
+from stageserve.client.calls import CHANNEL_OPTIONS, BaseClient, CallOptions
 from stageserve.client.errors import error_from_rpc
-from stageserve.client.types import (
-    Chunk,
-    Completion,
-    CompletionBuilder,
-    Message,
-    Sampling,
-    chunk_from_proto,
-)
+from stageserve.client.types import Chunk, Completion, CompletionBuilder, chunk_from_proto
 
 
 class AsyncStream:
@@ -74,64 +67,28 @@ class AsyncStream:
         self.cancel()
 
 
-class AsyncClient:
+class AsyncClient(BaseClient):
     """``Client`` for asyncio: the same arguments, awaitable. Create it inside the event loop
     that uses it; ``await close()`` (or ``async with``) when done."""
 
     def __init__(
         self, address: str, *, api_key: str | None = None, timeout_s: float | None = 300.0
     ) -> None:
-        self._credentials = api_credentials(api_key)
-        self._timeout_s = timeout_s
+        super().__init__(api_key, timeout_s)
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] = (),
-        model: str = "",
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncStream:
+    def stream(self, prompt: str | None = None, **options: Unpack[CallOptions]) -> AsyncStream:
         """``Client.stream``: the call starts now; iterate the result with ``async for``."""
-        spec = call_spec(
-            prompt=prompt,
-            messages=messages,
-            sampling=sampling,
-            stop=stop,
-            model=model,
-            request_id=request_id,
-            timeout_s=timeout_s if timeout_s is not None else self._timeout_s,
-            credentials=self._credentials,
-        )
+        spec = self._call_spec(prompt, options)
         call = self._stub.Generate(spec.request, timeout=spec.timeout_s, metadata=spec.metadata)
         return AsyncStream(call, spec.request_id)
 
     async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] = (),
-        model: str = "",
-        request_id: str | None = None,
-        timeout_s: float | None = None,
+        self, prompt: str | None = None, **options: Unpack[CallOptions]
     ) -> Completion:
         """``stream`` with the same arguments, joined into one ``Completion``."""
-        async with self.stream(
-            prompt,
-            messages=messages,
-            sampling=sampling,
-            stop=stop,
-            model=model,
-            request_id=request_id,
-            timeout_s=timeout_s,
-        ) as stream:
+        async with self.stream(prompt, **options) as stream:
             return await stream.completion()
 
     async def close(self) -> None:

@@ -1,11 +1,12 @@
-"""What the blocking and the asyncio client share: the channel's options and one call's
-request, metadata and deadline."""
+"""What the blocking and the asyncio client share: the channel's options, the call options
+and one call's request, metadata and deadline (``BaseClient``)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 from services.common.auth import API_KEY, AUTHORIZATION_KEY, AuthConfigError, Credentials
 from services.common.errors import InvalidRequestError
@@ -35,6 +36,18 @@ def api_credentials(api_key: str | None) -> Credentials | None:
         raise InvalidRequestError(str(exc), param="api_key") from None
 
 
+class CallOptions(TypedDict, total=False):
+    """The keyword arguments of both clients' ``stream`` and ``generate``; ``call_spec`` gives
+    their defaults, ``Client.stream`` their meaning."""
+
+    messages: Sequence[Message] | None
+    sampling: Sampling | None
+    stop: Sequence[str]
+    model: str
+    request_id: str | None
+    timeout_s: float | None
+
+
 @dataclass(frozen=True)
 class CallSpec:
     """One ``Router.Generate`` call: its request, metadata and deadline (None: none)."""
@@ -49,15 +62,15 @@ class CallSpec:
 
 
 def call_spec(
+    prompt: str | None = None,
     *,
-    prompt: str | None,
-    messages: Sequence[Message] | None,
-    sampling: Sampling | None,
-    stop: Sequence[str],
-    model: str,
-    request_id: str | None,
-    timeout_s: float | None,
-    credentials: Credentials | None,
+    messages: Sequence[Message] | None = None,
+    sampling: Sampling | None = None,
+    stop: Sequence[str] = (),
+    model: str = "",
+    request_id: str | None = None,
+    timeout_s: float | None = None,
+    credentials: Credentials | None = None,
 ) -> CallSpec:
     """The call for these arguments; ``request_id`` None: a fresh one (``uuid4().hex``), so
     every error and chunk names the request the router's logs show."""
@@ -76,3 +89,22 @@ def call_spec(
     if credentials is not None:
         metadata.append((AUTHORIZATION_KEY, credentials.header_value))
     return CallSpec(request, tuple(metadata), timeout_s)
+
+
+class BaseClient:
+    """The state and the call building ``Client`` and ``AsyncClient`` share; each adds its
+    channel and its call style."""
+
+    def __init__(self, api_key: str | None, timeout_s: float | None) -> None:
+        self._credentials = api_credentials(api_key)
+        self._timeout_s = timeout_s
+
+    def _call_spec(self, prompt: str | None, options: CallOptions) -> CallSpec:
+        """The call of ``stream(prompt, **options)``: its deadline the client's unless
+        ``options`` gives one."""
+        timeout_s = options.get("timeout_s")
+        if timeout_s is None:
+            timeout_s = self._timeout_s
+        return call_spec(
+            prompt, **{**options, "timeout_s": timeout_s}, credentials=self._credentials
+        )

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import grpc
 
 from services.common.pb.stageserve.v1 import router_pb2_grpc
-from stageserve.client.calls import CHANNEL_OPTIONS, CallSpec, api_credentials, call_spec
+from stageserve.client.calls import CHANNEL_OPTIONS, BaseClient, CallOptions
 from stageserve.client.errors import error_from_rpc
-from stageserve.client.types import (
-    Chunk,
-    Completion,
-    CompletionBuilder,
-    Message,
-    Sampling,
-    chunk_from_proto,
-)
+from stageserve.client.types import Chunk, Completion, CompletionBuilder, chunk_from_proto
 
 
 class Stream:
@@ -62,7 +55,7 @@ class Stream:
         self.cancel()
 
 
-class Client:
+class Client(BaseClient):
     """A blocking client of the router's gRPC API at ``address`` (``host:port``: ``stageserve up
     --grpc-port``). ``api_key``: sent on every call (the router's ``--api-key``).
     ``timeout_s``: each call's deadline unless the call gives its own (None: no deadline of the
@@ -71,64 +64,25 @@ class Client:
     def __init__(
         self, address: str, *, api_key: str | None = None, timeout_s: float | None = 300.0
     ) -> None:
-        self._credentials = api_credentials(api_key)
-        self._timeout_s = timeout_s
+        super().__init__(api_key, timeout_s)
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] = (),
-        model: str = "",
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> Stream:
+    def stream(self, prompt: str | None = None, **options: Unpack[CallOptions]) -> Stream:
         """Start generating from a raw ``prompt`` (no chat template) or from ``messages`` (the
-        model's chat template); the chunks stream as they are generated. ``stop``: strings that
-        end the text (not included). ``model``: empty for the served one. ``request_id``: the
-        id the router's logs and every chunk carry (default: a fresh one)."""
-        spec = call_spec(
-            prompt=prompt,
-            messages=messages,
-            sampling=sampling,
-            stop=stop,
-            model=model,
-            request_id=request_id,
-            timeout_s=timeout_s if timeout_s is not None else self._timeout_s,
-            credentials=self._credentials,
-        )
-        return self._start(spec)
-
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Message] | None = None,
-        sampling: Sampling | None = None,
-        stop: Sequence[str] = (),
-        model: str = "",
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-    ) -> Completion:
-        """``stream`` with the same arguments, joined into one ``Completion``."""
-        with self.stream(
-            prompt,
-            messages=messages,
-            sampling=sampling,
-            stop=stop,
-            model=model,
-            request_id=request_id,
-            timeout_s=timeout_s,
-        ) as stream:
-            return stream.completion()
-
-    def _start(self, spec: CallSpec) -> Stream:
+        model's chat template); the chunks stream as they are generated. ``sampling``: how
+        tokens are drawn (None: the server's defaults). ``stop``: strings that end the text
+        (not included). ``model``: empty for the served one. ``request_id``: the id the
+        router's logs and every chunk carry (default: a fresh one). ``timeout_s``: this call's
+        deadline (None: the client's)."""
+        spec = self._call_spec(prompt, options)
         call = self._stub.Generate(spec.request, timeout=spec.timeout_s, metadata=spec.metadata)
         return Stream(call, spec.request_id)
+
+    def generate(self, prompt: str | None = None, **options: Unpack[CallOptions]) -> Completion:
+        """``stream`` with the same arguments, joined into one ``Completion``."""
+        with self.stream(prompt, **options) as stream:
+            return stream.completion()
 
     def close(self) -> None:
         self._channel.close()
