@@ -10,42 +10,24 @@ from __future__ import annotations
 
 import copy
 
+import tiny_layers
+
 VISION = {
+    **tiny_layers.VISION,
     "model_type": "qwen3_vl_vision",
-    "depth": 4,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_heads": 2,
     "hidden_act": "gelu_pytorch_tanh",
-    "in_channels": 3,
     "patch_size": 16,
-    "temporal_patch_size": 2,
-    "spatial_merge_size": 2,
-    "out_hidden_size": 64,
     "num_position_embeddings": 64,
     "deepstack_visual_indexes": [0, 2],
     "initializer_range": 0.02,
 }
 TEXT = {
+    **tiny_layers.TEXT,
     "model_type": "qwen3_vl_text",
-    "vocab_size": 2048,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
     "head_dim": 32,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
     "rope_theta": 5000000.0,
     "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True},
-    "max_position_embeddings": 4096,
     "attention_bias": False,
-    "attention_dropout": 0.0,
-    "initializer_range": 0.02,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 2,
 }
 MOE_TEXT = {
     **TEXT,
@@ -65,10 +47,7 @@ def config(moe: bool) -> dict:
             "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
         ],
         "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
-        "image_token_id": 5,
-        "video_token_id": 6,
-        "vision_start_token_id": 3,
-        "vision_end_token_id": 4,
+        **tiny_layers.VISION_TOKEN_IDS,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "text_config": copy.deepcopy(MOE_TEXT if moe else TEXT),
@@ -84,24 +63,14 @@ def _is_sparse(t: dict, layer: int) -> bool:
 
 def _text_shapes(t: dict) -> dict[str, tuple[int, ...]]:
     h, d = t["hidden_size"], t["head_dim"]
-    q, kv, i = t["num_attention_heads"] * d, t["num_key_value_heads"] * d, t["intermediate_size"]
     m = "model.language_model."
-    shapes = {
-        m + "embed_tokens.weight": (t["vocab_size"], h),
-        m + "norm.weight": (h,),
-        "lm_head.weight": (t["vocab_size"], h),
-    }
+    shapes = tiny_layers.text_ends(m, t)
     for n in range(t["num_hidden_layers"]):
         p = f"{m}layers.{n}."
+        shapes |= tiny_layers.decoder_layer(p, t, d, qkv_bias=False)
         shapes |= {
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
             p + "self_attn.q_norm.weight": (d,),
             p + "self_attn.k_norm.weight": (d,),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
         }
         if _is_sparse(t, n):
             e, mi = t["num_experts"], t["moe_intermediate_size"]
@@ -111,11 +80,7 @@ def _text_shapes(t: dict) -> dict[str, tuple[int, ...]]:
                 p + "mlp.experts.down_proj": (e, mi, h),
             }
         else:
-            shapes |= {
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
-            }
+            shapes |= tiny_layers.gated_mlp(p + "mlp.", h, t["intermediate_size"], bias=False)
     return shapes
 
 
@@ -133,30 +98,19 @@ def _merger_shapes(prefix: str, v: dict, postshuffle: bool) -> dict[str, tuple[i
 
 
 def _vision_shapes(v: dict) -> dict[str, tuple[int, ...]]:
-    vh, vi, patch = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    vh, vi = v["hidden_size"], v["intermediate_size"]
     m = "model.visual."
     shapes = {
-        m + "patch_embed.proj.weight": (
-            vh,
-            v["in_channels"],
-            v["temporal_patch_size"],
-            patch,
-            patch,
-        ),
+        m + "patch_embed.proj.weight": tiny_layers.patch_embed(v),
         m + "patch_embed.proj.bias": (vh,),
         m + "pos_embed.weight": (v["num_position_embeddings"], vh),
     }
     for n in range(v["depth"]):
         p = f"{m}blocks.{n}."
+        shapes |= tiny_layers.vision_block(p, v)
         shapes |= {
-            p + "norm1.weight": (vh,),
             p + "norm1.bias": (vh,),
-            p + "norm2.weight": (vh,),
             p + "norm2.bias": (vh,),
-            p + "attn.qkv.weight": (3 * vh, vh),
-            p + "attn.qkv.bias": (3 * vh,),
-            p + "attn.proj.weight": (vh, vh),
-            p + "attn.proj.bias": (vh,),
             p + "mlp.linear_fc1.weight": (vi, vh),
             p + "mlp.linear_fc1.bias": (vi,),
             p + "mlp.linear_fc2.weight": (vh, vi),
