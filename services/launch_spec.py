@@ -215,8 +215,8 @@ def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
 
 def prefill_queue_size(cfg: LaunchConfig) -> int:
     """Requests the one prefill worker must hold: every request each router process admits
-    can be at prefill at once (with prefill's own 256, 512 concurrent 1000-token requests
-    through two routers on one H200 had 241 of them refused: "prefill queue is full")."""
+    can be at prefill at once (with prefill's own default, a burst through two routers had
+    requests refused: ``docs/benchmarks.md``, "Measurements cited by the code")."""
     slots = cfg.max_concurrent_requests or FlowConfig.max_concurrent_requests
     return cfg.router_workers * slots
 
@@ -224,9 +224,8 @@ def prefill_queue_size(cfg: LaunchConfig) -> int:
 def decode_batch_size(cfg: LaunchConfig) -> int:
     """Decode's largest batch per rank: ``max_running_requests``, or room for every request
     the router processes admit, over the decode ranks (at least decode's own 256). A request
-    past it waits on decode for a place (its stream says so); with decode's 256, 512
-    concurrent 1000/1000 requests through two routers on one H200 had half of them wait
-    ~20 s for the first half to finish."""
+    past it waits on decode for a place (its stream says so), behind whole generations of
+    the requests before it (``docs/benchmarks.md``, "Measurements cited by the code")."""
     if cfg.max_running_requests is not None:
         return cfg.max_running_requests
     num_ranks = max(len(decode_devices(cfg)), cfg.decode_dp)

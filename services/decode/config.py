@@ -18,9 +18,9 @@ from services.engine.gpu_defaults import (
 )
 from services.engine.kv_sizing import CPU_NUM_PAGES
 
-# With a GPU share file: a step waits at most this long for prefill's forwards. 100 ms keeps
-# decode near one step per prefill forward (a 4 x 1000-token batch takes ~80 ms alone on an
-# H200 at 7B dimensions) while a burst of prompts runs.
+# With a GPU share file: a step waits at most this long for prefill's forwards; a little more
+# than one forward of a large prefill batch, so decode stays near one step per prefill forward
+# while a burst of prompts runs (docs/benchmarks.md, "Measurements cited by the code").
 PREFILL_FIRST_MS = 100.0
 
 
