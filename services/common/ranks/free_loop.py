@@ -9,8 +9,8 @@ the rank's state), whenever posts came, while ``has_work()``, once the timer is 
 once after a failed step. A malformed message counts as a post: its step fails. There is
 no status exchange: no peer could take part in one.
 
-The loop leaves on Shutdown, when its parent is gone, when the leader has been silent for
-``leader_timeout_s`` (it pings this rank every heartbeat, busy or not), and when
+The loop leaves on Shutdown, when its parent is gone or the leader has been silent for
+``leader_timeout_s`` (``LeaderWatch``; it pings this rank every heartbeat, busy or not), and when
 ``on_failed`` raises (the leader restarts the rank); the step watchdog ends the process
 when a step runs ``STUCK_EXIT_GRACE_S`` past ``Setup.step_timeout_s``.
 """
@@ -18,7 +18,6 @@ when a step runs ``STUCK_EXIT_GRACE_S`` past ``Setup.step_timeout_s``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -40,7 +39,7 @@ from services.common.ranks.messages import (
     encode_raw,
     error_text,
 )
-from services.common.ranks.rank_loop import POLL_S, LoopExit, StepWatchdog
+from services.common.ranks.rank_loop import POLL_S, LeaderWatch, LoopExit, StepWatchdog
 from services.common.ranks.step import FreeRankStep
 
 logger = logging.getLogger(__name__)
@@ -70,18 +69,18 @@ class FreeRankLoop:
 
     def serve(self) -> LoopExit:
         watchdog = StepWatchdog()
-        last_heard_s = time.monotonic()
+        leader = LeaderWatch(self.parent_pid, self.setup.leader_timeout_s, time.monotonic())
         while True:
             messages = self._drain(self._wait_s())
             if messages:
-                last_heard_s = time.monotonic()
+                leader.heard(time.monotonic())
             for message in messages:
                 if isinstance(message, Shutdown):
                     logger.info("shutdown after step %d", self._next_step - 1)
                     return LoopExit.SHUTDOWN
                 self._take(message)
             if not self._has_step():
-                if self._is_orphaned(time.monotonic() - last_heard_s):
+                if leader.is_gone(time.monotonic()):
                     return LoopExit.ORPHANED
                 continue
             watchdog.arm(time.monotonic() + self.setup.step_timeout_s)
@@ -90,15 +89,6 @@ class FreeRankLoop:
             if report is None:
                 return LoopExit.BROKEN
             self.channel.send(report)
-
-    def _is_orphaned(self, silent_s: float) -> bool:
-        if self.parent_pid and os.getppid() != self.parent_pid:
-            logger.error("the leader (pid %d) is gone: exiting", self.parent_pid)
-            return True
-        if silent_s > self.setup.leader_timeout_s:
-            logger.error("no word from the leader for %.1f s: exiting", silent_s)
-            return True
-        return False
 
     def _wait_s(self) -> float:
         if self._has_step():

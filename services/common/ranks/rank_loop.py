@@ -8,9 +8,9 @@ reached: OK with this rank's result, or FAILED with the agreed error
 failed on this rank. An exchange that cannot complete (a peer dead or stuck, a desync)
 makes this rank reply BROKEN and leave: the group is restarted as a whole.
 
-The loop also leaves when the leader says Shutdown, when its parent (the leader) is gone,
-and when the leader has been silent for ``leader_timeout_s`` (it pings idle ranks, each
-Ping answered with a Pong: the leader's check that this rank is alive). A step
+The loop also leaves when the leader says Shutdown, and when its parent (the leader) is gone
+or has been silent for ``leader_timeout_s`` (``LeaderWatch``, the free-running loop's too; the
+leader pings idle ranks, each Ping answered with a Pong: its check that this rank is alive). A step
 still running ``STUCK_EXIT_GRACE_S`` past its deadline (the leader has given up on it)
 ends the process from a watchdog thread, should the leader not have killed it yet.
 """
@@ -89,6 +89,30 @@ class StepWatchdog:
                 os._exit(LoopExit.STUCK)
 
 
+class LeaderWatch:
+    """Whether the leader is gone: this process's parent is no longer ``parent_pid`` (0: none
+    to check, a loop driven in-process), or nothing came from it for ``leader_timeout_s``."""
+
+    def __init__(self, parent_pid: int, leader_timeout_s: float, now_mono: float) -> None:
+        self._parent_pid = parent_pid
+        self._timeout_s = leader_timeout_s
+        self._heard_mono = now_mono
+
+    def heard(self, now_mono: float) -> None:
+        self._heard_mono = now_mono
+
+    def is_gone(self, now_mono: float) -> bool:
+        """True (and logged) once the leader is gone; this rank should then exit ORPHANED."""
+        if self._parent_pid and os.getppid() != self._parent_pid:
+            logger.error("the leader (pid %d) is gone: exiting", self._parent_pid)
+            return True
+        silent_s = now_mono - self._heard_mono
+        if silent_s > self._timeout_s:
+            logger.error("no word from the leader for %.1f s: exiting", silent_s)
+            return True
+        return False
+
+
 class RankLoop:
     def __init__(
         self,
@@ -110,15 +134,15 @@ class RankLoop:
 
     def serve(self) -> LoopExit:
         watchdog = StepWatchdog()
-        last_heard_s = time.monotonic()
+        leader = LeaderWatch(self.parent_pid, self.setup.leader_timeout_s, time.monotonic())
         while True:
             message = self.channel.receive(POLL_S)
             now = time.monotonic()
             if message is None:
-                if self._is_orphaned(now - last_heard_s):
+                if leader.is_gone(now):
                     return LoopExit.ORPHANED
                 continue
-            last_heard_s = now
+            leader.heard(now)
             if isinstance(message, Shutdown):
                 logger.info("shutdown after step %d", message.step)
                 return LoopExit.SHUTDOWN
@@ -137,7 +161,7 @@ class RankLoop:
             reply = self.run_step(message)
             self.channel.send(reply)
             watchdog.disarm()
-            last_heard_s = time.monotonic()  # the leader does not ping a rank busy with its step
+            leader.heard(time.monotonic())  # the leader does not ping a rank busy with its step
             if reply.status is StepStatus.BROKEN:
                 logger.error("leaving the group: %s", reply.error)
                 return LoopExit.BROKEN
@@ -211,12 +235,3 @@ class RankLoop:
         return RankStatus(
             step=step, rank=self.rank, is_ok=False, error=cut(error), error_type=error_type
         ), NIL
-
-    def _is_orphaned(self, silent_s: float) -> bool:
-        if self.parent_pid and os.getppid() != self.parent_pid:
-            logger.error("the leader (pid %d) is gone: exiting", self.parent_pid)
-            return True
-        if silent_s > self.setup.leader_timeout_s:
-            logger.error("no word from the leader for %.1f s: exiting", silent_s)
-            return True
-        return False
