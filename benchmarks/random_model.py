@@ -19,6 +19,7 @@ from services.engine.config import ModelConfig
 from services.engine.loader import finish_model
 from services.engine.model.layers import RMSNorm
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.model.registry import model_class
 
 CONFIG_7B = Path(__file__).resolve().parent / "configs" / "qwen2.5-vl-7b"
 # ours -> transformers 5
@@ -44,7 +45,7 @@ def build_random_model(
     device = torch.device(device)
     config = ModelConfig.from_dir(config_dir)
     with torch.device("meta"):
-        model = Qwen2_5_VLModel(config)
+        model = model_class(config.architecture)(config)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     for module in model.modules():

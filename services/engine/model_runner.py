@@ -37,6 +37,7 @@ from services.engine.kv_sizing import (
     kv_page_bytes,
     pages_for_memory,
 )
+from services.engine.model.moe import moe_syncs_host
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.prefill_graph import PrefillGraphs
 
@@ -142,6 +143,8 @@ class ModelRunner:
         decode_graphs = bool(cuda_graph_batch_sizes) and self.device.type == "cuda"
         decode_graphs = decode_graphs and self.attention.supports_cuda_graph
         if not (decode_graphs or prefill_graph_tokens):
+            return
+        if self.device.type == "cuda" and moe_syncs_host(self.model):
             return
         scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding writes here
         if decode_graphs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import openai
 import pytest
@@ -59,9 +60,11 @@ def pipeline() -> OfflinePipeline:
     return OfflinePipeline.from_dir(QWEN3_DIR)
 
 
-def generate_cli(text: str, images: list[bytes], tmp_path) -> tuple[str, int]:
+def generate_cli(
+    text: str, images: list[bytes], tmp_path, model_dir: Path = QWEN3_DIR
+) -> tuple[str, int]:
     """``stageserve generate``'s greedy continuation and its prompt token count."""
-    args = [sys.executable, "-m", "services.cli", "generate", "--model", str(QWEN3_DIR)]
+    args = [sys.executable, "-m", "services.cli", "generate", "--model", str(model_dir)]
     for i, data in enumerate(images):
         path = tmp_path / f"image{i}.png"
         path.write_bytes(data)
@@ -73,10 +76,12 @@ def generate_cli(text: str, images: list[bytes], tmp_path) -> tuple[str, int]:
     return done.stdout.removesuffix("\n"), int(num_prompt.group(1))
 
 
-def transformers_text(pipeline: OfflinePipeline, text: str, images: list[bytes]) -> str:
+def transformers_text(
+    pipeline: OfflinePipeline, text: str, images: list[bytes], model_dir: Path = QWEN3_DIR
+) -> str:
     from transformers import AutoModelForImageTextToText
 
-    hf = AutoModelForImageTextToText.from_pretrained(str(QWEN3_DIR), dtype=torch.float32).eval()
+    hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
     request = pipeline.build_request([{"role": "user", "content": content}], images, GREEDY)
     with torch.no_grad():

@@ -1,5 +1,7 @@
-"""The MoE layer against transformers' Qwen3-VL-MoE block: routing, experts, unpicked
-experts, ``norm_topk_prob`` and both checkpoint layouts of the expert weights."""
+"""The MoE layer against transformers' Qwen3-VL-MoE block and against its own reference
+forward: routing, experts, unpicked experts, ``norm_topk_prob``, both checkpoint layouts of
+the expert weights, the grouped forward's padding and fallback, and that the grouped
+forward has no host reads (it traces as one graph)."""
 
 from __future__ import annotations
 
@@ -7,65 +9,189 @@ import pytest
 import torch
 
 from services.engine.config import MoEConfig
-from services.engine.model.moe import SparseMoE, checkpoint_expert, route
+from services.engine.model.moe import (
+    SparseMoE,
+    checkpoint_expert,
+    grouped_mm_syncs_host,
+    moe_syncs_host,
+    route,
+)
 
 HIDDEN, NUM_EXPERTS, TOP_K, INTER = 16, 6, 2, 12
+UNPICKED = 3
 
 
-def moe_config(norm_topk_prob: bool = True) -> MoEConfig:
-    return MoEConfig(NUM_EXPERTS, TOP_K, INTER, norm_topk_prob, 1, ())
+def random_layer(
+    norm_topk_prob: bool = True, hidden: int = HIDDEN, inter: int = INTER, fused: bool = True
+) -> SparseMoE:
+    """Our layer with seeded random weights; expert ``UNPICKED`` gets a router row no positive
+    input can pick. ``fused``: prepared for the grouped forward, as the loader leaves it."""
+    generator = torch.Generator().manual_seed(0)
+    moe = MoEConfig(NUM_EXPERTS, TOP_K, inter, norm_topk_prob, 1, ())
+    layer = SparseMoE(hidden, moe, "silu")
+    router = torch.randn(NUM_EXPERTS, hidden, generator=generator)
+    router[UNPICKED] = -router[UNPICKED].abs() - 1.0
+    with torch.no_grad():
+        layer.gate.weight.copy_(router)
+        gate_up = torch.randn(NUM_EXPERTS, 2 * inter, hidden, generator=generator) / 4
+        layer.experts.gate_up_proj.copy_(gate_up)
+        down = torch.randn(NUM_EXPERTS, hidden, inter, generator=generator) / 4
+        layer.experts.down_proj.copy_(down)
+    if fused:
+        layer.fuse_projections()
+    return layer
 
 
-def layers_with_shared_weights(unpicked: int):
-    """Our layer and transformers' block with the same random weights; expert ``unpicked``
-    gets a router row no positive input can pick."""
-    from transformers import Qwen3VLMoeTextConfig
+def transformers_block(ours: SparseMoE):
+    """transformers' block with ``ours``' weights. Qwen3-VL-MoE's router always renormalizes
+    the top-k weights (its config has no ``norm_topk_prob``), so without renormalization the
+    peer is Qwen3-MoE's block, which reads the flag and has the same expert layout."""
+    from transformers import Qwen3MoeConfig, Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
         Qwen3VLMoeTextSparseMoeBlock,
     )
 
-    generator = torch.Generator().manual_seed(0)
-    ours = SparseMoE(HIDDEN, moe_config(), "silu")
-    router = torch.randn(NUM_EXPERTS, HIDDEN, generator=generator)
-    router[unpicked] = -router[unpicked].abs() - 1.0
-    with torch.no_grad():
-        ours.gate.weight.copy_(router)
-        ours.experts.gate_up_proj.copy_(torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN) / 4)
-        ours.experts.down_proj.copy_(torch.randn(NUM_EXPERTS, HIDDEN, INTER) / 4)
-    config = Qwen3VLMoeTextConfig(
-        hidden_size=HIDDEN,
+    dims = dict(
+        hidden_size=ours.gate.in_features,
         num_experts=NUM_EXPERTS,
         num_experts_per_tok=TOP_K,
-        moe_intermediate_size=INTER,
+        moe_intermediate_size=ours.moe.moe_intermediate_size,
     )
-    theirs = Qwen3VLMoeTextSparseMoeBlock(config).eval()
+    if ours.moe.norm_topk_prob:
+        theirs = Qwen3VLMoeTextSparseMoeBlock(Qwen3VLMoeTextConfig(**dims))
+    else:
+        theirs = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**dims, norm_topk_prob=False))
     with torch.no_grad():
         theirs.gate.weight.copy_(ours.gate.weight)
         theirs.experts.gate_up_proj.copy_(ours.experts.gate_up_proj)
         theirs.experts.down_proj.copy_(ours.experts.down_proj)
-    return ours, theirs
+    return theirs.eval()
 
 
-def test_layer_matches_transformers_with_tokens_routed_apart_and_an_unpicked_expert():
-    ours, theirs = layers_with_shared_weights(unpicked=3)
-    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(1)).abs()
-    _, experts = route(ours.gate(x), TOP_K, True)
-    picked = set(experts.flatten().tolist())
-    assert 3 not in picked and len(picked) >= 3, picked
-    assert len({tuple(sorted(row)) for row in experts.tolist()}) > 2, "tokens route apart"
+def inputs(num_tokens: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).abs()
+
+
+def both_forwards(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the layer's forward, its reference forward) on ``x``."""
     with torch.no_grad():
-        torch.testing.assert_close(ours(x), theirs(x[None])[0], atol=1e-5, rtol=1e-5)
+        weights, experts = route(layer.gate(x), TOP_K, layer.moe.norm_topk_prob)
+        return layer(x), layer.reference_forward(x, weights, experts)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 40, 600])
+def test_grouped_forward_matches_reference_and_transformers(num_tokens, norm_topk_prob):
+    layer = random_layer(norm_topk_prob)
+    assert layer.gate_up_t is not None and not layer.syncs_host, "the grouped forward runs"
+    x = inputs(num_tokens)
+    ours, reference = both_forwards(layer, x)
+    assert ours.shape == (num_tokens, HIDDEN)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        theirs = transformers_block(layer)(x[None])[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    if num_tokens >= 40:
+        experts = route(layer.gate(x), TOP_K, norm_topk_prob)[1]
+        picked = set(experts.flatten().tolist())
+        assert UNPICKED not in picked and len(picked) >= 3, picked
+        assert len({tuple(sorted(row)) for row in experts.tolist()}) > 2, "tokens route apart"
 
 
 def test_an_unpicked_expert_does_not_change_the_output():
-    ours, _ = layers_with_shared_weights(unpicked=3)
-    x = torch.randn(10, HIDDEN, generator=torch.Generator().manual_seed(2)).abs()
+    layer = random_layer()
+    x = inputs(10, seed=2)
     with torch.no_grad():
-        before = ours(x)
-        ours.experts.gate_up_proj[3].fill_(1e6)
-        assert torch.equal(ours(x), before)
-        ours.experts.gate_up_proj[int(route(ours.gate(x), TOP_K, True)[1][0, 0])].mul_(2)
-        assert not torch.equal(ours(x), before)
+        before = layer(x)
+        layer.experts.gate_up_proj[UNPICKED].fill_(1e6)
+        assert torch.equal(layer(x), before)
+        layer.experts.gate_up_proj[int(route(layer.gate(x), TOP_K, True)[1][0, 0])].mul_(2)
+        assert not torch.equal(layer(x), before)
+
+
+@pytest.mark.parametrize("routing", ["tied", "one hot expert"])
+def test_grouped_forward_matches_reference_on_skewed_routings(routing):
+    layer = random_layer()
+    with torch.no_grad():
+        if routing == "tied":  # experts 1 and 4 get equal logits for every token
+            layer.gate.weight[4] = layer.gate.weight[1]
+        else:  # every token picks expert 0, the other experts share the second slot
+            layer.gate.weight[0] = layer.gate.weight.abs().sum(0)
+    x = inputs(64, seed=3)
+    experts = route(layer.gate(x), TOP_K, True)[1]
+    if routing == "tied":
+        assert bool(((experts == 1) | (experts == 4)).any())
+    else:
+        assert bool((experts[:, 0] == 0).all())
+    ours, reference = both_forwards(layer, x)
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_grouped_forward_matches_the_bf16_reference():
+    layer = random_layer(fused=False).to(torch.bfloat16)
+    layer.fuse_projections()
+    x = inputs(50, seed=4).to(torch.bfloat16)
+    ours, reference = both_forwards(layer, x)
+    assert ours.dtype == torch.bfloat16
+    # the same products; bf16 rounds the k-way sum once here, once per expert there
+    torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
+
+
+def test_unaligned_intermediate_is_padded_with_zeros():
+    layer = random_layer(inter=10)  # 40-byte fp32 rows: not a 16-byte multiple
+    assert layer.gate_up_t is not None and layer.down_t is not None
+    assert layer.gate_up_t.shape == (NUM_EXPERTS, HIDDEN, 128)  # 2 x 64 (PAD_INTERMEDIATE)
+    assert layer.down_t.shape == (NUM_EXPERTS, 64, HIDDEN)
+    assert layer.experts.gate_up_proj.shape == (NUM_EXPERTS, 20, HIDDEN), "parameters unchanged"
+    ours, reference = both_forwards(layer, inputs(30, seed=5))
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_unaligned_hidden_keeps_the_reference_forward():
+    layer = random_layer(hidden=18)  # 72-byte fp32 rows of x: the grouped GEMM refuses them
+    assert layer.gate_up_t is None and layer.syncs_host
+    x = torch.randn(7, 18, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        theirs = transformers_block(layer)(x[None])[0]
+        torch.testing.assert_close(layer(x), theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_forward_traces_as_one_graph_and_the_reference_does_not():
+    """``fullgraph`` tracing with a symbolic token count fails on any host read of device
+    data (``.tolist()``, ``.item()``) and on any shape that depends on the data: what a CUDA
+    graph cannot capture either. (bf16: torch traces its grouped GEMM in bf16 only.)"""
+    layer = random_layer(fused=False).to(torch.bfloat16)
+    x = inputs(7, seed=7).to(torch.bfloat16)
+    with torch.no_grad():
+        with pytest.raises(Exception, match="(?i)graph break|data.dependent|tolist|unique"):
+            torch.compile(layer.forward, fullgraph=True, backend="eager", dynamic=True)(x)
+        layer.fuse_projections()
+        traced = torch.compile(layer.forward, fullgraph=True, backend="eager", dynamic=True)
+        assert torch.equal(traced(x), layer(x))
+        assert traced(x[:0]).shape == (0, HIDDEN)
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "syncs"),
+    [
+        ((9, 0), torch.bfloat16, False),
+        ((10, 0), torch.bfloat16, False),
+        ((8, 0), torch.bfloat16, True),
+        ((9, 0), torch.float16, True),
+        ((9, 0), torch.float32, True),
+    ],
+)
+def test_which_cuda_grouped_gemms_sync(monkeypatch, capability, dtype, syncs):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert grouped_mm_syncs_host(torch.device("cuda", 0), dtype) is syncs
+    assert grouped_mm_syncs_host(torch.device("cpu"), dtype) is False
+
+
+def test_a_model_with_a_reference_layer_syncs(caplog):
+    assert not moe_syncs_host(torch.nn.Sequential(random_layer(), random_layer(inter=10)))
+    assert moe_syncs_host(torch.nn.Sequential(random_layer(), random_layer(hidden=18)))
+    assert "CUDA graphs off" in caplog.text
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -6,19 +6,39 @@ The expert weights of a layer are one tensor each, in the layout transformers ho
 saves: ``experts.gate_up_proj`` ``[E, 2 * I, hidden]`` (gate rows first) and
 ``experts.down_proj`` ``[E, hidden, I]``; the router is ``gate.weight`` ``[E, hidden]``.
 Released Qwen3-VL-MoE checkpoints store the experts transposed (``[E, hidden, 2 * I]``,
-``[E, I, hidden]``); ``checkpoint_expert`` takes either, as transformers does. This is the
-torch reference path: one matmul pair per expert that some token picked (the picked set
-is read on the host).
+``[E, I, hidden]``); ``checkpoint_expert`` takes either, as transformers does.
+
+Two forwards, one result:
+
+- **grouped** (what runs once ``fuse_projections`` has prepared the weights): the T * k
+  (token, expert) pairs are sorted by expert on the device, the per-expert row ends come
+  from a ``searchsorted`` over the sorted ids, both expert matmuls are one grouped GEMM
+  each (``torch.nn.functional.grouped_mm``), and each token's k rows are weighted and
+  summed back. Every shape depends on T and k only, and nothing is read on the host, so
+  the layer can be captured in a CUDA graph where the grouped GEMM itself does not sync
+  (see ``grouped_mm_syncs_host``).
+- **reference** (the test oracle, and the fallback where torch has no grouped GEMM or
+  ``hidden`` is not 16-byte aligned): one matmul pair per expert that some token picked;
+  the picked set is read on the host, so it syncs and cannot be captured.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine import ops
 from services.engine.config import MoEConfig
-from services.engine.model.layers import activation
+from services.engine.model.layers import PAD_INTERMEDIATE, activation
+
+logger = logging.getLogger(__name__)
+
+ALIGN_BYTES = 16  # grouped GEMM operands: row strides and base pointers (torch checks strides)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_FAST_GROUPED_MM_SM = (9, 10)  # torch's CUTLASS grouped GEMM (bf16); others: a synced loop
 
 
 class Experts(nn.Module):
@@ -54,18 +74,101 @@ def route(
     return weights.to(router_logits.dtype), experts
 
 
+def grouped_mm_syncs_host(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM reads the group ends on the host here. On CUDA only bf16
+    on SM 9.x / 10.x runs its CUTLASS kernel; every other CUDA case runs torch's per-group
+    fallback, which copies the ends to the host (and so cannot be captured in a graph)."""
+    if device.type != "cuda":
+        return False
+    major = torch.cuda.get_device_capability(device)[0]
+    return dtype != torch.bfloat16 or major not in _FAST_GROUPED_MM_SM
+
+
+def _aligned(num_elements: int, dtype: torch.dtype) -> bool:
+    return num_elements * dtype.itemsize % ALIGN_BYTES == 0
+
+
+def _realigned(param: nn.Parameter) -> torch.Tensor:
+    """``param``'s data, first replaced by a copy (same values) when it does not start on an
+    ``ALIGN_BYTES`` boundary (a tensor mapped straight from a safetensors file may not)."""
+    if param.data_ptr() % ALIGN_BYTES:
+        param.data = param.detach().clone()
+    return param.detach()
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, act: str) -> None:
         super().__init__()
         self.moe = moe
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(hidden_size, moe)
+        self.act_name = act
         self.act = activation(act)
+        self.gate_up_t: torch.Tensor | None = None  # [E, hidden, 2I'] once prepared
+        self.down_t: torch.Tensor | None = None  # [E, I', hidden] once prepared
+        self.syncs_host = True  # False once the grouped forward runs without host reads
+
+    def fuse_projections(self) -> None:
+        """Prepare the grouped forward (called once after the weights are loaded).
+
+        The grouped GEMM takes ``[E, in, out]`` operands: transposed views of the loaded
+        tensors, no copy. Where ``I`` rows are not 16-byte aligned, gate/up get zero rows and
+        down zero columns up to a multiple of ``PAD_INTERMEDIATE`` (act(0) * 0 = 0: the output
+        is unchanged); that padded pair is a copy, next to the unchanged parameters. Where
+        torch has no grouped GEMM or ``hidden`` is not aligned, the reference forward stays.
+        """
+        gate_up = _realigned(self.experts.gate_up_proj)  # [E, 2I, hidden]
+        down = _realigned(self.experts.down_proj)  # [E, hidden, I]
+        hidden, inter = down.shape[1], down.shape[2]
+        if _GROUPED_MM is None or not _aligned(hidden, down.dtype):
+            logger.info("MoE: reference forward (grouped GEMM unavailable or hidden unaligned)")
+            return
+        if not _aligned(inter, down.dtype):
+            padded = -(-inter // PAD_INTERMEDIATE) * PAD_INTERMEDIATE
+            gate, up = gate_up.chunk(2, dim=1)
+            gate_up = torch.cat([F.pad(t, (0, 0, 0, padded - inter)) for t in (gate, up)], 1)
+            down = F.pad(down, (0, padded - inter))
+        self.gate_up_t = gate_up.transpose(1, 2)
+        self.down_t = down.transpose(1, 2)
+        self.syncs_host = grouped_mm_syncs_host(down.device, down.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, experts = route(
             self.gate(x), self.moe.num_experts_per_tok, self.moe.norm_topk_prob
         )
+        if self.gate_up_t is None:
+            return self.reference_forward(x, weights, experts)
+        return self.grouped_forward(x, weights, experts)
+
+    def grouped_forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        weights: torch.Tensor,  # [T, k] routing weights
+        experts: torch.Tensor,  # [T, k] int64 expert ids
+    ) -> torch.Tensor:  # [T, hidden]
+        """Sort the pairs by expert, two grouped GEMMs, weight and sum each token's k rows.
+        The ends come from ``searchsorted``, not ``bincount``: CUDA's bincount sizes its
+        output from the ids' max, read on the host."""
+        assert self.gate_up_t is not None and self.down_t is not None and _GROUPED_MM is not None
+        num_tokens, top_k = experts.shape
+        if num_tokens == 0:  # a CP rank's empty share: no GEMM over zero rows
+            return torch.zeros_like(x)
+        num_experts = self.gate_up_t.shape[0]
+        sorted_ids, order = torch.sort(experts.flatten(), stable=True)  # [T * k] each
+        bounds = torch.arange(1, num_experts + 1, device=x.device)
+        ends = torch.searchsorted(sorted_ids, bounds, out_int32=True)  # [E] cumulative row ends
+        rows = x[order // top_k]  # [T * k, hidden], grouped by expert
+        gate_up = _GROUPED_MM(rows, self.gate_up_t, offs=ends)  # [T * k, 2I']
+        act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I']
+        out = _GROUPED_MM(act, self.down_t, offs=ends)  # [T * k, hidden]
+        out = out * weights.flatten()[order, None]
+        pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
+        return pairs.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
+
+    def reference_forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:  # same contract as grouped_forward
+        """One matmul pair per picked expert; reads the picked set on the host."""
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():
             token_idx, slot = torch.where(experts == expert)
@@ -74,3 +177,20 @@ class SparseMoE(nn.Module):
             y = F.linear(self.act(gate) * up, self.experts.down_proj[expert])  # [n, hidden]
             out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
         return out
+
+
+def moe_syncs_host(model: nn.Module) -> bool:
+    """Whether some MoE layer of ``model`` reads device data on the host in its forward (so
+    the model's steps cannot be captured in CUDA graphs); logs which layer and why."""
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoE) and module.syncs_host:
+            weight = module.experts.down_proj
+            logger.warning(
+                "MoE layer %s syncs with the host on %s %s (torch's grouped GEMM runs without "
+                "host reads for bfloat16 on SM 9.x / 10.x only): CUDA graphs off",
+                name,
+                weight.device,
+                weight.dtype,
+            )
+            return True
+    return False
