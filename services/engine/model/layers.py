@@ -56,7 +56,7 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     bias = torch.cat([layer.bias.detach() for layer in linears]) if all(has_bias) else None
     start = 0
     for layer in linears:
-        end = start + layer.out_features
+        end = start + layer.weight.shape[0]  # padded rows included (GatedMLP)
         layer.weight = nn.Parameter(weight[start:end], requires_grad=False)
         if bias is not None:
             layer.bias = nn.Parameter(bias[start:end], requires_grad=False)
