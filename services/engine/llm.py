@@ -25,6 +25,7 @@ from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.parallel import SINGLE, TensorParallel
 from services.engine.sampler import Sampler, make_generator
 
 
@@ -75,8 +76,9 @@ class LLMEngine:
         page_size: int = 16,
         num_pages: int = 1024,
         attention_backend: str = "torch",
+        tp: TensorParallel = SINGLE,
     ) -> LLMEngine:
-        model = load_model(model_dir, device=device, dtype=dtype)
+        model = load_model(model_dir, device=device, dtype=dtype, tp=tp)
         return cls(ModelRunner(model, KVCacheConfig(num_pages, page_size), attention_backend))
 
     def prompt_logits(self, requests: list[EngineRequest]) -> list[torch.Tensor]:

@@ -4,6 +4,10 @@ The model is built on the meta device and every parameter is assigned from the
 checkpoint straight onto the target device in the target dtype, so no random init
 runs and no second copy of the weights is made. Any missing, unexpected or
 mis-shaped tensor is a ``ModelLoadError`` naming it.
+
+Under tensor parallelism each rank reads only its slice of each split tensor (the layers name
+them in ``tp_shards``, see model/parallel_layers.py) through safetensors' ``get_slice``: a
+rank's memory holds about ``1 / tp.size`` of the split tensors, never a whole one.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from services.engine.config import ModelConfig
 from services.engine.model.moe import EXPERT_TENSORS, checkpoint_expert
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model.registry import model_class
+from services.engine.parallel import SINGLE, Shard, TensorParallel
 
 # transformers >= 5 saves the nested layout; the engine uses the original one.
 _PREFIX_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -58,10 +63,37 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def tp_shards(model: torch.nn.Module) -> dict[str, Shard]:
+    """The split parameters of ``model`` by checkpoint name, with this rank's slice of each;
+    whole-tensor slices (a group of 1) are left out."""
+    shards = {}
+    for prefix, module in model.named_modules():
+        for name, shard in getattr(module, "tp_shards", {}).items():
+            if getattr(module, name) is not None and shard.size != shard.total:
+                shards[f"{prefix}.{name}" if prefix else name] = shard
+    return shards
+
+
+def read_shard(f, key: str, shard: Shard) -> torch.Tensor:  # f: an open safetensors file
+    tensor = f.get_slice(key)
+    shape = tensor.get_shape()
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.total:
+        raise ModelLoadError(
+            f"tensor {key!r} has shape {tuple(shape)}; splitting dim {shard.dim} over the "
+            f"tensor-parallel group needs {shard.total} there"
+        )
+    return tensor[shard.index(len(shape))].contiguous()
+
+
 def read_state_dict(
-    model_dir: Path, device: torch.device, dtype: torch.dtype, prefixes: tuple[str, ...] = ("",)
+    model_dir: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    prefixes: tuple[str, ...] = ("",),
+    shards: dict[str, Shard] | None = None,  # tensors read as this rank's slice (tp_shards)
 ) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
+    shards = shards or {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
@@ -70,7 +102,9 @@ def read_state_dict(
                     continue
                 if name in tensors:
                     raise ModelLoadError(f"tensor {key!r} appears twice in the checkpoint")
-                tensor = f.get_tensor(key)
+                shard = shards.get(name)
+                tensor = f.get_tensor(key) if shard is None else read_shard(f, key, shard)
+                tensor = tensor.to(device)
                 tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return tensors
 
@@ -108,12 +142,15 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype | None = None,
     components: Collection[str] = COMPONENTS,
+    tp: TensorParallel = SINGLE,
 ) -> Qwen2_5_VLModel:
     """Build the model for ``model_dir``'s config and load its weights onto ``device``.
 
     ``components`` picks the parts to build and load: ``vision`` (the ViT, for the
     vision encoder) and/or ``language`` (decoder and LM head, for prefill and decode);
-    the checkpoint's tensors of the other part are not read.
+    the checkpoint's tensors of the other part are not read. ``tp``: this rank's place in
+    its tensor-parallel group; it reads and holds its shards of the decoder only (a
+    ``ModelLoadError`` names the numbers when the model cannot split over ``tp.size``).
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
@@ -125,13 +162,13 @@ def load_model(
     device = torch.device(device)
     dtype = resolve_dtype(dtype or config.torch_dtype)
     with torch.device("meta"):
-        model = model_class(config.architecture)(config)
+        model = model_class(config.architecture)(config, tp)
     if "vision" not in components:
         model.visual = None
     if "language" not in components:
         model.model = model.lm_head = None
     prefixes = tuple(p for c in components for p in _COMPONENT_PREFIXES[c])
-    tensors = read_state_dict(model_dir, device, dtype, prefixes)
+    tensors = read_state_dict(model_dir, device, dtype, prefixes, tp_shards(model))
     check_tensors(model, tensors)
     model.load_state_dict(tensors, strict=False, assign=True)
     return finish_model(model, device)

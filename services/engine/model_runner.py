@@ -115,11 +115,11 @@ class ModelRunner:
             ),
         )
         num_pages = self.pool_size.num_pages
-        self.kv_pool = KVPool(
+        self.kv_pool = KVPool(  # this TP rank's KV heads
             text.num_hidden_layers,
             num_pages,
             self.page_size,
-            text.num_key_value_heads,
+            model.heads.num_kv_heads,
             text.head_dim,
             self.dtype,
             self.device,
@@ -129,8 +129,8 @@ class ModelRunner:
         self.attention = create_attention_backend(
             attention_backend,
             kv_pool=self.kv_pool,
-            num_q_heads=text.num_attention_heads,
-            num_kv_heads=text.num_key_value_heads,
+            num_q_heads=model.heads.num_q_heads,
+            num_kv_heads=model.heads.num_kv_heads,
             head_dim=text.head_dim,
         )
         self.cuda_graph: CudaGraphDecodeRunner | None = None
@@ -170,7 +170,7 @@ class ModelRunner:
         return kv_page_bytes(
             text.num_hidden_layers,
             page_size,
-            text.num_key_value_heads,
+            self.model.heads.num_kv_heads,
             text.head_dim,
             self.model.lm_head.weight.element_size(),
         )

@@ -60,8 +60,8 @@ class PrefillGraphs:
         self.device, self.dtype = weight.device, weight.dtype
         self.use_graphs = self.device.type == "cuda"
         rows, hidden = self.max_tokens, text.hidden_size
-        q_width = text.num_attention_heads * text.head_dim
-        kv_width = text.num_key_value_heads * text.head_dim
+        num_q_heads, num_kv_heads = model.heads.num_q_heads, model.heads.num_kv_heads  # this rank's
+        q_width, kv_width = num_q_heads * text.head_dim, num_kv_heads * text.head_dim
 
         def buffer(*shape: int, dtype: torch.dtype = self.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=self.device)
@@ -72,12 +72,12 @@ class PrefillGraphs:
         self._scratch_slot = scratch_slot
         self._cos, self._sin = buffer(rows, text.head_dim), buffer(rows, text.head_dim)
         qkv = buffer(rows, q_width + 2 * kv_width)
-        heads = (text.num_attention_heads, text.num_key_value_heads, text.num_key_value_heads)
+        heads = (num_q_heads, num_kv_heads, num_kv_heads)
         self._qkv = [
             part.view(rows, h, text.head_dim)
             for part, h in zip(qkv.split([q_width, kv_width, kv_width], dim=1), heads, strict=True)
         ]
-        self._attn_out = buffer(rows, text.num_attention_heads, text.head_dim)
+        self._attn_out = buffer(rows, num_q_heads, text.head_dim)
         self._residual = buffer(rows, hidden)
         self._hidden = buffer(rows, hidden)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}

@@ -5,6 +5,12 @@ tensor; the attention backend holds the step's layout (see attention/base.py). Q
 adds RMSNorm over each q and k head, interleaved M-RoPE, MoE layers (``moe.py``) and
 DeepStack: the input may carry, next to each token's embedding, one row per DeepStack
 layer that is added to that decoder layer's output (zero rows for text tokens).
+
+Under tensor parallelism (``services/engine/parallel.py``) each rank holds its q heads and the
+KV heads they read (``HeadLayout``), q/k/v column-parallel and ``o_proj`` row-parallel (its
+all-reduce ends the attention), the dense MLP split the same way (``GatedMLP``) and its rows of
+the vocabulary (``VocabParallelEmbedding``); norms, rotary and the residual stream are whole on
+every rank.
 """
 
 from __future__ import annotations
@@ -19,21 +25,29 @@ from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import TextConfig
 from services.engine.model.layers import GatedMLP, RMSNorm, fuse_linears
 from services.engine.model.moe import SparseMoE
+from services.engine.model.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from services.engine.model.rope import MRotaryEmbedding
+from services.engine.parallel import SINGLE, HeadLayout, Shard, TensorParallel
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int) -> None:
+    def __init__(self, cfg: TextConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        heads = HeadLayout.of(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_heads = heads.num_q_heads  # this rank's
+        self.num_kv_heads = heads.num_kv_heads
+        self.head_dim = d = cfg.head_dim
+        q_shard = Shard(0, heads.q_start * d, heads.num_q_heads * d, cfg.num_attention_heads * d)
+        kv_shard = Shard(0, heads.kv_start * d, heads.num_kv_heads * d, cfg.num_key_value_heads * d)
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, q_shard, bias=cfg.qkv_bias)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, kv_shard, bias=cfg.qkv_bias)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, kv_shard, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(q_shard.total, cfg.hidden_size, cfg.o_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, hidden] once fused
@@ -70,18 +84,21 @@ class DecoderAttention(nn.Module):
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, hidden]
         out = out.reshape(out.shape[0], self.num_heads * self.head_dim)  # T may be 0 (a CP rank)
-        return ops.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_id: int) -> None:
+    def __init__(self, cfg: TextConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer_id)
+        self.self_attn = DecoderAttention(cfg, layer_id, tp)
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
+            assert tp.size == 1, "MoE layers have no tensor-parallel split"
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
         else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False)
+            self.mlp = GatedMLP(
+                cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, tp=tp
+            )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -129,12 +146,16 @@ class DecoderLayer(nn.Module):
 class LanguageModel(nn.Module):
     """Token embedding, decoder layers and final norm (``model.*`` in the checkpoint)."""
 
-    def __init__(self, cfg: TextConfig, num_deepstack: int = 0) -> None:
+    def __init__(
+        self, cfg: TextConfig, num_deepstack: int = 0, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.deepstack_layers = tuple(range(num_deepstack))  # layer i adds DeepStack row set i
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = MRotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved

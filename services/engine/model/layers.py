@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine import ops
+from services.engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from services.engine.parallel import SINGLE, TensorParallel
 
 PAD_INTERMEDIATE = (
     64  # fused MLPs round their intermediate size up to this (see GatedMLP.fuse_projections)
@@ -65,13 +67,23 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU-style MLP: ``down(act(gate(x)) * up(x))``."""
+    """SwiGLU-style MLP: ``down(act(gate(x)) * up(x))``. Under tensor parallelism gate and up are
+    column-parallel and down row-parallel (its all-reduce ends the MLP): each rank holds
+    ``intermediate_size / tp.size`` of the intermediate features."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        shard = tp.split(intermediate_size, dim=0)
+        self.gate_proj = ColumnParallelLinear(hidden_size, shard, bias=bias)
+        self.up_proj = ColumnParallelLinear(hidden_size, shard, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp)
         self.act_name = act
         self.act = activation(act)
         self.gate_up_weight: torch.Tensor | None = None  # [2I', hidden] once fused (I' = I padded)
@@ -81,7 +93,7 @@ class GatedMLP(nn.Module):
     def fuse_projections(self) -> None:
         """One [2I', hidden] matmul for gate and up (called after the weights are loaded).
 
-        I' is the intermediate size rounded up to a multiple of ``PAD_INTERMEDIATE`` with zero
+        I' is this rank's intermediate size rounded up to a multiple of ``PAD_INTERMEDIATE`` with zero
         rows (gate, up) and zero columns (down): the padded activations are act(0) * 0 = 0, so
         the output is unchanged, and the down matmul gets 16-byte aligned rows (the ViT's
         unaligned 3420 made cuBLAS fall back to a slower kernel). The per-layer parameters
@@ -114,6 +126,8 @@ class GatedMLP(nn.Module):
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I']
-        return ops.gated_linear(
-            gate_up, self.act_name, self.act, self.down_weight, self.down_proj.bias
+        return self.down_proj.reduce(
+            ops.gated_linear(
+                gate_up, self.act_name, self.act, self.down_weight, self.down_proj.local_bias
+            )
         )

@@ -7,6 +7,10 @@ Image embeddings are merged into the token embeddings of the *whole* request, in
 request-global order, before any split of the sequence across ranks. The class is also
 the base of the Qwen3-VL family (``qwen3_vl.py``), whose image rows are wider: they carry
 DeepStack rows, which ``embed`` keeps next to each token's embedding (see language.py).
+
+Under tensor parallelism (``tp``) the decoder is split over the group (language.py) and the LM
+head holds this rank's rows of the vocabulary, its logits all-gathered; the vision tower is
+replicated: every rank that builds it holds and runs it whole.
 """
 
 from __future__ import annotations
@@ -16,21 +20,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.engine import ops
 from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import ModelConfig
 from services.engine.model.language import LanguageModel
+from services.engine.model.parallel_layers import ParallelLMHead
 from services.engine.model.vision import GridList, VisionTransformer
+from services.engine.parallel import SINGLE, HeadLayout, TensorParallel, check_tensor_parallel
 
 
 class Qwen2_5_VLModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        text = config.text
+        check_tensor_parallel(text, tp.size)
         self.config = config
+        self.tp = tp
+        self.heads = HeadLayout.of(text.num_attention_heads, text.num_key_value_heads, tp)
         self.visual = self.build_vision_tower(config)
-        self.model = LanguageModel(config.text, config.num_deepstack)
-        self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
-        if config.text.tie_word_embeddings:
+        self.model = LanguageModel(text, config.num_deepstack, tp)
+        self.lm_head = ParallelLMHead(text.hidden_size, text.vocab_size, tp)
+        if text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def build_vision_tower(self, config: ModelConfig) -> nn.Module:
@@ -80,4 +89,4 @@ class Qwen2_5_VLModel(nn.Module):
     ) -> torch.Tensor:  # [rows, vocab] fp32 of the final hidden states [T, hidden]
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        return self.lm_head(hidden)

@@ -1,0 +1,130 @@
+"""Tensor parallelism in the engine: a rank's place in its TP group, the two collectives the
+parallel layers end with, and how a checkpoint's heads, rows and vocabulary split over ranks.
+
+A group of size 1 (``SINGLE``) runs no collective: ``all_reduce`` and ``all_gather`` return
+their input, every shard is the whole tensor, and the model is the single-device one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.common.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from services.engine.config import TextConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in a TP group of ``size`` ranks (``group``: the torch.distributed group
+    of those ranks, gloo on CPU, NCCL between GPUs; None: the default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TP rank {self.rank} is outside a group of {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``, in place (``x`` itself for a group of 1)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order (``x`` for a group of 1)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def split(self, total: int, dim: int) -> Shard:
+        """This rank's equal part of ``total`` rows of ``dim``."""
+        assert total % self.size == 0, f"{total} does not split over {self.size} ranks"
+        size = total // self.size
+        return Shard(dim, self.rank * size, size, total)
+
+
+SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice of a checkpoint tensor a rank holds: ``size`` entries of dim ``dim`` from
+    ``start``, out of the checkpoint's ``total``."""
+
+    dim: int
+    start: int
+    size: int
+    total: int
+
+    def index(self, ndim: int) -> tuple[slice, ...]:
+        """The slice of an ``ndim``-dimensional tensor, for ``tensor[index]``."""
+        dims = [slice(None)] * ndim
+        dims[self.dim] = slice(self.start, self.start + self.size)
+        return tuple(dims)
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """The attention heads one rank holds: q heads ``q_start ..`` and KV heads ``kv_start ..``.
+
+    With at least ``size`` KV heads each rank holds ``num_kv_heads / size`` of them; with fewer,
+    each holds one, the one its q heads read, so ``size / num_kv_heads`` ranks hold a copy of it
+    (vLLM's replication).
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+    @classmethod
+    def of(cls, num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadLayout:
+        q_heads = num_heads // tp.size
+        if num_kv_heads >= tp.size:
+            kv_heads = num_kv_heads // tp.size
+            return cls(q_heads, kv_heads, tp.rank * q_heads, tp.rank * kv_heads)
+        return cls(q_heads, 1, tp.rank * q_heads, tp.rank * num_kv_heads // tp.size)
+
+
+def check_tensor_parallel(text: TextConfig, size: int) -> None:
+    """``ModelLoadError`` naming the numbers when the decoder cannot split over ``size`` ranks:
+    heads, KV heads (or ``size`` over them), intermediate size or vocabulary not divisible, or
+    an MoE model (expert parallelism is a later step)."""
+    if size < 1:
+        raise ModelLoadError(f"tensor parallel size must be at least 1, got {size}")
+    if size == 1:
+        return
+    if text.moe is not None:
+        raise ModelLoadError(
+            f"tensor parallel size {size} on an MoE model: its experts need expert "
+            "parallelism, which comes next; serve it with tp 1 for now"
+        )
+    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
+    problems = []
+    if heads % size:
+        problems.append(f"the {heads} attention heads")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"the {kv_heads} KV heads (nor does {size} divide by {kv_heads})")
+    if text.intermediate_size % size:
+        problems.append(f"the intermediate size {text.intermediate_size}")
+    if text.vocab_size % size:
+        problems.append(f"the vocabulary of {text.vocab_size}")
+    if problems:
+        raise ModelLoadError(f"tensor parallel size {size} does not divide {', '.join(problems)}")

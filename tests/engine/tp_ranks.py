@@ -1,0 +1,136 @@
+"""Run the offline engine as tensor-parallel groups of real processes (gloo on 127.0.0.1).
+
+``run_tp_groups`` spawns ``world`` processes once (the imports are most of a rank's cost on
+a small CPU) and runs every job on a TP group of each size asked: ranks ``0 .. size - 1``,
+the others idle meanwhile. Every rank's results come back through a queue. Every process it
+starts is stopped before it returns, on failure too, and no wait is unbounded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a rank stuck in a collective fails instead of hanging
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int  # in its TP group
+    prompt_logits: list[np.ndarray]  # per request [prompt_len, vocab] fp32
+    token_ids: list[list[int]]  # greedy continuation of each request
+    split_bytes: int  # bytes of this rank's slices of the split parameters
+    split_total_bytes: int  # bytes those parameters have whole in the checkpoint
+
+
+def _rank_main(rank, world, store_path, sizes, jobs, out) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        from services.common.ranks.rank_main import loopback_gloo_options
+
+        options = loopback_gloo_options()
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store_path, world),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            pg_options=options,
+        )
+        groups = {  # every rank takes part in forming each group, members or not
+            size: dist.new_group(list(range(size)), timeout=timeout, pg_options=options)
+            for size in sizes
+        }
+        for job, (model_dir, requests) in enumerate(jobs):
+            for size in sizes:
+                if rank < size:
+                    result = _run(rank, size, groups[size], model_dir, requests)
+                    out.put(((job, size, rank), result))
+    except BaseException:  # noqa: BLE001 (the parent reports any rank's failure)
+        out.put(((None, None, rank), traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(rank: int, size: int, group, model_dir: str, requests) -> RankResult:
+    from services.engine.llm import LLMEngine
+    from services.engine.loader import tp_shards
+    from services.engine.parallel import TensorParallel
+
+    tp = TensorParallel(rank, size, group)
+    engine = LLMEngine.from_dir(model_dir, page_size=4, num_pages=256, tp=tp)
+    model = engine.runner.model
+    params = dict(model.named_parameters(remove_duplicate=False))
+    shards = tp_shards(model)
+    split_bytes = sum(params[n].numel() * params[n].element_size() for n in shards)
+    total = sum(
+        params[n].numel() * params[n].element_size() * s.total // s.size for n, s in shards.items()
+    )
+    logits = engine.prompt_logits(requests)
+    outputs = engine.generate(requests)
+    return RankResult(
+        rank, [x.numpy() for x in logits], [o.token_ids for o in outputs], split_bytes, total
+    )
+
+
+def run_tp_groups(
+    world: int,
+    sizes: tuple[int, ...],
+    jobs: list[tuple[Path, list]],  # (model dir, engine requests)
+    tmp_dir: Path,
+    timeout_s: float = 240.0,
+) -> dict[tuple[int, int, int], RankResult]:
+    """``(job, size, rank) -> RankResult`` of every job on every group size (at most ``world``);
+    ``AssertionError`` naming the rank if one fails, exits or does not answer within
+    ``timeout_s``."""
+    assert all(0 < size <= world for size in sizes), (world, sizes)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    args = [(str(d), requests) for d, requests in jobs]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, str(tmp_dir / "store"), sizes, args, out))
+        for r in range(world)
+    ]
+    expected = {(j, s, r) for j in range(len(jobs)) for s in sizes for r in range(s)}
+    results: dict[tuple[int, int, int], RankResult] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while len(results) < len(expected):
+            try:
+                key, result = out.get(timeout=1.0)
+            except queue.Empty:  # all sent so far is read: a rank that exited sends no more
+                pending = {r for _, _, r in expected - set(results)}
+                dead = sorted(r for r in pending if procs[r].exitcode is not None)
+                if dead or time.monotonic() > deadline:
+                    why = f"exited with {[procs[r].exitcode for r in dead]}" if dead else "hung"
+                    raise AssertionError(
+                        f"ranks {dead or sorted(pending)} gave no result: {why}"
+                    ) from None
+                continue
+            assert not isinstance(result, str), f"rank {key[2]} failed:\n{result}"
+            results[key] = result
+        for p in procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        out.close()
+    return results
