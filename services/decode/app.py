@@ -17,7 +17,7 @@ from services.common.service_main import print_ready, service_server, start_tele
 from services.decode.config import DecodeConfig
 from services.decode.leader import DecodeLeader
 from services.decode.messages import RankInit, RankReport
-from services.decode.rank_slots import MakeRank, RankHandle
+from services.decode.rank_views import MakeRank, RankHandle
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 
 RANK_STEP = "services.decode.rank:DecodeRankStep"

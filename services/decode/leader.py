@@ -2,7 +2,7 @@
 
 Everything here runs on the event loop's thread. Each rank is a free-running rank group of
 one process (``RankHandle``; D ranks share no collective, so each is started and restarted
-alone) that steps by itself: the leader posts commands to it as they come (``rank_slots``)
+alone) that steps by itself: the leader posts commands to it as they come (``rank_views``)
 and one reader task per rank hands out the reports the rank sends unasked (replies,
 tokens, ends, load). Reservation expiry and quarantine release are the rank's own timers.
 One more task ends running requests past their deadline: it wakes when a deadline is set
@@ -52,7 +52,7 @@ from services.decode.messages import (
     StartCommand,
     StartReply,
 )
-from services.decode.rank_slots import MakeRank, Queued, RankSlot, num_pages_of, place
+from services.decode.rank_views import MakeRank, Queued, RankView, num_pages_of, place
 from services.decode.routes import Route, Routes
 from services.decode.scheduler import check_prompt_len
 from services.decode.streams import WAITING_LIST_S, Connection, RequestEnded
@@ -74,7 +74,7 @@ class DecodeLeader:
         assert num_ranks > 0 and step_timeout_s > 0
         self._loop = asyncio.get_running_loop()
         self._ranks = [
-            RankSlot(r, make_rank(r, self._ready_callback(r), self._report_callback(r)))
+            RankView(r, make_rank(r, self._ready_callback(r), self._report_callback(r)))
             for r in range(num_ranks)
         ]
         self._step_timeout_s = step_timeout_s
@@ -112,7 +112,7 @@ class DecodeLeader:
         self._deadline_task = asyncio.create_task(self._end_overdue(), name="decode-deadlines")
         self._deadline_task.add_done_callback(self._task_done)
 
-    async def _first_report(self, rank: RankSlot) -> RankReport:
+    async def _first_report(self, rank: RankView) -> RankReport:
         try:
             reported = await asyncio.wait_for(rank.reports.get(), self._step_timeout_s)
             if reported.result is None:
@@ -139,7 +139,7 @@ class DecodeLeader:
     async def reserve(self, command: ReserveCommand) -> tuple[KvDestination, int]:
         """Reserve on one rank; where prefill writes, and the rank's index."""
         request_id = command.request_id
-        tried: list[RankSlot] = []
+        tried: list[RankView] = []
         while True:
             if request_id in self._routes:
                 raise InvalidRequestError(
@@ -246,7 +246,7 @@ class DecodeLeader:
         conn.request_ids.clear()
 
     # --- commands -----------------------------------------------------------------------
-    async def _call(self, rank: RankSlot, command: Command, num_pages: int = 0) -> Reply:
+    async def _call(self, rank: RankView, command: Command, num_pages: int = 0) -> Reply:
         reply: asyncio.Future[Reply] = self._loop.create_future()
         rank.send(command, reply, num_pages)
         return await reply
@@ -280,11 +280,11 @@ class DecodeLeader:
             conn.end(RequestEnded(request_id, error=error))
 
     # --- the reports ----------------------------------------------------------------------
-    async def _read_reports(self, rank: RankSlot) -> None:
+    async def _read_reports(self, rank: RankView) -> None:
         while True:
             self._on_reported(rank, await rank.reports.get())
 
-    def _on_reported(self, rank: RankSlot, reported: Reported) -> None:
+    def _on_reported(self, rank: RankView, reported: Reported) -> None:
         queued = rank.take_through(reported.through_seq)
         if reported.result is not None:
             assert isinstance(reported.result, RankReport)
@@ -298,7 +298,7 @@ class DecodeLeader:
         error = UnavailableError(f"decode rank {rank.dp_rank} failed: {reported.error.message}")
         self._fail_rank(rank, queued, error)
 
-    def _on_report(self, rank: RankSlot, queued: list[Queued], report: RankReport) -> None:
+    def _on_report(self, rank: RankView, queued: list[Queued], report: RankReport) -> None:
         assert len(report.replies) == len(queued), "one reply per command"
         rank.settle(queued, report.replies)
         rank.load = report.load
@@ -320,7 +320,7 @@ class DecodeLeader:
             metrics.TOKENS_GENERATED.inc(len(report.token_ids))
         self._update_gauges()
 
-    def _fail_rank(self, rank: RankSlot, queued: list[Queued], error: UnavailableError) -> None:
+    def _fail_rank(self, rank: RankView, queued: list[Queued], error: UnavailableError) -> None:
         """The rank lost its requests: end them with ``error``, fail its queued commands."""
         rank.fail(queued, error)
         lost = self._routes.fail_rank(rank.dp_rank, error)

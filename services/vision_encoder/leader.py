@@ -82,7 +82,7 @@ class EncoderLeader:
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
-        """Each rank's current process, in rank order (none for a rank between generations)."""
+        """Each rank's current process, in rank order (none for a rank between formations)."""
         return tuple(pid for group in self.groups for pid in group.rank_pids)
 
     def serving_ranks(self) -> tuple[int, ...]:

@@ -29,13 +29,13 @@ class Announce(msgspec.Struct, frozen=True):
 
     rank: int
     world_size: int
-    generation: int
+    formation: int
     pid: int
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fake_rank")
-    for flag in ("--generation", "--rank", "--world-size", "--parent-pid"):
+    for flag in ("--formation", "--rank", "--world-size", "--parent-pid"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--leader", required=True)
     args, _ = p.parse_known_args(argv)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     test.setsockopt(zmq.LINGER, 0)
     test.connect(os.environ[PUPPETS_ENV])
     try:
-        announce = Announce(args.rank, args.world_size, args.generation, os.getpid())
+        announce = Announce(args.rank, args.world_size, args.formation, os.getpid())
         test.send(msgspec.msgpack.encode(announce))
         poller = zmq.Poller()
         poller.register(leader.socket, zmq.POLLIN)

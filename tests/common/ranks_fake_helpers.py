@@ -101,7 +101,7 @@ class FakeRank:
 
     def __init__(self, puppets: Puppets, relay: bytes, announce: Announce) -> None:
         self._puppets, self._relay = puppets, relay
-        self.rank, self.generation, self.pid = announce.rank, announce.generation, announce.pid
+        self.rank, self.formation, self.pid = announce.rank, announce.formation, announce.pid
         self.world_size = announce.world_size
 
     def send(self, message: msgspec.Struct) -> None:
@@ -124,7 +124,7 @@ class FakeRank:
             Hello(
                 rank=self.rank,
                 world_size=self.world_size,
-                generation=self.generation,
+                formation=self.formation,
                 pid=self.pid,
                 device="cpu",
                 store_port=0,
@@ -154,7 +154,7 @@ class FakeRank:
 
 
 class Stranger:
-    """A peer of the leader's control socket that no generation spawned: a DEALER of this
+    """A peer of the leader's control socket that no formation spawned: a DEALER of this
     process."""
 
     def __init__(self, addr: str) -> None:
@@ -199,7 +199,7 @@ def fake_config(num_ranks: int, **overrides) -> RankGroupConfig:
 
 
 class Driven:
-    """A RankGroup of fake ranks, the ranks of its current generation, and every readiness
+    """A RankGroup of fake ranks, the ranks of its current formation, and every readiness
     change it reported."""
 
     def __init__(self, config: RankGroupConfig, puppets: Puppets) -> None:
@@ -211,15 +211,15 @@ class Driven:
         self.ranks: list[FakeRank] = []
 
     async def spawned(self) -> list[FakeRank]:
-        """The fake ranks of the generation starting now, in rank order."""
+        """The fake ranks of the formation starting now, in rank order."""
         ranks = [await asyncio.to_thread(self.puppets.next_rank) for _ in self.config.devices]
         self.ranks = sorted(ranks, key=lambda r: r.rank)
         assert [r.rank for r in self.ranks] == list(range(self.config.num_ranks))
-        assert len({r.generation for r in self.ranks}) == 1
+        assert len({r.formation for r in self.ranks}) == 1
         return self.ranks
 
     async def form(self) -> None:
-        """Start the group and join its first generation's fake ranks."""
+        """Start the group and join its first formation's fake ranks."""
         start = asyncio.ensure_future(self.group.start())
         try:
             for rank in await self.spawned():  # rank 0 first: its Hello names the store

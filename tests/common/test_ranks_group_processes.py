@@ -31,7 +31,7 @@ LIVENESS_S = 3.0
 
 async def test_an_idle_rank_frozen_with_sigstop_is_killed_and_the_group_reforms(caplog) -> None:
     """Busy in a step longer than the liveness bound, a rank is not dead; idle and silent, it
-    is: fail-stop naming it, killed and reaped, then a new generation serves."""
+    is: fail-stop naming it, killed and reaped, then a new formation serves."""
     caplog.set_level(logging.ERROR, logger="services.common.ranks.supervisor")
     async with running(("cpu", "cpu"), heartbeat_s=0.5, liveness_timeout_s=LIVENESS_S) as run:
         await run.group.step(EchoPayload(value=1, sleep_s=LIVENESS_S + 1.0), timeout_s=60.0)

@@ -47,8 +47,8 @@ async def test_a_malformed_frame_from_a_rank_fails_that_step_and_the_leader_serv
 
 
 async def test_messages_from_a_stranger_are_dropped_even_mid_step(caplog) -> None:
-    """A peer that is no rank of the generation sends garbage, forged replies to the step in
-    flight and a Hello as rank 0 (right token, generation and pid): all dropped or refused,
+    """A peer that is no rank of the formation sends garbage, forged replies to the step in
+    flight and a Hello as rank 0 (right token, formation and pid): all dropped or refused,
     and the step ends with the real rank's answer."""
     caplog.set_level(logging.WARNING, logger=SUPERVISOR)
     async with driven() as run:
@@ -67,7 +67,7 @@ async def test_messages_from_a_stranger_are_dropped_even_mid_step(caplog) -> Non
                 Hello(
                     rank=0,
                     world_size=1,
-                    generation=rank.generation,
+                    formation=rank.formation,
                     pid=rank.pid,
                     device="cpu",
                     store_port=0,
@@ -91,7 +91,7 @@ async def test_messages_from_a_stranger_are_dropped_even_mid_step(caplog) -> Non
 
 
 async def test_re_forms_are_bounded() -> None:
-    """After a fail-stop, every re-formed generation's rank exits at start: after
+    """After a fail-stop, every re-formed formation's rank exits at start: after
     ``max_restart_attempts`` (2) such re-forms the group is FAILED and spawns no more."""
     async with driven(max_restart_attempts=2) as run:
         await run.form()
@@ -101,12 +101,12 @@ async def test_re_forms_are_bounded() -> None:
         rank.send(StepReply(step=request.step, rank=0, status=StepStatus.BROKEN, error="gone"))
         with pytest.raises(UnavailableError, match=r"^fake: gone$"):
             await asyncio.wrap_future(future)
-        for generation in (2, 3):
+        for formation in (2, 3):
             (starting,) = await run.spawned()
-            assert starting.generation == generation
+            assert starting.formation == formation
             starting.exit(3)
         await wait_for(lambda: run.group.state.value == "failed", WAIT_S)
-        assert not run.puppets.has_announced()  # no fourth generation
+        assert not run.puppets.has_announced()  # no fourth formation
         assert run.group.rank_pids == () and run.readiness == [True, False]
         with pytest.raises(
             UnavailableError,

@@ -71,8 +71,8 @@ def test_messages_to_a_rank_round_trip(message: ToRank) -> None:
 @pytest.mark.parametrize(
     "message",
     [
-        Hello(rank=1, world_size=2, generation=3, pid=99, device="cuda:1", store_port=0, token="t"),
-        StartFailed(rank=1, generation=3, stage=StartStage.DEVICE, error="RuntimeError: no GPU"),
+        Hello(rank=1, world_size=2, formation=3, pid=99, device="cuda:1", store_port=0, token="t"),
+        StartFailed(rank=1, formation=3, stage=StartStage.DEVICE, error="RuntimeError: no GPU"),
         Ready(rank=1),
         StepExecuted(step=4, rank=1),
         Pong(step=4, rank=1),
@@ -249,7 +249,7 @@ def test_silence_counts_from_the_end_of_the_last_step() -> None:
     assert liveness.silent(131.0, idle_since_mono=131.0) is None
     assert liveness.deadline_mono(idle_since_mono=131.0) == 141.0
     assert liveness.silent(141.0, idle_since_mono=131.0) == (0, 10.0)
-    liveness.start(150.0)  # a new generation's ranks: the old answers do not count
+    liveness.start(150.0)  # a new formation's ranks: the old answers do not count
     assert liveness.silent(155.0, idle_since_mono=131.0) is None
 
 

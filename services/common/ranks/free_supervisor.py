@@ -60,7 +60,7 @@ def _emit(on_report: OnReport, reported: Reported) -> None:
 
 
 class FreeSteps(StepRunner):
-    """The posts sent to the rank's current generation and its reports; supervisor thread."""
+    """The posts sent to the rank's current formation and its reports; supervisor thread."""
 
     def __init__(
         self,
@@ -71,8 +71,8 @@ class FreeSteps(StepRunner):
     ) -> None:
         super().__init__(1, result_type, progress, rank_progress)
         self._on_report = on_report
-        self._unreported: deque[int] = deque()  # seqs sent to this generation, not yet covered
-        self._num_reported = 0  # posts of this generation covered by a report
+        self._unreported: deque[int] = deque()  # seqs sent to this formation, not yet covered
+        self._num_reported = 0  # posts of this formation covered by a report
         self._last_covered = 0  # the seq of the last of them (0: none)
         self._reported_work = False
         self.last_heard_mono = 0.0  # the last report, or the post that ended an idle spell
@@ -81,8 +81,8 @@ class FreeSteps(StepRunner):
     def has_work(self) -> bool:
         return bool(self._unreported) or self._reported_work
 
-    def begin_generation(self, now: float) -> None:
-        """A generation became ready: its first step comes unasked."""
+    def begin_formation(self, now: float) -> None:
+        """A formation became ready: its first step comes unasked."""
         self._unreported, self._num_reported, self._last_covered = deque(), 0, 0
         self._reported_work, self.last_heard_mono = True, now
 
@@ -173,10 +173,10 @@ class FreeRankSupervisor(RankGroupSupervisor):
                 unready = UnavailableError(self._life.unready_text())
                 _emit(self._on_report, Reported(seq, error=unready, is_down=True))
                 continue
-            assert self._channel is not None and gen.slots[0].peer is not None
+            assert self._channel is not None and gen.members[0].peer is not None
             self._free.sent(seq, time.monotonic())
-            if not self._channel.send(gen.slots[0].peer, Post(seq=seq, payload=payload)):
-                self._life.fail_stop(f"{gen.slots[0].who} is unreachable at post {seq}")
+            if not self._channel.send(gen.members[0].peer, Post(seq=seq, payload=payload)):
+                self._life.fail_stop(f"{gen.members[0].who} is unreachable at post {seq}")
 
     def _next_timer_mono(self) -> float:
         if self.state is not GroupState.READY:
@@ -191,7 +191,7 @@ class FreeRankSupervisor(RankGroupSupervisor):
     def _on_ready_timers(self, now: float) -> None:
         gen = self._life.gen
         assert gen is not None
-        who = gen.slots[0].who
+        who = gen.members[0].who
         silent_s = now - self._free.last_heard_mono
         if self._free.has_work and silent_s >= self.config.step_timeout_s:
             self._life.fail_stop(f"{who} has work and sent no report for {silent_s:.1f} s")
@@ -225,7 +225,7 @@ class FreeRankSupervisor(RankGroupSupervisor):
 
     def _on_ready(self, rank: int) -> None:
         if self.state is GroupState.FORMING:
-            self._free.begin_generation(time.monotonic())
+            self._free.begin_formation(time.monotonic())
         super()._on_ready(rank)
 
     def finish(self) -> None:

@@ -81,11 +81,11 @@ class RankGroup:
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
-        """The current generation's rank processes, in rank order; () between generations."""
+        """The current formation's rank processes, in rank order; () between formations."""
         return self._supervisor.rank_pids
 
     async def start(self) -> None:
-        """Form the first generation; on failure stop everything and raise ``RankStartError``."""
+        """Form the first formation; on failure stop everything and raise ``RankStartError``."""
         assert not self._is_started, "start a rank group once"
         self._is_started = True
         self._supervisor.start()

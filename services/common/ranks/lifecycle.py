@@ -1,4 +1,4 @@
-"""The rank group's state through its generations: forming one, readiness, fail-stop, re-forms.
+"""The rank group's state through its formations: forming one, readiness, fail-stop, re-forms.
 
 Owned by the supervisor thread (``state``, ``rank_pids`` and ``started`` are read elsewhere as
 a snapshot); the supervisor's module docstring describes the states.
@@ -16,7 +16,7 @@ from services.common.errors import UnavailableError
 from services.common.ranks.channel import LeaderChannel
 from services.common.ranks.config import RankGroupConfig
 from services.common.ranks.errors import RankStartError
-from services.common.ranks.generation import Generation
+from services.common.ranks.formation import Formation
 from services.common.ranks.restarts import group_restarts
 from services.common.ranks.steps import StepRunner
 
@@ -41,28 +41,28 @@ class Lifecycle:
         self._steps = steps
         self._on_ready_change = on_ready_change
         self._log = log
-        self.started: Future[None] = Future()  # the first generation formed, or could not
+        self.started: Future[None] = Future()  # the first formation formed, or could not
         self.state = GroupState.FORMING
         self.rank_pids: tuple[int, ...] = ()
         self.channel: LeaderChannel | None = None  # set by the supervisor once bound
-        self.gen: Generation | None = None
-        self._num_generations = 0
+        self.gen: Formation | None = None
+        self._num_formations = 0
         self._restarts = group_restarts(config)
         self.restart_at_mono = 0.0
         self._last_error = ""
 
-    def begin_generation(self) -> None:
+    def begin_formation(self) -> None:
         assert self.channel is not None
-        self._num_generations += 1
-        gen = Generation(
-            self._num_generations, self.config, time.monotonic() + self.config.start_timeout_s
+        self._num_formations += 1
+        gen = Formation(
+            self._num_formations, self.config, time.monotonic() + self.config.start_timeout_s
         )
         self.gen, self.state = gen, GroupState.FORMING
-        self._log.info("forming generation %d (%d ranks)", gen.number, self.config.num_ranks)
+        self._log.info("forming formation %d (%d ranks)", gen.number, self.config.num_ranks)
         try:
             gen.spawn(self.channel.addr)
         except OSError as exc:
-            self.generation_failed(f"cannot start the rank processes: {exc}")
+            self.formation_failed(f"cannot start the rank processes: {exc}")
             return
         self.rank_pids = gen.pids
 
@@ -70,15 +70,15 @@ class Lifecycle:
         assert self.gen is not None
         self.state, self._last_error = GroupState.READY, ""
         self._restarts.reset()
-        self._log.info("generation %d is ready", self.gen.number)
+        self._log.info("formation %d is ready", self.gen.number)
         self.notify_ready(True)
         if not self.started.done():
             self.started.set_result(None)
 
-    def generation_failed(self, reason: str) -> None:
+    def formation_failed(self, reason: str) -> None:
         assert self.gen is not None
-        self._log.error("generation %d failed to form: %s", self.gen.number, reason)
-        self.end_generation()
+        self._log.error("formation %d failed to form: %s", self.gen.number, reason)
+        self.end_formation()
         if not self.started.done():  # the first start is not retried: its error is the caller's
             self.state, self._last_error = GroupState.FAILED, reason
             self.started.set_exception(RankStartError(f"{self.config.name}: {reason}"))
@@ -86,7 +86,7 @@ class Lifecycle:
         self._schedule_restart(reason)
 
     def fail_stop(self, reason: str, exit_grace_s: float = 0.0) -> None:
-        """Readiness off, the generation killed, then the step's caller failed; a re-form
+        """Readiness off, the formation killed, then the step's caller failed; a re-form
         scheduled."""
         inflight = self._steps.inflight
         step = inflight.step if inflight else None
@@ -99,11 +99,11 @@ class Lifecycle:
             self.notify_ready(False)
         # Every rank is dead and reaped before the caller hears: no write of the step (rows into a
         # peer's memory) can land after the caller has released that memory.
-        self.end_generation()
+        self.end_formation()
         self._steps.fail(UnavailableError(f"{self.config.name}: {reason}"))
         self._schedule_restart(reason)
 
-    def end_generation(self, grace_s: float = 0.0) -> None:
+    def end_formation(self, grace_s: float = 0.0) -> None:
         assert self.channel is not None
         if self.gen is not None:
             self.gen.end(self.channel, self._steps.last_step, grace_s)

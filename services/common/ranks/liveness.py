@@ -15,7 +15,7 @@ class Liveness:
         self._answered_mono = [0.0] * num_ranks
 
     def start(self, now: float) -> None:
-        """A generation became ready: every rank counts as having answered ``now``."""
+        """A formation became ready: every rank counts as having answered ``now``."""
         self._answered_mono = [now] * len(self._answered_mono)
 
     def answered(self, rank: int, now: float) -> None:

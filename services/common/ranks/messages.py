@@ -87,7 +87,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
     rank: int
     world_size: int
-    generation: int  # the generation the leader started it for
+    formation: int  # the formation the leader started it for
     pid: int
     device: str
     store_port: int  # rank 0: its TCPStore; else 0
@@ -96,7 +96,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
 class StartFailed(msgspec.Struct, frozen=True, tag="start_failed"):
     rank: int
-    generation: int
+    formation: int
     stage: StartStage
     error: str  # "ExceptionType: message"
 
@@ -132,7 +132,7 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
 
 class Report(msgspec.Struct, frozen=True, tag="report"):
     """A free-running rank's step, sent unsolicited: OK with its result, or FAILED (the rank
-    goes on). ``num_posts``: the Posts of this generation applied by it and the steps before."""
+    goes on). ``num_posts``: the Posts of this formation applied by it and the steps before."""
 
     step: int
     rank: int

@@ -27,7 +27,7 @@ class RankLaunch:
     """Everything a spawned rank process is started with (its command line)."""
 
     control_addr: str
-    generation: int
+    formation: int
     rank: int
     world_size: int
     device: str
@@ -49,8 +49,8 @@ class RankLaunch:
             self.module,
             "--leader",
             self.control_addr,
-            "--generation",
-            str(self.generation),
+            "--formation",
+            str(self.formation),
             "--rank",
             str(self.rank),
             "--world-size",

@@ -51,7 +51,7 @@ LISTEN_BACKLOG = 128
 @dataclass(frozen=True)
 class RankArgs:
     leader: str
-    generation: int  # the leader's generation
+    formation: int  # the leader's formation
     rank: int
     world_size: int
     device: str
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
     p.add_argument(
         "--leader", required=True, help="the leader's control address (ipc:// or tcp://)"
     )
-    p.add_argument("--generation", type=int, default=-1)
+    p.add_argument("--formation", type=int, default=-1)
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--world-size", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
         p.error("needs --rank R --world-size W with 0 <= R < W")
     return RankArgs(
         a.leader,
-        a.generation,
+        a.formation,
         a.rank,
         a.world_size,
         a.device,
@@ -200,7 +200,7 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         Hello(
             rank=rank,
             world_size=world_size,
-            generation=args.generation,
+            formation=args.formation,
             pid=os.getpid(),
             device=args.device,
             store_port=store.port if store is not None else 0,
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             channel.send(
                 StartFailed(
                     rank=failure.rank,
-                    generation=args.generation,
+                    formation=args.formation,
                     stage=failure.stage,
                     error=error_text(failure.cause),
                 )

@@ -52,7 +52,7 @@ class StepRunner:
         self._rank_progress = tuple(
             rank_progress
         )  # ticks when the rank executed and when it replied
-        self.next_step = 1  # numbers go on across generations
+        self.next_step = 1  # numbers go on across formations
         self.inflight: InFlight | None = None
         self.idle_since_mono = 0.0  # when the last step ended
 

@@ -1,6 +1,6 @@
 """The leader's side of a rank group: one thread owns the control socket and the rank processes.
 
-Lifecycle of a generation (one formation of the group):
+Lifecycle of a formation (one formation of the group):
   FORMING  spawn W ranks; Hello -> Setup (once rank 0 named its TCPStore); Ready from
            every rank -> READY. A StartFailed, a rank's exit or ``start_timeout_s`` fails
            it: the first start raises ``RankStartError``; a re-form counts one attempt.
@@ -10,7 +10,7 @@ Lifecycle of a generation (one formation of the group):
            none for ``liveness_timeout_s`` (frozen, wedged) is dead (``liveness.py``).
   fail-stop  a rank exited, missed the deadline, broke the status exchange, is
            unreachable or, idle, answered no ping: the step's caller gets
-           ``UnavailableError``, readiness goes false, the generation is killed, and after
+           ``UnavailableError``, readiness goes false, the formation is killed, and after
            a backoff a new one forms: new processes, a new rendezvous. Steps submitted
            meanwhile fail at once.
   BACKOFF -> FORMING; FAILED after ``max_restart_attempts`` consecutive failed re-forms.
@@ -36,7 +36,7 @@ from services.common.progress import ProgressWatchdog
 from services.common.ranks.channel import LeaderChannel, Malformed
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.errors import RankStartError
-from services.common.ranks.generation import Generation, Slot
+from services.common.ranks.formation import Formation, Member
 from services.common.ranks.handover import Results, StepHandover, Submitted
 from services.common.ranks.lifecycle import GroupState, Lifecycle
 from services.common.ranks.liveness import Liveness
@@ -96,7 +96,7 @@ class RankGroupSupervisor:
         self._is_stopping = False
         self._is_finished = False
         self._life = Lifecycle(config, self._steps, on_ready_change, self._log)
-        self.started = self._life.started  # the first generation formed, or could not
+        self.started = self._life.started  # the first formation formed, or could not
         # Written by the supervisor thread only; read elsewhere as a snapshot.
         self.control_addr = ""
         self._channel: LeaderChannel | None = None
@@ -149,7 +149,7 @@ class RankGroupSupervisor:
                     f"{self.config.name}: cannot bind {self.config.control_addr}: {exc}"
                 ) from exc
             self.control_addr, self._life.channel = self._channel.addr, self._channel
-            self._life.begin_generation()
+            self._life.begin_formation()
             while not self._is_stopping:
                 self._poll_once()
         except BaseException as exc:  # a bug here must still end every caller and every rank
@@ -176,9 +176,9 @@ class RankGroupSupervisor:
                 self._on_message(peer, message)
         if self._handover.wake_fd in events:
             self._handover.clear_wake()
-        for fd, slot in watched.items():
-            if fd in events and self._life.gen is gen:  # still the same generation
-                self._on_exit(slot)
+        for fd, member in watched.items():
+            if fd in events and self._life.gen is gen:  # still the same formation
+                self._on_exit(member)
         self._on_timers(time.monotonic())
         self._pump()
 
@@ -200,9 +200,9 @@ class RankGroupSupervisor:
         gen = self._life.gen
         if self.state is GroupState.FORMING and gen is not None:
             if (failure := gen.forming_failure(now)) is not None:
-                self._life.generation_failed(failure)
+                self._life.formation_failed(failure)
         elif self.state is GroupState.BACKOFF and now >= self._life.restart_at_mono:
-            self._life.begin_generation()
+            self._life.begin_formation()
         elif self._steps.inflight is not None and now >= self._steps.inflight.deadline_mono:
             self._life.fail_stop(self._steps.deadline_reason())
         elif self.state is GroupState.READY:
@@ -216,7 +216,7 @@ class RankGroupSupervisor:
             silent = self._liveness.silent(now, self._steps.idle_since_mono)
         if silent is not None:
             rank, silent_s = silent
-            self._life.fail_stop(f"{gen.slots[rank].who} answered no ping for {silent_s:.1f} s")
+            self._life.fail_stop(f"{gen.members[rank].who} answered no ping for {silent_s:.1f} s")
         elif now >= self._last_ping_mono + self.config.heartbeat_s:
             self._ping(now)
 
@@ -248,7 +248,7 @@ class RankGroupSupervisor:
             return
         self._log.error("rank %d sent a malformed control message: %s", rank, reason)
         if self.state is GroupState.FORMING:
-            self._life.generation_failed(
+            self._life.formation_failed(
                 f"rank {rank} sent a malformed control message during start-up: {reason}"
             )
         else:
@@ -269,15 +269,15 @@ class RankGroupSupervisor:
         elif gen is not None:
             self._send_setups(gen)
 
-    def _send_setups(self, gen: Generation) -> None:
+    def _send_setups(self, gen: Formation) -> None:
         assert self._channel is not None
         setup = gen.setup(self.spec, self._steps.next_step)
-        for slot in gen.needing_setup():
-            assert slot.peer is not None
-            if not self._channel.send(slot.peer, setup):
-                self._life.generation_failed(f"{slot.who} is unreachable during start-up")
+        for member in gen.needing_setup():
+            assert member.peer is not None
+            if not self._channel.send(member.peer, setup):
+                self._life.formation_failed(f"{member.who} is unreachable during start-up")
                 return
-            slot.is_setup_sent = True
+            member.is_setup_sent = True
 
     def _on_start_failed(self, failed: StartFailed) -> None:
         gen = self._life.gen
@@ -285,7 +285,7 @@ class RankGroupSupervisor:
         if self.state is not GroupState.FORMING or failure is None:
             self._log.warning("stale start failure of rank %d: %s", failed.rank, failed.error)
         else:
-            self._life.generation_failed(failure)
+            self._life.formation_failed(failure)
 
     def _on_ready(self, rank: int) -> None:
         if (
@@ -307,11 +307,11 @@ class RankGroupSupervisor:
         else:
             self._steps.on_reply(rank, reply)
 
-    def _on_exit(self, slot: Slot) -> None:
-        slot.exited_at_mono = time.monotonic()
+    def _on_exit(self, member: Member) -> None:
+        member.exited_at_mono = time.monotonic()
         if self.state is GroupState.READY:
             # fail_stop names the exit code and the step
-            self._life.fail_stop(f"{slot.who} exited")
+            self._life.fail_stop(f"{member.who} exited")
 
     # --- steps -------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -324,19 +324,19 @@ class RankGroupSupervisor:
     def _send_step(self, item: Submitted) -> None:
         assert self._channel is not None and self._life.gen is not None
         request = self._steps.begin(item)
-        for slot in self._life.gen.slots:
-            assert slot.peer is not None
-            if not self._channel.send(slot.peer, request):
-                self._life.fail_stop(f"{slot.who} is unreachable at step {request.step}")
+        for member in self._life.gen.members:
+            assert member.peer is not None
+            if not self._channel.send(member.peer, request):
+                self._life.fail_stop(f"{member.who} is unreachable at step {request.step}")
                 return
 
     def _ping(self, now: float) -> None:
         assert self._channel is not None and self._life.gen is not None
         self._last_ping_mono = now
-        for slot in self._life.gen.slots:
-            assert slot.peer is not None
-            if not self._channel.send(slot.peer, Ping(step=self._steps.last_step)):
-                self._life.fail_stop(f"{slot.who} is unreachable (its connection is gone)")
+        for member in self._life.gen.members:
+            assert member.peer is not None
+            if not self._channel.send(member.peer, Ping(step=self._steps.last_step)):
+                self._life.fail_stop(f"{member.who} is unreachable (its connection is gone)")
                 return
 
     def finish(self) -> None:
@@ -350,7 +350,7 @@ class RankGroupSupervisor:
         stopped = UnavailableError(f"{self.config.name}: the rank group is stopped")
         self._handover.close(stopped)
         if self._channel is not None:  # the ranks end before the step's caller hears (fail_stop)
-            self._life.end_generation(self.config.stop_grace_s)
+            self._life.end_formation(self.config.stop_grace_s)
             self._channel.close()
         self._steps.fail(stopped)
         if was_ready:

@@ -1,8 +1,8 @@
-"""One formation of a rank group: its slots, their processes and their zmq peers.
+"""One formation of a rank group: its members, their processes and their zmq peers.
 
-A generation is born FORMING (its processes spawned), accepts one Hello per rank, and
+A formation is born FORMING (its processes spawned), accepts one Hello per rank, and
 ends for good: its processes are told to Shutdown, then killed and reaped. A re-formed
-group is a new generation with new processes and a new rendezvous. Owned by the
+group is a new formation with new processes and a new rendezvous. Owned by the
 supervisor thread.
 """
 
@@ -27,7 +27,7 @@ def describe_exit(code: int) -> str:
 
 
 @dataclass
-class Slot:
+class Member:
     rank: int
     device: str
     process: RankProcess | None = None  # once spawned
@@ -42,85 +42,83 @@ class Slot:
         return f"rank {self.rank} ({self.device}{pid})"
 
 
-class Generation:
+class Formation:
     def __init__(self, number: int, config: RankGroupConfig, deadline_mono: float) -> None:
         self.number = number
         self.config = config
         self.deadline_mono = deadline_mono  # FORMING must end by then
-        self.slots = [Slot(rank, device) for rank, device in enumerate(config.devices)]
+        self.members = [Member(rank, device) for rank, device in enumerate(config.devices)]
         self.store_port = 0  # rank 0's TCPStore, from its Hello
         self._peers: dict[bytes, int] = {}
 
     @property
     def pids(self) -> tuple[int, ...]:
-        return tuple(s.process.pid for s in self.slots if s.process is not None)
+        return tuple(s.process.pid for s in self.members if s.process is not None)
 
     def spawn(self, control_addr: str) -> None:
         """Start one process per rank; raises OSError."""
-        for slot in self.slots:
+        for member in self.members:
             launch = RankLaunch(
                 control_addr,
                 self.number,
-                slot.rank,
-                len(self.slots),
-                slot.device,
+                member.rank,
+                len(self.members),
+                member.device,
                 self.config.start_timeout_s,
                 self.config.rank_module,
                 self.config.internal_token,
             )
-            slot.process = RankProcess(launch)
+            member.process = RankProcess(launch)
 
     def rank_of(self, peer: bytes) -> int | None:
         return self._peers.get(peer)
 
     def hello_problem(self, hello: Hello) -> str | None:
-        """Why this Hello cannot take its rank's slot, or None."""
+        """Why this Hello cannot take its rank's member, or None."""
         if not hmac.compare_digest(hello.token.encode(), self.config.internal_token.encode()):
             return "its internal token does not match"
-        if hello.world_size != len(self.slots) or not 0 <= hello.rank < len(self.slots):
-            return (
-                f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.slots)}"
-            )
-        if hello.generation != self.number:
-            return f"generation {hello.generation}, expected {self.number}"
-        slot = self.slots[hello.rank]
-        if slot.peer is not None:
+        if hello.world_size != len(self.members) or not 0 <= hello.rank < len(self.members):
+            return f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.members)}"
+        if hello.formation != self.number:
+            return f"formation {hello.formation}, expected {self.number}"
+        member = self.members[hello.rank]
+        if member.peer is not None:
             return "that rank said Hello already"
-        if slot.process is not None and slot.process.pid != hello.pid:
-            return f"rank {hello.rank} is pid {slot.process.pid}"
+        if member.process is not None and member.process.pid != hello.pid:
+            return f"rank {hello.rank} is pid {member.process.pid}"
         return None
 
     def take_hello(self, peer: bytes, hello: Hello) -> str | None:
-        """Give ``hello``'s rank its slot; or why it cannot have it (the caller refuses it)."""
+        """Give ``hello``'s rank its member; or why it cannot have it (the caller refuses it)."""
         problem = self.hello_problem(hello)
         if problem is None:
             self.accept(peer, hello)
         return problem
 
     def start_failure(self, failed: StartFailed) -> str | None:
-        """This generation's failure for ``failed``; None when it is no rank of this one."""
-        if failed.generation != self.number or not 0 <= failed.rank < len(self.slots):
+        """This formation's failure for ``failed``; None when it is no rank of this one."""
+        if failed.formation != self.number or not 0 <= failed.rank < len(self.members):
             return None
-        who = self.slots[failed.rank].who
+        who = self.members[failed.rank].who
         return f"{who} failed to start at {failed.stage.value}: {failed.error}"
 
     def mark_ready(self, rank: int) -> bool:
         """Whether every rank is ready now."""
-        self.slots[rank].is_ready = True
+        self.members[rank].is_ready = True
         return self.is_ready()
 
     def next_timer_mono(self) -> float:
         """When ``forming_failure`` may next have news."""
         exits = [
-            s.exited_at_mono + EXIT_GRACE_S for s in self.slots if s.exited_at_mono is not None
+            s.exited_at_mono + EXIT_GRACE_S for s in self.members if s.exited_at_mono is not None
         ]
         return min([self.deadline_mono, *exits])
 
     def forming_failure(self, now: float) -> str | None:
         """Why forming has failed by ``now`` (a rank exited, the deadline passed), or None."""
-        for slot in self.slots:
-            if slot.exited_at_mono is not None and now >= slot.exited_at_mono + EXIT_GRACE_S:
-                return f"{slot.who} exited during start-up{self.exit_text(slot)}"
+        for member in self.members:
+            if member.exited_at_mono is not None and now >= member.exited_at_mono + EXIT_GRACE_S:
+                return f"{member.who} exited during start-up{self.exit_text(member)}"
         return self.forming_timeout_reason() if now >= self.deadline_mono else None
 
     def exit_cause(self, step: int | None, grace_s: float = 0.0) -> str | None:
@@ -131,10 +129,10 @@ class Generation:
         """
         deadline_mono = time.monotonic() + grace_s
         while True:
-            for slot in self.slots:
-                if slot.process is not None and slot.process.exit_code() is not None:
+            for member in self.members:
+                if member.process is not None and member.process.exit_code() is not None:
                     during = f" during step {step}" if step is not None else ""
-                    return f"{slot.who} exited{self.exit_text(slot)}{during}"
+                    return f"{member.who} exited{self.exit_text(member)}{during}"
             remaining_s = deadline_mono - time.monotonic()
             exit_fds = list(self.exit_watch())
             if remaining_s <= 0 or not exit_fds:
@@ -142,17 +140,17 @@ class Generation:
             select.select(exit_fds, [], [], remaining_s)  # a pidfd turns readable at exit
 
     def accept(self, peer: bytes, hello: Hello) -> None:
-        slot = self.slots[hello.rank]
-        slot.peer, slot.device = peer, hello.device
+        member = self.members[hello.rank]
+        member.peer, member.device = peer, hello.device
         self._peers[peer] = hello.rank
         if hello.rank == 0:
             self.store_port = hello.store_port
 
-    def needing_setup(self) -> list[Slot]:
+    def needing_setup(self) -> list[Member]:
         """Slots whose Setup can go out now (once rank 0 named its store)."""
-        if self.slots[0].peer is None:
+        if self.members[0].peer is None:
             return []
-        return [s for s in self.slots if s.peer is not None and not s.is_setup_sent]
+        return [s for s in self.members if s.peer is not None and not s.is_setup_sent]
 
     def setup(self, spec: StepSpec, first_step: int) -> Setup:
         return Setup(
@@ -168,23 +166,23 @@ class Generation:
         )
 
     def is_ready(self) -> bool:
-        return all(s.is_ready for s in self.slots)
+        return all(s.is_ready for s in self.members)
 
-    def exit_watch(self) -> dict[int, Slot]:
-        """pidfd -> slot of every process not yet seen exiting."""
+    def exit_watch(self) -> dict[int, Member]:
+        """pidfd -> member of every process not yet seen exiting."""
         return {
             s.process.exit_fd: s
-            for s in self.slots
+            for s in self.members
             if s.process is not None and s.exited_at_mono is None
         }
 
-    def exit_text(self, slot: Slot) -> str:
-        code = slot.process.exit_code() if slot.process is not None else None
+    def exit_text(self, member: Member) -> str:
+        code = member.process.exit_code() if member.process is not None else None
         return f" with {describe_exit(code)}" if code is not None else ""
 
     def forming_timeout_reason(self) -> str:
-        no_hello = [s.rank for s in self.slots if s.peer is None]
-        not_ready = [s.rank for s in self.slots if s.peer is not None and not s.is_ready]
+        no_hello = [s.rank for s in self.members if s.peer is None]
+        not_ready = [s.rank for s in self.members if s.peer is not None and not s.is_ready]
         parts = []
         if no_hello:
             parts.append(f"no Hello from ranks {no_hello}")
@@ -196,10 +194,10 @@ class Generation:
     def end(self, channel: LeaderChannel, last_step: int, grace_s: float = 0.0) -> None:
         """Tell every connected rank to Shutdown, wait ``grace_s`` for exits, kill the rest,
         reap."""
-        for slot in self.slots:
-            if slot.peer is not None:
-                channel.send(slot.peer, Shutdown(step=last_step))
-        processes = [s.process for s in self.slots if s.process is not None]
+        for member in self.members:
+            if member.peer is not None:
+                channel.send(member.peer, Shutdown(step=last_step))
+        processes = [s.process for s in self.members if s.process is not None]
         if grace_s > 0:
             stop_all(processes, grace_s)
         else:

@@ -50,7 +50,7 @@ class Queued:
 
 
 @dataclass
-class RankSlot:
+class RankView:
     dp_rank: int
     handle: RankHandle
     load: RankLoad | None = None  # from its last report; None until its first after (re)forming
@@ -120,14 +120,14 @@ class RankSlot:
         self.load = None
 
 
-def place(ranks: Sequence[RankSlot], exclude: Sequence[RankSlot] = ()) -> RankSlot:
+def place(ranks: Sequence[RankView], exclude: Sequence[RankView] = ()) -> RankView:
     """The serving rank with the most free pages, then the fewest requests (pending counted)."""
     candidates = [r for r in ranks if r.is_serving and r not in exclude]
     if not candidates:
         serving = sum(r.is_serving for r in ranks)
         raise UnavailableError(f"no decode rank serves ({serving} of {len(ranks)} serving)")
 
-    def key(rank: RankSlot) -> tuple[int, int, int]:
+    def key(rank: RankView) -> tuple[int, int, int]:
         load = rank.load
         assert load is not None
         num_requests = (
