@@ -132,7 +132,7 @@ JPEG_ROWS_FILES = [
 def test_sdist_carries_protos_and_the_model(install: Install) -> None:
     with tarfile.open(install.sdist) as tar:
         names = {Path(*Path(n).parts[1:]).as_posix() for n in tar.getnames()}
-    assert "protos/stageserve/v1/decode.proto" in names
+    assert "services/common/pb/stageserve/v1/decode.proto" in names
     assert {f"services/assets/tiny-qwen2.5-vl/{f}" for f in ASSET_FILES} <= names
     assert "services/py.typed" in names
     assert set(JPEG_ROWS_FILES) <= names

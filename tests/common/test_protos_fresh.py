@@ -92,13 +92,12 @@ def test_every_proto_element_has_a_comment(tmp_path: Path) -> None:
     from grpc_tools import protoc
 
     protos = sorted(
-        p.relative_to(REPO_ROOT / "protos").as_posix()
-        for p in (REPO_ROOT / "protos").rglob("*.proto")
+        p.relative_to(PB_DIR).as_posix() for p in PB_DIR.rglob("*.proto")
     )
     out = tmp_path / "set.pb"
     args = [
         "protoc",
-        f"-I{REPO_ROOT / 'protos'}",
+        f"-I{PB_DIR}",
         "--include_source_info",
         f"--descriptor_set_out={out}",
         *protos,

@@ -189,6 +189,19 @@ def test_dockerignore_keeps_the_context_small_and_complete() -> None:
                     )
 
 
+def test_the_wheel_stage_copies_every_package_the_wheel_holds(image) -> None:
+    copied = {
+        source.rstrip("/")
+        for instruction in stages(dockerfile(DEPLOY / f"Dockerfile.{image}"))[0]
+        if instruction.keyword == "COPY"
+        for source in instruction.value.split()[:-1]
+    }
+    packages = {
+        p.rstrip("*") for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    assert packages <= copied, f"the wheel would lack {sorted(packages - copied)}"
+
+
 def test_ports_entrypoint_and_command(image) -> None:
     final = {i.keyword: i.value for i in final_stage(image)}
     assert set(final["EXPOSE"].split()) == {"8000", "50051", "9090"}
