@@ -118,7 +118,8 @@ def test_memory_of_large_rejected_bodies_is_given_back(system):
             bodies = [_chat_body(30_000_000) for _ in range(16)]
             answers = list(pool.map(lambda b: _post(system, "/v1/chat/completions", b), bodies))
             del bodies
-            assert all(status == 400 for status, _ in answers), answers[:2]
+            refused = [(status, reply) for status, reply in answers if status != 400]
+            assert not refused, refused[:2]
     grown: dict[str, float] = {}
     deadline_mono = time.monotonic() + 30
     while time.monotonic() < deadline_mono:
