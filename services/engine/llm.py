@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import CapacityError, InvalidRequestError
-from services.common.types import FinishReason, SamplingParams, finish_reason
+from services.common.types import FinishReason, SamplingParams, TokenLogprob, finish_reason
 from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
 from services.engine.model.rope import ImageSpan, mrope_positions
@@ -44,6 +44,7 @@ class EngineOutput:
     token_ids: list[int]
     finish_reason: FinishReason
     num_prompt_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _Running:
     rope_delta: int
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     @property
@@ -180,14 +182,23 @@ class LLMEngine:
         self._sample(active, self.runner.forward(ForwardMode.DECODE, steps))
 
     def _sample(self, running: list[_Running], logits: torch.Tensor) -> None:
-        token_ids = self.sampler.sample(
+        sampled = self.sampler.sample(
             logits,
             [s.request.params for s in running],
             [s.request.prompt_ids for s in running],
             [s.output_ids for s in running],
             [s.generator for s in running],
-        ).tolist()
-        for s, token in zip(running, token_ids, strict=True):
+        )
+        asks = [
+            (row, s.request.params.num_top_logprobs)
+            for row, s in enumerate(running)
+            if s.request.params.return_logprobs
+        ]
+        rows = self.sampler.logprobs(logits, sampled, asks)
+        if rows is not None:
+            for row, logprob in zip(rows.rows, rows.to_list(), strict=True):
+                running[row].logprobs.append(logprob)
+        for s, token in zip(running, sampled.tolist(), strict=True):
             s.output_ids.append(token)
             s.finish_reason = finish_reason(
                 s.request.params,
@@ -202,5 +213,9 @@ class LLMEngine:
     def _output(s: _Running) -> EngineOutput:
         assert s.finish_reason is not None
         return EngineOutput(
-            s.request.request_id, s.output_ids, s.finish_reason, len(s.request.prompt_ids)
+            s.request.request_id,
+            s.output_ids,
+            s.finish_reason,
+            len(s.request.prompt_ids),
+            s.logprobs,
         )

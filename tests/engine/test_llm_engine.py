@@ -136,3 +136,24 @@ def test_min_tokens_holds_back_an_eos_that_logit_bias_forces(small_engine):
     held = small_engine.generate([request(range(10, 30), **forced, min_tokens=4)])[0]
     assert len(held.token_ids) == 5 and held.token_ids[-1] == eos and eos not in held.token_ids[:-1]
     assert held.finish_reason is FinishReason.STOP
+
+
+def test_logprobs_are_the_raw_log_softmax_of_each_sampled_token(small_engine):
+    prompt = list(range(10, 30))
+    params = dict(max_new_tokens=6, ignore_eos=True, return_logprobs=True, num_top_logprobs=3)
+    out = small_engine.generate([request(prompt, temperature=1.5, seed=7, **params)])[0]
+    plain = small_engine.generate(
+        [request(prompt, temperature=1.5, seed=7, max_new_tokens=6, ignore_eos=True)]
+    )[0]
+    assert plain.token_ids == out.token_ids and plain.logprobs == []  # asking changes no token
+    full = request(prompt + out.token_ids[:-1])
+    logits = small_engine.prompt_logits([full])[0][len(prompt) - 1 :]  # the rows sampled from
+    reference = logits.float().log_softmax(dim=-1)
+    assert len(out.logprobs) == len(out.token_ids)
+    for row, token, logprob in zip(reference, out.token_ids, out.logprobs, strict=True):
+        assert logprob.token_id == token
+        assert abs(logprob.logprob - row[token].item()) < 1e-4
+        top = row.topk(3)
+        assert list(logprob.top_token_ids) == top.indices.tolist()
+        values = top.values.tolist()
+        assert all(abs(a - b) < 1e-4 for a, b in zip(logprob.top_logprobs, values, strict=True))
