@@ -1,5 +1,6 @@
 """Tensor parallelism in the engine: a rank's place in its TP group, the two collectives the
-parallel layers end with, and how a checkpoint's heads, rows and vocabulary split over ranks.
+parallel layers end with, and how a checkpoint's heads, rows, vocabulary and experts split over
+ranks. An MoE model's experts are split by expert parallelism over the same ranks (``ep_size``).
 
 A group of size 1 (``SINGLE``) runs no collective: ``all_reduce`` and ``all_gather`` return
 their input, every shard is the whole tensor, and the model is the single-device one.
@@ -23,11 +24,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in a TP group of ``size`` ranks (``group``: the torch.distributed group
-    of those ranks, gloo on CPU, NCCL between GPUs; None: the default group)."""
+    of those ranks, gloo on CPU, NCCL between GPUs; None: the default group). ``ep_size``: the
+    ranks an MoE layer's experts are split over, 1 or the whole group (``check_expert_parallel``);
+    the expert-parallel rank is then ``rank``."""
 
     rank: int = 0
     size: int = 1
     group: ProcessGroup | None = None
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -58,6 +62,14 @@ class TensorParallel:
         assert total % self.size == 0, f"{total} does not split over {self.size} ranks"
         size = total // self.size
         return Shard(dim, self.rank * size, size, total)
+
+    def experts(self, num_experts: int) -> Shard:
+        """This rank's experts of a layer's ``num_experts`` (dim 0 of its stacked expert tensors):
+        its equal part under expert parallelism, else all of them."""
+        if self.ep_size == 1:
+            return Shard(0, 0, num_experts, num_experts)
+        assert self.ep_size == self.size, f"ep {self.ep_size} over a TP group of {self.size}"
+        return self.split(num_experts, dim=0)
 
 
 SINGLE = TensorParallel()
@@ -103,19 +115,15 @@ class HeadLayout:
         return cls(q_heads, 1, tp.rank * q_heads, tp.rank * num_kv_heads // tp.size)
 
 
-def check_tensor_parallel(text: TextConfig, size: int) -> None:
+def check_tensor_parallel(text: TextConfig, size: int, ep_size: int = 1) -> None:
     """``ModelLoadError`` naming the numbers when the decoder cannot split over ``size`` ranks:
     heads, KV heads (or ``size`` over them), intermediate size or vocabulary not divisible, or
-    an MoE model (expert parallelism is a later step)."""
+    experts that cannot split over ``ep_size`` of them (``check_expert_parallel``)."""
     if size < 1:
         raise ModelLoadError(f"tensor parallel size must be at least 1, got {size}")
+    check_expert_parallel(text, size, ep_size)
     if size == 1:
         return
-    if text.moe is not None:
-        raise ModelLoadError(
-            f"tensor parallel size {size} on an MoE model: its experts need expert "
-            "parallelism, which comes next; serve it with tp 1 for now"
-        )
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     problems = []
     if heads % size:
@@ -128,3 +136,28 @@ def check_tensor_parallel(text: TextConfig, size: int) -> None:
         problems.append(f"the vocabulary of {text.vocab_size}")
     if problems:
         raise ModelLoadError(f"tensor parallel size {size} does not divide {', '.join(problems)}")
+
+
+def check_expert_parallel(text: TextConfig, tp_size: int, ep_size: int) -> None:
+    """``ModelLoadError`` naming the numbers unless the MoE layers can split their experts over
+    ``ep_size`` of the ``tp_size`` ranks. Built: ``ep_size`` 1 (every expert on every rank, so
+    an MoE model only at ``tp_size`` 1: experts have no tensor-parallel split) or ``tp_size``
+    on an MoE model whose experts it divides."""
+    if ep_size not in (1, tp_size):
+        raise ModelLoadError(
+            f"expert parallel size {ep_size} with tensor parallel size {tp_size}: only "
+            f"expert parallelism over the whole group (ep {tp_size}) or none (ep 1) is built"
+        )
+    if text.moe is None:
+        if ep_size > 1:
+            raise ModelLoadError(f"expert parallel size {ep_size} on a dense model: no experts")
+        return
+    if tp_size > 1 and ep_size == 1:
+        raise ModelLoadError(
+            f"tensor parallel size {tp_size} on an MoE model needs expert parallel size "
+            f"{tp_size}: its experts have no tensor-parallel split"
+        )
+    if text.moe.num_experts % ep_size:
+        raise ModelLoadError(
+            f"expert parallel size {ep_size} does not divide the {text.moe.num_experts} experts"
+        )

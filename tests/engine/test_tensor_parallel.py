@@ -35,27 +35,44 @@ class Reference:
     token_ids: list[list[int]]  # TP = 1 greedy
 
 
-@pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory):
-    """Per model, the TP = 1 and transformers reference and every rank's results at TP = 2
-    and TP = 4, all from one spawn of 4 processes."""
+def reference_run(model_dir) -> tuple[Reference, list]:
+    """The TP = 1 and transformers reference of a text and an image prompt, and their engine
+    requests."""
     from transformers import AutoModelForImageTextToText
 
     from services.engine.offline import OfflinePipeline
 
     params = SamplingParams(temperature=0.0, max_new_tokens=NUM_DECODE_STEPS, ignore_eos=True)
+    pipeline = OfflinePipeline.from_dir(model_dir, page_size=4, num_pages=256)
+    requests = [pipeline.build_request(*PROMPTS[p], params, p) for p in ("text", "one_image")]
+    hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        hf_logits = [hf.eval()(**hf_inputs(r)).logits[0].float() for r in requests]
+    reference = Reference(
+        pipeline.engine.prompt_logits(requests),
+        hf_logits,
+        [o.token_ids for o in pipeline.engine.generate(requests)],
+    )
+    return reference, requests
+
+
+def assert_logits_match(reference: Reference, result) -> None:  # result: a tp_ranks.RankResult
+    assert len(result.prompt_logits) == 2, "a text and an image prompt"
+    logits = zip(result.prompt_logits, reference.prompt_logits, reference.hf_logits, strict=True)
+    for ours, tp1, hf in logits:
+        ours = torch.from_numpy(ours)
+        assert ours.shape == tp1.shape == hf.shape, "the whole vocabulary on every rank"
+        assert (ours - tp1).abs().max().item() < TOLERANCE
+        assert (ours - hf).abs().max().item() < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """Per model, the TP = 1 and transformers reference and every rank's results at TP = 2
+    and TP = 4, all from one spawn of 4 processes."""
     jobs, references = [], {}
     for name, model_dir in MODELS.items():
-        pipeline = OfflinePipeline.from_dir(model_dir, page_size=4, num_pages=256)
-        requests = [pipeline.build_request(*PROMPTS[p], params, p) for p in ("text", "one_image")]
-        hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
-        with torch.no_grad():
-            hf_logits = [hf.eval()(**hf_inputs(r)).logits[0].float() for r in requests]
-        references[name] = Reference(
-            pipeline.engine.prompt_logits(requests),
-            hf_logits,
-            [o.token_ids for o in pipeline.engine.generate(requests)],
-        )
+        references[name], requests = reference_run(model_dir)
         jobs.append((model_dir, requests))
     results = run_tp_groups(WORLD, SIZES, jobs, tmp_path_factory.mktemp("tp"))
     return references, results
@@ -72,13 +89,7 @@ def group_results(tp_runs, name: str, size: int):
 def test_logits_match_tp1_and_transformers(tp_runs, name, size):
     ref, ranks = group_results(tp_runs, name, size)
     for result in ranks:
-        assert len(result.prompt_logits) == 2, "a text and an image prompt"
-        logits = zip(result.prompt_logits, ref.prompt_logits, ref.hf_logits, strict=True)
-        for ours, tp1, hf in logits:
-            ours = torch.from_numpy(ours)
-            assert ours.shape == tp1.shape == hf.shape, "the whole vocabulary on every rank"
-            assert (ours - tp1).abs().max().item() < TOLERANCE
-            assert (ours - hf).abs().max().item() < TOLERANCE
+        assert_logits_match(ref, result)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -193,7 +204,7 @@ def test_sizes_that_do_not_divide_the_model_are_refused(change, size, named):
 def test_loader_refuses_a_bad_size_and_an_moe_model_before_reading():
     with pytest.raises(ModelLoadError, match="4 attention heads"):
         load_model(TINY_MODEL_DIR, tp=TensorParallel(0, 3))
-    with pytest.raises(ModelLoadError, match="expert parallelism"):
+    with pytest.raises(ModelLoadError, match="MoE model needs expert parallel size 2"):
         load_model(TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe", tp=TensorParallel(1, 2))
     with pytest.raises(ValueError, match="TP rank 2 is outside a group of 2"):
         TensorParallel(2, 2)

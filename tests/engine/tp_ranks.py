@@ -2,8 +2,9 @@
 
 ``run_tp_groups`` spawns ``world`` processes once (the imports are most of a rank's cost on
 a small CPU) and runs every job on a TP group of each size asked: ranks ``0 .. size - 1``,
-the others idle meanwhile. Every rank's results come back through a queue. Every process it
-starts is stopped before it returns, on failure too, and no wait is unbounded.
+the others idle meanwhile, with an MoE model's experts split over the group when asked
+(``expert_parallel``: ep = tp). Every rank's results come back through a queue. Every process
+it starts is stopped before it returns, on failure too, and no wait is unbounded.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ class RankResult:
     token_ids: list[list[int]]  # greedy continuation of each request
     split_bytes: int  # bytes of this rank's slices of the split parameters
     split_total_bytes: int  # bytes those parameters have whole in the checkpoint
+    expert_bytes: int  # bytes of this rank's expert parameters (0 for a dense model)
 
 
-def _rank_main(rank, world, store_path, sizes, jobs, out) -> None:
+def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -39,6 +41,7 @@ def _rank_main(rank, world, store_path, sizes, jobs, out) -> None:
     torch.set_num_threads(1)
     try:
         from services.common.ranks.rank_main import loopback_gloo_options
+        from services.engine.parallel import TensorParallel
 
         options = loopback_gloo_options()
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
@@ -57,8 +60,9 @@ def _rank_main(rank, world, store_path, sizes, jobs, out) -> None:
         for job, (model_dir, requests) in enumerate(jobs):
             for size in sizes:
                 if rank < size:
-                    result = _run(rank, size, groups[size], model_dir, requests)
-                    out.put(((job, size, rank), result))
+                    ep_size = size if expert_parallel else 1
+                    tp = TensorParallel(rank, size, groups[size], ep_size)
+                    out.put(((job, size, rank), _run(tp, model_dir, requests)))
     except BaseException:  # noqa: BLE001 (the parent reports any rank's failure)
         out.put(((None, None, rank), traceback.format_exc()))
     finally:
@@ -66,12 +70,11 @@ def _rank_main(rank, world, store_path, sizes, jobs, out) -> None:
             dist.destroy_process_group()
 
 
-def _run(rank: int, size: int, group, model_dir: str, requests) -> RankResult:
+def _run(tp, model_dir: str, requests) -> RankResult:
     from services.engine.llm import LLMEngine
     from services.engine.loader import tp_shards
-    from services.engine.parallel import TensorParallel
+    from services.engine.model.moe import EXPERT_TENSORS
 
-    tp = TensorParallel(rank, size, group)
     engine = LLMEngine.from_dir(model_dir, page_size=4, num_pages=256, tp=tp)
     model = engine.runner.model
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -80,10 +83,17 @@ def _run(rank: int, size: int, group, model_dir: str, requests) -> RankResult:
     total = sum(
         params[n].numel() * params[n].element_size() * s.total // s.size for n, s in shards.items()
     )
+    experts = [p for n, p in params.items() if n.endswith(EXPERT_TENSORS)]
+    expert_bytes = sum(p.numel() * p.element_size() for p in experts)
     logits = engine.prompt_logits(requests)
     outputs = engine.generate(requests)
     return RankResult(
-        rank, [x.numpy() for x in logits], [o.token_ids for o in outputs], split_bytes, total
+        tp.rank,
+        [x.numpy() for x in logits],
+        [o.token_ids for o in outputs],
+        split_bytes,
+        total,
+        expert_bytes,
     )
 
 
@@ -93,6 +103,7 @@ def run_tp_groups(
     jobs: list[tuple[Path, list]],  # (model dir, engine requests)
     tmp_dir: Path,
     timeout_s: float = 240.0,
+    expert_parallel: bool = False,
 ) -> dict[tuple[int, int, int], RankResult]:
     """``(job, size, rank) -> RankResult`` of every job on every group size (at most ``world``);
     ``AssertionError`` naming the rank if one fails, exits or does not answer within
@@ -101,8 +112,9 @@ def run_tp_groups(
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     args = [(str(d), requests) for d, requests in jobs]
+    store = str(tmp_dir / "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, str(tmp_dir / "store"), sizes, args, out))
+        ctx.Process(target=_rank_main, args=(r, world, store, sizes, args, expert_parallel, out))
         for r in range(world)
     ]
     expected = {(j, s, r) for j in range(len(jobs)) for s in sizes for r in range(s)}

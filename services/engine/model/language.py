@@ -8,9 +8,10 @@ layer that is added to that decoder layer's output (zero rows for text tokens).
 
 Under tensor parallelism (``services/engine/parallel.py``) each rank holds its q heads and the
 KV heads they read (``HeadLayout``), q/k/v column-parallel and ``o_proj`` row-parallel (its
-all-reduce ends the attention), the dense MLP split the same way (``GatedMLP``) and its rows of
-the vocabulary (``VocabParallelEmbedding``); norms, rotary and the residual stream are whole on
-every rank.
+all-reduce ends the attention), the dense MLP split the same way (``GatedMLP``), its experts of
+each MoE layer (expert parallelism, ``SparseMoE``) and its rows of the vocabulary
+(``VocabParallelEmbedding``); norms, rotary, routers and the residual stream are whole on every
+rank.
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(cfg, layer_id, tp)
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
-            assert tp.size == 1, "MoE layers have no tensor-parallel split"
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act)
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp)
         else:
             self.mlp = GatedMLP(
                 cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, tp=tp

@@ -20,6 +20,14 @@ Two forwards, one result:
 - **reference** (the test oracle, and the fallback where torch has no grouped GEMM or
   ``hidden`` is not 16-byte aligned): one matmul pair per expert that some token picked;
   the picked set is read on the host, so it syncs and cannot be captured.
+
+Under expert parallelism (``TensorParallel.ep_size`` > 1, over the TP group) each rank holds
+``num_experts / ep_size`` consecutive experts (``Experts.tp_shards``: the loader reads only
+them) and every token, replicated on every rank after the attention's all-reduce. Each rank
+routes all its tokens with the whole (replicated) router and computes the pairs whose expert it
+holds: the grouped forward sorts the other ranks' pairs after its own, past the last group end,
+where the grouped GEMM leaves them unwritten, and zeroes them; shapes stay those of the single
+rank. One all-reduce sums the ranks' partial outputs.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import nn
 from services.engine import ops
 from services.engine.config import MoEConfig
 from services.engine.model.layers import PAD_INTERMEDIATE, activation
+from services.engine.parallel import SINGLE, Shard, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +51,14 @@ _FAST_GROUPED_MM_SM = (9, 10)  # torch's CUTLASS grouped GEMM (bf16); others: a 
 
 
 class Experts(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    """Experts ``shard`` (dim 0) of a layer's stacked expert tensors, named in ``tp_shards``."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, shard: Shard) -> None:
         super().__init__()
-        e, i = moe.num_experts, moe.moe_intermediate_size
+        e, i = shard.size, moe.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))
+        self.tp_shards = {"gate_up_proj": shard, "down_proj": shard}
 
 
 EXPERT_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
@@ -97,15 +109,19 @@ def _realigned(param: nn.Parameter) -> torch.Tensor:
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoEConfig, act: str) -> None:
+    def __init__(
+        self, hidden_size: int, moe: MoEConfig, act: str, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.moe = moe
+        self.tp = tp
+        self.expert_shard = tp.experts(moe.num_experts)  # the experts this rank holds
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(hidden_size, moe)
+        self.experts = Experts(hidden_size, moe, self.expert_shard)
         self.act_name = act
         self.act = activation(act)
-        self.gate_up_t: torch.Tensor | None = None  # [E, hidden, 2I'] once prepared
-        self.down_t: torch.Tensor | None = None  # [E, I', hidden] once prepared
+        self.gate_up_t: torch.Tensor | None = None  # [E held, hidden, 2I'] once prepared
+        self.down_t: torch.Tensor | None = None  # [E held, I', hidden] once prepared
         self.syncs_host = True  # False once the grouped forward runs without host reads
 
     def fuse_projections(self) -> None:
@@ -137,8 +153,23 @@ class SparseMoE(nn.Module):
             self.gate(x), self.moe.num_experts_per_tok, self.moe.norm_topk_prob
         )
         if self.gate_up_t is None:
-            return self.reference_forward(x, weights, experts)
-        return self.grouped_forward(x, weights, experts)
+            out = self.reference_forward(x, weights, experts)
+        else:
+            out = self.grouped_forward(x, weights, experts)
+        return out if self.tp.ep_size == 1 else self.tp.all_reduce(out)
+
+    @property
+    def holds_all_experts(self) -> bool:
+        return self.expert_shard.size == self.expert_shard.total
+
+    def local_expert_ids(self, experts: torch.Tensor) -> torch.Tensor:  # [T, k] -> [T * k]
+        """Each pair's expert among this rank's, or the number of them for another rank's
+        expert (so it sorts after every pair of this rank's)."""
+        if self.holds_all_experts:
+            return experts.flatten()
+        local = experts.flatten() - self.expert_shard.start
+        held = (local >= 0) & (local < self.expert_shard.size)
+        return torch.where(held, local, self.expert_shard.size)
 
     def grouped_forward(
         self,
@@ -146,35 +177,42 @@ class SparseMoE(nn.Module):
         weights: torch.Tensor,  # [T, k] routing weights
         experts: torch.Tensor,  # [T, k] int64 expert ids
     ) -> torch.Tensor:  # [T, hidden]
-        """Sort the pairs by expert, two grouped GEMMs, weight and sum each token's k rows.
-        The ends come from ``searchsorted``, not ``bincount``: CUDA's bincount sizes its
-        output from the ids' max, read on the host."""
+        """This rank's experts' part of the output: sort the pairs by expert, two grouped
+        GEMMs, weight and sum each token's k rows (another rank's pairs are zero rows). The
+        ends come from ``searchsorted``, not ``bincount``: CUDA's bincount sizes its output
+        from the ids' max, read on the host."""
         assert self.gate_up_t is not None and self.down_t is not None and _GROUPED_MM is not None
         num_tokens, top_k = experts.shape
         if num_tokens == 0:  # a CP rank's empty share: no GEMM over zero rows
             return torch.zeros_like(x)
-        num_experts = self.gate_up_t.shape[0]
-        sorted_ids, order = torch.sort(experts.flatten(), stable=True)  # [T * k] each
+        num_experts = self.gate_up_t.shape[0]  # this rank's
+        sorted_ids, order = torch.sort(self.local_expert_ids(experts), stable=True)  # [T * k]
         bounds = torch.arange(1, num_experts + 1, device=x.device)
         ends = torch.searchsorted(sorted_ids, bounds, out_int32=True)  # [E] cumulative row ends
         rows = x[order // top_k]  # [T * k, hidden], grouped by expert
         gate_up = _GROUPED_MM(rows, self.gate_up_t, offs=ends)  # [T * k, 2I']
         act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I']
-        out = _GROUPED_MM(act, self.down_t, offs=ends)  # [T * k, hidden]
+        out = _GROUPED_MM(act, self.down_t, offs=ends)  # [T * k, hidden]; unwritten past ends[-1]
         out = out * weights.flatten()[order, None]
+        if not self.holds_all_experts:
+            out = out.masked_fill((sorted_ids == num_experts).unsqueeze(1), 0)
         pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
         return pairs.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
 
     def reference_forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ) -> torch.Tensor:  # same contract as grouped_forward
-        """One matmul pair per picked expert; reads the picked set on the host."""
+        """One matmul pair per picked expert this rank holds; reads the picked set on the host."""
         out = torch.zeros_like(x)
+        first, num_held = self.expert_shard.start, self.expert_shard.size
         for expert in torch.unique(experts).tolist():
+            if not first <= expert < first + num_held:
+                continue
             token_idx, slot = torch.where(experts == expert)
-            gate_up = F.linear(x[token_idx], self.experts.gate_up_proj[expert])  # [n, 2I]
+            held = expert - first
+            gate_up = F.linear(x[token_idx], self.experts.gate_up_proj[held])  # [n, 2I]
             gate, up = gate_up.chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.experts.down_proj[expert])  # [n, hidden]
+            y = F.linear(self.act(gate) * up, self.experts.down_proj[held])  # [n, hidden]
             out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
         return out
 

@@ -32,7 +32,7 @@ class Qwen2_5_VLModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         text = config.text
-        check_tensor_parallel(text, tp.size)
+        check_tensor_parallel(text, tp.size, tp.ep_size)
         self.config = config
         self.tp = tp
         self.heads = HeadLayout.of(text.num_attention_heads, text.num_key_value_heads, tp)
