@@ -91,9 +91,7 @@ def test_every_proto_element_has_a_comment(tmp_path: Path) -> None:
     from google.protobuf import descriptor_pb2
     from grpc_tools import protoc
 
-    protos = sorted(
-        p.relative_to(PB_DIR).as_posix() for p in PB_DIR.rglob("*.proto")
-    )
+    protos = sorted(p.relative_to(PB_DIR).as_posix() for p in PB_DIR.rglob("*.proto"))
     out = tmp_path / "set.pb"
     args = [
         "protoc",
