@@ -191,7 +191,8 @@ class LaunchConfig:
         None,
         type=non_negative,
         help="on Ctrl-C / SIGTERM: how long the routers' requests in flight get to finish before "
-        "the services stop (default: the router's, its request deadline)",
+        "the services stop (default: the router's, its request deadline); decode and prefill "
+        "then drain what they still hold within the same budget (default: their own)",
     )
     kv_quarantine_s: float | None = flag(
         None,

@@ -179,7 +179,7 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         attention_backend=cfg.attention_backend,
         max_model_len=cfg.max_model_len,
         max_running_requests=decode_batch_size(cfg),
-        **_given(kv_quarantine_s=cfg.kv_quarantine_s),
+        **_given(kv_quarantine_s=cfg.kv_quarantine_s, drain_timeout_s=cfg.drain_timeout_s),
         gpu_share_file=_gpu_share_file(cfg),
         prefill_first_ms=cfg.prefill_first_ms if cfg.gpu_share_file else None,
     )
@@ -192,9 +192,9 @@ def decode_spec(cfg: LaunchConfig) -> ChildSpec:
     return ChildSpec("decode", args, first_ports(cfg, "decode"))
 
 
-def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
-    """Prefill's own flags, from its config (its CP ranks as ``--ranks``)."""
-    config = PrefillConfig(
+def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfig:
+    """Prefill's config as ``up`` starts it, its vision encoder at ``encoder_address``."""
+    return PrefillConfig(
         **_service_settings(cfg, "prefill"),
         encoder_address=encoder_address,
         transfer_backend=cfg.transfer_backend,
@@ -206,9 +206,15 @@ def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
             embedding_quarantine_s=cfg.embedding_quarantine_s,
             cp_block_tokens=cfg.prefill_cp_block_tokens,
             cp_min_tokens=cfg.prefill_cp_min_tokens,
+            drain_timeout_s=cfg.drain_timeout_s,
         ),
         gpu_share_file=_gpu_share_file(cfg),
     )
+
+
+def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
+    """Prefill's own flags, from its config (its CP ranks as ``--ranks``)."""
+    config = prefill_config(cfg, encoder_address)
     args = (*config_to_argv(config, skip=COMMON_SETTINGS), *_ranks_arg(cfg.prefill_cp))
     return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
 
@@ -274,6 +280,17 @@ def router_stop_s(cfg: LaunchConfig) -> float:
     """How long a router may take to exit after SIGTERM (``RouterConfig.stop_s``: its drain
     budget, then the rest of its shutdown)."""
     return RouterConfig(model=cfg.model, drain_timeout_s=cfg.drain_timeout_s).stop_s
+
+
+def worker_stop_s(cfg: LaunchConfig, service: str) -> float:
+    """How long worker ``service`` may take to exit after SIGTERM: decode's and prefill's
+    ``stop_s`` (their drain budget, then the rest of their shutdown), at least
+    ``cfg.stop_grace_s``; the others' ``cfg.stop_grace_s``."""
+    if service == "decode":
+        return max(cfg.stop_grace_s, decode_config(cfg).stop_s)
+    if service == "prefill":
+        return max(cfg.stop_grace_s, prefill_config(cfg).stop_s)
+    return cfg.stop_grace_s
 
 
 def router_args(

@@ -19,7 +19,8 @@ Children die with the launcher: they are asked for SIGTERM on the launcher's dea
 (``PR_SET_PDEATHSIG``), and on Ctrl-C / SIGTERM the launcher stops supervising, drains the
 routers (SIGTERM: they refuse new requests and finish their streams, up to their drain budget
 and the rest of their shutdown, ``router_stop_s``), then stops the workers in reverse start
-order (SIGTERM, ``stop_grace_s``, then SIGKILL), so no process outlives it. A second Ctrl-C /
+order (SIGTERM, then SIGKILL after ``worker_stop_s``: decode and prefill drain too, within the
+same budget), so no process outlives it. A second Ctrl-C /
 SIGTERM cuts the drain short (the routers are killed). The children run in their own process
 group, so a terminal's Ctrl-C reaches the launcher alone and the workers outlive the drain.
 """
@@ -36,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,7 @@ from services.launch_spec import (
     router_stop_s,
     router_worker_specs,
     tokenizer_spec,
+    worker_stop_s,
 )
 from services.supervisor import ChildSupervisor
 
@@ -280,8 +282,8 @@ class Launcher:
 
     def stop_all(self) -> None:
         """Drain the routers (SIGTERM, up to ``router_stop_s``, less once ``hurry`` is set),
-        then SIGTERM the workers in reverse start order, wait ``stop_grace_s``; SIGKILL what is
-        left."""
+        then SIGTERM the workers in reverse start order, wait for each up to its
+        ``worker_stop_s``; SIGKILL what is left."""
         routers = [c for c in self.children if c.service == "router"]
         workers = [c for c in reversed(self.children) if c.service != "router"]
         if any(c.process.poll() is None for c in routers):
@@ -291,19 +293,23 @@ class Launcher:
                 file=sys.stderr,
                 flush=True,
             )
-        self._stop(routers, router_stop_s(self.cfg), self.hurry)
-        self._stop(workers, self.cfg.stop_grace_s)
+        self._stop(routers, lambda c: router_stop_s(self.cfg), self.hurry)
+        self._stop(workers, lambda c: worker_stop_s(self.cfg, c.service))
         if self.cfg.gpu_share_file is not None:  # prefill's and decode's, both stopped
             self.cfg.gpu_share_file.unlink(missing_ok=True)
 
     def _stop(
-        self, children: list[Child], grace_s: float, hurry: threading.Event | None = None
+        self,
+        children: list[Child],
+        stop_s: Callable[[Child], float],
+        hurry: threading.Event | None = None,
     ) -> None:
         for c in children:
             if c.process.poll() is None:
                 c.process.send_signal(signal.SIGTERM)
-        deadline_mono = time.monotonic() + grace_s
+        start_mono = time.monotonic()
         for c in children:
+            deadline_mono = start_mono + stop_s(c)
             while c.process.poll() is None and time.monotonic() < deadline_mono:
                 if hurry is not None and hurry.is_set():
                     break

@@ -1,5 +1,6 @@
 """``up``'s stop: the routers drain first (SIGTERM, then their whole drain budget), the workers
-get SIGTERM only once the routers have exited; a second Ctrl-C cuts the drain short."""
+get SIGTERM only once the routers have exited, decode and prefill with their own drain's time;
+a second Ctrl-C cuts the routers' drain short."""
 
 from __future__ import annotations
 
@@ -12,11 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from services.launch_spec import ChildSpec, LaunchConfig, router_stop_s
+from services.decode.config import STOP_AFTER_DRAIN_S as DECODE_STOP_AFTER_DRAIN_S
+from services.decode.config import DecodeConfig
+from services.launch_spec import (
+    ChildSpec,
+    LaunchConfig,
+    decode_spec,
+    prefill_spec,
+    router_stop_s,
+    worker_stop_s,
+)
 from services.launcher import Child, Launcher
+from services.prefill.config import STOP_AFTER_DRAIN_S as PREFILL_STOP_AFTER_DRAIN_S
+from services.prefill.config import PrefillConfig
 from services.router.config import STOP_AFTER_DRAIN_S
 
 BOUND_S = 30.0
+WORKER_STOP_AFTER_DRAIN_S = {
+    "decode": DECODE_STOP_AFTER_DRAIN_S,
+    "prefill": PREFILL_STOP_AFTER_DRAIN_S,
+}
 # A child that logs its SIGTERM, lingers (a router draining), logs its exit and exits 0.
 CHILD = """
 import pathlib, signal, sys, time
@@ -106,3 +122,38 @@ def test_a_second_signal_cuts_the_drain_short(launcher: Launcher, tmp_path: Path
     decode, router = launcher.children
     assert router.process.returncode == -9
     assert decode.process.returncode == 0 and "decode term" in events(log)
+
+
+def test_up_gives_decode_and_prefill_the_drain_budget_and_the_time_to_use_it(
+    tmp_path: Path,
+) -> None:
+    cfg = LaunchConfig(model=tmp_path, drain_timeout_s=42.0)
+    for service, spec in (("decode", decode_spec(cfg)), ("prefill", prefill_spec(cfg, "e:1"))):
+        args = list(spec.args)
+        assert args[args.index("--drain-timeout-s") + 1] == "42.0", service
+        assert worker_stop_s(cfg, service) == 42.0 + WORKER_STOP_AFTER_DRAIN_S[service]
+    defaults = LaunchConfig(model=tmp_path)
+    assert "--drain-timeout-s" not in decode_spec(defaults).args  # decode's own default
+    assert worker_stop_s(defaults, "decode") == DecodeConfig(model=tmp_path).stop_s
+    assert worker_stop_s(defaults, "prefill") == PrefillConfig(model=tmp_path).stop_s
+    assert worker_stop_s(cfg, "tokenizer") == cfg.stop_grace_s
+
+
+def test_a_draining_worker_gets_its_stop_time_the_others_the_grace(tmp_path: Path) -> None:
+    cfg = LaunchConfig(model=tmp_path, drain_timeout_s=BOUND_S, stop_grace_s=0.1)
+    launcher = Launcher(cfg, env={})
+    log = tmp_path / "events.log"
+    try:
+        launcher.children = [
+            start_child(log, ChildSpec("decode"), 1.0),
+            start_child(log, ChildSpec("tokenizer"), BOUND_S),
+        ]
+        launcher.stop_all()
+        decode, tokenizer = launcher.children
+        assert decode.process.returncode == 0 and "decode exit" in events(log)
+        assert tokenizer.process.returncode == -9  # past its grace
+    finally:
+        for child in launcher.children:
+            if child.process.poll() is None:
+                child.process.kill()
+            child.process.wait()

@@ -3,6 +3,7 @@ leader, gRPC."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from services.common import signing
@@ -72,7 +73,8 @@ def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
 
 
 async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> None:
-    """Serve until SIGTERM: liveness at once, readiness once a rank is formed and warm."""
+    """Serve until SIGTERM: liveness at once, readiness once a rank is formed and warm; on
+    SIGTERM, NOT_SERVING, then the leader's drain (``config.drain_s``), then the stop."""
     metrics_port = start_telemetry(
         "decode", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
     )
@@ -99,4 +101,6 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
         await server.stop(None)
         raise
     print_ready("decode", port=port, metrics_port=metrics_port)
-    await serve_until_signal(server, health, leader.stop)
+    await serve_until_signal(
+        server, health, leader.stop, drain=functools.partial(leader.drain, config.drain_s)
+    )

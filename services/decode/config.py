@@ -22,6 +22,9 @@ from services.engine.kv_sizing import CPU_NUM_PAGES
 # than one forward of a large prefill batch, so decode stays near one step per prefill forward
 # while a burst of prompts runs (docs/benchmarks.md, "Measurements cited by the code").
 PREFILL_FIRST_MS = 100.0
+# A decode process's shutdown after its drain: the gRPC grace (5 s, services/common/server.py),
+# then its ranks' stop (their stop grace, 5 s), and a margin.
+STOP_AFTER_DRAIN_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,14 @@ class DecodeConfig(ServiceConfig):
         "--gpu-share-file): a rank holds its next step back while one runs, so the prompts "
         "run on the GPU alone; stageserve up sets it when prefill and decode share a CUDA device",
     )
+    drain_timeout_s: float | None = flag(
+        None,
+        type=non_negative,
+        help="on SIGTERM: report not ready, refuse new Reserves (UNAVAILABLE: the router tries "
+        "another decode worker) and give the requests held (reserved and generating) this long "
+        "to finish, then fail the rest and exit (default: --max-reservation-s, the longest a "
+        "request lives here)",
+    )
     prefill_first_ms: float | None = flag(
         None,
         type=non_negative,
@@ -108,6 +119,16 @@ class DecodeConfig(ServiceConfig):
             )
         if self.prefill_first_ms is not None and not self.gpu_share_file:
             raise ValueError("--prefill-first-ms needs --gpu-share-file (prefill's marks)")
+
+    @property
+    def drain_s(self) -> float:
+        """How long a SIGTERM leaves the requests held to finish."""
+        return self.max_reservation_s if self.drain_timeout_s is None else self.drain_timeout_s
+
+    @property
+    def stop_s(self) -> float:
+        """The longest a SIGTERM takes to end the process: the drain, then the rest."""
+        return self.drain_s + STOP_AFTER_DRAIN_S
 
     @property
     def prefill_first_s(self) -> float:

@@ -17,7 +17,8 @@ Request lifecycle in the leader (a ``Route``, ``routes.py``):
   end       -> finished (reported by the rank), aborted (Abort, the stream gone, its
                deadline), expired (reported), or failed (its rank died: UNAVAILABLE)
 A rank's death ends every request routed to it; the others keep serving, and readiness
-is SERVING while at least one rank serves.
+is SERVING while at least one rank serves. On SIGTERM ``drain`` refuses every Reserve
+(UNAVAILABLE) while the live requests go on, up to its budget; ``stop`` fails the rest.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class DecodeLeader:
         self._deadlines_changed = asyncio.Event()
         self._deadline_task: asyncio.Task | None = None
         self._is_stopping = False
+        self._drain_s: float | None = None  # the drain's budget, once it started
         self._was_ready = False
 
     @property
@@ -124,6 +126,17 @@ class DecodeLeader:
         assert isinstance(reported.result, RankReport)
         return reported.result
 
+    async def drain(self, budget_s: float) -> None:
+        """Refuse every Reserve from now on (UNAVAILABLE) and give the live requests (reserved
+        and generating) ``budget_s`` to end; ``stop`` fails those left."""
+        self._drain_s = budget_s
+        logger.info("draining: %d requests live, %g s to finish", len(self._routes), budget_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._routes.wait_empty(), budget_s)
+        if self._routes:
+            num_left = len(self._routes)
+            logger.warning("drain budget of %g s spent: failing %d requests", budget_s, num_left)
+
     async def stop(self) -> None:
         """Fail every live request, stop the tasks, stop the ranks."""
         self._is_stopping = True
@@ -131,13 +144,18 @@ class DecodeLeader:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        reason = "decode is shutting down"
+        if self._drain_s is not None:
+            reason += f" (its drain budget of {self._drain_s:g} s ran out)"
         for rank in self._ranks:
-            self._fail_rank(rank, rank.take_all(), UnavailableError("decode is shutting down"))
+            self._fail_rank(rank, rank.take_all(), UnavailableError(reason))
         await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
 
     # --- requests -------------------------------------------------------------------------
     async def reserve(self, command: ReserveCommand) -> tuple[KvDestination, int]:
         """Reserve on one rank; where prefill writes, and the rank's index."""
+        if self._drain_s is not None:
+            raise UnavailableError("this decode worker is shutting down and takes no new requests")
         request_id = command.request_id
         tried: list[RankView] = []
         while True:

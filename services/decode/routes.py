@@ -8,6 +8,7 @@ fails UNAVAILABLE rather than NOT_FOUND.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,6 +43,10 @@ class Routes:
         self._live: dict[str, Route] = {}
         # Reservations a rank's death took, until their generate comes (UNAVAILABLE, not NOT_FOUND)
         self._lost: OrderedDict[str, str] = OrderedDict()
+        self._emptied = asyncio.Event()  # set when the last live request leaves
+
+    def __len__(self) -> int:
+        return len(self._live)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
@@ -59,6 +64,7 @@ class Routes:
         """Forget ``route`` if it is still ``request_id``'s."""
         if self._live.get(request_id) is route:
             del self._live[request_id]
+            self._check_empty()
 
     def pop_lost(self, request_id: str) -> str | None:
         """Why ``request_id``'s reservation was lost (forgotten now); None when it was not."""
@@ -78,6 +84,7 @@ class Routes:
                 route.end(RequestEnded(done.request_id, done.reason, done.usage))
         for request_id in report.expired:
             self._live.pop(request_id, None)
+        self._check_empty()
 
     def list_waiting(self, dp_rank: int, token_request_ids: Sequence[str]) -> None:
         """List on its connection each generating request on ``dp_rank`` that got no token in
@@ -102,7 +109,18 @@ class Routes:
                     error=UnavailableError(f"{error.message}; request {request_id} did not finish"),
                 )
             )
+        self._check_empty()
         return len(lost)
+
+    async def wait_empty(self) -> None:
+        """Return once no request is live (at once when none is)."""
+        while self._live:
+            self._emptied.clear()
+            await self._emptied.wait()
+
+    def _check_empty(self) -> None:
+        if not self._live:
+            self._emptied.set()
 
     def next_deadline_mono(self) -> float:
         """The earliest deadline of a generating request (inf: none)."""

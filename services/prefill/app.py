@@ -7,6 +7,7 @@ pools, the KV senders and the embedding receivers live in the rank processes
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -143,7 +144,8 @@ class PrefillApp:
 
 
 async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> None:
-    """Serve until SIGTERM: liveness at once, SERVING once the rank group formed."""
+    """Serve until SIGTERM: liveness at once, SERVING once the rank group formed; on SIGTERM,
+    NOT_SERVING, then the leader's drain (``config.drain_s``), then the release."""
     metrics_port = start_telemetry(
         "prefill", envs, config.host, config.metrics_port, model_name=config.model.resolve().name
     )
@@ -175,7 +177,8 @@ async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> 
         if encoder is not None:
             await encoder.close()
 
-    await serve_until_signal(server, health, release)
+    drain = functools.partial(app.leader.drain, config.drain_s)
+    await serve_until_signal(server, health, release, drain=drain)
 
 
 async def _wait_encoder_ready(config: PrefillConfig) -> None:

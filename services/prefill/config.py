@@ -10,6 +10,10 @@ from services.common.service_main import ServiceConfig
 from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
 from services.engine.gpu_defaults import ATTENTION_CHOICES, ATTENTION_HELP, AUTO_ATTENTION
 
+# A prefill process's shutdown after its drain: the gRPC grace (5 s, services/common/server.py),
+# then its rank group's stop (its stop grace, 5 s), and a margin.
+STOP_AFTER_DRAIN_S = 15.0
+
 
 @dataclass(frozen=True)
 class PrefillConfig(ServiceConfig):
@@ -47,6 +51,13 @@ class PrefillConfig(ServiceConfig):
     attention_backend: str = flag(AUTO_ATTENTION, choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
     default_timeout_s: float = flag(
         300.0, type=positive, help="deadline of a request that carries none"
+    )
+    drain_timeout_s: float | None = flag(
+        None,
+        type=non_negative,
+        help="on SIGTERM: report not ready, refuse new prefills (UNAVAILABLE: the router tries "
+        "another prefill worker) and give the ones in flight this long to finish, then fail the "
+        "rest and exit (default: --default-timeout-s, the longest a prefill runs here)",
     )
     embedding_quarantine_s: float = flag(
         30.0, type=non_negative, help="rows of a timed-out Encode wait this long before reuse"
@@ -117,6 +128,16 @@ class PrefillConfig(ServiceConfig):
     def kv_backend(self) -> str:
         """The KV handoff backend; ``ValueError`` for one the service cannot run."""
         return resolve_kv_backend(self.kv_transfer_backend, self.transfer_backend)
+
+    @property
+    def drain_s(self) -> float:
+        """How long a SIGTERM leaves the prefills in flight to finish."""
+        return self.default_timeout_s if self.drain_timeout_s is None else self.drain_timeout_s
+
+    @property
+    def stop_s(self) -> float:
+        """The longest a SIGTERM takes to end the process: the drain, then the rest."""
+        return self.drain_s + STOP_AFTER_DRAIN_S
 
     @property
     def advertised_hostname(self) -> str:

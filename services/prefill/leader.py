@@ -11,12 +11,14 @@ released wherever it is (a running request's write was decided with its plan and
 lands, inside decode's quarantine). ``progress`` ticks when a plan is launched and done.
 After every (re-)formation of the rank group the leader asks each rank where it receives
 image rows (``Describe``) before it plans again; a re-formed group lost the rows of the
-requests that were encoding, which fail.
+requests that were encoding, which fail. On SIGTERM ``drain`` refuses new requests
+(UNAVAILABLE) while the ones in flight go on, up to its budget; ``stop`` fails the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -132,6 +134,8 @@ class PrefillLeader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None  # the next deadline's pump
         self._is_stopping = False
+        self._is_draining = False
+        self._idle = asyncio.Event()  # set when the last request in flight leaves
         # Progress: a plan launched, a plan done. Run by the caller (``progress.start``).
         self.progress = ProgressWatchdog(
             "prefill",
@@ -178,6 +182,19 @@ class PrefillLeader:
         self.on_serving(True)
         self._pump()
 
+    async def drain(self, budget_s: float) -> None:
+        """Refuse new requests from now on (UNAVAILABLE) and give the ones in flight
+        ``budget_s`` to end; ``stop`` fails those left."""
+        self._is_draining = True
+        logger.info("draining: %d requests in flight, %g s to finish", len(self._futures), budget_s)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(budget_s):
+                while self._futures:
+                    self._idle.clear()
+                    await self._idle.wait()
+        if self._futures:
+            logger.warning("drain budget of %g s spent: failing %d", budget_s, len(self._futures))
+
     async def stop(self) -> None:
         """Fail every live request (UNAVAILABLE) and stop the tasks; the caller stops the group."""
         self._is_stopping = True
@@ -214,6 +231,8 @@ class PrefillLeader:
     async def _prefill(self, request: PrefillInput, images: dict[str, bytes]) -> RequestOutcome:
         if self._is_stopping or self._loop is None:
             raise UnavailableError("prefill worker is not running")
+        if self._is_draining:
+            raise UnavailableError("this prefill worker is shutting down and takes no new requests")
         request = self._validated(request, images)
         self.scheduler.add(request, images)
         future = self._loop.create_future()
@@ -223,6 +242,8 @@ class PrefillLeader:
             return await self._wait(request, future)
         finally:
             self._futures.pop(request.request_id, None)
+            if not self._futures:
+                self._idle.set()
             if not future.done():  # the caller gave up (deadline, cancellation) or an error
                 gone = AbortedError(f"the caller of {request.request_id} is gone")
                 self._abort(request.request_id, gone)

@@ -207,8 +207,31 @@ def test_secrets_config_and_volumes_are_wired(docs, by_service) -> None:
         for mount in c.spec["volumeMounts"]:
             claim = volumes[mount["name"]].get("persistentVolumeClaim")
             assert claim is None or claim["claimName"] in claims
-        assert volumes["models"]["persistentVolumeClaim"]["readOnly"] is True
+        if "models" in volumes:
+            assert volumes["models"]["persistentVolumeClaim"]["readOnly"] is True
         assert "OTEL_EXPORTER_OTLP_ENDPOINT" in c.env
+
+
+def test_the_cpu_overlay_mounts_no_read_write_many_claim(docs, by_service, overlay) -> None:
+    """kind's and k3s's default storage classes offer ReadWriteOnce only: a pod that mounts a
+    ReadWriteMany claim stays Pending there. The CPU model is inside the image."""
+    modes = {
+        d["metadata"]["name"]: d["spec"]["accessModes"]
+        for d in docs
+        if d["kind"] == "PersistentVolumeClaim"
+    }
+    for service, c in by_service.items():
+        claims = [
+            v["persistentVolumeClaim"]["claimName"]
+            for v in c.pod["spec"]["volumes"]
+            if "persistentVolumeClaim" in v
+        ]
+        shared = [claim for claim in claims if "ReadWriteMany" in modes[claim]]
+        if overlay == "cpu":
+            assert not shared, f"{service} mounts {shared}"
+        else:  # the checkpoint comes from the models claim
+            assert "stageserve-models" in shared, service
+            assert c.env["ARG_MODEL"].startswith("/models/")
 
 
 def test_every_config_key_is_read(docs, by_service) -> None:
@@ -227,6 +250,16 @@ def test_timeouts_agree(by_service, gpu_mooncake) -> None:
     assert decode.kv_quarantine_s > float(by_service["decode"].env["MC_TRANSFER_TIMEOUT"])
     assert decode.max_reservation_s >= router.request_timeout_s
     assert decode.page_size == prefill.page_size
+
+
+def test_decode_and_prefill_have_time_to_drain(by_service, gpu_mooncake) -> None:
+    """Their drain budget (default: the longest a request lives there), then the rest of their
+    shutdown, within the pod's grace period; no preStop (the routers poll their health)."""
+    for service in ("decode", "prefill"):
+        container = by_service[service]
+        config = parse_service_args(service, container.args[2:])
+        assert "lifecycle" not in container.spec, service
+        assert container.pod["spec"]["terminationGracePeriodSeconds"] >= config.stop_s, service
 
 
 def test_the_router_has_time_to_drain(by_service) -> None:
@@ -262,15 +295,22 @@ def test_containers_are_non_root_with_resources(by_service, overlay) -> None:
         assert gpus == (1 if overlay == "gpu" and service in GPU_WORKERS else None), service
 
 
-def test_the_image_is_named_once_per_overlay(overlay, by_service) -> None:
+def test_the_images_are_named_in_each_overlay_and_only_model_workers_run_gpu(
+    overlay, by_service
+) -> None:
+    """The overlay's ``images:`` name every image; the router and the tokenizer (no model on a
+    device) run the CPU image in both overlays."""
     base = render_kustomization(K8S / "base")
     assert {c["image"] for c in containers(base)} == {"stageserve"}  # a bare name, set by images:
     kustomization = yaml.safe_load((K8S / "overlays" / overlay / "kustomization.yaml").read_text())
-    (image,) = kustomization["images"]
-    assert image["newTag"] == f"{version('stageserve')}-{overlay}" and "/" in image["newName"]
-    assert {c.spec["image"] for c in by_service.values()} == {
-        f"{image['newName']}:{image['newTag']}"
-    }
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in kustomization["images"]}
+    assert len({i["newName"] for i in kustomization["images"]}) == 1
+    ours = images["stageserve"]
+    assert "/" in ours and ours.endswith(f":{version('stageserve')}-{overlay}")
+    cpu_image = ours.removesuffix(f"-{overlay}") + "-cpu"
+    for service, c in by_service.items():
+        expected = cpu_image if service in ("router", "tokenizer") else ours
+        assert c.spec["image"] == expected, service
 
 
 def test_the_models_and_the_jit_cache_are_where_the_images_put_them(overlay, by_service) -> None:
@@ -303,9 +343,19 @@ def test_network_policies_keep_internal_ports_to_stageserve_pods(docs) -> None:
         assert stageserve.items() <= labels.items(), workload["metadata"]["name"]
     for name, policy in policies.items():  # any rule open to all sources names its ports
         for rule in policy["ingress"]:
-            assert "from" in rule or name == "stageserve-router-http", name
-    public = policies["stageserve-router-http"]
-    assert public["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
-    assert public["ingress"] == [{"ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]
+            assert "from" in rule or name == "stageserve-router-public", name
     (metrics,) = policies["stageserve-metrics"]["ingress"]
     assert metrics["ports"] == [{"protocol": "TCP", "port": METRICS_PORT}]
+
+
+def test_clients_reach_the_routers_http_and_grpc_ports(docs, by_service) -> None:
+    """The rule that admits API clients to the router opens its public gRPC port (the Router
+    API) as well as HTTP, and nothing else."""
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    public = policies["stageserve-router-public"]
+    router = by_service["router"]
+    assert public["podSelector"]["matchLabels"].items() <= router.pod["metadata"]["labels"].items()
+    (rule,) = public["ingress"]
+    opened = {p["port"] for p in rule["ports"]}
+    assert opened == {router.port("http"), router.port("grpc")} == {HTTP_PORT, GRPC_PORT}
+    assert all(p["protocol"] == "TCP" for p in rule["ports"])
