@@ -32,6 +32,7 @@ from services.engine.gpu_defaults import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     memory_fraction,
 )
+from services.engine.quantization import quantization_flag
 
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
 METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
@@ -143,6 +144,7 @@ class LaunchConfig:
     dtype: str | None = flag(
         None, help="every model's dtype: float32 | bfloat16 | float16 (default: the checkpoint's)"
     )
+    quantization: str = quantization_flag()  # prefill's and decode's
     given: UpFlags = nested(UpFlags)
     decode_dp: int = flag(
         1,

@@ -177,6 +177,7 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         **_given(gpu_memory_utilization=cfg.decode_memory_fraction),
         page_size=cfg.page_size,
         attention_backend=cfg.attention_backend,
+        quantization=cfg.quantization,
         max_model_len=cfg.max_model_len,
         max_running_requests=decode_batch_size(cfg),
         **_given(kv_quarantine_s=cfg.kv_quarantine_s, drain_timeout_s=cfg.drain_timeout_s),
@@ -201,6 +202,7 @@ def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfi
         kv_transfer_backend=cfg.kv_transfer_backend,
         page_size=cfg.page_size,
         attention_backend=cfg.attention_backend,
+        quantization=cfg.quantization,
         max_queued_requests=prefill_queue_size(cfg),
         **_given(
             embedding_quarantine_s=cfg.embedding_quarantine_s,

@@ -29,6 +29,7 @@ def rank_init(config: DecodeConfig) -> RankInit:
     return RankInit(
         model=str(config.model),
         dtype=config.dtype,
+        quantization=config.quantization,
         num_pages=config.num_pages,
         gpu_memory_utilization=config.rank_memory_fraction,
         page_size=config.page_size,

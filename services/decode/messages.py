@@ -15,6 +15,7 @@ import msgspec
 from services.common.destinations import KvDestination
 from services.common.errors import ErrorRecord
 from services.common.types import FinishReason, SamplingParams, TokenLogprob, Usage
+from services.engine.quantization import NO_QUANTIZATION
 
 
 class RankInit(msgspec.Struct, frozen=True):
@@ -33,6 +34,7 @@ class RankInit(msgspec.Struct, frozen=True):
     kv_quarantine_s: float
     gpu_share_file: str = ""  # prefill on this GPU marks its forwards there; empty: none
     prefill_first_s: float = 0.0  # the longest a step waits for a marked prefill forward
+    quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
 
 
 # --- leader -> rank ---------------------------------------------------------------

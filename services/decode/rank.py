@@ -318,7 +318,13 @@ def build_rank(
     if receiver is None:  # a backend this device cannot run fails before the model loads
         check_kv_backend(init.kv_backend, init.kv_backend, device)
     if model is None:
-        model = load_model(init.model, device=device, dtype=init.dtype, components=("language",))
+        model = load_model(
+            init.model,
+            device=device,
+            dtype=init.dtype,
+            components=("language",),
+            quantization=init.quantization,
+        )
     runner = ModelRunner(  # a batch as large as the rank runs replays a graph
         model,
         KVCacheConfig(

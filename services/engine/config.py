@@ -118,6 +118,7 @@ class ModelConfig:
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
+    checkpoint_quantization: str = ""  # quantization_config's quant_method; "": unquantized
 
     @property
     def num_deepstack(self) -> int:
@@ -161,7 +162,15 @@ class ModelConfig:
             vision_end_token_id=int(raw["vision_end_token_id"]),
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            checkpoint_quantization=_quant_method(raw),
         )
+
+
+def _quant_method(raw: dict[str, Any]) -> str:
+    quant = raw.get("quantization_config") or raw.get("compression_config")
+    if not quant:
+        return ""
+    return str(quant.get("quant_method") or quant.get("format") or "unknown")
 
 
 def _text_config(text_raw: dict[str, Any], raw: dict[str, Any], family: ModelFamily) -> TextConfig:

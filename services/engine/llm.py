@@ -26,6 +26,7 @@ from services.engine.loader import load_model
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
 from services.engine.parallel import SINGLE, TensorParallel
+from services.engine.quantization import NO_QUANTIZATION
 from services.engine.sampler import Sampler, make_generator
 
 
@@ -79,8 +80,9 @@ class LLMEngine:
         num_pages: int = 1024,
         attention_backend: str = "torch",
         tp: TensorParallel = SINGLE,
+        quantization: str = NO_QUANTIZATION,
     ) -> LLMEngine:
-        model = load_model(model_dir, device=device, dtype=dtype, tp=tp)
+        model = load_model(model_dir, device=device, dtype=dtype, tp=tp, quantization=quantization)
         return cls(ModelRunner(model, KVCacheConfig(num_pages, page_size), attention_backend))
 
     def prompt_logits(self, requests: list[EngineRequest]) -> list[torch.Tensor]:

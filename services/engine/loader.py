@@ -20,11 +20,13 @@ import torch
 from safetensors import safe_open
 
 from services.common.errors import ModelLoadError
+from services.engine import fp8
 from services.engine.config import ModelConfig
 from services.engine.model.moe import EXPERT_TENSORS, checkpoint_expert
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model.registry import model_class
 from services.engine.parallel import SINGLE, Shard, TensorParallel
+from services.engine.quantization import FP8, NO_QUANTIZATION, check_quantization
 
 # transformers >= 5 saves the nested layout; the engine uses the original one.
 _PREFIX_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visual."))
@@ -143,6 +145,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     components: Collection[str] = COMPONENTS,
     tp: TensorParallel = SINGLE,
+    quantization: str = NO_QUANTIZATION,
 ) -> Qwen2_5_VLModel:
     """Build the model for ``model_dir``'s config and load its weights onto ``device``.
 
@@ -151,6 +154,9 @@ def load_model(
     the checkpoint's tensors of the other part are not read. ``tp``: this rank's place in
     its tensor-parallel group; it reads and holds its shards of the decoder only (a
     ``ModelLoadError`` names the numbers when the model cannot split over ``tp.size``).
+    ``quantization`` (``quantization.py``): ``fp8`` quantizes the decoder's dense linears at
+    load, per rank after sharding (``ValueError`` for a device that cannot run them); a
+    checkpoint that is already quantized is refused.
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
@@ -161,6 +167,15 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     device = torch.device(device)
     dtype = resolve_dtype(dtype or config.torch_dtype)
+    check_quantization(quantization)
+    if config.checkpoint_quantization:
+        raise ModelLoadError(
+            f"{model_dir} holds a quantized checkpoint (quantization_config: "
+            f"{config.checkpoint_quantization}); stageserve loads bf16/fp16/fp32 weights and "
+            "quantizes them at load (--quantization fp8): give it the unquantized checkpoint"
+        )
+    if quantization == FP8:
+        fp8.check_fp8_device(device, dtype)
     with torch.device("meta"):
         model = model_class(config.architecture)(config, tp)
     if "vision" not in components:
@@ -171,15 +186,21 @@ def load_model(
     tensors = read_state_dict(model_dir, device, dtype, prefixes, tp_shards(model))
     check_tensors(model, tensors)
     model.load_state_dict(tensors, strict=False, assign=True)
-    return finish_model(model, device)
+    del tensors  # so the checkpoint tensors go as the fused (and FP8) ones replace them
+    return finish_model(model, device, quantization)
 
 
-def finish_model(model: Qwen2_5_VLModel, device: torch.device) -> Qwen2_5_VLModel:
-    """After every parameter is assigned on ``device``: tie, compute rotary buffers, fuse matmuls."""
+def finish_model(
+    model: Qwen2_5_VLModel, device: torch.device, quantization: str = NO_QUANTIZATION
+) -> Qwen2_5_VLModel:
+    """After every parameter is assigned on ``device``: tie, compute rotary buffers, fuse matmuls
+    (and quantize the decoder's, with ``quantization`` fp8)."""
     if model.config.text.tie_word_embeddings and model.lm_head is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if hasattr(module, "compute_inv_freq"):
             module.register_buffer("inv_freq", module.compute_inv_freq(device), persistent=False)
     model.fuse_projections()
+    if quantization == FP8 and model.model is not None:
+        model.model.quantize_fp8()
     return model.eval()

@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from services.engine import fp8
 from services.engine.model.rope import apply_rotary, rotate_half
 
 
@@ -150,8 +151,17 @@ def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor) -> ModuleType | None:
     return _fused(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; a single CUDA row runs as one GEMV kernel (cuBLAS splits K there and reduces apart)."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear``; a single CUDA row runs as one GEMV kernel (cuBLAS splits K there and reduces
+    apart). With ``weight_scale`` [out] the weight is FP8 and ``x`` is quantized per token
+    (``fp8.linear``)."""
+    if weight_scale is not None:
+        return fp8.linear(x, weight, weight_scale, bias)
     kernels = _gemv_kernels(x, weight)
     if kernels is not None:
         return kernels.gemv(x, weight, bias)
@@ -164,10 +174,12 @@ def gated_linear(
     act,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``linear(gated_act(gate_up), weight, bias)``. The activation stays its own kernel: fused
-    into either GEMV it was no faster (``docs/benchmarks.md``, "Measurements cited by the code")."""
-    return linear(gated_act(gate_up, act_name, act), weight, bias)
+    """``linear(gated_act(gate_up), weight, bias, weight_scale)``. The activation stays its own
+    kernel: fused into either GEMV it was no faster (``docs/benchmarks.md``, "Measurements cited
+    by the code")."""
+    return linear(gated_act(gate_up, act_name, act), weight, bias, weight_scale)
 
 
 def store_kv(

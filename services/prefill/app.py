@@ -60,6 +60,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
     return PrefillRankInit(
         model=str(config.model),
         dtype=config.dtype,
+        quantization=config.quantization,
         num_pages=config.num_pages,
         page_size=config.page_size,
         embedding_rows=config.embedding_rows,

@@ -9,6 +9,7 @@ from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
 from services.engine.gpu_defaults import ATTENTION_CHOICES, ATTENTION_HELP, AUTO_ATTENTION
+from services.engine.quantization import quantization_flag
 
 # A prefill process's shutdown after its drain: the gRPC grace (5 s, services/common/server.py),
 # then its rank group's stop (its stop grace, 5 s), and a margin.
@@ -49,6 +50,7 @@ class PrefillConfig(ServiceConfig):
         256, type=positive_int, help="live requests; more get RESOURCE_EXHAUSTED"
     )
     attention_backend: str = flag(AUTO_ATTENTION, choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
+    quantization: str = quantization_flag()
     default_timeout_s: float = flag(
         300.0, type=positive, help="deadline of a request that carries none"
     )
@@ -125,11 +127,6 @@ class PrefillConfig(ServiceConfig):
         return len(self.devices)
 
     @property
-    def kv_backend(self) -> str:
-        """The KV handoff backend; ``ValueError`` for one the service cannot run."""
-        return resolve_kv_backend(self.kv_transfer_backend, self.transfer_backend)
-
-    @property
     def drain_s(self) -> float:
         """How long a SIGTERM leaves the prefills in flight to finish."""
         return self.default_timeout_s if self.drain_timeout_s is None else self.drain_timeout_s
@@ -138,6 +135,11 @@ class PrefillConfig(ServiceConfig):
     def stop_s(self) -> float:
         """The longest a SIGTERM takes to end the process: the drain, then the rest."""
         return self.drain_s + STOP_AFTER_DRAIN_S
+
+    @property
+    def kv_backend(self) -> str:
+        """The KV handoff backend; ``ValueError`` for one the service cannot run."""
+        return resolve_kv_backend(self.kv_transfer_backend, self.transfer_backend)
 
     @property
     def advertised_hostname(self) -> str:

@@ -23,6 +23,7 @@ from services.common.types import SamplingParams
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.prefill_graph import token_sizes_up_to
+from services.engine.quantization import NO_QUANTIZATION
 from services.prefill.messages import (
     SHARDED,
     Describe,
@@ -56,6 +57,7 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     kv_exchange_over_cpu: bool = False
     cuda_graph_max_tokens: int = 0  # the prefill graphs' largest size (prefill_graph.py); 0: eager
     gpu_share_file: str = ""  # each rank marks its forwards there for decode (gpu_share.py)
+    quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
 
 
 class PrefillRankStep(BaseRankStep):
@@ -69,7 +71,11 @@ class PrefillRankStep(BaseRankStep):
         self.ctx = ctx
         self.gpu_share = GpuShare(init.gpu_share_file) if init.gpu_share_file else None
         model = load_model(
-            init.model, device=ctx.device, dtype=init.dtype, components=("language",)
+            init.model,
+            device=ctx.device,
+            dtype=init.dtype,
+            components=("language",),
+            quantization=init.quantization,
         )
         on_cuda = ctx.device.startswith("cuda")  # a CPU rank runs its passes eagerly
         graph_tokens = token_sizes_up_to(init.cuda_graph_max_tokens) if on_cuda else ()

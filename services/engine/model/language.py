@@ -21,10 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.engine import ops
+from services.engine import fp8, ops
 from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import TextConfig
-from services.engine.model.layers import GatedMLP, RMSNorm, fuse_linears
+from services.engine.model.layers import GatedMLP, RMSNorm, fuse_linears, use_fp8
 from services.engine.model.moe import SparseMoE
 from services.engine.model.parallel_layers import (
     ColumnParallelLinear,
@@ -53,10 +53,23 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_weight: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D, hidden] once fused
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_scale: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D] fp32 with FP8 weights
 
     def fuse_projections(self) -> None:
         """One matmul for q, k and v (called after the weights are loaded)."""
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def quantize_fp8(self) -> None:
+        """FP8 q/k/v (fused, called after ``fuse_projections``) and o weights, scales per
+        output channel; the per-layer parameters stay, as e4m3 views with their scales."""
+        assert self.qkv_weight is not None
+        self.qkv_weight, self.qkv_scale = fp8.quantize_weight(self.qkv_weight)
+        start = 0
+        for layer in (self.q_proj, self.k_proj, self.v_proj):
+            rows = slice(start, start + layer.out_features)
+            use_fp8(layer, self.qkv_weight[rows], self.qkv_scale[rows])
+            start = rows.stop
+        use_fp8(self.o_proj, *fp8.quantize_weight(self.o_proj.weight))
 
     def project_qkv(
         self,
@@ -66,7 +79,7 @@ class DecoderAttention(nn.Module):
         kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # see ops.rotary_qk
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k and v [T, Hkv, D]
         if self.qkv_weight is not None:
-            qkv = ops.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+            qkv = ops.linear(h, self.qkv_weight, self.qkv_bias, self.qkv_scale)  # [T, (Hq+2Hkv)D]
         else:
             qkv = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
         if self.q_norm is not None:
@@ -160,6 +173,15 @@ class LanguageModel(nn.Module):
         self.rotary = MRotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, cfg.mrope_section, cfg.mrope_interleaved
         )
+
+    def quantize_fp8(self) -> None:
+        """FP8 weights for every dense linear of the decoder (``fp8.py``; after
+        ``fuse_projections``): attention q/k/v and o, the dense MLPs. MoE experts, the
+        embedding, the norms (and the LM head, outside this module) keep their dtype."""
+        for layer in self.layers:
+            layer.self_attn.quantize_fp8()
+            if isinstance(layer.mlp, GatedMLP):
+                layer.mlp.quantize_fp8()
 
     def forward(
         self,

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine import ops
+from services.engine import fp8, ops
 from services.engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from services.engine.parallel import SINGLE, TensorParallel
 
@@ -66,6 +66,15 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, bias
 
 
+def use_fp8(
+    layer: ColumnParallelLinear | RowParallelLinear, weight: torch.Tensor, scale: torch.Tensor
+) -> None:
+    """Point ``layer`` at e4m3 ``weight`` [out, in] (a view of a fused one) and its ``scale``
+    [out]."""
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = scale
+
+
 class GatedMLP(nn.Module):
     """SwiGLU-style MLP: ``down(act(gate(x)) * up(x))``. Under tensor parallelism gate and up are
     column-parallel and down row-parallel (its all-reduce ends the MLP): each rank holds
@@ -89,6 +98,8 @@ class GatedMLP(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None  # [2I', hidden] once fused (I' = I padded)
         self.gate_up_bias: torch.Tensor | None = None
         self.down_weight: torch.Tensor | None = None  # [hidden, I'] once fused
+        self.gate_up_scale: torch.Tensor | None = None  # [2I'] fp32 with FP8 weights
+        self.down_scale: torch.Tensor | None = None  # [hidden] fp32 with FP8 weights
 
     def fuse_projections(self) -> None:
         """One [2I', hidden] matmul for gate and up (called after the weights are loaded).
@@ -122,12 +133,33 @@ class GatedMLP(nn.Module):
         self.down_weight = F.pad(down, (0, padded - inter)) if padded != inter else down
         self.down_proj.weight = nn.Parameter(self.down_weight[:, :inter], requires_grad=False)
 
+    def quantize_fp8(self) -> None:
+        """FP8 fused weights (called after ``fuse_projections``), scales per output channel
+        (the zero padding rows get the all-zero rows' scale); the per-layer parameters stay, as
+        e4m3 views with their scales."""
+        assert self.gate_up_weight is not None and self.down_weight is not None
+        inter = self.gate_proj.out_features
+        padded = self.gate_up_weight.shape[0] // 2
+        self.gate_up_weight, self.gate_up_scale = fp8.quantize_weight(self.gate_up_weight)
+        for layer, start in ((self.gate_proj, 0), (self.up_proj, padded)):
+            rows = slice(start, start + inter)
+            use_fp8(layer, self.gate_up_weight[rows], self.gate_up_scale[rows])
+        self.down_weight, self.down_scale = fp8.quantize_weight(self.down_weight)
+        use_fp8(self.down_proj, self.down_weight[:, :inter], self.down_scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = ops.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I']
+        gate_up = ops.linear(
+            x, self.gate_up_weight, self.gate_up_bias, self.gate_up_scale
+        )  # [T, 2I']
         return self.down_proj.reduce(
             ops.gated_linear(
-                gate_up, self.act_name, self.act, self.down_weight, self.down_proj.local_bias
+                gate_up,
+                self.act_name,
+                self.act,
+                self.down_weight,
+                self.down_proj.local_bias,
+                self.down_scale,
             )
         )

@@ -5,6 +5,11 @@ Each holds this rank's slice of its checkpoint tensors and names it in ``tp_shar
 named there is replicated. A layer whose output is a partial sum ends with its all-reduce, so
 the model code above reads like the single-device model. In a group of 1 each layer is the
 plain ``nn.Linear`` / ``nn.Embedding`` it subclasses, with no collective.
+
+With ``--quantization fp8`` a linear's weight is this rank's slice in e4m3 and ``weight_scale``
+its scales, one per output channel, computed from the slice (``fp8.py``): a column shard's
+scales are the whole tensor's for its rows; a row-parallel shard has a scale for every output,
+from its own columns, and its partial products are rescaled before the all-reduce.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ class ColumnParallelLinear(nn.Linear):
         assert shard.dim == 0, shard
         super().__init__(in_features, shard.size, bias=bias)
         self.tp_shards = {"weight": shard, "bias": shard}
+        self.weight_scale: torch.Tensor | None = None  # [out] fp32 with an FP8 weight (fp8.py)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return super().forward(x)
+        return ops.linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class RowParallelLinear(nn.Linear):
@@ -36,6 +47,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(shard.size, out_features, bias=bias)
         self.tp = tp
         self.tp_shards = {"weight": shard}
+        self.weight_scale: torch.Tensor | None = None  # [out] fp32 with an FP8 weight (fp8.py)
 
     @property
     def local_bias(self) -> torch.Tensor | None:
@@ -43,7 +55,7 @@ class RowParallelLinear(nn.Linear):
         return self.bias if self.tp.size == 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(ops.linear(x, self.weight, self.local_bias))
+        return self.reduce(ops.linear(x, self.weight, self.local_bias, self.weight_scale))
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial product (``local_bias`` included)."""
