@@ -14,6 +14,7 @@ EXTRAS=${1:-}
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
+XGRAMMAR_VERSION=0.2.9
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 TORCH_INDEX_PROBE_S=${TORCH_INDEX_PROBE_S:-5}
 DEB_PACKAGES="libibverbs1 librdmacm1 libnuma1"
@@ -72,6 +73,12 @@ fi
 run "$VENV/bin/python" -m pip install -q --upgrade pip
 run "$VENV/bin/python" -m pip install -q "${TORCH_INDEX[@]}" "torch==$TORCH_VERSION"
 run "$VENV/bin/python" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+case ",$EXTRAS," in
+  *,structured,*)
+    say "structured outputs: xgrammar $XGRAMMAR_VERSION without its triton requirement"
+    run "$VENV/bin/python" -m pip install -q --no-deps "xgrammar==$XGRAMMAR_VERSION"
+    ;;
+esac
 if [ -z "${DRY_RUN:-}" ]; then
   BUILD=$("$VENV/bin/python" -c 'import torch
 print(torch.__version__, f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build")')

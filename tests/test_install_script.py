@@ -108,6 +108,11 @@ def test_extras_only_when_asked(tmp_path: Path, closed_url: str) -> None:
     assert "apt-get" not in bare.stdout and "Mooncake" not in bare.stderr
     asked = dry_run(tmp_path, "test,cpu", index=closed_url)
     assert asked.stdout.splitlines()[-1].endswith("pip install -q -e .[test,cpu]")
+    assert "xgrammar" not in asked.stdout
+    structured = dry_run(tmp_path, "test,structured", index=closed_url)
+    *_, package, xgrammar = structured.stdout.splitlines()
+    assert package.endswith("pip install -q -e .[test,structured]")
+    assert xgrammar.endswith("pip install -q --no-deps xgrammar==0.2.9")
 
 
 def test_an_unknown_extra_is_refused(tmp_path: Path, closed_url: str) -> None:

@@ -62,6 +62,19 @@ class TokenizedPrompt(msgspec.Struct, frozen=True):
     prompt_embeds_dtype: str = ""  # "float32" | "bfloat16" | "float16" when prompt_embeds is set
 
 
+class GrammarKind(enum.Enum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # JSON that validates against ``Grammar.spec``
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """A grammar the output must follow (structured outputs), compiled by xgrammar."""
+
+    kind: GrammarKind
+    spec: str = ""  # the JSON schema's text (JSON_SCHEMA); "" for JSON_OBJECT
+    is_strict: bool = False  # no properties or items beyond those the schema names
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -78,6 +91,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), ids distinct
     return_logprobs: bool = False  # each generated token's logprob (raw model log-softmax)
     num_top_logprobs: int = 0  # with return_logprobs: the most likely tokens' logprobs too
+    grammar: Grammar | None = None  # None: free text
 
     @property
     def is_greedy(self) -> bool:
@@ -133,6 +147,25 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 value = getattr(self, param)
                 raise InvalidRequestError(f"{param} {rule}, got {value!r}", param=param)
         self._validate_logit_bias()
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        grammar = self.grammar
+        if grammar is None:
+            return
+        has_spec = grammar.kind is GrammarKind.JSON_SCHEMA
+        if has_spec != bool(grammar.spec) or len(grammar.spec) > MAX_GRAMMAR_SPEC_LEN:
+            raise InvalidRequestError(
+                f"grammar: a {grammar.kind.value} grammar takes "
+                + (f"a schema of 1 to {MAX_GRAMMAR_SPEC_LEN} characters" if has_spec else "none"),
+                param="grammar",
+            )
+        if self.ignore_eos or self.min_tokens:
+            raise InvalidRequestError(
+                "grammar: ignore_eos and min_tokens cannot be combined with a grammar "
+                "(the grammar decides where EOS may come)",
+                param="ignore_eos" if self.ignore_eos else "min_tokens",
+            )
 
     def _validate_logit_bias(self) -> None:
         token_ids = [token_id for token_id, _ in self.logit_bias]
@@ -160,6 +193,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_TOP_LOGPROBS = 20  # most top logprobs per token (OpenAI's and vLLM's bound)
+MAX_GRAMMAR_SPEC_LEN = 64 * 1024  # characters of one JSON schema
 MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
 # (field, low, high, is the low end open): every float field's range.
 _FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (

@@ -24,6 +24,8 @@ from services.common.errors import (
 from services.common.pb.stageserve.v1 import common_pb2, decode_pb2
 from services.common.types import (
     FinishReason,
+    Grammar,
+    GrammarKind,
     ImageSpanRef,
     SamplingParams,
     TokenLogprob,
@@ -217,7 +219,28 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.grammar is not None:
+        grammar = params.grammar
+        message.grammar.CopyFrom(
+            common_pb2.Grammar(
+                kind=grammar.kind.value, spec=grammar.spec, is_strict=grammar.is_strict
+            )
+        )
     return message
+
+
+def _grammar_from_proto(message: common_pb2.SamplingParams) -> Grammar | None:
+    if not message.HasField("grammar"):
+        return None
+    grammar = message.grammar
+    try:
+        kind = GrammarKind(grammar.kind)
+    except ValueError:
+        known = ", ".join(k.value for k in GrammarKind)
+        raise InvalidRequestError(
+            f"grammar.kind must be one of {known}, got {grammar.kind!r}", param="grammar"
+        ) from None
+    return Grammar(kind, grammar.spec, grammar.is_strict)
 
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -231,6 +254,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         logit_bias=tuple((b.token_id, b.bias) for b in message.logit_bias),
         return_logprobs=message.return_logprobs,
         num_top_logprobs=message.num_top_logprobs,
+        grammar=_grammar_from_proto(message),
         **values,
     )
 

@@ -22,12 +22,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from services.common.types import SamplingParams, TokenLogprob
+from services.common.errors import InvalidRequestError
+from services.common.types import Grammar, SamplingParams, TokenLogprob
 from services.decode.scheduler import DecodePlan, JoinedRow, uses_history
+from services.engine.grammar import GrammarCache, advance, apply_grammar_masks
 from services.engine.model_runner import DecodeInputs, ModelRunner
 from services.engine.sampler import LogprobRows, Sampler, make_generator
 
@@ -50,6 +53,7 @@ def is_plain(params: SamplingParams) -> bool:
         and not uses_history(params)
         and not params.logit_bias
         and params.min_tokens == 0
+        and params.grammar is None
     )
 
 
@@ -58,9 +62,17 @@ class DecodeBatchRunner:
     state."""
 
     def __init__(
-        self, runner: ModelRunner, sampler: Sampler, num_slots: int, max_pages_per_slot: int
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        num_slots: int,
+        max_pages_per_slot: int,
+        grammars: GrammarCache | None = None,
     ) -> None:
+        """``grammars``: the grammars of constrained requests (None: such a request fails)."""
         self.runner = runner
+        self.grammars = grammars
+        self._matchers: dict[int, Any] = {}  # slot -> its request's GrammarMatcher
         self.sampler = sampler
         self.device = runner.device
         self.page_size = runner.page_size
@@ -149,6 +161,19 @@ class DecodeBatchRunner:
         rows = self.sampler.logprobs(logits, tokens, asks)
         return None if rows is None else rows.to_host()
 
+    def grammar_matcher(self, grammar: Grammar, first_token_id: int) -> Any:
+        """A matcher for ``grammar`` that has accepted prefill's first token (replayed, so its
+        state is exact); ``InvalidRequestError`` when the grammar rejects that token."""
+        if self.grammars is None:
+            raise InvalidRequestError("this decode rank samples no grammars", param="grammar")
+        matcher = self.grammars.matcher(grammar)
+        if not matcher.accept_token(first_token_id):
+            raise InvalidRequestError(
+                f"first_token_id {first_token_id} is not allowed by the request's grammar",
+                param="first_token_id",
+            )
+        return matcher
+
     def synchronize(self) -> None:
         """Wait until the device finished everything queued (before pages of abandoned steps are
         reused)."""
@@ -189,6 +214,9 @@ class DecodeBatchRunner:
             wants = row.params.return_logprobs
             self._num_top_logprobs[slot] = row.params.num_top_logprobs if wants else -1
             self._generators.pop(slot, None)
+            self._matchers.pop(slot, None)
+            if row.params.grammar is not None:
+                self._matchers[slot] = self.grammar_matcher(row.params.grammar, row.first_token_id)
             if not row.params.is_greedy and row.params.seed is not None:
                 self._generators[slot] = self._resumed_generator(row.params.seed)
             if uses_history(row.params):
@@ -240,7 +268,15 @@ class DecodeBatchRunner:
             logits, params, is_prompt, counts, plan.num_output_ids.tolist()
         )
         generators = [self._generators.get(slot) for slot in slot_list]
-        return self.sampler.sample_penalized(penalized, params, generators)
+        matchers = [
+            (row, self._matchers[slot])
+            for row, slot in enumerate(slot_list)
+            if params[row].grammar is not None
+        ]
+        apply_grammar_masks(penalized, matchers)
+        tokens = self.sampler.sample_penalized(penalized, params, generators)
+        advance(matchers, tokens)
+        return tokens
 
 
 class StepLoop:

@@ -52,6 +52,7 @@ from services.decode.messages import (
 )
 from services.decode.scheduler import DecodeRequest, DecodeScheduler, check_prompt_len
 from services.engine.cuda_graph import graph_batch_sizes
+from services.engine.grammar import GrammarCache
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
@@ -167,6 +168,9 @@ class DecodeRank:
                     f"first_token_id must be in [0, {self.vocab_size})", param="first_token_id"
                 )
             self.scheduler.check_kv_written(command.request_id, command.kv_written_proof)
+            params = self.scheduler.params(command.request_id)
+            if params is not None and params.grammar is not None:
+                self.loop.batch.grammar_matcher(params.grammar, command.first_token_id)
             done = self.scheduler.start(command.request_id, command.first_token_id)
         except StageServeError as exc:
             return StartReply(command.request_id, error=ErrorRecord.of(exc))
@@ -342,7 +346,13 @@ def build_rank(
         kv = KVReservationManager(runner.page_table, init.kv_quarantine_s, quarantine_clock)
         scheduler = DecodeScheduler(kv, eos_ids, max_model_len, init.max_running_requests)
         max_pages = min(kv.num_pages_for(max_model_len), runner.page_manager.num_pages)
-        batch = DecodeBatchRunner(runner, Sampler(eos_ids), init.max_running_requests, max_pages)
+        batch = DecodeBatchRunner(
+            runner,
+            Sampler(eos_ids),
+            init.max_running_requests,
+            max_pages,
+            GrammarCache(init.model),
+        )
     except BaseException:
         receiver.close()
         raise

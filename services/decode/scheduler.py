@@ -173,6 +173,10 @@ class DecodeScheduler:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
 
+    def params(self, request_id: str) -> SamplingParams | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.params
+
     def status(self, request_id: str) -> ReqStatus | None:
         request = self._requests.get(request_id)
         return None if request is None else request.status

@@ -20,6 +20,7 @@ from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.common.types import SamplingParams
+from services.engine.grammar import GrammarCache
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.prefill_graph import token_sizes_up_to
@@ -112,6 +113,7 @@ class PrefillRankStep(BaseRankStep):
             group,
             exchange_device="cpu" if init.kv_exchange_over_cpu else None,
             gpu_share=self.gpu_share,
+            grammars=GrammarCache(init.model),
         )
 
     def warmup(self) -> None:

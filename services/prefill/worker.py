@@ -16,15 +16,18 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
 
 from services.common.deadlines import mono_of_unix_s
+from services.common.errors import InvalidRequestError
 from services.common.gpu_share import GpuShare
-from services.common.types import TokenLogprob
+from services.common.types import SamplingParams, TokenLogprob
 from services.engine import ops
 from services.engine.attention.context_parallel import ContextParallelAttention, CpShard, KvExchange
+from services.engine.grammar import GrammarCache, apply_grammar_masks
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import Sampler, make_generator
 from services.prefill.handoff import KvHandoff
@@ -57,8 +60,11 @@ class PrefillRankWorker:
         group: object = None,
         exchange_device: str | None = None,
         gpu_share: GpuShare | None = None,
+        grammars: GrammarCache | None = None,
     ) -> None:
-        """``gpu_share``: where this rank marks its forwards for a decode on the same GPU."""
+        """``gpu_share``: where this rank marks its forwards for a decode on the same GPU;
+        ``grammars``: the grammars of constrained requests (None: such a request fails)."""
+        self.grammars = grammars
         config = runner.model.config
         self.gpu_share = gpu_share
         self.runner = runner
@@ -186,14 +192,13 @@ class PrefillRankWorker:
         if not owners:
             return {}, {}
         picked = [requests[i] for i in owners]
-        generators = [make_generator(r.params.seed, self.runner.device) for r in picked]
-        sampled = self.sampler.sample(
-            logits,
-            [r.params for r in picked],
-            [list(r.token_ids) for r in picked],
-            [[] for _ in picked],
-            generators,
+        params = [r.params for r in picked]
+        generators = [make_generator(p.seed, self.runner.device) for p in params]
+        penalized = self.sampler.apply_penalties(
+            logits, params, [list(r.token_ids) for r in picked], [[] for _ in picked]
         )
+        apply_grammar_masks(penalized, self._matchers(params))
+        sampled = self.sampler.sample_penalized(penalized, params, generators)
         asks = [
             (j, r.params.num_top_logprobs) for j, r in enumerate(picked) if r.params.return_logprobs
         ]
@@ -204,6 +209,17 @@ class PrefillRankWorker:
             logprobs = {picked[j].request_id: logprob for j, logprob in listed}
         token_ids = sampled.tolist()
         return {r.request_id: t for r, t in zip(picked, token_ids, strict=True)}, logprobs
+
+    def _matchers(self, params: list[SamplingParams]) -> list[tuple[int, Any]]:
+        if all(p.grammar is None for p in params):
+            return []
+        if self.grammars is None:
+            raise InvalidRequestError("this prefill rank samples no grammars", param="grammar")
+        return [
+            (row, self.grammars.matcher(p.grammar))
+            for row, p in enumerate(params)
+            if p.grammar is not None
+        ]
 
 
 # A rank's first tokens by request id, and the logprobs of those whose request asked.

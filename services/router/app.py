@@ -27,6 +27,7 @@ from services.router.auth import RouterAccess, require_api_key
 from services.router.config import STOP_AFTER_DRAIN_S, RouterConfig
 from services.router.discovery import BaseResolver, SystemResolver, WorkerDiscovery
 from services.router.generation import GenerationPipeline
+from services.router.grammars import GrammarChecker
 from services.router.health_generate import HealthGenerateChecker
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
 from services.router.http_server import (
@@ -129,6 +130,7 @@ class RouterApp:
             model_name=cfg.served_model_name,
             prefetch_images=cfg.prefetch_images,
             image_processor=_image_processor(cfg.model),
+            grammars=GrammarChecker(cfg.model, limits.grammar_compile_timeout_s),
         )
         self.health_generate = None
         if cfg.health_generate_interval_s > 0:
@@ -261,3 +263,5 @@ class RouterApp:
         await self.discovery.close()
         await self.registry.close()
         await self.images.close()
+        if self.pipeline.grammars is not None:
+            self.pipeline.grammars.close()

@@ -54,6 +54,7 @@ from services.engine.processing import ImageProcessor
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
 from services.router.drain import RequestTasks
+from services.router.grammars import GrammarChecker
 from services.router.metrics import RequestStats, RouterMetrics
 from services.router.output import DetokenizerFactory, OutputAssembler
 from services.router.peers import DecodePeer, TokenizerPeer
@@ -82,7 +83,11 @@ class GenerationPipeline:
         model_name: str,
         prefetch_images: bool = True,
         image_processor: ImageProcessor | None = None,
+        grammars: GrammarChecker | None = None,
     ) -> None:
+        """``grammars``: compiles requests' grammars before admission (None: a grammar is a
+        400)."""
+        self.grammars = grammars
         self._registry = registry
         self._model_name = model_name  # the served name, on the request's span
         self._detokenizer_factory = detokenizer_factory
@@ -188,6 +193,14 @@ class GenerationPipeline:
                 is_decode_done = await self._generate(_Flow(job, output, emit), reservation, result)
             finally:
                 self._placer.end(reservation, is_decode_done=is_decode_done)
+
+    async def check_grammar(self, params: SamplingParams, param: str) -> None:
+        """``InvalidRequestError`` naming ``param`` when ``params.grammar`` does not compile."""
+        if params.grammar is None:
+            return
+        if self.grammars is None:
+            raise InvalidRequestError(f"{param}: this router compiles no grammars", param=param)
+        await self.grammars.check(params.grammar, param)
 
     async def tokenize(
         self, request: GenerationRequest, *, add_generation_prompt: bool = True

@@ -107,6 +107,7 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
+            await self.pipeline.check_grammar(options.params, "response_format")
             messages = await _until_disconnect(request, chat_messages(body.messages, self.images))
             generation = self._generation(
                 f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages
@@ -123,6 +124,7 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
+            await self.pipeline.check_grammar(options.params, "response_format")
             given = completion_input(body, self.max_context_len)
             prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
             if embeds is not None and body.echo:

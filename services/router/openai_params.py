@@ -9,16 +9,24 @@ of ``max_tokens`` needs the prompt's length, so the pipeline makes it after toke
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequestError
-from services.common.types import MAX_TOP_LOGPROBS, SamplingParams
+from services.common.types import (
+    MAX_GRAMMAR_SPEC_LEN,
+    MAX_TOP_LOGPROBS,
+    Grammar,
+    GrammarKind,
+    SamplingParams,
+)
 from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_text
 
 GenerationBody = ChatCompletionBody | CompletionBody
 MAX_NEW_TOKENS = 2**32 - 1  # SamplingParams' bound; a larger max_tokens fails the context check
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # ASCII digits only: no sign, space or underscore
 
 
@@ -72,6 +80,7 @@ def generation_options(body: GenerationBody, max_stop_strings: int) -> Generatio
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=logit_bias(body.logit_bias),
         **_logprobs(body),
+        grammar=response_format(body.response_format),
         # The pipeline sets the real budget; this one bounds min_tokens meanwhile.
         max_new_tokens=min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
     )
@@ -100,6 +109,42 @@ def _logprobs(body: GenerationBody) -> dict[str, Any]:
             f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}", param=param
         )
     return {"return_logprobs": is_wanted, "num_top_logprobs": num_top or 0}
+
+
+def response_format(value: dict[str, Any] | None) -> Grammar | None:
+    """The grammar ``response_format`` asks for (None: free text); a 400 naming the field."""
+    kind = None if value is None else value.get("type")
+    if value is None or (kind == "text" and len(value) == 1):
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return Grammar(GrammarKind.JSON_OBJECT)
+    if kind != "json_schema" or set(value) != {"type", "json_schema"}:
+        raise InvalidRequestError(
+            'response_format: only {"type": "text"}, {"type": "json_object"} and '
+            '{"type": "json_schema", "json_schema": {...}} are supported',
+            param="response_format",
+        )
+    spec = value["json_schema"]
+    if not isinstance(spec, dict) or not set(spec) <= _JSON_SCHEMA_KEYS or "name" not in spec:
+        raise InvalidRequestError(
+            "response_format: json_schema must be an object with name and optionally schema, "
+            "strict and description",
+            param="response_format",
+        )
+    schema, strict = spec.get("schema", {}), spec.get("strict")
+    if not isinstance(schema, dict | bool) or not isinstance(strict, bool | None):
+        raise InvalidRequestError(
+            "response_format: json_schema.schema must be an object and strict a boolean",
+            param="response_format",
+        )
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > MAX_GRAMMAR_SPEC_LEN:
+        raise InvalidRequestError(
+            f"response_format: json_schema.schema is longer than {MAX_GRAMMAR_SPEC_LEN} "
+            "characters as JSON",
+            param="response_format",
+        )
+    return Grammar(GrammarKind.JSON_SCHEMA, text, is_strict=bool(strict))
 
 
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

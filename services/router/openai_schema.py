@@ -100,17 +100,13 @@ class _GenerationBody(Body):
     stop_token_ids: list[StrictInt] | None = (
         None  # token ids that end generation (kept in the output)
     )
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionBody(_GenerationBody):
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
         *_GenerationBody.REFUSALS,
-        (
-            "response_format",
-            lambda v: v in (None, {"type": "text"}),
-            'response_format json_object and json_schema are not supported yet; only {"type": '
-            '"text"}',
-        ),
         ("tools", _unset, "tools are not supported yet"),
         (
             "tool_choice",
@@ -138,7 +134,6 @@ class ChatCompletionBody(_GenerationBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None  # each output token's logprob (raw model log-softmax)
     top_logprobs: StrictInt | None = None  # 0..20 most likely tokens per position; needs logprobs
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None

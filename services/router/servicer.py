@@ -122,6 +122,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         check_known_fields(request)
         params = _sampling_params(request.sampling_params)
+        await self._pipeline.check_grammar(params, "sampling_params.grammar")
         stop = tuple(request.stop)
         if len(stop) > self._max_stop_strings or not all(stop):
             raise InvalidRequestError(

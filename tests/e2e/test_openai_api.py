@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
+import json
+import random
 import re
 import time
+import types
 import urllib.request
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 
-from services.common.types import SamplingParams
+from services.common.paths import BUNDLED_MODEL
+from services.common.types import GrammarKind, SamplingParams
+from services.engine.grammar import GrammarCache
+from services.router.openai_params import response_format
 from tests.conftest import INTERNAL_AUTH, image_bytes
 from tests.e2e.system import pid_alive, start_system
 from tests.engine.test_model_parity import hf_inputs
@@ -393,6 +401,115 @@ def test_completion_logprobs_match_transformers(system, client, model_name, pipe
             abs(a - b) < LOGPROB_TOLERANCE
             for a, b in zip(top.values(), values.tolist(), strict=True)
         )
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    kinds = ["enum", "integer", "number", "boolean", "string"]
+    kind = rng.choice(kinds + (["object", "array"] if depth < 2 else []))
+    if kind == "object":
+        names = rng.sample(["a", "b", "c", "id", "name", "tags"], rng.randint(1, 3))
+        properties = {n: random_schema(rng, depth + 1) for n in names}
+        return {
+            "type": "object",
+            "properties": properties,
+            "required": names[: rng.randint(0, len(names))],
+            "additionalProperties": False,
+        }
+    if kind == "array":
+        low = rng.randint(0, 2)
+        items = random_schema(rng, depth + 1)
+        return {"type": "array", "items": items, "minItems": low, "maxItems": low + 2}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 7, True, None], 3)}
+    if kind in ("integer", "number"):
+        low = rng.randint(-50, 50)
+        return {"type": kind, "minimum": low, "maximum": low + rng.randint(0, 100)}
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(1, 8)}
+    return {"type": "boolean"}
+
+
+def check_structured(grammar_cache, grammar, choice) -> None:
+    text = choice.message.content
+    if choice.finish_reason == "length":
+        assert grammar_cache.matcher(grammar).accept_string(text), text
+        return
+    assert choice.finish_reason == "stop", choice.finish_reason
+    value = json.loads(text)
+    if grammar.kind is GrammarKind.JSON_SCHEMA:
+        jsonschema.validate(value, json.loads(grammar.spec))
+    else:
+        assert isinstance(value, dict)
+
+
+@pytest.fixture(scope="module")
+def grammar_cache():
+    return GrammarCache(BUNDLED_MODEL)
+
+
+def test_json_schemas_hold_at_temperature_one(system, client, model_name, grammar_cache):
+    rng = random.Random(39)
+    schemas = [random_schema(rng) for _ in range(40)]
+    schemas = [s for s in schemas if s.get("type") == "object"][:10]
+    formats = [
+        {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s, "strict": True}}
+        for i, s in enumerate(schemas)
+    ] + [{"type": "json_object"}] * 2
+
+    def ask(fmt: dict):
+        reply = client.chat.completions.create(
+            model=model_name,
+            messages=chat("Reply in JSON.", []),
+            max_tokens=96,
+            temperature=1.0,
+            response_format=fmt,
+        )
+        return response_format(fmt), reply.choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ask, formats))
+    for grammar, choice in results:
+        check_structured(grammar_cache, grammar, choice)
+    assert any(choice.finish_reason == "stop" for _, choice in results)
+
+
+def test_json_object_streams_with_an_image(client, model_name, grammar_cache):
+    text, images = CASES["one_image"]
+    fmt = {"type": "json_object"}
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=chat(text, images),
+        max_tokens=64,
+        temperature=1.0,
+        seed=5,
+        response_format=fmt,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    reason = chunks[-1].choices[0].finish_reason
+    message = types.SimpleNamespace(content=content)
+    check_structured(
+        grammar_cache,
+        response_format(fmt),
+        types.SimpleNamespace(message=message, finish_reason=reason),
+    )
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "no-such-type"}, {"properties": {"a": {"$ref": "#/nowhere"}}}, "nested"],
+)
+def test_bad_schema_is_a_400_naming_response_format(system, model_name, schema):
+    if schema == "nested":
+        schema = {"type": "object"}
+        for _ in range(40):
+            schema = {"type": "array", "items": schema}
+    fmt = {"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}}
+    body = {"model": model_name, "messages": chat("hi"), "response_format": fmt}
+    response = httpx.post(f"{system.base_url}/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "response_format"
 
 
 def test_zz_no_kv_page_is_lost(system, initial_free_pages):

@@ -22,12 +22,8 @@ CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 # (path, field, a value that asks for what is not built); each must be a 400 naming the field.
 REFUSED = [
     (CHAT_PATH, "n", 2),
-    (CHAT_PATH, "response_format", {"type": "json_object"}),
-    (
-        CHAT_PATH,
-        "response_format",
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
-    ),
+    (CHAT_PATH, "response_format", {"type": "regex", "regex": "a+"}),
+    (COMPLETIONS_PATH, "response_format", {"type": "json_object", "extra": 1}),
     (CHAT_PATH, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     (CHAT_PATH, "tools", []),
     (CHAT_PATH, "tool_choice", "required"),

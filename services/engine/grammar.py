@@ -1,0 +1,160 @@
+"""Structured outputs: grammars compiled by xgrammar, and their token masks on the logits.
+
+Every process that samples (prefill's and decode's ranks) holds one ``GrammarCache`` over the
+model directory's tokenizer, and so does the router's compiler process
+(``services/router/grammars.py``), which compiles each grammar before admission so that
+workers only receive grammars that compile. The mask has one bit per
+token of the LM head's vocabulary (``config.text.vocab_size``, not the tokenizer's length):
+ids past the tokenizer are never allowed, and EOS only where the grammar is complete.
+Outputs are compact JSON (no free whitespace), so a sampled model cannot run on in spaces.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from services.common.errors import InvalidRequestError
+from services.common.types import Grammar, GrammarKind
+from services.engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    import xgrammar
+
+GRAMMAR_CACHE_ENTRIES = 256  # compiled grammars one process keeps (least recently used out)
+MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema's objects and arrays
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ImportError(
+            "structured outputs need xgrammar: run scripts/install.sh (it installs "
+            "xgrammar==0.2.9 without its triton requirement)"
+        ) from exc
+    return xgrammar
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, spec, strictness), at most ``max_entries``; one thread uses it.
+
+    xgrammar (and its tokenizer view) loads on first use: ``prepare`` loads it ahead.
+    """
+
+    def __init__(self, model_dir: str | Path, max_entries: int = GRAMMAR_CACHE_ENTRIES) -> None:
+        self.model_dir = Path(model_dir)
+        self.max_entries = max_entries
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiled: collections.OrderedDict[Grammar, Any] = collections.OrderedDict()
+
+    def prepare(self) -> None:
+        """Import xgrammar and build the tokenizer's view of the vocabulary (seconds, once)."""
+        if self._compiler is not None:
+            return
+        xgr = _xgrammar()
+        from transformers import PreTrainedTokenizerFast
+
+        config = ModelConfig.from_dir(self.model_dir)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_dir / "tokenizer.json"))
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer,
+            vocab_size=config.text.vocab_size,
+            stop_token_ids=list(config.eos_token_ids),
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, grammar: Grammar) -> Any:
+        """The compiled grammar; ``InvalidRequestError`` (param ``grammar``) when it cannot be."""
+        compiled = self._compiled.get(grammar)
+        if compiled is not None:
+            self._compiled.move_to_end(grammar)
+            return compiled
+        self.prepare()
+        assert self._compiler is not None
+        if grammar.kind is GrammarKind.JSON_OBJECT:  # an object, as OpenAI's json_object mode
+            compiled = self._compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
+        else:
+            check_schema_depth(grammar.spec)
+            try:
+                compiled = self._compiler.compile_json_schema(
+                    grammar.spec, any_whitespace=False, strict_mode=grammar.is_strict
+                )
+            except RuntimeError as exc:
+                raise InvalidRequestError(
+                    f"grammar: the JSON schema cannot be compiled: {_reason(exc)}", param="grammar"
+                ) from None
+        self._compiled[grammar] = compiled
+        if len(self._compiled) > self.max_entries:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, grammar: Grammar) -> Any:
+        """A fresh ``xgrammar.GrammarMatcher`` at the start of ``grammar``."""
+        return _xgrammar().GrammarMatcher(self.compile(grammar))
+
+
+def _reason(exc: RuntimeError) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    _, _, tail = text.partition(": ")
+    return (tail or text)[:500]
+
+
+def check_schema_depth(spec: str) -> None:
+    """``InvalidRequestError`` when brackets nest deeper than ``MAX_SCHEMA_DEPTH`` (strings
+    skipped)."""
+    depth = deepest = 0
+    in_string = is_escaped = False
+    for char in spec:
+        if in_string:
+            is_escaped = not is_escaped and char == "\\"
+            in_string = is_escaped or char != '"'
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "}]":
+            depth -= 1
+    if deepest > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(
+            f"grammar: the JSON schema nests {deepest} levels deep, more than {MAX_SCHEMA_DEPTH}",
+            param="grammar",
+        )
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor,  # [B, V] float32, changed in place
+    matchers: Sequence[tuple[int, Any]],  # (batch row, GrammarMatcher) of the constrained rows
+) -> None:
+    """Set to -inf the logits each row's grammar does not allow next; other rows untouched.
+
+    A terminated matcher (its request already sampled EOS; the step's token is dropped)
+    leaves its row as it is.
+    """
+    live = [(row, m) for row, m in matchers if not m.is_terminated()]
+    if not live:
+        return
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])  # [B, ceil(V/32)]
+    rows = [row for row, m in live if m.fill_next_token_bitmask(bitmask, row)]
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def advance(matchers: Sequence[tuple[int, Any]], token_ids: torch.Tensor) -> None:
+    """Accept each constrained row's sampled token (``token_ids`` [B]) into its matcher."""
+    if not matchers:
+        return
+    index = torch.tensor([row for row, _ in matchers], device=token_ids.device)
+    for (row, matcher), token_id in zip(matchers, token_ids[index].tolist(), strict=True):
+        if matcher.is_terminated():
+            continue
+        is_accepted = matcher.accept_token(token_id)
+        assert is_accepted, f"row {row}: token {token_id} was sampled outside its grammar"
