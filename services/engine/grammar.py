@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 GRAMMAR_CACHE_ENTRIES = 256  # compiled grammars one process keeps (least recently used out)
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON schema's objects and arrays
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar 0.2.9 writes the characters of a length-bounded string as [^"\\\r\n], so raw
+# control characters pass, which JSON forbids (json.loads refuses them); its other strings
+# exclude U+0000..U+001F. The schema's grammar is compiled from its EBNF with that class fixed.
+BOUNDED_STRING_CHARS = r"[^\"\\\r\n]"
+JSON_STRING_CHARS = r"[^\0-\x1f\"\\\r\n]"
 
 
 def _xgrammar() -> Any:
@@ -77,18 +82,22 @@ class GrammarCache:
             return compiled
         self.prepare()
         assert self._compiler is not None
-        if grammar.kind is GrammarKind.JSON_OBJECT:  # an object, as OpenAI's json_object mode
-            compiled = self._compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False)
-        else:
-            check_schema_depth(grammar.spec)
-            try:
-                compiled = self._compiler.compile_json_schema(
-                    grammar.spec, any_whitespace=False, strict_mode=grammar.is_strict
+        is_object = grammar.kind is GrammarKind.JSON_OBJECT  # an object, as OpenAI's mode
+        spec = JSON_OBJECT_SCHEMA if is_object else grammar.spec
+        check_schema_depth(spec)
+        try:
+            ebnf = str(
+                _xgrammar().Grammar.from_json_schema(
+                    spec, any_whitespace=False, strict_mode=grammar.is_strict
                 )
-            except RuntimeError as exc:
-                raise InvalidRequestError(
-                    f"grammar: the JSON schema cannot be compiled: {_reason(exc)}", param="grammar"
-                ) from None
+            )
+            compiled = self._compiler.compile_grammar(
+                ebnf.replace(BOUNDED_STRING_CHARS, JSON_STRING_CHARS)
+            )
+        except RuntimeError as exc:
+            raise InvalidRequestError(
+                f"grammar: the JSON schema cannot be compiled: {_reason(exc)}", param="grammar"
+            ) from None
         self._compiled[grammar] = compiled
         if len(self._compiled) > self.max_entries:
             self._compiled.popitem(last=False)

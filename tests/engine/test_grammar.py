@@ -39,6 +39,14 @@ def test_cache_compiles_once_and_evicts_the_least_recent(cache):
     assert cache.compile(schema_grammar(SCHEMA)) is not first
 
 
+@pytest.mark.parametrize("max_length", [None, 5])
+def test_strings_take_no_raw_control_character(cache, max_length):
+    string = {"type": "string"} | ({} if max_length is None else {"maxLength": max_length})
+    grammar = schema_grammar({"type": "object", "properties": {"a": string}, "required": ["a"]})
+    for text, is_json in (('{"a": "ab\x13"}', False), ('{"a": "abc"}', True)):
+        assert cache.matcher(grammar).accept_string(text) is is_json, text
+
+
 @pytest.mark.parametrize("spec", ['{"type": "nope"}', "{not json", "[" * 40 + "]" * 40])
 def test_a_schema_that_cannot_compile_names_the_grammar(cache, spec):
     with pytest.raises(InvalidRequestError) as info:
