@@ -92,6 +92,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     return_logprobs: bool = False  # each generated token's logprob (raw model log-softmax)
     num_top_logprobs: int = 0  # with return_logprobs: the most likely tokens' logprobs too
     grammar: Grammar | None = None  # None: free text
+    num_prompt_logprobs: int = -1  # -1: off; else each prompt token's logprob and top-k ones
 
     @property
     def is_greedy(self) -> bool:
@@ -135,6 +136,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
                 self.return_logprobs or self.num_top_logprobs == 0,
                 "num_top_logprobs",
                 "needs return_logprobs",
+            ),
+            (
+                -1 <= self.num_prompt_logprobs <= MAX_TOP_LOGPROBS,
+                "num_prompt_logprobs",
+                f"must be in [-1, {MAX_TOP_LOGPROBS}] (-1 disables prompt logprobs)",
             ),
             (
                 len(self.logit_bias) <= MAX_LOGIT_BIAS,

@@ -219,6 +219,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.num_prompt_logprobs >= 0:
+        message.num_prompt_logprobs = params.num_prompt_logprobs
     if params.grammar is not None:
         grammar = params.grammar
         message.grammar.CopyFrom(
@@ -245,7 +247,7 @@ def _grammar_from_proto(message: common_pb2.SamplingParams) -> Grammar | None:
 
 def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take ``SamplingParams``' defaults; not validated here."""
-    optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens")
+    optional = (*_FLOAT_FIELDS, "top_k", "seed", "max_new_tokens", "num_prompt_logprobs")
     values = {name: getattr(message, name) for name in optional if message.HasField(name)}
     return SamplingParams(
         stop_token_ids=tuple(message.stop_token_ids),

@@ -88,6 +88,8 @@ class RankOutcome(msgspec.Struct, frozen=True, array_like=True):
     error: str = ""  # this rank's KV write failed: the error text
     error_type: str = ""  # its StageServeError class name
     first_logprob: TokenLogprob | None = None  # with first_token_id, when the request asked
+    # (prompt position, logprob of the token there) of this rank's prompt tokens, when asked
+    prompt_logprobs: tuple[tuple[int, TokenLogprob], ...] = ()
 
 
 class RankResult(msgspec.Struct, frozen=True):

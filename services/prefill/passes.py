@@ -97,6 +97,9 @@ class PassInput:
     sizes: list[int]  # tokens of each rank
     logits_rows: list[int]  # local rows whose logits this rank samples
     logits_requests: list[int]  # plan request index of each
+    # local rows of the prompt positions whose next token's logprob a request asked for
+    prompt_rows: list[int]
+    prompt_owners: list[tuple[int, int]]  # (plan request index, prompt position) of each
 
 
 def _local_part(
@@ -133,6 +136,16 @@ def _sharded_slots(
     return local_slots, packed_slots[torch.tensor(order, dtype=torch.long)]
 
 
+def _prompt_positions(
+    request: RankRequest, seg: PassSegment, mine: list[int], first_row: int, offset: int
+) -> list[tuple[int, int]]:
+    """(local row, prompt position) of this rank's tokens of ``seg`` whose logits give the next
+    prompt token's logprob (every position but the prompt's last)."""
+    positions = [seg.start + i - offset for i in mine]
+    last = request.num_tokens - 1
+    return [(first_row + k, p) for k, p in enumerate(positions) if p < last]
+
+
 def build_pass(
     runner: ModelRunner,
     shard: CpShard,
@@ -149,6 +162,8 @@ def build_pass(
     page_tables: list[list[int]] = []
     logits_rows: list[int] = []
     logits_requests: list[int] = []
+    prompt_rows: list[int] = []
+    prompt_owners: list[tuple[int, int]] = []
     offset = 0
     for seg in segments:
         request, req_rows = requests[seg.request], rows[seg.request]
@@ -164,6 +179,10 @@ def build_pass(
             seq_lens += runs[0]
             extend_lens += runs[1]
             page_tables += runs[2]
+        if request.params.num_prompt_logprobs >= 0:
+            for row, position in _prompt_positions(request, seg, local[lo:hi], lo, offset):
+                prompt_rows.append(row)
+                prompt_owners.append((seg.request, position))
         last = offset + length - 1
         if seg.end == request.num_tokens and hi > lo and local[hi - 1] == last:
             logits_rows.append(hi - 1)  # its row among this rank's tokens
@@ -184,4 +203,6 @@ def build_pass(
         shard.sizes(num_tokens),
         logits_rows,
         logits_requests,
+        prompt_rows,
+        prompt_owners,
     )

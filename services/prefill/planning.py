@@ -15,10 +15,17 @@ from dataclasses import dataclass
 
 from services.common.errors import StageServeError
 from services.common.ranks.outcome import agreed_error
-from services.common.types import finish_reason
+from services.common.types import TokenLogprob, finish_reason
 from services.engine.config import ModelConfig
-from services.prefill.messages import SHARDED, PassSegment, RankPlan, RankRequest, RankResult
-from services.prefill.request import PrefillOutput, PrefillPlan, RequestOutcome
+from services.prefill.messages import (
+    SHARDED,
+    PassSegment,
+    RankOutcome,
+    RankPlan,
+    RankRequest,
+    RankResult,
+)
+from services.prefill.request import PrefillInput, PrefillOutput, PrefillPlan, RequestOutcome
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,20 @@ def rank_plan(plan: PrefillPlan, policy: CpPolicy, num_ranks: int, now_mono: flo
     return RankPlan(plan.plan_id, requests, passes, solo, policy.block_tokens)
 
 
+def _prompt_logprobs(
+    request: PrefillInput, parts: Sequence[RankOutcome]
+) -> tuple[TokenLogprob, ...]:
+    """The ranks' prompt logprobs in prompt order: every token's but the first, once."""
+    if request.params.num_prompt_logprobs < 0:
+        return ()
+    merged = sorted((p for o in parts for p in o.prompt_logprobs), key=lambda p: p[0])
+    positions = [position for position, _ in merged]
+    assert positions == list(range(1, request.num_tokens)), (
+        f"{request.request_id}: the ranks' prompt logprobs cover positions {positions}"
+    )
+    return tuple(logprob for _, logprob in merged)
+
+
 def merge_results(
     plan: PrefillPlan, payload: RankPlan, results: Sequence[RankResult], config: ModelConfig
 ) -> PrefillOutput:
@@ -113,6 +134,7 @@ def merge_results(
                 max(o.kv_transfer_s for _, o in mine),
                 error=error,
                 first_logprob=sampled[0].first_logprob,
+                prompt_logprobs=_prompt_logprobs(request, [o for _, o in mine]),
             )
         )
     return PrefillOutput(plan.plan_id, tuple(outcomes), max(r.forward_s for r in results))

@@ -101,6 +101,8 @@ class RequestOutcome:
     num_cached_image_tokens: int = 0  # image tokens whose rows came from the encoder's cache
     error: StageServeError | None = None
     first_logprob: TokenLogprob | None = None  # set when the request asked (return_logprobs)
+    # prompt tokens 1..n-1's logprobs, prompt order, when asked (num_prompt_logprobs >= 0)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def is_ok(self) -> bool:

@@ -88,6 +88,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 num_cached_image_tokens=outcome.num_cached_image_tokens,
                 finish_reason=outcome.finish_reason,
                 first_logprob=outcome.first_logprob,
+                prompt_logprobs=outcome.prompt_logprobs,
             )
         )
 

@@ -107,10 +107,10 @@ class PrefillRankWorker:
                 return PlanOutcome((), forward_s, peer_failed=True)
             if not write_kv:
                 return PlanOutcome((), forward_s)
-            token_ids, logprobs = sampled
+            token_ids, logprobs, prompt = sampled
             handoff.start(plan.requests)
             outcomes = handoff.wait(plan.requests, token_ids)
-            return PlanOutcome(_with_logprobs(outcomes, logprobs), forward_s)
+            return PlanOutcome(_with_logprobs(outcomes, logprobs, prompt), forward_s)
         finally:
             handoff.close()
             for request in plan.requests:
@@ -125,12 +125,15 @@ class PrefillRankWorker:
         """Every pass, then the first tokens this rank samples; None when a peer failed."""
         rows: list[RequestRows] = []
         logits, owners = [], []
+        prompt: dict[str, list[tuple[int, TokenLogprob]]] = {}
         for segments in plan.passes:
             exchange = self._exchange(shard, sum(s.end - s.start for s in segments))
             try:
                 rows = rows or [self._rows(r) for r in plan.requests]
                 inp = build_pass(self.runner, shard, plan.requests, rows, segments)
-                logits.append(self._forward(inp, exchange, handoff))
+                pass_logits = self._forward(inp, exchange, handoff)
+                logits.append(pass_logits[: len(inp.logits_rows)])
+                self._prompt_logprobs(plan.requests, inp, pass_logits, prompt)
             except BaseException:
                 if exchange is not None:
                     exchange.poison_rest()  # the peers wait in this pass's next all-gather
@@ -138,7 +141,8 @@ class PrefillRankWorker:
             if exchange is not None and exchange.peer_failed():
                 return None
             owners += inp.logits_requests
-        return self._sample(plan.requests, torch.cat(logits), owners)
+        token_ids, logprobs = self._sample(plan.requests, torch.cat(logits), owners)
+        return token_ids, logprobs, prompt
 
     def _exchange(self, shard: CpShard, num_tokens: int) -> KvExchange | None:
         if shard.world_size == 1:
@@ -168,10 +172,11 @@ class PrefillRankWorker:
     def _forward(
         self, inp: PassInput, exchange: KvExchange | None, handoff: KvHandoff
     ) -> torch.Tensor:
-        """Logits [len(inp.logits_rows), vocab] fp32 of one pass."""
+        """Logits [len(inp.logits_rows) + len(inp.prompt_rows), vocab] fp32 of one pass."""
         runner = self.runner
         with ops.on_device(runner.device):
-            rows = torch.tensor(inp.logits_rows, dtype=torch.long, device=runner.device)
+            wanted = inp.logits_rows + inp.prompt_rows
+            rows = torch.tensor(wanted, dtype=torch.long, device=runner.device)
             if exchange is None:  # the whole pass here: the runner's prefill graphs may run it
                 return runner.forward_extend(
                     inp.embeds, inp.positions, inp.batch, rows, handoff.layer_done
@@ -186,9 +191,31 @@ class PrefillRankWorker:
                 handoff.layer_done,
             )
 
+    def _prompt_logprobs(
+        self,
+        requests: tuple[RankRequest, ...],
+        inp: PassInput,
+        pass_logits: torch.Tensor,  # [len(logits_rows) + len(prompt_rows), vocab] fp32
+        into: dict[str, list[tuple[int, TokenLogprob]]],
+    ) -> None:
+        """The logprob of the prompt token after each of ``inp.prompt_rows``' positions."""
+        if not inp.prompt_owners:
+            return
+        logits = pass_logits[len(inp.logits_rows) :]
+        next_ids = [requests[i].token_ids[p + 1] for i, p in inp.prompt_owners]
+        chosen = torch.tensor(next_ids, dtype=torch.long, device=logits.device)
+        asks = [
+            (j, requests[i].params.num_prompt_logprobs)
+            for j, (i, _) in enumerate(inp.prompt_owners)
+        ]
+        rows = self.sampler.logprobs(logits, chosen, asks)
+        assert rows is not None
+        for (i, position), logprob in zip(inp.prompt_owners, rows.to_list(), strict=True):
+            into.setdefault(requests[i].request_id, []).append((position + 1, logprob))
+
     def _sample(
         self, requests: tuple[RankRequest, ...], logits: torch.Tensor, owners: list[int]
-    ) -> _Sampled:
+    ) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
         if not owners:
             return {}, {}
         picked = [requests[i] for i in owners]
@@ -222,19 +249,24 @@ class PrefillRankWorker:
         ]
 
 
-# A rank's first tokens by request id, and the logprobs of those whose request asked.
-_Sampled = tuple[dict[str, int], dict[str, TokenLogprob]]
+# A rank's first tokens by request id, the logprobs of those whose request asked, and the
+# (prompt position, logprob) of this rank's prompt tokens whose request asked.
+_Sampled = tuple[dict[str, int], dict[str, TokenLogprob], dict[str, list[tuple[int, TokenLogprob]]]]
 
 
 def _with_logprobs(
-    outcomes: tuple[RankOutcome, ...], logprobs: dict[str, TokenLogprob]
+    outcomes: tuple[RankOutcome, ...],
+    logprobs: dict[str, TokenLogprob],
+    prompt: dict[str, list[tuple[int, TokenLogprob]]],
 ) -> tuple[RankOutcome, ...]:
-    if not logprobs:
+    if not logprobs and not prompt:
         return outcomes
     return tuple(
-        msgspec.structs.replace(o, first_logprob=logprobs[o.request_id])
-        if o.request_id in logprobs
-        else o
+        msgspec.structs.replace(
+            o,
+            first_logprob=logprobs.get(o.request_id),
+            prompt_logprobs=tuple(prompt.get(o.request_id, ())),
+        )
         for o in outcomes
     )
 

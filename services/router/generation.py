@@ -283,9 +283,11 @@ class GenerationPipeline:
         output.num_cached_image_tokens = result.num_cached_image_tokens
         first_logprobs = () if result.first_logprob is None else (result.first_logprob,)
         if result.finish_reason is not None:
-            flow.emit(output.finish(result.finish_reason, [result.first_token_id], first_logprobs))
+            delta = output.finish(result.finish_reason, [result.first_token_id], first_logprobs)
+            flow.emit(_with_prompt(delta, flow.job, result))
             return False
-        flow.emit(output.add_tokens([result.first_token_id], first_logprobs))
+        delta = output.add_tokens([result.first_token_id], first_logprobs)
+        flow.emit(_with_prompt(delta, flow.job, result))
         if output.is_finished:
             return False
         return await self._stream_decode(
@@ -329,6 +331,16 @@ class GenerationPipeline:
             if aclose is not None:
                 await aclose()
         raise UnavailableError(f"decode ended the stream of {request_id} without a finish reason")
+
+
+def _with_prompt(delta: GenerationDelta, job: KvJob, result: Any) -> GenerationDelta:
+    if job.params.num_prompt_logprobs < 0:
+        return delta
+    return msgspec.structs.replace(
+        delta,
+        prompt_token_ids=tuple(job.prompt.token_ids),
+        prompt_logprobs=tuple(result.prompt_logprobs),
+    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ event. A client that goes away, while waiting or while streaming, cancels its re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import inspect
 import time
@@ -41,6 +42,7 @@ from services.router.metrics import RequestTracker, RouterMetrics
 from services.router.openai_format import (
     LogprobFormatter,
     OpenAIJSONResponse,
+    PromptLogprobs,
     ResponseFormatter,
     error_body_of,
     sse,
@@ -55,6 +57,7 @@ from services.router.openai_schema import (
 )
 from services.router.registry import WorkerRegistry
 from services.router.tokenize_api import TokenizeApi
+from services.router.tools import ToolPlan, tool_plan
 from services.router.tracing import TraceContextMiddleware
 from services.router.types import GenerationDelta, GenerationRequest
 
@@ -107,13 +110,27 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings)
-            await self.pipeline.check_grammar(options.params, "response_format")
-            messages = await _until_disconnect(request, chat_messages(body.messages, self.images))
+            tools = tool_plan(body)
+            grammar_param = "response_format"
+            if tools is not None and tools.grammar is not None:
+                params = msgspec.structs.replace(options.params, grammar=tools.grammar)
+                options, grammar_param = dataclasses.replace(options, params=params), "tools"
+            await self.pipeline.check_grammar(options.params, grammar_param)
+            listed = None if tools is None else list(tools.tools)
+            messages = await _until_disconnect(
+                request, chat_messages(body.messages, self.images, listed)
+            )
             generation = self._generation(
                 f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages
             )
             return await self._respond(
-                generation, body.stream, body.stream_options, request, tracker, is_chat=True
+                generation,
+                body.stream,
+                body.stream_options,
+                request,
+                tracker,
+                is_chat=True,
+                tools=tools,
             )
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
@@ -131,6 +148,11 @@ class OpenAIApi:
                 raise InvalidRequestError(
                     "echo needs a text prompt, not prompt_embeds", param="echo"
                 )
+            if embeds is not None and body.prompt_logprobs is not None:
+                raise InvalidRequestError(
+                    "prompt_logprobs needs a text prompt, not prompt_embeds",
+                    param="prompt_logprobs",
+                )
             generation = self._generation(
                 f"cmpl-{uuid.uuid4().hex}", options, prompt=prompt, prompt_embeds=embeds
             )
@@ -143,6 +165,7 @@ class OpenAIApi:
                 tracker,
                 is_chat=False,
                 echo=echo,
+                prompt_tops=(body.logprobs if body.echo else None, body.prompt_logprobs),
             )
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
@@ -171,8 +194,12 @@ class OpenAIApi:
         *,
         is_chat: bool,
         echo: str = "",
+        tools: ToolPlan | None = None,
+        prompt_tops: tuple[int | None, int | None] = (None, None),
     ) -> Response:
-        """``echo``: text the output starts with (completions' echo: the prompt)."""
+        """``echo``: text the output starts with (completions' echo: the prompt); ``tools``:
+        the chat's tool plan (its output parsed for calls; never with ``stream``);
+        ``prompt_tops``: ``ResponseFormatter``'s ``echo_top`` and ``prompt_top``."""
         logprobs = None
         if generation.params.return_logprobs:
             logprobs = LogprobFormatter(self._token_bytes)
@@ -182,13 +209,20 @@ class OpenAIApi:
             int(time.time()),
             is_chat=is_chat,
             logprobs=logprobs,
+            echo_top=prompt_tops[0],
+            prompt_top=prompt_tops[1],
+            token_bytes=self._token_bytes,
         )
         deltas = self.pipeline.stream(generation)
         if not stream:
-            text, last, token_logprobs = await _until_disconnect(request, _collect(deltas))
+            collected = await _until_disconnect(request, _collect(deltas))
+            text, last, token_logprobs, prompt = collected
             assert last.finish_reason is not None and last.usage is not None
             tracker.finish("ok", last.usage)
-            body = formatter.full(echo + text, last.finish_reason, last.usage, token_logprobs)
+            parsed = None if tools is None else tools.parse(text)
+            body = formatter.full(
+                echo + text, last.finish_reason, last.usage, token_logprobs, parsed, prompt
+            )
             return OpenAIJSONResponse(body)
         # The first delta comes before the headers, so errors up to prefill are plain HTTP errors.
         first = await _until_disconnect(request, anext(deltas))
@@ -253,14 +287,22 @@ class _SSEResponse(StreamingResponse):
 
 async def _collect(
     deltas: AsyncIterator[GenerationDelta],
-) -> tuple[str, GenerationDelta, list[TokenLogprob]]:
+) -> tuple[str, GenerationDelta, list[TokenLogprob], PromptLogprobs | None]:
     texts, logprobs = [], []
+    prompt = None
     async for delta in deltas:
         texts.append(delta.text)
         logprobs.extend(delta.logprobs)
+        prompt = prompt or _prompt_of(delta)
         if delta.finish_reason is not None:
-            return "".join(texts), delta, logprobs
+            return "".join(texts), delta, logprobs, prompt
     raise AssertionError("the pipeline ended without a final delta")
+
+
+def _prompt_of(delta: GenerationDelta) -> PromptLogprobs | None:
+    if not delta.prompt_token_ids:
+        return None
+    return PromptLogprobs(delta.prompt_token_ids, delta.prompt_logprobs)
 
 
 async def _sse_events(
@@ -276,7 +318,9 @@ async def _sse_events(
         if formatter.is_chat:
             yield sse(formatter.chunk("", role=True, with_usage_field=include_usage))
         if echo:
-            yield sse(formatter.chunk(echo, with_usage_field=include_usage))
+            prompt = _prompt_of(first)
+            body = None if prompt is None else formatter.echo_body(prompt)
+            yield sse(formatter.chunk(echo, with_usage_field=include_usage, logprobs=body))
         delta = first
         while True:
             if formatter.has_logprobs and delta.logprobs:

@@ -1,7 +1,9 @@
 """OpenAI response bodies: whole responses, stream chunks and error bodies.
 
 Logprobs take OpenAI's shapes: chat ``{"content": [{token, logprob, bytes, top_logprobs}]}``,
-completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``. A
+completions ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``
+(with echo the prompt's tokens come first, the first one's logprob and top ones null), and
+vLLM's ``prompt_logprobs`` ``[null, {token_id: {logprob, decoded_token}}, ...]``. A
 token's text is its bytes decoded (a character split across tokens shows as U+FFFD; ``bytes``
 holds the exact bytes); a logprob of -inf is written as -9999.0, as OpenAI and vLLM do.
 """
@@ -12,12 +14,14 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import JSONResponse
 
 from services.common.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, StageServeError, clip
 from services.common.types import FinishReason, TokenLogprob, Usage
+from services.router.tool_parsers import ParsedText, tool_calls_body
 
 # What json.dumps(ensure_ascii=False) leaves raw that breaks clients: the line breaks that
 # str.splitlines() splits on besides \n and \r (U+0085, U+2028, U+2029; json escapes the
@@ -73,8 +77,17 @@ def _logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
-def _top(entry: TokenLogprob) -> zip[tuple[int, float]]:
-    return zip(entry.top_token_ids, entry.top_logprobs, strict=True)
+def _top(entry: TokenLogprob, num_top: int | None = None) -> zip[tuple[int, float]]:
+    ids, logprobs = entry.top_token_ids[:num_top], entry.top_logprobs[:num_top]
+    return zip(ids, logprobs, strict=True)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's tokens and the logprobs of tokens 1..n-1 (prefill computed them)."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[TokenLogprob]
 
 
 class LogprobFormatter:
@@ -115,6 +128,36 @@ class LogprobFormatter:
             "text_offset": offsets,
         }
 
+    def echoed(self, prompt: PromptLogprobs, num_top: int) -> dict[str, Any]:
+        """``completion``'s body of the prompt's tokens, the first one without logprobs."""
+        first = self._token(prompt.token_ids[0])[0]
+        rest = [
+            TokenLogprob(e.token_id, e.logprob, *zip(*_top(e, num_top), strict=True) or ((), ()))
+            for e in prompt.logprobs
+        ]
+        offset = self._text_offset
+        self._text_offset += len(first)
+        body = self.completion(rest)
+        return {
+            "tokens": [first, *body["tokens"]],
+            "token_logprobs": [None, *body["token_logprobs"]],
+            "top_logprobs": [None, *body["top_logprobs"]],
+            "text_offset": [offset, *body["text_offset"]],
+        }
+
+    def vllm_prompt(self, prompt: PromptLogprobs, num_top: int) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token its own and the top ones' entries."""
+        out: list[dict[str, Any] | None] = [None]
+        for entry in prompt.logprobs:
+            pairs = [*_top(entry, num_top), (entry.token_id, entry.logprob)]
+            out.append(
+                {
+                    str(t): {"logprob": _logprob(lp), "decoded_token": self._token(t)[0]}
+                    for t, lp in pairs
+                }
+            )
+        return out
+
 
 _TEXT_MARK = "\x00"  # stands for a chunk's text while its event template is made
 _TEXT_MARK_JSON = dump_json(_TEXT_MARK)
@@ -131,8 +174,15 @@ class ResponseFormatter:
         *,
         is_chat: bool,
         logprobs: LogprobFormatter | None = None,
+        echo_top: int | None = None,
+        prompt_top: int | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
-        """``logprobs``: set when the request asked for logprobs."""
+        """``logprobs``: set when the request asked for logprobs; ``echo_top``: the top
+        logprobs per echoed prompt token (None: echo without logprobs); ``prompt_top``: vLLM's
+        ``prompt_logprobs`` (None: not asked); ``token_bytes`` is needed with it."""
+        self._prompt = None if token_bytes is None else LogprobFormatter(token_bytes)
+        self._echo_top, self._prompt_top = echo_top, prompt_top
         self.response_id = response_id
         self.model = model
         self.created = created
@@ -179,25 +229,56 @@ class ResponseFormatter:
         finish_reason: FinishReason,
         usage: Usage,
         logprobs: Sequence[TokenLogprob] = (),
+        tools: ParsedText | None = None,
+        prompt: PromptLogprobs | None = None,
     ) -> dict[str, Any]:
+        """``tools``: the chat's text parsed for tool calls (calls found: ``tool_calls``,
+        the rest as content or null, finish reason ``tool_calls``)."""
         if self.is_chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reason = finish_reason.value
+            if tools is not None and tools.calls:
+                message = {
+                    "role": "assistant",
+                    "content": tools.content or None,
+                    "tool_calls": tool_calls_body(tools.calls),
+                }
+                reason = "tool_calls"
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": self.logprobs_body(logprobs),
-                "finish_reason": finish_reason.value,
+                "finish_reason": reason,
             }
             body = self._envelope("chat.completion", [choice])
         else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": self.logprobs_body(logprobs),
-                "finish_reason": finish_reason.value,
-            }
+            choice = self._completion_choice(text, finish_reason, logprobs, prompt)
             body = self._envelope("text_completion", [choice])
         body["usage"] = usage_body(usage)
         return body
+
+    def echo_body(self, prompt: PromptLogprobs) -> dict[str, Any] | None:
+        """The echoed prompt's ``logprobs`` (before the generated tokens' bodies: their
+        ``text_offset`` runs on from it); None unless echo asked for logprobs."""
+        if self._echo_top is None or self._logprobs is None:
+            return None
+        return self._logprobs.echoed(prompt, self._echo_top)
+
+    def _completion_choice(
+        self,
+        text: str,
+        finish_reason: FinishReason,
+        logprobs: Sequence[TokenLogprob],
+        prompt: PromptLogprobs | None,
+    ) -> dict[str, Any]:
+        echoed = None if prompt is None else self.echo_body(prompt)
+        body = self.logprobs_body(logprobs)
+        if echoed is not None and body is not None:
+            body = {key: [*echoed[key], *body[key]] for key in body}
+        choice = {"index": 0, "text": text, "logprobs": body, "finish_reason": finish_reason.value}
+        if self._prompt_top is not None and prompt is not None and self._prompt is not None:
+            choice["prompt_logprobs"] = self._prompt.vllm_prompt(prompt, self._prompt_top)
+        return choice
 
     def chunk(
         self,

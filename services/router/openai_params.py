@@ -100,15 +100,32 @@ def _logprobs(body: GenerationBody) -> dict[str, Any]:
     else:
         param, num_top = "logprobs", body.logprobs
         is_wanted = num_top is not None
-        if is_wanted and body.echo:
-            raise InvalidRequestError(
-                "echo: echo with logprobs (prompt logprobs) is not supported yet", param="echo"
-            )
+    _check_top(param, num_top)
+    fields = {"return_logprobs": is_wanted, "num_top_logprobs": num_top or 0}
+    if isinstance(body, CompletionBody):
+        fields["num_prompt_logprobs"] = _num_prompt_logprobs(body)
+    return fields
+
+
+def _check_top(param: str, num_top: int | None) -> None:
     if num_top is not None and not 0 <= num_top <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(
             f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {num_top}", param=param
         )
-    return {"return_logprobs": is_wanted, "num_top_logprobs": num_top or 0}
+
+
+def _num_prompt_logprobs(body: CompletionBody) -> int:
+    """-1, or the most top logprobs a prompt token needs: echo with ``logprobs`` and vLLM's
+    ``prompt_logprobs`` each ask for the prompt's."""
+    _check_top("prompt_logprobs", body.prompt_logprobs)
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidRequestError(
+            "prompt_logprobs is not supported with stream: true", param="prompt_logprobs"
+        )
+    asks = [body.prompt_logprobs]
+    if body.echo:
+        asks.append(body.logprobs)
+    return max((k for k in asks if k is not None), default=-1)
 
 
 def response_format(value: dict[str, Any] | None) -> Grammar | None:

@@ -14,17 +14,24 @@ OpenAI defines is either honoured or refused with a message saying it is not sup
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
-from services.router import prompt_embeds
+from services.router import prompt_embeds, tool_prompt
 from services.router.images import ImageLoader
 from services.router.prompt_embeds import PromptEmbeds
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 # The image is processed at the model's own resolution limit, which is what "high" asks for.
 IMAGE_DETAILS = (None, "auto", "high")
 
@@ -46,10 +53,44 @@ class ContentPartBody(Body):
     image_url: ImageUrl | StrictStr | None = None
 
 
+class FunctionBody(Body):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: StrictBool | None = None  # the arguments follow ``parameters`` exactly
+
+
+class ToolBody(Body):
+    type: StrictStr  # function
+    function: FunctionBody
+
+
+class NamedFunction(Body):
+    name: StrictStr
+
+
+class NamedToolChoice(Body):
+    type: StrictStr  # function
+    function: NamedFunction
+
+
+class ToolCallFunction(Body):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object's text
+
+
+class ToolCallBody(Body):
+    id: StrictStr
+    type: StrictStr  # function
+    function: ToolCallFunction
+
+
 class ChatMessageBody(Body):
     role: StrictStr
     content: StrictStr | list[ContentPartBody] | None = None
     name: StrictStr | None = None  # refused: the chat template has no participant names
+    tool_calls: list[ToolCallBody] | None = None  # assistant messages only
+    tool_call_id: StrictStr | None = None  # tool messages: the call this is the result of
 
 
 class StreamOptions(Body):
@@ -107,13 +148,6 @@ class _GenerationBody(Body):
 class ChatCompletionBody(_GenerationBody):
     REFUSALS: ClassVar[tuple[Refusal, ...]] = (
         *_GenerationBody.REFUSALS,
-        ("tools", _unset, "tools are not supported yet"),
-        (
-            "tool_choice",
-            lambda v: v in (None, "none"),
-            "tool_choice is not supported yet (no tools)",
-        ),
-        ("parallel_tool_calls", _unset, "parallel_tool_calls is not supported yet (no tools)"),
         ("functions", _unset, "functions are not supported yet (no tools)"),
         ("function_call", _unset, "function_call is not supported yet (no tools)"),
         ("audio", _unset, "audio output is not supported"),
@@ -134,8 +168,8 @@ class ChatCompletionBody(_GenerationBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None  # each output token's logprob (raw model log-softmax)
     top_logprobs: StrictInt | None = None  # 0..20 most likely tokens per position; needs logprobs
-    tools: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
+    tools: list[ToolBody] | None = None
+    tool_choice: StrictStr | NamedToolChoice | None = None  # none / auto / required / named
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: StrictStr | dict[str, Any] | None = None
@@ -159,9 +193,11 @@ class CompletionBody(_GenerationBody):
     prompt: StrictStr | list[StrictStr] | None = None
     # vLLM's format: base64 of torch.save of a [num_tokens, hidden] float32/bfloat16/float16 tensor
     prompt_embeds: StrictStr | None = None
-    echo: StrictBool = False  # the prompt text comes first in the output (not with logprobs)
+    echo: StrictBool = False  # the prompt text comes first (with logprobs: its tokens' too)
     # 0..20 (OpenAI: 0..5; vLLM allows 20): the sampled tokens' logprobs and this many top ones
     logprobs: StrictInt | None = None
+    # vLLM's extension, 0..20: each prompt token's logprob and this many top ones (not streamed)
+    prompt_logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
@@ -228,28 +264,92 @@ def completion_prompt(body: CompletionBody) -> str:
 
 
 async def chat_messages(
-    messages: list[ChatMessageBody], images: ImageLoader
+    messages: list[ChatMessageBody], images: ImageLoader, tools: list[Any] | None = None
 ) -> tuple[ChatMessage, ...]:
-    """The conversation as router types, with every image_url loaded as compressed bytes."""
+    """The conversation as router types, with every image_url loaded as compressed bytes;
+    ``tools`` (the request's tool objects), tool calls and tool results written in
+    (``tool_prompt``)."""
     if not messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
-    out = []
+    out: list[ChatMessage] = []
+    call_ids: set[str] = set()
     for i, message in enumerate(messages):
-        role = ROLES.get(message.role)
-        if role is None:
-            raise InvalidRequestError(
-                f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}",
-                param=f"messages[{i}].role",
-            )
-        if message.name is not None:
-            raise InvalidRequestError(
-                "message names are not supported: the chat template has no participant names",
-                param=f"messages[{i}].name",
-            )
-        out.append(
-            ChatMessage(role, await _content(message.content, f"messages[{i}].content", images))
+        param = f"messages[{i}]"
+        role = _role(message, param)
+        content = await _content(message.content, f"{param}.content", images)
+        if role == "tool":
+            text = tool_prompt.tool_response(_tool_result(message, content, call_ids, param))
+            if i and messages[i - 1].role == "tool":
+                out[-1] = ChatMessage("user", (*out[-1].content, TextPart("\n" + text)))
+            else:
+                out.append(ChatMessage("user", (TextPart(text),)))
+        elif message.tool_calls:
+            calls = _tool_calls(message.tool_calls, call_ids, f"{param}.tool_calls")
+            if content:
+                content = (*content, TextPart("\n"))
+            out.append(ChatMessage(role, (*content, TextPart(calls))))
+        else:
+            out.append(ChatMessage(role, content))
+    return tool_prompt.with_tools(out, tools or ())
+
+
+def _role(message: ChatMessageBody, param: str) -> str:
+    role = ROLES.get(message.role)
+    if role is None:
+        raise InvalidRequestError(
+            f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}",
+            param=f"{param}.role",
         )
-    return tuple(out)
+    if message.name is not None:
+        raise InvalidRequestError(
+            "message names are not supported: the chat template has no participant names",
+            param=f"{param}.name",
+        )
+    if message.tool_calls is not None and role != "assistant":
+        raise InvalidRequestError(
+            "only assistant messages have tool_calls", param=f"{param}.tool_calls"
+        )
+    if (message.tool_call_id is None) != (role != "tool"):
+        raise InvalidRequestError(
+            "a tool message needs a tool_call_id, and only tool messages have one",
+            param=f"{param}.tool_call_id",
+        )
+    return role
+
+
+def _tool_result(
+    message: ChatMessageBody, content: tuple[ContentPart, ...], call_ids: set[str], param: str
+) -> str:
+    if message.tool_call_id not in call_ids:
+        raise InvalidRequestError(
+            f"tool_call_id {message.tool_call_id!r} names no earlier assistant tool call",
+            param=f"{param}.tool_call_id",
+        )
+    if any(not isinstance(part, TextPart) for part in content):
+        raise InvalidRequestError("a tool message's content must be text", param=f"{param}.content")
+    return "".join(part.text for part in content if isinstance(part, TextPart))
+
+
+def _tool_calls(calls: list[ToolCallBody], call_ids: set[str], param: str) -> str:
+    blocks = []
+    for j, call in enumerate(calls):
+        if call.type != "function":
+            raise InvalidRequestError(
+                f"unsupported tool call type {call.type!r}; expected function",
+                param=f"{param}[{j}].type",
+            )
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise InvalidRequestError(
+                "arguments must be a JSON object's text",
+                param=f"{param}[{j}].function.arguments",
+            )
+        call_ids.add(call.id)
+        blocks.append(tool_prompt.tool_call(call.function.name, arguments))
+    return "\n".join(blocks)
 
 
 async def _content(

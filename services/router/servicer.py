@@ -217,6 +217,11 @@ def _sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
     """Unset optional fields take the engine defaults (the proto's documented ones)."""
     params = sampling_params_from_proto(message)
     params.validate()
+    if params.num_prompt_logprobs >= 0:
+        raise InvalidRequestError(
+            "num_prompt_logprobs is not supported on Router.Generate (use /v1/completions)",
+            param="num_prompt_logprobs",
+        )
     return params
 
 

@@ -41,3 +41,7 @@ class GenerationDelta(msgspec.Struct, frozen=True):
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # parallel to token_ids when the request asked
+    # first delta, when the request asked (num_prompt_logprobs): the prompt's token ids and the
+    # logprobs of tokens 1..n-1 (the first has none)
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()

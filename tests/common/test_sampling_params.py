@@ -89,6 +89,8 @@ def test_finish_reason_without_eos_ids_stops_only_on_stop_tokens() -> None:
         ({"max_new_tokens": 2**32}, "max_new_tokens"),
         ({"seed": 2**64}, "seed"),
         ({"stop_token_ids": (2**32,)}, "stop_token_ids"),
+        ({"num_prompt_logprobs": -2}, "num_prompt_logprobs"),
+        ({"num_prompt_logprobs": 21}, "num_prompt_logprobs"),
     ],
 )
 def test_validate_rejects(kwargs: dict[str, object], param: str) -> None:

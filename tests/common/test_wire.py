@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 
 from services.common.pb.stageserve.v1 import common_pb2
-from services.common.types import FinishReason, ImageSpanRef, Usage
+from services.common.types import FinishReason, ImageSpanRef, SamplingParams, Usage
 from services.common.wire import (
     finish_reason_from_proto,
     finish_reason_to_proto,
     image_span_from_proto,
     image_span_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
     usage_from_proto,
     usage_to_proto,
 )
@@ -57,3 +59,11 @@ def test_usage_round_trip_keeps_the_cached_image_tokens() -> None:
 def test_usage_without_cached_image_tokens_has_the_old_wire_bytes() -> None:
     old = common_pb2.Usage(num_prompt_tokens=5, num_completion_tokens=3)
     assert usage_to_proto(Usage(5, 3)).SerializeToString() == old.SerializeToString()
+
+
+@pytest.mark.parametrize("num_prompt_logprobs", [-1, 0, 20])
+def test_num_prompt_logprobs_round_trip(num_prompt_logprobs: int) -> None:
+    params = SamplingParams(num_prompt_logprobs=num_prompt_logprobs)
+    message = sampling_params_to_proto(params)
+    assert message.HasField("num_prompt_logprobs") == (num_prompt_logprobs >= 0)
+    assert sampling_params_from_proto(message) == params

@@ -403,6 +403,75 @@ def test_completion_logprobs_match_transformers(system, client, model_name, pipe
         )
 
 
+ECHO_PROMPT = " ".join(f"The {i}th cat sat on the mat." for i in range(20))
+
+
+def test_echo_logprobs_match_transformers(system, model_name, pipeline, hf_model):
+    # ~200 tokens: under cp2 the prompt spans both ranks' blocks
+    tokenize = f"http://127.0.0.1:{system.http_port}/tokenize"
+    ids = httpx.post(tokenize, json={"prompt": ECHO_PROMPT}, timeout=30)
+    prompt_ids = ids.json()["tokens"]
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([prompt_ids])).logits[0].float()
+    reference = logits.log_softmax(dim=-1)  # [n, V]: row i predicts token i + 1
+    body = dict(
+        model=model_name, prompt=ECHO_PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    url = f"{system.base_url}/completions"
+    reply = httpx.post(url, json={**body, "prompt_logprobs": 3}, timeout=120).json()
+    choice = reply["choices"][0]
+    token_bytes = pipeline.text.token_bytes
+    n = len(prompt_ids)
+    as_text = [token_bytes(t).decode("utf-8", errors="replace") for t in prompt_ids]
+    got = choice["logprobs"]
+    assert got["tokens"][:n] == as_text and len(got["tokens"]) == n + 1
+    assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+    assert got["text_offset"][: n + 1] == [sum(map(len, as_text[:i])) for i in range(n + 1)]
+    generated = int(reference[n - 1].argmax())
+    for i, token_id in enumerate([*prompt_ids[1:], generated], start=1):
+        assert abs(got["token_logprobs"][i] - reference[i - 1, token_id].item()) < 1e-4, i
+        values, top_ids = reference[i - 1].topk(2)
+        top = got["top_logprobs"][i]
+        assert list(top) == [token_bytes(t).decode("utf-8", errors="replace") for t in top_ids]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(top.values(), values.tolist(), strict=True))
+    assert choice["text"].startswith(ECHO_PROMPT)
+    vllm = choice["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == n
+    for i, entry in enumerate(vllm[1:], start=1):
+        values, top_ids = reference[i - 1].topk(3)
+        wanted = {*map(str, top_ids.tolist()), str(prompt_ids[i])}
+        assert set(entry) == wanted, i
+        for token_id, value in entry.items():
+            assert abs(value["logprob"] - reference[i - 1, int(token_id)].item()) < 1e-4
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [json.loads(e)["choices"][0]["logprobs"] for e in events]
+    assert streamed[0]["token_logprobs"] == got["token_logprobs"][:n]
+    assert streamed[1]["text_offset"] == got["text_offset"][n:]
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+        ("completions", {"echo": True, "logprobs": 21}, "logprobs"),
+        ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ("completions", {"echo": True, "max_tokens": 0}, "max_tokens"),
+        ("chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_bad_prompt_logprobs_are_a_400(system, model_name, path, extra, param):
+    body = {"model": model_name, "max_tokens": 1, **extra}
+    if path == "completions":
+        body["prompt"] = "Hello"
+    else:
+        body["messages"] = chat("Hello")
+    response = httpx.post(f"{system.base_url}/{path}", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
     kinds = ["enum", "integer", "number", "boolean", "string"]
     kind = rng.choice(kinds + (["object", "array"] if depth < 2 else []))
@@ -510,6 +579,86 @@ def test_bad_schema_is_a_400_naming_response_format(system, model_name, schema):
     response = httpx.post(f"{system.base_url}/chat/completions", json=body, timeout=120)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "response_format"
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
+    "required": ["city"],
+}
+TIME_PARAMETERS = {  # bounded, so a sampled call ends well within max_tokens
+    "type": "object",
+    "properties": {"zone": {"type": "string", "maxLength": 8}},
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}},
+]
+
+
+def only_on_dp2(request) -> None:
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or "--decode-dp" not in callspec.params["system"]:
+        pytest.skip("tools run once, on the dp2 layout")
+
+
+def test_required_and_named_tool_calls_follow_the_tools(request, client, model_name):
+    only_on_dp2(request)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choices = [("required", False)] * 3 + [(named, True)] * 3
+
+    def ask(choice) -> tuple:
+        reply = client.chat.completions.create(
+            model=model_name,
+            messages=chat("What is the weather in Oslo?"),
+            max_tokens=96,
+            temperature=1.0,
+            tools=TOOLS,
+            tool_choice=choice[0],
+            parallel_tool_calls=choice[1],
+        )
+        return choice[0], reply.choices[0]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(ask, choices))
+    for tool_choice, choice in results:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        [call] = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        if tool_choice is named:
+            assert call.function.name == "get_weather"
+        parameters = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+
+
+def test_a_tool_result_turn_is_answered(request, client, model_name):
+    only_on_dp2(request)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+    }
+    messages = [
+        *chat("What is the weather in Oslo?"),
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Rain, 8 degrees."},
+    ]
+    reply = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=8, temperature=0.0, tools=TOOLS
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert reply.usage.prompt_tokens > 100  # the tools and the tool turns are in the prompt
+
+
+def test_stream_with_tools_is_a_400(request, system, model_name):
+    only_on_dp2(request)
+    body = {"model": model_name, "messages": chat("hi"), "tools": TOOLS, "stream": True}
+    response = httpx.post(f"{system.base_url}/chat/completions", json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "stream"
 
 
 def test_zz_no_kv_page_is_lost(system, initial_free_pages):

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from services.common.types import MAX_LOGIT_BIAS
+from services.common.wire import sampling_params_from_proto
 from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import TEXT
 from tests.router.http_helpers import CHAT, EXPECTED, sse_events
@@ -24,12 +25,6 @@ REFUSED = [
     (CHAT_PATH, "n", 2),
     (CHAT_PATH, "response_format", {"type": "regex", "regex": "a+"}),
     (COMPLETIONS_PATH, "response_format", {"type": "json_object", "extra": 1}),
-    (CHAT_PATH, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (CHAT_PATH, "tools", []),
-    (CHAT_PATH, "tool_choice", "required"),
-    (CHAT_PATH, "tool_choice", "auto"),
-    (CHAT_PATH, "tool_choice", {"type": "function", "function": {"name": "f"}}),
-    (CHAT_PATH, "parallel_tool_calls", False),
     (CHAT_PATH, "functions", [{"name": "f"}]),
     (CHAT_PATH, "function_call", "auto"),
     (CHAT_PATH, "audio", {"voice": "alloy", "format": "wav"}),
@@ -136,8 +131,8 @@ UNKNOWN = [
         "stream_options.continuous_usage_stats",
     ),
     (
-        {**CHAT, "messages": [{"role": "assistant", "content": "hi", "tool_calls": []}]},
-        "messages[0].tool_calls",
+        {**CHAT, "messages": [{"role": "assistant", "content": "hi", "function_call": {}}]},
+        "messages[0].function_call",
     ),
     (
         {
@@ -175,7 +170,7 @@ async def test_unknown_fields_are_refused_not_ignored(http, cluster, body, param
 
 async def test_unknown_completion_field_is_refused(http):
     await assert_400(
-        http, COMPLETIONS_PATH, {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs"
+        http, COMPLETIONS_PATH, {**COMPLETION, "use_beam_search": True}, "use_beam_search"
     )
 
 
@@ -386,6 +381,25 @@ async def test_logprobs_reach_prefill_and_decode(http, cluster, path, fields, wa
 
 
 @pytest.mark.parametrize(
+    ("fields", "wanted"),
+    [
+        ({"logprobs": 3}, -1),
+        ({"echo": True}, -1),
+        ({"echo": True, "logprobs": 3}, 3),
+        ({"echo": True, "logprobs": 0}, 0),
+        ({"prompt_logprobs": 0}, 0),
+        ({"echo": True, "logprobs": 2, "prompt_logprobs": 5}, 5),
+        ({"echo": True, "logprobs": 4, "prompt_logprobs": 1}, 4),
+    ],
+)
+async def test_prompt_logprobs_reach_prefill(http, cluster, fields, wanted):
+    response = await http.post(COMPLETIONS_PATH, json={**COMPLETION, "max_tokens": 3, **fields})
+    assert response.status_code == 200, response.text
+    sent = sampling_params_from_proto(cluster.prefill.requests[0].sampling_params)
+    assert sent.num_prompt_logprobs == wanted
+
+
+@pytest.mark.parametrize(
     ("path", "fields", "param", "said"),
     [
         (CHAT_PATH, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
@@ -396,7 +410,13 @@ async def test_logprobs_reach_prefill_and_decode(http, cluster, path, fields, wa
         (COMPLETIONS_PATH, {"logprobs": 21}, "logprobs", "[0, 20]"),
         (COMPLETIONS_PATH, {"logprobs": -1}, "logprobs", "[0, 20]"),
         (COMPLETIONS_PATH, {"logprobs": True}, "logprobs", "integer"),
-        (COMPLETIONS_PATH, {"logprobs": 1, "echo": True}, "echo", "not supported yet"),
+        (COMPLETIONS_PATH, {"prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
+        (COMPLETIONS_PATH, {"prompt_logprobs": -1}, "prompt_logprobs", "[0, 20]"),
+        (COMPLETIONS_PATH, {"prompt_logprobs": 1.5}, "prompt_logprobs", "integer"),
+        (COMPLETIONS_PATH, {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", "stream"),
+        (COMPLETIONS_PATH, {"echo": True, "logprobs": 21}, "logprobs", "[0, 20]"),
+        (CHAT_PATH, {"prompt_logprobs": 1}, "prompt_logprobs", "unknown fields"),
+        (CHAT_PATH, {"echo": True}, "echo", "unknown fields"),
     ],
 )
 async def test_bad_logprobs_are_a_400_naming_the_field(http, cluster, path, fields, param, said):

@@ -48,6 +48,8 @@ class PrefillResult(msgspec.Struct, frozen=True):
     # max_new_tokens == 1, context limit): the router aborts decode's reservation.
     finish_reason: FinishReason | None = None
     first_logprob: TokenLogprob | None = None  # set when the request asked (return_logprobs)
+    # prompt tokens 1..n-1's logprobs when the request asked (num_prompt_logprobs >= 0)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class PrefillClient:
@@ -164,6 +166,7 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
     )
     if result.first_logprob is not None:
         response.first_logprob.CopyFrom(token_logprob_to_proto(result.first_logprob))
+    response.prompt_logprobs.extend(token_logprob_to_proto(p) for p in result.prompt_logprobs)
     return response
 
 
@@ -180,4 +183,5 @@ def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillR
             if response.HasField("first_logprob")
             else None
         ),
+        prompt_logprobs=tuple(token_logprob_from_proto(p) for p in response.prompt_logprobs),
     )
