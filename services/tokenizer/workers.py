@@ -110,12 +110,14 @@ def run_job(pipeline: TokenizePipeline, job_bytes: bytes) -> bytes:
 
 
 class WorkerBeat(ctypes.Structure):
-    """One worker's slot: its pid (0: free) and when it last beat (``time.monotonic()``)."""
+    """One worker's slot: its pid (0: free), when it last beat (``time.monotonic()``) and
+    whether its pipeline has loaded."""
 
-    _fields_ = [("pid", ctypes.c_int64), ("beat_at", ctypes.c_double)]
+    _fields_ = [("pid", ctypes.c_int64), ("beat_at", ctypes.c_double), ("is_loaded", ctypes.c_int)]
 
 
 _worker_pipeline: TokenizePipeline | None = None  # one per worker process, set by _init_worker
+START_TIMEOUT_S = 300.0  # a worker spawned by start() that has not loaded its pipeline by then
 
 
 def _beat_until_gone(server_pid: int, beat: WorkerBeat, interval_s: float) -> None:
@@ -133,7 +135,7 @@ def _beat_until_gone(server_pid: int, beat: WorkerBeat, interval_s: float) -> No
 def _claim_slot(beats) -> WorkerBeat:
     with beats.get_lock():
         slot = next(slot for slot in beats if slot.pid == 0)  # a pool starts len(beats) workers
-        slot.pid, slot.beat_at = os.getpid(), time.monotonic()
+        slot.pid, slot.beat_at, slot.is_loaded = os.getpid(), time.monotonic(), 0
     return slot
 
 
@@ -163,15 +165,14 @@ def _init_worker(
     max_image_pixels: int,
 ) -> None:
     global _worker_pipeline
+    slot = _claim_slot(beats)
     threading.Thread(
-        target=_beat_until_gone,
-        args=(server_pid, _claim_slot(beats), beat_interval_s),
-        name="beat",
-        daemon=True,
+        target=_beat_until_gone, args=(server_pid, slot, beat_interval_s), name="beat", daemon=True
     ).start()
     _worker_pipeline = TokenizePipeline.from_dir(
         model_dir, Limits(max_model_len, max_image_bytes, max_image_pixels)
     )
+    slot.is_loaded = 1
 
 
 def _run_in_worker(job_bytes: bytes) -> bytes:
@@ -224,9 +225,15 @@ class WorkerPool:
             return self._queued_bytes
 
     async def start(self) -> None:
-        """Create the workers and wait until each has loaded its tokenizer."""
+        """Create the workers and wait until each has loaded its tokenizer (a worker that
+        finished loading first may answer every warm-up ping, so each one's slot says it)."""
         self._executor = self._new_executor()
         await asyncio.gather(*(self.run(PingJob()) for _ in range(max(self.num_workers, 1))))
+        started_by = time.monotonic() + START_TIMEOUT_S
+        while self._beats is not None and sum(b.is_loaded for b in self._beats) < self.num_workers:
+            if time.monotonic() > started_by:
+                raise UnavailableError(f"tokenizer workers not loaded after {START_TIMEOUT_S} s")
+            await asyncio.sleep(0.05)
         if self.num_workers:
             threading.Thread(target=self._watch, name="tokenizer-watchdog", daemon=True).start()
 

@@ -9,9 +9,11 @@ call without the key.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,9 +30,17 @@ TIMEOUT_S = 300  # generous bound on "no hang"
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A free port below the kernel's ephemeral range: one from that range (port 0) may be
+    handed to another process's connection or port-0 bind before ``up``'s router binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(low // 2, low), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port in {low // 2}..{low}")
 
 
 @pytest.fixture(scope="module")
