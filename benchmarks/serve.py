@@ -13,7 +13,8 @@ template's tokens coming on top; images are random-noise JPEGs
 ``--dataset-name sharegpt --dataset-path FILE`` takes prompts from a local ShareGPT
 file, ``--dataset-name prefix_repetition`` shares prefixes between prompts (vLLM's flags),
 ``--dataset-name multi_turn`` sends conversations turn after turn with their history,
-``--dataset-name mooncake --dataset-path TRACE`` replays a Mooncake trace at its timestamps; ``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
+``--dataset-name mooncake --dataset-path TRACE`` replays a Mooncake trace at its timestamps;
+``--backend openai-chat`` (default) or ``openai`` (text completions); responses are
 streamed unless ``--disable-stream``; ``--extra-body JSON`` is merged into every request body.
 
 Load: ``--request-rate R`` sends on a Poisson process (``inf``, the default, sends all at

@@ -78,7 +78,8 @@ class Formation:
         if not hmac.compare_digest(hello.token.encode(), self.config.internal_token.encode()):
             return "its internal token does not match"
         if hello.world_size != len(self.members) or not 0 <= hello.rank < len(self.members):
-            return f"rank {hello.rank} of {hello.world_size} does not fit a group of {len(self.members)}"
+            size = len(self.members)
+            return f"rank {hello.rank} of {hello.world_size} does not fit a group of {size}"
         if hello.formation != self.number:
             return f"formation {hello.formation}, expected {self.number}"
         member = self.members[hello.rank]

@@ -104,11 +104,11 @@ class GatedMLP(nn.Module):
     def fuse_projections(self) -> None:
         """One [2I', hidden] matmul for gate and up (called after the weights are loaded).
 
-        I' is this rank's intermediate size rounded up to a multiple of ``PAD_INTERMEDIATE`` with zero
-        rows (gate, up) and zero columns (down): the padded activations are act(0) * 0 = 0, so
-        the output is unchanged, and the down matmul gets 16-byte aligned rows (the ViT's
-        unaligned 3420 made cuBLAS fall back to a slower kernel). The per-layer parameters
-        stay, as views.
+        I' is this rank's intermediate size rounded up to a multiple of ``PAD_INTERMEDIATE``,
+        with zero rows (gate, up) and zero columns (down): the padded activations are
+        act(0) * 0 = 0, so the output is unchanged, and the down matmul gets 16-byte aligned
+        rows (the ViT's unaligned 3420 made cuBLAS fall back to a slower kernel). The per-layer
+        parameters stay, as views.
         """
         inter = self.gate_proj.out_features
         padded = -(-inter // PAD_INTERMEDIATE) * PAD_INTERMEDIATE
