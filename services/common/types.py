@@ -260,4 +260,6 @@ def finish_reason(
 class Usage(msgspec.Struct, frozen=True):
     num_prompt_tokens: int
     num_completion_tokens: int
-    num_cached_image_tokens: int = 0
+    num_cached_image_tokens: int = 0  # image tokens whose embeddings came from the encoder's cache
+    num_prefix_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_prefix_cached_image_tokens: int = 0  # the image tokens among them

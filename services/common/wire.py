@@ -323,12 +323,18 @@ def usage_to_proto(usage: Usage) -> common_pb2.Usage:
         num_prompt_tokens=usage.num_prompt_tokens,
         num_completion_tokens=usage.num_completion_tokens,
         num_cached_image_tokens=usage.num_cached_image_tokens,
+        num_prefix_cached_tokens=usage.num_prefix_cached_tokens,
+        num_prefix_cached_image_tokens=usage.num_prefix_cached_image_tokens,
     )
 
 
 def usage_from_proto(message: common_pb2.Usage) -> Usage:
     return Usage(
-        message.num_prompt_tokens, message.num_completion_tokens, message.num_cached_image_tokens
+        message.num_prompt_tokens,
+        message.num_completion_tokens,
+        message.num_cached_image_tokens,
+        message.num_prefix_cached_tokens,
+        message.num_prefix_cached_image_tokens,
     )
 
 

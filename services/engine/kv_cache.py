@@ -188,6 +188,13 @@ class RequestPageTable:
         self._pages.setdefault(request_id, []).extend(new_pages)
         return new_pages
 
+    def adopt(self, request_id: str, pages: list[int]) -> None:
+        """Start ``request_id`` on ``pages`` its caller owns (cached KV it reads, positions
+        ``[0, len(pages) * page_size)``); ``reserve`` grows it past them, and ``detach``
+        hands them back (``release`` would free them)."""
+        assert request_id not in self._pages, f"{request_id} already holds pages"
+        self._pages[request_id] = list(pages)
+
     def pages(self, request_id: str) -> list[int]:
         """The pages of ``request_id``, in position order (a copy)."""
         return list(self._pages[request_id])

@@ -34,6 +34,7 @@ from services.prefill.kv_refs import KvRefVerifier
 from services.prefill.leader import LeaderOptions, PrefillLeader
 from services.prefill.messages import RankResult
 from services.prefill.planning import CpPolicy
+from services.prefill.prefix_cache import PrefixIndex
 from services.prefill.rank_step import PrefillRankInit
 from services.prefill.scheduler import PrefillScheduler
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
@@ -119,6 +120,9 @@ class PrefillApp:
             config.max_batch_tokens,
             config.max_queued_requests,
             config.embedding_quarantine_s,
+            prefix=None
+            if config.disable_prefix_cache
+            else PrefixIndex(config.num_ranks, config.num_pages, config.page_size),
         )
         policy = CpPolicy(config.cp_block_tokens, config.cp_min_tokens, config.max_batch_tokens)
         options = LeaderOptions(policy, config.step_timeout_s, config.watchdog_s)

@@ -38,6 +38,12 @@ class PrefillConfig(ServiceConfig):
         help="pages of the local KV pool (the batch's KV is computed here, then copied to decode)",
     )
     page_size: int = flag(16, type=positive_int, help="tokens per KV page; must equal decode's")
+    disable_prefix_cache: bool = flag(
+        False,
+        help="compute every prompt whole; by default the pool's pages not in use keep the KV "
+        "of recent prompts' full pages (least recently used out first), and a prompt that "
+        "starts with the same tokens and images reads them instead of computing them",
+    )
     embedding_rows: int = flag(
         16384, type=positive_int, help="rows of the image-embedding buffer the encoder writes into"
     )

@@ -35,6 +35,7 @@ from services.common.errors import (
     StageServeError,
     UnavailableError,
 )
+from services.common.prefix_keys import page_keys
 from services.common.progress import ProgressWatchdog
 from services.engine.config import ModelConfig
 from services.prefill import metrics
@@ -162,6 +163,8 @@ class PrefillLeader:
         if not is_ready:
             self.descriptions = []
             self.on_serving(False)
+            if self.scheduler.prefix is not None:  # the ranks' caches are gone with them
+                self.scheduler.prefix.clear()
             error = UnavailableError(
                 "the prefill rank group re-formed; the image rows it held are gone"
             )
@@ -266,7 +269,10 @@ class PrefillLeader:
             request.kv_dst, local.kv_layout, request.num_tokens, local.kv_backend
         )
         kind = PrefillScheduler.kind_of(request.num_image_tokens, bool(request.prompt_embeds))
-        return msgspec.structs.replace(request, kv_dst=kv_dst, kind=kind)
+        keys: tuple[bytes, ...] = ()
+        if self.scheduler.prefix is not None:
+            keys = tuple(page_keys(request.token_ids, request.spans, self.scheduler.page_size))
+        return msgspec.structs.replace(request, kv_dst=kv_dst, kind=kind, page_keys=keys)
 
     async def _wait(
         self, request: PrefillInput, future: asyncio.Future[RequestOutcome]
@@ -344,7 +350,14 @@ class PrefillLeader:
         self.progress.tick()
         metrics.BATCH_SIZE.observe(len(plan.requests))
         metrics.BATCH_TOKENS.observe(plan.num_tokens)
-        payload = rank_plan(plan, self.options.cp, self.ranks.num_ranks, self._clock())
+        prefix = self.scheduler.prefix
+        payload = rank_plan(plan, self.options.cp, self.ranks.num_ranks, self._clock(), prefix)
+        if prefix is not None:
+            num_hit = sum(len(r.prefix_keys) for r in payload.requests) * prefix.page_size
+            metrics.PREFIX_CACHE_QUERIES.inc(plan.num_tokens)
+            metrics.PREFIX_CACHE_HITS.inc(num_hit)
+            for rank in range(prefix.num_ranks):
+                metrics.PREFIX_CACHE_PAGES.labels(str(rank)).set(prefix.num_held(rank))
         self._spawn(self._run_plan(plan, payload))
 
     async def _run_plan(self, plan: PrefillPlan, payload: RankPlan) -> None:
@@ -367,21 +380,30 @@ class PrefillLeader:
                     metrics.KV_TRANSFER_S.observe(outcome.kv_transfer_s)
             outcomes = self.scheduler.update_from_output(plan, output)
         except asyncio.CancelledError:
-            outcomes = self.scheduler.fail_plan(
-                plan, UnavailableError("prefill worker shut down mid-batch")
+            outcomes = self._fail_plan(
+                plan, payload, UnavailableError("prefill worker shut down mid-batch")
             )
             raise
         except StageServeError as exc:
             logger.error("prefill batch %d failed: %s", plan.plan_id, exc.message)
-            outcomes = self.scheduler.fail_plan(plan, exc)
+            outcomes = self._fail_plan(plan, payload, exc)
         except Exception as exc:  # a bug merging the results: fail the batch, keep serving
             logger.exception("prefill batch %d failed", plan.plan_id)
             error = StageServeError(f"prefill batch failed: internal error ({type(exc).__name__})")
-            outcomes = self.scheduler.fail_plan(plan, error)
+            outcomes = self._fail_plan(plan, payload, error)
         finally:
             self.progress.tick()
             self._resolve(outcomes)
             self._pump()
+
+    def _fail_plan(
+        self, plan: PrefillPlan, payload: RankPlan, error: StageServeError
+    ) -> list[RequestOutcome]:
+        """Every request of the failed step fails; what its ranks kept of it is dropped."""
+        if self.scheduler.prefix is not None:
+            stored = [r.store_keys for r in payload.requests]
+            self.scheduler.prefix.forget(stored, payload.ranks(self.ranks.num_ranks))
+        return self.scheduler.fail_plan(plan, error)
 
     async def _encode(self, entry: SchedEntry) -> None:
         await encode_entry(self.encoder, entry, self.descriptions, self._clock, self._encoded)

@@ -32,6 +32,10 @@ class RankRequest(msgspec.Struct, frozen=True):
     # [num_tokens, hidden] little-endian rows of ``embeds_dtype`` overriding the token embeddings
     prompt_embeds: bytes = b""
     embeds_dtype: str = ""
+    # the prefix cache (prefix_cache.py): the pages of positions [0, len * page_size) it reads
+    # from this rank's cache, and the keys of the computed pages after them that it keeps
+    prefix_keys: tuple[bytes, ...] = ()
+    store_keys: tuple[bytes, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -58,9 +62,17 @@ class RankPlan(msgspec.Struct, frozen=True, tag="plan"):
     passes: tuple[tuple[PassSegment, ...], ...]
     solo_rank: int  # SHARDED, or the one rank that runs the whole plan (the others idle)
     block_tokens: int  # sharded: block b of a pass's packed tokens goes to rank b % C
+    # per rank: the cached pages it drops before the plan, whether it runs the plan or not
+    drop_keys: tuple[tuple[bytes, ...], ...] = ()
 
     def digest(self) -> bytes:
         return hashlib.sha256(msgspec.msgpack.encode(self)).digest()[:16]
+
+    def ranks(self, num_ranks: int) -> range:
+        """The ranks that run it."""
+        if self.solo_rank == SHARDED:
+            return range(num_ranks)
+        return range(self.solo_rank, self.solo_rank + 1)
 
 
 class Describe(msgspec.Struct, frozen=True, tag="describe"):

@@ -33,6 +33,19 @@ KV_BYTES = telemetry.counter(
 KV_TRANSFER_S = telemetry.histogram(
     "prefill_kv_transfer_seconds", "Time of one request's batched KV write"
 )
+PREFIX_CACHE_QUERIES = telemetry.counter(
+    "prefill_prefix_cache_queries_total",
+    "Prompt tokens of the requests planned while the prefix cache is on",
+)
+PREFIX_CACHE_HITS = telemetry.counter(
+    "prefill_prefix_cache_hits_total",
+    "Prompt tokens whose KV a plan read from the prefix cache instead of computing it",
+)
+PREFIX_CACHE_PAGES = telemetry.gauge(
+    "prefill_prefix_cache_pages",
+    "KV pages a rank keeps for the prefix cache between plans (evictable when a plan needs them)",
+    ["rank"],
+)
 EMBEDDING_ROWS_USED = telemetry.gauge(
     "prefill_embedding_rows_used",
     "Embedding buffer rows held by requests (encoding, waiting or quarantined)",

@@ -136,7 +136,8 @@ class PrefillRankStep(BaseRankStep):
 
     def execute(self, step: int, payload: RankPlan | Describe) -> RankResult:
         digests = self._agree_on(payload)
-        if isinstance(payload, Describe):
+        if isinstance(payload, Describe):  # a (re-)formed group: the leader's cache index is empty
+            self.worker.prefix.clear()
             return RankResult(self.ctx.rank, digests, description=self.describe())
         done = self.worker.execute(payload)
         return RankResult(

@@ -59,6 +59,7 @@ class PrefillInput(msgspec.Struct, frozen=True):
     # [num_tokens, hidden] little-endian rows of ``embeds_dtype`` replacing the token embeddings
     prompt_embeds: bytes = b""
     embeds_dtype: str = ""  # torch dtype name ("float32", "bfloat16") when prompt_embeds is set
+    page_keys: tuple[bytes, ...] = ()  # prefix-cache keys of its full pages (prefix_keys.py)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +100,8 @@ class RequestOutcome:
     num_kv_bytes: int = 0
     kv_transfer_s: float = 0.0
     num_cached_image_tokens: int = 0  # image tokens whose rows came from the encoder's cache
+    num_prefix_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_prefix_cached_image_tokens: int = 0  # the image tokens among them
     error: StageServeError | None = None
     first_logprob: TokenLogprob | None = None  # set when the request asked (return_logprobs)
     # prompt tokens 1..n-1's logprobs, prompt order, when asked (num_prompt_logprobs >= 0)

@@ -16,8 +16,9 @@ Request lifecycle (one table, FIFO order of arrival):
 
 Batch rule: a plan only holds requests whose kinds pairwise ``can_share_batch`` (image
 placeholders and embedding overrides never mix). A plan holds the oldest READY request
-and then every later compatible READY request that fits ``max_batch_tokens`` and the
-local KV pool. Rows of a request whose Encode may still be writing (it timed out or its
+and then every later compatible READY request that fits ``max_batch_tokens`` (tokens it
+computes: those past its cached prefix) and the local KV pool (every page of its prompt:
+the prefix cache gives up whatever the plan does not read). Rows of a request whose Encode may still be writing (it timed out or its
 peer vanished) are quarantined for ``row_quarantine_s`` before they are reused.
 """
 
@@ -36,6 +37,7 @@ from services.common.errors import (
     InvalidRequestError,
     StageServeError,
 )
+from services.prefill.prefix_cache import CacheAsk, PrefixIndex
 from services.prefill.request import (
     BatchKind,
     PlannedRequest,
@@ -79,6 +81,7 @@ class PrefillScheduler:
     max_batch_tokens: int
     max_queued: int = 256  # live requests (any non-terminal state) before add() refuses
     row_quarantine_s: float = 30.0
+    prefix: PrefixIndex | None = None  # the ranks' prefix cache (None: off)
     clock: Callable[[], float] = time.monotonic
     _entries: dict[str, SchedEntry] = field(default_factory=dict)  # insertion order = FIFO
     _quarantine: list[_Quarantined] = field(default_factory=list)
@@ -211,7 +214,7 @@ class PrefillScheduler:
         for entry in self._entries.values():
             if entry.status is not PrefillStatus.READY:
                 continue
-            tokens, pages = entry.input.num_tokens, self.pages_needed(entry.input.num_tokens)
+            tokens, pages = self._new_tokens(entry), self.pages_needed(entry.input.num_tokens)
             if chosen and (
                 num_tokens + tokens > self.max_batch_tokens or num_pages + pages > self.num_pages
             ):
@@ -292,6 +295,15 @@ class PrefillScheduler:
         return outcomes
 
     # --- resources ---------------------------------------------------------------------
+    def _new_tokens(self, entry: SchedEntry) -> int:
+        """Tokens of ``entry`` a plan computes: those past the prefix every rank has cached (a
+        plan on fewer ranks reads at least that much)."""
+        if self.prefix is None:
+            return entry.input.num_tokens
+        every = range(self.prefix.num_ranks)
+        hit = self.prefix.reusable(CacheAsk.of(entry.input), every)
+        return entry.input.num_tokens - hit * self.page_size
+
     @property
     def num_rows_used(self) -> int:
         return self.rows.num_rows - self.rows.num_free_rows

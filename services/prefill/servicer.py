@@ -77,6 +77,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             kv_ref, prefill_input, images = self._to_domain(request, context)
             outcome = await self.leader.prefill(prefill_input, images)
             span.set_attribute("prefill.num_cached_image_tokens", outcome.num_cached_image_tokens)
+            span.set_attribute("prefill.num_prefix_cached_tokens", outcome.num_prefix_cached_tokens)
         return prefill_result_to_proto(
             PrefillResult(
                 first_token_id=outcome.first_token_id,
@@ -86,6 +87,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     kv_ref
                 ),  # the leader answered: KV landed
                 num_cached_image_tokens=outcome.num_cached_image_tokens,
+                num_prefix_cached_tokens=outcome.num_prefix_cached_tokens,
+                num_prefix_cached_image_tokens=outcome.num_prefix_cached_image_tokens,
                 finish_reason=outcome.finish_reason,
                 first_logprob=outcome.first_logprob,
                 prompt_logprobs=outcome.prompt_logprobs,

@@ -1,13 +1,16 @@
 """Rank worker: executes one ``RankPlan`` on this rank's model and hands its KV pages to decode.
 
-``execute(plan)``: reserve local pages for every request -> run the plan's passes in
-order (a long prompt's chunks: each pass sees the earlier chunks' KV as its prefix), each
-whole or, for a sharded plan, as this rank's CP shard (``passes.build_pass``, per layer
-an all-gather of K/V through ``ContextParallelAttention``) -> sample the first token of
-each request whose last token is here -> write this rank's share of each request's pages
-(``handoff.KvHandoff``) -> free the local pages (``finally``). A rank that fails mid-pass
-poisons the pass's remaining all-gathers; its peers see the flag when the pass ends and
-stop without sampling or writing (``peer_failed``).
+``execute(plan)``: drop the cached pages the leader evicted -> give every request its
+cached prefix's pages and reserve local pages for the rest -> run the plan's passes in
+order (from the first uncached token; a long prompt's chunks: each pass sees the earlier
+chunks' KV as its prefix), each whole or, for a sharded plan, as this rank's CP shard
+(``passes.build_pass``, per layer an all-gather of K/V through
+``ContextParallelAttention``) -> sample the first token of each request whose last token
+is here -> write this rank's share of each request's pages, cached ones included
+(``handoff.KvHandoff``) -> keep the pages the leader named for the cache and free the
+rest (``finally``). A rank that fails mid-pass poisons the pass's remaining all-gathers;
+its peers see the flag when the pass ends and stop without sampling or writing
+(``peer_failed``), and keep nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from services.engine.sampler import Sampler, make_generator
 from services.prefill.handoff import KvHandoff
 from services.prefill.messages import SHARDED, RankOutcome, RankPlan, RankRequest
 from services.prefill.passes import PassInput, RequestRows, build_pass, request_rows
+from services.prefill.prefix_cache import PrefixPages
 from services.transfer.base import BaseKVSender
 from services.transfer.embeddings import EmbeddingBuffer
 
@@ -77,6 +81,7 @@ class PrefillRankWorker:
         self.cp_attention = ContextParallelAttention(runner.attention, runner.kv_pool)
         text = config.text
         self._kv_width = 2 * text.num_key_value_heads * text.head_dim
+        self.prefix = PrefixPages(runner.page_table)
         kv_sender.register(runner.kv_pool)
 
     def execute(self, plan: RankPlan, write_kv: bool = True) -> PlanOutcome:
@@ -85,6 +90,8 @@ class PrefillRankWorker:
 
         ``write_kv`` False (warm-up): forward and sample only.
         """
+        if plan.drop_keys:
+            self.prefix.drop(plan.drop_keys[self.rank])
         if plan.solo_rank not in (SHARDED, self.rank):
             return PlanOutcome(())
         sharded = plan.solo_rank == SHARDED and self.world_size > 1
@@ -93,10 +100,10 @@ class PrefillRankWorker:
         )
         deadlines = {r.request_id: mono_of_unix_s(r.deadline_unix_s) for r in plan.requests}
         handoff = KvHandoff(self.runner, self.kv_sender, shard.rank, shard.world_size, deadlines)
-        table = self.runner.page_table
+        computed = False  # every pass ran here: the pages hold whole KV
         try:
             for request in plan.requests:
-                table.reserve(request.request_id, request.num_tokens)
+                self.prefix.lend(request.request_id, request.prefix_keys, request.num_tokens)
             if write_kv and self.kv_sender.streams_layers and len(plan.passes) == 1:
                 handoff.begin_layerwise(plan.requests)
             start = time.perf_counter()
@@ -105,6 +112,7 @@ class PrefillRankWorker:
             forward_s = time.perf_counter() - start
             if sampled is None:
                 return PlanOutcome((), forward_s, peer_failed=True)
+            computed = True
             if not write_kv:
                 return PlanOutcome((), forward_s)
             token_ids, logprobs, prompt = sampled
@@ -113,8 +121,8 @@ class PrefillRankWorker:
             return PlanOutcome(_with_logprobs(outcomes, logprobs, prompt), forward_s)
         finally:
             handoff.close()
-            for request in plan.requests:
-                table.release(request.request_id)
+            for r in plan.requests:
+                self.prefix.settle(r.request_id, r.prefix_keys, r.store_keys, computed)
 
     def _marking(self) -> contextlib.AbstractContextManager[None]:
         if self.gpu_share is None:

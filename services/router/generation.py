@@ -281,6 +281,8 @@ class GenerationPipeline:
         itself."""
         output = flow.output
         output.num_cached_image_tokens = result.num_cached_image_tokens
+        output.num_prefix_cached_tokens = result.num_prefix_cached_tokens
+        output.num_prefix_cached_image_tokens = result.num_prefix_cached_image_tokens
         first_logprobs = () if result.first_logprob is None else (result.first_logprob,)
         if result.finish_reason is not None:
             delta = output.finish(result.finish_reason, [result.first_token_id], first_logprobs)

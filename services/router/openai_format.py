@@ -47,6 +47,10 @@ def usage_body(usage: Usage) -> dict[str, int]:
         "prompt_tokens": usage.num_prompt_tokens,
         "completion_tokens": usage.num_completion_tokens,
         "total_tokens": usage.num_prompt_tokens + usage.num_completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": usage.num_prefix_cached_tokens,
+            "cached_image_tokens": usage.num_prefix_cached_image_tokens,
+        },
     }
 
 

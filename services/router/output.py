@@ -31,6 +31,8 @@ class OutputAssembler:
         self._stop = StopStringMatcher(stop)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_image_tokens = 0
+        self.num_prefix_cached_tokens = 0
+        self.num_prefix_cached_image_tokens = 0
         self.num_completion_tokens = 0
         self.finish_reason: FinishReason | None = None
 
@@ -90,7 +92,11 @@ class OutputAssembler:
 
     def usage(self) -> Usage:
         return Usage(
-            self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_image_tokens
+            self.num_prompt_tokens,
+            self.num_completion_tokens,
+            self.num_cached_image_tokens,
+            self.num_prefix_cached_tokens,
+            self.num_prefix_cached_image_tokens,
         )
 
     def _final(

@@ -52,6 +52,7 @@ class RecordingResult(RankResult, frozen=True):
     ] = {}  # request_id -> the first-token logits this rank sampled from
     last_error: str = ""  # the agreed error of the last failed step, as this rank heard it
     num_free_pages: int = 0  # this rank's free local KV pages after the step
+    cached_keys: frozenset[bytes] = frozenset()  # the prefix-cache keys it holds after the step
     drain_len: int = 0  # a fake rank-local drain queue, different on every rank (never in a plan)
 
 
@@ -100,6 +101,7 @@ class RecordingStep(PrefillRankStep):
             logits=self._logits,
             last_error=self._last_error,
             num_free_pages=self.worker.runner.page_manager.num_free_pages,
+            cached_keys=self.worker.prefix.keys(),
             drain_len=self._drain(),
         )
 

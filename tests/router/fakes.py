@@ -137,6 +137,7 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         self.capacity: int | None = None  # requests its queue holds at once (None: any)
         self.num_in_flight = 0
         self.num_refused = 0
+        self.prefix_cached = (0, 0)  # (tokens, image tokens among them) its answers report
 
     @handle_errors
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
@@ -165,6 +166,8 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
         response = prefill_pb2.PrefillResponse(
             first_token_id=first,
             kv_written_proof=proof,
+            num_prefix_cached_tokens=self.prefix_cached[0],
+            num_prefix_cached_image_tokens=self.prefix_cached[1],
         )
         if first == EOS_ID:
             response.finish_reason = common_pb2.FINISH_REASON_STOP

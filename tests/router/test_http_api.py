@@ -52,8 +52,24 @@ async def test_chat_completion(http, cluster):
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": 0, "cached_image_tokens": 0},
     }
     assert not cluster.aborted()  # decode finished the request itself
+
+
+async def test_usage_reports_the_prefix_cached_tokens_prefill_read(http, cluster):
+    for prefill in cluster.prefills:
+        prefill.servicer.prefix_cached = (32, 16)
+    body = (await http.post("/v1/chat/completions", json=CHAT)).json()
+    assert body["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 32,
+        "cached_image_tokens": 16,
+    }
+    stream = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    async with http.stream("POST", "/v1/chat/completions", json=stream) as response:
+        events = [line async for line in response.aiter_lines() if line.startswith("data: {")]
+    usage = json.loads(events[-1][len("data: ") :])["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 32, "cached_image_tokens": 16}
 
 
 async def test_max_tokens_gives_length(http, cluster):

@@ -44,6 +44,8 @@ class PrefillResult(msgspec.Struct, frozen=True):
     kv_transfer_us: int
     kv_written_proof: bytes  # hand to DecodeClient.generate: decode starts the request only with it
     num_cached_image_tokens: int = 0
+    num_prefix_cached_tokens: int = 0  # leading prompt tokens whose KV the prefix cache held
+    num_prefix_cached_image_tokens: int = 0  # the image tokens among them
     # Set when the first token already ends the request (EOS / stop token,
     # max_new_tokens == 1, context limit): the router aborts decode's reservation.
     finish_reason: FinishReason | None = None
@@ -162,6 +164,8 @@ def prefill_result_to_proto(result: PrefillResult) -> prefill_pb2.PrefillRespons
         num_kv_bytes=result.num_kv_bytes,
         kv_transfer_us=result.kv_transfer_us,
         num_cached_image_tokens=result.num_cached_image_tokens,
+        num_prefix_cached_tokens=result.num_prefix_cached_tokens,
+        num_prefix_cached_image_tokens=result.num_prefix_cached_image_tokens,
         kv_written_proof=result.kv_written_proof,
     )
     if result.first_logprob is not None:
@@ -177,6 +181,8 @@ def prefill_result_from_proto(response: prefill_pb2.PrefillResponse) -> PrefillR
         kv_transfer_us=response.kv_transfer_us,
         kv_written_proof=response.kv_written_proof,
         num_cached_image_tokens=response.num_cached_image_tokens,
+        num_prefix_cached_tokens=response.num_prefix_cached_tokens,
+        num_prefix_cached_image_tokens=response.num_prefix_cached_image_tokens,
         finish_reason=finish_reason_from_proto(response.finish_reason),
         first_logprob=(
             token_logprob_from_proto(response.first_logprob)

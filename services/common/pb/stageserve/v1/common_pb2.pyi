@@ -162,14 +162,18 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("num_prompt_tokens", "num_completion_tokens", "num_cached_image_tokens")
+    __slots__ = ("num_prompt_tokens", "num_completion_tokens", "num_cached_image_tokens", "num_prefix_cached_tokens", "num_prefix_cached_image_tokens")
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_prompt_tokens: int
     num_completion_tokens: int
     num_cached_image_tokens: int
-    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., num_cached_image_tokens: _Optional[int] = ...) -> None: ...
+    num_prefix_cached_tokens: int
+    num_prefix_cached_image_tokens: int
+    def __init__(self, num_prompt_tokens: _Optional[int] = ..., num_completion_tokens: _Optional[int] = ..., num_cached_image_tokens: _Optional[int] = ..., num_prefix_cached_tokens: _Optional[int] = ..., num_prefix_cached_image_tokens: _Optional[int] = ...) -> None: ...
 
 class KvBuffer(_message.Message):
     __slots__ = ("kind", "base_address", "size_bytes", "layer_stride_bytes", "page_stride_bytes", "slot_stride_bytes")

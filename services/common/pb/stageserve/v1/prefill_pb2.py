@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstageserve/v1/prefill.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xbc\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x0bimage_spans\x18\x03 \x03(\x0b\x32\x18.stageserve.v1.ImageSpan\x12(\n\x06images\x18\x04 \x03(\x0b\x32\x18.stageserve.v1.ImageData\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12$\n\x06kv_ref\x18\x06 \x01(\x0b\x32\x14.stageserve.v1.KvRef\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x15\n\rprompt_embeds\x18\x08 \x01(\x0c\x12\x1b\n\x13prompt_embeds_dtype\x18\t \x01(\t\"\xc0\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x14\n\x0cnum_kv_bytes\x18\x04 \x01(\x04\x12\x16\n\x0ekv_transfer_us\x18\x05 \x01(\x04\x12\x1f\n\x17num_cached_image_tokens\x18\x06 \x01(\r\x12\x18\n\x10kv_written_proof\x18\x07 \x01(\x0c\x12\x32\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprobJ\x04\x08\x03\x10\x04R\x08kv_state2S\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.stageserve.v1.PrefillRequest\x1a\x1e.stageserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bstageserve/v1/prefill.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xbc\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x0bimage_spans\x18\x03 \x03(\x0b\x32\x18.stageserve.v1.ImageSpan\x12(\n\x06images\x18\x04 \x03(\x0b\x32\x18.stageserve.v1.ImageData\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12$\n\x06kv_ref\x18\x06 \x01(\x0b\x32\x14.stageserve.v1.KvRef\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x03\x12\x15\n\rprompt_embeds\x18\x08 \x01(\x0c\x12\x1b\n\x13prompt_embeds_dtype\x18\t \x01(\t\"\x8a\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12\x14\n\x0cnum_kv_bytes\x18\x04 \x01(\x04\x12\x16\n\x0ekv_transfer_us\x18\x05 \x01(\x04\x12\x1f\n\x17num_cached_image_tokens\x18\x06 \x01(\r\x12\x18\n\x10kv_written_proof\x18\x07 \x01(\x0c\x12\x32\n\rfirst_logprob\x18\x08 \x01(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12 \n\x18num_prefix_cached_tokens\x18\n \x01(\r\x12&\n\x1enum_prefix_cached_image_tokens\x18\x0b \x01(\rJ\x04\x08\x03\x10\x04R\x08kv_state2S\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.stageserve.v1.PrefillRequest\x1a\x1e.stageserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=75
   _globals['_PREFILLREQUEST']._serialized_end=391
   _globals['_PREFILLRESPONSE']._serialized_start=394
-  _globals['_PREFILLRESPONSE']._serialized_end=714
-  _globals['_PREFILL']._serialized_start=716
-  _globals['_PREFILL']._serialized_end=799
+  _globals['_PREFILLRESPONSE']._serialized_end=788
+  _globals['_PREFILL']._serialized_start=790
+  _globals['_PREFILL']._serialized_end=873
 # @@protoc_insertion_point(module_scope)

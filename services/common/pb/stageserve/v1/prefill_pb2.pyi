@@ -30,7 +30,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., image_spans: _Optional[_Iterable[_Union[_common_pb2.ImageSpan, _Mapping]]] = ..., images: _Optional[_Iterable[_Union[_common_pb2.ImageData, _Mapping]]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_ref: _Optional[_Union[_common_pb2.KvRef, _Mapping]] = ..., deadline_unix_ms: _Optional[int] = ..., prompt_embeds: _Optional[bytes] = ..., prompt_embeds_dtype: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "num_kv_bytes", "kv_transfer_us", "num_cached_image_tokens", "kv_written_proof", "first_logprob", "prompt_logprobs")
+    __slots__ = ("first_token_id", "finish_reason", "num_kv_bytes", "kv_transfer_us", "num_cached_image_tokens", "kv_written_proof", "first_logprob", "prompt_logprobs", "num_prefix_cached_tokens", "num_prefix_cached_image_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class PrefillResponse(_message.Message):
     KV_WRITTEN_PROOF_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_CACHED_IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: _common_pb2.FinishReason
     num_kv_bytes: int
@@ -47,4 +49,6 @@ class PrefillResponse(_message.Message):
     kv_written_proof: bytes
     first_logprob: _common_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_kv_bytes: _Optional[int] = ..., kv_transfer_us: _Optional[int] = ..., num_cached_image_tokens: _Optional[int] = ..., kv_written_proof: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_prefix_cached_tokens: int
+    num_prefix_cached_image_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_kv_bytes: _Optional[int] = ..., kv_transfer_us: _Optional[int] = ..., num_cached_image_tokens: _Optional[int] = ..., kv_written_proof: _Optional[bytes] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_prefix_cached_tokens: _Optional[int] = ..., num_prefix_cached_image_tokens: _Optional[int] = ...) -> None: ...
