@@ -15,8 +15,9 @@ from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
 from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.sampler import Sampler
+from services.engine.step_inputs import StepInput
 
 PAGE_SIZE = 16
 PREFILL_LENS = (1024, 8192, 32768)

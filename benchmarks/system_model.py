@@ -29,7 +29,8 @@ from benchmarks.random_model import CONFIG_7B, build_random_model
 from benchmarks.vocab_tokenizer import write_grown_tokenizer
 from services.cli import BUNDLED_MODEL
 from services.engine.attention import ForwardMode
-from services.engine.model_runner import ModelRunner, StepInput
+from services.engine.model_runner import ModelRunner
+from services.engine.step_inputs import StepInput
 
 TOKENIZER_FILES = ("tokenizer_config.json", "generation_config.json")  # tokenizer.json is grown
 PREPROCESSOR_FILE = (

@@ -31,8 +31,9 @@ from services.common.errors import InvalidRequestError
 from services.common.types import Grammar, SamplingParams, TokenLogprob
 from services.decode.scheduler import DecodePlan, JoinedRow, uses_history
 from services.engine.grammar import GrammarCache, advance, apply_grammar_masks
-from services.engine.model_runner import DecodeInputs, ModelRunner
+from services.engine.model_runner import ModelRunner
 from services.engine.sampler import LogprobRows, Sampler, make_generator
+from services.engine.step_inputs import DecodeInputs
 
 NUM_HOST_BUFFERS = 2  # one step being copied while the previous one is read
 

@@ -41,6 +41,7 @@ from services.common.errors import (
 )
 from services.common.ranks.free_supervisor import Reported
 from services.decode import metrics
+from services.decode.drain import Drain
 from services.decode.messages import (
     AbortCommand,
     AbortReply,
@@ -84,7 +85,7 @@ class DecodeLeader:
         self._deadlines_changed = asyncio.Event()
         self._deadline_task: asyncio.Task | None = None
         self._is_stopping = False
-        self._drain_s: float | None = None  # the drain's budget, once it started
+        self._drain = Drain()
         self._was_ready = False
 
     @property
@@ -129,13 +130,7 @@ class DecodeLeader:
     async def drain(self, budget_s: float) -> None:
         """Refuse every Reserve from now on (UNAVAILABLE) and give the live requests (reserved
         and generating) ``budget_s`` to end; ``stop`` fails those left."""
-        self._drain_s = budget_s
-        logger.info("draining: %d requests live, %g s to finish", len(self._routes), budget_s)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._routes.wait_empty(), budget_s)
-        if self._routes:
-            num_left = len(self._routes)
-            logger.warning("drain budget of %g s spent: failing %d requests", budget_s, num_left)
+        await self._drain.run(self._routes, budget_s)
 
     async def stop(self) -> None:
         """Fail every live request, stop the tasks, stop the ranks."""
@@ -144,9 +139,7 @@ class DecodeLeader:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        reason = "decode is shutting down"
-        if self._drain_s is not None:
-            reason += f" (its drain budget of {self._drain_s:g} s ran out)"
+        reason = self._drain.stop_reason()
         for rank in self._ranks:
             self._fail_rank(rank, rank.take_all(), UnavailableError(reason))
         await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
@@ -154,8 +147,7 @@ class DecodeLeader:
     # --- requests -------------------------------------------------------------------------
     async def reserve(self, command: ReserveCommand) -> tuple[KvDestination, int]:
         """Reserve on one rank; where prefill writes, and the rank's index."""
-        if self._drain_s is not None:
-            raise UnavailableError("this decode worker is shutting down and takes no new requests")
+        self._drain.check_admits()
         request_id = command.request_id
         tried: list[RankView] = []
         while True:
@@ -325,17 +317,7 @@ class DecodeLeader:
         if report.num_read_rows and now - rank.waiting_listed_mono >= WAITING_LIST_S:
             rank.waiting_listed_mono = now
             self._routes.list_waiting(rank.dp_rank, report.token_request_ids)
-        for done in report.finished:
-            metrics.REQUESTS.labels(done.reason.value).inc()
-        if report.expired:
-            metrics.REQUESTS.labels("expired").inc(len(report.expired))
-        if report.prefill_wait_s:
-            metrics.PREFILL_WAIT.inc(report.prefill_wait_s)
-        if report.num_read_rows:
-            metrics.STEPS.labels(str(rank.dp_rank)).inc()
-            metrics.STEP_TIME.observe(report.read_step_s)
-            metrics.BATCH_SIZE.observe(report.num_read_rows)
-            metrics.TOKENS_GENERATED.inc(len(report.token_ids))
+        metrics.record_report(rank.dp_rank, report)
         self._update_gauges()
 
     def _fail_rank(self, rank: RankView, queued: list[Queued], error: UnavailableError) -> None:
@@ -379,17 +361,7 @@ class DecodeLeader:
         return on_report
 
     def _update_gauges(self) -> None:
-        loads = [load for load in self.rank_loads() if load is not None]
-        metrics.RANKS_SERVING.set(len(loads))
-        metrics.RUNNING_REQUESTS.set(sum(load.num_running_requests for load in loads))
-        metrics.RESERVED_REQUESTS.set(sum(load.num_reserved_requests for load in loads))
-        metrics.KV_PAGES_USED.set(sum(load.num_used_pages for load in loads))
-        metrics.KV_PAGES_FREE.set(sum(load.num_free_pages for load in loads))
-        metrics.KV_PAGES_QUARANTINED.set(sum(load.num_quarantined_pages for load in loads))
-        total = sum(load.num_total_pages for load in loads)
-        free = sum(load.num_free_pages for load in loads)
-        metrics.KV_CACHE_USAGE.set(1.0 - free / total if total else 0.0)
-        metrics.SATURATION.set(metrics.saturation(loads))
+        metrics.set_load_gauges([load for load in self.rank_loads() if load is not None])
         is_ready = self.is_ready
         if is_ready is not self._was_ready:
             self._was_ready = is_ready

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common import telemetry
-from services.decode.messages import RankLoad
+from services.decode.messages import RankLoad, RankReport
 
 # outcome: stop | length (finished), aborted, expired (deadline passed before generate),
 # failed (its rank died or stopped, or its running deadline passed), rejected (no pages at
@@ -75,3 +75,32 @@ def saturation(loads: Sequence[RankLoad]) -> float:
     kv_use = 1.0 - sum(load.num_free_pages for load in loads) / num_total_pages
     num_held = sum(load.num_running_requests + load.num_reserved_requests for load in loads)
     return min(1.0, max(kv_use, num_held / num_slots))
+
+
+def record_report(dp_rank: int, report: RankReport) -> None:
+    """Count what a rank's report tells: requests ended, prefill waits, the step it read."""
+    for done in report.finished:
+        REQUESTS.labels(done.reason.value).inc()
+    if report.expired:
+        REQUESTS.labels("expired").inc(len(report.expired))
+    if report.prefill_wait_s:
+        PREFILL_WAIT.inc(report.prefill_wait_s)
+    if report.num_read_rows:
+        STEPS.labels(str(dp_rank)).inc()
+        STEP_TIME.observe(report.read_step_s)
+        BATCH_SIZE.observe(report.num_read_rows)
+        TOKENS_GENERATED.inc(len(report.token_ids))
+
+
+def set_load_gauges(loads: Sequence[RankLoad]) -> None:
+    """Set the gauges from the serving ranks' ``loads`` (summed over them)."""
+    RANKS_SERVING.set(len(loads))
+    RUNNING_REQUESTS.set(sum(load.num_running_requests for load in loads))
+    RESERVED_REQUESTS.set(sum(load.num_reserved_requests for load in loads))
+    KV_PAGES_USED.set(sum(load.num_used_pages for load in loads))
+    KV_PAGES_FREE.set(sum(load.num_free_pages for load in loads))
+    KV_PAGES_QUARANTINED.set(sum(load.num_quarantined_pages for load in loads))
+    total = sum(load.num_total_pages for load in loads)
+    free = sum(load.num_free_pages for load in loads)
+    KV_CACHE_USAGE.set(1.0 - free / total if total else 0.0)
+    SATURATION.set(saturation(loads))

@@ -24,10 +24,11 @@ from services.common.types import FinishReason, SamplingParams, TokenLogprob, fi
 from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
 from services.engine.model.rope import ImageSpan, mrope_positions
-from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.parallel import SINGLE, TensorParallel
 from services.engine.quantization import NO_QUANTIZATION
 from services.engine.sampler import Sampler, make_generator
+from services.engine.step_inputs import StepInput
 
 
 @dataclass

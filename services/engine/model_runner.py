@@ -4,12 +4,9 @@ The runner owns the model, the KV pool, the request page table and the attention
 backend. Callers (the offline engine, later the prefill and decode schedulers)
 reserve pages for a request, then hand the runner a list of ``StepInput``: the new
 tokens of each request, their positions and (prefill) the image embeddings already
-merged in request-global order. The runner packs them ragged, plans attention once,
-runs every layer and returns logits. On CUDA, with a backend that supports graphs,
-DECODE steps of up to ``max(cuda_graph_batch_sizes)`` requests replay captured CUDA
-graphs (see cuda_graph.py); with ``prefill_graph_tokens``, EXTEND passes of up to their
-largest size run every layer but attention as captured pieces (see prefill_graph.py). Either
-holds one KV page as the padding rows' scratch page.
+merged in request-global order. The runner packs them ragged (step_inputs.py), plans
+attention once, runs every layer and returns logits. DECODE steps and short EXTEND passes
+replay the graphs captured at start where they fit them (runner_graphs.py).
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from services.engine.attention import (
     create_attention_backend,
     resolve_attention_backend,
 )
-from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphDecodeRunner
+from services.engine.cuda_graph import DEFAULT_BATCH_SIZES
 from services.engine.gpu_defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.engine.kv_sizing import (
@@ -37,43 +34,15 @@ from services.engine.kv_sizing import (
     kv_page_bytes,
     pages_for_memory,
 )
-from services.engine.model.moe import moe_syncs_host
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.prefill_graph import PrefillGraphs
-
-
-@dataclass
-class StepInput:
-    """One request's part of a step: the tokens at positions ``prefix_len .. prefix_len+len(input_ids)-1``."""
-
-    request_id: str
-    input_ids: list[int]
-    positions: torch.Tensor  # [3, len(input_ids)] int64
-    prefix_len: int
-    image_embeds: torch.Tensor | None = (
-        None  # [num_image_tokens, hidden], rows in placeholder order
-    )
-    image_rows: list[int] | None = None  # index into input_ids of each image embedding row
-
-
-@dataclass(frozen=True)
-class DecodeInputs:
-    """One DECODE step as whole-batch tensors: row ``r`` feeds one token at KV position
-    ``seq_lens[r] - 1``.
-
-    Built by a decode loop from its own persistent buffers (no per-request objects); the
-    page tables are the rows' page lists as held, covering at least ``seq_lens[r]`` positions.
-    """
-
-    input_ids: (
-        torch.Tensor
-    )  # [B] int64, on the runner's device (e.g. the previous step's samples) or CPU
-    positions: (
-        torch.Tensor
-    )  # [3, B] int64 CPU: M-RoPE position of each row's token on the three axes
-    seq_lens: list[int]  # KV length of each row after this step
-    page_tables: list[list[int]]
-    out_slots: torch.Tensor  # [B] int64 CPU: flat KV slot of each row's new position
+from services.engine.runner_graphs import capture_graphs
+from services.engine.step_inputs import (
+    DecodeInputs,
+    StepInput,
+    attention_batch,
+    decode_batch,
+    decode_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -133,37 +102,14 @@ class ModelRunner:
             num_kv_heads=model.heads.num_kv_heads,
             head_dim=text.head_dim,
         )
-        self.cuda_graph: CudaGraphDecodeRunner | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
-        self._capture_graphs(cuda_graph_batch_sizes, prefill_graph_tokens)
-
-    def _capture_graphs(
-        self, cuda_graph_batch_sizes: tuple[int, ...], prefill_graph_tokens: tuple[int, ...]
-    ) -> None:
-        decode_graphs = bool(cuda_graph_batch_sizes) and self.device.type == "cuda"
-        decode_graphs = decode_graphs and self.attention.supports_cuda_graph
-        if not (decode_graphs or prefill_graph_tokens):
-            return
-        if self.device.type == "cuda" and moe_syncs_host(self.model):
-            return
-        scratch_page = self.page_manager.allocate(1)[0]  # held for good: padding writes here
-        if decode_graphs:
-            self.cuda_graph = CudaGraphDecodeRunner(
-                self.model,
-                self.attention,
-                self.page_size,
-                scratch_page,
-                self.pool_size.num_pages,
-                cuda_graph_batch_sizes,
-            )
-            with ops.on_device(self.device):
-                self.cuda_graph.capture()
-        if prefill_graph_tokens:  # attention runs between the pieces: any backend; off CUDA, eager
-            self.prefill_graphs = PrefillGraphs(
-                self.model, self.kv_pool, scratch_page * self.page_size, prefill_graph_tokens
-            )
-            with ops.on_device(self.device):
-                self.prefill_graphs.capture()
+        self.cuda_graph, self.prefill_graphs = capture_graphs(
+            model,
+            self.attention,
+            self.kv_pool,
+            self.page_manager,
+            cuda_graph_batch_sizes,
+            prefill_graph_tokens,
+        )
 
     def _page_bytes(self, page_size: int) -> int:
         text = self.model.config.text
@@ -257,8 +203,8 @@ class ModelRunner:
         if input_ids is not None:
             assert mode is ForwardMode.DECODE and input_ids.shape == (len(inputs),)
         if mode is ForwardMode.DECODE and not all_logits and on_layer_kv is None:
-            return self._forward_decode(self._decode_inputs(inputs, input_ids))
-        batch = self._attention_batch(mode, inputs)
+            return self._forward_decode(decode_inputs(inputs, input_ids, self.page_table))
+        batch = attention_batch(mode, inputs, self.page_table)
         embeds = (
             self.model.embed(input_ids.to(self.device))
             if input_ids is not None
@@ -301,14 +247,7 @@ class ModelRunner:
         self, inputs: DecodeInputs, before_launch: Callable[[], None] | None = None
     ) -> torch.Tensor:
         input_ids = inputs.input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
-        batch = AttentionBatch(
-            mode=ForwardMode.DECODE,
-            seq_lens=inputs.seq_lens,
-            extend_lens=[1] * len(inputs.seq_lens),
-            page_tables=inputs.page_tables,
-            page_size=self.page_size,
-            out_slots=inputs.out_slots,
-        )
+        batch = decode_batch(inputs, self.page_size)
         graph = self.cuda_graph
         if graph is not None and graph.can_run(len(inputs.seq_lens)):
             return graph.run(batch, input_ids, inputs.positions, before_launch)
@@ -317,57 +256,6 @@ class ModelRunner:
         if before_launch is not None:
             before_launch()
         return self.model(self.model.embed(input_ids), positions, self.attention)
-
-    def _decode_inputs(
-        self, inputs: list[StepInput], input_ids: torch.Tensor | None
-    ) -> DecodeInputs:
-        """``DecodeInputs`` of StepInputs whose requests hold pages in the runner's page table."""
-        page_tables = [self.page_table.pages(s.request_id) for s in inputs]
-        seq_lens = [s.prefix_len + 1 for s in inputs]
-        if input_ids is None:
-            input_ids = torch.tensor([s.input_ids[0] for s in inputs], dtype=torch.long)
-        return DecodeInputs(
-            input_ids,
-            torch.cat([s.positions for s in inputs], dim=1),
-            seq_lens,
-            page_tables,
-            self._decode_slots(page_tables, seq_lens),
-        )
-
-    def _attention_batch(self, mode: ForwardMode, inputs: list[StepInput]) -> AttentionBatch:
-        seq_lens, extend_lens, page_tables, slots = [], [], [], []
-        for s in inputs:
-            end = s.prefix_len + len(s.input_ids)
-            assert s.request_id in self.page_table, f"no pages reserved for {s.request_id}"
-            seq_lens.append(end)
-            extend_lens.append(len(s.input_ids))
-            page_tables.append(self.page_table.pages(s.request_id))
-            if mode is not ForwardMode.DECODE:
-                slots.append(self.page_table.slots(s.request_id, s.prefix_len, end))
-        out_slots = (
-            self._decode_slots(page_tables, seq_lens)
-            if mode is ForwardMode.DECODE
-            else torch.cat(slots)
-        )
-        return AttentionBatch(
-            mode=mode,
-            seq_lens=seq_lens,
-            extend_lens=extend_lens,
-            page_tables=page_tables,
-            page_size=self.page_size,
-            out_slots=out_slots,  # CPU int64; the backend uploads it
-        )
-
-    def _decode_slots(self, page_tables: list[list[int]], seq_lens: list[int]) -> torch.Tensor:
-        """Slot of each request's last position, [B] int64 CPU (plain ints: no tensor per request)."""
-        ps = self.page_size
-        slots = []
-        for pages, end in zip(page_tables, seq_lens, strict=True):
-            assert end <= len(pages) * ps, (
-                f"position {end - 1} outside the request's {len(pages)} pages"
-            )
-            slots.append(pages[(end - 1) // ps] * ps + (end - 1) % ps)
-        return torch.tensor(slots, dtype=torch.long)
 
     def _embed(self, inputs: list[StepInput]) -> torch.Tensor:
         ids = torch.tensor(

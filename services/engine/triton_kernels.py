@@ -10,7 +10,8 @@ what needs no earlier result (lets its own successor launch; the GEMV also loads
 first weight tile), then waits (``griddepcontrol.wait``: the previous grid finished and
 its writes are visible) before it reads or writes anything else. Kernels launched without
 PDL (torch's) still wait for everything before them, so mixing is safe; in a CUDA graph
-the launches become programmatic edges and the ~1 us between dependent kernels shrinks.
+the launches become programmatic edges, so a kernel's launch overlaps its predecessor's tail
+(docs/benchmarks.md has the measurements).
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ def _gemv_kernel(
 
 
 def _gemv_config(n_out: int, k_in: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), from a sweep on H200 over the 7B decoder's shapes.
+    """(BLOCK_N, BLOCK_K, warps, stages) for an ``[n_out, k_in]`` weight, tuned by shape
+    regime; ``python -m benchmarks.gemv`` times them (docs/benchmarks.md).
 
     Long rows (down projection) want wide K tiles; very wide outputs (gate/up, LM head)
     want software pipelining; narrow outputs (o projection) want many small programs so

@@ -4,8 +4,10 @@
 it, one per step (it has work while ticks are left), fires a timer once it is due, raises
 when a post asks, and echoes the values posted. Covered: reports with no step request (a
 post's step, the steps its work takes, a timer's step), a step's error (the rank goes on),
-and supervision: a rank SIGKILLed, or frozen with SIGSTOP while busy (no report within
-``step_timeout_s``) or idle (no Pong), is reported down, killed, reaped and re-formed.
+a world of one with no rendezvous and no process group, and supervision: a rank SIGKILLed,
+or frozen with SIGSTOP while busy (no report within ``step_timeout_s``) or idle (no Pong), is
+reported down, killed, reaped and re-formed; posts sent to a rank that dies are lost with it,
+never applied by the rank re-formed after it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 import msgspec
 import pytest
+import torch.distributed as dist
 
 from services.common.errors import CapacityError, UnavailableError
 from services.common.ranks.config import StepSpec
@@ -49,6 +52,7 @@ class TickResult(msgspec.Struct, frozen=True):
     ticks_left: int
     num_fired: int  # timers fired so far
     pid: int
+    has_process_group: bool  # torch.distributed initialized in the rank, or a group given it
 
 
 class TickStep(FreeRankStep):
@@ -58,6 +62,7 @@ class TickStep(FreeRankStep):
 
     def __init__(self, ctx: RankContext, init: TickInit) -> None:
         self.step_sleep_s = init.step_sleep_s
+        self.has_process_group = dist.is_initialized() or ctx.cpu_group is not None
         self.ticks = 0
         self.due_mono = math.inf
         self.num_fired = 0
@@ -75,7 +80,9 @@ class TickStep(FreeRankStep):
         if time.monotonic() >= self.due_mono:
             self.due_mono, self.num_fired = math.inf, self.num_fired + 1
         values = tuple(p.value for p in payloads)
-        return TickResult(step, values, self.ticks, self.num_fired, os.getpid())
+        return TickResult(
+            step, values, self.ticks, self.num_fired, os.getpid(), self.has_process_group
+        )
 
     def has_work(self) -> bool:
         return self.ticks > 0
@@ -145,6 +152,37 @@ async def test_a_free_rank_reports_each_step_unasked_and_goes_on_after_a_failed_
         )
         assert after.result.pid == first.result.pid and free.group.is_ready
         assert free.readiness == [True]
+
+
+async def test_a_free_rank_meets_nobody_and_forms_no_process_group() -> None:
+    """A world of one that runs no collective: no rendezvous store, no gloo world; so the
+    rank process listens on no socket at all."""
+    from tests.e2e.test_ports import listening_sockets
+
+    async with free_group() as free:
+        first = await free.wait_for_report(lambda r: r.result is not None)
+        assert not first.result.has_process_group
+        assert listening_sockets(first.result.pid) == []
+
+
+async def test_posts_to_a_rank_that_dies_are_lost_with_it_never_applied_by_its_successor() -> None:
+    """Posts sent to a frozen rank wait in its connection; with no report for them within
+    ``step_timeout_s`` it is killed and they are reported lost. The rank re-formed after it (a
+    new process, connection and formation) applies only the posts made to it."""
+    async with free_group() as free:
+        first = await free.wait_for_report(lambda r: r.result is not None)
+        pid = first.result.pid
+        os.kill(pid, signal.SIGSTOP)  # its connection stays open: the posts go to it
+        seqs = [free.group.post(TickPayload(value=v)) for v in (1, 2, 3)]
+        down = await free.wait_for_report(lambda r: r.is_down and r.through_seq == seqs[-1])
+        assert "has work and sent no report" in down.error.message, down.error.message
+        assert not any(r.values for r in free.results())  # none applied before it froze
+        await wait_for(lambda: is_gone(pid), 10.0)
+        await wait_for(lambda: free.group.is_ready, START_TIMEOUT_S)
+        seq = free.group.post(TickPayload(value=4))
+        await free.wait_for_report(lambda r: r.result is not None and r.through_seq == seq)
+        successor = [r for r in free.results() if r.pid != pid]
+        assert [v for r in successor for v in r.values] == [4]
 
 
 async def test_a_free_rank_sigkilled_is_reported_down_and_reforms() -> None:

@@ -33,8 +33,9 @@ from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.loader import load_model
 from services.engine.model.rope import mrope_positions
-from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.sampler import Sampler, make_generator
+from services.engine.step_inputs import StepInput
 from services.transfer import BaseKVSender, create_kv_receiver
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVSender
 from tests.conftest import TINY_MODEL_DIR
@@ -157,9 +158,16 @@ class DecodeHarness:
             kv_ref.request_id, first_token_id, timeout_s=WAIT_S, kv_written_proof=proof
         )
 
-    async def run(self, request_id: str, prompt: list[int], params: SamplingParams) -> Result:
+    async def reserve_and_prefill(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> tuple[KvRefInfo, int]:
+        """Reserve ``request_id`` and prefill it (its KV written to decode): its kv_ref and
+        first token, what ``generate`` takes."""
         kv_ref = await self.reserve(request_id, prompt, params)
-        first = self.prefill.prefill(request_id, prompt, params, kv_ref)
+        return kv_ref, self.prefill.prefill(request_id, prompt, params, kv_ref)
+
+    async def run(self, request_id: str, prompt: list[int], params: SamplingParams) -> Result:
+        kv_ref, first = await self.reserve_and_prefill(request_id, prompt, params)
         chunks = [chunk async for chunk in self.generate(kv_ref, first)]
         tokens = [first] + [t for chunk in chunks for t in chunk.token_ids]
         assert all(c.finish_reason is None and c.usage is None for c in chunks[:-1])

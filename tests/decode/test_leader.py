@@ -110,8 +110,7 @@ def generate_message(
 
 async def test_a_malformed_stream_message_ends_that_stream_only(make_decode: MakeDecode) -> None:
     harness = await make_decode()
-    kv_ref = await harness.reserve("victim", prompt_of(5, 1), LONG)
-    first = harness.prefill.prefill("victim", prompt_of(5, 1), LONG, kv_ref)
+    kv_ref, first = await harness.reserve_and_prefill("victim", prompt_of(5, 1), LONG)
     survivor = asyncio.ensure_future(
         harness.run("survivor", prompt_of(6, 2), SamplingParams(temperature=0.0, max_new_tokens=30))
     )
@@ -138,8 +137,7 @@ async def test_a_running_request_past_its_deadline_ends_deadline_exceeded(
     make_decode: MakeDecode,
 ) -> None:
     harness = await make_decode()
-    kv_ref = await harness.reserve("r", prompt_of(5, 1), LONG)
-    first = harness.prefill.prefill("r", prompt_of(5, 1), LONG, kv_ref)
+    kv_ref, first = await harness.reserve_and_prefill("r", prompt_of(5, 1), LONG)
     channel, outbox, call = await open_stream(harness)
     try:
         outbox.put_nowait(generate_message(kv_ref, first, int((time.time() + 0.3) * 1000)))
@@ -160,8 +158,7 @@ async def test_a_running_request_past_its_deadline_ends_deadline_exceeded(
 
 async def test_a_cancelled_stream_call_aborts_its_requests(make_decode: MakeDecode) -> None:
     harness = await make_decode()
-    kv_ref = await harness.reserve("r", prompt_of(5, 1), LONG)
-    first = harness.prefill.prefill("r", prompt_of(5, 1), LONG, kv_ref)
+    kv_ref, first = await harness.reserve_and_prefill("r", prompt_of(5, 1), LONG)
     channel, outbox, call = await open_stream(harness)
     try:
         outbox.put_nowait(generate_message(kv_ref, first))

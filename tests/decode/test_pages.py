@@ -40,8 +40,7 @@ async def test_abort_mid_stream_ends_it_cancelled_and_frees_pages(make_decode: M
     harness = await make_decode()
     params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
     prompt = prompt_of(8, 1)
-    kv_ref = await harness.reserve("r", prompt, params)
-    first = harness.prefill.prefill("r", prompt, params, kv_ref)
+    kv_ref, first = await harness.reserve_and_prefill("r", prompt, params)
     stream = harness.generate(kv_ref, first)
     assert (await anext(stream)).finish_reason is None
     assert await harness.client.abort("r", "client went away")
@@ -58,8 +57,7 @@ async def test_cancelled_stream_aborts_the_request(make_decode: MakeDecode) -> N
     harness = await make_decode()
     params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
     prompt = prompt_of(8, 1)
-    kv_ref = await harness.reserve("r", prompt, params)
-    first = harness.prefill.prefill("r", prompt, params, kv_ref)
+    kv_ref, first = await harness.reserve_and_prefill("r", prompt, params)
     async for _ in harness.generate(kv_ref, first):
         break  # the router's client disconnected
     await harness.wait_for(lambda: harness.stats().num_running_requests == 0)
@@ -119,8 +117,8 @@ async def test_abort_of_a_running_request_frees_at_once(make_decode: MakeDecode)
     harness = await make_decode()
     params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
     prompt = prompt_of(8, 2)
-    kv_ref = await harness.reserve("r", prompt, params)
-    stream = harness.generate(kv_ref, harness.prefill.prefill("r", prompt, params, kv_ref))
+    kv_ref, first = await harness.reserve_and_prefill("r", prompt, params)
+    stream = harness.generate(kv_ref, first)
     assert (await anext(stream)).finish_reason is None
     assert await harness.client.abort(
         "r", "a stop string matched"
@@ -165,8 +163,7 @@ async def test_free_pages_return_after_a_mixed_workload(make_decode: MakeDecode)
 
     async def aborted(i: int) -> None:
         params = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)  # 17 pages
-        kv_ref = await harness.reserve(f"abort-{i}", prompt_of(6, i), params)
-        first = harness.prefill.prefill(f"abort-{i}", prompt_of(6, i), params, kv_ref)
+        kv_ref, first = await harness.reserve_and_prefill(f"abort-{i}", prompt_of(6, i), params)
         async for _ in harness.generate(kv_ref, first):
             await harness.client.abort(f"abort-{i}", "test")
 

@@ -67,8 +67,7 @@ async def test_continuous_batching_matches_offline_engine(make_decode: MakeDecod
         if i > 0:
             await first_running.wait()
             await asyncio.sleep(0.005 * i)
-        kv_ref = await harness.reserve(request_id, prompt, params)
-        first = harness.prefill.prefill(request_id, prompt, params, kv_ref)
+        kv_ref, first = await harness.reserve_and_prefill(request_id, prompt, params)
         tokens = [first]
         async for chunk in harness.generate(kv_ref, first):
             tokens += chunk.token_ids
@@ -100,8 +99,7 @@ async def test_a_request_waiting_for_a_place_in_the_batch_is_listed_until_it_run
         prompt = prompts[request_id]
         if request_id == "second":
             await first_running.wait()
-        kv_ref = await harness.reserve(request_id, prompt, params)
-        first = harness.prefill.prefill(request_id, prompt, params, kv_ref)
+        kv_ref, first = await harness.reserve_and_prefill(request_id, prompt, params)
         tokens = [first]
         async for chunk in harness.generate(kv_ref, first):
             chunks[request_id].append(chunk)
@@ -228,8 +226,8 @@ async def test_a_dead_rank_fails_its_requests_and_readiness_until_it_is_back(
     rank = harness.ranks[0]
     reserved = await harness.reserve("reserved", prompt_of(5, 1), SamplingParams())
     params = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
-    kv_ref = await harness.reserve("r", prompt_of(5, 2), params)
-    stream = harness.generate(kv_ref, harness.prefill.prefill("r", prompt_of(5, 2), params, kv_ref))
+    kv_ref, first = await harness.reserve_and_prefill("r", prompt_of(5, 2), params)
+    stream = harness.generate(kv_ref, first)
     assert (await anext(stream)).finish_reason is None
 
     def die(payload) -> None:

@@ -15,7 +15,8 @@ import torch
 from benchmarks.random_model import CONFIG_7B, build_random_model
 from services.engine.attention import ForwardMode
 from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, graph_batch_sizes
-from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.step_inputs import StepInput
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,8 @@ import torch
 
 from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
-from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.step_inputs import StepInput
 from tests.conftest import TINY_MODEL_DIR
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ import torch
 from services.common.types import SamplingParams
 from services.engine.attention import ForwardMode
 from services.engine.model.rope import mrope_positions
-from services.engine.model_runner import StepInput
+from services.engine.step_inputs import StepInput
 from tests.conftest import image_bytes
 
 TOLERANCE = 1e-4

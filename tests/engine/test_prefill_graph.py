@@ -11,8 +11,9 @@ import torch
 
 from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
-from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.prefill_graph import token_sizes_up_to
+from services.engine.step_inputs import StepInput
 from tests.conftest import TINY_MODEL_DIR
 
 NUM_PAGES = 32

@@ -129,7 +129,8 @@ def deepstack_logits(model, request, image_rows, layers=None) -> torch.Tensor:
     """All prompt logits of ``request`` with its image rows ``image_rows`` [N, hidden * 3]
     merged in, optionally with DeepStack applied after ``layers`` instead of (0, 1)."""
     from services.engine.model.rope import mrope_positions
-    from services.engine.model_runner import KVCacheConfig, ModelRunner, StepInput
+    from services.engine.model_runner import KVCacheConfig, ModelRunner
+    from services.engine.step_inputs import StepInput
 
     runner = ModelRunner(model, KVCacheConfig(256, 4))
     positions, _ = mrope_positions(len(request.prompt_ids), request.spans, 2)

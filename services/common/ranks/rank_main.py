@@ -1,10 +1,13 @@
 """A rank process: ``python -m services.common.ranks.rank_main --leader ADDR ...``.
 
 Start-up, in order; a failure at any stage reaches the leader as StartFailed naming this
-rank, the stage and the cause, and the process exits 1: device -> (rank 0: a TCPStore on a
-free port) -> Hello -> Setup -> import -> rendezvous -> groups -> construct -> warmup ->
-barrier -> Ready, then the step loop (``rank_loop.py``; a free-running rank's is
-``free_loop.py``). The leader spawns every rank (``procs.RankLaunch``). Exit codes: ``LoopExit``.
+rank, the stage and the cause, and the process exits 1: device -> (rank 0 of several: a
+TCPStore on a free port) -> Hello -> Setup -> import -> rendezvous -> groups -> construct ->
+warmup -> barrier -> Ready, then the step loop (``rank_loop.py``; a free-running rank's is
+``free_loop.py``). A world of one meets no peer: its rendezvous store is in-process. A
+free-running rank (a world of one that runs no collective) skips the rendezvous, the groups
+and the barrier: it has no process group at all. The leader spawns every rank
+(``procs.RankLaunch``). Exit codes: ``LoopExit``.
 """
 
 from __future__ import annotations
@@ -189,11 +192,34 @@ def _form_groups(device: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist
     return cpu_group, device_group
 
 
+def _rendezvous(args: RankArgs, setup: Setup, store: dist.Store | None) -> None:
+    """Join the group's default process group (gloo, loopback only); ``store``: rank 0's of
+    a world of several, else None."""
+    if store is None and args.world_size == 1:
+        store = dist.HashStore()  # nobody to meet: no socket
+    elif store is None:
+        store = dist.TCPStore(
+            setup.store_host,
+            setup.store_port,
+            args.world_size,
+            is_master=False,
+            timeout=_timeout(args.rendezvous_timeout_s),
+        )
+    dist.init_process_group(
+        "gloo",
+        store=store,
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=_timeout(setup.collective_timeout_s),
+        pg_options=loopback_gloo_options(),
+    )
+
+
 def _start(args: RankArgs, channel: RankChannel) -> _Started:
     rank, world_size, store = args.rank, args.world_size, None
     with _stage(StartStage.DEVICE, rank):
         bind_device(args.device)
-    if rank == 0:
+    if rank == 0 and world_size > 1:
         with _stage(StartStage.RENDEZVOUS, rank):
             store = loopback_store(world_size, args.rendezvous_timeout_s)
     channel.send(
@@ -214,23 +240,11 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         if setup.is_free_running is not issubclass(cls, FreeRankStep):
             mode = "free-running" if setup.is_free_running else "stepped"
             raise TypeError(f"{setup.step_target} cannot run in a {mode} group")
-    with _stage(StartStage.RENDEZVOUS, rank):
-        if store is None:
-            store = dist.TCPStore(
-                setup.store_host,
-                setup.store_port,
-                world_size,
-                is_master=False,
-                timeout=_timeout(args.rendezvous_timeout_s),
-            )
-        dist.init_process_group(
-            "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=_timeout(setup.collective_timeout_s),
-            pg_options=loopback_gloo_options(),
-        )
+        if setup.is_free_running and world_size != 1:
+            raise ValueError(f"a free-running rank is a world of one, not of {world_size}")
+    if not setup.is_free_running:
+        with _stage(StartStage.RENDEZVOUS, rank):
+            _rendezvous(args, setup, store)
     step_fn = _build_step(cls, args.device, rank, world_size, setup)
     return _Started(rank, setup, step_fn)
 
@@ -238,18 +252,21 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
 def _build_step(
     cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
 ) -> BaseRankStep:
-    with _stage(StartStage.GROUPS, rank):
-        cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
+    cpu_group = device_group = None  # a free-running rank has no process group
+    if not setup.is_free_running:
+        with _stage(StartStage.GROUPS, rank):
+            cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
     ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
     with _stage(StartStage.CONSTRUCT, rank):
         step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))
     try:
         with _stage(StartStage.WARMUP, rank):
             step_fn.warmup()
-        with _stage(StartStage.BARRIER, rank):  # names every rank that did not come
-            dist.monitored_barrier(
-                timeout=_timeout(setup.collective_timeout_s), wait_all_ranks=True
-            )
+        if not setup.is_free_running:
+            with _stage(StartStage.BARRIER, rank):  # names every rank that did not come
+                dist.monitored_barrier(
+                    timeout=_timeout(setup.collective_timeout_s), wait_all_ranks=True
+                )
     except _StartFailure:
         step_fn.close()
         raise
@@ -319,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         channel.send(Ready(rank=started.rank))
         exit_code = _serve(channel, started, args.parent_pid)
         started.step_fn.close()
-        if exit_code is LoopExit.SHUTDOWN:  # a broken group's collectives may never return
+        # A broken group's collectives may never return; a free-running rank has no group.
+        if exit_code is LoopExit.SHUTDOWN and dist.is_initialized():
             dist.destroy_process_group()
         return int(exit_code)
     finally:

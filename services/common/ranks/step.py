@@ -23,13 +23,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RankContext:
-    """This rank's place in the group and its process groups (formed before ``__init__``)."""
+    """This rank's place in the group and its process groups (formed before ``__init__``;
+    None in a free-running rank, a world of one that runs no collective)."""
 
     rank: int
     world_size: int
     device: str  # "cpu" or "cuda:N", already the current device
-    cpu_group: ProcessGroup  # gloo: CPU collectives (manifests, agreement of the step's own)
-    device_group: ProcessGroup  # tensors: NCCL on CUDA ranks, gloo on CPU ranks
+    cpu_group: ProcessGroup | None  # gloo: CPU collectives (manifests, the step's own agreement)
+    device_group: ProcessGroup | None  # tensors: NCCL on CUDA ranks, gloo on CPU ranks
     collective_timeout_s: float  # both groups' timeout
 
 
