@@ -41,6 +41,7 @@ from services.router.metrics import RouterMetrics
 from services.router.policy import make_policy
 from services.router.registry import HealthProbe, WorkerRegistry
 from services.router.servicer import RouterServicer
+from services.router.tools import resolve_tool_format
 from services.router.workers import Worker, WorkerKind, parse_dns_name
 
 SERVICE_NAME = "stageserve.v1.Router"
@@ -157,8 +158,14 @@ class RouterApp:
             self.metrics,
             cfg.served_model_name,
             cfg.max_context_len,
-            ApiLimits(limits.request_timeout_s, limits.max_stop_strings, limits.max_request_bytes),
+            ApiLimits(
+                limits.request_timeout_s,
+                limits.max_stop_strings,
+                limits.max_request_bytes,
+                limits.max_n,
+            ),
             text,
+            resolve_tool_format(cfg.tool_call_parser, cfg.model),
         )
 
     def _grpc_server(self, access: RouterAccess) -> tuple[grpc.aio.Server, int]:

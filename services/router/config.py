@@ -16,7 +16,10 @@ from services.common.settings import (
     positive,
     positive_int,
 )
+from services.router.tool_parsers import ToolFormat
 from services.router.workers import WorkerKind, parse_dns_name
+
+AUTO_TOOL_CALL_PARSER = "auto"  # --tool-call-parser: the chat template's format
 
 
 class PolicyName(enum.StrEnum):
@@ -89,6 +92,9 @@ class LimitsConfig:
         10.0, help="total time for fetching one image URL, redirects and body included"
     )
     max_stop_strings: int = 4
+    max_n: int = flag(
+        8, type=positive_int, help="most choices (n) a completion request may ask for, else 400"
+    )
     default_max_tokens: int = flag(0, help="when a request sets none; 0 = up to the context")
     grammar_compile_timeout_s: float = flag(
         10.0, help="longest a response_format schema may take to compile (else 400)"
@@ -207,6 +213,13 @@ class RouterConfig(ServiceConfig):
     policy: PolicyName = flag(
         PolicyName.ROUND_ROBIN, type=PolicyName, choices=tuple(PolicyName), help="worker choice"
     )
+    tool_call_parser: str = flag(
+        AUTO_TOOL_CALL_PARSER,
+        choices=(AUTO_TOOL_CALL_PARSER, *ToolFormat),
+        help="the format of tool calls in the model's output and of the tools in its prompt: "
+        "hermes (Qwen2.5-VL, Qwen3-VL) or qwen3_coder (Qwen3-Coder, Qwen3.5); auto: "
+        "qwen3_coder when the chat template writes <function=...> calls, else hermes",
+    )
     prefetch_images: bool = flag(
         True,
         name="no_image_prefetch",
@@ -251,6 +264,11 @@ class RouterConfig(ServiceConfig):
     def __post_init__(self) -> None:
         if self.http_host is None:
             object.__setattr__(self, "http_host", self.host)
+        if self.tool_call_parser not in (AUTO_TOOL_CALL_PARSER, *ToolFormat):
+            raise ValueError(
+                f"--tool-call-parser must be auto, {', '.join(ToolFormat)}; "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.drain_timeout_s is not None and not self.drain_timeout_s >= 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
 

@@ -1,34 +1,26 @@
 """The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health.
-
-Streams are server-sent events ending in ``data: [DONE]``. Errors before the first
-token (bad input, no worker, deadline) are plain HTTP errors with an OpenAI error
-body; an error after the stream has started is sent as a ``data: {"error": ...}``
-event. A client that goes away, while waiting or while streaming, cancels its request
-(the pipeline then aborts it on decode).
-"""
+``http_responses.py`` turns a generation into its response."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib.metadata
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
-from services.common.errors import AbortedError, InvalidRequestError, StageServeError
-from services.common.types import TokenLogprob
+from services.common.errors import InvalidRequestError, StageServeError
 from services.engine.processing import TextProcessor
 from services.router.auth import is_authorized
 from services.router.body_limit import BodyLimitMiddleware
+from services.router.choices import choice_requests
 from services.router.fast_json import FastJSONRoute
 from services.router.generation import GenerationPipeline
 from services.router.http_errors import (
@@ -37,31 +29,20 @@ from services.router.http_errors import (
     install_error_handlers,
     openapi_without_422,
 )
+from services.router.http_responses import full_response, stream_response, until_disconnect
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
-from services.router.openai_format import (
-    LogprobFormatter,
-    OpenAIJSONResponse,
-    PromptLogprobs,
-    ResponseFormatter,
-    error_body_of,
-    sse,
-)
+from services.router.openai_format import LogprobFormatter, OpenAIJSONResponse, ResponseFormatter
 from services.router.openai_params import GenerationOptions, generation_options
-from services.router.openai_schema import (
-    ChatCompletionBody,
-    CompletionBody,
-    chat_messages,
-    check_model,
-    completion_input,
-)
+from services.router.openai_prompt import chat_messages, completion_input
+from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_model
 from services.router.registry import WorkerRegistry
 from services.router.tokenize_api import TokenizeApi
+from services.router.tool_parsers import ToolFormat
 from services.router.tools import ToolPlan, tool_plan
 from services.router.tracing import TraceContextMiddleware
-from services.router.types import GenerationDelta, GenerationRequest
+from services.router.types import GenerationRequest
 
-T = TypeVar("T")
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -71,6 +52,7 @@ class ApiLimits:
     request_timeout_s: float
     max_stop_strings: int
     max_request_bytes: int  # larger HTTP bodies get 413 (BodyLimitMiddleware)
+    max_n: int  # the most choices a request may ask for
 
 
 class VersionResponse(BaseModel):
@@ -79,7 +61,8 @@ class VersionResponse(BaseModel):
 
 class OpenAIApi:
     """The handlers; ``create_app`` wires them into a FastAPI app. ``text``: the router's copy
-    of the model's tokenizer (``/detokenize``, logprobs' token texts)."""
+    of the model's tokenizer (``/detokenize``, logprobs' token texts); ``tool_format``: the
+    model's tool-call format (tools and tool turns in prompts, calls in outputs)."""
 
     def __init__(
         self,
@@ -91,6 +74,7 @@ class OpenAIApi:
         max_context_len: int,
         limits: ApiLimits,
         text: TextProcessor,
+        tool_format: ToolFormat,
     ) -> None:
         self.pipeline = pipeline
         self.registry = registry
@@ -100,31 +84,39 @@ class OpenAIApi:
         self.max_context_len = max_context_len
         self.limits = limits
         self.created = int(time.time())
+        self.tool_format = tool_format
         self._token_bytes = text.token_bytes
         self.tokens = TokenizeApi(
-            pipeline, images, text, served_model_name, max_context_len, limits.request_timeout_s
+            pipeline,
+            images,
+            text,
+            served_model_name,
+            max_context_len,
+            limits.request_timeout_s,
+            tool_format,
         )
 
     async def chat_completions(self, body: ChatCompletionBody, request: Request) -> Response:
         tracker = RequestTracker(self.metrics, CHAT_PATH)
         try:
             check_model(body.model, self.served_model_name)
-            options = generation_options(body, self.limits.max_stop_strings)
-            tools = tool_plan(body)
+            options = generation_options(body, self.limits.max_stop_strings, self.limits.max_n)
+            tools = tool_plan(body, self.tool_format)
             grammar_param = "response_format"
             if tools is not None and tools.grammar is not None:
                 params = msgspec.structs.replace(options.params, grammar=tools.grammar)
                 options, grammar_param = dataclasses.replace(options, params=params), "tools"
             await self.pipeline.check_grammar(options.params, grammar_param)
             listed = None if tools is None else list(tools.tools)
-            messages = await _until_disconnect(
-                request, chat_messages(body.messages, self.images, listed)
+            messages = await until_disconnect(
+                request, chat_messages(body.messages, self.images, listed, self.tool_format)
             )
             generation = self._generation(
                 f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages
             )
             return await self._respond(
                 generation,
+                options.num_choices,
                 body.stream,
                 body.stream_options,
                 request,
@@ -140,7 +132,7 @@ class OpenAIApi:
         tracker = RequestTracker(self.metrics, COMPLETIONS_PATH)
         try:
             check_model(body.model, self.served_model_name)
-            options = generation_options(body, self.limits.max_stop_strings)
+            options = generation_options(body, self.limits.max_stop_strings, self.limits.max_n)
             await self.pipeline.check_grammar(options.params, "response_format")
             given = completion_input(body, self.max_context_len)
             prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
@@ -159,6 +151,7 @@ class OpenAIApi:
             echo = prompt if body.echo else ""
             return await self._respond(
                 generation,
+                options.num_choices,
                 body.stream,
                 body.stream_options,
                 request,
@@ -187,6 +180,7 @@ class OpenAIApi:
     async def _respond(
         self,
         generation: GenerationRequest,
+        num_choices: int,
         stream: bool,
         stream_options: Any,
         request: Request,
@@ -197,39 +191,43 @@ class OpenAIApi:
         tools: ToolPlan | None = None,
         prompt_tops: tuple[int | None, int | None] = (None, None),
     ) -> Response:
-        """``echo``: text the output starts with (completions' echo: the prompt); ``tools``:
-        the chat's tool plan (its output parsed for calls; never with ``stream``);
-        ``prompt_tops``: ``ResponseFormatter``'s ``echo_top`` and ``prompt_top``."""
+        """One choice per request of ``choice_requests(generation, num_choices)``; ``echo``:
+        text each output starts with (completions' echo: the prompt); ``tools``: the chat's
+        tool plan (its output parsed for calls); ``prompt_tops``:
+        ``ResponseFormatter``'s ``echo_top`` and ``prompt_top``."""
+        created = int(time.time())
+        formatters = [
+            self._formatter(generation, created, index, is_chat, prompt_tops)
+            for index in range(num_choices)
+        ]
+        streams = [self.pipeline.stream(g) for g in choice_requests(generation, num_choices)]
+        if not stream:
+            return await full_response(formatters, streams, request, tracker, echo, tools)
+        return await stream_response(
+            formatters, streams, request, tracker, stream_options, echo, tools
+        )
+
+    def _formatter(
+        self,
+        generation: GenerationRequest,
+        created: int,
+        index: int,
+        is_chat: bool,
+        prompt_tops: tuple[int | None, int | None],
+    ) -> ResponseFormatter:
         logprobs = None
         if generation.params.return_logprobs:
             logprobs = LogprobFormatter(self._token_bytes)
-        formatter = ResponseFormatter(
+        return ResponseFormatter(
             generation.request_id,
             self.served_model_name,
-            int(time.time()),
+            created,
             is_chat=is_chat,
             logprobs=logprobs,
             echo_top=prompt_tops[0],
             prompt_top=prompt_tops[1],
             token_bytes=self._token_bytes,
-        )
-        deltas = self.pipeline.stream(generation)
-        if not stream:
-            collected = await _until_disconnect(request, _collect(deltas))
-            text, last, token_logprobs, prompt = collected
-            assert last.finish_reason is not None and last.usage is not None
-            tracker.finish("ok", last.usage)
-            parsed = None if tools is None else tools.parse(text)
-            body = formatter.full(
-                echo + text, last.finish_reason, last.usage, token_logprobs, parsed, prompt
-            )
-            return OpenAIJSONResponse(body)
-        # The first delta comes before the headers, so errors up to prefill are plain HTTP errors.
-        first = await _until_disconnect(request, anext(deltas))
-        include_usage = bool(stream_options and stream_options.include_usage)
-        events = _sse_events(formatter, first, deltas, include_usage, tracker, echo)
-        return _SSEResponse(
-            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            index=index,
         )
 
     def version(self) -> VersionResponse:
@@ -273,103 +271,6 @@ class OpenAIApi:
         body = {"status": status, **({"missing": missing} if missing else {})}
         body |= {"workers": workers, "admission": admission}
         return OpenAIJSONResponse(body, status_code=code)
-
-
-class _SSEResponse(StreamingResponse):
-    """Closes its event generator however the response ends (a disconnect cancels mid-send)."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _collect(
-    deltas: AsyncIterator[GenerationDelta],
-) -> tuple[str, GenerationDelta, list[TokenLogprob], PromptLogprobs | None]:
-    texts, logprobs = [], []
-    prompt = None
-    async for delta in deltas:
-        texts.append(delta.text)
-        logprobs.extend(delta.logprobs)
-        prompt = prompt or _prompt_of(delta)
-        if delta.finish_reason is not None:
-            return "".join(texts), delta, logprobs, prompt
-    raise AssertionError("the pipeline ended without a final delta")
-
-
-def _prompt_of(delta: GenerationDelta) -> PromptLogprobs | None:
-    if not delta.prompt_token_ids:
-        return None
-    return PromptLogprobs(delta.prompt_token_ids, delta.prompt_logprobs)
-
-
-async def _sse_events(
-    formatter: ResponseFormatter,
-    first: GenerationDelta,
-    deltas: AsyncIterator[GenerationDelta],
-    include_usage: bool,
-    tracker: RequestTracker,
-    echo: str,
-) -> AsyncIterator[str]:
-    outcome = "cancelled"  # unless the stream reaches its end
-    try:
-        if formatter.is_chat:
-            yield sse(formatter.chunk("", role=True, with_usage_field=include_usage))
-        if echo:
-            prompt = _prompt_of(first)
-            body = None if prompt is None else formatter.echo_body(prompt)
-            yield sse(formatter.chunk(echo, with_usage_field=include_usage, logprobs=body))
-        delta = first
-        while True:
-            if formatter.has_logprobs and delta.logprobs:
-                body = formatter.logprobs_body(delta.logprobs)
-                yield sse(
-                    formatter.chunk(delta.text, with_usage_field=include_usage, logprobs=body)
-                )
-            elif delta.text:
-                yield formatter.text_event(delta.text, include_usage)
-            if delta.finish_reason is not None:
-                break
-            delta = await anext(deltas)
-        yield sse(
-            formatter.chunk(
-                None if formatter.is_chat else "",
-                delta.finish_reason,
-                with_usage_field=include_usage,
-            )
-        )
-        if include_usage and delta.usage is not None:
-            yield sse(formatter.usage_chunk(delta.usage))
-        outcome = "ok"
-        tracker.finish(outcome, delta.usage)
-    except StageServeError as exc:
-        outcome = exc.openai_type
-        yield sse(error_body_of(exc))
-    finally:
-        tracker.finish(outcome)
-        await deltas.aclose()  # type: ignore[attr-defined]
-    yield sse("[DONE]")
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it and raise ``AbortedError``."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise AbortedError("the client disconnected")
-    finally:
-        watcher.cancel()
-        task.cancel()
 
 
 # FastAPI (0.145 on) traces, meters and logs every request itself once an OpenTelemetry provider

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 
 from services.common.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, StageServeError, clip
 from services.common.types import FinishReason, TokenLogprob, Usage
-from services.router.tool_parsers import ParsedText, tool_calls_body
+from services.router.tool_parsers import ParsedText, choice_finish_reason, tool_calls_body
 
 # What json.dumps(ensure_ascii=False) leaves raw that breaks clients: the line breaks that
 # str.splitlines() splits on besides \n and \r (U+0085, U+2028, U+2029; json escapes the
@@ -42,7 +42,8 @@ class OpenAIJSONResponse(JSONResponse):
         return dump_json(content).encode("utf-8")
 
 
-def usage_body(usage: Usage) -> dict[str, int]:
+def usage_body(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage; ``cached_image_tokens``: the image tokens among ``cached_tokens``."""
     return {
         "prompt_tokens": usage.num_prompt_tokens,
         "completion_tokens": usage.num_completion_tokens,
@@ -168,7 +169,8 @@ _TEXT_MARK_JSON = dump_json(_TEXT_MARK)
 
 
 class ResponseFormatter:
-    """Bodies of one response (one id, one creation time) of a chat or completion endpoint."""
+    """Bodies of one choice of a response (one id, one creation time) of a chat or completion
+    endpoint; a response of ``n`` choices has one formatter per choice."""
 
     def __init__(
         self,
@@ -181,16 +183,19 @@ class ResponseFormatter:
         echo_top: int | None = None,
         prompt_top: int | None = None,
         token_bytes: Callable[[int], bytes] | None = None,
+        index: int = 0,
     ) -> None:
         """``logprobs``: set when the request asked for logprobs; ``echo_top``: the top
         logprobs per echoed prompt token (None: echo without logprobs); ``prompt_top``: vLLM's
-        ``prompt_logprobs`` (None: not asked); ``token_bytes`` is needed with it."""
+        ``prompt_logprobs`` (None: not asked); ``token_bytes`` is needed with it; ``index``:
+        the choice's."""
         self._prompt = None if token_bytes is None else LogprobFormatter(token_bytes)
         self._echo_top, self._prompt_top = echo_top, prompt_top
         self.response_id = response_id
         self.model = model
         self.created = created
         self.is_chat = is_chat
+        self.index = index
         self._logprobs = logprobs
         self._text_events: dict[bool, tuple[str, str]] = {}  # with_usage_field -> (head, tail)
 
@@ -227,39 +232,39 @@ class ResponseFormatter:
             self._logprobs.chat(logprobs) if self.is_chat else self._logprobs.completion(logprobs)
         )
 
-    def full(
+    def full(self, choices: Sequence[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        """The whole response: ``choices`` (each choice's formatter's ``choice``) and ``usage``."""
+        body = self._envelope("chat.completion" if self.is_chat else "text_completion", [*choices])
+        body["usage"] = usage_body(usage)
+        return body
+
+    def choice(
         self,
         text: str,
         finish_reason: FinishReason,
-        usage: Usage,
         logprobs: Sequence[TokenLogprob] = (),
         tools: ParsedText | None = None,
         prompt: PromptLogprobs | None = None,
     ) -> dict[str, Any]:
-        """``tools``: the chat's text parsed for tool calls (calls found: ``tool_calls``,
-        the rest as content or null, finish reason ``tool_calls``)."""
-        if self.is_chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            reason = finish_reason.value
-            if tools is not None and tools.calls:
-                message = {
-                    "role": "assistant",
-                    "content": tools.content or None,
-                    "tool_calls": tool_calls_body(tools.calls),
-                }
-                reason = "tool_calls"
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": self.logprobs_body(logprobs),
-                "finish_reason": reason,
+        """The choice in the whole response; ``tools``: the chat's text parsed for tool calls
+        (calls found: ``tool_calls``, the rest as content or null, finish reason ``tool_calls`` unless ``length``)."""
+        if not self.is_chat:
+            return self._completion_choice(text, finish_reason, logprobs, prompt)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = finish_reason.value
+        if tools is not None and tools.calls:
+            message = {
+                "role": "assistant",
+                "content": tools.content or None,
+                "tool_calls": tool_calls_body(tools.calls),
             }
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = self._completion_choice(text, finish_reason, logprobs, prompt)
-            body = self._envelope("text_completion", [choice])
-        body["usage"] = usage_body(usage)
-        return body
+            reason = choice_finish_reason(finish_reason, True)
+        return {
+            "index": self.index,
+            "message": message,
+            "logprobs": self.logprobs_body(logprobs),
+            "finish_reason": reason,
+        }
 
     def echo_body(self, prompt: PromptLogprobs) -> dict[str, Any] | None:
         """The echoed prompt's ``logprobs`` (before the generated tokens' bodies: their
@@ -279,7 +284,8 @@ class ResponseFormatter:
         body = self.logprobs_body(logprobs)
         if echoed is not None and body is not None:
             body = {key: [*echoed[key], *body[key]] for key in body}
-        choice = {"index": 0, "text": text, "logprobs": body, "finish_reason": finish_reason.value}
+        reason = finish_reason.value
+        choice = {"index": self.index, "text": text, "logprobs": body, "finish_reason": reason}
         if self._prompt_top is not None and prompt is not None and self._prompt is not None:
             choice["prompt_logprobs"] = self._prompt.vllm_prompt(prompt, self._prompt_top)
         return choice
@@ -300,15 +306,11 @@ class ResponseFormatter:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            body = self._envelope(
-                "chat.completion.chunk",
-                [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
-            )
+            object_name, content = "chat.completion.chunk", {"delta": delta}
         else:
-            body = self._envelope(
-                "text_completion",
-                [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}],
-            )
+            object_name, content = "text_completion", {"text": text or ""}
+        choice = {"index": self.index, **content, "logprobs": logprobs, "finish_reason": reason}
+        body = self._envelope(object_name, [choice])
         if with_usage_field:
             body["usage"] = None
         return body

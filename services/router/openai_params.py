@@ -1,7 +1,7 @@
 """A generation body's fields, checked, into ``SamplingParams``, a token budget and stop strings.
 
-The order of checks: ``n`` below 1 (meaningless, not unsupported), fields this server does
-not implement (each body's ``REFUSALS``: a 400 naming the field and saying what is not
+The order of checks: ``n`` below 1 (meaningless, not unsupported) or over the router's
+``--max-n``, fields this server does not implement (each body's ``REFUSALS``: a 400 naming the field and saying what is not
 supported), then stream options, the token budget, logit_bias, and last the sampling
 ranges of ``SamplingParams.validate`` (the same rules for HTTP and gRPC). The context check
 of ``max_tokens`` needs the prompt's length, so the pipeline makes it after tokenizing.
@@ -38,6 +38,7 @@ class GenerationOptions:
     max_tokens: int | None  # None: the router's default
     max_tokens_param: str  # the field that set it: max_tokens or max_completion_tokens
     stop: tuple[str, ...]
+    num_choices: int  # n
 
 
 def refuse_unsupported(body: GenerationBody) -> None:
@@ -47,11 +48,17 @@ def refuse_unsupported(body: GenerationBody) -> None:
             raise InvalidRequestError(f"{field}: {reason}", param=field)
 
 
-def generation_options(body: GenerationBody, max_stop_strings: int) -> GenerationOptions:
+def generation_options(
+    body: GenerationBody, max_stop_strings: int, max_n: int
+) -> GenerationOptions:
     """Check the fields every generation endpoint shares; ``InvalidRequestError`` on the first bad
     one."""
     if body.n is not None and body.n < 1:
         raise InvalidRequestError(f"n must be >= 1, got {body.n}", param="n")
+    if body.n is not None and body.n > max_n:
+        raise InvalidRequestError(
+            f"n must be <= {max_n} (this server's --max-n), got {body.n}", param="n"
+        )
     refuse_unsupported(body)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError(
@@ -86,7 +93,7 @@ def generation_options(body: GenerationBody, max_stop_strings: int) -> Generatio
     )
     params.validate()
     stop = _stop_strings(body.stop, max_stop_strings)
-    return GenerationOptions(params, max_tokens, max_tokens_param, stop)
+    return GenerationOptions(params, max_tokens, max_tokens_param, stop, body.n or 1)
 
 
 def _logprobs(body: GenerationBody) -> dict[str, Any]:

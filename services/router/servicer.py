@@ -39,7 +39,7 @@ from services.router import prompt_embeds
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader, check_image
 from services.router.metrics import RequestTracker, RouterMetrics
-from services.router.openai_schema import ROLES
+from services.router.openai_prompt import ROLES
 from services.router.types import GenerationDelta, GenerationRequest
 
 GRPC_ENDPOINT = "grpc:Generate"

@@ -26,13 +26,9 @@ from services.common.errors import InvalidRequestError
 from services.engine.processing import TextProcessor
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader
-from services.router.openai_schema import (
-    Body,
-    ChatMessageBody,
-    chat_messages,
-    check_model,
-    check_text,
-)
+from services.router.openai_prompt import chat_messages
+from services.router.openai_schema import Body, ChatMessageBody, check_model, check_text
+from services.router.tool_parsers import ToolFormat
 from services.router.types import GenerationRequest
 
 
@@ -86,20 +82,23 @@ class TokenizeApi:
         served_model_name: str,
         max_context_len: int,
         request_timeout_s: float,
+        tool_format: ToolFormat,
     ) -> None:
+        """``tool_format``: the model's tool-call format (tool turns in chats)."""
         self._pipeline = pipeline
         self._images = images
         self._text = text
         self._served_model_name = served_model_name
         self._max_context_len = max_context_len
         self._request_timeout_s = request_timeout_s
+        self._tool_format = tool_format
 
     async def tokenize(self, body: TokenizeBody) -> TokenizeResponse:
         check_model(body.model, self._served_model_name)
         _check_tokenize_options(body)
         request_id = f"tok-{uuid.uuid4().hex}"
         if body.messages is not None:
-            messages = await chat_messages(body.messages, self._images)
+            messages = await chat_messages(body.messages, self._images, style=self._tool_format)
             request = GenerationRequest(
                 request_id, messages=messages, timeout_s=self._request_timeout_s
             )

@@ -1,13 +1,14 @@
 """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request: checked, turned
-into a grammar where a call is required, and the output turned into ``tool_calls``.
+into a grammar where a call is required, and the output turned into ``tool_calls``, whole or
+as a stream.
 
 ``none``: the tools are listed in the prompt, the output is text. ``auto`` (the default with
-tools): the output is free text, parsed for calls in the model's format (``tool_parsers``).
-``required`` and a named function: the output is constrained to JSON calls (xgrammar, strict
-mode), ``{"name": ..., "arguments": ...}`` with the arguments following that tool's
-``parameters``: one call object for a named function or ``parallel_tool_calls: false``, else
-an array of at least one call. This is the JSON fallback vLLM uses, not the model's own
-``<tool_call>`` envelope.
+tools): the output is free text, parsed for calls in the model's format (``tool_parsers``,
+chosen by ``--tool-call-parser``, ``resolve_tool_format``). ``required`` and a named function:
+the output is constrained to JSON calls (xgrammar, strict mode), ``{"name": ...,
+"arguments": ...}`` with the arguments following that tool's ``parameters``: one call object
+for a named function or ``parallel_tool_calls: false``, else an array of at least one call.
+This is the JSON fallback vLLM uses, not the model's own ``<tool_call>`` envelope.
 """
 
 from __future__ import annotations
@@ -16,16 +17,32 @@ import enum
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidRequestError
 from services.common.types import MAX_GRAMMAR_SPEC_LEN, Grammar, GrammarKind
+from services.engine.processing.chat import find_chat_template, read_json
+from services.router.config import AUTO_TOOL_CALL_PARSER
+from services.router.openai_format import ResponseFormatter
 from services.router.openai_schema import ChatCompletionBody, ToolBody
-from services.router.tool_parsers import TOOL_PARSERS, ParsedText, as_call
+from services.router.tool_parser_json import HermesParser, JsonCallsParser
+from services.router.tool_parser_xml import Qwen3CoderParser
+from services.router.tool_parsers import BaseToolParser, ParsedText, ToolFormat, parse_text
+from services.router.tool_stream import ToolCallStream
 
 MAX_TOOLS = 128
-TOOL_PARSER = "hermes"  # the format of the Qwen2.5-VL family, whose chats the router writes
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def resolve_tool_format(choice: str, model_dir: Path) -> ToolFormat:
+    """The tool-call format ``--tool-call-parser`` names; ``auto``: the one the checkpoint's
+    chat template writes calls in, ``qwen3_coder`` when it writes ``<function=...>`` calls,
+    else ``hermes`` (the format of every model family the engine runs)."""
+    if choice != AUTO_TOOL_CALL_PARSER:
+        return ToolFormat(choice)
+    template = find_chat_template(model_dir, read_json(model_dir / "tokenizer_config.json"))
+    return ToolFormat.QWEN3_CODER if "<function=" in template else ToolFormat.HERMES
 
 
 class ToolMode(enum.Enum):
@@ -44,26 +61,34 @@ class ToolPlan:
     names: tuple[str, ...]  # the names calls may use (the named one only, for NAMED)
     is_parallel: bool
     grammar: Grammar | None  # REQUIRED and NAMED
+    style: ToolFormat  # the model's tool-call format
+
+    def parser(self) -> BaseToolParser | None:
+        """A parser for one output's calls; None for NONE (the output is text)."""
+        max_calls = None if self.is_parallel else 1
+        if self.mode is ToolMode.NONE:
+            return None
+        if self.mode is not ToolMode.AUTO:
+            return JsonCallsParser(self.names, max_calls)
+        if self.style is ToolFormat.HERMES:
+            return HermesParser(self.names, max_calls)
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
+        return Qwen3CoderParser(self.names, max_calls, schemas)
 
     def parse(self, text: str) -> ParsedText:
         """The output's calls and the text that is not a call."""
-        max_calls = None if self.is_parallel else 1
-        if self.mode is ToolMode.AUTO:
-            return TOOL_PARSERS[TOOL_PARSER](text, self.names, max_calls)
-        if self.mode is ToolMode.NONE:
-            return ParsedText(text, ())
-        try:
-            value = json.loads(text)
-        except ValueError:  # cut short by max_tokens
-            return ParsedText(text, ())
-        calls = [as_call(v, self.names) for v in (value if isinstance(value, list) else [value])]
-        if not calls or None in calls:
-            return ParsedText(text, ())
-        return ParsedText("", tuple(c for c in calls if c is not None))
+        parser = self.parser()
+        return ParsedText(text, ()) if parser is None else parse_text(parser, text)
+
+    def stream(self, formatter: ResponseFormatter, include_usage: bool) -> ToolCallStream | None:
+        """The chunks of a streamed output's calls; None for NONE (a plain text stream)."""
+        parser = self.parser()
+        return None if parser is None else ToolCallStream(parser, formatter, include_usage)
 
 
-def tool_plan(body: ChatCompletionBody) -> ToolPlan | None:
-    """The request's plan, None without tools; ``InvalidRequestError`` naming the field."""
+def tool_plan(body: ChatCompletionBody, style: ToolFormat = ToolFormat.HERMES) -> ToolPlan | None:
+    """The request's plan, None without tools; ``InvalidRequestError`` naming the field.
+    ``style``: the model's tool-call format."""
     if body.tools == []:
         raise InvalidRequestError("tools must hold at least one tool", param="tools")
     if body.tools is None:
@@ -75,8 +100,6 @@ def tool_plan(body: ChatCompletionBody) -> ToolPlan | None:
     names = tuple(t.function.name for t in tools)
     mode, names = _choice(body.tool_choice, names)
     is_parallel = body.parallel_tool_calls is not False
-    if mode is not ToolMode.NONE and body.stream:
-        raise InvalidRequestError("stream with tools is not supported yet", param="stream")
     grammar = None
     if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
         if body.response_format is not None and body.response_format.get("type") != "text":
@@ -87,7 +110,7 @@ def tool_plan(body: ChatCompletionBody) -> ToolPlan | None:
         chosen = [t for t in tools if t.function.name in names]
         grammar = _grammar(chosen, is_array=mode is ToolMode.REQUIRED and is_parallel)
     dumped = tuple(t.model_dump(exclude_none=True) for t in tools)
-    return ToolPlan(mode, dumped, names, is_parallel, grammar)
+    return ToolPlan(mode, dumped, names, is_parallel, grammar, style)
 
 
 def _checked_tools(tools: list[ToolBody]) -> list[ToolBody]:

@@ -20,8 +20,8 @@ from services.engine.attention.context_parallel import CpShard
 from services.engine.config import ModelConfig
 from services.engine.offline import OfflinePipeline
 from tests.conftest import REPO, TINY_MODEL_DIR, image_bytes
+from tests.e2e.openai_api.helpers import chat
 from tests.e2e.system import pid_alive, start_system
-from tests.e2e.test_openai_api import chat
 from tests.engine.test_model_parity import hf_inputs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -10,8 +10,8 @@ import pytest
 
 from services.engine.offline import OfflinePipeline
 from tests.conftest import TINY_MODEL_DIR, image_bytes
+from tests.e2e.openai_api.helpers import chat
 from tests.e2e.system import pid_alive, start_system
-from tests.e2e.test_openai_api import chat
 from tests.e2e.test_qwen3_vl import MAX_TOKENS, generate_cli, transformers_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Requests and SSE parsing shared by the HTTP API tests (test_http_*.py)."""
+"""Requests and SSE parsing shared by the HTTP API tests (test_http_*.py, test_openai_*.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,26 @@ from tests.router.conftest import (
 )
 
 EXPECTED = "Hello there, world!"
-
-
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}]}
+COMPLETION = {"model": MODEL_NAME, "prompt": "Once upon"}
 
 
 def prompt_len(cluster: Cluster) -> int:
     return len(next(iter(cluster.decode.reserved.values())).prompt_token_ids)
+
+
+def body_for(path: str, **fields) -> dict:
+    return {**(CHAT if path == CHAT_PATH else COMPLETION), **fields}
+
+
+async def assert_400(http: httpx.AsyncClient, path: str, body: dict, param: str) -> str:
+    """The 400's message, once its error names ``param``."""
+    response = await http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    return error["message"]
 
 
 def sse_events(body: str) -> list[str]:

@@ -48,7 +48,7 @@ BAD_REQUESTS = {
     "temperature_negative": ({**CHAT, "temperature": -0.1}, "temperature"),
     "temperature_too_high": ({**CHAT, "temperature": 2.5}, "temperature"),
     "top_p_zero": ({**CHAT, "top_p": 0}, "top_p"),
-    "n_two": ({**CHAT, "n": 2}, "n"),
+    "n_over_max_n": ({**CHAT, "n": 9}, "n"),
     "five_stops": ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     "empty_stop": ({**CHAT, "stop": [""]}, "stop"),
     "not_an_image": (

@@ -87,7 +87,7 @@ async def test_stop_string_across_tokens_while_streaming(client, cluster):
 
 async def test_errors_are_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=2)
+        await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, n=9)
     assert info.value.status_code == 400 and info.value.param == "n"
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model="other", messages=MESSAGES)

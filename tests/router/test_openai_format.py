@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.common.types import FinishReason, TokenLogprob, Usage
+from services.common.types import FinishReason, TokenLogprob
 from services.router.openai_format import (
     LogprobFormatter,
     PromptLogprobs,
@@ -65,8 +65,7 @@ def test_echo_logprobs_come_first_and_the_first_prompt_token_has_none():
         token_bytes=_token_bytes,
     )
     generated = [TokenLogprob(6, -0.25, (6,), (-0.25,))]
-    usage = Usage(3, 1)
-    choice = formatter.full("x", FinishReason.LENGTH, usage, generated, prompt=PROMPT)["choices"][0]
+    choice = formatter.choice("x", FinishReason.LENGTH, generated, prompt=PROMPT)
     assert choice["logprobs"] == {
         "tokens": ["<7>", "<8>", "<9>", "<6>"],
         "token_logprobs": [None, -0.5, -9999.0, -0.25],
@@ -80,7 +79,7 @@ def test_vllm_prompt_logprobs_hold_the_token_and_the_top_ones():
     formatter = ResponseFormatter(
         "cmpl-1", "m", 0, is_chat=False, prompt_top=1, token_bytes=_token_bytes
     )
-    choice = formatter.full("x", FinishReason.LENGTH, Usage(3, 1), prompt=PROMPT)["choices"][0]
+    choice = formatter.choice("x", FinishReason.LENGTH, prompt=PROMPT)
     assert choice["logprobs"] is None
     assert choice["prompt_logprobs"] == [
         None,

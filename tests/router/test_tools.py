@@ -11,11 +11,13 @@ import pytest
 
 from services.common.paths import BUNDLED_MODEL
 from services.engine.grammar import GrammarCache
-from services.router.openai_schema import ChatCompletionBody, ChatMessageBody, chat_messages
-from services.router.tool_parsers import ParsedCall, parse_hermes
+from services.router.openai_prompt import chat_messages
+from services.router.openai_schema import ChatCompletionBody, ChatMessageBody
+from services.router.tool_parser_json import parse_hermes
+from services.router.tool_parsers import ParsedCall
 from services.router.tools import MAX_TOOLS, ToolMode, tool_plan
 from tests.router.fakes import EOS_ID, TEXT, char_ids
-from tests.router.test_openai_params import CHAT_PATH, assert_400
+from tests.router.http_helpers import CHAT_PATH, assert_400
 
 WEATHER = {
     "type": "function",
@@ -60,7 +62,8 @@ def block(text: str) -> str:
             [],
         ),
         (block('{"name": "get_time", "arguments": "x"}'), None, []),
-        ("<tool_call>\n" + CALL, None, []),  # cut short: no closing tag
+        ("<tool_call>\n" + CALL, "", [("get_weather", '{"city": "Oslo"}')]),  # no closing tag
+        ("<tool_call>\n" + CALL[:-4], "", [("get_weather", '{"city": "Osl')]),  # cut short
     ],
 )
 def test_hermes_parser(text, content, calls):
@@ -216,7 +219,6 @@ def _history(**tool_message) -> list[dict]:
             {"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "x"}}},
             "tool_choice",
         ),
-        ({"tools": [TIME], "stream": True}, "stream"),
         (
             {
                 "tools": [TIME],

@@ -1,0 +1,93 @@
+"""A response's ``n`` choices (OpenAI's ``n``): one generation each through the pipeline, all
+at once; the first choice that fails ends the others (cancelled, so aborted on decode) and
+fails the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import msgspec
+
+from services.common.types import Usage
+from services.router.types import GenerationDelta, GenerationRequest
+
+T = TypeVar("T")
+Deltas = AsyncIterator[GenerationDelta]
+
+
+def choice_requests(generation: GenerationRequest, num_choices: int) -> list[GenerationRequest]:
+    """``generation`` once per choice: choice ``i``'s id is ``<id>-<i>`` (one choice: the id
+    itself) and, with a seed, its seed ``seed + i`` (mod 2**64): choices differ, yet repeat."""
+    if num_choices == 1:
+        return [generation]
+    params, seed = generation.params, generation.params.seed
+    return [
+        msgspec.structs.replace(
+            generation,
+            request_id=f"{generation.request_id}-{i}",
+            params=params
+            if seed is None
+            else msgspec.structs.replace(params, seed=(seed + i) % 2**64),
+        )
+        for i in range(num_choices)
+    ]
+
+
+async def each_choice(streams: Sequence[Deltas], work: Callable[[Deltas], Awaitable[T]]) -> list[T]:
+    """``work(stream)`` for every choice at once, the results in choice order; the first error
+    (by choice index among those failed) cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(work(stream)) for stream in streams]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            error = task.exception() if task.done() and not task.cancelled() else None
+            if error is not None:
+                raise error
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merged(
+    streams: Sequence[Deltas], firsts: Sequence[GenerationDelta]
+) -> AsyncIterator[tuple[int, GenerationDelta]]:
+    """Every choice's deltas with its index: ``firsts`` (each stream's first delta, already
+    taken) in order, then the rest as they come. A choice's error is raised at once; closing
+    this iterator cancels the choices' pending reads (their streams then close)."""
+    for index, first in enumerate(firsts):
+        yield index, first
+    if len(streams) == 1:  # one choice: no task per delta
+        if firsts[0].finish_reason is None:
+            async for delta in streams[0]:
+                yield 0, delta
+        return
+    reads = {
+        asyncio.ensure_future(anext(streams[i])): i
+        for i, first in enumerate(firsts)
+        if first.finish_reason is None
+    }
+    try:
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in sorted(done, key=reads.__getitem__):
+                delta = read.result()
+                index = reads.pop(read)
+                yield index, delta
+                if delta.finish_reason is None:
+                    reads[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
+
+
+def total_usage(usages: Sequence[Usage]) -> Usage:
+    """The response's usage: the prompt's counts once (the choices share it), the completion
+    tokens summed over the choices."""
+    completion = sum(usage.num_completion_tokens for usage in usages)
+    return msgspec.structs.replace(usages[0], num_completion_tokens=completion)
