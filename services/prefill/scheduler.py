@@ -18,8 +18,8 @@ Batch rule: a plan only holds requests whose kinds pairwise ``can_share_batch`` 
 placeholders and embedding overrides never mix). A plan holds the oldest READY request
 and then every later compatible READY request that fits ``max_batch_tokens`` (tokens it
 computes: those past its cached prefix) and the local KV pool (every page of its prompt:
-the prefix cache gives up whatever the plan does not read). Rows of a request whose Encode may still be writing (it timed out or its
-peer vanished) are quarantined for ``row_quarantine_s`` before they are reused.
+the prefix cache gives up whatever the plan does not read). Rows of a request whose
+Encode may still be writing (it timed out or its peer vanished) are quarantined for ``row_quarantine_s`` before they are reused.
 """
 
 from __future__ import annotations

@@ -247,7 +247,8 @@ class ResponseFormatter:
         prompt: PromptLogprobs | None = None,
     ) -> dict[str, Any]:
         """The choice in the whole response; ``tools``: the chat's text parsed for tool calls
-        (calls found: ``tool_calls``, the rest as content or null, finish reason ``tool_calls`` unless ``length``)."""
+        (calls found: ``tool_calls``, the rest as content or null, finish reason
+        ``tool_calls`` unless ``length``)."""
         if not self.is_chat:
             return self._completion_choice(text, finish_reason, logprobs, prompt)
         message: dict[str, Any] = {"role": "assistant", "content": text}

@@ -1,8 +1,8 @@
 """A generation body's fields, checked, into ``SamplingParams``, a token budget and stop strings.
 
 The order of checks: ``n`` below 1 (meaningless, not unsupported) or over the router's
-``--max-n``, fields this server does not implement (each body's ``REFUSALS``: a 400 naming the field and saying what is not
-supported), then stream options, the token budget, logit_bias, and last the sampling
+``--max-n``, fields this server does not implement (each body's ``REFUSALS``: a 400
+naming the field and saying what is not supported), then stream options, the token budget, logit_bias, and last the sampling
 ranges of ``SamplingParams.validate`` (the same rules for HTTP and gRPC). The context check
 of ``max_tokens`` needs the prompt's length, so the pipeline makes it after tokenizing.
 """
