@@ -130,6 +130,19 @@ def cases(large: tuple[int, int], small: tuple[int, int]) -> tuple[Case, ...]:
     )
 
 
+# every request's trace holds these spans; an image request's also vision_encoder.encode
+TRACED_STAGES = frozenset(
+    {"router.request", "tokenizer.tokenize", "decode.reserve", "prefill.request"}
+)
+
+
+def traced_stages(result: CaseResult) -> frozenset[str]:
+    """The span names each of the row's traces holds once all its services have exported."""
+    if result.case.image_size is None:
+        return TRACED_STAGES
+    return TRACED_STAGES | {"vision_encoder.encode"}
+
+
 def _spec(model: str, size: tuple[int, int] | None, seed: int, index: int) -> RequestSpec:
     workload = WorkloadSpec(
         IntRange(0, 0),  # the text is PROMPT
@@ -314,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         timeline: list[str] = []
         if receiver is not None:
             windows = [r.window_ns for r in results]
-            spans = wait_for_roots(receiver, windows, [r.num_requests for r in results])
+            counts = [r.num_requests for r in results]
+            spans = wait_for_roots(receiver, windows, counts, [traced_stages(r) for r in results])
             timeline = ["", *timeline_lines(spans, [(r.case.name, r.window_ns) for r in results])]
     code = system.process.returncode
     per_request = [f"- {r.case.name}: {r.ttfts_text()}" for r in results]

@@ -46,12 +46,25 @@ def _roots(spans: Sequence[ReceivedSpan], window: tuple[int, int]) -> list[Recei
 
 
 def wait_for_roots(
-    receiver: OtlpReceiver, windows: Sequence[tuple[int, int]], counts: Sequence[int]
+    receiver: OtlpReceiver,
+    windows: Sequence[tuple[int, int]],
+    counts: Sequence[int],
+    required: Sequence[frozenset[str]],
 ) -> list[ReceivedSpan]:
-    """The spans received once every window holds its count of root spans."""
+    """The spans received once every window holds its count of root spans and each of those
+    roots' traces holds the window's ``required`` span names: every service exports on its own
+    schedule, so the router's root can arrive before a later stage's span."""
+    by_window = list(zip(windows, counts, required, strict=True))
 
     def complete(spans: list[ReceivedSpan]) -> bool:
-        return all(len(_roots(spans, w)) >= n for w, n in zip(windows, counts, strict=True))
+        names: dict[str, set[str]] = defaultdict(set)
+        for span in spans:
+            names[span.trace_id].add(span.name)
+        for window, count, needed in by_window:
+            roots = _roots(spans, window)
+            if len(roots) < count or any(not needed <= names[r.trace_id] for r in roots):
+                return False
+        return True
 
     return receiver.wait_for(complete, EXPORT_TIMEOUT_S)
 
