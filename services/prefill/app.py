@@ -72,6 +72,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         kv_exchange_over_cpu=len(set(config.devices)) < len(config.devices),
         cuda_graph_max_tokens=config.cuda_graph_max_tokens,
         gpu_share_file=config.gpu_share_file,
+        host_cache_gb=0.0 if config.disable_prefix_cache else config.host_cache_gb,
     )
 
 

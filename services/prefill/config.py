@@ -44,6 +44,13 @@ class PrefillConfig(ServiceConfig):
         "of recent prompts' full pages (least recently used out first), and a prompt that "
         "starts with the same tokens and images reads them instead of computing them",
     )
+    host_cache_gb: float = flag(
+        0.0,
+        type=non_negative,
+        help="host memory (GB, per rank) for the prefix cache's second tier: pages evicted from "
+        "the device pool are copied there, and a prompt that reuses one gets it copied back "
+        "instead of computing it (pinned memory on a GPU; 0: no host tier)",
+    )
     embedding_rows: int = flag(
         16384, type=positive_int, help="rows of the image-embedding buffer the encoder writes into"
     )

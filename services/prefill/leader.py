@@ -147,6 +147,8 @@ class PrefillLeader:
         results: list[RankResult] = await self.ranks.step(Describe(), self.options.step_timeout_s)
         self.descriptions = [r.description for r in results if r.description is not None]
         assert len(self.descriptions) == self.ranks.num_ranks, "every rank describes itself"
+        if self.scheduler.prefix is not None:  # the ranks' caches start empty after Describe
+            self.scheduler.prefix.clear(min(d.num_host_pages for d in self.descriptions))
         self.on_serving(True)
         self._pump()
 
@@ -318,11 +320,7 @@ class PrefillLeader:
         prefix = self.scheduler.prefix
         payload = rank_plan(plan, self.options.cp, self.ranks.num_ranks, self._clock(), prefix)
         if prefix is not None:
-            num_hit = sum(len(r.prefix_keys) for r in payload.requests) * prefix.page_size
-            metrics.PREFIX_CACHE_QUERIES.inc(plan.num_tokens)
-            metrics.PREFIX_CACHE_HITS.inc(num_hit)
-            for rank in range(prefix.num_ranks):
-                metrics.PREFIX_CACHE_PAGES.labels(str(rank)).set(prefix.num_held(rank))
+            metrics.record_prefix_plan(prefix, payload, plan.num_tokens)
         self._spawn(self._run_plan(plan, payload))
 
     async def _run_plan(self, plan: PrefillPlan, payload: RankPlan) -> None:
@@ -366,8 +364,9 @@ class PrefillLeader:
     ) -> list[RequestOutcome]:
         """Every request of the failed step fails; what its ranks kept of it is dropped."""
         if self.scheduler.prefix is not None:
-            stored = [r.store_keys for r in payload.requests]
-            self.scheduler.prefix.forget(stored, payload.ranks(self.ranks.num_ranks))
+            stored = [k for r in payload.requests for k in r.store_keys]
+            moved = [k for m in payload.moves for k in (*m.spill, *m.load)]
+            self.scheduler.prefix.forget([*stored, *moved], payload.ranks(self.ranks.num_ranks))
         return self.scheduler.fail_plan(plan, error)
 
     async def _encode(self, entry: SchedEntry) -> None:

@@ -54,6 +54,14 @@ class PassSegment(msgspec.Struct, frozen=True, array_like=True):
     end: int
 
 
+class CacheMoves(msgspec.Struct, frozen=True, array_like=True):
+    """One rank's prefix-cache moves before a plan (``prefix_cache.py``), in field order."""
+
+    drop: tuple[bytes, ...] = ()  # cached pages it frees, in device memory or the host tier
+    spill: tuple[bytes, ...] = ()  # device pages copied into the host tier, then freed
+    load: tuple[bytes, ...] = ()  # host-tier pages copied back into device pages
+
+
 class RankPlan(msgspec.Struct, frozen=True, tag="plan"):
     """One prefill batch: its passes run in order (a long prompt's chunks are passes)."""
 
@@ -62,8 +70,8 @@ class RankPlan(msgspec.Struct, frozen=True, tag="plan"):
     passes: tuple[tuple[PassSegment, ...], ...]
     solo_rank: int  # SHARDED, or the one rank that runs the whole plan (the others idle)
     block_tokens: int  # sharded: block b of a pass's packed tokens goes to rank b % C
-    # per rank: the cached pages it drops before the plan, whether it runs the plan or not
-    drop_keys: tuple[tuple[bytes, ...], ...] = ()
+    # per rank: its prefix-cache moves before the plan, whether it runs the plan or not
+    moves: tuple[CacheMoves, ...] = ()
 
     def digest(self) -> bytes:
         return hashlib.sha256(msgspec.msgpack.encode(self)).digest()[:16]
@@ -88,6 +96,7 @@ class RankDescription(msgspec.Struct, frozen=True):
     embeddings: EmbeddingDestination  # the whole buffer as one window
     kv_layout: KvPoolLayout
     kv_backend: str
+    num_host_pages: int = 0  # the prefix cache's host tier, in pages
 
 
 class RankOutcome(msgspec.Struct, frozen=True, array_like=True):

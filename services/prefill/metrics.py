@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.common import telemetry
 from services.common.errors import StageServeError
+
+if TYPE_CHECKING:
+    from services.prefill.messages import RankPlan
+    from services.prefill.prefix_cache import PrefixIndex
 
 REQUESTS = telemetry.counter(
     "prefill_requests_total",
@@ -41,10 +47,19 @@ PREFIX_CACHE_HITS = telemetry.counter(
     "prefill_prefix_cache_hits_total",
     "Prompt tokens whose KV a plan read from the prefix cache instead of computing it",
 )
+PREFIX_CACHE_HOST_HITS = telemetry.counter(
+    "prefill_prefix_cache_host_hits_total",
+    "Prompt tokens of the cache hits whose pages a rank copied back from its host tier",
+)
+PREFIX_CACHE_SPILLS = telemetry.counter(
+    "prefill_prefix_cache_host_spills_total",
+    "KV pages ranks copied from device memory into their host tier when evicted",
+)
 PREFIX_CACHE_PAGES = telemetry.gauge(
     "prefill_prefix_cache_pages",
-    "KV pages a rank keeps for the prefix cache between plans (evictable when a plan needs them)",
-    ["rank"],
+    "KV pages a rank keeps for the prefix cache between plans, per tier (device: evictable "
+    "when a plan needs them; host: the --host-cache-gb copies)",
+    ["rank", "tier"],
 )
 EMBEDDING_ROWS_USED = telemetry.gauge(
     "prefill_embedding_rows_used",
@@ -76,3 +91,18 @@ def outcome_label(error: BaseException | None) -> str:
     if isinstance(error, StageServeError):
         return error.grpc_code.lower()
     return "internal"
+
+
+def record_prefix_plan(prefix: PrefixIndex, payload: RankPlan, num_tokens: int) -> None:
+    """The prefix cache's counters and gauges once ``payload`` is planned."""
+    num_hit = sum(len(r.prefix_keys) for r in payload.requests) * prefix.page_size
+    PREFIX_CACHE_QUERIES.inc(num_tokens)
+    PREFIX_CACHE_HITS.inc(num_hit)
+    loaded = {k for m in payload.moves for k in m.load}
+    PREFIX_CACHE_HOST_HITS.inc(
+        prefix.page_size * sum(k in loaded for r in payload.requests for k in r.prefix_keys)
+    )
+    PREFIX_CACHE_SPILLS.inc(sum(len(m.spill) for m in payload.moves))
+    for rank in range(prefix.num_ranks):
+        PREFIX_CACHE_PAGES.labels(str(rank), "device").set(prefix.num_held(rank))
+        PREFIX_CACHE_PAGES.labels(str(rank), "host").set(prefix.num_host_held(rank))

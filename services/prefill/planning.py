@@ -87,7 +87,7 @@ def rank_plan(
 
     solo = policy.solo_rank(plan.plan_id, new_tokens, num_ranks)
     ranks = range(num_ranks) if solo == SHARDED else range(solo, solo + 1)
-    uses, drops = cache.plan(asks, ranks) if cache is not None else ([CacheUse()] * len(asks), ())
+    uses, moves = cache.plan(asks, ranks) if cache is not None else ([CacheUse()] * len(asks), ())
     requests = tuple(
         RankRequest(
             r.request_id,
@@ -109,7 +109,7 @@ def rank_plan(
     page_size = cache.page_size if cache is not None else 1
     spans = [(len(r.prefix_keys) * page_size, r.num_tokens) for r in requests]
     passes = plan_passes(spans, policy.max_batch_tokens)
-    return RankPlan(plan.plan_id, requests, passes, solo, policy.block_tokens, drops)
+    return RankPlan(plan.plan_id, requests, passes, solo, policy.block_tokens, moves)
 
 
 def _prompt_logprobs(

@@ -6,27 +6,39 @@ what it holds. Pages are keyed by ``services.common.prefix_keys.page_keys``. For
 the leader gives each request the keys of its cached prefix (the longest run of leading
 keys that every rank running the plan holds, at most up to the page before the one
 holding the last prompt token, whose logits the first token needs) and the keys of the
-full pages it computes that the ranks keep afterwards, and each rank the keys it drops
-first. One plan runs at a time and a rank frees every page it does not keep when the
-plan ends, so the leader knows each rank's free pages exactly: the pool less the pages
-it holds for the cache.
+full pages it computes that the ranks keep afterwards, and each rank its moves first
+(``CacheMoves``: pages to drop, to spill into the host tier, to load back from it). One
+plan runs at a time and a rank frees every page it does not keep when the plan ends, so
+the leader knows each rank's free pages exactly: the pool less the pages it holds for the
+cache.
+
+Two tiers (``--host-cache-gb``): device pages, and a host-memory copy per rank that device
+pages spill into when evicted; a reused page found there is copied back before the plan's
+forward, inside the rank's step (a move is a copy the rank makes when the leader says, not
+a queue it drains on its own). A key is in one tier at a time.
 
 Eviction is least recently used. A use touches a prompt's keys deepest first, so a page
 was always used less recently than its parent: the least recently used page a rank holds
-has no child there, and evicting from the old end never orphans a cached page.
+has no child there, and evicting from the old end never orphans a cached page; spilled
+pages keep that order in the host tier.
 
-A plan that fails may leave some ranks holding what it stored and others not: the
-leader forgets those keys and has every rank drop them with the next plan (dropping a key
-a rank lacks does nothing). A re-formed rank group starts empty (``clear`` on both sides).
+A plan that fails may leave some ranks holding what it stored, spilled or loaded and
+others not: the leader forgets those keys and has every rank drop them with the next plan
+(dropping a key a rank lacks does nothing). A re-formed rank group starts empty (``clear``
+on both sides).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.engine.kv_cache import RequestPageTable
+import torch
+
+from services.engine.kv_cache import KVPool, RequestPageTable
+from services.prefill.messages import CacheMoves
 from services.prefill.request import PrefillInput
 
 
@@ -63,32 +75,47 @@ class CacheUse:
 
 
 class PrefixIndex:
-    """The leader's record of which keys each of ``num_ranks`` ranks holds, LRU first."""
+    """The leader's record of which keys each of ``num_ranks`` ranks holds in device memory
+    and in its host tier (``num_host_pages`` each; 0: none), least recently used first."""
 
-    def __init__(self, num_ranks: int, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, num_ranks: int, num_pages: int, page_size: int, num_host_pages: int = 0
+    ) -> None:
         self.num_ranks, self.num_pages, self.page_size = num_ranks, num_pages, page_size
+        self.num_host_pages = num_host_pages
         self._held: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
+        self._host: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
         self._to_drop: list[list[bytes]] = [[] for _ in range(num_ranks)]
 
-    def clear(self) -> None:
-        """The ranks re-formed: they hold nothing."""
-        for held in self._held:
-            held.clear()
+    def clear(self, num_host_pages: int | None = None) -> None:
+        """The ranks re-formed: they hold nothing (and each has ``num_host_pages`` host pages,
+        when given)."""
+        for tier in (*self._held, *self._host):
+            tier.clear()
         for drop in self._to_drop:
             drop.clear()
+        if num_host_pages is not None:
+            self.num_host_pages = num_host_pages
 
     def num_held(self, rank: int) -> int:
         return len(self._held[rank])
 
+    def num_host_held(self, rank: int) -> int:
+        return len(self._host[rank])
+
     def held(self, rank: int) -> frozenset[bytes]:
-        """The keys ``rank`` holds as far as the leader knows."""
+        """The keys ``rank`` holds in device memory as far as the leader knows."""
         return frozenset(self._held[rank])
 
+    def host_held(self, rank: int) -> frozenset[bytes]:
+        """The keys ``rank`` holds in its host tier as far as the leader knows."""
+        return frozenset(self._host[rank])
+
     def match(self, keys: Sequence[bytes], ranks: Sequence[int]) -> int:
-        """How many leading ``keys`` every one of ``ranks`` holds."""
-        held = [self._held[r] for r in ranks]
+        """How many leading ``keys`` every one of ``ranks`` holds, in either tier."""
+        tiers = [(self._held[r], self._host[r]) for r in ranks]
         for i, key in enumerate(keys):
-            if not all(key in h for h in held):
+            if not all(key in device or key in host for device, host in tiers):
                 return i
         return len(keys)
 
@@ -101,12 +128,15 @@ class PrefixIndex:
 
     def plan(
         self, asks: Sequence[CacheAsk], ranks: Sequence[int]
-    ) -> tuple[list[CacheUse], tuple[tuple[bytes, ...], ...]]:
-        """Each request's use of the cache for a plan that ``ranks`` run, and the keys each
-        rank drops before it (every rank's, whether it runs the plan or not).
+    ) -> tuple[list[CacheUse], tuple[CacheMoves, ...]]:
+        """Each request's use of the cache for a plan that ``ranks`` run, and each rank's moves
+        before it (every rank's, whether it runs the plan or not).
 
-        The plan's pages fit the pool (the scheduler checked), so evicting what the plan
-        does not reuse always makes room."""
+        A reused page in a rank's host tier is loaded back into a device page; the device
+        pages the plan needs come from evicting what it does not reuse, least recently used
+        first, into the host tier while it has room (its own least recently used pages out
+        first) and freed otherwise. The plan's pages fit the pool (the scheduler checked), so
+        that always makes room."""
         uses: list[CacheUse] = []
         storing: set[bytes] = set()
         for ask in asks:
@@ -119,14 +149,30 @@ class PrefixIndex:
                     stored.append(key)
                 storing.update(stored)
             uses.append(CacheUse(tuple(ask.keys[:hit]), tuple(stored)))
-        reused = {k for u in uses for k in u.prefix_keys}
+        reused = dict.fromkeys(k for u in uses for k in u.prefix_keys)  # in order, once each
         num_new = sum(
             -(-a.num_tokens // self.page_size) - len(u.prefix_keys)
             for a, u in zip(asks, uses, strict=True)
         )
+        spills: dict[int, list[bytes]] = {}
+        loads: dict[int, list[bytes]] = {}
         for rank in ranks:
-            self._evict(rank, self.num_pages - num_new, reused)
-        drops = tuple(tuple(d) for d in self._to_drop)
+            host = self._host[rank]
+            loads[rank] = [k for k in reused if k in host]
+            for key in loads[rank]:  # out of the host tier first: they make room there
+                del host[key]
+            for key in storing:  # computed again (a last token's page): the new copy stays
+                if key in host:
+                    del host[key]
+                    self._to_drop[rank].append(key)
+            victims = self._evict(rank, self.num_pages - num_new - len(loads[rank]), reused)
+            recomputed = [k for k in victims if k in storing]  # the plan stores it again
+            spills[rank] = self._spill(rank, [k for k in victims if k not in storing])
+            self._to_drop[rank].extend(recomputed)
+        moves = tuple(
+            CacheMoves(tuple(self._to_drop[r]), tuple(spills.get(r, ())), tuple(loads.get(r, ())))
+            for r in range(self.num_ranks)
+        )
         for drop in self._to_drop:
             drop.clear()
         for use in uses:
@@ -136,22 +182,25 @@ class PrefixIndex:
                 for key in reversed(path):  # deepest first: a parent is used after its child
                     held[key] = None
                     held.move_to_end(key)
-        return uses, drops
+        return uses, moves
 
-    def forget(self, stored: Iterable[Sequence[bytes]], ranks: Sequence[int]) -> None:
-        """A plan on ``ranks`` failed: what it stored (each request's ``store_keys``) may be
-        held by some of them; the next plan has them drop it."""
-        for keys in stored:
-            for rank in ranks:
-                for key in keys:
-                    self._held[rank].pop(key, None)
-                    self._to_drop[rank].append(key)
+    def forget(self, keys: Iterable[bytes], ranks: Sequence[int]) -> None:
+        """A plan on ``ranks`` failed: where ``keys`` (what it stored, spilled or loaded) are
+        is not known for sure; the next plan has every one of them drop them."""
+        keys = list(keys)
+        for rank in ranks:
+            for key in keys:
+                self._held[rank].pop(key, None)
+                self._host[rank].pop(key, None)
+                self._to_drop[rank].append(key)
 
-    def _evict(self, rank: int, max_held: int, keep: set[bytes]) -> None:
-        held = self._held[rank]  # what it drops goes before the plan: that is free then
+    def _evict(self, rank: int, max_held: int, keep: Mapping[bytes, None]) -> list[bytes]:
+        """Take device keys of ``rank`` out, least recently used first and none of ``keep``,
+        until it holds ``max_held``; they go before the plan, so their pages are free then."""
+        held = self._held[rank]
         excess = len(held) - max_held
         if excess <= 0:
-            return
+            return []
         victims = []
         for key in held:  # least recently used first: each has no child held here
             if key not in keep:
@@ -161,28 +210,118 @@ class PrefixIndex:
         assert len(victims) == excess, "a plan's pages exceed the pool"
         for key in victims:
             del held[key]
-        self._to_drop[rank].extend(victims)
+        return victims
+
+    def _spill(self, rank: int, victims: list[bytes]) -> list[bytes]:
+        """Put ``victims`` into ``rank``'s host tier, its least recently used pages out first
+        when full (dropped). The keys copied there, in order."""
+        if not self.num_host_pages:
+            self._to_drop[rank].extend(victims)
+            return []
+        host = self._host[rank]
+        for key in victims:  # the device's least recently used first: their order holds
+            host[key] = None
+        out = list(itertools.islice(host, max(0, len(host) - self.num_host_pages)))
+        for key in out:
+            del host[key]
+        self._to_drop[rank].extend(out)  # a victim's device page, or an older host copy
+        dropped = set(out)
+        return [k for k in victims if k not in dropped]
+
+
+def num_host_pages(host_cache_gb: float, pool: KVPool) -> int:
+    """Pages of ``pool`` (K and V of every layer) that ``host_cache_gb`` holds."""
+    return int(host_cache_gb * 1e9) // (2 * pool.num_layers * pool.page_nbytes)
+
+
+class HostTier:
+    """A rank's host copies of KV pages: K and V tensors ``[layers, pages, page_size, heads,
+    dim]`` in host memory (pinned when the pool is on a GPU) and which key each page holds."""
+
+    def __init__(self, pool: KVPool, num_pages: int) -> None:
+        shape = (pool.num_layers, num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
+        pin = pool.device.type == "cuda"
+        self.k = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
+        self.v = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.slots: dict[bytes, int] = {}
+
+    def free(self, keys: Iterable[bytes]) -> None:
+        self._free.extend(s for s in (self.slots.pop(k, None) for k in keys) if s is not None)
+
+    def store(self, keys: Sequence[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k`` and ``v`` ``[layers, len(keys), ...]`` are the pages of ``keys``."""
+        assert len(keys) <= len(self._free), "the leader spilled past the host tier"
+        slots = [self._free.pop() for _ in keys]
+        index = torch.tensor(slots)
+        self.k[:, index] = k
+        self.v[:, index] = v
+        self.slots.update(zip(keys, slots, strict=True))
+
+    def pages(self, keys: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[layers, len(keys), ...]`` of ``keys``' pages (copies)."""
+        index = torch.tensor([self.slots[k] for k in keys])
+        return self.k[:, index], self.v[:, index]
 
 
 class PrefixPages:
-    """A rank's cached pages by key; what it keeps and drops is the leader's word."""
+    """A rank's cached pages by key, in device memory and (``num_host_pages`` > 0) its host
+    tier; what it keeps, moves and drops is the leader's word."""
 
-    def __init__(self, table: RequestPageTable) -> None:
-        self.table = table
+    def __init__(self, table: RequestPageTable, pool: KVPool, num_host_pages: int = 0) -> None:
+        self.table, self.pool = table, pool
         self._pages: dict[bytes, int] = {}
+        self.host = HostTier(pool, num_host_pages) if num_host_pages else None
 
     def __len__(self) -> int:
         return len(self._pages)
 
+    @property
+    def num_host_pages(self) -> int:
+        return self.host.num_pages if self.host is not None else 0
+
     def keys(self) -> frozenset[bytes]:
         return frozenset(self._pages)
 
+    def host_keys(self) -> frozenset[bytes]:
+        return frozenset(self.host.slots) if self.host is not None else frozenset()
+
     def clear(self) -> None:
-        self.drop(list(self._pages))
+        self.drop([*self._pages, *self.host_keys()])
 
     def drop(self, keys: Sequence[bytes]) -> None:
+        """Free ``keys`` wherever they are (a key held nowhere is no error)."""
         pages = [p for p in (self._pages.pop(k, None) for k in keys) if p is not None]
         self.table.manager.free(pages)
+        if self.host is not None:
+            self.host.free(keys)
+
+    def apply(self, moves: CacheMoves) -> None:
+        """The leader's moves before a plan: drop; take the loads out of the host tier; spill
+        into it; put the loads into device pages (the spills freed them)."""
+        self.drop(moves.drop)
+        loaded = None
+        if moves.load:
+            assert self.host is not None, "the leader loaded on a rank with no host tier"
+            loaded = self.host.pages(moves.load)
+            self.host.free(moves.load)
+        if moves.spill:
+            assert self.host is not None, "the leader spilled to a rank with no host tier"
+            pages = [self._pages.pop(k) for k in moves.spill]
+            index = torch.tensor(pages, device=self.pool.device)
+            self.host.store(
+                moves.spill,
+                self.pool.k_buffer[:, index].to("cpu"),
+                self.pool.v_buffer[:, index].to("cpu"),
+            )
+            self.table.manager.free(pages)
+        if loaded is not None:
+            pages = self.table.manager.allocate(len(moves.load))
+            index = torch.tensor(pages, device=self.pool.device)
+            self.pool.k_buffer[:, index] = loaded[0].to(self.pool.device)
+            self.pool.v_buffer[:, index] = loaded[1].to(self.pool.device)
+            self._pages.update(zip(moves.load, pages, strict=True))
 
     def lend(self, request_id: str, prefix_keys: Sequence[bytes], num_tokens: int) -> None:
         """Give ``request_id`` the prefix's pages, then new pages up to ``num_tokens``."""

@@ -35,6 +35,7 @@ from services.prefill.messages import (
     RankRequest,
     RankResult,
 )
+from services.prefill.prefix_cache import num_host_pages
 from services.prefill.worker import PrefillRankWorker
 from services.transfer import create_embedding_receiver, create_kv_sender
 from services.transfer.base import pool_layout
@@ -59,6 +60,7 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     cuda_graph_max_tokens: int = 0  # the prefill graphs' largest size (prefill_graph.py); 0: eager
     gpu_share_file: str = ""  # each rank marks its forwards there for decode (gpu_share.py)
     quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
+    host_cache_gb: float = 0.0  # the prefix cache's host tier (prefix_cache.py); 0: none
 
 
 class PrefillRankStep(BaseRankStep):
@@ -114,6 +116,7 @@ class PrefillRankStep(BaseRankStep):
             exchange_device="cpu" if init.kv_exchange_over_cpu else None,
             gpu_share=self.gpu_share,
             grammars=GrammarCache(init.model),
+            num_host_pages=num_host_pages(init.host_cache_gb, runner.kv_pool),
         )
 
     def warmup(self) -> None:
@@ -150,6 +153,7 @@ class PrefillRankStep(BaseRankStep):
             self.receiver.destination("", 0, buffer.num_rows),
             pool_layout(self.worker.runner.kv_pool),
             self.kv_sender.backend,
+            self.worker.prefix.num_host_pages,
         )
 
     def _agree_on(self, payload: RankPlan | Describe) -> tuple[bytes, ...]:

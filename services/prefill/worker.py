@@ -65,9 +65,11 @@ class PrefillRankWorker:
         exchange_device: str | None = None,
         gpu_share: GpuShare | None = None,
         grammars: GrammarCache | None = None,
+        num_host_pages: int = 0,
     ) -> None:
         """``gpu_share``: where this rank marks its forwards for a decode on the same GPU;
-        ``grammars``: the grammars of constrained requests (None: such a request fails)."""
+        ``grammars``: the grammars of constrained requests (None: such a request fails);
+        ``num_host_pages``: the prefix cache's host tier (0: none)."""
         self.grammars = grammars
         config = runner.model.config
         self.gpu_share = gpu_share
@@ -81,7 +83,7 @@ class PrefillRankWorker:
         self.cp_attention = ContextParallelAttention(runner.attention, runner.kv_pool)
         text = config.text
         self._kv_width = 2 * text.num_key_value_heads * text.head_dim
-        self.prefix = PrefixPages(runner.page_table)
+        self.prefix = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages)
         kv_sender.register(runner.kv_pool)
 
     def execute(self, plan: RankPlan, write_kv: bool = True) -> PlanOutcome:
@@ -90,8 +92,8 @@ class PrefillRankWorker:
 
         ``write_kv`` False (warm-up): forward and sample only.
         """
-        if plan.drop_keys:
-            self.prefix.drop(plan.drop_keys[self.rank])
+        if plan.moves:
+            self.prefix.apply(plan.moves[self.rank])
         if plan.solo_rank not in (SHARDED, self.rank):
             return PlanOutcome(())
         sharded = plan.solo_rank == SHARDED and self.world_size > 1

@@ -53,6 +53,7 @@ class RecordingResult(RankResult, frozen=True):
     last_error: str = ""  # the agreed error of the last failed step, as this rank heard it
     num_free_pages: int = 0  # this rank's free local KV pages after the step
     cached_keys: frozenset[bytes] = frozenset()  # the prefix-cache keys it holds after the step
+    host_keys: frozenset[bytes] = frozenset()  # those in its host tier
     drain_len: int = 0  # a fake rank-local drain queue, different on every rank (never in a plan)
 
 
@@ -102,6 +103,7 @@ class RecordingStep(PrefillRankStep):
             last_error=self._last_error,
             num_free_pages=self.worker.runner.page_manager.num_free_pages,
             cached_keys=self.worker.prefix.keys(),
+            host_keys=self.worker.prefix.host_keys(),
             drain_len=self._drain(),
         )
 

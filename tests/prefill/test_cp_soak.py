@@ -13,37 +13,49 @@ import random
 import time
 
 import pytest
+import torch
 
 from services.common.errors import StageServeError
 from services.common.types import SamplingParams
 from services.prefill.messages import RankPlan
 from tests.conftest import image_bytes
-from tests.prefill.conftest import make_case, prefill_config, start_harness, stop_harness
+from tests.prefill.conftest import PAGE_SIZE, make_case, prefill_config, start_harness, stop_harness
 
 pytestmark = pytest.mark.slow
 MIN_STEPS = 500
 SOAK_TIMEOUT_S = 600.0
 
 
-async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model) -> None:
-    h = await start_harness(
-        pipeline,
-        language_model,
-        prefill_config(devices=("cpu", "cpu"), max_batch_tokens=256, num_pages=96),
+@pytest.mark.parametrize("host_pages", [0, 48], ids=["device_only", "host_tier"])
+async def test_plans_agree_on_every_rank_at_every_step(
+    pipeline, language_model, host_pages
+) -> None:
+    config = prefill_config(
+        devices=("cpu", "cpu"),
+        max_batch_tokens=256,
+        num_pages=96,
+        host_cache_gb=(host_pages + 0.5) * host_page_bytes(language_model) / 1e9
+        if host_pages
+        else 0,
     )
+    h = await start_harness(pipeline, language_model, config)
     steps: list[tuple[bytes, list]] = []
     step = h.leader.ranks.step
 
     index = h.scheduler.prefix
     held: list[list[frozenset[bytes]]] = []  # the leader's view of each rank's cache, per step
+    host_held: list[list[frozenset[bytes]]] = []  # and of each rank's host tier
     drops: list[int] = []  # pages the ranks dropped before each step (evicted or forgotten)
+    loads: list[int] = []  # pages the ranks copied back from their host tier
 
     async def recording(payload, *args):
         results = await step(payload, *args)
         if isinstance(payload, RankPlan):
             steps.append((payload.digest(), results))
             held.append([index.held(rank) for rank in range(2)])
-            drops.append(sum(len(d) for d in payload.drop_keys))
+            host_held.append([index.host_held(rank) for rank in range(2)])
+            drops.append(sum(len(m.drop) for m in payload.moves))
+            loads.append(sum(len(m.load) for m in payload.moves))
         return results
 
     h.leader.ranks.step = recording
@@ -123,13 +135,15 @@ async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model)
     drains = set()
     num_pages = 96
     num_hits = 0
-    for (digest, results), leader_view in zip(steps, held, strict=True):
+    for (digest, results), leader_view, host_view in zip(steps, held, host_held, strict=True):
         failed = any(r.peer_failed for r in results)
-        for r, keys in zip(results, leader_view, strict=True):
+        for r, keys, host_keys in zip(results, leader_view, host_view, strict=True):
             # no page leaks; the leader never counts on a page a rank lacks, and after a step
             # that ran (no peer failed mid-pass) they agree exactly
             assert r.num_free_pages + len(r.cached_keys) == num_pages
             assert r.cached_keys <= keys if failed else r.cached_keys == keys
+            assert r.host_keys == host_keys and len(host_keys) <= host_pages
+            assert not r.host_keys & r.cached_keys  # a page is in one tier at a time
         num_hits += len(results[0].cached_keys) > 0
         assert [r.rank for r in results] == [0, 1]
         for r in results:
@@ -144,3 +158,17 @@ async def test_plans_agree_on_every_rank_at_every_step(pipeline, language_model)
     )
     assert num_hits > MIN_STEPS // 2  # the cache held pages through most of the soak
     assert sum(d > 0 for d in drops) > 10, drops  # and evicted many times
+    if host_pages:  # evicted pages went to the host tier and came back from it
+        assert sum(n > 0 for n in loads) > 10, loads
+        assert max(len(k) for view in host_held for k in view) == host_pages
+    else:
+        assert not any(loads)
+
+
+def host_page_bytes(model) -> int:
+    """Bytes of one KV page (K and V of every layer) of ``model``'s pool on the CPU."""
+    text = model.config.text
+    element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
+    return (
+        2 * text.num_hidden_layers * PAGE_SIZE * text.num_key_value_heads * text.head_dim * element
+    )
