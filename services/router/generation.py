@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,20 +54,20 @@ from services.engine.processing import ImageProcessor
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
 from services.router.drain import RequestTasks
+from services.router.emit import Emit, TerminalEmit, TimedEmit
 from services.router.grammars import GrammarChecker
 from services.router.metrics import RequestStats, RouterMetrics
-from services.router.output import DetokenizerFactory, OutputAssembler
+from services.router.output import DetokenizerFactory, OutputAssembler, with_prompt
 from services.router.peers import DecodePeer, TokenizerPeer
 from services.router.placement import KvJob, Placer, Reservation
 from services.router.prefetch import ImagePrefetcher
 from services.router.progress import StallBound
 from services.router.registry import WorkerRegistry
+from services.router.tracing import request_attributes
 from services.router.types import GenerationDelta, GenerationRequest
 from services.router.workers import Hop, Worker, WorkerKind
 
 _tracer = telemetry.tracer("router")
-
-Emit = Callable[["GenerationDelta | StageServeError"], None]
 
 
 class GenerationPipeline:
@@ -132,7 +132,7 @@ class GenerationPipeline:
     async def _produce(self, request: GenerationRequest, emit: Emit) -> None:
         """Run the request under its deadline; always emits exactly one terminal item."""
         current_request_id.set(request.request_id)
-        state = _Terminal(emit)
+        state = TerminalEmit(emit)
         with _tracer.start_as_current_span(
             "router.request",
             attributes=request_attributes(request, self._model_name),
@@ -140,7 +140,7 @@ class GenerationPipeline:
             set_status_on_exception=False,
         ) as span:
             stats = RequestStats(self._metrics, span, time.perf_counter())
-            timed = _TimedEmit(state.emit, stats, request.max_tokens)
+            timed = TimedEmit(state.emit, stats, request.max_tokens)
             error: BaseException | None = None
             try:
                 async with asyncio.timeout(request.timeout_s):
@@ -166,7 +166,7 @@ class GenerationPipeline:
                     telemetry.mark_error(span, error)
 
     async def _run(
-        self, request: GenerationRequest, deadline_unix_s: float, emit: _TimedEmit
+        self, request: GenerationRequest, deadline_unix_s: float, emit: TimedEmit
     ) -> None:
         headers = None
         sent: frozenset[str] = frozenset()  # images prefetched before tokenization
@@ -225,9 +225,7 @@ class GenerationPipeline:
         headers: list[ImageHeader | None] | None = None,
     ) -> TokenizedPrompt:
         embeds = request.prompt_embeds
-        if (
-            embeds is not None
-        ):  # no tokens: placeholder ids (0) carry the length, the rows the content
+        if embeds is not None:  # no tokens: placeholder ids (0) carry the length, rows the content
             return TokenizedPrompt(
                 (0,) * embeds.num_tokens,
                 prompt_embeds=embeds.data,
@@ -279,18 +277,19 @@ class GenerationPipeline:
     async def _generate(self, flow: _Flow, reservation: Reservation, result: Any) -> bool:
         """Emit prefill's first token, then decode's; True when decode finished the request
         itself."""
-        output = flow.output
+        output, job = flow.output, flow.job
         output.num_cached_image_tokens = result.num_cached_image_tokens
         output.num_prefix_cached_tokens = result.num_prefix_cached_tokens
         output.num_prefix_cached_image_tokens = result.num_prefix_cached_image_tokens
         first_logprobs = () if result.first_logprob is None else (result.first_logprob,)
         if result.finish_reason is not None:
             delta = output.finish(result.finish_reason, [result.first_token_id], first_logprobs)
-            flow.emit(_with_prompt(delta, flow.job, result))
-            return False
-        delta = output.add_tokens([result.first_token_id], first_logprobs)
-        flow.emit(_with_prompt(delta, flow.job, result))
-        if output.is_finished:
+        else:
+            delta = output.add_tokens([result.first_token_id], first_logprobs)
+        if job.params.num_prompt_logprobs >= 0:
+            delta = with_prompt(delta, job.prompt.token_ids, result.prompt_logprobs)
+        flow.emit(delta)
+        if output.is_finished:  # prefill finished the request, or a stop string matched
             return False
         return await self._stream_decode(
             flow, reservation.worker, result.first_token_id, result.kv_written_proof
@@ -335,77 +334,13 @@ class GenerationPipeline:
         raise UnavailableError(f"decode ended the stream of {request_id} without a finish reason")
 
 
-def _with_prompt(delta: GenerationDelta, job: KvJob, result: Any) -> GenerationDelta:
-    if job.params.num_prompt_logprobs < 0:
-        return delta
-    return msgspec.structs.replace(
-        delta,
-        prompt_token_ids=tuple(job.prompt.token_ids),
-        prompt_logprobs=tuple(result.prompt_logprobs),
-    )
-
-
 @dataclass
 class _Flow:
     """One placed request on its way through decode."""
 
     job: KvJob
     output: OutputAssembler
-    emit: _TimedEmit
-
-
-class _Terminal:
-    """Forwards items until the first terminal one (an error or a finished delta)."""
-
-    def __init__(self, emit: Emit) -> None:
-        self._emit = emit
-        self.is_done = False
-
-    def emit(self, item: GenerationDelta | StageServeError) -> None:
-        if self.is_done:
-            return
-        self.is_done = isinstance(item, StageServeError) or item.finish_reason is not None
-        self._emit(item)
-
-
-class _TimedEmit:
-    """Emits deltas and records when their tokens arrived (``RequestStats``)."""
-
-    def __init__(self, emit: Emit, stats: RequestStats, max_tokens: int | None) -> None:
-        self._emit = emit
-        self.stats = stats
-        self._max_tokens = max_tokens
-
-    def __call__(self, delta: GenerationDelta) -> None:
-        self.stats.tokens(len(delta.token_ids), time.perf_counter())
-        if delta.finish_reason is not None:
-            self.stats.finish(delta, self._max_tokens)
-        self._emit(delta)
-
-
-def request_attributes(request: GenerationRequest, model_name: str) -> dict[str, Any]:
-    """The ``gen_ai.*`` request attributes of ``router.request`` (OpenTelemetry semconv)."""
-    params = request.params
-    attributes: dict[str, Any] = {
-        "request_id": request.request_id,
-        "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
-        "gen_ai.request.model": model_name,
-        "gen_ai.response.model": model_name,
-        "gen_ai.response.id": request.request_id,
-        "gen_ai.request.temperature": params.temperature,
-        "gen_ai.request.top_p": params.top_p,
-        "gen_ai.request.frequency_penalty": params.frequency_penalty,
-        "gen_ai.request.presence_penalty": params.presence_penalty,
-    }
-    if params.top_k:
-        attributes["gen_ai.request.top_k"] = params.top_k
-    if params.seed is not None:
-        attributes["gen_ai.request.seed"] = params.seed
-    if request.max_tokens is not None:
-        attributes["gen_ai.request.max_tokens"] = request.max_tokens
-    if request.stop:
-        attributes["gen_ai.request.stop_sequences"] = request.stop
-    return attributes
+    emit: TimedEmit
 
 
 def _remaining(deadline_unix_s: float) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import msgspec
+
 from services.common.types import FinishReason, TokenLogprob, Usage
 from services.router.stop import StopStringMatcher
 from services.router.types import GenerationDelta
@@ -103,6 +105,15 @@ class OutputAssembler:
         self, text: str, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]
     ) -> GenerationDelta:
         return GenerationDelta(text, token_ids, self.finish_reason, self.usage(), logprobs)
+
+
+def with_prompt(
+    delta: GenerationDelta, prompt_token_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprob]
+) -> GenerationDelta:
+    """The first ``delta`` carrying the prompt's ids and logprobs (the request asked for them)."""
+    return msgspec.structs.replace(
+        delta, prompt_token_ids=tuple(prompt_token_ids), prompt_logprobs=tuple(prompt_logprobs)
+    )
 
 
 DetokenizerFactory = Callable[[], Detokenizer]
