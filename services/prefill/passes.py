@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from services.engine.attention import AttentionBatch, ForwardMode
 from services.engine.attention.context_parallel import CpShard, local_runs
 from services.engine.model.rope import ImageSpan, mrope_positions
-from services.engine.model_runner import ModelRunner, StepInput
+from services.engine.model_runner import ModelRunner
+from services.engine.step_inputs import StepInput
 from services.prefill.messages import PassSegment, RankRequest
 
 
