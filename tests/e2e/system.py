@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -11,8 +12,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import openai
 
 from benchmarks.system_load import up_command, up_http_port
 from tests.conftest import REPO
@@ -136,3 +140,34 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
             )
     system.reload_state()
     return system
+
+
+@contextlib.contextmanager
+def running_system(workdir: Path, *extra_args: str) -> Iterator[System]:
+    """``start_system`` for a fixture: once its tests are done, the launcher stops with code 0
+    and leaves no child alive."""
+    system = start_system(workdir, *extra_args)
+    yield system
+    assert system.stop() == 0
+    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+
+
+def openai_client(system: System, timeout_s: float = 120) -> openai.OpenAI:
+    """The official client on ``system``'s router; no retries, so a test sees every error."""
+    return openai.OpenAI(
+        base_url=system.base_url, api_key="unused", max_retries=0, timeout=timeout_s
+    )
+
+
+def endless_stream(
+    client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int
+) -> openai.Stream:
+    """A greedy chat stream that ignores EOS: it runs for ``max_tokens`` unless cut short."""
+    return client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )

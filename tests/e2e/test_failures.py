@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import endless_stream, openai_client, pid_alive, start_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 BOUND_S = 90  # generous bound on "promptly"; a hang would wait forever
@@ -25,23 +25,15 @@ def test_killed_decode_fails_streams_is_reported_and_restarted(tmp_path):
         [name for name in system.state if name != "launcher"]
     )  # routers: one per 8 CPUs
     try:
-        client = openai.OpenAI(
-            base_url=system.base_url, api_key="unused", max_retries=0, timeout=BOUND_S
-        )
+        client = openai_client(system, BOUND_S)
         model = client.models.list().data[0].id
         outcomes: list[str] = []
         started = threading.Barrier(5)
 
         def stream_one(i: int) -> None:
             try:
-                stream = client.chat.completions.create(
-                    model=model,
-                    messages=[{"role": "user", "content": f"Count forever, {i}."}],
-                    max_tokens=3000,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
+                messages = [{"role": "user", "content": f"Count forever, {i}."}]
+                stream = endless_stream(client, model, messages, 3000)
                 for n, _ in enumerate(stream):
                     if n == 2:
                         started.wait(timeout=BOUND_S)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 
@@ -21,7 +20,7 @@ from services.engine.config import ModelConfig
 from services.engine.offline import OfflinePipeline
 from tests.conftest import REPO, TINY_MODEL_DIR, image_bytes
 from tests.e2e.openai_api.helpers import chat
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import openai_client, running_system
 from tests.engine.test_model_parity import hf_inputs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -39,20 +38,18 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    system = start_system(
+    with running_system(
         tmp_path_factory.mktemp("system"),
         *("--model", str(QWEN3_DIR), "--num-pages", "512"),
         *("--prefill-cp", "2", "--prefill-cp-min-tokens", "1"),
         *("--prefill-cp-block-tokens", str(BLOCK_TOKENS)),
-    )
-    yield system
-    assert system.stop() == 0
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    ) as system:
+        yield system
 
 
 @pytest.fixture(scope="module")
 def client(system):
-    return openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(system)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,12 @@ Tests run layout by layout; within one, modules run in name order, so
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from services.common.paths import BUNDLED_MODEL
 from services.engine.grammar import GrammarCache
 from tests.e2e.openai_api.helpers import decode_stats
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import openai_client, running_system
 
 # dp2: decode as two DP rank processes behind two router processes sharing the port;
 # cp2: prefill as two CP rank processes, every batch sharded (--prefill-cp-min-tokens 1);
@@ -28,15 +27,13 @@ LAYOUTS = {
 @pytest.fixture(scope="package", params=list(LAYOUTS))
 def system(request, tmp_path_factory):
     args = LAYOUTS[request.param]
-    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024", *args)
-    yield system
-    assert system.stop() == 0
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    with running_system(tmp_path_factory.mktemp("system"), "--num-pages", "1024", *args) as system:
+        yield system
 
 
 @pytest.fixture(scope="package")
 def client(system):
-    return openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(system)
 
 
 @pytest.fixture(scope="package")

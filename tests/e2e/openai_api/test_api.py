@@ -22,6 +22,7 @@ from tests.e2e.openai_api.helpers import (
     reference,
     settled_stats,
 )
+from tests.e2e.system import endless_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -176,14 +177,7 @@ def test_completions_and_models(system, client, model_name):
 
 
 def test_aborted_stream_frees_pages(system, client, model_name, initial_free_pages):
-    stream = client.chat.completions.create(
-        model=model_name,
-        messages=chat("Go on and on."),
-        max_tokens=1000,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = endless_stream(client, model_name, chat("Go on and on."), 1000)
     for i, _ in enumerate(stream):
         if i == 3:
             break
