@@ -12,11 +12,9 @@ import jsonschema
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.e2e.openai_api.helpers import chat, only_on
-from tests.e2e.openai_api.test_tools import TIME_PARAMETERS, TOOLS, WEATHER_PARAMETERS
+from tests.e2e.openai_api.test_tools import PARAMETERS, only_on_dp2, tool_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 
@@ -40,13 +38,12 @@ def calls_of(message) -> list[tuple[str, str]]:
 def test_streamed_calls_are_the_whole_responses(
     request, client, model_name, tool_choice, is_parallel
 ):
-    only_on(request, "dp2", "tools run once, on the dp2 layout")
-    ask = dict(
-        model=model_name,
-        messages=chat("What is the time in Oslo?"),
-        max_tokens=96,
+    only_on_dp2(request)
+    ask = tool_request(
+        model_name,
+        "What is the time in Oslo?",
+        96,
         temperature=0.0,
-        tools=TOOLS,
         tool_choice=tool_choice,
         parallel_tool_calls=is_parallel,
     )
@@ -65,14 +62,8 @@ def test_streamed_calls_are_the_whole_responses(
 
 
 def test_auto_streams_what_the_whole_response_says(request, client, model_name):
-    only_on(request, "dp2", "tools run once, on the dp2 layout")
-    ask = dict(
-        model=model_name,
-        messages=chat("What is the weather in Oslo?"),
-        max_tokens=48,
-        temperature=0.0,
-        tools=TOOLS,
-    )
+    only_on_dp2(request)
+    ask = tool_request(model_name, "What is the weather in Oslo?", 48, temperature=0.0)
     whole = client.chat.completions.create(**ask).choices[0]
     choice, _ = streamed(client, **ask)
     assert choice.finish_reason == whole.finish_reason

@@ -24,9 +24,10 @@ TIME_PARAMETERS = {  # bounded, so a sampled call ends well within max_tokens
     "properties": {"zone": {"type": "string", "maxLength": 8}},
     "additionalProperties": False,
 }
+PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMETERS}},
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMETERS}},
+    {"type": "function", "function": {"name": name, "parameters": parameters}}
+    for name, parameters in PARAMETERS.items()
 ]
 
 
@@ -34,17 +35,21 @@ def only_on_dp2(request) -> None:
     only_on(request, "dp2", "tools run once, on the dp2 layout")
 
 
+def tool_request(model: str, question: str, max_tokens: int, **fields) -> dict:
+    """A chat request offering ``TOOLS``."""
+    return dict(model=model, messages=chat(question), max_tokens=max_tokens, tools=TOOLS, **fields)
+
+
 def test_required_and_named_tool_calls_follow_the_tools(request, client, model_name):
     only_on_dp2(request)
     named = {"type": "function", "function": {"name": "get_weather"}}
     choices = [("required", False)] * 3 + [(named, True)] * 3
     calls = [
-        dict(
-            model=model_name,
-            messages=chat("What is the weather in Oslo?"),
-            max_tokens=96,
+        tool_request(
+            model_name,
+            "What is the weather in Oslo?",
+            96,
             temperature=1.0,
-            tools=TOOLS,
             tool_choice=tool_choice,
             parallel_tool_calls=is_parallel,
         )
@@ -58,8 +63,7 @@ def test_required_and_named_tool_calls_follow_the_tools(request, client, model_n
         assert call.type == "function" and call.id.startswith("call_")
         if tool_choice is named:
             assert call.function.name == "get_weather"
-        parameters = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
-        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
 def test_a_tool_result_turn_is_answered(request, client, model_name):
