@@ -49,16 +49,14 @@ def test_image_span_round_trip() -> None:
     assert image_span_from_proto(message) == span
 
 
-def test_usage_round_trip_keeps_the_cached_tokens() -> None:
-    usage = Usage(
-        num_prompt_tokens=90,
-        num_completion_tokens=12,
-        num_cached_image_tokens=64,
-        num_prefix_cached_tokens=48,
-        num_prefix_cached_image_tokens=32,
-    )
+@pytest.mark.parametrize(
+    "field",
+    ["num_cached_image_tokens", "num_prefix_cached_tokens", "num_prefix_cached_image_tokens"],
+)
+def test_usage_round_trip_keeps_each_cached_count(field: str) -> None:
+    usage = Usage(90, 12, **{field: 48})
     message = usage_to_proto(usage)
-    assert message.num_cached_image_tokens == 64 and message.num_prefix_cached_tokens == 48
+    assert getattr(message, field) == 48
     assert usage_from_proto(message) == usage
 
 

@@ -8,18 +8,16 @@ import asyncio
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
-import httpx
 import pytest
 
 from services.common.errors import UnavailableError
 from services.common.types import SamplingParams
 from services.common.wire import sampling_params_from_proto
 from services.router.choices import choice_requests, each_choice
-from services.router.config import FlowConfig
+from services.router.config import FlowConfig, LimitsConfig
 from services.router.types import GenerationRequest
-from tests.router.conftest import BOUND_S, router_config, start_router, stop_router, wait_until
+from tests.router.conftest import BOUND_S, wait_until
 from tests.router.fakes import TEXT
 from tests.router.http_helpers import (
     CHAT,
@@ -31,6 +29,7 @@ from tests.router.http_helpers import (
     prompt_len,
     sse_events,
 )
+from tests.router.served import Served, serve
 
 PATIENT_S = 3600.0
 
@@ -64,20 +63,12 @@ async def test_the_first_failed_choice_is_raised_and_the_others_are_closed():
 
 
 @pytest.fixture
-async def patient_http(cluster) -> AsyncIterator[httpx.AsyncClient]:
+async def patient() -> AsyncIterator[Served]:
     """A router whose requests neither stall nor pass their deadline within the tests' bound:
     a choice left running ends only when the router cancels it."""
-    cfg = router_config(cluster)
-    limits = replace(cfg.limits, request_timeout_s=PATIENT_S)
-    app = await start_router(
-        replace(cfg, limits=limits, flow=FlowConfig(stall_timeout_s=PATIENT_S))
-    )
-    transport = httpx.ASGITransport(app=app.http_app)
-    async with httpx.AsyncClient(
-        transport=transport, base_url="http://router", timeout=BOUND_S
-    ) as client:
-        yield client
-    await stop_router(app)
+    flow = FlowConfig(stall_timeout_s=PATIENT_S)
+    async with serve(flow, limits=LimitsConfig(request_timeout_s=PATIENT_S)) as served:
+        yield served
 
 
 def reserved_seeds(cluster) -> dict[str, int | None]:
@@ -153,25 +144,23 @@ async def test_echoed_completion_choices(http, cluster, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_choice_failing_before_its_first_token_fails_the_request(
-    patient_http, cluster, stream
-):
+async def test_a_choice_failing_before_its_first_token_fails_the_request(patient, stream):
+    cluster = patient.cluster
     cluster.decode.release.clear()  # the other choices wait before decode's first message
     cluster.decode.reserve_errors = [UnavailableError("decode is restarting")]
     body = {**CHAT, "n": 3, "stream": stream}
-    response = await asyncio.wait_for(patient_http.post(CHAT_PATH, json=body), BOUND_S)
+    response = await asyncio.wait_for(patient.http.post(CHAT_PATH, json=body), BOUND_S)
     assert response.status_code == 503, response.text
     assert "decode is restarting" in response.json()["error"]["message"]
     await wait_until(lambda: set(cluster.decode.reserved) <= set(cluster.aborted()))
 
 
-async def test_a_choice_failing_mid_stream_ends_the_stream_and_aborts_the_others(
-    patient_http, cluster
-):
+async def test_a_choice_failing_mid_stream_ends_the_stream_and_aborts_the_others(patient):
+    cluster = patient.cluster
     cluster.decode.release.clear()
     cluster.decode.hang_after = 2  # the other choices never finish by themselves
     body = {**CHAT, "n": 3, "stream": True}
-    request = asyncio.ensure_future(patient_http.post(CHAT_PATH, json=body))
+    request = asyncio.ensure_future(patient.http.post(CHAT_PATH, json=body))
     await wait_until(lambda: len(cluster.decode.reserved) == 3)
     failing = sorted(cluster.decode.reserved)[1]
     cluster.decode.ended.add(failing)  # decode ends it with an error at its first message
@@ -191,15 +180,10 @@ async def test_temperature_zero_gives_identical_choices(http, cluster):
     assert texts == [TEXT.decode(cluster.script.output_ids[:-1])] * 8
 
 
-async def test_max_n_bounds_n(cluster):
-    cfg = router_config(cluster)
-    app = await start_router(replace(cfg, limits=replace(cfg.limits, max_n=2)))
-    try:
-        transport = httpx.ASGITransport(app=app.http_app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
-            message = await assert_400(http, CHAT_PATH, {**CHAT, "n": 3}, "n")
-            assert message == "n must be <= 2 (this server's --max-n), got 3"
-            ok = await http.post(CHAT_PATH, json={**CHAT, "n": 2, "max_tokens": 2})
-            assert ok.status_code == 200, ok.text
-    finally:
-        await stop_router(app)
+async def test_max_n_bounds_n():
+    limits = LimitsConfig(request_timeout_s=BOUND_S, max_n=2)
+    async with serve(FlowConfig(), limits=limits) as served:
+        message = await assert_400(served.http, CHAT_PATH, {**CHAT, "n": 3}, "n")
+        assert message == "n must be <= 2 (this server's --max-n), got 3"
+        ok = await served.http.post(CHAT_PATH, json={**CHAT, "n": 2, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text

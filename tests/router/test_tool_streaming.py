@@ -13,21 +13,15 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from services.common.types import FinishReason, TokenLogprob
-from services.router.app import RouterApp
+from services.router.config import FlowConfig
 from services.router.openai_format import LogprobFormatter, ResponseFormatter
 from services.router.tool_parser_json import HermesParser
 from services.router.tool_stream import ToolCallStream
 from services.router.types import GenerationDelta
-from tests.router.conftest import (
-    BOUND_S,
-    MODEL_NAME,
-    Cluster,
-    router_config,
-    start_router,
-    stop_router,
-)
+from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import EOS_ID, TEXT, char_ids
 from tests.router.http_helpers import stream_chat
+from tests.router.served import Served, serve
 
 CHAT_PATH = "/v1/chat/completions"
 WEATHER = {
@@ -57,15 +51,10 @@ CALLS = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]
 
 
 @pytest.fixture
-async def xml_http(cluster: Cluster) -> AsyncIterator[httpx.AsyncClient]:
-    """``http`` for a router started with ``--tool-call-parser qwen3_coder``."""
-    app: RouterApp = await start_router(router_config(cluster, tool_call_parser="qwen3_coder"))
-    transport = httpx.ASGITransport(app=app.http_app)
-    async with httpx.AsyncClient(
-        transport=transport, base_url="http://router", timeout=BOUND_S
-    ) as client:
-        yield client
-    await stop_router(app)
+async def xml() -> AsyncIterator[Served]:
+    """A router started with ``--tool-call-parser qwen3_coder``, over fake workers of its own."""
+    async with serve(FlowConfig(), tool_call_parser="qwen3_coder") as served:
+        yield served
 
 
 def body(**fields) -> dict:
@@ -104,12 +93,12 @@ async def whole(http: httpx.AsyncClient, **fields) -> tuple[str | None, list[dic
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 @pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder"])
 async def test_streamed_calls_reassemble_to_the_whole_responses(
-    http, xml_http, cluster, fmt, chunk_size
+    http, cluster, xml, fmt, chunk_size
 ):
-    client = http if fmt == "hermes" else xml_http
-    cluster.script.output_ids = [*char_ids(HERMES_OUTPUT if fmt == "hermes" else XML_OUTPUT)]
-    cluster.script.output_ids.append(EOS_ID)
-    cluster.script.chunk_size = chunk_size
+    client, script = (http, cluster.script) if fmt == "hermes" else (xml.http, xml.cluster.script)
+    script.output_ids = [*char_ids(HERMES_OUTPUT if fmt == "hermes" else XML_OUTPUT)]
+    script.output_ids.append(EOS_ID)
+    script.chunk_size = chunk_size
     chunks = await stream_chat(client, **body())
     content, calls, reason = reassembled(chunks)
     assert "<" not in content and content == "Let me check."
@@ -228,7 +217,7 @@ async def test_the_openai_client_accumulates_the_streamed_calls(http, cluster):
     assert calls == CALLS
 
 
-async def test_qwen3_coder_prompt_lists_the_tools_and_writes_history_calls(xml_http, cluster):
+async def test_qwen3_coder_prompt_lists_the_tools_and_writes_history_calls(xml):
     call = {
         "id": "c1",
         "type": "function",
@@ -239,9 +228,9 @@ async def test_qwen3_coder_prompt_lists_the_tools_and_writes_history_calls(xml_h
         {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
         {"role": "tool", "content": "rain", "tool_call_id": "c1"},
     ]
-    response = await xml_http.post(CHAT_PATH, json=body(messages=messages))
+    response = await xml.http.post(CHAT_PATH, json=body(messages=messages))
     assert response.status_code == 200, response.text
-    chat = cluster.tokenizer.servicer.requests[-1].chat.messages
+    chat = xml.cluster.tokenizer.servicer.requests[-1].chat.messages
     assert chat[0].role == "system"
     system = "".join(p.text for p in chat[0].content)
     assert system.startswith("# Tools\n\nYou have access to the following functions:")
