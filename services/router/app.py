@@ -105,7 +105,7 @@ class RouterApp:
         self.health = HealthState()
         self.registry = WorkerRegistry(
             make_workers(cfg, access.internal),
-            make_policy(cfg.policy),
+            make_policy(cfg.policy, cfg.cache_aware_max_imbalance),
             metrics,
             HealthProbe(cfg.health_timeout_s, auth=access.internal),
             on_poll=self._update_health,

@@ -25,6 +25,7 @@ AUTO_TOOL_CALL_PARSER = "auto"  # --tool-call-parser: the chat template's format
 class PolicyName(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     LEAST_LOAD = "least-load"
+    CACHE_AWARE = "cache-aware"  # prefill: where the prompt's prefix was sent (policy.py)
 
 
 def _address(kind: str) -> tuple[str, ...]:
@@ -211,7 +212,19 @@ class RouterConfig(ServiceConfig):
     )
     workers: WorkerAddresses = nested(WorkerAddresses)
     policy: PolicyName = flag(
-        PolicyName.ROUND_ROBIN, type=PolicyName, choices=tuple(PolicyName), help="worker choice"
+        PolicyName.CACHE_AWARE,
+        type=PolicyName,
+        choices=tuple(PolicyName),
+        help="worker choice: round-robin; least-load (fewest requests in flight); cache-aware "
+        "(prefill: the worker this router sent the prompt's longest prefix or its images to, "
+        "where its prefix cache likely still holds them, unless that worker is busier than "
+        "--cache-aware-max-imbalance allows; the other kinds least-load)",
+    )
+    cache_aware_max_imbalance: int = flag(
+        8,
+        type=non_negative_int,
+        help="cache-aware: requests in flight a prefill worker may have beyond the least "
+        "loaded one and still be chosen for its cache",
     )
     tool_call_parser: str = flag(
         AUTO_TOOL_CALL_PARSER,

@@ -88,7 +88,7 @@ class Placer:
             prefill: Worker | None = None
             refusal: CapacityError | None = None
             try:
-                prefill = self._registry.acquire(WorkerKind.PREFILL, exclude=failed)
+                prefill = self._registry.acquire(WorkerKind.PREFILL, failed, job.prompt)
                 client: PrefillPeer = prefill.client
                 call = client.prefill(
                     job.request_id, job.prompt, job.params, reservation.kv_ref, job.deadline_unix_s

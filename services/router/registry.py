@@ -40,6 +40,7 @@ from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import UnavailableError
 from services.common.healthcheck import check_async
+from services.common.types import TokenizedPrompt
 from services.router.metrics import RouterMetrics
 from services.router.policy import BaseRoutingPolicy
 from services.router.workers import Hop, Worker, WorkerKind, WorkerState
@@ -156,9 +157,14 @@ class WorkerRegistry:
             return check.worker not in exclude
         return any(w not in exclude for w in self.ready_workers(kind))
 
-    def acquire(self, kind: WorkerKind, exclude: Collection[Worker] = ()) -> Worker:
-        """Choose a ready worker of ``kind`` (not one in ``exclude``) and count one more request on
-        it.
+    def acquire(
+        self,
+        kind: WorkerKind,
+        exclude: Collection[Worker] = (),
+        prompt: TokenizedPrompt | None = None,
+    ) -> Worker:
+        """Choose a ready worker of ``kind`` (not one in ``exclude``) for a request with
+        ``prompt`` (the policy may route on it) and count one more request on it.
 
         ``UnavailableError`` at once when none is ready. Pair with ``release``. Inside ``pin(w)``,
         ``acquire(w.kind)`` is ``w`` whatever its state (a health-check generate targets it).
@@ -179,7 +185,7 @@ class WorkerRegistry:
             raise UnavailableError(
                 f"no{other} ready {kind.value} worker ({configured} configured, {len(ready)} ready)"
             )
-        return self._count(self._policy.choose(kind, candidates))
+        return self._count(self._policy.choose(kind, candidates, prompt))
 
     def _count(self, worker: Worker) -> Worker:
         worker.num_in_flight += 1
@@ -218,6 +224,7 @@ class WorkerRegistry:
                 worker.address,
                 error,
             )
+            self._policy.forget(worker)
         elif not error and worker.generate_error:
             logger.info(
                 "%s worker %s passed its health-check generate", worker.kind.value, worker.address
@@ -273,6 +280,7 @@ class WorkerRegistry:
             worker.num_in_flight,
         )
         worker.is_leaving = True
+        self._policy.forget(worker)
         if worker.num_in_flight == 0:
             worker.idle_since_mono = time.monotonic()
         self._changed()
@@ -328,7 +336,8 @@ class WorkerRegistry:
         if state is not worker.state:
             if state is WorkerState.READY:
                 logger.info("%s worker %s is ready", worker.kind.value, worker.address)
-            else:
+            else:  # whatever it held may be gone (a restart empties a worker's caches)
+                self._policy.forget(worker)
                 logger.warning(
                     "%s worker %s is not ready: %s", worker.kind.value, worker.address, reason
                 )
