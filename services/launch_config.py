@@ -214,6 +214,15 @@ class LaunchConfig:
         type=at_least(0),
         help="prefill's --cp-min-tokens: smaller batches run on one rank (default: prefill's)",
     )
+    disable_prefix_cache: bool = flag(
+        False, help="prefill's --disable-prefix-cache: compute every prompt whole"
+    )
+    host_cache_gb: float | None = flag(
+        None,
+        type=non_negative,
+        help="prefill's --host-cache-gb: host memory (GB) per prefill rank for the prefix "
+        "cache's second tier (default: prefill's, none)",
+    )
     prefill_cp: int = flag(
         1,
         type=at_least(1),

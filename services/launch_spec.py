@@ -204,7 +204,9 @@ def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfi
         attention_backend=cfg.attention_backend,
         quantization=cfg.quantization,
         max_queued_requests=prefill_queue_size(cfg),
+        disable_prefix_cache=cfg.disable_prefix_cache,
         **_given(
+            host_cache_gb=cfg.host_cache_gb,
             embedding_quarantine_s=cfg.embedding_quarantine_s,
             cp_block_tokens=cfg.prefill_cp_block_tokens,
             cp_min_tokens=cfg.prefill_cp_min_tokens,

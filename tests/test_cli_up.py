@@ -57,6 +57,17 @@ def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
     assert configs["prefill"].transfer_backend == configs["decode"].transfer_backend == "shm"
 
 
+def test_the_prefix_cache_flags_reach_prefill(monkeypatch) -> None:
+    configs = child_configs(LaunchConfig(BUNDLED_MODEL), monkeypatch)
+    assert not configs["prefill"].disable_prefix_cache and configs["prefill"].host_cache_gb == 0
+    cfg = LaunchConfig(BUNDLED_MODEL, disable_prefix_cache=True, host_cache_gb=1.5)
+    configs = child_configs(cfg, monkeypatch)
+    assert configs["prefill"].disable_prefix_cache and configs["prefill"].host_cache_gb == 1.5
+    args = service_args(cfg, monkeypatch)
+    assert [n for n, a in args.items() if "--host-cache-gb" in a] == ["prefill"]
+    assert [n for n, a in args.items() if "--disable-prefix-cache" in a] == ["prefill"]
+
+
 def up_configs(monkeypatch, *argvs: list[str]) -> list[LaunchConfig]:
     """The config ``up`` would launch for each argv (no process started); torch sees one GPU."""
     import torch

@@ -42,6 +42,8 @@ def test_every_setting_of_the_config_parses_back_into_it() -> None:
         embedding_quarantine_s=1.5,
         prefill_cp_block_tokens=64,
         prefill_cp_min_tokens=0,
+        disable_prefix_cache=True,
+        host_cache_gb=2.5,
         prefill_cp=2,
         ready_timeout_s=60.0,
         liveness=LivenessPolicy(4.0),
