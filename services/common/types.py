@@ -65,14 +65,19 @@ class TokenizedPrompt(msgspec.Struct, frozen=True):
 class GrammarKind(enum.Enum):
     JSON_OBJECT = "json_object"  # any JSON object
     JSON_SCHEMA = "json_schema"  # JSON that validates against ``Grammar.spec``
+    REGEX = "regex"  # text the regular expression ``spec`` matches in full (xgrammar's dialect)
+    EBNF = "ebnf"  # text of the EBNF (GBNF) grammar ``spec``, from its rule ``root``
+    # xgrammar's structural tag, ``spec`` its JSON ({"type": "structural_tag", "format": ...}
+    # or the older {"type": "structural_tag", "structures": [...], "triggers": [...]})
+    STRUCTURAL_TAG = "structural_tag"
 
 
 class Grammar(msgspec.Struct, frozen=True):
     """A grammar the output must follow (structured outputs), compiled by xgrammar."""
 
     kind: GrammarKind
-    spec: str = ""  # the JSON schema's text (JSON_SCHEMA); "" for JSON_OBJECT
-    is_strict: bool = False  # no properties or items beyond those the schema names
+    spec: str = ""  # the schema, regex, EBNF or structural tag; "" for JSON_OBJECT
+    is_strict: bool = False  # JSON_SCHEMA: no properties or items beyond those the schema names
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -159,11 +164,16 @@ class SamplingParams(msgspec.Struct, frozen=True):
         grammar = self.grammar
         if grammar is None:
             return
-        has_spec = grammar.kind is GrammarKind.JSON_SCHEMA
+        has_spec = grammar.kind is not GrammarKind.JSON_OBJECT
         if has_spec != bool(grammar.spec) or len(grammar.spec) > MAX_GRAMMAR_SPEC_LEN:
             raise InvalidRequestError(
                 f"grammar: a {grammar.kind.value} grammar takes "
-                + (f"a schema of 1 to {MAX_GRAMMAR_SPEC_LEN} characters" if has_spec else "none"),
+                + (f"a spec of 1 to {MAX_GRAMMAR_SPEC_LEN} characters" if has_spec else "none"),
+                param="grammar",
+            )
+        if grammar.is_strict and grammar.kind is not GrammarKind.JSON_SCHEMA:
+            raise InvalidRequestError(
+                f"grammar: is_strict applies to json_schema grammars only, not {grammar.kind.value}",
                 param="grammar",
             )
         if self.ignore_eos or self.min_tokens:
@@ -199,7 +209,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_TOP_LOGPROBS = 20  # most top logprobs per token (OpenAI's and vLLM's bound)
-MAX_GRAMMAR_SPEC_LEN = 64 * 1024  # characters of one JSON schema
+MAX_GRAMMAR_SPEC_LEN = 64 * 1024  # characters of one grammar spec (schema, regex, EBNF, tag)
 MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
 # (field, low, high, is the low end open): every float field's range.
 _FLOAT_RANGES: tuple[tuple[str, float, float, bool], ...] = (

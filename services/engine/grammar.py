@@ -7,11 +7,16 @@ workers only receive grammars that compile. The mask has one bit per
 token of the LM head's vocabulary (``config.text.vocab_size``, not the tokenizer's length):
 ids past the tokenizer are never allowed, and EOS only where the grammar is complete.
 Outputs are compact JSON (no free whitespace), so a sampled model cannot run on in spaces.
+Regexes, EBNF grammars and structural tags compile as xgrammar reads them (a regex matches
+the whole output; an EBNF grammar starts at its rule ``root``); a structural tag's JSON schemas
+are xgrammar's own (free whitespace allowed).
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,41 +86,99 @@ class GrammarCache:
             self._compiled.move_to_end(grammar)
             return compiled
         self.prepare()
-        assert self._compiler is not None
-        is_object = grammar.kind is GrammarKind.JSON_OBJECT  # an object, as OpenAI's mode
-        spec = JSON_OBJECT_SCHEMA if is_object else grammar.spec
-        check_schema_depth(spec)
         try:
-            ebnf = str(
-                _xgrammar().Grammar.from_json_schema(
-                    spec, any_whitespace=False, strict_mode=grammar.is_strict
-                )
-            )
-            compiled = self._compiler.compile_grammar(
-                ebnf.replace(BOUNDED_STRING_CHARS, JSON_STRING_CHARS)
-            )
+            compiled = self._compile_new(grammar)
         except RuntimeError as exc:
+            reason = str(exc) if isinstance(exc, _SpecError) else _reason(exc)
             raise InvalidRequestError(
-                f"grammar: the JSON schema cannot be compiled: {_reason(exc)}", param="grammar"
+                f"grammar: the {_NOUNS[grammar.kind]} cannot be compiled: {reason}",
+                param="grammar",
             ) from None
         self._compiled[grammar] = compiled
         if len(self._compiled) > self.max_entries:
             self._compiled.popitem(last=False)
         return compiled
 
+    def _compile_new(self, grammar: Grammar) -> Any:
+        """``grammar`` compiled; RuntimeError (xgrammar's) when it cannot be."""
+        compiler = self._compiler
+        assert compiler is not None
+        if grammar.kind is GrammarKind.REGEX:
+            return compiler.compile_regex(grammar.spec)
+        if grammar.kind is GrammarKind.EBNF:
+            return compiler.compile_grammar(grammar.spec)
+        if grammar.kind is GrammarKind.STRUCTURAL_TAG:
+            check_schema_depth(grammar.spec, _NOUNS[grammar.kind])
+            return compiler.compile_structural_tag(structural_tag(grammar.spec))
+        is_object = grammar.kind is GrammarKind.JSON_OBJECT  # an object, as OpenAI's mode
+        spec = JSON_OBJECT_SCHEMA if is_object else grammar.spec
+        check_schema_depth(spec)
+        ebnf = str(
+            _xgrammar().Grammar.from_json_schema(
+                spec, any_whitespace=False, strict_mode=grammar.is_strict
+            )
+        )
+        return compiler.compile_grammar(ebnf.replace(BOUNDED_STRING_CHARS, JSON_STRING_CHARS))
+
     def matcher(self, grammar: Grammar) -> Any:
         """A fresh ``xgrammar.GrammarMatcher`` at the start of ``grammar``."""
         return _xgrammar().GrammarMatcher(self.compile(grammar))
+
+
+_NOUNS = {
+    GrammarKind.JSON_OBJECT: "JSON schema",
+    GrammarKind.JSON_SCHEMA: "JSON schema",
+    GrammarKind.REGEX: "regex",
+    GrammarKind.EBNF: "EBNF grammar",
+    GrammarKind.STRUCTURAL_TAG: "structural tag",
+}
+# xgrammar's "Check failed: (<C++ condition>) is false: " before a structural tag's error
+_CHECK_FAILED = re.compile(r"^Check failed: .*? is false: ")
+
+
+class _SpecError(RuntimeError):
+    """A spec xgrammar is not given, with the reason (no C++ location to strip)."""
+
+
+def structural_tag(spec: str) -> str:
+    """A structural tag's JSON as xgrammar compiles it: the older form (``structures`` and
+    ``triggers``, vLLM's) becomes a ``triggered_tags`` format; ``_SpecError`` when that older
+    form is malformed (xgrammar checks the rest)."""
+    try:
+        value = json.loads(spec)
+    except ValueError as exc:
+        raise _SpecError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict) or "structures" not in value:
+        return spec
+    if set(value) - {"type", "structures", "triggers"} or value.get("type") != "structural_tag":
+        raise _SpecError(
+            'a tag with structures takes type "structural_tag", structures and triggers only'
+        )
+    from pydantic import ValidationError
+
+    xgr = _xgrammar()
+    try:
+        items = [
+            xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in value["structures"]
+        ]
+        tag = xgr.StructuralTag.from_legacy_structural_tag(items, value["triggers"])
+    except (KeyError, TypeError, ValidationError) as exc:
+        raise _SpecError(
+            "structures must be a list of {begin, schema, end} objects and triggers a list of "
+            f"strings ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
+    return tag.model_dump_json(indent=None)
 
 
 def _reason(exc: RuntimeError) -> str:
     """xgrammar's message without its C++ source location prefix."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     _, _, tail = text.partition(": ")
-    return (tail or text)[:500]
+    return _CHECK_FAILED.sub("", tail or text)[:500]
 
 
-def check_schema_depth(spec: str) -> None:
+def check_schema_depth(spec: str, noun: str = "JSON schema") -> None:
     """``InvalidRequestError`` when brackets nest deeper than ``MAX_SCHEMA_DEPTH`` (strings
     skipped)."""
     depth = deepest = 0
@@ -133,7 +196,7 @@ def check_schema_depth(spec: str) -> None:
             depth -= 1
     if deepest > MAX_SCHEMA_DEPTH:
         raise InvalidRequestError(
-            f"grammar: the JSON schema nests {deepest} levels deep, more than {MAX_SCHEMA_DEPTH}",
+            f"grammar: the {noun} nests {deepest} levels deep, more than {MAX_SCHEMA_DEPTH}",
             param="grammar",
         )
 

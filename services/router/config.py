@@ -98,7 +98,9 @@ class LimitsConfig:
     )
     default_max_tokens: int = flag(0, help="when a request sets none; 0 = up to the context")
     grammar_compile_timeout_s: float = flag(
-        10.0, help="longest a response_format schema may take to compile (else 400)"
+        10.0,
+        help="longest a grammar (response_format, structured_outputs, guided_*) may take to "
+        "compile (else 400)",
     )
     # The public input surface: HTTP bodies and image URLs.
     max_request_bytes: int | None = flag(

@@ -1,5 +1,6 @@
 """The router's grammar check: every grammar compiles here before its request is admitted.
 
+Every kind of grammar (JSON schema, regex, EBNF, structural tag) compiles this way.
 Compilation runs in one child process (``forkserver``), never in the router: xgrammar loads
 torch and transformers, which the router does not import, and a compilation that takes longer
 than ``compile_timeout_s`` is ended by killing that process, so a pathological schema costs
@@ -19,9 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from services.common.errors import InvalidRequestError, UnavailableError
-from services.common.types import Grammar
+from services.common.types import Grammar, GrammarKind
 
 _CACHE: Any = None  # the child's services.engine.grammar.GrammarCache
+_NOUNS = {
+    GrammarKind.JSON_OBJECT: "schema",
+    GrammarKind.JSON_SCHEMA: "schema",
+    GrammarKind.REGEX: "regex",
+    GrammarKind.EBNF: "grammar",
+    GrammarKind.STRUCTURAL_TAG: "structural tag",
+}
 
 
 def _load(model_dir: str) -> None:
@@ -65,7 +73,8 @@ class GrammarChecker:
             except TimeoutError:
                 self._kill()
                 raise InvalidRequestError(
-                    f"{param}: the schema did not compile within {self.compile_timeout_s:g} s",
+                    f"{param}: the {_NOUNS[grammar.kind]} did not compile within "
+                    f"{self.compile_timeout_s:g} s",
                     param=param,
                 ) from None
             except BrokenProcessPool:

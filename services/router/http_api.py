@@ -102,7 +102,7 @@ class OpenAIApi:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings, self.limits.max_n)
             tools = tool_plan(body, self.tool_format)
-            grammar_param = "response_format"
+            grammar_param = options.grammar_param
             if tools is not None and tools.grammar is not None:
                 params = msgspec.structs.replace(options.params, grammar=tools.grammar)
                 options, grammar_param = dataclasses.replace(options, params=params), "tools"
@@ -133,7 +133,7 @@ class OpenAIApi:
         try:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings, self.limits.max_n)
-            await self.pipeline.check_grammar(options.params, "response_format")
+            await self.pipeline.check_grammar(options.params, options.grammar_param)
             given = completion_input(body, self.max_context_len)
             prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
             if embeds is not None and body.echo:

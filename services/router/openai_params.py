@@ -2,7 +2,8 @@
 
 The order of checks: ``n`` below 1 (meaningless, not unsupported) or over the router's
 ``--max-n``, fields this server does not implement (each body's ``REFUSALS``: a 400
-naming the field and saying what is not supported), then stream options, the token budget, logit_bias, and last the sampling
+naming the field and saying what is not supported), then stream options, the token budget,
+logit_bias, the one output constraint (``structured_output``), and last the sampling
 ranges of ``SamplingParams.validate`` (the same rules for HTTP and gRPC). The context check
 of ``max_tokens`` needs the prompt's length, so the pipeline makes it after tokenizing.
 """
@@ -22,7 +23,11 @@ from services.common.types import (
     GrammarKind,
     SamplingParams,
 )
-from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_text
+from services.router.openai_schema import (
+    ChatCompletionBody,
+    CompletionBody,
+    check_text,
+)
 
 GenerationBody = ChatCompletionBody | CompletionBody
 MAX_NEW_TOKENS = 2**32 - 1  # SamplingParams' bound; a larger max_tokens fails the context check
@@ -39,6 +44,7 @@ class GenerationOptions:
     max_tokens_param: str  # the field that set it: max_tokens or max_completion_tokens
     stop: tuple[str, ...]
     num_choices: int  # n
+    grammar_param: str = "response_format"  # the field that set ``params.grammar``, if one did
 
 
 def refuse_unsupported(body: GenerationBody) -> None:
@@ -70,6 +76,7 @@ def generation_options(
             f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
             param="min_tokens",
         )
+    grammar, grammar_param = structured_output(body)
     fields: dict[str, Any] = {
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -87,13 +94,13 @@ def generation_options(
         stop_token_ids=tuple(body.stop_token_ids or ()),
         logit_bias=logit_bias(body.logit_bias),
         **_logprobs(body),
-        grammar=response_format(body.response_format),
+        grammar=grammar,
         # The pipeline sets the real budget; this one bounds min_tokens meanwhile.
         max_new_tokens=min(max_tokens or MAX_NEW_TOKENS, MAX_NEW_TOKENS),
     )
     params.validate()
     stop = _stop_strings(body.stop, max_stop_strings)
-    return GenerationOptions(params, max_tokens, max_tokens_param, stop, body.n or 1)
+    return GenerationOptions(params, max_tokens, max_tokens_param, stop, body.n or 1, grammar_param)
 
 
 def _logprobs(body: GenerationBody) -> dict[str, Any]:
@@ -133,6 +140,131 @@ def _num_prompt_logprobs(body: CompletionBody) -> int:
     if body.echo:
         asks.append(body.logprobs)
     return max((k for k in asks if k is not None), default=-1)
+
+
+# vLLM's older top-level names: structured_outputs' field each stands for
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "structural_tag", "json_object")
+
+
+def constraint_fields(body: GenerationBody) -> list[str]:
+    """The fields of ``body`` that constrain its output, as a 400 would name them:
+    ``response_format`` (unless text), ``structured_outputs.<field>`` and ``guided_*``."""
+    found = []
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        found.append("response_format")
+    if body.structured_outputs is not None:
+        given = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        found += [f"structured_outputs.{name}" for name in _STRUCTURED_FIELDS if name in given]
+    found += [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
+    return found
+
+
+def structured_output(body: GenerationBody) -> tuple[Grammar | None, str]:
+    """The grammar the body's one output constraint asks for (None: free text) and the field
+    that asks; a 400 naming the field, or naming every one when several are set."""
+    grammar = response_format(body.response_format)  # a malformed one is a 400 in any case
+    fields = constraint_fields(body)
+    if len(fields) > 1:
+        raise InvalidRequestError(
+            f"{' and '.join(fields)} each constrain the output; a request takes one of them",
+            param=fields[1],
+        )
+    so = body.structured_outputs
+    if so is not None and not fields:
+        raise InvalidRequestError(
+            f"structured_outputs must set one of {', '.join(_STRUCTURED_FIELDS)}",
+            param="structured_outputs",
+        )
+    if not fields or fields[0] == "response_format":
+        return grammar, "response_format"
+    param = fields[0]
+    if so is not None:
+        name = param.removeprefix("structured_outputs.")
+        value = so.json_schema if name == "json" else getattr(so, name)
+    else:
+        name, value = GUIDED_FIELDS[param], getattr(body, param)
+    return _structured_grammar(name, value, param), param
+
+
+def _structured_grammar(name: str, value: Any, param: str) -> Grammar:
+    """The grammar of structured_outputs' field ``name`` (or its guided_* name) set to ``value``."""
+    if name == "json":
+        return _schema_grammar(_schema(value, param), param, is_strict=False)
+    if name == "json_object":
+        if value is not True:
+            raise InvalidRequestError(
+                f"{param} takes only true (leave structured_outputs out for free text)",
+                param=param,
+            )
+        return Grammar(GrammarKind.JSON_OBJECT)
+    if name == "choice":
+        if not value:
+            raise InvalidRequestError(f"{param} must hold at least one string", param=param)
+        literals = [
+            _ebnf_literal(check_text(text, f"{param}[{i}]")) for i, text in enumerate(value)
+        ]
+        return Grammar(GrammarKind.EBNF, _spec("root ::= " + " | ".join(literals), param))
+    if name == "structural_tag" and not isinstance(value, str):
+        value = json.dumps(value, separators=(",", ":"))
+    kind = {
+        "regex": GrammarKind.REGEX,
+        "grammar": GrammarKind.EBNF,
+        "structural_tag": GrammarKind.STRUCTURAL_TAG,
+    }[name]
+    if not value:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    return Grammar(kind, _spec(check_text(value, param), param))
+
+
+def _schema(value: Any, param: str) -> dict[str, Any] | bool:
+    """A JSON schema given as an object, a boolean or its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if not isinstance(value, dict | bool):
+        raise InvalidRequestError(
+            f"{param} must be a JSON schema: an object, a boolean or its JSON text", param=param
+        )
+    return value
+
+
+def _spec(text: str, param: str) -> str:
+    if len(text) > MAX_GRAMMAR_SPEC_LEN:
+        raise InvalidRequestError(
+            f"{param} is longer than {MAX_GRAMMAR_SPEC_LEN} characters"
+            + (" as a grammar" if param.endswith("choice") else ""),
+            param=param,
+        )
+    return text
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as an EBNF string literal: quote and backslash escaped, control characters as
+    ``\\uHHHH`` (xgrammar's ``\\x`` takes as many hex digits as follow); everything else
+    (non-ASCII included) as it is."""
+    chars = [
+        "\\" + c if c in '"\\' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+        for c in text
+    ]
+    return '"' + "".join(chars) + '"'
+
+
+def _schema_grammar(schema: dict[str, Any] | bool, param: str, *, is_strict: bool) -> Grammar:
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > MAX_GRAMMAR_SPEC_LEN:
+        raise InvalidRequestError(
+            f"{param}: the schema is longer than {MAX_GRAMMAR_SPEC_LEN} characters as JSON",
+            param=param,
+        )
+    return Grammar(GrammarKind.JSON_SCHEMA, text, is_strict=is_strict)
 
 
 def response_format(value: dict[str, Any] | None) -> Grammar | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from services.common.errors import InvalidRequestError
 
@@ -83,6 +83,23 @@ class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
+# A JSON schema: an object, a boolean, or its JSON text (vLLM takes the text too).
+JsonSchema = dict[str, Any] | StrictBool | StrictStr
+
+
+class StructuredOutputsBody(Body):
+    """vLLM's ``structured_outputs``: exactly one constraint on the output."""
+
+    # "json" as sent (pydantic's BaseModel has a json attribute the field must not shadow)
+    json_schema: JsonSchema | None = Field(None, alias="json")  # validates against the schema
+    regex: StrictStr | None = None  # the whole output matches (xgrammar's regex dialect)
+    choice: list[StrictStr] | None = None  # exactly one of these strings
+    grammar: StrictStr | None = None  # an EBNF (GBNF) grammar as xgrammar reads it, from root
+    # xgrammar's structural tag, as JSON text or an object
+    structural_tag: StrictStr | dict[str, Any] | None = None
+    json_object: StrictBool | None = None  # true: any JSON object (only true is taken)
+
+
 # (field, is its value one this server honours, why another value is refused)
 Refusal = tuple[str, Any, str]
 
@@ -128,6 +145,13 @@ class _GenerationBody(Body):
     )
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}
     response_format: dict[str, Any] | None = None
+    # vLLM's structured outputs; a request sets at most one constraint, here or above
+    structured_outputs: StructuredOutputsBody | None = None
+    # vLLM's older names for structured_outputs' json, regex, choice and grammar
+    guided_json: JsonSchema | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class ChatCompletionBody(_GenerationBody):

@@ -25,6 +25,7 @@ from services.common.types import MAX_GRAMMAR_SPEC_LEN, Grammar, GrammarKind
 from services.engine.processing.chat import find_chat_template, read_json
 from services.router.config import AUTO_TOOL_CALL_PARSER
 from services.router.openai_format import ResponseFormatter
+from services.router.openai_params import constraint_fields
 from services.router.openai_schema import ChatCompletionBody, ToolBody
 from services.router.tool_parser_json import HermesParser, JsonCallsParser
 from services.router.tool_parser_xml import Qwen3CoderParser
@@ -102,10 +103,12 @@ def tool_plan(body: ChatCompletionBody, style: ToolFormat = ToolFormat.HERMES) -
     is_parallel = body.parallel_tool_calls is not False
     grammar = None
     if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
-        if body.response_format is not None and body.response_format.get("type") != "text":
+        constrained = constraint_fields(body)  # response_format, structured_outputs, guided_*
+        if constrained:
             raise InvalidRequestError(
-                "response_format cannot be combined with tool_choice required or a named function",
-                param="response_format",
+                f"{constrained[0]} cannot be combined with tool_choice required or a named "
+                "function",
+                param=constrained[0],
             )
         chosen = [t for t in tools if t.function.name in names]
         grammar = _grammar(chosen, is_array=mode is ToolMode.REQUIRED and is_parallel)

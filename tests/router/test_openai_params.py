@@ -103,7 +103,7 @@ async def test_values_that_ask_for_what_the_server_does_are_accepted(http, clust
 
 
 UNKNOWN = [
-    ({**CHAT, "guided_json": {}}, "guided_json"),
+    ({**CHAT, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ({**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ({**CHAT, "echo": True}, "echo"),  # completions only
     (
