@@ -33,6 +33,8 @@ from services.engine.gpu_defaults import (
     memory_fraction,
 )
 from services.engine.quantization import quantization_flag
+from services.router.config import AUTO_TOOL_CALL_PARSER
+from services.router.tool_parsers import ToolFormat
 
 # --metrics-port-base N: the service at index i serves /metrics on port N + i.
 METRICS_PORT_ORDER = ("tokenizer", "vision_encoder", "prefill", "decode", "router")
@@ -188,6 +190,18 @@ class LaunchConfig:
         None,
         type=non_negative,
         help="a request's wait limit in the admission queue before 429 (default: the router's)",
+    )
+    tool_call_parser: str | None = flag(
+        None,
+        choices=(AUTO_TOOL_CALL_PARSER, *ToolFormat),
+        help="the router's --tool-call-parser: the model's tool-call format, hermes or "
+        "qwen3_coder (default: the router's, auto: from the chat template)",
+    )
+    max_n: int | None = flag(
+        None,
+        type=at_least(1),
+        help="the router's --max-n: most choices (n) a request may ask for, else 400 "
+        "(default: the router's)",
     )
     drain_timeout_s: float | None = flag(
         None,

@@ -18,7 +18,7 @@ from services.common.settings import config_to_argv
 from services.decode.config import DecodeConfig
 from services.launch_config import METRICS_PORT_ORDER, LaunchConfig
 from services.prefill.config import PrefillConfig
-from services.router.config import FlowConfig, RouterConfig, WorkerAddresses
+from services.router.config import FlowConfig, LimitsConfig, RouterConfig, WorkerAddresses
 from services.tokenizer.config import TokenizerConfig
 from services.vision_encoder.config import VisionEncoderConfig
 
@@ -274,9 +274,11 @@ def router_config(
         http_reuse_port=cfg.router_workers > 1,
         workers=WorkerAddresses((tokenizer,), (prefill,), (decode,), (encoder,)),
         flow=flow,
+        limits=LimitsConfig(**_given(max_n=cfg.max_n)),
         drain_timeout_s=cfg.drain_timeout_s,
         insecure_no_api_key=cfg.insecure_no_api_key,
         enable_reflection=cfg.enable_reflection,
+        **_given(tool_call_parser=cfg.tool_call_parser),
     )
 
 

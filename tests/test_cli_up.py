@@ -165,6 +165,41 @@ def test_admission_limits_reach_the_router_only_when_given(monkeypatch) -> None:
     assert _flag(defaults["prefill"], "--max-queued-requests") == str(3 * 256)
 
 
+ROUTER_API_FLAGS = ("--tool-call-parser", "--max-n")
+
+
+@pytest.mark.parametrize("router_workers", [1, 2])
+def test_router_api_flags_reach_every_router_only_when_given(monkeypatch, router_workers) -> None:
+    args = build_parser().parse_args(["up", "--tool-call-parser", "qwen3_coder", "--max-n", "3"])
+    assert (args.tool_call_parser, args.max_n) == ("qwen3_coder", 3)
+    cfg = LaunchConfig(
+        BUNDLED_MODEL, tool_call_parser="qwen3_coder", max_n=3, router_workers=router_workers
+    )
+    configs = child_configs(cfg, monkeypatch)
+    assert (configs["router"].tool_call_parser, configs["router"].limits.max_n) == (
+        "qwen3_coder",
+        3,
+    )
+    given = service_args(cfg, monkeypatch)
+    routers = ["router", *(f"router-{i}" for i in range(2, router_workers + 1))]
+    for name in routers:  # every router process, the first and the others
+        assert [_flag(given[name], f) for f in ROUTER_API_FLAGS] == ["qwen3_coder", "3"]
+    assert [n for n, a in given.items() if any(f in a for f in ROUTER_API_FLAGS)] == routers
+    defaults = service_args(LaunchConfig(BUNDLED_MODEL), monkeypatch)
+    assert not [f for a in defaults.values() for f in a if f in ROUTER_API_FLAGS]
+    configs = child_configs(LaunchConfig(BUNDLED_MODEL), monkeypatch)
+    assert (configs["router"].tool_call_parser, configs["router"].limits.max_n) == ("auto", 8)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--tool-call-parser", "mistral"], ["--max-n", "0"], ["--max-n", "x"]]
+)
+def test_router_api_flags_refuse_bad_values(argv, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", *argv])
+    assert argv[0] in capsys.readouterr().err
+
+
 def test_decode_batch_holds_every_request_the_routers_admit(monkeypatch) -> None:
     def batch(**fields) -> int:
         cfg = LaunchConfig(BUNDLED_MODEL, **fields)

@@ -37,6 +37,8 @@ def test_every_setting_of_the_config_parses_back_into_it() -> None:
         max_concurrent_requests=8,
         max_queued_requests=0,
         queue_timeout_s=5.0,
+        tool_call_parser="qwen3_coder",
+        max_n=4,
         drain_timeout_s=0.0,
         kv_quarantine_s=2.0,
         embedding_quarantine_s=1.5,
