@@ -1,0 +1,163 @@
+"""The prefix cache's host tier against recomputing: a prompt's KV prefilled, spilled to the
+host tier and loaded back, as a prefill rank does it (``PrefixPages.apply``).
+
+    python -m benchmarks.host_tier [--out docs/benchmarks.md] [--tokens 8192,32768]
+    python -m benchmarks.host_tier --quick          # CPU, the bundled tiny model
+
+For each prompt length: the prefill forward of that many tokens (the cost of a cache miss),
+then the page moves of its full pages: spill (device pages -> host tier) and load (host tier
+-> device pages). The loaded KV is checked bit for bit against what the forward wrote. Target
+(issue 38): a 32k-token prefix back on the GPU >= 5x faster than recomputing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.random_model import CONFIG_7B, build_random_model
+from benchmarks.report import command_line, markdown_table, write_run_section
+from services.common.paths import BUNDLED_MODEL
+from services.engine.attention import ForwardMode
+from services.engine.loader import load_model
+from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.step_inputs import StepInput
+from services.prefill.messages import CacheMoves
+from services.prefill.prefix_cache import PrefixPages
+
+SECTION_TITLE = "## Prefix cache host tier (`python -m benchmarks.host_tier`)"
+PAGE_SIZE = 16
+TARGET_SPEEDUP = 5.0  # load vs recompute of a 32k-token prefix
+NOTES = [
+    "Recompute: one EXTEND forward of the prompt's tokens (random ids) writing its KV into "
+    "the pool, median of the timed runs after a warm-up. Spill: `PrefixPages.apply` of the "
+    "full pages' keys into the host tier (gather on the device, one copy to host memory, a "
+    "scatter into the tier's pinned tensors). Load: back into other device pages (gather in "
+    "host memory, one copy to the device, a scatter). Each move is timed to the device's "
+    "synchronize; the loaded pages equal the computed ones bit for bit (checked every run). "
+    "GB/s counts K and V of every layer of the moved pages.",
+]
+
+
+def _time_ms(fn: Callable[[], object], on_cuda: bool, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        if on_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if on_cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(runner: ModelRunner, num_tokens: int, iters: int) -> dict[str, float]:
+    """Recompute, spill and load times (ms) and the bytes moved for a ``num_tokens`` prompt."""
+    on_cuda = runner.device.type == "cuda"
+    num_full = num_tokens // PAGE_SIZE
+    pages = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages=num_full)
+    ids = torch.randint(0, runner.model.config.text.vocab_size, (num_tokens,)).tolist()
+    keys = tuple(i.to_bytes(16, "little") for i in range(num_full))
+
+    def forward(request_id: str) -> None:
+        step = StepInput(request_id, ids, torch.arange(num_tokens).expand(3, -1), 0)
+        runner.forward(ForwardMode.EXTEND, [step])
+
+    runner.page_table.reserve("warm-up", num_tokens)
+    try:
+        forward("warm-up")
+        recompute_ms = _time_ms(lambda: forward("warm-up"), on_cuda, iters)
+    finally:
+        runner.page_table.release("warm-up")
+    pages.lend("prompt", (), num_tokens)
+    forward("prompt")
+    pages.settle("prompt", (), keys, computed=True)
+    pool = runner.kv_pool
+    first = [pages._pages[k] for k in keys]  # noqa: SLF001 (the benchmark checks the copies)
+    k_ref, v_ref = pool.k_buffer[:, first].clone(), pool.v_buffer[:, first].clone()
+    spill, load = [], []
+    for _ in range(iters):
+        spill.append(_time_ms(lambda: pages.apply(CacheMoves(spill=keys)), on_cuda, 1))
+        pool.k_buffer[:, first] = 0  # the pages it comes back to hold other KV now
+        load.append(_time_ms(lambda: pages.apply(CacheMoves(load=keys)), on_cuda, 1))
+        back = [pages._pages[k] for k in keys]  # noqa: SLF001
+        assert torch.equal(pool.k_buffer[:, back], k_ref), "the host tier changed K"
+        assert torch.equal(pool.v_buffer[:, back], v_ref), "the host tier changed V"
+    pages.clear()
+    return {
+        "recompute_ms": recompute_ms,
+        "spill_ms": statistics.median(spill),
+        "load_ms": statistics.median(load),
+        "bytes": 2 * pool.num_layers * pool.page_nbytes * num_full,
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks.host_tier", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CPU, the bundled tiny model")
+    p.add_argument(
+        "--tokens", default=None, help="prompt lengths, comma-separated (default 8192,32768)"
+    )
+    p.add_argument("--iters", type=int, default=3, help="timed runs of each measurement")
+    p.add_argument("--out", default="docs/benchmarks.md", help="'' writes no section")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    lens = [
+        int(t) for t in (args.tokens or ("256,1024" if args.quick else "8192,32768")).split(",")
+    ]
+    if args.quick:
+        model = load_model(str(BUNDLED_MODEL), device="cpu", components=("language",))
+        backend, weights = "torch", "bundled tiny model, CPU"
+    else:
+        model = build_random_model(CONFIG_7B)
+        backend, weights = "flashinfer", "7B decoder dimensions, random bf16, one GPU"
+    num_pages = -(-max(lens) // PAGE_SIZE) * 2 + 2  # the prompt, and the pages it comes back to
+    runner = ModelRunner(
+        model, KVCacheConfig(num_pages, PAGE_SIZE), backend, cuda_graph_batch_sizes=()
+    )
+    rows = []
+    for num_tokens in lens:
+        m = measure(runner, num_tokens, args.iters)
+        speedup = m["recompute_ms"] / m["load_ms"]
+        rows.append(
+            (
+                f"{num_tokens:,}",
+                f"{m['bytes'] / 1e6:.1f}",
+                f"{m['recompute_ms']:.1f}",
+                f"{m['spill_ms']:.1f}",
+                f"{m['load_ms']:.1f}",
+                f"{m['bytes'] / (m['load_ms'] / 1e3) / 1e9:.2f}",
+                f"{speedup:.1f}x",
+            )
+        )
+        print(" | ".join(rows[-1]), flush=True)
+    header = ("tokens", "KV MB", "recompute ms", "spill ms", "load ms", "load GB/s", "speedup")
+    table = markdown_table(header, rows)
+    print("\n".join(table))
+    at_32k = [r for r, n in zip(rows, lens, strict=True) if n == 32768]
+    verdict = (
+        f"target: a 32k-token prefix loaded >= {TARGET_SPEEDUP:g}x faster than recomputed: "
+        + (
+            ("met" if float(at_32k[0][-1][:-1]) >= TARGET_SPEEDUP else "not met")
+            + f" ({at_32k[0][-1]})"
+            if at_32k
+            else "not measured in this run"
+        )
+    )
+    info = [f"- model: {weights}; {PAGE_SIZE}-token pages; attention {backend}", f"- {verdict}"]
+    write_run_section(
+        args.out, SECTION_TITLE, command_line("benchmarks.host_tier", argv), info, table, NOTES
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
