@@ -228,6 +228,12 @@ class LaunchConfig:
         type=at_least(0),
         help="prefill's --cp-min-tokens: smaller batches run on one rank (default: prefill's)",
     )
+    prefill_num_pages: int | None = flag(
+        None,
+        type=at_least(1),
+        help="prefill's --num-pages: its KV pool, where the prefix cache keeps recent prompts' "
+        "pages (default: prefill's, 1024)",
+    )
     disable_prefix_cache: bool = flag(
         False, help="prefill's --disable-prefix-cache: compute every prompt whole"
     )

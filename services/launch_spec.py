@@ -206,6 +206,7 @@ def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfi
         max_queued_requests=prefill_queue_size(cfg),
         disable_prefix_cache=cfg.disable_prefix_cache,
         **_given(
+            num_pages=cfg.prefill_num_pages,
             host_cache_gb=cfg.host_cache_gb,
             embedding_quarantine_s=cfg.embedding_quarantine_s,
             cp_block_tokens=cfg.prefill_cp_block_tokens,

@@ -60,9 +60,12 @@ def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
 def test_the_prefix_cache_flags_reach_prefill(monkeypatch) -> None:
     configs = child_configs(LaunchConfig(BUNDLED_MODEL), monkeypatch)
     assert not configs["prefill"].disable_prefix_cache and configs["prefill"].host_cache_gb == 0
-    cfg = LaunchConfig(BUNDLED_MODEL, disable_prefix_cache=True, host_cache_gb=1.5)
+    cfg = LaunchConfig(
+        BUNDLED_MODEL, disable_prefix_cache=True, host_cache_gb=1.5, prefill_num_pages=4096
+    )
     configs = child_configs(cfg, monkeypatch)
     assert configs["prefill"].disable_prefix_cache and configs["prefill"].host_cache_gb == 1.5
+    assert configs["prefill"].num_pages == 4096 and configs["decode"].num_pages is None
     args = service_args(cfg, monkeypatch)
     assert [n for n, a in args.items() if "--host-cache-gb" in a] == ["prefill"]
     assert [n for n, a in args.items() if "--disable-prefix-cache" in a] == ["prefill"]

@@ -44,6 +44,7 @@ def test_every_setting_of_the_config_parses_back_into_it() -> None:
         embedding_quarantine_s=1.5,
         prefill_cp_block_tokens=64,
         prefill_cp_min_tokens=0,
+        prefill_num_pages=4096,
         disable_prefix_cache=True,
         host_cache_gb=2.5,
         prefill_cp=2,
