@@ -87,6 +87,9 @@ def write_checkpoint(
     started = time.monotonic()
     model = build_random_model(out_dir, device=device, seed=seed)
     state = {name: tensor.contiguous().cpu() for name, tensor in model.state_dict().items()}
+    del model  # the caller then starts the system on the same GPU: hold none of its memory
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     save_file(state, str(weights))
     print(
         f"wrote {weights} ({weights.stat().st_size / 1e9:.1f} GB) "
