@@ -11,6 +11,8 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from services.common import signing
 from services.common.auth import Credentials
 from services.common.client import create_channel, wait_ready
@@ -27,10 +29,12 @@ from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import print_ready, service_server, start_telemetry
 from services.engine.config import ModelConfig
+from services.prefill import metrics
 from services.prefill.config import PrefillConfig
 from services.prefill.encoding import Encoder
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
+from services.prefill.kv_store import MIN_SEGMENT_BYTES, KvStore, PageLayout
 from services.prefill.leader import LeaderOptions, PrefillLeader
 from services.prefill.messages import RankResult
 from services.prefill.planning import CpPolicy
@@ -38,10 +42,12 @@ from services.prefill.prefix_cache import PrefixIndex
 from services.prefill.rank_step import PrefillRankInit
 from services.prefill.scheduler import PrefillScheduler
 from services.prefill.servicer import SERVICE_NAME, PrefillServicer
+from services.prefill.store_tier import StoreLookup, model_namespace
 from services.transfer.embeddings import EmbeddingRowManager
 
 logger = logging.getLogger(__name__)
 STEP_TARGET = "services.prefill.rank_step:PrefillRankStep"
+STORE_LOOKUP_TIMEOUT_S = 1.0  # a request waits this long at most for the shared store's answer
 
 
 def check_backends(config: PrefillConfig) -> tuple[str, str]:
@@ -73,7 +79,61 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         cuda_graph_max_tokens=config.cuda_graph_max_tokens,
         gpu_share_file=config.gpu_share_file,
         host_cache_gb=0.0 if config.disable_prefix_cache else config.host_cache_gb,
+        **store_init(config),
     )
+
+
+def store_init(config: PrefillConfig) -> dict[str, object]:
+    """The ranks' settings of the shared KV store (none with the prefix cache off)."""
+    if not config.kv_store_master:
+        return {}
+    if config.disable_prefix_cache:
+        raise ValueError(
+            "--kv-store-master is the prefix cache's tier: not with --disable-prefix-cache"
+        )
+    host, _, port = config.kv_store_master.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--kv-store-master must be HOST:PORT, got {config.kv_store_master!r}")
+    segment_bytes = int(config.kv_store_segment_gb * 1e9)
+    if 0 < segment_bytes < MIN_SEGMENT_BYTES:
+        raise ValueError(
+            f"--kv-store-segment-gb must be 0 or at least {MIN_SEGMENT_BYTES / 1e9:g} (Mooncake's "
+            f"smallest segment), got {config.kv_store_segment_gb:g}"
+        )
+    return {
+        "kv_store_master": config.kv_store_master,
+        "kv_store_segment_bytes": segment_bytes,
+        "kv_store_namespace": model_namespace(config.model),
+    }
+
+
+def store_lookup(config: PrefillConfig, leader: list[PrefillLeader]) -> StoreLookup | None:
+    """The leader's lookup in the shared KV store; its client connects at the first lookup,
+    with the page layout the ranks described."""
+    if config.disable_prefix_cache or not config.kv_store_master:
+        return None
+
+    def connect() -> KvStore:
+        layout = leader[0].descriptions[0].kv_layout
+        page = PageLayout(
+            layout.num_layers,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            getattr(torch, layout.dtype),
+        )
+        return KvStore(
+            config.kv_store_master,
+            model_namespace(config.model),
+            page,
+            local_hostname=config.advertised_hostname,
+            segment_bytes=0,  # the leader lends no memory: it only asks what the store holds
+        )
+
+    def failed(op: str) -> None:
+        metrics.PREFIX_CACHE_STORE_FAILURES.labels(op).inc()
+
+    return StoreLookup(connect, STORE_LOOKUP_TIMEOUT_S, failed)
 
 
 def group_config(config: PrefillConfig, internal_token: str) -> RankGroupConfig:
@@ -128,7 +188,12 @@ class PrefillApp:
         policy = CpPolicy(config.cp_block_tokens, config.cp_min_tokens, config.max_batch_tokens)
         options = LeaderOptions(policy, config.step_timeout_s, config.watchdog_s)
         leader = PrefillLeader(
-            scheduler, ranks, ModelConfig.from_dir(config.model), encoder, options
+            scheduler,
+            ranks,
+            ModelConfig.from_dir(config.model),
+            encoder,
+            options,
+            store=store_lookup(config, holder),
         )
         holder.append(leader)
         return cls(leader, ranks)
@@ -147,6 +212,8 @@ class PrefillApp:
         """Stop the leader (failing live requests), then the rank group."""
         await self.leader.stop()
         await self.ranks.aclose()
+        if self.leader.store is not None:
+            self.leader.store.close()
 
 
 async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> None:

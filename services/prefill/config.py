@@ -51,6 +51,17 @@ class PrefillConfig(ServiceConfig):
         "the device pool are copied there, and a prompt that reuses one gets it copied back "
         "instead of computing it (pinned memory on a GPU; 0: no host tier)",
     )
+    kv_store_master: str = flag(
+        "",
+        help="HOST:PORT of a Mooncake store's master shared by every prefill worker: the prefix "
+        "cache's third tier (pages one worker computed, another reads instead of computing "
+        "them; a store that is down is skipped). Default: none",
+    )
+    kv_store_segment_gb: float = flag(
+        1.0,
+        type=non_negative,
+        help="--kv-store-master: memory (GB) each rank lends the store for pages (0: none)",
+    )
     embedding_rows: int = flag(
         16384, type=positive_int, help="rows of the image-embedding buffer the encoder writes into"
     )

@@ -40,6 +40,7 @@ from services.prefill import metrics
 from services.prefill.encoding import Encoder, encode_entry
 from services.prefill.messages import Describe, RankDescription, RankPlan, RankResult
 from services.prefill.planning import CpPolicy, merge_results, rank_plan
+from services.prefill.prefix_cache import CacheAsk
 from services.prefill.request import (
     PrefillInput,
     PrefillPlan,
@@ -48,6 +49,7 @@ from services.prefill.request import (
 )
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
 from services.prefill.spans import forward_spans, transfer_spans
+from services.prefill.store_tier import StoreLookup
 from services.prefill.validation import (
     PromptLimits,
     prompt_destination,
@@ -83,8 +85,11 @@ class PrefillLeader:
         encoder: Encoder | None,
         options: LeaderOptions,
         clock: Callable[[], float] = time.monotonic,
+        store: StoreLookup | None = None,
     ) -> None:
+        """``store``: asks the KV store shared with other prefill workers what it holds."""
         self.scheduler = scheduler
+        self.store = store
         self.ranks = ranks
         self.encoder = encoder
         self.options = options
@@ -148,7 +153,10 @@ class PrefillLeader:
         self.descriptions = [r.description for r in results if r.description is not None]
         assert len(self.descriptions) == self.ranks.num_ranks, "every rank describes itself"
         if self.scheduler.prefix is not None:  # the ranks' caches start empty after Describe
-            self.scheduler.prefix.clear(min(d.num_host_pages for d in self.descriptions))
+            self.scheduler.prefix.clear(
+                min(d.num_host_pages for d in self.descriptions),
+                self.store is not None and all(d.has_store for d in self.descriptions),
+            )
         self.on_serving(True)
         self._pump()
 
@@ -204,7 +212,11 @@ class PrefillLeader:
         if self._is_draining:
             raise UnavailableError("this prefill worker is shutting down and takes no new requests")
         request = self._validated(request, images)
-        self.scheduler.add(request, images)
+        entry = self.scheduler.add(request, images)
+        prefix = self.scheduler.prefix
+        if prefix is not None and prefix.has_store and self.store is not None:
+            entry.is_store_pending = True  # planned once the store answered (bounded)
+            self._spawn(self._ask_store(entry))
         future = self._loop.create_future()
         self._futures[request.request_id] = future
         try:
@@ -359,14 +371,31 @@ class PrefillLeader:
             self._resolve(outcomes)
             self._pump()
 
+    async def _ask_store(self, entry: SchedEntry) -> None:
+        assert self.store is not None
+        ask = CacheAsk.of(entry.input)
+        limit = (ask.num_tokens - 1) // self.scheduler.page_size if ask.can_read else 0
+        if limit and not entry.skips_store:
+            entry.in_store = await self.store.leading(entry.input.page_keys[:limit])
+        entry.is_store_pending = False
+        self._pump()
+
     def _fail_plan(
         self, plan: PrefillPlan, payload: RankPlan, error: StageServeError
     ) -> list[RequestOutcome]:
-        """Every request of the failed step fails; what its ranks kept of it is dropped."""
+        """Every request of the failed step fails (a step that read the shared KV store is
+        run again without it instead); what its ranks kept of it is dropped."""
         if self.scheduler.prefix is not None:
             stored = [k for r in payload.requests for k in r.store_keys]
-            moved = [k for m in payload.moves for k in (*m.spill, *m.load)]
+            moved = [k for m in payload.moves for k in (*m.spill, *m.load, *m.fetch)]
             self.scheduler.prefix.forget([*stored, *moved], payload.ranks(self.ranks.num_ranks))
+        if any(m.fetch for m in payload.moves) and not self._is_stopping:
+            logger.warning(
+                "a batch that read the KV store failed (%s): run again without", error.message
+            )
+            metrics.PREFIX_CACHE_STORE_FAILURES.labels("fetch").inc()
+            self.scheduler.retry_without_store(plan)
+            return []
         return self.scheduler.fail_plan(plan, error)
 
     async def _encode(self, entry: SchedEntry) -> None:

@@ -60,6 +60,8 @@ class CacheMoves(msgspec.Struct, frozen=True, array_like=True):
     drop: tuple[bytes, ...] = ()  # cached pages it frees, in device memory or the host tier
     spill: tuple[bytes, ...] = ()  # device pages copied into the host tier, then freed
     load: tuple[bytes, ...] = ()  # host-tier pages copied back into device pages
+    fetch: tuple[bytes, ...] = ()  # pages read from the shared KV store into device pages
+    put: tuple[bytes, ...] = ()  # after the plan: computed pages it writes to the KV store
 
 
 class RankPlan(msgspec.Struct, frozen=True, tag="plan"):
@@ -97,6 +99,7 @@ class RankDescription(msgspec.Struct, frozen=True):
     kv_layout: KvPoolLayout
     kv_backend: str
     num_host_pages: int = 0  # the prefix cache's host tier, in pages
+    has_store: bool = False  # connected to the shared KV store
 
 
 class RankOutcome(msgspec.Struct, frozen=True, array_like=True):

@@ -55,6 +55,16 @@ PREFIX_CACHE_SPILLS = telemetry.counter(
     "prefill_prefix_cache_host_spills_total",
     "KV pages ranks copied from device memory into their host tier when evicted",
 )
+PREFIX_CACHE_STORE_HITS = telemetry.counter(
+    "prefill_prefix_cache_store_hits_total",
+    "Prompt tokens of the cache hits whose pages ranks read from the shared KV store",
+)
+PREFIX_CACHE_STORE_FAILURES = telemetry.counter(
+    "prefill_prefix_cache_store_failures_total",
+    "Calls to the shared KV store that failed or timed out (the tier is skipped for them): "
+    "lookup (the leader's), fetch (a batch that read it, run again without)",
+    ["op"],
+)
 PREFIX_CACHE_PAGES = telemetry.gauge(
     "prefill_prefix_cache_pages",
     "KV pages a rank keeps for the prefix cache between plans, per tier (device: evictable "
@@ -103,6 +113,10 @@ def record_prefix_plan(prefix: PrefixIndex, payload: RankPlan, num_tokens: int) 
         prefix.page_size * sum(k in loaded for r in payload.requests for k in r.prefix_keys)
     )
     PREFIX_CACHE_SPILLS.inc(sum(len(m.spill) for m in payload.moves))
+    fetched = {k for m in payload.moves for k in m.fetch}
+    PREFIX_CACHE_STORE_HITS.inc(
+        prefix.page_size * sum(k in fetched for r in payload.requests for k in r.prefix_keys)
+    )
     for rank in range(prefix.num_ranks):
         PREFIX_CACHE_PAGES.labels(str(rank), "device").set(prefix.num_held(rank))
         PREFIX_CACHE_PAGES.labels(str(rank), "host").set(prefix.num_host_held(rank))

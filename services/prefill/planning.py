@@ -78,7 +78,7 @@ def rank_plan(
     With ``cache`` each request reads its longest cached prefix that the plan's ranks hold,
     computes the rest, and the ranks keep its computed full pages (``PrefixIndex.plan``)."""
     to_unix = time.time() - now_mono
-    asks = [CacheAsk.of(p.request) for p in plan.requests]
+    asks = [CacheAsk.of(p.request, p.in_store) for p in plan.requests]
 
     def new_tokens(ranks: Sequence[int]) -> int:
         if cache is None:

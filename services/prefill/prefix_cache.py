@@ -30,10 +30,12 @@ on both sides).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -50,9 +52,10 @@ class CacheAsk:
     num_tokens: int
     can_read: bool  # False: its whole prompt is computed (prompt logprobs need every logit)
     can_store: bool  # False: nothing of it is kept (prompt embeddings replace its tokens)
+    in_store: int = 0  # leading keys the shared KV store held when the leader asked
 
     @classmethod
-    def of(cls, request: PrefillInput) -> CacheAsk:
+    def of(cls, request: PrefillInput, in_store: int = 0) -> CacheAsk:
         """Prompt logprobs read nothing (every prompt position's logits are wanted); prompt
         embeddings neither read nor keep (the keys name token ids, not those rows)."""
         return cls(
@@ -60,6 +63,7 @@ class CacheAsk:
             request.num_tokens,
             can_read=request.params.num_prompt_logprobs < 0 and not request.prompt_embeds,
             can_store=not request.prompt_embeds,
+            in_store=in_store,
         )
 
 
@@ -79,23 +83,32 @@ class PrefixIndex:
     and in its host tier (``num_host_pages`` each; 0: none), least recently used first."""
 
     def __init__(
-        self, num_ranks: int, num_pages: int, page_size: int, num_host_pages: int = 0
+        self,
+        num_ranks: int,
+        num_pages: int,
+        page_size: int,
+        num_host_pages: int = 0,
+        has_store: bool = False,
     ) -> None:
+        """``has_store``: the ranks share a KV store (``kv_store.py``): plans fetch what it
+        holds and one rank writes what a plan computed to it."""
         self.num_ranks, self.num_pages, self.page_size = num_ranks, num_pages, page_size
-        self.num_host_pages = num_host_pages
+        self.num_host_pages, self.has_store = num_host_pages, has_store
         self._held: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
         self._host: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
         self._to_drop: list[list[bytes]] = [[] for _ in range(num_ranks)]
 
-    def clear(self, num_host_pages: int | None = None) -> None:
-        """The ranks re-formed: they hold nothing (and each has ``num_host_pages`` host pages,
-        when given)."""
+    def clear(self, num_host_pages: int | None = None, has_store: bool | None = None) -> None:
+        """The ranks re-formed: they hold nothing (and each has ``num_host_pages`` host pages
+        and, ``has_store``, the shared KV store, when given)."""
         for tier in (*self._held, *self._host):
             tier.clear()
         for drop in self._to_drop:
             drop.clear()
         if num_host_pages is not None:
             self.num_host_pages = num_host_pages
+        if has_store is not None:
+            self.has_store = has_store
 
     def num_held(self, rank: int) -> int:
         return len(self._held[rank])
@@ -120,11 +133,12 @@ class PrefixIndex:
         return len(keys)
 
     def reusable(self, ask: CacheAsk, ranks: Sequence[int]) -> int:
-        """Pages of ``ask``'s prefix a plan on ``ranks`` would reuse."""
+        """Pages of ``ask``'s prefix a plan on ``ranks`` would reuse: those every one of them
+        holds, or as many as the shared KV store holds (fetched by the ranks that lack them)."""
         if not ask.can_read:
             return 0
         limit = (ask.num_tokens - 1) // self.page_size  # the last token's page is computed
-        return self.match(ask.keys[:limit], ranks)
+        return max(self.match(ask.keys[:limit], ranks), min(ask.in_store, limit))
 
     def plan(
         self, asks: Sequence[CacheAsk], ranks: Sequence[int]
@@ -156,21 +170,36 @@ class PrefixIndex:
         )
         spills: dict[int, list[bytes]] = {}
         loads: dict[int, list[bytes]] = {}
+        fetches: dict[int, list[bytes]] = {}
         for rank in ranks:
             host = self._host[rank]
             loads[rank] = [k for k in reused if k in host]
+            fetches[rank] = [k for k in reused if k not in host and k not in self._held[rank]]
             for key in loads[rank]:  # out of the host tier first: they make room there
                 del host[key]
             for key in storing:  # computed again (a last token's page): the new copy stays
                 if key in host:
                     del host[key]
                     self._to_drop[rank].append(key)
-            victims = self._evict(rank, self.num_pages - num_new - len(loads[rank]), reused)
+            num_in = len(loads[rank]) + len(fetches[rank])
+            victims = self._evict(rank, self.num_pages - num_new - num_in, reused)
             recomputed = [k for k in victims if k in storing]  # the plan stores it again
             spills[rank] = self._spill(rank, [k for k in victims if k not in storing])
             self._to_drop[rank].extend(recomputed)
+        puts = [  # the computed pages past what the store held
+            k
+            for u, a in zip(uses, asks, strict=True)
+            for k in u.store_keys[max(0, a.in_store - len(u.prefix_keys)) :]
+        ]
+        writer = ranks[0] if self.has_store else -1  # one rank writes the computed pages
         moves = tuple(
-            CacheMoves(tuple(self._to_drop[r]), tuple(spills.get(r, ())), tuple(loads.get(r, ())))
+            CacheMoves(
+                tuple(self._to_drop[r]),
+                tuple(spills.get(r, ())),
+                tuple(loads.get(r, ())),
+                tuple(fetches.get(r, ())),
+                tuple(puts) if r == writer else (),
+            )
             for r in range(self.num_ranks)
         )
         for drop in self._to_drop:
@@ -235,42 +264,86 @@ def num_host_pages(host_cache_gb: float, pool: KVPool) -> int:
 
 
 class HostTier:
-    """A rank's host copies of KV pages: K and V tensors ``[layers, pages, page_size, heads,
-    dim]`` in host memory (pinned when the pool is on a GPU) and which key each page holds."""
+    """A rank's host copies of KV pages and which key each slot holds: one tensor ``[slots, 2
+    (K, V), layers, page_size, heads, dim]`` in host memory (pinned when the pool is on a GPU),
+    a slot contiguous, so a run of consecutive slots moves as one copy between the device
+    and host memory (slots are handed out lowest first, so a batch's slots mostly are one
+    run). Copies go on the device's current stream, ordered with the forwards around them."""
 
     def __init__(self, pool: KVPool, num_pages: int) -> None:
-        shape = (pool.num_layers, num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim)
-        pin = pool.device.type == "cuda"
-        self.k = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
-        self.v = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
+        shape = (num_pages, 2, pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim)
+        self.kv = torch.empty(shape, dtype=pool.dtype, pin_memory=pool.device.type == "cuda")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = list(range(num_pages))  # a heap: the lowest free slot first
         self.slots: dict[bytes, int] = {}
 
     def free(self, keys: Iterable[bytes]) -> None:
-        self._free.extend(s for s in (self.slots.pop(k, None) for k in keys) if s is not None)
+        for slot in (self.slots.pop(k, None) for k in keys):
+            if slot is not None:
+                heapq.heappush(self._free, slot)
 
     def store(self, keys: Sequence[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
-        """``k`` and ``v`` ``[layers, len(keys), ...]`` are the pages of ``keys``."""
+        """``k`` and ``v`` ``[layers, len(keys), ...]`` (on the device) are the pages of
+        ``keys``."""
         assert len(keys) <= len(self._free), "the leader spilled past the host tier"
-        slots = [self._free.pop() for _ in keys]
-        index = torch.tensor(slots)
-        self.k[:, index] = k
-        self.v[:, index] = v
+        slots = [heapq.heappop(self._free) for _ in keys]
+        pages = torch.stack((k, v)).transpose(0, 2).transpose(1, 2).contiguous()  # [n, 2, L, ...]
+        for first, index, length in _runs(slots):
+            self.kv[first : first + length].copy_(pages[index : index + length], non_blocking=True)
         self.slots.update(zip(keys, slots, strict=True))
 
-    def pages(self, keys: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[layers, len(keys), ...]`` of ``keys``' pages (copies)."""
-        index = torch.tensor([self.slots[k] for k in keys])
-        return self.k[:, index], self.v[:, index]
+    def take(
+        self, keys: Sequence[bytes], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[layers, len(keys), ...]`` of ``keys``' pages on ``device``; their slots
+        are free again (a later copy into them is ordered after this one)."""
+        slots = [self.slots[k] for k in keys]
+        pages = torch.empty((len(keys), *self.kv.shape[1:]), dtype=self.kv.dtype, device=device)
+        for first, index, length in _runs(slots):
+            pages[index : index + length].copy_(self.kv[first : first + length], non_blocking=True)
+        self.free(keys)
+        kv = pages.transpose(0, 1).transpose(1, 2)  # [2, L, n, ...]
+        return kv[0], kv[1]
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first slot, index in slots, length)`` of each run of consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for index, slot in enumerate(slots):
+        if runs and slot == runs[-1][0] + runs[-1][2]:
+            first, at, length = runs[-1]
+            runs[-1] = (first, at, length + 1)
+        else:
+            runs.append((slot, index, 1))
+    return runs
+
+
+class PageStore(Protocol):
+    """The shared KV store as a rank uses it (``kv_store.py``)."""
+
+    def get(self, keys: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[layers, len(keys), page_size, heads, dim]`` on the CPU; raises when any
+        is missing or the store fails."""
+        ...
+
+    def put_later(self, keys: Sequence[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the pages in the background (never blocks on the store)."""
+        ...
 
 
 class PrefixPages:
-    """A rank's cached pages by key, in device memory and (``num_host_pages`` > 0) its host
-    tier; what it keeps, moves and drops is the leader's word."""
+    """A rank's cached pages by key, in device memory, (``num_host_pages`` > 0) its host tier
+    and (``store``) the KV store shared with other workers; what it keeps, moves and drops is
+    the leader's word."""
 
-    def __init__(self, table: RequestPageTable, pool: KVPool, num_host_pages: int = 0) -> None:
-        self.table, self.pool = table, pool
+    def __init__(
+        self,
+        table: RequestPageTable,
+        pool: KVPool,
+        num_host_pages: int = 0,
+        store: PageStore | None = None,
+    ) -> None:
+        self.table, self.pool, self.store = table, pool, store
         self._pages: dict[bytes, int] = {}
         self.host = HostTier(pool, num_host_pages) if num_host_pages else None
 
@@ -304,24 +377,33 @@ class PrefixPages:
         loaded = None
         if moves.load:
             assert self.host is not None, "the leader loaded on a rank with no host tier"
-            loaded = self.host.pages(moves.load)
-            self.host.free(moves.load)
+            loaded = self.host.take(moves.load, self.pool.device)
         if moves.spill:
             assert self.host is not None, "the leader spilled to a rank with no host tier"
             pages = [self._pages.pop(k) for k in moves.spill]
             index = torch.tensor(pages, device=self.pool.device)
-            self.host.store(
-                moves.spill,
-                self.pool.k_buffer[:, index].to("cpu"),
-                self.pool.v_buffer[:, index].to("cpu"),
-            )
+            self.host.store(moves.spill, self.pool.k_buffer[:, index], self.pool.v_buffer[:, index])
             self.table.manager.free(pages)
         if loaded is not None:
-            pages = self.table.manager.allocate(len(moves.load))
-            index = torch.tensor(pages, device=self.pool.device)
-            self.pool.k_buffer[:, index] = loaded[0].to(self.pool.device)
-            self.pool.v_buffer[:, index] = loaded[1].to(self.pool.device)
-            self._pages.update(zip(moves.load, pages, strict=True))
+            self._place(moves.load, *loaded)
+        if moves.fetch:
+            assert self.store is not None, "the leader fetched on a rank with no KV store"
+            self._place(moves.fetch, *self.store.get(moves.fetch))
+
+    def _place(self, keys: Sequence[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
+        """New device pages for ``keys`` holding ``k`` and ``v`` (``[layers, len(keys), ...]``)."""
+        pages = self.table.manager.allocate(len(keys))
+        index = torch.tensor(pages, device=self.pool.device)
+        self.pool.k_buffer[:, index] = k.to(self.pool.device, self.pool.dtype)
+        self.pool.v_buffer[:, index] = v.to(self.pool.device, self.pool.dtype)
+        self._pages.update(zip(keys, pages, strict=True))
+
+    def write_to_store(self, keys: Sequence[bytes]) -> None:
+        """Hand ``keys``' device pages (held here) to the store's background writer."""
+        assert self.store is not None, "the leader asked a rank with no KV store to write"
+        index = torch.tensor([self._pages[k] for k in keys], device=self.pool.device)
+        k, v = self.pool.k_buffer[:, index].to("cpu"), self.pool.v_buffer[:, index].to("cpu")
+        self.store.put_later(keys, k, v)
 
     def lend(self, request_id: str, prefix_keys: Sequence[bytes], num_tokens: int) -> None:
         """Give ``request_id`` the prefix's pages, then new pages up to ``num_tokens``."""

@@ -9,6 +9,7 @@ plans fail the step together instead of diverging in a collective.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import msgspec
@@ -21,6 +22,7 @@ from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
 from services.common.types import SamplingParams
 from services.engine.grammar import GrammarCache
+from services.engine.kv_cache import KVPool
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.prefill_graph import token_sizes_up_to
@@ -36,12 +38,16 @@ from services.prefill.messages import (
     RankResult,
 )
 from services.prefill.prefix_cache import num_host_pages
+from services.prefill.store_tier import StoreWriter
 from services.prefill.worker import PrefillRankWorker
 from services.transfer import create_embedding_receiver, create_kv_sender
 from services.transfer.base import pool_layout
 from services.transfer.embeddings import EmbeddingBuffer
 
 WARMUP_TOKENS = 8  # tokens per rank of the warm-up pass
+
+
+logger = logging.getLogger(__name__)
 
 
 class PrefillRankInit(msgspec.Struct, frozen=True):
@@ -61,6 +67,9 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     gpu_share_file: str = ""  # each rank marks its forwards there for decode (gpu_share.py)
     quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
     host_cache_gb: float = 0.0  # the prefix cache's host tier (prefix_cache.py); 0: none
+    kv_store_master: str = ""  # the prefix cache's shared KV store (store_tier.py); "": none
+    kv_store_segment_bytes: int = 0
+    kv_store_namespace: str = ""  # the model's: pages of another model are never read
 
 
 class PrefillRankStep(BaseRankStep):
@@ -105,6 +114,7 @@ class PrefillRankStep(BaseRankStep):
             pin_memory=device.type == "cpu" and runner.device.type == "cuda",
         )
         self.receiver.register(buffer)
+        self.store = connect_store(init, runner.kv_pool) if init.kv_store_master else None
         group = ctx.cpu_group if init.kv_exchange_over_cpu else ctx.device_group
         self.worker = PrefillRankWorker(
             runner,
@@ -117,6 +127,7 @@ class PrefillRankStep(BaseRankStep):
             gpu_share=self.gpu_share,
             grammars=GrammarCache(init.model),
             num_host_pages=num_host_pages(init.host_cache_gb, runner.kv_pool),
+            store=self.store,
         )
 
     def warmup(self) -> None:
@@ -154,6 +165,7 @@ class PrefillRankStep(BaseRankStep):
             pool_layout(self.worker.runner.kv_pool),
             self.kv_sender.backend,
             self.worker.prefix.num_host_pages,
+            has_store=self.store is not None,
         )
 
     def _agree_on(self, payload: RankPlan | Describe) -> tuple[bytes, ...]:
@@ -172,7 +184,28 @@ class PrefillRankStep(BaseRankStep):
         return digests
 
     def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
         self.kv_sender.close()
         self.receiver.close()
         if self.gpu_share is not None:
             self.gpu_share.close()
+
+
+def connect_store(init: PrefillRankInit, pool: KVPool) -> StoreWriter | None:
+    """This rank's client of the shared KV store; None (logged) when it cannot connect: the
+    rank says so in ``Describe`` and the leader then uses the store on no rank."""
+    from services.prefill.kv_store import KvStore, KvStoreError, PageLayout
+
+    try:
+        client = KvStore(
+            init.kv_store_master,
+            init.kv_store_namespace,
+            PageLayout.of(pool),
+            local_hostname=init.transfer_hostname or "127.0.0.1",
+            segment_bytes=init.kv_store_segment_bytes,
+        )
+    except (ImportError, ValueError, KvStoreError) as exc:
+        logger.warning("no KV store on this rank: %s", exc)
+        return None
+    return StoreWriter(client)

@@ -73,6 +73,7 @@ class PrefillInput(msgspec.Struct, frozen=True):
 class PlannedRequest(msgspec.Struct, frozen=True):
     request: PrefillInput
     row_start: int  # first embedding-buffer row of the request's image tokens; -1 when it has none
+    in_store: int = 0  # leading page keys the shared KV store held when the leader asked
 
 
 class PrefillPlan(msgspec.Struct, frozen=True):

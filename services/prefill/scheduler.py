@@ -59,6 +59,11 @@ class SchedEntry:
     row_start: int = -1  # -1: no rows held
     num_cached_image_tokens: int = 0
     is_aborted: bool = False  # the caller is gone; the outcome is dropped
+    # the shared KV store: its leading keys (as last asked), whether that answer is awaited
+    # (the request waits for it before a plan), and whether a plan reading it failed
+    in_store: int = 0
+    is_store_pending: bool = False
+    skips_store: bool = False
     failure: StageServeError | None = None  # fails when its Encode returns (its rows are gone)
 
     @property
@@ -212,7 +217,7 @@ class PrefillScheduler:
         chosen: list[SchedEntry] = []
         num_tokens = num_pages = 0
         for entry in self._entries.values():
-            if entry.status is not PrefillStatus.READY:
+            if entry.status is not PrefillStatus.READY or entry.is_store_pending:
                 continue
             tokens, pages = self._new_tokens(entry), self.pages_needed(entry.input.num_tokens)
             if chosen and (
@@ -227,7 +232,7 @@ class PrefillScheduler:
             return None
         for entry in chosen:
             entry.status = PrefillStatus.RUNNING
-        planned = tuple(PlannedRequest(e.input, e.row_start) for e in chosen)
+        planned = tuple(PlannedRequest(e.input, e.row_start, e.in_store) for e in chosen)
         self._in_flight = PrefillPlan(next(self._plan_ids), planned)
         return self._in_flight
 
@@ -246,6 +251,17 @@ class PrefillScheduler:
             self._finish(self._entries[i], RequestOutcome(i, error=error)) for i in plan.request_ids
         ]
         return [o for o in finished if o is not None]
+
+    def retry_without_store(self, plan: PrefillPlan) -> None:
+        """The plan that read the shared KV store failed: its requests go back to READY (their
+        rows kept), to be computed without the store."""
+        assert self._in_flight is plan
+        self._in_flight = None
+        for request_id in plan.request_ids:
+            entry = self._entries[request_id]
+            entry.status, entry.in_store, entry.skips_store = PrefillStatus.READY, 0, True
+            if entry.is_aborted:
+                self._finish(entry, RequestOutcome(request_id, error=AbortedError("aborted")))
 
     def fail_row_holders(self, error: StageServeError) -> list[RequestOutcome]:
         """Every request waiting with image rows -> FAILED with ``error`` (the rows are gone).
@@ -301,7 +317,7 @@ class PrefillScheduler:
         if self.prefix is None:
             return entry.input.num_tokens
         every = range(self.prefix.num_ranks)
-        hit = self.prefix.reusable(CacheAsk.of(entry.input), every)
+        hit = self.prefix.reusable(CacheAsk.of(entry.input, entry.in_store), every)
         return entry.input.num_tokens - hit * self.page_size
 
     @property

@@ -36,7 +36,7 @@ from services.engine.sampler import Sampler, make_generator
 from services.prefill.handoff import KvHandoff
 from services.prefill.messages import SHARDED, RankOutcome, RankPlan, RankRequest
 from services.prefill.passes import PassInput, RequestRows, build_pass, request_rows
-from services.prefill.prefix_cache import PrefixPages
+from services.prefill.prefix_cache import PageStore, PrefixPages
 from services.transfer.base import BaseKVSender
 from services.transfer.embeddings import EmbeddingBuffer
 
@@ -66,10 +66,12 @@ class PrefillRankWorker:
         gpu_share: GpuShare | None = None,
         grammars: GrammarCache | None = None,
         num_host_pages: int = 0,
+        store: PageStore | None = None,
     ) -> None:
         """``gpu_share``: where this rank marks its forwards for a decode on the same GPU;
         ``grammars``: the grammars of constrained requests (None: such a request fails);
-        ``num_host_pages``: the prefix cache's host tier (0: none)."""
+        ``num_host_pages``: the prefix cache's host tier (0: none); ``store``: the KV store
+        shared with other prefill workers (None: none)."""
         self.grammars = grammars
         config = runner.model.config
         self.gpu_share = gpu_share
@@ -83,7 +85,7 @@ class PrefillRankWorker:
         self.cp_attention = ContextParallelAttention(runner.attention, runner.kv_pool)
         text = config.text
         self._kv_width = 2 * text.num_key_value_heads * text.head_dim
-        self.prefix = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages)
+        self.prefix = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages, store)
         kv_sender.register(runner.kv_pool)
 
     def execute(self, plan: RankPlan, write_kv: bool = True) -> PlanOutcome:
@@ -125,6 +127,8 @@ class PrefillRankWorker:
             handoff.close()
             for r in plan.requests:
                 self.prefix.settle(r.request_id, r.prefix_keys, r.store_keys, computed)
+            if computed and write_kv and plan.moves and plan.moves[self.rank].put:
+                self.prefix.write_to_store(plan.moves[self.rank].put)
 
     def _marking(self) -> contextlib.AbstractContextManager[None]:
         if self.gpu_share is None:

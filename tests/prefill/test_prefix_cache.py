@@ -185,3 +185,69 @@ def test_ranks_hold_exactly_what_the_index_says(host: int) -> None:
             assert not len(pages.table)
     if host:
         assert num_loads > 20  # the host tier was used
+
+
+def test_what_the_shared_store_holds_is_fetched_by_the_ranks_that_lack_it() -> None:
+    index = PrefixIndex(2, 64, PAGE, has_store=True)
+    index.plan([ask("ab")], [0])  # rank 0 alone computed a, b (and wrote them to the store)
+    held = CacheAsk(keys("a", "b", "c", "d"), 4 * PAGE + 1, True, True, in_store=3)
+    uses, moves = index.plan([held], [0, 1])
+    assert uses[0].prefix_keys == keys("a", "b", "c") and uses[0].store_keys == keys("d")
+    assert moves[0].fetch == keys("c") and moves[1].fetch == keys("a", "b", "c")
+    assert moves[0].put == keys("d") and not moves[1].put  # one rank writes what it computed
+    assert index.held(0) == index.held(1) == set(keys("a", "b", "c", "d"))
+    # the store's answer never reaches past the page holding the last token
+    last = CacheAsk(keys("x", "y"), 2 * PAGE, True, True, in_store=2)
+    uses, moves = index.plan([last], [1])
+    assert uses[0].prefix_keys == keys("x") and moves[1].fetch == keys("x")
+    assert moves[1].put == ()  # y: the store has it already
+
+
+def test_no_store_no_fetch_and_no_write() -> None:
+    index = PrefixIndex(1, 64, PAGE)
+    uses, moves = index.plan([ask("abc")], [0])
+    assert not moves[0].fetch and not moves[0].put and uses[0].store_keys == keys("a", "b", "c")
+
+
+class DictStore:
+    """The store's contract over a dict (the real one: tests/prefill/test_kv_store.py)."""
+
+    def __init__(self) -> None:
+        self.pages: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.written: list[bytes] = []
+
+    def get(self, ks):
+        missing = [k for k in ks if k not in self.pages]
+        if missing:
+            raise KeyError(f"{len(missing)} pages missing")
+        k = torch.stack([self.pages[key][0] for key in ks], dim=1)
+        v = torch.stack([self.pages[key][1] for key in ks], dim=1)
+        return k, v
+
+    def put_later(self, ks, k, v) -> None:
+        for i, key in enumerate(ks):
+            self.pages[key] = (k[:, i].clone(), v[:, i].clone())
+            self.written.append(key)
+
+
+def test_a_page_written_by_one_worker_is_fetched_bit_for_bit_by_another() -> None:
+    store = DictStore()
+    torch.manual_seed(1)
+    first, second = pool(8), pool(8)
+    first.k_buffer.copy_(torch.randn_like(first.k_buffer))
+    first.v_buffer.copy_(torch.randn_like(first.v_buffer))
+    a = PrefixPages(RequestPageTable(KVPageManager(8, PAGE)), first, store=store)
+    b = PrefixPages(RequestPageTable(KVPageManager(8, PAGE)), second, store=store)
+    a.lend("r", (), 2 * PAGE)
+    pages = a.table.pages("r")
+    a.settle("r", (), keys("a", "b"), computed=True)
+    a.write_to_store(keys("a", "b"))
+    assert store.written == list(keys("a", "b"))
+    b.apply(CacheMoves(fetch=keys("a", "b")))
+    assert b.keys() == set(keys("a", "b"))
+    b.lend("s", keys("a", "b"), 2 * PAGE + 1)
+    got = b.table.pages("s")[:2]
+    assert torch.equal(second.k_buffer[:, got], first.k_buffer[:, pages])
+    assert torch.equal(second.v_buffer[:, got], first.v_buffer[:, pages])
+    with pytest.raises(KeyError, match="1 pages missing"):  # a failed fetch raises: the step fails
+        b.apply(CacheMoves(fetch=keys("z")))

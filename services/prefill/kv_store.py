@@ -1,0 +1,670 @@
+"""KV pages in a Mooncake store shared by every prefill worker (the L3 tier's building block).
+
+``KvStore`` is one ``mooncake.store.MooncakeDistributedStore`` client: it contributes
+``segment_bytes`` of its process's memory to the store (0: none) and puts, finds and gets
+pages by their prefix-cache page key (``services.common.prefix_keys``, 16 bytes). A page
+computed by one worker is found by every other client of the same master. No metadata
+server: the transfer engine runs in P2P-handshake mode, the master keeps the index.
+
+A page is one store value: its K then its V, ``[2, layers, page_size, heads, dim]``. One
+value, not two, so the store never holds half a page (it evicts values one by one: a K
+without its V would answer ``exists`` and fail ``get``) and a lookup costs one key. Its
+store key is ``kv/<layout tag>/<namespace>/<key hex>``: the caller's namespace (the model)
+and the page layout (dtype and shape) are both in it, so two models or two layouts never
+read each other's pages. The first ``put`` of a key wins; a later one keeps that value.
+
+Every call is bounded. The native calls block, with the GIL released, until the master
+answers or its RPC timeout passes (``MC_RPC_TIMEOUT_MS``, set here to 2 s unless the
+environment says otherwise; Mooncake's own default is 30 s, and after the master dies a
+call waits ~4.4 s on reconnect attempts). So each call runs on a daemon thread and the
+caller stops waiting at its own deadline (``KvStoreTimeoutError``). The abandoned call
+keeps its staging buffer (and the lock of its kind: exists, put, get) until it returns, so
+nothing is reused under an unfinished transfer; the next call of that kind waits for the
+lock within its own deadline. A result that does not confirm the transfer finished (e.g.
+``TRANSFER_FAIL`` when the worker holding the page died) retires that staging buffer for
+the life of the process and registers a fresh one: a failed transfer may still touch
+registered memory after the binding returns. After ``MAX_RETIRED_BUFFERS`` retirements the
+client refuses further calls.
+
+Two native calls hold the GIL while they wait, stalling every Python thread of the
+process (measured on mooncake 0.3.13.post1): ``setup`` in ``KvStore(...)`` (a TCP probe
+refuses an unreachable master at once; past it, at most ``MC_STORE_CLIENT_SETUP_RETRIES`` =
+2 attempts of up to ~4.4 s each) and ``close`` (1-2 s for a client lending a segment, ~6 s
+when the master does not answer, milliseconds for one lending none). Build the client when
+the worker starts and close it when it stops, never on a step's path; ``exists``, ``put``
+and ``get`` release the GIL.
+
+Where a page lives: the master places each value in the segment of any client (at random),
+so a page is lost when the client lending that segment leaves or dies (the master forgets
+a dead client after ``--client_ttl``; until then ``exists`` answers True and ``get`` fails
+with ``TRANSFER_FAIL``). When the segments are full a put is refused (``put`` answers False)
+while the master evicts in the background; a page just put or read is not evicted for the
+lease (``--default_kv_lease_ttl``).
+
+Exposure: like the transfer engine (``services.transfer.mooncake_engine``), a store client
+listens on every interface and authenticates nothing; whoever reaches its ports can read
+and write its segment. ``start_master`` binds the master to ``host`` (default loopback).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from services.common.errors import UnavailableError
+from services.common.exposure import MOONCAKE_EXPOSURE
+
+if TYPE_CHECKING:
+    from services.engine.kv_cache import KVPool
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+KEY_BYTES = 16  # a prefix-cache page key (services.common.prefix_keys)
+MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses a smaller segment (setup fails, -600)
+MAX_RETIRED_BUFFERS = 4  # staging buffers given up to unconfirmed transfers before refusing
+# Set before ``setup`` unless already in the environment (the master RPC client reads them).
+# Only the store library reads these; the transfer engine (``mooncake.engine``) does not.
+CLIENT_ENV_DEFAULTS = {
+    "MC_RPC_TIMEOUT_MS": "2000",  # per master RPC; Mooncake's default 30000
+    "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
+    "MC_STORE_CLIENT_SETUP_RETRIES": "2",  # Mooncake's default 20: ~90 s on a dead master
+}
+_INSTALL_HINT = (
+    "install mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (GPU) "
+    "and libibverbs1 librdmacm1 libnuma1"
+)
+_NAMESPACE = re.compile(r"[A-Za-z0-9._:@+/-]{1,200}")
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h); the binding returns plain ints.
+NO_AVAILABLE_HANDLE = -200  # no room: every segment is full (eviction runs after)
+INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+_CODE_NAMES = {
+    -1: "INTERNAL_ERROR",
+    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    TRANSFER_FAIL: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL",
+    RPC_TIMEOUT: "RPC_TIMEOUT",
+}
+# Results after which no transfer is left in flight: it finished, or none was started (the
+# master refused or did not answer before any byte moved). Anything else retires the buffer.
+_CONFIRMING = frozenset(
+    {NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS}
+    | {RPC_FAIL, RPC_TIMEOUT}
+)
+_MISSING = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
+_RETIRED: list[Any] = []  # buffers (and broken clients) kept alive until the process exits
+
+
+class KvStoreError(UnavailableError):
+    """The store could not do what was asked; the caller skips the tier for this page."""
+
+
+class KvStoreUnavailableError(KvStoreError):
+    """The master or the worker holding a page is unreachable, the store failed, or this
+    client is closed or refuses calls."""
+
+
+class KvStoreTimeoutError(KvStoreUnavailableError):
+    """The call did not finish within its bound (it may still be running; its buffer is
+    not reused until it returns)."""
+
+
+class KvPagesMissingError(KvStoreError):
+    """``get`` asked for pages the store does not hold (never put, evicted, their holder
+    left, or still being written); ``missing`` are their keys in the order asked."""
+
+    def __init__(self, missing: Sequence[bytes], asked: int) -> None:
+        self.missing = tuple(missing)
+        shown = ", ".join(key.hex() for key in self.missing[:4])
+        more = f" and {len(self.missing) - 4} more" if len(self.missing) > 4 else ""
+        super().__init__(
+            f"{len(self.missing)} of {asked} KV pages are not in the store: {shown}{more}"
+        )
+
+
+def code_name(code: int) -> str:
+    return f"{_CODE_NAMES.get(code, 'ERROR')} ({code})"
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The shape of one KV page: what ``put`` takes and ``get`` returns, per page and per K/V."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        dims = (self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+        if min(dims) <= 0:
+            raise ValueError(f"page layout dimensions must be positive, got {dims}")
+
+    @classmethod
+    def of(cls, pool: KVPool) -> PageLayout:
+        return cls(pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
+
+    @property
+    def tag(self) -> str:
+        """Part of every store key: pages of different layouts never share an entry."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}-l{self.num_layers}-p{self.page_size}-h{self.num_kv_heads}-d{self.head_dim}"
+
+    @property
+    def value_shape(self) -> tuple[int, ...]:
+        """One store value: ``[2 (K, V), layers, page_size, heads, dim]``."""
+        return (2, self.num_layers, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def value_nbytes(self) -> int:
+        n = 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim
+        return n * self.dtype.itemsize
+
+    def batch_shape(self, num_pages: int) -> tuple[int, ...]:
+        """``k`` and ``v`` of ``num_pages`` pages: ``[layers, pages, page_size, heads, dim]``."""
+        return (self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+
+class _Staging:
+    """A registered host buffer of ``max_pages`` store values, one per kind of transfer."""
+
+    def __init__(self, store: Any, layout: PageLayout, max_pages: int, what: str) -> None:
+        self.tensor = torch.empty((max_pages, *layout.value_shape), dtype=layout.dtype)
+        self.ptr = self.tensor.data_ptr()
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        rc = store.register_buffer(self.ptr, self.nbytes)
+        if rc != 0:
+            raise KvStoreUnavailableError(
+                f"mooncake register_buffer of the {what} staging buffer ({self.nbytes} bytes) "
+                f"failed: {code_name(rc)}"
+            )
+
+
+class KvStore:
+    """One client of the Mooncake store at ``master`` (``"host:port"``) for KV pages of
+    ``layout`` under ``namespace`` (the model: pages of other namespaces are invisible).
+
+    ``segment_bytes``: memory this process lends the store, 0 or at least 16 MiB (pages of
+    every client may land there; they are lost when this client closes or dies).
+    ``local_buffer_bytes``: Mooncake's own transfer buffer (unused by the calls here).
+    ``max_pages_per_call``: pages per native call (a put and a get staging buffer of that
+    many pages are allocated and registered); larger requests are split. ``timeout_s``: the
+    default bound of each call. ``local_hostname``: the address other clients reach this
+    one at. ``ImportError`` without Mooncake; ``KvStoreUnavailableError`` when the master
+    cannot be reached or setup fails.
+    """
+
+    def __init__(
+        self,
+        master: str,
+        namespace: str,
+        layout: PageLayout,
+        *,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        segment_bytes: int = 256 << 20,
+        local_buffer_bytes: int = 0,
+        max_pages_per_call: int = 32,
+        timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+    ) -> None:
+        if not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(
+                f"namespace must be 1-200 characters of [A-Za-z0-9._:@+/-], got {namespace!r}"
+            )
+        if segment_bytes != 0 and segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(
+                f"segment_bytes must be 0 (lend none) or at least {MIN_SEGMENT_BYTES}, "
+                f"got {segment_bytes}"
+            )
+        if local_buffer_bytes < 0 or max_pages_per_call <= 0:
+            raise ValueError("local_buffer_bytes must be >= 0 and max_pages_per_call > 0")
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"master must be 'host:port', got {master!r}")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:  # the wheel, or a shared library it links
+            raise ImportError(f"Mooncake store unavailable ({exc}): {_INSTALL_HINT}") from exc
+        self.master, self.namespace, self.layout = master, namespace, layout
+        self.timeout_s, self.max_pages_per_call = timeout_s, max_pages_per_call
+        self._prefix = f"kv/{layout.tag}/{namespace}/"
+        try:  # an unreachable master fails fast here instead of in setup (which holds the GIL)
+            socket.create_connection((host.strip("[]"), int(port)), connect_timeout_s).close()
+        except OSError as exc:
+            raise KvStoreUnavailableError(
+                f"mooncake master {master} is not reachable: {exc}"
+            ) from exc
+        for name, value in CLIENT_ENV_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            local_hostname,
+            "P2PHANDSHAKE",
+            segment_bytes,
+            local_buffer_bytes,
+            protocol,
+            device_name,
+            master,
+        )
+        if rc != 0:
+            store.close()  # what setup started (its transfer engine); safe after a failure
+            raise KvStoreUnavailableError(
+                f"mooncake store setup against master {master} failed ({code_name(rc)})"
+            )
+        self._store = store
+        self._locks = {what: threading.Lock() for what in ("exists", "put", "get")}
+        self._staging: dict[str, _Staging] = {}
+        self._retired = 0
+        self._closing: threading.Thread | None = None
+        self._state = threading.Lock()
+        self._refusing: str | None = None  # why calls are refused (closed, broken)
+        try:
+            for what in ("put", "get"):
+                self._staging[what] = _Staging(store, layout, max_pages_per_call, what)
+        except BaseException:
+            store.close()
+            raise
+        logger.warning(
+            "%s (KV store client %s, segment %d bytes, master %s)",
+            MOONCAKE_EXPOSURE,
+            store.get_hostname(),
+            segment_bytes,
+            master,
+        )
+
+    def __enter__(self) -> KvStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def store_key(self, key: bytes) -> str:
+        """The store's key of page ``key`` in this client's namespace and layout."""
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a page key has {KEY_BYTES} bytes, got {len(key)}")
+        return self._prefix + key.hex()
+
+    def exists(self, keys: Sequence[bytes], timeout_s: float | None = None) -> list[bool]:
+        """Per key, whether the store holds its page now (a page whose holder just died may
+        answer True until the master drops that client, ``--client_ttl``)."""
+        names = [self.store_key(key) for key in keys]
+        if not names:
+            return []
+        deadline = self._deadline(timeout_s)
+
+        def work() -> list[bool]:
+            codes = self._store.batch_is_exist(names)
+            bad = [code for code in codes if code < 0]
+            if bad or len(codes) != len(names):
+                raise KvStoreUnavailableError(
+                    f"mooncake exists of {len(names)} pages failed: "
+                    f"{code_name(bad[0]) if bad else f'{len(codes)} results'} "
+                    f"(master {self.master})"
+                )
+            return [code == 1 for code in codes]
+
+        return self._bounded("exists", deadline, lambda: None, work)
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        """Store page ``i`` of ``k`` and ``v`` (``[layers, len(keys), page_size, heads,
+        dim]``, this layout's dtype, any device) under ``keys[i]``. Per key: True when the
+        store holds it after the call (put now or already there), False when the store had
+        no room (it evicts in the background). The tensors are copied before this returns
+        or raises, so the caller may reuse them at once."""
+        names = [self.store_key(key) for key in keys]
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != self.layout.batch_shape(len(keys)) or t.dtype != self.layout.dtype:
+                raise ValueError(
+                    f"{name} must be {self.layout.dtype} "
+                    f"{list(self.layout.batch_shape(len(keys)))}, got {t.dtype} {list(t.shape)}"
+                )
+        deadline = self._deadline(timeout_s)
+        stored: list[bool] = []
+        for begin in range(0, len(names), self.max_pages_per_call):
+            end = min(begin + self.max_pages_per_call, len(names))
+            stored += self._put_batch(names[begin:end], k[:, begin:end], v[:, begin:end], deadline)
+        return stored
+
+    def get(
+        self, keys: Sequence[bytes], timeout_s: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``keys``' pages, ``[layers, len(keys), page_size, heads, dim]`` on the
+        CPU, in the order asked. ``KvPagesMissingError`` (every missing key) when the store
+        lacks any of them."""
+        names = [self.store_key(key) for key in keys]
+        shape = self.layout.batch_shape(len(keys))
+        k_out = torch.empty(shape, dtype=self.layout.dtype)
+        v_out = torch.empty(shape, dtype=self.layout.dtype)
+        deadline = self._deadline(timeout_s)
+        missing: list[bytes] = []
+        for begin in range(0, len(names), self.max_pages_per_call):
+            end = min(begin + self.max_pages_per_call, len(names))
+            absent = self._get_batch(
+                names[begin:end], k_out[:, begin:end], v_out[:, begin:end], deadline
+            )
+            missing += [keys[begin + i] for i in absent]
+        if missing:
+            raise KvPagesMissingError(missing, len(keys))
+        return k_out, v_out
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuse further calls, wait for the calls in flight (each ends within the RPC
+        timeout), unregister the buffers and leave the store (pages in this client's segment
+        go with it). True when done within ``timeout_s``; False: it goes on in the background
+        (``wait_closed``). Mooncake's own close holds the GIL (1-2 s; ~6 s when the master
+        does not answer), so this can return late by that much."""
+        with self._state:
+            if self._closing is None:
+                self._refusing = self._refusing or "closed"
+                self._closing = threading.Thread(
+                    target=self._close_native, name="kv-store-close", daemon=True
+                )
+                self._closing.start()
+        return self.wait_closed(self.timeout_s if timeout_s is None else timeout_s)
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        assert self._closing is not None, "close() first"
+        self._closing.join(timeout_s)
+        return not self._closing.is_alive()
+
+    # --- internals
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def _bounded(
+        self, what: str, deadline: float, prepare: Callable[[], None], work: Callable[[], T]
+    ) -> T:
+        """``prepare`` here and then ``work`` on a daemon thread, both holding ``what``'s lock
+        (released when ``work`` returns, even after the caller stopped waiting)."""
+        self._check_usable()
+        lock = self._locks[what]
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise KvStoreTimeoutError(
+                f"mooncake {what}: an earlier {what} of this client is still running past "
+                f"its deadline (master {self.master} slow or unreachable)"
+            )
+        try:
+            self._check_usable()
+            prepare()
+        except BaseException:
+            lock.release()
+            raise
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((True, work()))
+            except BaseException as exc:  # handed to the waiting caller below
+                outcome.append((False, exc))
+            finally:
+                lock.release()
+                done.set()
+
+        threading.Thread(target=run, name=f"kv-store-{what}", daemon=True).start()
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            raise KvStoreTimeoutError(
+                f"mooncake {what} did not finish before its deadline "
+                f"(master {self.master} slow or unreachable)"
+            )
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def _check_usable(self) -> None:
+        if self._refusing is not None:
+            raise KvStoreUnavailableError(f"KV store client is {self._refusing}")
+
+    def _put_batch(
+        self, names: list[str], k: torch.Tensor, v: torch.Tensor, deadline: float
+    ) -> list[bool]:
+        n = len(names)
+        nbytes = self.layout.value_nbytes
+
+        def prepare() -> None:  # on the caller's thread: its tensors are never read later
+            staging = self._staging["put"].tensor
+            staging[:n, 0].copy_(k.transpose(0, 1))
+            staging[:n, 1].copy_(v.transpose(0, 1))
+
+        def work() -> list[bool]:
+            base = self._staging["put"].ptr
+            ptrs = [base + i * nbytes for i in range(n)]
+            codes = self._native(
+                "put", names, lambda: self._store.batch_put_from(names, ptrs, [nbytes] * n)
+            )
+            bad = [
+                c for c in codes if c < 0 and c not in (NO_AVAILABLE_HANDLE, OBJECT_ALREADY_EXISTS)
+            ]
+            if bad:
+                raise KvStoreUnavailableError(
+                    f"mooncake put of {n} pages failed: {code_name(bad[0])} "
+                    f"({len(bad)} pages; master {self.master})"
+                )
+            return [c != NO_AVAILABLE_HANDLE for c in codes]
+
+        return self._bounded("put", deadline, prepare, work)
+
+    def _get_batch(
+        self, names: list[str], k_out: torch.Tensor, v_out: torch.Tensor, deadline: float
+    ) -> list[int]:
+        """Fill ``k_out``/``v_out`` with ``names``' pages; the positions of those missing."""
+        n = len(names)
+        nbytes = self.layout.value_nbytes
+
+        def work() -> list[int]:
+            staging = self._staging["get"]
+            ptrs = [staging.ptr + i * nbytes for i in range(n)]
+            codes = self._native(
+                "get", names, lambda: self._store.batch_get_into(names, ptrs, [nbytes] * n)
+            )
+            absent = [i for i, c in enumerate(codes) if c in _MISSING]
+            bad = [c for c in codes if c != nbytes and c not in _MISSING]
+            if bad:
+                what = code_name(bad[0]) if bad[0] < 0 else f"{bad[0]} bytes, not {nbytes}"
+                raise KvStoreUnavailableError(
+                    f"mooncake get of {n} pages failed: {what} ({len(bad)} pages; "
+                    f"master {self.master})"
+                )
+            # copied out while the lock is held: an abandoned get fills tensors nobody reads
+            k_out.copy_(staging.tensor[:n, 0].transpose(0, 1))
+            v_out.copy_(staging.tensor[:n, 1].transpose(0, 1))
+            return absent
+
+        return self._bounded("get", deadline, lambda: None, work)
+
+    def _native(self, what: str, names: list[str], call: Callable[[], list[int]]) -> list[int]:
+        """``call`` (a batch put or get through ``what``'s staging buffer); its per-key codes.
+        A result that leaves the transfer unconfirmed retires that buffer first."""
+        try:
+            codes = list(call())
+        except BaseException:
+            self._retire(what, "the binding raised")
+            raise
+        if len(codes) != len(names):
+            self._retire(what, f"{len(codes)} results for {len(names)} keys")
+            raise KvStoreUnavailableError(
+                f"mooncake {what} returned {len(codes)} results for {len(names)} keys"
+            )
+        unconfirmed = [c for c in codes if c < 0 and c not in _CONFIRMING]
+        if unconfirmed:
+            self._retire(what, code_name(unconfirmed[0]))
+        return codes
+
+    def _retire(self, what: str, why: str) -> None:
+        """Keep ``what``'s staging buffer registered and alive for good (a failed transfer may
+        still touch it) and register a fresh one, or refuse calls past the limit."""
+        _RETIRED.append(self._staging[what])
+        self._retired += 1
+        if self._retired > MAX_RETIRED_BUFFERS:
+            self._refusing = f"broken ({self._retired} transfers left unconfirmed, last: {why})"
+            _RETIRED.append(self._store)
+            logger.error("KV store client %s: refusing further calls", self._refusing)
+            return
+        logger.warning(
+            "mooncake %s left its transfer unconfirmed (%s): its staging buffer is retired",
+            what,
+            why,
+        )
+        try:
+            self._staging[what] = _Staging(self._store, self.layout, self.max_pages_per_call, what)
+        except KvStoreError as exc:
+            self._refusing = f"broken ({exc})"
+
+    def _close_native(self) -> None:
+        for lock in self._locks.values():  # each call in flight ends within its RPC timeout
+            lock.acquire()
+        if self._refusing is not None and self._refusing.startswith("broken"):
+            return  # its client and buffers stay alive in _RETIRED
+        for staging in self._staging.values():  # retired ones stay registered and alive
+            self._store.unregister_buffer(staging.ptr)
+        rc = self._store.close()
+        if rc != 0:
+            logger.warning("mooncake store close returned %s", code_name(rc))
+
+
+# --- the master process
+
+
+def master_binary() -> Path:
+    """The ``mooncake_master`` executable shipped in the ``mooncake`` package (the console
+    script of the same name only ``exec``s it), else the one on ``PATH``."""
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "mooncake_master"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise FileNotFoundError(f"mooncake_master not found: {_INSTALL_HINT}")
+    return Path(found)
+
+
+def start_master(
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    metrics_port: int = 0,
+    client_ttl_s: int = 10,
+    lease_ttl_ms: int = 10_000,
+    eviction_high_watermark: float = 0.9,
+    eviction_ratio: float = 0.05,
+    log_path: Path | None = None,
+    ready_timeout_s: float = 10.0,
+    extra_args: Sequence[str] = (),
+) -> subprocess.Popen[bytes]:
+    """Start ``mooncake_master`` serving clients on ``host:port`` and return once it accepts
+    connections (within ``ready_timeout_s``, else it is stopped and this raises).
+
+    ``metrics_port``: its HTTP metrics/admin port on ``host`` (0: any free one).
+    ``client_ttl_s``: how long a client that stopped pinging keeps its segment (and the pages
+    there) listed. ``lease_ttl_ms``: Mooncake's lease, for which a page just read or put is
+    not evicted. ``eviction_high_watermark``/``eviction_ratio``: when the segments are that
+    full, the master evicts that fraction of the pages. ``log_path``: its log (glog, to
+    stderr), else discarded. ``KvStoreUnavailableError`` when the port is taken, the master
+    exits, or it does not listen in time.
+    """
+    probe = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as exc:
+        raise KvStoreUnavailableError(f"mooncake master port {host}:{port}: {exc}") from exc
+    finally:
+        probe.close()
+    args = [
+        str(master_binary()),
+        f"--rpc_address={host}",
+        f"--rpc_port={port}",
+        f"--metrics_host={host}",
+        f"--metrics_port={metrics_port}",
+        f"--client_ttl={client_ttl_s}",
+        f"--default_kv_lease_ttl={lease_ttl_ms}",
+        f"--eviction_high_watermark_ratio={eviction_high_watermark}",
+        f"--eviction_ratio={eviction_ratio}",
+        "--logtostderr",  # glog would otherwise write files under /tmp
+        *extra_args,
+    ]
+    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+    try:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    finally:
+        if log_path is not None:
+            log.close()  # the child holds its own descriptor
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise KvStoreUnavailableError(
+                f"mooncake_master exited with {proc.returncode} before listening on "
+                f"{host}:{port}{_log_tail(log_path)}"
+            )
+        try:
+            socket.create_connection((host, port), 0.2).close()
+            return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop_master(proc)
+            raise KvStoreUnavailableError(
+                f"mooncake_master did not listen on {host}:{port} within {ready_timeout_s} s"
+                f"{_log_tail(log_path)}"
+            )
+        time.sleep(0.05)
+
+
+def stop_master(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int:
+    """SIGTERM, then SIGKILL after ``timeout_s``; its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def _log_tail(log_path: Path | None, chars: int = 1500) -> str:
+    if log_path is None:
+        return ""
+    try:
+        return f"; its log ends: {log_path.read_text(errors='replace')[-chars:]}"
+    except OSError:
+        return ""
