@@ -35,11 +35,12 @@ TARGET_SPEEDUP = 5.0  # load vs recompute of a 32k-token prefix
 NOTES = [
     "Recompute: one EXTEND forward of the prompt's tokens (random ids) writing its KV into "
     "the pool, median of the timed runs after a warm-up. Spill: `PrefixPages.apply` of the "
-    "full pages' keys into the host tier (gather on the device, one copy to host memory, a "
-    "scatter into the tier's pinned tensors). Load: back into other device pages (gather in "
-    "host memory, one copy to the device, a scatter). Each move is timed to the device's "
-    "synchronize; the loaded pages equal the computed ones bit for bit (checked every run). "
-    "GB/s counts K and V of every layer of the moved pages.",
+    "full pages' keys into the host tier (a gather into page-major order on the device, then "
+    "one copy per run of consecutive host slots into the tier's pinned tensor). Load: back into "
+    "other device pages (one copy per run of slots into a device buffer, then a scatter on the "
+    "device). Each move is timed to the device's synchronize; the loaded pages equal the "
+    "computed ones bit for bit (checked every run). GB/s counts K and V of every layer of the "
+    "moved pages.",
 ]
 
 
