@@ -1,6 +1,6 @@
 """FP8 on a GPU (SM 8.9+): ``torch._scaled_mm`` with row-wise scales against the bf16 matmul
 and against the CPU reference of the same quantized operands, the tiny checkpoint's logits in
-FP8 against bf16, and CUDA-graph decode equal to eager with FP8 weights.
+FP8 against fp32, and CUDA-graph decode equal to eager with FP8 weights.
 
 Tolerances: e4m3 rounds weights and activations to 1/16 of themselves at most, which leaves a
 relative (Frobenius) error of about 0.038 on Gaussian operands (the CPU reference gives 0.037
@@ -66,26 +66,37 @@ def test_a_misaligned_weight_is_refused_on_cuda() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))
-def test_fp8_logits_stay_close_to_bf16(name) -> None:
-    def pipeline(quantization: str) -> OfflinePipeline:
+def test_fp8_logits_stay_close_to_fp32(name) -> None:
+    """FP8 on the GPU (e4m3 weights and per-token activations, bf16 between the linears)
+    against the same model in fp32 on the GPU, per prompt position.
+
+    The bound is e4m3's rounding (the CPU's, with fp32 between the linears, in
+    ``test_fp8.py``: min > 0.99) plus bf16's between them, lowest on image rows: min > 0.985,
+    mean > 0.995 (measured: ``docs/benchmarks.md``, "Measurements cited by the code")."""
+
+    def pipeline(dtype: str, quantization: str) -> OfflinePipeline:
         return OfflinePipeline.from_dir(
             TINY_MODEL_DIR,
             device="cuda",
-            dtype="bfloat16",
+            dtype=dtype,
             page_size=16,
             num_pages=512,
             quantization=quantization,
         )
 
-    bf16, quantized = pipeline("none"), pipeline("fp8")
+    fp32, quantized = pipeline("float32", "none"), pipeline("bfloat16", "fp8")
     messages, images = PROMPTS[name]
-    request = bf16.build_request(messages, images, SamplingParams())
-    ref = bf16.engine.prompt_logits([request])[0]
-    ours = quantized.engine.prompt_logits([request])[0]
+    request = fp32.build_request(messages, images, SamplingParams())
+    ref = fp32.engine.prompt_logits([request])[0].float()
+    ours = quantized.engine.prompt_logits([request])[0].float()
     cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{name}: cosine min {cosine.min().item():.4f}, top-1 agreement {agree:.3f}")
-    assert cosine.min().item() > 0.99
+    print(
+        f"{name}: cosine min {cosine.min().item():.4f} mean {cosine.mean().item():.4f}, "
+        f"top-1 agreement {agree:.3f}"
+    )
+    assert cosine.min().item() > 0.985
+    assert cosine.mean().item() > 0.995
     assert agree >= 0.75
 
 
