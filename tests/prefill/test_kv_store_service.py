@@ -6,6 +6,8 @@ keep serving (the tier is skipped and counted), and nothing hangs."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 
 import pytest
@@ -105,3 +107,55 @@ def _page_keys(case) -> tuple[bytes, ...]:
     from services.common.prefix_keys import page_keys
 
     return tuple(page_keys(case.prompt.token_ids, case.prompt.spans, PAGE_SIZE))
+
+
+async def test_pages_lost_from_the_store_are_computed_instead(
+    pipeline, language_model, tmp_path
+) -> None:
+    """The worker whose segment held the pages dies: the store still lists them for a while,
+    so the other worker's plan fetches them, the fetch fails on the rank, and the leader runs
+    the request again without the store: it is served, from its own computation."""
+    port = free_port()
+    master = kv_store.start_master(port, log_path=tmp_path / "master.log", client_ttl_s=30)
+    greedy = SamplingParams(temperature=0.0)
+    case = make_case(pipeline, "lost", "Count the lighthouses on the coast. " * 6, [], greedy)
+    ref = reference(pipeline, case)
+    store = f"127.0.0.1:{port}"
+    holder = reader = None
+    try:  # the reader lends no segment: every page lives in the holder's
+        holder = await start_harness(
+            pipeline,
+            language_model,
+            prefill_config(devices=("cpu",), kv_store_master=store, kv_store_segment_gb=0.064),
+        )
+        reader = await start_harness(
+            pipeline,
+            language_model,
+            prefill_config(devices=("cpu",), kv_store_master=store, kv_store_segment_gb=0),
+        )
+        _, dst = await holder.prefill(case)
+        holder.decode.pages.free(list(dst.page_ids))
+        expected = (len(case.prompt.token_ids) - 1) // PAGE_SIZE
+        keys = _page_keys(case)[:expected]
+        for _ in range(100):
+            if await reader.leader.store.leading(keys) == expected:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the holder's pages never reached the store")
+        # the holder's rank dies (a clean close would unlist its pages at once): its segment
+        # and the pages in it are gone, and the master lists them until --client_ttl
+        os.kill(holder.app.ranks.rank_pids[0], signal.SIGKILL)
+        before = failures("fetch")
+        async with asyncio.timeout(60):
+            result, dst = await reader.prefill(case)
+        reader.decode.pages.free(list(dst.page_ids))
+        assert failures("fetch") == before + 1  # the plan that read the store failed once
+        assert result.num_prefix_cached_tokens == 0  # computed: the store skipped for it
+        assert result.first_token_id == ref.first_token_id
+        assert not reader.scheduler.num_live
+    finally:
+        for h in (holder, reader):
+            if h is not None:
+                await stop_harness(h)
+        kv_store.stop_master(master)
