@@ -143,12 +143,17 @@ def start_system(workdir: Path, *extra_args: str, env: dict[str, str] | None = N
 
 
 @contextlib.contextmanager
-def running_system(workdir: Path, *extra_args: str) -> Iterator[System]:
+def running_system(
+    workdir: Path, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[System]:
     """``start_system`` for a fixture: once its tests are done, the launcher stops with code 0
-    and leaves no child alive."""
-    system = start_system(workdir, *extra_args)
-    yield system
-    assert system.stop() == 0
+    and leaves no child alive (it is stopped, unchecked, when the block raises)."""
+    system = start_system(workdir, *extra_args, env=env)
+    try:
+        yield system
+    finally:
+        code = system.stop()
+    assert code == 0, system.logs()
     assert not [pid for pid in system.child_pids() if pid_alive(pid)]
 
 

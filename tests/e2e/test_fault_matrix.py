@@ -38,7 +38,7 @@ import httpx
 import pytest
 
 from tests.conftest import image_bytes
-from tests.e2e.system import System, pid_alive, start_system
+from tests.e2e.system import System, pid_alive, running_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -285,10 +285,8 @@ def since(start_mono: float, mono: float | None) -> float | None:
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("faults"), *SYSTEM_FLAGS)
-    yield system
-    assert system.stop() == 0
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    with running_system(tmp_path_factory.mktemp("faults"), *SYSTEM_FLAGS) as system:
+        yield system
 
 
 @pytest.fixture(scope="module")

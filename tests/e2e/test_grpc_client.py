@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from stageserve import PROTO_ROOT
 from stageserve.client import Client, Image, Message, Sampling, UnauthenticatedError
 from tests.conftest import REPO, image_bytes
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import running_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 API_KEY = "e2e-grpc-client-key"
@@ -47,15 +47,13 @@ def free_port() -> int:
 def system(tmp_path_factory):
     grpc_port = free_port()
     env = {**os.environ, "STAGESERVE_API_KEY": API_KEY}
-    system = start_system(
+    with running_system(
         tmp_path_factory.mktemp("grpc"),
         *("--num-pages", "256", "--grpc-port", str(grpc_port), "--enable-reflection"),
         env=env,
-    )
-    system.grpc_port = grpc_port
-    yield system
-    assert system.stop() == 0, system.logs()
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    ) as system:
+        system.grpc_port = grpc_port
+        yield system
 
 
 def run_example(system, name: str, *args: str) -> str:

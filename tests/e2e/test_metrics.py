@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.client import create_channel
 from services.launch_spec import METRICS_PORT_ORDER
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import running_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "tiny-qwen2.5-vl"
@@ -71,7 +71,7 @@ def free_port_run(length: int) -> int:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     base = free_port_run(len(METRICS_PORT_ORDER))
-    system = start_system(
+    with running_system(
         tmp_path_factory.mktemp("metrics"),
         "--num-pages",
         "512",
@@ -79,11 +79,9 @@ def system(tmp_path_factory):
         str(base),
         "--log-format",
         "json",
-    )
-    system.metrics_port_base = base
-    yield system
-    assert system.stop() == 0
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    ) as system:
+        system.metrics_port_base = base
+        yield system
 
 
 def scrape(system, service: str) -> dict[str, list]:

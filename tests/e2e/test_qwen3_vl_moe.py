@@ -5,13 +5,12 @@ forward (``services/engine/model/moe.py``)."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from services.engine.offline import OfflinePipeline
 from tests.conftest import TINY_MODEL_DIR, image_bytes
 from tests.e2e.openai_api.helpers import chat
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import openai_client, running_system
 from tests.e2e.test_qwen3_vl import MAX_TOKENS, generate_cli, transformers_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -24,16 +23,14 @@ CASES = (
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    system = start_system(
+    with running_system(
         tmp_path_factory.mktemp("system"), *("--model", str(MOE_DIR), "--num-pages", "512")
-    )
-    yield system
-    assert system.stop() == 0
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    ) as system:
+        yield system
 
 
 def test_chats_match_generate_and_transformers(system, tmp_path):
-    client = openai.OpenAI(base_url=system.base_url, api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(system)
     pipeline = OfflinePipeline.from_dir(MOE_DIR)
     model = client.models.list().data[0].id
     for text, images in CASES:

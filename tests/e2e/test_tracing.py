@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks.otlp_receiver import STATUS_ERROR, OtlpReceiver, ReceivedSpan
 from tests.conftest import image_bytes
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import running_system
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SERVICES = {"router", "tokenizer", "vision_encoder", "prefill", "decode"}
@@ -55,15 +55,11 @@ def traced(request, tmp_path_factory):
             OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="http/protobuf",
         )
     try:
-        system = start_system(tmp_path_factory.mktemp("traced"), "--num-pages", "512", env=env)
-    except BaseException:
-        receiver.stop()
-        raise
-    try:
-        yield system, receiver
+        with running_system(
+            tmp_path_factory.mktemp("traced"), "--num-pages", "512", env=env
+        ) as system:
+            yield system, receiver
     finally:
-        assert system.stop() == 0
-        assert not [pid for pid in system.child_pids() if pid_alive(pid)]
         receiver.stop()
 
 

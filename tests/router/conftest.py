@@ -165,6 +165,16 @@ async def serve_http(cfg: RouterConfig) -> tuple[RouterApp, str]:
     return app, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+@contextlib.asynccontextmanager
+async def asgi_client(app: RouterApp) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client into ``app``'s ASGI app (no server, no socket)."""
+    transport = httpx.ASGITransport(app=app.http_app)
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://router", timeout=BOUND_S
+    ) as client:
+        yield client
+
+
 async def stop_router(app: RouterApp) -> None:
     await app.grpc_server.stop(None)
     await app.stop()
@@ -206,8 +216,5 @@ async def router(cluster: Cluster) -> AsyncIterator[RouterApp]:
 
 @pytest.fixture
 async def http(router: RouterApp) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=router.http_app)
-    async with httpx.AsyncClient(
-        transport=transport, base_url="http://router", timeout=BOUND_S
-    ) as client:
+    async with asgi_client(router) as client:
         yield client

@@ -11,8 +11,8 @@ import httpx
 from services.router.app import RouterApp
 from services.router.config import FlowConfig
 from tests.router.conftest import (
-    BOUND_S,
     Cluster,
+    asgi_client,
     router_config,
     start_cluster,
     start_router,
@@ -47,11 +47,8 @@ async def serve(
     # A fake's port may be one an earlier test's worker had: gRPC's shared subchannel to it
     # can still be in reconnect backoff at the router's first poll.
     await wait_until(lambda: all(w.is_ready for w in app.registry.workers()))
-    transport = httpx.ASGITransport(app=app.http_app)
     try:
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://router", timeout=BOUND_S
-        ) as http:
+        async with asgi_client(app) as http:
             yield Served(cluster, app, http)
     finally:
         await stop_router(app)

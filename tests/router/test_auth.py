@@ -22,6 +22,7 @@ from tests.router.conftest import (
     BOUND_S,
     MODEL_NAME,
     Cluster,
+    asgi_client,
     router_config,
     start_router,
     stop_router,
@@ -50,10 +51,7 @@ async def secured_router(secured_cluster: Cluster) -> AsyncIterator[RouterApp]:
 
 @pytest.fixture
 async def http(secured_router: RouterApp) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=secured_router.http_app)
-    async with httpx.AsyncClient(
-        transport=transport, base_url="http://router", timeout=BOUND_S
-    ) as client:
+    async with asgi_client(secured_router) as client:
         yield client
 
 
@@ -190,10 +188,7 @@ async def test_grpc_generate_with_the_key_streams(secured_router) -> None:
 async def test_router_without_the_internal_token_is_refused_by_the_workers(secured_cluster) -> None:
     app = await start_router(router_config(secured_cluster))  # no internal token, open API
     try:
-        transport = httpx.ASGITransport(app=app.http_app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://router", timeout=BOUND_S
-        ) as http:
+        async with asgi_client(app) as http:
             reply = await http.post("/v1/chat/completions", json=CHAT)
     finally:
         await stop_router(app)

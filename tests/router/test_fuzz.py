@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from services.router.image_fetch import GuardedBackend
 from services.router.images import ImageLoader
-from tests.router.conftest import BOUND_S, MODEL_NAME, router_config, start_router, stop_router
+from tests.router.conftest import MODEL_NAME, asgi_client, router_config, start_router, stop_router
 from tests.router.net_fakes import PUBLIC_IP, FakeNetwork, FakeResolver, http_response
 
 MAX_REQUEST_BYTES = 128 * 1024
@@ -258,11 +258,8 @@ async def fuzz_http(cluster):
     network = FakeNetwork({PUBLIC_IP: lambda path: http_response(200, b"not an image")})
     backend = GuardedBackend(False, FakeResolver({"images.test": [PUBLIC_IP]}), network)
     app = await start_router(cfg, ImageLoader.from_limits(cfg.limits, backend))
-    transport = httpx.ASGITransport(app=app.http_app)
     try:
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://router", timeout=BOUND_S
-        ) as client:
+        async with asgi_client(app) as client:
             yield client
     finally:
         await stop_router(app)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import image_bytes
-from tests.e2e.system import pid_alive, start_system
+from tests.e2e.system import running_system
 from tests.router.fakes import TEXT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -25,10 +25,8 @@ EOS_ID = TEXT.eos_token_ids[-1]
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
-    system = start_system(tmp_path_factory.mktemp("system"), "--num-pages", "512")
-    yield system
-    assert system.stop() == 0
-    assert not [pid for pid in system.child_pids() if pid_alive(pid)]
+    with running_system(tmp_path_factory.mktemp("system"), "--num-pages", "512") as system:
+        yield system
 
 
 @pytest.fixture(scope="module")

@@ -16,24 +16,8 @@ from services.router.tool_prompt import tool_call, tool_calls, with_tools
 from services.router.tools import resolve_tool_format
 from tests.conftest import TINY_MODEL_DIR
 from tests.router.fakes import TEXT
+from tests.router.tool_defs import WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "metric": {"type": "boolean"},
-                "where": {"type": "object"},
-                "tags": {"type": "array"},
-                "note": {"type": ["string", "null"]},
-            },
-        },
-    },
-}
 XML_TOOLS_HEAD = "# Tools\n\nYou have access to the following functions:\n\n<tools>\n"
 
 

@@ -22,19 +22,9 @@ from tests.router.conftest import MODEL_NAME
 from tests.router.fakes import EOS_ID, TEXT, char_ids
 from tests.router.http_helpers import stream_chat
 from tests.router.served import Served, serve
+from tests.router.tool_defs import WEATHER
 
 CHAT_PATH = "/v1/chat/completions"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
 TOOLS = [WEATHER, TIME]
 HERMES_OUTPUT = (
