@@ -42,7 +42,9 @@ class Store(Protocol):
 class StoreLookup:
     """The leader's question to the store: how many leading keys it holds (0 when it fails or
     does not answer within ``timeout_s``; ``on_failure`` counts it). ``connect`` makes the
-    client at the first question, and again ``retry_s`` after a failed try."""
+    client at the first question, and again ``retry_s`` after a failed try. After a failed
+    question the next ``retry_s`` are answered 0 at once: a store that is down costs one
+    request the bound, not every request."""
 
     def __init__(
         self,
@@ -55,7 +57,8 @@ class StoreLookup:
         self._connect = connect
         self._store: Store | None = None
         self._lock = threading.Lock()
-        self._next_try_mono = 0.0
+        self._next_try_mono = 0.0  # no connection attempt before it
+        self._skip_until_mono = 0.0  # no question before it (the last one failed)
 
     def _exists(self, keys: list[bytes]) -> list[bool]:
         with self._lock:  # one connection attempt at a time, on this worker thread
@@ -71,12 +74,15 @@ class StoreLookup:
         return store.exists(keys)
 
     async def leading(self, keys: Sequence[bytes]) -> int:
+        if time.monotonic() < self._skip_until_mono:
+            return 0
         try:
             async with asyncio.timeout(self.timeout_s):
                 found = await asyncio.to_thread(self._exists, list(keys))
         except Exception as exc:  # down, slow or refusing: the tier is skipped for this request
             logger.warning("KV store lookup failed: %s", exc or type(exc).__name__)
             self.on_failure("lookup")
+            self._skip_until_mono = time.monotonic() + self.retry_s
             return 0
         return next((i for i, present in enumerate(found) if not present), len(found))
 

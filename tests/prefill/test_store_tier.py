@@ -56,6 +56,20 @@ async def test_the_lookup_counts_leading_keys_and_is_zero_when_the_store_fails()
     assert failures == ["lookup", "lookup"]
 
 
+async def test_after_a_failed_lookup_the_store_is_skipped_for_a_while() -> None:
+    failures: list[str] = []
+    store = Store({b"a"}, delay_s=0.3)
+    lookup = StoreLookup(lambda: store, 0.05, failures.append, retry_s=0.5)
+    assert await lookup.leading([b"a"]) == 0 and failures == ["lookup"]
+    store.delay_s = 0.0
+    started = time.monotonic()
+    for _ in range(5):  # answered at once, without asking: the store just failed
+        assert await lookup.leading([b"a"]) == 0
+    assert failures == ["lookup"]
+    time.sleep(max(0.0, 0.55 - (time.monotonic() - started)))
+    assert await lookup.leading([b"a"]) == 1  # asked again after the pause
+
+
 async def test_the_lookup_connects_at_first_and_again_after_a_pause() -> None:
     tries: list[int] = []
 
