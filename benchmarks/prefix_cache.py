@@ -438,7 +438,8 @@ def target_lines(lines: list[Line], sizes: Sizes) -> list[str]:
         )
     out.append(
         "- L2 hit (a 32k-token prefix back from host memory >= 5x faster than recomputing it): "
-        "not measured here (whole requests, not the tier's moves): `python -m benchmarks.host_tier`."
+        "not measured here (whole requests, not the tier's moves): "
+        "`python -m benchmarks.host_tier`."
     )
     return out
 

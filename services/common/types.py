@@ -173,7 +173,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
             )
         if grammar.is_strict and grammar.kind is not GrammarKind.JSON_SCHEMA:
             raise InvalidRequestError(
-                f"grammar: is_strict applies to json_schema grammars only, not {grammar.kind.value}",
+                "grammar: is_strict applies to json_schema grammars only, "
+                f"not {grammar.kind.value}",
                 param="grammar",
             )
         if self.ignore_eos or self.min_tokens:

@@ -27,6 +27,7 @@ from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.prefill_graph import token_sizes_up_to
 from services.engine.quantization import NO_QUANTIZATION
+from services.prefill.host_tier import num_host_pages
 from services.prefill.messages import (
     SHARDED,
     Describe,
@@ -37,7 +38,6 @@ from services.prefill.messages import (
     RankRequest,
     RankResult,
 )
-from services.prefill.prefix_cache import num_host_pages
 from services.prefill.store_tier import StoreWriter
 from services.prefill.worker import PrefillRankWorker
 from services.transfer import create_embedding_receiver, create_kv_sender

@@ -33,9 +33,8 @@ from services.prefill.kv_store import (
     KvStoreTimeoutError,
     KvStoreUnavailableError,
     PageLayout,
-    start_master,
-    stop_master,
 )
+from services.prefill.kv_store_master import start_master, stop_master
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "tiny-model@rev1"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.types import SamplingParams
-from services.prefill import metrics
+from services.prefill import kv_store_master, metrics
 from tests.conftest import image_bytes
 from tests.prefill.conftest import (
     KV_ATOL,
@@ -28,7 +28,6 @@ from tests.prefill.conftest import (
 from tests.prefill.test_prefix_cache_service import decode_kv
 
 pytestmark = pytest.mark.slow
-kv_store = pytest.importorskip("services.prefill.kv_store")
 pytest.importorskip("mooncake.store")
 
 
@@ -46,7 +45,7 @@ async def test_a_prompt_one_worker_computed_is_read_by_another(
     pipeline, language_model, tmp_path
 ) -> None:
     port = free_port()
-    master = kv_store.start_master(port, log_path=tmp_path / "master.log")
+    master = kv_store_master.start_master(port, log_path=tmp_path / "master.log")
     greedy = SamplingParams(temperature=0.0)
     text = "Write the harbour master's report on the storm. " * 5
     case = make_case(pipeline, "report", text, [image_bytes(80, 64, seed=5)], greedy)
@@ -84,7 +83,7 @@ async def test_a_prompt_one_worker_computed_is_read_by_another(
         assert torch.allclose(k2, ref.k, atol=KV_ATOL, rtol=0)
         assert torch.allclose(v2, ref.v, atol=KV_ATOL, rtol=0)
 
-        kv_store.stop_master(master)  # the store goes away mid-traffic
+        kv_store_master.stop_master(master)  # the store goes away mid-traffic
         before = failures("lookup")
         other = make_case(pipeline, "after", "A new question entirely. " * 4, [], greedy)
         async with asyncio.timeout(60):  # no hang: the tier is skipped
@@ -100,7 +99,7 @@ async def test_a_prompt_one_worker_computed_is_read_by_another(
         for h in (first, second):
             if h is not None:
                 await stop_harness(h)
-        kv_store.stop_master(master)
+        kv_store_master.stop_master(master)
 
 
 def _page_keys(case) -> tuple[bytes, ...]:
@@ -116,7 +115,7 @@ async def test_pages_lost_from_the_store_are_computed_instead(
     so the other worker's plan fetches them, the fetch fails on the rank, and the leader runs
     the request again without the store: it is served, from its own computation."""
     port = free_port()
-    master = kv_store.start_master(port, log_path=tmp_path / "master.log", client_ttl_s=30)
+    master = kv_store_master.start_master(port, log_path=tmp_path / "master.log", client_ttl_s=30)
     greedy = SamplingParams(temperature=0.0)
     case = make_case(pipeline, "lost", "Count the lighthouses on the coast. " * 6, [], greedy)
     ref = reference(pipeline, case)
@@ -158,4 +157,4 @@ async def test_pages_lost_from_the_store_are_computed_instead(
         for h in (holder, reader):
             if h is not None:
                 await stop_harness(h)
-        kv_store.stop_master(master)
+        kv_store_master.stop_master(master)

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
+from services.prefill.host_tier import num_host_pages
 from services.prefill.messages import CacheMoves
-from services.prefill.prefix_cache import CacheAsk, PrefixIndex, PrefixPages, num_host_pages
+from services.prefill.prefix_cache import CacheAsk, PrefixIndex, PrefixPages
 
 PAGE = 4
 
