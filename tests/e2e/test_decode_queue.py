@@ -41,9 +41,10 @@ def test_requests_behind_a_full_decode_batch_wait_past_the_stall_bound(tmp_path)
             results = list(pool.map(run, range(3)))
         assert [status for status, _, _ in results] == [200] * 3, results
         assert [body["usage"]["completion_tokens"] for _, body, _ in results] == [MAX_TOKENS] * 3
-        # one at a time: the last one waited for two whole runs, past the stall bound
+        # one at a time: the last one waited behind the other two (about two runs) and
+        # the waiting alone was longer than the stall bound
         elapsed = sorted(seconds for _, _, seconds in results)
-        assert elapsed[2] - elapsed[0] > 2 * STALL_S, elapsed
+        assert elapsed[2] - elapsed[0] > STALL_S, elapsed
         assert system.metric("router", "router_worker_stalls_total") == 0
     finally:
         assert system.stop() == 0
