@@ -3,7 +3,8 @@
 ``render_kustomization`` is a small kustomize for what deploy/k8s uses (resources, components,
 strategic merge patches, images) and refuses anything else, so a new kustomize feature cannot slip
 past the tests unrendered; test_k8s.py checks it against ``kubectl kustomize`` where that
-exists. ``parse_service_args`` hands a container's arguments to the service's own parser.
+exists. ``parse_service_args`` hands a container's arguments to the service's own parser;
+``stop_s`` asks the service how long a SIGTERM takes to end it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import contextlib
 import copy
 import importlib
+import inspect
 import io
 import re
 import shlex
@@ -22,7 +24,10 @@ from typing import Any
 
 import yaml
 
+from services.common import settings
 from services.common.envs import Envs
+from services.common.server import serve_until_signal
+from services.router.config import RouterConfig
 from tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"
@@ -210,6 +215,38 @@ def parse_service_args(service: str, args: list[str]) -> argparse.Namespace | An
         raise AssertionError(
             f"{service} rejects {shlex.join(args)}: {exc} {stderr.getvalue()}"
         ) from None
+
+
+def stop_s(service: str, args: list[str]) -> float:
+    """The longest a SIGTERM takes to end ``service`` run with ``args``, as the service bounds it.
+
+    Router, prefill and decode: their config's ``stop_s`` (the drain budget, then the rest of
+    the stop). The tokenizer and the vision encoder have no drain: the gRPC grace of
+    ``serve_until_signal``, then (the encoder) its ranks' stop grace.
+    """
+    parsed = parse_service_args(service, args)
+    if service == "router":
+        return settings.config_from_args(RouterConfig, parsed, model=parsed.model).stop_s
+    if service in ("prefill", "decode"):
+        return parsed.stop_s
+    grace_s = inspect.signature(serve_until_signal).parameters["grace_s"].default
+    if service == "tokenizer":
+        return grace_s
+    assert service == "vision_encoder", service
+    from services.vision_encoder.app import rank_group_configs
+
+    return grace_s + max(group.stop_grace_s for group in rank_group_configs(parsed, Envs()))
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+_UNIT_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_s(value: str) -> float:
+    """A compose duration (``330s``, ``5m30s``, ``1.5h``) in seconds."""
+    parts = _DURATION.findall(value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"not a duration: {value!r}"
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
 _VARIABLE = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}")

@@ -3,6 +3,8 @@
 ``docker compose config`` runs where a docker CLI with the compose plugin exists; the
 compose-spec JSON schema (the copy check-jsonschema vendors) checks the files everywhere,
 after the same variable interpolation and ``-f compose.yaml -f compose.gpu.yaml`` merge.
+Nothing here needs docker: the stop grace periods are checked against the services' own
+drain budgets and against the Kubernetes overlay of the same variant.
 """
 
 from __future__ import annotations
@@ -21,14 +23,21 @@ import yaml
 from services.common.exposure import ExposureError, check_api_exposure
 from tests.deploy.manifests import (
     DEPLOY,
+    K8S,
     SERVICES,
+    dockerfile,
+    duration_s,
     flag,
     interpolate,
     merge_compose,
     parse_service_args,
     read_env_file,
+    render_kustomization,
+    rendered_containers,
+    stop_s,
 )
 
+COMPOSE_DEFAULT_GRACE = "10s"  # a service's stop_grace_period when it sets none
 TOKEN_ENV = {"STAGESERVE_INTERNAL_TOKEN": "test-token", "STAGESERVE_API_KEY": "sk-test"}
 VARIANTS = {
     "cpu": (["compose.yaml"], {}),
@@ -186,3 +195,46 @@ def test_gpu_variant_gives_each_model_service_a_gpu_and_the_jit_cache() -> None:
     for name, service in services.items():
         assert "/srv/models:/models:ro" in service["volumes"], name
         assert flag(service["command"], "--model") == ["/models/current"], name
+
+
+def test_timeouts_agree(project, gpu_mooncake) -> None:
+    """Decode holds a reservation as long as the router lets a request run; its quarantine
+    outlasts a stuck Mooncake transfer."""
+    services = project["services"]
+    decode = parse_service_args("decode", services["decode"]["command"][2:])
+    router = parse_service_args("router", services["router"]["command"][2:])
+    transfer_timeout_s = float(services["decode"]["environment"]["MC_TRANSFER_TIMEOUT"])
+    assert decode.kv_quarantine_s > transfer_timeout_s
+    assert decode.max_reservation_s >= router.request_timeout_s
+
+
+def test_every_service_has_time_to_drain_and_stop(variant, project, gpu_mooncake) -> None:
+    """SIGTERM (no other stop signal is set), then SIGKILL after ``stop_grace_period``: that
+    must cover the drain budget and the rest of the stop, as the service bounds them from the
+    flags the compose file gives it (compose's default, 10 s, cuts every long stream)."""
+    image = dockerfile(DEPLOY / f"Dockerfile.{variant}")
+    assert not [i for i in image if i.keyword == "STOPSIGNAL"]
+    for name, service in project["services"].items():
+        assert service.get("stop_signal", "SIGTERM") == "SIGTERM", name
+        grace_s = duration_s(service.get("stop_grace_period", COMPOSE_DEFAULT_GRACE))
+        needed_s = stop_s(name, service["command"][2:])
+        assert grace_s >= needed_s, f"{name}: {grace_s:g} s to stop, needs {needed_s:g} s"
+
+
+def test_stop_grace_periods_match_kubernetes(variant, project) -> None:
+    """Each service gets as long to stop under compose as its pod under the same overlay."""
+    pods = rendered_containers(render_kustomization(K8S / "overlays" / variant))
+    k8s = {c.service: c.pod["spec"]["terminationGracePeriodSeconds"] for c in pods}
+    compose = {
+        name: duration_s(service.get("stop_grace_period", COMPOSE_DEFAULT_GRACE))
+        for name, service in project["services"].items()
+    }
+    assert compose == k8s
+
+
+def test_the_router_stops_before_the_workers_it_streams_from(project) -> None:
+    """``docker compose down`` stops a service only once its dependents have stopped: the
+    router, depending on every worker, drains while they still serve its streams."""
+    services = project["services"]
+    workers = sorted(name for name in services if name != "router")
+    assert sorted(services["router"]["depends_on"]) == workers
