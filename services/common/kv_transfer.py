@@ -83,6 +83,8 @@ class TransferBackend:
     cross_process: bool  # its two ends may be different processes
     cross_host: bool  # ... on different hosts
     summary: str  # what it is, for --help
+    # its sender writes some of each page's KV heads (a tensor-parallel prefill rank's)
+    writes_head_slices: bool = False
     spec_kwargs: Callable[[TransferSpec, str], dict[str, Any]] = _no_kwargs  # (spec, role)
     # "" when the installed build moves GPU memory, else the build to install for that
     gpu_build: Callable[[], str] = _any_build
@@ -121,6 +123,7 @@ BACKENDS: dict[str, TransferBackend] = {
             cross_process=False,
             cross_host=False,
             summary="tensor copies inside one process",
+            writes_head_slices=True,
         ),
         TransferBackend(
             "cuda_ipc",
@@ -146,6 +149,7 @@ BACKENDS: dict[str, TransferBackend] = {
             cross_host=False,
             summary="host memory shared through /dev/shm by processes of one host and user, "
             "no network port, CPU KV pools only",
+            writes_head_slices=True,
         ),
     )
 }

@@ -80,11 +80,15 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        head_start: int = 0,
     ) -> None:
+        """``head_start``: the model's first KV head this pool holds (a tensor-parallel rank
+        holds ``num_kv_heads`` of them from there; 0 for the whole model)."""
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
+        self.head_start = head_start
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)

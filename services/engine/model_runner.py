@@ -92,6 +92,7 @@ class ModelRunner:
             text.head_dim,
             self.dtype,
             self.device,
+            head_start=model.heads.kv_start,
         )
         self.page_manager = KVPageManager(num_pages, self.page_size)
         self.page_table = RequestPageTable(self.page_manager)

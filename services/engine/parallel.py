@@ -98,13 +98,15 @@ class HeadLayout:
 
     With at least ``size`` KV heads each rank holds ``num_kv_heads / size`` of them; with fewer,
     each holds one, the one its q heads read, so ``size / num_kv_heads`` ranks hold a copy of it
-    (vLLM's replication).
+    (vLLM's replication); the first of them is its ``is_kv_owner`` (it writes those heads where
+    one copy is wanted: the KV handoff).
     """
 
     num_q_heads: int
     num_kv_heads: int
     q_start: int
     kv_start: int
+    is_kv_owner: bool = True
 
     @classmethod
     def of(cls, num_heads: int, num_kv_heads: int, tp: TensorParallel) -> HeadLayout:
@@ -112,7 +114,9 @@ class HeadLayout:
         if num_kv_heads >= tp.size:
             kv_heads = num_kv_heads // tp.size
             return cls(q_heads, kv_heads, tp.rank * q_heads, tp.rank * kv_heads)
-        return cls(q_heads, 1, tp.rank * q_heads, tp.rank * num_kv_heads // tp.size)
+        copies = tp.size // num_kv_heads
+        kv_start = tp.rank * num_kv_heads // tp.size
+        return cls(q_heads, 1, tp.rank * q_heads, kv_start, tp.rank % copies == 0)
 
 
 def check_tensor_parallel(text: TextConfig, size: int, ep_size: int = 1) -> None:

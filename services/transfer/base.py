@@ -69,14 +69,23 @@ def pool_layout(pool: KVPool) -> KvPoolLayout:
     )
 
 
-def check_compatible(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination) -> None:
-    """Raise ``InvalidRequestError`` unless ``src_pages`` of ``src`` can be written into ``dst``."""
-    for field in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype", "page_nbytes"):
+def check_compatible(
+    src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination, head_start: int = 0
+) -> slice | None:
+    """Raise ``InvalidRequestError`` unless ``src_pages`` of ``src`` can be written into ``dst``;
+    return the destination's KV heads that ``src``'s heads go to, or None when ``src`` holds
+    exactly the destination's heads (whole pages move).
+
+    ``head_start``: the model's first KV head ``src`` holds (a tensor-parallel rank's pool holds
+    ``src.num_kv_heads`` heads from there, written into those heads of a pool that holds all).
+    """
+    for field in ("num_layers", "page_size", "head_dim", "dtype"):
         if getattr(src, field) != getattr(dst.layout, field):
             raise InvalidRequestError(
                 f"KV layout mismatch for {dst.request_id}: {field} is {getattr(src, field)} here, "
                 f"{getattr(dst.layout, field)} at the destination"
             )
+    heads = _dst_heads(src, dst, head_start)
     if len(src_pages) != len(dst.page_ids):
         raise InvalidRequestError(
             f"{dst.request_id}: {len(src_pages)} source pages for "
@@ -91,6 +100,36 @@ def check_compatible(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestina
             raise InvalidRequestError(
                 f"{dst.request_id}: page outside [0, {num_pages}) in {list(pages)}"
             )
+    return heads
+
+
+def _dst_heads(src: KvPoolLayout, dst: KvDestination, head_start: int) -> slice | None:
+    src_heads, dst_heads = src.num_kv_heads, dst.layout.num_kv_heads
+    if src_heads == dst_heads and head_start == 0:
+        if src.page_nbytes != dst.layout.page_nbytes:
+            raise InvalidRequestError(
+                f"KV layout mismatch for {dst.request_id}: page_nbytes is {src.page_nbytes} "
+                f"here, {dst.layout.page_nbytes} at the destination"
+            )
+        return None
+    if head_start < 0 or head_start + src_heads > dst_heads:
+        raise InvalidRequestError(
+            f"KV layout mismatch for {dst.request_id}: KV heads {head_start}.."
+            f"{head_start + src_heads - 1} here, the destination holds {dst_heads} "
+            "(a destination split over more tensor-parallel ranks than this one is not built)"
+        )
+    return slice(head_start, head_start + src_heads)
+
+
+def whole_pages(heads: slice | None, backend: str, request_id: str) -> None:
+    """``InvalidRequestError`` for a write of some of each page's heads through ``backend``,
+    which moves whole pages only."""
+    if heads is not None:
+        raise InvalidRequestError(
+            f"{request_id}: the {backend} KV backend moves whole pages, and this rank holds KV "
+            f"heads {heads.start}..{heads.stop - 1} of the destination's: a tensor-parallel "
+            "prefill needs the shm or inprocess KV backend"
+        )
 
 
 def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -106,8 +145,9 @@ def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[
 
 
 def plan_transfer(src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination) -> TransferPlan:
-    """Descriptors for every layer x {K, V} x page run, with byte-adjacent descriptors merged."""
-    check_compatible(src, src_pages, dst)
+    """Descriptors for every layer x {K, V} x page run, with byte-adjacent descriptors merged;
+    ``src`` holds the destination's every KV head (``whole_pages``)."""
+    whole_pages(check_compatible(src, src_pages, dst), "mooncake", dst.request_id)
     nbytes = src.page_nbytes
     descs: list[list[int]] = []  # [src_addr, dst_addr, length]
     runs = page_runs(src_pages, dst.page_ids)

@@ -46,6 +46,7 @@ from services.transfer.base import (
     check_compatible,
     check_deadline,
     pool_layout,
+    whole_pages,
 )
 from services.transfer.cuda_ipc_memory import (
     IpcBuffer,
@@ -185,7 +186,8 @@ class CudaIpcKVSender(BaseKVSender):
             raise InvalidRequestError(
                 f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender"
             )
-        check_compatible(pool_layout(src_pool), src_pages, dst)
+        heads = check_compatible(pool_layout(src_pool), src_pages, dst, src_pool.head_start)
+        whole_pages(heads, self.backend, request_id)
         if src_pool.device.type != "cuda":
             raise InvalidRequestError(
                 f"the cuda_ipc KV backend needs a CUDA KV pool, got one on {src_pool.device}"

@@ -51,7 +51,7 @@ class InProcessKVSender(BaseKVSender):
         deadline_mono: float,
     ) -> TransferResult:
         start = time.monotonic()
-        check_compatible(pool_layout(src_pool), src_pages, dst)
+        heads = check_compatible(pool_layout(src_pool), src_pages, dst, src_pool.head_start)
         check_deadline(request_id, deadline_mono)
         dst_pool = self._fabric.get(dst.session_id)
         if dst_pool.k_buffer.data_ptr() != dst.layout.k_base:
@@ -65,6 +65,8 @@ class InProcessKVSender(BaseKVSender):
                 (src_pool.v_buffer, dst_pool.v_buffer),
             ):
                 # [L, num_pages, S, Hkv, D]: every layer of one run in one copy
+                if heads is not None:  # this rank's heads of every page
+                    dst_buf = dst_buf[:, :, :, heads]
                 dst_buf[:, dst_page : dst_page + num_pages].copy_(
                     src_buf[:, src_page : src_page + num_pages]
                 )

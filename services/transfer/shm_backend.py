@@ -80,9 +80,11 @@ class ShmKVSender(ShmSender, BaseKVSender):
     ) -> TransferResult:
         start = time.monotonic()
         check_backend(request_id, self.backend, dst)
-        check_compatible(pool_layout(src_pool), src_pages, dst)
+        heads = check_compatible(pool_layout(src_pool), src_pages, dst, src_pool.head_start)
         check_deadline(request_id, deadline_mono)
         dst_k, dst_v = self._pool_of(dst)
+        if heads is not None:  # [L, P, S, Hkv, D]: this rank's heads of every page
+            dst_k, dst_v = dst_k[:, :, :, heads], dst_v[:, :, :, heads]
         runs = page_runs(src_pages, dst.page_ids)
         for src_page, dst_page, num_pages in runs:
             check_deadline(request_id, deadline_mono)
