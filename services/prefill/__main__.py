@@ -1,5 +1,5 @@
-"""``python -m services.prefill``: one prefill worker (a leader + C CP rank processes) serving gRPC
-``Prefill``."""
+"""``python -m services.prefill``: one prefill worker (a leader + C CP ranks x T TP ranks, one
+process each) serving gRPC ``Prefill``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from services.common.service_main import (
 )
 from services.common.settings import config_from_args
 from services.prefill.app import check_backends, serve
-from services.prefill.config import PrefillConfig, check_block_tokens
+from services.prefill.config import PrefillConfig, check_block_tokens, check_parallel
 
 logger = logging.getLogger("services.prefill")
 
@@ -29,8 +29,8 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     p = build_service_parser("python -m services.prefill", __doc__, PrefillConfig, envs=envs)
     add_rank_args(
         p,
-        "CP rank processes on --device (cuda: cuda:0 .. cuda:C-1; default 1); or name them "
-        "with --devices",
+        "rank processes on --device, CP ranks x --tp (cuda: cuda:0 .. cuda:N-1; default 1); or "
+        "name them with --devices",
     )
     return p
 
@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         check_block_tokens(config.cp_block_tokens, config.page_size)
         if config.gpu_share_file:  # a path it cannot map fails here, not in a rank
             GpuShare(config.gpu_share_file).close()
-        check_backends(config)
+        _, kv_backend = check_backends(config)
+        check_parallel(config, kv_backend)
     except ValueError as exc:
         p.error(str(exc))
     return config

@@ -1,4 +1,5 @@
-"""Wiring of one prefill worker: the scheduler, the rank group (C processes), the leader, gRPC.
+"""Wiring of one prefill worker: the scheduler, the rank group (C CP ranks x T TP ranks, one
+process each), the leader, gRPC.
 
 The leader's process loads no weights and touches no device: the model, the local KV
 pools, the KV senders and the embedding receivers live in the rank processes
@@ -30,7 +31,7 @@ from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import print_ready, service_server, start_telemetry
 from services.engine.config import ModelConfig
 from services.prefill import metrics
-from services.prefill.config import PrefillConfig
+from services.prefill.config import PrefillConfig, check_parallel
 from services.prefill.encoding import Encoder
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
@@ -62,8 +63,10 @@ def check_backends(config: PrefillConfig) -> tuple[str, str]:
 
 
 def rank_init(config: PrefillConfig) -> PrefillRankInit:
-    """What every rank builds itself from; ``ValueError`` for a backend the service cannot run."""
+    """What every rank builds itself from; ``ValueError`` for a backend or a ``--tp`` /
+    ``--ep`` the service cannot run."""
     embedding, kv_backend = check_backends(config)
+    check_parallel(config, kv_backend)
     return PrefillRankInit(
         model=str(config.model),
         dtype=config.dtype,
@@ -79,6 +82,8 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         cuda_graph_max_tokens=config.cuda_graph_max_tokens,
         gpu_share_file=config.gpu_share_file,
         host_cache_gb=0.0 if config.disable_prefix_cache else config.host_cache_gb,
+        tp_size=config.tp,
+        ep_size=config.ep,
         **store_init(config),
     )
 
@@ -183,10 +188,10 @@ class PrefillApp:
             config.embedding_quarantine_s,
             prefix=None
             if config.disable_prefix_cache
-            else PrefixIndex(config.num_ranks, config.num_pages, config.page_size),
+            else PrefixIndex(config.cp_size, config.num_pages, config.page_size),
         )
         policy = CpPolicy(config.cp_block_tokens, config.cp_min_tokens, config.max_batch_tokens)
-        options = LeaderOptions(policy, config.step_timeout_s, config.watchdog_s)
+        options = LeaderOptions(policy, config.step_timeout_s, config.watchdog_s, config.tp)
         leader = PrefillLeader(
             scheduler,
             ranks,

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, KV_BACKEND_HELP, resolve_kv_backend
+from services.common.errors import ModelLoadError
+from services.common.kv_transfer import (
+    BACKENDS,
+    CROSS_PROCESS_BACKENDS,
+    KV_BACKEND_HELP,
+    lookup_backend,
+    resolve_kv_backend,
+)
 from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
@@ -107,7 +114,22 @@ class PrefillConfig(ServiceConfig):
         ("cpu",),
         type=device_list,
         metavar="DEV,DEV,...",
-        help="one CP rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)",
+        help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device); "
+        "with --tp T, processes c*T .. c*T+T-1 are CP rank c's tensor-parallel group",
+    )
+    tp: int = flag(
+        1,
+        type=positive_int,
+        help="tensor-parallel ranks per CP rank (dividing the rank processes): each holds 1/T of "
+        "the decoder's attention heads, MLP, vocabulary and (with --ep T) experts, and writes "
+        "its KV heads into decode's pages (shm or inprocess KV backend); the vision tower is "
+        "not split",
+    )
+    ep: int = flag(
+        1,
+        type=positive_int,
+        help="expert-parallel ranks of an MoE model's experts: 1, or --tp (each rank of a TP "
+        "group holds 1/T of every MoE layer's experts)",
     )
     cp_block_tokens: int = flag(
         64,
@@ -148,7 +170,13 @@ class PrefillConfig(ServiceConfig):
 
     @property
     def num_ranks(self) -> int:
+        """Rank processes: ``cp_size`` TP groups of ``tp``."""
         return len(self.devices)
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks (``check_tensor_parallel`` made ``tp`` divide the ranks)."""
+        return self.num_ranks // self.tp
 
     @property
     def drain_s(self) -> float:
@@ -175,4 +203,40 @@ def check_block_tokens(block_tokens: int, page_size: int) -> None:
         raise ValueError(
             f"--cp-block-tokens {block_tokens} must be 1 or a positive multiple of --page-size "
             f"{page_size}"
+        )
+
+
+def check_parallel(config: PrefillConfig, kv_backend: str) -> None:
+    """``ValueError`` naming the numbers when ``--tp`` / ``--ep`` cannot split the ranks or
+    the model, or the KV cannot reach decode from a rank that holds some of its heads."""
+    if config.num_ranks % config.tp:
+        raise ValueError(
+            f"--tp {config.tp} does not divide the {config.num_ranks} prefill rank processes "
+            "(--ranks / --devices count every process: CP ranks x --tp)"
+        )
+    if config.tp == config.ep == 1:
+        return
+    from services.engine.config import ModelConfig
+    from services.engine.parallel import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(ModelConfig.from_dir(config.model).text, config.tp, config.ep)
+    except ModelLoadError as exc:
+        raise ValueError(f"{config.model}: {exc.message}") from exc
+    if not lookup_backend(kv_backend).writes_head_slices:
+        writers = ", ".join(n for n, b in BACKENDS.items() if b.writes_head_slices)
+        raise ValueError(
+            f"--tp {config.tp}: each rank writes its KV heads into decode's pages, which the "
+            f"{kv_backend} KV backend cannot (it moves whole pages); use one of: {writers}"
+        )
+    devices = [d for d in config.devices if d.startswith("cuda")]
+    if len(set(devices)) < len(devices):
+        raise ValueError(
+            f"--tp {config.tp} on ranks that share a CUDA device ({', '.join(config.devices)}): "
+            "tensor-parallel collectives run over NCCL, one GPU per rank"
+        )
+    if config.kv_store_master and not config.disable_prefix_cache:
+        raise ValueError(
+            f"--kv-store-master with --tp {config.tp}: the shared store keeps whole pages, and a "
+            "tensor-parallel rank holds some of each page's KV heads"
         )

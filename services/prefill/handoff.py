@@ -1,8 +1,9 @@
 """One plan's KV writes from one rank into decode's pages.
 
-Every rank that ran the plan holds the whole KV of each request; of its pages ``p``
-(position order) rank ``r`` of ``C`` writers writes those with ``p % C == r`` (a plan one
-rank runs alone: that rank writes them all). Writes are begun for every request before
+Every rank that ran the plan holds the whole KV of each request (of its KV heads: a
+tensor-parallel rank writes its heads into those heads of decode's pages); of its pages ``p``
+(position order) CP rank ``r`` of ``C`` writers writes those with ``p % C == r`` (a plan one
+CP rank runs alone: that rank writes them all). Writes are begun for every request before
 any is awaited, so an asynchronous backend queues them back to back; a backend that
 ``streams_layers`` is begun before the forward (``begin_layerwise``) and fed each layer.
 ``close`` cancels what a failed forward left begun.
@@ -44,8 +45,12 @@ class KvHandoff:
         writer: int,
         num_writers: int,
         deadlines: dict[str, float],
+        writes: bool = True,
     ) -> None:
+        """``writes`` False: this rank writes nothing (a TP rank whose KV heads another rank of
+        its group writes)."""
         self.runner, self.sender = runner, sender
+        self.writes = writes
         self.writer, self.num_writers = writer, num_writers
         self._deadlines = deadlines  # request_id -> time.monotonic() deadline of its write
         self._writes: dict[str, _Write] = {}
@@ -84,6 +89,8 @@ class KvHandoff:
         self._writes.clear()
 
     def _mine(self, request: RankRequest) -> tuple[list[int], KvDestination]:
+        if not self.writes:
+            return [], request.kv_dst
         pages = self.runner.page_table.pages(request.request_id)
         mine = owned_pages(len(request.kv_dst.page_ids), self.writer, self.num_writers)
         dst = msgspec.structs.replace(

@@ -74,6 +74,7 @@ class LeaderOptions:
     cp: CpPolicy
     step_timeout_s: float = 60.0  # a plan's deadline on the ranks
     watchdog_s: float = 30.0
+    tp_size: int = 1  # the ranks are num_ranks / tp_size CP ranks, each a TP group of tp_size
 
 
 class PrefillLeader:
@@ -120,6 +121,11 @@ class PrefillLeader:
         """Describe the ranks (the group has formed); from then on every event pumps."""
         self._loop = asyncio.get_running_loop()
         await self._describe()
+
+    @property
+    def cp_size(self) -> int:
+        """The CP ranks plans are made for (each a TP group of ``options.tp_size`` ranks)."""
+        return self.ranks.num_ranks // self.options.tp_size
 
     def on_group_ready(self, is_ready: bool) -> None:
         """The rank group's readiness changed (from its thread): serve only after a fresh
@@ -243,10 +249,15 @@ class PrefillLeader:
             raise UnavailableError("this prefill worker has no vision encoder (--encoder-address)")
         if not self.descriptions:
             raise UnavailableError("the prefill rank group is re-forming")
-        local = self.descriptions[0]
-        kv_dst = prompt_destination(
-            request.kv_dst, local.kv_layout, request.num_tokens, local.kv_backend
-        )
+        kv_dst = request.kv_dst
+        for local in self.descriptions[: self.options.tp_size]:  # each TP rank's heads
+            kv_dst = prompt_destination(
+                request.kv_dst,
+                local.kv_layout,
+                request.num_tokens,
+                local.kv_backend,
+                local.kv_head_start,
+            )
         kind = PrefillScheduler.kind_of(request.num_image_tokens, bool(request.prompt_embeds))
         keys: tuple[bytes, ...] = ()
         if self.scheduler.prefix is not None:
@@ -330,7 +341,7 @@ class PrefillLeader:
         metrics.BATCH_SIZE.observe(len(plan.requests))
         metrics.BATCH_TOKENS.observe(plan.num_tokens)
         prefix = self.scheduler.prefix
-        payload = rank_plan(plan, self.options.cp, self.ranks.num_ranks, self._clock(), prefix)
+        payload = rank_plan(plan, self.options.cp, self.cp_size, self._clock(), prefix)
         if prefix is not None:
             metrics.record_prefix_plan(prefix, payload, plan.num_tokens)
         self._spawn(self._run_plan(plan, payload))
@@ -338,7 +349,7 @@ class PrefillLeader:
     async def _run_plan(self, plan: PrefillPlan, payload: RankPlan) -> None:
         """One step on every rank; the scheduler hears the outcome on every path."""
         outcomes: list[RequestOutcome] = []
-        spans = forward_spans(plan, payload, self.ranks.num_ranks)
+        spans = forward_spans(plan, payload, self.cp_size)
         try:
             try:
                 results = await self.ranks.step(payload, self.options.step_timeout_s)
@@ -388,7 +399,7 @@ class PrefillLeader:
         if self.scheduler.prefix is not None:
             stored = [k for r in payload.requests for k in r.store_keys]
             moved = [k for m in payload.moves for k in (*m.spill, *m.load, *m.fetch)]
-            self.scheduler.prefix.forget([*stored, *moved], payload.ranks(self.ranks.num_ranks))
+            self.scheduler.prefix.forget([*stored, *moved], payload.ranks(self.cp_size))
         if any(m.fetch for m in payload.moves) and not self._is_stopping:
             logger.warning(
                 "a batch that read the KV store failed (%s): run again without", error.message

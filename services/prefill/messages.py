@@ -100,6 +100,7 @@ class RankDescription(msgspec.Struct, frozen=True):
     kv_backend: str
     num_host_pages: int = 0  # the prefix cache's host tier, in pages
     has_store: bool = False  # connected to the shared KV store
+    kv_head_start: int = 0  # the model's first KV head its pool holds (tensor parallelism)
 
 
 class RankOutcome(msgspec.Struct, frozen=True, array_like=True):

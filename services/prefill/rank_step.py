@@ -1,8 +1,9 @@
 """A prefill rank process's step class (``services.prefill.rank_step:PrefillRankStep``).
 
 Built in each rank process by ``services.common.ranks.rank_main``: loads the language
-model on the rank's device, its local KV pool, its KV sender and its embedding receiver
-(one buffer per rank: the encoder writes every image row to every rank). Each step first
+model on the rank's device (its tensor-parallel shard: the world is CP ranks of ``tp_size``
+ranks each, ``subgroups.split_world``), its local KV pool, its KV sender and its embedding
+receiver (one buffer per rank: the encoder writes every image row to every rank). Each step first
 all-gathers the payload's digest over the CPU group: ranks that were handed different
 plans fail the step together instead of diverging in a collective.
 """
@@ -20,11 +21,13 @@ from services.common.destinations import KvDestination
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
+from services.common.ranks.subgroups import split_world
 from services.common.types import SamplingParams
 from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVPool
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.parallel import TensorParallel
 from services.engine.prefill_graph import token_sizes_up_to
 from services.engine.quantization import NO_QUANTIZATION
 from services.prefill.host_tier import num_host_pages
@@ -70,6 +73,8 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     kv_store_master: str = ""  # the prefix cache's shared KV store (store_tier.py); "": none
     kv_store_segment_bytes: int = 0
     kv_store_namespace: str = ""  # the model's: pages of another model are never read
+    tp_size: int = 1  # ranks per CP rank's tensor-parallel group (subgroups.py)
+    ep_size: int = 1  # ranks an MoE layer's experts split over: 1 or tp_size
 
 
 class PrefillRankStep(BaseRankStep):
@@ -82,12 +87,15 @@ class PrefillRankStep(BaseRankStep):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
         self.ctx = ctx
         self.gpu_share = GpuShare(init.gpu_share_file) if init.gpu_share_file else None
+        groups = split_world(ctx, init.tp_size, outer_over_cpu=init.kv_exchange_over_cpu)
+        tp = TensorParallel(groups.inner_rank, groups.inner_size, groups.inner_group, init.ep_size)
         model = load_model(
             init.model,
             device=ctx.device,
             dtype=init.dtype,
             components=("language",),
             quantization=init.quantization,
+            tp=tp,
         )
         on_cuda = ctx.device.startswith("cuda")  # a CPU rank runs its passes eagerly
         graph_tokens = token_sizes_up_to(init.cuda_graph_max_tokens) if on_cuda else ()
@@ -103,7 +111,7 @@ class PrefillRankStep(BaseRankStep):
         )
         self.kv_sender = create_kv_sender(TransferSpec(init.kv_backend, init.transfer_hostname))
         self.receiver = create_embedding_receiver(
-            TransferSpec(init.transfer_backend, init.transfer_hostname), cp_rank=ctx.rank
+            TransferSpec(init.transfer_backend, init.transfer_hostname), cp_rank=groups.outer_rank
         )
         device = self.receiver.buffer_device(runner.device)
         buffer = EmbeddingBuffer(
@@ -115,25 +123,27 @@ class PrefillRankStep(BaseRankStep):
         )
         self.receiver.register(buffer)
         self.store = connect_store(init, runner.kv_pool) if init.kv_store_master else None
-        group = ctx.cpu_group if init.kv_exchange_over_cpu else ctx.device_group
         self.worker = PrefillRankWorker(
             runner,
             self.kv_sender,
             buffer,
-            ctx.rank,
-            ctx.world_size,
-            group,
+            groups.outer_rank,
+            groups.outer_size,
+            groups.outer_group,
             exchange_device="cpu" if init.kv_exchange_over_cpu else None,
             gpu_share=self.gpu_share,
             grammars=GrammarCache(init.model),
             num_host_pages=num_host_pages(init.host_cache_gb, runner.kv_pool),
             store=self.store,
+            tp_rank=tp.rank,
+            writes_kv=model.heads.is_kv_owner,
+            share_slot=ctx.rank,
         )
 
     def warmup(self) -> None:
         """One sharded pass (every rank's collectives) of a text prompt, written nowhere."""
         runner = self.worker.runner
-        num_tokens = WARMUP_TOKENS * self.ctx.world_size
+        num_tokens = WARMUP_TOKENS * self.worker.world_size
         pages = -(-num_tokens // runner.page_size)
         layout = pool_layout(runner.kv_pool)
         request = RankRequest(
@@ -166,6 +176,7 @@ class PrefillRankStep(BaseRankStep):
             self.kv_sender.backend,
             self.worker.prefix.num_host_pages,
             has_store=self.store is not None,
+            kv_head_start=self.worker.runner.kv_pool.head_start,
         )
 
     def _agree_on(self, payload: RankPlan | Describe) -> tuple[bytes, ...]:

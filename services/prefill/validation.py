@@ -133,9 +133,10 @@ def _check_span(
 
 
 def prompt_destination(
-    dst: KvDestination, local: KvPoolLayout, num_tokens: int, backend: str
+    dst: KvDestination, local: KvPoolLayout, num_tokens: int, backend: str, head_start: int = 0
 ) -> KvDestination:
-    """``dst`` cut to the prompt's pages, after checking it can receive this pool's pages."""
+    """``dst`` cut to the prompt's pages, after checking it can receive this pool's pages
+    (``head_start``: the model's first KV head the pool holds, see ``check_compatible``)."""
     num_pages = -(-num_tokens // local.page_size)
     if dst.backend != backend:
         raise InvalidRequestError(
@@ -155,7 +156,7 @@ def prompt_destination(
         )
     dst = msgspec.structs.replace(dst, page_ids=dst.page_ids[:num_pages])
     try:
-        check_compatible(local, range(num_pages), dst)
+        check_compatible(local, range(num_pages), dst, head_start)
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param="kv_ref") from exc
     return dst

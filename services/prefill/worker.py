@@ -51,8 +51,14 @@ class PlanOutcome:
 
 
 class PrefillRankWorker:
-    """Executes plans on one rank's ``ModelRunner``; ``group`` is the CP device group (None: C =
-    1)."""
+    """Executes plans on one rank's ``ModelRunner``: ``rank`` of ``world_size`` CP ranks, ``group``
+    the CP device group (None: C = 1).
+
+    Under tensor parallelism each CP rank is a TP group: its ranks get the same plans, hold the
+    same pages and run the same passes on their own heads; the first (``tp_rank`` 0) samples the
+    first tokens and reports logprobs, and each writes its heads of the KV to decode unless
+    another rank of the group holds the same heads (``writes_kv`` False: replicated KV heads).
+    """
 
     def __init__(
         self,
@@ -67,8 +73,12 @@ class PrefillRankWorker:
         grammars: GrammarCache | None = None,
         num_host_pages: int = 0,
         store: PageStore | None = None,
+        tp_rank: int = 0,
+        writes_kv: bool = True,
+        share_slot: int | None = None,
     ) -> None:
-        """``gpu_share``: where this rank marks its forwards for a decode on the same GPU;
+        """``share_slot``: this process's slot in ``gpu_share`` (default ``rank``);
+        ``gpu_share``: where this rank marks its forwards for a decode on the same GPU;
         ``grammars``: the grammars of constrained requests (None: such a request fails);
         ``num_host_pages``: the prefix cache's host tier (0: none); ``store``: the KV store
         shared with other prefill workers (None: none)."""
@@ -79,12 +89,14 @@ class PrefillRankWorker:
         self.kv_sender = kv_sender
         self.embeddings = embeddings
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.samples, self.writes_kv = tp_rank == 0, writes_kv
+        self.share_slot = rank if share_slot is None else share_slot
         self.exchange_device = torch.device(exchange_device) if exchange_device else runner.device
         self.spatial_merge_size = config.vision.spatial_merge_size
         self.sampler = Sampler(config.eos_token_ids)
         self.cp_attention = ContextParallelAttention(runner.attention, runner.kv_pool)
-        text = config.text
-        self._kv_width = 2 * text.num_key_value_heads * text.head_dim
+        # K and V of this rank's KV heads, per token
+        self._kv_width = 2 * runner.kv_pool.num_kv_heads * config.text.head_dim
         self.prefix = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages, store)
         kv_sender.register(runner.kv_pool)
 
@@ -103,7 +115,9 @@ class PrefillRankWorker:
             CpShard(self.rank, self.world_size, plan.block_tokens) if sharded else CpShard(0, 1, 1)
         )
         deadlines = {r.request_id: mono_of_unix_s(r.deadline_unix_s) for r in plan.requests}
-        handoff = KvHandoff(self.runner, self.kv_sender, shard.rank, shard.world_size, deadlines)
+        handoff = KvHandoff(
+            self.runner, self.kv_sender, shard.rank, shard.world_size, deadlines, self.writes_kv
+        )
         computed = False  # every pass ran here: the pages hold whole KV
         try:
             for request in plan.requests:
@@ -133,7 +147,7 @@ class PrefillRankWorker:
     def _marking(self) -> contextlib.AbstractContextManager[None]:
         if self.gpu_share is None:
             return contextlib.nullcontext()
-        return self.gpu_share.marking(self.rank)
+        return self.gpu_share.marking(self.share_slot)
 
     def _run(self, plan: RankPlan, shard: CpShard, handoff: KvHandoff) -> _Sampled | None:
         """Every pass, then the first tokens this rank samples; None when a peer failed."""
@@ -147,7 +161,8 @@ class PrefillRankWorker:
                 inp = build_pass(self.runner, shard, plan.requests, rows, segments)
                 pass_logits = self._forward(inp, exchange, handoff)
                 logits.append(pass_logits[: len(inp.logits_rows)])
-                self._prompt_logprobs(plan.requests, inp, pass_logits, prompt)
+                if self.samples:
+                    self._prompt_logprobs(plan.requests, inp, pass_logits, prompt)
             except BaseException:
                 if exchange is not None:
                     exchange.poison_rest()  # the peers wait in this pass's next all-gather
@@ -155,6 +170,8 @@ class PrefillRankWorker:
             if exchange is not None and exchange.peer_failed():
                 return None
             owners += inp.logits_requests
+        if not self.samples:  # the group's first TP rank samples
+            return {}, {}, prompt
         token_ids, logprobs = self._sample(plan.requests, torch.cat(logits), owners)
         return token_ids, logprobs, prompt
 

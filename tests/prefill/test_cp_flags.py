@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.prefill.__main__ import parse_args
+from tests.conftest import TINY_MODEL_DIR
 
 
 def test_ranks_and_devices_give_one_device_per_rank(monkeypatch) -> None:
@@ -49,5 +50,47 @@ def test_ranks_and_devices_give_one_device_per_rank(monkeypatch) -> None:
 def test_bad_cp_flags_are_startup_errors_naming_the_value(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tp_and_ep_split_the_rank_processes() -> None:
+    config = parse_args(["--ranks", "4", "--tp", "2", "--kv-transfer-backend", "shm"])
+    assert (config.num_ranks, config.cp_size, config.tp, config.ep) == (4, 2, 2, 1)
+    moe = str(TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe")
+    config = parse_args(
+        ["--model", moe, "--ranks", "2", "--tp", "2", "--ep", "2", "--transfer-backend", "shm"]
+    )
+    assert (config.cp_size, config.ep) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ranks", "3", "--tp", "2"], "--tp 2 does not divide the 3 prefill rank processes"),
+        (["--ranks", "3", "--tp", "3"], "tensor parallel size 3 does not divide the 4 attention"),
+        (
+            ["--ranks", "2", "--tp", "2", "--kv-transfer-backend", "mooncake"],
+            "the mooncake KV backend cannot (it moves whole pages); use one of: inprocess, shm",
+        ),
+        (
+            [
+                *("--ranks", "2", "--tp", "2", "--transfer-backend", "shm"),
+                *("--kv-store-master", "127.0.0.1:50051"),
+            ],
+            "--kv-store-master with --tp 2: the shared store keeps whole pages",
+        ),
+        (["--ranks", "2", "--ep", "2"], "expert parallel size 2 with tensor parallel size 1"),
+        (["--ranks", "2", "--tp", "2", "--ep", "2"], "expert parallel size 2 on a dense model"),
+        (
+            ["--model", "MOE", "--ranks", "2", "--tp", "2"],
+            "tensor parallel size 2 on an MoE model needs expert parallel size 2",
+        ),
+    ],
+)
+def test_bad_tp_flags_are_startup_errors_naming_the_numbers(argv, message, capsys) -> None:
+    moe = str(TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe")
+    with pytest.raises(SystemExit) as exc:
+        parse_args([moe if a == "MOE" else a for a in argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
