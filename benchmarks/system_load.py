@@ -26,8 +26,10 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 from benchmarks.serve_client import Outcome, RequestRecord
@@ -310,9 +312,24 @@ def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float
         context.Process(target=_client, args=(load, i, num_processes, barrier, results))
         for i in range(num_processes)
     ]
+    return merge_runs(run_clients(clients, results))
+
+
+def run_clients(
+    clients: Sequence[BaseProcess],
+    results: Queue,
+    label: str = "",
+    while_running: Callable[[], None] | None = None,
+) -> list[tuple[list[RequestRecord], float, float]]:
+    """Start ``clients``, call ``while_running`` (if given), then take one result per client
+    from ``results``: its (records, t0, duration), or the string it put instead when it failed
+    (then ``RuntimeError`` naming them all, after ``label``). Every client is joined, or killed
+    after 60 s, on the way out."""
     for client in clients:
         client.start()
     try:
+        if while_running is not None:
+            while_running()
         outcomes = [results.get(timeout=7200) for _ in clients]
     finally:
         for client in clients:
@@ -321,8 +338,8 @@ def run_load(load: Load, num_processes: int) -> tuple[list[RequestRecord], float
                 client.kill()
     errors = [outcome for outcome in outcomes if isinstance(outcome, str)]
     if errors:
-        raise RuntimeError("; ".join(errors))
-    return merge_runs(outcomes)
+        raise RuntimeError((f"{label}: " if label else "") + "; ".join(errors))
+    return outcomes
 
 
 def merge_runs(

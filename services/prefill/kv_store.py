@@ -13,18 +13,12 @@ store key is ``kv/<layout tag>/<namespace>/<key hex>``: the caller's namespace (
 and the page layout (dtype and shape) are both in it, so two models or two layouts never
 read each other's pages. The first ``put`` of a key wins; a later one keeps that value.
 
-Every call is bounded. The native calls block, with the GIL released, until the master
-answers or its RPC timeout passes (``MC_RPC_TIMEOUT_MS``, set here to 2 s unless the
-environment says otherwise; Mooncake's own default is 30 s, and after the master dies a
-call waits ~4.4 s on reconnect attempts). So each call runs on a daemon thread and the
-caller stops waiting at its own deadline (``KvStoreTimeoutError``). The abandoned call
-keeps its staging buffer (and the lock of its kind: exists, put, get) until it returns, so
-nothing is reused under an unfinished transfer; the next call of that kind waits for the
-lock within its own deadline. A result that does not confirm the transfer finished (e.g.
-``TRANSFER_FAIL`` when the worker holding the page died) retires that staging buffer for
-the life of the process and registers a fresh one: a failed transfer may still touch
-registered memory after the binding returns. After ``MAX_RETIRED_BUFFERS`` retirements the
-client refuses further calls.
+Every call is bounded: it runs on a daemon thread and the caller stops waiting at its own
+deadline (``KvStoreTimeoutError``; ``kv_store_calls.py`` says why and how). A result that does
+not confirm the transfer finished (e.g. ``TRANSFER_FAIL`` when the worker holding the page
+died) retires that staging buffer for the life of the process and registers a fresh one: a
+failed transfer may still touch registered memory after the binding returns. After
+``MAX_RETIRED_BUFFERS`` retirements the client refuses further calls.
 
 Two native calls hold the GIL while they wait, stalling every Python thread of the
 process (measured on mooncake 0.3.13.post1): ``setup`` in ``KvStore(...)`` (a TCP probe
@@ -50,104 +44,39 @@ and write its segment. ``kv_store_master.start_master`` binds the master to ``ho
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.common.errors import UnavailableError
 from services.common.exposure import MOONCAKE_EXPOSURE
+from services.prefill.kv_store_calls import (
+    CONFIRMING,
+    MISSING,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    BoundedCalls,
+    KvPagesMissingError,
+    KvStoreError,
+    KvStoreUnavailableError,
+    StagingBuffer,
+    code_name,
+    connect,
+)
 
 if TYPE_CHECKING:
     from services.engine.kv_cache import KVPool
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 KEY_BYTES = 16  # a prefix-cache page key (services.common.prefix_keys)
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses a smaller segment (setup fails, -600)
 MAX_RETIRED_BUFFERS = 4  # staging buffers given up to unconfirmed transfers before refusing
-# Set before ``setup`` unless already in the environment (the master RPC client reads them).
-# Only the store library reads these; the transfer engine (``mooncake.engine``) does not.
-CLIENT_ENV_DEFAULTS = {
-    "MC_RPC_TIMEOUT_MS": "2000",  # per master RPC; Mooncake's default 30000
-    "MC_RPC_CONNECT_TIMEOUT_MS": "1000",
-    "MC_STORE_CLIENT_SETUP_RETRIES": "2",  # Mooncake's default 20: ~90 s on a dead master
-}
-_INSTALL_HINT = (
-    "install mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (GPU) "
-    "and libibverbs1 librdmacm1 libnuma1"
-)
 _NAMESPACE = re.compile(r"[A-Za-z0-9._:@+/-]{1,200}")
-
-# Mooncake ErrorCode values (mooncake-store/include/types.h); the binding returns plain ints.
-NO_AVAILABLE_HANDLE = -200  # no room: every segment is full (eviction runs after)
-INVALID_PARAMS = -600
-REPLICA_IS_NOT_READY = -703
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-_CODE_NAMES = {
-    -1: "INTERNAL_ERROR",
-    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
-    INVALID_PARAMS: "INVALID_PARAMS",
-    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
-    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
-    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
-    -706: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
-    TRANSFER_FAIL: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL",
-    RPC_TIMEOUT: "RPC_TIMEOUT",
-}
-# Results after which no transfer is left in flight: it finished, or none was started (the
-# master refused or did not answer before any byte moved). Anything else retires the buffer.
-_CONFIRMING = frozenset(
-    {NO_AVAILABLE_HANDLE, REPLICA_IS_NOT_READY, OBJECT_NOT_FOUND, OBJECT_ALREADY_EXISTS}
-    | {RPC_FAIL, RPC_TIMEOUT}
-)
-_MISSING = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
 _RETIRED: list[Any] = []  # buffers (and broken clients) kept alive until the process exits
-
-
-class KvStoreError(UnavailableError):
-    """The store could not do what was asked; the caller skips the tier for this page."""
-
-
-class KvStoreUnavailableError(KvStoreError):
-    """The master or the worker holding a page is unreachable, the store failed, or this
-    client is closed or refuses calls."""
-
-
-class KvStoreTimeoutError(KvStoreUnavailableError):
-    """The call did not finish within its bound (it may still be running; its buffer is
-    not reused until it returns)."""
-
-
-class KvPagesMissingError(KvStoreError):
-    """``get`` asked for pages the store does not hold (never put, evicted, their holder
-    left, or still being written); ``missing`` are their keys in the order asked."""
-
-    def __init__(self, missing: Sequence[bytes], asked: int) -> None:
-        self.missing = tuple(missing)
-        shown = ", ".join(key.hex() for key in self.missing[:4])
-        more = f" and {len(self.missing) - 4} more" if len(self.missing) > 4 else ""
-        super().__init__(
-            f"{len(self.missing)} of {asked} KV pages are not in the store: {shown}{more}"
-        )
-
-
-def code_name(code: int) -> str:
-    return f"{_CODE_NAMES.get(code, 'ERROR')} ({code})"
 
 
 @dataclass(frozen=True)
@@ -188,21 +117,6 @@ class PageLayout:
     def batch_shape(self, num_pages: int) -> tuple[int, ...]:
         """``k`` and ``v`` of ``num_pages`` pages: ``[layers, pages, page_size, heads, dim]``."""
         return (self.num_layers, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-
-
-class _Staging:
-    """A registered host buffer of ``max_pages`` store values, one per kind of transfer."""
-
-    def __init__(self, store: Any, layout: PageLayout, max_pages: int, what: str) -> None:
-        self.tensor = torch.empty((max_pages, *layout.value_shape), dtype=layout.dtype)
-        self.ptr = self.tensor.data_ptr()
-        self.nbytes = self.tensor.numel() * self.tensor.element_size()
-        rc = store.register_buffer(self.ptr, self.nbytes)
-        if rc != 0:
-            raise KvStoreUnavailableError(
-                f"mooncake register_buffer of the {what} staging buffer ({self.nbytes} bytes) "
-                f"failed: {code_name(rc)}"
-            )
 
 
 class KvStore:
@@ -248,46 +162,25 @@ class KvStore:
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"master must be 'host:port', got {master!r}")
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:  # the wheel, or a shared library it links
-            raise ImportError(f"Mooncake store unavailable ({exc}): {_INSTALL_HINT}") from exc
+        store = connect(
+            master,
+            local_hostname=local_hostname,
+            protocol=protocol,
+            device_name=device_name,
+            segment_bytes=segment_bytes,
+            local_buffer_bytes=local_buffer_bytes,
+            connect_timeout_s=connect_timeout_s,
+        )
         self.master, self.namespace, self.layout = master, namespace, layout
         self.timeout_s, self.max_pages_per_call = timeout_s, max_pages_per_call
         self._prefix = f"kv/{layout.tag}/{namespace}/"
-        try:  # an unreachable master fails fast here instead of in setup (which holds the GIL)
-            socket.create_connection((host.strip("[]"), int(port)), connect_timeout_s).close()
-        except OSError as exc:
-            raise KvStoreUnavailableError(
-                f"mooncake master {master} is not reachable: {exc}"
-            ) from exc
-        for name, value in CLIENT_ENV_DEFAULTS.items():
-            os.environ.setdefault(name, value)
-        store = MooncakeDistributedStore()
-        rc = store.setup(
-            local_hostname,
-            "P2PHANDSHAKE",
-            segment_bytes,
-            local_buffer_bytes,
-            protocol,
-            device_name,
-            master,
-        )
-        if rc != 0:
-            store.close()  # what setup started (its transfer engine); safe after a failure
-            raise KvStoreUnavailableError(
-                f"mooncake store setup against master {master} failed ({code_name(rc)})"
-            )
         self._store = store
-        self._locks = {what: threading.Lock() for what in ("exists", "put", "get")}
-        self._staging: dict[str, _Staging] = {}
+        self._calls = BoundedCalls(("exists", "put", "get"), master)
+        self._staging: dict[str, StagingBuffer] = {}
         self._retired = 0
-        self._closing: threading.Thread | None = None
-        self._state = threading.Lock()
-        self._refusing: str | None = None  # why calls are refused (closed, broken)
         try:
             for what in ("put", "get"):
-                self._staging[what] = _Staging(store, layout, max_pages_per_call, what)
+                self._staging[what] = self._new_staging(what)
         except BaseException:
             store.close()
             raise
@@ -330,7 +223,7 @@ class KvStore:
                 )
             return [code == 1 for code in codes]
 
-        return self._bounded("exists", deadline, lambda: None, work)
+        return self._calls.run("exists", deadline, lambda: None, work)
 
     def put(
         self,
@@ -386,69 +279,16 @@ class KvStore:
         go with it). True when done within ``timeout_s``; False: it goes on in the background
         (``wait_closed``). Mooncake's own close holds the GIL (1-2 s; ~6 s when the master
         does not answer), so this can return late by that much."""
-        with self._state:
-            if self._closing is None:
-                self._refusing = self._refusing or "closed"
-                self._closing = threading.Thread(
-                    target=self._close_native, name="kv-store-close", daemon=True
-                )
-                self._closing.start()
+        self._calls.close(self._release_native)
         return self.wait_closed(self.timeout_s if timeout_s is None else timeout_s)
 
     def wait_closed(self, timeout_s: float) -> bool:
-        assert self._closing is not None, "close() first"
-        self._closing.join(timeout_s)
-        return not self._closing.is_alive()
+        return self._calls.wait_closed(timeout_s)
 
     # --- internals
 
     def _deadline(self, timeout_s: float | None) -> float:
         return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-
-    def _bounded(
-        self, what: str, deadline: float, prepare: Callable[[], None], work: Callable[[], T]
-    ) -> T:
-        """``prepare`` here and then ``work`` on a daemon thread, both holding ``what``'s lock
-        (released when ``work`` returns, even after the caller stopped waiting)."""
-        self._check_usable()
-        lock = self._locks[what]
-        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise KvStoreTimeoutError(
-                f"mooncake {what}: an earlier {what} of this client is still running past "
-                f"its deadline (master {self.master} slow or unreachable)"
-            )
-        try:
-            self._check_usable()
-            prepare()
-        except BaseException:
-            lock.release()
-            raise
-        outcome: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome.append((True, work()))
-            except BaseException as exc:  # handed to the waiting caller below
-                outcome.append((False, exc))
-            finally:
-                lock.release()
-                done.set()
-
-        threading.Thread(target=run, name=f"kv-store-{what}", daemon=True).start()
-        if not done.wait(max(0.0, deadline - time.monotonic())):
-            raise KvStoreTimeoutError(
-                f"mooncake {what} did not finish before its deadline "
-                f"(master {self.master} slow or unreachable)"
-            )
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
-
-    def _check_usable(self) -> None:
-        if self._refusing is not None:
-            raise KvStoreUnavailableError(f"KV store client is {self._refusing}")
 
     def _put_batch(
         self, names: list[str], k: torch.Tensor, v: torch.Tensor, deadline: float
@@ -477,7 +317,7 @@ class KvStore:
                 )
             return [c != NO_AVAILABLE_HANDLE for c in codes]
 
-        return self._bounded("put", deadline, prepare, work)
+        return self._calls.run("put", deadline, prepare, work)
 
     def _get_batch(
         self, names: list[str], k_out: torch.Tensor, v_out: torch.Tensor, deadline: float
@@ -492,8 +332,8 @@ class KvStore:
             codes = self._native(
                 "get", names, lambda: self._store.batch_get_into(names, ptrs, [nbytes] * n)
             )
-            absent = [i for i, c in enumerate(codes) if c in _MISSING]
-            bad = [c for c in codes if c != nbytes and c not in _MISSING]
+            absent = [i for i, c in enumerate(codes) if c in MISSING]
+            bad = [c for c in codes if c != nbytes and c not in MISSING]
             if bad:
                 what = code_name(bad[0]) if bad[0] < 0 else f"{bad[0]} bytes, not {nbytes}"
                 raise KvStoreUnavailableError(
@@ -505,7 +345,7 @@ class KvStore:
             v_out.copy_(staging.tensor[:n, 1].transpose(0, 1))
             return absent
 
-        return self._bounded("get", deadline, lambda: None, work)
+        return self._calls.run("get", deadline, lambda: None, work)
 
     def _native(self, what: str, names: list[str], call: Callable[[], list[int]]) -> list[int]:
         """``call`` (a batch put or get through ``what``'s staging buffer); its per-key codes.
@@ -520,7 +360,7 @@ class KvStore:
             raise KvStoreUnavailableError(
                 f"mooncake {what} returned {len(codes)} results for {len(names)} keys"
             )
-        unconfirmed = [c for c in codes if c < 0 and c not in _CONFIRMING]
+        unconfirmed = [c for c in codes if c < 0 and c not in CONFIRMING]
         if unconfirmed:
             self._retire(what, code_name(unconfirmed[0]))
         return codes
@@ -531,9 +371,9 @@ class KvStore:
         _RETIRED.append(self._staging[what])
         self._retired += 1
         if self._retired > MAX_RETIRED_BUFFERS:
-            self._refusing = f"broken ({self._retired} transfers left unconfirmed, last: {why})"
+            self._calls.refuse(f"broken ({self._retired} transfers left unconfirmed, last: {why})")
             _RETIRED.append(self._store)
-            logger.error("KV store client %s: refusing further calls", self._refusing)
+            logger.error("KV store client %s: refusing further calls", self._calls.refusing)
             return
         logger.warning(
             "mooncake %s left its transfer unconfirmed (%s): its staging buffer is retired",
@@ -541,14 +381,18 @@ class KvStore:
             why,
         )
         try:
-            self._staging[what] = _Staging(self._store, self.layout, self.max_pages_per_call, what)
+            self._staging[what] = self._new_staging(what)
         except KvStoreError as exc:
-            self._refusing = f"broken ({exc})"
+            self._calls.refuse(f"broken ({exc})")
 
-    def _close_native(self) -> None:
-        for lock in self._locks.values():  # each call in flight ends within its RPC timeout
-            lock.acquire()
-        if self._refusing is not None and self._refusing.startswith("broken"):
+    def _new_staging(self, what: str) -> StagingBuffer:
+        shape = (self.max_pages_per_call, *self.layout.value_shape)
+        return StagingBuffer(self._store, shape, self.layout.dtype, what)
+
+    def _release_native(self) -> None:
+        """Unregister the buffers and leave the store, once no call is in flight."""
+        refusing = self._calls.refusing
+        if refusing is not None and refusing.startswith("broken"):
             return  # its client and buffers stay alive in _RETIRED
         for staging in self._staging.values():  # retired ones stay registered and alive
             self._store.unregister_buffer(staging.ptr)

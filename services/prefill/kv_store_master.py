@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.prefill.kv_store import _INSTALL_HINT, KvStoreUnavailableError
+from services.prefill.kv_store_calls import INSTALL_HINT, KvStoreUnavailableError
 
 
 def master_binary() -> Path:
@@ -25,7 +25,7 @@ def master_binary() -> Path:
             return path
     found = shutil.which("mooncake_master")
     if found is None:
-        raise FileNotFoundError(f"mooncake_master not found: {_INSTALL_HINT}")
+        raise FileNotFoundError(f"mooncake_master not found: {INSTALL_HINT}")
     return Path(found)
 
 

@@ -206,7 +206,8 @@ class PrefillRankStep(BaseRankStep):
 def connect_store(init: PrefillRankInit, pool: KVPool) -> StoreWriter | None:
     """This rank's client of the shared KV store; None (logged) when it cannot connect: the
     rank says so in ``Describe`` and the leader then uses the store on no rank."""
-    from services.prefill.kv_store import KvStore, KvStoreError, PageLayout
+    from services.prefill.kv_store import KvStore, PageLayout
+    from services.prefill.kv_store_calls import KvStoreError
 
     try:
         client = KvStore(
