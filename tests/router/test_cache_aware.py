@@ -4,8 +4,6 @@ other kinds go to the least loaded. And through a router with two fake prefill w
 
 from __future__ import annotations
 
-import httpx
-
 from services.common.prefix_keys import page_keys
 from services.common.types import ImageSpanRef, TokenizedPrompt
 from services.router.config import PolicyName
@@ -13,6 +11,7 @@ from services.router.policy import CACHE_BLOCK_TOKENS, CacheAwarePolicy
 from services.router.workers import Worker, WorkerKind, WorkerState
 from tests.router.conftest import (
     MODEL_NAME,
+    asgi_client,
     router_config,
     start_cluster,
     start_router,
@@ -98,8 +97,7 @@ async def test_a_router_sends_each_conversation_to_one_prefill_worker(script) ->
     app = await start_router(router_config(cluster, policy=PolicyName.CACHE_AWARE))
     texts = [f"Story {n}: " + " ".join(f"word{n}x{i}" for i in range(200)) for n in range(2)]
     try:
-        transport = httpx.ASGITransport(app=app.http_app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://r", timeout=30) as http:
+        async with asgi_client(app) as http:
             for turn in range(3):
                 for text in texts:  # one at a time: no load to balance
                     messages = [{"role": "user", "content": text + " more" * turn}]

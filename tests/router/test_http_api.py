@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import httpx
 import pytest
 
 from services.common.errors import UnavailableError
@@ -15,6 +14,7 @@ from services.router.images import ImageLoader
 from tests.conftest import image_bytes
 from tests.router.conftest import (
     MODEL_NAME,
+    asgi_client,
     router_config,
     start_router,
     stop_router,
@@ -239,8 +239,7 @@ async def test_image_over_http_is_fetched_with_a_limit(cluster):
     backend = GuardedBackend(False, FakeResolver({"images.test": [PUBLIC_IP]}), network)
     app = await start_router(cfg, ImageLoader.from_limits(cfg.limits, backend))
     try:
-        transport = httpx.ASGITransport(app=app.http_app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        async with asgi_client(app) as http:
             ok = await http.post(
                 "/v1/chat/completions", json=_image_chat("https://images.test/cat.png")
             )

@@ -15,6 +15,7 @@ from services.router.registry import HealthProbe, WorkerRegistry
 from services.router.workers import Worker, WorkerKind, WorkerState
 from tests.router.conftest import (
     MODEL_NAME,
+    asgi_client,
     router_config,
     start_cluster,
     start_router,
@@ -124,10 +125,7 @@ async def test_a_flapping_worker_gets_no_traffic_until_it_passes_twice_in_a_row(
 
 
 async def run_chats(app, num: int) -> None:
-    import httpx
-
-    transport = httpx.ASGITransport(app=app.http_app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=30) as http:
+    async with asgi_client(app) as http:
         replies = await asyncio.gather(
             *(http.post("/v1/chat/completions", json=CHAT) for _ in range(num))
         )
