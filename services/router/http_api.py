@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, models, health.
-``http_responses.py`` turns a generation into its response."""
+"""The OpenAI-compatible HTTP API (FastAPI): chat and text completions, responses, models,
+health. ``http_responses.py`` turns a generation into its response; ``responses_api.py`` serves
+``/v1/responses``."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import inspect
 import time
@@ -20,6 +20,7 @@ from services.common.errors import InvalidRequestError, StageServeError
 from services.engine.processing import TextProcessor
 from services.router.auth import is_authorized
 from services.router.body_limit import BodyLimitMiddleware
+from services.router.chat_plan import ChatPlanner, generation_request
 from services.router.choices import choice_requests
 from services.router.fast_json import FastJSONRoute
 from services.router.generation import GenerationPipeline
@@ -29,17 +30,18 @@ from services.router.http_errors import (
     install_error_handlers,
     openapi_without_422,
 )
-from services.router.http_responses import full_response, stream_response, until_disconnect
+from services.router.http_responses import full_response, stream_response
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
 from services.router.openai_format import LogprobFormatter, OpenAIJSONResponse, ResponseFormatter
 from services.router.openai_params import GenerationOptions, generation_options
-from services.router.openai_prompt import chat_messages, completion_input
+from services.router.openai_prompt import completion_input
 from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_model
 from services.router.registry import WorkerRegistry
+from services.router.responses_api import RESPONSES_PATH, ResponsesApi
 from services.router.tokenize_api import TokenizeApi
 from services.router.tool_parsers import ToolFormat
-from services.router.tools import ToolPlan, tool_plan
+from services.router.tools import ToolPlan
 from services.router.tracing import TraceContextMiddleware
 from services.router.types import GenerationRequest
 
@@ -86,6 +88,15 @@ class OpenAIApi:
         self.created = int(time.time())
         self.tool_format = tool_format
         self._token_bytes = text.token_bytes
+        self.chats = ChatPlanner(
+            pipeline,
+            images,
+            tool_format,
+            limits.max_stop_strings,
+            limits.max_n,
+            limits.request_timeout_s,
+        )
+        self.responses = ResponsesApi(self.chats, metrics, served_model_name, text.token_bytes)
         self.tokens = TokenizeApi(
             pipeline,
             images,
@@ -100,29 +111,16 @@ class OpenAIApi:
         tracker = RequestTracker(self.metrics, CHAT_PATH)
         try:
             check_model(body.model, self.served_model_name)
-            options = generation_options(body, self.limits.max_stop_strings, self.limits.max_n)
-            tools = tool_plan(body, self.tool_format)
-            grammar_param = options.grammar_param
-            if tools is not None and tools.grammar is not None:
-                params = msgspec.structs.replace(options.params, grammar=tools.grammar)
-                options, grammar_param = dataclasses.replace(options, params=params), "tools"
-            await self.pipeline.check_grammar(options.params, grammar_param)
-            listed = None if tools is None else list(tools.tools)
-            messages = await until_disconnect(
-                request, chat_messages(body.messages, self.images, listed, self.tool_format)
-            )
-            generation = self._generation(
-                f"chatcmpl-{uuid.uuid4().hex}", options, messages=messages
-            )
+            plan = await self.chats.plan(body, request, f"chatcmpl-{uuid.uuid4().hex}")
             return await self._respond(
-                generation,
-                options.num_choices,
+                plan.generation,
+                plan.num_choices,
                 body.stream,
                 body.stream_options,
                 request,
                 tracker,
                 is_chat=True,
-                tools=tools,
+                tools=plan.tools,
             )
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
@@ -167,15 +165,7 @@ class OpenAIApi:
     def _generation(
         self, request_id: str, options: GenerationOptions, **prompt: Any
     ) -> GenerationRequest:
-        return GenerationRequest(
-            request_id,
-            **prompt,
-            params=options.params,
-            max_tokens=options.max_tokens,
-            max_tokens_param=options.max_tokens_param,
-            stop=options.stop,
-            timeout_s=self.limits.request_timeout_s,
-        )
+        return generation_request(request_id, options, self.limits.request_timeout_s, **prompt)
 
     async def _respond(
         self,
@@ -317,6 +307,13 @@ def create_app(api: OpenAIApi) -> FastAPI:
     app.add_api_route(
         COMPLETIONS_PATH,
         api.completions,
+        methods=["POST"],
+        response_model=None,
+        responses=GENERATION_RESPONSES,
+    )
+    app.add_api_route(
+        RESPONSES_PATH,
+        api.responses.create,
         methods=["POST"],
         response_model=None,
         responses=GENERATION_RESPONSES,

@@ -1,0 +1,74 @@
+"""A chat request checked and turned into one generation: its sampling options, its tool plan
+(with the call grammar where a call is required), the grammar compiled, its messages with the
+images loaded. ``/v1/chat/completions`` serves the plan; ``/v1/responses`` plans the chat
+request it converts to (``responses_input.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Request
+
+from services.router.generation import GenerationPipeline
+from services.router.http_responses import until_disconnect
+from services.router.images import ImageLoader
+from services.router.openai_params import GenerationOptions, generation_options
+from services.router.openai_prompt import chat_messages
+from services.router.openai_schema import ChatCompletionBody
+from services.router.tool_parsers import ToolFormat
+from services.router.tools import ToolPlan, tool_plan
+from services.router.types import GenerationRequest
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    generation: GenerationRequest
+    num_choices: int  # n
+    tools: ToolPlan | None  # None: the request has no tools
+
+
+def generation_request(
+    request_id: str, options: GenerationOptions, timeout_s: float, **prompt: Any
+) -> GenerationRequest:
+    """The generation of a checked request; ``prompt``: ``GenerationRequest``'s prompt field."""
+    return GenerationRequest(
+        request_id,
+        **prompt,
+        params=options.params,
+        max_tokens=options.max_tokens,
+        max_tokens_param=options.max_tokens_param,
+        stop=options.stop,
+        timeout_s=timeout_s,
+    )
+
+
+@dataclass(frozen=True)
+class ChatPlanner:
+    pipeline: GenerationPipeline
+    images: ImageLoader
+    tool_format: ToolFormat  # the model's tool-call format
+    max_stop_strings: int
+    max_n: int
+    request_timeout_s: float
+
+    async def plan(self, body: ChatCompletionBody, request: Request, request_id: str) -> ChatPlan:
+        """``InvalidRequestError`` naming the chat field at fault; ``AbortedError`` when the
+        client goes away while images load."""
+        options = generation_options(body, self.max_stop_strings, self.max_n)
+        tools = tool_plan(body, self.tool_format)
+        grammar_param = options.grammar_param
+        if tools is not None and tools.grammar is not None:
+            params = msgspec.structs.replace(options.params, grammar=tools.grammar)
+            options, grammar_param = dataclasses.replace(options, params=params), "tools"
+        await self.pipeline.check_grammar(options.params, grammar_param)
+        listed = None if tools is None else list(tools.tools)
+        messages = await until_disconnect(
+            request, chat_messages(body.messages, self.images, listed, self.tool_format)
+        )
+        generation = generation_request(
+            request_id, options, self.request_timeout_s, messages=messages
+        )
+        return ChatPlan(generation, options.num_choices, tools)
