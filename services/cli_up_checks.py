@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 from services.common.exposure import check_transfer_exposure
@@ -60,10 +61,29 @@ def check_prefill_cp(cfg: LaunchConfig) -> None:
 
     device = device_of(cfg, "prefill")
     rank_devices(
-        (), cfg.prefill_cp, device, spread_cuda=True, service="prefill", flag="--prefill-cp"
+        (),
+        cfg.prefill_ranks,
+        device,
+        spread_cuda=True,
+        service="prefill",
+        flag=cfg.prefill_ranks_flag,
     )
     if cfg.prefill_cp_block_tokens is not None:
         check_block_tokens(cfg.prefill_cp_block_tokens, cfg.page_size)
+
+
+def check_prefill_tp(cfg: LaunchConfig) -> None:
+    """``ValueError`` naming the numbers when prefill's ranks could not split the model with
+    ``--prefill-tp`` / ``--prefill-ep`` over the chosen KV backend (``check_parallel``)."""
+    from services.common.rank_devices import rank_devices
+    from services.launch_spec import prefill_config
+    from services.prefill.config import check_parallel
+
+    devices = rank_devices(
+        (), cfg.prefill_ranks, device_of(cfg, "prefill"), spread_cuda=True, service="prefill"
+    )
+    config = dataclasses.replace(prefill_config(cfg), devices=tuple(devices))
+    check_parallel(config, config.kv_backend)
 
 
 def check_transfers(cfg: LaunchConfig) -> str | None:

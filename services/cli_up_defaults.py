@@ -96,11 +96,11 @@ def rank_layout(cfg: LaunchConfig, num_cuda_devices: int | None = None) -> RankL
     )
     prefill = rank_devices(
         (),
-        cfg.prefill_cp,
+        cfg.prefill_ranks,
         device_of(cfg, "prefill"),
         spread_cuda=True,
         service="prefill",
-        flag="--prefill-cp",
+        flag=cfg.prefill_ranks_flag,
         num_cuda_devices=num_cuda_devices,
     )
     devices = decode_devices(cfg)

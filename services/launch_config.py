@@ -246,8 +246,20 @@ class LaunchConfig:
     prefill_cp: int = flag(
         1,
         type=at_least(1),
-        help="prefill's context-parallel ranks, one process each (on --prefill-device; cuda: "
-        "cuda:0 .. cuda:C-1)",
+        help="prefill's context-parallel ranks, each a group of --prefill-tp processes (on "
+        "--prefill-device; cuda: one GPU per process, cuda:0 .. cuda:C*T-1)",
+    )
+    prefill_tp: int = flag(
+        1,
+        type=at_least(1),
+        help="prefill's --tp: tensor-parallel ranks per CP rank, each holding 1/T of the decoder "
+        "(needs the shm KV backend on CPU; decode stays one rank per model copy)",
+    )
+    prefill_ep: int = flag(
+        1,
+        type=at_least(1),
+        help="prefill's --ep: 1, or --prefill-tp to split an MoE model's experts over each TP "
+        "group",
     )
     ready_timeout_s: float = flag(
         300.0,
@@ -307,6 +319,16 @@ class LaunchConfig:
     gpu_share_file: Path | None = None  # prefill and decode on one device: prefill first
     stop_grace_s: float = 10.0
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+
+    @property
+    def prefill_ranks(self) -> int:
+        """Prefill's rank processes: its CP ranks times its TP ranks."""
+        return self.prefill_cp * self.prefill_tp
+
+    @property
+    def prefill_ranks_flag(self) -> str:
+        """The flags ``prefill_ranks`` comes from, for errors."""
+        return "--prefill-cp" if self.prefill_tp == 1 else "--prefill-cp x --prefill-tp"
 
     def __post_init__(self) -> None:
         if self.encoder_ranks is not None and self.encoder_ranks < 1:

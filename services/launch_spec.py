@@ -136,7 +136,7 @@ def shared_device(cfg: LaunchConfig) -> str | None:
     devices = {
         "cuda:0" if d == "cuda" else d for d in (device_of(cfg, "prefill"), *decode_devices(cfg))
     }
-    if cfg.prefill_cp != 1 or len(devices) != 1:
+    if cfg.prefill_ranks != 1 or len(devices) != 1:
         return None
     return devices.pop()
 
@@ -151,7 +151,7 @@ def with_gpu_share(cfg: LaunchConfig) -> LaunchConfig:
     if device is None:
         if prefill_first_ms is not None:
             raise ValueError(
-                "--prefill-first-ms needs prefill and decode on one device (and --prefill-cp 1)"
+                "--prefill-first-ms needs prefill and decode on one device (and one prefill rank)"
             )
         return cfg
     if prefill_first_ms == 0 or (prefill_first_ms is None and not device.startswith("cuda")):
@@ -205,6 +205,8 @@ def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfi
         quantization=cfg.quantization,
         max_queued_requests=prefill_queue_size(cfg),
         disable_prefix_cache=cfg.disable_prefix_cache,
+        tp=cfg.prefill_tp,
+        ep=cfg.prefill_ep,
         **_given(
             num_pages=cfg.prefill_num_pages,
             host_cache_gb=cfg.host_cache_gb,
@@ -218,9 +220,9 @@ def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfi
 
 
 def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
-    """Prefill's own flags, from its config (its CP ranks as ``--ranks``)."""
+    """Prefill's own flags, from its config (its rank processes, CP x TP, as ``--ranks``)."""
     config = prefill_config(cfg, encoder_address)
-    args = (*config_to_argv(config, skip=COMMON_SETTINGS), *_ranks_arg(cfg.prefill_cp))
+    args = (*config_to_argv(config, skip=COMMON_SETTINGS), *_ranks_arg(cfg.prefill_ranks))
     return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
 
 

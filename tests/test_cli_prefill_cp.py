@@ -62,3 +62,32 @@ def test_a_prefill_cp_below_one_is_an_argument_error(capsys) -> None:
         main(["up", "--prefill-cp", "0"])
     assert exc.value.code == 2
     assert "argument --prefill-cp: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_prefill_gets_its_tp_and_ep(monkeypatch) -> None:
+    cfg = LaunchConfig(Path("m"), prefill_cp=2, prefill_tp=2, prefill_ep=2)
+    args = service_args(cfg, monkeypatch)["prefill"]
+    assert args[args.index("--ranks") + 1] == "4"  # every process: CP ranks x TP ranks
+    assert args[args.index("--tp") + 1] == "2" and args[args.index("--ep") + 1] == "2"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-tp", "3"], "tensor parallel size 3 does not divide the 4 attention heads"),
+        (
+            ["--prefill-tp", "2", "--kv-transfer-backend", "mooncake"],
+            "the mooncake KV backend cannot (it moves whole pages)",
+        ),
+        (["--prefill-ep", "2"], "expert parallel size 2 with tensor parallel size 1"),
+        (
+            ["--prefill-tp", "2", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"],
+            "--prefill-cp x --prefill-tp 2 needs 2 GPUs; this host has 0",
+        ),
+    ],
+)
+def test_a_prefill_tp_prefill_cannot_run_is_refused_before_starting_anything(
+    argv, message, capsys
+) -> None:
+    assert main(["up", *argv]) == 2
+    assert message in capsys.readouterr().err
