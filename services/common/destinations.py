@@ -22,6 +22,7 @@ class KvPoolLayout(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
     page_nbytes: int  # bytes of one page of one layer in one of K or V
+    head_start: int = 0  # the model's first KV head the pool holds (a tensor-parallel rank's)
 
 
 class KvDestination(msgspec.Struct, frozen=True):

@@ -21,7 +21,13 @@ from services.common.destinations import KvDestination
 from services.common.errors import StageServeError
 from services.engine.model_runner import ModelRunner
 from services.prefill.messages import RankOutcome, RankRequest
-from services.transfer.base import BaseKVSender, LayerwiseSend, PendingSend
+from services.transfer.base import (
+    BaseKVSender,
+    LayerwiseSend,
+    PendingSend,
+    pool_layout,
+    shares_heads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +39,7 @@ def owned_pages(num_pages: int, writer: int, num_writers: int) -> list[int]:
 
 @dataclass
 class _Write:
-    handle: PendingSend | LayerwiseSend | None = None  # None: nothing of this request is ours
+    handle: PendingSend | LayerwiseSend | None = None
     error: StageServeError | None = None  # it could not start
 
 
@@ -53,11 +59,14 @@ class KvHandoff:
         self.writes = writes
         self.writer, self.num_writers = writer, num_writers
         self._deadlines = deadlines  # request_id -> time.monotonic() deadline of its write
-        self._writes: dict[str, _Write] = {}
+        self._layout = pool_layout(runner.kv_pool)
+        # (request_id, decode pool index) -> its write; a request's pools in TP rank order
+        self._writes: dict[tuple[str, int], _Write] = {}
 
     def begin_layerwise(self, requests: Sequence[RankRequest]) -> None:
         for request in requests:
-            self._begin(request, layerwise=True)
+            for index, src, dst in self._targets(request):
+                self._begin(request.request_id, index, src, dst, layerwise=True)
 
     def layer_done(self, layer: int) -> None:
         for write in self._writes.values():
@@ -67,14 +76,15 @@ class KvHandoff:
     def start(self, requests: Sequence[RankRequest]) -> None:
         """After the forward: finish the layer-streamed writes, begin the others."""
         for request in requests:
-            write = self._writes.get(request.request_id)
-            if write is None:
-                self._begin(request, layerwise=False)
-            elif isinstance(write.handle, LayerwiseSend):
-                try:
-                    write.handle = write.handle.finish()
-                except StageServeError as exc:
-                    write.handle, write.error = None, exc
+            for index, src, dst in self._targets(request):
+                write = self._writes.get((request.request_id, index))
+                if write is None:
+                    self._begin(request.request_id, index, src, dst, layerwise=False)
+                elif isinstance(write.handle, LayerwiseSend):
+                    try:
+                        write.handle = write.handle.finish()
+                    except StageServeError as exc:
+                        write.handle, write.error = None, exc
 
     def wait(
         self, requests: Sequence[RankRequest], token_ids: dict[str, int]
@@ -88,44 +98,56 @@ class KvHandoff:
                 write.handle.cancel()  # the layers already queued still land (decode quarantines)
         self._writes.clear()
 
-    def _mine(self, request: RankRequest) -> tuple[list[int], KvDestination]:
+    def _targets(self, request: RankRequest) -> list[tuple[int, list[int], KvDestination]]:
+        """``(pool index, source pages, destination)`` of each of decode's pools this rank
+        writes: its share of the pages, in each pool that holds some of its KV heads."""
         if not self.writes:
-            return [], request.kv_dst
+            return []
         pages = self.runner.page_table.pages(request.request_id)
         mine = owned_pages(len(request.kv_dst.page_ids), self.writer, self.num_writers)
-        dst = msgspec.structs.replace(
-            request.kv_dst, page_ids=tuple(request.kv_dst.page_ids[p] for p in mine)
-        )
-        return [pages[p] for p in mine], dst
+        if not mine:
+            return []
+        src = [pages[p] for p in mine]
+        return [
+            (
+                index,
+                src,
+                msgspec.structs.replace(dst, page_ids=tuple(dst.page_ids[p] for p in mine)),
+            )
+            for index, dst in enumerate(request.kv_dsts)
+            if shares_heads(self._layout, dst.layout)
+        ]
 
-    def _begin(self, request: RankRequest, layerwise: bool) -> None:
-        src, dst = self._mine(request)
-        write = self._writes[request.request_id] = _Write()
-        if not src:
-            return
+    def _begin(
+        self, request_id: str, index: int, src: list[int], dst: KvDestination, layerwise: bool
+    ) -> None:
+        write = self._writes[request_id, index] = _Write()
         start = self.sender.start_layerwise if layerwise else self.sender.start
         try:
             write.handle = start(
-                request.request_id,
-                self.runner.kv_pool,
-                src,
-                dst,
-                self._deadlines[request.request_id],
+                request_id, self.runner.kv_pool, src, dst, self._deadlines[request_id]
             )
         except StageServeError as exc:
             write.error = exc
 
     def _wait(self, request: RankRequest, token_id: int) -> RankOutcome:
-        write = self._writes.pop(request.request_id)
-        try:
-            if write.error is not None:
-                raise write.error
-            if not isinstance(write.handle, PendingSend):
-                return RankOutcome(request.request_id, token_id)
-            result = write.handle.wait()
-        except StageServeError as exc:
-            logger.warning("KV transfer of %s failed: %s", request.request_id, exc.message)
+        """Every write of the request waited for; the first failure is its outcome's error."""
+        request_id = request.request_id
+        writes = [self._writes.pop(key) for key in list(self._writes) if key[0] == request_id]
+        num_bytes, elapsed_s, error = 0, 0.0, None
+        for write in writes:
+            try:
+                if write.error is not None:
+                    raise write.error
+                if isinstance(write.handle, PendingSend):
+                    result = write.handle.wait()
+                    num_bytes += result.num_bytes
+                    elapsed_s = max(elapsed_s, result.elapsed_s)
+            except StageServeError as exc:
+                logger.warning("KV transfer of %s failed: %s", request_id, exc.message)
+                error = error or exc
+        if error is not None:
             return RankOutcome(
-                request.request_id, token_id, error=exc.message, error_type=type(exc).__name__
+                request_id, token_id, error=error.message, error_type=type(error).__name__
             )
-        return RankOutcome(request.request_id, token_id, result.num_bytes, result.elapsed_s)
+        return RankOutcome(request_id, token_id, num_bytes, elapsed_s)

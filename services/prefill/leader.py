@@ -52,7 +52,7 @@ from services.prefill.spans import forward_spans, transfer_spans
 from services.prefill.store_tier import StoreLookup
 from services.prefill.validation import (
     PromptLimits,
-    prompt_destination,
+    prompt_destinations,
     validate_prompt,
     validate_prompt_embeds,
 )
@@ -249,20 +249,20 @@ class PrefillLeader:
             raise UnavailableError("this prefill worker has no vision encoder (--encoder-address)")
         if not self.descriptions:
             raise UnavailableError("the prefill rank group is re-forming")
-        kv_dst = request.kv_dst
-        for local in self.descriptions[: self.options.tp_size]:  # each TP rank's heads
-            kv_dst = prompt_destination(
-                request.kv_dst,
-                local.kv_layout,
-                request.num_tokens,
-                local.kv_backend,
-                local.kv_head_start,
-            )
+        group = self.descriptions[: self.options.tp_size]  # each TP rank's heads
+        kv_dst, *kv_tp_dsts = prompt_destinations(
+            (request.kv_dst, *request.kv_tp_dsts),
+            [d.kv_layout for d in group],
+            request.num_tokens,
+            group[0].kv_backend,
+        )
         kind = PrefillScheduler.kind_of(request.num_image_tokens, bool(request.prompt_embeds))
         keys: tuple[bytes, ...] = ()
         if self.scheduler.prefix is not None:
             keys = tuple(page_keys(request.token_ids, request.spans, self.scheduler.page_size))
-        return msgspec.structs.replace(request, kv_dst=kv_dst, kind=kind, page_keys=keys)
+        return msgspec.structs.replace(
+            request, kv_dst=kv_dst, kv_tp_dsts=tuple(kv_tp_dsts), kind=kind, page_keys=keys
+        )
 
     async def _wait(
         self, request: PrefillInput, future: asyncio.Future[RequestOutcome]

@@ -36,6 +36,13 @@ class RankRequest(msgspec.Struct, frozen=True):
     # from this rank's cache, and the keys of the computed pages after them that it keeps
     prefix_keys: tuple[bytes, ...] = ()
     store_keys: tuple[bytes, ...] = ()
+    # a tensor-parallel decode rank's other pools (TP ranks 1 .. T-1; kv_dst: TP rank 0's)
+    kv_tp_dsts: tuple[KvDestination, ...] = ()
+
+    @property
+    def kv_dsts(self) -> tuple[KvDestination, ...]:
+        """Every pool of decode's rank that gets the prompt's KV, TP rank order."""
+        return (self.kv_dst, *self.kv_tp_dsts)
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +107,6 @@ class RankDescription(msgspec.Struct, frozen=True):
     kv_backend: str
     num_host_pages: int = 0  # the prefix cache's host tier, in pages
     has_store: bool = False  # connected to the shared KV store
-    kv_head_start: int = 0  # the model's first KV head its pool holds (tensor parallelism)
 
 
 class RankOutcome(msgspec.Struct, frozen=True, array_like=True):

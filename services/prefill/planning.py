@@ -102,6 +102,7 @@ def rank_plan(
             r.embeds_dtype,
             use.prefix_keys,
             use.store_keys,
+            r.kv_tp_dsts,
         )
         for p, use in zip(plan.requests, uses, strict=True)
         for r in (p.request,)

@@ -60,6 +60,8 @@ class PrefillInput(msgspec.Struct, frozen=True):
     prompt_embeds: bytes = b""
     embeds_dtype: str = ""  # torch dtype name ("float32", "bfloat16") when prompt_embeds is set
     page_keys: tuple[bytes, ...] = ()  # prefix-cache keys of its full pages (prefix_keys.py)
+    # a tensor-parallel decode rank's other pools (TP ranks 1 .. T-1; kv_dst: TP rank 0's)
+    kv_tp_dsts: tuple[KvDestination, ...] = ()
 
     @property
     def num_tokens(self) -> int:

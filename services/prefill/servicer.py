@@ -116,6 +116,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             spans=tuple(image_span_from_proto(span) for span in request.image_spans),
             params=sampling_params_from_proto(request.sampling_params),
             kv_dst=kv_ref.to_destination(),
+            kv_tp_dsts=kv_ref.to_destinations()[1:],
             # no write may start after decode let the KvRef's pages go
             deadline_mono=deadline_mono(
                 request.deadline_unix_ms,

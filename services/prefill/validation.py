@@ -11,7 +11,7 @@ from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import InvalidRequestError
 from services.common.types import ImageSpanRef, SamplingParams
 from services.engine.config import ModelConfig
-from services.transfer.base import check_compatible
+from services.transfer.base import check_compatible, shares_heads
 
 EMBEDS_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # prompt_embeds dtypes
 
@@ -132,11 +132,36 @@ def _check_span(
         )
 
 
+def prompt_destinations(
+    dsts: Sequence[KvDestination], locals_: Sequence[KvPoolLayout], num_tokens: int, backend: str
+) -> tuple[KvDestination, ...]:
+    """``dsts`` (decode's pools, one per decode TP rank) cut to the prompt's pages, after
+    checking that the pools of prefill's TP ranks (``locals_``, one group's) can write every
+    head of each: each pair that shares KV heads is compatible, and the heads of ``locals_``
+    cover each destination's."""
+    out = []
+    for dst in dsts:
+        cut = prompt_destination(dst, locals_[0], num_tokens, backend)
+        writers = [local for local in locals_ if shares_heads(local, dst.layout)]
+        for local in writers:
+            prompt_destination(dst, local, num_tokens, backend)
+        held = {h for w in writers for h in range(w.head_start, w.head_start + w.num_kv_heads)}
+        wanted = range(dst.layout.head_start, dst.layout.head_start + dst.layout.num_kv_heads)
+        if not held.issuperset(wanted):
+            raise InvalidRequestError(
+                f"kv_ref's pool {len(out)} holds KV heads {wanted.start}..{wanted.stop - 1}, "
+                "which this prefill worker's ranks do not all hold",
+                param="kv_ref",
+            )
+        out.append(cut)
+    return tuple(out)
+
+
 def prompt_destination(
-    dst: KvDestination, local: KvPoolLayout, num_tokens: int, backend: str, head_start: int = 0
+    dst: KvDestination, local: KvPoolLayout, num_tokens: int, backend: str
 ) -> KvDestination:
     """``dst`` cut to the prompt's pages, after checking it can receive this pool's pages
-    (``head_start``: the model's first KV head the pool holds, see ``check_compatible``)."""
+    (the KV heads both hold, ``check_compatible``)."""
     num_pages = -(-num_tokens // local.page_size)
     if dst.backend != backend:
         raise InvalidRequestError(
@@ -155,8 +180,10 @@ def prompt_destination(
             param="kv_ref",
         )
     dst = msgspec.structs.replace(dst, page_ids=dst.page_ids[:num_pages])
+    if not shares_heads(local, dst.layout):
+        return dst  # another rank of the group writes these heads
     try:
-        check_compatible(local, range(num_pages), dst, head_start)
+        check_compatible(local, range(num_pages), dst)
     except InvalidRequestError as exc:
         raise InvalidRequestError(exc.message, param="kv_ref") from exc
     return dst

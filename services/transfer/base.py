@@ -66,18 +66,21 @@ def pool_layout(pool: KVPool) -> KvPoolLayout:
         head_dim=pool.head_dim,
         dtype=str(pool.dtype).removeprefix("torch."),
         page_nbytes=pool.page_nbytes,
+        head_start=pool.head_start,
     )
 
 
-def check_compatible(
-    src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination, head_start: int = 0
-) -> slice | None:
-    """Raise ``InvalidRequestError`` unless ``src_pages`` of ``src`` can be written into ``dst``;
-    return the destination's KV heads that ``src``'s heads go to, or None when ``src`` holds
-    exactly the destination's heads (whole pages move).
+HeadSlices = tuple[slice, slice]  # (the source pool's heads, the destination's) to copy
 
-    ``head_start``: the model's first KV head ``src`` holds (a tensor-parallel rank's pool holds
-    ``src.num_kv_heads`` heads from there, written into those heads of a pool that holds all).
+
+def check_compatible(
+    src: KvPoolLayout, src_pages: Sequence[int], dst: KvDestination
+) -> HeadSlices | None:
+    """Raise ``InvalidRequestError`` unless ``src_pages`` of ``src`` can be written into ``dst``;
+    return the KV heads to copy, or None when both pools hold the same heads (whole pages move).
+
+    A tensor-parallel rank's pool holds ``num_kv_heads`` of the model's heads from its
+    ``head_start``: the heads both pools hold are copied, each pool's own slice of them.
     """
     for field in ("num_layers", "page_size", "head_dim", "dtype"):
         if getattr(src, field) != getattr(dst.layout, field):
@@ -85,7 +88,7 @@ def check_compatible(
                 f"KV layout mismatch for {dst.request_id}: {field} is {getattr(src, field)} here, "
                 f"{getattr(dst.layout, field)} at the destination"
             )
-    heads = _dst_heads(src, dst, head_start)
+    heads = _common_heads(src, dst)
     if len(src_pages) != len(dst.page_ids):
         raise InvalidRequestError(
             f"{dst.request_id}: {len(src_pages)} source pages for "
@@ -103,32 +106,45 @@ def check_compatible(
     return heads
 
 
-def _dst_heads(src: KvPoolLayout, dst: KvDestination, head_start: int) -> slice | None:
-    src_heads, dst_heads = src.num_kv_heads, dst.layout.num_kv_heads
-    if src_heads == dst_heads and head_start == 0:
-        if src.page_nbytes != dst.layout.page_nbytes:
+def shares_heads(src: KvPoolLayout, dst: KvPoolLayout) -> bool:
+    """Whether the two pools hold a KV head in common."""
+    return max(src.head_start, dst.head_start) < min(
+        src.head_start + src.num_kv_heads, dst.head_start + dst.num_kv_heads
+    )
+
+
+def _common_heads(src: KvPoolLayout, dst: KvDestination) -> HeadSlices | None:
+    d = dst.layout
+    if (src.head_start, src.num_kv_heads) == (d.head_start, d.num_kv_heads):
+        if src.page_nbytes != d.page_nbytes:
             raise InvalidRequestError(
                 f"KV layout mismatch for {dst.request_id}: page_nbytes is {src.page_nbytes} "
-                f"here, {dst.layout.page_nbytes} at the destination"
+                f"here, {d.page_nbytes} at the destination"
             )
         return None
-    if head_start < 0 or head_start + src_heads > dst_heads:
+    if not shares_heads(src, d):
         raise InvalidRequestError(
-            f"KV layout mismatch for {dst.request_id}: KV heads {head_start}.."
-            f"{head_start + src_heads - 1} here, the destination holds {dst_heads} "
-            "(a destination split over more tensor-parallel ranks than this one is not built)"
+            f"KV layout mismatch for {dst.request_id}: KV heads {_heads(src)} here, "
+            f"{_heads(d)} at the destination: none in common"
         )
-    return slice(head_start, head_start + src_heads)
+    lo = max(src.head_start, d.head_start)
+    hi = min(src.head_start + src.num_kv_heads, d.head_start + d.num_kv_heads)
+    return slice(lo - src.head_start, hi - src.head_start), slice(
+        lo - d.head_start, hi - d.head_start
+    )
 
 
-def whole_pages(heads: slice | None, backend: str, request_id: str) -> None:
+def _heads(layout: KvPoolLayout) -> str:
+    return f"{layout.head_start}..{layout.head_start + layout.num_kv_heads - 1}"
+
+
+def whole_pages(heads: HeadSlices | None, backend: str, request_id: str) -> None:
     """``InvalidRequestError`` for a write of some of each page's heads through ``backend``,
     which moves whole pages only."""
     if heads is not None:
         raise InvalidRequestError(
-            f"{request_id}: the {backend} KV backend moves whole pages, and this rank holds KV "
-            f"heads {heads.start}..{heads.stop - 1} of the destination's: a tensor-parallel "
-            "prefill needs the shm or inprocess KV backend"
+            f"{request_id}: the {backend} KV backend moves whole pages, and the two pools hold "
+            "different KV heads (tensor parallelism): use the shm or inprocess KV backend"
         )
 
 

@@ -186,7 +186,7 @@ class CudaIpcKVSender(BaseKVSender):
             raise InvalidRequestError(
                 f"{request_id}: a {dst.backend} destination given to the cuda_ipc sender"
             )
-        heads = check_compatible(pool_layout(src_pool), src_pages, dst, src_pool.head_start)
+        heads = check_compatible(pool_layout(src_pool), src_pages, dst)
         whole_pages(heads, self.backend, request_id)
         if src_pool.device.type != "cuda":
             raise InvalidRequestError(

@@ -51,7 +51,7 @@ class InProcessKVSender(BaseKVSender):
         deadline_mono: float,
     ) -> TransferResult:
         start = time.monotonic()
-        heads = check_compatible(pool_layout(src_pool), src_pages, dst, src_pool.head_start)
+        heads = check_compatible(pool_layout(src_pool), src_pages, dst)
         check_deadline(request_id, deadline_mono)
         dst_pool = self._fabric.get(dst.session_id)
         if dst_pool.k_buffer.data_ptr() != dst.layout.k_base:
@@ -65,8 +65,8 @@ class InProcessKVSender(BaseKVSender):
                 (src_pool.v_buffer, dst_pool.v_buffer),
             ):
                 # [L, num_pages, S, Hkv, D]: every layer of one run in one copy
-                if heads is not None:  # this rank's heads of every page
-                    dst_buf = dst_buf[:, :, :, heads]
+                if heads is not None:  # the heads both pools hold, of every page
+                    src_buf, dst_buf = src_buf[:, :, :, heads[0]], dst_buf[:, :, :, heads[1]]
                 dst_buf[:, dst_page : dst_page + num_pages].copy_(
                     src_buf[:, src_page : src_page + num_pages]
                 )

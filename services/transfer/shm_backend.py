@@ -80,11 +80,14 @@ class ShmKVSender(ShmSender, BaseKVSender):
     ) -> TransferResult:
         start = time.monotonic()
         check_backend(request_id, self.backend, dst)
-        heads = check_compatible(pool_layout(src_pool), src_pages, dst, src_pool.head_start)
+        heads = check_compatible(pool_layout(src_pool), src_pages, dst)
         check_deadline(request_id, deadline_mono)
         dst_k, dst_v = self._pool_of(dst)
-        if heads is not None:  # [L, P, S, Hkv, D]: this rank's heads of every page
-            dst_k, dst_v = dst_k[:, :, :, heads], dst_v[:, :, :, heads]
+        src_k, src_v = src_pool.k_buffer, src_pool.v_buffer
+        if heads is not None:  # [L, P, S, Hkv, D]: the heads both pools hold, of every page
+            src_heads, dst_heads = heads
+            src_k, src_v = src_k[:, :, :, src_heads], src_v[:, :, :, src_heads]
+            dst_k, dst_v = dst_k[:, :, :, dst_heads], dst_v[:, :, :, dst_heads]
         runs = page_runs(src_pages, dst.page_ids)
         for src_page, dst_page, num_pages in runs:
             check_deadline(request_id, deadline_mono)
@@ -93,8 +96,8 @@ class ShmKVSender(ShmSender, BaseKVSender):
                 slice(dst_page, dst_page + num_pages),
             )
             # [L, num_pages, S, Hkv, D]: every layer of one run in one copy, for K and for V
-            dst_k[:, dst_run].copy_(src_pool.k_buffer[:, src])
-            dst_v[:, dst_run].copy_(src_pool.v_buffer[:, src])
+            dst_k[:, dst_run].copy_(src_k[:, src])
+            dst_v[:, dst_run].copy_(src_v[:, src])
         num_bytes = 2 * src_pool.num_layers * len(src_pages) * src_pool.page_nbytes
         return TransferResult(request_id, num_bytes, 2 * len(runs), time.monotonic() - start)
 

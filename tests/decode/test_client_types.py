@@ -8,12 +8,14 @@ import torch
 
 from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeRankStats, DecodeStats
+from services.common.destinations import KvDestination
 from services.common.errors import InvalidRequestError
 from services.common.pb.stageserve.v1 import common_pb2
 from services.common.types import FinishReason, SamplingParams, Usage
 from services.common.wire import (
     KvBufferInfo,
     KvRefInfo,
+    KvShardInfo,
     issue_kv_ref,
     kv_ref_from_proto,
     kv_ref_to_proto,
@@ -77,8 +79,33 @@ def _changed(value: object) -> object:
             msgspec.structs.replace(value[0], base_address=value[0].base_address + 4096),
             *value[1:],
         )
+    if value == ():  # no tp_shards: one forged in
+        return (KvShardInfo("forged", (), 1),)
     assert isinstance(value, tuple)
     return (*value[:-1], value[-1] + 1)
+
+
+def test_a_tensor_parallel_ref_names_every_pool_and_signs_them() -> None:
+    pools = [KVPool(2, 64, 4, 1, 8, torch.float32, "cpu", head_start=h) for h in (0, 1)]
+    dests = [
+        KvDestination("inprocess", f"session-{h}", "req-1", pool_layout(p), (3, 5, 8))
+        for h, p in enumerate(pools)
+    ]
+    info = issue_kv_ref(dests[0], KEY, NONCE, expires_unix_ms=1, tp_destinations=(dests[1],))
+    back = kv_ref_from_proto(common_pb2.KvRef.FromString(kv_ref_to_proto(info).SerializeToString()))
+    assert back == info and back.has_valid_mac(KEY)
+    assert back.to_destinations() == tuple(dests)
+    assert [d.layout.head_start for d in back.to_destinations()] == [0, 1]
+    shard = info.tp_shards[0]
+    for forged_shard in (
+        msgspec.structs.replace(shard, session_id="elsewhere"),
+        msgspec.structs.replace(shard, head_start=0),
+    ):
+        forged = msgspec.structs.replace(info, tp_shards=(forged_shard,))
+        assert not forged.has_valid_mac(KEY)
+    moved = msgspec.structs.replace(dests[1], page_ids=(3, 5, 9))
+    with pytest.raises(ValueError, match="TP ranks' destinations disagree"):
+        issue_kv_ref(dests[0], KEY, NONCE, expires_unix_ms=1, tp_destinations=(moved,))
 
 
 def test_the_mac_covers_every_field_and_the_key() -> None:
@@ -149,6 +176,6 @@ def test_the_kv_ref_conversions_name_every_field():
     """A field added to KvRefInfo or KvBufferInfo must also cross the wire."""
     from services.common import wire
 
-    ref_fields = {*wire._KV_REF_FIELDS, "page_ids", "buffers"}
+    ref_fields = {*wire._KV_REF_FIELDS, "page_ids", "buffers", "tp_shards"}
     assert set(KvRefInfo.__struct_fields__) == ref_fields
     assert set(KvBufferInfo.__struct_fields__) == {*wire._KV_BUFFER_FIELDS, "kind"}

@@ -163,13 +163,14 @@ class Prefill:
                 logits, [params], [request.prompt_ids], [[]], [generator]
             ).item()
             pages = table.pages(request.request_id)
-            self.sender.send(
-                request.request_id,
-                engine.runner.kv_pool,
-                pages,
-                kv_ref.to_destination(),
-                time.monotonic() + 10,
-            )
+            for destination in kv_ref.to_destinations():  # each TP rank's pool: its heads
+                self.sender.send(
+                    request.request_id,
+                    engine.runner.kv_pool,
+                    pages,
+                    destination,
+                    time.monotonic() + 10,
+                )
             return token
         finally:
             table.release(request.request_id)

@@ -32,7 +32,7 @@ async def test_tp_ranks_equal_one_rank(
     decode = DecodePool(language_model.config)
     try:
         async with started_ranks(cp * tp, rank_init(tp_size=tp)) as ranks:
-            heads = [d.kv_head_start for d in ranks.descriptions]
+            heads = [d.kv_layout.head_start for d in ranks.descriptions]
             assert heads == [t * 2 // tp for t in range(tp)] * cp
             runner = Runner(pipeline, ranks, decode)
             for case in cases(pipeline):

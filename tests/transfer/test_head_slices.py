@@ -1,6 +1,7 @@
-"""A tensor-parallel prefill rank's pool holds some of the model's KV heads (``KVPool.head_start``
-on): the shm and inprocess senders write them into those heads of decode's pages and leave the
-other heads alone; the backends that move whole pages refuse such a write, naming the heads."""
+"""Tensor-parallel pools hold some of the model's KV heads (``KVPool.head_start`` on): the shm
+and inprocess senders copy the heads both pools hold (a prefill rank's heads into decode's
+pool of every head, or every head into a decode TP rank's pool) and leave the others alone; the
+backends that move whole pages refuse such a write."""
 
 from __future__ import annotations
 
@@ -28,17 +29,22 @@ def pool(num_heads: int = HEADS, head_start: int = 0, fill: float | None = None)
     return kv
 
 
-def test_check_compatible_maps_a_ranks_heads_into_the_destinations() -> None:
-    dst_pool = pool()
-    dst = KvDestination("shm", "s", "r", pool_layout(dst_pool), (1, 2))
-    assert check_compatible(pool_layout(pool()), [0, 1], dst) is None  # every head: whole pages
-    assert check_compatible(pool_layout(pool(2)), [0, 1], dst, 2) == slice(2, 4)
-    assert check_compatible(pool_layout(pool(1)), [0, 1], dst, 1) == slice(1, 2)
-    with pytest.raises(InvalidRequestError, match=r"KV heads 3\.\.4 here, the destination holds 4"):
-        check_compatible(pool_layout(pool(2)), [0, 1], dst, 3)
-    wider = KvDestination("shm", "s", "r", pool_layout(pool(2)), (1, 2))
-    with pytest.raises(InvalidRequestError, match="more tensor-parallel ranks than this one"):
-        check_compatible(pool_layout(pool()), [0, 1], wider)
+def destination(dst_pool: KVPool) -> KvDestination:
+    return KvDestination("shm", "s", "r", pool_layout(dst_pool), (1, 2))
+
+
+def test_check_compatible_gives_the_heads_both_pools_hold() -> None:
+    every = destination(pool())
+    assert check_compatible(pool_layout(pool()), [0, 1], every) is None  # same heads: pages
+    assert check_compatible(pool_layout(pool(2, 2)), [0, 1], every) == (slice(0, 2), slice(2, 4))
+    assert check_compatible(pool_layout(pool(1, 1)), [0, 1], every) == (slice(0, 1), slice(1, 2))
+    # every head into a decode TP rank's pool of heads 2..3, or heads 1..2 into it
+    rank = destination(pool(2, 2))
+    assert check_compatible(pool_layout(pool()), [0, 1], rank) == (slice(2, 4), slice(0, 2))
+    assert check_compatible(pool_layout(pool(2, 1)), [0, 1], rank) == (slice(1, 2), slice(0, 1))
+    assert check_compatible(pool_layout(pool(2, 2)), [0, 1], rank) is None
+    with pytest.raises(InvalidRequestError, match=r"KV heads 0\.\.1 here, 2\.\.3 at the dest"):
+        check_compatible(pool_layout(pool(2, 0)), [0, 1], rank)
 
 
 @pytest.mark.parametrize("backend", ["shm", "inprocess"])
@@ -79,3 +85,30 @@ def test_mooncake_descriptors_refuse_some_of_each_pages_heads() -> None:
     dst = KvDestination("mooncake", "h:1", "r", pool_layout(pool()), (1, 2))
     with pytest.raises(InvalidRequestError, match="the mooncake KV backend moves whole pages"):
         plan_transfer(pool_layout(pool(2)), [0, 1], dst)
+
+
+@pytest.mark.parametrize("backend", ["shm", "inprocess"])
+def test_every_head_into_each_decode_tp_ranks_pool(backend: str) -> None:
+    """A prefill rank of every head writes each decode TP rank's heads into its pool."""
+    src = pool(fill=7.0)
+    ranks = [pool(2, 0, fill=0.25), pool(2, 2, fill=0.75)]
+    sender = ShmKVSender() if backend == "shm" else None
+    fabric = InProcessFabric()
+    receivers = []
+    try:
+        for rank in ranks:
+            receiver = ShmKVReceiver() if backend == "shm" else InProcessKVReceiver(fabric)
+            receiver.register(rank)
+            receivers.append(receiver)
+        sender = sender or InProcessKVSender(fabric)
+        for receiver in receivers:
+            sender.send("r", src, [3, 4], receiver.destination("r", [0, 5]), float("inf"))
+        for rank, start in zip(ranks, (0, 2), strict=True):
+            heads = slice(start, start + 2)
+            assert torch.equal(rank.k_buffer[:, [0, 5]], src.k_buffer[:, [3, 4], :, heads])
+            assert torch.equal(rank.v_buffer[:, [0, 5]], src.v_buffer[:, [3, 4], :, heads])
+    finally:
+        if sender is not None:
+            sender.close()
+        for receiver in receivers:
+            receiver.close()

@@ -192,7 +192,7 @@ class KvBuffer(_message.Message):
     def __init__(self, kind: _Optional[_Union[KvBufferKind, str]] = ..., base_address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., layer_stride_bytes: _Optional[int] = ..., page_stride_bytes: _Optional[int] = ..., slot_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class KvRef(_message.Message):
-    __slots__ = ("backend", "session_id", "dp_rank", "page_ids", "page_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "buffers", "request_id", "nonce", "expires_unix_ms", "mac")
+    __slots__ = ("backend", "session_id", "dp_rank", "page_ids", "page_size", "num_layers", "num_kv_heads", "head_dim", "dtype", "buffers", "request_id", "nonce", "expires_unix_ms", "mac", "tp_shards")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class KvRef(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    TP_SHARDS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     session_id: str
     dp_rank: int
@@ -221,7 +222,18 @@ class KvRef(_message.Message):
     nonce: bytes
     expires_unix_ms: int
     mac: bytes
-    def __init__(self, backend: _Optional[str] = ..., session_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[KvBuffer, _Mapping]]] = ..., request_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    tp_shards: _containers.RepeatedCompositeFieldContainer[KvRefShard]
+    def __init__(self, backend: _Optional[str] = ..., session_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[KvBuffer, _Mapping]]] = ..., request_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., expires_unix_ms: _Optional[int] = ..., mac: _Optional[bytes] = ..., tp_shards: _Optional[_Iterable[_Union[KvRefShard, _Mapping]]] = ...) -> None: ...
+
+class KvRefShard(_message.Message):
+    __slots__ = ("session_id", "buffers", "head_start")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    buffers: _containers.RepeatedCompositeFieldContainer[KvBuffer]
+    head_start: int
+    def __init__(self, session_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[KvBuffer, _Mapping]]] = ..., head_start: _Optional[int] = ...) -> None: ...
 
 class EmbeddingRef(_message.Message):
     __slots__ = ("backend", "engine_address", "session_id", "cp_rank", "base_address", "num_rows", "row_stride_bytes", "hidden_size", "dtype")
