@@ -8,7 +8,9 @@ their input, every shard is the whole tensor, and the model is the single-device
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,4 +166,31 @@ def check_expert_parallel(text: TextConfig, tp_size: int, ep_size: int) -> None:
     if text.moe.num_experts % ep_size:
         raise ModelLoadError(
             f"expert parallel size {ep_size} does not divide the {text.moe.num_experts} experts"
+        )
+
+
+def check_rank_split(
+    model_dir: str | Path, devices: Sequence[str], tp: int, ep: int, service: str
+) -> None:
+    """``ValueError`` naming the numbers unless ``service``'s rank processes on ``devices``
+    split into groups of ``tp`` whose collectives can run (one GPU per CUDA process) and the
+    model splits over ``tp`` and ``ep`` (``check_tensor_parallel``)."""
+    if len(devices) % tp:
+        raise ValueError(
+            f"{service} --tp {tp} does not divide its {len(devices)} rank processes "
+            "(--ranks / --devices count every process: groups x --tp)"
+        )
+    if tp == ep == 1:
+        return
+    from services.engine.config import ModelConfig
+
+    try:
+        check_tensor_parallel(ModelConfig.from_dir(model_dir).text, tp, ep)
+    except ModelLoadError as exc:
+        raise ValueError(f"{service}: {model_dir}: {exc.message}") from exc
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if tp > 1 and len(set(cuda)) < len(cuda):
+        raise ValueError(
+            f"{service} --tp {tp} on ranks that share a CUDA device ({', '.join(devices)}): "
+            "tensor-parallel collectives run over NCCL, one GPU per rank"
         )

@@ -46,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> PrefillConfig:
         check_block_tokens(config.cp_block_tokens, config.page_size)
         if config.gpu_share_file:  # a path it cannot map fails here, not in a rank
             GpuShare(config.gpu_share_file).close()
-        _, kv_backend = check_backends(config)
-        check_parallel(config, kv_backend)
+        check_backends(config)
+        check_parallel(config)
     except ValueError as exc:
         p.error(str(exc))
     return config

@@ -66,7 +66,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
     """What every rank builds itself from; ``ValueError`` for a backend or a ``--tp`` /
     ``--ep`` the service cannot run."""
     embedding, kv_backend = check_backends(config)
-    check_parallel(config, kv_backend)
+    check_parallel(config)
     return PrefillRankInit(
         model=str(config.model),
         dtype=config.dtype,

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.errors import ModelLoadError
-from services.common.kv_transfer import (
-    BACKENDS,
-    CROSS_PROCESS_BACKENDS,
-    KV_BACKEND_HELP,
-    lookup_backend,
-    resolve_kv_backend,
-)
+from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, KV_BACKEND_HELP, resolve_kv_backend
 from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
@@ -122,8 +115,8 @@ class PrefillConfig(ServiceConfig):
         type=positive_int,
         help="tensor-parallel ranks per CP rank (dividing the rank processes): each holds 1/T of "
         "the decoder's attention heads, MLP, vocabulary and (with --ep T) experts, and writes "
-        "its KV heads into decode's pages (shm or inprocess KV backend); the vision tower is "
-        "not split",
+        "its KV heads into decode's pools (the shm and inprocess KV backends write any heads; "
+        "the others whole pages: decode's --tp must then be T); the vision tower is not split",
     )
     ep: int = flag(
         1,
@@ -206,36 +199,13 @@ def check_block_tokens(block_tokens: int, page_size: int) -> None:
         )
 
 
-def check_parallel(config: PrefillConfig, kv_backend: str) -> None:
+def check_parallel(config: PrefillConfig) -> None:
     """``ValueError`` naming the numbers when ``--tp`` / ``--ep`` cannot split the ranks or
-    the model, or the KV cannot reach decode from a rank that holds some of its heads."""
-    if config.num_ranks % config.tp:
-        raise ValueError(
-            f"--tp {config.tp} does not divide the {config.num_ranks} prefill rank processes "
-            "(--ranks / --devices count every process: CP ranks x --tp)"
-        )
-    if config.tp == config.ep == 1:
-        return
-    from services.engine.config import ModelConfig
-    from services.engine.parallel import check_tensor_parallel
+    the model (``check_rank_split``), or the shared KV store is asked of TP ranks."""
+    from services.engine.parallel import check_rank_split
 
-    try:
-        check_tensor_parallel(ModelConfig.from_dir(config.model).text, config.tp, config.ep)
-    except ModelLoadError as exc:
-        raise ValueError(f"{config.model}: {exc.message}") from exc
-    if not lookup_backend(kv_backend).writes_head_slices:
-        writers = ", ".join(n for n, b in BACKENDS.items() if b.writes_head_slices)
-        raise ValueError(
-            f"--tp {config.tp}: each rank writes its KV heads into decode's pages, which the "
-            f"{kv_backend} KV backend cannot (it moves whole pages); use one of: {writers}"
-        )
-    devices = [d for d in config.devices if d.startswith("cuda")]
-    if len(set(devices)) < len(devices):
-        raise ValueError(
-            f"--tp {config.tp} on ranks that share a CUDA device ({', '.join(config.devices)}): "
-            "tensor-parallel collectives run over NCCL, one GPU per rank"
-        )
-    if config.kv_store_master and not config.disable_prefix_cache:
+    check_rank_split(config.model, config.devices, config.tp, config.ep, "prefill")
+    if config.tp > 1 and config.kv_store_master and not config.disable_prefix_cache:
         raise ValueError(
             f"--kv-store-master with --tp {config.tp}: the shared store keeps whole pages, and a "
             "tensor-parallel rank holds some of each page's KV heads"

@@ -21,7 +21,7 @@ from services.common.destinations import KvDestination
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
-from services.common.ranks.subgroups import split_world
+from services.common.ranks.subgroups import agree_on_manifest, model_manifest, split_world
 from services.common.types import SamplingParams
 from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVPool
@@ -88,6 +88,7 @@ class PrefillRankStep(BaseRankStep):
         self.ctx = ctx
         self.gpu_share = GpuShare(init.gpu_share_file) if init.gpu_share_file else None
         groups = split_world(ctx, init.tp_size, outer_over_cpu=init.kv_exchange_over_cpu)
+        agree_on_manifest(ctx, manifest_of(init))
         tp = TensorParallel(groups.inner_rank, groups.inner_size, groups.inner_group, init.ep_size)
         model = load_model(
             init.model,
@@ -176,7 +177,6 @@ class PrefillRankStep(BaseRankStep):
             self.kv_sender.backend,
             self.worker.prefix.num_host_pages,
             has_store=self.store is not None,
-            kv_head_start=self.worker.runner.kv_pool.head_start,
         )
 
     def _agree_on(self, payload: RankPlan | Describe) -> tuple[bytes, ...]:
@@ -201,6 +201,19 @@ class PrefillRankStep(BaseRankStep):
         self.receiver.close()
         if self.gpu_share is not None:
             self.gpu_share.close()
+
+
+def manifest_of(init: PrefillRankInit) -> dict[str, object]:
+    """What this rank's group must agree on before it loads anything."""
+    return model_manifest(
+        init.model,
+        dtype=init.dtype,
+        quantization=init.quantization,
+        tp_size=init.tp_size,
+        ep_size=init.ep_size,
+        page_size=init.page_size,
+        num_pages=init.num_pages,
+    )
 
 
 def connect_store(init: PrefillRankInit, pool: KVPool) -> StoreWriter | None:

@@ -11,7 +11,10 @@ Gloo groups listen on loopback only, as the world's do (``rank_main``).
 from __future__ import annotations
 
 import datetime
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -65,3 +68,38 @@ def _new_group(ranks: list[int], device: str, timeout: datetime.timedelta) -> di
         )
     assert group is not None
     return group
+
+
+def model_manifest(model_dir: str | Path, **layout: object) -> dict[str, object]:
+    """What the ranks of one group must agree on: the checkpoint's config and weight index
+    (digests of the files as this rank reads them) and ``layout`` (sizes, dtype, ...)."""
+    manifest: dict[str, object] = dict(layout)
+    for name in ("config.json", "model.safetensors.index.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            manifest[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return manifest
+
+
+def disagreement(manifests: Sequence[dict[str, object]]) -> str | None:
+    """The first way a rank's manifest differs from rank 0's, naming the rank; None: agreed."""
+    first = manifests[0]
+    for rank, manifest in enumerate(manifests[1:], start=1):
+        for key in sorted(first.keys() | manifest.keys()):
+            if first.get(key) != manifest.get(key):
+                return (
+                    f"rank {rank} disagrees with rank 0 about {key}: "
+                    f"{manifest.get(key)!r} against {first.get(key)!r}"
+                )
+    return None
+
+
+def agree_on_manifest(ctx: RankContext, manifest: dict[str, object]) -> None:
+    """Every rank's ``manifest`` all-gathered over the CPU group; ``ValueError`` on every rank,
+    naming the rank, unless they are all equal (a group that would run different models or
+    layouts refuses to form)."""
+    manifests: list[dict[str, object]] = [{}] * ctx.world_size
+    dist.all_gather_object(manifests, manifest, group=ctx.cpu_group)
+    problem = disagreement(manifests)
+    if problem is not None:
+        raise ValueError(f"the rank group cannot form: {problem}")
