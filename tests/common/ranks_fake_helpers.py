@@ -12,6 +12,7 @@ import msgspec
 import zmq
 
 from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.free_supervisor import Reported
 from services.common.ranks.group import RankGroup
 from services.common.ranks.messages import (
     Hello,
@@ -200,13 +201,17 @@ def fake_config(num_ranks: int, **overrides) -> RankGroupConfig:
 
 class Driven:
     """A RankGroup of fake ranks, the ranks of its current formation, and every readiness
-    change it reported."""
+    change (and, free-running, every report) it reported."""
 
     def __init__(self, config: RankGroupConfig, puppets: Puppets) -> None:
         self.config, self.puppets = config, puppets
         self.readiness: list[bool] = []
+        self.reports: list[Reported] = []
         self.group = RankGroup(
-            config, StepSpec(NO_STEP, Value, Value(0)), on_ready_change=self.readiness.append
+            config,
+            StepSpec(NO_STEP, Value, Value(0)),
+            on_ready_change=self.readiness.append,
+            on_report=self.reports.append if config.is_free_running else None,
         )
         self.ranks: list[FakeRank] = []
 

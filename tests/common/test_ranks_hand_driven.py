@@ -1,6 +1,7 @@
 """The leader's side of a rank group driven by fake rank processes (``fake_rank.py``) that say
 exactly what the test makes them say: a malformed frame, a stranger's messages, ranks that
-exit at every re-form, a Hello with the wrong token, a stop while a step is in flight."""
+exit at every re-form, a Hello with the wrong token, a stop while a step is in flight, and a
+free-running group's follower that sends a Report."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from services.common.errors import UnavailableError
 from services.common.ranks.errors import RankStartError, StepFailedError
 from services.common.ranks.messages import (
     Hello,
+    Ping,
+    Post,
+    Ready,
+    Report,
+    Setup,
     Shutdown,
     StepReply,
     StepStatus,
@@ -149,3 +155,70 @@ async def test_stop_fails_the_step_in_flight_and_tells_ranks_to_leave() -> None:
         with pytest.raises(UnavailableError, match="stopped"):
             await run.group.step(Value(2))
         assert run.readiness == [True, False]
+
+
+async def test_a_free_group_posts_to_rank_0_pings_all_and_a_follower_s_report_fails_it() -> None:
+    """Posts go to rank 0 only, Pings to every rank; only rank 0 reports, so a Report from
+    a follower is malformed: the whole group fail-stops, naming it, and its posts are lost."""
+    async with driven(2, is_free_running=True, heartbeat_s=0.2) as run:
+        await run.form()
+        rank_0, follower = run.ranks
+        seq = run.group.post(Value(5))
+        post = await asyncio.to_thread(rank_0.receive)
+        assert isinstance(post, Post) and post.seq == seq
+        for _ in range(2):  # a follower hears Pings, never a Post
+            assert isinstance(await asyncio.to_thread(follower.receive, skip_pings=False), Ping)
+        rank_0.send(
+            Report(
+                step=1,
+                rank=0,
+                num_posts=1,
+                status=StepStatus.OK,
+                has_work=False,
+                result=encode_raw(Value(6)),
+            )
+        )
+        await wait_for(lambda: len(run.reports) == 1, WAIT_S)
+        assert run.reports[0].through_seq == seq and run.reports[0].result == Value(6)
+        lost = run.group.post(Value(7))
+        assert isinstance(await asyncio.to_thread(rank_0.receive), Post)  # never reported
+        follower.send(Report(step=2, rank=1, num_posts=0, status=StepStatus.OK, has_work=False))
+        await wait_for(lambda: len(run.reports) == 2, WAIT_S)  # once the ranks are gone
+        down = run.reports[1]
+        assert run.readiness == [True, False]
+        assert down.is_down and down.through_seq == lost
+        assert down.error.message == (
+            "fake: rank 1 sent a malformed control message: a follower sent a Report (of step 2)"
+        )
+        assert [r.formation for r in await run.spawned()] == [2, 2]  # the whole group re-forms
+        assert len(run.reports) == 2  # lost once
+
+
+async def test_rank_0_s_report_before_its_followers_ready_is_held_for_ready() -> None:
+    """Rank 0 steps once it is Ready; its first Report may reach the leader before a
+    follower's Ready. It is handed out once the formation is ready, not dropped (a leader
+    waiting for a rank's first report would wait forever)."""
+    async with driven(2, is_free_running=True) as run:
+        start = asyncio.ensure_future(run.group.start())
+        rank_0, follower = await run.spawned()
+        for rank in (rank_0, follower):
+            rank.hello()
+        for rank in (rank_0, follower):
+            assert isinstance(await asyncio.to_thread(rank.receive), Setup)
+        rank_0.send(Ready(rank=0))
+        rank_0.send(
+            Report(
+                step=0,
+                rank=0,
+                num_posts=0,
+                status=StepStatus.OK,
+                has_work=False,
+                result=encode_raw(Value(3)),
+            )
+        )
+        await asyncio.sleep(0.3)  # the report arrives while the group still forms
+        assert run.reports == [] and run.readiness == []
+        follower.send(Ready(rank=1))
+        await start
+        await wait_for(lambda: len(run.reports) == 1, WAIT_S)
+        assert run.reports[0].result == Value(3) and run.readiness == [True]

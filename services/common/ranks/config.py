@@ -57,8 +57,9 @@ class RankGroupConfig:
     watchdog_s: float = 30.0  # the progress watchdogs' stall_s
     internal_token: str = ""  # Envs.internal_token: a rank's Hello must carry the same
     rank_module: str = RANK_MAIN
-    # One rank that steps by itself and reports unsolicited (``free_supervisor.py``); its step
-    # class is a ``FreeRankStep``. A rank with work that reports nothing for step_timeout_s hangs.
+    # Rank 0 steps by itself and reports unsolicited (``free_supervisor.py``); ranks 1.. follow it
+    # (they run its collectives, told by rank 0 what to run). The step class is a
+    # ``FreeRankStep``. A group with work whose rank 0 reports nothing for step_timeout_s hangs.
     is_free_running: bool = False
 
     def __post_init__(self) -> None:
@@ -79,8 +80,6 @@ class RankGroupConfig:
         ):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
-        if self.is_free_running and self.num_ranks != 1:
-            raise ValueError(f"a free-running group has one rank, got {self.num_ranks}")
         if self.max_restart_attempts < 0:
             raise ValueError(f"max_restart_attempts must be >= 0, got {self.max_restart_attempts}")
         if self.leader_timeout_s <= self.heartbeat_s:

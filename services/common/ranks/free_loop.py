@@ -1,18 +1,23 @@
-"""A free-running rank's loop: it steps by itself and reports each step to the leader unsolicited.
+"""The loops of a free-running rank group: rank 0 steps by itself and reports each step to the
+leader unsolicited; ranks 1.. (followers) run what rank 0 tells them.
 
-The serve mode of a world of one (``RankGroupConfig.is_free_running``). Per iteration:
-drain the inbox (without blocking while there is a step to run; else waiting at most
-``POLL_S`` or until the step class's timer is due), answer Pings, collect Posts, then run
-one step with the posts' payloads and send its ``Report`` (OK with the result, or FAILED
-after ``on_failed``; the rank goes on). A step runs once after warm-up (the leader learns
-the rank's state), whenever posts came, while ``has_work()``, once the timer is due, and
-once after a failed step. A malformed message counts as a post: its step fails. There is
-no status exchange: no peer could take part in one.
+Rank 0 (``FreeRankLoop``), per iteration: drain the inbox (without blocking while there is a
+step to run; else waiting at most ``POLL_S`` or until the step class's timer is due), answer
+Pings, collect Posts, then run one step with the posts' payloads and send its ``Report`` (OK
+with the result, or FAILED after ``on_failed``; the rank goes on). A step runs once after
+warm-up (the leader learns the rank's state), whenever posts came, while ``has_work()``, once
+the timer is due, and once after a failed step. A malformed message counts as a post: its
+step fails. There is no status exchange: the step class owns whatever its followers do.
 
-The loop leaves on Shutdown, when its parent is gone or the leader has been silent for
-``leader_timeout_s`` (``LeaderWatch``; it pings this rank every heartbeat, busy or not), and when
-``on_failed`` raises (the leader restarts the rank); the step watchdog ends the process
-when a step runs ``STUCK_EXIT_GRACE_S`` past ``Setup.step_timeout_s``.
+A follower (``FollowerLoop``), per iteration: answer Pings, then ``follow(FOLLOW_S)`` (rank
+0's next piece of work, if it comes in time). It gets no Post and sends no Report; when
+``follow`` raises it leaves BROKEN, and the leader re-forms the whole group.
+
+Both loops leave on Shutdown and when their parent is gone or the leader has been silent for
+``leader_timeout_s`` (``LeaderWatch``; it pings every rank every heartbeat, busy or not);
+rank 0 also leaves when ``on_failed`` raises (the leader re-forms the group). The step watchdog
+ends the process when a step (or a follower's piece of work) runs ``STUCK_EXIT_GRACE_S`` past
+``Setup.step_timeout_s``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,34 @@ from services.common.ranks.rank_loop import POLL_S, LeaderWatch, LoopExit, StepW
 from services.common.ranks.step import FreeRankStep
 
 logger = logging.getLogger(__name__)
+FOLLOW_S = 0.05  # a follower's wait for rank 0's work: the bound on its answer to a Ping
+
+
+class LeaderInbox:
+    """A free-running rank's end of the control channel: every Ping answered with a Pong as it
+    is read, and the leader's silence watched (``LeaderWatch``)."""
+
+    def __init__(self, channel: RankChannel, rank: int, setup: Setup, parent_pid: int) -> None:
+        self.channel = channel
+        self.rank = rank
+        self._leader = LeaderWatch(parent_pid, setup.leader_timeout_s, time.monotonic())
+
+    def drain(self, wait_s: float) -> list[ToRank | Malformed]:
+        """Every message waiting but Pings (the first awaited at most ``wait_s``)."""
+        messages = []
+        message = self.channel.receive(wait_s)
+        if message is not None:
+            self._leader.heard(time.monotonic())
+        while message is not None:
+            if isinstance(message, Ping):
+                self.channel.send(Pong(step=message.step, rank=self.rank))
+            else:
+                messages.append(message)
+            message = self.channel.receive(0)
+        return messages
+
+    def is_orphaned(self) -> bool:
+        return self._leader.is_gone(time.monotonic())
 
 
 class FreeRankLoop:
@@ -69,18 +102,15 @@ class FreeRankLoop:
 
     def serve(self) -> LoopExit:
         watchdog = StepWatchdog()
-        leader = LeaderWatch(self.parent_pid, self.setup.leader_timeout_s, time.monotonic())
+        inbox = LeaderInbox(self.channel, self.rank, self.setup, self.parent_pid)
         while True:
-            messages = self._drain(self._wait_s())
-            if messages:
-                leader.heard(time.monotonic())
-            for message in messages:
+            for message in inbox.drain(self._wait_s()):
                 if isinstance(message, Shutdown):
                     logger.info("shutdown after step %d", self._next_step - 1)
                     return LoopExit.SHUTDOWN
                 self._take(message)
             if not self._has_step():
-                if leader.is_gone(time.monotonic()):
+                if inbox.is_orphaned():
                     return LoopExit.ORPHANED
                 continue
             watchdog.arm(time.monotonic() + self.setup.step_timeout_s)
@@ -104,18 +134,8 @@ class FreeRankLoop:
             or self.step_fn.seconds_until_due() <= 0
         )
 
-    def _drain(self, wait_s: float) -> list[ToRank | Malformed]:
-        messages = []
-        message = self.channel.receive(wait_s)
-        while message is not None:
-            messages.append(message)
-            message = self.channel.receive(0)
-        return messages
-
     def _take(self, message: ToRank | Malformed) -> None:
-        if isinstance(message, Ping):
-            self.channel.send(Pong(step=message.step, rank=self.rank))
-        elif isinstance(message, Post):
+        if isinstance(message, Post):
             self._num_posts += 1
             try:
                 self._payloads.append(self._decoder.decode(message.payload))
@@ -173,3 +193,47 @@ class FreeRankLoop:
             error=error,
             error_type=kind,
         )
+
+
+class FollowerLoop:
+    """Rank > 0 of a free-running group: it runs rank 0's work (``FreeRankStep.follow``)."""
+
+    def __init__(
+        self,
+        channel: RankChannel,
+        step_fn: FreeRankStep,
+        rank: int,
+        setup: Setup,
+        parent_pid: int,
+    ) -> None:
+        assert setup.is_free_running and setup.step_timeout_s > 0 and rank > 0
+        self.channel = channel
+        self.step_fn = step_fn
+        self.rank = rank
+        self.setup = setup
+        self.parent_pid = parent_pid  # the leader; 0: none (a loop driven in-process)
+
+    def serve(self) -> LoopExit:
+        watchdog = StepWatchdog()
+        inbox = LeaderInbox(self.channel, self.rank, self.setup, self.parent_pid)
+        while True:
+            for message in inbox.drain(0):
+                if isinstance(message, Shutdown):
+                    logger.info("shutdown (a follower of rank 0)")
+                    return LoopExit.SHUTDOWN
+                what = (
+                    f"a malformed message ({message.reason})"
+                    if isinstance(message, Malformed)
+                    else type(message).__name__
+                )
+                logger.error("a follower ignored %s from the leader (a bug)", what)
+            if inbox.is_orphaned():
+                return LoopExit.ORPHANED
+            watchdog.arm(time.monotonic() + FOLLOW_S + self.setup.step_timeout_s)
+            try:
+                self.step_fn.follow(FOLLOW_S)
+            except Exception:  # this rank cannot go on in rank 0's steps: the group re-forms
+                logger.exception("follow raised: leaving")
+                return LoopExit.BROKEN
+            finally:
+                watchdog.disarm()

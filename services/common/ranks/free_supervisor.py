@@ -1,16 +1,19 @@
-"""The leader's side of a free-running rank (``RankGroupConfig.is_free_running``).
+"""The leader's side of a free-running rank group (``RankGroupConfig.is_free_running``).
 
-The rank steps by itself (``free_loop.py``). ``post`` numbers a payload (``seq``) and the
-supervisor thread sends it to the rank at once; every ``Report`` the rank sends goes to
+Rank 0 steps by itself (``free_loop.py``); ranks 1.. follow it (they run its collectives, told
+by rank 0 what to run) and send no Report. ``post`` numbers a payload (``seq``) and the
+supervisor thread sends it to rank 0 at once; every ``Report`` rank 0 sends goes to
 ``on_report`` as a ``Reported``: the posts it covers and the step's result or error.
 Supervision is the stepped group's (``supervisor.py``: exit watch, fail-stop, re-form with
-backoff, Ping/Pong), with the step deadline replaced: while the rank has work (posts it has
-not reported, or its last report said it has more), a rank that sends no report for
-``step_timeout_s`` hangs: fail-stop. An idle rank that answers no ping for
-``liveness_timeout_s`` is dead, as in a stepped group. A malformed message from the rank is
-a fail-stop too. At a fail-stop, once the rank is dead and reaped, every post sent to it
-is reported lost (``Reported.is_down``); a post made while the rank does not serve is
-reported lost at once.
+backoff, Ping/Pong to every rank), with the step deadline replaced: while the group has work
+(posts rank 0 has not reported, or its last report said it has more), a group whose rank 0
+sends no report for ``step_timeout_s`` hangs: fail-stop. The followers are held to that too,
+through rank 0's reports (busy in rank 0's steps, they may answer no ping). Idle, a rank that
+answers no ping for ``liveness_timeout_s`` is dead, as in a stepped group. A malformed message
+from a rank (a Report from a follower included) is a fail-stop too. A fail-stop kills and
+re-forms every rank. At a fail-stop, once every rank is dead and reaped, every post sent is
+reported lost (``Reported.is_down``); a post made while the group does not serve is reported
+lost at once.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _emit(on_report: OnReport, reported: Reported) -> None:
 
 
 class FreeSteps(StepRunner):
-    """The posts sent to the rank's current formation and its reports; supervisor thread."""
+    """The posts sent to rank 0 of the current formation and its reports; supervisor thread."""
 
     def __init__(
         self,
@@ -113,12 +116,13 @@ class FreeSteps(StepRunner):
         if not self.has_work:
             self.idle_since_mono = now
         self._progress.tick()
-        self._rank_progress[0].tick()
+        for progress in self._rank_progress:  # the followers' progress is rank 0's steps
+            progress.tick()
         _emit(self._on_report, Reported(self._last_covered, result, error))
         return None
 
     def fail(self, error: StageServeError) -> None:
-        """The rank is gone (dead and reaped) or the group stops: every post sent is lost."""
+        """The group is gone (dead and reaped) or stops: every post sent is lost."""
         through = self._unreported[-1] if self._unreported else self._last_covered
         self._unreported, self._reported_work = deque(), False
         self.idle_since_mono = time.monotonic()
@@ -141,13 +145,15 @@ class FreeRankSupervisor(RankGroupSupervisor):
         self._posts: deque[tuple[int, msgspec.Raw]] = deque()
         self._seqs = itertools.count(1)
         self._post_lock = threading.Lock()  # orders post against finish
+        # (formation, peer, report) of rank 0's reports before its followers' Ready
+        self._early: list[tuple[object, bytes, Report]] = []
 
     def _new_steps(self) -> StepRunner:
         return FreeSteps(self.spec.result_type, self.progress, self.rank_progress, self._on_report)
 
     # --- any thread -----------------------------------------------------------------
     def post(self, payload: msgspec.Raw) -> int:
-        """Send ``payload`` to the rank (a ``Reported`` covers it later); its ``seq``."""
+        """Send ``payload`` to rank 0 (a ``Reported`` covers it later); its ``seq``."""
         with self._post_lock:
             seq = next(self._seqs)
             if not self._is_finished:
@@ -191,16 +197,18 @@ class FreeRankSupervisor(RankGroupSupervisor):
     def _on_ready_timers(self, now: float) -> None:
         gen = self._life.gen
         assert gen is not None
-        who = gen.members[0].who
         silent_s = now - self._free.last_heard_mono
         if self._free.has_work and silent_s >= self.config.step_timeout_s:
+            who = gen.members[0].who
             self._life.fail_stop(f"{who} has work and sent no report for {silent_s:.1f} s")
             return
+        # While the group has work, its followers are busy in rank 0's steps: its reports rule.
         silent = (
             None if self._free.has_work else self._liveness.silent(now, self._free.idle_since_mono)
         )
         if silent is not None:
-            self._life.fail_stop(f"{who} answered no ping for {silent[1]:.1f} s")
+            rank, silent_s = silent
+            self._life.fail_stop(f"{gen.members[rank].who} answered no ping for {silent_s:.1f} s")
         elif now >= self._last_ping_mono + self.config.heartbeat_s:
             self._ping(now)
 
@@ -208,11 +216,17 @@ class FreeRankSupervisor(RankGroupSupervisor):
         if not isinstance(message, Report):
             super()._on_message(peer, message)
             return
-        rank = self._life.gen.rank_of(peer) if self._life.gen is not None else None
-        if rank is None or self.state is not GroupState.READY:
+        gen = self._life.gen
+        rank = gen.rank_of(peer) if gen is not None else None
+        if rank is not None and self.state is GroupState.FORMING:
+            # rank 0 was Ready and stepped before its followers' Ready came: held for READY
+            self._early.append((gen, peer, message))
+        elif rank is None or self.state is not GroupState.READY:
             self._log.warning("dropped a report from a peer not serving (step %d)", message.step)
         elif message.rank != rank:
             self._on_malformed(rank, f"Report claims rank {message.rank}")
+        elif rank != 0:
+            self._on_malformed(rank, f"a follower sent a Report (of step {message.step})")
         elif (problem := self._free.on_report(message, time.monotonic())) is not None:
             self._on_malformed(rank, problem)
 
@@ -227,6 +241,11 @@ class FreeRankSupervisor(RankGroupSupervisor):
         if self.state is GroupState.FORMING:
             self._free.begin_formation(time.monotonic())
         super()._on_ready(rank)
+        if self.state is GroupState.READY:
+            early, self._early = self._early, []
+            for gen, peer, report in early:
+                if gen is self._life.gen:  # reports of a formation that failed are dropped
+                    self._on_message(peer, report)
 
     def finish(self) -> None:
         super().finish()

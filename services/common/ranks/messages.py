@@ -51,7 +51,7 @@ class Setup(msgspec.Struct, frozen=True, tag="setup"):
     store_port: int
     collective_timeout_s: float
     leader_timeout_s: float  # a rank that hears nothing from the leader this long exits
-    is_free_running: bool = False  # a world of one that steps by itself (``free_loop.py``)
+    is_free_running: bool = False  # rank 0 steps by itself, ranks 1.. follow (``free_loop.py``)
     step_timeout_s: float = 0.0  # free-running: the deadline of each of its own steps
 
 
@@ -131,8 +131,9 @@ class Pong(msgspec.Struct, frozen=True, tag="pong"):
 
 
 class Report(msgspec.Struct, frozen=True, tag="report"):
-    """A free-running rank's step, sent unsolicited: OK with its result, or FAILED (the rank
-    goes on). ``num_posts``: the Posts of this formation applied by it and the steps before."""
+    """A free-running group's step, sent unsolicited by its rank 0 (only): OK with its result,
+    or FAILED (the rank goes on). ``num_posts``: the Posts of this formation applied by it and
+    the steps before."""
 
     step: int
     rank: int

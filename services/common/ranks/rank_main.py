@@ -3,11 +3,12 @@
 Start-up, in order; a failure at any stage reaches the leader as StartFailed naming this
 rank, the stage and the cause, and the process exits 1: device -> (rank 0 of several: a
 TCPStore on a free port) -> Hello -> Setup -> import -> rendezvous -> groups -> construct ->
-warmup -> barrier -> Ready, then the step loop (``rank_loop.py``; a free-running rank's is
-``free_loop.py``). A world of one meets no peer: its rendezvous store is in-process. A
-free-running rank (a world of one that runs no collective) skips the rendezvous, the groups
-and the barrier: it has no process group at all. The leader spawns every rank
-(``procs.RankLaunch``). Exit codes: ``LoopExit``.
+warmup -> barrier -> Ready, then the step loop (``rank_loop.py``; in a free-running group,
+``free_loop.py``: rank 0's ``FreeRankLoop``, the others' ``FollowerLoop``). A world of one
+meets no peer: its rendezvous store is in-process. A free-running group of one (it runs no
+collective) skips the rendezvous, the groups and the barrier: it has no process group at
+all; a free-running group of several forms them as a stepped group does. The leader spawns
+every rank (``procs.RankLaunch``). Exit codes: ``LoopExit``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from services.common import logs
 from services.common.envs import Envs
 from services.common.malloc import tune_malloc
 from services.common.ranks.channel import Malformed, RankChannel
-from services.common.ranks.free_loop import FreeRankLoop
+from services.common.ranks.free_loop import FollowerLoop, FreeRankLoop
 from services.common.ranks.messages import (
     Hello,
     Ready,
@@ -240,20 +241,28 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         if setup.is_free_running is not issubclass(cls, FreeRankStep):
             mode = "free-running" if setup.is_free_running else "stepped"
             raise TypeError(f"{setup.step_target} cannot run in a {mode} group")
-        if setup.is_free_running and world_size != 1:
-            raise ValueError(f"a free-running rank is a world of one, not of {world_size}")
-    if not setup.is_free_running:
+        is_alone = world_size == 1
+        if issubclass(cls, FreeRankStep) and cls.follow is FreeRankStep.follow and not is_alone:
+            raise TypeError(f"{setup.step_target} has no follow: it runs in a group of one")
+    if _has_process_group(setup, world_size):
         with _stage(StartStage.RENDEZVOUS, rank):
             _rendezvous(args, setup, store)
     step_fn = _build_step(cls, args.device, rank, world_size, setup)
     return _Started(rank, setup, step_fn)
 
 
+def _has_process_group(setup: Setup, world_size: int) -> bool:
+    """Every stepped rank (even a world of one) and every rank of a free-running group of
+    several joins process groups; a free-running group of one runs no collective."""
+    return not setup.is_free_running or world_size > 1
+
+
 def _build_step(
     cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
 ) -> BaseRankStep:
-    cpu_group = device_group = None  # a free-running rank has no process group
-    if not setup.is_free_running:
+    cpu_group = device_group = None  # a free-running group of one has no process group
+    is_grouped = _has_process_group(setup, world_size)
+    if is_grouped:
         with _stage(StartStage.GROUPS, rank):
             cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
     ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
@@ -262,7 +271,7 @@ def _build_step(
     try:
         with _stage(StartStage.WARMUP, rank):
             step_fn.warmup()
-        if not setup.is_free_running:
+        if is_grouped:
             with _stage(StartStage.BARRIER, rank):  # names every rank that did not come
                 dist.monitored_barrier(
                     timeout=_timeout(setup.collective_timeout_s), wait_all_ranks=True
@@ -274,10 +283,12 @@ def _build_step(
 
 
 def _serve(channel: RankChannel, started: _Started, parent_pid: int) -> LoopExit:
-    step_fn, setup = started.step_fn, started.setup
-    if isinstance(step_fn, FreeRankStep):
-        return FreeRankLoop(channel, step_fn, started.rank, setup, parent_pid).serve()
-    return RankLoop(channel, step_fn, dist.group.WORLD, started.rank, setup, parent_pid).serve()
+    step_fn, setup, rank = started.step_fn, started.setup, started.rank
+    if not isinstance(step_fn, FreeRankStep):
+        return RankLoop(channel, step_fn, dist.group.WORLD, rank, setup, parent_pid).serve()
+    if rank == 0:
+        return FreeRankLoop(channel, step_fn, rank, setup, parent_pid).serve()
+    return FollowerLoop(channel, step_fn, rank, setup, parent_pid).serve()
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -336,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         channel.send(Ready(rank=started.rank))
         exit_code = _serve(channel, started, args.parent_pid)
         started.step_fn.close()
-        # A broken group's collectives may never return; a free-running rank has no group.
+        # A broken group's collectives may never return; a free-running group of one has none.
         if exit_code is LoopExit.SHUTDOWN and dist.is_initialized():
             dist.destroy_process_group()
         return int(exit_code)

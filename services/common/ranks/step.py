@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RankContext:
     """This rank's place in the group and its process groups (formed before ``__init__``;
-    None in a free-running rank, a world of one that runs no collective)."""
+    None in a free-running group of one, which runs no collective)."""
 
     rank: int
     world_size: int
@@ -62,12 +62,14 @@ class BaseRankStep(abc.ABC):
 
 
 class FreeRankStep(BaseRankStep):
-    """A rank that steps by itself (``RankGroupConfig.is_free_running``; ``free_loop.py``).
+    """A rank group that steps by itself (``RankGroupConfig.is_free_running``; ``free_loop.py``).
 
-    Its loop calls ``run_step(step, payloads)`` with the payloads posted since its previous
+    Rank 0's loop calls ``run_step(step, payloads)`` with the payloads posted since its previous
     step (in order; maybe none) once after warm-up, then whenever posts came, while
     ``has_work()``, and once ``seconds_until_due()`` has run out; each result goes to the
     leader. After a step that raised, ``on_failed`` runs and a step without posts follows.
+    In a group of several, ranks 1.. are followers: their loop calls only ``follow`` (and
+    ``warmup``, ``close``); rank 0 tells them what to run, through the class's own channel.
     """
 
     @abc.abstractmethod
@@ -81,6 +83,12 @@ class FreeRankStep(BaseRankStep):
     def seconds_until_due(self) -> float:
         """How long an idle rank may wait before a step is due by itself (a timer)."""
         return math.inf
+
+    def follow(self, timeout_s: float) -> None:
+        """A follower (rank > 0 of a free-running group): wait at most ``timeout_s`` for rank 0's
+        next piece of work and run it; return after running it or on timeout. Raising ends the
+        rank (the leader then re-forms the whole group)."""
+        raise NotImplementedError(f"{type(self).__name__} runs in a free-running group of one")
 
     def execute(self, step: int, payload: Any) -> msgspec.Struct:
         return self.run_step(step, [payload])
