@@ -15,7 +15,7 @@ from services.cli_up_checks import (
     check_log_format,
     check_model_and_port,
     check_prefill_cp,
-    check_prefill_tp,
+    check_tensor_parallel,
     check_transfers,
 )
 from services.cli_up_defaults import rank_layout, resolve_up
@@ -81,7 +81,7 @@ def _launch_config(args: argparse.Namespace, envs: Envs) -> tuple[LaunchConfig, 
     check_decode_dp(cfg)
     check_prefill_cp(cfg)
     cfg, chosen = _with_device_choices(cfg)
-    check_prefill_tp(cfg)
+    check_tensor_parallel(cfg)
     return with_gpu_share(cfg), chosen
 
 

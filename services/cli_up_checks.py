@@ -8,9 +8,11 @@ import socket
 
 from services.common.exposure import check_transfer_exposure
 from services.common.kv_transfer import (
+    BACKENDS,
     check_cross_process,
     check_embedding_backend,
     check_kv_backend,
+    lookup_backend,
     resolve_kv_backend,
 )
 from services.common.logs import LOG_FORMATS
@@ -44,12 +46,14 @@ def check_log_format(log_format: str) -> None:
 
 
 def check_decode_dp(cfg: LaunchConfig) -> None:
-    """``--decode-dp`` agrees with a ``--decode-device`` list (one rank on each device)."""
+    """``--decode-dp`` agrees with a ``--decode-device`` list (one rank process on each device,
+    ``--decode-tp`` of them per DP rank)."""
     num_decode_devices = len(decode_devices(cfg))
-    if num_decode_devices > 1 and cfg.decode_dp not in (1, num_decode_devices):
+    if num_decode_devices > 1 and cfg.decode_dp not in (1, num_decode_devices // cfg.decode_tp):
         raise ValueError(
             f"--decode-dp {cfg.decode_dp} disagrees with --decode-device "
-            f"({num_decode_devices} devices)"
+            f"({num_decode_devices} devices"
+            + (f", --decode-tp {cfg.decode_tp})" if cfg.decode_tp > 1 else ")")
         )
 
 
@@ -72,18 +76,36 @@ def check_prefill_cp(cfg: LaunchConfig) -> None:
         check_block_tokens(cfg.prefill_cp_block_tokens, cfg.page_size)
 
 
-def check_prefill_tp(cfg: LaunchConfig) -> None:
-    """``ValueError`` naming the numbers when prefill's ranks could not split the model with
-    ``--prefill-tp`` / ``--prefill-ep`` over the chosen KV backend (``check_parallel``)."""
+def check_tensor_parallel(cfg: LaunchConfig) -> None:
+    """``ValueError`` naming the numbers when prefill's or decode's ranks could not split the
+    model (``--prefill-tp`` / ``--prefill-ep``, ``--decode-tp`` / ``--decode-ep``), or the KV
+    backend cannot move KV between pools of different heads (``writes_head_slices``)."""
     from services.common.rank_devices import rank_devices
-    from services.launch_spec import prefill_config
+    from services.engine.parallel import check_rank_split
+    from services.launch_spec import decode_processes, prefill_config
     from services.prefill.config import check_parallel
 
     devices = rank_devices(
         (), cfg.prefill_ranks, device_of(cfg, "prefill"), spread_cuda=True, service="prefill"
     )
-    config = dataclasses.replace(prefill_config(cfg), devices=tuple(devices))
-    check_parallel(config, config.kv_backend)
+    check_parallel(dataclasses.replace(prefill_config(cfg), devices=tuple(devices)))
+    listed = decode_devices(cfg)
+    devices = rank_devices(
+        listed if len(listed) > 1 else (),
+        decode_processes(cfg),
+        listed[0],
+        spread_cuda=False,
+        service="decode",
+    )
+    check_rank_split(cfg.model, devices, cfg.decode_tp, cfg.decode_ep, "decode")
+    backend = lookup_backend(cfg.kv_transfer_backend or cfg.transfer_backend)
+    if cfg.prefill_tp != cfg.decode_tp and not backend.writes_head_slices:
+        writers = ", ".join(n for n, b in BACKENDS.items() if b.writes_head_slices)
+        raise ValueError(
+            f"--prefill-tp {cfg.prefill_tp} and --decode-tp {cfg.decode_tp} hold different KV "
+            f"heads per rank, and the {backend.name} KV backend moves whole pages: give both "
+            f"the same --*-tp, or use one of: {writers}"
+        )
 
 
 def check_transfers(cfg: LaunchConfig) -> str | None:

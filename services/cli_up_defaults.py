@@ -35,7 +35,7 @@ from services.engine.gpu_defaults import (
     default_attention_backend,
 )
 from services.launch_config import ENCODER_SHARE, PREFILL_SHARE, LaunchConfig, UpFlags
-from services.launch_spec import decode_devices, device_of
+from services.launch_spec import decode_devices, decode_processes, device_of
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def rank_layout(cfg: LaunchConfig, num_cuda_devices: int | None = None) -> RankL
     devices = decode_devices(cfg)
     listed = devices if len(devices) > 1 else ()
     decode = rank_devices(
-        listed, None if listed else cfg.decode_dp, devices[0], spread_cuda=False, service="decode"
+        listed, decode_processes(cfg), devices[0], spread_cuda=False, service="decode"
     )
     return RankLayout(encoder, prefill, decode)
 

@@ -151,8 +151,20 @@ class LaunchConfig:
     decode_dp: int = flag(
         1,
         type=at_least(1),
-        help="decode's data-parallel ranks, each its own process with its own KV pool and "
-        "batch, all on --decode-device",
+        help="decode's data-parallel ranks, each its own process (--decode-tp of them) with its "
+        "own KV pool and batch, all on --decode-device",
+    )
+    decode_tp: int = flag(
+        1,
+        type=at_least(1),
+        help="decode's --tp: tensor-parallel processes per data-parallel rank, each holding 1/T "
+        "of the decoder and a KV pool of its KV heads (a --decode-device list names every "
+        "process)",
+    )
+    decode_ep: int = flag(
+        1,
+        type=at_least(1),
+        help="decode's --ep: 1, or --decode-tp to split an MoE model's experts over each rank",
     )
     max_running_requests: int | None = flag(
         None,

@@ -54,7 +54,7 @@ def device_of(cfg: LaunchConfig, name: str) -> str:
 
 
 def decode_devices(cfg: LaunchConfig) -> tuple[str, ...]:
-    """Decode's devices: a comma-separated --decode-device puts one DP rank on each."""
+    """Decode's devices: a comma-separated --decode-device puts one rank process on each."""
     return tuple(device for device in device_of(cfg, "decode").split(",") if device)
 
 
@@ -183,12 +183,20 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         **_given(kv_quarantine_s=cfg.kv_quarantine_s, drain_timeout_s=cfg.drain_timeout_s),
         gpu_share_file=_gpu_share_file(cfg),
         prefill_first_ms=cfg.prefill_first_ms if cfg.gpu_share_file else None,
+        tp=cfg.decode_tp,
+        ep=cfg.decode_ep,
     )
+
+
+def decode_processes(cfg: LaunchConfig) -> int | None:
+    """Decode's ``--ranks``: its DP ranks times its TP processes; None with a device list
+    (one process on each)."""
+    return None if len(decode_devices(cfg)) > 1 else cfg.decode_dp * cfg.decode_tp
 
 
 def decode_spec(cfg: LaunchConfig) -> ChildSpec:
     """Decode's own flags, from its config."""
-    ranks = None if len(decode_devices(cfg)) > 1 else cfg.decode_dp
+    ranks = decode_processes(cfg)
     args = (*config_to_argv(decode_config(cfg), skip=COMMON_SETTINGS), *_ranks_arg(ranks))
     return ChildSpec("decode", args, first_ports(cfg, "decode"))
 
@@ -241,7 +249,7 @@ def decode_batch_size(cfg: LaunchConfig) -> int:
     the requests before it (``docs/benchmarks.md``, "Measurements cited by the code")."""
     if cfg.max_running_requests is not None:
         return cfg.max_running_requests
-    num_ranks = max(len(decode_devices(cfg)), cfg.decode_dp)
+    num_ranks = max(len(decode_devices(cfg)) // cfg.decode_tp, cfg.decode_dp)
     admitted = cfg.router_workers * (
         cfg.max_concurrent_requests or FlowConfig.max_concurrent_requests
     )

@@ -77,8 +77,11 @@ def test_prefill_gets_its_tp_and_ep(monkeypatch) -> None:
         (["--prefill-tp", "3"], "tensor parallel size 3 does not divide the 4 attention heads"),
         (
             ["--prefill-tp", "2", "--kv-transfer-backend", "mooncake"],
-            "the mooncake KV backend cannot (it moves whole pages)",
+            "--prefill-tp 2 and --decode-tp 1 hold different KV heads per rank, and the mooncake "
+            "KV backend moves whole pages",
         ),
+        (["--decode-tp", "3"], "tensor parallel size 3 does not divide the 4 attention heads"),
+        (["--decode-tp", "2", "--decode-ep", "2"], "expert parallel size 2 on a dense model"),
         (["--prefill-ep", "2"], "expert parallel size 2 with tensor parallel size 1"),
         (
             ["--prefill-tp", "2", "--device", "cuda", "--kv-transfer-backend", "cuda_ipc"],

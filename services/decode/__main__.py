@@ -23,6 +23,7 @@ from services.common.service_main import (
 from services.common.settings import config_from_args
 from services.decode.app import serve
 from services.decode.config import DecodeConfig
+from services.engine.parallel import check_rank_split
 
 
 def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
@@ -31,8 +32,9 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
     )
     add_rank_args(
         p,
-        "data-parallel decode ranks, each its own process with its own KV pool and running "
-        "batch, all on --device (default 1; with --devices: how many there are)",
+        "decode rank processes on --device: data-parallel ranks x --tp, each data-parallel "
+        "rank with its own KV pool and running batch (default 1; with --devices: how many "
+        "there are)",
     )
     return p
 
@@ -52,6 +54,7 @@ def parse_config(argv: list[str] | None = None) -> DecodeConfig:
                 raise ValueError(f"--gpu-share-file: {exc}") from None
         for device in config.devices:
             check_kv_backend(config.kv_transfer_backend, config.transfer_backend, device)
+        check_rank_split(config.model, config.devices, config.tp, config.ep, "decode")
     except ValueError as exc:
         p.error(str(exc))
     return config

@@ -41,14 +41,16 @@ def rank_init(config: DecodeConfig) -> RankInit:
         kv_quarantine_s=config.kv_quarantine_s,
         gpu_share_file=config.gpu_share_file,
         prefill_first_s=config.prefill_first_s,
+        tp_size=config.tp,
+        ep_size=config.ep,
     )
 
 
 def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
-    """Rank ``r`` is a free-running rank group of one process on ``config.devices[r]``,
-    restarted alone."""
+    """Rank ``r`` is a free-running rank group of ``config.tp`` processes on
+    ``config.devices[r*T : (r+1)*T]`` (one without TP), restarted alone."""
     init = rank_init(config)
-    devices = config.devices
+    devices, tp = config.devices, config.tp
 
     def make(
         dp_rank: int,
@@ -57,7 +59,7 @@ def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
     ) -> RankHandle:
         group_config = RankGroupConfig(
             name=f"decode rank {dp_rank}",
-            devices=(devices[dp_rank],),
+            devices=devices[dp_rank * tp : (dp_rank + 1) * tp],
             step_timeout_s=config.watchdog_s,
             watchdog_s=config.watchdog_s,
             internal_token=envs.internal_token,  # what the spawned rank reads from its environment
@@ -90,7 +92,7 @@ async def serve(config: DecodeConfig, envs: Envs, auth: Credentials | None) -> N
     )
     await server.start()  # liveness answers (NOT_SERVING) while the ranks form
     leader = DecodeLeader(
-        len(config.devices),
+        config.dp_size,
         process_ranks(config, envs),
         config.watchdog_s,
         on_ready_change=health.set_serving,

@@ -30,6 +30,7 @@ import torch
 from services.common.errors import InvalidRequestError
 from services.common.types import Grammar, SamplingParams, TokenLogprob
 from services.decode.scheduler import DecodePlan, JoinedRow, uses_history
+from services.decode.tp_mirror import StepMirror
 from services.engine.grammar import GrammarCache, advance, apply_grammar_masks
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import LogprobRows, Sampler, make_generator
@@ -69,9 +70,12 @@ class DecodeBatchRunner:
         num_slots: int,
         max_pages_per_slot: int,
         grammars: GrammarCache | None = None,
+        mirror: StepMirror | None = None,
     ) -> None:
-        """``grammars``: the grammars of constrained requests (None: such a request fails)."""
+        """``grammars``: the grammars of constrained requests (None: such a request fails);
+        ``mirror``: a tensor-parallel rank's followers, sent every step's inputs first."""
         self.runner = runner
+        self.mirror = mirror
         self.grammars = grammars
         self._matchers: dict[int, Any] = {}  # slot -> its request's GrammarMatcher
         self.sampler = sampler
@@ -124,7 +128,10 @@ class DecodeBatchRunner:
         if plan.joined:
             self._join(plan.joined)
         slots = self._upload_slots(plan.slots)  # [B] int64 on the device
-        logits = self.runner.forward_decode(self._inputs(plan, slots), gate)  # [B, V] fp32
+        inputs = self._inputs(plan, slots)
+        if self.mirror is not None:  # the followers run the same forward on their shards
+            self.mirror.send(inputs)
+        logits = self.runner.forward_decode(inputs, gate)  # [B, V] fp32
         tokens = self._sample(plan, slots, logits)  # [B] int64 on the device
         self._last_tokens.index_copy_(0, slots, tokens)
         if self._output_counts is not None:

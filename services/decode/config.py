@@ -34,8 +34,20 @@ class DecodeConfig(ServiceConfig):
         ("cpu",),
         type=device_list,
         metavar="DEV,DEV,...",
-        help="one data-parallel rank per device, comma-separated (cuda:0,cuda:1); "
-        "default: --ranks on --device",
+        help="one rank process per device, comma-separated (cuda:0,cuda:1); default: --ranks "
+        "on --device. With --tp T, processes d*T .. d*T+T-1 are data-parallel rank d",
+    )
+    tp: int = flag(
+        1,
+        type=positive_int,
+        help="tensor-parallel processes per data-parallel rank (dividing the processes): each "
+        "holds 1/T of the decoder and a KV pool of its KV heads; the first runs the rank's "
+        "batch and the others its forwards",
+    )
+    ep: int = flag(
+        1,
+        type=positive_int,
+        help="expert-parallel processes of an MoE model's experts: 1, or --tp",
     )
     num_pages: int | None = flag(
         None,
@@ -139,6 +151,11 @@ class DecodeConfig(ServiceConfig):
             return 0.0
         ms = PREFILL_FIRST_MS if self.prefill_first_ms is None else self.prefill_first_ms
         return ms / 1000
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks, each ``tp`` processes (``check_rank_split`` checked it divides)."""
+        return len(self.devices) // self.tp
 
     @property
     def rank_memory_fraction(self) -> float:

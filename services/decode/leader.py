@@ -145,8 +145,9 @@ class DecodeLeader:
         await asyncio.gather(*(r.handle.aclose() for r in self._ranks), return_exceptions=True)
 
     # --- requests -------------------------------------------------------------------------
-    async def reserve(self, command: ReserveCommand) -> tuple[KvDestination, int]:
-        """Reserve on one rank; where prefill writes, and the rank's index."""
+    async def reserve(self, command: ReserveCommand) -> tuple[tuple[KvDestination, ...], int]:
+        """Reserve on one rank; where prefill writes (each pool of a tensor-parallel rank, TP
+        rank order), and the rank's index."""
         self._drain.check_admits()
         request_id = command.request_id
         tried: list[RankView] = []
@@ -186,7 +187,7 @@ class DecodeLeader:
                 metrics.REQUESTS.labels(_refusal_outcome(error)).inc()
                 raise error
             assert reply.destination is not None
-            return reply.destination, rank.dp_rank
+            return (reply.destination, *reply.tp_destinations), rank.dp_rank
 
     def generate(
         self,

@@ -35,6 +35,8 @@ class RankInit(msgspec.Struct, frozen=True):
     gpu_share_file: str = ""  # prefill on this GPU marks its forwards there; empty: none
     prefill_first_s: float = 0.0  # the longest a step waits for a marked prefill forward
     quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
+    tp_size: int = 1  # processes of this tensor-parallel rank (tp_rank.py)
+    ep_size: int = 1  # of them, those an MoE layer's experts split over: 1 or tp_size
 
 
 # --- leader -> rank ---------------------------------------------------------------
@@ -74,6 +76,8 @@ class ReserveReply(msgspec.Struct, frozen=True, tag="reserve"):
     request_id: str
     destination: KvDestination | None = None  # where prefill writes; None on error
     error: ErrorRecord | None = None
+    # a tensor-parallel rank: the same pages in TP ranks 1 .. T-1's pools (destination: 0's)
+    tp_destinations: tuple[KvDestination, ...] = ()
 
 
 class StartReply(msgspec.Struct, frozen=True, tag="start"):

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import (
     DeadlineExceededError,
     ErrorRecord,
@@ -51,6 +52,7 @@ from services.decode.messages import (
     StartReply,
 )
 from services.decode.scheduler import DecodeRequest, DecodeScheduler, check_prompt_len
+from services.decode.tp_mirror import StepMirror
 from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.grammar import GrammarCache
 from services.engine.loader import load_model
@@ -59,6 +61,9 @@ from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.sampler import Sampler
 from services.transfer import BaseKVReceiver, create_kv_receiver
 from services.transfer.base import Clock
+
+if TYPE_CHECKING:
+    from services.decode.tp_rank import TpFollower
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,9 @@ class DecodeRank:
     ) -> None:
         """``gpu_share``: where a prefill on the same GPU marks its forwards; a step about to
         launch waits for them at most ``prefill_first_s``."""
+        # a tensor-parallel rank's followers' pools (session id, layout), TP rank order: each
+        # reservation's pages are theirs too (build_tp_rank)
+        self.tp_peers: tuple[tuple[str, KvPoolLayout], ...] = ()
         self.scheduler = scheduler
         self.loop = loop
         self.receiver = receiver
@@ -155,10 +163,16 @@ class DecodeRank:
             pages = self.scheduler.add(request)
         except StageServeError as exc:
             return ReserveReply(command.request_id, error=ErrorRecord.of(exc))
-        prompt_pages = pages[: self.scheduler.kv.num_pages_for(len(request.prompt_ids))]
+        prompt_pages = tuple(pages[: self.scheduler.kv.num_pages_for(len(request.prompt_ids))])
         return ReserveReply(
             command.request_id,
             destination=self.receiver.destination(request.request_id, prompt_pages),
+            tp_destinations=tuple(
+                KvDestination(
+                    self.receiver.backend, session, request.request_id, layout, prompt_pages
+                )
+                for session, layout in self.tp_peers
+            ),
         )
 
     def _start(self, command: StartCommand, finished: list[Finished]) -> StartReply:
@@ -269,20 +283,42 @@ class DecodeRank:
 
 
 class DecodeRankStep(FreeRankStep):
-    """The rank process's step: builds its ``DecodeRank`` on ``ctx.device`` from ``RankInit``."""
+    """The rank process's step: builds its ``DecodeRank`` on ``ctx.device`` from ``RankInit``.
+
+    With ``init.tp_size`` T > 1 the group's T processes are one tensor-parallel decode rank:
+    process 0 runs the ``DecodeRank`` and mirrors each forward to processes 1 .. T-1
+    (``tp_mirror.py``), which run it on their shards (``follow``)."""
 
     init_type = RankInit
     payload_type = RankCommands
     result_type = RankReport
 
     def __init__(self, ctx: RankContext, init: RankInit) -> None:
-        self.rank = build_rank(init, ctx.device)
+        from services.decode.tp_rank import TpFollower, build_tp_rank
+
+        self.follower: TpFollower | None = None
+        if init.tp_size == 1:
+            self.rank = build_rank(init, ctx.device)
+        elif ctx.rank == 0:
+            self.rank = build_tp_rank(init, ctx)
+        else:
+            self.follower = TpFollower(init, ctx)
 
     def warmup(self) -> None:
+        if self.follower is not None:
+            self.follower.warmup()
+            return
         self.rank.warmup()
+        mirror = self.rank.loop.batch.mirror
+        if mirror is not None:
+            mirror.warmup_done()
 
     def run_step(self, step: int, payloads: list[RankCommands]) -> RankReport:
         return self.rank.execute(RankCommands(tuple(c for p in payloads for c in p.commands)))
+
+    def follow(self, timeout_s: float) -> None:
+        assert self.follower is not None, "TP rank 0 leads: it does not follow"
+        self.follower.follow(timeout_s)
 
     def has_work(self) -> bool:
         return self.rank.has_work
@@ -292,10 +328,18 @@ class DecodeRankStep(FreeRankStep):
 
     def on_failed(self, step: int, error: str) -> None:
         logger.error("step %d failed, every request of this rank ends: %s", step, error)
+        if self.rank.loop.batch.mirror is not None:
+            # the followers may be mid-forward or past it: only a new group is in step again
+            raise RuntimeError(f"tensor-parallel decode step {step} failed: the group re-forms")
         self.rank.reset()
 
     def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+            return
         self.rank.receiver.close()
+        if self.rank.loop.batch.mirror is not None:
+            self.rank.loop.batch.mirror.close()
         if self.rank.gpu_share is not None:
             self.rank.gpu_share.close()
 
@@ -305,6 +349,21 @@ def create_receiver(init: RankInit, **kwargs: Any) -> BaseKVReceiver:
     return create_kv_receiver(TransferSpec(init.kv_backend, init.transfer_host), **kwargs)
 
 
+def build_runner(init: RankInit, model: Qwen2_5_VLModel, device: str) -> ModelRunner:
+    """The rank's runner and KV pool (its TP shard's heads); a batch as large as the rank runs
+    replays a graph."""
+    runner = ModelRunner(
+        model,
+        KVCacheConfig(
+            init.num_pages, init.page_size, init.gpu_memory_utilization, init.max_running_requests
+        ),
+        init.attention_backend,
+        cuda_graph_batch_sizes=graph_batch_sizes(init.max_running_requests),
+    )
+    logger.info("%s on %s", runner.pool_size.describe(), device)
+    return runner
+
+
 def build_rank(
     init: RankInit,
     device: str,
@@ -312,12 +371,15 @@ def build_rank(
     receiver: BaseKVReceiver | None = None,
     quarantine_clock: Clock = time.monotonic,
     is_overlapped: bool = True,
+    runner: ModelRunner | None = None,
+    mirror: StepMirror | None = None,
 ) -> DecodeRank:
     """A decode rank whose KV pool is registered with ``receiver`` (default: ``init.kv_backend``'s).
 
     ``model``: an already loaded language model to share (tests); ``quarantine_clock``: when
     quarantined pages are due back (tests move it forward); ``is_overlapped``: False runs
-    the synchronous loop (each step read before the next is planned).
+    the synchronous loop (each step read before the next is planned); ``runner`` (with its
+    pool registered with ``receiver``) and ``mirror``: a tensor-parallel rank's.
     """
     if receiver is None:  # a backend this device cannot run fails before the model loads
         check_kv_backend(init.kv_backend, init.kv_backend, device)
@@ -329,18 +391,12 @@ def build_rank(
             components=("language",),
             quantization=init.quantization,
         )
-    runner = ModelRunner(  # a batch as large as the rank runs replays a graph
-        model,
-        KVCacheConfig(
-            init.num_pages, init.page_size, init.gpu_memory_utilization, init.max_running_requests
-        ),
-        init.attention_backend,
-        cuda_graph_batch_sizes=graph_batch_sizes(init.max_running_requests),
-    )
-    logger.info("%s on %s", runner.pool_size.describe(), device)
+    is_registered = runner is not None
+    runner = runner or build_runner(init, model, device)
     receiver = receiver if receiver is not None else create_receiver(init)
     try:
-        receiver.register(runner.kv_pool)
+        if not is_registered:
+            receiver.register(runner.kv_pool)
         eos_ids = model.config.eos_token_ids
         max_model_len = init.max_model_len or model.config.text.max_position_embeddings
         kv = KVReservationManager(runner.page_table, init.kv_quarantine_s, quarantine_clock)
@@ -352,6 +408,7 @@ def build_rank(
             init.max_running_requests,
             max_pages,
             GrammarCache(init.model),
+            mirror,
         )
     except BaseException:
         receiver.close()

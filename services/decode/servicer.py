@@ -184,9 +184,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self._kv_ref_key, request.request_id, nonce
                 ),
             )
-            destination, dp_rank = await leader.reserve(command)
+            destinations, dp_rank = await leader.reserve(command)
             span.set_attribute("dp_rank", dp_rank)
-            kv_ref = issue_kv_ref(destination, self._kv_ref_key, nonce, expires_unix_ms, dp_rank)
+            kv_ref = issue_kv_ref(
+                destinations[0],
+                self._kv_ref_key,
+                nonce,
+                expires_unix_ms,
+                dp_rank,
+                tp_destinations=destinations[1:],
+            )
         return decode_pb2.ReserveResponse(kv_ref=kv_ref_to_proto(kv_ref))
 
     @handle_errors

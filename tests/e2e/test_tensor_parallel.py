@@ -1,10 +1,13 @@
-"""Tensor-parallel prefill through every service: ``stageserve up --prefill-tp T`` serves chats
-(text, images, a second turn) whose greedy output equals the one-process engine's, with each
-prefill rank writing its KV heads into decode's pages.
+"""Tensor parallelism through every service: ``stageserve up --prefill-tp`` / ``--decode-tp``
+serves chats (text, images, a second turn) whose greedy output equals the one-process engine's,
+each prefill rank writing its KV heads into the decode pools that hold them.
 
-Two layouts: the tiny Qwen3-VL MoE on two CP ranks of two TP ranks each, its experts split over
-each TP group (``--prefill-ep 2``), every batch CP-sharded, DeepStack rows included; and the
-tiny Qwen2.5-VL at TP = 4, more ranks than KV heads (each head on two ranks, one writes it).
+Layouts: the tiny Qwen3-VL MoE on two prefill CP ranks of two TP ranks each, experts split
+over each TP group, every batch CP-sharded, DeepStack rows included, and decode at TP = EP = 2
+(each prefill rank's heads into the decode rank's pool of the same heads); the tiny Qwen2.5-VL
+with prefill at TP = 4 (more ranks than KV heads: each head on two ranks, one writes it) and two
+decode DP ranks of TP = 2; the dense tiny Qwen3-VL with prefill at TP = 1 writing every head
+into the two pools of a TP = 2 decode rank.
 """
 
 from __future__ import annotations
@@ -24,13 +27,26 @@ MOE_DIR = TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe"
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS)
 PICTURE = image_bytes(224, 160, seed=31)
+QWEN3_DIR = TINY_MODEL_DIR.parent / "tiny-qwen3-vl"
+# name: (model, flags, prefill processes, decode processes)
 LAYOUTS = {
     "moe-cp2-tp2-ep2": (
         MOE_DIR,
-        ("--prefill-cp", "2", "--prefill-tp", "2", "--prefill-ep", "2"),
-        ("--prefill-cp-min-tokens", "1", "--prefill-cp-block-tokens", "16"),
+        (
+            *("--prefill-cp", "2", "--prefill-tp", "2", "--prefill-ep", "2"),
+            *("--prefill-cp-min-tokens", "1", "--prefill-cp-block-tokens", "16"),
+            *("--decode-tp", "2", "--decode-ep", "2"),
+        ),
+        4,
+        2,
     ),
-    "qwen2.5-tp4": (TINY_MODEL_DIR, ("--prefill-tp", "4"), ()),
+    "qwen2.5-tp4-dp2-tp2": (
+        TINY_MODEL_DIR,
+        ("--prefill-tp", "4", "--decode-dp", "2", "--decode-tp", "2"),
+        4,
+        4,
+    ),
+    "qwen3-tp1-into-tp2": (QWEN3_DIR, ("--decode-tp", "2"), 1, 2),
 }
 
 
@@ -71,12 +87,12 @@ def expected_text(pipeline: OfflinePipeline, messages: list[dict], images: list[
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_tensor_parallel_prefill_matches_the_engine(layout: str, tmp_path) -> None:
-    model_dir, ranks, flags = LAYOUTS[layout]
+def test_tensor_parallel_services_match_the_engine(layout: str, tmp_path) -> None:
+    model_dir, flags, num_prefill, num_decode = LAYOUTS[layout]
     pipeline = OfflinePipeline.from_dir(model_dir)
     cases = [(m, i, expected_text(pipeline, m, i)) for m, i in conversations()]
     with running_system(
-        tmp_path, *("--model", str(model_dir), "--num-pages", "512"), *ranks, *flags
+        tmp_path, *("--model", str(model_dir), "--num-pages", "512"), *flags
     ) as system:
         client = openai_client(system)
         model = client.models.list().data[0].id
@@ -85,10 +101,12 @@ def test_tensor_parallel_prefill_matches_the_engine(layout: str, tmp_path) -> No
                 model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0
             )
             assert reply.choices[0].message.content == expected, (layout, messages)
-        prefill = system.state["prefill"]["pid"]
-        tp = ranks[ranks.index("--prefill-tp") + 1]
-        assert f"\0--tp\0{tp}\0" in cmdline(prefill)
-        assert len(rank_processes(prefill)) == 4, "four prefill rank processes"
+        for service, num in (("prefill", num_prefill), ("decode", num_decode)):
+            pid = system.state[service]["pid"]
+            flag = f"--{service}-tp"
+            if flag in flags:
+                assert f"\0--tp\0{flags[flags.index(flag) + 1]}\0" in cmdline(pid), service
+            assert len(rank_processes(pid)) == num, service
 
 
 def cmdline(pid: int) -> str:
