@@ -21,7 +21,7 @@ from services.decode.messages import RankInit, RankReport
 from services.decode.rank_views import MakeRank, RankHandle
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 
-RANK_STEP = "services.decode.rank:DecodeRankStep"
+RANK_STEP = "services.decode.rank_step:DecodeRankStep"
 
 
 def rank_init(config: DecodeConfig) -> RankInit:

@@ -9,8 +9,8 @@ batch.
   3. plan step N+1 and launch it on the device
   4. read step N (overlapped; synchronous: step N+1 itself) and apply the stop rules
   5. report: replies, the tokens read, finished and expired requests, the load
-``DecodeRankStep`` is the rank process's ``FreeRankStep``: it builds a ``DecodeRank`` on
-the rank's device, and the rank's own loop (``common/ranks/free_loop.py``) runs
+``DecodeRankStep`` (``rank_step.py``) is the rank process's ``FreeRankStep``: it builds a
+``DecodeRank`` on the rank's device, and the rank's own loop (``common/ranks/free_loop.py``) runs
 ``execute`` with the commands posted since its previous step, again at once while the
 rank ``has_work`` (so the device runs step N+1 while step N's report travels), and when
 ``seconds_until_due`` runs out (a reservation's expiry, quarantined pages due back).
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import (
@@ -32,7 +32,6 @@ from services.common.errors import (
 )
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec, check_kv_backend
-from services.common.ranks.step import FreeRankStep, RankContext
 from services.common.types import SamplingParams, TokenLogprob
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.kv_manager import KVReservationManager
@@ -61,9 +60,6 @@ from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.sampler import Sampler
 from services.transfer import BaseKVReceiver, create_kv_receiver
 from services.transfer.base import Clock
-
-if TYPE_CHECKING:
-    from services.decode.tp_rank import TpFollower
 
 logger = logging.getLogger(__name__)
 
@@ -280,68 +276,6 @@ class DecodeRank:
             num_reserved_requests=self.scheduler.num_reserved,
             max_running_requests=self.scheduler.max_running_requests,
         )
-
-
-class DecodeRankStep(FreeRankStep):
-    """The rank process's step: builds its ``DecodeRank`` on ``ctx.device`` from ``RankInit``.
-
-    With ``init.tp_size`` T > 1 the group's T processes are one tensor-parallel decode rank:
-    process 0 runs the ``DecodeRank`` and mirrors each forward to processes 1 .. T-1
-    (``tp_mirror.py``), which run it on their shards (``follow``)."""
-
-    init_type = RankInit
-    payload_type = RankCommands
-    result_type = RankReport
-
-    def __init__(self, ctx: RankContext, init: RankInit) -> None:
-        from services.decode.tp_rank import TpFollower, build_tp_rank
-
-        self.follower: TpFollower | None = None
-        if init.tp_size == 1:
-            self.rank = build_rank(init, ctx.device)
-        elif ctx.rank == 0:
-            self.rank = build_tp_rank(init, ctx)
-        else:
-            self.follower = TpFollower(init, ctx)
-
-    def warmup(self) -> None:
-        if self.follower is not None:
-            self.follower.warmup()
-            return
-        self.rank.warmup()
-        mirror = self.rank.loop.batch.mirror
-        if mirror is not None:
-            mirror.warmup_done()
-
-    def run_step(self, step: int, payloads: list[RankCommands]) -> RankReport:
-        return self.rank.execute(RankCommands(tuple(c for p in payloads for c in p.commands)))
-
-    def follow(self, timeout_s: float) -> None:
-        assert self.follower is not None, "TP rank 0 leads: it does not follow"
-        self.follower.follow(timeout_s)
-
-    def has_work(self) -> bool:
-        return self.rank.has_work
-
-    def seconds_until_due(self) -> float:
-        return self.rank.seconds_until_due()
-
-    def on_failed(self, step: int, error: str) -> None:
-        logger.error("step %d failed, every request of this rank ends: %s", step, error)
-        if self.rank.loop.batch.mirror is not None:
-            # the followers may be mid-forward or past it: only a new group is in step again
-            raise RuntimeError(f"tensor-parallel decode step {step} failed: the group re-forms")
-        self.rank.reset()
-
-    def close(self) -> None:
-        if self.follower is not None:
-            self.follower.close()
-            return
-        self.rank.receiver.close()
-        if self.rank.loop.batch.mirror is not None:
-            self.rank.loop.batch.mirror.close()
-        if self.rank.gpu_share is not None:
-            self.rank.gpu_share.close()
 
 
 def create_receiver(init: RankInit, **kwargs: Any) -> BaseKVReceiver:

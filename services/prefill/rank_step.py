@@ -87,6 +87,7 @@ class PrefillRankStep(BaseRankStep):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
         self.ctx = ctx
         self.gpu_share = GpuShare(init.gpu_share_file) if init.gpu_share_file else None
+        self.tp_size = init.tp_size
         groups = split_world(ctx, init.tp_size, outer_over_cpu=init.kv_exchange_over_cpu)
         agree_on_manifest(ctx, manifest_of(init))
         tp = TensorParallel(groups.inner_rank, groups.inner_size, groups.inner_group, init.ep_size)
@@ -168,6 +169,12 @@ class PrefillRankStep(BaseRankStep):
         return RankResult(
             self.ctx.rank, digests, done.outcomes, done.forward_s, peer_failed=done.peer_failed
         )
+
+    def on_failed(self, step: int, error: str) -> None:
+        """A tensor-parallel rank that failed inside a plan's passes (it raised, or a peer did and
+        its collective timed out) leaves: only a new group is in step again."""
+        if self.worker.in_passes and self.tp_size > 1:
+            raise RuntimeError(f"step {step} failed inside a tensor-parallel pass: {error}")
 
     def describe(self) -> RankDescription:
         buffer = self.receiver.buffer

@@ -90,6 +90,9 @@ class PrefillRankWorker:
         self.embeddings = embeddings
         self.rank, self.world_size, self.group = rank, world_size, group
         self.samples, self.writes_kv = tp_rank == 0, writes_kv
+        # inside a plan's passes (their collectives): a failure there leaves this rank's
+        # tensor-parallel collectives out of step with its peers'
+        self.in_passes = False
         self.share_slot = rank if share_slot is None else share_slot
         self.exchange_device = torch.device(exchange_device) if exchange_device else runner.device
         self.spatial_merge_size = config.vision.spatial_merge_size
@@ -154,6 +157,7 @@ class PrefillRankWorker:
         rows: list[RequestRows] = []
         logits, owners = [], []
         prompt: dict[str, list[tuple[int, TokenLogprob]]] = {}
+        self.in_passes = True
         for segments in plan.passes:
             exchange = self._exchange(shard, sum(s.end - s.start for s in segments))
             try:
@@ -170,6 +174,7 @@ class PrefillRankWorker:
             if exchange is not None and exchange.peer_failed():
                 return None
             owners += inp.logits_requests
+        self.in_passes = False
         if not self.samples:  # the group's first TP rank samples
             return {}, {}, prompt
         token_ids, logprobs = self._sample(plan.requests, torch.cat(logits), owners)

@@ -113,6 +113,7 @@ class RecordingStep(PrefillRankStep):
 
     def on_failed(self, step: int, error: str) -> None:
         self._last_error = error
+        super().on_failed(step, error)
 
 
 def rank_init(**overrides) -> PrefillRankInit:
