@@ -86,8 +86,15 @@ async def merged(
         await asyncio.gather(*reads, return_exceptions=True)
 
 
-def total_usage(usages: Sequence[Usage]) -> Usage:
-    """The response's usage: the prompt's counts once (the choices share it), the completion
-    tokens summed over the choices."""
-    completion = sum(usage.num_completion_tokens for usage in usages)
-    return msgspec.structs.replace(usages[0], num_completion_tokens=completion)
+def total_usage(usages: Sequence[Usage], num_per_prompt: int = 1) -> Usage:
+    """The response's usage from its choices' (in order, each prompt's ``num_per_prompt`` in a
+    row): each prompt's counts once (its choices share it; a batch's prompts add up, as in
+    vLLM), the completion tokens summed over every choice."""
+    firsts = usages[::num_per_prompt]
+    return Usage(
+        sum(u.num_prompt_tokens for u in firsts),
+        sum(u.num_completion_tokens for u in usages),
+        sum(u.num_cached_image_tokens for u in firsts),
+        sum(u.num_prefix_cached_tokens for u in firsts),
+        sum(u.num_prefix_cached_image_tokens for u in firsts),
+    )

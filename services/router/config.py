@@ -94,7 +94,10 @@ class LimitsConfig:
     )
     max_stop_strings: int = 4
     max_n: int = flag(
-        8, type=positive_int, help="most choices (n) a completion request may ask for, else 400"
+        8,
+        type=positive_int,
+        help="most choices (n, times the prompts of a completions batch) a request may ask "
+        "for, else 400",
     )
     default_max_tokens: int = flag(0, help="when a request sets none; 0 = up to the context")
     grammar_compile_timeout_s: float = flag(

@@ -12,7 +12,9 @@ Request lifecycle in the router:
   prefill    -> prefill writes the prompt's KV into those pages, returns the first token
                 (placement.py: which workers, and the one retry on another worker)
   generate   -> decode streams the remaining tokens; each batch is detokenized, checked
-                for stop strings and handed to the API layer as a GenerationDelta
+                for stop strings and handed to the API layer as a GenerationDelta; a request
+                of max_tokens 0 (``is_prompt_only``) asks for one token and ends at prefill,
+                its token dropped: its one delta holds the prompt alone, finished LENGTH
   finished   -> EOS / stop token / length reported by decode, or a stop string matched
 Each request runs in its own task (the producer) and hands deltas to the API layer
 through a queue, so the API side can be cancelled (client disconnect) at any point
@@ -49,7 +51,13 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.server import current_request_id
-from services.common.types import ImageHeader, ImagePart, SamplingParams, TokenizedPrompt
+from services.common.types import (
+    FinishReason,
+    ImageHeader,
+    ImagePart,
+    SamplingParams,
+    TokenizedPrompt,
+)
 from services.engine.processing import ImageProcessor
 from services.router.admission import AdmissionManager
 from services.router.config import FlowConfig
@@ -183,6 +191,7 @@ class GenerationPipeline:
         params = self._bounded_params(request, prompt)
         output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
         job = KvJob(request.request_id, prompt, params, deadline_unix_s)
+        flow = _Flow(job, output, emit, request.is_prompt_only)
         with self.admission.ticket(request.request_id) as ticket:
             self._prefetch.start(request.request_id, prompt, _remaining(deadline_unix_s), sent)
             place_started = time.perf_counter()
@@ -190,7 +199,7 @@ class GenerationPipeline:
             emit.stats.placed(ticket.waited_s, time.perf_counter() - place_started)
             is_decode_done = False
             try:
-                is_decode_done = await self._generate(_Flow(job, output, emit), reservation, result)
+                is_decode_done = await self._generate(flow, reservation, result)
             finally:
                 self._placer.end(reservation, is_decode_done=is_decode_done)
 
@@ -231,6 +240,8 @@ class GenerationPipeline:
                 prompt_embeds=embeds.data,
                 prompt_embeds_dtype=embeds.dtype,
             )
+        if request.prompt_token_ids is not None:  # checked against the vocabulary by the API
+            return TokenizedPrompt(request.prompt_token_ids)
         with self._registry.lease(WorkerKind.TOKENIZER) as worker:
             tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_unix_s)
@@ -253,7 +264,8 @@ class GenerationPipeline:
         self, request: GenerationRequest, prompt: TokenizedPrompt
     ) -> SamplingParams:
         """The request's sampling parameters with max_new_tokens set: the client's max_tokens when
-        the context has room for it (else a 400, as vLLM answers), a default fitted to the room."""
+        the context has room for it (else a 400, as vLLM answers), a default fitted to the room,
+        1 for a prompt-only request."""
         prompt_len = len(prompt.token_ids)
         room = self._max_context_len - prompt_len
         if room <= 0:
@@ -270,6 +282,8 @@ class GenerationPipeline:
                 param=param,
             )
         wanted = request.max_tokens or self._default_max_tokens or room
+        if request.is_prompt_only:
+            wanted = 1  # prefill runs for one token, which _generate drops
         params = msgspec.structs.replace(request.params, max_new_tokens=min(wanted, room))
         params.validate()  # min_tokens against the budget it got
         return params
@@ -282,7 +296,9 @@ class GenerationPipeline:
         output.num_prefix_cached_tokens = result.num_prefix_cached_tokens
         output.num_prefix_cached_image_tokens = result.num_prefix_cached_image_tokens
         first_logprobs = () if result.first_logprob is None else (result.first_logprob,)
-        if result.finish_reason is not None:
+        if flow.is_prompt_only:  # the token was asked for prefill's sake: none is generated
+            delta = output.finish(FinishReason.LENGTH)
+        elif result.finish_reason is not None:
             delta = output.finish(result.finish_reason, [result.first_token_id], first_logprobs)
         else:
             delta = output.add_tokens([result.first_token_id], first_logprobs)
@@ -341,6 +357,7 @@ class _Flow:
     job: KvJob
     output: OutputAssembler
     emit: TimedEmit
+    is_prompt_only: bool  # GenerationRequest.is_prompt_only
 
 
 def _remaining(deadline_unix_s: float) -> float:

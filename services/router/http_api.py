@@ -4,10 +4,12 @@ health. ``http_responses.py`` turns a generation into its response; ``responses_
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import inspect
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +32,14 @@ from services.router.http_errors import (
     install_error_handlers,
     openapi_without_422,
 )
-from services.router.http_responses import full_response, stream_response
+from services.router.http_responses import Choices, full_response, stream_response
 from services.router.images import ImageLoader
 from services.router.metrics import RequestTracker, RouterMetrics
 from services.router.openai_format import LogprobFormatter, OpenAIJSONResponse, ResponseFormatter
 from services.router.openai_params import GenerationOptions, generation_options
-from services.router.openai_prompt import completion_input
+from services.router.openai_prompt import PromptInput, completion_input
 from services.router.openai_schema import ChatCompletionBody, CompletionBody, check_model
+from services.router.prompt_embeds import PromptEmbeds
 from services.router.registry import WorkerRegistry
 from services.router.responses_api import RESPONSES_PATH, ResponsesApi
 from services.router.tokenize_api import TokenizeApi
@@ -87,6 +90,7 @@ class OpenAIApi:
         self.limits = limits
         self.created = int(time.time())
         self.tool_format = tool_format
+        self._text = text
         self._token_bytes = text.token_bytes
         self.chats = ChatPlanner(
             pipeline,
@@ -113,7 +117,8 @@ class OpenAIApi:
             check_model(body.model, self.served_model_name)
             plan = await self.chats.plan(body, request, f"chatcmpl-{uuid.uuid4().hex}")
             return await self._respond(
-                plan.generation,
+                plan.generation.request_id,
+                [plan.generation],
                 plan.num_choices,
                 body.stream,
                 body.stream_options,
@@ -132,35 +137,54 @@ class OpenAIApi:
             check_model(body.model, self.served_model_name)
             options = generation_options(body, self.limits.max_stop_strings, self.limits.max_n)
             await self.pipeline.check_grammar(options.params, options.grammar_param)
-            given = completion_input(body, self.max_context_len)
-            prompt, embeds = (given, None) if isinstance(given, str) else (None, given)
-            if embeds is not None and body.echo:
-                raise InvalidRequestError(
-                    "echo needs a text prompt, not prompt_embeds", param="echo"
-                )
-            if embeds is not None and body.prompt_logprobs is not None:
-                raise InvalidRequestError(
-                    "prompt_logprobs needs a text prompt, not prompt_embeds",
-                    param="prompt_logprobs",
-                )
-            generation = self._generation(
-                f"cmpl-{uuid.uuid4().hex}", options, prompt=prompt, prompt_embeds=embeds
-            )
-            echo = prompt if body.echo else ""
+            response_id = f"cmpl-{uuid.uuid4().hex}"
+            generations = self._completion_generations(body, options, response_id)
+            echoes = [await self._echo(g) for g in generations] if body.echo else None
             return await self._respond(
-                generation,
+                response_id,
+                generations,
                 options.num_choices,
                 body.stream,
                 body.stream_options,
                 request,
                 tracker,
                 is_chat=False,
-                echo=echo,
+                echoes=echoes,
                 prompt_tops=(body.logprobs if body.echo else None, body.prompt_logprobs),
             )
         except StageServeError as exc:
             tracker.finish(exc.openai_type)
             raise
+
+    def _completion_generations(
+        self, body: CompletionBody, options: GenerationOptions, response_id: str
+    ) -> list[GenerationRequest]:
+        """One generation per prompt (ids ``<response_id>-<i>`` for a batch); a batch's
+        choices, n per prompt, count against ``--max-n``."""
+        given = completion_input(body, self.max_context_len, self._text)
+        if isinstance(given, PromptEmbeds):
+            _check_embeds_options(body)
+            return [self._generation(response_id, options, prompt_embeds=given)]
+        num_choices = len(given) * options.num_choices
+        if num_choices > self.limits.max_n:
+            raise InvalidRequestError(
+                f"prompt holds {len(given)} prompts of n={options.num_choices} choices each: "
+                f"{num_choices} choices; at most {self.limits.max_n} (this server's --max-n)",
+                param="prompt",
+            )
+        ids = [f"{response_id}-{i}" for i in range(len(given))] if len(given) > 1 else [response_id]
+        return [
+            self._generation(request_id, options, **_prompt_field(prompt))
+            for request_id, prompt in zip(ids, given, strict=True)
+        ]
+
+    async def _echo(self, generation: GenerationRequest) -> str:
+        """The prompt's text, which echo puts first: a token-id prompt decoded (special tokens
+        kept, as vLLM), on a thread."""
+        if generation.prompt_token_ids is None:
+            assert generation.prompt is not None
+            return generation.prompt
+        return await asyncio.to_thread(self._text.decode, generation.prompt_token_ids)
 
     def _generation(
         self, request_id: str, options: GenerationOptions, **prompt: Any
@@ -169,7 +193,8 @@ class OpenAIApi:
 
     async def _respond(
         self,
-        generation: GenerationRequest,
+        response_id: str,
+        generations: Sequence[GenerationRequest],
         num_choices: int,
         stream: bool,
         stream_options: Any,
@@ -177,28 +202,35 @@ class OpenAIApi:
         tracker: RequestTracker,
         *,
         is_chat: bool,
-        echo: str = "",
+        echoes: Sequence[str] | None = None,
         tools: ToolPlan | None = None,
         prompt_tops: tuple[int | None, int | None] = (None, None),
     ) -> Response:
-        """One choice per request of ``choice_requests(generation, num_choices)``; ``echo``:
-        text each output starts with (completions' echo: the prompt); ``tools``: the chat's
-        tool plan (its output parsed for calls); ``prompt_tops``:
-        ``ResponseFormatter``'s ``echo_top`` and ``prompt_top``."""
+        """``num_choices`` choices per generation (``choice_requests``), the generations' in
+        order (a batch's choice ``i`` of prompt ``p`` has index ``p * n + i``, as in vLLM);
+        ``echoes``: per generation, the text its outputs start with (completions' echo: the
+        prompt); ``tools``: the chat's tool plan (its output parsed for calls);
+        ``prompt_tops``: ``ResponseFormatter``'s ``echo_top`` and ``prompt_top``."""
         created = int(time.time())
+        requests = [c for g in generations for c in choice_requests(g, num_choices)]
         formatters = [
-            self._formatter(generation, created, index, is_chat, prompt_tops)
-            for index in range(num_choices)
+            self._formatter(response_id, r, created, index, is_chat, prompt_tops)
+            for index, r in enumerate(requests)
         ]
-        streams = [self.pipeline.stream(g) for g in choice_requests(generation, num_choices)]
-        if not stream:
-            return await full_response(formatters, streams, request, tracker, echo, tools)
-        return await stream_response(
-            formatters, streams, request, tracker, stream_options, echo, tools
+        texts = echoes or [""] * len(generations)
+        choices = Choices(
+            formatters,
+            [self.pipeline.stream(r) for r in requests],
+            [text for text in texts for _ in range(num_choices)],
+            num_choices,
         )
+        if not stream:
+            return await full_response(choices, request, tracker, tools)
+        return await stream_response(choices, request, tracker, stream_options, tools)
 
     def _formatter(
         self,
+        response_id: str,
         generation: GenerationRequest,
         created: int,
         index: int,
@@ -209,7 +241,7 @@ class OpenAIApi:
         if generation.params.return_logprobs:
             logprobs = LogprobFormatter(self._token_bytes)
         return ResponseFormatter(
-            generation.request_id,
+            response_id,
             self.served_model_name,
             created,
             is_chat=is_chat,
@@ -328,3 +360,20 @@ def create_app(api: OpenAIApi) -> FastAPI:
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"], response_model=None)
     return app
+
+
+def _prompt_field(prompt: PromptInput) -> dict[str, Any]:
+    """``GenerationRequest``'s field for a completion prompt."""
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+
+
+def _check_embeds_options(body: CompletionBody) -> None:
+    if body.echo:
+        raise InvalidRequestError(
+            "echo needs a prompt (text or token ids), not prompt_embeds", param="echo"
+        )
+    if body.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "prompt_logprobs needs a prompt (text or token ids), not prompt_embeds",
+            param="prompt_logprobs",
+        )

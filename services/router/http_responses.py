@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from services.common.errors import AbortedError, StageServeError
-from services.common.types import TokenLogprob
+from services.common.types import TokenLogprob, Usage
 from services.router.choices import Deltas, each_choice, merged, total_usage
 from services.router.metrics import RequestTracker
 from services.router.openai_format import (
@@ -33,45 +34,53 @@ from services.router.types import GenerationDelta
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Choices:
+    """A response's choices in index order, each prompt's ``num_per_prompt`` in a row (a
+    completion's batch of prompts; one prompt otherwise)."""
+
+    formatters: Sequence[ResponseFormatter]
+    streams: Sequence[Deltas]
+    echoes: Sequence[str]  # per choice, the text its output starts with (completions' echo)
+    num_per_prompt: int  # n
+
+    def usage(self, usages: Sequence[Usage]) -> Usage:
+        return total_usage(usages, self.num_per_prompt)
+
+
 async def full_response(
-    formatters: Sequence[ResponseFormatter],
-    streams: Sequence[Deltas],
-    request: Request,
-    tracker: RequestTracker,
-    echo: str,
-    tools: ToolPlan | None,
+    choices: Choices, request: Request, tracker: RequestTracker, tools: ToolPlan | None
 ) -> OpenAIJSONResponse:
-    """The whole response, once every choice's last delta came (``echo`` and ``tools``:
-    ``_respond``'s)."""
-    collected = await until_disconnect(request, each_choice(streams, _collect))
-    choices, usages = [], []
-    for formatter, (text, last, token_logprobs, prompt) in zip(formatters, collected, strict=True):
+    """The whole response, once every choice's last delta came (``tools``: ``_respond``'s)."""
+    collected = await until_disconnect(request, each_choice(choices.streams, _collect))
+    bodies, usages = [], []
+    for formatter, echo, (text, last, token_logprobs, prompt) in zip(
+        choices.formatters, choices.echoes, collected, strict=True
+    ):
         assert last.finish_reason is not None and last.usage is not None
         parsed = None if tools is None else tools.parse(text)
-        choices.append(
+        bodies.append(
             formatter.choice(echo + text, last.finish_reason, token_logprobs, parsed, prompt)
         )
         usages.append(last.usage)
-    usage = total_usage(usages)
+    usage = choices.usage(usages)
     tracker.finish("ok", usage)
-    return OpenAIJSONResponse(formatters[0].full(choices, usage))
+    return OpenAIJSONResponse(choices.formatters[0].full(bodies, usage))
 
 
 async def stream_response(
-    formatters: Sequence[ResponseFormatter],
-    streams: Sequence[Deltas],
+    choices: Choices,
     request: Request,
     tracker: RequestTracker,
     stream_options: Any,
-    echo: str,
     tools: ToolPlan | None = None,
 ) -> StreamingResponse:
     """The response as server-sent events, once every choice's first delta came; ``tools``:
     the chat's tool plan (each choice's output streamed as content and tool-call deltas)."""
-    firsts = await until_disconnect(request, each_choice(streams, anext))
+    firsts = await until_disconnect(request, each_choice(choices.streams, anext))
     include_usage = bool(stream_options and stream_options.include_usage)
-    calls = [None if tools is None else tools.stream(f, include_usage) for f in formatters]
-    events = _sse_events(formatters, firsts, streams, include_usage, tracker, echo, calls)
+    calls = [None if tools is None else tools.stream(f, include_usage) for f in choices.formatters]
+    events = _sse_events(choices, firsts, include_usage, tracker, calls)
     return _SSEResponse(
         events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
     )
@@ -108,31 +117,30 @@ def _prompt_of(delta: GenerationDelta) -> PromptLogprobs | None:
 
 
 async def _sse_events(
-    formatters: Sequence[ResponseFormatter],
+    choices: Choices,
     firsts: Sequence[GenerationDelta],
-    streams: Sequence[Deltas],
     include_usage: bool,
     tracker: RequestTracker,
-    echo: str,
     calls: Sequence[ToolCallStream | None],
 ) -> AsyncIterator[str]:
     outcome = "cancelled"  # unless the stream reaches its end
+    formatters, streams = choices.formatters, choices.streams
     deltas = merged(streams, firsts)
     try:
-        for formatter, first in zip(formatters, firsts, strict=True):
+        for formatter, echo, first in zip(formatters, choices.echoes, firsts, strict=True):
             if formatter.is_chat:
                 yield sse(formatter.chunk("", role=True, with_usage_field=include_usage))
             if echo:
                 prompt = _prompt_of(first)
                 body = None if prompt is None else formatter.echo_body(prompt)
                 yield sse(formatter.chunk(echo, with_usage_field=include_usage, logprobs=body))
-        usages = []
+        usages: dict[int, Usage] = {}
         async for index, delta in deltas:
             for event in _delta_events(formatters[index], delta, include_usage, calls[index]):
                 yield event
             if delta.usage is not None:
-                usages.append(delta.usage)
-        usage = total_usage(usages)
+                usages[index] = delta.usage
+        usage = choices.usage([usages[i] for i in range(len(formatters))])
         if include_usage:
             yield sse(formatters[0].usage_chunk(usage))
         outcome = "ok"

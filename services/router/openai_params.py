@@ -318,6 +318,8 @@ def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 
 
 def _max_tokens(body: GenerationBody) -> tuple[str, int | None]:
+    """The budget field and its value: > 0, or 0 with completions' echo (the prompt alone,
+    as vLLM serves it; the pipeline drops the one token it asks the workers for)."""
     param, value = "max_tokens", body.max_tokens
     if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
         if value is not None and value != body.max_completion_tokens:
@@ -326,9 +328,14 @@ def _max_tokens(body: GenerationBody) -> tuple[str, int | None]:
                 param="max_completion_tokens",
             )
         param, value = "max_completion_tokens", body.max_completion_tokens
-    if value is not None and value <= 0:
-        raise InvalidRequestError(f"{param} must be > 0, got {value}", param=param)
-    return param, value
+    is_completion = isinstance(body, CompletionBody)
+    least = 0 if isinstance(body, CompletionBody) and body.echo else 1
+    if value is None or value >= least:
+        return param, value
+    if least == 0:
+        raise InvalidRequestError(f"{param} must be >= 0, got {value}", param=param)
+    hint = " (0 needs echo: true, which returns the prompt alone)" if is_completion else ""
+    raise InvalidRequestError(f"{param} must be > 0, got {value}{hint}", param=param)
 
 
 def _stop_strings(stop: str | list[str] | None, max_stop_strings: int) -> tuple[str, ...]:

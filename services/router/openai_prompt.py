@@ -1,5 +1,5 @@
 """An OpenAI request's prompt as router types: a chat's messages (images loaded, tool calls
-and results written in), or a completion's prompt text or ``prompt_embeds``."""
+and results written in), or a completion's prompts (texts or token ids) or ``prompt_embeds``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from services.common.errors import InvalidRequestError
 from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart
+from services.engine.processing import TextProcessor
 from services.router import prompt_embeds, tool_prompt
 from services.router.images import ImageLoader
 from services.router.openai_schema import (
@@ -32,26 +33,62 @@ ROLES = {
 IMAGE_DETAILS = (None, "auto", "high")
 
 
-def completion_input(body: CompletionBody, max_context_len: int) -> str | PromptEmbeds:
-    """The completion's one input: its prompt text, or its ``prompt_embeds`` unpacked (fewer
-    rows than ``max_context_len``)."""
+PromptInput = str | tuple[int, ...]  # a completion prompt: its text or its token ids
+
+
+def completion_input(
+    body: CompletionBody, max_context_len: int, text: TextProcessor
+) -> list[PromptInput] | PromptEmbeds:
+    """The completion's input: its prompts (one, or the batch in order), or its
+    ``prompt_embeds`` unpacked (fewer rows than ``max_context_len``). ``text``: the model's
+    tokenizer, which token ids are checked against."""
     if (body.prompt is None) == (body.prompt_embeds is None):
         raise InvalidRequestError("give exactly one of prompt and prompt_embeds", param="prompt")
     if body.prompt_embeds is not None:
         return prompt_embeds.from_base64(body.prompt_embeds, max_context_len)
-    return completion_prompt(body)
+    prompt = body.prompt
+    assert prompt is not None
+    if isinstance(prompt, str):
+        return [check_text(prompt, "prompt")]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be an empty list", param="prompt")
+    if isinstance(prompt[0], int):
+        return [_token_ids(prompt, "prompt", max_context_len, text)]  # type: ignore[arg-type]
+    return [
+        check_text(p, f"prompt[{i}]")
+        if isinstance(p, str)
+        else _token_ids(p, f"prompt[{i}]", max_context_len, text)
+        for i, p in enumerate(prompt)
+    ]
 
 
-def completion_prompt(body: CompletionBody) -> str:
-    assert body.prompt is not None
-    if isinstance(body.prompt, str):
-        return check_text(body.prompt, "prompt")
-    if len(body.prompt) != 1:
+def _token_ids(
+    ids: list[int], param: str, max_context_len: int, text: TextProcessor
+) -> tuple[int, ...]:
+    """A token-id prompt, checked as the tokenizer checks a text's ids: not empty, shorter
+    than the context, every id in the vocabulary and none an image or video placeholder."""
+    if not ids:
+        raise InvalidRequestError(f"{param} must hold at least one token id", param=param)
+    if len(ids) >= max_context_len:
         raise InvalidRequestError(
-            f"prompt must be a string or a list of one string, got {len(body.prompt)}",
-            param="prompt",
+            f"{param} has {len(ids)} tokens; this model's context is {max_context_len} tokens",
+            param=param,
         )
-    return check_text(body.prompt[0], "prompt[0]")
+    vocab_size = text.vocab_size
+    vision_ids = {text.image_token_id, text.video_token_id}
+    for j, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"{param}[{j}] is {token_id}; token ids are in [0, {vocab_size})",
+                param=f"{param}[{j}]",
+            )
+        if token_id in vision_ids:
+            raise InvalidRequestError(
+                f"{param}[{j}] is an image or video placeholder token; raw prompts carry no "
+                "images (send images as chat messages)",
+                param=f"{param}[{j}]",
+            )
+    return tuple(ids)
 
 
 async def chat_messages(

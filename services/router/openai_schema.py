@@ -199,7 +199,8 @@ class CompletionBody(_GenerationBody):
         ("best_of", lambda v: v in (None, 1), "best_of > 1 is not supported yet"),
         ("suffix", lambda v: v in (None, ""), "suffix is not supported yet"),
     )
-    prompt: StrictStr | list[StrictStr] | None = None
+    # a text, token ids, or a batch of either (each prompt its n choices, vLLM's order)
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
     # vLLM's format: base64 of torch.save of a [num_tokens, hidden] float32/bfloat16/float16 tensor
     prompt_embeds: StrictStr | None = None
     echo: StrictBool = False  # the prompt text comes first (with logprobs: its tokens' too)

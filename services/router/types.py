@@ -9,8 +9,8 @@ from services.router.prompt_embeds import PromptEmbeds
 
 
 class GenerationRequest(msgspec.Struct, frozen=True):
-    """One request, already validated. Exactly one of ``prompt``, ``messages`` and ``prompt_embeds``
-    is set."""
+    """One request, already validated. Exactly one of ``prompt``, ``prompt_token_ids``,
+    ``messages`` and ``prompt_embeds`` is set."""
 
     request_id: str
     prompt: str | None = None
@@ -18,12 +18,22 @@ class GenerationRequest(msgspec.Struct, frozen=True):
     prompt_embeds: PromptEmbeds | None = None
     # max_new_tokens is ignored here: ``max_tokens`` below decides it against the context.
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    max_tokens: int | None = None  # None = the router's default (up to the context limit)
+    # None = the router's default (up to the context limit); 0 = the prompt alone
+    # (``is_prompt_only``)
+    max_tokens: int | None = None
     # The request field that set max_tokens: more than the context leaves is a 400 naming it.
     # None: max_tokens is a default (gRPC's unset max_new_tokens), fitted to the context.
     max_tokens_param: str | None = "max_tokens"
     stop: tuple[str, ...] = ()
     timeout_s: float = 300.0
+    prompt_token_ids: tuple[int, ...] | None = None  # a completion prompt given as token ids
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """max_tokens 0 (completions' echo): the workers are asked for one token, which the
+        pipeline drops; the one delta holds the prompt's ids and logprobs, no token, and
+        finishes with LENGTH."""
+        return self.max_tokens == 0
 
     @property
     def prompt_param(self) -> str:

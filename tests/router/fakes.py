@@ -3,7 +3,8 @@
 
 The output of every request comes from one ``Script``: the token ids the model
 "generates" (the first from prefill, the rest streamed by decode), how decode chunks
-and paces them, and how it fails. The tokenizer fake encodes prompt text with the tiny
+and paces them, and how it fails. Prefill answers the logprobs a request asks for
+(``fake_logprob``: the first token's, the prompt's); decode answers none. The tokenizer fake encodes prompt text with the tiny
 checkpoint's tokenizer and gives each image a fixed number of placeholder tokens.
 
 Each fake also has per-worker knobs (set on its servicer) for fault tests: ``hang`` makes
@@ -37,6 +38,8 @@ from services.common.pb.stageserve.v1 import (
     tokenizer_pb2_grpc,
 )
 from services.common.server import HealthState, create_server
+from services.common.types import TokenLogprob
+from services.common.wire import sampling_params_from_proto, token_logprob_to_proto
 from services.engine.processing import TextProcessor
 from tests.conftest import TINY_MODEL_DIR
 
@@ -66,6 +69,18 @@ class Script:
     reserve_error: Exception | None = None
     prefill_error: Exception | None = None
     tokenize_error: Exception | None = None
+
+
+def fake_logprob(token_id: int, position: int, num_top: int) -> TokenLogprob:
+    """The fake model's logprob of ``token_id`` at ``position`` (exact in float32) and its
+    ``num_top`` top ones: the token, then the ids after it, each 0.25 less likely."""
+    logprob = -(position + 1) / 8
+    return TokenLogprob(
+        token_id,
+        logprob,
+        tuple(token_id + k for k in range(num_top)),
+        tuple(logprob - k / 4 for k in range(num_top)),
+    )
 
 
 HANG_S = 3600.0  # "forever": a hanging call ends when its caller cancels it
@@ -169,11 +184,25 @@ class FakePrefill(prefill_pb2_grpc.PrefillServicer):
             num_prefix_cached_tokens=self.prefix_cached[0],
             num_prefix_cached_image_tokens=self.prefix_cached[1],
         )
+        self._add_logprobs(request, response)
         if first == EOS_ID:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
         elif request.sampling_params.max_new_tokens == 1:
             response.finish_reason = common_pb2.FINISH_REASON_LENGTH
         return response
+
+    @staticmethod
+    def _add_logprobs(request: Any, response: prefill_pb2.PrefillResponse) -> None:
+        params = sampling_params_from_proto(request.sampling_params)
+        ids = list(request.token_ids)
+        if params.return_logprobs:
+            first = fake_logprob(response.first_token_id, len(ids), params.num_top_logprobs)
+            response.first_logprob.CopyFrom(token_logprob_to_proto(first))
+        if params.num_prompt_logprobs >= 0:
+            response.prompt_logprobs.extend(
+                token_logprob_to_proto(fake_logprob(t, i, params.num_prompt_logprobs))
+                for i, t in enumerate(ids[1:], start=1)
+            )
 
 
 @dataclass

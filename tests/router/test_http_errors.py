@@ -187,8 +187,9 @@ async def test_tokenizer_rejection_is_a_400(http, cluster):
 
 
 async def test_bad_completion_prompt(http):
-    response = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ["a", "b"]})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    # a batch is texts or token-id lists, not both
+    response = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ["a", [1]]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt[1]"
     response = await http.post("/v1/completions", json={"model": MODEL_NAME})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
 
