@@ -97,7 +97,9 @@ def disagreement(manifests: Sequence[dict[str, object]]) -> str | None:
 def agree_on_manifest(ctx: RankContext, manifest: dict[str, object]) -> None:
     """Every rank's ``manifest`` all-gathered over the CPU group; ``ValueError`` on every rank,
     naming the rank, unless they are all equal (a group that would run different models or
-    layouts refuses to form)."""
+    layouts refuses to form). A world of one has nobody to disagree with."""
+    if ctx.world_size == 1:
+        return
     manifests: list[dict[str, object]] = [{}] * ctx.world_size
     dist.all_gather_object(manifests, manifest, group=ctx.cpu_group)
     problem = disagreement(manifests)
