@@ -3,6 +3,8 @@
     python -m benchmarks.system [--out docs/benchmarks.md] [--concurrency 1,64,256]
         [--input-len 1000] [--output-len 1000] [--decode-dp 1] [--router-workers 4]
     python -m benchmarks.system --quick      # CPU smoke run on the bundled tiny model
+    python -m benchmarks.system --decode-device cuda:0,cuda:1 --decode-tp 2 --prefill-tp 2
+        # tensor parallelism on two GPUs (run it against the same command without the TP flags)
     python -m benchmarks.system --sglang-bench-serving PATH/bench_serving.py  # SGLang's too
 
 In one run: writes (or reuses) a checkpoint with 7B dimensions, random bf16 weights and the
@@ -91,6 +93,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--decode-device", default=None, help="decode's devices, e.g. cuda:0,cuda:1 (one rank each)"
     )
     p.add_argument("--router-workers", type=int, default=None, help="default: stageserve up's")
+    for stage in ("prefill", "decode"):  # tensor and expert parallelism, passed to up
+        p.add_argument(
+            f"--{stage}-tp",
+            type=int,
+            default=1,
+            help=f"up's --{stage}-tp (processes per {stage} rank, one GPU each on CUDA)",
+        )
+        p.add_argument(f"--{stage}-ep", type=int, default=1, help=f"up's --{stage}-ep")
     p.add_argument(
         "--prefill-first-ms",
         type=float,
@@ -218,7 +228,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         monitor,
     )
     print("\n".join(engine_lines(engine)), flush=True)
-    num_ranks = len(args.decode_device.split(",")) if args.decode_device else args.decode_dp
+    num_ranks = (
+        len(args.decode_device.split(",")) // args.decode_tp
+        if args.decode_device
+        else args.decode_dp
+    )
     num_pages = (
         args.num_pages
         or max(levels) * -(-(input_len + output_len + TEMPLATE_TOKENS) // 16) // num_ranks + 64
@@ -244,6 +258,9 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         up_args += ["--decode-device", args.decode_device]
     if args.prefill_first_ms is not None:
         up_args += ["--prefill-first-ms", str(args.prefill_first_ms)]
+    for flag in ("prefill_tp", "prefill_ep", "decode_tp", "decode_ep"):
+        if getattr(args, flag) != 1:
+            up_args += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     with running_system(up_args, args.workdir, "stageserve-system-") as system:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model

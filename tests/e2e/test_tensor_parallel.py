@@ -7,7 +7,8 @@ over each TP group, every batch CP-sharded, DeepStack rows included, and decode 
 (each prefill rank's heads into the decode rank's pool of the same heads); the tiny Qwen2.5-VL
 with prefill at TP = 4 (more ranks than KV heads: each head on two ranks, one writes it) and two
 decode DP ranks of TP = 2; the dense tiny Qwen3-VL with prefill at TP = 1 writing every head
-into the two pools of a TP = 2 decode rank.
+into the two pools of a TP = 2 decode rank, and at TP = 2 into a TP = 4 decode rank (each KV
+head on two decode processes: a prefill rank writes its head into both pools).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ LAYOUTS = {
         4,
     ),
     "qwen3-tp1-into-tp2": (QWEN3_DIR, ("--decode-tp", "2"), 1, 2),
+    "qwen3-tp2-into-tp4": (QWEN3_DIR, ("--prefill-tp", "2", "--decode-tp", "4"), 2, 4),
 }
 
 
