@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from services.cli_up_checks import (
     check_decode_dp,
+    check_kv_store,
     check_log_format,
     check_model_and_port,
     check_prefill_cp,
@@ -54,12 +55,12 @@ def _run_up(args: argparse.Namespace) -> int:
     envs = Envs.from_environ()
     try:  # fail here, not as a service that exits before READY
         cfg, chosen = _launch_config(args, envs)
-        exposure = check_transfers(cfg)
+        exposures = (check_transfers(cfg), check_kv_store(cfg))
         env = child_environment(os.environ, api_key=args.api_key)  # AuthConfigError: a bad key
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if exposure is not None:
+    for exposure in dict.fromkeys(e for e in exposures if e is not None):  # said once
         print(f"warning: {exposure}", file=sys.stderr)
     print(f"stageserve up: {chosen}", file=sys.stderr, flush=True)
     return run_up(cfg, env)

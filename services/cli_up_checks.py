@@ -6,7 +6,12 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from services.common.exposure import check_transfer_exposure
+from services.common.exposure import (
+    MOONCAKE_EXPOSURE,
+    ExposureError,
+    check_transfer_exposure,
+    is_loopback_host,
+)
 from services.common.kv_transfer import (
     BACKENDS,
     check_cross_process,
@@ -121,3 +126,45 @@ def check_transfers(cfg: LaunchConfig) -> str | None:
     kv_backend = resolve_kv_backend(cfg.kv_transfer_backend, cfg.transfer_backend)
     check_cross_process(kv_backend, ONE_PROCESS_EACH)
     return check_transfer_exposure(cfg.host, (cfg.transfer_backend, kv_backend))
+
+
+def check_kv_store(cfg: LaunchConfig) -> str | None:
+    """With ``--kv-store-gb``: prefill can use a store of that segment size, and
+    ``mooncake_master`` is installed (``ValueError``); the store's clients (prefill's ranks)
+    listen on every interface, so a loopback ``--host`` is refused (``ExposureError``) and
+    any other gets the warning this returns. None without a store."""
+    gb = cfg.kv_store_gb
+    if not gb:
+        return None
+    from services.prefill.kv_store import MIN_SEGMENT_BYTES
+    from services.prefill.kv_store_master import master_binary
+
+    if cfg.disable_prefix_cache:
+        raise ValueError(
+            "--kv-store-gb is the prefix cache's third tier: not with --disable-prefix-cache"
+        )
+    if cfg.prefill_tp > 1:
+        raise ValueError(
+            f"--kv-store-gb with --prefill-tp {cfg.prefill_tp}: the store keeps whole pages, "
+            "and a tensor-parallel rank holds some of each page's KV heads"
+        )
+    if gb * 1e9 < MIN_SEGMENT_BYTES:
+        raise ValueError(
+            f"--kv-store-gb must be 0 or at least {MIN_SEGMENT_BYTES / 1e9:g} (Mooncake's "
+            f"smallest segment), got {gb:g}"
+        )
+    try:
+        master_binary()
+    except FileNotFoundError:
+        raise ValueError(
+            "--kv-store-gb starts a mooncake_master, which is not installed (neither in the "
+            "mooncake package nor on PATH): install stageserve's cpu or gpu extra (bash "
+            "scripts/install.sh cpu, or gpu; it also installs libibverbs1 librdmacm1 libnuma1)"
+        ) from None
+    if is_loopback_host(cfg.host):
+        raise ExposureError(
+            f"--kv-store-gb cannot stay on --host {cfg.host}: {MOONCAKE_EXPOSURE} (prefill's "
+            "store clients); give a non-loopback --host and fence Mooncake's ports off "
+            "(firewall, NetworkPolicy), or keep evicted pages in host memory (--host-cache-gb)"
+        )
+    return check_transfer_exposure(cfg.host, ("mooncake",))

@@ -255,6 +255,15 @@ class LaunchConfig:
         help="prefill's --host-cache-gb: host memory (GB) per prefill rank for the prefix "
         "cache's second tier (default: prefill's, none)",
     )
+    kv_store_gb: float = flag(
+        0.0,
+        type=non_negative,
+        help="memory (GB) each prefill rank lends a Mooncake store, the prefix cache's third "
+        "tier: up starts and supervises a mooncake_master on a free 127.0.0.1 port and gives "
+        "prefill --kv-store-master and --kv-store-segment-gb (needs the cpu or gpu extra, and "
+        "a non-loopback --host: the store's clients listen on every interface; default 0: no "
+        "store)",
+    )
     prefill_cp: int = flag(
         1,
         type=at_least(1),

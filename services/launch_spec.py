@@ -18,6 +18,8 @@ from services.common.settings import config_to_argv
 from services.decode.config import DecodeConfig
 from services.launch_config import METRICS_PORT_ORDER, LaunchConfig
 from services.prefill.config import PrefillConfig
+from services.prefill.kv_store_master import MASTER_HOST
+from services.prefill.kv_store_master import SERVICE as KV_STORE_SERVICE
 from services.router.config import FlowConfig, LimitsConfig, RouterConfig, WorkerAddresses
 from services.tokenizer.config import TokenizerConfig
 from services.vision_encoder.config import VisionEncoderConfig
@@ -201,8 +203,30 @@ def decode_spec(cfg: LaunchConfig) -> ChildSpec:
     return ChildSpec("decode", args, first_ports(cfg, "decode"))
 
 
-def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfig:
-    """Prefill's config as ``up`` starts it, its vision encoder at ``encoder_address``."""
+def kv_store_spec(cfg: LaunchConfig) -> ChildSpec | None:
+    """The Mooncake store's master (``services.prefill.kv_store_master``) when
+    ``cfg.kv_store_gb`` asks for a store: any free gRPC (health), metrics and master port."""
+    if not cfg.kv_store_gb:
+        return None
+    ports = {"port": 0, "metrics_port": 0, "master_port": 0}
+    return ChildSpec("kv_store_master", (), ports, KV_STORE_SERVICE)
+
+
+def kv_store_address(master_port: int | str) -> str:
+    """Prefill's ``--kv-store-master`` for the master ``up`` started on ``master_port``."""
+    return f"{MASTER_HOST}:{master_port}"
+
+
+def prefill_config(
+    cfg: LaunchConfig, encoder_address: str = "", kv_store_master: str = ""
+) -> PrefillConfig:
+    """Prefill's config as ``up`` starts it, its vision encoder at ``encoder_address``, the
+    master of its KV store (with ``cfg.kv_store_gb``) at ``kv_store_master``."""
+    store = (
+        {"kv_store_master": kv_store_master, "kv_store_segment_gb": cfg.kv_store_gb}
+        if kv_store_master
+        else {}
+    )
     return PrefillConfig(
         **_service_settings(cfg, "prefill"),
         encoder_address=encoder_address,
@@ -223,13 +247,14 @@ def prefill_config(cfg: LaunchConfig, encoder_address: str = "") -> PrefillConfi
             cp_min_tokens=cfg.prefill_cp_min_tokens,
             drain_timeout_s=cfg.drain_timeout_s,
         ),
+        **store,
         gpu_share_file=_gpu_share_file(cfg),
     )
 
 
-def prefill_spec(cfg: LaunchConfig, encoder_address: str) -> ChildSpec:
+def prefill_spec(cfg: LaunchConfig, encoder_address: str, kv_store_master: str = "") -> ChildSpec:
     """Prefill's own flags, from its config (its rank processes, CP x TP, as ``--ranks``)."""
-    config = prefill_config(cfg, encoder_address)
+    config = prefill_config(cfg, encoder_address, kv_store_master)
     args = (*config_to_argv(config, skip=COMMON_SETTINGS), *_ranks_arg(cfg.prefill_ranks))
     return ChildSpec("prefill", args, first_ports(cfg, "prefill"))
 

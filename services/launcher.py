@@ -1,7 +1,9 @@
 """``stageserve up``: every service as its own OS process on one machine, supervised.
 
 Start order follows the dependencies: tokenizer, vision encoder and decode first
-(in parallel), then prefill (needs the encoder), then the router (needs everyone).
+(in parallel; with ``kv_store_gb`` the KV store's master too, ``kv_store_spec``), then prefill
+(needs the encoder, and the master's address; once it is ready every rank must have lent the
+store its memory, ``check_store``), then the router (needs everyone).
 Each child binds port 0 (its metrics port: ``metrics_port_base`` + its place in
 ``METRICS_PORT_ORDER`` when a base is given) and reports ``READY <name> port=...
 metrics_port=...`` on stdout; the launcher waits for that line (bounded), then passes the
@@ -20,7 +22,8 @@ Children die with the launcher: they are asked for SIGTERM on the launcher's dea
 routers (SIGTERM: they refuse new requests and finish their streams, up to their drain budget
 and the rest of their shutdown, ``router_stop_s``), then stops the workers in reverse start
 order (SIGTERM, then SIGKILL after ``worker_stop_s``: decode and prefill drain too, within the
-same budget), so no process outlives it. A second Ctrl-C /
+same budget), the KV store's master last (prefill's store clients close against it), so no
+process outlives it. A second Ctrl-C /
 SIGTERM cuts the drain short (the routers are killed). The children run in their own process
 group, so a terminal's Ctrl-C reaches the launcher alone and the workers outlive the drain.
 """
@@ -49,6 +52,8 @@ from services.launch_spec import (
     common_args,
     decode_spec,
     encoder_spec,
+    kv_store_address,
+    kv_store_spec,
     port_args,
     prefill_spec,
     router_args,
@@ -58,6 +63,7 @@ from services.launch_spec import (
     tokenizer_spec,
     worker_stop_s,
 )
+from services.prefill.kv_store_master import SERVICE as KV_STORE_SERVICE
 from services.supervisor import ChildSupervisor
 
 _PR_SET_PDEATHSIG = 1
@@ -242,12 +248,17 @@ class Launcher:
 
     def start_all(self) -> Child:
         cfg = self.cfg
+        store_spec = kv_store_spec(cfg)
+        store = self.start(store_spec) if store_spec is not None else None  # first: stops last
         tokenizer = self.start(tokenizer_spec(cfg))
         encoder = self.start(encoder_spec(cfg))
         decode = self.start(decode_spec(cfg))
-        self.wait_ready([tokenizer, encoder, decode])
-        prefill = self.start(prefill_spec(cfg, encoder.address))
+        self.wait_ready([c for c in (store, tokenizer, encoder, decode) if c is not None])
+        store_address = "" if store is None else kv_store_address(store.ready["master_port"])
+        prefill = self.start(prefill_spec(cfg, encoder.address, store_address))
         self.wait_ready([prefill])
+        if store is not None:
+            self.check_store(store)
         args = router_args(
             cfg,
             tokenizer=tokenizer.address,
@@ -262,6 +273,23 @@ class Launcher:
         self.wait_ready(others)
         self.write_state()
         return router
+
+    def check_store(self, store: Child) -> None:
+        """Every prefill rank lent the KV store its ``kv_store_gb`` (a rank that could not
+        connect logs why and serves without the tier): ``UnavailableError`` otherwise."""
+        from services.prefill.kv_store_master import lent_bytes
+
+        expected = self.cfg.prefill_ranks * int(self.cfg.kv_store_gb * 1e9)
+        try:
+            lent = lent_bytes(int(store.ready["metrics_port"]))
+        except OSError as exc:
+            raise UnavailableError(f"the KV store's master does not answer: {exc}") from exc
+        if lent < expected:
+            raise UnavailableError(
+                f"prefill's ranks lent the KV store {lent} of {expected} bytes: a rank could "
+                "not connect (its log says why: 'no KV store on this rank')"
+                + self.log_hint("prefill")
+            )
 
     def write_state(self) -> None:
         """Pids and ports of the current children as JSON, replaced atomically (no reader sees
@@ -285,7 +313,10 @@ class Launcher:
         then SIGTERM the workers in reverse start order, wait for each up to its
         ``worker_stop_s``; SIGKILL what is left."""
         routers = [c for c in self.children if c.service == "router"]
-        workers = [c for c in reversed(self.children) if c.service != "router"]
+        stores = [c for c in self.children if c.service == KV_STORE_SERVICE]
+        workers = [
+            c for c in reversed(self.children) if c.service not in ("router", KV_STORE_SERVICE)
+        ]
         if any(c.process.poll() is None for c in routers):
             print(
                 f"draining the routers (up to {router_stop_s(self.cfg):g} s; Ctrl-C again stops "
@@ -295,6 +326,7 @@ class Launcher:
             )
         self._stop(routers, lambda c: router_stop_s(self.cfg), self.hurry)
         self._stop(workers, lambda c: worker_stop_s(self.cfg, c.service))
+        self._stop(stores, lambda c: self.cfg.stop_grace_s)  # once prefill closed its clients
         if self.cfg.gpu_share_file is not None:  # prefill's and decode's, both stopped
             self.cfg.gpu_share_file.unlink(missing_ok=True)
 

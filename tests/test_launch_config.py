@@ -47,6 +47,7 @@ def test_every_setting_of_the_config_parses_back_into_it() -> None:
         prefill_num_pages=4096,
         disable_prefix_cache=True,
         host_cache_gb=2.5,
+        kv_store_gb=0.5,
         prefill_cp=2,
         ready_timeout_s=60.0,
         liveness=LivenessPolicy(4.0),
