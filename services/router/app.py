@@ -40,7 +40,7 @@ from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
 from services.router.policy import make_policy
 from services.router.registry import HealthProbe, WorkerRegistry
-from services.router.servicer import RouterServicer
+from services.router.servicer import RouterServicer, ServicerLimits
 from services.router.tools import resolve_tool_format
 from services.router.workers import Worker, WorkerKind, parse_dns_name
 
@@ -174,11 +174,15 @@ class RouterApp:
             self.pipeline,
             self.metrics,
             cfg.served_model_name,
-            limits.request_timeout_s,
-            limits.max_stop_strings,
-            limits.max_image_bytes,
-            cfg.max_context_len,
+            ServicerLimits(
+                limits.request_timeout_s,
+                limits.max_stop_strings,
+                limits.max_image_bytes,
+                cfg.max_context_len,
+                limits.max_n,
+            ),
             self.images,
+            self.api.tool_format,
         )
         return create_server(
             [(router_pb2_grpc.add_RouterServicer_to_server, servicer)],

@@ -1,7 +1,8 @@
 """A chat request checked and turned into one generation: its sampling options, its tool plan
 (with the call grammar where a call is required), the grammar compiled, its messages with the
 images loaded. ``/v1/chat/completions`` serves the plan; ``/v1/responses`` plans the chat
-request it converts to (``responses_input.py``)."""
+request it converts to (``responses_input.py``); gRPC ``Router.Generate`` makes the same plan
+from its request (``servicer.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
+from services.common.types import SamplingParams
 from services.router.generation import GenerationPipeline
 from services.router.http_responses import until_disconnect
 from services.router.images import ImageLoader
@@ -45,6 +47,16 @@ def generation_request(
     )
 
 
+def with_tool_grammar(
+    params: SamplingParams, grammar_param: str, tools: ToolPlan | None
+) -> tuple[SamplingParams, str]:
+    """``params`` under the tools' call grammar where they require a call (the field to blame
+    then: ``tools``), else as they are; with the field that set the grammar."""
+    if tools is None or tools.grammar is None:
+        return params, grammar_param
+    return msgspec.structs.replace(params, grammar=tools.grammar), "tools"
+
+
 @dataclass(frozen=True)
 class ChatPlanner:
     pipeline: GenerationPipeline
@@ -59,10 +71,8 @@ class ChatPlanner:
         client goes away while images load."""
         options = generation_options(body, self.max_stop_strings, self.max_n)
         tools = tool_plan(body, self.tool_format)
-        grammar_param = options.grammar_param
-        if tools is not None and tools.grammar is not None:
-            params = msgspec.structs.replace(options.params, grammar=tools.grammar)
-            options, grammar_param = dataclasses.replace(options, params=params), "tools"
+        params, grammar_param = with_tool_grammar(options.params, options.grammar_param, tools)
+        options = dataclasses.replace(options, params=params)
         await self.pipeline.check_grammar(options.params, grammar_param)
         listed = None if tools is None else list(tools.tools)
         messages = await until_disconnect(

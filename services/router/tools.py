@@ -9,6 +9,9 @@ the output is constrained to JSON calls (xgrammar, strict mode), ``{"name": ...,
 "arguments": ...}`` with the arguments following that tool's ``parameters``: one call object
 for a named function or ``parallel_tool_calls: false``, else an array of at least one call.
 This is the JSON fallback vLLM uses, not the model's own ``<tool_call>`` envelope.
+
+Both APIs plan through ``plan_tools``: HTTP from the chat body (``tool_plan``), gRPC from
+``GenerateRequest.tools`` (the servicer), each naming its own fields in errors (``ToolParams``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from services.common.errors import InvalidRequestError
 from services.common.types import MAX_GRAMMAR_SPEC_LEN, Grammar, GrammarKind
@@ -87,80 +92,147 @@ class ToolPlan:
         return None if parser is None else ToolCallStream(parser, formatter, include_usage)
 
 
+class FunctionTool(msgspec.Struct, frozen=True):
+    """One function tool of a request, whichever API it came through."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the JSON schema of its arguments object
+    strict: bool | None = None
+
+    def listing(self) -> dict[str, Any]:
+        """The tool object as the prompt lists it: OpenAI's shape, unset fields left out."""
+        function = {
+            "name": self.name,
+            "description": self.description,
+            "parameters": self.parameters,
+            "strict": self.strict,
+        }
+        kept = {key: value for key, value in function.items() if value is not None}
+        return {"type": "function", "function": kept}
+
+
+@dataclass(frozen=True)
+class ToolParams:
+    """Where an API keeps its tool fields, as its errors name them."""
+
+    tool: str  # the i-th tool's function fields, a format of i
+    mode: str  # tool_choice none / auto / required
+    named: str  # tool_choice naming a function
+
+
+HTTP_TOOL_PARAMS = ToolParams("tools[{i}].function", "tool_choice", "tool_choice")
+
+
 def tool_plan(body: ChatCompletionBody, style: ToolFormat = ToolFormat.HERMES) -> ToolPlan | None:
-    """The request's plan, None without tools; ``InvalidRequestError`` naming the field.
+    """The chat request's plan, None without tools; ``InvalidRequestError`` naming the field.
     ``style``: the model's tool-call format."""
-    if body.tools == []:
-        raise InvalidRequestError("tools must hold at least one tool", param="tools")
-    if body.tools is None:
-        for field in ("tools", "tool_choice", "parallel_tool_calls"):
-            if getattr(body, field) not in (None, "none"):
+    tools = None if body.tools is None else _function_tools(body.tools)
+    choice, named = body.tool_choice, None
+    if choice is not None and not isinstance(choice, str):
+        if choice.type != "function":
+            raise InvalidRequestError(
+                f"tool_choice type must be function, got {choice.type!r}", param="tool_choice"
+            )
+        choice, named = None, choice.function.name
+    constrained = constraint_fields(body)  # response_format, structured_outputs, guided_*
+    return plan_tools(tools, choice, named, body.parallel_tool_calls, constrained, style)
+
+
+def plan_tools(
+    tools: list[FunctionTool] | None,
+    mode: str | None,
+    named: str | None,
+    parallel_tool_calls: bool | None,
+    constrained: list[str],
+    style: ToolFormat,
+    params: ToolParams = HTTP_TOOL_PARAMS,
+) -> ToolPlan | None:
+    """The plan of a request's tools (None: it has none), tool choice (``mode``: none / auto /
+    required, or the ``named`` function; neither: auto) and ``parallel_tool_calls``;
+    ``constrained``: the request's fields that constrain the output (a required call cannot
+    join them). ``InvalidRequestError`` naming the field as ``params`` locate it."""
+    if tools is None:
+        given = [
+            (params.mode, mode not in (None, "none")),
+            (params.named, named is not None),
+            ("parallel_tool_calls", parallel_tool_calls is not None),
+        ]
+        for field, is_set in given:
+            if is_set:
                 raise InvalidRequestError(f"{field} needs tools", param=field)
         return None
-    tools = _checked_tools(body.tools)
-    names = tuple(t.function.name for t in tools)
-    mode, names = _choice(body.tool_choice, names)
-    is_parallel = body.parallel_tool_calls is not False
+    _check_tools(tools, params)
+    tool_mode, names = _choice(mode, named, tuple(t.name for t in tools), params)
+    is_parallel = parallel_tool_calls is not False
     grammar = None
-    if mode in (ToolMode.REQUIRED, ToolMode.NAMED):
-        constrained = constraint_fields(body)  # response_format, structured_outputs, guided_*
+    if tool_mode in (ToolMode.REQUIRED, ToolMode.NAMED):
         if constrained:
             raise InvalidRequestError(
                 f"{constrained[0]} cannot be combined with tool_choice required or a named "
                 "function",
                 param=constrained[0],
             )
-        chosen = [t for t in tools if t.function.name in names]
-        grammar = _grammar(chosen, is_array=mode is ToolMode.REQUIRED and is_parallel)
-    dumped = tuple(t.model_dump(exclude_none=True) for t in tools)
-    return ToolPlan(mode, dumped, names, is_parallel, grammar, style)
+        chosen = [t for t in tools if t.name in names]
+        grammar = _grammar(chosen, is_array=tool_mode is ToolMode.REQUIRED and is_parallel)
+    listed = tuple(t.listing() for t in tools)
+    return ToolPlan(tool_mode, listed, names, is_parallel, grammar, style)
 
 
-def _checked_tools(tools: list[ToolBody]) -> list[ToolBody]:
-    if len(tools) > MAX_TOOLS:
-        raise InvalidRequestError(
-            f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed", param="tools"
-        )
-    seen: set[str] = set()
+def _function_tools(tools: list[ToolBody]) -> list[FunctionTool]:
     for i, tool in enumerate(tools):
         if tool.type != "function":
             raise InvalidRequestError(
                 f"unsupported tool type {tool.type!r}; expected function",
                 param=f"tools[{i}].type",
             )
-        name = tool.function.name
-        if not _NAME.fullmatch(name) or name in seen:
-            raise InvalidRequestError(
-                f"tool names must be unique and match [A-Za-z0-9_-]{{1,64}}, got {name!r}",
-                param=f"tools[{i}].function.name",
-            )
-        seen.add(name)
-    return tools
+    return [
+        FunctionTool(f.name, f.description, f.parameters, f.strict)
+        for f in (tool.function for tool in tools)
+    ]
 
 
-def _choice(choice: Any, names: tuple[str, ...]) -> tuple[ToolMode, tuple[str, ...]]:
-    if choice is None:
-        return ToolMode.AUTO, names
-    if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise InvalidRequestError(
-                f"tool_choice must be none, auto, required or a named function, got {choice!r}",
-                param="tool_choice",
-            )
-        return ToolMode(choice), names
-    if choice.type != "function" or choice.function.name not in names:
+def _check_tools(tools: list[FunctionTool], params: ToolParams) -> None:
+    if not tools:
+        raise InvalidRequestError("tools must hold at least one tool", param="tools")
+    if len(tools) > MAX_TOOLS:
         raise InvalidRequestError(
-            f"tool_choice names no function of tools: {choice.function.name!r}",
-            param="tool_choice",
+            f"tools holds {len(tools)} tools; at most {MAX_TOOLS} are allowed", param="tools"
         )
-    return ToolMode.NAMED, (choice.function.name,)
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if not _NAME.fullmatch(tool.name) or tool.name in seen:
+            raise InvalidRequestError(
+                f"tool names must be unique and match [A-Za-z0-9_-]{{1,64}}, got {tool.name!r}",
+                param=f"{params.tool.format(i=i)}.name",
+            )
+        seen.add(tool.name)
 
 
-def _grammar(tools: list[ToolBody], *, is_array: bool) -> Grammar:
+def _choice(
+    mode: str | None, named: str | None, names: tuple[str, ...], params: ToolParams
+) -> tuple[ToolMode, tuple[str, ...]]:
+    if named is not None:
+        if named not in names:
+            raise InvalidRequestError(
+                f"tool_choice names no function of tools: {named!r}", param=params.named
+            )
+        return ToolMode.NAMED, (named,)
+    if mode is None:
+        return ToolMode.AUTO, names
+    if mode not in ("none", "auto", "required"):
+        raise InvalidRequestError(
+            f"tool_choice must be none, auto, required or a named function, got {mode!r}",
+            param=params.mode,
+        )
+    return ToolMode(mode), names
+
+
+def _grammar(tools: list[FunctionTool], *, is_array: bool) -> Grammar:
     defs: dict[str, Any] = {}
     calls = []
     for tool in tools:
-        parameters = dict(tool.function.parameters or {"type": "object", "properties": {}})
+        parameters = dict(tool.parameters or {"type": "object", "properties": {}})
         for key, value in parameters.pop("$defs", {}).items():
             if defs.setdefault(key, value) != value:
                 raise InvalidRequestError(
@@ -170,7 +242,7 @@ def _grammar(tools: list[ToolBody], *, is_array: bool) -> Grammar:
         calls.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
+                "properties": {"name": {"const": tool.name}, "arguments": parameters},
                 "required": ["name", "arguments"],
             }
         )

@@ -9,6 +9,9 @@
         for chunk in client.stream(messages=chat):
             print(chunk.text, end="", flush=True)
 
+``Sampling(grammar=Grammar(GrammarKind.JSON_SCHEMA, schema_json))`` constrains the output;
+``num_choices`` asks for several samples (``generate_choices``); ``tools`` with ``messages``
+lists functions the model may call, and ``Completion.tool_calls`` holds the calls it made.
 ``AsyncClient`` is the same for asyncio. A failed call raises the ``StageServeError`` subclass
 of its gRPC status (the router's own class and ``param`` when it sent them), carrying the
 call's ``request_id``; ``CapacityError`` (``OverloadedError``) and ``UnavailableError`` are
@@ -26,10 +29,20 @@ from services.common.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from services.common.types import FinishReason, Usage
+from services.common.types import FinishReason, Grammar, GrammarKind, Usage
 from stageserve.client.aio import AsyncClient, AsyncStream
 from stageserve.client.sync import Client, Stream
-from stageserve.client.types import Chunk, Completion, Image, Message, Sampling
+from stageserve.client.types import (
+    Chunk,
+    Completion,
+    Image,
+    Message,
+    Sampling,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+)
 
 __all__ = [
     "AbortedError",
@@ -41,6 +54,8 @@ __all__ = [
     "Completion",
     "DeadlineExceededError",
     "FinishReason",
+    "Grammar",
+    "GrammarKind",
     "Image",
     "InvalidRequestError",
     "Message",
@@ -49,6 +64,10 @@ __all__ = [
     "Sampling",
     "StageServeError",
     "Stream",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",

@@ -11,7 +11,7 @@ import grpc
 
 from services.common.errors import AbortedError
 from services.common.pb.stageserve.v1 import router_pb2_grpc
-from stageserve.client.calls import CHANNEL_OPTIONS, BaseClient, CallOptions
+from stageserve.client.calls import CHANNEL_OPTIONS, BaseClient, CallOptions, check_one_choice
 from stageserve.client.errors import error_from_rpc
 from stageserve.client.types import Chunk, Completion, CompletionBuilder, chunk_from_proto
 
@@ -45,11 +45,18 @@ class AsyncStream:
         return chunk_from_proto(response)
 
     async def completion(self) -> Completion:
-        """Every remaining chunk, joined."""
+        """Every remaining chunk, joined (a call of one choice)."""
+        return (await self._builder()).completion()
+
+    async def completions(self) -> tuple[Completion, ...]:
+        """Every remaining chunk, joined per choice, by choice index."""
+        return (await self._builder()).completions()
+
+    async def _builder(self) -> CompletionBuilder:
         builder = CompletionBuilder()
         async for chunk in self:
             builder.add(chunk)
-        return builder.completion()
+        return builder
 
     def cancel(self) -> None:
         self._is_cancelled = True
@@ -87,9 +94,17 @@ class AsyncClient(BaseClient):
     async def generate(
         self, prompt: str | None = None, **options: Unpack[CallOptions]
     ) -> Completion:
-        """``stream`` with the same arguments, joined into one ``Completion``."""
+        """``Client.generate``: ``stream`` with the same arguments, one choice, joined."""
+        check_one_choice(options)
         async with self.stream(prompt, **options) as stream:
             return await stream.completion()
+
+    async def generate_choices(
+        self, prompt: str | None = None, **options: Unpack[CallOptions]
+    ) -> tuple[Completion, ...]:
+        """``stream`` with the same arguments, joined into each choice's ``Completion``."""
+        async with self.stream(prompt, **options) as stream:
+            return await stream.completions()
 
     async def close(self) -> None:
         await self._channel.close()

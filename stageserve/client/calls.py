@@ -11,7 +11,7 @@ from typing import TypedDict
 from services.common.auth import API_KEY, AUTHORIZATION_KEY, AuthConfigError, Credentials
 from services.common.errors import InvalidRequestError
 from services.common.pb.stageserve.v1 import router_pb2
-from stageserve.client.types import Message, Sampling, build_request
+from stageserve.client.types import Message, Sampling, Tool, ToolChoice, build_request
 
 # Every service logs a request under this metadata value and passes it on to the next hop
 # (services.common.server.REQUEST_ID_KEY).
@@ -46,6 +46,10 @@ class CallOptions(TypedDict, total=False):
     model: str
     request_id: str | None
     timeout_s: float | None
+    num_choices: int
+    tools: Sequence[Tool]
+    tool_choice: str | ToolChoice | None
+    parallel_tool_calls: bool | None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ def call_spec(
     request_id: str | None = None,
     timeout_s: float | None = None,
     credentials: Credentials | None = None,
+    num_choices: int = 1,
+    tools: Sequence[Tool] = (),
+    tool_choice: str | ToolChoice | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> CallSpec:
     """The call for these arguments; ``request_id`` None: a fresh one (``uuid4().hex``), so
     every error and chunk names the request the router's logs show."""
@@ -84,11 +92,25 @@ def call_spec(
         stop=stop,
         model=model,
         request_id=request_id,
+        num_choices=num_choices,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
     )
     metadata = [(REQUEST_ID_KEY, request_id)] if request_id else []
     if credentials is not None:
         metadata.append((AUTHORIZATION_KEY, credentials.header_value))
     return CallSpec(request, tuple(metadata), timeout_s)
+
+
+def check_one_choice(options: CallOptions) -> None:
+    """``generate`` returns one ``Completion``: ``InvalidRequestError`` for more choices."""
+    num_choices = options.get("num_choices", 1)
+    if num_choices != 1:
+        raise InvalidRequestError(
+            f"generate returns one choice, not num_choices={num_choices}: use generate_choices",
+            param="num_choices",
+        )
 
 
 class BaseClient:

@@ -9,7 +9,7 @@ from typing import Any, Unpack
 import grpc
 
 from services.common.pb.stageserve.v1 import router_pb2_grpc
-from stageserve.client.calls import CHANNEL_OPTIONS, BaseClient, CallOptions
+from stageserve.client.calls import CHANNEL_OPTIONS, BaseClient, CallOptions, check_one_choice
 from stageserve.client.errors import error_from_rpc
 from stageserve.client.types import Chunk, Completion, CompletionBuilder, chunk_from_proto
 
@@ -34,11 +34,18 @@ class Stream:
         return chunk_from_proto(response)
 
     def completion(self) -> Completion:
-        """Every remaining chunk, joined."""
+        """Every remaining chunk, joined (a call of one choice)."""
+        return self._builder().completion()
+
+    def completions(self) -> tuple[Completion, ...]:
+        """Every remaining chunk, joined per choice, by choice index."""
+        return self._builder().completions()
+
+    def _builder(self) -> CompletionBuilder:
         builder = CompletionBuilder()
         for chunk in self:
             builder.add(chunk)
-        return builder.completion()
+        return builder
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -74,15 +81,27 @@ class Client(BaseClient):
         tokens are drawn (None: the server's defaults). ``stop``: strings that end the text
         (not included). ``model``: empty for the served one. ``request_id``: the id the
         router's logs and every chunk carry (default: a fresh one). ``timeout_s``: this call's
-        deadline (None: the client's)."""
+        deadline (None: the client's). ``num_choices``: independent samples, each chunk naming
+        its ``choice_index``. ``tools`` (with ``messages``), ``tool_choice`` (``none``,
+        ``auto``, ``required`` or a ``ToolChoice``) and ``parallel_tool_calls``: as the HTTP
+        API's; chunks then carry ``tool_calls`` and ``text`` only the rest."""
         spec = self._call_spec(prompt, options)
         call = self._stub.Generate(spec.request, timeout=spec.timeout_s, metadata=spec.metadata)
         return Stream(call, spec.request_id)
 
     def generate(self, prompt: str | None = None, **options: Unpack[CallOptions]) -> Completion:
-        """``stream`` with the same arguments, joined into one ``Completion``."""
+        """``stream`` with the same arguments (one choice: ``generate_choices`` for more),
+        joined into one ``Completion``."""
+        check_one_choice(options)
         with self.stream(prompt, **options) as stream:
             return stream.completion()
+
+    def generate_choices(
+        self, prompt: str | None = None, **options: Unpack[CallOptions]
+    ) -> tuple[Completion, ...]:
+        """``stream`` with the same arguments, joined into each choice's ``Completion``."""
+        with self.stream(prompt, **options) as stream:
+            return stream.completions()
 
     def close(self) -> None:
         self._channel.close()

@@ -47,8 +47,9 @@ class RouterServicer:
     """
 
     def Generate(self, request, context):
-        """Tokenizes, routes to a (prefill, decode) pair and streams the generated text.
-        Errors carry the stageserve mapping: INVALID_ARGUMENT (bad request),
+        """Tokenizes, routes to a (prefill, decode) pair and streams the generated text of each
+        choice. Errors carry the stageserve mapping: INVALID_ARGUMENT (bad request; its trailing
+        metadata x-stageserve-error-param names the field, as a path: "tools[1].name"),
         RESOURCE_EXHAUSTED / UNAVAILABLE (overloaded or no ready worker; retryable),
         DEADLINE_EXCEEDED, CANCELLED.
         """
