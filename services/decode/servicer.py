@@ -17,12 +17,11 @@ from services.common import signing, telemetry
 from services.common.deadlines import deadline_mono
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
+from services.common.kv_ref import issue_kv_ref, kv_ref_to_proto
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import current_request_id
 from services.common.wire import (
     finish_reason_to_proto,
-    issue_kv_ref,
-    kv_ref_to_proto,
     sampling_params_from_proto,
     stream_error_to_proto,
     token_logprob_to_proto,

@@ -1,7 +1,7 @@
 """Prefill's check of the KvRefs callers hand it, before it connects anywhere or writes a byte.
 
 A KvRef is decode's signed grant of some pages to one request until a deadline
-(``services.common.wire.KvRefInfo``). Prefill accepts one only when its MAC
+(``services.common.kv_ref.KvRefInfo``). Prefill accepts one only when its MAC
 verifies under the internal secret's key, it names the Prefill request's id, it has not
 expired, and its nonce was not used before; since the MAC covers the endpoint, prefill
 connects only to transfer engines decode itself advertised. After the write landed,
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from services.common import signing
 from services.common.errors import CapacityError, InvalidRequestError
-from services.common.wire import KvRefInfo
+from services.common.kv_ref import KvRefInfo
 
 
 def _unix_ms() -> int:

@@ -13,13 +13,9 @@ from services.common.clients.prefill import PrefillResult, prefill_result_to_pro
 from services.common.deadlines import deadline_mono
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import handle_errors
+from services.common.kv_ref import KvRefInfo, kv_ref_from_proto
 from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
-from services.common.wire import (
-    KvRefInfo,
-    image_span_from_proto,
-    kv_ref_from_proto,
-    sampling_params_from_proto,
-)
+from services.common.wire import image_span_from_proto, sampling_params_from_proto
 from services.prefill import metrics
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier

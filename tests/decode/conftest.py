@@ -18,11 +18,11 @@ import pytest
 
 from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeClient
+from services.common.kv_ref import KvRefInfo
 from services.common.pb.stageserve.v1 import decode_pb2_grpc
 from services.common.ranks.free_supervisor import Reported
 from services.common.server import HealthState, create_server
 from services.common.types import FinishReason, SamplingParams, Usage
-from services.common.wire import KvRefInfo
 from services.decode.app import rank_init
 from services.decode.config import DecodeConfig
 from services.decode.leader import DecodeLeader

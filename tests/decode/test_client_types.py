@@ -10,18 +10,17 @@ from services.common import signing
 from services.common.clients.decode import DecodeChunk, DecodeRankStats, DecodeStats
 from services.common.destinations import KvDestination
 from services.common.errors import InvalidRequestError
-from services.common.pb.stageserve.v1 import common_pb2
-from services.common.types import FinishReason, SamplingParams, Usage
-from services.common.wire import (
+from services.common.kv_ref import (
     KvBufferInfo,
     KvRefInfo,
     KvShardInfo,
     issue_kv_ref,
     kv_ref_from_proto,
     kv_ref_to_proto,
-    sampling_params_from_proto,
-    sampling_params_to_proto,
 )
+from services.common.pb.stageserve.v1 import common_pb2
+from services.common.types import FinishReason, SamplingParams, Usage
+from services.common.wire import sampling_params_from_proto, sampling_params_to_proto
 from services.engine.kv_cache import KVPool
 from services.transfer.base import pool_layout
 from services.transfer.inprocess_backend import InProcessFabric, InProcessKVReceiver
@@ -174,7 +173,7 @@ def test_chunk_and_stats_round_trip_through_msgpack() -> None:
 
 def test_the_kv_ref_conversions_name_every_field():
     """A field added to KvRefInfo or KvBufferInfo must also cross the wire."""
-    from services.common import wire
+    from services.common import kv_ref as wire
 
     ref_fields = {*wire._KV_REF_FIELDS, "page_ids", "buffers", "tp_shards"}
     assert set(KvRefInfo.__struct_fields__) == ref_fields

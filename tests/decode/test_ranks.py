@@ -28,8 +28,8 @@ from services.common import signing
 from services.common.auth import Credentials
 from services.common.clients.decode import DecodeClient
 from services.common.errors import UnavailableError
+from services.common.kv_ref import KvRefInfo
 from services.common.types import SamplingParams
-from services.common.wire import KvRefInfo
 from services.engine.attention import ForwardMode
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.model.rope import mrope_positions

@@ -101,7 +101,7 @@ class Driver:
 
 
 def _kv_ref(destination):
-    from services.common.wire import issue_kv_ref
+    from services.common.kv_ref import issue_kv_ref
 
     return issue_kv_ref(destination, b"k", b"n" * 16, int(time.time() * 1000) + 60_000)
 

@@ -18,8 +18,8 @@ from services.common.clients.vision_encoder import (
 )
 from services.common.errors import UnavailableError
 from services.common.grpc_errors import handle_errors
+from services.common.kv_ref import KvRefInfo, issue_kv_ref
 from services.common.pb.stageserve.v1 import vision_encoder_pb2, vision_encoder_pb2_grpc
-from services.common.wire import KvRefInfo, issue_kv_ref
 from services.engine.processing import decode_image
 from services.transfer.embeddings_shm import ShmEmbeddingSender
 from tests.prefill import cp_ranks

@@ -2,9 +2,9 @@
 
 A rank raising mid-forward leaves its peer waiting in the layer's all-reduce: the step fails at
 the caller (an agreed error, a rank leaving the group or the step's deadline), and since the
-group's collectives are out of step it re-forms with new processes and serves right. A rank SIGSTOPped mid-forward is
-declared dead at the step's deadline; one SIGKILLed mid-forward is seen at once. Either way the
-group re-forms and every local page is free again.
+group's collectives are out of step it re-forms with new processes and serves right. A rank
+SIGSTOPped mid-forward is declared dead at the step's deadline; one SIGKILLed mid-forward is
+seen at once. Either way the group re-forms and every local page is free again.
 """
 
 from __future__ import annotations

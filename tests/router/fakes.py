@@ -4,8 +4,9 @@
 The output of every request comes from one ``Script``: the token ids the model
 "generates" (the first from prefill, the rest streamed by decode), how decode chunks
 and paces them, and how it fails. Prefill answers the logprobs a request asks for
-(``fake_logprob``: the first token's, the prompt's); decode answers none. The tokenizer fake encodes prompt text with the tiny
-checkpoint's tokenizer and gives each image a fixed number of placeholder tokens.
+(``fake_logprob``: the first token's, the prompt's); decode answers none. The tokenizer fake
+encodes prompt text with the tiny checkpoint's tokenizer and gives each image a fixed number
+of placeholder tokens.
 
 Each fake also has per-worker knobs (set on its servicer) for fault tests: ``hang`` makes
 a call answer nothing until the caller cancels it (a frozen worker: its gRPC port still

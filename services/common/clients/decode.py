@@ -1,7 +1,7 @@
 """Typed client of the decode service.
 
-The proto <-> domain conversions it uses (``KvRefInfo``, sampling parameters, finish
-reasons, Stream errors) live in ``services.common.wire``.
+The proto <-> domain conversions it uses live in ``services.common.kv_ref`` (``KvRefInfo``)
+and ``services.common.wire`` (sampling parameters, finish reasons, Stream errors).
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ from services.common.errors import (
     UnavailableError,
 )
 from services.common.grpc_errors import error_from_rpc
+from services.common.kv_ref import KvRefInfo, kv_ref_from_proto
 from services.common.pb.stageserve.v1 import decode_pb2, decode_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, SamplingParams, TokenLogprob, Usage
 from services.common.wire import (
-    KvRefInfo,
     finish_reason_from_proto,
-    kv_ref_from_proto,
     sampling_params_to_proto,
     stream_error_from_proto,
     token_logprob_from_proto,

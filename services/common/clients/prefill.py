@@ -21,15 +21,14 @@ from services.common.client import create_channel
 from services.common.clients.sent_hashes import REMEMBERED_IMAGES, SentHashes
 from services.common.errors import DeadlineExceededError, ImageDataNeededError
 from services.common.grpc_errors import error_from_rpc
+from services.common.kv_ref import KvRefInfo, kv_ref_to_proto
 from services.common.pb.stageserve.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import FinishReason, SamplingParams, TokenizedPrompt, TokenLogprob
 from services.common.wire import (
-    KvRefInfo,
     finish_reason_from_proto,
     finish_reason_to_proto,
     image_span_to_proto,
-    kv_ref_to_proto,
     sampling_params_to_proto,
     token_logprob_from_proto,
     token_logprob_to_proto,
