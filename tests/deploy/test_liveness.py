@@ -67,7 +67,7 @@ def unreachable_router_config() -> RouterConfig:
 
 @pytest.mark.integration
 async def test_router_with_every_worker_down_is_alive_and_not_ready() -> None:
-    app = await start_router(unreachable_router_config())
+    app = await start_router(unreachable_router_config(), wait_ready=False)
     address = f"127.0.0.1:{app.grpc_port}"
     try:
         await asyncio.sleep(0.5)  # several health polls of the dead workers

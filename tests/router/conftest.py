@@ -148,20 +148,31 @@ async def process_cluster() -> AsyncIterator[ProcessCluster]:
 
 
 async def start_router(
-    cfg: RouterConfig, images: ImageLoader | None = None, access: RouterAccess | None = None
+    cfg: RouterConfig,
+    images: ImageLoader | None = None,
+    access: RouterAccess | None = None,
+    *,
+    wait_ready: bool = True,
 ) -> RouterApp:
+    """A started router; ``wait_ready``: return once every kind has a ready worker (the
+    first health poll can miss a worker whose port a closed test's channel still backs off
+    from)."""
     app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()), images, access)
     await app.start(None)
+    if wait_ready:
+        await wait_until(lambda: app.registry.is_ready)
     return app
 
 
 async def serve_http(cfg: RouterConfig) -> tuple[RouterApp, str]:
-    """A router with its uvicorn server on a free port; returns it and its base URL."""
+    """A router with its uvicorn server on a free port, once every kind has a ready worker;
+    returns it and its base URL."""
     from services.router.__main__ import bind_http_socket
 
     app = RouterApp.build(cfg, RouterMetrics(CollectorRegistry()))
     sock = bind_http_socket("127.0.0.1", 0)
     await app.start(sock)
+    await wait_until(lambda: app.registry.is_ready)
     return app, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
