@@ -1,9 +1,12 @@
 """An OpenAI request's prompt as router types: a chat's messages (images loaded, tool calls
-and results written in), or a completion's prompts (texts or token ids) or ``prompt_embeds``."""
+and results written in by ``ChatTurns``, which gRPC's chats go through too), or a completion's
+prompts (texts or token ids) or ``prompt_embeds``."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidRequestError
@@ -102,86 +105,141 @@ async def chat_messages(
     (``tool_prompt``) as the model's tool-call format ``style`` has them."""
     if not messages:
         raise InvalidRequestError("messages must hold at least one message", param="messages")
-    out: list[ChatMessage] = []
-    call_ids: set[str] = set()
+    turns = ChatTurns(style)
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        role = _role(message, param)
+        role = known_role(message.role, param)
+        if message.name is not None:
+            raise InvalidRequestError(
+                "message names are not supported: the chat template has no participant names",
+                param=f"{param}.name",
+            )
+        check_tool_fields(role, param, message.tool_calls is not None, message.tool_call_id)
         content = await _content(message.content, f"{param}.content", images)
-        if role == "tool":
-            text = tool_prompt.tool_response(_tool_result(message, content, call_ids, param))
-            if i and messages[i - 1].role == "tool":
-                out[-1] = ChatMessage("user", (*out[-1].content, TextPart("\n" + text)))
-            else:
-                out.append(ChatMessage("user", (TextPart(text),)))
-        elif message.tool_calls:
-            calls = _tool_calls(message.tool_calls, call_ids, f"{param}.tool_calls")
-            text = tool_prompt.tool_calls(calls, after_text=bool(content), style=style)
-            out.append(ChatMessage(role, (*content, TextPart(text))))
-        else:
-            out.append(ChatMessage(role, content))
-    return tool_prompt.with_tools(out, tools or (), style)
+        calls = (
+            _sent_call(call, f"{param}.tool_calls[{j}]")
+            for j, call in enumerate(message.tool_calls or ())
+        )
+        turns.add(role, content, param, calls, message.tool_call_id)
+    return turns.messages(tools or ())
 
 
-def _role(message: ChatMessageBody, param: str) -> str:
-    role = ROLES.get(message.role)
-    if role is None:
+@dataclass(frozen=True)
+class SentCall:
+    """One tool call of an assistant turn, as a request sent it."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object's text
+    arguments_param: str  # its arguments' field: messages[1].tool_calls[0].function.arguments
+
+
+def known_role(role: str, param: str) -> str:
+    """The router's name of a message's sent ``role`` (``developer`` is ``system``);
+    ``InvalidRequestError`` naming ``<param>.role`` for an unknown one."""
+    known = ROLES.get(role)
+    if known is None:
         raise InvalidRequestError(
-            f"unknown role {message.role!r}; expected one of {', '.join(ROLES)}",
-            param=f"{param}.role",
+            f"unknown role {role!r}; expected one of {', '.join(ROLES)}", param=f"{param}.role"
         )
-    if message.name is not None:
-        raise InvalidRequestError(
-            "message names are not supported: the chat template has no participant names",
-            param=f"{param}.name",
-        )
-    if message.tool_calls is not None and role != "assistant":
+    return known
+
+
+def check_tool_fields(role: str, param: str, has_calls: bool, tool_call_id: str | None) -> None:
+    """Only an assistant turn has tool calls, and a tool turn (always) and no other a
+    ``tool_call_id``; ``role`` as ``known_role`` names it, ``param`` the message's field."""
+    if has_calls and role != "assistant":
         raise InvalidRequestError(
             "only assistant messages have tool_calls", param=f"{param}.tool_calls"
         )
-    if (message.tool_call_id is None) != (role != "tool"):
+    if (tool_call_id is None) != (role != "tool"):
         raise InvalidRequestError(
             "a tool message needs a tool_call_id, and only tool messages have one",
             param=f"{param}.tool_call_id",
         )
-    return role
 
 
-def _tool_result(
-    message: ChatMessageBody, content: tuple[ContentPart, ...], call_ids: set[str], param: str
-) -> str:
-    if message.tool_call_id not in call_ids:
+class ChatTurns:
+    """A conversation's turns as the router's chat messages, tool calls and results written in
+    as the model's tool-call format ``style`` has them (``tool_prompt``): the HTTP API's
+    messages and gRPC's ``ChatMessage``s both go through it, so one owner checks a tool turn
+    (its ``tool_call_id`` names an earlier call; its content is text; a call's arguments are a
+    JSON object's text). Each turn comes with ``param``, the request's field of the message
+    (``messages[2]``, ``chat.messages[2]``), which its errors name; the caller checks the
+    turn's role (``known_role``, ``check_tool_fields``) before loading its content."""
+
+    def __init__(self, style: ToolFormat) -> None:
+        self._style = style
+        self._out: list[ChatMessage] = []
+        self._call_ids: set[str] = set()
+        self._last_role: str | None = None
+
+    def add(
+        self,
+        role: str,
+        content: tuple[ContentPart, ...],
+        param: str,
+        calls: Iterable[SentCall] = (),
+        tool_call_id: str | None = None,
+    ) -> None:
+        """The next turn; ``calls``: an assistant turn's, checked in order as they come."""
+        if role == "tool":
+            text = tool_prompt.tool_response(self._tool_result(content, tool_call_id, param))
+            if self._last_role == "tool":  # consecutive results form one user turn
+                last = self._out[-1]
+                self._out[-1] = ChatMessage("user", (*last.content, TextPart("\n" + text)))
+            else:
+                self._out.append(ChatMessage("user", (TextPart(text),)))
+        elif checked := self._tool_calls(calls):
+            text = tool_prompt.tool_calls(checked, after_text=bool(content), style=self._style)
+            self._out.append(ChatMessage(role, (*content, TextPart(text))))
+        else:
+            self._out.append(ChatMessage(role, content))
+        self._last_role = role
+
+    def messages(self, tools: Sequence[Any] = ()) -> tuple[ChatMessage, ...]:
+        """The turns so far, ``tools`` (the request's tool objects) listed in the system
+        message."""
+        return tool_prompt.with_tools(self._out, tools, self._style)
+
+    def _tool_result(
+        self, content: tuple[ContentPart, ...], tool_call_id: str | None, param: str
+    ) -> str:
+        if tool_call_id not in self._call_ids:
+            raise InvalidRequestError(
+                f"tool_call_id {tool_call_id!r} names no earlier assistant tool call",
+                param=f"{param}.tool_call_id",
+            )
+        if any(not isinstance(part, TextPart) for part in content):
+            raise InvalidRequestError(
+                "a tool message's content must be text", param=f"{param}.content"
+            )
+        return "".join(part.text for part in content if isinstance(part, TextPart))
+
+    def _tool_calls(self, calls: Iterable[SentCall]) -> list[tuple[str, dict[str, Any]]]:
+        checked = []
+        for call in calls:
+            try:
+                arguments = json.loads(call.arguments)
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise InvalidRequestError(
+                    "arguments must be a JSON object's text", param=call.arguments_param
+                )
+            self._call_ids.add(call.id)
+            checked.append((call.name, arguments))
+        return checked
+
+
+def _sent_call(call: ToolCallBody, param: str) -> SentCall:
+    if call.type != "function":
         raise InvalidRequestError(
-            f"tool_call_id {message.tool_call_id!r} names no earlier assistant tool call",
-            param=f"{param}.tool_call_id",
+            f"unsupported tool call type {call.type!r}; expected function",
+            param=f"{param}.type",
         )
-    if any(not isinstance(part, TextPart) for part in content):
-        raise InvalidRequestError("a tool message's content must be text", param=f"{param}.content")
-    return "".join(part.text for part in content if isinstance(part, TextPart))
-
-
-def _tool_calls(
-    calls: list[ToolCallBody], call_ids: set[str], param: str
-) -> list[tuple[str, dict[str, Any]]]:
-    checked = []
-    for j, call in enumerate(calls):
-        if call.type != "function":
-            raise InvalidRequestError(
-                f"unsupported tool call type {call.type!r}; expected function",
-                param=f"{param}[{j}].type",
-            )
-        try:
-            arguments = json.loads(call.function.arguments)
-        except ValueError:
-            arguments = None
-        if not isinstance(arguments, dict):
-            raise InvalidRequestError(
-                "arguments must be a JSON object's text",
-                param=f"{param}[{j}].function.arguments",
-            )
-        call_ids.add(call.id)
-        checked.append((call.function.name, arguments))
-    return checked
+    function = call.function
+    return SentCall(call.id, function.name, function.arguments, f"{param}.function.arguments")
 
 
 async def _content(

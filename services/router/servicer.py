@@ -10,9 +10,10 @@ explicit ``sampling_params.max_new_tokens`` above what the context leaves is INV
 (unset, it is the documented 16, fitted to the context). An image given by URL
 (``ImageInput.url``) is loaded by the HTTP API's ``ImageLoader``, with its guards and limits.
 ``num_choices`` runs as HTTP's ``n`` (``choices.py``); tools are planned by ``plan_tools`` and
-listed by ``tool_prompt`` as on ``/v1/chat/completions``, and each choice's output is parsed by
-the same tool parser as HTTP's stream; ``num_prompt_logprobs`` is completions' echo and
-``prompt_logprobs``.
+listed by ``tool_prompt`` as on ``/v1/chat/completions``, a chat's tool turns (an assistant's
+``tool_calls``, a ``tool`` turn's ``tool_call_id``) are checked and written in by its
+``ChatTurns``, and each choice's output is parsed by the same tool parser as HTTP's stream;
+``num_prompt_logprobs`` is completions' echo and ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from services.common.grpc_errors import handle_errors
 from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.types import (
-    ChatMessage,
     ContentPart,
     ImagePart,
     SamplingParams,
@@ -50,13 +50,13 @@ from services.common.wire import (
     token_logprob_to_proto,
     usage_to_proto,
 )
-from services.router import prompt_embeds, tool_prompt
+from services.router import prompt_embeds
 from services.router.chat_plan import ChatPlan, with_tool_grammar
 from services.router.choices import Deltas, choice_requests, each_choice, merged, total_usage
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader, check_image
 from services.router.metrics import RequestTracker, RouterMetrics
-from services.router.openai_prompt import ROLES
+from services.router.openai_prompt import ChatTurns, SentCall, check_tool_fields, known_role
 from services.router.tool_parsers import ToolFormat
 from services.router.tool_stream import delta_fields
 from services.router.tools import FunctionTool, ToolParams, ToolPlan, plan_tools
@@ -212,9 +212,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if kind == "prompt":
             return GenerationRequest(request_id, prompt=request.prompt, **common)
         if kind == "chat":
-            messages = await self._messages(request.chat)
-            listed = () if tools is None else tools.tools
-            messages = tool_prompt.with_tools(messages, listed, self._tool_format)
+            turns = await self._messages(request.chat)
+            messages = turns.messages(() if tools is None else tools.tools)
             return GenerationRequest(request_id, messages=messages, **common)
         if kind == "prompt_embeds":
             embeds = prompt_embeds.from_saved(request.prompt_embeds, self._limits.max_context_len)
@@ -252,28 +251,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tools, mode, named, is_parallel, constrained, self._tool_format, GRPC_TOOL_PARAMS
         )
 
-    async def _messages(self, chat: common_pb2.ChatMessages) -> tuple[ChatMessage, ...]:
+    async def _messages(self, chat: common_pb2.ChatMessages) -> ChatTurns:
+        """The chat's turns, checked and written in by the HTTP API's ``ChatTurns`` (tool calls
+        and results included); errors name ``chat.messages[i]`` fields."""
         if not chat.messages:
             raise InvalidRequestError("chat needs at least one message", param="chat.messages")
-        messages = []
+        turns = ChatTurns(self._tool_format)
         for i, message in enumerate(chat.messages):
-            role = ROLES.get(message.role)
-            if role == "tool":
-                raise InvalidRequestError(
-                    "a tool message needs the id of the call it answers, which ChatMessage "
-                    "cannot carry: tool results go through the HTTP API",
-                    param=f"chat.messages[{i}].role",
-                )
-            if role is None:
-                raise InvalidRequestError(
-                    f"unknown role {message.role!r}", param=f"chat.messages[{i}].role"
-                )
+            param = f"chat.messages[{i}]"
+            role = known_role(message.role, param)
+            tool_call_id = message.tool_call_id or None  # proto3: empty is unset
+            check_tool_fields(role, param, bool(message.tool_calls), tool_call_id)
             parts = [
-                await self._part(part, f"chat.messages[{i}].content[{j}]")
+                await self._part(part, f"{param}.content[{j}]")
                 for j, part in enumerate(message.content)
             ]
-            messages.append(ChatMessage(role, tuple(parts)))
-        return tuple(messages)
+            calls = (
+                SentCall(call.id, call.name, call.arguments, f"{param}.tool_calls[{j}].arguments")
+                for j, call in enumerate(message.tool_calls)
+            )
+            turns.add(role, tuple(parts), param, calls, tool_call_id)
+        return turns
 
     async def _part(self, part: common_pb2.ContentPart, param: str) -> ContentPart:
         kind = part.WhichOneof("part")

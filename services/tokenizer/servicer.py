@@ -46,16 +46,28 @@ def job_from_proto(request: tokenizer_pb2.TokenizeRequest, limits: Limits) -> Ch
     if kind != "chat":
         raise InvalidRequestError("the request has no input: set chat or prompt", param="messages")
     messages = tuple(
-        DomainChatMessage(
-            role=message.role,
-            content=tuple(
-                _part_from_proto(part, f"messages[{i}].content[{j}]", limits)
-                for j, part in enumerate(message.content)
-            ),
-        )
+        _message_from_proto(message, f"messages[{i}]", limits)
         for i, message in enumerate(request.chat.messages)
     )
     return ChatJob(messages, request.add_generation_prompt)
+
+
+def _message_from_proto(
+    message: common_pb2.ChatMessage, param: str, limits: Limits
+) -> DomainChatMessage:
+    for name in ("tool_calls", "tool_call_id"):
+        if getattr(message, name):
+            raise InvalidRequestError(
+                f"the tokenizer takes no {name}: the router writes tool turns into the text",
+                param=f"{param}.{name}",
+            )
+    return DomainChatMessage(
+        role=message.role,
+        content=tuple(
+            _part_from_proto(part, f"{param}.content[{j}]", limits)
+            for j, part in enumerate(message.content)
+        ),
+    )
 
 
 def prompt_to_proto(prompt: TokenizedPrompt) -> tokenizer_pb2.TokenizeResponse:

@@ -11,7 +11,9 @@
 
 ``Sampling(grammar=Grammar(GrammarKind.JSON_SCHEMA, schema_json))`` constrains the output;
 ``num_choices`` asks for several samples (``generate_choices``); ``tools`` with ``messages``
-lists functions the model may call, and ``Completion.tool_calls`` holds the calls it made.
+lists functions the model may call, and ``Completion.tool_calls`` holds the calls it made; the
+history may hold them (``Message("assistant", tool_calls=done.tool_calls)``) and their results
+(``Message("tool", "rain", tool_call_id=call.id)``).
 ``AsyncClient`` is the same for asyncio. A failed call raises the ``StageServeError`` subclass
 of its gRPC status (the router's own class and ``param`` when it sent them), carrying the
 call's ``request_id``; ``CapacityError`` (``OverloadedError``) and ``UnavailableError`` are

@@ -38,11 +38,15 @@ class Image:
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation: its role (``system``, ``user`` or ``assistant``) and its
-    content, a string or a sequence of strings and images in order."""
+    """One turn of a conversation: its role (``system``, ``user``, ``assistant`` or ``tool``)
+    and its content, a string or a sequence of strings and images in order. An assistant turn
+    may carry ``tool_calls`` (a ``Completion``'s, say); a ``tool`` turn holds, as text, the
+    result of the earlier call its ``tool_call_id`` names."""
 
     role: str
-    content: str | Sequence[str | Image]
+    content: str | Sequence[str | Image] = ()
+    tool_calls: Sequence[ToolCall] = ()  # assistant turns only
+    tool_call_id: str = ""  # tool turns only, and there required
 
 
 @dataclass(frozen=True)
@@ -304,7 +308,11 @@ def build_request(
 def _chat(messages: Sequence[Message]) -> common_pb2.ChatMessages:
     chat = common_pb2.ChatMessages()
     for message in messages:
-        proto = chat.messages.add(role=message.role)
+        proto = chat.messages.add(role=message.role, tool_call_id=message.tool_call_id)
+        for call in message.tool_calls:
+            if not isinstance(call, ToolCall):
+                raise TypeError(f"a tool call is a ToolCall, not {type(call).__name__}")
+            proto.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
         parts = [message.content] if isinstance(message.content, str) else message.content
         for part in parts:
             if isinstance(part, str):

@@ -21,6 +21,7 @@ from stageserve.client import (
     Message,
     Sampling,
     Tool,
+    ToolCall,
     ToolChoice,
     calls,
 )
@@ -83,6 +84,28 @@ async def test_tool_calls_arrive_as_pieces_and_join_into_calls(router, cluster):
     assert '"name": "get_weather"' in system.content[1].text
 
 
+async def test_a_completion_s_calls_and_their_results_go_back_as_history(router, cluster):
+    cluster.script.output_ids = [*char_ids(f"<tool_call>\n{CALL}\n</tool_call>"), EOS_ID]
+    chat = [Message("user", "Weather?")]
+    options = {"tools": [WEATHER], "sampling": Sampling(max_new_tokens=128)}
+    async with AsyncClient(address(router), timeout_s=BOUND_S) as client:
+        done = await client.generate(messages=chat, **options)
+        [call] = done.tool_calls
+        history = [
+            *chat,
+            Message("assistant", tool_calls=done.tool_calls),
+            Message("tool", "rain", tool_call_id=call.id),
+        ]
+        await client.generate(messages=history, **options)
+        with pytest.raises(InvalidRequestError) as info:
+            await client.generate(messages=[*history[:2], Message("tool", "rain")], **options)
+    rendered = cluster.tokenizer.servicer.requests[-1].chat.messages
+    assert [m.role for m in rendered] == ["system", "user", "assistant", "user"]
+    assert rendered[2].content[-1].text == f"<tool_call>\n{CALL}\n</tool_call>"
+    assert rendered[3].content[-1].text == "<tool_response>\nrain\n</tool_response>"
+    assert info.value.param == "chat.messages[2].tool_call_id"
+
+
 async def test_prompt_logprobs_alone(router):
     sampling = Sampling(max_new_tokens=0, num_prompt_logprobs=1)
     async with AsyncClient(address(router), timeout_s=BOUND_S) as client:
@@ -106,6 +129,18 @@ def test_tool_options_are_encoded_as_the_proto_has_them():
     assert not request.HasField("parallel_tool_calls")
     required = calls.call_spec("x", tool_choice="required", parallel_tool_calls=False).request
     assert required.tool_choice.mode == "required" and required.parallel_tool_calls is False
+    turns = [
+        Message("assistant", "Checking.", tool_calls=[ToolCall("c1", "get_time", "{}")]),
+        Message("tool", "noon", tool_call_id="c1"),
+    ]
+    chat = calls.call_spec(messages=turns).request.chat
+    assert chat.messages[0].tool_calls == [
+        common_pb2.ToolCall(id="c1", name="get_time", arguments="{}")
+    ]
+    assert [m.tool_call_id for m in chat.messages] == ["", "c1"]
+    assert [p.text for p in chat.messages[1].content] == ["noon"]
+    with pytest.raises(InvalidRequestError):
+        calls.call_spec(messages=[Message("assistant", tool_calls=[{"id": "c1"}])])
     with pytest.raises(InvalidRequestError):
         ToolChoice()
     with pytest.raises(InvalidRequestError):

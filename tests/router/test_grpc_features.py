@@ -20,6 +20,7 @@ from services.common.grpc_errors import ERROR_PARAM_KEY
 from services.common.pb.stageserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.wire import sampling_params_from_proto
 from services.router.tools import MAX_TOOLS
+from tests.conftest import image_bytes
 from tests.router.conftest import BOUND_S, MODEL_NAME
 from tests.router.fakes import EOS_ID, char_ids
 from tests.router.http_helpers import CHAT_PATH, COMPLETIONS_PATH, EXPECTED
@@ -193,6 +194,68 @@ async def test_tool_calls_are_parsed_as_http_parses_them(stub, http, cluster):
     assert [t for r in responses for t in r.token_ids] == cluster.script.output_ids
 
 
+def _history_pb(*, tool_call_id: str = "c1") -> list[common_pb2.ChatMessage]:
+    """A user turn, an assistant turn with text and two calls, and the calls' results."""
+    calls = [
+        common_pb2.ToolCall(id="c1", name="get_weather", arguments='{"city": "Oslo"}'),
+        common_pb2.ToolCall(id="c2", name="get_time", arguments="{}"),
+    ]
+    text = [common_pb2.ContentPart(text="Checking.")]
+    return [
+        common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="Weather?")]),
+        common_pb2.ChatMessage(role="assistant", content=text, tool_calls=calls),
+        common_pb2.ChatMessage(
+            role="tool",
+            content=[common_pb2.ContentPart(text="rain")],
+            tool_call_id=tool_call_id,
+        ),
+        common_pb2.ChatMessage(
+            role="tool", content=[common_pb2.ContentPart(text="noon")], tool_call_id="c2"
+        ),
+    ]
+
+
+async def test_tool_turns_in_history_render_as_http_s(stub, http, cluster):
+    sampling = common_pb2.SamplingParams(max_new_tokens=8)
+    history = common_pb2.ChatMessages(messages=_history_pb())
+    await generate(stub, chat=history, tools=[WEATHER_PB, TIME_PB], sampling_params=sampling)
+    time_tool = {"type": "function", "function": {"name": "get_time"}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    },
+                    {
+                        "id": "c2",
+                        "type": "function",
+                        "function": {"name": "get_time", "arguments": "{}"},
+                    },
+                ],
+            },
+            {"role": "tool", "content": "rain", "tool_call_id": "c1"},
+            {"role": "tool", "content": "noon", "tool_call_id": "c2"},
+        ],
+        "max_tokens": 8,
+        "tools": [WEATHER, time_tool],
+    }
+    assert (await http.post(CHAT_PATH, json=body)).status_code == 200
+    [grpc_chat, http_chat] = [r.chat for r in cluster.tokenizer.servicer.requests]
+    assert grpc_chat == http_chat
+    assert [m.role for m in grpc_chat.messages] == ["system", "user", "assistant", "user"]
+    assert "<tool_call>" in grpc_chat.messages[2].content[-1].text
+    assert "<tool_response>\nnoon" in grpc_chat.messages[3].content[-1].text
+    assert not any(m.tool_calls or m.tool_call_id for m in grpc_chat.messages)  # written in
+    [grpc_prefill, http_prefill] = cluster.prefill.requests
+    assert grpc_prefill.token_ids == http_prefill.token_ids
+
+
 async def test_tool_choice_required_constrains_and_parses_as_http(stub, http, cluster):
     cluster.script.output_ids = [*char_ids(f"[{CALL}]"), EOS_ID]
     responses = await generate(
@@ -250,8 +313,24 @@ async def test_stop_strings_end_the_text_as_on_http(stub, http, stop):
     assert choice["finish_reason"] == "stop"
 
 
-def _tool_message() -> common_pb2.ChatMessage:
-    return common_pb2.ChatMessage(role="tool", content=[common_pb2.ContentPart(text="rain")])
+def _tool_message(**fields) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(
+        **{"role": "tool", "content": [common_pb2.ContentPart(text="rain")], **fields}
+    )
+
+
+def _history_chat(history: list[common_pb2.ChatMessage]) -> common_pb2.ChatMessages:
+    return common_pb2.ChatMessages(messages=history)
+
+
+def _user_with(**fields) -> common_pb2.ChatMessages:
+    user = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="x")])
+    user.MergeFrom(common_pb2.ChatMessage(**fields))
+    return common_pb2.ChatMessages(messages=[user])
+
+
+_BAD_CALL = common_pb2.ToolCall(id="c1", name="get_weather", arguments="[1]")
+_IMAGE_RESULT = [common_pb2.ContentPart(image=common_pb2.ImageInput(data=image_bytes(8, 8)))]
 
 
 CHAT_TOOLS = {"chat": user_chat("Weather?"), "tools": [WEATHER_PB]}
@@ -285,7 +364,24 @@ REFUSED = [
         },
         "tools",
     ),
-    ({"chat": user_chat("x", _tool_message())}, "chat.messages[1].role"),
+    ({"chat": user_chat("x", _tool_message())}, "chat.messages[1].tool_call_id"),
+    ({"chat": _history_chat(_history_pb(tool_call_id="c9"))}, "chat.messages[2].tool_call_id"),
+    ({"chat": user_chat("x", _tool_message(tool_call_id="c1"))}, "chat.messages[1].tool_call_id"),
+    ({"chat": _user_with(tool_call_id="c1")}, "chat.messages[0].tool_call_id"),
+    ({"chat": _user_with(tool_calls=[_BAD_CALL])}, "chat.messages[0].tool_calls"),
+    ({"chat": user_chat("x", common_pb2.ChatMessage(role="robot"))}, "chat.messages[1].role"),
+    (
+        {"chat": user_chat("x", common_pb2.ChatMessage(role="assistant", tool_calls=[_BAD_CALL]))},
+        "chat.messages[1].tool_calls[0].arguments",
+    ),
+    (
+        {
+            "chat": _history_chat(
+                [*_history_pb()[:2], _tool_message(tool_call_id="c1", content=_IMAGE_RESULT)]
+            )
+        },
+        "chat.messages[2].content",
+    ),
     (
         {
             "chat": user_chat("x"),
