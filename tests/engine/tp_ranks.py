@@ -3,7 +3,8 @@
 ``run_tp_groups`` spawns ``world`` processes once (the imports are most of a rank's cost on
 a small CPU) and runs every job on a TP group of each size asked: ranks ``0 .. size - 1``,
 the others idle meanwhile, with an MoE model's experts split over the group when asked
-(``expert_parallel``: ep = tp). Every rank's results come back through a queue. Every process
+(``expert_parallel``: ep = tp). On ``cuda`` every rank uses ``cuda:0`` and the collectives
+stay on gloo (NCCL needs a GPU per rank), so graphs are off. Every rank's results come back through a queue. Every process
 it starts is stopped before it returns, on failure too, and no wait is unbounded.
 """
 
@@ -33,7 +34,7 @@ class RankResult:
     expert_bytes: int  # bytes of this rank's expert parameters (0 for a dense model)
 
 
-def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, out) -> None:
+def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, engine_args, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -62,7 +63,7 @@ def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, out) -> No
                 if rank < size:
                     ep_size = size if expert_parallel else 1
                     tp = TensorParallel(rank, size, groups[size], ep_size)
-                    out.put(((job, size, rank), _run(tp, model_dir, requests)))
+                    out.put(((job, size, rank), _run(tp, model_dir, requests, *engine_args)))
     except BaseException:  # noqa: BLE001 (the parent reports any rank's failure)
         out.put(((None, None, rank), traceback.format_exc()))
     finally:
@@ -70,12 +71,14 @@ def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, out) -> No
             dist.destroy_process_group()
 
 
-def _run(tp, model_dir: str, requests) -> RankResult:
+def _run(tp, model_dir: str, requests, device: str, dtype: str | None) -> RankResult:
     from services.engine.llm import LLMEngine
-    from services.engine.loader import tp_shards
+    from services.engine.loader import load_model, tp_shards
     from services.engine.model.moe import EXPERT_TENSORS
+    from services.engine.model_runner import KVCacheConfig, ModelRunner
 
-    engine = LLMEngine.from_dir(model_dir, page_size=4, num_pages=256, tp=tp)
+    loaded = load_model(model_dir, device=device, dtype=dtype, tp=tp)
+    engine = LLMEngine(ModelRunner(loaded, KVCacheConfig(256, 4), cuda_graph_batch_sizes=()))
     model = engine.runner.model
     params = dict(model.named_parameters(remove_duplicate=False))
     shards = tp_shards(model)
@@ -89,7 +92,7 @@ def _run(tp, model_dir: str, requests) -> RankResult:
     outputs = engine.generate(requests)
     return RankResult(
         tp.rank,
-        [x.numpy() for x in logits],
+        [x.float().cpu().numpy() for x in logits],
         [o.token_ids for o in outputs],
         split_bytes,
         total,
@@ -104,6 +107,8 @@ def run_tp_groups(
     tmp_dir: Path,
     timeout_s: float = 240.0,
     expert_parallel: bool = False,
+    device: str = "cpu",
+    dtype: str | None = None,
 ) -> dict[tuple[int, int, int], RankResult]:
     """``(job, size, rank) -> RankResult`` of every job on every group size (at most ``world``);
     ``AssertionError`` naming the rank if one fails, exits or does not answer within
@@ -114,7 +119,10 @@ def run_tp_groups(
     args = [(str(d), requests) for d, requests in jobs]
     store = str(tmp_dir / "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, store, sizes, args, expert_parallel, out))
+        ctx.Process(
+            target=_rank_main,
+            args=(r, world, store, sizes, args, expert_parallel, (device, dtype), out),
+        )
         for r in range(world)
     ]
     expected = {(j, s, r) for j in range(len(jobs)) for s in sizes for r in range(s)}
