@@ -2,13 +2,20 @@
 parallel layers end with, and how a checkpoint's heads, rows, vocabulary and experts split over
 ranks. An MoE model's experts are split by expert parallelism over the same ranks (``ep_size``).
 
+Under DP attention (``dp_attention``, decode's ``--dp-attention``) the group is D data-parallel
+ranks, each with requests of its own: attention, the embedding and the LM head are whole on
+every rank (``TensorParallel.attention`` is ``SINGLE``) and only the MLP and MoE layers split
+over the group; each layer's MLP runs on every rank's rows, all-gathered, and each rank keeps
+its own rows of the reduced output (``mlp_rows``). Every rank's step then has the same number
+of rows: the decode rank pads its batch to the group's agreed size.
+
 A group of size 1 (``SINGLE``) runs no collective: ``all_reduce`` and ``all_gather`` return
 their input, every shard is the whole tensor, and the model is the single-device one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,10 +41,24 @@ class TensorParallel:
     size: int = 1
     group: ProcessGroup | None = None
     ep_size: int = 1
+    dp_attention: bool = False  # the group is DP ranks: only the MLP and MoE layers split
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"TP rank {self.rank} is outside a group of {self.size}")
+
+    @property
+    def attention(self) -> TensorParallel:
+        """The split of attention, the embedding and the LM head: none under DP attention."""
+        return SINGLE if self.dp_attention else self
+
+    def mlp_rows(self, mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+        """``mlp(x)`` under DP attention: every rank's rows (as many on each) gathered, the
+        reduced output's rows of this rank kept; ``mlp(x)`` itself otherwise."""
+        if not self.dp_attention or self.size == 1:
+            return mlp(x)
+        rows = x.shape[0]
+        return mlp(self.all_gather(x, dim=0)).narrow(0, self.rank * rows, rows)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (``x`` itself for a group of 1)."""
@@ -121,10 +142,13 @@ class HeadLayout:
         return cls(q_heads, 1, tp.rank * q_heads, kv_start, tp.rank % copies == 0)
 
 
-def check_tensor_parallel(text: TextConfig, size: int, ep_size: int = 1) -> None:
+def check_tensor_parallel(
+    text: TextConfig, size: int, ep_size: int = 1, dp_attention: bool = False
+) -> None:
     """``ModelLoadError`` naming the numbers when the decoder cannot split over ``size`` ranks:
     heads, KV heads (or ``size`` over them), intermediate size or vocabulary not divisible, or
-    experts that cannot split over ``ep_size`` of them (``check_expert_parallel``)."""
+    experts that cannot split over ``ep_size`` of them (``check_expert_parallel``). Under DP
+    attention only the MLP and the experts split."""
     if size < 1:
         raise ModelLoadError(f"tensor parallel size must be at least 1, got {size}")
     check_expert_parallel(text, size, ep_size)
@@ -132,16 +156,17 @@ def check_tensor_parallel(text: TextConfig, size: int, ep_size: int = 1) -> None
         return
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     problems = []
-    if heads % size:
+    if heads % size and not dp_attention:
         problems.append(f"the {heads} attention heads")
-    if kv_heads % size and size % kv_heads:
+    if kv_heads % size and size % kv_heads and not dp_attention:
         problems.append(f"the {kv_heads} KV heads (nor does {size} divide by {kv_heads})")
     if text.intermediate_size % size:
         problems.append(f"the intermediate size {text.intermediate_size}")
-    if text.vocab_size % size:
+    if text.vocab_size % size and not dp_attention:
         problems.append(f"the vocabulary of {text.vocab_size}")
     if problems:
-        raise ModelLoadError(f"tensor parallel size {size} does not divide {', '.join(problems)}")
+        what = "DP attention over" if dp_attention else "tensor parallel size"
+        raise ModelLoadError(f"{what} {size} does not divide {', '.join(problems)}")
 
 
 def check_expert_parallel(text: TextConfig, tp_size: int, ep_size: int) -> None:

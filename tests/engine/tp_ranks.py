@@ -3,7 +3,9 @@
 ``run_tp_groups`` spawns ``world`` processes once (the imports are most of a rank's cost on
 a small CPU) and runs every job on a TP group of each size asked: ranks ``0 .. size - 1``,
 the others idle meanwhile, with an MoE model's experts split over the group when asked
-(``expert_parallel``: ep = tp). On ``cuda`` every rank uses ``cuda:0`` and the collectives
+(``expert_parallel``: ep = tp), or as DP-attention groups (``dp_attention``: only the MLP
+and MoE layers split; every rank runs the same requests, so each forward has as many rows on
+every rank, as decode's padding makes them). On ``cuda`` every rank uses ``cuda:0`` and the collectives
 stay on gloo (NCCL needs a GPU per rank), so graphs are off. Every rank's results come back through a queue. Every process
 it starts is stopped before it returns, on failure too, and no wait is unbounded.
 """
@@ -34,7 +36,7 @@ class RankResult:
     expert_bytes: int  # bytes of this rank's expert parameters (0 for a dense model)
 
 
-def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, engine_args, out) -> None:
+def _rank_main(rank, world, store_path, sizes, jobs, layout, engine_args, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -61,8 +63,9 @@ def _rank_main(rank, world, store_path, sizes, jobs, expert_parallel, engine_arg
         for job, (model_dir, requests) in enumerate(jobs):
             for size in sizes:
                 if rank < size:
+                    expert_parallel, dp_attention = layout
                     ep_size = size if expert_parallel else 1
-                    tp = TensorParallel(rank, size, groups[size], ep_size)
+                    tp = TensorParallel(rank, size, groups[size], ep_size, dp_attention)
                     out.put(((job, size, rank), _run(tp, model_dir, requests, *engine_args)))
     except BaseException:  # noqa: BLE001 (the parent reports any rank's failure)
         out.put(((None, None, rank), traceback.format_exc()))
@@ -107,6 +110,7 @@ def run_tp_groups(
     tmp_dir: Path,
     timeout_s: float = 240.0,
     expert_parallel: bool = False,
+    dp_attention: bool = False,
     device: str = "cpu",
     dtype: str | None = None,
 ) -> dict[tuple[int, int, int], RankResult]:
@@ -115,13 +119,14 @@ def run_tp_groups(
     ``timeout_s``."""
     assert all(0 < size <= world for size in sizes), (world, sizes)
     ctx = multiprocessing.get_context("spawn")
+    layout = (expert_parallel, dp_attention)
     out = ctx.Queue()
     args = [(str(d), requests) for d, requests in jobs]
     store = str(tmp_dir / "store")
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(r, world, store, sizes, args, expert_parallel, (device, dtype), out),
+            args=(r, world, store, sizes, args, layout, (device, dtype), out),
         )
         for r in range(world)
     ]

@@ -104,7 +104,8 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TextConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer_id, tp)
+        self.self_attn = DecoderAttention(cfg, layer_id, tp.attention)
+        self.tp = tp
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(layer_id):
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.hidden_act, tp)
@@ -136,7 +137,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(
             self.self_attn.project_out(attn_out), residual
         )
-        return self.mlp(h), residual
+        return self.tp.mlp_rows(self.mlp, h), residual
 
     def forward(
         self,
@@ -165,7 +166,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.deepstack_layers = tuple(range(num_deepstack))  # layer i adds DeepStack row set i
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.attention)
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)]
         )

@@ -10,7 +10,8 @@ DeepStack rows, which ``embed`` keeps next to each token's embedding (see langua
 
 Under tensor parallelism (``tp``) the decoder is split over the group (language.py) and the LM
 head holds this rank's rows of the vocabulary, its logits all-gathered; the vision tower is
-replicated: every rank that builds it holds and runs it whole.
+replicated: every rank that builds it holds and runs it whole. Under DP attention
+(``tp.dp_attention``) only the MLP and MoE layers split; the LM head is whole on every rank.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ class Qwen2_5_VLModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         text = config.text
-        check_tensor_parallel(text, tp.size, tp.ep_size)
+        check_tensor_parallel(text, tp.size, tp.ep_size, tp.dp_attention)
         self.config = config
         self.tp = tp
-        self.heads = HeadLayout.of(text.num_attention_heads, text.num_key_value_heads, tp)
+        self.heads = HeadLayout.of(text.num_attention_heads, text.num_key_value_heads, tp.attention)
         self.visual = self.build_vision_tower(config)
         self.model = LanguageModel(text, config.num_deepstack, tp)
-        self.lm_head = ParallelLMHead(text.hidden_size, text.vocab_size, tp)
+        self.lm_head = ParallelLMHead(text.hidden_size, text.vocab_size, tp.attention)
         if text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
