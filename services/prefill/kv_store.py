@@ -16,9 +16,9 @@ read each other's pages. The first ``put`` of a key wins; a later one keeps that
 Every call is bounded: it runs on a daemon thread and the caller stops waiting at its own
 deadline (``KvStoreTimeoutError``; ``kv_store_calls.py`` says why and how). A result that does
 not confirm the transfer finished (e.g. ``TRANSFER_FAIL`` when the worker holding the page
-died) retires that staging buffer for the life of the process and registers a fresh one: a
-failed transfer may still touch registered memory after the binding returns. After
-``MAX_RETIRED_BUFFERS`` retirements the client refuses further calls.
+died) retires that staging buffer for the life of the process and registers a fresh one
+(``kv_store_staging.py``); after ``MAX_RETIRED_BUFFERS`` retirements the client refuses
+further calls.
 
 Two native calls hold the GIL while they wait, stalling every Python thread of the
 process (measured on mooncake 0.3.13.post1): ``setup`` in ``KvStore(...)`` (a TCP probe
@@ -46,26 +46,24 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.common.exposure import MOONCAKE_EXPOSURE
 from services.prefill.kv_store_calls import (
-    CONFIRMING,
     MISSING,
     NO_AVAILABLE_HANDLE,
     OBJECT_ALREADY_EXISTS,
     BoundedCalls,
     KvPagesMissingError,
-    KvStoreError,
     KvStoreUnavailableError,
-    StagingBuffer,
     code_name,
     connect,
 )
+from services.prefill.kv_store_staging import StagingBuffers
 
 if TYPE_CHECKING:
     from services.engine.kv_cache import KVPool
@@ -74,9 +72,7 @@ logger = logging.getLogger(__name__)
 
 KEY_BYTES = 16  # a prefix-cache page key (services.common.prefix_keys)
 MIN_SEGMENT_BYTES = 16 << 20  # Mooncake refuses a smaller segment (setup fails, -600)
-MAX_RETIRED_BUFFERS = 4  # staging buffers given up to unconfirmed transfers before refusing
 _NAMESPACE = re.compile(r"[A-Za-z0-9._:@+/-]{1,200}")
-_RETIRED: list[Any] = []  # buffers (and broken clients) kept alive until the process exits
 
 
 @dataclass(frozen=True)
@@ -176,11 +172,9 @@ class KvStore:
         self._prefix = f"kv/{layout.tag}/{namespace}/"
         self._store = store
         self._calls = BoundedCalls(("exists", "put", "get"), master)
-        self._staging: dict[str, StagingBuffer] = {}
-        self._retired = 0
         try:
-            for what in ("put", "get"):
-                self._staging[what] = self._new_staging(what)
+            shape = (max_pages_per_call, *layout.value_shape)
+            self._staging = StagingBuffers(store, self._calls, shape, layout.dtype)
         except BaseException:
             store.close()
             raise
@@ -279,7 +273,7 @@ class KvStore:
         go with it). True when done within ``timeout_s``; False: it goes on in the background
         (``wait_closed``). Mooncake's own close holds the GIL (1-2 s; ~6 s when the master
         does not answer), so this can return late by that much."""
-        self._calls.close(self._release_native)
+        self._calls.close(self._staging.release)
         return self.wait_closed(self.timeout_s if timeout_s is None else timeout_s)
 
     def wait_closed(self, timeout_s: float) -> bool:
@@ -304,7 +298,7 @@ class KvStore:
         def work() -> list[bool]:
             base = self._staging["put"].ptr
             ptrs = [base + i * nbytes for i in range(n)]
-            codes = self._native(
+            codes = self._staging.native(
                 "put", names, lambda: self._store.batch_put_from(names, ptrs, [nbytes] * n)
             )
             bad = [
@@ -329,7 +323,7 @@ class KvStore:
         def work() -> list[int]:
             staging = self._staging["get"]
             ptrs = [staging.ptr + i * nbytes for i in range(n)]
-            codes = self._native(
+            codes = self._staging.native(
                 "get", names, lambda: self._store.batch_get_into(names, ptrs, [nbytes] * n)
             )
             absent = [i for i, c in enumerate(codes) if c in MISSING]
@@ -346,56 +340,3 @@ class KvStore:
             return absent
 
         return self._calls.run("get", deadline, lambda: None, work)
-
-    def _native(self, what: str, names: list[str], call: Callable[[], list[int]]) -> list[int]:
-        """``call`` (a batch put or get through ``what``'s staging buffer); its per-key codes.
-        A result that leaves the transfer unconfirmed retires that buffer first."""
-        try:
-            codes = list(call())
-        except BaseException:
-            self._retire(what, "the binding raised")
-            raise
-        if len(codes) != len(names):
-            self._retire(what, f"{len(codes)} results for {len(names)} keys")
-            raise KvStoreUnavailableError(
-                f"mooncake {what} returned {len(codes)} results for {len(names)} keys"
-            )
-        unconfirmed = [c for c in codes if c < 0 and c not in CONFIRMING]
-        if unconfirmed:
-            self._retire(what, code_name(unconfirmed[0]))
-        return codes
-
-    def _retire(self, what: str, why: str) -> None:
-        """Keep ``what``'s staging buffer registered and alive for good (a failed transfer may
-        still touch it) and register a fresh one, or refuse calls past the limit."""
-        _RETIRED.append(self._staging[what])
-        self._retired += 1
-        if self._retired > MAX_RETIRED_BUFFERS:
-            self._calls.refuse(f"broken ({self._retired} transfers left unconfirmed, last: {why})")
-            _RETIRED.append(self._store)
-            logger.error("KV store client %s: refusing further calls", self._calls.refusing)
-            return
-        logger.warning(
-            "mooncake %s left its transfer unconfirmed (%s): its staging buffer is retired",
-            what,
-            why,
-        )
-        try:
-            self._staging[what] = self._new_staging(what)
-        except KvStoreError as exc:
-            self._calls.refuse(f"broken ({exc})")
-
-    def _new_staging(self, what: str) -> StagingBuffer:
-        shape = (self.max_pages_per_call, *self.layout.value_shape)
-        return StagingBuffer(self._store, shape, self.layout.dtype, what)
-
-    def _release_native(self) -> None:
-        """Unregister the buffers and leave the store, once no call is in flight."""
-        refusing = self._calls.refusing
-        if refusing is not None and refusing.startswith("broken"):
-            return  # its client and buffers stay alive in _RETIRED
-        for staging in self._staging.values():  # retired ones stay registered and alive
-            self._store.unregister_buffer(staging.ptr)
-        rc = self._store.close()
-        if rc != 0:
-            logger.warning("mooncake store close returned %s", code_name(rc))

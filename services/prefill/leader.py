@@ -4,11 +4,12 @@ callers.
 Runs on the event loop and touches no torch device: every decision (admission, batches,
 chunks, whether a plan is sharded over the C ranks or run by one) is made here from the
 leader's own state and travels to every rank in the plan (``RankPlan``). One plan is in
-flight at a time: ``RankGroup.step`` runs it on every rank and returns every rank's result
-(or the one agreed error) to the loop. Each caller awaits its request's future until the
-request's deadline; a caller that gives up aborts its request, whose resources are then
-released wherever it is (a running request's write was decided with its plan and still
-lands, inside decode's quarantine). ``progress`` ticks when a plan is launched and done.
+flight at a time (``plan_runner.py``): ``RankGroup.step`` runs it on every rank and returns
+every rank's result (or the one agreed error) to the loop. Each caller awaits its request's
+future until the request's deadline; a caller that gives up aborts its request, whose
+resources are then released wherever it is (a running request's write was decided with its
+plan and still lands, inside decode's quarantine). ``progress`` ticks when a plan is launched
+and done.
 After every (re-)formation of the rank group the leader asks each rank where it receives
 image rows (``Describe``) before it plans again; a re-formed group lost the rows of the
 requests that were encoding, which fail. On SIGTERM ``drain`` refuses new requests
@@ -23,7 +24,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 
@@ -39,7 +39,8 @@ from services.engine.config import ModelConfig
 from services.prefill import metrics
 from services.prefill.encoding import Encoder, encode_entry
 from services.prefill.messages import Describe, RankDescription, RankPlan, RankResult
-from services.prefill.planning import CpPolicy, merge_results, rank_plan
+from services.prefill.plan_runner import PlanRunner, Ranks
+from services.prefill.planning import CpPolicy
 from services.prefill.prefix_cache import CacheAsk
 from services.prefill.request import (
     PrefillInput,
@@ -48,7 +49,6 @@ from services.prefill.request import (
     RequestOutcome,
 )
 from services.prefill.scheduler import PrefillScheduler, SchedEntry
-from services.prefill.spans import forward_spans, transfer_spans
 from services.prefill.store_tier import StoreLookup
 from services.prefill.validation import (
     PromptLimits,
@@ -59,14 +59,6 @@ from services.prefill.validation import (
 
 logger = logging.getLogger(__name__)
 RETRY_S = 0.5  # a pump that raised is tried again after this long
-
-
-class Ranks(Protocol):
-    """What the leader needs of its rank group (``RankGroup`` is one)."""
-
-    num_ranks: int
-
-    async def step(self, payload: msgspec.Struct, timeout_s: float | None = None) -> list: ...
 
 
 @dataclass(frozen=True)
@@ -108,6 +100,16 @@ class PrefillLeader:
         self._is_stopping = False
         self._is_draining = False
         self._idle = asyncio.Event()  # set when the last request in flight leaves
+        self.plans = PlanRunner(
+            scheduler,
+            ranks,
+            model_config,
+            options.cp,
+            options.tp_size,
+            options.step_timeout_s,
+            clock,
+            lambda: self._is_stopping,
+        )
         # Progress: a plan launched, a plan done. Run by the caller (``progress.start``).
         self.progress = ProgressWatchdog(
             "prefill",
@@ -121,11 +123,6 @@ class PrefillLeader:
         """Describe the ranks (the group has formed); from then on every event pumps."""
         self._loop = asyncio.get_running_loop()
         await self._describe()
-
-    @property
-    def cp_size(self) -> int:
-        """The CP ranks plans are made for (each a TP group of ``options.tp_size`` ranks)."""
-        return self.ranks.num_ranks // self.options.tp_size
 
     def on_group_ready(self, is_ready: bool) -> None:
         """The rank group's readiness changed (from its thread): serve only after a fresh
@@ -338,45 +335,17 @@ class PrefillLeader:
 
     def _launch(self, plan: PrefillPlan) -> None:
         self.progress.tick()
-        metrics.BATCH_SIZE.observe(len(plan.requests))
-        metrics.BATCH_TOKENS.observe(plan.num_tokens)
-        prefix = self.scheduler.prefix
-        payload = rank_plan(plan, self.options.cp, self.cp_size, self._clock(), prefix)
-        if prefix is not None:
-            metrics.record_prefix_plan(prefix, payload, plan.num_tokens)
-        self._spawn(self._run_plan(plan, payload))
+        self._spawn(self._run_plan(plan, self.plans.payload(plan)))
 
     async def _run_plan(self, plan: PrefillPlan, payload: RankPlan) -> None:
         """One step on every rank; the scheduler hears the outcome on every path."""
         outcomes: list[RequestOutcome] = []
-        spans = forward_spans(plan, payload, self.cp_size)
         try:
-            try:
-                results = await self.ranks.step(payload, self.options.step_timeout_s)
-                output = merge_results(plan, payload, results, self.model_config)
-            finally:
-                end_ns = time.time_ns()
-                for span in spans:
-                    span.end(end_ns)
-            transfer_spans(plan, output, end_ns)
-            metrics.FORWARD_S.observe(output.forward_s)
-            for outcome in output.outcomes:
-                if outcome.is_ok:
-                    metrics.KV_BYTES.inc(outcome.num_kv_bytes)
-                    metrics.KV_TRANSFER_S.observe(outcome.kv_transfer_s)
-            outcomes = self.scheduler.update_from_output(plan, output)
+            outcomes = await self.plans.run(plan, payload)
         except asyncio.CancelledError:
-            outcomes = self._fail_plan(
-                plan, payload, UnavailableError("prefill worker shut down mid-batch")
-            )
+            error = UnavailableError("prefill worker shut down mid-batch")
+            outcomes = self.plans.fail(plan, payload, error)
             raise
-        except StageServeError as exc:
-            logger.error("prefill batch %d failed: %s", plan.plan_id, exc.message)
-            outcomes = self._fail_plan(plan, payload, exc)
-        except Exception as exc:  # a bug merging the results: fail the batch, keep serving
-            logger.exception("prefill batch %d failed", plan.plan_id)
-            error = StageServeError(f"prefill batch failed: internal error ({type(exc).__name__})")
-            outcomes = self._fail_plan(plan, payload, error)
         finally:
             self.progress.tick()
             self._resolve(outcomes)
@@ -390,24 +359,6 @@ class PrefillLeader:
             entry.in_store = await self.store.leading(entry.input.page_keys[:limit])
         entry.is_store_pending = False
         self._pump()
-
-    def _fail_plan(
-        self, plan: PrefillPlan, payload: RankPlan, error: StageServeError
-    ) -> list[RequestOutcome]:
-        """Every request of the failed step fails (a step that read the shared KV store is
-        run again without it instead); what its ranks kept of it is dropped."""
-        if self.scheduler.prefix is not None:
-            stored = [k for r in payload.requests for k in r.store_keys]
-            moved = [k for m in payload.moves for k in (*m.spill, *m.load, *m.fetch)]
-            self.scheduler.prefix.forget([*stored, *moved], payload.ranks(self.cp_size))
-        if any(m.fetch for m in payload.moves) and not self._is_stopping:
-            logger.warning(
-                "a batch that read the KV store failed (%s): run again without", error.message
-            )
-            metrics.PREFIX_CACHE_STORE_FAILURES.labels("fetch").inc()
-            self.scheduler.retry_without_store(plan)
-            return []
-        return self.scheduler.fail_plan(plan, error)
 
     async def _encode(self, entry: SchedEntry) -> None:
         await encode_entry(self.encoder, entry, self.descriptions, self._clock, self._encoded)
