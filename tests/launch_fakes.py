@@ -1,13 +1,21 @@
-"""Helpers of the ``stageserve up`` tests: what ``start_all`` would start, without processes."""
+"""Helpers of the ``stageserve up`` tests: what ``start_all`` would start, without processes;
+``up`` stopped where it would start the system (``run_up``); ``up`` as a process that refuses."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from services import launcher as launcher_module
 from services.launch_spec import ChildSpec, LaunchConfig, common_args, port_args
 from services.launcher import Launcher
+from tests.conftest import REPO
 
 
 def _started_specs(cfg: LaunchConfig, monkeypatch) -> list[ChildSpec]:
@@ -60,3 +68,33 @@ def child_configs(cfg: LaunchConfig, monkeypatch) -> dict[str, Any]:
         for spec in _started_specs(cfg, monkeypatch)
         if spec.name in parsers
     }
+
+
+def recorded_configs(monkeypatch) -> list[LaunchConfig]:
+    """The config of every ``up`` from now on; each stops there, answering 0."""
+    configs: list[LaunchConfig] = []
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env: configs.append(cfg) or 0)
+    return configs
+
+
+def fail_if_started(monkeypatch) -> None:
+    """From now on an ``up`` that gets as far as starting the system fails the test."""
+    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env: pytest.fail("started"))
+
+
+def assert_up_process_refuses(
+    argv: list[str], env: dict[str, str], log_dir: Path, stderr: str
+) -> None:
+    """``python -m services.cli *argv --log-dir log_dir`` exits 2 saying exactly ``stderr``,
+    and starts nothing."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv, "--log-dir", str(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == stderr
+    assert done.stdout == "" and not log_dir.exists()  # nothing was started

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from services import launcher as launcher_module
 from services.cli import main
 from services.common.errors import UnavailableError
 from services.common.paths import BUNDLED_MODEL
@@ -28,6 +27,7 @@ from services.prefill import kv_store_master
 from services.supervisor import check_liveness
 from tests.conftest import REPO
 from tests.e2e.system import pid_alive
+from tests.launch_fakes import assert_up_process_refuses, fail_if_started, recorded_configs
 from tests.test_up_supervisor import FakeSystem
 
 
@@ -92,8 +92,7 @@ def test_the_master_starts_first_and_prefill_gets_its_address_and_segment(monkey
 
 
 def test_up_turns_the_store_on_with_one_warning_of_mooncakes_ports(monkeypatch, capsys) -> None:
-    configs: list[LaunchConfig] = []
-    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env: configs.append(cfg) or 0)
+    configs = recorded_configs(monkeypatch)
     assert main(["up", "--port", "0", *STORE_ON, "--transfer-backend", "mooncake"]) == 0
     assert configs[0].kv_store_gb == 0.5
     err = capsys.readouterr().err
@@ -122,14 +121,14 @@ def test_up_turns_the_store_on_with_one_warning_of_mooncakes_ports(monkeypatch, 
     ],
 )
 def test_up_refuses_a_store_that_could_not_run(monkeypatch, capsys, argv, error) -> None:
-    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env: pytest.fail("started"))
+    fail_if_started(monkeypatch)
     assert main(["up", "--port", "0", *argv]) == 2
     assert capsys.readouterr().err.startswith(error)
 
 
 def test_up_takes_no_external_master(monkeypatch, capsys) -> None:
     """An external master is prefill's own ``--kv-store-master``; ``up`` starts its own."""
-    monkeypatch.setattr(launcher_module, "run_up", lambda cfg, env: pytest.fail("started"))
+    fail_if_started(monkeypatch)
     with pytest.raises(SystemExit) as exit_:
         main(["up", "--port", "0", *STORE_ON, "--kv-store-master", "10.0.0.2:50051"])
     assert exit_.value.code == 2
@@ -142,22 +141,14 @@ def test_up_without_mooncake_master_refuses_and_names_the_install(tmp_path) -> N
     (tmp_path / "mooncake" / "__init__.py").write_text("")
     (tmp_path / "bin").mkdir()
     env = {**os.environ, "PATH": str(tmp_path / "bin"), "PYTHONPATH": str(tmp_path)}
-    argv = ["up", "--port", "0", *STORE_ON, "--log-dir", str(tmp_path / "logs")]
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == (
+    assert_up_process_refuses(
+        ["up", "--port", "0", *STORE_ON],
+        env,
+        tmp_path / "logs",
         "error: --kv-store-gb starts a mooncake_master, which is not installed (neither in the "
         "mooncake package nor on PATH): install stageserve's cpu or gpu extra (bash "
-        "scripts/install.sh cpu, or gpu; it also installs libibverbs1 librdmacm1 libnuma1)"
+        "scripts/install.sh cpu, or gpu; it also installs libibverbs1 librdmacm1 libnuma1)",
     )
-    assert done.stdout == "" and not (tmp_path / "logs").exists()  # nothing was started
 
 
 class SignalledProcess:

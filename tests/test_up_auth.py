@@ -4,8 +4,6 @@ argv."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +13,7 @@ import services.launcher
 from services.cli import main
 from services.launch_spec import ChildSpec, LaunchConfig, router_args
 from services.launcher import Launcher
-from tests.conftest import REPO
+from tests.launch_fakes import assert_up_process_refuses, fail_if_started, recorded_configs
 
 
 def test_every_child_gets_the_same_token_through_its_environment(monkeypatch) -> None:
@@ -52,35 +50,26 @@ def test_up_passes_the_api_key_and_keeps_an_existing_token(monkeypatch) -> None:
 
 @pytest.mark.parametrize("key", ["", "two words"])
 def test_up_refuses_an_unusable_api_key_before_starting_anything(monkeypatch, capsys, key) -> None:
-    monkeypatch.setattr(services.launcher, "run_up", lambda cfg, env: pytest.fail("started"))
+    fail_if_started(monkeypatch)
     assert main(["up", "--port", "0", "--transfer-backend", "shm", "--api-key", key]) == 2
     assert "API key" in capsys.readouterr().err
 
 
 def test_up_process_refuses_every_interface_without_an_api_key(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "STAGESERVE_API_KEY"}
-    argv = ["up", "--host", "0.0.0.0", "--port", "0", "--log-dir", str(tmp_path / "logs")]
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == (
+    assert_up_process_refuses(
+        ["up", "--host", "0.0.0.0", "--port", "0"],
+        env,
+        tmp_path / "logs",
         "error: the API would listen on 0.0.0.0 (not loopback only) without an API key: set one "
         "with --api-key or STAGESERVE_API_KEY, or pass --insecure-no-api-key to serve it open "
-        "on purpose"
+        "on purpose",
     )
-    assert done.stdout == "" and not (tmp_path / "logs").exists()  # nothing was started
 
 
 def router_flags(monkeypatch, argv: list[str]) -> tuple[str, ...] | None:
     """The router's flags ``up argv`` would start it with (None: ``up`` refused)."""
-    configs = []
-    monkeypatch.setattr(services.launcher, "run_up", lambda cfg, env: configs.append(cfg) or 0)
+    configs = recorded_configs(monkeypatch)
     if main(["up", "--port", "0", "--transfer-backend", "shm", *argv]) != 0:
         return None
     return router_args(configs[0], tokenizer="t", prefill="p", decode="d", encoder="e")
@@ -109,7 +98,7 @@ def test_up_serves_every_interface_with_a_key_or_on_purpose(monkeypatch, capsys)
     ],
 )
 def test_up_refuses_mooncake_on_a_loopback_host(monkeypatch, capsys, backends) -> None:
-    monkeypatch.setattr(services.launcher, "run_up", lambda cfg, env: pytest.fail("started"))
+    fail_if_started(monkeypatch)
     assert main(["up", "--port", "0", *backends]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: the mooncake transfer backend cannot stay on --host 127.0.0.1")
@@ -117,8 +106,7 @@ def test_up_refuses_mooncake_on_a_loopback_host(monkeypatch, capsys, backends) -
 
 
 def test_up_warns_of_mooncakes_ports_on_another_host(monkeypatch, capsys) -> None:
-    configs = []
-    monkeypatch.setattr(services.launcher, "run_up", lambda cfg, env: configs.append(cfg) or 0)
+    configs = recorded_configs(monkeypatch)
     argv = ["up", "--port", "0", "--host", "0.0.0.0", "--api-key", "sk-up"]
     assert main([*argv, "--transfer-backend", "mooncake"]) == 0
     assert configs[0].transfer_backend == "mooncake"

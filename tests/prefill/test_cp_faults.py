@@ -12,17 +12,9 @@ import time
 
 import pytest
 
-from services.common.errors import StageServeError, UnavailableError
-from services.common.types import SamplingParams
-from tests.prefill.conftest import (
-    make_case,
-    prefill_config,
-    reference,
-    standard_cases,
-    start_harness,
-    stop_harness,
-)
-from tests.prefill.test_service import assert_matches
+from services.common.errors import UnavailableError
+from tests.prefill.conftest import make_case, standard_cases, stop_harness
+from tests.prefill.group_faults import failed_prefill, serves_right, start_two_ranks, text_case
 
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 4.0
@@ -52,30 +44,17 @@ async def last_errors(harness) -> list[str]:
 async def test_a_rank_raising_mid_forward_fails_the_step_everywhere_and_writes_nothing(
     pipeline, language_model
 ) -> None:
-    h = await start_harness(pipeline, language_model, prefill_config(devices=("cpu", "cpu")))
+    h = await start_two_ranks(pipeline, language_model)
     try:
-        case = make_case(
-            pipeline, "raise-r1-l2", "What is in this picture?", [], SamplingParams(temperature=0.0)
-        )
-        dst = h.decode.reserve(case.request.request_id, len(case.prompt.token_ids))
-        with pytest.raises(StageServeError) as caught:
-            await h.client.prefill(
-                case.request.request_id,
-                case.prompt,
-                case.request.params,
-                h.decode.kv_ref(dst),
-                time.time() + 30,
-            )
-        text = caught.value.message
+        case = text_case(pipeline, "raise-r1-l2", "What is in this picture?")
+        error, dst = await failed_prefill(h, case)
+        text = error.message
         assert "failed on rank 1: RuntimeError: injected failure in layer 2" in text, text
-        assert not h.decode.is_written(
-            dst
-        )  # no rank wrote: the peer stopped at the poisoned gather
+        # no rank wrote: the peer stopped at the poisoned gather
+        assert not h.decode.is_written(dst)
         assert await last_errors(h) == [text, text]  # the same agreed text on every rank
         h.assert_all_free()
-        for case in standard_cases(pipeline)[:2]:  # the group serves on, right
-            result, dst = await h.prefill(case)
-            assert_matches(h, case, result, dst, reference(pipeline, case))
+        await serves_right(h, pipeline, standard_cases(pipeline)[:2])  # the group serves on
     finally:
         await stop_harness(h)
 
@@ -83,8 +62,7 @@ async def test_a_rank_raising_mid_forward_fails_the_step_everywhere_and_writes_n
 async def test_a_stopped_rank_is_declared_dead_and_the_group_re_forms(
     pipeline, language_model
 ) -> None:
-    config = prefill_config(devices=("cpu", "cpu"), step_timeout_s=STEP_TIMEOUT_S)
-    h = await start_harness(pipeline, language_model, config, step_timeout_s=STEP_TIMEOUT_S)
+    h = await start_two_ranks(pipeline, language_model, STEP_TIMEOUT_S)
     try:
         pids = h.app.ranks.rank_pids
         serving: list[tuple[bool, float]] = []
@@ -103,9 +81,8 @@ async def test_a_stopped_rank_is_declared_dead_and_the_group_re_forms(
             return await step(payload, *args)
 
         h.leader.ranks.step = timed
-        case = make_case(pipeline, "stop-r1", "Hi there.", [], SamplingParams(temperature=0.0))
         with pytest.raises(UnavailableError, match="did not finish step"):
-            await h.prefill(case)
+            await h.prefill(text_case(pipeline, "stop-r1", "Hi there."))
         assert serving and serving[0][0] is False
         assert (
             serving[0][1] - sent_at[0] <= STEP_TIMEOUT_S + 1.0
@@ -115,9 +92,7 @@ async def test_a_stopped_rank_is_declared_dead_and_the_group_re_forms(
             while not h.health.is_serving:
                 await asyncio.sleep(0.05)
         assert set(h.app.ranks.rank_pids).isdisjoint(pids)
-        case = standard_cases(pipeline)[1]
-        result, dst = await h.prefill(case)
-        assert_matches(h, case, result, dst, reference(pipeline, case))
+        await serves_right(h, pipeline, standard_cases(pipeline)[1:2])
         h.assert_all_free()
     finally:
         await stop_harness(h)

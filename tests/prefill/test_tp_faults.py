@@ -12,21 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
-from services.common.errors import StageServeError, UnavailableError
-from services.common.types import SamplingParams
-from tests.prefill.conftest import (
-    make_case,
-    prefill_config,
-    reference,
-    standard_cases,
-    start_harness,
-    stop_harness,
-)
-from tests.prefill.test_service import assert_matches
+from services.common.errors import UnavailableError
+from tests.prefill.conftest import standard_cases, stop_harness
+from tests.prefill.group_faults import failed_prefill, serves_right, start_two_ranks, text_case
 
 pytestmark = pytest.mark.slow
 STEP_TIMEOUT_S = 4.0
@@ -34,10 +25,7 @@ REFORM_S = 120.0  # two torch imports and model loads on a loaded 2-core machine
 
 
 async def started(pipeline, language_model, step_timeout_s: float = STEP_TIMEOUT_S, **group):
-    config = prefill_config(devices=("cpu", "cpu"), tp=2, step_timeout_s=step_timeout_s)
-    return await start_harness(
-        pipeline, language_model, config, step_timeout_s=step_timeout_s, **group
-    )
+    return await start_two_ranks(pipeline, language_model, step_timeout_s, tp=2, **group)
 
 
 async def serves_again(h, pipeline, old_pids: list[int]) -> None:
@@ -45,14 +33,12 @@ async def serves_again(h, pipeline, old_pids: list[int]) -> None:
     async with asyncio.timeout(REFORM_S):
         while not (h.health.is_serving and set(h.app.ranks.rank_pids).isdisjoint(old_pids)):
             await asyncio.sleep(0.05)
-    case = standard_cases(pipeline)[1]  # an image
-    result, dst = await h.prefill(case)
-    assert_matches(h, case, result, dst, reference(pipeline, case))
+    await serves_right(h, pipeline, standard_cases(pipeline)[1:2])  # an image
     h.assert_all_free()
 
 
 def request(pipeline, name: str):
-    return make_case(pipeline, name, "Hi there, how are you?", [], SamplingParams(temperature=0.0))
+    return text_case(pipeline, name, "Hi there, how are you?")
 
 
 async def test_a_rank_raising_mid_forward_fails_the_step_and_the_group_re_forms(
@@ -64,16 +50,7 @@ async def test_a_rank_raising_mid_forward_fails_the_step_and_the_group_re_forms(
     h = await started(pipeline, language_model, step_timeout_s=30.0, collective_timeout_s=5.0)
     try:
         pids = h.app.ranks.rank_pids
-        case = request(pipeline, "raise-r1-l1")
-        dst = h.decode.reserve(case.request.request_id, len(case.prompt.token_ids))
-        with pytest.raises(StageServeError):
-            await h.client.prefill(
-                case.request.request_id,
-                case.prompt,
-                case.request.params,
-                h.decode.kv_ref(dst),
-                time.time() + 30,
-            )
+        _, dst = await failed_prefill(h, request(pipeline, "raise-r1-l1"))
         assert not h.decode.is_written(dst)
         await serves_again(h, pipeline, pids)
     finally:
