@@ -173,3 +173,13 @@ def test_deepstack_rows_dropped_moved_or_shifted_break_parity():
     }
     for name, logits in variants.items():
         assert max_diff(logits, ref) > 100 * TOLERANCE, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_qk_norm_takes_a_cp_ranks_empty_share(arch):
+    """A CP rank whose share of a pass has no token runs the per-head q/k norm on zero rows."""
+    from services.engine.loader import load_model
+
+    attn = load_model(ASSETS / arch, components=("language",)).model.layers[0].self_attn
+    width = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+    assert attn.norm_qk(torch.zeros(0, width)).shape == (0, width)

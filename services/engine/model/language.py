@@ -92,8 +92,9 @@ class DecoderAttention(nn.Module):
         assert self.q_norm is not None and self.k_norm is not None
         n, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q = self.q_norm(q.reshape(-1, d)).view(n, -1)  # per head: [T * H, D]
-        k = self.k_norm(k.reshape(-1, d)).view(n, -1)
+        # per head: [T * H, D]; the widths are spelled out, as T may be 0 (a CP rank's share)
+        q = self.q_norm(q.reshape(-1, d)).view(n, self.num_heads * d)
+        k = self.k_norm(k.reshape(-1, d)).view(n, self.num_kv_heads * d)
         return torch.cat([q, k, v], dim=-1)
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, hidden]
