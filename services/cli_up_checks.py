@@ -102,7 +102,9 @@ def check_tensor_parallel(cfg: LaunchConfig) -> None:
         spread_cuda=False,
         service="decode",
     )
-    check_rank_split(cfg.model, devices, cfg.decode_tp, cfg.decode_ep, "decode")
+    check_rank_split(
+        cfg.model, devices, cfg.decode_tp, cfg.decode_ep, "decode", cfg.decode_dp_attention
+    )
     backend = lookup_backend(cfg.kv_transfer_backend or cfg.transfer_backend)
     if cfg.prefill_tp != cfg.decode_tp and not backend.writes_head_slices:
         writers = ", ".join(n for n, b in BACKENDS.items() if b.writes_head_slices)

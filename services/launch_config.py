@@ -164,7 +164,13 @@ class LaunchConfig:
     decode_ep: int = flag(
         1,
         type=at_least(1),
-        help="decode's --ep: 1, or --decode-tp to split an MoE model's experts over each rank",
+        help="decode's --ep: 1, or --decode-tp to split an MoE model's experts over each rank "
+        "(with --decode-dp-attention: 1, or --decode-dp)",
+    )
+    decode_dp_attention: bool = flag(
+        False,
+        help="decode's --dp-attention: the --decode-dp ranks (one process each) keep their own "
+        "requests and attention, and split the MLP and MoE layers over all of them",
     )
     max_running_requests: int | None = flag(
         None,

@@ -187,6 +187,7 @@ def decode_config(cfg: LaunchConfig) -> DecodeConfig:
         prefill_first_ms=cfg.prefill_first_ms if cfg.gpu_share_file else None,
         tp=cfg.decode_tp,
         ep=cfg.decode_ep,
+        dp_attention=cfg.decode_dp_attention,
     )
 
 

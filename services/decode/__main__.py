@@ -54,7 +54,9 @@ def parse_config(argv: list[str] | None = None) -> DecodeConfig:
                 raise ValueError(f"--gpu-share-file: {exc}") from None
         for device in config.devices:
             check_kv_backend(config.kv_transfer_backend, config.transfer_backend, device)
-        check_rank_split(config.model, config.devices, config.tp, config.ep, "decode")
+        check_rank_split(
+            config.model, config.devices, config.tp, config.ep, "decode", config.dp_attention
+        )
     except ValueError as exc:
         p.error(str(exc))
     return config

@@ -16,12 +16,14 @@ from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import print_ready, service_server, start_telemetry
 from services.decode.config import DecodeConfig
+from services.decode.dp_views import SharedGroup
 from services.decode.leader import DecodeLeader
-from services.decode.messages import RankInit, RankReport
+from services.decode.messages import DpReports, RankInit, RankReport
 from services.decode.rank_views import MakeRank, RankHandle
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 
 RANK_STEP = "services.decode.rank_step:DecodeRankStep"
+DP_ATTENTION_STEP = "services.decode.dp_attention:DpAttentionRankStep"
 
 
 def rank_init(config: DecodeConfig) -> RankInit:
@@ -43,14 +45,36 @@ def rank_init(config: DecodeConfig) -> RankInit:
         prefill_first_s=config.prefill_first_s,
         tp_size=config.tp,
         ep_size=config.ep,
+        dp_attention=config.dp_attention,
     )
 
 
 def process_ranks(config: DecodeConfig, envs: Envs) -> MakeRank:
     """Rank ``r`` is a free-running rank group of ``config.tp`` processes on
-    ``config.devices[r*T : (r+1)*T]`` (one without TP), restarted alone."""
+    ``config.devices[r*T : (r+1)*T]`` (one without TP), restarted alone; with
+    ``config.dp_attention``, every rank is a view of one group of D processes
+    (``dp_views.py``), which fails and re-forms as a whole."""
     init = rank_init(config)
     devices, tp = config.devices, config.tp
+    if config.dp_attention:
+        group_config = RankGroupConfig(
+            name=f"decode DP-attention group of {len(devices)}",
+            devices=devices,
+            step_timeout_s=config.watchdog_s,
+            watchdog_s=config.watchdog_s,
+            internal_token=envs.internal_token,
+            is_free_running=True,
+        )
+        shared = SharedGroup(
+            len(devices),
+            lambda on_ready, on_report: RankGroup(
+                group_config,
+                StepSpec(DP_ATTENTION_STEP, DpReports, init),
+                on_ready_change=on_ready,
+                on_report=on_report,
+            ),
+        )
+        return shared.view
 
     def make(
         dp_rank: int,

@@ -47,7 +47,14 @@ class DecodeConfig(ServiceConfig):
     ep: int = flag(
         1,
         type=positive_int,
-        help="expert-parallel processes of an MoE model's experts: 1, or --tp",
+        help="expert-parallel processes of an MoE model's experts: 1, or --tp (with "
+        "--dp-attention: 1, or every process)",
+    )
+    dp_attention: bool = flag(
+        False,
+        help="DP attention: the data-parallel ranks (one process each, --tp 1) keep their own "
+        "requests, KV pool and attention, and their MLP and MoE layers split over all of them "
+        "(experts: --ep D); every rank joins every step, an idle rank with no rows",
     )
     num_pages: int | None = flag(
         None,

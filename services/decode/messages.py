@@ -37,6 +37,9 @@ class RankInit(msgspec.Struct, frozen=True):
     quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
     tp_size: int = 1  # processes of this tensor-parallel rank (tp_rank.py)
     ep_size: int = 1  # of them, those an MoE layer's experts split over: 1 or tp_size
+    # DP attention (dp_attention.py): the group's processes are its DP ranks, their MLP and MoE
+    # layers split over the group (ep_size: 1 or the group's size)
+    dp_attention: bool = False
 
 
 # --- leader -> rank ---------------------------------------------------------------
@@ -66,9 +69,11 @@ Command = ReserveCommand | StartCommand | AbortCommand
 
 
 class RankCommands(msgspec.Struct, frozen=True):
-    """One post: commands in arrival order."""
+    """One post: commands in arrival order, for DP rank ``dp_rank`` of a DP-attention group
+    (the group's rank 0 hands them on); 0 otherwise."""
 
     commands: tuple[Command, ...] = ()
+    dp_rank: int = 0
 
 
 # --- rank -> leader ---------------------------------------------------------------
@@ -133,3 +138,9 @@ class RankReport(msgspec.Struct, frozen=True):
     # The logprobs of the tokens whose request asked: logprobs[j] is token_ids[logprob_indices[j]]'s
     logprob_indices: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class DpReports(msgspec.Struct, frozen=True):
+    """The result of one step of a DP-attention group: every DP rank's report, rank order."""
+
+    reports: tuple[RankReport, ...]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from services.common.destinations import KvDestination, KvPoolLayout
 from services.common.errors import (
@@ -64,6 +64,12 @@ from services.transfer.base import Clock
 logger = logging.getLogger(__name__)
 
 
+class StepRows(Protocol):
+    """How a DP-attention group agrees on each step's rows per rank (``dp_attention.py``)."""
+
+    def rows(self, mine: int) -> int: ...
+
+
 @dataclass
 class _StepOutput:
     tokens: list[tuple[str, int]]
@@ -91,6 +97,8 @@ class DecodeRank:
         # a tensor-parallel rank's followers' pools (session id, layout), TP rank order: each
         # reservation's pages are theirs too (build_tp_rank)
         self.tp_peers: tuple[tuple[str, KvPoolLayout], ...] = ()
+        # DP attention: how the group agrees on each step's rows (dp_attention.py)
+        self.dp: StepRows | None = None
         self.scheduler = scheduler
         self.loop = loop
         self.receiver = receiver
@@ -197,6 +205,12 @@ class DecodeRank:
         waited: list[float] = []  # (seconds waited, when the wait ended) once waited
         if plan is not None:
             self._next_step += 1
+        if self.dp is not None:  # every rank of the group agrees on the step's rows
+            runner = self.loop.batch.runner
+            rows = self.dp.rows(plan.num_rows if plan is not None else 0)
+            runner.set_dp_rows(rows)
+            if plan is None and rows:
+                runner.idle_decode()  # the others' forward: this rank's MLPs join with no rows
 
         def wait_for_prefill() -> None:
             # prefill first: its forward runs on the GPU alone. Called with the step's inputs
@@ -292,7 +306,11 @@ def build_runner(init: RankInit, model: Qwen2_5_VLModel, device: str) -> ModelRu
             init.num_pages, init.page_size, init.gpu_memory_utilization, init.max_running_requests
         ),
         init.attention_backend,
-        cuda_graph_batch_sizes=graph_batch_sizes(init.max_running_requests),
+        # DP attention pads each step to the group's rows and idles through the MLPs alone:
+        # eager steps (graphs of those shapes are not built)
+        cuda_graph_batch_sizes=()
+        if init.dp_attention
+        else graph_batch_sizes(init.max_running_requests),
     )
     logger.info("%s on %s", runner.pool_size.describe(), device)
     return runner

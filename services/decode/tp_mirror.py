@@ -7,7 +7,8 @@ output slots: ``ForwardHeader``) on a pyzmq PUSH socket to each follower and bro
 step's token ids, which are still on the device (the previous step's samples), over the device
 group. A follower's ``StepFollower.receive`` waits on its PULL socket (at most a timeout, so its
 loop answers the leader's pings), joins the broadcast and returns the ``DecodeInputs`` to run.
-The followers' ipc sockets are named over the group's CPU collective at construction. Rank 0's
+The followers' ipc sockets (``Pull``; rank 0's ``Pushes``, also the DP-attention group's order
+channel) are named over the group's CPU collective at construction. Rank 0's
 decisions (what to admit, which pages) never depend on a follower: a follower holds no
 scheduler, only its pool of the KV heads it owns, addressed by rank 0's page ids.
 """
@@ -48,17 +49,59 @@ def _int64(data: bytes, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=np.int64).reshape(shape).copy())
 
 
+class Pushes:
+    """PUSH sockets to followers' ``Pull`` addresses, in follower order."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        context = zmq.Context.instance()
+        self._sockets = []
+        for address in addresses:
+            socket = context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self._sockets.append(socket)
+
+    def send(self, data: bytes, to: int | None = None) -> None:
+        """``data`` to follower ``to`` (None: to every follower)."""
+        for socket in self._sockets if to is None else [self._sockets[to]]:
+            socket.send(data)
+
+    def close(self) -> None:
+        for socket in self._sockets:
+            socket.close(0)
+        self._sockets = []
+
+
+class Pull:
+    """A follower's PULL socket on a fresh ipc path (``address``), bound at construction."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="stageserve-rank-")
+        self.address = f"ipc://{os.path.join(self._dir, 'steps')}"
+        self._socket = zmq.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.address)
+
+    def receive(self, timeout_s: float) -> bytes | None:
+        """The next message, or None when nothing came within ``timeout_s``."""
+        if not self._socket.poll(int(timeout_s * 1000)):
+            return None
+        return self._socket.recv()
+
+    def close(self) -> None:
+        self._socket.close(0)
+        try:
+            os.unlink(self.address.removeprefix("ipc://"))
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
 class StepMirror:
     """Rank 0's side: ``send`` every DECODE step before running it."""
 
     def __init__(self, addresses: list[str], device: torch.device, group: Any) -> None:
-        self._context = zmq.Context.instance()
-        self._sockets = []
-        for address in addresses:
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(address)
-            self._sockets.append(socket)
+        self._pushes = Pushes(addresses)
         self.device, self._group = device, group
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -69,42 +112,32 @@ class StepMirror:
             page_tables=[list(p) for p in inputs.page_tables],
             out_slots=inputs.out_slots.contiguous().numpy().tobytes(),
         )
-        self._publish(header)
+        self._pushes.send(self._encoder.encode(header))
         ids = inputs.input_ids.to(self.device, torch.long).contiguous()
         dist.broadcast(ids, src=0, group=self._group)
 
     def warmup_done(self) -> None:
-        self._publish(WarmupDone())
-
-    def _publish(self, message: Message) -> None:
-        data = self._encoder.encode(message)
-        for socket in self._sockets:
-            socket.send(data)
+        self._pushes.send(self._encoder.encode(WarmupDone()))
 
     def close(self) -> None:
-        for socket in self._sockets:
-            socket.close(0)
-        self._sockets = []
+        self._pushes.close()
 
 
 class StepFollower:
     """A follower's side: its PULL socket, bound at construction (``address``)."""
 
     def __init__(self, device: torch.device, group: Any) -> None:
-        self._context = zmq.Context.instance()
-        self._dir = tempfile.mkdtemp(prefix="stageserve-tp-")
-        self.address = f"ipc://{os.path.join(self._dir, 'steps')}"
-        self._socket = self._context.socket(zmq.PULL)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(self.address)
+        self._pull = Pull()
+        self.address = self._pull.address
         self.device, self._group = device, group
 
     def receive(self, timeout_s: float) -> DecodeInputs | WarmupDone | None:
         """The next step's inputs (its token ids broadcast from rank 0), ``WarmupDone``, or
         None when nothing came within ``timeout_s``."""
-        if not self._socket.poll(int(timeout_s * 1000)):
+        data = self._pull.receive(timeout_s)
+        if data is None:
             return None
-        message = _decoder.decode(self._socket.recv())
+        message = _decoder.decode(data)
         if isinstance(message, WarmupDone):
             return message
         batch = len(message.seq_lens)
@@ -119,15 +152,12 @@ class StepFollower:
         )
 
     def close(self) -> None:
-        self._socket.close(0)
-        try:
-            os.unlink(self.address.removeprefix("ipc://"))
-            os.rmdir(self._dir)
-        except OSError:
-            pass
+        self._pull.close()
 
 
-def exchange_addresses(follower: StepFollower | None, rank: int, world_size: int, group: Any):
+def exchange_addresses(
+    follower: StepFollower | Pull | None, rank: int, world_size: int, group: Any
+):
     """Every follower's address, rank order (rank 0 contributes none); all ranks call it."""
     mine = follower.address if follower is not None else ""
     addresses: list[str] = [""] * world_size

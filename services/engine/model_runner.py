@@ -193,6 +193,17 @@ class ModelRunner:
         with ops.on_device(self.device):
             return self._forward_decode(inputs, before_launch)
 
+    def set_dp_rows(self, rows: int) -> None:
+        """DP attention: the rows per rank the group agreed for its next forward."""
+        self.model.tp.step_rows[0] = rows
+
+    @torch.inference_mode()
+    def idle_decode(self) -> None:
+        """DP attention: this rank's part of a step in which it has no request (set_dp_rows
+        first)."""
+        with ops.on_device(self.device):
+            self.model.model.idle(self.dtype, self.device)
+
     def _forward(
         self,
         mode: ForwardMode,

@@ -16,7 +16,7 @@ their input, every shard is the whole tensor, and the model is the single-device
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,9 @@ class TensorParallel:
     group: ProcessGroup | None = None
     ep_size: int = 1
     dp_attention: bool = False  # the group is DP ranks: only the MLP and MoE layers split
+    # DP attention: the step's rows per rank, agreed by the group before each forward (the
+    # decode rank sets [0]; 0: every rank's x has as many rows, as in the offline engine)
+    step_rows: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -53,12 +56,16 @@ class TensorParallel:
         return SINGLE if self.dp_attention else self
 
     def mlp_rows(self, mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
-        """``mlp(x)`` under DP attention: every rank's rows (as many on each) gathered, the
-        reduced output's rows of this rank kept; ``mlp(x)`` itself otherwise."""
+        """``mlp(x)`` under DP attention: every rank's rows, padded with zero rows to the
+        step's agreed ``step_rows``, gathered; the reduced output's rows of this rank kept.
+        ``mlp(x)`` itself otherwise."""
         if not self.dp_attention or self.size == 1:
             return mlp(x)
-        rows = x.shape[0]
-        return mlp(self.all_gather(x, dim=0)).narrow(0, self.rank * rows, rows)
+        rows, padded = x.shape[0], self.step_rows[0] or x.shape[0]
+        assert rows <= padded, f"{rows} rows in a step agreed at {padded}"
+        if rows < padded:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        return mlp(self.all_gather(x, dim=0)).narrow(0, self.rank * padded, rows)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (``x`` itself for a group of 1)."""
@@ -195,27 +202,40 @@ def check_expert_parallel(text: TextConfig, tp_size: int, ep_size: int) -> None:
 
 
 def check_rank_split(
-    model_dir: str | Path, devices: Sequence[str], tp: int, ep: int, service: str
+    model_dir: str | Path,
+    devices: Sequence[str],
+    tp: int,
+    ep: int,
+    service: str,
+    dp_attention: bool = False,
 ) -> None:
     """``ValueError`` naming the numbers unless ``service``'s rank processes on ``devices``
     split into groups of ``tp`` whose collectives can run (one GPU per CUDA process) and the
-    model splits over ``tp`` and ``ep`` (``check_tensor_parallel``)."""
+    model splits over ``tp`` and ``ep`` (``check_tensor_parallel``). With ``dp_attention`` the
+    whole world is one group (``tp`` must be 1) over which only the MLP and experts split."""
+    if dp_attention and tp != 1:
+        raise ValueError(
+            f"{service} --dp-attention with --tp {tp}: a DP-attention rank is one process "
+            "(attention whole, the MLP and experts split over every rank); use --tp 1"
+        )
     if len(devices) % tp:
         raise ValueError(
             f"{service} --tp {tp} does not divide its {len(devices)} rank processes "
             "(--ranks / --devices count every process: groups x --tp)"
         )
-    if tp == ep == 1:
+    group = len(devices) if dp_attention else tp
+    if group == ep == 1:
         return
     from services.engine.config import ModelConfig
 
     try:
-        check_tensor_parallel(ModelConfig.from_dir(model_dir).text, tp, ep)
+        check_tensor_parallel(ModelConfig.from_dir(model_dir).text, group, ep, dp_attention)
     except ModelLoadError as exc:
         raise ValueError(f"{service}: {model_dir}: {exc.message}") from exc
     cuda = [d for d in devices if d.startswith("cuda")]
-    if tp > 1 and len(set(cuda)) < len(cuda):
+    if group > 1 and len(set(cuda)) < len(cuda):
+        what = "--dp-attention" if dp_attention else f"--tp {tp}"
         raise ValueError(
-            f"{service} --tp {tp} on ranks that share a CUDA device ({', '.join(devices)}): "
-            "tensor-parallel collectives run over NCCL, one GPU per rank"
+            f"{service} {what} on ranks that share a CUDA device ({', '.join(devices)}): "
+            "the group's collectives run over NCCL, one GPU per rank"
         )

@@ -8,7 +8,8 @@ over each TP group, every batch CP-sharded, DeepStack rows included, and decode 
 with prefill at TP = 4 (more ranks than KV heads: each head on two ranks, one writes it) and two
 decode DP ranks of TP = 2; the dense tiny Qwen3-VL with prefill at TP = 1 writing every head
 into the two pools of a TP = 2 decode rank, and at TP = 2 into a TP = 4 decode rank (each KV
-head on two decode processes: a prefill rank writes its head into both pools).
+head on two decode processes: a prefill rank writes its head into both pools); the tiny MoE on
+two prefill CP ranks into decode with DP attention over two ranks, experts split over both.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ LAYOUTS = {
         4,
     ),
     "qwen3-tp1-into-tp2": (QWEN3_DIR, ("--decode-tp", "2"), 1, 2),
+    "moe-cp2-into-dp-attention2-ep2": (
+        MOE_DIR,
+        (
+            *("--prefill-cp", "2", "--prefill-cp-min-tokens", "1"),
+            *("--decode-dp", "2", "--decode-dp-attention", "--decode-ep", "2"),
+        ),
+        2,
+        2,
+    ),
     "qwen3-tp2-into-tp4": (QWEN3_DIR, ("--prefill-tp", "2", "--decode-tp", "4"), 2, 4),
 }
 

@@ -185,6 +185,13 @@ class LanguageModel(nn.Module):
             if isinstance(layer.mlp, GatedMLP):
                 layer.mlp.quantize_fp8()
 
+    def idle(self, dtype: torch.dtype, device: torch.device) -> None:
+        """A DP-attention rank's step without rows: every layer's MLP joins the group's
+        collectives with zero rows of its own (``TensorParallel.mlp_rows``)."""
+        x = torch.zeros(0, self.cfg.hidden_size, dtype=dtype, device=device)
+        for layer in self.layers:
+            layer.tp.mlp_rows(layer.mlp, x)
+
     def forward(
         self,
         input_embeds: torch.Tensor,
