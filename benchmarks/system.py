@@ -5,6 +5,8 @@
     python -m benchmarks.system --quick      # CPU smoke run on the bundled tiny model
     python -m benchmarks.system --decode-device cuda:0,cuda:1 --decode-tp 2 --prefill-tp 2
         # tensor parallelism on two GPUs (run it against the same command without the TP flags)
+    python -m benchmarks.system --decode-device cuda:0,cuda:1 --decode-dp 2 --decode-dp-attention
+        # DP attention on two GPUs (the 7B MLP split over both) against the same without it
     python -m benchmarks.system --sglang-bench-serving PATH/bench_serving.py  # SGLang's too
 
 In one run: writes (or reuses) a checkpoint with 7B dimensions, random bf16 weights and the
@@ -101,6 +103,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             help=f"up's --{stage}-tp (processes per {stage} rank, one GPU each on CUDA)",
         )
         p.add_argument(f"--{stage}-ep", type=int, default=1, help=f"up's --{stage}-ep")
+    p.add_argument(
+        "--decode-dp-attention",
+        action="store_true",
+        help="up's --decode-dp-attention: the --decode-dp ranks split the MLP and experts",
+    )
     p.add_argument(
         "--prefill-first-ms",
         type=float,
@@ -261,6 +268,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
     for flag in ("prefill_tp", "prefill_ep", "decode_tp", "decode_ep"):
         if getattr(args, flag) != 1:
             up_args += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if args.decode_dp_attention:
+        up_args.append("--decode-dp-attention")
     with running_system(up_args, args.workdir, "stageserve-system-") as system:
         model = "stageserve-7b-random" if not args.quick else model_dir.name
         model = system.served_model() or model
