@@ -1,6 +1,6 @@
 """GPU parity (bf16) of tensor and expert parallelism: TP = 2 on the tiny Qwen2.5-VL
-checkpoint and TP = EP = 2 on the tiny Qwen3-VL-MoE one (its experts have no TP split),
-against TP = 1, every rank a process on ``cuda:0`` with gloo for the collectives (NCCL needs a
+checkpoint and TP = EP = 2 on the tiny Qwen3-VL-MoE one (its experts have no TP split), and
+DP attention with EP = 2 on the MoE one (attention whole, experts split), against size 1, every rank a process on ``cuda:0`` with gloo for the collectives (NCCL needs a
 GPU per rank; device tool only).
 
 bf16 rounds differently with the weights split (partial sums are reduced in another order),
@@ -21,9 +21,10 @@ from tests.engine.tp_ranks import run_tp_groups
 
 pytestmark = pytest.mark.gpu
 
-LAYOUTS = {  # name: (checkpoint, experts split over the group)
-    "TP": (TINY_MODEL_DIR, False),
-    "EP": (TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe", True),
+LAYOUTS = {  # name: (checkpoint, experts split over the group, DP attention)
+    "TP": (TINY_MODEL_DIR, False, False),
+    "EP": (TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe", True, False),
+    "DP-attention EP": (TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe", True, True),
 }
 
 
@@ -34,14 +35,15 @@ def runs(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     out = {}
-    for name, (model_dir, experts) in LAYOUTS.items():
+    for name, (model_dir, experts, dp_attention) in LAYOUTS.items():
         reference, requests = reference_run(model_dir)
         results = run_tp_groups(
             2,
             (1, 2),
             [(model_dir, requests)],
-            tmp_path_factory.mktemp(name),
+            tmp_path_factory.mktemp(name.replace(" ", "-")),
             expert_parallel=experts,
+            dp_attention=dp_attention,
             device="cuda",
             dtype="bfloat16",
         )
