@@ -121,8 +121,10 @@ class PrefillConfig(ServiceConfig):
     ep: int = flag(
         1,
         type=positive_int,
-        help="expert-parallel ranks of an MoE model's experts: 1, or --tp (each rank of a TP "
-        "group holds 1/T of every MoE layer's experts)",
+        help="expert-parallel ranks of an MoE model's experts: 1, --tp (each rank of a TP "
+        "group holds 1/T of every MoE layer's experts), or with --tp 1 the CP ranks (each CP "
+        "rank holds 1/C of them and the rest of the decoder whole; every layer's MoE runs on "
+        "every CP rank's tokens)",
     )
     cp_block_tokens: int = flag(
         64,
@@ -201,12 +203,43 @@ def check_block_tokens(block_tokens: int, page_size: int) -> None:
 
 def check_parallel(config: PrefillConfig) -> None:
     """``ValueError`` naming the numbers when ``--tp`` / ``--ep`` cannot split the ranks or
-    the model (``check_rank_split``), or the shared KV store is asked of TP ranks."""
+    the model (``check_rank_split``, or ``check_experts_over_cp``), or the shared KV store is
+    asked of TP ranks."""
     from services.engine.parallel import check_rank_split
 
-    check_rank_split(config.model, config.devices, config.tp, config.ep, "prefill")
+    if config.tp == 1 and config.ep > 1:
+        check_experts_over_cp(config)
+    else:
+        check_rank_split(config.model, config.devices, config.tp, config.ep, "prefill")
     if config.tp > 1 and config.kv_store_master and not config.disable_prefix_cache:
         raise ValueError(
             f"--kv-store-master with --tp {config.tp}: the shared store keeps whole pages, and a "
             "tensor-parallel rank holds some of each page's KV heads"
+        )
+
+
+def check_experts_over_cp(config: PrefillConfig) -> None:
+    """``ValueError`` naming the numbers unless ``--ep`` (with ``--tp 1``) splits an MoE
+    model's experts over every CP rank, each on a GPU of its own (NCCL) or on the CPU."""
+    from services.common.errors import ModelLoadError
+    from services.engine.config import ModelConfig
+    from services.engine.parallel import check_tensor_parallel
+
+    ep, num_ranks = config.ep, config.num_ranks
+    if ep != num_ranks:
+        raise ValueError(
+            f"expert parallel size {ep} with tensor parallel size 1 splits the experts over the "
+            f"CP ranks: prefill --ep must then equal their number, {num_ranks} (or --tp, to "
+            "split them over each TP group)"
+        )
+    try:
+        check_tensor_parallel(ModelConfig.from_dir(config.model).text, ep, ep, dp_attention=True)
+    except ModelLoadError as exc:
+        raise ValueError(f"prefill: {config.model}: {exc.message}") from exc
+    cuda = [d for d in config.devices if d.startswith("cuda")]
+    if len(set(cuda)) < len(cuda):
+        raise ValueError(
+            f"prefill --ep {ep} over CP ranks that share a CUDA device "
+            f"({', '.join(config.devices)}): the experts' collectives run over NCCL, one GPU "
+            "per rank"
         )

@@ -2,10 +2,11 @@
 
 Built in each rank process by ``services.common.ranks.rank_main``: loads the language
 model on the rank's device (its tensor-parallel shard: the world is CP ranks of ``tp_size``
-ranks each, ``subgroups.split_world``), its local KV pool, its KV sender and its embedding
-receiver (one buffer per rank: the encoder writes every image row to every rank). Each step first
-all-gathers the payload's digest over the CPU group: ranks that were handed different
-plans fail the step together instead of diverging in a collective.
+ranks each, ``subgroups.split_world``; or, with ``tp_size`` 1 and ``ep_size`` the CP ranks,
+its share of an MoE model's experts, the rest whole: ``model_split``), its local KV pool, its
+KV sender and its embedding receiver (one buffer per rank: the encoder writes every image row
+to every rank). Each step first all-gathers the payload's digest over the CPU group: ranks
+that were handed different plans fail the step together instead of diverging in a collective.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from services.common.destinations import KvDestination
 from services.common.gpu_share import GpuShare
 from services.common.kv_transfer import TransferSpec
 from services.common.ranks.step import BaseRankStep, RankContext
-from services.common.ranks.subgroups import agree_on_manifest, model_manifest, split_world
+from services.common.ranks.subgroups import (
+    Subgroups,
+    agree_on_manifest,
+    model_manifest,
+    split_world,
+)
 from services.common.types import SamplingParams
 from services.engine.grammar import GrammarCache
 from services.engine.kv_cache import KVPool
@@ -74,7 +80,8 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     kv_store_segment_bytes: int = 0
     kv_store_namespace: str = ""  # the model's: pages of another model are never read
     tp_size: int = 1  # ranks per CP rank's tensor-parallel group (subgroups.py)
-    ep_size: int = 1  # ranks an MoE layer's experts split over: 1 or tp_size
+    # ranks an MoE layer's experts split over: 1, tp_size, or (tp_size 1) the CP ranks
+    ep_size: int = 1
 
 
 class PrefillRankStep(BaseRankStep):
@@ -90,7 +97,7 @@ class PrefillRankStep(BaseRankStep):
         self.tp_size = init.tp_size
         groups = split_world(ctx, init.tp_size, outer_over_cpu=init.kv_exchange_over_cpu)
         agree_on_manifest(ctx, manifest_of(init))
-        tp = TensorParallel(groups.inner_rank, groups.inner_size, groups.inner_group, init.ep_size)
+        tp = model_split(groups, init)
         model = load_model(
             init.model,
             device=ctx.device,
@@ -99,8 +106,10 @@ class PrefillRankStep(BaseRankStep):
             quantization=init.quantization,
             tp=tp,
         )
-        on_cuda = ctx.device.startswith("cuda")  # a CPU rank runs its passes eagerly
-        graph_tokens = token_sizes_up_to(init.cuda_graph_max_tokens) if on_cuda else ()
+        # a CPU rank runs its passes eagerly; so does one whose MLPs gather the CP ranks' rows
+        # (a graph would bake one pass's gather size)
+        eager = not ctx.device.startswith("cuda") or tp.dp_attention
+        graph_tokens = () if eager else token_sizes_up_to(init.cuda_graph_max_tokens)
         # the graphs hold one page for their padding rows: the pool has one more, so the
         # leader's num_pages stay free for requests
         extra_page = int(bool(graph_tokens))
@@ -137,7 +146,7 @@ class PrefillRankStep(BaseRankStep):
             grammars=GrammarCache(init.model),
             num_host_pages=num_host_pages(init.host_cache_gb, runner.kv_pool),
             store=self.store,
-            tp_rank=tp.rank,
+            tp_rank=groups.inner_rank,
             writes_kv=model.heads.is_kv_owner,
             share_slot=ctx.rank,
         )
@@ -171,10 +180,12 @@ class PrefillRankStep(BaseRankStep):
         )
 
     def on_failed(self, step: int, error: str) -> None:
-        """A tensor-parallel rank that failed inside a plan's passes (it raised, or a peer did and
-        its collective timed out) leaves: only a new group is in step again."""
-        if self.worker.in_passes and self.tp_size > 1:
-            raise RuntimeError(f"step {step} failed inside a tensor-parallel pass: {error}")
+        """A tensor- or expert-parallel rank that failed inside a plan's passes (it raised, or a
+        peer did and its collective timed out) leaves: only a new group is in step again."""
+        if self.worker.in_passes and (self.tp_size > 1 or self.worker.lockstep is not None):
+            raise RuntimeError(
+                f"step {step} failed inside a tensor- or expert-parallel pass: {error}"
+            )
 
     def describe(self) -> RankDescription:
         buffer = self.receiver.buffer
@@ -208,6 +219,21 @@ class PrefillRankStep(BaseRankStep):
         self.receiver.close()
         if self.gpu_share is not None:
             self.gpu_share.close()
+
+
+def model_split(groups: Subgroups, init: PrefillRankInit) -> TensorParallel:
+    """How this rank's model splits: over its TP group (heads, MLP, vocabulary; experts with
+    ``ep_size`` = ``tp_size``), or, with ``tp_size`` 1 and ``ep_size`` > 1, DP attention over
+    the CP group: attention, embedding and LM head whole, the MLP and experts split over the
+    ``ep_size`` CP ranks (``lockstep.py``)."""
+    if init.tp_size > 1 or init.ep_size == 1:
+        return TensorParallel(
+            groups.inner_rank, groups.inner_size, groups.inner_group, init.ep_size
+        )
+    assert init.ep_size == groups.outer_size, (init.ep_size, groups.outer_size)
+    return TensorParallel(
+        groups.outer_rank, groups.outer_size, groups.outer_group, init.ep_size, dp_attention=True
+    )
 
 
 def manifest_of(init: PrefillRankInit) -> dict[str, object]:

@@ -10,7 +10,10 @@ is here -> write this rank's share of each request's pages, cached ones included
 (``handoff.KvHandoff``) -> keep the pages the leader named for the cache and free the
 rest (``finally``). A rank that fails mid-pass poisons the pass's remaining all-gathers;
 its peers see the flag when the pass ends and stop without sampling or writing
-(``peer_failed``), and keep nothing.
+(``peer_failed``), and keep nothing. With an MoE model's experts split over the CP ranks
+(``lockstep.py``) every rank runs every pass, a plan's solo rank's too, and a rank that
+fails mid-pass poisons nothing: its peers wait in that layer's collectives until they time
+out, and the group re-forms (``PrefillRankStep.on_failed``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from services.engine.grammar import GrammarCache, apply_grammar_masks
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import Sampler, make_generator
 from services.prefill.handoff import KvHandoff
+from services.prefill.lockstep import expert_lockstep
 from services.prefill.messages import SHARDED, RankOutcome, RankPlan, RankRequest
 from services.prefill.passes import PassInput, RequestRows, build_pass, request_rows
 from services.prefill.prefix_cache import PageStore, PrefixPages
@@ -91,7 +95,7 @@ class PrefillRankWorker:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.samples, self.writes_kv = tp_rank == 0, writes_kv
         # inside a plan's passes (their collectives): a failure there leaves this rank's
-        # tensor-parallel collectives out of step with its peers'
+        # tensor- or expert-parallel collectives out of step with its peers'
         self.in_passes = False
         self.share_slot = rank if share_slot is None else share_slot
         self.exchange_device = torch.device(exchange_device) if exchange_device else runner.device
@@ -101,6 +105,7 @@ class PrefillRankWorker:
         # K and V of this rank's KV heads, per token
         self._kv_width = 2 * runner.kv_pool.num_kv_heads * config.text.head_dim
         self.prefix = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages, store)
+        self.lockstep = expert_lockstep(runner, world_size)  # None: no collective in the MLPs
         kv_sender.register(runner.kv_pool)
 
     def execute(self, plan: RankPlan, write_kv: bool = True) -> PlanOutcome:
@@ -112,6 +117,7 @@ class PrefillRankWorker:
         if plan.moves:
             self.prefix.apply(plan.moves[self.rank])
         if plan.solo_rank not in (SHARDED, self.rank):
+            self._idle(plan)
             return PlanOutcome(())
         sharded = plan.solo_rank == SHARDED and self.world_size > 1
         shard = (
@@ -152,6 +158,16 @@ class PrefillRankWorker:
             return contextlib.nullcontext()
         return self.gpu_share.marking(self.share_slot)
 
+    def _idle(self, plan: RankPlan) -> None:
+        """This rank's part of a plan another rank runs alone: none, or (experts split over
+        the CP ranks) every pass's MLP collectives."""
+        if self.lockstep is None:
+            return
+        self.in_passes = True
+        with self._marking():
+            self.lockstep.idle(plan)
+        self.in_passes = False
+
     def _run(self, plan: RankPlan, shard: CpShard, handoff: KvHandoff) -> _Sampled | None:
         """Every pass, then the first tokens this rank samples; None when a peer failed."""
         rows: list[RequestRows] = []
@@ -160,6 +176,8 @@ class PrefillRankWorker:
         self.in_passes = True
         for segments in plan.passes:
             exchange = self._exchange(shard, sum(s.end - s.start for s in segments))
+            if self.lockstep is not None:
+                self.lockstep.begin_pass(plan, segments)
             try:
                 rows = rows or [self._rows(r) for r in plan.requests]
                 inp = build_pass(self.runner, shard, plan.requests, rows, segments)
@@ -168,7 +186,7 @@ class PrefillRankWorker:
                 if self.samples:
                     self._prompt_logprobs(plan.requests, inp, pass_logits, prompt)
             except BaseException:
-                if exchange is not None:
+                if exchange is not None and self.lockstep is None:
                     exchange.poison_rest()  # the peers wait in this pass's next all-gather
                 raise
             if exchange is not None and exchange.peer_failed():

@@ -55,6 +55,7 @@ class RecordingResult(RankResult, frozen=True):
     cached_keys: frozenset[bytes] = frozenset()  # the prefix-cache keys it holds after the step
     host_keys: frozenset[bytes] = frozenset()  # those in its host tier
     drain_len: int = 0  # a fake rank-local drain queue, different on every rank (never in a plan)
+    num_experts_held: int = 0  # experts of the first MoE layer this rank holds (0: dense)
 
 
 class RecordingStep(PrefillRankStep):
@@ -105,7 +106,15 @@ class RecordingStep(PrefillRankStep):
             cached_keys=self.worker.prefix.keys(),
             host_keys=self.worker.prefix.host_keys(),
             drain_len=self._drain(),
+            num_experts_held=self._num_experts_held(),
         )
+
+    def _num_experts_held(self) -> int:
+        for layer in self.worker.runner.model.model.layers:
+            shard = getattr(layer.mlp, "expert_shard", None)
+            if shard is not None:
+                return shard.size
+        return 0
 
     def _drain(self) -> int:
         self._drain_len = max(0, self._drain_len + self._drain_rng.choice((-1, 0, 1, 2)))

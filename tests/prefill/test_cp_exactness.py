@@ -31,49 +31,64 @@ def cases(pipeline) -> list:
 
 
 class Runner:
-    """Runs one case as a RankRequest on a group; returns (logits, k, v, first token)."""
+    """Runs cases as RankRequests on a group; returns (logits, k, v, first token, results)."""
 
     def __init__(self, pipeline, ranks, decode: DecodePool) -> None:
         self.pipeline, self.ranks, self.decode = pipeline, ranks, decode
         self.num_plans = 0
 
     async def run(self, case, **plan_kwargs):
+        [run] = await self.run_batch([case], **plan_kwargs)
+        return run
+
+    async def run_batch(self, batch, **plan_kwargs) -> list:
+        """Every case of ``batch`` as a request of one plan; one run per case."""
+        requests: list[RankRequest] = []
+        row_start = 7  # any window: every rank's buffer gets the rows at the same place
+        try:
+            for case in batch:
+                requests.append(self._request(case, row_start))
+                row_start += requests[-1].num_image_tokens
+            self.num_plans += 1
+            results = await self.ranks.run(plan_of(self.num_plans, requests, **plan_kwargs))
+            return [_run_of(r, results, self.decode) for r in requests]
+        finally:
+            for r in requests:
+                self.decode.free(r.kv_dst)
+
+    def _request(self, case, row_start: int) -> RankRequest:
         request = case.request
-        n = len(request.prompt_ids)
-        dst = self.decode.reserve(request.request_id, n)
-        row_start = -1
+        dst = self.decode.reserve(request.request_id, len(request.prompt_ids))
         if request.spans:
-            row_start = 7  # any window: every rank's buffer gets the rows at the same place
             embeds = self.pipeline.engine.image_embeddings([request])[0]
             write_rows(self.ranks.descriptions, request.request_id, row_start, embeds.float())
-        rank_request = RankRequest(
+        return RankRequest(
             request.request_id,
             tuple(request.prompt_ids),
             case.prompt.spans,
             request.params,
             dst,
             time.time() + 60,
-            row_start,
+            row_start if request.spans else -1,
         )
-        self.num_plans += 1
-        results = await self.ranks.run(plan_of(self.num_plans, [rank_request], **plan_kwargs))
-        try:
-            [(logits, token)] = [
-                (r.logits[request.request_id], o.first_token_id)
-                for r in results
-                for o in r.outcomes
-                if o.first_token_id >= 0
-            ]  # exactly one rank sampled it
-            k, v = self.decode.kv(dst, n)
-            return torch.tensor(logits), k.clone(), v.clone(), token, results
-        finally:
-            self.decode.free(dst)
 
 
-async def references(pipeline, language_model) -> dict:
+def _run_of(request: RankRequest, results, decode: DecodePool):
+    [(logits, token)] = [
+        (r.logits[request.request_id], o.first_token_id)
+        for r in results
+        for o in r.outcomes
+        if o.request_id == request.request_id and o.first_token_id >= 0
+    ]  # exactly one rank sampled it
+    k, v = decode.kv(request.kv_dst, request.num_tokens)
+    return torch.tensor(logits), k.clone(), v.clone(), token, results
+
+
+async def references(pipeline, language_model, init=None) -> dict:
+    """One rank's run of every case (``init``: the ranks' ``PrefillRankInit``)."""
     decode = DecodePool(language_model.config)
     try:
-        async with started_ranks(1) as ranks:
+        async with started_ranks(1, init) as ranks:
             runner = Runner(pipeline, ranks, decode)
             return {case.request.request_id: await runner.run(case) for case in cases(pipeline)}
     finally:

@@ -62,6 +62,8 @@ def test_tp_and_ep_split_the_rank_processes() -> None:
         ["--model", moe, "--ranks", "2", "--tp", "2", "--ep", "2", "--transfer-backend", "shm"]
     )
     assert (config.cp_size, config.ep) == (1, 2)
+    config = parse_args(["--model", moe, "--ranks", "2", "--ep", "2", "--transfer-backend", "shm"])
+    assert (config.cp_size, config.tp, config.ep) == (2, 1, 2)  # experts over the CP ranks
 
 
 @pytest.mark.parametrize(
@@ -76,7 +78,20 @@ def test_tp_and_ep_split_the_rank_processes() -> None:
             ],
             "--kv-store-master with --tp 2: the shared store keeps whole pages",
         ),
-        (["--ranks", "2", "--ep", "2"], "expert parallel size 2 with tensor parallel size 1"),
+        (["--ranks", "2", "--ep", "2"], "expert parallel size 2 on a dense model: no experts"),
+        (
+            ["--model", "MOE", "--ranks", "4", "--ep", "2"],
+            "splits the experts over the CP ranks: prefill --ep must then equal their number, 4",
+        ),
+        (
+            ["--model", "MOE", "--ranks", "2", "--ep", "4"],
+            "splits the experts over the CP ranks: prefill --ep must then equal their number, 2",
+        ),
+        (["--model", "MOE", "--ranks", "3", "--ep", "3"], "size 3 does not divide the 8 experts"),
+        (
+            ["--model", "MOE", "--ranks", "4", "--tp", "2", "--ep", "4"],
+            "expert parallel size 4 with tensor parallel size 2",
+        ),
         (["--ranks", "2", "--tp", "2", "--ep", "2"], "expert parallel size 2 on a dense model"),
         (
             ["--model", "MOE", "--ranks", "2", "--tp", "2"],
@@ -90,3 +105,13 @@ def test_bad_tp_flags_are_startup_errors_naming_the_numbers(argv, message, capsy
         parse_args([moe if a == "MOE" else a for a in argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_experts_over_cp_ranks_that_share_a_gpu_are_refused() -> None:
+    from services.prefill.config import PrefillConfig, check_parallel
+
+    moe = TINY_MODEL_DIR.parent / "tiny-qwen3-vl-moe"
+    config = PrefillConfig(model=moe, devices=("cuda:0", "cuda:0"), ep=2)
+    with pytest.raises(ValueError, match="prefill --ep 2 over CP ranks that share a CUDA device"):
+        check_parallel(config)
+    check_parallel(PrefillConfig(model=moe, devices=("cuda:0", "cuda:1"), ep=2))
