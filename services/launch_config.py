@@ -286,7 +286,7 @@ class LaunchConfig:
         1,
         type=at_least(1),
         help="prefill's --ep: 1, or --prefill-tp to split an MoE model's experts over each TP "
-        "group",
+        "group, or (--prefill-tp 1) --prefill-cp to split them over the CP ranks",
     )
     ready_timeout_s: float = flag(
         300.0,
