@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 
 from services.common.ranks.step import FreeRankStep, RankContext
-from services.common.ranks.subgroups import agree_on_manifest, model_manifest
 from services.decode.messages import Command, DpReports, RankCommands, RankInit, RankReport
 from services.decode.rank import DecodeRank, build_rank
 from services.decode.tp_mirror import Pull, Pushes, exchange_addresses
-from services.engine.loader import load_model
+from services.decode.tp_rank import load_shard
 from services.engine.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -73,27 +72,8 @@ class DpAttentionRankStep(FreeRankStep):
     def __init__(self, ctx: RankContext, init: RankInit) -> None:
         assert ctx.cpu_group is not None and ctx.device_group is not None
         self.ctx = ctx
-        agree_on_manifest(
-            ctx,
-            model_manifest(
-                init.model,
-                dtype=init.dtype,
-                quantization=init.quantization,
-                tp_size=ctx.world_size,
-                ep_size=init.ep_size,
-                page_size=init.page_size,
-                max_running_requests=init.max_running_requests,
-            ),
-        )
         tp = TensorParallel(ctx.rank, ctx.world_size, ctx.device_group, init.ep_size, True)
-        model = load_model(
-            init.model,
-            device=ctx.device,
-            dtype=init.dtype,
-            components=("language",),
-            quantization=init.quantization,
-            tp=tp,
-        )
+        model = load_shard(init, ctx, tp)
         self.rank: DecodeRank = build_rank(init, ctx.device, model)
         self.rank.dp = DpAgreement(ctx.cpu_group)
         self._pull = Pull() if ctx.rank else None

@@ -60,21 +60,21 @@ class TpFollower:
 WARMUP_POLL_S = 1.0
 
 
-def _load(init: RankInit, ctx: RankContext) -> Qwen2_5_VLModel:
-    """This rank's shard, once the group agreed on the model and layout."""
+def load_shard(init: RankInit, ctx: RankContext, tp: TensorParallel) -> Qwen2_5_VLModel:
+    """This rank's share of the language model split as ``tp`` says, once every process of
+    the group agreed on the model and the layout (``tp.size`` processes)."""
     agree_on_manifest(
         ctx,
         model_manifest(
             init.model,
             dtype=init.dtype,
             quantization=init.quantization,
-            tp_size=init.tp_size,
+            tp_size=tp.size,
             ep_size=init.ep_size,
             page_size=init.page_size,
             max_running_requests=init.max_running_requests,
         ),
     )
-    tp = TensorParallel(ctx.rank, init.tp_size, ctx.device_group, init.ep_size)
     return load_model(
         init.model,
         device=ctx.device,
@@ -82,6 +82,13 @@ def _load(init: RankInit, ctx: RankContext) -> Qwen2_5_VLModel:
         components=("language",),
         quantization=init.quantization,
         tp=tp,
+    )
+
+
+def _load(init: RankInit, ctx: RankContext) -> Qwen2_5_VLModel:
+    """This TP rank's shard."""
+    return load_shard(
+        init, ctx, TensorParallel(ctx.rank, init.tp_size, ctx.device_group, init.ep_size)
     )
 
 

@@ -30,9 +30,11 @@ from tests.decode.test_ranks import (
     BOUND_S,
     Decode,
     Prefill,
+    all_running,
     chat_request,
     decode_process,
     generate,
+    resume,
     wait_idle,
 )
 
@@ -166,11 +168,7 @@ async def test_a_rank_lost_mid_stream_fails_every_request_and_the_group_re_forms
     assert sorted(pids) == [0, 1]
     target = pids[victim]
     try:
-        tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
-        deadline_mono = time.monotonic() + BOUND_S
-        while (await client.stats()).num_running_requests < len(requests):
-            assert time.monotonic() < deadline_mono
-            await asyncio.sleep(0.05)
+        tasks = await all_running(client, prefill, requests)
         os.kill(target, how)
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), BOUND_S)
         assert all(isinstance(o, UnavailableError) for o in outcomes), outcomes
@@ -184,10 +182,7 @@ async def test_a_rank_lost_mid_stream_fails_every_request_and_the_group_re_forms
         assert [(len(t), reason) for t, reason, _ in results] == [(300, "length")] * 2
     finally:
         if how is signal.SIGSTOP:
-            try:
-                os.kill(target, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            resume(target)
         await client.close()
 
 

@@ -207,6 +207,24 @@ def chat_request(
     )
 
 
+async def all_running(
+    client: DecodeClient, prefill: Prefill, requests: list[EngineRequest]
+) -> list[asyncio.Future]:
+    """``requests`` generating through decode, returned once every one of them runs there."""
+    tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
+    deadline_mono = time.monotonic() + BOUND_S
+    while (await client.stats()).num_running_requests < len(requests):
+        assert time.monotonic() < deadline_mono, "the requests did not all start"
+        await asyncio.sleep(0.05)
+    return tasks
+
+
+def resume(pid: int) -> None:
+    """SIGCONT to a process a test stopped, if it is still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
 async def wait_idle(decode: Decode, client: DecodeClient) -> None:
     """Every rank serves with every page free (quarantine passed)."""
     deadline_mono = time.monotonic() + BOUND_S
@@ -313,11 +331,7 @@ async def test_a_rank_killed_mid_stream_fails_its_requests_and_comes_back(decode
     requests = [EngineRequest(f"kill-{i}", prompt_of(5, 200 + i), params) for i in range(6)]
     prefill, client = Prefill(pipeline.engine), decode.client()
     try:
-        tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
-        deadline_mono = time.monotonic() + BOUND_S
-        while (await client.stats()).num_running_requests < len(requests):
-            assert time.monotonic() < deadline_mono
-            await asyncio.sleep(0.05)
+        tasks = await all_running(client, prefill, requests)
         victim = decode.rank_pids()[0]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()

@@ -22,6 +22,7 @@ from tests.decode.test_ranks import (
     BOUND_S,
     Decode,
     Prefill,
+    all_running,
     decode_process,
     generate,
     make_pipeline,
@@ -63,11 +64,7 @@ async def test_a_rank_frozen_mid_stream_is_found_hung_and_restarts(decode) -> No
     requests = [EngineRequest(f"frozen-{i}", prompt_of(5, 300 + i), params) for i in range(6)]
     prefill, client = Prefill(make_pipeline().engine), decode.client()
     try:
-        tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
-        deadline_mono = time.monotonic() + BOUND_S
-        while (await client.stats()).num_running_requests < len(requests):
-            assert time.monotonic() < deadline_mono
-            await asyncio.sleep(0.05)
+        tasks = await all_running(client, prefill, requests)
         victim = decode.rank_pids()[0]
         os.kill(victim, signal.SIGSTOP)  # the leader kills it (SIGKILL ends a stopped process)
         frozen_at = time.monotonic()

@@ -29,10 +29,12 @@ from tests.decode.test_ranks import (
     KEY,
     Decode,
     Prefill,
+    all_running,
     chat_request,
     decode_process,
     generate,
     make_pipeline,
+    resume,
     wait_idle,
 )
 
@@ -113,11 +115,7 @@ async def test_a_tp_process_lost_mid_stream_fails_its_dp_ranks_requests_and_it_r
     groups = tp_groups(decode)
     assert sorted(len(g) for g in groups) == [TP, TP]
     try:
-        tasks = [asyncio.ensure_future(generate(client, prefill, r)) for r in requests]
-        deadline_mono = time.monotonic() + BOUND_S
-        while (await client.stats()).num_running_requests < len(requests):
-            assert time.monotonic() < deadline_mono
-            await asyncio.sleep(0.05)
+        tasks = await all_running(client, prefill, requests)
         target = groups[0][victim]  # one DP rank's TP rank 0 or its follower
         os.kill(target, how)
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), BOUND_S)
@@ -136,8 +134,5 @@ async def test_a_tp_process_lost_mid_stream_fails_its_dp_ranks_requests_and_it_r
         assert (len(tokens), reason) == (300, "length")
     finally:
         if how is signal.SIGSTOP:
-            try:
-                os.kill(target, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            resume(target)
         await client.close()
