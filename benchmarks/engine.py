@@ -27,6 +27,7 @@ from benchmarks.measure import Ceilings, decoder_weight_bytes, measure_ceilings
 from benchmarks.random_model import CONFIG_7B, build_random_model, hf_peer
 from benchmarks.report import Row, git_commit, hardware, table_lines, write_markdown
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.model.registry import model_class
 
 SECTIONS = ("prefill", "decode", "vit", "hf", "transfer")
 NOTES = [
@@ -244,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
 def decoder_weight_bytes_of(config_dir: str) -> int:
     from services.engine.config import ModelConfig
 
+    config = ModelConfig.from_dir(config_dir)
     with torch.device("meta"):
-        model = Qwen2_5_VLModel(ModelConfig.from_dir(config_dir))
+        model = model_class(config.architecture)(config)
     return decoder_weight_bytes(model) // 2  # meta params are fp32 here; the benchmark runs bf16
 
 
