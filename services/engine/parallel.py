@@ -57,15 +57,32 @@ class TensorParallel:
 
     def mlp_rows(self, mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
         """``mlp(x)`` under DP attention: every rank's rows, padded with zero rows to the
-        step's agreed ``step_rows``, gathered; the reduced output's rows of this rank kept.
-        ``mlp(x)`` itself otherwise."""
+        step's agreed ``step_rows``, all-gathered; the MLP's partial sums over all of them
+        (``sum_partials`` leaves them partial) reduce-scattered, and this rank's own rows
+        kept. ``mlp(x)`` itself otherwise."""
         if not self.dp_attention or self.size == 1:
             return mlp(x)
         rows, padded = x.shape[0], self.step_rows[0] or x.shape[0]
         assert rows <= padded, f"{rows} rows in a step agreed at {padded}"
         if rows < padded:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        return mlp(self.all_gather(x, dim=0)).narrow(0, self.rank * padded, rows)
+        return self.reduce_scatter(mlp(self.all_gather(x, dim=0)))[:rows]
+
+    def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """A split layer's partial sums made whole: all-reduced under TP; under DP attention
+        returned partial, for ``mlp_rows`` to reduce-scatter (each rank receives only its rows'
+        sums: half the bytes of an all-reduce)."""
+        if self.size == 1 or self.dp_attention:
+            return x
+        return self.all_reduce(x)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank r's ``size``-th of the rows of the sum of every rank's ``x`` (dim 0)."""
+        import torch.distributed as dist
+
+        out = x.new_empty(x.shape[0] // self.size, *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
+        return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place (``x`` itself for a group of 1)."""

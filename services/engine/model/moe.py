@@ -156,7 +156,7 @@ class SparseMoE(nn.Module):
             out = self.reference_forward(x, weights, experts)
         else:
             out = self.grouped_forward(x, weights, experts)
-        return out if self.tp.ep_size == 1 else self.tp.all_reduce(out)
+        return out if self.tp.ep_size == 1 else self.tp.sum_partials(out)
 
     @property
     def holds_all_experts(self) -> bool:

@@ -40,7 +40,8 @@ class ColumnParallelLinear(nn.Linear):
 
 class RowParallelLinear(nn.Linear):
     """This rank's columns of the checkpoint's ``[out, in]`` weight: the input is this rank's
-    slice of the features, the output the all-reduced sum; the bias is added once, after it."""
+    slice of the features, the output the all-reduced sum; the bias is added once, after it.
+    Under DP attention the output stays partial (``TensorParallel.sum_partials``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
         shard = tp.split(in_features, dim=1)
@@ -61,8 +62,10 @@ class RowParallelLinear(nn.Linear):
         """The layer's output from this rank's partial product (``local_bias`` included)."""
         if self.tp.size == 1:
             return partial
-        out = self.tp.all_reduce(partial)
-        return out if self.bias is None else out + self.bias
+        out = self.tp.sum_partials(partial)
+        if self.bias is None or (self.tp.dp_attention and self.tp.rank):
+            return out  # under DP attention rank 0's partial carries the bias into the sum
+        return out + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
