@@ -1,0 +1,293 @@
+"""The MoE layer against its grouped-GEMM roofline, at Qwen3-VL-30B-A3B's text dimensions.
+
+    python -m benchmarks.moe_layer [--out docs/benchmarks.md] [--tokens 1,64,256,8192] [--iters 20]
+    python -m benchmarks.moe_layer --quick      # CPU, tiny dims; a section only with --out
+
+For each token count: one ``SparseMoE`` forward (router gate, routing, both grouped GEMMs, the
+weighted sum), eager and replayed from a CUDA graph, against its roofline: the weights of the
+experts its routing hit plus its input and output over the measured copy bandwidth, or its
+expert FLOPs over the measured bf16 matmul rate, whichever is longer. Target (issue 36):
+>= 70% of the roofline at decode batch 256 and prefill 8k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.measure import Ceilings, measure_ceilings, time_ms
+from benchmarks.report import command_line, markdown_table, write_run_section
+from services.engine.config import MoEConfig
+from services.engine.model.moe import SparseMoE, route
+
+SECTION_TITLE = "## MoE layer (`python -m benchmarks.moe_layer`)"
+ACT = "silu"
+DTYPE = torch.bfloat16
+WEIGHT_STD = 0.02  # the checkpoints' initializer_range: activations stay O(1)
+# Qwen3-VL-30B-A3B's text_config (docs/design.md quotes its config.json)
+HIDDEN_30B = 2048
+MOE_30B = MoEConfig(128, 8, 768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+HIDDEN_QUICK = 64
+MOE_QUICK = MoEConfig(8, 2, 32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+NUM_LAYERS = 8  # distinct weights run back to back: no layer's experts stay in L2 (50 MB)
+NUM_LAYERS_QUICK = 2
+TARGET_EFFICIENCY = 0.70  # roofline / ours
+TARGET_TOKENS = (256, 8192)  # decode batch 256, prefill 8k
+NOTES = [
+    "How to read it: each row is one MoE layer's forward over that many tokens: decode batch "
+    "1, 64 and 256 are one token per request, 8,192 is one prefill chunk. The time includes "
+    "the router gate (the `[E, hidden]` linear), the fp32 softmax and top-k, the sort of the "
+    "(token, expert) pairs by expert, both grouped GEMMs (`torch._grouped_mm`, gate/up then "
+    "down) with the fused SiLU-and-multiply between them, and the weighted sum back to one row "
+    f"per token. {NUM_LAYERS} layers of distinct random weights run back to back on the same "
+    "input and the time is divided by their number, so each layer reads its experts from HBM, "
+    "as in the 48-layer model, not from the L2 cache; the median of the timed runs after a "
+    "warm-up, between CUDA events. Eager launches every kernel from Python; graph replays the "
+    "same layers captured in one CUDA graph, as the engine's decode steps run (captured only "
+    "where the layer has no host sync: bf16 on SM 9.x / 10.x).",
+    "",
+    "Experts hit: distinct experts the routing picked in that call (mean over the layers); "
+    "weight MB: their gate/up and down weights, read once each. Roofline ms: the larger of "
+    "(weight bytes + the input and output activations) over the measured copy bandwidth "
+    "(memory) and 2 x tokens x top-k x (hidden x 2 x intermediate + intermediate x hidden) "
+    "FLOPs over the measured bf16 matmul rate (compute); the bound column says which. The "
+    "router gate's weight (0.5 MB) and FLOPs (under 1% of the experts'), the routing and the "
+    "intermediate activations are in our time but not in the roofline. Roofline/ours uses the "
+    "graph's time where it was captured, else the eager one; 100% is the hardware limit.",
+]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    num_tokens: int
+    experts_hit: float  # mean over the layers
+    weight_bytes: float  # the hit experts' weights, mean over the layers
+    eager_ms: float  # per layer
+    graph_ms: float | None  # per layer; None where the layer was not captured
+    roofline_ms: float
+    bound: str  # "memory" or "compute"
+
+    @property
+    def efficiency(self) -> float:  # roofline / ours
+        return self.roofline_ms / (self.graph_ms if self.graph_ms is not None else self.eager_ms)
+
+
+def build_layers(
+    hidden: int, moe: MoEConfig, num_layers: int, device: torch.device, seed: int = 0
+) -> list[SparseMoE]:
+    """``num_layers`` MoE layers with seeded random bf16 weights made on ``device`` (nothing is
+    initialized on the CPU first), prepared for the grouped forward."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    layers = []
+    for _ in range(num_layers):
+        with torch.device("meta"):
+            layer = SparseMoE(hidden, moe, ACT).to(DTYPE)
+        layer = layer.to_empty(device=device).requires_grad_(False)
+        for param in layer.parameters():
+            param.normal_(0.0, WEIGHT_STD, generator=generator)
+        layer.fuse_projections()
+        layers.append(layer)
+    return layers
+
+
+def expert_bytes(layer: SparseMoE) -> int:
+    """Bytes of one expert's weights: gate/up ``[2I, hidden]`` and down ``[hidden, I]``."""
+    gate_up, down = layer.experts.gate_up_proj, layer.experts.down_proj
+    return (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+
+
+def expert_flops(num_tokens: int, hidden: int, moe: MoEConfig) -> float:
+    inter = moe.moe_intermediate_size
+    return 2 * num_tokens * moe.num_experts_per_tok * (hidden * 2 * inter + inter * hidden)
+
+
+def _cpu_ceilings() -> Ceilings:
+    """The CPU's copy bandwidth and bf16 matmul rate, small (for the smoke run's roofline)."""
+    src = torch.rand(2**22, dtype=DTYPE)
+    dst = torch.empty_like(src)
+    copy_s = _cpu_time_ms(lambda: dst.copy_(src), iters=5) / 1e3
+    a, b = torch.randn(256, 256, dtype=DTYPE), torch.randn(256, 256, dtype=DTYPE)
+    matmul_s = _cpu_time_ms(lambda: a @ b, iters=5) / 1e3
+    return Ceilings(2 * src.numel() * src.element_size() / copy_s, 2 * 256**3 / matmul_s)
+
+
+def _cpu_time_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _graph_ms(fn: Callable[[], object], iters: int) -> float:
+    """``fn`` captured in one CUDA graph (warmed up on a side stream first), replays timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay, warmup=3, iters=iters)
+    del graph
+    torch.cuda.empty_cache()
+    return ms
+
+
+def can_capture(layers: list[SparseMoE], device: torch.device) -> bool:
+    return device.type == "cuda" and not any(layer.syncs_host for layer in layers)
+
+
+@torch.no_grad()
+def measure(
+    layers: list[SparseMoE], num_tokens: int, iters: int, ceilings: Ceilings
+) -> Measurement:
+    """One ``num_tokens`` forward of each layer (random input), per layer, and its roofline."""
+    first = layers[0]
+    hidden, moe, device = first.gate.in_features, first.moe, first.gate.weight.device
+    x = torch.randn(num_tokens, hidden, dtype=DTYPE, device=device)  # [T, hidden] bf16
+
+    def forward_all() -> None:
+        for layer in layers:
+            layer(x)
+
+    hits = [
+        route(layer.gate(x), moe.num_experts_per_tok, moe.norm_topk_prob)[1].unique().numel()
+        for layer in layers
+    ]
+    experts_hit = statistics.mean(hits)
+    weight_bytes = experts_hit * expert_bytes(first)
+    activation_bytes = 2 * x.numel() * x.element_size()  # in and out
+    memory_ms = (weight_bytes + activation_bytes) / ceilings.copy_bytes_per_s * 1e3
+    compute_ms = expert_flops(num_tokens, hidden, moe) / ceilings.matmul_flops_per_s * 1e3
+    if device.type == "cuda":
+        eager_ms = time_ms(forward_all, warmup=3, iters=iters)
+    else:
+        eager_ms = _cpu_time_ms(forward_all, iters)
+    graph_ms = _graph_ms(forward_all, iters) if can_capture(layers, device) else None
+    return Measurement(
+        num_tokens=num_tokens,
+        experts_hit=experts_hit,
+        weight_bytes=weight_bytes,
+        eager_ms=eager_ms / len(layers),
+        graph_ms=None if graph_ms is None else graph_ms / len(layers),
+        roofline_ms=max(memory_ms, compute_ms),
+        bound="memory" if memory_ms >= compute_ms else "compute",
+    )
+
+
+HEADER = (
+    "tokens",
+    "experts hit",
+    "weight MB",
+    "eager ms",
+    "graph ms",
+    "roofline ms",
+    "bound",
+    "roofline/ours",
+)
+
+
+def _ms(value: float) -> str:
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def row_cells(m: Measurement) -> tuple[str, ...]:
+    return (
+        f"{m.num_tokens:,}",
+        f"{m.experts_hit:.1f}".removesuffix(".0"),
+        f"{m.weight_bytes / 1e6:.1f}",
+        _ms(m.eager_ms),
+        "-" if m.graph_ms is None else _ms(m.graph_ms),
+        _ms(m.roofline_ms),
+        m.bound,
+        f"{100 * m.efficiency:.0f}%",
+    )
+
+
+def verdict(measurements: list[Measurement]) -> str:
+    """Whether the target rows reach ``TARGET_EFFICIENCY`` of their roofline."""
+    goal = (
+        f"target (issue 36): >= {TARGET_EFFICIENCY:.0%} of the roofline at "
+        + " and ".join(f"{t:,} tokens" for t in TARGET_TOKENS)
+        + ": "
+    )
+    found = {m.num_tokens: m for m in measurements if m.num_tokens in TARGET_TOKENS}
+    if not found:
+        return goal + "not measured in this run"
+    met = all(m.efficiency >= TARGET_EFFICIENCY for m in found.values())
+    missing = [f"{t:,}" for t in TARGET_TOKENS if t not in found]
+    detail = ", ".join(f"{t:,}: {m.efficiency:.0%}" for t, m in sorted(found.items()))
+    status = ("met" if met else "not met") + f" ({detail})"
+    return goal + status + (f"; {', '.join(missing)} not measured" if missing else "")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="benchmarks.moe_layer", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="CPU, tiny dims (a smoke run)")
+    p.add_argument("--tokens", default=None, help="comma-separated (default 1,64,256,8192)")
+    p.add_argument("--iters", type=int, default=None, help="timed runs (default 20; quick 2)")
+    p.add_argument("--out", default=None, help="default docs/benchmarks.md (quick: none)")
+    return p.parse_args(argv)
+
+
+def _info_lines(
+    hidden: int, moe: MoEConfig, layers: list[SparseMoE], ceilings: Ceilings
+) -> list[str]:
+    dims = (
+        f"hidden {hidden}, {moe.num_experts} experts, top-{moe.num_experts_per_tok}, "
+        f"expert intermediate {moe.moe_intermediate_size}, norm_topk_prob "
+        f"{moe.norm_topk_prob}, {ACT}"
+    )
+    name = "tiny dims" if hidden == HIDDEN_QUICK else "Qwen3-VL-30B-A3B text dims"
+    device = layers[0].gate.weight.device
+    forward = "grouped GEMM" if layers[0].gate_up_t is not None else "reference (per expert)"
+    graph = "yes" if can_capture(layers, device) else "no"
+    return [
+        f"- layer: {name} ({dims}); random bf16 weights (std {WEIGHT_STD}) and inputs on "
+        f"{device.type}; {len(layers)} layers of distinct weights, times per layer",
+        f"- forward: {forward}; CUDA graph: {graph}",
+        f"- ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.3g} TB/s (read + write), bf16 "
+        f"matmul {ceilings.matmul_flops_per_s / 1e12:.3g} TFLOP/s",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.quick:
+        device, hidden, moe, num_layers = "cpu", HIDDEN_QUICK, MOE_QUICK, NUM_LAYERS_QUICK
+    elif not torch.cuda.is_available():
+        raise SystemExit("benchmarks.moe_layer needs a CUDA GPU (--quick runs on the CPU)")
+    else:
+        device, hidden, moe, num_layers = "cuda", HIDDEN_30B, MOE_30B, NUM_LAYERS
+    default_tokens = "1,16" if args.quick else "1,64,256,8192"
+    token_counts = [int(t) for t in (args.tokens or default_tokens).split(",")]
+    iters = args.iters or (2 if args.quick else 20)
+    out = args.out if args.out is not None else ("" if args.quick else "docs/benchmarks.md")
+    layers = build_layers(hidden, moe, num_layers, torch.device(device))
+    ceilings = _cpu_ceilings() if args.quick else measure_ceilings()
+    info = _info_lines(hidden, moe, layers, ceilings)
+    print("\n".join(info), flush=True)
+    measurements = []
+    for num_tokens in token_counts:
+        measurements.append(measure(layers, num_tokens, iters, ceilings))
+        print(" | ".join(row_cells(measurements[-1])), flush=True)
+    table = markdown_table(HEADER, [row_cells(m) for m in measurements])
+    info.append(f"- {verdict(measurements)}")
+    print("\n".join(["", *table, "", info[-1]]))
+    write_run_section(
+        out, SECTION_TITLE, command_line("benchmarks.moe_layer", argv), info, table, NOTES
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
