@@ -126,7 +126,8 @@ def _engine_rows(
     gc.collect()
     torch.cuda.empty_cache()
     if "decode" in sections:
-        runner = er.make_runner(model, max(batches) * (max(contexts) + 1))
+        wanted = max(batches) * (max(contexts) + 1)
+        runner = er.make_runner(model, er.pages_that_fit(model, wanted))
         rows += _guarded("decode", lambda: er.decode_rows(runner, ceilings, contexts, batches))
     return rows
 

@@ -14,6 +14,7 @@ from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
 from services.engine.cuda_graph import graph_batch_sizes
+from services.engine.kv_sizing import kv_page_bytes
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.sampler import Sampler
@@ -93,17 +94,49 @@ def decode_rows(
 ) -> list[Row]:
     """Time per step of a pipelined greedy decode loop (``decode_loop_ms``), host work included."""
     rows = []
+    pages = runner.page_manager.num_free_pages
     for context_len in contexts:
-        request_ids = [f"decode-{context_len}-{i}" for i in range(max(batches))]
+        per_request = -(-(context_len + 1) // PAGE_SIZE)
+        fitting = [b for b in batches if b * per_request <= pages]
+        request_ids = [f"decode-{context_len}-{i}" for i in range(max(fitting, default=0))]
         try:
             for request_id in request_ids:
                 runner.page_table.reserve(request_id, context_len + 1)
             for batch_size in batches:
+                if batch_size not in fitting:  # the pool the card holds beside the weights
+                    rows.append(_unfit_row(runner, batch_size, context_len, per_request, pages))
+                    continue
                 rows.append(_decode_row(runner, ceilings, request_ids[:batch_size], context_len))
         finally:
             for request_id in request_ids:
                 runner.page_table.release(request_id)
     return rows
+
+
+def _unfit_row(
+    runner: ModelRunner, batch_size: int, context_len: int, per_request: int, pages: int
+) -> Row:
+    page_gb = runner.kv_pool.k_buffer[:, :1].nbytes * 2 / 1e9
+    note = (
+        f"does not fit: {batch_size * per_request * page_gb:.1f} GB of KV against the "
+        f"{pages * page_gb:.1f} GB pool the card holds beside the weights"
+    )
+    return Row("decode", decode_row_name(batch_size, context_len), None, None, note=note)
+
+
+def pages_that_fit(model: Qwen2_5_VLModel, wanted_tokens: int, share: float = 0.8) -> int:
+    """Tokens of KV (whole pages) for a decode runner: ``wanted_tokens``, or what ``share`` of
+    the device's free memory holds (the graphs and activations keep the rest)."""
+    text = model.config.text
+    page_bytes = kv_page_bytes(
+        text.num_hidden_layers,
+        PAGE_SIZE,
+        model.heads.num_kv_heads,
+        text.head_dim,
+        model.lm_head.weight.element_size(),
+    )
+    free_bytes, _ = torch.cuda.mem_get_info(model.lm_head.weight.device)
+    return min(wanted_tokens, int(free_bytes * share) // page_bytes * PAGE_SIZE)
 
 
 def decode_batch(runner: ModelRunner, steps: list[StepInput]) -> DecodeBatchRunner:
