@@ -82,14 +82,25 @@ def check_prefill_cp(cfg: LaunchConfig) -> None:
 
 
 def check_tensor_parallel(cfg: LaunchConfig) -> None:
-    """``ValueError`` naming the numbers when prefill's or decode's ranks could not split the
-    model (``--prefill-tp`` / ``--prefill-ep``, ``--decode-tp`` / ``--decode-ep``), or the KV
-    backend cannot move KV between pools of different heads (``writes_head_slices``)."""
+    """``ValueError`` naming the numbers when the encoder's, prefill's or decode's ranks could
+    not split the model (``--encoder-tp``, ``--prefill-tp`` / ``--prefill-ep``, ``--decode-tp``
+    / ``--decode-ep``), or the KV backend cannot move KV between pools of different heads
+    (``writes_head_slices``)."""
     from services.common.rank_devices import rank_devices
     from services.engine.parallel import check_rank_split
     from services.launch_spec import decode_processes, prefill_config
     from services.prefill.config import check_parallel
+    from services.vision_encoder.config import check_tp_groups, check_vision_split
 
+    devices = rank_devices(
+        (),
+        cfg.encoder_ranks,
+        device_of(cfg, "vision_encoder"),
+        spread_cuda=False,
+        service="vision_encoder",
+    )
+    check_tp_groups(devices, cfg.encoder_tp)
+    check_vision_split(cfg.model, cfg.encoder_tp)
     devices = rank_devices(
         (), cfg.prefill_ranks, device_of(cfg, "prefill"), spread_cuda=True, service="prefill"
     )

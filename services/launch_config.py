@@ -135,6 +135,12 @@ class LaunchConfig:
         type=int,
         help="the vision encoder's rank processes, all on its device (its --ranks; default: 1)",
     )
+    encoder_tp: int = flag(
+        1,
+        type=at_least(1),
+        help="the vision encoder's --tp: processes per encoder rank, each holding 1/T of the "
+        "ViT (--encoder-ranks counts every process; CPU only here: they share its device)",
+    )
     prefill_device: str | None = flag(
         None, help="prefill's device, e.g. cuda:0 (default: --device)"
     )

@@ -125,7 +125,9 @@ def encoder_spec(cfg: LaunchConfig) -> ChildSpec:
         spread_cuda=False,
         service="vision_encoder",
     )
-    config = VisionEncoderConfig(**settings, devices=devices, transfer_backend=cfg.transfer_backend)
+    config = VisionEncoderConfig(
+        **settings, devices=devices, tp=cfg.encoder_tp, transfer_backend=cfg.transfer_backend
+    )
     args = (
         *config_to_argv(config, skip=COMMON_SETTINGS | {"devices"}),
         *_ranks_arg(cfg.encoder_ranks),

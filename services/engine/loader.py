@@ -7,7 +7,9 @@ mis-shaped tensor is a ``ModelLoadError`` naming it.
 
 Under tensor parallelism each rank reads only its slice of each split tensor (the layers name
 them in ``tp_shards``, see model/parallel_layers.py) through safetensors' ``get_slice``: a
-rank's memory holds about ``1 / tp.size`` of the split tensors, never a whole one.
+rank's memory holds about ``1 / tp.size`` of the split tensors, never a whole one. A layer
+whose parameter stacks several slices of one checkpoint tensor (the ViT's fused q/k/v: this
+rank's heads of each third) names a tuple of them, read and concatenated in order.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ _PREFIX_ALIASES = (("model.language_model.", "model."), ("model.visual.", "visua
 COMPONENTS = ("vision", "language")
 _COMPONENT_PREFIXES = {"vision": ("visual.",), "language": ("model.", "lm_head.")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TpSlice = Shard | tuple[Shard, ...]  # one slice, or slices of one dim stacked in order
 
 
 def canonical_name(name: str) -> str:
@@ -65,18 +68,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def tp_shards(model: torch.nn.Module) -> dict[str, Shard]:
+def tp_shards(model: torch.nn.Module) -> dict[str, TpSlice]:
     """The split parameters of ``model`` by checkpoint name, with this rank's slice of each;
     whole-tensor slices (a group of 1) are left out."""
     shards = {}
     for prefix, module in model.named_modules():
         for name, shard in getattr(module, "tp_shards", {}).items():
-            if getattr(module, name) is not None and shard.size != shard.total:
+            if getattr(module, name) is not None and not _is_whole(shard):
                 shards[f"{prefix}.{name}" if prefix else name] = shard
     return shards
 
 
-def read_shard(f, key: str, shard: Shard) -> torch.Tensor:  # f: an open safetensors file
+def _is_whole(shard: TpSlice) -> bool:
+    parts = shard if isinstance(shard, tuple) else (shard,)
+    return sum(p.size for p in parts) == parts[0].total
+
+
+def read_shard(f, key: str, shard: TpSlice) -> torch.Tensor:  # f: an open safetensors file
+    if isinstance(shard, tuple):
+        return torch.cat([read_shard(f, key, part) for part in shard], dim=shard[0].dim)
     tensor = f.get_slice(key)
     shape = tensor.get_shape()
     if len(shape) <= shard.dim or shape[shard.dim] != shard.total:
@@ -92,7 +102,7 @@ def read_state_dict(
     device: torch.device,
     dtype: torch.dtype,
     prefixes: tuple[str, ...] = ("",),
-    shards: dict[str, Shard] | None = None,  # tensors read as this rank's slice (tp_shards)
+    shards: dict[str, TpSlice] | None = None,  # tensors read as this rank's slice (tp_shards)
 ) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     shards = shards or {}
@@ -146,6 +156,7 @@ def load_model(
     components: Collection[str] = COMPONENTS,
     tp: TensorParallel = SINGLE,
     quantization: str = NO_QUANTIZATION,
+    vision_tp: TensorParallel = SINGLE,
 ) -> Qwen2_5_VLModel:
     """Build the model for ``model_dir``'s config and load its weights onto ``device``.
 
@@ -154,6 +165,8 @@ def load_model(
     the checkpoint's tensors of the other part are not read. ``tp``: this rank's place in
     its tensor-parallel group; it reads and holds its shards of the decoder only (a
     ``ModelLoadError`` names the numbers when the model cannot split over ``tp.size``).
+    ``vision_tp``: the same for the vision tower (the vision encoder's ``--tp``), whole by
+    default.
     ``quantization`` (``quantization.py``): ``fp8`` quantizes the decoder's dense linears at
     load, per rank after sharding (``ValueError`` for a device that cannot run them); a
     checkpoint that is already quantized is refused.
@@ -177,7 +190,7 @@ def load_model(
     if quantization == FP8:
         fp8.check_fp8_device(device, dtype)
     with torch.device("meta"):
-        model = model_class(config.architecture)(config, tp)
+        model = model_class(config.architecture)(config, tp, vision_tp)
     if "vision" not in components:
         model.visual = None
     if "language" not in components:

@@ -249,10 +249,29 @@ def check_rank_split(
         check_tensor_parallel(ModelConfig.from_dir(model_dir).text, group, ep, dp_attention)
     except ModelLoadError as exc:
         raise ValueError(f"{service}: {model_dir}: {exc.message}") from exc
-    cuda = [d for d in devices if d.startswith("cuda")]
-    if group > 1 and len(set(cuda)) < len(cuda):
-        what = "--dp-attention" if dp_attention else f"--tp {tp}"
+    check_group_devices(devices, group, service, "--dp-attention" if dp_attention else f"--tp {tp}")
+
+
+def check_group_devices(devices: Sequence[str], group: int, service: str, what: str) -> None:
+    """``ValueError`` naming the processes unless ``devices`` split, in order, into groups of
+    ``group`` whose collectives can run: a group all on CPUs (gloo), or each of its processes
+    on a GPU of its own (NCCL). Different groups may share GPUs. ``what``: the flag that made
+    the groups (``--tp 2``)."""
+    if len(devices) % group:
         raise ValueError(
-            f"{service} {what} on ranks that share a CUDA device ({', '.join(devices)}): "
-            "the group's collectives run over NCCL, one GPU per rank"
+            f"{service} {what} does not divide its {len(devices)} rank processes "
+            "(--ranks / --devices count every process: groups x --tp)"
         )
+    for start in range(0, len(devices), group):
+        members = devices[start : start + group]
+        cuda = [d for d in members if d.startswith("cuda")]
+        if 0 < len(cuda) < group:
+            raise ValueError(
+                f"{service} {what} on CPU and CUDA processes at once ({', '.join(members)}): "
+                "a group's collectives run over one backend (NCCL on GPUs, gloo on CPUs)"
+            )
+        if len(set(cuda)) < len(cuda):
+            raise ValueError(
+                f"{service} {what} on ranks that share a CUDA device ({', '.join(members)}): "
+                "the group's collectives run over NCCL, one GPU per rank"
+            )

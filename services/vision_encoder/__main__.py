@@ -1,4 +1,5 @@
-"""``python -m services.vision_encoder``: the vision encoder (a leader and W rank processes)."""
+"""``python -m services.vision_encoder``: the vision encoder (a leader and W ranks of ``--tp``
+processes each)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from services.common.service_main import (
 )
 from services.common.settings import config_from_args
 from services.vision_encoder.app import rank_group_configs, serve
-from services.vision_encoder.config import VisionEncoderConfig
+from services.vision_encoder.config import VisionEncoderConfig, check_vision_split
 
 
 def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
@@ -25,7 +26,9 @@ def build_parser(envs: Envs | None = None) -> argparse.ArgumentParser:
         "python -m services.vision_encoder", __doc__, VisionEncoderConfig, envs=envs
     )
     add_rank_args(
-        p, "rank processes, each on --device (default 1; with --devices: how many there are)"
+        p,
+        "rank processes on --device: encoder ranks x --tp (default 1; with --devices: how "
+        "many there are)",
     )
     return p
 
@@ -38,6 +41,7 @@ def parse_args(argv: list[str] | None) -> VisionEncoderConfig:
             a.devices, a.ranks, a.device, spread_cuda=False, service="vision_encoder"
         )
         config = config_from_args(VisionEncoderConfig, a, devices=devices)
+        check_vision_split(config.model, config.tp)
         rank_group_configs(config, Envs())  # the devices, checked before anything starts
     except ValueError as exc:
         p.error(str(exc))

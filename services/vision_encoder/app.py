@@ -1,8 +1,9 @@
 """Wiring of the leader process: config -> rank groups, scheduler, leader, servicer, readiness.
 
-Each of the W ranks is a rank group of one process on its device, started, stepped and
-re-formed alone. The leader process reads the checkpoint's config only (the limits every
-call is checked against); each rank process loads the vision tower (``rank_step``).
+Each of the W ranks is a rank group of its own, started, stepped and re-formed alone: one
+process, or with ``--tp`` T a stepped group of T processes on adjacent devices, its vision
+tower split over them (``rank_step``). The leader process reads the checkpoint's config only
+(the limits every call is checked against); each rank process loads the vision tower.
 Readiness follows the ranks' groups and the progress watchdogs
 (``readiness.ReadinessGate``): SERVING while at least one rank serves.
 """
@@ -86,16 +87,16 @@ class VisionEncoderApp:
 
 
 def rank_group_configs(config: VisionEncoderConfig, envs: Envs) -> tuple[RankGroupConfig, ...]:
-    """Rank ``r``'s group: one process on ``config.devices[r]``."""
+    """Rank ``r``'s group: its ``config.tp`` processes on ``config.rank_devices(r)``."""
     return tuple(
         RankGroupConfig(
             name=f"vision encoder rank {rank}",
-            devices=(device,),
+            devices=config.rank_devices(rank),
             step_timeout_s=config.step_timeout_s,
             watchdog_s=config.watchdog_s,
             internal_token=envs.internal_token,  # what the spawned rank inherits and sends back
         )
-        for rank, device in enumerate(config.devices)
+        for rank in range(config.num_ranks)
     )
 
 

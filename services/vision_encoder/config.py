@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, check_embedding_backend
 from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
-from services.common.settings import flag
+from services.common.settings import flag, positive_int
 
 # The encoder's ranks are their own processes: rows leave them through a backend that
 # crosses processes ("inprocess" needs the encoder and prefill in one process).
@@ -26,6 +27,13 @@ class VisionEncoderConfig(ServiceConfig):
         type=device_list,
         metavar="DEV,DEV,...",
         help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device)",
+    )
+    tp: int = flag(
+        1,
+        type=positive_int,
+        help="tensor-parallel processes per encoder rank (dividing the rank processes, each "
+        "group of T on distinct GPUs): each holds 1/T of the ViT's attention heads and MLP and "
+        "runs every forward; the first holds the rank's cache and sends its rows",
     )
     cache_bytes: int = flag(
         256 * 1024 * 1024,
@@ -84,6 +92,7 @@ class VisionEncoderConfig(ServiceConfig):
             )
         if not self.devices:
             raise ValueError("the vision encoder needs at least one rank device")
+        check_tp_groups(self.devices, self.tp)
         check_embedding_backend(self.transfer_backend, self.devices)
         if self.vit_cuda_graphs < 0:
             raise ValueError(f"vit_cuda_graphs must be >= 0, got {self.vit_cuda_graphs}")
@@ -96,4 +105,34 @@ class VisionEncoderConfig(ServiceConfig):
 
     @property
     def num_ranks(self) -> int:
-        return len(self.devices)
+        """Encoder ranks (W), each ``tp`` processes."""
+        return len(self.devices) // self.tp
+
+    def rank_devices(self, rank: int) -> tuple[str, ...]:
+        """The devices of encoder rank ``rank``'s ``tp`` processes (adjacent in ``devices``)."""
+        return self.devices[rank * self.tp : (rank + 1) * self.tp]
+
+
+def check_tp_groups(devices: tuple[str, ...], tp: int) -> None:
+    """``ValueError`` naming the numbers unless ``devices`` split into encoder ranks of ``tp``
+    processes whose collectives can run (``check_group_devices``)."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    from services.engine.parallel import check_group_devices
+
+    check_group_devices(devices, tp, "vision_encoder", f"--tp {tp}")
+
+
+def check_vision_split(model_dir: Path, tp: int) -> None:
+    """``ValueError`` naming the numbers unless the checkpoint's vision tower splits over
+    ``tp`` processes (its heads and MLP intermediate size divide by it)."""
+    if tp == 1:
+        return
+    from services.common.errors import ModelLoadError
+    from services.engine.config import ModelConfig
+    from services.engine.model.vision import check_vision_parallel
+
+    try:
+        check_vision_parallel(ModelConfig.from_dir(model_dir).vision, tp)
+    except ModelLoadError as exc:
+        raise ValueError(f"vision_encoder: {model_dir}: {exc.message}") from exc

@@ -1,7 +1,8 @@
 """The encoder's leader: queues Encode calls, plans each batch, runs it on the ranks that own it.
 
-Each of the W ranks is a rank group of one process (``RankGroup``): the ranks share no
-collective, so each is started, stepped and re-formed alone. The batch loop is one
+Each of the W ranks is a rank group (``RankGroup``) of one process, or of ``--tp`` processes
+that run every step alike (TP rank 0's result is the rank's; the others' are empty): the ranks
+share no collective, so each is started, stepped and re-formed alone. The batch loop is one
 asyncio task on the server's event loop: it takes a batch from the scheduler, planned
 from the cache ledger over the ranks that serve, sends each rank that owns a span its
 share of the batch as one step, to all of them at once (each payload is encoded on a
@@ -58,7 +59,7 @@ class EncoderLeader:
         *,
         watchdog_s: float = 30.0,
     ) -> None:
-        assert groups and all(g.num_ranks == 1 for g in groups), "one rank group per rank"
+        assert groups and len({g.num_ranks for g in groups}) == 1, "ranks of one size"
         self.scheduler = scheduler
         self.groups = tuple(groups)  # rank r: groups[r]
         self.ledger = CacheLedger(len(self.groups))
@@ -82,7 +83,8 @@ class EncoderLeader:
 
     @property
     def rank_pids(self) -> tuple[int, ...]:
-        """Each rank's current process, in rank order (none for a rank between formations)."""
+        """Each rank's current processes (--tp of them), in rank order (none for a rank between
+        formations)."""
         return tuple(pid for group in self.groups for pid in group.rank_pids)
 
     def serving_ranks(self) -> tuple[int, ...]:
@@ -215,7 +217,7 @@ class EncoderLeader:
         try:
             # Encoding the payload copies its images' bytes: off the event loop.
             future: Future = await asyncio.to_thread(group.submit, payload)
-            (result,) = await asyncio.wrap_future(future)
+            result = (await asyncio.wrap_future(future))[0]  # TP rank 0's; the others' empty
         except StageServeError as exc:  # its agreed error, or UNAVAILABLE (died, hung, re-forms)
             error = _naming(exc, group.config.name)
             logger.warning("%d calls' share failed: %s", len(payload.jobs), error.message)

@@ -5,6 +5,8 @@ a span it owns, those spans (with their plans) and each job's destinations. Imag
 travel only for the images it encodes in this step; a planned cache hit carries none. Each
 rank's result reports its jobs' errors, its counters and its manifest: what its cache holds of the step's images afterwards, what it evicted, and which
 planned hits it did not hold (the leader's ledger was wrong; those jobs are planned again).
+With ``--tp`` every process of the rank gets the same payload; TP rank 0's result is the
+rank's, the others answer an empty one (``EncodeStepResult(rank)``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class EncoderRankInit(msgspec.Struct, frozen=True):
     transfer: TransferSpec  # how each rank builds its embedding sender
     pixel_method: str = "auto"  # pixels.PIXEL_METHODS: "auto" | "pil" | "torch"
     vit_cuda_graphs: int = 8  # ViT graphs a CUDA rank keeps (vision_graph.py); 0: eager
-    rank: int = 0  # this rank among the encoder's W (each is a rank group of one process)
+    rank: int = 0  # this rank among the encoder's W (each a rank group of --tp processes)
     num_ranks: int = 1  # W
 
 

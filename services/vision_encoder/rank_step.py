@@ -1,9 +1,12 @@
-"""The encoder's rank step: what each of its W rank processes runs (``STEP_TARGET``).
+"""The encoder's rank step: what each process of its W ranks runs (``STEP_TARGET``).
 
-Each rank is a rank group of one process (its encoder rank and W come in its init). It
-owns the vision tower on its device, its embedding cache (``cache_bytes``) and its
-embedding sender; each step it runs its share of one batch (``worker.EncoderWorker``).
-Warm-up is one ViT forward, before the group reports ready.
+Each rank is a rank group of ``--tp`` T processes (its encoder rank and W come in its init;
+T is the group's size). Every process holds its shard of the vision tower on its device
+(the whole tower with T = 1) and runs each step's ViT forward; TP rank 0 also owns the
+rank's embedding cache (``cache_bytes``) and embedding sender, and runs its share of the
+batch (``worker.EncoderWorker``); the others follow with the forward alone, for their shards
+to join its collectives. Warm-up is one ViT forward on every process, before the group
+reports ready.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import time
 import torch
 
 from services.common.ranks.step import BaseRankStep, RankContext
+from services.common.ranks.subgroups import agree_on_manifest, model_manifest
 from services.engine.loader import load_model
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.parallel import SINGLE, TensorParallel
 from services.engine.processing.image import ImageProcessor
 from services.transfer import create_embedding_sender
 from services.vision_encoder.cache import EmbeddingCacheManager
@@ -32,12 +37,19 @@ class EncoderRankStep(BaseRankStep):
     result_type = EncodeStepResult
 
     def __init__(self, ctx: RankContext, init: EncoderRankInit) -> None:
-        if ctx.device == "cpu":  # the host's cores are shared by the W ranks
-            torch.set_num_threads(max(1, torch.get_num_threads() // init.num_ranks))
+        if ctx.device == "cpu":  # the host's cores are shared by the W x T processes
+            num_processes = init.num_ranks * ctx.world_size
+            torch.set_num_threads(max(1, torch.get_num_threads() // num_processes))
+        tp = SINGLE
+        if ctx.world_size > 1:
+            agree_on_manifest(ctx, manifest_of(init, ctx.world_size))
+            tp = TensorParallel(ctx.rank, ctx.world_size, ctx.device_group)
         processor = ImageProcessor.from_dir(init.model)
-        model = self.load_model(init, torch.device(ctx.device))
-        cache = EmbeddingCacheManager(init.cache_bytes)
-        sender = create_embedding_sender(init.transfer)  # last: nothing after it can fail
+        model = self.load_model(init, torch.device(ctx.device), tp)
+        cache = sender = None
+        if tp.rank == 0:
+            cache = EmbeddingCacheManager(init.cache_bytes)
+            sender = create_embedding_sender(init.transfer)  # last: nothing after it can fail
         self.worker = EncoderWorker(
             init.rank,
             model,
@@ -49,9 +61,12 @@ class EncoderRankStep(BaseRankStep):
             init.vit_cuda_graphs,
         )
 
-    def load_model(self, init: EncoderRankInit, device: torch.device) -> Qwen2_5_VLModel:
-        """The vision tower on ``device`` (a subclass may build it otherwise)."""
-        return load_model(init.model, device, init.dtype, components=("vision",))
+    def load_model(
+        self, init: EncoderRankInit, device: torch.device, tp: TensorParallel = SINGLE
+    ) -> Qwen2_5_VLModel:
+        """This process's shard of the vision tower on ``device`` (a subclass may build it
+        otherwise)."""
+        return load_model(init.model, device, init.dtype, components=("vision",), vision_tp=tp)
 
     def warmup(self) -> None:
         self.worker.warmup()
@@ -60,4 +75,17 @@ class EncoderRankStep(BaseRankStep):
         return self.worker.execute(payload, time.monotonic())
 
     def close(self) -> None:
-        self.worker.sender.close()
+        if self.worker.sender is not None:
+            self.worker.sender.close()
+
+
+def manifest_of(init: EncoderRankInit, tp_size: int) -> dict[str, object]:
+    """What a rank's T processes must agree on before they split the tower."""
+    return model_manifest(
+        init.model,
+        dtype=init.dtype,
+        tp_size=tp_size,
+        pixel_method=init.pixel_method,
+        vit_cuda_graphs=init.vit_cuda_graphs,
+        max_image_bytes=init.max_image_bytes,
+    )

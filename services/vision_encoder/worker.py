@@ -10,6 +10,10 @@ forward over all of them, caches the new rows, then writes each job's owned rows
 each of the job's destinations with one batched transfer. A job's failure (bad image,
 grid mismatch, transfer error) is reported for that job only; the other jobs go on.
 Anything else it raises fails this rank's step: the calls with a span on this rank.
+
+A TP follower (a process of a ``--tp`` rank other than its TP rank 0: no cache, no sender)
+runs only the step's encodes, the same ViT forward over the same images as TP rank 0 (which
+images a step encodes follows from its payload alone), and answers an empty result.
 """
 
 from __future__ import annotations
@@ -73,13 +77,14 @@ class EncoderWorker:
         rank: int,
         model: Qwen2_5_VLModel,
         processor: ImageProcessor,
-        cache: EmbeddingCacheManager,
-        sender: BaseEmbeddingSender,
+        cache: EmbeddingCacheManager | None,  # None, as the sender: a TP follower
+        sender: BaseEmbeddingSender | None,
         max_image_bytes: int,
         pixel_method: str = "auto",  # pixels.PIXEL_METHODS
         vit_cuda_graphs: int = 0,  # layouts whose ViT graph a CUDA rank keeps; 0: eager
     ) -> None:
         assert model.visual is not None, "the encoder needs the vision tower"
+        assert (cache is None) == (sender is None), "a follower has neither"
         self.rank = rank
         self.model = model
         self.processor = processor
@@ -100,6 +105,9 @@ class EncoderWorker:
     def execute(self, payload: EncodeStepPayload, received_mono: float) -> EncodeStepResult:
         owned = [(j, s) for j in payload.jobs for s in j.spans if s.owner_rank == self.rank]
         step = _Step()
+        if self.cache is None:  # a TP follower: the forward, for its shards' collectives
+            self._encode(owned, payload.images, step)
+            return EncodeStepResult(rank=self.rank)
         self._take_hits(owned, step)
         self._encode(owned, payload.images, step)
         num_bytes = 0
@@ -140,6 +148,7 @@ class EncoderWorker:
             self._vit(self._pixels(images), grids)
 
     def _take_hits(self, owned: list[Owned], step: _Step) -> None:
+        assert self.cache is not None
         for job, span in owned:
             if span.action is not SpanAction.LOCAL_HIT:
                 continue
@@ -183,7 +192,8 @@ class EncoderWorker:
         step.num_encoded += len(decoded)
         for content_hash, grid, rows in zip(decoded, grids, embeds, strict=True):
             step.rows[content_hash] = rows
-            self.cache.insert(content_hash, rows, grid)
+            if self.cache is not None:
+                self.cache.insert(content_hash, rows, grid)
 
     def _decode(self, datas: list[bytes]) -> list[np.ndarray | InvalidRequestError]:
         """Each image's [H, W, 3] uint8 pixels, or why its bytes are not an image."""

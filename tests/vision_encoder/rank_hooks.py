@@ -61,7 +61,7 @@ class HookedEncoderStep(EncoderRankStep):
 
     def execute(self, step: int, payload) -> EncodeStepResult:
         if isinstance(payload, ClearCache):
-            if payload.rank == self.rank:
+            if payload.rank == self.rank and self.worker.cache is not None:  # not a TP follower
                 self.worker.cache.clear()
             return EncodeStepResult(rank=self.rank)
         if isinstance(payload, Delay):

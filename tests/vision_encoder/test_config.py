@@ -42,3 +42,31 @@ def test_inprocess_is_refused() -> None:
         ValueError, match="sends rows through mooncake, cuda_ipc, shm, got 'inprocess'"
     ):
         VisionEncoderConfig(model=Path("m"), transfer_backend="inprocess")
+
+
+def test_tp_groups_adjacent_processes_into_each_rank() -> None:
+    from services.common.envs import Envs
+    from services.vision_encoder.app import rank_group_configs
+
+    config = parse_args(["--ranks", "4", "--tp", "2", "--allow-unauthenticated"])
+    assert (config.num_ranks, config.tp) == (2, 2)
+    devices = "cuda:0,cuda:1,cuda:0,cuda:1"  # two ranks may share GPUs: their groups are apart
+    config = parse_args(["--devices", devices, "--tp", "2", "--allow-unauthenticated"])
+    groups = rank_group_configs(config, Envs())
+    assert [g.devices for g in groups] == [("cuda:0", "cuda:1")] * 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--ranks", "3", "--tp", "2"], "--tp 2 does not divide its 3 rank processes"),
+        (["--devices", "cuda:0,cuda:0", "--tp", "2"], "share a CUDA device (cuda:0, cuda:0)"),
+        (["--devices", "cuda:0,cpu", "--tp", "2"], "on CPU and CUDA processes at once"),
+        (["--ranks", "4", "--tp", "4"], "size 4 does not divide the 2 vision attention heads"),
+    ],
+)
+def test_the_command_line_refuses_a_tp_that_cannot_run(capsys, flags, named) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*flags, "--allow-unauthenticated"])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err

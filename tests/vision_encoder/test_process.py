@@ -1,6 +1,7 @@
 """``python -m services.vision_encoder --ranks 2`` as a process: READY, health SERVING, rows over
 Mooncake from both ranks, a dead peer, SIGTERM exit 0 with no rank left; a rank that cannot
-start is one clear error line."""
+start is one clear error line; ``--ranks 2 --tp 2`` (one rank, its tower split over two
+processes) sends the rows of the whole tower."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from services.common.errors import UnavailableError
 from services.transfer.embeddings import EmbeddingBuffer
 from services.vision_encoder.plan import owner_rank
 from tests.conftest import INTERNAL_AUTH, REPO, image_bytes, needs_mooncake
-from tests.vision_encoder.conftest import assert_rows_close, reference_rows, spans_for
+from tests.vision_encoder.conftest import Prefill, assert_rows_close, reference_rows, spans_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 READY_TIMEOUT_S = 300
@@ -113,6 +114,53 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
     finally:
         await client.close()
         receiver.close()
+
+
+def test_process_with_tp_sends_the_rows_of_the_whole_tower(image_processor, vision_model) -> None:
+    cmd = encoder_command("--transfer-backend shm --ranks 2 --tp 2")
+    process = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
+    try:
+        ready = lines.get(timeout=READY_TIMEOUT_S)
+        assert ready.split()[:2] == ["READY", "vision_encoder"], ready
+        fields = dict(w.split("=", 1) for w in ready.split()[2:])
+        ranks = children_of(process.pid)
+        assert len(ranks) == 2  # one encoder rank of two TP processes
+        address = f"127.0.0.1:{fields['port']}"
+        asyncio.run(check_tp_rows(address, image_processor, vision_model))
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+async def check_tp_rows(address: str, image_processor, vision_model) -> None:
+    """Rows of images of several sizes, then the same again (TP rank 0's cache hits), equal to
+    the whole tower's in this process (1e-4: the split sums in another order)."""
+    client = VisionEncoderClient(address, auth=INTERNAL_AUTH)
+    prefill = Prefill(vision_model.config.vision.out_hidden_size)
+    try:
+        images = [image_bytes(w, h, seed=s) for s, (w, h) in enumerate([(70, 98), (56, 56)])]
+        spans = spans_for(image_processor, [*images, images[0]])
+        num_rows = sum(s.span.length for s in spans)
+        expected = torch.cat(reference_rows(vision_model, image_processor, [*images, images[0]]))
+        for call in ("first", "again"):
+            destination = prefill.destination(call, 0, num_rows)
+            results = await client.encode(call, spans, destination, timeout_s=60)
+            assert [r.status for r in results] == [SpanStatus.WRITTEN] * 3
+            assert [r.is_cache_hit for r in results] == [call == "again"] * 2 + [True]
+            rows = prefill.buffer.rows(0, num_rows)
+            torch.testing.assert_close(rows, expected, rtol=1e-4, atol=1e-4)
+            prefill.buffer.tensor.fill_(float("nan"))
+    finally:
+        await client.close()
+        prefill.close()
 
 
 def test_a_rank_that_cannot_start_is_one_clear_error() -> None:

@@ -9,9 +9,10 @@ the base of the Qwen3-VL family (``qwen3_vl.py``), whose image rows are wider: t
 DeepStack rows, which ``embed`` keeps next to each token's embedding (see language.py).
 
 Under tensor parallelism (``tp``) the decoder is split over the group (language.py) and the LM
-head holds this rank's rows of the vocabulary, its logits all-gathered; the vision tower is
-replicated: every rank that builds it holds and runs it whole. Under DP attention
-(``tp.dp_attention``) only the MLP and MoE layers split; the LM head is whole on every rank.
+head holds this rank's rows of the vocabulary, its logits all-gathered. The vision tower splits
+over its own ``vision_tp`` (the vision encoder's ``--tp``, vision.py); with ``vision_tp`` 1
+every rank that builds it holds and runs it whole. Under DP attention (``tp.dp_attention``)
+only the MLP and MoE layers split; the LM head is whole on every rank.
 """
 
 from __future__ import annotations
@@ -30,21 +31,23 @@ from services.engine.parallel import SINGLE, HeadLayout, TensorParallel, check_t
 
 
 class Qwen2_5_VLModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self, config: ModelConfig, tp: TensorParallel = SINGLE, vision_tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         text = config.text
         check_tensor_parallel(text, tp.size, tp.ep_size, tp.dp_attention)
         self.config = config
         self.tp = tp
         self.heads = HeadLayout.of(text.num_attention_heads, text.num_key_value_heads, tp.attention)
-        self.visual = self.build_vision_tower(config)
+        self.visual = self.build_vision_tower(config, vision_tp)
         self.model = LanguageModel(text, config.num_deepstack, tp)
         self.lm_head = ParallelLMHead(text.hidden_size, text.vocab_size, tp.attention)
         if text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def build_vision_tower(self, config: ModelConfig) -> nn.Module:
-        return VisionTransformer(config.vision)
+    def build_vision_tower(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> nn.Module:
+        return VisionTransformer(config.vision, tp)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up matmuls of every layer; parameter names and values are unchanged."""

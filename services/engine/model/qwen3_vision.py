@@ -5,6 +5,10 @@ merger, and DeepStack mergers over the outputs of ``deepstack_visual_indexes`` b
 Patches arrive in the processor's order (per image: row-major over 2x2 merge blocks) and
 stay in it. Each output row (one merged patch) is the main merger's embedding followed by
 one DeepStack embedding per DeepStack block: ``[num_tokens, out_hidden * (1 + K)]``.
+
+Under tensor parallelism (``tp``) the attention and the MLP split as in ``vision.py`` (fc1
+column-parallel, fc2 row-parallel); the patch and position embeddings, norms and every merger
+(the DeepStack ones too) are whole on every rank.
 """
 
 from __future__ import annotations
@@ -17,15 +21,24 @@ from torch import nn
 
 from services.engine.config import VisionConfig
 from services.engine.model.layers import activation
+from services.engine.model.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from services.engine.model.rope import VisionRotaryEmbedding
-from services.engine.model.vision import GridList, Segments, VisionAttention, hw_positions
+from services.engine.model.vision import (
+    GridList,
+    Segments,
+    VisionAttention,
+    check_vision_parallel,
+    hw_positions,
+)
+from services.engine.parallel import SINGLE, TensorParallel
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        shard = tp.split(cfg.intermediate_size, dim=0)
+        self.linear_fc1 = ColumnParallelLinear(cfg.hidden_size, shard, bias=True)
+        self.linear_fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -33,12 +46,12 @@ class VisionMLP(nn.Module):
 
 
 class Qwen3VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.attn = VisionAttention(cfg, tp)
+        self.mlp = VisionMLP(cfg, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
@@ -110,14 +123,15 @@ class Qwen3VisionLayout:
 
 
 class Qwen3VisionTransformer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        check_vision_parallel(cfg, tp.size)
         self.cfg = cfg
         self.num_grid_per_side = int(cfg.num_position_embeddings**0.5)
         self.patch_embed = Qwen3PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.rotary = VisionRotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        self.blocks = nn.ModuleList([Qwen3VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([Qwen3VisionBlock(cfg, tp) for _ in range(cfg.depth)])
         self.merger = Qwen3PatchMerger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             [Qwen3PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_visual_indexes]

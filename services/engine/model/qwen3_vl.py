@@ -13,8 +13,9 @@ from torch import nn
 from services.engine.config import ModelConfig
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model.qwen3_vision import Qwen3VisionTransformer
+from services.engine.parallel import SINGLE, TensorParallel
 
 
 class Qwen3VLModel(Qwen2_5_VLModel):
-    def build_vision_tower(self, config: ModelConfig) -> nn.Module:
-        return Qwen3VisionTransformer(config.vision)
+    def build_vision_tower(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> nn.Module:
+        return Qwen3VisionTransformer(config.vision, tp)

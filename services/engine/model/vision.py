@@ -4,6 +4,13 @@ rotary, and the patch merger that maps 2x2 patches to one language-model token.
 Patches arrive in the processor's order (per image: row-major over 2x2 merge blocks).
 Inside the tower they are permuted so that each attention window is contiguous; the
 merger output is permuted back, so rows leave in the processor's order.
+
+Under tensor parallelism (``tp``, the vision encoder's ``--tp``) each rank holds its heads of
+every attention (this rank's rows of each third of the fused q/k/v, ``FusedQKVParallelLinear``;
+``proj`` row-parallel, its all-reduce ends the attention) and its share of every MLP's
+intermediate features; the patch embedding, norms, rotary and the patch merger are whole on
+every rank, as is the residual stream. ``check_vision_parallel`` names the sizes that do not
+split. A group of 1 is the single-device tower: the same parameters, no collective.
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.varlen import varlen_attn
 
+from services.common.errors import ModelLoadError
 from services.engine import ops
 from services.engine.config import VisionConfig
 from services.engine.model.layers import GatedMLP, RMSNorm
+from services.engine.model.parallel_layers import RowParallelLinear
 from services.engine.model.rope import VisionRotaryEmbedding
+from services.engine.parallel import SINGLE, Shard, TensorParallel
 
 GridList = list[tuple[int, int, int]]
 
@@ -85,13 +95,45 @@ def segment_attention(
     return out
 
 
+def check_vision_parallel(cfg: VisionConfig, size: int) -> None:
+    """``ModelLoadError`` naming the numbers unless the vision tower splits over ``size`` ranks:
+    its attention heads and its MLP's intermediate size divide by ``size``."""
+    if size < 1:
+        raise ModelLoadError(f"vision tensor parallel size must be at least 1, got {size}")
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"the {cfg.num_heads} vision attention heads")
+    if cfg.intermediate_size % size:
+        problems.append(f"the vision intermediate size {cfg.intermediate_size}")
+    if problems:
+        raise ModelLoadError(
+            f"vision tensor parallel size {size} does not divide {', '.join(problems)}"
+        )
+
+
+class FusedQKVParallelLinear(nn.Linear):
+    """This rank's heads of a fused ``[3 * hidden, hidden]`` q/k/v projection, whose rows are
+    [q heads | k heads | v heads]: its rows of each third, stacked (``tp_shards`` names the three
+    slices, which the loader reads and concatenates). The output is [q | k | v] of this rank's
+    heads; no collective. In a group of 1 it is the plain ``nn.Linear``."""
+
+    def __init__(self, hidden_size: int, tp: TensorParallel) -> None:
+        part = tp.split(hidden_size, dim=0)
+        super().__init__(hidden_size, 3 * part.size, bias=True)
+        if tp.size > 1:
+            shards = tuple(
+                Shard(0, i * hidden_size + part.start, part.size, 3 * hidden_size) for i in range(3)
+            )
+            self.tp_shards = {"weight": shards, "bias": shards}
+
+
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
+        self.num_heads = cfg.num_heads // tp.size  # this rank's
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, cfg.hidden_size * 3, bias=True)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.qkv = FusedQKVParallelLinear(cfg.hidden_size, tp)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, True, tp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments
@@ -104,12 +146,14 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = RMSNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True)
+        self.attn = VisionAttention(cfg, tp)
+        self.mlp = GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True, tp=tp
+        )
 
     def forward(
         self,
@@ -196,12 +240,13 @@ def window_layout(grids: GridList, merge: int, window_units: int) -> tuple[torch
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        check_vision_parallel(cfg, tp.size)
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.rotary = VisionRotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, tp) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
 
     def forward(self, pixel_values: torch.Tensor, grids: GridList) -> torch.Tensor:
