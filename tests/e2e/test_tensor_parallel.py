@@ -7,7 +7,8 @@ over each TP group, every batch CP-sharded, DeepStack rows included, and decode 
 (each prefill rank's heads into the decode rank's pool of the same heads); the tiny Qwen2.5-VL
 with prefill at TP = 4 (more ranks than KV heads: each head on two ranks, one writes it) and two
 decode DP ranks of TP = 2; the dense tiny Qwen3-VL with prefill at TP = 1 writing every head
-into the two pools of a TP = 2 decode rank, and at TP = 2 into a TP = 4 decode rank (each KV
+into the two pools of a TP = 2 decode rank (its vision encoder at TP = 2: the ViT's heads split,
+DeepStack rows included), and at TP = 2 into a TP = 4 decode rank (each KV
 head on two decode processes: a prefill rank writes its head into both pools); the tiny MoE on
 two prefill CP ranks into decode with DP attention over two ranks, experts split over both.
 """
@@ -48,7 +49,12 @@ LAYOUTS = {
         4,
         4,
     ),
-    "qwen3-tp1-into-tp2": (QWEN3_DIR, ("--decode-tp", "2"), 1, 2),
+    "qwen3-tp1-into-tp2": (
+        QWEN3_DIR,
+        ("--decode-tp", "2", "--encoder-ranks", "2", "--encoder-tp", "2"),
+        1,
+        2,
+    ),
     "moe-cp2-into-dp-attention2-ep2": (
         MOE_DIR,
         (
@@ -119,6 +125,9 @@ def test_tensor_parallel_services_match_the_engine(layout: str, tmp_path) -> Non
             if flag in flags:
                 assert f"\0--tp\0{flags[flags.index(flag) + 1]}\0" in cmdline(pid), service
             assert len(rank_processes(pid)) == num, service
+        if "--encoder-tp" in flags:
+            pid = system.state["vision_encoder"]["pid"]
+            assert "\0--tp\0" + "2\0" in cmdline(pid) and len(rank_processes(pid)) == 2
 
 
 def cmdline(pid: int) -> str:
