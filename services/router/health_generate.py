@@ -7,7 +7,10 @@ that answers its health check: one that completed its part of a request within t
 step) with every call of its kind pinned to it. A generate that fails or passes
 ``timeout_s`` ejects the worker whose call failed or was in flight then (the checked one
 when none was) until a generate pinned to it passes; an ejected worker is checked every
-interval. Admission of the generate is the workers' own
+interval. A generate that finds no ready worker of another kind goes through an ejected one
+that still answers its health check (``WorkerRegistry.acquire``), so two kinds ejected at once
+clear each other, and a pass readmits every worker it went through; with none at all (that
+kind is down) it blames nobody. Admission of the generate is the workers' own
 (the prefill leader decides it like any request's).
 """
 
@@ -84,7 +87,12 @@ class HealthGenerateChecker:
                     error = "the generate ended without a finish reason"
             except StageServeError as exc:
                 error = exc.message
-        self._registry.record_generate(check.culprit if error else worker, error)
+        if error:
+            if not (check.is_inconclusive and not check.failed):
+                self._registry.record_generate(check.culprit, error)
+            return
+        for passed in (worker, *check.suspects):  # the whole path passed: each worker on it
+            self._registry.record_generate(passed, "")
 
     async def _run_forever(self) -> None:
         while True:

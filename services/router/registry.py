@@ -57,6 +57,9 @@ class PinnedCheck:
 
     worker: Worker
     failed: list[Worker] = field(default_factory=list)  # shared with the generate's child tasks
+    # ejected workers of other kinds the generate went through (no ready one of their kind)
+    suspects: list[Worker] = field(default_factory=list)
+    is_inconclusive: bool = False  # another kind had no worker to go through at all
 
     @property
     def culprit(self) -> Worker:
@@ -139,6 +142,18 @@ class WorkerRegistry:
     def ready_workers(self, kind: WorkerKind) -> list[Worker]:
         return [w for w in self._workers if w.kind is kind and w.is_ready]
 
+    def suspects(self, kind: WorkerKind) -> list[Worker]:
+        """Workers of ``kind`` that answer their health checks but are ejected by a failed
+        health-check generate."""
+        return [
+            w
+            for w in self._workers
+            if w.kind is kind
+            and w.state is WorkerState.READY
+            and w.generate_error
+            and not w.is_leaving
+        ]
+
     def missing_kinds(self) -> list[WorkerKind]:
         """Kinds the router needs that have no ready worker now."""
         return [k for k in self.required_kinds if not self.ready_workers(k)]
@@ -179,6 +194,14 @@ class WorkerRegistry:
             return self._count(pinned)
         ready = self.ready_workers(kind)
         candidates = [w for w in ready if w not in exclude]
+        if not candidates and check is not None:
+            # a health-check generate needs the whole path: with no ready worker of another
+            # kind it goes through one that is serving but ejected by its own check, so two
+            # kinds ejected at once can still clear each other (each check would otherwise
+            # fail for lack of the other, and blame its own worker, for good)
+            candidates = [w for w in self.suspects(kind) if w not in exclude]
+            check.suspects.extend(candidates[:1])
+            check.is_inconclusive = not candidates  # says nothing of its own worker
         if not candidates:
             configured = len(self.workers(kind))
             other = " other" if exclude else ""

@@ -94,6 +94,46 @@ async def test_a_failing_generate_ejects_the_worker_until_one_passes(two_prefill
         await stop_router(app)
 
 
+async def test_two_kinds_ejected_at_once_clear_each_other() -> None:
+    """Decode and the tokenizer both ejected (one worker each), both serving again: each one's
+    generate goes through the other (ejected, but answering its health check) and passes, so
+    both come back, instead of each failing for lack of the other for good."""
+    cluster = await start_cluster(Script())
+    app = await start_router(
+        router_config(cluster, health_generate_interval_s=INTERVAL_S, health_generate_timeout_s=5.0)
+    )
+    try:
+        workers = {w.kind.value: w for w in app.registry.workers()}
+        for kind in ("decode", "tokenizer"):
+            app.registry.record_generate(workers[kind], f"{kind} was wedged")
+        assert not app.registry.is_ready
+        await wait_until(lambda: app.registry.is_ready, timeout_s=10)
+        assert all(w.is_ready for w in workers.values())
+    finally:
+        await stop_router(app)
+        await cluster.stop()
+
+
+async def test_a_generate_that_finds_another_kind_down_blames_nobody() -> None:
+    """Decode not serving: the tokenizer's and prefill's generates cannot run, and neither is
+    ejected for it; once decode serves again, everything is ready without another round."""
+    cluster = await start_cluster(Script())
+    app = await start_router(
+        router_config(cluster, health_generate_interval_s=INTERVAL_S, health_generate_timeout_s=5.0)
+    )
+    try:
+        cluster.decodes[0].health.set_serving(False)
+        await wait_until(lambda: not app.registry.is_ready)
+        rounds = len(health_ids(cluster.tokenizer))
+        await wait_until(lambda: len(health_ids(cluster.tokenizer)) > rounds + 1, timeout_s=10)
+        assert not any(w.generate_error for w in app.registry.workers())
+        cluster.decodes[0].health.set_serving(True)
+        await wait_until(lambda: app.registry.is_ready, timeout_s=10)
+    finally:
+        await stop_router(app)
+        await cluster.stop()
+
+
 async def _complete(app) -> bool:
     from services.router.types import GenerationRequest
 
