@@ -36,6 +36,9 @@ class ProgressWatchdog:
 
     ``work_pending``: whether the loop has work it should be progressing on.
     ``is_alive``: whether the loop still runs at all (a dead loop is stalled for good).
+    ``may_serve``: whether the service's owner would serve now: while it says no (a rank group
+    re-forming), a stall that ends lets go of readiness without giving it back, and the owner
+    sets SERVING itself once it is ready.
     ``stalled_gauge``: set to 1 while ``run`` finds the loop stalled, else 0.
     """
 
@@ -46,6 +49,7 @@ class ProgressWatchdog:
         work_pending: Callable[[], bool],
         *,
         is_alive: Callable[[], bool] = _always,
+        may_serve: Callable[[], bool] = _always,
         clock: Callable[[], float] = time.monotonic,
         stalled_gauge: Gauge | None = None,
     ) -> None:
@@ -54,6 +58,7 @@ class ProgressWatchdog:
         self.stall_s = stall_s
         self._work_pending = work_pending
         self._is_alive = is_alive
+        self._may_serve = may_serve
         self._clock = clock
         self._stalled_gauge = stalled_gauge
         self._last_tick_s = clock()  # written by the loop's thread only
@@ -94,8 +99,11 @@ class ProgressWatchdog:
             self._is_holding_readiness = True
             health.set_serving(False)
         elif not is_stalled and self._is_holding_readiness:
-            logger.warning("%s loop makes progress again: SERVING", self.name)
             self._is_holding_readiness = False
+            if not self._may_serve():
+                logger.warning("%s loop makes progress again; its owner is not ready", self.name)
+                return
+            logger.warning("%s loop makes progress again: SERVING", self.name)
             health.set_serving(True)
 
     async def run(self, health: HealthState, interval_s: float = POLL_S) -> None:

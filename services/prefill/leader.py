@@ -115,6 +115,7 @@ class PrefillLeader:
             "prefill",
             options.watchdog_s,
             lambda: scheduler.has_worker_work,
+            may_serve=lambda: bool(self.descriptions),  # the group formed and described itself
             clock=clock,
             stalled_gauge=metrics.STALLED,
         )

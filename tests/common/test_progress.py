@@ -135,3 +135,28 @@ async def test_run_polls_until_shutdown() -> None:
             await asyncio.sleep(0.001)
         health.enter_shutdown()
         await task  # run returns once shutdown began
+
+
+def test_a_stall_that_ends_while_the_owner_is_not_ready_gives_nothing_back() -> None:
+    """Prefill's case: a stuck step takes readiness, the rank group is then failed and re-forms;
+    the work ends (no stall) before the new group is ready: readiness stays with the owner."""
+    loop, clock = Loop(), FakeClock()
+    owner_ready = [True]
+    watchdog = ProgressWatchdog(
+        "test", STALL_S, lambda: loop.is_pending, may_serve=lambda: owner_ready[0], clock=clock
+    )
+    health = ready_health()
+    loop.is_pending = True
+    clock.now_s += STALL_S + 1
+    watchdog.check(health)
+    assert not health.is_serving
+    owner_ready[0] = False  # the group is failed and re-forms
+    loop.is_pending = False  # its work ended with it
+    watchdog.check(health)
+    assert not health.is_serving  # not given back: the group is not ready
+    owner_ready[0] = True
+    watchdog.check(health)
+    assert not health.is_serving  # the watchdog holds nothing now: the owner serves itself
+    health.set_serving(True)
+    watchdog.check(health)
+    assert health.is_serving
