@@ -66,7 +66,8 @@ def master_metric(metrics_port: int, name: str) -> float:
 def test_pages_evicted_from_prefill_are_read_back_from_the_store(tmp_path) -> None:
     key = secrets.token_urlsafe(16)
     args = (
-        *("--host", "0.0.0.0", "--api-key", key),  # the store's clients listen on every interface
+        # the store's clients listen on every interface; "=": a key may start with "-"
+        *("--host", "0.0.0.0", f"--api-key={key}"),
         *("--kv-store-gb", str(SEGMENT_GB), "--prefill-num-pages", str(POOL_PAGES)),
         *("--num-pages", "256"),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import urllib.request
 
@@ -51,13 +52,14 @@ NUM_TOKENS = 8
 
 
 def free_port_run(length: int) -> int:
-    """A port N such that N .. N + length - 1 are free now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + length > 65535:
-            continue
+    """A port N such that N .. N + length - 1 are free now, below the kernel's ephemeral
+    range: the system's own port-0 binds (its gRPC servers) cannot take one of them before the
+    service that was given it binds it."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10_000, ephemeral_low - length)
         try:
             for port in range(base, base + length):
                 with socket.socket() as s:
