@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -289,16 +291,23 @@ def system(tmp_path_factory):
         yield system
 
 
-@pytest.fixture(scope="module")
-def records(system, request):
-    """One dict per case, written to ``fault_matrix.json`` and printed at the end."""
+@contextlib.contextmanager
+def case_records(system: System, request, file_name: str, label: str) -> Iterator[list[dict]]:
+    """One dict per case, written to ``file_name`` in the system's directory and printed,
+    each line led by ``label``, once the cases are done."""
     records: list[dict] = []
     yield records
-    (system.workdir / "fault_matrix.json").write_text(json.dumps(records, indent=2))
+    (system.workdir / file_name).write_text(json.dumps(records, indent=2))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
         for record in records:
-            reporter.write_line("fault matrix: " + json.dumps(record))
+            reporter.write_line(f"{label}: " + json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def records(system, request):
+    with case_records(system, request, "fault_matrix.json", "fault matrix") as records:
+        yield records
 
 
 @pytest.fixture(scope="module")

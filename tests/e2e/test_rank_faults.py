@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import re
 import signal
@@ -50,6 +49,7 @@ from tests.e2e.test_fault_matrix import (
     SYSTEM_FLAGS,
     HealthWatch,
     Stream,
+    case_records,
     observe,
     open_streams,
     resources,
@@ -163,14 +163,8 @@ def system(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def records(system, request):
-    """One dict per case, written to ``rank_faults.json`` and printed at the end."""
-    records: list[dict] = []
-    yield records
-    (system.workdir / "rank_faults.json").write_text(json.dumps(records, indent=2))
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    with request.config.pluginmanager.get_plugin("capturemanager").global_and_fixture_disabled():
-        for record in records:
-            reporter.write_line("rank faults: " + json.dumps(record))
+    with case_records(system, request, "rank_faults.json", "rank faults") as records:
+        yield records
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
-import os
-import queue
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +24,12 @@ from services.engine.model.vision import check_vision_parallel
 from services.engine.parallel import TensorParallel
 from tests.conftest import TINY_MODEL_DIR
 from tests.engine.test_tensor_parallel import spy_whole_reads
+from tests.engine.tp_ranks import run_groups
 
 MODELS = {"qwen2.5-vl": TINY_MODEL_DIR, "qwen3-vl": TINY_MODEL_DIR.parent / "tiny-qwen3-vl"}
 GRIDS = [(1, 8, 12), (1, 4, 4), (2, 6, 10), (1, 10, 6)]  # images of several sizes, 2 frames
 WORLD = 4
 TOLERANCE = 1e-4
-COLLECTIVE_TIMEOUT_S = 60.0
 SPLIT = ("attn.qkv.", "attn.proj.weight", "mlp.")  # each block's; the rest is whole
 
 
@@ -68,73 +62,16 @@ def encode(model_dir: Path, tp: TensorParallel) -> tuple[np.ndarray, dict[str, i
     return rows.numpy(), split
 
 
-def _rank_main(rank: int, store_path: str, jobs, out) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch.distributed as dist
-
+def _vision_job(rank: int, size: int, group, model_dir: str):
+    """One rank's rows and split bytes (run in a spawned rank process by ``run_groups``)."""
     torch.set_num_threads(1)
-    try:
-        from services.common.ranks.rank_main import loopback_gloo_options
-
-        options = loopback_gloo_options()
-        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=WORLD, timeout=timeout, pg_options=options
-        )
-        sizes = sorted({size for _, job_sizes in jobs for size in job_sizes})
-        groups = {  # every rank takes part in forming each group, members or not
-            size: dist.new_group(list(range(size)), timeout=timeout, pg_options=options)
-            for size in sizes
-        }
-        for job, (model_dir, job_sizes) in enumerate(jobs):
-            for size in job_sizes:
-                if rank < size:
-                    tp = TensorParallel(rank, size, groups[size])
-                    out.put(((job, size, rank), encode(Path(model_dir), tp)))
-    except BaseException:  # noqa: BLE001 (the parent reports any rank's failure)
-        out.put(((None, None, rank), traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return encode(Path(model_dir), TensorParallel(rank, size, group))
 
 
-def run_vision_groups(jobs: list[tuple[Path, tuple[int, ...]]], tmp_dir: Path, timeout_s=240.0):
+def run_vision_groups(jobs: list[tuple[Path, tuple[int, ...]]], tmp_dir: Path):
     """``(job, size, rank) -> (rows, split bytes)`` of every job on each of its group sizes,
     from WORLD spawned processes; ``AssertionError`` naming the rank that fails or hangs."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    args = [(str(d), sizes) for d, sizes in jobs]
-    store = str(tmp_dir / "store")
-    procs = [ctx.Process(target=_rank_main, args=(r, store, args, out)) for r in range(WORLD)]
-    expected = {(j, s, r) for j, (_, sizes) in enumerate(jobs) for s in sizes for r in range(s)}
-    results = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        while len(results) < len(expected):
-            try:
-                key, result = out.get(timeout=1.0)
-            except queue.Empty:
-                pending = {r for _, _, r in expected - set(results)}
-                dead = sorted(r for r in pending if procs[r].exitcode is not None)
-                if dead or time.monotonic() > deadline:
-                    raise AssertionError(
-                        f"ranks {dead or sorted(pending)} gave no result"
-                    ) from None
-                continue
-            assert not isinstance(result, str), f"rank {key[2]} failed:\n{result}"
-            results[key] = result
-        for p in procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-        out.close()
-    return results
+    return run_groups(WORLD, [(_vision_job, (str(d),), sizes) for d, sizes in jobs], tmp_dir)
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,16 @@
-"""Run the offline engine as tensor-parallel groups of real processes (gloo on 127.0.0.1).
+"""Run jobs on tensor-parallel groups of real processes (gloo on 127.0.0.1).
 
-``run_tp_groups`` spawns ``world`` processes once (the imports are most of a rank's cost on
-a small CPU) and runs every job on a TP group of each size asked: ranks ``0 .. size - 1``,
-the others idle meanwhile, with an MoE model's experts split over the group when asked
-(``expert_parallel``: ep = tp), or as DP-attention groups (``dp_attention``: only the MLP
-and MoE layers split; every rank runs the same requests, so each forward has as many rows on
-every rank, as decode's padding makes them). On ``cuda`` every rank uses ``cuda:0`` and the collectives
-stay on gloo (NCCL needs a GPU per rank), so graphs are off. Every rank's results come back through a queue. Every process
-it starts is stopped before it returns, on failure too, and no wait is unbounded.
+``run_groups`` spawns ``world`` processes once (the imports are most of a rank's cost on a
+small CPU) and runs every job on a group of each size it asks: ranks ``0 .. size - 1``, the
+others idle meanwhile. A job is a module-level function called in each member as
+``fn(rank, size, group, *args)``; what it returns comes back through a queue. Every process it
+starts is stopped before it returns, on failure too, and no wait is unbounded.
+
+``run_tp_groups`` runs the offline engine so: with an MoE model's experts split over the group
+when asked (``expert_parallel``: ep = tp), or as DP-attention groups (``dp_attention``: only
+the MLP and MoE layers split; every rank runs the same requests, so each forward has as many
+rows on every rank, as decode's padding makes them). On ``cuda`` every rank uses ``cuda:0``
+and the collectives stay on gloo (NCCL needs a GPU per rank), so graphs are off.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class RankResult:
     expert_bytes: int  # bytes of this rank's expert parameters (0 for a dense model)
 
 
-def _rank_main(rank, world, store_path, sizes, jobs, layout, engine_args, out) -> None:
+def _rank_main(rank, world, store_path, jobs, out) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -44,7 +47,6 @@ def _rank_main(rank, world, store_path, sizes, jobs, layout, engine_args, out) -
     torch.set_num_threads(1)
     try:
         from services.common.ranks.rank_main import loopback_gloo_options
-        from services.engine.parallel import TensorParallel
 
         options = loopback_gloo_options()
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
@@ -56,22 +58,29 @@ def _rank_main(rank, world, store_path, sizes, jobs, layout, engine_args, out) -
             timeout=timeout,
             pg_options=options,
         )
+        sizes = sorted({size for _, _, job_sizes in jobs for size in job_sizes})
         groups = {  # every rank takes part in forming each group, members or not
             size: dist.new_group(list(range(size)), timeout=timeout, pg_options=options)
             for size in sizes
         }
-        for job, (model_dir, requests) in enumerate(jobs):
-            for size in sizes:
+        for job, (fn, args, job_sizes) in enumerate(jobs):
+            for size in job_sizes:
                 if rank < size:
-                    expert_parallel, dp_attention = layout
-                    ep_size = size if expert_parallel else 1
-                    tp = TensorParallel(rank, size, groups[size], ep_size, dp_attention)
-                    out.put(((job, size, rank), _run(tp, model_dir, requests, *engine_args)))
+                    out.put(((job, size, rank), fn(rank, size, groups[size], *args)))
     except BaseException:  # noqa: BLE001 (the parent reports any rank's failure)
         out.put(((None, None, rank), traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _engine_job(rank, size, group, model_dir, requests, layout, device, dtype) -> RankResult:
+    from services.engine.parallel import TensorParallel
+
+    expert_parallel, dp_attention = layout
+    ep_size = size if expert_parallel else 1
+    tp = TensorParallel(rank, size, group, ep_size, dp_attention)
+    return _run(tp, model_dir, requests, device, dtype)
 
 
 def _run(tp, model_dir: str, requests, device: str, dtype: str | None) -> RankResult:
@@ -114,24 +123,29 @@ def run_tp_groups(
     device: str = "cpu",
     dtype: str | None = None,
 ) -> dict[tuple[int, int, int], RankResult]:
-    """``(job, size, rank) -> RankResult`` of every job on every group size (at most ``world``);
-    ``AssertionError`` naming the rank if one fails, exits or does not answer within
-    ``timeout_s``."""
-    assert all(0 < size <= world for size in sizes), (world, sizes)
-    ctx = multiprocessing.get_context("spawn")
+    """``(job, size, rank) -> RankResult`` of the engine on every job at every group size (at
+    most ``world``); ``AssertionError`` naming the rank if one fails, exits or does not answer
+    within ``timeout_s``."""
     layout = (expert_parallel, dp_attention)
+    engine_jobs = [
+        (_engine_job, (str(d), requests, layout, device, dtype), sizes) for d, requests in jobs
+    ]
+    return run_groups(world, engine_jobs, tmp_dir, timeout_s)
+
+
+def run_groups(world: int, jobs: list[tuple], tmp_dir: Path, timeout_s: float = 240.0) -> dict:
+    """``(job, size, rank) -> fn's result`` of every job ``(fn, args, sizes)`` on each of its
+    group sizes (at most ``world``); ``AssertionError`` naming the rank if one fails, exits or
+    does not answer within ``timeout_s``."""
+    assert all(0 < size <= world for _, _, sizes in jobs for size in sizes), (world, jobs)
+    ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    args = [(str(d), requests) for d, requests in jobs]
     store = str(tmp_dir / "store")
     procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, world, store, sizes, args, layout, (device, dtype), out),
-        )
-        for r in range(world)
+        ctx.Process(target=_rank_main, args=(r, world, store, jobs, out)) for r in range(world)
     ]
-    expected = {(j, s, r) for j in range(len(jobs)) for s in sizes for r in range(s)}
-    results: dict[tuple[int, int, int], RankResult] = {}
+    expected = {(j, s, r) for j, (_, _, sizes) in enumerate(jobs) for s in sizes for r in range(s)}
+    results: dict = {}
     try:
         for p in procs:
             p.start()
