@@ -3,7 +3,7 @@
 ``check`` (a blocking channel) and ``check_async`` (a ``grpc.aio`` channel) send the same
 request and read the answer the same way (``HealthAnswer``); ``is_serving`` is the blocking
 one-shot used by the launcher's liveness probe, ``wait_ready`` (``services.common.client``)
-and the router's ``HealthProbe`` use ``check_async``.
+and the router's ``HealthProbe`` (``router/health_probe.py``) use ``check_async``.
 
 ``python -m services.common.healthcheck HOST:PORT [SERVICE] [--token-file PATH]``: 0 if
 SERVING. For container health checks where no native gRPC probe exists (docker compose).

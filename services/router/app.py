@@ -29,6 +29,7 @@ from services.router.discovery import BaseResolver, SystemResolver, WorkerDiscov
 from services.router.generation import GenerationPipeline
 from services.router.grammars import GrammarChecker
 from services.router.health_generate import HealthGenerateChecker
+from services.router.health_probe import HealthProbe
 from services.router.http_api import ApiLimits, OpenAIApi, create_app
 from services.router.http_server import (
     ACCEPT_BATCH,
@@ -39,7 +40,7 @@ from services.router.http_server import (
 from services.router.images import ImageLoader
 from services.router.metrics import RouterMetrics
 from services.router.policy import make_policy
-from services.router.registry import HealthProbe, WorkerRegistry
+from services.router.registry import WorkerRegistry
 from services.router.servicer import RouterServicer, ServicerLimits
 from services.router.tools import resolve_tool_format
 from services.router.workers import Worker, WorkerKind, parse_dns_name

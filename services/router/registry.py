@@ -33,14 +33,9 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2_grpc
-
-from services.common.auth import Credentials
-from services.common.client import create_channel
 from services.common.errors import UnavailableError
-from services.common.healthcheck import check_async
 from services.common.types import TokenizedPrompt
+from services.router.health_probe import HealthProbe
 from services.router.metrics import RouterMetrics
 from services.router.policy import BaseRoutingPolicy
 from services.router.workers import Hop, Worker, WorkerKind, WorkerState
@@ -70,42 +65,6 @@ class PinnedCheck:
 _PINNED: contextvars.ContextVar[PinnedCheck | None] = contextvars.ContextVar(
     "pinned_check", default=None
 )
-
-
-class HealthProbe:
-    """``grpc.health.v1`` ``Check`` of whole workers (service ""), one channel per address."""
-
-    def __init__(self, timeout_s: float, *, auth: Credentials | None = None) -> None:
-        """``auth``: the internal token its channels send (health itself needs none)."""
-        self._timeout_s = timeout_s
-        self._auth = auth
-        self._stubs: dict[str, health_pb2_grpc.HealthStub] = {}
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def _stub(self, address: str) -> health_pb2_grpc.HealthStub:
-        if address not in self._stubs:
-            channel = create_channel(address, auth=self._auth)
-            self._channels[address] = channel
-            self._stubs[address] = health_pb2_grpc.HealthStub(channel)
-        return self._stubs[address]
-
-    async def check(self, address: str) -> str | None:
-        """None when the worker is SERVING, else why not."""
-        answer = await check_async(self._stub(address), timeout_s=self._timeout_s)
-        return answer.why_not_serving
-
-    async def forget(self, address: str) -> None:
-        """Close the channel to ``address`` (a later ``check`` opens a new one)."""
-        self._stubs.pop(address, None)
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close()
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-        self._stubs.clear()
 
 
 class WorkerRegistry:

@@ -17,9 +17,10 @@ from services.router.__main__ import build_parser, config_from_args
 from services.router.app import make_worker
 from services.router.config import WorkerAddresses
 from services.router.discovery import SystemResolver, WorkerDiscovery
+from services.router.health_probe import HealthProbe
 from services.router.metrics import RouterMetrics
 from services.router.policy import RoundRobinPolicy
-from services.router.registry import HealthProbe, WorkerRegistry
+from services.router.registry import WorkerRegistry
 from services.router.workers import DnsName, WorkerKind, parse_dns_name
 from tests.conftest import TINY_MODEL_DIR
 from tests.router.fake_decode import FakeDecode

@@ -9,9 +9,10 @@ from prometheus_client import CollectorRegistry
 
 from services.common.errors import UnavailableError
 from services.router.config import PolicyName
+from services.router.health_probe import HealthProbe
 from services.router.metrics import RouterMetrics
 from services.router.policy import LeastLoadPolicy, RoundRobinPolicy
-from services.router.registry import HealthProbe, WorkerRegistry
+from services.router.registry import WorkerRegistry
 from services.router.workers import Worker, WorkerKind, WorkerState
 from tests.router.conftest import (
     MODEL_NAME,

@@ -14,10 +14,11 @@ from prometheus_client import CollectorRegistry
 from services.common.clients.decode import DecodeClient
 from services.common.errors import DeadlineExceededError, UnavailableError
 from services.common.types import SamplingParams
+from services.router.health_probe import HealthProbe
 from services.router.metrics import RouterMetrics
 from services.router.policy import RoundRobinPolicy
 from services.router.progress import StallBound
-from services.router.registry import HealthProbe, WorkerRegistry
+from services.router.registry import WorkerRegistry
 from services.router.workers import Hop, Worker, WorkerKind, WorkerState
 from tests.router.conftest import BOUND_S
 from tests.router.fake_decode import FakeDecode
