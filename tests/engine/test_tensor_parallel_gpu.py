@@ -1,7 +1,8 @@
 """GPU parity (bf16) of tensor and expert parallelism: TP = 2 on the tiny Qwen2.5-VL
 checkpoint and TP = EP = 2 on the tiny Qwen3-VL-MoE one (its experts have no TP split), and
-DP attention with EP = 2 on the MoE one (attention whole, experts split), against size 1, every rank a process on ``cuda:0`` with gloo for the collectives (NCCL needs a
-GPU per rank; device tool only).
+DP attention with EP = 2 on the MoE one (attention whole, experts split), against size 1,
+every rank a process on ``cuda:0`` with gloo for the collectives (NCCL needs a GPU per rank;
+device tool only).
 
 bf16 rounds differently with the weights split (partial sums are reduced in another order),
 so each layout is compared with the fp32 CPU reference: its error must be of the size of the

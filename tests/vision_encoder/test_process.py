@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 
 import grpc
 import msgspec
@@ -54,11 +55,16 @@ def encoder_command(flags: str) -> list[str]:
     return [*base, *flags.split()]
 
 
-@needs_mooncake
-def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, vision_model) -> None:
-    cmd = encoder_command("--transfer-backend mooncake --ranks 2")
+def serve_then_stop(flags: str, check: Callable[[str], Awaitable[None]]) -> None:
+    """The encoder with ``flags`` on two rank processes: ``check(address)`` once READY, then
+    SIGTERM exits 0 with no rank left."""
     process = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
+        encoder_command(flags),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
     )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
@@ -69,7 +75,7 @@ def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, visio
         fields = dict(w.split("=", 1) for w in words[2:])
         ranks = children_of(process.pid)
         assert len(ranks) == 2
-        asyncio.run(check_serving(f"127.0.0.1:{fields['port']}", image_processor, vision_model))
+        asyncio.run(check(f"127.0.0.1:{fields['port']}"))
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
@@ -77,6 +83,14 @@ def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, visio
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@needs_mooncake
+def test_process_serves_on_two_ranks_and_stops_on_sigterm(image_processor, vision_model) -> None:
+    serve_then_stop(
+        "--transfer-backend mooncake --ranks 2",
+        lambda address: check_serving(address, image_processor, vision_model),
+    )
 
 
 async def check_serving(address: str, image_processor, vision_model) -> None:
@@ -117,27 +131,10 @@ async def check_serving(address: str, image_processor, vision_model) -> None:
 
 
 def test_process_with_tp_sends_the_rows_of_the_whole_tower(image_processor, vision_model) -> None:
-    cmd = encoder_command("--transfer-backend shm --ranks 2 --tp 2")
-    process = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV
+    serve_then_stop(  # one encoder rank of two TP processes
+        "--transfer-backend shm --ranks 2 --tp 2",
+        lambda address: check_tp_rows(address, image_processor, vision_model),
     )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
-    try:
-        ready = lines.get(timeout=READY_TIMEOUT_S)
-        assert ready.split()[:2] == ["READY", "vision_encoder"], ready
-        fields = dict(w.split("=", 1) for w in ready.split()[2:])
-        ranks = children_of(process.pid)
-        assert len(ranks) == 2  # one encoder rank of two TP processes
-        address = f"127.0.0.1:{fields['port']}"
-        asyncio.run(check_tp_rows(address, image_processor, vision_model))
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        assert not [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 async def check_tp_rows(address: str, image_processor, vision_model) -> None:
