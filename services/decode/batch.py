@@ -8,7 +8,10 @@ input tokens on the device, runs the forward, samples on the device, scatters th
 back into the slots and starts one copy of them to pinned host memory; nothing waits for
 the device. ``read`` waits for that copy alone. Rows whose request asked for logprobs get
 them from the step's logits (the ones the graph returned, outside it) and copied with the
-tokens; a step where no row asks computes none.
+tokens; a step where no row asks computes none. Rows under a grammar (structured outputs) are
+masked on the device right after the forward; their matchers accept a step's tokens at the
+next launch, once that step's forward is queued, so the host waits for the tokens and fills
+the next masks while the device runs the forward instead of stopping the overlap.
 
 ``StepLoop`` is the loop both the decode rank and the engine benchmark run: each ``step``
 launches a plan, then reads the oldest step not read: overlapped, the previous one (the
@@ -31,12 +34,21 @@ from services.common.errors import InvalidRequestError
 from services.common.types import Grammar, SamplingParams, TokenLogprob
 from services.decode.scheduler import DecodePlan, JoinedRow, uses_history
 from services.decode.tp_mirror import StepMirror
-from services.engine.grammar import GrammarCache, advance, apply_grammar_masks
+from services.engine.grammar import GrammarCache, GrammarMasks
 from services.engine.model_runner import ModelRunner
 from services.engine.sampler import LogprobRows, Sampler, make_generator
 from services.engine.step_inputs import DecodeInputs
 
 NUM_HOST_BUFFERS = 2  # one step being copied while the previous one is read
+
+
+@dataclass(frozen=True)
+class _Unaccepted:
+    """A launched step's constrained rows, whose matchers have not accepted its tokens yet."""
+
+    matchers: list[tuple[int, Any]]  # (batch row, GrammarMatcher)
+    host_tokens: torch.Tensor  # the step's samples once ``copied``
+    copied: torch.cuda.Event | None
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,9 @@ class DecodeBatchRunner:
         self.mirror = mirror
         self.grammars = grammars
         self._matchers: dict[int, Any] = {}  # slot -> its request's GrammarMatcher
+        self._masks: GrammarMasks | None = None  # once a constrained request runs
+        # the last step's constrained rows: their matchers accept its tokens at the next launch
+        self._unaccepted: _Unaccepted | None = None
         self.sampler = sampler
         self.device = runner.device
         self.page_size = runner.page_size
@@ -132,7 +147,8 @@ class DecodeBatchRunner:
         if self.mirror is not None:  # the followers run the same forward on their shards
             self.mirror.send(inputs)
         logits = self.runner.forward_decode(inputs, gate)  # [B, V] fp32
-        tokens = self._sample(plan, slots, logits)  # [B] int64 on the device
+        self._accept_unaccepted()  # the previous step's, while the device runs this forward
+        tokens, matchers = self._sample(plan, slots, logits)  # [B] int64 on the device
         self._last_tokens.index_copy_(0, slots, tokens)
         if self._output_counts is not None:
             ones = torch.ones(plan.num_rows, dtype=torch.float32, device=self.device)
@@ -145,6 +161,8 @@ class DecodeBatchRunner:
         event = self._events[buffer]
         if event is not None:
             event.record()
+        if matchers:
+            self._unaccepted = _Unaccepted(matchers, host, event)
         return LaunchedStep(plan, host, event, launch_s, logprobs)
 
     def read(self, launched: LaunchedStep) -> list[int]:
@@ -184,9 +202,22 @@ class DecodeBatchRunner:
 
     def synchronize(self) -> None:
         """Wait until the device finished everything queued (before pages of abandoned steps are
-        reused)."""
+        reused); the last step's tokens, abandoned, are accepted by no grammar."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._unaccepted = None
+
+    def _accept_unaccepted(self) -> None:
+        """The last launched step's constrained rows accept its tokens (waits for their copy):
+        their grammars' next masks depend on them."""
+        unaccepted, self._unaccepted = self._unaccepted, None
+        if unaccepted is None:
+            return
+        if unaccepted.copied is not None:
+            unaccepted.copied.synchronize()
+        assert self._masks is not None
+        rows, matchers = zip(*unaccepted.matchers, strict=True)
+        self._masks.accept(matchers, unaccepted.host_tokens[list(rows)].tolist())
 
     def _upload_slots(self, slots: np.ndarray) -> torch.Tensor:
         if self._slots_staged is None:  # CPU: the array itself
@@ -263,9 +294,14 @@ class DecodeBatchRunner:
         seq_lens = (plan.seq_lens + 1).tolist()
         return DecodeInputs(self._last_tokens[slots], positions, seq_lens, page_tables, out_slots)
 
-    def _sample(self, plan: DecodePlan, slots: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _sample(
+        self, plan: DecodePlan, slots: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, Any]]]:
+        """The step's tokens [B] on the device, and its constrained rows (batch row, matcher):
+        their matchers accept the tokens at the next launch, once its forward is queued
+        (``_accept_unaccepted``): the host fills the next masks while the device runs it."""
         if self._is_plain[plan.slots].all():
-            return logits.argmax(dim=1)
+            return logits.argmax(dim=1), []
         slot_list = plan.slots.tolist()
         params = [self._params[slot] for slot in slot_list]
         is_prompt = counts = None
@@ -281,10 +317,12 @@ class DecodeBatchRunner:
             for row, slot in enumerate(slot_list)
             if params[row].grammar is not None
         ]
-        apply_grammar_masks(penalized, matchers)
+        if matchers:
+            if self._masks is None:
+                self._masks = GrammarMasks(len(self._pages), self.vocab_size, self.device)
+            self._masks.apply(penalized, matchers)
         tokens = self.sampler.sample_penalized(penalized, params, generators)
-        advance(matchers, tokens)
-        return tokens
+        return tokens, matchers
 
 
 class StepLoop:

@@ -220,13 +220,54 @@ def apply_grammar_masks(
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
 
-def advance(matchers: Sequence[tuple[int, Any]], token_ids: torch.Tensor) -> None:
-    """Accept each constrained row's sampled token (``token_ids`` [B]) into its matcher."""
-    if not matchers:
-        return
-    index = torch.tensor([row for row, _ in matchers], device=token_ids.device)
-    for (row, matcher), token_id in zip(matchers, token_ids[index].tolist(), strict=True):
-        if matcher.is_terminated():
-            continue
-        is_accepted = matcher.accept_token(token_id)
-        assert is_accepted, f"row {row}: token {token_id} was sampled outside its grammar"
+class GrammarMasks:
+    """The token masks of a sampler's constrained rows, step after step: filled on the host by
+    xgrammar's batch matcher (its own threads) into pinned memory, uploaded, and applied to the
+    logits on their device (xgrammar's kernel on CUDA), on the stream after the step's forward.
+
+    The decode loop calls ``apply`` once the step's forward is queued, so the host fills the
+    masks while the device runs that forward.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        xgr = _xgrammar()
+        self._batch = xgr.BatchGrammarMatcher()
+        self._host = xgr.allocate_token_bitmask(max_rows, vocab_size)  # [R, ceil(V/32)] int32
+        self._device_masks: torch.Tensor | None = None
+        self._uploaded: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self._host = self._host.pin_memory()
+            self._device_masks = torch.empty_like(self._host, device=device)
+            self._uploaded = torch.cuda.Event()  # the pinned masks may be rewritten after it
+
+    def apply(
+        self,
+        logits: torch.Tensor,  # [B, V] float32, changed in place
+        matchers: Sequence[tuple[int, Any]],  # (batch row, GrammarMatcher) of constrained rows
+    ) -> None:
+        """Set to -inf the logits each row's grammar does not allow next (as
+        ``apply_grammar_masks``); a terminated matcher leaves its row as it is."""
+        live = [(row, m) for row, m in matchers if not m.is_terminated()]
+        if not live:
+            return
+        rows = [row for row, _ in live]
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's upload has left the pinned masks
+        self._batch.batch_fill_next_token_bitmask([m for _, m in live], self._host, rows)
+        masks = self._host
+        if self._device_masks is not None:
+            count = logits.shape[0]
+            self._device_masks[:count].copy_(self._host[:count], non_blocking=True)
+            assert self._uploaded is not None
+            self._uploaded.record()
+            masks = self._device_masks
+        _xgrammar().apply_token_bitmask_inplace(logits, masks[: logits.shape[0]], indices=rows)
+
+    def accept(self, matchers: Sequence[Any], token_ids: Sequence[int]) -> None:
+        """Each matcher accepts its row's sampled token (a terminated one accepts nothing)."""
+        live = [(m, t) for m, t in zip(matchers, token_ids, strict=True) if not m.is_terminated()]
+        if not live:
+            return
+        accepted = self._batch.batch_accept_token([m for m, _ in live], [t for _, t in live])
+        rejected = [t for (_, t), ok in zip(live, accepted, strict=True) if not ok]
+        assert not rejected, f"tokens {rejected} were sampled outside their grammars"

@@ -30,6 +30,7 @@ from services.decode.messages import RankLoad
 from services.decode.rank import build_rank
 from services.decode.servicer import SERVICE_NAME, DecodeServicer
 from services.engine.attention import ForwardMode
+from services.engine.grammar import GrammarCache, apply_grammar_masks
 from services.engine.llm import EngineRequest, LLMEngine
 from services.engine.loader import load_model
 from services.engine.model.rope import mrope_positions
@@ -72,6 +73,7 @@ class FakePrefill:
         self.runner = ModelRunner(model, KVCacheConfig(512, PAGE_SIZE))
         self.sender = sender
         self.sampler = Sampler()
+        self.grammars = GrammarCache(TINY_MODEL_DIR)
 
     def prefill(
         self, request_id: str, prompt: list[int], params: SamplingParams, kv_ref: KvRefInfo
@@ -84,7 +86,12 @@ class FakePrefill:
                 ForwardMode.EXTEND, [StepInput(request_id, prompt, positions, 0)]
             )
             generator = None if params.is_greedy else make_generator(params.seed, "cpu")
-            token = self.sampler.sample(logits, [params], [prompt], [[]], [generator]).item()
+            if params.grammar is None:
+                token = self.sampler.sample(logits, [params], [prompt], [[]], [generator]).item()
+            else:  # as prefill's worker samples a constrained first token
+                penalized = self.sampler.apply_penalties(logits, [params], [prompt], [[]])
+                apply_grammar_masks(penalized, [(0, self.grammars.matcher(params.grammar))])
+                token = self.sampler.sample_penalized(penalized, [params], [generator]).item()
             destination = kv_ref.to_destination()
             self.sender.send(
                 request_id,

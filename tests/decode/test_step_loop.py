@@ -263,3 +263,44 @@ def test_first_token_finishing_and_reserved_aborts_leave_no_page(ranks) -> None:
 
     outcomes = both(ranks, scenario)
     assert outcomes["one"].end == FinishReason.LENGTH.value and len(outcomes["one"].tokens) == 1
+
+
+def test_constrained_rows_accept_each_token_one_launch_late(ranks) -> None:
+    """JSON-schema rows (their matchers accept a step's tokens at the next launch, once its
+    forward is queued) beside a free row, sampled at temperature 1: the overlapped loop streams
+    what the synchronous one does, and every output that stops is JSON the schema allows."""
+    import json
+
+    from services.common.types import Grammar, GrammarKind
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "c": {"enum": ["x"]}},
+        "required": ["n", "c"],
+        "additionalProperties": False,
+    }
+    grammar = Grammar(GrammarKind.JSON_SCHEMA, json.dumps(schema), is_strict=True)
+
+    def constrained(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_new_tokens=30, grammar=grammar)
+
+    free = SamplingParams(temperature=1.0, seed=5, max_new_tokens=30, ignore_eos=True)
+    outcomes = both(
+        ranks,
+        lambda d: (
+            d.start("json-a", prompt_of(5, seed=1), constrained(11)),
+            d.start("free", prompt_of(6, seed=2), free),
+            d.start("json-b", prompt_of(4, seed=3), constrained(12)),
+        ),
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import TINY_MODEL_DIR
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(TINY_MODEL_DIR / "tokenizer.json"))
+    for request_id in ("json-a", "json-b"):
+        outcome = outcomes[request_id]
+        assert outcome.end == "stop", outcome
+        value = json.loads(tokenizer.decode(outcome.tokens[:-1]))
+        assert set(value) == {"n", "c"} and value["c"] == "x" and 0 <= value["n"] <= 9
+    assert outcomes["free"].end == "length" and len(outcomes["free"].tokens) == 30

@@ -11,7 +11,7 @@ from services.common.errors import InvalidRequestError
 from services.common.paths import BUNDLED_MODEL
 from services.common.types import Grammar, GrammarKind, SamplingParams
 from services.engine.config import ModelConfig
-from services.engine.grammar import GrammarCache, advance, apply_grammar_masks
+from services.engine.grammar import GrammarCache, GrammarMasks, apply_grammar_masks
 from services.router.openai_params import response_format
 
 SCHEMA = {
@@ -55,18 +55,21 @@ def test_a_schema_that_cannot_compile_names_the_grammar(cache, spec):
 
 
 def test_masked_sampling_writes_valid_json_and_leaves_free_rows_alone(cache):
+    """Decode's path: ``GrammarMasks`` masks the constrained row, its matcher accepts the
+    sampled token; the free rows are left as they were."""
     config = ModelConfig.from_dir(BUNDLED_MODEL)
     vocab_size, eos = config.text.vocab_size, set(config.eos_token_ids)
     generator = torch.Generator().manual_seed(0)
+    masks = GrammarMasks(3, vocab_size, torch.device("cpu"))
     matchers = [(1, cache.matcher(schema_grammar(SCHEMA)))]
     tokens: list[int] = []
     for _ in range(200):
         logits = torch.randn(3, vocab_size, generator=generator)
         free = logits[[0, 2]].clone()
-        apply_grammar_masks(logits, matchers)
+        masks.apply(logits, matchers)
         assert torch.equal(logits[[0, 2]], free)
         sampled = torch.multinomial(logits.softmax(dim=1), 1, generator=generator).squeeze(1)
-        advance(matchers, sampled)
+        masks.accept([matchers[0][1]], [int(sampled[1])])
         tokens.append(int(sampled[1]))
         if matchers[0][1].is_terminated():
             break
@@ -76,6 +79,33 @@ def test_masked_sampling_writes_valid_json_and_leaves_free_rows_alone(cache):
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(BUNDLED_MODEL / "tokenizer.json"))
     value = json.loads(tokenizer.decode(tokens[:-1]))
     assert value["c"] == "x" and 0 <= value["n"] <= 9 and set(value) == {"n", "c"}
+
+
+def test_batch_masks_equal_one_matcher_at_a_time(cache):
+    """``GrammarMasks`` (xgrammar's batch matcher, reused buffers, rows in any order, a
+    terminated matcher left alone) masks exactly as ``apply_grammar_masks`` does, step after
+    step."""
+    vocab_size = ModelConfig.from_dir(BUNDLED_MODEL).text.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    masks = GrammarMasks(5, vocab_size, torch.device("cpu"))
+    grammar = schema_grammar(SCHEMA)
+    ours = [(3, cache.matcher(grammar)), (0, cache.matcher(grammar)), (4, cache.matcher(grammar))]
+    theirs = [(row, cache.matcher(grammar)) for row, _ in ours]
+    for _ in range(40):
+        logits = torch.randn(5, vocab_size, generator=generator)
+        expected = logits.clone()
+        masks.apply(logits, ours)
+        apply_grammar_masks(expected, theirs)
+        assert torch.equal(logits, expected)
+        if all(m.is_terminated() for _, m in ours):
+            break
+        sampled = torch.multinomial(logits.softmax(dim=1), 1, generator=generator).squeeze(1)
+        picked = [int(sampled[row]) for row, _ in ours]
+        masks.accept([m for _, m in ours], picked)
+        for (_, matcher), token in zip(theirs, picked, strict=True):
+            if not matcher.is_terminated():
+                assert matcher.accept_token(token)
+    assert any(m.is_terminated() for _, m in ours)
 
 
 def test_response_format_maps_to_a_grammar():

@@ -15,7 +15,7 @@ from services.common.paths import BUNDLED_MODEL
 from services.common.types import Grammar, GrammarKind, SamplingParams
 from services.common.wire import sampling_params_from_proto, sampling_params_to_proto
 from services.engine.config import ModelConfig
-from services.engine.grammar import GrammarCache, advance, apply_grammar_masks
+from services.engine.grammar import GrammarCache, apply_grammar_masks
 from services.router.openai_params import structured_output
 from services.router.openai_schema import CompletionBody
 
@@ -91,7 +91,7 @@ def sample(cache: GrammarCache, grammar: Grammar, seed: int, max_tokens: int = 6
         logits = torch.randn(1, vocab_size, generator=generator) * 4
         apply_grammar_masks(logits, matchers)
         sampled = torch.multinomial(logits.softmax(dim=1), 1, generator=generator).squeeze(1)
-        advance(matchers, sampled)
+        assert matchers[0][1].accept_token(int(sampled[0]))
         tokens.append(int(sampled[0]))
         if matchers[0][1].is_terminated():
             break
