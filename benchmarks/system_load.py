@@ -241,6 +241,7 @@ class Load:
     output_len: int
     tokenizer: Path  # the served model's tokenizer.json
     seed: int
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
 
 
 def _client(load: Load, index: int, num_processes: int, barrier, results) -> None:
@@ -254,6 +255,7 @@ def _client(load: Load, index: int, num_processes: int, barrier, results) -> Non
         (64, 64),
         ignore_eos=True,
         temperature=0.0,
+        extra_body=load.extra_body,
     )
     cfg = BenchConfig(
         base_url=load.base_url,
