@@ -15,6 +15,7 @@ from services.router.openai_params import response_format
 from tests.e2e.openai_api.helpers import CASES, assert_400, chat, create_concurrently
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+NUM_SCHEMAS = 50  # random nested schemas per layout, sampled at temperature 1
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -58,8 +59,11 @@ def check_structured(grammar_cache, grammar, choice) -> None:
 
 def test_json_schemas_hold_at_temperature_one(system, client, model_name, grammar_cache):
     rng = random.Random(39)
-    schemas = [random_schema(rng) for _ in range(40)]
-    schemas = [s for s in schemas if s.get("type") == "object"][:10]
+    schemas: list[dict] = []
+    while len(schemas) < NUM_SCHEMAS:  # objects at the top, anything below
+        schema = random_schema(rng)
+        if schema.get("type") == "object":
+            schemas.append(schema)
     formats = [
         {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s, "strict": True}}
         for i, s in enumerate(schemas)
