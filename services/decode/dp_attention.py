@@ -10,8 +10,8 @@ One group step (``DpAttentionRankStep``):
   2. each rank's ``DecodeRank.execute`` applies its commands, plans its own batch, then agrees
      with the others on the step's rows per rank (``DpAgreement``: the max of every rank's row
      count, reduced over the CPU group, so the same number on every rank); rows 0 means no
-     rank launches a forward; a rank without rows of its own runs an idle step (its MLPs join
-     with zero rows);
+     rank launches a forward; a rank without rows of its own runs an idle step (on CUDA the
+     agreed size's graph replayed all padding, else its MLPs join eagerly with zero rows);
   3. every rank's report, whether it has work and when its timer is due are gathered to rank
      0, which answers the leader with one ``DpReports``.
 What starts a coupled step is decided by rank 0 alone, from state every rank sent it (the

@@ -209,8 +209,8 @@ class DecodeRank:
             runner = self.loop.batch.runner
             rows = self.dp.rows(plan.num_rows if plan is not None else 0)
             runner.set_dp_rows(rows)
-            if plan is None and rows:
-                runner.idle_decode()  # the others' forward: this rank's MLPs join with no rows
+            if plan is None and rows:  # the others' forward, in the same graph size or eager
+                runner.idle_decode()  # all padding rows, or this rank's MLPs join with none
 
         def wait_for_prefill() -> None:
             # prefill first: its forward runs on the GPU alone. Called with the step's inputs
@@ -306,11 +306,11 @@ def build_runner(init: RankInit, model: Qwen2_5_VLModel, device: str) -> ModelRu
             init.num_pages, init.page_size, init.gpu_memory_utilization, init.max_running_requests
         ),
         init.attention_backend,
-        # DP attention pads each step to the group's rows and idles through the MLPs alone:
-        # eager steps (graphs of those shapes are not built)
-        cuda_graph_batch_sizes=()
-        if init.dp_attention
-        else graph_batch_sizes(init.max_running_requests),
+        # DP attention too: the group's agreed rows per step pick the size every rank replays,
+        # its requests padded to it or, with none, all padding (ModelRunner.set_dp_rows); every
+        # rank captures the same sizes in the same order, the MLP collectives inside. No graphs
+        # off CUDA, nor where MoE routing syncs with the host (capture_graphs): eager steps
+        cuda_graph_batch_sizes=graph_batch_sizes(init.max_running_requests),
     )
     logger.info("%s on %s", runner.pool_size.describe(), device)
     return runner

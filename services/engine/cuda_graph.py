@@ -15,11 +15,23 @@ are copied into the fixed buffer on the stream, so no host sync is needed betwee
 replays: every device-side write of ``run`` (input upload, attention metadata) is
 stream-ordered after step N's replay, and the only thing the host rewrites early, the
 pinned staging memory, is guarded by an event recorded after its upload.
+
+Under DP attention (``TensorParallel.dp_attention``) each graph holds the step's MLP
+collectives, whose size is the group's rows per rank: every rank of the group must replay a
+graph of the same size in a step. That size is picked from the rows the group agreed
+(``dp_graph_size``), not from a rank's own requests: a rank replays it with its own rows and
+the rest padding (``run(..., size=)``), or, with no request of its own, all padding
+(``run_idle``: attention over the scratch page, the MLPs joining the collectives). Each size
+is captured with ``step_rows`` set to it, so ``mlp_rows`` pads nothing inside the graph, and
+every rank captures the same sizes in the same order (largest first), so the collectives of
+the warm-up forwards and of the captures line up across the group. CUDA only: the group's
+collectives are then NCCL's, which a graph can hold (gloo's cannot; off CUDA nothing is
+captured).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -40,6 +52,18 @@ def graph_batch_sizes(max_batch: int) -> tuple[int, ...]:
     small = [b for b in DEFAULT_BATCH_SIZES if b < max_batch]
     covering = [b for b in DEFAULT_BATCH_SIZES if b >= max_batch][:1]
     return tuple(small + covering + list(large))
+
+
+def dp_graph_size(rows: int, batch_sizes: Sequence[int]) -> int | None:
+    """DP attention: the graph size every rank of the group replays in a step the group agreed
+    at ``rows`` rows per rank, the smallest of ``batch_sizes`` (the captured sizes) that holds
+    them; None: every rank runs the step eagerly (``rows`` 0: no forward at all; past the
+    largest size, or no graphs). A function of the agreed rows and the captured sizes alone,
+    both the same on every rank (one init captures the same sizes everywhere), so every rank
+    replays the same size or none does."""
+    if rows <= 0:
+        return None
+    return next((size for size in sorted(batch_sizes) if size >= rows), None)
 
 
 _IDS, _POS, _SLOTS = 0, slice(1, 4), 4  # rows of the fixed input buffer
@@ -85,23 +109,26 @@ class CudaGraphDecodeRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first (the smaller graphs reuse its memory pool)."""
-        for size in reversed(self.batch_sizes):
-            self._stage_inputs(
-                size,
-                torch.empty(0, dtype=torch.long),
-                torch.empty(3, 0, dtype=torch.long),
-                torch.empty(0, dtype=torch.long),
-            )
-            self.attention.plan_cuda_graph(self._padded_batch(size, [], []))
-            self._forward(size)  # warm-up outside the graph: kernel compilation, library handles
+        """Capture every size, largest first (the smaller graphs reuse its memory pool). Under
+        DP attention every rank of the group calls it at once: each size's warm-up and capture
+        run its MLP collectives at ``step_rows`` = that size (module docstring)."""
+        tp = self.model.tp
+        step_rows = tp.step_rows if tp.dp_attention else [0]  # read under DP attention only
+        agreed = step_rows[0]
+        try:
+            for size in reversed(self.batch_sizes):
+                step_rows[0] = size  # DP attention: size rows per rank, mlp_rows pads nothing
+                self._stage_padding(size)
+                self._forward(size)  # warm-up outside the graph: kernels, library handles, NCCL
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._logits[size] = self._forward(size)
+                self._pool = graph.pool()
+                self._graphs[size] = graph
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._logits[size] = self._forward(size)
-            self._pool = graph.pool()
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
+        finally:
+            step_rows[0] = agreed
 
     @torch.inference_mode()
     def run(
@@ -110,11 +137,15 @@ class CudaGraphDecodeRunner:
         input_ids: torch.Tensor,  # [n] int64, CPU, or on the graph's device (copied on the stream)
         positions: torch.Tensor,  # [3, n] int64, CPU
         before_replay: Callable[[], None] | None = None,  # called once staged and planned
+        size: int | None = None,  # the graph to replay (DP attention: the group's); None: from n
     ) -> torch.Tensor:  # [n, vocab] fp32, a view of the graph output
+        """One step of ``n`` requests in the graph of ``size`` (default: the smallest captured
+        size that holds them); its rows past ``n`` are padding."""
         assert batch.mode is ForwardMode.DECODE
         n = len(batch.seq_lens)
-        size = self.graph_size(n)
-        assert size in self._graphs, "capture() must run before run()"
+        size = self.graph_size(n) if size is None else size
+        assert 0 < n <= size, f"{n} requests in the graph of {size}"
+        assert size in self._graphs, f"no graph of {size} captured (capture() runs first)"
         on_device = input_ids.device.type != "cpu"
         host_ids = torch.zeros(n, dtype=torch.long) if on_device else input_ids
         self._stage_inputs(size, host_ids, positions, batch.out_slots.cpu())
@@ -126,6 +157,16 @@ class CudaGraphDecodeRunner:
         self._graphs[size].replay()
         return self._logits[size][:n]
 
+    @torch.inference_mode()
+    def run_idle(self, size: int) -> torch.Tensor:
+        """DP attention: a rank's step without requests in the group's graph of ``size``, every
+        row padding (attention over the scratch page; its MLPs join the group's collectives).
+        Returns the graph's logits, ``[size, vocab]`` fp32, all of padding."""
+        assert size in self._graphs, f"no graph of {size} captured (capture() runs first)"
+        self._stage_padding(size)
+        self._graphs[size].replay()
+        return self._logits[size]
+
     def replay(self, num_requests: int) -> torch.Tensor:
         """Replay the graph ``run`` last planned for this many requests (no re-staging; for timing)."""
         size = self.graph_size(num_requests)
@@ -135,6 +176,12 @@ class CudaGraphDecodeRunner:
     def _forward(self, size: int) -> torch.Tensor:
         embeds = self.model.embed(self._inputs[_IDS, :size])  # [B, hidden]
         return self.model(embeds, self._inputs[_POS, :size], self.attention)  # [B, vocab] fp32
+
+    def _stage_padding(self, size: int) -> None:
+        """Inputs and attention plan of ``size`` rows, all padding."""
+        empty = torch.empty(0, dtype=torch.long)
+        self._stage_inputs(size, empty, torch.empty(3, 0, dtype=torch.long), empty)
+        self.attention.plan_cuda_graph(self._padded_batch(size, [], []))
 
     def _stage_inputs(
         self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor

@@ -7,6 +7,11 @@ tokens of each request, their positions and (prefill) the image embeddings alrea
 merged in request-global order. The runner packs them ragged (step_inputs.py), plans
 attention once, runs every layer and returns logits. DECODE steps and short EXTEND passes
 replay the graphs captured at start where they fit them (runner_graphs.py).
+
+Under DP attention (decode's ``--dp-attention``) the group agrees each step's rows per rank
+before its forward (``set_dp_rows``); those rows alone pick the graph every rank replays,
+its own requests padded to that size or, for a rank with none, all padding (``idle_decode``),
+or that every rank runs eagerly (``dp_graph_size``, cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from services.engine.attention import (
     create_attention_backend,
     resolve_attention_backend,
 )
-from services.engine.cuda_graph import DEFAULT_BATCH_SIZES
+from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, dp_graph_size
 from services.engine.gpu_defaults import DEFAULT_GPU_MEMORY_UTILIZATION
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.engine.kv_sizing import (
@@ -194,15 +199,38 @@ class ModelRunner:
             return self._forward_decode(inputs, before_launch)
 
     def set_dp_rows(self, rows: int) -> None:
-        """DP attention: the rows per rank the group agreed for its next forward."""
-        self.model.tp.step_rows[0] = rows
+        """DP attention: the rows per rank the group agreed for its next forward. Where a graph
+        holds them (``dp_graph_size``: the same answer on every rank), the step's rows become
+        that graph's size, which the next DECODE step (``forward_decode``) or idle step
+        (``idle_decode``) replays; else they stay ``rows``, and the step runs eagerly, each
+        layer's MLP padding this rank's rows to them."""
+        size = dp_graph_size(rows, () if self.cuda_graph is None else self.cuda_graph.batch_sizes)
+        self.model.tp.step_rows[0] = rows if size is None else size
 
     @torch.inference_mode()
     def idle_decode(self) -> None:
         """DP attention: this rank's part of a step in which it has no request (set_dp_rows
-        first)."""
+        first): the agreed size's graph replayed with every row padding, or, eagerly, every
+        layer's MLP joining the group's collectives with no rows of its own."""
         with ops.on_device(self.device):
-            self.model.model.idle(self.dtype, self.device)
+            size = self._decode_graph_size(0)
+            if size is not None:
+                assert self.cuda_graph is not None
+                self.cuda_graph.run_idle(size)
+            else:
+                self.model.model.idle(self.dtype, self.device)
+
+    def _decode_graph_size(self, num_requests: int) -> int | None:
+        """The graph size a DECODE step of ``num_requests`` replays; None: it runs eagerly.
+        Under DP attention with the step's rows agreed (``set_dp_rows``) the group's size, from
+        those rows alone; otherwise the smallest captured size that holds the requests."""
+        graph = self.cuda_graph
+        if graph is None:
+            return None
+        tp = self.model.tp
+        if tp.dp_attention and tp.step_rows[0]:
+            return dp_graph_size(tp.step_rows[0], graph.batch_sizes)
+        return graph.graph_size(num_requests) if graph.can_run(num_requests) else None
 
     def _forward(
         self,
@@ -260,9 +288,10 @@ class ModelRunner:
     ) -> torch.Tensor:
         input_ids = inputs.input_ids.to(device=self.device, dtype=torch.long, non_blocking=True)
         batch = decode_batch(inputs, self.page_size)
-        graph = self.cuda_graph
-        if graph is not None and graph.can_run(len(inputs.seq_lens)):
-            return graph.run(batch, input_ids, inputs.positions, before_launch)
+        size = self._decode_graph_size(len(inputs.seq_lens))
+        if size is not None:
+            assert self.cuda_graph is not None
+            return self.cuda_graph.run(batch, input_ids, inputs.positions, before_launch, size)
         self.attention.plan(batch)
         positions = inputs.positions.to(self.device, non_blocking=True)
         if before_launch is not None:

@@ -7,7 +7,10 @@ ranks, each with requests of its own: attention, the embedding and the LM head a
 every rank (``TensorParallel.attention`` is ``SINGLE``) and only the MLP and MoE layers split
 over the group; each layer's MLP runs on every rank's rows, all-gathered, and each rank keeps
 its own rows of the reduced output (``mlp_rows``). Every rank's step then has the same number
-of rows: the decode rank pads its batch to the group's agreed size.
+of rows: the decode rank pads its batch to the group's agreed size. In a CUDA graph that size
+is the graph's (``step_rows`` set to it at capture, so ``mlp_rows`` pads nothing inside): the
+rows past a rank's requests are the graph's padding rows, and the collectives (NCCL) are
+captured with the rest of the step (cuda_graph.py).
 
 A group of size 1 (``SINGLE``) runs no collective: ``all_reduce`` and ``all_gather`` return
 their input, every shard is the whole tensor, and the model is the single-device one.
@@ -43,7 +46,8 @@ class TensorParallel:
     ep_size: int = 1
     dp_attention: bool = False  # the group is DP ranks: only the MLP and MoE layers split
     # DP attention: the step's rows per rank, agreed by the group before each forward (the
-    # decode rank sets [0]; 0: every rank's x has as many rows, as in the offline engine)
+    # decode rank sets [0], to the graph size that holds them where a graph replays; 0: every
+    # rank's x has as many rows, as in the offline engine)
     step_rows: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,9 @@ On CUDA, with an attention backend that supports graphs, DECODE steps of up to
 ``prefill_graph_tokens``, EXTEND passes of up to their largest size run every layer but
 attention as captured pieces (prefill_graph.py; off CUDA the same pieces run eagerly).
 Either holds one KV page for good as the padding rows' scratch page. None is captured on
-CUDA for a model whose MoE routing syncs with the host.
+CUDA for a model whose MoE routing syncs with the host. Under DP attention every rank of the
+group captures the same DECODE sizes in the same order, the group's MLP collectives (NCCL)
+inside each graph; each step's agreed rows pick the size every rank replays (cuda_graph.py).
 """
 
 from __future__ import annotations

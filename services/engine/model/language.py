@@ -186,8 +186,10 @@ class LanguageModel(nn.Module):
                 layer.mlp.quantize_fp8()
 
     def idle(self, dtype: torch.dtype, device: torch.device) -> None:
-        """A DP-attention rank's step without rows: every layer's MLP joins the group's
-        collectives with zero rows of its own (``TensorParallel.mlp_rows``)."""
+        """A DP-attention rank's eager step without rows: every layer's MLP joins the group's
+        collectives with zero rows of its own (``TensorParallel.mlp_rows``). Where the step
+        replays a CUDA graph, the rank replays it all padding instead
+        (``CudaGraphDecodeRunner.run_idle``)."""
         x = torch.zeros(0, self.cfg.hidden_size, dtype=dtype, device=device)
         for layer in self.layers:
             layer.tp.mlp_rows(layer.mlp, x)
