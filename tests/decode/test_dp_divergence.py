@@ -48,7 +48,9 @@ NUM_PAGES = 256  # per DP rank
 MAX_RUNNING = 4  # rank 1 gets more streams than this: some wait for a slot
 QUARANTINE_S = 0.5  # decode_process's --kv-quarantine-s
 DEADLINE_S = 30.0  # every request's; a group out of step would hang past it
-TIMER_BOUND_S = 2.0  # the longest a rank-1 timer may wait past its due time
+# the longest a rank-1 timer may wait past its due time: a liveness bound with room for a
+# loaded machine (a timer rank 0 does not act on never comes: the wait fails at WAIT_S)
+TIMER_BOUND_S = 10.0
 WAIT_S = 30.0
 LATE_S = 1.5  # phase 2's reservation lifetime
 
