@@ -108,15 +108,17 @@ def model_namespace(model_dir: Path) -> str:
     return f"{model_dir.name[:64]}@{digest.hexdigest()[:16]}"
 
 
+# a queued write: its keys, K, V and (GPU) the event after which K and V may be read
+_Write = tuple[list[bytes], torch.Tensor, torch.Tensor, torch.cuda.Event | None]
+
+
 class StoreWriter:
     """A rank's store: ``get`` in the step; ``put_later`` queues the write for one background
     thread (``close`` ends it)."""
 
     def __init__(self, store: Store, on_failure: Callable[[str], None] = lambda _: None) -> None:
         self.store, self.on_failure = store, on_failure
-        self._queue: queue.Queue[tuple[list[bytes], torch.Tensor, torch.Tensor] | None] = (
-            queue.Queue(MAX_PENDING_WRITES)
-        )
+        self._queue: queue.Queue[_Write | None] = queue.Queue(MAX_PENDING_WRITES)
         self._thread = threading.Thread(target=self._write_forever, name="kv-store-writer")
         self._thread.daemon = True
         self._thread.start()
@@ -124,9 +126,18 @@ class StoreWriter:
     def get(self, keys: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.store.get(list(keys))
 
-    def put_later(self, keys: Sequence[bytes], k: torch.Tensor, v: torch.Tensor) -> None:
+    def put_later(
+        self,
+        keys: Sequence[bytes],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        """Queue the write; never waits. ``ready`` (a GPU rank's): ``k`` and ``v`` are host
+        memory a copy on a side stream is filling; the writer thread waits on this event
+        before it reads them."""
         try:
-            self._queue.put_nowait((list(keys), k, v))
+            self._queue.put_nowait((list(keys), k, v, ready))
         except queue.Full:
             logger.warning("KV store writes are behind: %d pages not written", len(keys))
             self.on_failure("write")
@@ -145,12 +156,21 @@ class StoreWriter:
 
     def _write_forever(self) -> None:
         while (item := self._queue.get()) is not None:
-            keys, k, v = item
             try:
-                self.store.put(keys, k, v)
-            except Exception as exc:
-                logger.warning("KV store write of %d pages failed: %s", len(keys), exc)
-                self.on_failure("write")
+                self._write(*item)
             finally:
+                # its pages (pinned on a GPU) go back to the allocator now, not at the next write
+                del item
                 self._queue.task_done()
         self._queue.task_done()
+
+    def _write(
+        self, keys: list[bytes], k: torch.Tensor, v: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()  # the copy into k and v landed (the GIL is released)
+            self.store.put(keys, k, v)
+        except Exception as exc:
+            logger.warning("KV store write of %d pages failed: %s", len(keys), exc)
+            self.on_failure("write")

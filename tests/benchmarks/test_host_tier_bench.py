@@ -29,4 +29,6 @@ def test_quick_run_writes_its_rows(tmp_path: Path) -> None:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[4]) > 0
         assert cells[6].endswith("x") and float(cells[6][:-1]) > 0
+        # the spill's hold on the step's stream, its copy's end, a spill then a forward
+        assert all(float(c) > 0 for c in cells[7:10]) and len(cells) == 10
     assert "not measured in this run" in text  # no 32k row in the quick run

@@ -225,10 +225,19 @@ class DictStore:
         v = torch.stack([self.pages[key][1] for key in ks], dim=1)
         return k, v
 
-    def put_later(self, ks, k, v) -> None:
+    def put_later(self, ks, k, v, **kw) -> None:
+        assert not kw, "an event for a copy on a side stream: none on the CPU"
+        assert k.device.type == v.device.type == "cpu"
         for i, key in enumerate(ks):
             self.pages[key] = (k[:, i].clone(), v[:, i].clone())
             self.written.append(key)
+
+
+def test_on_the_cpu_moves_use_no_side_stream() -> None:
+    """Every copy is done when the call returns (the GPU's side streams:
+    tests/prefill/test_host_tier_gpu.py)."""
+    pages = PrefixPages(RequestPageTable(KVPageManager(8, PAGE)), pool(8), 4, DictStore())
+    assert pages.host is not None and pages.host.stream is None and pages.store_stream is None
 
 
 def test_a_page_written_by_one_worker_is_fetched_bit_for_bit_by_another() -> None:

@@ -1,6 +1,6 @@
 """The store tier's two halves around any store: the leader's bounded lookup (leading keys,
 0 when the store fails or is slow) and a rank's background writer (never blocks the caller;
-failures counted); and the scheduler holding a request until its lookup answered, and
+waits for a GPU copy's event before reading its pages; failures counted); and the scheduler holding a request until its lookup answered, and
 running a batch that read the store again without it."""
 
 from __future__ import annotations
@@ -103,6 +103,36 @@ def test_writes_go_in_the_background_and_failures_are_counted() -> None:
     writer.put_later([b"x"], page, page)
     assert writer.flush(10.0)
     assert failures[-1] == "write"
+    writer.close()
+
+
+class CopyEvent:
+    """A GPU copy's event as the writer sees it: ``synchronize`` returns once it landed."""
+
+    def __init__(self) -> None:
+        self.landed = threading.Event()
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self.landed.wait(10.0)
+
+
+def test_the_writer_reads_a_page_only_after_its_copy_landed() -> None:
+    store = Store()
+    writer = StoreWriter(store)
+    copy = CopyEvent()
+    page = torch.zeros(1, 1, 4, 1, 2)
+    started = time.monotonic()
+    writer.put_later([b"x"], page, page, ready=copy)
+    assert time.monotonic() - started < 1.0  # the caller never waits on the copy
+    assert copy.waited.wait(10.0)
+    time.sleep(0.05)
+    assert store.puts == []  # the writer waits for the copy, not the caller
+    copy.landed.set()
+    writer.put_later([b"y"], page, page)  # no event (the CPU): written as it is
+    assert writer.flush(10.0)
+    assert store.puts == [[b"x"], [b"y"]]
     writer.close()
 
 
