@@ -259,7 +259,9 @@ class LaunchConfig:
         "pages (default: prefill's, 1024)",
     )
     disable_prefix_cache: bool = flag(
-        False, help="prefill's --disable-prefix-cache: compute every prompt whole"
+        False,
+        help="prefill's --disable-prefix-cache: compute every prompt whole (the routers "
+        "get it too: a request's n choices then start at once)",
     )
     host_cache_gb: float | None = flag(
         None,

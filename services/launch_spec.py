@@ -314,6 +314,7 @@ def router_config(
         workers=WorkerAddresses((tokenizer,), (prefill,), (decode,), (encoder,)),
         flow=flow,
         limits=LimitsConfig(**_given(max_n=cfg.max_n)),
+        disable_prefix_cache=cfg.disable_prefix_cache,
         drain_timeout_s=cfg.drain_timeout_s,
         insecure_no_api_key=cfg.insecure_no_api_key,
         enable_reflection=cfg.enable_reflection,

@@ -58,17 +58,24 @@ def test_kv_flag_reaches_prefill_and_decode_only_when_set(monkeypatch) -> None:
 
 
 def test_the_prefix_cache_flags_reach_prefill(monkeypatch) -> None:
+    """``--disable-prefix-cache`` reaches the router too: its ``n`` choices then start at once
+    (``services/router/choices.py``)."""
     configs = child_configs(LaunchConfig(BUNDLED_MODEL), monkeypatch)
     assert not configs["prefill"].disable_prefix_cache and configs["prefill"].host_cache_gb == 0
+    assert not configs["router"].disable_prefix_cache
     cfg = LaunchConfig(
         BUNDLED_MODEL, disable_prefix_cache=True, host_cache_gb=1.5, prefill_num_pages=4096
     )
     configs = child_configs(cfg, monkeypatch)
     assert configs["prefill"].disable_prefix_cache and configs["prefill"].host_cache_gb == 1.5
+    assert configs["router"].disable_prefix_cache
     assert configs["prefill"].num_pages == 4096 and configs["decode"].num_pages is None
     args = service_args(cfg, monkeypatch)
     assert [n for n, a in args.items() if "--host-cache-gb" in a] == ["prefill"]
-    assert [n for n, a in args.items() if "--disable-prefix-cache" in a] == ["prefill"]
+    assert sorted(n for n, a in args.items() if "--disable-prefix-cache" in a) == [
+        "prefill",
+        "router",
+    ]
 
 
 def up_configs(monkeypatch, *argvs: list[str]) -> list[LaunchConfig]:

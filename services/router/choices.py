@@ -1,6 +1,12 @@
-"""A response's ``n`` choices (OpenAI's ``n``): one generation each through the pipeline, all
-at once; the first choice that fails ends the others (cancelled, so aborted on decode) and
-fails the response.
+"""A response's ``n`` choices (OpenAI's ``n``): one generation each through the pipeline; the
+first choice that fails ends the others (cancelled, so aborted on decode) and fails the
+response.
+
+One prefill per prompt (``open_choices``): a prompt's first choice starts at once, the others
+once its first delta came (prefill's first token: its prompt's KV is then in the prefill
+worker's prefix cache, where cache-aware routing sends them), so each computes only the tail
+the cache does not hold (the last prompt token's page) and samples its own first token.
+Decode gets its own copy of the prompt's KV per choice (``docs/design.md``, "`n` > 1").
 """
 
 from __future__ import annotations
@@ -34,6 +40,50 @@ def choice_requests(generation: GenerationRequest, num_choices: int) -> list[Gen
         )
         for i in range(num_choices)
     ]
+
+
+def reads_cache(generation: GenerationRequest) -> bool:
+    """Whether prefill may read ``generation``'s prompt from its prefix cache: not with prompt
+    logprobs (every position is computed) nor prompt embeddings (not cached)."""
+    return generation.prompt_embeds is None and generation.params.num_prompt_logprobs < 0
+
+
+def open_choices(
+    requests: Sequence[GenerationRequest],
+    num_per_prompt: int,
+    stream: Callable[[GenerationRequest, asyncio.Event | None], Deltas],
+    *,
+    one_prefill: bool,
+) -> list[Deltas]:
+    """Each choice's stream (``stream(request, after)``: ``GenerationPipeline.stream``),
+    ``requests`` being each prompt's ``num_per_prompt`` choices in a row (``choice_requests``).
+    With ``one_prefill`` (prefill's prefix cache is on) and a prompt the cache can serve
+    (``reads_cache``), a prompt's later choices are admitted with the first but start only
+    once its first delta came or it ended without one (their deadlines count the wait): read
+    them together (``each_choice``). Closing a stream closes the pipeline's under it."""
+    if not one_prefill or num_per_prompt == 1:
+        return [stream(r, None) for r in requests]
+    streams: list[Deltas] = []
+    for start in range(0, len(requests), num_per_prompt):
+        group = requests[start : start + num_per_prompt]
+        if not reads_cache(group[0]):
+            streams.extend(stream(r, None) for r in group)
+            continue
+        prefilled = asyncio.Event()
+        streams.append(_first_choice(stream(group[0], None), prefilled))
+        streams.extend(stream(r, prefilled) for r in group[1:])
+    return streams
+
+
+async def _first_choice(deltas: Deltas, prefilled: asyncio.Event) -> Deltas:
+    """``deltas``, setting ``prefilled`` at the first delta or at the end, whatever it is."""
+    try:
+        async for delta in deltas:
+            prefilled.set()
+            yield delta
+    finally:
+        prefilled.set()
+        await deltas.aclose()  # type: ignore[attr-defined]
 
 
 async def each_choice(streams: Sequence[Deltas], work: Callable[[Deltas], Awaitable[T]]) -> list[T]:

@@ -231,6 +231,12 @@ class RouterConfig(ServiceConfig):
         help="cache-aware: requests in flight a prefill worker may have beyond the least "
         "loaded one and still be chosen for its cache",
     )
+    disable_prefix_cache: bool = flag(
+        False,
+        help="the prefill workers run with --disable-prefix-cache: a request's n choices all "
+        "start at once (by default the choices after the first wait for its prefill, to read "
+        "the prompt from prefill's prefix cache)",
+    )
     tool_call_parser: str = flag(
         AUTO_TOOL_CALL_PARSER,
         choices=(AUTO_TOOL_CALL_PARSER, *ToolFormat),

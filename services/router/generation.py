@@ -112,8 +112,12 @@ class GenerationPipeline:
             registry, self.tasks.spawn, is_enabled=prefetch_images, processor=image_processor
         )
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """The request's deltas, the last with finish_reason and usage.
+    async def stream(
+        self, request: GenerationRequest, after: asyncio.Event | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        """The request's deltas, the last with finish_reason and usage; ``after``: admitted at
+        once, the request starts once it is set (its deadline counts the wait: a later choice
+        of ``n``, ``choices.open_choices``).
 
         Raises the ``StageServeError`` that ended it (``UnavailableError`` at once while
         draining). Closing the iterator early (or cancelling its consumer) cancels the
@@ -121,7 +125,7 @@ class GenerationPipeline:
         """
         queue: asyncio.Queue[GenerationDelta | StageServeError] = asyncio.Queue()
         producer = self.tasks.admit(
-            self._produce(request, queue.put_nowait), f"request-{request.request_id}"
+            self._produce(request, queue.put_nowait, after), f"request-{request.request_id}"
         )
         is_over = False  # the producer has delivered its terminal item and winds down by itself
         try:
@@ -137,8 +141,11 @@ class GenerationPipeline:
             if not is_over:
                 producer.cancel()
 
-    async def _produce(self, request: GenerationRequest, emit: Emit) -> None:
-        """Run the request under its deadline; always emits exactly one terminal item."""
+    async def _produce(
+        self, request: GenerationRequest, emit: Emit, after: asyncio.Event | None = None
+    ) -> None:
+        """Run the request under its deadline (once ``after`` is set); always emits exactly
+        one terminal item."""
         current_request_id.set(request.request_id)
         state = TerminalEmit(emit)
         with _tracer.start_as_current_span(
@@ -152,7 +159,10 @@ class GenerationPipeline:
             error: BaseException | None = None
             try:
                 async with asyncio.timeout(request.timeout_s):
-                    await self._run(request, time.time() + request.timeout_s, timed)
+                    deadline_unix_s = time.time() + request.timeout_s
+                    if after is not None:
+                        await after.wait()
+                    await self._run(request, deadline_unix_s, timed)
             except TimeoutError:
                 error = DeadlineExceededError(
                     f"request {request.request_id} passed its deadline of {request.timeout_s:g} s"

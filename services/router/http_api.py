@@ -23,7 +23,7 @@ from services.engine.processing import TextProcessor
 from services.router.auth import is_authorized
 from services.router.body_limit import BodyLimitMiddleware
 from services.router.chat_plan import ChatPlanner, generation_request
-from services.router.choices import choice_requests
+from services.router.choices import choice_requests, open_choices
 from services.router.fast_json import FastJSONRoute
 from services.router.generation import GenerationPipeline
 from services.router.http_errors import (
@@ -58,6 +58,7 @@ class ApiLimits:
     max_stop_strings: int
     max_request_bytes: int  # larger HTTP bodies get 413 (BodyLimitMiddleware)
     max_n: int  # the most choices a request may ask for
+    one_prefill: bool = True  # a prompt's choices share its prefill (``open_choices``)
 
 
 class VersionResponse(BaseModel):
@@ -220,7 +221,9 @@ class OpenAIApi:
         texts = echoes or [""] * len(generations)
         choices = Choices(
             formatters,
-            [self.pipeline.stream(r) for r in requests],
+            open_choices(
+                requests, num_choices, self.pipeline.stream, one_prefill=self.limits.one_prefill
+            ),
             [text for text in texts for _ in range(num_choices)],
             num_choices,
         )

@@ -52,7 +52,14 @@ from services.common.wire import (
 )
 from services.router import prompt_embeds
 from services.router.chat_plan import ChatPlan, with_tool_grammar
-from services.router.choices import Deltas, choice_requests, each_choice, merged, total_usage
+from services.router.choices import (
+    Deltas,
+    choice_requests,
+    each_choice,
+    merged,
+    open_choices,
+    total_usage,
+)
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader, check_image
 from services.router.metrics import RequestTracker, RouterMetrics
@@ -76,6 +83,7 @@ class ServicerLimits:
     max_image_bytes: int
     max_context_len: int
     max_n: int  # the most choices a request may ask for (--max-n)
+    one_prefill: bool = True  # the choices share the prompt's prefill (``open_choices``)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -119,7 +127,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             label = request.request_id or plan.generation.request_id  # what the client sees
             outputs = [_ChoiceOutput(label, i, plan.tools) for i in range(plan.num_choices)]
             choices = choice_requests(plan.generation, plan.num_choices)
-            streams = [self._pipeline.stream(choice) for choice in choices]
+            streams = open_choices(
+                choices,
+                plan.num_choices,
+                self._pipeline.stream,
+                one_prefill=self._limits.one_prefill,
+            )
             with trace.use_span(span):  # the pipeline's spans start under this one
                 firsts = await each_choice(streams, anext)
             deltas = merged(streams, firsts)

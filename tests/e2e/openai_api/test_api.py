@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 
+from services.launch_config import LaunchConfig
 from tests.conftest import image_bytes
 from tests.e2e.openai_api.helpers import (
     CASES,
@@ -25,6 +26,8 @@ from tests.e2e.openai_api.helpers import (
 from tests.e2e.system import endless_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+PAGE = LaunchConfig.page_size  # the package's systems run up's default --page-size
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -188,20 +191,39 @@ def test_aborted_stream_frees_pages(system, client, model_name, initial_free_pag
     assert stats.num_free_pages + stats.num_quarantined_pages == initial_free_pages
 
 
-def test_n_choices_are_seeded_apart_and_repeat(client, model_name):
+# Its own text (no other request starts with it): choice 0 of the first request reads none of
+# it from prefill's prefix cache; a few pages long.
+N_PROMPT = (
+    "Four sailors sat by the harbor lamp and each told the story of the storm that had "
+    "carried their ship past the lighthouse, the reef and the sleeping town, until dawn:"
+)
+PREFIX_HITS = "stageserve_prefill_prefix_cache_hits_total"
+
+
+def test_n_choices_are_seeded_apart_repeat_and_share_one_prefill(system, client, model_name):
     """Choice i of n is what one choice with seed + i gives: the choices differ, yet repeat;
-    streamed, each chunk names its choice; usage counts the prompt once."""
-    call = dict(model=model_name, prompt="Once upon a time", max_tokens=16, temperature=1.0)
-    reply = client.completions.create(**call, n=3, seed=7)
-    assert [c.index for c in reply.choices] == [0, 1, 2]
+    choices 1.. read the prompt choice 0 prefilled from prefill's prefix cache (every full
+    page but the last token's); decode gets every page back; streamed, each chunk names its
+    choice; usage counts the prompt once."""
+    call = dict(model=model_name, prompt=N_PROMPT, max_tokens=16, temperature=1.0)
+    hits = system.metric("prefill", PREFIX_HITS)
+    reply = client.completions.create(**call, n=4, seed=7)
+    num_prompt = reply.usage.prompt_tokens
+    reused = (num_prompt - 1) // PAGE * PAGE  # per later choice
+    assert reused >= 2 * PAGE
+    assert system.metric("prefill", PREFIX_HITS) - hits == 3 * reused
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # choice 0's: the prompt's
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
     texts = [c.text for c in reply.choices]
-    singles = [client.completions.create(**call, seed=7 + i) for i in range(3)]
+    singles = [client.completions.create(**call, seed=7 + i) for i in range(4)]
     assert texts == [s.choices[0].text for s in singles]
-    assert len(set(texts)) == 3
+    assert len(set(texts)) == 4
     assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
     assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
-    streamed = {0: "", 1: "", 2: ""}
-    for chunk in client.completions.create(**call, n=3, seed=7, stream=True):
+    streamed = dict.fromkeys(range(4), "")
+    for chunk in client.completions.create(**call, n=4, seed=7, stream=True):
         for choice in chunk.choices:
             streamed[choice.index] += choice.text
     assert list(streamed.values()) == texts
+    stats = settled_stats(system, holds_nothing, 60)
+    assert holds_nothing(stats), stats
