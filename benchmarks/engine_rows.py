@@ -13,6 +13,7 @@ from services.common.types import SamplingParams
 from services.decode.batch import DecodeBatchRunner, StepLoop
 from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
+from services.engine.config import VisionConfig
 from services.engine.cuda_graph import graph_batch_sizes
 from services.engine.kv_sizing import kv_page_bytes
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
@@ -24,11 +25,9 @@ PAGE_SIZE = 16
 PREFILL_LENS = (1024, 8192, 32768)
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (1024, 4096)
-GRID_1080P = (
-    1,
-    78,
-    138,
-)  # 1080x1920 resized to multiples of 28: 1092x1932 pixels, 14-pixel patches
+# Qwen2.5-VL's 1080p grid: 1080x1920 resized to multiples of 28, 1092x1932 pixels, 14-pixel
+# patches (Qwen3-VL's, 16-pixel patches: 1088x1920 pixels, (1, 68, 120); ``grid_1080p``)
+GRID_1080P = (1, 78, 138)
 IMAGE_COUNTS = (1, 8)
 
 
@@ -227,13 +226,23 @@ def _decode_row(
     return Row("decode", decode_row_name(batch_size, context_len), ms, floor, note=note)
 
 
+def grid_1080p(vision: VisionConfig) -> tuple[int, int, int]:
+    """The patch grid of a 1920x1080 image for this vision tower: each side rounded to a multiple
+    of patch x merge pixels (the processor's ``smart_resize``; 1080p is inside both Qwen
+    configs' pixel limits), in patches."""
+    factor = vision.patch_size * vision.spatial_merge_size
+    return tuple(  # type: ignore[return-value]
+        (1, *(round(side / factor) * factor // vision.patch_size for side in (1080, 1920)))
+    )
+
+
 def image_pixels(
     model: Qwen2_5_VLModel, num_images: int
 ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Random pixel patches of ``num_images`` 1080p images, [patches, C*T*P*P], on the model's
-    device."""
+    device (the grid of its own patch size: ``grid_1080p``)."""
     v = model.config.vision
-    grids = [GRID_1080P] * num_images
+    grids = [grid_1080p(v)] * num_images
     num_patches = sum(t * h * w for t, h, w in grids)
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     weight = model.lm_head.weight

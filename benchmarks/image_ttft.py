@@ -1,22 +1,31 @@
-"""Image TTFT benchmark: one image request at a time through the whole system at 7B size.
+"""Image TTFT benchmark: one image request at a time through the whole system at real model size.
 
     python -m benchmarks.image_ttft [--out docs/benchmarks.md] [--num-requests 10]
         [--large-size 1920x1080] [--small-size 640x480]
+    python -m benchmarks.image_ttft --config benchmarks/configs/qwen3-vl-8b
+        # Qwen3-VL-8B dimensions (16-pixel patches: 1920x1080 is 68x120 patches, 2,040 tokens),
+        # its own checkpoint ($TMPDIR/stageserve-qwen3-vl-8b-random) and its own section
     python -m benchmarks.image_ttft --quick   # CPU smoke run on the bundled tiny model
+    python -m benchmarks.image_ttft --quick --config services/assets/tiny-qwen3-vl
+        # CPU smoke run of a random checkpoint of a Qwen3-VL config (its tokenizer and processor)
     python -m benchmarks.image_ttft --trace   # also each row's span timeline
 
-Writes (or reuses) the system benchmark's checkpoint (7B dimensions, vision tower included,
-random bf16 weights: benchmarks/system_model.py), starts ``stageserve up`` on it once (as
+Writes (or reuses) the system benchmark's checkpoint of ``--config``'s dimensions (default
+Qwen2.5-VL-7B's; vision tower included, random bf16 weights, the config's preprocessor: see
+benchmarks/system_model.py; one checkpoint directory per config unless ``--checkpoint-dir``),
+starts ``stageserve up`` on it once (as
 ``benchmarks.system`` does), warms it up with a text request and one image of each size, then
 sends ``--num-requests`` requests per row at concurrency 1, max_tokens 1, the same text prompt
 in every row: text only; a fresh ``--large-size`` noise JPEG (quality 90, what sglang's and
 vLLM's bench tools send) per request, so every one misses the embedding cache; the same large
 image every time (its first request, a miss, is left out); a fresh ``--small-size`` one. Prints
 one table (the client's TTFT, the encoder's and prefill's own times from their histograms over
-the row, cache hits and misses) and writes its section of ``--out``. With ``--trace`` every
+the row, cache hits and misses) and writes its section of ``--out`` (the 7B's ``SECTION_TITLE``;
+another config's section names it). With ``--trace`` every
 service exports its spans to a receiver in this process (``benchmarks/span_timeline.py``), and
 a second table gives each row's spans: mean start after ``router.request`` and mean duration.
-Tests never assert on these numbers.
+``--quick`` runs on the CPU: the bundled tiny model as it is, or with ``--config`` a random
+checkpoint of that config. Tests never assert on these numbers.
 """
 
 from __future__ import annotations
@@ -47,7 +56,13 @@ from benchmarks.system_load import (
     histogram_mean_ms,
     running_system,
 )
-from benchmarks.system_model import write_checkpoint
+from benchmarks.system_model import (
+    add_config_arg,
+    is_default_config,
+    resolve_checkpoint_dir,
+    section_title,
+    write_checkpoint,
+)
 from services.cli import BUNDLED_MODEL
 from services.engine.processing import TextProcessor
 
@@ -101,6 +116,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.image_ttft", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, small images")
     add_system_args(p)
+    add_config_arg(p)
     p.add_argument("--num-requests", type=int, default=None, help="per row (default 10; --quick 2)")
     p.add_argument("--large-size", default=None, help="WxH (default 1920x1080; --quick 320x180)")
     p.add_argument("--small-size", default=None, help="WxH (default 640x480; --quick 160x120)")
@@ -113,6 +129,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="the services export spans to this process: print and write each row's timeline",
     )
     args = p.parse_args(argv)
+    resolve_checkpoint_dir(p, args)
     if (args.num_requests or 1) < 1:
         p.error("--num-requests must be >= 1")
     return args
@@ -304,13 +321,23 @@ async def _warm_up(system: System, model: str, sizes: list[tuple[int, int]]) -> 
         raise RuntimeError(f"warm-up: {results.num_ok}/{len(specs)} requests succeeded")
 
 
+def checkpoint_for(args: argparse.Namespace) -> Path:
+    """The model ``up`` serves: the bundled tiny one for ``--quick`` on the default config, else
+    the random checkpoint of ``--config`` (on the CPU for ``--quick``)."""
+    if args.quick and is_default_config(args.config):
+        return BUNDLED_MODEL
+    return write_checkpoint(
+        args.checkpoint_dir, "cpu" if args.quick else "cuda", config_dir=args.config
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     quick = args.quick
     large = parse_size(args.large_size or ("320x180" if quick else "1920x1080"))
     small = parse_size(args.small_size or ("160x120" if quick else "640x480"))
     num_requests = args.num_requests or (2 if quick else 10)
-    model_dir = BUNDLED_MODEL if quick else write_checkpoint(args.checkpoint_dir, "cuda")
+    model_dir = checkpoint_for(args)
     up_args = _up_args(quick, model_dir, args.transfer_backend)
     with contextlib.ExitStack() as stack:
         receiver = stack.enter_context(traced_services()) if args.trace else None
@@ -340,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         for w, h in (large, small)
     )
     weights = (
-        "bundled tiny model" if quick else "7B dimensions (vision tower included), random bf16"
+        "bundled tiny model"
+        if model_dir == BUNDLED_MODEL
+        else f"{args.config.resolve().name} dimensions (vision tower included), random bf16"
     )
     info = [
         f"- model: {weights}, a byte-level BPE vocabulary of "
@@ -351,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     command = command_line("benchmarks.image_ttft", argv)
     notes = NOTES + TRACE_NOTES if timeline else NOTES
-    write_run_section(args.out, SECTION_TITLE, command, info, lines, notes)
+    title = section_title(SECTION_TITLE, "Image TTFT", "benchmarks.image_ttft", args.config)
+    write_run_section(args.out, title, command, info, lines, notes)
     return 0 if all(r.num_ok == r.num_requests for r in results) else 1
 
 

@@ -16,6 +16,7 @@ import torch
 
 from services.engine.config import ModelConfig
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.model.registry import family
 from services.engine.model.vision import GridList, window_layout
 
 
@@ -96,7 +97,36 @@ def prefill_flops(config: ModelConfig, num_tokens: int) -> float:
 
 
 def vit_flops(config: ModelConfig, grids: GridList) -> float:
-    """Matmul FLOPs of the vision tower (patch embed, blocks with window/full attention, merger)."""
+    """Matmul FLOPs of the config's vision tower on ``grids``: Qwen2.5-VL's windowed one or
+    Qwen3-VL's (``qwen3_vit_flops``)."""
+    if family(config.architecture).is_qwen3:
+        return qwen3_vit_flops(config, grids)
+    return qwen2_5_vit_flops(config, grids)
+
+
+def qwen3_vit_flops(config: ModelConfig, grids: GridList) -> float:
+    """Matmul FLOPs of Qwen3-VL's vision tower (``model/qwen3_vision.py``): the patch embedding;
+    per block fused q/k/v, the output projection, a two-layer MLP and full attention within each
+    frame; the patch merger and one DeepStack merger per ``deepstack_visual_indexes`` block, each
+    fc1 (merged -> merged) and fc2 (merged -> out). The position table's interpolation (a gather
+    and a 4-tap weighted sum), norms, rotary and biases are not matmuls."""
+    v = config.vision
+    merge = v.spatial_merge_size
+    n = sum(t * h * w for t, h, w in grids)
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    h = v.hidden_size
+    per_block = 2 * n * (h * 3 * h + h * h + 2 * h * v.intermediate_size)
+    frame_pairs = sum(t * (hh * ww) ** 2 for t, hh, ww in grids)  # (query, key) pairs
+    attention = v.depth * 4 * h * frame_pairs  # q.k and p.v, each 2 FLOPs a pair per channel
+    merged = h * merge**2
+    mergers = 1 + len(v.deepstack_visual_indexes)
+    merger = mergers * 2 * (n // merge**2) * (merged * merged + merged * v.out_hidden_size)
+    return 2 * n * patch_dim * h + v.depth * per_block + attention + merger
+
+
+def qwen2_5_vit_flops(config: ModelConfig, grids: GridList) -> float:
+    """Matmul FLOPs of Qwen2.5-VL's vision tower (patch embed, blocks with window/full attention,
+    gated MLP, merger)."""
     v = config.vision
     merge = v.spatial_merge_size
     n = sum(t * h * w for t, h, w in grids)

@@ -2,16 +2,25 @@
 
     python -m benchmarks.system [--out docs/benchmarks.md] [--concurrency 1,64,256]
         [--input-len 1000] [--output-len 1000] [--decode-dp 1] [--router-workers 4]
+    python -m benchmarks.system --config benchmarks/configs/qwen3-vl-8b --concurrency 256 \
+        --requests-per-level 1.5 --sustain-s 2
+        # Qwen3-VL-8B dimensions: its own checkpoint ($TMPDIR/stageserve-qwen3-vl-8b-random) and
+        # its own section; c = 256 at 1000/1000 holds 78 GB of decode KV: an H200, not an H100
     python -m benchmarks.system --quick      # CPU smoke run on the bundled tiny model
+    python -m benchmarks.system --quick --config services/assets/tiny-qwen3-vl
+        # CPU smoke run of a random checkpoint of a Qwen3-VL config (its tokenizer and processor)
     python -m benchmarks.system --decode-device cuda:0,cuda:1 --decode-tp 2 --prefill-tp 2
         # tensor parallelism on two GPUs (run it against the same command without the TP flags)
     python -m benchmarks.system --decode-device cuda:0,cuda:1 --decode-dp 2 --decode-dp-attention
         # DP attention on two GPUs (the 7B MLP split over both) against the same without it
     python -m benchmarks.system --sglang-bench-serving PATH/bench_serving.py  # SGLang's too
 
-In one run: writes (or reuses) a checkpoint with 7B dimensions, random bf16 weights and the
-real vocabulary size, 152,064 (the bundled tokenizer grown to it; benchmarks/system_model.py);
-times the engine alone on the same checkpoint's model (one prompt's prefill, the decode rank's
+In one run: writes (or reuses) a checkpoint of ``--config``'s dimensions (default Qwen2.5-VL-7B's,
+in ``$TMPDIR/stageserve-7b-random``; another config in ``$TMPDIR/stageserve-<config>-random``,
+``--checkpoint-dir`` overrides), random bf16 weights and the real vocabulary size (152,064 for
+the 7B: the config family's tiny tokenizer grown to it; benchmarks/system_model.py); checks that
+both models' weights and decode's KV pool can fit the GPU; times the engine alone on the same
+checkpoint's model (one prompt's prefill, the decode rank's
 pipelined loop at each concurrency's batch); starts ``stageserve up`` on the checkpoint
 (prefill and decode on one GPU, KV over CUDA IPC), warms it up; runs the serving client at each
 concurrency, spread over client processes, ``--input-len`` prompt tokens (as the server counts
@@ -19,16 +28,19 @@ them: the text is shorter by the chat template's tokens, measured in the warm-up
 ``--output-len`` output tokens with ignore_eos; prints one table (system against engine:
 throughput, TPOT, decode's in-service step, the messages decode sent per step, router,
 decode-leader and client CPU, and what ``nvidia-smi`` saw of the GPU: busy share, SM clock,
-power, slowdowns) and writes its section of ``--out``. With ``--sglang-bench-serving`` each
+power, slowdowns) and writes its section of ``--out`` (the 7B's ``SECTION_TITLE``; another
+config's names it, so the 7B section stays). With ``--sglang-bench-serving`` each
 level also runs SGLang's client (same concurrency, requests and lengths;
-benchmarks/sglang_client.py) after ours, in a second table. Tests never assert on these
-numbers.
+benchmarks/sglang_client.py) after ours, in a second table. ``--quick`` runs on the CPU: the
+bundled tiny model as it is, or with ``--config`` a random checkpoint of that config. Tests never
+assert on these numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 import time
 from collections import Counter
 from dataclasses import replace
@@ -52,7 +64,15 @@ from benchmarks.system_load import (
     running_system,
     template_tokens,
 )
-from benchmarks.system_model import engine_times, write_checkpoint
+from benchmarks.system_model import (
+    add_config_arg,
+    engine_times,
+    is_default_config,
+    resolve_checkpoint_dir,
+    section_title,
+    single_gpu_bytes,
+    write_checkpoint,
+)
 from benchmarks.system_table import NOTES, Level, engine_lines, sglang_lines, table_lines
 from services.cli import BUNDLED_MODEL
 from services.engine.processing import TextProcessor
@@ -76,6 +96,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="CPU smoke run: tiny model, short requests, c = 1, 4"
     )
     add_system_args(p)
+    add_config_arg(p)
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,64,256)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1000)")
     p.add_argument(
@@ -138,6 +159,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="SGLang's standalone bench_serving.py: each level runs it after our client",
     )
     args = p.parse_args(argv)
+    resolve_checkpoint_dir(p, args)
     if args.sglang_bench_serving is not None and not args.sglang_bench_serving.is_file():
         p.error(f"--sglang-bench-serving {args.sglang_bench_serving}: no such file")
     if args.sustain_s is not None and args.sustain_s < 0:
@@ -212,17 +234,71 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, argv, monitor)
 
 
+def _num_ranks(args: argparse.Namespace) -> int:
+    if args.decode_device:
+        return len(args.decode_device.split(",")) // args.decode_tp
+    return args.decode_dp
+
+
+def default_num_pages(levels: tuple[int, ...], input_len: int, output_len: int, ranks: int) -> int:
+    """Decode KV pages per rank for every request of the top level at once, prompt + output."""
+    return max(levels) * -(-(input_len + output_len + TEMPLATE_TOKENS) // 16) // ranks + 64
+
+
+def fits_one_gpu(args: argparse.Namespace, num_pages: int) -> str | None:
+    """Why prefill's and decode's weights and decode's KV pool cannot fit the one GPU they share
+    (a lower bound: activations, CUDA graphs and the encoder not counted); None when they may,
+    or when the layout spreads over several GPUs."""
+    spread = (
+        args.decode_device
+        or args.decode_dp_attention
+        or any(
+            getattr(args, f) != 1 for f in ("prefill_tp", "prefill_ep", "decode_tp", "decode_ep")
+        )
+    )
+    if args.quick or spread:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    weights, page = single_gpu_bytes(args.config)
+    need = (1 + args.decode_dp) * weights + args.decode_dp * num_pages * page
+    total = torch.cuda.get_device_properties(0).total_memory
+    print(
+        f"GPU memory: prefill's and {args.decode_dp} decode rank(s)' weights {weights / 1e9:.1f} "
+        f"GB each, decode's KV {num_pages} pages x {page / 1e6:.2f} MB = "
+        f"{num_pages * page / 1e9:.1f} GB per rank; {need / 1e9:.1f} GB of the GPU's "
+        f"{total / 1e9:.1f} GB before activations",
+        flush=True,
+    )
+    if need <= total:
+        return None
+    return (
+        f"{args.config.name}: the weights and decode's KV pool need {need / 1e9:.1f} GB, more "
+        f"than the GPU's {total / 1e9:.1f} GB: a lower --concurrency (or --num-pages: the top "
+        "level then waits for pages) or a GPU with more memory"
+    )
+
+
 def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) -> int:
     settings = _settings(args)
-    if args.quick:
-        model_dir, random_weights = BUNDLED_MODEL, False
-    else:
-        model_dir, random_weights = write_checkpoint(args.checkpoint_dir, "cuda"), True
     input_len, output_len, levels = (
         settings["input_len"],
         settings["output_len"],
         settings["concurrency"],
     )
+    num_ranks = _num_ranks(args)
+    num_pages = args.num_pages or default_num_pages(levels, input_len, output_len, num_ranks)
+    if (reason := fits_one_gpu(args, num_pages)) is not None:
+        print(f"benchmarks.system: {reason}", file=sys.stderr)
+        return 2
+    if args.quick and is_default_config(args.config):
+        model_dir, random_weights = BUNDLED_MODEL, False
+    else:
+        device = settings["device"]
+        model_dir = write_checkpoint(args.checkpoint_dir, device, config_dir=args.config)
+        random_weights = True
     engine = engine_times(
         model_dir,
         settings["device"],
@@ -235,15 +311,6 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         monitor,
     )
     print("\n".join(engine_lines(engine)), flush=True)
-    num_ranks = (
-        len(args.decode_device.split(",")) // args.decode_tp
-        if args.decode_device
-        else args.decode_dp
-    )
-    num_pages = (
-        args.num_pages
-        or max(levels) * -(-(input_len + output_len + TEMPLATE_TOKENS) // 16) // num_ranks + 64
-    )
     up_args = [
         *settings["up"],
         "--model",
@@ -271,8 +338,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
     if args.decode_dp_attention:
         up_args.append("--decode-dp-attention")
     with running_system(up_args, args.workdir, "stageserve-system-") as system:
-        model = "stageserve-7b-random" if not args.quick else model_dir.name
-        model = system.served_model() or model
+        model = system.served_model() or model_dir.name
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
         warm_up, _ = run_load(
             Load(system.base_url, model, 4, 8, input_len, min(output_len, 32), tokenizer, seed=99),
@@ -326,7 +392,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
     if sglang_runs:
         lines += ["", *sglang_lines(sglang_runs, results, engine, output_len)]
     print("\n".join(lines))
-    weights = "bundled tiny model" if args.quick else "7B dimensions, random bf16 weights"
+    weights = (
+        "bundled tiny model"
+        if not random_weights
+        else f"{args.config.resolve().name} dimensions, random bf16 weights"
+    )
     vocab = TextProcessor.from_dir(model_dir).vocab_size
     info = [
         f"- model: {weights}, a byte-level BPE vocabulary of {vocab:,} ids; "
@@ -339,7 +409,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         *(f"- {line}" for line in engine_lines(engine)),
     ]
     command = command_line("benchmarks.system", argv)
-    write_run_section(args.out, SECTION_TITLE, command, info, lines, NOTES)
+    title = section_title(SECTION_TITLE, "System", "benchmarks.system", args.config)
+    write_run_section(args.out, title, command, info, lines, NOTES)
     return 0 if all(level.num_ok == level.num_requests for level in results) else 1
 
 

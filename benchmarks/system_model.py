@@ -1,22 +1,30 @@
-"""The system benchmark's model: a checkpoint with 7B dimensions, random bf16 weights and the
-real vocabulary size, and the engine's own times on the same weights.
+"""The system benchmarks' model: a checkpoint of a config's dimensions (Qwen2.5-VL-7B by default,
+``--config`` another, e.g. ``benchmarks/configs/qwen3-vl-8b``), random bf16 weights and the real
+vocabulary size, and the engine's own times on the same weights.
 
-The checkpoint takes the 7B config, its vocabulary size included (152,064), with the bundled
-tokenizer's special token ids; its ``tokenizer.json`` is the bundled one grown to that size
-(``benchmarks/vocab_tokenizer.py``), so the ``lm_head`` and the sampler cover the real model's
-logits, every id the model samples decodes to text and a client counts the tokens the server
-does. Its vision tower and ``preprocessor_config.json`` (image sizes up to 12.8 M pixels) are the
-7B config's, so an image becomes as many tokens as with the real model. The weights are
-``build_random_model``'s (seeded, made on the device), so the engine rows, timed in the
-benchmark's process on weights built the same way from the checkpoint's config, see the same
-model as the services that load the file.
+The checkpoint takes the config, its vocabulary size included (152,064 for the 7B, 151,936 for
+Qwen3-VL-8B), with the special token ids of the config family's tiny model in
+``services/assets`` (``tiny-qwen2.5-vl`` or ``tiny-qwen3-vl``: ``tokenizer_dir_for``), at the
+top level and in ``text_config`` alike; its ``tokenizer.json`` is that model's grown to the
+vocabulary size (``benchmarks/vocab_tokenizer.py``) and its tokenizer config (chat template) and
+generation config are copied, so the ``lm_head`` and the sampler cover the real model's logits,
+every id the model samples decodes to text and a client counts the tokens the server does. Its
+vision tower and ``preprocessor_config.json`` are the config's (7B: 14-pixel patches, images up
+to 12.8 M pixels; Qwen3-VL-8B: 16-pixel patches, DeepStack), so an image becomes as many tokens
+as with the real model. The weights are ``build_random_model``'s (seeded, made on the device),
+so the engine rows, timed in the benchmark's process on weights built the same way from the
+checkpoint's config, see the same model as the services that load the file. Each config gets its
+own checkpoint directory by default (``default_checkpoint_dir``) and its own section of the
+report (``section_title``).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +37,8 @@ from benchmarks.random_model import CONFIG_7B, build_random_model
 from benchmarks.vocab_tokenizer import write_grown_tokenizer
 from services.cli import BUNDLED_MODEL
 from services.engine.attention import ForwardMode
+from services.engine.config import ModelConfig
+from services.engine.model.registry import family
 from services.engine.model_runner import ModelRunner
 from services.engine.step_inputs import StepInput
 
@@ -47,12 +57,104 @@ SPECIAL_ID_FIELDS = (
 )
 
 
-def checkpoint_config(config_dir: Path = CONFIG_7B, tokenizer_dir: Path = BUNDLED_MODEL) -> dict:
-    """The 7B config (its vocabulary size kept) with the tokenizer model's special token ids."""
-    config = json.loads((config_dir / "config.json").read_text())
-    tokens = json.loads((tokenizer_dir / "config.json").read_text())
-    config.update({name: tokens[name] for name in SPECIAL_ID_FIELDS if name in tokens})
+REPO = Path(__file__).resolve().parent.parent
+QWEN3_TOKENIZER_DIR = BUNDLED_MODEL.parent / "tiny-qwen3-vl"  # the Qwen3-VL family's tiny model
+
+
+def is_default_config(config_dir: str | Path) -> bool:
+    """Whether ``config_dir`` is the 7B config the benchmarks default to."""
+    return Path(config_dir).resolve() == CONFIG_7B.resolve()
+
+
+def config_label(config_dir: str | Path) -> str:
+    """``config_dir`` as a command names it: relative to the repository when inside it."""
+    path = Path(config_dir).resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(config_dir)
+
+
+def default_checkpoint_dir(config_dir: str | Path) -> Path:
+    """The checkpoint directory of a config's random model: one per config, so a run on one
+    config never loads another's weights (the 7B's keeps its old name)."""
+    name = "7b" if is_default_config(config_dir) else Path(config_dir).resolve().name
+    return Path(tempfile.gettempdir()) / f"stageserve-{name}-random"
+
+
+def section_title(default_title: str, heading: str, module: str, config_dir: str | Path) -> str:
+    """``default_title`` for the 7B config; otherwise a title naming the config, e.g.
+    ``## System at qwen3-vl-8b dimensions (`python -m benchmarks.system --config ...`)``."""
+    if is_default_config(config_dir):
+        return default_title
+    name, label = Path(config_dir).resolve().name, config_label(config_dir)
+    return f"## {heading} at {name} dimensions (`python -m {module} --config {label}`)"
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    """``--config``, and ``--checkpoint-dir`` (``add_system_args``'s) defaulting to the config's
+    own directory; call ``resolve_checkpoint_dir`` on the parsed arguments."""
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=CONFIG_7B,
+        help="model config directory whose dimensions the random checkpoint takes (default: "
+        "Qwen2.5-VL-7B's, benchmarks/configs/qwen2.5-vl-7b; e.g. benchmarks/configs/qwen3-vl-8b)",
+    )
+    p.set_defaults(checkpoint_dir=None)
+
+
+def resolve_checkpoint_dir(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not (args.config / "config.json").is_file():
+        p.error(f"--config {args.config}: no config.json there")
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = default_checkpoint_dir(args.config)
+
+
+def tokenizer_dir_for(config_dir: str | Path) -> Path:
+    """The tiny model of ``config_dir``'s family whose tokenizer, chat template and special ids
+    the checkpoint takes: ``tiny-qwen3-vl`` for a Qwen3-VL config, the bundled one otherwise."""
+    config = ModelConfig.from_dict(json.loads((Path(config_dir) / "config.json").read_text()))
+    return QWEN3_TOKENIZER_DIR if family(config.architecture).is_qwen3 else BUNDLED_MODEL
+
+
+def _special_ids(raw: dict) -> dict:
+    """A config's special token ids, wherever it keeps them (``text_config`` first)."""
+    merged = {**raw, **(raw.get("text_config") or {})}
+    return {name: merged[name] for name in SPECIAL_ID_FIELDS if name in merged}
+
+
+def checkpoint_config(config_dir: Path = CONFIG_7B, tokenizer_dir: Path | None = None) -> dict:
+    """The config (its vocabulary size kept) with the tokenizer model's special token ids: at the
+    top level, and in ``text_config`` where it holds them (Qwen3-VL keeps bos/eos there)."""
+    config = json.loads((Path(config_dir) / "config.json").read_text())
+    tokenizer_dir = tokenizer_dir or tokenizer_dir_for(config_dir)
+    ids = _special_ids(json.loads((Path(tokenizer_dir) / "config.json").read_text()))
+    text = config.get("text_config")
+    for name, value in ids.items():
+        if text is not None and name in text:
+            text[name] = value
+        if text is None or name in config or name not in text:
+            config[name] = value
     return config
+
+
+def checkpoint_vocab_size(config: dict) -> int:
+    return ModelConfig.from_dict(config).text.vocab_size
+
+
+def single_gpu_bytes(config_dir: str | Path, page_size: int = 16) -> tuple[int, int]:
+    """Bytes of the language model's weights in bf16 (prefill and each decode rank hold one
+    copy; the vision tower is the encoder's) and of one KV page, for ``config_dir``."""
+    from services.engine.kv_sizing import kv_page_bytes
+    from services.engine.model.registry import model_class
+
+    config = ModelConfig.from_dir(config_dir)
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("visual."))
+    text = config.text
+    page = kv_page_bytes(
+        text.num_hidden_layers, page_size, text.num_key_value_heads, text.head_dim, 2
+    )
+    return 2 * weights, page
 
 
 def write_checkpoint(
@@ -60,11 +162,14 @@ def write_checkpoint(
     device: str,
     seed: int = 0,
     config_dir: Path = CONFIG_7B,
-    tokenizer_dir: Path = BUNDLED_MODEL,
+    tokenizer_dir: Path | None = None,
 ) -> Path:
-    """Write the benchmark checkpoint in ``out_dir``; its weights are kept when its config matches
-    (the tokenizer, grown to the config's vocabulary size, and the preprocessor file are written
-    every time)."""
+    """Write the benchmark checkpoint of ``config_dir`` in ``out_dir``; its weights are kept when
+    its config matches (the tokenizer, grown to the config's vocabulary size, and the
+    preprocessor file are written every time). ``tokenizer_dir``: default the config family's
+    tiny model (``tokenizer_dir_for``)."""
+    config_dir = Path(config_dir)
+    tokenizer_dir = Path(tokenizer_dir or tokenizer_dir_for(config_dir))
     config = checkpoint_config(config_dir, tokenizer_dir)
     weights = out_dir / "model.safetensors"
     config_path = out_dir / "config.json"
@@ -72,7 +177,7 @@ def write_checkpoint(
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
     write_grown_tokenizer(
-        tokenizer_dir / "tokenizer.json", out_dir / "tokenizer.json", config["vocab_size"]
+        tokenizer_dir / "tokenizer.json", out_dir / "tokenizer.json", checkpoint_vocab_size(config)
     )
     shutil.copy(config_dir / PREPROCESSOR_FILE, out_dir / PREPROCESSOR_FILE)
     if (

@@ -4,9 +4,13 @@ services' exported spans, and its docs section."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.image_ttft import SECTION_TITLE, TRACED_STAGES
+from benchmarks.system_model import section_title
+from tests.conftest import TINY_MODEL_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -51,3 +55,23 @@ def test_quick_run_writes_its_rows_and_keeps_the_other_sections(quick_benchmark)
         assert by_span["router.request"][0] == "0.0" and by_span["router.request"][2] == "2/2"
         assert ("vision_encoder.encode" in by_span) == (row != "text only"), row
     assert float(spans["text only"]["tokenizer.tokenize"][0]) > 0
+
+
+def test_quick_run_on_a_qwen3_config_writes_a_section_of_its_own(quick_benchmark, tmp_path) -> None:
+    """``--config`` a Qwen3-VL config: a random checkpoint of it (the Qwen3 tokenizer, 16-pixel
+    patches, DeepStack rows) loaded by every service, its rows under a title naming it."""
+    config = TINY_MODEL_DIR.parent / "tiny-qwen3-vl"
+    title = section_title(SECTION_TITLE, "Image TTFT", "benchmarks.image_ttft", config)
+    flags = ("--config", str(config), "--checkpoint-dir", str(tmp_path / "ckpt"))
+    text = quick_benchmark("benchmarks.image_ttft", title, SECTION_TITLE, *flags)
+    assert "tiny-qwen3-vl dimensions" in text
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("| text only", "| fresh", "| cached"))
+    ]
+    assert len(rows) == 4 and all("| 2/2 |" in row for row in rows)
+    assert (
+        json.loads((tmp_path / "ckpt" / "config.json").read_text())["vision_config"]["patch_size"]
+        == 16
+    )

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.system import SECTION_TITLE
+from benchmarks.system_model import section_title
+from tests.conftest import TINY_MODEL_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,3 +32,14 @@ def test_quick_run_writes_its_section_and_keeps_the_others(quick_benchmark) -> N
         assert float(cells["msgs/step"]) <= 1.0
         assert 0.0 < float(cells["prefill busy"]) < 1.0  # the prompts' forwards were counted
         assert 0.0 <= float(cells["decode held"]) < 1.0 and int(cells["decode steps"]) > 0
+
+
+def test_quick_run_on_a_qwen3_config_writes_a_section_of_its_own(quick_benchmark, tmp_path) -> None:
+    """``--config`` a Qwen3-VL config: the engine bound and the services on a random checkpoint
+    of it, its section under a title naming it, the 7B's kept."""
+    config = TINY_MODEL_DIR.parent / "tiny-qwen3-vl"
+    title = section_title(SECTION_TITLE, "System", "benchmarks.system", config)
+    flags = ("--config", str(config), "--checkpoint-dir", str(tmp_path / "ckpt"))
+    text = quick_benchmark("benchmarks.system", title, SECTION_TITLE, "--concurrency", "2", *flags)
+    assert "tiny-qwen3-vl dimensions, random bf16 weights" in text
+    assert any(line.startswith("| 2 |") and "| 8/8 |" in line for line in text.splitlines())

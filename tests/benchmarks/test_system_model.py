@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,14 @@ from safetensors import safe_open
 
 from benchmarks.gpu_monitor import GpuSummary
 from benchmarks.random_model import CONFIG_7B, build_random_model
-from benchmarks.system_model import EngineTimes, checkpoint_config, engine_times, write_checkpoint
+from benchmarks.system_model import (
+    EngineTimes,
+    checkpoint_config,
+    engine_times,
+    tokenizer_dir_for,
+    write_checkpoint,
+)
+from services.engine.config import ModelConfig
 from services.engine.loader import load_model
 from services.engine.processing import TextProcessor
 from services.engine.processing.image import ImageProcessor
@@ -108,3 +116,77 @@ def test_engine_times_short_then_sustained_each_phase_watched() -> None:
     without = engine_times(TINY_MODEL_DIR, "cpu", "torch", 16, 8, (1,), False)
     assert without.sustained_prefill_ms is None and without.sustained_decode_ms == {}
     assert without.gpu == {}
+
+
+CONFIG_8B = CONFIG_7B.parent / "qwen3-vl-8b"
+TINY_QWEN3 = TINY_MODEL_DIR.parent / "tiny-qwen3-vl"
+
+
+def test_a_qwen3_config_takes_the_qwen3_tokenizers_ids_where_it_keeps_them() -> None:
+    assert tokenizer_dir_for(CONFIG_8B) == TINY_QWEN3
+    assert tokenizer_dir_for(CONFIG_7B) == TINY_MODEL_DIR
+    config = checkpoint_config(CONFIG_8B)
+    tiny = json.loads((TINY_QWEN3 / "config.json").read_text())
+    text = config["text_config"]
+    assert text["vocab_size"] == 151_936 and text["num_hidden_layers"] == 36  # the 8B's
+    for name in ("bos_token_id", "eos_token_id"):  # Qwen3-VL keeps these in text_config
+        assert text[name] == tiny["text_config"][name] and name not in config, name
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
+        assert config[name] == tiny[name], name
+    model_config = ModelConfig.from_dict(config)
+    assert model_config.eos_token_ids == (2,) and model_config.vision.patch_size == 16
+
+
+def _small_qwen3_config(tmp_path: Path) -> Path:
+    """The Qwen3-VL-8B config shrunk to a CPU's size: 2 layers, DeepStack after ViT block 0, a
+    5,000-id vocabulary; its preprocessor file (16-pixel patches) as it is."""
+    config = json.loads((CONFIG_8B / "config.json").read_text())
+    config["text_config"].update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=5000,
+        rope_scaling={
+            "mrope_interleaved": True,
+            "mrope_section": [6, 5, 5],
+            "rope_type": "default",
+        },
+    )
+    config["vision_config"].update(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[0],
+    )
+    config_dir = tmp_path / "qwen3-vl-small"
+    config_dir.mkdir()
+    (config_dir / "config.json").write_text(json.dumps(config))
+    shutil.copy(CONFIG_8B / "preprocessor_config.json", config_dir)
+    return config_dir
+
+
+def test_a_qwen3_checkpoint_loads_through_the_loader_with_its_processor(tmp_path) -> None:
+    out = write_checkpoint(
+        tmp_path / "ckpt", "cpu", seed=5, config_dir=_small_qwen3_config(tmp_path)
+    )
+    text = TextProcessor.from_dir(out)
+    assert text.vocab_size == 5000  # the Qwen3 tiny tokenizer grown to the config's
+    for name in ("tokenizer_config.json", "generation_config.json"):  # its chat template too
+        assert (out / name).read_text() == (TINY_QWEN3 / name).read_text()
+    processor = ImageProcessor.from_dir(out)
+    assert processor.config.patch_size == 16
+    assert processor.grid_for_size(1080, 1920) == (1, 68, 120)
+    loaded = load_model(out, device="cpu")
+    assert type(loaded).__name__ == "Qwen3VLModel" and loaded.config.num_deepstack == 1
+    assert loaded.lm_head.weight.shape[0] == 5000
+    built = build_random_model(out, device="cpu", seed=5)
+    for (name, a), (_, b) in zip(
+        loaded.state_dict().items(), built.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b.to(a.dtype)), name
