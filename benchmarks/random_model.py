@@ -20,6 +20,7 @@ from services.engine.loader import finish_model
 from services.engine.model.layers import RMSNorm
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model.registry import model_class
+from services.engine.parallel import TensorParallel
 
 CONFIG_7B = Path(__file__).resolve().parent / "configs" / "qwen2.5-vl-7b"
 # ours -> transformers 5
@@ -40,12 +41,14 @@ def build_random_model(
     device: str | torch.device = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    tp: TensorParallel | None = None,
 ) -> Qwen2_5_VLModel:
-    """The engine's model for ``config_dir`` with seeded random weights created on ``device``."""
+    """The engine's model for ``config_dir`` with seeded random weights created on ``device``;
+    ``tp``: the split it is built for (None: one rank)."""
     device = torch.device(device)
     config = ModelConfig.from_dir(config_dir)
     with torch.device("meta"):
-        model = model_class(config.architecture)(config)
+        model = model_class(config.architecture)(config, *(() if tp is None else (tp,)))
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     for module in model.modules():

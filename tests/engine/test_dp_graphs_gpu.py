@@ -31,15 +31,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from services.engine.config import ModelConfig
+from benchmarks.random_model import build_random_model
 from services.engine.cuda_graph import dp_graph_size
-from services.engine.loader import finish_model
-from services.engine.model.layers import RMSNorm
 from services.engine.model.moe import moe_syncs_host
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
-from services.engine.model.registry import model_class
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.parallel import TensorParallel
 from tests.engine import test_moe_graphs
@@ -90,25 +86,8 @@ def nccl_group(tmp_path_factory):
 
 
 def random_model(config_dir, tp: TensorParallel, seed: int) -> Qwen2_5_VLModel:
-    """``benchmarks.random_model.build_random_model`` over ``tp``: the engine's model for
-    ``config_dir`` with seeded random weights (normal, std 0.02; norms 1) made on the GPU."""
-    device = torch.device("cuda", 0)
-    config = ModelConfig.from_dir(config_dir)
-    with torch.device("meta"):
-        model = model_class(config.architecture)(config, tp)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.device.type != "meta":  # tied: already materialized through its owner
-                continue
-            data = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
-            if isinstance(module, RMSNorm):
-                data.fill_(1.0)
-            else:
-                data.normal_(0.0, 0.002 if name == "bias" else 0.02, generator=generator)
-            setattr(module, name, nn.Parameter(data, requires_grad=False))
-    return finish_model(model, device)
+    """The engine's model for ``config_dir`` over ``tp`` with seeded random bf16 weights."""
+    return build_random_model(config_dir, torch.device("cuda", 0), torch.bfloat16, seed, tp)
 
 
 @pytest.fixture(
