@@ -32,7 +32,7 @@ from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.step_inputs import StepInput
 from services.prefill.messages import CacheMoves
-from services.prefill.prefix_cache import PrefixPages
+from services.prefill.prefix_pages import PrefixPages
 
 SECTION_TITLE = "## Prefix cache host tier (`python -m benchmarks.host_tier`)"
 PAGE_SIZE = 16

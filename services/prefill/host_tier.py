@@ -1,5 +1,5 @@
 """The prefix cache's host tier on a rank: KV pages copied out of the device pool into host
-memory and back (``prefix_cache.PrefixPages`` moves them when the leader says)."""
+memory and back (``prefix_pages.PrefixPages`` moves them when the leader says)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from services.prefill.handoff import KvHandoff
 from services.prefill.lockstep import expert_lockstep
 from services.prefill.messages import SHARDED, RankOutcome, RankPlan, RankRequest
 from services.prefill.passes import PassInput, RequestRows, build_pass, request_rows
-from services.prefill.prefix_cache import PageStore, PrefixPages
+from services.prefill.prefix_pages import PageStore, PrefixPages
 from services.transfer.base import BaseKVSender
 from services.transfer.embeddings import EmbeddingBuffer
 

@@ -21,7 +21,7 @@ import torch
 
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.prefill.messages import CacheMoves
-from services.prefill.prefix_cache import PrefixPages
+from services.prefill.prefix_pages import PrefixPages
 from services.prefill.store_tier import StoreWriter
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,8 @@ import torch
 from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
 from services.prefill.host_tier import num_host_pages
 from services.prefill.messages import CacheMoves
-from services.prefill.prefix_cache import CacheAsk, PrefixIndex, PrefixPages
+from services.prefill.prefix_cache import CacheAsk, PrefixIndex
+from services.prefill.prefix_pages import PrefixPages
 
 PAGE = 4
 
