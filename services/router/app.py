@@ -121,10 +121,9 @@ class RouterApp:
             cfg.workers.discovery_interval_s,
         )
         limits = cfg.limits
-        detokenizer_factory = functools.partial(text.detokenizer, skip_special_tokens=True)
         self.pipeline = GenerationPipeline(
             self.registry,
-            detokenizer_factory,
+            text.detokenizer,  # each request's, with its skip_special_tokens
             cfg.max_context_len,
             metrics,
             limits.default_max_tokens,

@@ -14,6 +14,7 @@ import msgspec
 from fastapi import Request
 
 from services.common.types import SamplingParams
+from services.router.chat_template import check_final_message, template_options
 from services.router.generation import GenerationPipeline
 from services.router.http_responses import until_disconnect
 from services.router.images import ImageLoader
@@ -35,7 +36,8 @@ class ChatPlan:
 def generation_request(
     request_id: str, options: GenerationOptions, timeout_s: float, **prompt: Any
 ) -> GenerationRequest:
-    """The generation of a checked request; ``prompt``: ``GenerationRequest``'s prompt field."""
+    """The generation of a checked request; ``prompt``: ``GenerationRequest``'s prompt field
+    (and a chat's ``template``)."""
     return GenerationRequest(
         request_id,
         **prompt,
@@ -44,6 +46,7 @@ def generation_request(
         max_tokens_param=options.max_tokens_param,
         stop=options.stop,
         timeout_s=timeout_s,
+        skip_special_tokens=options.skip_special_tokens,
     )
 
 
@@ -70,6 +73,9 @@ class ChatPlanner:
         """``InvalidRequestError`` naming the chat field at fault; ``AbortedError`` when the
         client goes away while images load."""
         options = generation_options(body, self.max_stop_strings, self.max_n)
+        template = template_options(
+            body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        )
         tools = tool_plan(body, self.tool_format)
         params, grammar_param = with_tool_grammar(options.params, options.grammar_param, tools)
         options = dataclasses.replace(options, params=params)
@@ -78,7 +84,8 @@ class ChatPlanner:
         messages = await until_disconnect(
             request, chat_messages(body.messages, self.images, listed, self.tool_format)
         )
+        check_final_message(template, messages)
         generation = generation_request(
-            request_id, options, self.request_timeout_s, messages=messages
+            request_id, options, self.request_timeout_s, messages=messages, template=template
         )
         return ChatPlan(generation, options.num_choices, tools)

@@ -199,7 +199,8 @@ class GenerationPipeline:
                 )
         prompt = await self._tokenize(request, deadline_unix_s, headers=headers)
         params = self._bounded_params(request, prompt)
-        output = OutputAssembler(self._detokenizer_factory(), request.stop, len(prompt.token_ids))
+        detokenizer = self._detokenizer_factory(skip_special_tokens=request.skip_special_tokens)
+        output = OutputAssembler(detokenizer, request.stop, len(prompt.token_ids))
         job = KvJob(request.request_id, prompt, params, deadline_unix_s)
         flow = _Flow(job, output, emit, request.is_prompt_only)
         with self.admission.ticket(request.request_id) as ticket:
@@ -221,16 +222,12 @@ class GenerationPipeline:
             raise InvalidRequestError(f"{param}: this router compiles no grammars", param=param)
         await self.grammars.check(params.grammar, param)
 
-    async def tokenize(
-        self, request: GenerationRequest, *, add_generation_prompt: bool = True
-    ) -> TokenizedPrompt:
+    async def tokenize(self, request: GenerationRequest) -> TokenizedPrompt:
         """The request's prompt as generation would tokenize it, under its timeout
         (``/tokenize``)."""
         try:
             async with asyncio.timeout(request.timeout_s):
-                return await self._tokenize(
-                    request, time.time() + request.timeout_s, add_generation_prompt
-                )
+                return await self._tokenize(request, time.time() + request.timeout_s)
         except TimeoutError:
             raise DeadlineExceededError(
                 f"request {request.request_id} passed its deadline of {request.timeout_s:g} s"
@@ -240,7 +237,6 @@ class GenerationPipeline:
         self,
         request: GenerationRequest,
         deadline_unix_s: float,
-        add_generation_prompt: bool = True,
         headers: list[ImageHeader | None] | None = None,
     ) -> TokenizedPrompt:
         embeds = request.prompt_embeds
@@ -256,12 +252,15 @@ class GenerationPipeline:
             tokenizer: TokenizerPeer = worker.client
             timeout_s = _remaining(deadline_unix_s)
             if request.messages is not None:
+                template = request.template
                 call = tokenizer.tokenize_chat(
                     request.request_id,
                     request.messages,
-                    add_generation_prompt,
+                    template.add_generation_prompt,
                     timeout_s=timeout_s,
                     headers=headers,
+                    continue_final_message=template.continue_final_message,
+                    chat_template_kwargs=template.kwargs,
                 )
             else:
                 assert request.prompt is not None

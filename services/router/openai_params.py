@@ -45,6 +45,7 @@ class GenerationOptions:
     stop: tuple[str, ...]
     num_choices: int  # n
     grammar_param: str = "response_format"  # the field that set ``params.grammar``, if one did
+    skip_special_tokens: bool = True  # false: special tokens stay in the output text
 
 
 def refuse_unsupported(body: GenerationBody) -> None:
@@ -100,7 +101,15 @@ def generation_options(
     )
     params.validate()
     stop = _stop_strings(body.stop, max_stop_strings)
-    return GenerationOptions(params, max_tokens, max_tokens_param, stop, body.n or 1, grammar_param)
+    return GenerationOptions(
+        params,
+        max_tokens,
+        max_tokens_param,
+        stop,
+        body.n or 1,
+        grammar_param,
+        body.skip_special_tokens,
+    )
 
 
 def _logprobs(body: GenerationBody) -> dict[str, Any]:

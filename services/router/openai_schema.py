@@ -152,6 +152,11 @@ class _GenerationBody(Body):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # false: the model's special tokens stay in the output text (the router's detokenizer)
+    skip_special_tokens: StrictBool = True
+    # Either value, the same text: the byte-level BPE decoder writes nothing between tokens,
+    # so kept special tokens come out back to back (vLLM's output for these tokenizers too).
+    spaces_between_special_tokens: StrictBool = True
 
 
 class ChatCompletionBody(_GenerationBody):
@@ -191,6 +196,10 @@ class ChatCompletionBody(_GenerationBody):
     store: StrictBool | None = None
     metadata: dict[str, Any] | None = None
     prompt_cache_key: StrictStr | None = None
+    # vLLM's chat template fields (``chat_template.py``)
+    add_generation_prompt: StrictBool = True  # end the prompt with the assistant turn's header
+    continue_final_message: StrictBool = False  # the model continues the last (assistant) message
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # extra template variables
 
 
 class CompletionBody(_GenerationBody):

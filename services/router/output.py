@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -116,4 +116,7 @@ def with_prompt(
     )
 
 
-DetokenizerFactory = Callable[[], Detokenizer]
+class DetokenizerFactory(Protocol):
+    """A request's detokenizer; ``skip_special_tokens`` false: special tokens' text kept."""
+
+    def __call__(self, *, skip_special_tokens: bool) -> Detokenizer: ...

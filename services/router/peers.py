@@ -20,6 +20,9 @@ class TokenizerPeer(Protocol):
         add_generation_prompt: bool = True,
         timeout_s: float = ...,
         headers: Sequence[ImageHeader | None] | None = None,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: str = "",
     ) -> TokenizedPrompt: ...
 
     async def tokenize_prompt(

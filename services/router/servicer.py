@@ -13,7 +13,9 @@ explicit ``sampling_params.max_new_tokens`` above what the context leaves is INV
 listed by ``tool_prompt`` as on ``/v1/chat/completions``, a chat's tool turns (an assistant's
 ``tool_calls``, a ``tool`` turn's ``tool_call_id``) are checked and written in by its
 ``ChatTurns``, and each choice's output is parsed by the same tool parser as HTTP's stream;
-``num_prompt_logprobs`` is completions' echo and ``prompt_logprobs``.
+``num_prompt_logprobs`` is completions' echo and ``prompt_logprobs``; the chat template fields
+(``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) are checked by
+``chat_template.py`` and ``skip_special_tokens`` picks the detokenizer, as on HTTP.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ from services.common.wire import (
     token_logprob_to_proto,
     usage_to_proto,
 )
+from services.engine.processing.chat import template_kwargs_from_json
 from services.router import prompt_embeds
 from services.router.chat_plan import ChatPlan, with_tool_grammar
+from services.router.chat_template import check_final_message, template_options
 from services.router.choices import (
     Deltas,
     choice_requests,
@@ -67,7 +71,7 @@ from services.router.openai_prompt import ChatTurns, SentCall, check_tool_fields
 from services.router.tool_parsers import ToolFormat
 from services.router.tool_stream import delta_fields
 from services.router.tools import FunctionTool, ToolParams, ToolPlan, plan_tools
-from services.router.types import GenerationDelta, GenerationRequest
+from services.router.types import ChatTemplateOptions, GenerationDelta, GenerationRequest
 
 GRPC_ENDPOINT = "grpc:Generate"
 MAX_CLIENT_REQUEST_ID_LEN = 256
@@ -195,6 +199,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         request_id = f"gen-{uuid.uuid4().hex}"  # never the client's: see the module docstring
         logger.debug("request %s has the client request_id %r", request_id, request.request_id)
+        template = _template_options(request)
         common = {
             "params": params,
             "max_tokens": max_tokens,
@@ -203,8 +208,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             "max_tokens_param": (
                 "max_new_tokens" if request.sampling_params.HasField("max_new_tokens") else None
             ),
+            "skip_special_tokens": (
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            ),
         }
-        generation = await self._generation(request, request_id, common, tools)
+        generation = await self._generation(request, request_id, common, tools, template)
         return ChatPlan(generation, num_choices, tools)
 
     def _timeout_s(
@@ -220,6 +228,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id: str,
         common: dict[str, Any],
         tools: ToolPlan | None,
+        template: ChatTemplateOptions,
     ) -> GenerationRequest:
         kind = request.WhichOneof("input")
         if kind == "prompt":
@@ -227,7 +236,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if kind == "chat":
             turns = await self._messages(request.chat)
             messages = turns.messages(() if tools is None else tools.tools)
-            return GenerationRequest(request_id, messages=messages, **common)
+            check_final_message(template, messages)
+            return GenerationRequest(request_id, messages=messages, template=template, **common)
         if kind == "prompt_embeds":
             embeds = prompt_embeds.from_saved(request.prompt_embeds, self._limits.max_context_len)
             return GenerationRequest(request_id, prompt_embeds=embeds, **common)
@@ -347,6 +357,31 @@ def _sampling_params(request: router_pb2.GenerateRequest) -> tuple[SamplingParam
         params = msgspec.structs.replace(params, max_new_tokens=1)
     params.validate()
     return params, 0 if is_prompt_only else params.max_new_tokens
+
+
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+
+
+def _template_options(request: router_pb2.GenerateRequest) -> ChatTemplateOptions:
+    """The chat template fields checked as the HTTP API's; set beside a prompt or
+    prompt_embeds (which no template renders), INVALID_ARGUMENT naming the field."""
+    if request.WhichOneof("input") != "chat":
+        for name in _TEMPLATE_FIELDS:
+            is_set = (
+                request.HasField(name)
+                if name == "add_generation_prompt"
+                else getattr(request, name)
+            )
+            if is_set:
+                raise InvalidRequestError(
+                    f"{name} needs a chat input (no chat template renders a prompt)", param=name
+                )
+        return ChatTemplateOptions()
+    add_generation_prompt = (
+        request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+    )
+    kwargs = template_kwargs_from_json(request.chat_template_kwargs)
+    return template_options(add_generation_prompt, request.continue_final_message, kwargs)
 
 
 def _function_tool(tool: router_pb2.Tool, param: str) -> FunctionTool:

@@ -7,7 +7,9 @@ their placeholder tokens), and goes through a tokenizer worker like a generation
 length or more is a 400 there too (the tokenizer bounds its work by the context).
 ``add_special_tokens`` takes either value: the tokenizers this server loads (byte-level
 BPE, Qwen2.5-VL) add no special tokens, so both give the same ids, as in vLLM.
-``continue_final_message`` and ``return_token_strs`` are refused when true (not built).
+``messages`` take chat's template fields (``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs``: ``chat_template.py``), a ``prompt``
+none of them. ``return_token_strs`` is refused when true (not built).
 
 ``/detokenize`` decodes token ids with the router's copy of the tokenizer, special
 tokens kept (vLLM's ``tokenizer.decode``), on a thread; an id outside the vocabulary, or
@@ -24,6 +26,7 @@ from pydantic import BaseModel, BeforeValidator, StrictBool, StrictInt, StrictSt
 
 from services.common.errors import InvalidRequestError
 from services.engine.processing import TextProcessor
+from services.router.chat_template import check_final_message, template_options
 from services.router.generation import GenerationPipeline
 from services.router.images import ImageLoader
 from services.router.openai_prompt import chat_messages
@@ -40,7 +43,8 @@ class TokenizeBody(Body):
     messages: list[ChatMessageBody] | None = None
     add_special_tokens: StrictBool | None = None  # either value: no special tokens are added
     add_generation_prompt: StrictBool | None = None  # messages only; default true
-    continue_final_message: StrictBool | None = None  # messages only; true is refused
+    continue_final_message: StrictBool | None = None  # messages only; default false
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # messages only
     return_token_strs: StrictBool | None = None  # true is refused
 
 
@@ -98,9 +102,18 @@ class TokenizeApi:
         _check_tokenize_options(body)
         request_id = f"tok-{uuid.uuid4().hex}"
         if body.messages is not None:
+            template = template_options(
+                body.add_generation_prompt is not False,
+                bool(body.continue_final_message),
+                body.chat_template_kwargs,
+            )
             messages = await chat_messages(body.messages, self._images, style=self._tool_format)
+            check_final_message(template, messages)
             request = GenerationRequest(
-                request_id, messages=messages, timeout_s=self._request_timeout_s
+                request_id,
+                messages=messages,
+                timeout_s=self._request_timeout_s,
+                template=template,
             )
         else:
             assert body.prompt is not None
@@ -108,10 +121,7 @@ class TokenizeApi:
             request = GenerationRequest(
                 request_id, prompt=prompt, timeout_s=self._request_timeout_s
             )
-        add_generation_prompt = body.add_generation_prompt is not False
-        prompt_ids = await self._pipeline.tokenize(
-            request, add_generation_prompt=add_generation_prompt
-        )
+        prompt_ids = await self._pipeline.tokenize(request)
         tokens = list(prompt_ids.token_ids)
         return TokenizeResponse(
             count=len(tokens), max_model_len=self._max_context_len, tokens=tokens
@@ -143,15 +153,11 @@ def _check_tokenize_options(body: TokenizeBody) -> None:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError("send exactly one of prompt and messages", param="prompt")
     if body.messages is None:
-        for field in ("add_generation_prompt", "continue_final_message"):
+        for field in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
             if getattr(body, field) is not None:
                 raise InvalidRequestError(
                     f"{field} applies to messages, not to a prompt", param=field
                 )
-    if body.continue_final_message:
-        raise InvalidRequestError(
-            "continue_final_message is not supported yet", param="continue_final_message"
-        )
     if body.return_token_strs:
         raise InvalidRequestError(
             "return_token_strs is not supported yet", param="return_token_strs"

@@ -8,6 +8,14 @@ from services.common.types import ChatMessage, FinishReason, SamplingParams, Tok
 from services.router.prompt_embeds import PromptEmbeds
 
 
+class ChatTemplateOptions(msgspec.Struct, frozen=True):
+    """How a chat's template renders: vLLM's fields, checked (``chat_template.py``)."""
+
+    add_generation_prompt: bool = True  # end with the assistant turn's header
+    continue_final_message: bool = False  # leave the last (assistant) message open
+    kwargs: str = ""  # chat_template_kwargs as a JSON object's compact text; "" = none
+
+
 class GenerationRequest(msgspec.Struct, frozen=True):
     """One request, already validated. Exactly one of ``prompt``, ``prompt_token_ids``,
     ``messages`` and ``prompt_embeds`` is set."""
@@ -27,6 +35,9 @@ class GenerationRequest(msgspec.Struct, frozen=True):
     stop: tuple[str, ...] = ()
     timeout_s: float = 300.0
     prompt_token_ids: tuple[int, ...] | None = None  # a completion prompt given as token ids
+    template: ChatTemplateOptions = msgspec.field(default_factory=ChatTemplateOptions)  # chats
+    # False: the model's special tokens stay in the output text (vLLM's skip_special_tokens)
+    skip_special_tokens: bool = True
 
     @property
     def is_prompt_only(self) -> bool:

@@ -19,7 +19,7 @@ it is tokenized whole and before any image is decoded (``TextProcessor.encode`` 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,23 @@ class TokenizePipeline:
         return cls(TextProcessor.from_dir(model_dir), ImageProcessor.from_dir(model_dir), limits)
 
     def tokenize_chat(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> TokenizedPrompt:
-        """Token ids with expanded placeholders, one span per image part, distinct images' bytes."""
+        """Token ids with expanded placeholders, one span per image part, distinct images' bytes.
+        ``continue_final_message`` and ``template_kwargs``: ``TextProcessor.render_chat``'s."""
         template_messages, image_parts = _template_messages(messages)
         # The text is checked before any image is decoded: each image only adds tokens.
         ids = self.text.encode_chat(
-            template_messages, add_generation_prompt, self.limits.max_model_len
+            template_messages,
+            add_generation_prompt,
+            self.limits.max_model_len,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
         )
         grids: dict[str, tuple[int, int, int]] = {}  # content hash -> patch grid
         images: dict[str, bytes] = {}  # content hash -> compressed bytes, first appearance first

@@ -13,6 +13,7 @@ from services.common.malloc import MemoryReleaser
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.types import ChatMessage as DomainChatMessage
 from services.common.types import ContentPart, ImagePart, TextPart, TokenizedPrompt
+from services.engine.processing.chat import template_kwargs_from_json
 from services.tokenizer.config import Limits
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.pipeline import header_from_input
@@ -42,14 +43,23 @@ def _part_from_proto(part: common_pb2.ContentPart, param: str, limits: Limits) -
 def job_from_proto(request: tokenizer_pb2.TokenizeRequest, limits: Limits) -> ChatJob | PromptJob:
     kind = request.WhichOneof("input")
     if kind == "prompt":
+        for name in ("continue_final_message", "chat_template_kwargs"):
+            if getattr(request, name):
+                raise InvalidRequestError(f"{name} applies to a chat, not to a prompt", param=name)
         return PromptJob(request.prompt)
     if kind != "chat":
         raise InvalidRequestError("the request has no input: set chat or prompt", param="messages")
+    template_kwargs = template_kwargs_from_json(request.chat_template_kwargs)
     messages = tuple(
         _message_from_proto(message, f"messages[{i}]", limits)
         for i, message in enumerate(request.chat.messages)
     )
-    return ChatJob(messages, request.add_generation_prompt)
+    return ChatJob(
+        messages,
+        request.add_generation_prompt,
+        request.continue_final_message,
+        template_kwargs,
+    )
 
 
 def _message_from_proto(

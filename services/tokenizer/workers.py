@@ -44,6 +44,7 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -61,6 +62,9 @@ INLINE_HEADER_BYTES = 4 * 1024 * 1024  # a chat's images up to this are hashed o
 class ChatJob(msgspec.Struct, frozen=True, tag="chat"):
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # extra template variables (checked: ``chat.template_kwargs_from_json``)
+    template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class PromptJob(msgspec.Struct, frozen=True, tag="prompt"):
@@ -99,7 +103,12 @@ def run_job(pipeline: TokenizePipeline, job_bytes: bytes) -> bytes:
     job = _job_decoder.decode(job_bytes)
     try:
         if isinstance(job, ChatJob):
-            prompt = pipeline.tokenize_chat(job.messages, job.add_generation_prompt)
+            prompt = pipeline.tokenize_chat(
+                job.messages,
+                job.add_generation_prompt,
+                continue_final_message=job.continue_final_message,
+                template_kwargs=job.template_kwargs,
+            )
         elif isinstance(job, PromptJob):
             prompt = pipeline.tokenize_prompt(job.prompt)
         else:

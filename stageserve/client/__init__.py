@@ -13,7 +13,10 @@
 ``num_choices`` asks for several samples (``generate_choices``); ``tools`` with ``messages``
 lists functions the model may call, and ``Completion.tool_calls`` holds the calls it made; the
 history may hold them (``Message("assistant", tool_calls=done.tool_calls)``) and their results
-(``Message("tool", "rain", tool_call_id=call.id)``).
+(``Message("tool", "rain", tool_call_id=call.id)``). ``chat_template_kwargs`` (extra chat template
+variables), ``continue_final_message`` (with ``add_generation_prompt=False``: the model continues
+the last, assistant, message) and ``skip_special_tokens=False`` (special tokens kept in the text)
+are the HTTP API's (vLLM's) fields.
 ``AsyncClient`` is the same for asyncio. A failed call raises the ``StageServeError`` subclass
 of its gRPC status (the router's own class and ``param`` when it sent them), carrying the
 call's ``request_id``; ``CapacityError`` (``OverloadedError``) and ``UnavailableError`` are

@@ -4,9 +4,9 @@ and one call's request, metadata and deadline (``BaseClient``)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from services.common.auth import API_KEY, AUTHORIZATION_KEY, AuthConfigError, Credentials
 from services.common.errors import InvalidRequestError
@@ -50,6 +50,10 @@ class CallOptions(TypedDict, total=False):
     tools: Sequence[Tool]
     tool_choice: str | ToolChoice | None
     parallel_tool_calls: bool | None
+    add_generation_prompt: bool | None
+    continue_final_message: bool
+    chat_template_kwargs: Mapping[str, Any] | None
+    skip_special_tokens: bool | None
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ def call_spec(
     tools: Sequence[Tool] = (),
     tool_choice: str | ToolChoice | None = None,
     parallel_tool_calls: bool | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> CallSpec:
     """The call for these arguments; ``request_id`` None: a fresh one (``uuid4().hex``), so
     every error and chunk names the request the router's logs show."""
@@ -96,6 +104,10 @@ def call_spec(
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=chat_template_kwargs,
+        skip_special_tokens=skip_special_tokens,
     )
     metadata = [(REQUEST_ID_KEY, request_id)] if request_id else []
     if credentials is not None:

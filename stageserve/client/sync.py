@@ -84,7 +84,10 @@ class Client(BaseClient):
         deadline (None: the client's). ``num_choices``: independent samples, each chunk naming
         its ``choice_index``. ``tools`` (with ``messages``), ``tool_choice`` (``none``,
         ``auto``, ``required`` or a ``ToolChoice``) and ``parallel_tool_calls``: as the HTTP
-        API's; chunks then carry ``tool_calls`` and ``text`` only the rest."""
+        API's; chunks then carry ``tool_calls`` and ``text`` only the rest.
+        ``add_generation_prompt`` (None: true), ``continue_final_message`` and
+        ``chat_template_kwargs`` (a JSON object: extra chat template variables), with
+        ``messages``, and ``skip_special_tokens`` (None: true): as the HTTP API's (vLLM's)."""
         spec = self._call_spec(prompt, options)
         call = self._stub.Generate(spec.request, timeout=spec.timeout_s, metadata=spec.metadata)
         return Stream(call, spec.request_id)

@@ -276,13 +276,25 @@ def build_request(
     tools: Sequence[Tool] = (),
     tool_choice: str | ToolChoice | None = None,
     parallel_tool_calls: bool | None = None,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    skip_special_tokens: bool | None = None,
 ) -> router_pb2.GenerateRequest:
     """The GenerateRequest of one call; ``InvalidRequestError`` for input the proto cannot
-    carry (both or neither of ``prompt`` and ``messages``, a value outside its field's type)."""
+    carry (both or neither of ``prompt`` and ``messages``, a value outside its field's type,
+    ``chat_template_kwargs`` that is not JSON)."""
     if (prompt is None) == (messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
     if isinstance(tool_choice, str):
         tool_choice = ToolChoice(mode=tool_choice)
+    try:
+        kwargs = dict(chat_template_kwargs or {})
+        kwargs_json = json.dumps(kwargs, allow_nan=False) if kwargs else ""
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidRequestError(
+            f"chat_template_kwargs must be a JSON object: {exc}", param="chat_template_kwargs"
+        ) from None
     try:
         request = router_pb2.GenerateRequest(
             request_id=request_id,
@@ -292,6 +304,10 @@ def build_request(
             num_choices=num_choices,
             tools=[tool.to_proto() for tool in tools],
             parallel_tool_calls=parallel_tool_calls,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=kwargs_json,
+            skip_special_tokens=skip_special_tokens,
         )
         if tool_choice is not None:
             request.tool_choice.CopyFrom(tool_choice.to_proto())

@@ -59,10 +59,12 @@ async def test_tokenize_options(http, cluster):
         ({"model": MODEL_NAME}, "prompt"),
         ({"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
         ({"prompt": "a", "continue_final_message": False}, "continue_final_message"),
-        (
+        (  # CHAT ends with a user message: nothing to continue
             {**CHAT, "continue_final_message": True, "add_generation_prompt": False},
             "continue_final_message",
         ),
+        ({**CHAT, "continue_final_message": True}, "continue_final_message"),  # both true
+        ({"prompt": "a", "chat_template_kwargs": {}}, "chat_template_kwargs"),
         ({"prompt": "a", "return_token_strs": True}, "return_token_strs"),
         ({"prompt": "a", "tools": []}, "tools"),
         ({"prompt": "a", "chat_template": "x"}, "chat_template"),

@@ -145,10 +145,15 @@ class TokenizerClient:
         add_generation_prompt: bool = True,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         headers: Sequence[ImageHeader | None] | None = None,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: str = "",
     ) -> TokenizedPrompt:
         """Chat template + tokens + image spans of a conversation (images as compressed bytes;
         each whose header tells its size travels as its hash and size only). ``headers``:
         ``image_headers(messages)`` when the caller has read them already.
+        ``continue_final_message`` and ``chat_template_kwargs`` (a JSON object's text, or
+        empty): ``TokenizeRequest``'s.
 
         ``InvalidRequestError`` for a bad conversation, a non-image or oversized image, or
         a prompt at or over the context limit.
@@ -159,6 +164,8 @@ class TokenizerClient:
             request_id=request_id,
             chat=chat_to_proto(messages, headers),
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return await self._tokenize(request, timeout_s, messages)
 

@@ -1,7 +1,9 @@
 """Chat messages and chat templates: the checks every chat passes before it is rendered,
-the masking of message texts ``encode_chat`` renders with, and the chat template's jinja2
+the masking of message texts ``encode_chat`` renders with, the chat template's jinja2
 environment (rendered the way ``transformers`` renders it: sandboxed, ``trim_blocks`` /
-``lstrip_blocks``, ``raise_exception``, ``tojson`` and ``strftime_now``)."""
+``lstrip_blocks``, ``raise_exception``, ``tojson`` and ``strftime_now``), and the checks of
+a request's extra template variables (vLLM's ``chat_template_kwargs``), which the router
+makes before it sends them and the tokenizer again on what it receives."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidRequestError, ModelLoadError
@@ -26,6 +29,44 @@ CONTENT_PART_TYPES = IMAGE_PART_TYPES | {"text"}
 # points, which no chat template writes.
 _TEXT_SENTINEL = "\ue000{}\ue001"
 TEXT_SENTINEL_RE = re.compile("\ue000([0-9]+)\ue001")
+
+# chat_template_kwargs: at most this many keys, this many bytes as compact JSON (UTF-8)
+MAX_TEMPLATE_KWARGS = 32
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+TEMPLATE_KWARGS_PARAM = "chat_template_kwargs"
+# Names a request's template variables may not take: what the render passes itself (the
+# messages, add_generation_prompt, the special tokens' texts), what transformers and vLLM
+# pass to templates and this server writes into the messages or handles itself (tools,
+# documents, continue_final_message, ...), and the environment's globals.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "tool_choice",
+        "documents",
+        "chat_template",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "dict",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "namespace",
+        "loop",
+        "self",
+        "caller",
+        "varargs",
+        "kwargs",
+    }
+)
+_TEMPLATE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 # ---------------------------------------------------------------- message checks
@@ -88,6 +129,11 @@ def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[
                 yield part
 
 
+def text_sentinel(index: int) -> str:
+    """What stands in for the ``index``-th text of ``mask_message_texts``' messages."""
+    return _TEXT_SENTINEL.format(index)
+
+
 def mask_message_texts(
     messages: Sequence[Mapping[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[str]]:
@@ -97,7 +143,7 @@ def mask_message_texts(
 
     def sentinel(text: str) -> str:
         texts.append(text)
-        return _TEXT_SENTINEL.format(len(texts) - 1)
+        return text_sentinel(len(texts) - 1)
 
     masked = []
     for message in messages:
@@ -111,6 +157,74 @@ def mask_message_texts(
             ]
         masked.append({**message, "content": content})
     return masked, texts
+
+
+# ---------------------------------------------------------------- template variables
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any], param: str = TEMPLATE_KWARGS_PARAM) -> str:
+    """``kwargs`` (a request's extra template variables) as compact JSON text, or
+    ``InvalidRequestError`` naming ``param`` (or ``<param>.<key>``): at most
+    ``MAX_TEMPLATE_KWARGS`` keys, each a name a template can read (``[A-Za-z_][A-Za-z0-9_]*``)
+    and none of ``RESERVED_TEMPLATE_NAMES``, values JSON (no NaN or infinity, valid Unicode),
+    at most ``MAX_TEMPLATE_KWARGS_BYTES`` as JSON."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequestError(
+            f"{param} takes at most {MAX_TEMPLATE_KWARGS} keys, got {len(kwargs)}", param=param
+        )
+    for key in kwargs:
+        if not isinstance(key, str) or not _TEMPLATE_NAME.fullmatch(key):
+            shown = str(key) if len(str(key)) <= 40 else str(key)[:40] + "..."
+            raise InvalidRequestError(
+                f"{param} keys are template variable names ([A-Za-z_][A-Za-z0-9_]*), got {shown!r}",
+                param=param,
+            )
+        if key in RESERVED_TEMPLATE_NAMES:
+            raise InvalidRequestError(
+                f"{param}.{key} is a variable the chat template render sets itself (or a "
+                "field of its own); it cannot be passed in chat_template_kwargs",
+                param=f"{param}.{key}",
+            )
+    try:
+        text = json.dumps(kwargs, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        raise InvalidRequestError(
+            f"{param} values must be JSON (no NaN or infinity, not nested too deep)", param=param
+        ) from None
+    try:
+        num_bytes = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: it holds a lone surrogate", param=param
+        ) from None
+    if num_bytes > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequestError(
+            f"{param} is {num_bytes} bytes as JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}",
+            param=param,
+        )
+    return text
+
+
+def template_kwargs_from_json(text: str, param: str = TEMPLATE_KWARGS_PARAM) -> dict[str, Any]:
+    """The template variables of ``text`` (a JSON object's text; empty: none), checked as
+    ``check_template_kwargs`` checks them; ``InvalidRequestError`` naming ``param``."""
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except (ValueError, RecursionError):
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError(f"{param} must be a JSON object's text", param=param)
+    check_template_kwargs(kwargs, param)
+    return kwargs
+
+
+def template_variables(template: jinja2.Template, source: str) -> frozenset[str]:
+    """The variables ``template`` (compiled from ``source``) reads from its render's
+    arguments: every name it uses without setting it, macros included, the environment's
+    globals left out."""
+    return frozenset(meta.find_undeclared_variables(template.environment.parse(source)))
 
 
 # ---------------------------------------------------------------- chat template

@@ -31,11 +31,15 @@ from tokenizers import Tokenizer
 
 from services.common.errors import InvalidRequestError, ModelLoadError
 from services.engine.processing.chat import (
+    TEMPLATE_KWARGS_PARAM,
     TEXT_SENTINEL_RE,
+    check_template_kwargs,
     compile_chat_template,
     find_chat_template,
     mask_message_texts,
     read_json,
+    template_variables,
+    text_sentinel,
     validate_messages,
 )
 from services.engine.processing.detokenize import IncrementalDetokenizer, token_bytes_table
@@ -126,6 +130,7 @@ class TextProcessor:
     ) -> None:
         self._tokenizer = tokenizer
         self._template = compile_chat_template(chat_template)
+        self._template_source = chat_template
         self._special_tokens_map = dict(special_tokens_map or {})
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.image_token_id = self._required_token_id(IMAGE_TOKEN)
@@ -177,21 +182,107 @@ class TextProcessor:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (``chat.template_variables``): the names a
+        request's ``template_kwargs`` may set."""
+        return template_variables(self._template, self._template_source)
+
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text of a chat: one image placeholder per image part."""
+        """The prompt text of a chat: one image placeholder per image part.
+
+        ``continue_final_message`` (vLLM's, with ``add_generation_prompt`` false): the last
+        message, an assistant one ending in text, is left open: the text ends right after
+        that message's text, without the end of its turn, so the model continues it.
+        ``template_kwargs``: extra variables for the template (vLLM's
+        ``chat_template_kwargs``), checked by ``check_template_kwargs``; each must be one
+        the template reads (``template_variables``). Errors are ``InvalidRequestError``s
+        naming the field."""
         validate_messages(messages)
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, template_kwargs)
+        masked, texts = mask_message_texts(messages)
+        rendered = self._render_masked(
+            masked, len(texts), add_generation_prompt, True, template_kwargs
+        )
+        return TEXT_SENTINEL_RE.sub(lambda m: texts[int(m.group(1))], rendered)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        kwargs = dict(template_kwargs or {})
+        if kwargs:
+            check_template_kwargs(kwargs)
+            unread = sorted(set(kwargs) - self.template_variables)
+            if unread:
+                raise InvalidRequestError(
+                    f"this model's chat template does not read {unread[0]!r}; "
+                    f"{TEMPLATE_KWARGS_PARAM} takes only variables it reads, so none is ignored",
+                    param=f"{TEMPLATE_KWARGS_PARAM}.{unread[0]}",
+                )
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens_map,
+                **kwargs,
             )
         except jinja2.exceptions.TemplateError as e:
             raise InvalidRequestError(
                 f"chat template rejected the messages: {e}", param="messages"
             ) from e
+
+    def _render_masked(
+        self,
+        masked: Sequence[Mapping[str, Any]],
+        num_texts: int,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """The rendered text of ``masked`` (``mask_message_texts``' messages, ``num_texts``
+        texts), cut after the last message's text when ``continue_final_message``."""
+        if not continue_final_message:
+            return self._render(masked, add_generation_prompt, template_kwargs)
+        if add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message continues the last message, add_generation_prompt "
+                "starts a new one: both cannot be true (set add_generation_prompt to false)",
+                param="continue_final_message",
+            )
+        final = masked[-1]
+        content = final["content"]
+        if final["role"] != "assistant":
+            raise InvalidRequestError(
+                "continue_final_message continues the last message, which must be an assistant "
+                f"message; it is a {final['role']} message",
+                param="continue_final_message",
+            )
+        if not isinstance(content, str) and (not content or content[-1].get("type") != "text"):
+            raise InvalidRequestError(
+                "continue_final_message needs the last message to end with text",
+                param="continue_final_message",
+            )
+        rendered = self._render(masked, False, template_kwargs)
+        sentinel = text_sentinel(num_texts - 1)  # the last message's last text
+        end = rendered.rfind(sentinel)
+        if end < 0:
+            raise InvalidRequestError(
+                "the chat template does not write the last message's text, so it cannot be "
+                "continued",
+                param="continue_final_message",
+            )
+        return rendered[: end + len(sentinel)]
 
     def encode(self, text: str, max_len: int | None = None) -> list[int]:
         """Token ids of a text, special-token strings parsed. With ``max_len``: raises
@@ -204,6 +295,9 @@ class TextProcessor:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         max_len: int | None = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat where only the template's markers are special tokens.
 
@@ -214,11 +308,15 @@ class TextProcessor:
         ``encode(render_chat(messages))`` when no text holds a special-token string;
         otherwise such strings become plain-text tokens. Assumes the template writes
         message texts verbatim (Qwen2.5-VL's does). ``max_len`` as for ``encode``
-        (param ``messages``).
+        (param ``messages``); ``continue_final_message`` and ``template_kwargs`` as for
+        ``render_chat`` (the last message's text is found by its sentinel, so the cut is
+        exact whatever the text).
         """
         validate_messages(messages)
         masked, texts = mask_message_texts(messages)
-        rendered = self.render_chat(masked, add_generation_prompt)
+        rendered = self._render_masked(
+            masked, len(texts), add_generation_prompt, continue_final_message, template_kwargs
+        )
         marker_re, marker_ids = self._special_markers
         pieces: list[str | int] = []
         for i, piece in enumerate(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/router.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\x92\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.stageserve.v1.ChatMessagesH\x00\x12\x17\n\rprompt_embeds\x18\x08 \x01(\x0cH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x13\n\x0bnum_choices\x18\t \x01(\r\x12\"\n\x05tools\x18\n \x03(\x0b\x32\x13.stageserve.v1.Tool\x12.\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x19.stageserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"?\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xed\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x14\n\x0c\x63hoice_index\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x30\n\ntool_calls\x18\n \x03(\x0b\x32\x1c.stageserve.v1.ToolCallDelta2W\n\x06Router\x12M\n\x08Generate\x12\x1e.stageserve.v1.GenerateRequest\x1a\x1f.stageserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astageserve/v1/router.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xc8\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.stageserve.v1.ChatMessagesH\x00\x12\x17\n\rprompt_embeds\x18\x08 \x01(\x0cH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.stageserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\ntimeout_ms\x18\x07 \x01(\r\x12\x13\n\x0bnum_choices\x18\t \x01(\r\x12\"\n\x05tools\x18\n \x03(\x0b\x32\x13.stageserve.v1.Tool\x12.\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x19.stageserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\r \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x0e \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0f \x01(\t\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x03\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_promptB\x16\n\x14_skip_special_tokens\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"?\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xed\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.stageserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.stageserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x14\n\x0c\x63hoice_index\x18\x07 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.stageserve.v1.TokenLogprob\x12\x30\n\ntool_calls\x18\n \x03(\x0b\x32\x1c.stageserve.v1.ToolCallDelta2W\n\x06Router\x12M\n\x08Generate\x12\x1e.stageserve.v1.GenerateRequest\x1a\x1f.stageserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stageserve.v1.router_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=74
-  _globals['_GENERATEREQUEST']._serialized_end=476
-  _globals['_TOOL']._serialized_start=478
-  _globals['_TOOL']._serialized_end=539
-  _globals['_TOOLCHOICE']._serialized_start=541
-  _globals['_TOOLCHOICE']._serialized_end=604
-  _globals['_TOOLCALLDELTA']._serialized_start=606
-  _globals['_TOOLCALLDELTA']._serialized_end=681
-  _globals['_GENERATERESPONSE']._serialized_start=684
-  _globals['_GENERATERESPONSE']._serialized_end=1049
-  _globals['_ROUTER']._serialized_start=1051
-  _globals['_ROUTER']._serialized_end=1138
+  _globals['_GENERATEREQUEST']._serialized_end=658
+  _globals['_TOOL']._serialized_start=660
+  _globals['_TOOL']._serialized_end=721
+  _globals['_TOOLCHOICE']._serialized_start=723
+  _globals['_TOOLCHOICE']._serialized_end=786
+  _globals['_TOOLCALLDELTA']._serialized_start=788
+  _globals['_TOOLCALLDELTA']._serialized_end=863
+  _globals['_GENERATERESPONSE']._serialized_start=866
+  _globals['_GENERATERESPONSE']._serialized_end=1231
+  _globals['_ROUTER']._serialized_start=1233
+  _globals['_ROUTER']._serialized_end=1320
 # @@protoc_insertion_point(module_scope)

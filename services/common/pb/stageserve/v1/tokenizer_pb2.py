@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.stageserve.v1 import common_pb2 as stageserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstageserve/v1/tokenizer.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\x8c\x01\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.stageserve.v1.ChatMessagesH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x42\x07\n\x05input\"\x80\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x0bimage_spans\x18\x02 \x03(\x0b\x32\x18.stageserve.v1.ImageSpan\x12\x1c\n\x14mrope_position_delta\x18\x04 \x01(\x11J\x04\x08\x03\x10\x04R\x06images2X\n\tTokenizer\x12K\n\x08Tokenize\x12\x1e.stageserve.v1.TokenizeRequest\x1a\x1f.stageserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstageserve/v1/tokenizer.proto\x12\rstageserve.v1\x1a\x1astageserve/v1/common.proto\"\xca\x01\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.stageserve.v1.ChatMessagesH\x00\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x06 \x01(\tB\x07\n\x05input\"\x80\x01\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x0bimage_spans\x18\x02 \x03(\x0b\x32\x18.stageserve.v1.ImageSpan\x12\x1c\n\x14mrope_position_delta\x18\x04 \x01(\x11J\x04\x08\x03\x10\x04R\x06images2X\n\tTokenizer\x12K\n\x08Tokenize\x12\x1e.stageserve.v1.TokenizeRequest\x1a\x1f.stageserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stageserve.v1.tokenizer_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIZEREQUEST']._serialized_start=77
-  _globals['_TOKENIZEREQUEST']._serialized_end=217
-  _globals['_TOKENIZERESPONSE']._serialized_start=220
-  _globals['_TOKENIZERESPONSE']._serialized_end=348
-  _globals['_TOKENIZER']._serialized_start=350
-  _globals['_TOKENIZER']._serialized_end=438
+  _globals['_TOKENIZEREQUEST']._serialized_end=279
+  _globals['_TOKENIZERESPONSE']._serialized_start=282
+  _globals['_TOKENIZERESPONSE']._serialized_end=410
+  _globals['_TOKENIZER']._serialized_start=412
+  _globals['_TOKENIZER']._serialized_end=500
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("request_id", "chat", "prompt", "add_generation_prompt")
+    __slots__ = ("request_id", "chat", "prompt", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     chat: _common_pb2.ChatMessages
     prompt: str
     add_generation_prompt: bool
-    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    continue_final_message: bool
+    chat_template_kwargs: str
+    def __init__(self, request_id: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.ChatMessages, _Mapping]] = ..., prompt: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "image_spans", "mrope_position_delta")
