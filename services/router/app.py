@@ -112,6 +112,7 @@ class RouterApp:
             on_poll=self._update_health,
             required_kinds=[k for k, a in cfg.workers.by_kind().items() if a],
             readmit_passes=cfg.health_readmit_passes,
+            eject_timeouts=cfg.health_eject_timeouts,
         )
         self.discovery = WorkerDiscovery(
             self.registry,

@@ -252,6 +252,12 @@ class RouterConfig(ServiceConfig):
     )
     health_interval_s: float = flag(1.0, help="seconds between worker health polls")
     health_timeout_s: float = flag(1.0, help="timeout of one health check")
+    health_eject_timeouts: int = flag(
+        3,
+        type=positive_int,
+        help="consecutive timed-out health checks that eject a ready worker (one that answers "
+        "not SERVING or cannot be reached is ejected at its first)",
+    )
     health_readmit_passes: int = flag(
         2,
         type=positive_int,

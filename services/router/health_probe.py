@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from services.common.auth import Credentials
 from services.common.client import create_channel
-from services.common.healthcheck import check_async
+from services.common.healthcheck import HealthAnswer, check_async
 
 
 class HealthProbe:
@@ -28,10 +28,8 @@ class HealthProbe:
             self._stubs[address] = health_pb2_grpc.HealthStub(channel)
         return self._stubs[address]
 
-    async def check(self, address: str) -> str | None:
-        """None when the worker is SERVING, else why not."""
-        answer = await check_async(self._stub(address), timeout_s=self._timeout_s)
-        return answer.why_not_serving
+    async def check(self, address: str) -> HealthAnswer:
+        return await check_async(self._stub(address), timeout_s=self._timeout_s)
 
     async def forget(self, address: str) -> None:
         """Close the channel to ``address`` (a later ``check`` opens a new one)."""

@@ -1,8 +1,9 @@
 """Worker registry: every known worker, its readiness, and the requests routed to it.
 
 A background task polls each worker's ``grpc.health.v1`` ``Check`` every interval. A
-worker that fails (no answer in time, or not SERVING) is ejected: no new request is
-routed to it. A worker never ready yet is admitted at its first passing check; an ejected one
+worker that answers not SERVING, or cannot be reached, is ejected: no new request is routed
+to it. A check that times out is ambiguous (a worker, or this router, busy with a burst of big
+requests misses one): a ready worker is ejected by ``eject_timeouts`` in a row. A worker never ready yet is admitted at its first passing check; an ejected one
 is readmitted only after ``readmit_passes`` consecutive passing checks, so a worker whose check
 flaps (pass, fail, pass) gets no traffic between its failures. Requests already on a
 worker that dies or stalls fail through their own calls (the pipeline bounds each one),
@@ -33,7 +34,10 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import grpc
+
 from services.common.errors import UnavailableError
+from services.common.healthcheck import HealthAnswer
 from services.common.types import TokenizedPrompt
 from services.router.health_probe import HealthProbe
 from services.router.metrics import RouterMetrics
@@ -77,12 +81,15 @@ class WorkerRegistry:
         on_poll: Callable[[], None] | None = None,
         required_kinds: Collection[WorkerKind] = (),
         readmit_passes: int = 1,
+        eject_timeouts: int = 1,
     ) -> None:
         """``required_kinds``: kinds besides the routed ones that need a ready worker (those
         configured, including ones discovery has not found yet); ``readmit_passes``: the
-        consecutive passing checks that readmit an ejected worker."""
+        consecutive passing checks that readmit an ejected worker; ``eject_timeouts``: the
+        consecutive timed-out checks that eject a ready one."""
         self._workers = list(workers)
         self._readmit_passes = readmit_passes
+        self._eject_timeouts = eject_timeouts
         self._policy = policy
         self._metrics = metrics
         self._probe = probe
@@ -297,16 +304,30 @@ class WorkerRegistry:
         """Check every worker (or those of ``workers``) once, concurrently, and update its
         state."""
         polled = list(self._workers if workers is None else workers)
-        reasons = await asyncio.gather(*(self._probe.check(w.address) for w in polled))
-        for worker, reason in zip(polled, reasons, strict=True):
-            self._set_state(worker, self._next_state(worker, reason), reason or "")
+        answers = await asyncio.gather(*(self._probe.check(w.address) for w in polled))
+        for worker, answer in zip(polled, answers, strict=True):
+            reason = answer.why_not_serving
+            self._set_state(worker, self._next_state(worker, answer), reason or "")
         self._publish()
         if self._on_poll is not None:
             self._on_poll()
 
-    def _next_state(self, worker: Worker, reason: str | None) -> WorkerState:
-        """The state one check (``reason`` None: passed) moves ``worker`` to."""
-        if reason is not None:
+    def _next_state(self, worker: Worker, answer: HealthAnswer) -> WorkerState:
+        """The state one check moves ``worker`` to."""
+        if answer.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            worker.num_timeouts += 1
+            if worker.state is WorkerState.READY and worker.num_timeouts < self._eject_timeouts:
+                logger.warning(
+                    "%s worker %s missed health check %d of %d before ejection",
+                    worker.kind.value,
+                    worker.address,
+                    worker.num_timeouts,
+                    self._eject_timeouts,
+                )
+                return WorkerState.READY
+        else:
+            worker.num_timeouts = 0
+        if not answer.is_serving:
             worker.num_passes = 0
             return WorkerState.NOT_READY
         worker.num_passes += 1

@@ -42,6 +42,7 @@ class Worker:
     num_in_flight: int = 0  # requests this router routed here and not finished
     last_error: str = ""  # why the last health check failed
     num_passes: int = 0  # consecutive passing health checks
+    num_timeouts: int = 0  # consecutive health checks it did not answer in time
     num_stalls: int = 0  # calls it made no progress on within the stall bound
     last_completed_mono: float = (
         0.0  # time.monotonic() when it last completed its part of a request

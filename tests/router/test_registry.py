@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.errors import UnavailableError
+from services.common.healthcheck import HealthAnswer
 from services.router.config import PolicyName
 from services.router.health_probe import HealthProbe
 from services.router.metrics import RouterMetrics
@@ -97,14 +99,20 @@ async def test_poll_ejects_and_readmits(script):
 
 
 class ScriptedProbe(HealthProbe):
-    """Answers each worker's checks from a script: None passes, a string fails."""
+    """Answers each worker's checks from a script: None passes, "timeout" times out, any other
+    string is a NOT_SERVING answer."""
 
     def __init__(self, answers: dict[str, list[str | None]]) -> None:
         super().__init__(1.0)
         self.answers = answers
 
-    async def check(self, address: str) -> str | None:
-        return self.answers[address].pop(0)
+    async def check(self, address: str) -> HealthAnswer:
+        answer = self.answers[address].pop(0)
+        if answer is None:
+            return HealthAnswer("SERVING")
+        if answer == "timeout":
+            return HealthAnswer(None, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return HealthAnswer("NOT_SERVING")
 
 
 async def test_a_flapping_worker_gets_no_traffic_until_it_passes_twice_in_a_row():
@@ -123,6 +131,38 @@ async def test_a_flapping_worker_gets_no_traffic_until_it_passes_twice_in_a_row(
     # readmitted only by the second of two passes in a row
     assert flaky_ready == [True, False, False, False, False, False, False, True, True]
     assert all("steady" in r for r in routable)
+
+
+async def test_a_ready_worker_is_ejected_by_three_timeouts_in_a_row_or_one_refusal():
+    workers = [Worker(WorkerKind.DECODE, a) for a in ("slow", "down")]
+    slow = [None, "timeout", "timeout", None, "timeout", "timeout", "timeout", None, None]
+    down = [None, None, "down", None, None, "timeout", "timeout", "timeout", None]
+    probe = ScriptedProbe({"slow": list(slow), "down": list(down)})
+    registry = WorkerRegistry(
+        workers,
+        RoundRobinPolicy(),
+        RouterMetrics(CollectorRegistry()),
+        probe,
+        readmit_passes=2,
+        eject_timeouts=3,
+    )
+    routable = []
+    for _ in slow:
+        await registry.poll_once()
+        routable.append(sorted(w.address for w in registry.ready_workers(WorkerKind.DECODE)))
+    # "slow": timeouts keep it until the third in a row ejects it; two passes readmit it.
+    # "down": a NOT_SERVING answer ejects it at once; readmitted, three timeouts eject it.
+    assert [("slow" in r, "down" in r) for r in routable] == [
+        (True, True),
+        (True, True),
+        (True, False),
+        (True, False),
+        (True, True),
+        (True, True),
+        (False, True),
+        (False, False),
+        (True, False),
+    ]
 
 
 async def run_chats(app, num: int) -> None:

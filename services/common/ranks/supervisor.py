@@ -64,6 +64,9 @@ class _Named(logging.LoggerAdapter):
 
 MAX_POLL_S = 1.0
 BROKEN_EXIT_GRACE_S = 0.5  # a BROKEN reply waits this long for a peer's exit to show (named then)
+# A rank whose connection is gone has closed it on its way out; its interpreter's teardown can
+# take seconds on a loaded host before the exit is reaped: wait that long to name the exit.
+GONE_EXIT_GRACE_S = 5.0
 
 
 class RankGroupSupervisor:
@@ -327,7 +330,10 @@ class RankGroupSupervisor:
         for member in self._life.gen.members:
             assert member.peer is not None
             if not self._channel.send(member.peer, request):
-                self._life.fail_stop(f"{member.who} is unreachable at step {request.step}")
+                self._life.fail_stop(
+                    f"{member.who} is unreachable at step {request.step}",
+                    exit_grace_s=GONE_EXIT_GRACE_S,
+                )
                 return
 
     def _ping(self, now: float) -> None:
@@ -336,7 +342,10 @@ class RankGroupSupervisor:
         for member in self._life.gen.members:
             assert member.peer is not None
             if not self._channel.send(member.peer, Ping(step=self._steps.last_step)):
-                self._life.fail_stop(f"{member.who} is unreachable (its connection is gone)")
+                self._life.fail_stop(
+                    f"{member.who} is unreachable (its connection is gone)",
+                    exit_grace_s=GONE_EXIT_GRACE_S,
+                )
                 return
 
     def finish(self) -> None:
