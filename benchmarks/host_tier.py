@@ -1,8 +1,9 @@
-"""The prefix cache's host tier against recomputing: a prompt's KV prefilled, spilled to the
-host tier and loaded back, as a prefill rank does it (``PrefixPages.apply``).
+"""The prefix cache's host tier (L2) and, with ``--kv-store``, its shared KV store (L3) against
+recomputing: a prompt's KV prefilled, moved out and fetched back as a prefill rank does it
+(``PrefixPages.apply``).
 
-    python -m benchmarks.host_tier [--out docs/benchmarks.md] [--tokens 8192,32768]
-    python -m benchmarks.host_tier --quick          # CPU, the bundled tiny model
+    python -m benchmarks.host_tier [--out docs/benchmarks.md] [--tokens 8192,32768] [--kv-store]
+    python -m benchmarks.host_tier --quick [--kv-store]   # CPU, the bundled tiny model
 
 For each prompt length: the prefill forward of that many tokens (the cost of a cache miss),
 then the page moves of its full pages: spill (device pages -> host tier) and load (host tier
@@ -13,6 +14,11 @@ A spill copies to host memory beside the step's stream on a GPU: the table gives
 holds that stream up (to an event queued on it right after the spill) against when its copy
 landed, and a spill followed at once by a forward that overwrites the freed pages (loaded
 back and checked bit for bit after) against the forward alone.
+
+``--kv-store`` (needs Mooncake): for each prompt length a ``mooncake_master`` on loopback and
+three store clients in this process, like three prefill workers: one lends the segment, one
+writes the prompt's full pages (``PrefixPages.write_to_store``) and one fetches them into its
+own device pages (``CacheMoves.fetch``), checked bit for bit against what the forward wrote.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.step_inputs import StepInput
+from services.prefill.kv_store_master import master_binary
 from services.prefill.messages import CacheMoves
 from services.prefill.prefix_pages import PrefixPages
 
@@ -39,13 +46,14 @@ PAGE_SIZE = 16
 TARGET_SPEEDUP = 5.0  # load vs recompute of a 32k-token prefix
 NOTES = [
     "Recompute: one EXTEND forward of the prompt's tokens (random ids) writing its KV into "
-    "the pool, median of the timed runs after a warm-up. Spill: `PrefixPages.apply` of the "
-    "full pages' keys into the host tier (a gather into page-major order on the device, then "
-    "one copy per run of consecutive host slots into the tier's pinned tensor). Load: back into "
-    "other device pages (one copy per run of slots into a device buffer, then a scatter on the "
-    "device). Each move is timed to the device's synchronize; the loaded pages equal the "
-    "computed ones bit for bit (checked every run). GB/s counts K and V of every layer of the "
-    "moved pages.",
+    "the pool, median of the timed runs after a warm-up. L2 host rows: write is the spill, "
+    "`PrefixPages.apply` of the full pages' keys into the host tier (a gather into page-major "
+    "order on the device, then one copy per run of consecutive host slots into the tier's "
+    "pinned tensor); fetch is the load, back into other device pages (one copy per run of "
+    "slots into a device buffer, then a scatter on the device). Each move is timed to the "
+    "device's synchronize; the loaded pages equal the computed ones bit for bit (checked every "
+    "run). GB/s counts K and V of every layer of the moved pages (KV MB, 1e6 bytes); fetch "
+    "ms/MB is fetch ms over KV MB; speedup is recompute ms over fetch ms.",
     "On a GPU the spill's gather runs on the step's stream and its copy to the pinned tier on a "
     "side stream (issue 38). Spill holds stream: from an event on the step's stream before "
     "`apply` to one queued on it right after (what a forward queued next waits for; it "
@@ -90,18 +98,42 @@ def _time_spill(pages: PrefixPages, keys: tuple[bytes, ...], on_cuda: bool) -> t
     return wall_ms, start.elapsed_time(held), start.elapsed_time(landed)
 
 
+def _prompt(runner: ModelRunner, num_tokens: int) -> list[int]:
+    return torch.randint(0, runner.model.config.text.vocab_size, (num_tokens,)).tolist()
+
+
+def _page_keys(first: int, num_pages: int) -> tuple[bytes, ...]:
+    return tuple(i.to_bytes(16, "little") for i in range(first, first + num_pages))
+
+
+def _forward(runner: ModelRunner, request_id: str, ids: list[int]) -> None:
+    step = StepInput(request_id, ids, torch.arange(len(ids)).expand(3, -1), 0)
+    runner.forward(ForwardMode.EXTEND, [step])
+
+
+def _prefill(
+    runner: ModelRunner, pages: PrefixPages, ids: list[int], keys: tuple[bytes, ...]
+) -> list[int]:
+    """``ids`` computed into new pages; ``pages`` keeps the full ones under ``keys``. Their
+    page numbers."""
+    pages.lend("prompt", (), len(ids))
+    _forward(runner, "prompt", ids)
+    computed = runner.page_table.pages("prompt")[: len(keys)]
+    pages.settle("prompt", (), keys, computed=True)
+    return computed
+
+
 def measure(runner: ModelRunner, num_tokens: int, iters: int) -> dict[str, float]:
     """Recompute, spill and load times (ms) and the bytes moved for a ``num_tokens`` prompt;
     the spill's hold on the step's stream, its copy's end, and a spill then a forward."""
     on_cuda = runner.device.type == "cuda"
     num_full = num_tokens // PAGE_SIZE
     pages = PrefixPages(runner.page_table, runner.kv_pool, num_host_pages=num_full)
-    ids = torch.randint(0, runner.model.config.text.vocab_size, (num_tokens,)).tolist()
-    keys = tuple(i.to_bytes(16, "little") for i in range(num_full))
+    ids = _prompt(runner, num_tokens)
+    keys = _page_keys(0, num_full)
 
     def forward(request_id: str) -> None:
-        step = StepInput(request_id, ids, torch.arange(num_tokens).expand(3, -1), 0)
-        runner.forward(ForwardMode.EXTEND, [step])
+        _forward(runner, request_id, ids)
 
     def spill_then_forward() -> None:
         """The spill, then at once a forward over pages that include the ones it freed."""
@@ -118,16 +150,13 @@ def measure(runner: ModelRunner, num_tokens: int, iters: int) -> dict[str, float
         recompute_ms = _time_ms(lambda: forward("warm-up"), on_cuda, iters)
     finally:
         runner.page_table.release("warm-up")
-    pages.lend("prompt", (), num_tokens)
-    forward("prompt")
-    pages.settle("prompt", (), keys, computed=True)
+    first = _prefill(runner, pages, ids, keys)
     pool = runner.kv_pool
-    first = [pages._pages[k] for k in keys]  # noqa: SLF001 (the benchmark checks the copies)
     k_ref, v_ref = pool.k_buffer[:, first].clone(), pool.v_buffer[:, first].clone()
     spill, hold, landed, load, overlapped = [], [], [], [], []
 
     def check() -> None:
-        back = [pages._pages[k] for k in keys]  # noqa: SLF001
+        back = [pages._pages[k] for k in keys]  # noqa: SLF001 (the loaded copies)
         assert torch.equal(pool.k_buffer[:, back], k_ref), "the host tier changed K"
         assert torch.equal(pool.v_buffer[:, back], v_ref), "the host tier changed V"
 
@@ -154,6 +183,78 @@ def measure(runner: ModelRunner, num_tokens: int, iters: int) -> dict[str, float
     }
 
 
+def _row(
+    num_tokens: int,
+    tier: str,
+    nbytes: int,
+    recompute_ms: float,
+    write_ms: float,
+    fetch_ms: float,
+    spill_stream: tuple[str, ...] = ("-", "-", "-"),
+) -> tuple[str, ...]:
+    mb = nbytes / 1e6
+    return (
+        f"{num_tokens:,}",
+        tier,
+        f"{mb:.1f}",
+        f"{recompute_ms:.1f}",
+        f"{write_ms:.1f}",
+        f"{nbytes / write_ms / 1e6:.3g}",
+        f"{fetch_ms:.1f}",
+        f"{fetch_ms / mb:.3g}",
+        f"{nbytes / fetch_ms / 1e6:.3g}",
+        f"{recompute_ms / fetch_ms:.1f}x",
+        *spill_stream,
+    )
+
+
+HEADER = (
+    "tokens",
+    "tier",
+    "KV MB",
+    "recompute ms",
+    "write ms",
+    "write GB/s",
+    "fetch ms",
+    "fetch ms/MB",
+    "fetch GB/s",
+    "speedup",
+    "spill holds stream ms",
+    "spill copy landed ms",
+    "spill + forward ms",
+)
+
+
+def _measure_rows(
+    runner: ModelRunner, num_tokens: int, iters: int, kv_store: bool
+) -> tuple[list[tuple[str, ...]], dict[str, float]]:
+    """The L2 row of ``num_tokens`` and (``kv_store``) its L3 row; the L3 measurement."""
+    m = measure(runner, num_tokens, iters)
+    spill_stream = tuple(
+        f"{m[k]:.1f}" for k in ("spill_hold_ms", "spill_landed_ms", "spill_forward_ms")
+    )
+    rows = [
+        _row(
+            num_tokens,
+            "L2 host",
+            m["bytes"],
+            m["recompute_ms"],
+            m["spill_ms"],
+            m["load_ms"],
+            spill_stream,
+        )
+    ]
+    if not kv_store:
+        return rows, {}
+    from benchmarks.host_tier_store import measure_store  # it imports this module's helpers
+
+    s = measure_store(runner, num_tokens, iters)
+    rows.append(
+        _row(num_tokens, "L3 store", s["bytes"], m["recompute_ms"], s["put_ms"], s["fetch_ms"])
+    )
+    return rows, s
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="benchmarks.host_tier", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="CPU, the bundled tiny model")
@@ -161,12 +262,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--tokens", default=None, help="prompt lengths, comma-separated (default 8192,32768)"
     )
     p.add_argument("--iters", type=int, default=3, help="timed runs of each measurement")
+    p.add_argument(
+        "--kv-store",
+        action="store_true",
+        help="also the shared KV store (L3): a mooncake_master and clients on loopback",
+    )
     p.add_argument("--out", default="docs/benchmarks.md", help="'' writes no section")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.kv_store:
+        master_binary()  # without Mooncake: fails now, saying what to install
     lens = [
         int(t) for t in (args.tokens or ("256,1024" if args.quick else "8192,32768")).split(",")
     ]
@@ -176,44 +284,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = build_random_model(CONFIG_7B)
         backend, weights = "flashinfer", "7B decoder dimensions, random bf16, one GPU"
-    num_pages = -(-max(lens) // PAGE_SIZE) * 2 + 2  # the prompt, and the pages it comes back to
+    # the prompt, and the pages it comes back to (L2) or another rank fetches it into (L3)
+    num_pages = -(-max(lens) // PAGE_SIZE) * 2 + 2
     runner = ModelRunner(
         model, KVCacheConfig(num_pages, PAGE_SIZE), backend, cuda_graph_batch_sizes=()
     )
-    rows = []
+    rows, stores = [], []
     for num_tokens in lens:
-        m = measure(runner, num_tokens, args.iters)
-        speedup = m["recompute_ms"] / m["load_ms"]
-        rows.append(
-            (
-                f"{num_tokens:,}",
-                f"{m['bytes'] / 1e6:.1f}",
-                f"{m['recompute_ms']:.1f}",
-                f"{m['spill_ms']:.1f}",
-                f"{m['load_ms']:.1f}",
-                f"{m['bytes'] / (m['load_ms'] / 1e3) / 1e9:.2f}",
-                f"{speedup:.1f}x",
-                f"{m['spill_hold_ms']:.1f}",
-                f"{m['spill_landed_ms']:.1f}",
-                f"{m['spill_forward_ms']:.1f}",
-            )
-        )
-        print(" | ".join(rows[-1]), flush=True)
-    header = (
-        "tokens",
-        "KV MB",
-        "recompute ms",
-        "spill ms",
-        "load ms",
-        "load GB/s",
-        "speedup",
-        "spill holds stream ms",
-        "spill copy landed ms",
-        "spill + forward ms",
-    )
-    table = markdown_table(header, rows)
+        length_rows, store = _measure_rows(runner, num_tokens, args.iters, args.kv_store)
+        for row in length_rows:
+            print(" | ".join(row), flush=True)
+        rows += length_rows
+        stores += [store] if store else []
+    table = markdown_table(HEADER, rows)
     print("\n".join(table))
-    at_32k = [r[6] for r, n in zip(rows, lens, strict=True) if n == 32768]  # the speedup
+    # the L2 row's speedup at 32k tokens
+    at_32k = [r[9] for r in rows if r[0] == f"{32768:,}" and r[1] == "L2 host"]
     verdict = (
         f"target: a 32k-token prefix loaded >= {TARGET_SPEEDUP:g}x faster than recomputed: "
         + (
@@ -223,8 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     info = [f"- model: {weights}; {PAGE_SIZE}-token pages; attention {backend}", f"- {verdict}"]
+    notes = NOTES
+    if args.kv_store:
+        from benchmarks.host_tier_store import STORE_NOTE, store_info
+
+        info += store_info(lens, stores)
+        notes = [*NOTES, STORE_NOTE]
     write_run_section(
-        args.out, SECTION_TITLE, command_line("benchmarks.host_tier", argv), info, table, NOTES
+        args.out, SECTION_TITLE, command_line("benchmarks.host_tier", argv), info, table, notes
     )
     return 0
 
