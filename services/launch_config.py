@@ -32,7 +32,7 @@ from services.engine.gpu_defaults import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     memory_fraction,
 )
-from services.engine.quantization import quantization_flag
+from services.engine.quantization import kv_cache_dtype_flag, quantization_flag
 from services.router.config import AUTO_TOOL_CALL_PARSER
 from services.router.tool_parsers import ToolFormat
 
@@ -153,6 +153,7 @@ class LaunchConfig:
         None, help="every model's dtype: float32 | bfloat16 | float16 (default: the checkpoint's)"
     )
     quantization: str = quantization_flag()  # prefill's and decode's
+    kv_cache_dtype: str = kv_cache_dtype_flag()  # prefill's and decode's: their pages must agree
     given: UpFlags = nested(UpFlags)
     decode_dp: int = flag(
         1,

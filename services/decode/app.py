@@ -32,6 +32,7 @@ def rank_init(config: DecodeConfig) -> RankInit:
         model=str(config.model),
         dtype=config.dtype,
         quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
         num_pages=config.num_pages,
         gpu_memory_utilization=config.rank_memory_fraction,
         page_size=config.page_size,

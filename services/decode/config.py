@@ -17,7 +17,7 @@ from services.engine.gpu_defaults import (
     memory_fraction,
 )
 from services.engine.kv_sizing import CPU_NUM_PAGES
-from services.engine.quantization import quantization_flag
+from services.engine.quantization import kv_cache_dtype_flag, quantization_flag
 
 # With a GPU share file: a step waits at most this long for prefill's forwards; a little more
 # than one forward of a large prefill batch, so decode stays near one step per prefill forward
@@ -81,6 +81,7 @@ class DecodeConfig(ServiceConfig):
     )
     attention_backend: str = flag(AUTO_ATTENTION, choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
     quantization: str = quantization_flag()
+    kv_cache_dtype: str = kv_cache_dtype_flag()
     transfer_backend: str = flag(
         "mooncake",
         help=f"transfer backend: {' | '.join(BACKENDS)}; the KV one unless --kv-transfer-backend",

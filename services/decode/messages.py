@@ -15,7 +15,7 @@ import msgspec
 from services.common.destinations import KvDestination
 from services.common.errors import ErrorRecord
 from services.common.types import FinishReason, SamplingParams, TokenLogprob, Usage
-from services.engine.quantization import NO_QUANTIZATION
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE, NO_QUANTIZATION
 
 
 class RankInit(msgspec.Struct, frozen=True):
@@ -35,6 +35,7 @@ class RankInit(msgspec.Struct, frozen=True):
     gpu_share_file: str = ""  # prefill on this GPU marks its forwards there; empty: none
     prefill_first_s: float = 0.0  # the longest a step waits for a marked prefill forward
     quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
+    kv_cache_dtype: str = AUTO_KV_CACHE_DTYPE  # the KV pages (engine/quantization.py)
     tp_size: int = 1  # processes of this tensor-parallel rank (tp_rank.py)
     ep_size: int = 1  # of them, those an MoE layer's experts split over: 1 or tp_size
     # DP attention (dp_attention.py): the group's processes are its DP ranks, their MLP and MoE

@@ -303,7 +303,11 @@ def build_runner(init: RankInit, model: Qwen2_5_VLModel, device: str) -> ModelRu
     runner = ModelRunner(
         model,
         KVCacheConfig(
-            init.num_pages, init.page_size, init.gpu_memory_utilization, init.max_running_requests
+            init.num_pages,
+            init.page_size,
+            init.gpu_memory_utilization,
+            init.max_running_requests,
+            init.kv_cache_dtype,
         ),
         init.attention_backend,
         # DP attention too: the group's agreed rows per step pick the size every rank replays,

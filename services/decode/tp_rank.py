@@ -69,6 +69,7 @@ def load_shard(init: RankInit, ctx: RankContext, tp: TensorParallel) -> Qwen2_5_
             init.model,
             dtype=init.dtype,
             quantization=init.quantization,
+            kv_cache_dtype=init.kv_cache_dtype,
             tp_size=tp.size,
             ep_size=init.ep_size,
             page_size=init.page_size,

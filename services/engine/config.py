@@ -118,7 +118,7 @@ class ModelConfig:
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
-    checkpoint_quantization: str = ""  # quantization_config's quant_method; "": unquantized
+    checkpoint_quantization: str = ""  # quantization_config's quant_method; "": weights unquantized
 
     @property
     def num_deepstack(self) -> int:
@@ -170,6 +170,8 @@ def _quant_method(raw: dict[str, Any]) -> str:
     quant = raw.get("quantization_config") or raw.get("compression_config")
     if not quant:
         return ""
+    if quant.get("kv_cache_scheme") and not quant.get("config_groups"):
+        return ""  # compressed-tensors with the KV cache's scales only: the weights are as saved
     return str(quant.get("quant_method") or quant.get("format") or "unknown")
 
 

@@ -1,4 +1,5 @@
-"""FP8 (e4m3) weights with per-output-channel scales and per-token activation scales.
+"""FP8 (e4m3) weights with per-output-channel scales and per-token activation scales, and the
+per-layer scaling of an FP8 KV pool (``quantize_scaled``, ``kv_cache.KVPool``).
 
 A weight ``[out, in]`` is held as ``float8_e4m3fn`` with one fp32 scale per output row,
 ``scale = max|row| / 448`` (448: e4m3's largest value), so ``q * scale`` restores the row to
@@ -67,21 +68,50 @@ def linear(
     return out if bias is None else out + bias
 
 
+def quantize_scaled(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t / scale`` in fp32, clamped to e4m3's range (+-448) and rounded to e4m3; ``scale`` one
+    fp32 value (a 0-dim tensor): how an FP8 KV pool stores K or V."""
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_scaled(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``q * scale`` for e4m3 ``q`` and one fp32 ``scale``: K or V read from an FP8 pool."""
+    return q.float() * scale
+
+
 def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
     """``ValueError`` naming why ``device`` cannot run FP8 linears in ``dtype``."""
     if device.type == "cpu":
         return
     if device.type != "cuda":
         raise ValueError(f"--quantization fp8 runs on CUDA or the CPU, not on {device}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        raise ValueError(
-            f"--quantization fp8 needs FP8 tensor cores (SM {MIN_CAPABILITY[0]}."
-            f"{MIN_CAPABILITY[1]}+: Ada, Hopper or newer); {torch.cuda.get_device_name(device)} "
-            f"is SM {capability[0]}.{capability[1]} (give --quantization none)"
-        )
+    _check_capability(device, "--quantization fp8", "FP8 tensor cores", "--quantization none")
     if dtype != torch.bfloat16:
         raise ValueError(
             "--quantization fp8 on CUDA needs --dtype bfloat16 (torch._scaled_mm's row-wise "
             f"scales write bf16); the model is {dtype}"
+        )
+
+
+def check_fp8_kv_device(device: torch.device) -> None:
+    """``ValueError`` naming why ``device`` cannot hold an FP8 KV pool."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"--kv-cache-dtype fp8_e4m3 runs on CUDA or the CPU, not on {device}")
+    _check_capability(
+        device,
+        "--kv-cache-dtype fp8_e4m3",
+        "e4m3 conversions in its Triton KV store",
+        "--kv-cache-dtype auto",
+    )
+
+
+def _check_capability(device: torch.device, what: str, needs: str, instead: str) -> None:
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise ValueError(
+            f"{what} needs {needs} (SM {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+: Ada, Hopper or "
+            f"newer); {torch.cuda.get_device_name(device)} is SM {capability[0]}.{capability[1]} "
+            f"(give {instead})"
         )

@@ -4,17 +4,25 @@ A page holds ``page_size`` consecutive KV positions of one request. Position ``p
 a request lives in page ``pages[p // page_size]`` at offset ``p % page_size``; its flat
 slot id is ``page * page_size + offset``. ``KVPageManager`` is the only owner of the
 free list; ``RequestPageTable`` holds pages on behalf of requests and returns them.
+
+``KVPool`` converts between the model's K and V and its pages: an FP8 pool
+(``--kv-cache-dtype fp8_e4m3``) stores ``value / scale`` in e4m3, one scale per layer for K and
+one for V (``KVScales``), and gives back ``page * scale``. Everything that moves pages (the KV
+handoff, the prefix cache's tiers) moves them as stored, by the pool's ``dtype``.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from services.common.errors import CapacityError
-from services.engine import ops
+from services.engine import fp8, ops
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE, FP8_E4M3, KV_CACHE_DTYPE_CHOICES
 
 
 class KVPageManager:
@@ -68,6 +76,43 @@ class KVPageManager:
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class KVScales:
+    """An FP8 pool's scales, one fp32 per layer for K and one for V: a page holds
+    ``value / scale`` (clamped to e4m3's +-448), read back as ``page * scale``."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.k) == len(self.v), (len(self.k), len(self.v))
+        for scale in (*self.k, *self.v):
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"a KV cache scale must be positive and finite, got {scale}")
+
+    @classmethod
+    def ones(cls, num_layers: int) -> KVScales:
+        """The scales without calibrated ones in the checkpoint (what vLLM uses then)."""
+        return cls((1.0,) * num_layers, (1.0,) * num_layers)
+
+
+def pool_scales(
+    kv_cache_dtype: str, checkpoint: KVScales | None, num_layers: int, device: torch.device
+) -> KVScales | None:
+    """A pool's scales under ``--kv-cache-dtype``: None for ``auto`` (pages in the model's
+    dtype); for ``fp8_e4m3`` the checkpoint's, else 1.0 each. ``ValueError`` for another name
+    or a device that cannot hold FP8 pages (``fp8.check_fp8_kv_device``)."""
+    if kv_cache_dtype == AUTO_KV_CACHE_DTYPE:
+        return None
+    if kv_cache_dtype != FP8_E4M3:
+        raise ValueError(
+            f"unsupported --kv-cache-dtype {kv_cache_dtype!r}; supported: "
+            f"{', '.join(KV_CACHE_DTYPE_CHOICES)}"
+        )
+    fp8.check_fp8_kv_device(device)
+    return checkpoint or KVScales.ones(num_layers)
+
+
 class KVPool:
     """K and V tensors of every layer, each one contiguous buffer (one memory region per K and V)."""
 
@@ -81,8 +126,11 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         head_start: int = 0,
+        scales: KVScales | None = None,
     ) -> None:
-        """``head_start``: the model's first KV head this pool holds (a tensor-parallel rank
+        """``dtype``: the model's K and V (what ``write`` takes and attention computes in); the
+        pages hold them in it, or with ``scales`` (one per layer) in FP8 e4m3.
+        ``head_start``: the model's first KV head this pool holds (a tensor-parallel rank
         holds ``num_kv_heads`` of them from there; 0 for the whole model)."""
         self.num_layers = num_layers
         self.num_pages = num_pages
@@ -90,12 +138,18 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_start = head_start
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.value_dtype = dtype
+        self.dtype = dtype if scales is None else fp8.FP8_DTYPE  # what the pages hold
         self.device = torch.device(device)
+        self.scales = scales  # None: the pages hold the model's dtype
+        if scales is not None:
+            assert len(scales.k) == num_layers, (len(scales.k), num_layers)
+            self._k_scales = torch.tensor(scales.k, dtype=torch.float32, device=self.device)  # [L]
+            self._v_scales = torch.tensor(scales.v, dtype=torch.float32, device=self.device)  # [L]
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self._set_buffers(
-            torch.zeros(shape, dtype=dtype, device=self.device),
-            torch.zeros(shape, dtype=dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
         )
 
     def _set_buffers(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> None:
@@ -148,16 +202,36 @@ class KVPool:
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> None:
-        """Store row ``i`` of ``k``/``v`` at flat slot ``slots[i]`` of layer ``layer_id``."""
+        """Store row ``i`` of ``k``/``v`` at flat slot ``slots[i]`` of layer ``layer_id``
+        (quantized with the layer's scales in an FP8 pool)."""
         assert k.shape == v.shape and k.shape[0] == slots.shape[0]
         slots = slots.to(device=self.device, dtype=torch.long)
-        ops.store_kv(
-            self.k_slots(layer_id),
-            self.v_slots(layer_id),
-            slots,
-            k.to(self.dtype),
-            v.to(self.dtype),
-        )
+        k_slots, v_slots = self.k_slots(layer_id), self.v_slots(layer_id)
+        if self.scales is None:
+            ops.store_kv(k_slots, v_slots, slots, k.to(self.dtype), v.to(self.dtype))
+            return
+        scales = (self._k_scales[layer_id], self._v_scales[layer_id])
+        ops.store_kv(k_slots, v_slots, slots, k, v, scales)
+
+    def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[len(slots), num_kv_heads, head_dim]`` at ``slots`` (int64, on the pool's
+        device) of layer ``layer_id``: as the pages hold them, or from an FP8 pool in fp32
+        (``page * scale``)."""
+        k, v = self.k_slots(layer_id)[slots], self.v_slots(layer_id)[slots]
+        if self.scales is None:
+            return k, v
+        k_scale, v_scale = self._k_scales[layer_id], self._v_scales[layer_id]
+        return fp8.dequantize_scaled(k, k_scale), fp8.dequantize_scaled(v, v_scale)
+
+    def store_target(
+        self, layer_id: int, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(k_slots, v_slots, slots)`` for a kernel that copies the model's K and V into the
+        pages itself (the rotary kernel, ``ops.rotary_qk``); None for an FP8 pool, whose
+        ``write`` quantizes them."""
+        if self.scales is not None:
+            return None
+        return self.k_slots(layer_id), self.v_slots(layer_id), slots
 
 
 class RequestPageTable:

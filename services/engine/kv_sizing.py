@@ -7,15 +7,18 @@ graphs. The pool takes the rest of its share::
 
     pages = (total * gpu_memory_utilization - (peak - profile pool)) // page_bytes
 
-``total`` is the device's memory, ``page_bytes`` one page of every layer's K and V. The
-share is the rank's own: ranks on one GPU split it (``services.cli_up_defaults``), and the
-CUDA context and libraries' allocations outside PyTorch are not in it. Kept free of torch:
-the command line reads the defaults.
+``total`` is the device's memory, ``page_bytes`` one page of every layer's K and V (one byte an
+element with ``--kv-cache-dtype fp8_e4m3``, else the model dtype's size). The share is the
+rank's own: ranks on one GPU split it (``services.cli_up_defaults``), and the CUDA context and
+libraries' allocations outside PyTorch are not in it. Kept free of torch: the command line
+reads the defaults.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from services.engine.quantization import FP8_E4M3
 
 CPU_NUM_PAGES = 16384  # a pool on the CPU, when no count is given (what `up` always had)
 PROFILE_NUM_PAGES = 2  # the profile runner's pool: the graphs' scratch page and one for its rows
@@ -27,6 +30,11 @@ def kv_page_bytes(
 ) -> int:
     """Bytes of one KV page: ``page_size`` positions of K and V in every layer."""
     return 2 * num_layers * page_size * num_kv_heads * head_dim * element_size
+
+
+def kv_element_size(kv_cache_dtype: str, model_element_size: int) -> int:
+    """Bytes of one stored K or V element under ``--kv-cache-dtype``."""
+    return 1 if kv_cache_dtype == FP8_E4M3 else model_element_size
 
 
 def pages_for_memory(total_bytes: int, utilization: float, used_bytes: int, page_bytes: int) -> int:

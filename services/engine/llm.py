@@ -26,7 +26,7 @@ from services.engine.loader import load_model
 from services.engine.model.rope import ImageSpan, mrope_positions
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.parallel import SINGLE, TensorParallel
-from services.engine.quantization import NO_QUANTIZATION
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE, NO_QUANTIZATION
 from services.engine.sampler import Sampler, make_generator
 from services.engine.step_inputs import StepInput
 
@@ -82,9 +82,11 @@ class LLMEngine:
         attention_backend: str = "torch",
         tp: TensorParallel = SINGLE,
         quantization: str = NO_QUANTIZATION,
+        kv_cache_dtype: str = AUTO_KV_CACHE_DTYPE,
     ) -> LLMEngine:
         model = load_model(model_dir, device=device, dtype=dtype, tp=tp, quantization=quantization)
-        return cls(ModelRunner(model, KVCacheConfig(num_pages, page_size), attention_backend))
+        kv = KVCacheConfig(num_pages, page_size, dtype=kv_cache_dtype)
+        return cls(ModelRunner(model, kv, attention_backend))
 
     def prompt_logits(self, requests: list[EngineRequest]) -> list[torch.Tensor]:
         """Logits of every prompt position of each request, [prompt_len, vocab] fp32, from one prefill step."""

@@ -10,11 +10,16 @@ them in ``tp_shards``, see model/parallel_layers.py) through safetensors' ``get_
 rank's memory holds about ``1 / tp.size`` of the split tensors, never a whole one. A layer
 whose parameter stacks several slices of one checkpoint tensor (the ViT's fused q/k/v: this
 rank's heads of each third) names a tuple of them, read and concatenated in order.
+
+A checkpoint's FP8 KV-cache scales (vLLM / compressed-tensors names, ``read_kv_scales``) are
+not parameters: they are read apart, whole on every rank, into ``model.kv_scales``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Collection
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from safetensors import safe_open
 from services.common.errors import ModelLoadError
 from services.engine import fp8
 from services.engine.config import ModelConfig
+from services.engine.kv_cache import KVScales
 from services.engine.model.moe import EXPERT_TENSORS, checkpoint_expert
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model.registry import model_class
@@ -36,6 +42,8 @@ COMPONENTS = ("vision", "language")
 _COMPONENT_PREFIXES = {"vision": ("visual.",), "language": ("model.", "lm_head.")}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TpSlice = Shard | tuple[Shard, ...]  # one slice, or slices of one dim stacked in order
+# a layer's KV-cache scale: k_scale, v_scale, or one kv_scale for both (older vLLM checkpoints)
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)")
 
 
 def canonical_name(name: str) -> str:
@@ -110,7 +118,7 @@ def read_state_dict(
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 name = canonical_name(key)
-                if not name.startswith(prefixes):
+                if not name.startswith(prefixes) or _KV_SCALE.fullmatch(name):
                     continue
                 if name in tensors:
                     raise ModelLoadError(f"tensor {key!r} appears twice in the checkpoint")
@@ -119,6 +127,43 @@ def read_state_dict(
                 tensor = tensor.to(device)
                 tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return tensors
+
+
+def read_kv_scales(model_dir: Path, num_layers: int) -> KVScales | None:
+    """The checkpoint's FP8 KV-cache scales (``model.layers.N.self_attn.k_scale`` and
+    ``v_scale``, or one ``kv_scale`` for both); None when it carries none. ``ModelLoadError``
+    for a layer without both, or a scale that is not one positive finite number."""
+    found: dict[tuple[int, str], float] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                match = _KV_SCALE.fullmatch(canonical_name(key))
+                if match is None:
+                    continue
+                tensor = f.get_tensor(key).float()
+                value = tensor.item() if tensor.numel() == 1 else math.nan
+                if not (math.isfinite(value) and value > 0):
+                    raise ModelLoadError(
+                        f"KV-cache scale {key!r} must be one positive finite number (a scale per "
+                        f"layer), got shape {tuple(tensor.shape)}: {tensor.flatten()[:4].tolist()}"
+                    )
+                layer, kind = int(match[1]), match[2]
+                for part in ("k", "v") if kind == "kv_scale" else (kind[0],):
+                    found[(layer, part)] = value
+    if not found:
+        return None
+    wanted = [(layer, part) for layer in range(num_layers) for part in ("k", "v")]
+    if set(found) != set(wanted):
+        missing = [f"{layer}.{part}_scale" for layer, part in wanted if (layer, part) not in found]
+        extra = [f"{layer}.{part}_scale" for layer, part in sorted(set(found) - set(wanted))]
+        raise ModelLoadError(
+            f"the checkpoint's KV-cache scales do not cover its {num_layers} layers: missing "
+            f"{missing[:6] or 'none'}, beyond them {extra[:6] or 'none'}"
+        )
+    return KVScales(
+        tuple(found[(layer, "k")] for layer in range(num_layers)),
+        tuple(found[(layer, "v")] for layer in range(num_layers)),
+    )
 
 
 def check_tensors(model: Qwen2_5_VLModel, tensors: dict[str, torch.Tensor]) -> None:
@@ -169,7 +214,8 @@ def load_model(
     default.
     ``quantization`` (``quantization.py``): ``fp8`` quantizes the decoder's dense linears at
     load, per rank after sharding (``ValueError`` for a device that cannot run them); a
-    checkpoint that is already quantized is refused.
+    checkpoint that is already quantized is refused (one whose only quantization is its KV
+    cache's scales is not: they become ``model.kv_scales``, used by ``--kv-cache-dtype fp8_e4m3``).
     """
     unknown = set(components) - set(COMPONENTS)
     if unknown or not components:
@@ -199,6 +245,8 @@ def load_model(
     tensors = read_state_dict(model_dir, device, dtype, prefixes, tp_shards(model))
     check_tensors(model, tensors)
     model.load_state_dict(tensors, strict=False, assign=True)
+    if "language" in components:
+        model.kv_scales = read_kv_scales(model_dir, config.text.num_hidden_layers)
     del tensors  # so the checkpoint tensors go as the fused (and FP8) ones replace them
     return finish_model(model, device, quantization)
 

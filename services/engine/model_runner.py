@@ -31,15 +31,17 @@ from services.engine.attention import (
 )
 from services.engine.cuda_graph import DEFAULT_BATCH_SIZES, dp_graph_size
 from services.engine.gpu_defaults import DEFAULT_GPU_MEMORY_UTILIZATION
-from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
+from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable, pool_scales
 from services.engine.kv_sizing import (
     CPU_NUM_PAGES,
     PROFILE_NUM_PAGES,
     KVPoolSize,
+    kv_element_size,
     kv_page_bytes,
     pages_for_memory,
 )
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE
 from services.engine.runner_graphs import capture_graphs
 from services.engine.step_inputs import (
     DecodeInputs,
@@ -53,12 +55,13 @@ from services.engine.step_inputs import (
 @dataclass(frozen=True)
 class KVCacheConfig:
     """The pool's pages: ``num_pages``, or (None) a share of the GPU's memory sized at start
-    (kv_sizing.py), ``CPU_NUM_PAGES`` off CUDA."""
+    (kv_sizing.py), ``CPU_NUM_PAGES`` off CUDA; and how they hold K and V (``dtype``)."""
 
     num_pages: int | None
     page_size: int
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # with num_pages None
     max_batch_size: int = DEFAULT_BATCH_SIZES[-1]  # the DECODE batch the sizing profiles
+    dtype: str = AUTO_KV_CACHE_DTYPE  # --kv-cache-dtype: auto (the model's) | fp8_e4m3
 
 
 class ModelRunner:
@@ -78,6 +81,9 @@ class ModelRunner:
         attention_backend = resolve_attention_backend(
             attention_backend, self.device, self.dtype, model.config.text.head_dim
         )
+        scales = pool_scales(
+            kv_config.dtype, model.kv_scales, text.num_hidden_layers, self.device
+        )  # None: pages in the model's dtype
         self.pool_size = self._pool_size(
             kv_config,
             lambda num_pages: ModelRunner(
@@ -98,6 +104,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             head_start=model.heads.kv_start,
+            scales=scales,
         )
         self.page_manager = KVPageManager(num_pages, self.page_size)
         self.page_table = RequestPageTable(self.page_manager)
@@ -117,14 +124,14 @@ class ModelRunner:
             prefill_graph_tokens,
         )
 
-    def _page_bytes(self, page_size: int) -> int:
+    def _page_bytes(self, kv_config: KVCacheConfig) -> int:
         text = self.model.config.text
         return kv_page_bytes(
             text.num_hidden_layers,
-            page_size,
+            kv_config.page_size,
             self.model.heads.num_kv_heads,
             text.head_dim,
-            self.model.lm_head.weight.element_size(),
+            kv_element_size(kv_config.dtype, self.dtype.itemsize),
         )
 
     def _pool_size(
@@ -133,7 +140,7 @@ class ModelRunner:
         """``kv_config.num_pages``, else the pages of ``kv_config.gpu_memory_utilization`` of
         this CUDA device next to what ``profile_runner`` holds at its peak (kv_sizing.py),
         ``CPU_NUM_PAGES`` off CUDA."""
-        page_bytes = self._page_bytes(kv_config.page_size)
+        page_bytes = self._page_bytes(kv_config)
         if kv_config.num_pages is not None:
             return KVPoolSize(kv_config.num_pages, kv_config.page_size, page_bytes)
         if self.device.type != "cuda":

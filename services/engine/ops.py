@@ -77,6 +77,7 @@ def rotary_qk(
     pool layer ``(k_slots, v_slots)`` (``[num_slots, Hkv, D]`` each). On CUDA the rotation
     is done in place in ``qkv`` (q/k/v are views of it) and the store is part of the same kernel.
     """
+    assert kv_store is None or kv_store[0].dtype != fp8.FP8_DTYPE, "KVPool.write stores FP8 pages"
     n = qkv.shape[0]
     q_size, kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
     kernels = _fused(qkv)
@@ -188,8 +189,12 @@ def store_kv(
     slots: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``k_slots[slots[i]] = k[i]`` and the same for v; slots/k/v on the pool's device and dtype."""
+    """``k_slots[slots[i]] = k[i]`` and the same for v; slots/k/v on the pool's device and dtype.
+
+    With ``scales`` (K's and V's, one fp32 each, 0-dim on the pool's device) the slots are
+    e4m3 and ``k``/``v`` (the model's dtype) are stored as ``fp8.quantize_scaled`` of them."""
     kernels = _fused(k, "triton_kv")
     if (
         kernels is not None
@@ -197,8 +202,12 @@ def store_kv(
         and v.stride(2) == 1
         and k.stride(1) == v.stride(1) == k.shape[2]
     ):
-        kernels.store_kv(k_slots, v_slots, slots, k, v)
+        kernels.store_kv(k_slots, v_slots, slots, k, v, scales)
         return
+    if scales is not None:  # no index_copy_ for e4m3: its bytes move as uint8
+        k_slots, v_slots = k_slots.view(torch.uint8), v_slots.view(torch.uint8)
+        k = fp8.quantize_scaled(k, scales[0]).view(torch.uint8)
+        v = fp8.quantize_scaled(v, scales[1]).view(torch.uint8)
     k_slots.index_copy_(0, slots, k)
     v_slots.index_copy_(0, slots, v)
 

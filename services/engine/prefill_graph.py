@@ -155,8 +155,11 @@ class PrefillGraphs:
             out = final.add_forward(x, residual)[0]
             self._hidden[:size].copy_(out)
             return
-        kv_store = (self.kv_pool.k_slots(i), self.kv_pool.v_slots(i), self._slots[:size])
+        slots = self._slots[:size]
+        kv_store = self.kv_pool.store_target(i, slots)
         *qkv, residual = self.layers[i].begin(x, residual, cos, sin, kv_store)
+        if kv_store is None:  # an FP8 pool quantizes what it stores
+            self.kv_pool.write(i, slots, qkv[1], qkv[2])
         self._residual[:size].copy_(residual)
         for buffer, part in zip(self._qkv, qkv, strict=True):
             buffer[:size].copy_(part)

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.engine.fp8 import FP8_DTYPE, FP8_MAX
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -18,18 +20,25 @@ def _store_kv_kernel(
     k_stride,
     v_stride,
     row_size,
+    k_scale_ptr,
+    v_scale_ptr,
+    QUANTIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < row_size
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    tl.store(
-        k_dst + slot * row_size + cols, tl.load(k_ptr + t * k_stride + cols, mask=mask), mask=mask
-    )
-    tl.store(
-        v_dst + slot * row_size + cols, tl.load(v_ptr + t * v_stride + cols, mask=mask), mask=mask
-    )
+    k = tl.load(k_ptr + t * k_stride + cols, mask=mask)
+    v = tl.load(v_ptr + t * v_stride + cols, mask=mask)
+    if QUANTIZE:  # fp8.quantize_scaled: value / scale, clamped to +-FP8_MAX, rounded to e4m3
+        k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
+        v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
+        k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX).to(k_dst.dtype.element_ty)
+        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX).to(v_dst.dtype.element_ty)
+    tl.store(k_dst + slot * row_size + cols, k, mask=mask)
+    tl.store(v_dst + slot * row_size + cols, v, mask=mask)
 
 
 def store_kv(
@@ -38,15 +47,19 @@ def store_kv(
     slots: torch.Tensor,  # [T] int
     k: torch.Tensor,  # [T, Hkv, D]; each token's heads contiguous (a view of qkv is fine)
     v: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # e4m3 slots: ops.store_kv
 ) -> None:
-    """K and V of every token to its slot in one launch (two ``index_copy_`` otherwise)."""
+    """K and V of every token to its slot in one launch (two ``index_copy_`` otherwise), scaled
+    and rounded to e4m3 in the kernel with ``scales``."""
     n = k.shape[0]
     row_size = k.shape[1] * k.shape[2]
     assert k_slots.is_contiguous() and v_slots.is_contiguous() and k_slots.shape[1:] == k.shape[1:]
     for t in (k, v):
-        assert t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.dtype == k_slots.dtype
+        assert t.stride(2) == 1 and t.stride(1) == t.shape[2]
+        assert t.dtype == k_slots.dtype or (scales is not None and k_slots.dtype == FP8_DTYPE)
     if n == 0:
         return
+    k_scale, v_scale = scales if scales is not None else (k_slots, v_slots)  # unused without
     _store_kv_kernel[(n,)](
         k,
         v,
@@ -56,6 +69,10 @@ def store_kv(
         k.stride(0),
         v.stride(0),
         row_size,
+        k_scale,
+        v_scale,
+        QUANTIZE=scales is not None,
+        FP8_MAX=FP8_MAX,
         BLOCK=triton.next_power_of_2(row_size),
         num_warps=4,
     )

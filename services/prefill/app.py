@@ -71,6 +71,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         model=str(config.model),
         dtype=config.dtype,
         quantization=config.quantization,
+        kv_cache_dtype=config.kv_cache_dtype,
         num_pages=config.num_pages,
         page_size=config.page_size,
         embedding_rows=config.embedding_rows,

@@ -9,7 +9,7 @@ from services.common.rank_devices import device_list
 from services.common.service_main import ServiceConfig
 from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
 from services.engine.gpu_defaults import ATTENTION_CHOICES, ATTENTION_HELP, AUTO_ATTENTION
-from services.engine.quantization import quantization_flag
+from services.engine.quantization import kv_cache_dtype_flag, quantization_flag
 
 # A prefill process's shutdown after its drain: the gRPC grace (5 s, services/common/server.py),
 # then its rank group's stop (its stop grace, 5 s), and a margin.
@@ -75,6 +75,7 @@ class PrefillConfig(ServiceConfig):
     )
     attention_backend: str = flag(AUTO_ATTENTION, choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
     quantization: str = quantization_flag()
+    kv_cache_dtype: str = kv_cache_dtype_flag()
     default_timeout_s: float = flag(
         300.0, type=positive, help="deadline of a request that carries none"
     )

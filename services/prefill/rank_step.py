@@ -35,7 +35,7 @@ from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.parallel import TensorParallel
 from services.engine.prefill_graph import token_sizes_up_to
-from services.engine.quantization import NO_QUANTIZATION
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE, NO_QUANTIZATION
 from services.prefill.host_tier import num_host_pages
 from services.prefill.messages import (
     SHARDED,
@@ -75,6 +75,7 @@ class PrefillRankInit(msgspec.Struct, frozen=True):
     cuda_graph_max_tokens: int = 0  # the prefill graphs' largest size (prefill_graph.py); 0: eager
     gpu_share_file: str = ""  # each rank marks its forwards there for decode (gpu_share.py)
     quantization: str = NO_QUANTIZATION  # the decoder's dense linears (engine/quantization.py)
+    kv_cache_dtype: str = AUTO_KV_CACHE_DTYPE  # the KV pages (engine/quantization.py)
     host_cache_gb: float = 0.0  # the prefix cache's host tier (prefix_cache.py); 0: none
     kv_store_master: str = ""  # the prefix cache's shared KV store (store_tier.py); "": none
     kv_store_segment_bytes: int = 0
@@ -115,7 +116,7 @@ class PrefillRankStep(BaseRankStep):
         extra_page = int(bool(graph_tokens))
         runner = ModelRunner(
             model,
-            KVCacheConfig(init.num_pages + extra_page, init.page_size),
+            KVCacheConfig(init.num_pages + extra_page, init.page_size, dtype=init.kv_cache_dtype),
             init.attention_backend,
             cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
             prefill_graph_tokens=graph_tokens,
@@ -242,6 +243,7 @@ def manifest_of(init: PrefillRankInit) -> dict[str, object]:
         init.model,
         dtype=init.dtype,
         quantization=init.quantization,
+        kv_cache_dtype=init.kv_cache_dtype,
         tp_size=init.tp_size,
         ep_size=init.ep_size,
         page_size=init.page_size,

@@ -71,6 +71,8 @@ def pool_layout(pool: KVPool) -> KvPoolLayout:
 
 
 HeadSlices = tuple[slice, slice]  # (the source pool's heads, the destination's) to copy
+# pages move as they are stored: both ends hold them the same way, or nothing moves
+_LAYOUT_HINTS = {"dtype": " (prefill and decode need the same --dtype and --kv-cache-dtype)"}
 
 
 def check_compatible(
@@ -86,7 +88,7 @@ def check_compatible(
         if getattr(src, field) != getattr(dst.layout, field):
             raise InvalidRequestError(
                 f"KV layout mismatch for {dst.request_id}: {field} is {getattr(src, field)} here, "
-                f"{getattr(dst.layout, field)} at the destination"
+                f"{getattr(dst.layout, field)} at the destination{_LAYOUT_HINTS.get(field, '')}"
             )
     heads = _common_heads(src, dst)
     if len(src_pages) != len(dst.page_ids):

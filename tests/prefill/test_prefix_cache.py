@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from services.engine.kv_cache import KVPageManager, KVPool, RequestPageTable
+from services.engine.kv_cache import KVPageManager, KVPool, KVScales, RequestPageTable
 from services.prefill.host_tier import num_host_pages
 from services.prefill.messages import CacheMoves
 from services.prefill.prefix_cache import CacheAsk, PrefixIndex
@@ -262,3 +262,35 @@ def test_a_page_written_by_one_worker_is_fetched_bit_for_bit_by_another() -> Non
     assert torch.equal(second.v_buffer[:, got], first.v_buffer[:, pages])
     with pytest.raises(KeyError, match="1 pages missing"):  # a failed fetch raises: the step fails
         b.apply(CacheMoves(fetch=keys("z")))
+
+
+def test_fp8_pages_are_sized_spilled_loaded_and_fetched_as_stored() -> None:
+    """An FP8 pool's pages (``--kv-cache-dtype fp8_e4m3``): one byte an element in the host
+    tier's budget, and byte for byte through the host tier and the shared store."""
+    torch.manual_seed(2)
+    first, second = (
+        KVPool(2, 8, PAGE, 2, 8, torch.float32, "cpu", scales=KVScales((0.5, 2.0), (1.0, 0.1)))
+        for _ in "ab"
+    )
+    assert num_host_pages(10 * (2 * 2 * PAGE * 2 * 8) / 1e9, first) == 10
+    for layer in range(2):
+        first.write(layer, torch.arange(8 * PAGE), *torch.randn(2, 8 * PAGE, 2, 8))
+    store = DictStore()
+    a = PrefixPages(RequestPageTable(KVPageManager(8, PAGE)), first, 4, store)
+    b = PrefixPages(RequestPageTable(KVPageManager(8, PAGE)), second, store=store)
+    a.lend("r", (), 3 * PAGE)
+    held = a.table.pages("r")
+    k_before, v_before = first.k_buffer[:, held].clone(), first.v_buffer[:, held].clone()
+    a.settle("r", (), keys("a", "b", "c"), computed=True)
+    a.write_to_store(keys("a", "b", "c"))
+    a.apply(CacheMoves(spill=keys("a", "b", "c")))
+    first.k_buffer.view(torch.uint8).zero_()
+    first.v_buffer.view(torch.uint8).zero_()
+    a.table.manager.allocate(3)  # the pages it comes back to are other ones
+    a.apply(CacheMoves(load=keys("a", "b", "c")))
+    b.apply(CacheMoves(fetch=keys("a", "b", "c")))
+    for pages, pool_ in ((a, first), (b, second)):
+        pages.lend("s", keys("a", "b", "c"), 3 * PAGE + 1)
+        back = pages.table.pages("s")[:3]
+        assert torch.equal(pool_.k_buffer[:, back].view(torch.uint8), k_before.view(torch.uint8))
+        assert torch.equal(pool_.v_buffer[:, back].view(torch.uint8), v_before.view(torch.uint8))

@@ -11,6 +11,9 @@ turns the step's page tables into flashinfer's CSR metadata (``indptr`` / ``indi
   groups such as 28 query / 4 KV heads).
 For CUDA graphs, one decode wrapper per captured batch size owns fixed-address metadata
 buffers; ``plan_cuda_graph`` rewrites them before each replay.
+An FP8 pool's pages are planned as ``kv_data_type`` e4m3 (q stays in the model's dtype) and
+each layer's run gets its scales (``k_scale`` folds into the softmax scale, ``v_scale``
+multiplies the output); the pool's ``write`` quantizes the new K/V, not the rotary kernel.
 """
 
 from __future__ import annotations
@@ -119,8 +122,11 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         self._planned = torch.cuda.Event()
 
     def _plan_kwargs(self) -> dict[str, Any]:
-        dtype = self.kv_pool.dtype
-        return {"q_data_type": dtype, "kv_data_type": dtype, "sm_scale": self.scale}
+        return {
+            "q_data_type": self.kv_pool.value_dtype,
+            "kv_data_type": self.kv_pool.dtype,
+            "sm_scale": self.scale,
+        }
 
     def _plan_decode(self, wrapper: Any, meta: PagedKVMetadata, indices: torch.Tensor) -> None:
         wrapper.plan(
@@ -179,14 +185,18 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
             self.kv_pool.k_cache[layer_id],
             self.kv_pool.v_cache[layer_id],
         )  # NHD, per layer
-        return self._active.run(q, kv_cache)
+        scales = self.kv_pool.scales
+        if scales is None:
+            return self._active.run(q, kv_cache)
+        return self._active.run(q, kv_cache, k_scale=scales.k[layer_id], v_scale=scales.v[layer_id])
 
     def kv_store_target(
         self, layer_id: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The pool's slots for this step: the decoder stores K/V in its rotary kernel (one launch fewer)."""
+        """The pool's slots for this step: the decoder stores K/V in its rotary kernel (one launch
+        fewer); None for an FP8 pool (``forward`` writes them, quantized)."""
         assert self._out_slots is not None, "plan(batch) must run before kv_store_target"
-        return self.kv_pool.k_slots(layer_id), self.kv_pool.v_slots(layer_id), self._out_slots
+        return self.kv_pool.store_target(layer_id, self._out_slots)
 
     def init_cuda_graph(self, batch_sizes: list[int] | tuple[int, ...], max_num_pages: int) -> None:
         self._indices_host = torch.zeros(max_num_pages, dtype=torch.int32, pin_memory=True)

@@ -1,8 +1,9 @@
 """Paged attention in plain torch: the reference backend, on any device and dtype.
 
-Each step gathers every request's KV rows from the pool by slot id and runs
-``scaled_dot_product_attention`` in fp32 with an explicit causal mask, one request
-at a time. Slow, simple and exact; the GPU kernels are checked against it.
+Each step gathers every request's KV rows from the pool by slot id (``KVPool.read``: an FP8
+pool's upcast and scaled) and runs ``scaled_dot_product_attention`` in fp32 with an explicit
+causal mask, one request at a time. Slow, simple and exact; the GPU kernels are checked
+against it.
 """
 
 from __future__ import annotations
@@ -108,14 +109,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         assert q.shape == (plan.num_tokens, self.num_q_heads, self.head_dim), tuple(q.shape)
         if not kv_stored:
             self.kv_pool.write(layer_id, plan.out_slots, k, v)
-        k_slots = self.kv_pool.k_slots(layer_id)  # [num_slots, num_kv_heads, head_dim]
-        v_slots = self.kv_pool.v_slots(layer_id)
         out = torch.empty_like(q)
         for req in plan.requests:
             rows = slice(req.query_start, req.query_start + req.extend_len)
-            out[rows] = self._attend_one(
-                q[rows], k_slots[req.gather_slots], v_slots[req.gather_slots], req.mask
-            )
+            k_seq, v_seq = self.kv_pool.read(layer_id, req.gather_slots)  # FP8 pages dequantized
+            out[rows] = self._attend_one(q[rows], k_seq, v_seq, req.mask)
         return out
 
     def _attend_one(

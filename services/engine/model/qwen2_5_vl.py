@@ -24,6 +24,7 @@ from torch import nn
 
 from services.engine.attention.base import BaseAttentionBackend
 from services.engine.config import ModelConfig
+from services.engine.kv_cache import KVScales
 from services.engine.model.language import LanguageModel
 from services.engine.model.parallel_layers import ParallelLMHead
 from services.engine.model.vision import GridList, VisionTransformer
@@ -45,6 +46,8 @@ class Qwen2_5_VLModel(nn.Module):
         self.lm_head = ParallelLMHead(text.hidden_size, text.vocab_size, tp.attention)
         if text.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the checkpoint's FP8 KV-cache scales (loader.read_kv_scales); None: it carries none
+        self.kv_scales: KVScales | None = None
 
     def build_vision_tower(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> nn.Module:
         return VisionTransformer(config.vision, tp)
