@@ -150,6 +150,24 @@ def test_fault_bounds_reach_their_service_only_when_given(monkeypatch) -> None:
     assert not [f for a in defaults.values() for f in a if f in FAULT_FLAGS.values()]
 
 
+def test_watchdog_bounds_reach_prefill_and_decode_only_when_given(monkeypatch) -> None:
+    cfg = LaunchConfig(
+        Path("m"), prefill_step_timeout_s=12.0, prefill_watchdog_s=9.0, decode_watchdog_s=8.0
+    )
+    args = service_args(cfg, monkeypatch)
+
+    def value(service: str, flag: str) -> str:
+        return args[service][args[service].index(flag) + 1]
+
+    assert value("prefill", "--step-timeout-s") == "12.0"
+    assert (value("prefill", "--watchdog-s"), value("decode", "--watchdog-s")) == ("9.0", "8.0")
+    assert sorted(n for n, a in args.items() if "--watchdog-s" in a) == ["decode", "prefill"]
+    defaults = service_args(LaunchConfig(Path("m")), monkeypatch)
+    assert not [
+        f for a in defaults.values() for f in a if f in ("--watchdog-s", "--step-timeout-s")
+    ]
+
+
 ADMISSION_FLAGS = ("--max-concurrent-requests", "--max-queued-requests", "--queue-timeout-s")
 
 

@@ -70,6 +70,11 @@ LAYOUTS = {
     ),
     DECODE_TP: ("--decode-dp", "1", "--decode-tp", "2", "--decode-ep", "2"),
 }
+# a stopped rank is found by these bounds (60 s and 30 s by default): most of a SIGSTOP case's time
+WATCHDOG_FLAGS = (
+    *("--prefill-step-timeout-s", "12", "--prefill-watchdog-s", "10"),
+    *("--decode-watchdog-s", "10"),
+)
 FAULTS = (signal.SIGKILL, signal.SIGSTOP)
 # (service, rank, fault) of each layout's cases, the SIGKILLs first
 DP_ATTENTION_CASES = [
@@ -157,7 +162,8 @@ def wait_resources(system: System, start: dict[str, float]) -> dict[str, float]:
 def system(request, tmp_path_factory):
     flags = LAYOUTS[request.param]
     workdir = tmp_path_factory.mktemp(request.param)
-    with running_system(workdir, "--model", str(MOE_DIR), *SYSTEM_FLAGS, *flags) as system:
+    flags = (*SYSTEM_FLAGS, *WATCHDOG_FLAGS, *flags)
+    with running_system(workdir, "--model", str(MOE_DIR), *flags) as system:
         yield system
 
 
