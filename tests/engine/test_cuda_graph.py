@@ -47,10 +47,13 @@ def _decode(runner: ModelRunner, tokens: list[int], seq_lens: list[int]) -> torc
     return runner.forward(ForwardMode.DECODE, steps).clone()
 
 
-def _compare(model, prompt_lens=PROMPT_LENS, graph_sizes=DEFAULT_BATCH_SIZES, padded_to=4):
+def _compare(
+    model, prompt_lens=PROMPT_LENS, graph_sizes=DEFAULT_BATCH_SIZES, padded_to=4, kv_dtype="auto"
+) -> ModelRunner:
+    """Teacher-forced decode steps replayed in graphs against eager ones; the graph's runner."""
     vocab = model.config.text.vocab_size
     prompts = [torch.randint(0, vocab, (n,)).tolist() for n in prompt_lens]
-    kv = KVCacheConfig(256 + 2 * len(prompts), 16)
+    kv = KVCacheConfig(256 + 2 * len(prompts), 16, dtype=kv_dtype)
     graph = ModelRunner(model, kv, "flashinfer", cuda_graph_batch_sizes=graph_sizes)
     eager = ModelRunner(model, kv, "flashinfer", cuda_graph_batch_sizes=())
     assert graph.cuda_graph is not None and eager.cuda_graph is None
@@ -74,6 +77,7 @@ def _compare(model, prompt_lens=PROMPT_LENS, graph_sizes=DEFAULT_BATCH_SIZES, pa
         assert bool(agree[decided].all())
         tokens = expected.argmax(-1).tolist()
         seq_lens = [n + 1 for n in seq_lens]
+    return graph
 
 
 def test_graph_decode_matches_eager_small(small_config_dir):

@@ -21,10 +21,9 @@ import torch
 from benchmarks.random_model import build_random_model
 from services.engine import fp8, ops
 from services.engine.attention import ForwardMode, create_attention_backend
-from services.engine.cuda_graph import DEFAULT_BATCH_SIZES
 from services.engine.kv_cache import KVPool, KVScales
 from services.engine.model_runner import KVCacheConfig, ModelRunner
-from tests.engine.test_cuda_graph import NUM_STEPS, PROMPT_LENS, _decode, _prefill
+from tests.engine.test_cuda_graph import NUM_STEPS, PROMPT_LENS, _compare, _decode, _prefill
 from tests.engine.test_flashinfer_attention import CASES, HEAD_DIM, NUM_PAGES, PAGE_SIZE, _batch
 from tests.engine.test_prefill_graph import _passes
 
@@ -154,27 +153,8 @@ def test_the_prefill_pieces_equal_the_eager_pass_with_fp8_pages(small_config_dir
 
 def test_graph_decode_equals_eager_with_fp8_pages(small_config_dir) -> None:
     """``test_cuda_graph.py``'s teacher-forced comparison, on e4m3 pages."""
-    model = _small_model(small_config_dir)
-    vocab = model.config.text.vocab_size
-    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in PROMPT_LENS]
-    kv = KVCacheConfig(256 + 2 * len(prompts), 16, dtype="fp8_e4m3")
-    graph = ModelRunner(model, kv, "flashinfer", cuda_graph_batch_sizes=DEFAULT_BATCH_SIZES)
-    eager = ModelRunner(model, kv, "flashinfer", cuda_graph_batch_sizes=())
-    assert graph.cuda_graph is not None and graph.kv_pool.dtype == FP8
-    tokens = _prefill(eager, prompts).argmax(-1).tolist()
-    _prefill(graph, prompts)
-    seq_lens = list(PROMPT_LENS)
-    for step in range(NUM_STEPS):
-        expected = _decode(eager, tokens, seq_lens)
-        got = _decode(graph, tokens, seq_lens)
-        diff = (got - expected).abs().max().item()
-        top2 = expected.topk(2, dim=-1).values
-        decided = (top2[:, 0] - top2[:, 1]) > 2 * diff + 1e-3
-        print(f"step {step}: max |graph - eager| {diff:.4f}")
-        assert diff <= 0.02 * expected.abs().max().item() + 0.05
-        assert bool((got.argmax(-1) == expected.argmax(-1))[decided].all())
-        tokens = expected.argmax(-1).tolist()
-        seq_lens = [n + 1 for n in seq_lens]
+    graph = _compare(_small_model(small_config_dir), kv_dtype="fp8_e4m3")
+    assert graph.kv_pool.dtype == FP8
 
 
 def test_fp8_kv_logits_stay_close_to_bf16_kv(small_config_dir) -> None:
