@@ -15,9 +15,11 @@ from services.decode.scheduler import DecodePlan, JoinedRow
 from services.engine.attention import ForwardMode
 from services.engine.config import VisionConfig
 from services.engine.cuda_graph import graph_batch_sizes
+from services.engine.kv_cache import KVPool
 from services.engine.kv_sizing import kv_page_bytes
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE
 from services.engine.sampler import Sampler
 from services.engine.step_inputs import StepInput
 
@@ -36,18 +38,29 @@ def make_runner(
     max_tokens: int,
     attention_backend: str = "flashinfer",
     max_batch: int = max(DECODE_BATCHES),
+    kv_cache_dtype: str = AUTO_KV_CACHE_DTYPE,
 ) -> ModelRunner:
-    """A runner with decode graphs up to ``max_batch``, as a decode rank of that batch has."""
+    """A runner with decode graphs up to ``max_batch``, as a decode rank of that batch has, its
+    pool's pages in ``kv_cache_dtype`` (``--kv-cache-dtype``)."""
     num_pages = -(-max_tokens // PAGE_SIZE) + max_batch + 2  # + last partial pages + scratch
     runner = ModelRunner(
         model,
-        KVCacheConfig(num_pages, PAGE_SIZE),
+        KVCacheConfig(num_pages, PAGE_SIZE, dtype=kv_cache_dtype),
         attention_backend,
         cuda_graph_batch_sizes=graph_batch_sizes(max_batch),
     )
-    runner.kv_pool.k_buffer.normal_()  # never time attention over zeros
-    runner.kv_pool.v_buffer.normal_()
+    fill_random(runner.kv_pool)  # never time attention over zeros
     return runner
+
+
+def fill_random(pool: KVPool) -> None:
+    """Normal values in every page of ``pool``, a layer at a time: FP8 pages take them through
+    the model's dtype (torch draws no normal values in e4m3)."""
+    for cache in (*pool.k_cache, *pool.v_cache):  # L x [P, S, Hkv, D] each
+        if cache.dtype == pool.value_dtype:
+            cache.normal_()
+        else:
+            cache.copy_(torch.randn(cache.shape, dtype=pool.value_dtype, device=cache.device))
 
 
 def prefill_rows(

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from services.engine import fp8
 from services.engine.config import ModelConfig
 from services.engine.loader import finish_model
 from services.engine.model.layers import RMSNorm
 from services.engine.model.qwen2_5_vl import Qwen2_5_VLModel
 from services.engine.model.registry import model_class
 from services.engine.parallel import TensorParallel
+from services.engine.quantization import FP8, NO_QUANTIZATION, check_quantization
 
 CONFIG_7B = Path(__file__).resolve().parent / "configs" / "qwen2.5-vl-7b"
 # ours -> transformers 5
@@ -42,10 +44,16 @@ def build_random_model(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     tp: TensorParallel | None = None,
+    quantization: str = NO_QUANTIZATION,
 ) -> Qwen2_5_VLModel:
     """The engine's model for ``config_dir`` with seeded random weights created on ``device``;
-    ``tp``: the split it is built for (None: one rank)."""
+    ``tp``: the split it is built for (None: one rank); ``quantization``: as the loader's (fp8:
+    the decoder's dense linears quantized after the weights are made, ``ValueError`` for a
+    device that cannot run them)."""
     device = torch.device(device)
+    check_quantization(quantization)
+    if quantization == FP8:
+        fp8.check_fp8_device(device, dtype)
     config = ModelConfig.from_dir(config_dir)
     with torch.device("meta"):
         model = model_class(config.architecture)(config, *(() if tp is None else (tp,)))
@@ -58,7 +66,7 @@ def build_random_model(
             data = torch.empty(param.shape, dtype=dtype, device=device)
             _fill(name, module, data, generator)
             setattr(module, name, nn.Parameter(data, requires_grad=False))
-    return finish_model(model, device)
+    return finish_model(model, device, quantization)
 
 
 def hf_name(name: str) -> str:

@@ -6,6 +6,11 @@
         --requests-per-level 1.5 --sustain-s 2
         # Qwen3-VL-8B dimensions: its own checkpoint ($TMPDIR/stageserve-qwen3-vl-8b-random) and
         # its own section; c = 256 at 1000/1000 holds 78 GB of decode KV: an H200, not an H100
+    python -m benchmarks.system --concurrency 256,512 --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3
+        # FP8 weights (the decoder's dense linears) and FP8 KV pages, in the services and the
+        # engine bound alike; its own section, so the bf16 one stays (bf16 at c = 512 holds
+        # 61 GB of decode KV beside 2 x 15 GB of weights: more than an 80 GB H100)
     python -m benchmarks.system --quick      # CPU smoke run on the bundled tiny model
     python -m benchmarks.system --quick --config services/assets/tiny-qwen3-vl
         # CPU smoke run of a random checkpoint of a Qwen3-VL config (its tokenizer and processor)
@@ -19,8 +24,9 @@ In one run: writes (or reuses) a checkpoint of ``--config``'s dimensions (defaul
 in ``$TMPDIR/stageserve-7b-random``; another config in ``$TMPDIR/stageserve-<config>-random``,
 ``--checkpoint-dir`` overrides), random bf16 weights and the real vocabulary size (152,064 for
 the 7B: the config family's tiny tokenizer grown to it; benchmarks/system_model.py); checks that
-both models' weights and decode's KV pool can fit the GPU; times the engine alone on the same
-checkpoint's model (one prompt's prefill, the decode rank's
+both models' weights and decode's KV pool can fit the GPU (in the bytes ``--quantization`` and
+``--kv-cache-dtype`` make of them: benchmarks/system_memory.py); times the engine alone on the
+same checkpoint's model in the same precision (one prompt's prefill, the decode rank's
 pipelined loop at each concurrency's batch); starts ``stageserve up`` on the checkpoint
 (prefill and decode on one GPU, KV over CUDA IPC), warms it up; runs the serving client at each
 concurrency, spread over client processes, ``--input-len`` prompt tokens (as the server counts
@@ -29,8 +35,8 @@ them: the text is shorter by the chat template's tokens, measured in the warm-up
 throughput, TPOT, decode's in-service step, the messages decode sent per step, router,
 decode-leader and client CPU, and what ``nvidia-smi`` saw of the GPU: busy share, SM clock,
 power, slowdowns) and writes its section of ``--out`` (the 7B's ``SECTION_TITLE``; another
-config's names it, so the 7B section stays). With ``--sglang-bench-serving`` each
-level also runs SGLang's client (same concurrency, requests and lengths;
+config's or precision's names it, so the 7B bf16 section stays). With ``--sglang-bench-serving``
+each level also runs SGLang's client (same concurrency, requests and lengths;
 benchmarks/sglang_client.py) after ours, in a second table. ``--quick`` runs on the CPU: the
 bundled tiny model as it is, or with ``--config`` a random checkpoint of that config. Tests never
 assert on these numbers.
@@ -47,6 +53,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.gpu_monitor import GpuMonitor, gpu_monitor
+from benchmarks.precision import SERVICES, Precision, add_precision_args, check_services
 from benchmarks.report import command_line, write_run_section
 from benchmarks.serve_metrics import Slo, steady_output_throughput, summarize
 from benchmarks.sglang_client import SglangResult, run_sglang, write_sharegpt_words
@@ -64,13 +71,13 @@ from benchmarks.system_load import (
     running_system,
     template_tokens,
 )
+from benchmarks.system_memory import default_num_pages, fits_one_gpu
 from benchmarks.system_model import (
     add_config_arg,
     engine_times,
     is_default_config,
     resolve_checkpoint_dir,
     section_title,
-    single_gpu_bytes,
     write_checkpoint,
 )
 from benchmarks.system_table import NOTES, Level, engine_lines, sglang_lines, table_lines
@@ -83,11 +90,6 @@ MESSAGES = ("messages", "decode", "stageserve_decode_stream_messages_total")
 PREFILL = ("prefill", "prefill", "stageserve_prefill_forward_seconds")  # per batch
 PROMPT_TOKENS = "stageserve_request_prompt_tokens"  # the router's histogram of them
 PREFILL_WAIT = ("prefill wait", "decode", "stageserve_decode_prefill_wait_seconds_total")
-# Tokens a request's chat template adds around its text (28 with the bundled tokenizer), with
-# room: each request's Reserve is for prompt + output tokens, and the default page count must
-# hold every concurrent request's (at 16 tokens of room, 1000/1000 requests at c = 512 needed
-# 127 pages each against the 126 given: the requests over ran into the 30 s queue limit).
-TEMPLATE_TOKENS = 64
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -97,6 +99,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     add_system_args(p)
     add_config_arg(p)
+    add_precision_args(p)
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,64,256)")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1000)")
     p.add_argument(
@@ -240,49 +243,9 @@ def _num_ranks(args: argparse.Namespace) -> int:
     return args.decode_dp
 
 
-def default_num_pages(levels: tuple[int, ...], input_len: int, output_len: int, ranks: int) -> int:
-    """Decode KV pages per rank for every request of the top level at once, prompt + output."""
-    return max(levels) * -(-(input_len + output_len + TEMPLATE_TOKENS) // 16) // ranks + 64
-
-
-def fits_one_gpu(args: argparse.Namespace, num_pages: int) -> str | None:
-    """Why prefill's and decode's weights and decode's KV pool cannot fit the one GPU they share
-    (a lower bound: activations, CUDA graphs and the encoder not counted); None when they may,
-    or when the layout spreads over several GPUs."""
-    spread = (
-        args.decode_device
-        or args.decode_dp_attention
-        or any(
-            getattr(args, f) != 1 for f in ("prefill_tp", "prefill_ep", "decode_tp", "decode_ep")
-        )
-    )
-    if args.quick or spread:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    weights, page = single_gpu_bytes(args.config)
-    need = (1 + args.decode_dp) * weights + args.decode_dp * num_pages * page
-    total = torch.cuda.get_device_properties(0).total_memory
-    print(
-        f"GPU memory: prefill's and {args.decode_dp} decode rank(s)' weights {weights / 1e9:.1f} "
-        f"GB each, decode's KV {num_pages} pages x {page / 1e6:.2f} MB = "
-        f"{num_pages * page / 1e9:.1f} GB per rank; {need / 1e9:.1f} GB of the GPU's "
-        f"{total / 1e9:.1f} GB before activations",
-        flush=True,
-    )
-    if need <= total:
-        return None
-    return (
-        f"{args.config.name}: the weights and decode's KV pool need {need / 1e9:.1f} GB, more "
-        f"than the GPU's {total / 1e9:.1f} GB: a lower --concurrency (or --num-pages: the top "
-        "level then waits for pages) or a GPU with more memory"
-    )
-
-
 def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) -> int:
     settings = _settings(args)
+    precision = Precision.of(args)
     input_len, output_len, levels = (
         settings["input_len"],
         settings["output_len"],
@@ -309,6 +272,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         random_weights,
         settings["sustain_s"],
         monitor,
+        precision,
     )
     print("\n".join(engine_lines(engine)), flush=True)
     up_args = [
@@ -325,6 +289,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         str(-(-max(levels) // num_ranks)),
         "--ready-timeout-s",
         "1800",
+        *precision.flags(),
     ]
     if args.router_workers:
         up_args += ["--router-workers", str(args.router_workers)]
@@ -338,6 +303,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
     if args.decode_dp_attention:
         up_args.append("--decode-dp-attention")
     with running_system(up_args, args.workdir, "stageserve-system-") as system:
+        services_ran = check_services(precision, {s: system.argv(s) for s in SERVICES})
         model = system.served_model() or model_dir.name
         tokenizer = model_dir / "tokenizer.json"  # prompts of exactly input_len tokens
         warm_up, _ = run_load(
@@ -406,10 +372,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None, monitor: GpuMonitor) 
         f"{input_len - text_len}), {output_len} output tokens (ignore_eos), "
         f"greedy; engine prefill {engine.prefill_ms:.2f} ms, unpipelined decode steps "
         + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in engine.decode_unpipelined_ms.items()),
+        f"- precision: {services_ran}; the engine bound's model and pool held {engine.held}",
         *(f"- {line}" for line in engine_lines(engine)),
     ]
     command = command_line("benchmarks.system", argv)
-    title = section_title(SECTION_TITLE, "System", "benchmarks.system", args.config)
+    title = section_title(SECTION_TITLE, "System", "benchmarks.system", args.config, precision)
     write_run_section(args.out, title, command, info, lines, NOTES)
     return 0 if all(level.num_ok == level.num_requests for level in results) else 1
 

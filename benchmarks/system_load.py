@@ -82,6 +82,11 @@ class System:
             name: entry["pid"] for name, entry in self.state().items() if name.startswith(prefix)
         }
 
+    def argv(self, service: str) -> list[str]:
+        """The command line ``service``'s process runs (Linux: its /proc entry)."""
+        pid = self.state()[service]["pid"]
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
     def served_model(self) -> str | None:
         """The first model of GET /models; None when the router does not say."""
         import httpx

@@ -13,9 +13,10 @@ vision tower and ``preprocessor_config.json`` are the config's (7B: 14-pixel pat
 to 12.8 M pixels; Qwen3-VL-8B: 16-pixel patches, DeepStack), so an image becomes as many tokens
 as with the real model. The weights are ``build_random_model``'s (seeded, made on the device),
 so the engine rows, timed in the benchmark's process on weights built the same way from the
-checkpoint's config, see the same model as the services that load the file. Each config gets its
-own checkpoint directory by default (``default_checkpoint_dir``) and its own section of the
-report (``section_title``).
+checkpoint's config (quantized and with a KV pool as ``--quantization`` and ``--kv-cache-dtype``
+say, as the services' are), see the same model as the services that load the file. Each config
+gets its own checkpoint directory by default (``default_checkpoint_dir``) and each config and
+precision its own section of the report (``section_title``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from benchmarks import engine_rows as er
 from benchmarks.gpu_monitor import GpuMonitor, GpuSummary
+from benchmarks.precision import Precision
 from benchmarks.random_model import CONFIG_7B, build_random_model
 from benchmarks.vocab_tokenizer import write_grown_tokenizer
 from services.cli import BUNDLED_MODEL
@@ -79,13 +81,28 @@ def default_checkpoint_dir(config_dir: str | Path) -> Path:
     return Path(tempfile.gettempdir()) / f"stageserve-{name}-random"
 
 
-def section_title(default_title: str, heading: str, module: str, config_dir: str | Path) -> str:
-    """``default_title`` for the 7B config; otherwise a title naming the config, e.g.
-    ``## System at qwen3-vl-8b dimensions (`python -m benchmarks.system --config ...`)``."""
-    if is_default_config(config_dir):
+def section_title(
+    default_title: str,
+    heading: str,
+    module: str,
+    config_dir: str | Path,
+    precision: Precision = Precision(),
+) -> str:
+    """``default_title`` for the 7B config in the default precision; otherwise a title naming
+    the config and the precision, e.g. ``## System at qwen3-vl-8b dimensions (`python -m
+    benchmarks.system --config ...`)`` or ``## System with FP8 weights and FP8 KV cache
+    (`python -m benchmarks.system --quantization fp8 --kv-cache-dtype fp8_e4m3`)``."""
+    is_default = is_default_config(config_dir)
+    if is_default and precision.is_default:
         return default_title
-    name, label = Path(config_dir).resolve().name, config_label(config_dir)
-    return f"## {heading} at {name} dimensions (`python -m {module} --config {label}`)"
+    name, flags = heading, []
+    if not is_default:
+        name += f" at {Path(config_dir).resolve().name} dimensions"
+        flags += ["--config", config_label(config_dir)]
+    if not precision.is_default:
+        name += f" with {precision.title()}"
+        flags += precision.flags()
+    return f"## {name} (`python -m {module} {' '.join(flags)}`)"
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -138,23 +155,6 @@ def checkpoint_config(config_dir: Path = CONFIG_7B, tokenizer_dir: Path | None =
 
 def checkpoint_vocab_size(config: dict) -> int:
     return ModelConfig.from_dict(config).text.vocab_size
-
-
-def single_gpu_bytes(config_dir: str | Path, page_size: int = 16) -> tuple[int, int]:
-    """Bytes of the language model's weights in bf16 (prefill and each decode rank hold one
-    copy; the vision tower is the encoder's) and of one KV page, for ``config_dir``."""
-    from services.engine.kv_sizing import kv_page_bytes
-    from services.engine.model.registry import model_class
-
-    config = ModelConfig.from_dir(config_dir)
-    with torch.device("meta"):
-        model = model_class(config.architecture)(config)
-    weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("visual."))
-    text = config.text
-    page = kv_page_bytes(
-        text.num_hidden_layers, page_size, text.num_key_value_heads, text.head_dim, 2
-    )
-    return 2 * weights, page
 
 
 def write_checkpoint(
@@ -220,6 +220,7 @@ class EngineTimes:
     sustained_prefill_ms: float | None = None
     sustained_decode_ms: dict[int, float] = field(default_factory=dict)
     gpu: dict[str, GpuSummary | None] = field(default_factory=dict)  # phase -> nvidia-smi
+    held: str = ""  # what the timed model and pool held (``held_dtypes``)
 
     def bound_tok_s(self, batch: int, output_len: int) -> float:
         """Output tok/s if the GPU did nothing but these: each request's prefill, then its
@@ -291,20 +292,27 @@ def engine_times(
     random_weights: bool,
     sustain_s: float = 0.0,
     monitor: GpuMonitor | None = None,
+    precision: Precision = Precision(),
 ) -> EngineTimes:
-    """Time the engine on the benchmark's model (built as the checkpoint was, or loaded from it).
+    """Time the engine on the benchmark's model (built as the checkpoint was, or loaded from it),
+    its weights and KV pool in ``precision``, as the services hold them.
 
     ``sustain_s`` > 0: also the sustained times, each phase back to back for that long;
     ``monitor``: what the GPU did in each phase (``EngineTimes.gpu``)."""
     from services.engine.loader import load_model
 
+    quantization = precision.quantization
     if random_weights:
-        model = build_random_model(model_dir, device=device)
+        model = build_random_model(model_dir, device=device, quantization=quantization)
     else:
-        model = load_model(model_dir, device=device, components=("language",))
+        components = ("language",)
+        model = load_model(model_dir, device, components=components, quantization=quantization)
     context_len = prompt_len + output_len // 2
     max_tokens = max(batches) * (context_len + 1) + prompt_len
-    runner = er.make_runner(model, max_tokens, attention, max_batch=max(batches))
+    runner = er.make_runner(
+        model, max_tokens, attention, max(batches), kv_cache_dtype=precision.kv_cache_dtype
+    )
+    held = held_dtypes(runner)
     decode, unpipelined, sustained = {}, {}, {}
     gpu: dict[str, GpuSummary | None] = {}
 
@@ -344,5 +352,21 @@ def engine_times(
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return EngineTimes(
-        prompt_len, context_len, prefill, decode, unpipelined, sustained_prefill, sustained, gpu
+        prompt_len,
+        context_len,
+        prefill,
+        decode,
+        unpipelined,
+        sustained_prefill,
+        sustained,
+        gpu,
+        held,
     )
+
+
+def held_dtypes(runner: ModelRunner) -> str:
+    """The dtypes of the first decoder layer's fused q/k/v weight (FP8 with --quantization fp8)
+    and of the runner's KV pages (FP8 with --kv-cache-dtype fp8_e4m3)."""
+    qkv = runner.model.model.layers[0].self_attn.qkv_weight
+    names = [str(dtype).removeprefix("torch.") for dtype in (qkv.dtype, runner.kv_pool.dtype)]
+    return f"q/k/v weights {names[0]}, KV pages {names[1]}"

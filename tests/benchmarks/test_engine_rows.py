@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.engine_rows import _decode_steps, decode_loop
+from benchmarks.engine_rows import _decode_steps, decode_loop, make_runner
 from services.engine.attention import ForwardMode
 from services.engine.loader import load_model
 from services.engine.model_runner import KVCacheConfig, ModelRunner
+from services.engine.quantization import AUTO_KV_CACHE_DTYPE, FP8_E4M3
 from tests.conftest import TINY_MODEL_DIR
 
 
@@ -37,3 +38,17 @@ def test_decode_loop_reads_the_tokens_of_a_plain_loop(runner, is_overlapped) -> 
     expected = plain_loop(runner, steps, 6)
     assert decode_loop(runner, steps, 6, is_overlapped=is_overlapped) == expected
     assert len({tuple(t) for t in expected}) > 1  # the samples feed back: the steps differ
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "dtype"),
+    [(AUTO_KV_CACHE_DTYPE, torch.float32), (FP8_E4M3, torch.float8_e4m3fn)],
+)
+def test_the_benchmark_runners_pool_holds_normal_values_in_its_dtype(kv_cache_dtype, dtype):
+    """Attention is never timed over zeros, FP8 pages included (torch draws no e4m3 normals)."""
+    model = load_model(TINY_MODEL_DIR, components=("language",))
+    runner = make_runner(model, 64, "torch", max_batch=1, kv_cache_dtype=kv_cache_dtype)
+    for buffer in (runner.kv_pool.k_buffer, runner.kv_pool.v_buffer):
+        assert buffer.dtype == dtype
+        values = buffer.float()
+        assert values.isfinite().all() and 0.9 < values.std().item() < 1.1

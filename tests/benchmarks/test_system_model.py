@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from benchmarks.gpu_monitor import GpuSummary
+from benchmarks.precision import Precision
 from benchmarks.random_model import CONFIG_7B, build_random_model
 from benchmarks.system_model import (
     EngineTimes,
@@ -24,6 +25,7 @@ from services.engine.config import ModelConfig
 from services.engine.loader import load_model
 from services.engine.processing import TextProcessor
 from services.engine.processing.image import ImageProcessor
+from services.engine.quantization import FP8, FP8_E4M3
 from tests.benchmarks.fake_monitor import RecordingMonitor
 from tests.conftest import TINY_MODEL_DIR
 
@@ -116,6 +118,27 @@ def test_engine_times_short_then_sustained_each_phase_watched() -> None:
     without = engine_times(TINY_MODEL_DIR, "cpu", "torch", 16, 8, (1,), False)
     assert without.sustained_prefill_ms is None and without.sustained_decode_ms == {}
     assert without.gpu == {}
+
+
+@pytest.mark.parametrize(
+    ("random_weights", "precision", "held"),
+    [
+        (False, Precision(), "q/k/v weights float32, KV pages float32"),
+        (True, Precision(FP8, FP8_E4M3), "q/k/v weights float8_e4m3fn, KV pages float8_e4m3fn"),
+        (False, Precision(FP8), "q/k/v weights float8_e4m3fn, KV pages float32"),
+    ],
+    ids=["loaded", "random-fp8-both", "loaded-fp8-weights"],
+)
+def test_engine_times_hold_the_model_and_pool_in_the_precision_asked(
+    random_weights, precision, held
+) -> None:
+    """The bound's weights (built at random as the checkpoint was, or loaded) and KV pages are
+    the services' (the tiny model is float32)."""
+    engine = engine_times(
+        TINY_MODEL_DIR, "cpu", "torch", 16, 8, (1,), random_weights, precision=precision
+    )
+    assert engine.held == held
+    assert engine.prefill_ms > 0 and engine.decode_ms[1] > 0
 
 
 CONFIG_8B = CONFIG_7B.parent / "qwen3-vl-8b"
