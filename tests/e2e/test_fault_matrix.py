@@ -50,6 +50,9 @@ QUARANTINE_S = 2.0  # decode's pages and prefill's embedding rows of failed requ
 NUM_PAGES = 4096
 MAX_TOKENS = 2000  # far more than a case lasts: the streams are still running at the fault
 SETTLE_S = 120  # generous bound on recovering (restart, reconnect) and on resources settling
+# up kills a service that answers no liveness check this long (10 s by default): a stopped one
+# must still be there when the test sends SIGCONT, BOUND_S after the fault
+LIVENESS_S = 30.0
 HANG_S = (
     120  # a stream's client gives up after this long without a byte: a hang fails, never blocks
 )
@@ -62,6 +65,8 @@ SYSTEM_FLAGS = (
     str(QUARANTINE_S),
     "--embedding-quarantine-s",
     str(QUARANTINE_S),
+    "--liveness-timeout-s",
+    str(LIVENESS_S),
 )
 SERVICES = ("tokenizer", "vision_encoder", "prefill", "decode")
 CASES = [(service, fault) for service in SERVICES for fault in (signal.SIGKILL, signal.SIGSTOP)]
@@ -354,8 +359,9 @@ def test_fault(system, records, model, start_rows, service, fault):
     finally:
         if health is not None:
             health.stop()
-        if fault is signal.SIGSTOP:
-            os.kill(old["pid"], signal.SIGCONT)
+        if fault is signal.SIGSTOP:  # not to hide the error when recover's SIGCONT failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(old["pid"], signal.SIGCONT)
         for s in live + arriving:
             s.closing.set()
         for s in live + arriving:
