@@ -254,22 +254,13 @@ class LaunchConfig:
         help="prefill's --cp-min-tokens: smaller batches run on one rank (default: prefill's)",
     )
     prefill_step_timeout_s: float | None = flag(
-        None,
-        type=positive,
-        help="prefill's --step-timeout-s: a rank past a batch's deadline is declared dead and "
-        "its group re-formed (default: prefill's, 60)",
+        None, type=positive, help="prefill's --step-timeout-s (default: prefill's, 60)"
     )
     prefill_watchdog_s: float | None = flag(
-        None,
-        type=positive,
-        help="prefill's --watchdog-s: not ready while it has a batch and makes no progress "
-        "for this long (default: prefill's, 30)",
+        None, type=positive, help="prefill's --watchdog-s (default: prefill's, 30)"
     )
     decode_watchdog_s: float | None = flag(
-        None,
-        type=positive,
-        help="decode's --watchdog-s: a rank with work that reports no step for this long is "
-        "declared hung and its group re-formed (default: decode's, 30)",
+        None, type=positive, help="decode's --watchdog-s (default: decode's, 30)"
     )
     prefill_num_pages: int | None = flag(
         None,

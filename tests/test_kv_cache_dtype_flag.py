@@ -1,5 +1,6 @@
 """``--kv-cache-dtype fp8_e4m3`` reaches the KV pool: prefill's and decode's flags, through their
-rank init, to the pool their ranks build; ``up`` passes it to both, and a rank group agrees on it."""
+rank init, to the pool their ranks build; ``up`` passes it to both, and a rank group agrees
+on it."""
 
 from __future__ import annotations
 

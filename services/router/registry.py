@@ -3,7 +3,8 @@
 A background task polls each worker's ``grpc.health.v1`` ``Check`` every interval. A
 worker that answers not SERVING, or cannot be reached, is ejected: no new request is routed
 to it. A check that times out is ambiguous (a worker, or this router, busy with a burst of big
-requests misses one): a ready worker is ejected by ``eject_timeouts`` in a row. A worker never ready yet is admitted at its first passing check; an ejected one
+requests misses one): a ready worker is ejected by ``eject_timeouts`` in a row. A worker never
+ready yet is admitted at its first passing check; an ejected one
 is readmitted only after ``readmit_passes`` consecutive passing checks, so a worker whose check
 flaps (pass, fail, pass) gets no traffic between its failures. Requests already on a
 worker that dies or stalls fail through their own calls (the pipeline bounds each one),
