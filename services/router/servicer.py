@@ -21,7 +21,6 @@ listed by ``tool_prompt`` as on ``/v1/chat/completions``, a chat's tool turns (a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -29,9 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import msgspec
-from google.protobuf.message import Message
-from google.protobuf.unknown_fields import UnknownFieldSet
 from opentelemetry import trace
 
 from services.common import telemetry
@@ -48,14 +44,12 @@ from services.common.types import (
 )
 from services.common.wire import (
     finish_reason_to_proto,
-    sampling_params_from_proto,
     token_logprob_to_proto,
     usage_to_proto,
 )
-from services.engine.processing.chat import template_kwargs_from_json
 from services.router import prompt_embeds
 from services.router.chat_plan import ChatPlan, with_tool_grammar
-from services.router.chat_template import check_final_message, template_options
+from services.router.chat_template import check_final_message
 from services.router.choices import (
     Deltas,
     choice_requests,
@@ -65,12 +59,18 @@ from services.router.choices import (
     total_usage,
 )
 from services.router.generation import GenerationPipeline
+from services.router.grpc_request import (
+    check_known_fields,
+    function_tool,
+    sampling_params,
+    template_options_of,
+)
 from services.router.images import ImageLoader, check_image
 from services.router.metrics import RequestTracker, RouterMetrics
 from services.router.openai_prompt import ChatTurns, SentCall, check_tool_fields, known_role
 from services.router.tool_parsers import ToolFormat
 from services.router.tool_stream import delta_fields
-from services.router.tools import FunctionTool, ToolParams, ToolPlan, plan_tools
+from services.router.tools import ToolParams, ToolPlan, plan_tools
 from services.router.types import ChatTemplateOptions, GenerationDelta, GenerationRequest
 
 GRPC_ENDPOINT = "grpc:Generate"
@@ -181,7 +181,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 f"{num_choices}",
                 param="num_choices",
             )
-        params, max_tokens = _sampling_params(request)
+        params, max_tokens = sampling_params(request)
         stop = tuple(request.stop)
         if len(stop) > self._limits.max_stop_strings or not all(stop):
             raise InvalidRequestError(
@@ -199,7 +199,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             )
         request_id = f"gen-{uuid.uuid4().hex}"  # never the client's: see the module docstring
         logger.debug("request %s has the client request_id %r", request_id, request.request_id)
-        template = _template_options(request)
+        template = template_options_of(request)
         common = {
             "params": params,
             "max_tokens": max_tokens,
@@ -256,7 +256,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     "tools need a chat input (the tools are listed in its system message)",
                     param="tools",
                 )
-            tools = [_function_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
+            tools = [function_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools)]
         mode = named = None
         if request.HasField("tool_choice"):
             kind = request.tool_choice.WhichOneof("choice")
@@ -306,97 +306,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return ImagePart(await self._images.load(part.image.url, f"{param}.image.url"))
         check_image(part.image.data, self._limits.max_image_bytes, f"{param}.image.data")
         return ImagePart(part.image.data)
-
-
-def check_known_fields(message: Message, path: str = "") -> None:
-    """``InvalidRequestError`` when ``message`` or a message inside it carries fields unknown
-    here."""
-    unknown = sorted({field.field_number for field in UnknownFieldSet(message)})
-    if unknown:
-        where = path or type(message).DESCRIPTOR.name
-        raise InvalidRequestError(
-            f"{where} has fields this server does not know (field numbers "
-            f"{', '.join(map(str, unknown))}); unknown fields are refused, not ignored",
-            param=path or None,
-        )
-    for descriptor, value in message.ListFields():
-        if descriptor.message_type is None:
-            continue
-        name = f"{path}.{descriptor.name}" if path else descriptor.name
-        if descriptor.is_repeated:
-            for i, item in enumerate(value):
-                check_known_fields(item, f"{name}[{i}]")
-        else:
-            check_known_fields(value, name)
-
-
-def _sampling_params(request: router_pb2.GenerateRequest) -> tuple[SamplingParams, int]:
-    """The request's sampling parameters (unset optional fields take the engine defaults, the
-    proto's documented ones) and its max_tokens: 0 for the prompt alone (max_new_tokens set to
-    0 with num_prompt_logprobs, as HTTP's echo with max_tokens 0)."""
-    message = request.sampling_params
-    params = sampling_params_from_proto(message)
-    if params.num_prompt_logprobs >= 0 and request.WhichOneof("input") != "prompt":
-        raise InvalidRequestError(
-            "num_prompt_logprobs needs a prompt, not chat or prompt_embeds (as on the HTTP "
-            "API, where completions take prompt_logprobs and echo and chat takes neither)",
-            param="num_prompt_logprobs",
-        )
-    is_prompt_only = message.HasField("max_new_tokens") and message.max_new_tokens == 0
-    if is_prompt_only:
-        if params.num_prompt_logprobs < 0:
-            raise InvalidRequestError(
-                "max_new_tokens must be > 0, got 0 (0 needs num_prompt_logprobs: the prompt alone)",
-                param="max_new_tokens",
-            )
-        if params.min_tokens:
-            raise InvalidRequestError(
-                f"min_tokens must be 0 with max_new_tokens 0, got {params.min_tokens}",
-                param="min_tokens",
-            )
-        params = msgspec.structs.replace(params, max_new_tokens=1)
-    params.validate()
-    return params, 0 if is_prompt_only else params.max_new_tokens
-
-
-_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
-
-
-def _template_options(request: router_pb2.GenerateRequest) -> ChatTemplateOptions:
-    """The chat template fields checked as the HTTP API's; set beside a prompt or
-    prompt_embeds (which no template renders), INVALID_ARGUMENT naming the field."""
-    if request.WhichOneof("input") != "chat":
-        for name in _TEMPLATE_FIELDS:
-            is_set = (
-                request.HasField(name)
-                if name == "add_generation_prompt"
-                else getattr(request, name)
-            )
-            if is_set:
-                raise InvalidRequestError(
-                    f"{name} needs a chat input (no chat template renders a prompt)", param=name
-                )
-        return ChatTemplateOptions()
-    add_generation_prompt = (
-        request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-    )
-    kwargs = template_kwargs_from_json(request.chat_template_kwargs)
-    return template_options(add_generation_prompt, request.continue_final_message, kwargs)
-
-
-def _function_tool(tool: router_pb2.Tool, param: str) -> FunctionTool:
-    parameters = None
-    if tool.parameters:
-        try:
-            parameters = json.loads(tool.parameters)
-        except (ValueError, RecursionError):
-            parameters = None
-        if not isinstance(parameters, dict):
-            raise InvalidRequestError(
-                f"{param}.parameters must be a JSON object's text (the arguments' JSON schema)",
-                param=f"{param}.parameters",
-            )
-    return FunctionTool(tool.name, tool.description or None, parameters)
 
 
 class _ChoiceOutput:
