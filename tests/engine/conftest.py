@@ -25,3 +25,16 @@ def small_config_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("small128")
     (path / "config.json").write_text(json.dumps(raw))
     return path
+
+
+@pytest.fixture
+def fp8_gpu():
+    """Skips the test unless a GPU with FP8 tensor cores (SM 8.9+) is here."""
+    import torch
+
+    from services.engine import fp8
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
+        pytest.skip("needs FP8 tensor cores (SM 8.9+)")

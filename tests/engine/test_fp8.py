@@ -18,6 +18,7 @@ from services.engine.loader import load_model
 from services.engine.model.layers import GatedMLP
 from services.engine.offline import OfflinePipeline
 from tests.conftest import TINY_MODEL_DIR
+from tests.engine.logit_closeness import closeness
 from tests.engine.test_model_parity import PROMPTS
 
 E4M3_HALF_STEP = 2.0**-4  # e4m3 has 3 mantissa bits: a normal rounds within 1/16 of itself
@@ -180,22 +181,12 @@ def test_fp8_logits_stay_close_to_fp32(name, pipeline, fp8_pipeline) -> None:
     request = pipeline.build_request(messages, images, SamplingParams())
     ref = pipeline.engine.prompt_logits([request])[0]
     ours = fp8_pipeline.engine.prompt_logits([request])[0]
-    cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
-    diff = (ours - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    agree = ours.argmax(-1) == ref.argmax(-1)
-    top2 = ref.topk(2, dim=-1).values
-    flipped_leads = (top2[:, 0] - top2[:, 1])[~agree]
-    print(
-        f"{name}: cosine min {cosine.min().item():.4f} mean {cosine.mean().item():.4f}; "
-        f"max |fp8 - fp32| {diff:.3f} of logits up to {scale:.2f}; top-1 agreement "
-        f"{agree.float().mean().item():.3f}; fp32 leads where flipped <= "
-        f"{flipped_leads.max().item() if len(flipped_leads) else 0:.3f}"
-    )
-    assert cosine.min().item() > 0.99
-    assert agree.float().mean().item() >= 0.75
-    assert bool((flipped_leads < 0.1 * scale).all())
-    assert 0 < diff < 0.25 * scale  # quantized, and not wildly so
+    c = closeness(ours, ref)
+    print(f"{name}: {c.summary('fp8 - fp32')}")
+    assert c.cosine_min > 0.99
+    assert c.agreement >= 0.75
+    assert bool((c.flipped_leads < 0.1 * c.scale).all())
+    assert 0 < c.max_diff < 0.25 * c.scale  # quantized, and not wildly so
 
 
 def test_a_quantized_checkpoint_is_refused(tmp_path) -> None:

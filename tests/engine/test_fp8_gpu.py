@@ -21,18 +21,10 @@ from tests.conftest import TINY_MODEL_DIR
 from tests.engine.test_cuda_graph import _compare
 from tests.engine.test_model_parity import PROMPTS
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_gpu")]
 
 # the 7B decoder's dense linears: (out, in) of q/k/v fused, o, gate/up fused (padded), down
 SHAPES_7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]
-
-
-@pytest.fixture(autouse=True)
-def _fp8_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
-        pytest.skip("needs FP8 tensor cores (SM 8.9+)")
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

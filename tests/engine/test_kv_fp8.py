@@ -26,6 +26,7 @@ from services.engine.model_runner import KVCacheConfig, ModelRunner
 from services.engine.offline import OfflinePipeline
 from services.engine.step_inputs import StepInput
 from tests.conftest import TINY_MODEL_DIR
+from tests.engine.logit_closeness import closeness
 from tests.engine.test_model_parity import PROMPTS
 from tests.engine.test_prefill_graph import _passes
 
@@ -269,21 +270,12 @@ def test_greedy_decode_with_fp8_kv_stays_close_to_the_default(
     request = pipeline.build_request(messages, images, SamplingParams(), request_id=name)
     ref, tokens = _decode_logits(pipeline, request)
     ours, _ = _decode_logits(fp8_kv_pipeline, request, tokens)
-    cosine = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
-    diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
-    agree = ours.argmax(-1) == ref.argmax(-1)
-    top2 = ref.topk(2, dim=-1).values
-    flipped_leads = (top2[:, 0] - top2[:, 1])[~agree]
-    print(
-        f"{name}: cosine min {cosine.min().item():.5f}; max |fp8 - default| {diff:.4f} of "
-        f"logits up to {scale:.2f}; argmax agreement {agree.float().mean().item():.3f}; "
-        f"default's lead where flipped <= "
-        f"{flipped_leads.max().item() if len(flipped_leads) else 0:.4f}"
-    )
-    assert cosine.min().item() > 0.999
-    assert 0 < diff < 0.05 * scale
-    assert agree.float().mean().item() >= 0.85
-    assert bool((flipped_leads < 0.02 * scale).all())
+    c = closeness(ours, ref)
+    print(f"{name}: {c.summary('fp8 - default')}")
+    assert c.cosine_min > 0.999
+    assert 0 < c.max_diff < 0.05 * c.scale
+    assert c.agreement >= 0.85
+    assert bool((c.flipped_leads < 0.02 * c.scale).all())
 
 
 def _checkpoint_with_kv_scales(path, scales: dict[str, torch.Tensor], config_extra=None):

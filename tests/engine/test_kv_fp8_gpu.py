@@ -27,19 +27,11 @@ from tests.engine.test_cuda_graph import NUM_STEPS, PROMPT_LENS, _compare, _deco
 from tests.engine.test_flashinfer_attention import CASES, HEAD_DIM, NUM_PAGES, PAGE_SIZE, _batch
 from tests.engine.test_prefill_graph import _passes
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("fp8_gpu")]
 
 FP8 = torch.float8_e4m3fn
 # layer 0 without calibration (1.0); layer 1 about max|x| / 448 for unit-normal K and V
 SCALES = KVScales(k=(1.0, 2.0**-6), v=(1.0, 0.03))
-
-
-@pytest.fixture(autouse=True)
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
-        pytest.skip("FP8 KV needs SM 8.9+")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
