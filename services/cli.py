@@ -100,6 +100,15 @@ def _run_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(f"benchmarks.{args.kind}").main(args.bench_args)
 
 
+def _add_join_rank(sub: argparse._SubParsersAction) -> None:
+    """Listed for --help only: ``main`` hands ``join-rank``'s flags to its own parser."""
+    sub.add_parser(
+        "join-rank",
+        help="run one rank of a service's rank group from another host (a LeaderWorkerSet "
+        "worker); `stageserve join-rank --help` lists its flags",
+    )
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -119,10 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_up(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_join_rank(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["join-rank"]:  # its flags start with dashes: argparse would take them
+        from services.common.ranks.join import main as join_main
+
+        return join_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.common.ranks.rank_main import loopback_gloo_options
+from services.common.ranks.rank_main import gloo_options
 from services.common.ranks.step import RankContext
 from services.common.ranks.subgroups import (
     agree_on_manifest,
@@ -34,9 +34,9 @@ def run_rank(rank: int, world: int, inner: int, port: int, model_dirs: list[str]
     os.environ["OMP_NUM_THREADS"] = "1"
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=_td(60))
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, pg_options=loopback_gloo_options()
+        "gloo", store=store, rank=rank, world_size=world, pg_options=gloo_options("127.0.0.1")
     )
-    cpu = dist.new_group(backend="gloo", pg_options=loopback_gloo_options())
+    cpu = dist.new_group(backend="gloo", pg_options=gloo_options("127.0.0.1"))
     ctx = RankContext(rank, world, "cpu", cpu, dist.group.WORLD, 30.0)
     groups = split_world(ctx, inner)
     sums = []

@@ -190,7 +190,7 @@ def test_outcome_of_a_malformed_reply_or_result_names_the_rank() -> None:
     ("kwargs", "match"),
     [
         ({}, "at least one device"),
-        ({"devices": ("gpu0",)}, "'cpu' or 'cuda:N'"),
+        ({"devices": ("gpu0",)}, "'cpu', 'cuda:N' or 'join'"),
         ({"devices": ("cpu",), "control_addr": "tcp://0.0.0.0:5000"}, "never a wildcard"),
         ({"devices": ("cpu",), "control_addr": "tcp://10.0.0.1:5000"}, "must be loopback"),
         ({"devices": ("cpu",), "control_addr": "udp://x"}, "is not ipc://PATH"),

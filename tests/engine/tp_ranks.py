@@ -46,9 +46,9 @@ def _rank_main(rank, world, store_path, jobs, out) -> None:
 
     torch.set_num_threads(1)
     try:
-        from services.common.ranks.rank_main import loopback_gloo_options
+        from services.common.ranks.rank_main import gloo_options
 
-        options = loopback_gloo_options()
+        options = gloo_options("127.0.0.1")
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         dist.init_process_group(
             "gloo",

@@ -11,6 +11,7 @@ _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}
 _TCP = re.compile(r"^tcp://(?P<host>.*):(?P<port>\d+)$")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+JOIN = "join"  # a ``devices`` entry: the rank is started on another host and joins (``join.py``)
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 RANK_MAIN = "services.common.ranks.rank_main"
 
@@ -41,9 +42,15 @@ class RankGroupConfig:
     """
 
     name: str = "ranks"  # in log lines, errors and watchdog names
-    devices: tuple[str, ...] = ()  # the leader spawns one rank per entry ("cpu", "cuda:0", ...)
-    # Where ranks connect: "" (a private ipc:// socket), ipc://PATH or tcp://127.0.0.1:PORT.
+    # One rank per entry: the leader spawns "cpu" and "cuda:N" ranks; a "join" rank is started on
+    # another host (``join.py``: a LeaderWorkerSet's worker pod) and brings its own device.
+    devices: tuple[str, ...] = ()
+    # Where ranks connect: "" (a private ipc:// socket), ipc://PATH or tcp://127.0.0.1:PORT; with
+    # join ranks, tcp://HOST:PORT on this host's address that they reach (``host``).
     control_addr: str = ""
+    # The address rank 0's rendezvous store and every spawned rank's gloo device listen on:
+    # loopback, unless ranks join from other hosts (then the control address's host).
+    host: str = "127.0.0.1"
     step_timeout_s: float = 30.0  # a step's deadline unless its caller gives one
     start_timeout_s: float = 300.0  # spawn to Ready on every rank (model load, warm-up)
     collective_timeout_s: float = 30.0  # the ranks' process groups and their start-up barrier
@@ -95,24 +102,60 @@ class RankGroupConfig:
     def num_ranks(self) -> int:
         return len(self.devices)
 
+    @property
+    def joining(self) -> tuple[int, ...]:
+        """The ranks that join from other hosts (never spawned here)."""
+        return tuple(rank for rank, device in enumerate(self.devices) if device == JOIN)
+
     def _check_ranks(self) -> None:
         if not self.devices:
             raise ValueError("a rank group needs at least one device (e.g. devices=('cpu',))")
-        bad = [d for d in self.devices if not _DEVICE.match(d)]
+        bad = [d for d in self.devices if not _DEVICE.match(d) and d != JOIN]
         if bad:
-            raise ValueError(f"devices must be 'cpu' or 'cuda:N', got {bad}")
+            raise ValueError(f"devices must be 'cpu', 'cuda:N' or 'join', got {bad}")
+        if self.devices[0] == JOIN:
+            raise ValueError("rank 0 runs beside its leader: devices[0] cannot be 'join'")
 
     def _check_control_addr(self) -> None:
         addr = self.control_addr
+        if self.joining:
+            self._check_join_addr()
+            return
+        if self.host not in _LOOPBACK_HOSTS:
+            raise ValueError(f"host {self.host!r} must be loopback (every rank is spawned here)")
         if not addr:
             return
         if addr.startswith("ipc://") and len(addr) > len("ipc://"):
             return
+        host = self._tcp_host(addr)
+        if host not in _LOOPBACK_HOSTS:
+            raise ValueError(f"control_addr {addr!r} must be loopback (the ranks are local)")
+
+    def _check_join_addr(self) -> None:
+        """Ranks on other hosts reach the control socket and rank 0's store on ``host``."""
+        addr = self.control_addr
+        if not addr.startswith("tcp://"):
+            raise ValueError(
+                f"ranks {list(self.joining)} join from other hosts: control_addr must be "
+                f"tcp://HOST:PORT on an address they reach, got {addr!r}"
+            )
+        host = self._tcp_host(addr)
+        if host != self.host:
+            raise ValueError(f"control_addr {addr!r} and host {self.host!r} must name one address")
+        if addr.endswith(":0"):
+            raise ValueError(f"control_addr {addr!r}: joining ranks need a fixed port")
+        if not self.internal_token:
+            raise ValueError(
+                "ranks that join from other hosts need an internal token (it authenticates "
+                "their Hello and keys the control channel's encryption)"
+            )
+
+    @staticmethod
+    def _tcp_host(addr: str) -> str:
         match = _TCP.match(addr)
         if match is None:
             raise ValueError(f"control_addr {addr!r} is not ipc://PATH or tcp://HOST:PORT")
         host = match["host"]
         if host in _WILDCARD_HOSTS:
             raise ValueError(f"control_addr {addr!r}: bind a named interface, never a wildcard")
-        if host not in _LOOPBACK_HOSTS:
-            raise ValueError(f"control_addr {addr!r} must be loopback (the ranks are local)")
+        return host

@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 
 from services.common.ranks.channel import LeaderChannel
-from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.ranks.config import JOIN, RankGroupConfig, StepSpec
 from services.common.ranks.messages import Hello, Setup, Shutdown, StartFailed, encode_raw
 from services.common.ranks.procs import RankLaunch, RankProcess, kill_all, stop_all
 
+ANY_FORMATION = -1  # a joining rank's Hello: started elsewhere, it joins the one forming now
 EXIT_GRACE_S = 0.5  # a rank that exits while starting gets this long for its StartFailed to arrive
 
 
@@ -35,9 +36,14 @@ class Member:
     is_setup_sent: bool = False
     is_ready: bool = False
     exited_at_mono: float | None = None
+    is_joining: bool = False  # started on another host (no process here); its Hello names it
+    joined_pid: int = 0  # a joining rank's pid on its own host, from its Hello
 
     @property
     def who(self) -> str:
+        if self.is_joining:
+            pid = f", pid {self.joined_pid} on its host" if self.joined_pid else ""
+            return f"rank {self.rank} (joining, {self.device}{pid})"
         pid = f", pid {self.process.pid}" if self.process is not None else ""
         return f"rank {self.rank} ({self.device}{pid})"
 
@@ -47,7 +53,10 @@ class Formation:
         self.number = number
         self.config = config
         self.deadline_mono = deadline_mono  # FORMING must end by then
-        self.members = [Member(rank, device) for rank, device in enumerate(config.devices)]
+        self.members = [
+            Member(rank, device, is_joining=device == JOIN)
+            for rank, device in enumerate(config.devices)
+        ]
         self.store_port = 0  # rank 0's TCPStore, from its Hello
         self._peers: dict[bytes, int] = {}
 
@@ -56,8 +65,10 @@ class Formation:
         return tuple(s.process.pid for s in self.members if s.process is not None)
 
     def spawn(self, control_addr: str) -> None:
-        """Start one process per rank; raises OSError."""
+        """Start one process per rank of this host (not the joining ones); raises OSError."""
         for member in self.members:
+            if member.is_joining:
+                continue
             launch = RankLaunch(
                 control_addr,
                 self.number,
@@ -66,6 +77,7 @@ class Formation:
                 member.device,
                 self.config.start_timeout_s,
                 self.config.rank_module,
+                self.config.host,
                 self.config.internal_token,
             )
             member.process = RankProcess(launch)
@@ -80,9 +92,11 @@ class Formation:
         if hello.world_size != len(self.members) or not 0 <= hello.rank < len(self.members):
             size = len(self.members)
             return f"rank {hello.rank} of {hello.world_size} does not fit a group of {size}"
-        if hello.formation != self.number:
-            return f"formation {hello.formation}, expected {self.number}"
         member = self.members[hello.rank]
+        if member.is_joining and hello.formation not in (ANY_FORMATION, self.number):
+            return f"formation {hello.formation}, expected {self.number} (or {ANY_FORMATION})"
+        if not member.is_joining and hello.formation != self.number:
+            return f"formation {hello.formation}, expected {self.number}"
         if member.peer is not None:
             return "that rank said Hello already"
         if member.process is not None and member.process.pid != hello.pid:
@@ -96,11 +110,19 @@ class Formation:
             self.accept(peer, hello)
         return problem
 
-    def start_failure(self, failed: StartFailed) -> str | None:
-        """This formation's failure for ``failed``; None when it is no rank of this one."""
-        if failed.formation != self.number or not 0 <= failed.rank < len(self.members):
+    def start_failure(self, failed: StartFailed, peer: bytes) -> str | None:
+        """This formation's failure for ``failed`` (from ``peer``); None when it is no rank of
+        this one. A joining rank knows no formation: its failure counts while its member has no
+        other peer."""
+        if not 0 <= failed.rank < len(self.members):
             return None
-        who = self.members[failed.rank].who
+        member = self.members[failed.rank]
+        is_joiner = member.is_joining and failed.formation == ANY_FORMATION
+        if is_joiner and member.peer not in (None, peer):
+            return None
+        if failed.formation != self.number and not is_joiner:
+            return None
+        who = member.who
         return f"{who} failed to start at {failed.stage.value}: {failed.error}"
 
     def mark_ready(self, rank: int) -> bool:
@@ -143,13 +165,19 @@ class Formation:
     def accept(self, peer: bytes, hello: Hello) -> None:
         member = self.members[hello.rank]
         member.peer, member.device = peer, hello.device
+        if member.is_joining:
+            member.joined_pid = hello.pid
         self._peers[peer] = hello.rank
         if hello.rank == 0:
             self.store_port = hello.store_port
 
     def needing_setup(self) -> list[Member]:
-        """Slots whose Setup can go out now (once rank 0 named its store)."""
+        """Slots whose Setup can go out now: once rank 0 named its store; in a group with joining
+        ranks, once every rank said Hello (a pod may come minutes late: the rendezvous, bounded
+        by the collective timeout, starts only when all are here)."""
         if self.members[0].peer is None:
+            return []
+        if any(s.is_joining for s in self.members) and any(s.peer is None for s in self.members):
             return []
         return [s for s in self.members if s.peer is not None and not s.is_setup_sent]
 
@@ -158,7 +186,7 @@ class Formation:
             step_target=spec.target,
             init=encode_raw(spec.init),
             first_step=first_step,
-            store_host="127.0.0.1",
+            store_host=self.config.host,
             store_port=self.store_port,
             collective_timeout_s=self.config.collective_timeout_s,
             leader_timeout_s=self.config.leader_timeout_s,
@@ -186,7 +214,9 @@ class Formation:
         not_ready = [s.rank for s in self.members if s.peer is not None and not s.is_ready]
         parts = []
         if no_hello:
-            parts.append(f"no Hello from ranks {no_hello}")
+            absent = [r for r in no_hello if self.members[r].is_joining]
+            joining = f" (joining from other hosts: {absent})" if absent else ""
+            parts.append(f"no Hello from ranks {no_hello}{joining}")
         if not_ready:
             parts.append(f"no Ready from ranks {not_ready}")
         timeout_s = self.config.start_timeout_s

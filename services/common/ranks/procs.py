@@ -33,6 +33,7 @@ class RankLaunch:
     device: str
     rendezvous_timeout_s: float
     module: str  # run as ``python -m``: RankGroupConfig.rank_module
+    host: str = "127.0.0.1"  # where rank 0's store and the rank's gloo device listen
     internal_token: str = ""  # the group's; the rank's Hello carries it (environment, never argv)
 
     def environment(self) -> dict[str, str]:
@@ -61,6 +62,8 @@ class RankLaunch:
             str(os.getpid()),
             "--rendezvous-timeout-s",
             str(self.rendezvous_timeout_s),
+            "--host",
+            self.host,
         ]
 
 

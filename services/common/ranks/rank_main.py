@@ -62,6 +62,7 @@ class RankArgs:
     parent_pid: int  # the leader (this rank leaves when it is gone); 0: none
     rendezvous_timeout_s: float
     log_level: str
+    host: str = "127.0.0.1"  # where rank 0's store and this rank's gloo device listen
 
 
 def parse_args(argv: list[str] | None = None) -> RankArgs:
@@ -69,13 +70,21 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
     p.add_argument(
         "--leader", required=True, help="the leader's control address (ipc:// or tcp://)"
     )
-    p.add_argument("--formation", type=int, default=-1)
+    p.add_argument(
+        "--formation", type=int, default=-1, help="the leader's formation (-1: a joining rank)"
+    )
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--world-size", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--parent-pid", type=int, default=0)
     p.add_argument("--rendezvous-timeout-s", type=float, default=300.0)
     p.add_argument("--log-level", type=str.upper, default=Envs.from_environ().log_level)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="this rank's address for the group's collectives (rank 0: and its store); "
+        "loopback unless the group spans hosts",
+    )
     a = p.parse_args(argv)
     if not 0 <= a.rank < a.world_size:
         p.error("needs --rank R --world-size W with 0 <= R < W")
@@ -88,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> RankArgs:
         a.parent_pid,
         a.rendezvous_timeout_s,
         a.log_level,
+        a.host,
     )
 
 
@@ -138,18 +148,19 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0: the group's TCPStore on a free port of 127.0.0.1 only.
+def group_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: the group's TCPStore on a free port of ``host`` only (loopback unless ranks join
+    from other hosts).
 
     A TCPStore given a port binds every interface; its socket is made here instead.
     """
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((host, 0))
         listener.listen(LISTEN_BACKLOG)
         port = listener.getsockname()[1]
         return dist.TCPStore(
-            "127.0.0.1",
+            host,
             port,
             world_size,
             is_master=True,
@@ -161,6 +172,10 @@ def loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
         listener.close()  # no-op once detached
 
 
+class Refused(Exception):
+    """The leader answered this rank's Hello with Shutdown: it does not want this rank now."""
+
+
 def _await_setup(channel: RankChannel, timeout_s: float) -> Setup:
     message = channel.receive(timeout_s)
     if isinstance(message, Setup):
@@ -169,21 +184,25 @@ def _await_setup(channel: RankChannel, timeout_s: float) -> Setup:
         raise TimeoutError(f"no Setup from the leader within {timeout_s:.0f} s")
     if isinstance(message, Malformed):
         raise ValueError(f"malformed Setup: {message.reason}")
-    what = "Shutdown" if isinstance(message, Shutdown) else type(message).__name__
-    raise RuntimeError(f"the leader sent {what} before Setup")
+    if isinstance(message, Shutdown):
+        raise Refused()
+    raise RuntimeError(f"the leader sent {type(message).__name__} before Setup")
 
 
-def loopback_gloo_options() -> dist.ProcessGroupGloo._Options:
-    """Gloo options whose device listens on 127.0.0.1 only: spawned ranks share one host, and
-    gloo's default (the address the hostname resolves to) may be a public interface."""
+def gloo_options(host: str) -> dist.ProcessGroupGloo._Options:
+    """Gloo options whose device listens on ``host`` only: loopback when the ranks share one
+    host, where gloo's default (the address the hostname resolves to) may be a public
+    interface; the address peers on other hosts reach when ranks join."""
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return options
 
 
-def _form_groups(device: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """The gloo groups listen on loopback only."""
-    gloo = loopback_gloo_options()
+def _form_groups(
+    device: str, host: str, timeout_s: float
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The gloo groups listen on ``host`` only."""
+    gloo = gloo_options(host)
     cpu_group = dist.new_group(backend="gloo", timeout=_timeout(timeout_s), pg_options=gloo)
     if device.startswith("cuda"):
         device_group = dist.new_group(backend="nccl", timeout=_timeout(timeout_s))
@@ -194,8 +213,8 @@ def _form_groups(device: str, timeout_s: float) -> tuple[dist.ProcessGroup, dist
 
 
 def _rendezvous(args: RankArgs, setup: Setup, store: dist.Store | None) -> None:
-    """Join the group's default process group (gloo, loopback only); ``store``: rank 0's of
-    a world of several, else None."""
+    """Join the group's default process group (gloo, on ``args.host`` only); ``store``: rank
+    0's of a world of several, else None."""
     if store is None and args.world_size == 1:
         store = dist.HashStore()  # nobody to meet: no socket
     elif store is None:
@@ -212,7 +231,7 @@ def _rendezvous(args: RankArgs, setup: Setup, store: dist.Store | None) -> None:
         rank=args.rank,
         world_size=args.world_size,
         timeout=_timeout(setup.collective_timeout_s),
-        pg_options=loopback_gloo_options(),
+        pg_options=gloo_options(args.host),
     )
 
 
@@ -222,7 +241,7 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
         bind_device(args.device)
     if rank == 0 and world_size > 1:
         with _stage(StartStage.RENDEZVOUS, rank):
-            store = loopback_store(world_size, args.rendezvous_timeout_s)
+            store = group_store(args.host, world_size, args.rendezvous_timeout_s)
     channel.send(
         Hello(
             rank=rank,
@@ -247,7 +266,7 @@ def _start(args: RankArgs, channel: RankChannel) -> _Started:
     if _has_process_group(setup, world_size):
         with _stage(StartStage.RENDEZVOUS, rank):
             _rendezvous(args, setup, store)
-    step_fn = _build_step(cls, args.device, rank, world_size, setup)
+    step_fn = _build_step(cls, args, setup)
     return _Started(rank, setup, step_fn)
 
 
@@ -257,15 +276,16 @@ def _has_process_group(setup: Setup, world_size: int) -> bool:
     return not setup.is_free_running or world_size > 1
 
 
-def _build_step(
-    cls: type[BaseRankStep], device: str, rank: int, world_size: int, setup: Setup
-) -> BaseRankStep:
+def _build_step(cls: type[BaseRankStep], args: RankArgs, setup: Setup) -> BaseRankStep:
+    device, rank, world_size = args.device, args.rank, args.world_size
     cpu_group = device_group = None  # a free-running group of one has no process group
     is_grouped = _has_process_group(setup, world_size)
     if is_grouped:
         with _stage(StartStage.GROUPS, rank):
-            cpu_group, device_group = _form_groups(device, setup.collective_timeout_s)
-    ctx = RankContext(rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s)
+            cpu_group, device_group = _form_groups(device, args.host, setup.collective_timeout_s)
+    ctx = RankContext(
+        rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s, args.host
+    )
     with _stage(StartStage.CONSTRUCT, rank):
         step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))
     try:
@@ -329,11 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     tune_malloc(Envs.from_environ())
-    channel = RankChannel(args.leader)
+    channel = RankChannel(args.leader, Envs.from_environ().internal_token)
     try:
         try:
             started = _start(args, channel)
         except _StartFailure as failure:
+            if isinstance(failure.cause, Refused):  # the leader logged why; nothing to report
+                logger.warning("the leader refused this rank's Hello (see its log)")
+                return int(LoopExit.SHUTDOWN)
             logger.error("start-up failed at %s", failure.stage.value, exc_info=failure.cause)
             channel.send(
                 StartFailed(

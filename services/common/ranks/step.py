@@ -32,6 +32,7 @@ class RankContext:
     cpu_group: ProcessGroup | None  # gloo: CPU collectives (manifests, the step's own agreement)
     device_group: ProcessGroup | None  # tensors: NCCL on CUDA ranks, gloo on CPU ranks
     collective_timeout_s: float  # both groups' timeout
+    host: str = "127.0.0.1"  # the address this rank's gloo groups listen on (``rank_main --host``)
 
 
 class BaseRankStep(abc.ABC):

@@ -44,12 +44,12 @@ def split_world(ctx: RankContext, inner_size: int, outer_over_cpu: bool = False)
         return Subgroups(inner_rank, inner_size, ctx.device_group, 0, 1, None)
     timeout = datetime.timedelta(seconds=ctx.collective_timeout_s)
     inner = [
-        _new_group([o * inner_size + i for i in range(inner_size)], ctx.device, timeout)
+        _new_group([o * inner_size + i for i in range(inner_size)], ctx.device, ctx.host, timeout)
         for o in range(outer_size)
     ]
     outer_device = "cpu" if outer_over_cpu else ctx.device
     outer = [
-        _new_group([o * inner_size + i for o in range(outer_size)], outer_device, timeout)
+        _new_group([o * inner_size + i for o in range(outer_size)], outer_device, ctx.host, timeout)
         for i in range(inner_size)
     ]
     return Subgroups(
@@ -57,14 +57,16 @@ def split_world(ctx: RankContext, inner_size: int, outer_over_cpu: bool = False)
     )
 
 
-def _new_group(ranks: list[int], device: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
+def _new_group(
+    ranks: list[int], device: str, host: str, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
     if device.startswith("cuda"):
         group = dist.new_group(ranks, backend="nccl", timeout=timeout)
     else:
-        from services.common.ranks.rank_main import loopback_gloo_options
+        from services.common.ranks.rank_main import gloo_options
 
         group = dist.new_group(
-            ranks, backend="gloo", timeout=timeout, pg_options=loopback_gloo_options()
+            ranks, backend="gloo", timeout=timeout, pg_options=gloo_options(host)
         )
     assert group is not None
     return group

@@ -146,7 +146,7 @@ class RankGroupSupervisor:
     def _run(self) -> None:
         try:
             try:
-                self._channel = LeaderChannel(self.config.control_addr)
+                self._channel = LeaderChannel(self.config.control_addr, self.config.internal_token)
             except zmq.ZMQError as exc:
                 raise RankStartError(
                     f"{self.config.name}: cannot bind {self.config.control_addr}: {exc}"
@@ -231,7 +231,7 @@ class RankGroupSupervisor:
         elif isinstance(message, Hello):
             self._on_hello(peer, message)
         elif isinstance(message, StartFailed) and rank in (None, message.rank):
-            self._on_start_failed(message)
+            self._on_start_failed(peer, message)
         elif rank is None:
             self._log.warning("dropped %s from an unknown peer", type(message).__name__)
         elif message.rank != rank:
@@ -282,9 +282,9 @@ class RankGroupSupervisor:
                 return
             member.is_setup_sent = True
 
-    def _on_start_failed(self, failed: StartFailed) -> None:
+    def _on_start_failed(self, peer: bytes, failed: StartFailed) -> None:
         gen = self._life.gen
-        failure = gen.start_failure(failed) if gen is not None else None
+        failure = gen.start_failure(failed, peer) if gen is not None else None
         if self.state is not GroupState.FORMING or failure is None:
             self._log.warning("stale start failure of rank %d: %s", failed.rank, failed.error)
         else:

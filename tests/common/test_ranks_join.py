@@ -1,0 +1,177 @@
+"""Ranks that join their group from another host (``join`` devices, ``stageserve join-rank``),
+as real processes on CPU (gloo): the joined rank listens on an address of its own (127.0.0.2,
+as a pod's IP), steps with the spawned rank over an encrypted TCP control channel, and a joined
+rank that dies or freezes fails the group's step for every caller and re-joins the next
+formation; a rank with another token never joins."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from services.common.envs import INTERNAL_TOKEN_ENV
+from services.common.errors import UnavailableError
+from services.common.ranks.config import RANK_MAIN
+from services.common.ranks.errors import RankStartError
+from tests.common.ranks_group_helpers import REPO, is_gone, running, wait_for
+from tests.common.test_ranks_steps import EchoPayload
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_env")]
+TOKEN = "the group's token"
+JOINED_HOST = "127.0.0.2"  # another loopback address: the joined rank's own interface
+LIVENESS_S = 3.0
+REJOIN_S = 120.0  # a new rank process imports torch on a loaded 2-core machine
+
+
+@pytest.fixture(autouse=True)
+def _token(monkeypatch):
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
+
+
+def control_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def join_agent(leader: str, token: str = TOKEN):
+    """``stageserve join-rank`` for rank 1 of 2, on the joined host's address."""
+    argv = ["--leader", leader, "--rank", "1", "--world-size", "2", "--host", JOINED_HOST]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "join-rank", *argv, "--retry-s", "0.2"],
+        cwd=REPO,
+        env={**os.environ, INTERNAL_TOKEN_ENV: token},
+    )
+    try:
+        yield agent
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0  # it stopped its rank and exited
+        assert agent_ranks(agent) == []
+
+
+def agent_ranks(agent: subprocess.Popen) -> list[int]:
+    """The agent's rank processes now."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if parent == agent.pid and RANK_MAIN.encode() in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def join_config(leader: str) -> dict:
+    return dict(
+        control_addr=leader,
+        host="127.0.0.1",
+        internal_token=TOKEN,
+        heartbeat_s=0.5,
+        liveness_timeout_s=LIVENESS_S,
+        leader_timeout_s=5.0,
+    )
+
+
+async def test_a_joined_rank_steps_dies_freezes_and_rejoins(caplog) -> None:
+    caplog.set_level(logging.ERROR, logger="services.common.ranks.supervisor")
+    leader = control_address()
+    with join_agent(leader) as agent:
+        async with running(("cpu", "join"), **join_config(leader)) as run:
+            results = await run.group.step(EchoPayload(value=3))
+            assert [(r.rank, r.device_total, r.cpu_total) for r in results] == [
+                (0, 6, 6),
+                (1, 6, 6),
+            ]
+            [joined] = agent_ranks(agent)
+            with open(f"/proc/{joined}/cmdline", "rb") as f:
+                assert f"\0--host\0{JOINED_HOST}\0".encode() in f.read()
+            assert len(run.group.rank_pids) == 1  # the leader spawned rank 0 only
+
+            # dies: the next step fails for its caller, naming the rank; a new process rejoins
+            os.kill(joined, signal.SIGKILL)
+            with pytest.raises(UnavailableError, match="rank"):
+                await run.group.step(EchoPayload(value=1), timeout_s=10.0)
+            await wait_for(lambda: run.group.is_ready, REJOIN_S)
+            results = await run.group.step(EchoPayload(value=2))
+            assert [r.device_total for r in results] == [4, 4]
+            [rejoined] = agent_ranks(agent)
+            assert rejoined != joined
+
+            # freezes while idle: silent past the liveness bound, the group fails; the leader
+            # cannot kill it on its host, so it rejoins once it runs again (and sees Shutdown)
+            os.kill(rejoined, signal.SIGSTOP)
+            await wait_for(lambda: not run.group.is_ready, LIVENESS_S + 10.0)
+            reasons = [r.getMessage() for r in caplog.records if "fail-stop" in r.getMessage()]
+            assert re.search(
+                rf"rank 1 \(joining, cpu, pid {rejoined} on its host\) answered no ping",
+                reasons[-1],
+            ), reasons
+            os.kill(rejoined, signal.SIGCONT)
+            await wait_for(lambda: is_gone(rejoined), 30.0)
+            await wait_for(lambda: run.group.is_ready, REJOIN_S)
+            results = await run.group.step(EchoPayload(value=5))
+            assert [r.device_total for r in results] == [10, 10]
+
+
+async def test_a_rank_with_another_token_never_joins(caplog) -> None:
+    """The control channel's keys come from the token: the handshake fails, so no Hello ever
+    reaches the leader (not even one to refuse), and the group's start fails naming the joining
+    rank, after the start timeout rather than rank 0's rendezvous timeout."""
+    caplog.set_level(logging.WARNING, logger="services.common.ranks.supervisor")
+    leader = control_address()
+    with join_agent(leader, token="another token"):
+        with pytest.raises(RankStartError, match=r"no Hello from ranks \[1\] \(joining"):
+            async with running(("cpu", "join"), start_timeout_s=12.0, **join_config(leader)):
+                pass
+    assert not [
+        r for r in caplog.records if "Hello" in r.getMessage() and "refused" in r.getMessage()
+    ]
+
+
+async def test_the_join_agent_refuses_what_cannot_join(monkeypatch) -> None:
+    from services.common.ranks.join import build_parser, check_args
+
+    def problem(*argv: str) -> str | None:
+        return check_args(build_parser().parse_args(["--host", "10.0.0.2", *argv]))
+
+    ok = ["--leader", "tcp://10.0.0.1:29600", "--world-size", "4"]
+    assert problem(*ok, "--rank", "3") is None
+    assert "rank 0 runs beside its leader" in problem(*ok, "--rank", "0")
+    assert "1 .. 3" in problem(*ok, "--rank", "4")
+    assert "tcp://HOST:PORT" in problem("--leader", "ipc:///x", "--world-size", "2", "--rank", "1")
+    monkeypatch.delenv(INTERNAL_TOKEN_ENV)
+    assert "no internal token" in problem(*ok, "--rank", "1")
+
+
+async def test_join_settings_the_group_refuses() -> None:
+    from services.common.ranks.config import RankGroupConfig
+
+    def refused(**fields) -> str:
+        with pytest.raises(ValueError) as caught:
+            RankGroupConfig(**{"devices": ("cpu", "join"), "internal_token": TOKEN, **fields})
+        return str(caught.value)
+
+    good = {"control_addr": "tcp://10.0.0.1:29600", "host": "10.0.0.1"}
+    RankGroupConfig(devices=("cpu", "join"), internal_token=TOKEN, **good)
+    assert "tcp://HOST:PORT" in refused()
+    assert "one address" in refused(control_addr="tcp://10.0.0.1:29600", host="10.0.0.9")
+    assert "fixed port" in refused(control_addr="tcp://10.0.0.1:0", host="10.0.0.1")
+    assert "never a wildcard" in refused(control_addr="tcp://0.0.0.0:29600", host="0.0.0.0")
+    assert "internal token" in refused(**good, internal_token="")
+    assert "devices[0]" in refused(**good, devices=("join", "cpu"))
+    with pytest.raises(ValueError, match="must be loopback"):
+        RankGroupConfig(devices=("cpu",), host="10.0.0.1")
