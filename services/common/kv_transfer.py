@@ -197,6 +197,17 @@ def check_cross_process(name: str, why: str) -> None:
         )
 
 
+def check_cross_host(name: str, why: str) -> None:
+    """``ValueError`` when backend ``name`` cannot cross hosts (``why`` says whose are apart)."""
+    backend = BACKENDS.get(name)
+    if backend is not None and not backend.cross_host:
+        across = [b.name for b in BACKENDS.values() if b.cross_host]
+        raise ValueError(
+            f"the {name} transfer backend moves data within one host, and {why}: use "
+            f"{' or '.join(across)}"
+        )
+
+
 def resolve_kv_backend(kv_transfer_backend: str | None, transfer_backend: str) -> str:
     """The KV backend to run (``kv_transfer_backend``, else ``transfer_backend``); ``ValueError``
     if unknown."""

@@ -11,6 +11,7 @@ import argparse
 import re
 from collections.abc import Sequence
 
+from services.common.ranks.config import JOIN
 from services.common.settings import positive_int
 
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
@@ -22,6 +23,33 @@ def device_list(text: str) -> tuple[str, ...]:
     if not devices or any(not _DEVICE.match(d) for d in devices):
         raise argparse.ArgumentTypeError(f"expected cpu or cuda:N, comma-separated; got {text!r}")
     return devices
+
+
+def device_list_or_join(text: str) -> tuple[str, ...]:
+    """``--devices`` of a rank group that may span hosts: ``device_list``'s entries, or ``join``
+    for a rank started on another host (``stageserve join-rank``); never the first (rank 0 runs
+    beside its leader)."""
+    entries = tuple(d.strip() for d in text.split(",") if d.strip())
+    local = ",".join(d for d in entries if d != JOIN)
+    if not entries or entries[0] == JOIN or not local:
+        raise argparse.ArgumentTypeError(
+            f"expected cpu or cuda:N, comma-separated, with 'join' for a rank on another host "
+            f"(never the first); got {text!r}"
+        )
+    device_list(local)
+    return entries
+
+
+def local_devices(devices: Sequence[str]) -> tuple[str, ...]:
+    """The devices of the ranks spawned on this host (a ``join`` rank brings its own, of the
+    same kind: its leader refuses one that does not)."""
+    return tuple(d for d in devices if d != JOIN)
+
+
+def shares_a_device(devices: Sequence[str]) -> bool:
+    """Whether two of this host's ranks share a device (a joining rank has one of its own)."""
+    local = local_devices(devices)
+    return len(set(local)) < len(local)
 
 
 def add_rank_args(parser: argparse.ArgumentParser, ranks_help: str) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.errors import ModelLoadError
+from services.common.rank_devices import local_devices
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -268,8 +269,9 @@ def check_group_devices(devices: Sequence[str], group: int, service: str, what: 
         )
     for start in range(0, len(devices), group):
         members = devices[start : start + group]
-        cuda = [d for d in members if d.startswith("cuda")]
-        if 0 < len(cuda) < group:
+        local = local_devices(members)  # a rank joining from another host has a device of its own
+        cuda = [d for d in local if d.startswith("cuda")]
+        if 0 < len(cuda) < len(local):
             raise ValueError(
                 f"{service} {what} on CPU and CUDA processes at once ({', '.join(members)}): "
                 "a group's collectives run over one backend (NCCL on GPUs, gloo on CPUs)"

@@ -20,18 +20,20 @@ from services.common.client import create_channel, wait_ready
 from services.common.clients.vision_encoder import VisionEncoderClient
 from services.common.envs import Envs
 from services.common.kv_transfer import (
+    check_cross_host,
     check_cross_process,
     check_embedding_backend,
     check_kv_backend,
 )
 from services.common.pb.stageserve.v1 import prefill_pb2_grpc
+from services.common.rank_devices import local_devices, shares_a_device
 from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, serve_until_signal
 from services.common.service_main import print_ready, service_server, start_telemetry
 from services.engine.config import ModelConfig
 from services.prefill import metrics
-from services.prefill.config import PrefillConfig, check_parallel
+from services.prefill.config import PrefillConfig, check_parallel, joining_address
 from services.prefill.encoding import Encoder
 from services.prefill.image_store import ImageStore
 from services.prefill.kv_refs import KvRefVerifier
@@ -53,12 +55,14 @@ STORE_LOOKUP_TIMEOUT_S = 1.0  # a request waits this long at most for the shared
 
 def check_backends(config: PrefillConfig) -> tuple[str, str]:
     """``(embedding backend, KV backend)`` the ranks run; ``ValueError`` for one they cannot."""
-    embedding = check_embedding_backend(config.transfer_backend, config.devices)
+    embedding = check_embedding_backend(config.transfer_backend, local_devices(config.devices))
     kv_backend = check_kv_backend(
         config.kv_transfer_backend, config.transfer_backend, config.devices[0]
     )
     for name in (embedding, kv_backend):
         check_cross_process(name, "prefill's ranks are rank processes of their own")
+        if joining_address(config) is not None:
+            check_cross_host(name, "prefill has ranks on other hosts ('join' devices)")
     return embedding, kv_backend
 
 
@@ -79,7 +83,7 @@ def rank_init(config: PrefillConfig) -> PrefillRankInit:
         transfer_backend=embedding,
         kv_backend=kv_backend,
         transfer_hostname=config.advertised_hostname,
-        kv_exchange_over_cpu=len(set(config.devices)) < len(config.devices),
+        kv_exchange_over_cpu=shares_a_device(config.devices),
         cuda_graph_max_tokens=config.cuda_graph_max_tokens,
         gpu_share_file=config.gpu_share_file,
         host_cache_gb=0.0 if config.disable_prefix_cache else config.host_cache_gb,
@@ -143,9 +147,13 @@ def store_lookup(config: PrefillConfig, leader: list[PrefillLeader]) -> StoreLoo
 
 
 def group_config(config: PrefillConfig, internal_token: str) -> RankGroupConfig:
+    address = joining_address(config)
+    where = {} if address is None else {"control_addr": f"tcp://{address[0]}:{address[1]}"}
     return RankGroupConfig(
         name="prefill",
         devices=config.devices,
+        host="127.0.0.1" if address is None else address[0],
+        **where,
         step_timeout_s=config.step_timeout_s,
         watchdog_s=config.watchdog_s,
         internal_token=internal_token,

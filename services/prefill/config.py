@@ -5,9 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.kv_transfer import CROSS_PROCESS_BACKENDS, KV_BACKEND_HELP, resolve_kv_backend
-from services.common.rank_devices import device_list
+from services.common.rank_devices import device_list_or_join
+from services.common.ranks.config import JOIN
 from services.common.service_main import ServiceConfig
-from services.common.settings import flag, non_negative, non_negative_int, positive, positive_int
+from services.common.settings import (
+    MAX_PORT,
+    flag,
+    non_negative,
+    non_negative_int,
+    positive,
+    positive_int,
+)
 from services.engine.gpu_defaults import ATTENTION_CHOICES, ATTENTION_HELP, AUTO_ATTENTION
 from services.engine.quantization import kv_cache_dtype_flag, quantization_flag
 
@@ -106,10 +114,19 @@ class PrefillConfig(ServiceConfig):
     )
     devices: tuple[str, ...] = flag(
         ("cpu",),
-        type=device_list,
+        type=device_list_or_join,
         metavar="DEV,DEV,...",
         help="one rank process per device, e.g. cuda:0,cuda:1 (default: --ranks on --device); "
-        "with --tp T, processes c*T .. c*T+T-1 are CP rank c's tensor-parallel group",
+        "with --tp T, processes c*T .. c*T+T-1 are CP rank c's tensor-parallel group; 'join': "
+        "a rank started on another host by `stageserve join-rank` (needs --rank-address)",
+    )
+    rank_address: str = flag(
+        "",
+        metavar="HOST:PORT",
+        help="with 'join' devices: where the rank group listens for ranks on other hosts (its "
+        "control socket, rank 0's rendezvous and the ranks' collectives on HOST, this host's "
+        "address they reach; the control socket on PORT); the joining ranks' --leader is "
+        "tcp://HOST:PORT",
     )
     tp: int = flag(
         1,
@@ -200,6 +217,33 @@ def check_block_tokens(block_tokens: int, page_size: int) -> None:
             f"--cp-block-tokens {block_tokens} must be 1 or a positive multiple of --page-size "
             f"{page_size}"
         )
+
+
+def joining_address(config: PrefillConfig) -> tuple[str, int] | None:
+    """``(host, port)`` of ``--rank-address`` when ranks join from other hosts, else None;
+    ``ValueError`` for a rank address without 'join' devices, or one that cannot be listened on
+    (the backends that must cross hosts are ``app.check_backends``')."""
+    joining = JOIN in config.devices
+    if not config.rank_address:
+        if joining:
+            raise ValueError(
+                "--devices has 'join' ranks: --rank-address HOST:PORT names where they find their "
+                "group (this host's address they reach)"
+            )
+        return None
+    if not joining:
+        raise ValueError("--rank-address is where ranks on other hosts join: --devices has none")
+    host, _, port = config.rank_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
+        raise ValueError(f"--rank-address must be HOST:PORT, got {config.rank_address!r}")
+    if host in ("0.0.0.0", "::", "[::]", "*"):
+        raise ValueError(
+            f"--rank-address {config.rank_address}: name this host's address the joining ranks "
+            "reach (its store and collectives listen there), not a wildcard"
+        )
+    if config.gpu_share_file:
+        raise ValueError("--gpu-share-file is a file of one host: not with 'join' ranks")
+    return host, int(port)
 
 
 def check_parallel(config: PrefillConfig) -> None:

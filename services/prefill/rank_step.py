@@ -121,9 +121,10 @@ class PrefillRankStep(BaseRankStep):
             cuda_graph_batch_sizes=(),  # EXTEND only: decode graphs would hold a page for nothing
             prefill_graph_tokens=graph_tokens,
         )
-        self.kv_sender = create_kv_sender(TransferSpec(init.kv_backend, init.transfer_hostname))
+        hostname = transfer_hostname(ctx, init)
+        self.kv_sender = create_kv_sender(TransferSpec(init.kv_backend, hostname))
         self.receiver = create_embedding_receiver(
-            TransferSpec(init.transfer_backend, init.transfer_hostname), cp_rank=groups.outer_rank
+            TransferSpec(init.transfer_backend, hostname), cp_rank=groups.outer_rank
         )
         device = self.receiver.buffer_device(runner.device)
         buffer = EmbeddingBuffer(
@@ -134,7 +135,7 @@ class PrefillRankStep(BaseRankStep):
             pin_memory=device.type == "cpu" and runner.device.type == "cuda",
         )
         self.receiver.register(buffer)
-        self.store = connect_store(init, runner.kv_pool) if init.kv_store_master else None
+        self.store = connect_store(init, runner.kv_pool, hostname) if init.kv_store_master else None
         self.worker = PrefillRankWorker(
             runner,
             self.kv_sender,
@@ -251,7 +252,13 @@ def manifest_of(init: PrefillRankInit) -> dict[str, object]:
     )
 
 
-def connect_store(init: PrefillRankInit, pool: KVPool) -> StoreWriter | None:
+def transfer_hostname(ctx: RankContext, init: PrefillRankInit) -> str:
+    """The address this rank's transfer engines advertise: the service's (``--transfer-host``)
+    for a rank spawned beside it, a joined rank's own (``join-rank --host``)."""
+    return ctx.host if ctx.joined else init.transfer_hostname
+
+
+def connect_store(init: PrefillRankInit, pool: KVPool, hostname: str) -> StoreWriter | None:
     """This rank's client of the shared KV store; None (logged) when it cannot connect: the
     rank says so in ``Describe`` and the leader then uses the store on no rank."""
     from services.prefill.kv_store import KvStore, PageLayout
@@ -262,7 +269,7 @@ def connect_store(init: PrefillRankInit, pool: KVPool) -> StoreWriter | None:
             init.kv_store_master,
             init.kv_store_namespace,
             PageLayout.of(pool),
-            local_hostname=init.transfer_hostname or "127.0.0.1",
+            local_hostname=hostname or "127.0.0.1",
             segment_bytes=init.kv_store_segment_bytes,
         )
     except (ImportError, ValueError, KvStoreError) as exc:

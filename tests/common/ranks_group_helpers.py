@@ -5,14 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import socket
+import subprocess
+import sys
 
-from services.common.envs import Envs
-from services.common.ranks.config import RankGroupConfig, StepSpec
+from services.common.envs import INTERNAL_TOKEN_ENV, Envs
+from services.common.ranks.config import RANK_MAIN, RankGroupConfig, StepSpec
 from services.common.ranks.group import RankGroup
 from tests.common.test_ranks_steps import TARGET, EchoInit, EchoResult
 from tests.conftest import rank_children
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKEN = "the group's token"  # of groups with ranks that join (tests set it in the environment)
 START_TIMEOUT_S = 120.0  # several torch imports at once on a loaded 2-core machine
 
 
@@ -65,3 +70,43 @@ async def wait_for(predicate, timeout_s: float) -> None:
     while not predicate():
         assert loop.time() < deadline_mono, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+def control_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def join_agent(leader: str, host: str, token: str = TOKEN, env: dict[str, str] | None = None):
+    """``stageserve join-rank`` for rank 1 of 2 on ``host``, with ``token``; ``env``: more of its
+    environment."""
+    argv = ["--leader", leader, "--rank", "1", "--world-size", "2", "--host", host]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "join-rank", *argv, "--retry-s", "0.2"],
+        cwd=REPO,
+        env={**os.environ, **(env or {}), INTERNAL_TOKEN_ENV: token},
+    )
+    try:
+        yield agent
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0  # it stopped its rank and exited
+        assert agent_ranks(agent) == []
+
+
+def agent_ranks(agent: subprocess.Popen) -> list[int]:
+    """The agent's rank processes now."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if parent == agent.pid and RANK_MAIN.encode() in cmdline:
+            found.append(int(entry))
+    return found

@@ -6,26 +6,28 @@ formation; a rank with another token never joins."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 
 import pytest
 
 from services.common.envs import INTERNAL_TOKEN_ENV
 from services.common.errors import UnavailableError
-from services.common.ranks.config import RANK_MAIN
 from services.common.ranks.errors import RankStartError
-from tests.common.ranks_group_helpers import REPO, is_gone, running, wait_for
+from tests.common.ranks_group_helpers import (
+    TOKEN,
+    agent_ranks,
+    control_address,
+    is_gone,
+    join_agent,
+    running,
+    wait_for,
+)
 from tests.common.test_ranks_steps import EchoPayload
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_env")]
-TOKEN = "the group's token"
 JOINED_HOST = "127.0.0.2"  # another loopback address: the joined rank's own interface
 LIVENESS_S = 3.0
 REJOIN_S = 120.0  # a new rank process imports torch on a loaded 2-core machine
@@ -33,46 +35,7 @@ REJOIN_S = 120.0  # a new rank process imports torch on a loaded 2-core machine
 
 @pytest.fixture(autouse=True)
 def _token(monkeypatch):
-    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)
-
-
-def control_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-@contextlib.contextmanager
-def join_agent(leader: str, token: str = TOKEN):
-    """``stageserve join-rank`` for rank 1 of 2, on the joined host's address."""
-    argv = ["--leader", leader, "--rank", "1", "--world-size", "2", "--host", JOINED_HOST]
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "join-rank", *argv, "--retry-s", "0.2"],
-        cwd=REPO,
-        env={**os.environ, INTERNAL_TOKEN_ENV: token},
-    )
-    try:
-        yield agent
-    finally:
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(30) == 0  # it stopped its rank and exited
-        assert agent_ranks(agent) == []
-
-
-def agent_ranks(agent: subprocess.Popen) -> list[int]:
-    """The agent's rank processes now."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if parent == agent.pid and RANK_MAIN.encode() in cmdline:
-            found.append(int(entry))
-    return found
+    monkeypatch.setenv(INTERNAL_TOKEN_ENV, TOKEN)  # the leader's and the joined rank's
 
 
 def join_config(leader: str) -> dict:
@@ -89,7 +52,7 @@ def join_config(leader: str) -> dict:
 async def test_a_joined_rank_steps_dies_freezes_and_rejoins(caplog) -> None:
     caplog.set_level(logging.ERROR, logger="services.common.ranks.supervisor")
     leader = control_address()
-    with join_agent(leader) as agent:
+    with join_agent(leader, JOINED_HOST) as agent:
         async with running(("cpu", "join"), **join_config(leader)) as run:
             results = await run.group.step(EchoPayload(value=3))
             assert [(r.rank, r.device_total, r.cpu_total) for r in results] == [
@@ -133,7 +96,7 @@ async def test_a_rank_with_another_token_never_joins(caplog) -> None:
     rank, after the start timeout rather than rank 0's rendezvous timeout."""
     caplog.set_level(logging.WARNING, logger="services.common.ranks.supervisor")
     leader = control_address()
-    with join_agent(leader, token="another token"):
+    with join_agent(leader, JOINED_HOST, token="another token"):
         with pytest.raises(RankStartError, match=r"no Hello from ranks \[1\] \(joining"):
             async with running(("cpu", "join"), start_timeout_s=12.0, **join_config(leader)):
                 pass

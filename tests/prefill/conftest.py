@@ -219,9 +219,8 @@ async def start_harness(
         await encoder_server.start()
         servers.append(encoder_server)
         encoder_address = f"127.0.0.1:{encoder_port}"
-    group = dataclasses.replace(
-        group_config(config.num_ranks, **group_overrides), devices=config.devices, name="prefill"
-    )
+    devices = group_overrides.pop("devices", config.devices)  # a group's own: 'join' ranks
+    group = group_config(config.num_ranks, **group_overrides, devices=devices, name="prefill")
     app = PrefillApp.build(
         config,
         internal_token=os.environ["STAGESERVE_INTERNAL_TOKEN"],

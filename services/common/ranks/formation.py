@@ -16,11 +16,21 @@ from dataclasses import dataclass
 
 from services.common.ranks.channel import LeaderChannel
 from services.common.ranks.config import JOIN, RankGroupConfig, StepSpec
-from services.common.ranks.messages import Hello, Setup, Shutdown, StartFailed, encode_raw
+from services.common.ranks.messages import (
+    ANY_FORMATION,
+    Hello,
+    Setup,
+    Shutdown,
+    StartFailed,
+    encode_raw,
+)
 from services.common.ranks.procs import RankLaunch, RankProcess, kill_all, stop_all
 
-ANY_FORMATION = -1  # a joining rank's Hello: started elsewhere, it joins the one forming now
 EXIT_GRACE_S = 0.5  # a rank that exits while starting gets this long for its StartFailed to arrive
+
+
+def _kind(device: str) -> str:
+    return "cuda" if device.startswith("cuda") else device
 
 
 def describe_exit(code: int) -> str:
@@ -99,6 +109,8 @@ class Formation:
             return f"formation {hello.formation}, expected {self.number}"
         if member.peer is not None:
             return "that rank said Hello already"
+        if member.is_joining and _kind(hello.device) != _kind(self.config.devices[0]):
+            return f"it brings {hello.device}; the group's ranks run on {self.config.devices[0]}"
         if member.process is not None and member.process.pid != hello.pid:
             return f"rank {hello.rank} is pid {member.process.pid}"
         return None

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from services.common.envs import Envs
 from services.common.ranks.config import RANK_MAIN
-from services.common.ranks.formation import ANY_FORMATION
+from services.common.ranks.messages import ANY_FORMATION
 from services.common.settings import positive, positive_int
 
 logger = logging.getLogger("services.common.ranks.join")

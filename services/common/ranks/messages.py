@@ -15,6 +15,7 @@ import enum
 
 import msgspec
 
+ANY_FORMATION = -1  # a joining rank's Hello: started on another host, it joins the one forming
 NIL = msgspec.Raw(b"\xc0")  # msgpack nil: the result of a step that did not succeed
 MAX_ERROR_CHARS = 1000  # an error text longer than this is cut (it must fit a RankStatus)
 

@@ -36,6 +36,7 @@ from services.common.malloc import tune_malloc
 from services.common.ranks.channel import Malformed, RankChannel
 from services.common.ranks.free_loop import FollowerLoop, FreeRankLoop
 from services.common.ranks.messages import (
+    ANY_FORMATION,
     Hello,
     Ready,
     Setup,
@@ -284,7 +285,14 @@ def _build_step(cls: type[BaseRankStep], args: RankArgs, setup: Setup) -> BaseRa
         with _stage(StartStage.GROUPS, rank):
             cpu_group, device_group = _form_groups(device, args.host, setup.collective_timeout_s)
     ctx = RankContext(
-        rank, world_size, device, cpu_group, device_group, setup.collective_timeout_s, args.host
+        rank,
+        world_size,
+        device,
+        cpu_group,
+        device_group,
+        setup.collective_timeout_s,
+        args.host,
+        joined=args.formation == ANY_FORMATION,
     )
     with _stage(StartStage.CONSTRUCT, rank):
         step_fn = cls(ctx, msgspec.msgpack.decode(setup.init, type=cls.init_type))

@@ -33,6 +33,7 @@ class RankContext:
     device_group: ProcessGroup | None  # tensors: NCCL on CUDA ranks, gloo on CPU ranks
     collective_timeout_s: float  # both groups' timeout
     host: str = "127.0.0.1"  # the address this rank's gloo groups listen on (``rank_main --host``)
+    joined: bool = False  # started on another host (``stageserve join-rank``): ``host`` is its own
 
 
 class BaseRankStep(abc.ABC):
