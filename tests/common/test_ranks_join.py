@@ -138,3 +138,33 @@ async def test_join_settings_the_group_refuses() -> None:
     assert "devices[0]" in refused(**good, devices=("join", "cpu"))
     with pytest.raises(ValueError, match="must be loopback"):
         RankGroupConfig(devices=("cpu",), host="10.0.0.1")
+
+
+def test_the_leader_takes_a_joining_ranks_hello_for_the_formation_forming() -> None:
+    from services.common.ranks.config import RankGroupConfig
+    from services.common.ranks.formation import Formation
+    from services.common.ranks.messages import ANY_FORMATION, Hello
+
+    config = RankGroupConfig(
+        devices=("cpu", "join"),
+        control_addr="tcp://10.0.0.1:29600",
+        host="10.0.0.1",
+        internal_token=TOKEN,
+    )
+    gen = Formation(3, config, deadline_mono=0.0)
+
+    def hello(rank: int, formation: int, device: str = "cpu", token: str = TOKEN) -> Hello:
+        return Hello(rank, 2, formation, 4242, device, 0, token)
+
+    assert gen.hello_problem(hello(1, ANY_FORMATION)) is None
+    assert gen.hello_problem(hello(1, 3)) is None
+    assert "expected 3 (or -1)" in gen.hello_problem(hello(1, 2))
+    assert "brings cuda:0; the group's ranks run on cpu" in gen.hello_problem(
+        hello(1, ANY_FORMATION, "cuda:0")
+    )
+    assert "token does not match" in gen.hello_problem(hello(1, ANY_FORMATION, token="x"))
+    assert "expected 3" in gen.hello_problem(hello(0, ANY_FORMATION))  # rank 0 is spawned
+    assert gen.take_hello(b"peer", hello(1, ANY_FORMATION)) is None
+    assert gen.members[1].who == "rank 1 (joining, cpu, pid 4242 on its host)"
+    assert "said Hello already" in gen.hello_problem(hello(1, ANY_FORMATION))
+    assert gen.needing_setup() == []  # rank 0's Hello (its store) has not come
