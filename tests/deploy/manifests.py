@@ -95,7 +95,11 @@ def _add_resources_and_patches(directory: Path, kustomization: dict, docs: list[
     for patch in kustomization.get("patches", []):
         assert set(patch) == {"path"}, f"{directory}: only file patches are rendered here: {patch}"
         for doc in load_docs(directory / patch["path"]):
-            _merge(find(docs, doc["kind"], doc["metadata"]["name"]), doc)
+            target = find(docs, doc["kind"], doc["metadata"]["name"])
+            if doc.get("$patch") == "delete":  # the one directive rendered: drop the object
+                docs.remove(target)
+            else:
+                _merge(target, doc)
 
 
 def render_kustomization(directory: Path, components: tuple[Path, ...] = ()) -> list[dict]:
@@ -131,9 +135,22 @@ def workloads(docs: list[dict]) -> list[dict]:
     return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
 
 
+def pod_templates(doc: dict) -> list[dict]:
+    """The pod templates of a workload: a Deployment's or StatefulSet's one, a LeaderWorkerSet's
+    leader and worker templates; none for other kinds."""
+    if doc["kind"] in WORKLOAD_KINDS:
+        return [doc["spec"]["template"]]
+    if doc["kind"] == "LeaderWorkerSet":
+        group = doc["spec"]["leaderWorkerTemplate"]
+        return [group["leaderTemplate"], group["workerTemplate"]]
+    return []
+
+
 def containers(docs: list[dict]) -> Iterator[dict]:
-    for workload in workloads(docs):
-        yield from workload["spec"]["template"]["spec"]["containers"]
+    """Every container of every pod template (``images:`` reaches them all, as in kustomize)."""
+    for doc in docs:
+        for template in pod_templates(doc):
+            yield from template["spec"]["containers"]
 
 
 @dataclass(frozen=True)
@@ -179,16 +196,22 @@ def rendered_containers(docs: list[dict]) -> list[Container]:
     found = []
     for workload in workloads(docs):
         for spec in workload["spec"]["template"]["spec"]["containers"]:
-            env: dict[str, str] = {}
-            for source in spec.get("envFrom", []):
-                env.update(config_maps[source["configMapRef"]["name"]])
-            for var in spec.get("env", []):
-                if "value" in var:
-                    env[var["name"]] = var["value"]
-                elif var["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
-                    env[var["name"]] = POD_IP
-            found.append(Container(workload, spec, env))
+            found.append(Container(workload, spec, container_env(spec, config_maps)))
     return found
+
+
+def container_env(spec: dict, config_maps: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """A container's environment as the kubelet builds it (its ConfigMaps, then its own values;
+    a pod's IP is ``POD_IP``)."""
+    env: dict[str, str] = {}
+    for source in spec.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]])
+    for var in spec.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif var["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[var["name"]] = POD_IP
+    return env
 
 
 def flag(args: list[str], name: str) -> list[str]:
