@@ -248,6 +248,8 @@ def prefill_config(
         disable_prefix_cache=cfg.disable_prefix_cache,
         tp=cfg.prefill_tp,
         ep=cfg.prefill_ep,
+        # prefill starts while the encoder loads: it waits for it as long as up waits for both
+        peer_ready_timeout_s=cfg.ready_timeout_s,
         **_given(
             num_pages=cfg.prefill_num_pages,
             host_cache_gb=cfg.host_cache_gb,

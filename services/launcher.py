@@ -117,6 +117,7 @@ class Child:
     process: subprocess.Popen
     ports: Mapping[str, int]  # what it was started with (0: any free port)
     ready: dict[str, str] = field(default_factory=dict)
+    listening: dict[str, str] = field(default_factory=dict)  # its LISTENING line (before READY)
     lines: list[str] = field(default_factory=list)
 
     @property
@@ -129,7 +130,7 @@ class Child:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.ready['port']}"
+        return f"127.0.0.1:{(self.ready or self.listening)['port']}"
 
     def bound_ports(self) -> dict[str, int]:
         """The ports it binds: the ones it was given, else (0) the ones its READY line named."""
@@ -211,9 +212,13 @@ class Launcher:
         for line in child.process.stdout:
             child.lines.append(line.rstrip())
             words = line.split()
-            is_ready_line = len(words) >= 2 and words[0] == "READY" and words[1] == child.service
-            if is_ready_line and not child.ready:
-                child.ready = dict(w.split("=", 1) for w in words[2:] if "=" in w)
+            if len(words) < 2 or words[1] != child.service:
+                continue
+            fields = dict(w.split("=", 1) for w in words[2:] if "=" in w)
+            if words[0] == "READY" and not child.ready:
+                child.ready = fields
+            elif words[0] == "LISTENING" and not child.listening:
+                child.listening = fields
 
     def log_path(self, name: str) -> Path | None:
         return None if self.cfg.log_dir is None else self.cfg.log_dir / f"{name}.log"
@@ -228,20 +233,23 @@ class Launcher:
         lines = [] if path is None else failure_lines(path)
         return "".join(f"\n    {line}" for line in lines)
 
-    def wait_ready(self, children: list[Child]) -> None:
+    def wait_ready(self, children: list[Child], *, listening: bool = False) -> None:
+        """Until every child printed READY (``listening``: LISTENING or READY); raises when one
+        exits first, on the ready timeout, or when start-up is abandoned."""
         deadline_mono = time.monotonic() + self.cfg.ready_timeout_s
-        while not all(c.ready for c in children):
+        is_up = (lambda c: c.ready or c.listening) if listening else (lambda c: c.ready)
+        while not all(is_up(c) for c in children):
             if self.stop.is_set():  # checked first: a Ctrl-C also stops the children themselves
                 raise StartInterrupted()
             for c in children:
-                if not c.ready and c.process.poll() is not None:
+                if not is_up(c) and c.process.poll() is not None:
                     raise UnavailableError(
                         f"{c.name} exited with code {c.process.returncode} before it was ready"
                         + self.log_hint(c.name)
                         + self.why(c.name)
                     )
             if time.monotonic() > deadline_mono:
-                late = [c.name for c in children if not c.ready]
+                late = [c.name for c in children if not is_up(c)]
                 timeout_s = self.cfg.ready_timeout_s
                 raise UnavailableError(f"not ready after {timeout_s:.0f} s: {', '.join(late)}")
             time.sleep(0.05)
@@ -253,10 +261,13 @@ class Launcher:
         tokenizer = self.start(tokenizer_spec(cfg))
         encoder = self.start(encoder_spec(cfg))
         decode = self.start(decode_spec(cfg))
-        self.wait_ready([c for c in (store, tokenizer, encoder, decode) if c is not None])
+        if store is not None:
+            self.wait_ready([store])
+        # prefill loads its model while the encoder loads its own: it needs only its address
+        self.wait_ready([encoder], listening=True)
         store_address = "" if store is None else kv_store_address(store.ready["master_port"])
         prefill = self.start(prefill_spec(cfg, encoder.address, store_address))
-        self.wait_ready([prefill])
+        self.wait_ready([tokenizer, encoder, decode, prefill])
         if store is not None:
             self.check_store(store)
         args = router_args(

@@ -30,7 +30,7 @@ def _started_specs(cfg: LaunchConfig, monkeypatch) -> list[ChildSpec]:
 
     launcher = Launcher(cfg)
     monkeypatch.setattr(launcher, "start", start)
-    monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
+    monkeypatch.setattr(launcher, "wait_ready", lambda children, listening=False: None)
     launcher.start_all()
     return specs
 

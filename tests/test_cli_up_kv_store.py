@@ -59,7 +59,7 @@ def started(cfg: LaunchConfig, monkeypatch) -> tuple[list[ChildSpec], list[str]]
 
     launcher = Launcher(cfg)
     monkeypatch.setattr(launcher, "start", start)
-    monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
+    monkeypatch.setattr(launcher, "wait_ready", lambda children, listening=False: None)
     monkeypatch.setattr(launcher, "check_store", lambda store: checked.append(store.name))
     launcher.start_all()
     return specs, checked

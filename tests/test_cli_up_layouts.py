@@ -72,7 +72,7 @@ def test_decode_dp_and_router_workers_reach_their_processes(monkeypatch) -> None
 
     launcher = Launcher(LaunchConfig(Path("m"), decode_dp=3, router_workers=3, http_port=0))
     monkeypatch.setattr(launcher, "start", start)
-    monkeypatch.setattr(launcher, "wait_ready", lambda children: None)
+    monkeypatch.setattr(launcher, "wait_ready", lambda children, listening=False: None)
     launcher.start_all()
     by_name = {spec.name: spec for spec in specs}
     decode = list(by_name["decode"].args)

@@ -66,7 +66,9 @@ class FakeSystem:
         self.executor = FakeExecutor()
         monkeypatch.setattr(self.launcher, "_spawn", self.spawn)
         monkeypatch.setattr(
-            self.launcher, "wait_ready", lambda children: [self.ready(c) for c in children]
+            self.launcher,
+            "wait_ready",
+            lambda children, listening=False: [self.ready(c) for c in children],
         )
         self.launcher.start_all()
         self.supervisor = ChildSupervisor(

@@ -154,6 +154,12 @@ def service_server(
     )
 
 
+def print_listening(service: str, port: int) -> None:
+    """``LISTENING <service> port=...`` on stdout once the gRPC server is bound (health answers,
+    NOT_SERVING until ready): a launcher may start the services that wait for this one then."""
+    print(f"LISTENING {service} port={port}", flush=True)
+
+
 def print_ready(service: str, **ports: int) -> None:
     """``READY <service> port=... metrics_port=...`` on stdout, the line the launcher waits for."""
     print(

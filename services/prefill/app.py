@@ -8,8 +8,10 @@ pools, the KV senders and the embedding receivers live in the rank processes
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import torch
@@ -212,14 +214,24 @@ class PrefillApp:
         holder.append(leader)
         return cls(leader, ranks)
 
-    async def start(self) -> None:
-        """Form the rank group (load, warm up), then start the leader; ``RankStartError`` on
-        failure."""
-        await self.ranks.start()
+    async def start(self, peers_ready: Awaitable[None] | None = None) -> None:
+        """Form the rank group (load, warm up) while ``peers_ready`` (the vision encoder turning
+        SERVING, which loads a model too) is awaited, then start the leader: it serves only once
+        both are done. The first failure raises (``RankStartError``, or the peer wait's), with
+        the ranks stopped."""
+        forming = asyncio.ensure_future(self.ranks.start())
+        peers = asyncio.ensure_future(peers_ready) if peers_ready is not None else None
+        waits = [forming] if peers is None else [forming, peers]
         try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+            for wait in done:
+                wait.result()  # the first failure, whichever it was
             await self.leader.start()
         except BaseException:
-            await self.ranks.aclose()
+            if peers is not None:
+                peers.cancel()
+            await self.ranks.aclose()  # a group still forming stops (never cancelled): it raises
+            await asyncio.gather(*waits, return_exceptions=True)
             raise
 
     async def close(self) -> None:
@@ -251,10 +263,9 @@ async def serve(config: PrefillConfig, envs: Envs, auth: Credentials | None) -> 
     encoder = None
     if config.encoder_address:
         encoder = VisionEncoderClient(config.encoder_address, auth=auth)
-        await _wait_encoder_ready(config)
     app = PrefillApp.build(config, internal_token=envs.internal_token, encoder=encoder)
     app.leader.on_serving = health.set_serving  # once the rank group formed and described itself
-    await app.start()
+    await app.start(_wait_encoder_ready(config) if encoder is not None else None)
     servicer.attach(app.leader)
     app.leader.progress.start(health)  # readiness follows the ranks: NOT_SERVING while stuck
     print_ready("prefill", port=port, metrics_port=metrics_port)

@@ -24,7 +24,12 @@ from services.common.ranks.config import RankGroupConfig, StepSpec
 from services.common.ranks.errors import RankStartError
 from services.common.ranks.group import RankGroup
 from services.common.server import HealthState, serve_until_signal
-from services.common.service_main import print_ready, service_server, start_telemetry
+from services.common.service_main import (
+    print_listening,
+    print_ready,
+    service_server,
+    start_telemetry,
+)
 from services.engine.config import ModelConfig
 from services.vision_encoder.config import VisionEncoderConfig
 from services.vision_encoder.job import JobLimits
@@ -170,6 +175,7 @@ async def serve(config: VisionEncoderConfig, envs: Envs, auth: Credentials | Non
     health = HealthState()
     server, port = create_grpc_server(app, config, health, auth)
     await server.start()
+    print_listening("vision_encoder", port)  # prefill may start: it waits for SERVING itself
     try:
         await app.start(health)  # SERVING once the ranks are loaded and warmed up
     except RankStartError:
