@@ -28,6 +28,7 @@ from tests.deploy.manifests import (
     parse_service_args,
     render_kustomization,
 )
+from tests.deploy.test_k8s import K8S_VERSIONS
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 NAME = "stageserve-prefill-group"
@@ -80,8 +81,8 @@ def test_the_group_replaces_the_prefill_statefulset(docs, gpu, lws) -> None:
     } - {("StatefulSet", "stageserve-prefill")}
 
 
-def test_objects_and_pod_templates_pass_the_strict_schemas(docs, lws) -> None:
-    version = kubernetes_validate.latest_version()
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_objects_and_pod_templates_pass_the_strict_schemas(docs, lws, version) -> None:
     pods = [
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}", **t["metadata"]}}
         | {"spec": t["spec"]}
