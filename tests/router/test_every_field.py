@@ -32,10 +32,10 @@ EFFECTS: dict[str, str] = {
     "n": "router/test_choices.py::test_chat_choices_share_the_prompt_and_sum_the_completions",
     "stream": "router/test_http_streaming.py::test_stream_chat",
     "stream_options": "router/test_http_streaming.py::test_stream_chat_with_usage",
-    "logit_bias": "router/test_parameters_e2e.py::test_logit_bias_forces_and_bans_tokens",
-    "min_tokens": "router/test_parameters_e2e.py::test_min_tokens_delays_a_forced_eos",
+    "logit_bias": "e2e/openai_api/test_parameters.py::test_logit_bias_forces_and_bans_tokens",
+    "min_tokens": "e2e/openai_api/test_parameters.py::test_min_tokens_delays_a_forced_eos",
     "stop_token_ids": (
-        "router/test_parameters_e2e.py::test_stop_token_ids_end_generation_and_are_not_shown"
+        "e2e/openai_api/test_parameters.py::test_stop_token_ids_end_generation_and_are_not_shown"
     ),
     "response_format": (
         "e2e/openai_api/test_structured_outputs.py::test_json_schemas_hold_at_temperature_one"

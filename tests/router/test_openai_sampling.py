@@ -1,6 +1,6 @@
 """logit_bias, min_tokens and stop_token_ids: what reaches prefill and decode (the sampling
 parameters on the wire, fake workers) and the 400s naming the field. What the real sampler
-does with them is checked on the tiny model in ``test_parameters_e2e.py``.
+does with them is checked on the tiny model in ``tests/e2e/openai_api/test_parameters.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The request parameters on the real system (``stageserve up``, the tiny model, greedy).
+"""The request parameters on the real system (the package's system on one layout, the tiny
+model, greedy).
 
 What the fake workers cannot show: that logit_bias, min_tokens and stop_token_ids
 change what the model generates, that decode refuses token ids outside the model's
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import image_bytes
-from tests.e2e.system import running_system
+from tests.e2e.openai_api.helpers import only_on
 from tests.router.fakes import TEXT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -23,10 +24,9 @@ Z_ID = TEXT.encode("z")[0]
 EOS_ID = TEXT.eos_token_ids[-1]
 
 
-@pytest.fixture(scope="module")
-def system(tmp_path_factory):
-    with running_system(tmp_path_factory.mktemp("system"), "--num-pages", "512") as system:
-        yield system
+@pytest.fixture(autouse=True)
+def _one_layout(request):
+    only_on(request, "cp2", "the parameters run once, on the cp2 layout")
 
 
 @pytest.fixture(scope="module")
