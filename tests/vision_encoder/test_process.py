@@ -1,7 +1,7 @@
-"""``python -m services.vision_encoder --ranks 2`` as a process: READY, health SERVING, rows over
-Mooncake from both ranks, a dead peer, SIGTERM exit 0 with no rank left; a rank that cannot
-start is one clear error line; ``--ranks 2 --tp 2`` (one rank, its tower split over two
-processes) sends the rows of the whole tower."""
+"""``python -m services.vision_encoder --ranks 2`` as a process: LISTENING then READY, health
+SERVING, rows over Mooncake from both ranks, a dead peer, SIGTERM exit 0 with no rank left; a
+rank that cannot start is one clear error line; ``--ranks 2 --tp 2`` (one rank, its tower split
+over two processes) sends the rows of the whole tower."""
 
 from __future__ import annotations
 
@@ -69,10 +69,13 @@ def serve_then_stop(flags: str, check: Callable[[str], Awaitable[None]]) -> None
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=read_lines, args=(process.stdout, lines), daemon=True).start()
     try:
+        listening = lines.get(timeout=READY_TIMEOUT_S).split()  # bound, not yet serving
+        assert listening[:2] == ["LISTENING", "vision_encoder"], listening
         ready = lines.get(timeout=READY_TIMEOUT_S)
         words = ready.split()
         assert words[:2] == ["READY", "vision_encoder"], ready
         fields = dict(w.split("=", 1) for w in words[2:])
+        assert listening[2] == f"port={fields['port']}"  # up starts prefill on that address
         ranks = children_of(process.pid)
         assert len(ranks) == 2
         asyncio.run(check(f"127.0.0.1:{fields['port']}"))
