@@ -17,11 +17,14 @@ import inspect
 import io
 import re
 import shlex
+import shutil
+import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from services.common import settings
@@ -116,6 +119,28 @@ def render_kustomization(directory: Path, components: tuple[Path, ...] = ()) -> 
             if container["image"].split(":")[0] == image["name"]:
                 container["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
     return docs
+
+
+def kubectl_kustomize(directory: Path) -> list[dict]:
+    """The objects ``kubectl kustomize directory`` prints."""
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    return [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def assert_renders_like_kubectl(directory: Path, docs: list[dict]) -> None:
+    """``docs`` (this renderer's) are ``kubectl kustomize directory``'s objects; skips the test
+    where kubectl is not installed."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the render is checked by this renderer only")
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    theirs = sorted(kubectl_kustomize(directory), key=key)
+    assert [normalized(d) for d in sorted(docs, key=key)] == [normalized(d) for d in theirs]
 
 
 def normalized(value: Any, key: str = "") -> Any:

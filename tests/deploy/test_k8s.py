@@ -8,8 +8,6 @@ checked here against the rendered objects and the services' own parsers and cons
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from importlib.metadata import version
 
 import kubernetes_validate
@@ -27,11 +25,11 @@ from tests.deploy.manifests import (
     OVERLAYS,
     SERVICES,
     Container,
+    assert_renders_like_kubectl,
     containers,
     dockerfile,
     find,
     flag,
-    normalized,
     parse_service_args,
     render_kustomization,
     rendered_containers,
@@ -80,20 +78,7 @@ def gpu_mooncake(monkeypatch, overlay) -> None:
 
 
 def test_renders_like_kubectl_kustomize(overlay, docs) -> None:
-    if shutil.which("kubectl") is None:
-        pytest.skip(
-            "kubectl is not installed: the render is checked by this test's own renderer only"
-        )
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    theirs = sorted((d for d in yaml.safe_load_all(rendered) if d), key=key)
-    assert [normalized(d) for d in sorted(docs, key=key)] == [normalized(d) for d in theirs]
+    assert_renders_like_kubectl(K8S / "overlays" / overlay, docs)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

@@ -9,22 +9,18 @@ pass ``join-rank``'s with the variables the LWS controller sets, all naming one 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import kubernetes_validate
 import pytest
-import yaml
 
 from services.common.envs import INTERNAL_TOKEN_ENV
 from services.common.ranks.join import build_parser, check_args
 from tests.deploy.manifests import (
     K8S,
     Container,
+    assert_renders_like_kubectl,
     container_env,
     find,
     flag,
-    normalized,
     parse_service_args,
     render_kustomization,
 )
@@ -172,15 +168,4 @@ def test_the_prefill_service_finds_the_leaders_only(docs, lws) -> None:
 
 
 def test_renders_like_kubectl_kustomize(docs) -> None:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed: rendered by this test's own renderer only")
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / "overlays" / "gpu-multihost")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    theirs = sorted((d for d in yaml.safe_load_all(rendered) if d), key=key)
-    assert [normalized(d) for d in sorted(docs, key=key)] == [normalized(d) for d in theirs]
+    assert_renders_like_kubectl(K8S / "overlays" / "gpu-multihost", docs)

@@ -12,13 +12,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy import manifests
 from tests.deploy.manifests import (
     COMPONENTS,
     DEPLOY,
@@ -59,7 +59,7 @@ def render(overlay: str, *components: str) -> list[dict]:
     )
 
 
-def kubectl_kustomize(tmp_path: Path, overlay: str, components: tuple[str, ...]) -> list[dict]:
+def kubectl_kustomize_with(tmp_path: Path, overlay: str, components: tuple[str, ...]) -> list[dict]:
     """``kubectl kustomize`` of an overlay that lists ``components`` (paths relative, as
     kustomize requires)."""
     relative = lambda path: os.path.relpath(path, tmp_path)  # noqa: E731
@@ -68,14 +68,7 @@ def kubectl_kustomize(tmp_path: Path, overlay: str, components: tuple[str, ...])
         "components": [relative(COMPONENTS / c) for c in components],
     }
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    rendered = subprocess.run(
-        ["kubectl", "kustomize", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout
-    return [d for d in yaml.safe_load_all(rendered) if d]
+    return manifests.kubectl_kustomize(tmp_path)
 
 
 def drain_bound_s(docs: list[dict]) -> float:
@@ -157,7 +150,7 @@ def test_components_render_like_kubectl_kustomize_and_pass_the_schemas(
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: rendered by this test's own renderer only")
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    theirs = sorted(kubectl_kustomize(tmp_path, overlay, components), key=key)
+    theirs = sorted(kubectl_kustomize_with(tmp_path, overlay, components), key=key)
     assert [normalized(d) for d in sorted(docs, key=key)] == [normalized(d) for d in theirs]
 
 
