@@ -1,13 +1,16 @@
 """``stageserve up``: every service as its own OS process on one machine, supervised.
 
 Start order follows the dependencies: tokenizer, vision encoder and decode first
-(in parallel; with ``kv_store_gb`` the KV store's master too, ``kv_store_spec``), then prefill
-(needs the encoder, and the master's address; once it is ready every rank must have lent the
-store its memory, ``check_store``), then the router (needs everyone).
+(in parallel; with ``kv_store_gb`` the KV store's master too, ``kv_store_spec``, ready before
+prefill starts), then prefill as soon as the encoder listens (it needs the encoder's address and
+the master's; it loads its model while the encoder loads its own and waits for the encoder's
+SERVING itself; once it is ready every rank must have lent the store its memory,
+``check_store``), then the router (needs everyone ready).
 Each child binds port 0 (its metrics port: ``metrics_port_base`` + its place in
-``METRICS_PORT_ORDER`` when a base is given) and reports ``READY <name> port=...
-metrics_port=...`` on stdout; the launcher waits for that line (bounded), then passes the
-addresses on, and prints every service's ports once all are ready (``ready_table``).
+``METRICS_PORT_ORDER`` when a base is given) and reports ``LISTENING`` / ``READY <name> port=...
+metrics_port=...`` on stdout (``launch_child.Child``); the launcher waits for those lines
+(bounded), then passes the addresses on, and prints every service's ports once all are ready
+(``ready_table``).
 A child that exits before it was ever ready fails start-up.
 
 Once everything is up, the ``ChildSupervisor`` (``services.supervisor``) restarts a child that
@@ -31,7 +34,6 @@ group, so a terminal's Ctrl-C reaches the launcher alone and the workers outlive
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -41,11 +43,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from services.common.auth import child_environment
 from services.common.errors import UnavailableError
+from services.launch_child import Child, failure_lines, spawn_child
 from services.launch_spec import (
     ChildSpec,
     LaunchConfig,
@@ -66,9 +69,7 @@ from services.launch_spec import (
 from services.prefill.kv_store_master import SERVICE as KV_STORE_SERVICE
 from services.supervisor import ChildSupervisor
 
-_PR_SET_PDEATHSIG = 1
 POLL_INTERVAL_S = 0.2
-LOG_TAIL_LINES = 12  # of a failed child's log, printed on the console
 
 
 class StartInterrupted(Exception):
@@ -79,67 +80,6 @@ def new_run_dir() -> Path:
     """A fresh directory for one ``up``'s logs: <tmp>/stageserve-<date>-<time>-<pid>."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path(tempfile.gettempdir()) / f"stageserve-{stamp}-{os.getpid()}"
-
-
-def failure_lines(path: Path, num_lines: int = LOG_TAIL_LINES) -> list[str]:
-    """Why a child failed, from its log: its error lines (ERROR log lines, argument errors) up to
-    the exception of its first traceback, the last three of them; else the log's last ``num_lines``.
-
-    What a failing process logs while it dies (its shutdown's own tracebacks) follows the cause
-    and is left out.
-    """
-    try:
-        lines = [
-            line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()
-        ]
-    except FileNotFoundError:
-        return []
-    causes: list[str] = []
-    in_traceback = False
-    for line in lines:
-        if line.startswith("Traceback (most recent call last)"):
-            in_traceback = True
-        elif in_traceback and not line[0].isspace():
-            causes.append(line)
-            break  # the first uncaught exception ends the story; later ones are its fallout
-        elif " ERROR " in line or ": error:" in line:
-            causes.append(line)
-    if causes:
-        return list(dict.fromkeys(causes))[-3:]
-    return lines[-num_lines:]
-
-
-@dataclass
-class Child:
-    """One process of a service; a restart makes a new ``Child`` with the same spec."""
-
-    spec: ChildSpec
-    process: subprocess.Popen
-    ports: Mapping[str, int]  # what it was started with (0: any free port)
-    ready: dict[str, str] = field(default_factory=dict)
-    listening: dict[str, str] = field(default_factory=dict)  # its LISTENING line (before READY)
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def service(self) -> str:
-        return self.spec.service or self.spec.name
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{(self.ready or self.listening)['port']}"
-
-    def bound_ports(self) -> dict[str, int]:
-        """The ports it binds: the ones it was given, else (0) the ones its READY line named."""
-        return {key: port or int(self.ready[key]) for key, port in self.ports.items()}
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Launcher:
@@ -181,44 +121,7 @@ class Launcher:
             *port_args(ports),
             *spec.args,
         ]
-        stderr = subprocess.DEVNULL
-        if self.cfg.log_dir is not None:
-            self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.cfg.log_dir / f"{spec.name}.log"
-            stderr = open(log_path, "ab")  # noqa: SIM115 (closed below)
-        try:
-            process = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                env=self.env,
-                preexec_fn=_die_with_parent,
-                process_group=0,  # the terminal's Ctrl-C goes to up alone, which drains first
-            )
-        finally:
-            if stderr is not subprocess.DEVNULL:
-                stderr.close()  # the child holds its own copy
-        child = Child(spec, process, dict(ports))
-        threading.Thread(
-            target=self._read_stdout, args=(child,), daemon=True, name=f"stdout-{spec.name}"
-        ).start()
-        return child
-
-    @staticmethod
-    def _read_stdout(child: Child) -> None:
-        assert child.process.stdout is not None
-        for line in child.process.stdout:
-            child.lines.append(line.rstrip())
-            words = line.split()
-            if len(words) < 2 or words[1] != child.service:
-                continue
-            fields = dict(w.split("=", 1) for w in words[2:] if "=" in w)
-            if words[0] == "READY" and not child.ready:
-                child.ready = fields
-            elif words[0] == "LISTENING" and not child.listening:
-                child.listening = fields
+        return spawn_child(spec, ports, cmd, self.env, self.log_path(spec.name))
 
     def log_path(self, name: str) -> Path | None:
         return None if self.cfg.log_dir is None else self.cfg.log_dir / f"{name}.log"

@@ -21,8 +21,9 @@ import pytest
 from services.cli import main
 from services.common.errors import UnavailableError
 from services.common.paths import BUNDLED_MODEL
+from services.launch_child import Child
 from services.launch_spec import ChildSpec, LaunchConfig, common_args, kv_store_spec, port_args
-from services.launcher import Child, Launcher
+from services.launcher import Launcher
 from services.prefill import kv_store_master
 from services.supervisor import check_liveness
 from tests.conftest import REPO

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from services.launcher import failure_lines
+from services.launch_child import failure_lines
 from tests.conftest import REPO
 
 BOUND_S = 120  # "at once" is seconds; this only bounds a hang

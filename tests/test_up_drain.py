@@ -15,6 +15,7 @@ import pytest
 
 from services.decode.config import STOP_AFTER_DRAIN_S as DECODE_STOP_AFTER_DRAIN_S
 from services.decode.config import DecodeConfig
+from services.launch_child import Child
 from services.launch_spec import (
     ChildSpec,
     LaunchConfig,
@@ -23,7 +24,7 @@ from services.launch_spec import (
     router_stop_s,
     worker_stop_s,
 )
-from services.launcher import Child, Launcher
+from services.launcher import Launcher
 from services.prefill.config import STOP_AFTER_DRAIN_S as PREFILL_STOP_AFTER_DRAIN_S
 from services.prefill.config import PrefillConfig
 from services.router.config import STOP_AFTER_DRAIN_S

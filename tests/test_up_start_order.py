@@ -9,8 +9,9 @@ import threading
 import time
 from types import SimpleNamespace
 
+from services.launch_child import Child
 from services.launch_spec import ChildSpec, LaunchConfig
-from services.launcher import Child, Launcher
+from services.launcher import Launcher
 
 
 def fake_child(spec: ChildSpec) -> Child:
@@ -63,7 +64,7 @@ def test_the_launcher_reads_listening_and_ready_lines_of_its_own_service() -> No
         "LISTENING prefill port=1\nLISTENING vision_encoder port=5\nnoise\n"
         "READY vision_encoder port=5 metrics_port=6\nLISTENING vision_encoder port=8\n"
     )
-    Launcher._read_stdout(child)
+    child.read_stdout()
     assert child.listening == {"port": "5"}
     assert child.ready == {"port": "5", "metrics_port": "6"}
     assert child.address == "127.0.0.1:5"

@@ -10,11 +10,12 @@ import json
 import threading
 from pathlib import Path
 
-from services import launcher as launcher_module
+from services import launch_child
 from services.common.restarts import RestartPolicy
+from services.launch_child import Child
 from services.launch_config import LaunchConfig, LivenessPolicy
 from services.launch_spec import ChildSpec
-from services.launcher import Child, Launcher
+from services.launcher import Launcher
 from services.supervisor import ChildSupervisor
 
 
@@ -218,7 +219,7 @@ def test_a_restart_gets_the_same_command_ports_and_environment(tmp_path, monkeyp
             self.pid, self.returncode = 7, None
             self.stdout = io.StringIO("loading\nREADY decode port=41000 metrics_port=41001\n")
 
-    monkeypatch.setattr(launcher_module.subprocess, "Popen", RecordingPopen)
+    monkeypatch.setattr(launch_child.subprocess, "Popen", RecordingPopen)
     launcher = Launcher(LaunchConfig(Path("m"), log_dir=tmp_path / "logs"))
     first = launcher.start(ChildSpec("decode", ("--num-pages", "8")))
     launcher.wait_ready([first])
