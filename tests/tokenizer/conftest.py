@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common.client import create_channel, wait_ready
 from services.common.clients.tokenizer import TokenizerClient
 from services.common.pb.stageserve.v1 import tokenizer_pb2_grpc
 from services.common.server import HealthState, create_server
@@ -52,6 +53,13 @@ async def start_served(num_workers: int, limits: Limits = TEST_LIMITS) -> tuple[
     await pool.start()
     health.set_serving(True)
     address = f"127.0.0.1:{port}"
+    # Answering before the tests call: a call whose connection attempt fails is
+    # UNAVAILABLE at once (no wait-for-ready), which a loaded CI machine hit once.
+    channel = create_channel(address)
+    try:
+        await wait_ready(channel, TIMEOUT_S)
+    finally:
+        await channel.close()
     return Served(TokenizerClient(address), address, pool, metrics, registry), server
 
 
