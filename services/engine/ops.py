@@ -37,6 +37,11 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def moe_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The Triton grouped GEMM of the MoE layer (``triton_moe``) for a CUDA ``x``; None elsewhere."""
+    return _fused(x, "triton_moe")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` over the last dim, normalized in fp32; x [T, H] -> [T, H]."""
     kernels = _fused(x)

@@ -11,6 +11,7 @@ import torch
 from services.engine.config import MoEConfig
 from services.engine.model.moe import (
     SparseMoE,
+    block_layout,
     checkpoint_expert,
     grouped_mm_syncs_host,
     moe_syncs_host,
@@ -138,6 +139,62 @@ def test_bf16_grouped_forward_matches_the_bf16_reference():
     torch.testing.assert_close(ours, reference, atol=2e-2, rtol=2e-2)
 
 
+def blocked_forward(layer: SparseMoE, x: torch.Tensor, block_m: int) -> torch.Tensor:
+    """The Triton forward's arithmetic in torch, block by block over ``block_layout``: each
+    block's pairs times its expert's weights, written at the pair's row. Rows start as NaN, so
+    a pair in no block, or a row written from another pair's input, shows in the result."""
+    assert layer.gate_up_t is not None and layer.down_t is not None
+    weights, experts = route(layer.gate(x), TOP_K, layer.moe.norm_topk_prob)
+    num_pairs = experts.numel()
+    _, order, ends = layer.sort_pairs(experts)
+    pair_of_slot, block_expert = block_layout(order, ends, block_m)
+    gate_up = torch.full((num_pairs, layer.gate_up_t.shape[2]), float("nan"))
+    down_in = {}
+    for block, expert in enumerate(block_expert.tolist()):
+        slots = pair_of_slot[block * block_m : (block + 1) * block_m].long()
+        if expert < 0:
+            assert bool((slots == num_pairs).all()), "a block past the experts' holds no pair"
+            continue
+        pairs = slots[slots < num_pairs]
+        gate_up[pairs] = x[pairs // TOP_K] @ layer.gate_up_t[expert]
+        down_in[block] = (expert, pairs)
+    act = layer.act(gate_up.chunk(2, dim=1)[0]) * gate_up.chunk(2, dim=1)[1]
+    out = torch.full((num_pairs, x.shape[1]), float("nan"))
+    for expert, pairs in down_in.values():
+        out[pairs] = (act[pairs] @ layer.down_t[expert]) * weights.flatten()[pairs, None]
+    return out.view(-1, TOP_K, x.shape[1]).sum(dim=1)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("routing", ["random", "one hot expert"])
+def test_block_layout_puts_every_pair_once_in_a_block_of_its_expert(block_m, routing):
+    layer = random_layer()
+    if routing == "one hot expert":
+        with torch.no_grad():
+            layer.gate.weight[0] = layer.gate.weight.abs().sum(0)
+    x = inputs(37, seed=8)
+    with torch.no_grad():
+        experts = route(layer.gate(x), TOP_K, True)[1]
+        _, order, ends = layer.sort_pairs(experts)
+        pair_of_slot, block_expert = block_layout(order, ends, block_m)
+        num_pairs = experts.numel()
+        bound = num_pairs + NUM_EXPERTS * (block_m - 1)
+        assert pair_of_slot.numel() == -(-bound // block_m) * block_m, "static: T, k, E only"
+        assert block_expert.numel() * block_m == pair_of_slot.numel()
+        real = pair_of_slot[pair_of_slot < num_pairs].long()
+        assert sorted(real.tolist()) == list(range(num_pairs)), "each pair exactly once"
+        for block, expert in enumerate(block_expert.tolist()):
+            pairs = pair_of_slot[block * block_m : (block + 1) * block_m].long()
+            pairs = pairs[pairs < num_pairs]
+            assert bool((experts.flatten()[pairs] == expert).all())
+        used = block_expert[block_expert >= 0]
+        assert bool((used[1:] >= used[:-1]).all()), "blocks in expert order"
+        assert set(used.tolist()) == set(experts.flatten().tolist()), "no block of an unpicked one"
+        ours = blocked_forward(layer, x, block_m)
+        reference = layer.reference_forward(x, *route(layer.gate(x), TOP_K, True))
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_unaligned_intermediate_is_padded_with_zeros():
     layer = random_layer(inter=10)  # 40-byte fp32 rows: not a 16-byte multiple
     assert layer.gate_up_t is not None and layer.down_t is not None
@@ -215,3 +272,17 @@ def test_checkpoint_expert_takes_either_layout():
     assert torch.equal(checkpoint_expert(released, shape), stored)
     wrong = torch.randn(NUM_EXPERTS + 1, 2 * INTER, HIDDEN)
     assert checkpoint_expert(wrong, shape) is wrong  # left for the loader's shape error
+
+
+def test_one_token_calls_run_torchs_grouped_gemm_where_it_captures():
+    """The Triton forward everywhere it is loaded, but batch-1 decode on torch's grouped GEMM
+    where that captures (measured faster there); the reference until the weights are prepared."""
+    layer = random_layer(fused=False)
+    assert layer.forward_kind(1) == "reference"
+    layer.fuse_projections()
+    assert (layer.forward_kind(1), layer.forward_kind(64)) == ("grouped", "grouped")  # no Triton
+    layer.kernels = object()  # as on CUDA with Triton
+    layer.grouped_captures = True  # bf16 on SM 9.x / 10.x
+    assert (layer.forward_kind(1), layer.forward_kind(2)) == ("grouped", "triton")
+    layer.grouped_captures = False  # fp16, fp32, older GPUs: torch's grouped GEMM syncs
+    assert (layer.forward_kind(1), layer.forward_kind(2)) == ("triton", "triton")

@@ -8,15 +8,20 @@ saves: ``experts.gate_up_proj`` ``[E, 2 * I, hidden]`` (gate rows first) and
 Released Qwen3-VL-MoE checkpoints store the experts transposed (``[E, hidden, 2 * I]``,
 ``[E, I, hidden]``); ``checkpoint_expert`` takes either, as transformers does.
 
-Two forwards, one result:
+Three forwards, one result. Each sorts the T * k (token, expert) pairs by expert on the
+device and takes the per-expert row ends from a ``searchsorted`` over the sorted ids:
 
-- **grouped** (what runs once ``fuse_projections`` has prepared the weights): the T * k
-  (token, expert) pairs are sorted by expert on the device, the per-expert row ends come
-  from a ``searchsorted`` over the sorted ids, both expert matmuls are one grouped GEMM
-  each (``torch.nn.functional.grouped_mm``), and each token's k rows are weighted and
-  summed back. Every shape depends on T and k only, and nothing is read on the host, so
-  the layer can be captured in a CUDA graph where the grouped GEMM itself does not sync
-  (see ``grouped_mm_syncs_host``).
+- **triton** (what runs on CUDA once ``fuse_projections`` has prepared the weights, where
+  Triton is installed): each expert's pairs padded to whole row blocks (``block_layout``),
+  both expert matmuls as one Triton grouped GEMM each (``triton_moe``) that gathers the
+  token rows itself and writes each pair's row in (token, slot) order, the second with its
+  routing weight applied, so the combine is one sum over the k rows. Nothing is read on the
+  host: the layer captures in a CUDA graph on any GPU.
+- **grouped** (elsewhere once prepared): the pairs' rows gathered in expert order, both
+  matmuls as ``torch.nn.functional.grouped_mm``, the rows weighted, put back in (token,
+  slot) order and summed. Every shape depends on T and k only, and nothing is read on the
+  host, so the layer can be captured in a CUDA graph where the grouped GEMM itself does not
+  sync (see ``grouped_mm_syncs_host``).
 - **reference** (the test oracle, and the fallback where torch has no grouped GEMM or
   ``hidden`` is not 16-byte aligned): one matmul pair per expert that some token picked;
   the picked set is read on the host, so it syncs and cannot be captured.
@@ -33,6 +38,7 @@ rank. One all-reduce sums the ranks' partial outputs.
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +54,10 @@ logger = logging.getLogger(__name__)
 ALIGN_BYTES = 16  # grouped GEMM operands: row strides and base pointers (torch checks strides)
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _FAST_GROUPED_MM_SM = (9, 10)  # torch's CUTLASS grouped GEMM (bf16); others: a synced loop
+# Calls over at most this many tokens (batch-1 decode) run torch's grouped GEMM where it captures:
+# measured faster there than the Triton forward, whose layout adds a dozen small kernels; from 64
+# tokens on the Triton forward is faster (docs/benchmarks.md, "MoE layer").
+GROUPED_MAX_TOKENS = 1
 
 
 class Experts(nn.Module):
@@ -108,6 +118,34 @@ def _realigned(param: nn.Parameter) -> torch.Tensor:
     return param.detach()
 
 
+def block_layout(
+    order: torch.Tensor,  # [P] pair index (token * k + slot) of each position sorted by expert
+    ends: torch.Tensor,  # [E] cumulative end of each expert's run in that order
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S] pair of each slot (P: padding), [S / block_m] experts
+    """The Triton forward's layout: each expert's pairs padded to whole blocks of ``block_m``
+    slots, as the pair index of every slot and the expert of every block (-1 past the last
+    expert's blocks; pairs after ``ends[-1]``, another rank's, are in no block). ``S`` is the
+    most slots any routing needs, ``P + E * (block_m - 1)`` rounded up to a block, so every
+    shape is static and nothing is read on the host."""
+    num_pairs, num_experts = order.numel(), ends.numel()
+    ends = ends.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    num_slots = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    slots = torch.arange(num_slots, device=order.device)
+    expert = torch.searchsorted(padded_ends, slots, right=True)  # num_experts past the last run
+    in_run = expert < num_experts
+    expert = expert.clamp(max=num_experts - 1)
+    row = slots - padded_starts[expert]  # the slot's row within its expert's padded run
+    is_pair = in_run & (row < counts[expert])
+    position = (ends[expert] - counts[expert] + row).clamp(max=max(num_pairs - 1, 0))
+    pair_of_slot = torch.where(is_pair, order[position], num_pairs).to(torch.int32)
+    block_expert = torch.where(in_run, expert, -1)[::block_m].to(torch.int32)
+    return pair_of_slot, block_expert
+
+
 class SparseMoE(nn.Module):
     def __init__(
         self, hidden_size: int, moe: MoEConfig, act: str, tp: TensorParallel = SINGLE
@@ -123,6 +161,8 @@ class SparseMoE(nn.Module):
         self.gate_up_t: torch.Tensor | None = None  # [E held, hidden, 2I'] once prepared
         self.down_t: torch.Tensor | None = None  # [E held, I', hidden] once prepared
         self.syncs_host = True  # False once the grouped forward runs without host reads
+        self.kernels: ModuleType | None = None  # triton_moe once prepared on CUDA
+        self.grouped_captures = False  # torch's grouped GEMM runs without host reads here
 
     def fuse_projections(self) -> None:
         """Prepare the grouped forward (called once after the weights are loaded).
@@ -146,17 +186,32 @@ class SparseMoE(nn.Module):
             down = F.pad(down, (0, padded - inter))
         self.gate_up_t = gate_up.transpose(1, 2)
         self.down_t = down.transpose(1, 2)
-        self.syncs_host = grouped_mm_syncs_host(down.device, down.dtype)
+        self.kernels = ops.moe_kernels(down)
+        self.grouped_captures = not grouped_mm_syncs_host(down.device, down.dtype)
+        self.syncs_host = self.kernels is None and not self.grouped_captures
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, experts = route(
             self.gate(x), self.moe.num_experts_per_tok, self.moe.norm_topk_prob
         )
-        if self.gate_up_t is None:
+        kind = self.forward_kind(x.shape[0])
+        if kind == "reference":
             out = self.reference_forward(x, weights, experts)
+        elif kind == "triton":
+            out = self.triton_forward(x, weights, experts)
         else:
             out = self.grouped_forward(x, weights, experts)
         return out if self.tp.ep_size == 1 else self.tp.sum_partials(out)
+
+    def forward_kind(self, num_tokens: int) -> str:
+        """The forward a call over ``num_tokens`` runs: "reference" until prepared, "triton" on
+        CUDA with Triton (but "grouped" up to ``GROUPED_MAX_TOKENS`` where that captures), else
+        "grouped"."""
+        if self.gate_up_t is None:
+            return "reference"
+        if self.kernels is None or (num_tokens <= GROUPED_MAX_TOKENS and self.grouped_captures):
+            return "grouped"
+        return "triton"
 
     @property
     def holds_all_experts(self) -> bool:
@@ -171,6 +226,52 @@ class SparseMoE(nn.Module):
         held = (local >= 0) & (local < self.expert_shard.size)
         return torch.where(held, local, self.expert_shard.size)
 
+    def sort_pairs(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs sorted by this rank's expert id (stable): the sorted ids, the pair index at
+        each sorted position, and each expert's cumulative end. The ends come from
+        ``searchsorted``, not ``bincount``: CUDA's bincount sizes its output from the ids' max,
+        read on the host."""
+        assert self.gate_up_t is not None
+        sorted_ids, order = torch.sort(self.local_expert_ids(experts), stable=True)  # [T * k]
+        bounds = torch.arange(1, self.gate_up_t.shape[0] + 1, device=experts.device)
+        ends = torch.searchsorted(sorted_ids, bounds, out_int32=True)
+        return sorted_ids, order, ends
+
+    def triton_forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        weights: torch.Tensor,  # [T, k] routing weights
+        experts: torch.Tensor,  # [T, k] int64 expert ids
+    ) -> torch.Tensor:  # [T, hidden]
+        """This rank's experts' part of the output through the Triton grouped GEMMs; the rows of
+        another rank's pairs are never computed and count as zero."""
+        assert self.kernels is not None and self.gate_up_t is not None and self.down_t is not None
+        num_tokens, top_k = experts.shape
+        if num_tokens == 0:
+            return torch.zeros_like(x)
+        num_pairs = num_tokens * top_k
+        _, order, ends = self.sort_pairs(experts)
+        config = self.kernels.tile_config(num_pairs)
+        pair_of_slot, block_expert = block_layout(order, ends, config.block_m)
+        gate_up = x.new_empty(num_pairs, self.gate_up_t.shape[2])
+        self.kernels.moe_gemm(
+            x, self.gate_up_t, gate_up, pair_of_slot, block_expert, config, a_row_div=top_k
+        )
+        act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I'] (token, slot) order
+        new = x.new_empty if self.holds_all_experts else x.new_zeros
+        out = new(num_pairs, x.shape[1])
+        self.kernels.moe_gemm(
+            act,
+            self.down_t,
+            out,
+            pair_of_slot,
+            block_expert,
+            config,
+            a_row_div=1,
+            weights=weights.flatten(),
+        )
+        return out.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
+
     def grouped_forward(
         self,
         x: torch.Tensor,  # [T, hidden]
@@ -178,17 +279,13 @@ class SparseMoE(nn.Module):
         experts: torch.Tensor,  # [T, k] int64 expert ids
     ) -> torch.Tensor:  # [T, hidden]
         """This rank's experts' part of the output: sort the pairs by expert, two grouped
-        GEMMs, weight and sum each token's k rows (another rank's pairs are zero rows). The
-        ends come from ``searchsorted``, not ``bincount``: CUDA's bincount sizes its output
-        from the ids' max, read on the host."""
+        GEMMs, weight and sum each token's k rows (another rank's pairs are zero rows)."""
         assert self.gate_up_t is not None and self.down_t is not None and _GROUPED_MM is not None
         num_tokens, top_k = experts.shape
         if num_tokens == 0:  # a CP rank's empty share: no GEMM over zero rows
             return torch.zeros_like(x)
         num_experts = self.gate_up_t.shape[0]  # this rank's
-        sorted_ids, order = torch.sort(self.local_expert_ids(experts), stable=True)  # [T * k]
-        bounds = torch.arange(1, num_experts + 1, device=x.device)
-        ends = torch.searchsorted(sorted_ids, bounds, out_int32=True)  # [E] cumulative row ends
+        sorted_ids, order, ends = self.sort_pairs(experts)
         rows = x[order // top_k]  # [T * k, hidden], grouped by expert
         gate_up = _GROUPED_MM(rows, self.gate_up_t, offs=ends)  # [T * k, 2I']
         act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I']
