@@ -1,29 +1,36 @@
 """The MoE layer against its grouped-GEMM roofline, at Qwen3-VL-30B-A3B's text dimensions.
 
     python -m benchmarks.moe_layer [--out docs/benchmarks.md] [--tokens 1,64,256,8192] [--iters 20]
+        [--sweep]
     python -m benchmarks.moe_layer --quick      # CPU, tiny dims; a section only with --out
 
-For each token count: one ``SparseMoE`` forward (router gate, routing, both grouped GEMMs, the
-weighted sum), eager and replayed from a CUDA graph, against its roofline: the weights of the
-experts its routing hit plus its input and output over the measured copy bandwidth, or its
-expert FLOPs over the measured bf16 matmul rate, whichever is longer. Target (issue 36):
->= 70% of the roofline at decode batch 256 and prefill 8k.
+For each token count and each forward the device has (on CUDA: the Triton grouped GEMM the engine
+runs, and torch's grouped GEMM): one ``SparseMoE`` forward (router gate, routing, both expert
+GEMMs, the weighted sum), eager and replayed from a CUDA graph, against its roofline: the weights
+of the experts its routing hit plus its input and output over the measured copy bandwidth, or its
+expert FLOPs over the measured bf16 matmul rate, whichever is longer. Target (issue 36): >= 70% of
+the roofline at decode batch 256 and prefill 8k, on the engine's forward. ``--sweep`` also times
+the Triton forward under each candidate tile shape (``SWEEP``), the table ``triton_moe``'s
+choices come from.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
 from benchmarks.measure import Ceilings, measure_ceilings, time_ms
 from benchmarks.report import command_line, markdown_table, write_run_section
 from services.engine.config import MoEConfig
-from services.engine.model.moe import SparseMoE, route
+from services.engine.model import moe as moe_module
+from services.engine.model.moe import GROUPED_MAX_TOKENS, SparseMoE, route
 
 SECTION_TITLE = "## MoE layer (`python -m benchmarks.moe_layer`)"
 ACT = "silu"
@@ -38,18 +45,35 @@ NUM_LAYERS = 8  # distinct weights run back to back: no layer's experts stay in 
 NUM_LAYERS_QUICK = 2
 TARGET_EFFICIENCY = 0.70  # roofline / ours
 TARGET_TOKENS = (256, 8192)  # decode batch 256, prefill 8k
+# Tile shapes the sweep tries: (block_m, block_n, block_k, group_m, num_warps, num_stages)
+SWEEP = (
+    (16, 64, 128, 1, 4, 4),
+    (16, 128, 128, 1, 4, 3),
+    (32, 64, 128, 8, 4, 4),
+    (32, 128, 64, 8, 4, 4),
+    (64, 64, 64, 8, 4, 4),
+    (64, 128, 64, 8, 4, 4),
+    (64, 128, 64, 8, 8, 4),
+    (64, 256, 64, 8, 8, 3),
+    (128, 128, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 3),
+)
 NOTES = [
     "How to read it: each row is one MoE layer's forward over that many tokens: decode batch "
     "1, 64 and 256 are one token per request, 8,192 is one prefill chunk. The time includes "
     "the router gate (the `[E, hidden]` linear), the fp32 softmax and top-k, the sort of the "
-    "(token, expert) pairs by expert, both grouped GEMMs (`torch._grouped_mm`, gate/up then "
-    "down) with the fused SiLU-and-multiply between them, and the weighted sum back to one row "
-    f"per token. {NUM_LAYERS} layers of distinct random weights run back to back on the same "
+    "(token, expert) pairs by expert, both expert GEMMs (gate/up then down) with the fused "
+    "SiLU-and-multiply between them, and the weighted sum back to one row per token. Forward "
+    "*triton* is the engine's on CUDA: Triton grouped GEMMs over each expert's pairs padded to "
+    "whole row blocks, the first gathering its token rows itself, the second applying the "
+    "routing weight and writing each pair's row in token order; *grouped* gathers the rows in "
+    "expert order, runs `torch._grouped_mm` twice and puts the weighted rows back in token "
+    f"order before the sum. {NUM_LAYERS} layers of distinct random weights run back to back on the same "
     "input and the time is divided by their number, so each layer reads its experts from HBM, "
     "as in the 48-layer model, not from the L2 cache; the median of the timed runs after a "
     "warm-up, between CUDA events. Eager launches every kernel from Python; graph replays the "
     "same layers captured in one CUDA graph, as the engine's decode steps run (captured only "
-    "where the layer has no host sync: bf16 on SM 9.x / 10.x).",
+    "where the layer has no host sync: the Triton forward, or torch's in bf16 on SM 9.x / 10.x).",
     "",
     "Experts hit: distinct experts the routing picked in that call (mean over the layers); "
     "weight MB: their gate/up and down weights, read once each. Roofline ms: the larger of "
@@ -65,6 +89,7 @@ NOTES = [
 @dataclass(frozen=True)
 class Measurement:
     num_tokens: int
+    forward: str  # "triton", "grouped" or "reference"
     experts_hit: float  # mean over the layers
     weight_bytes: float  # the hit experts' weights, mean over the layers
     eager_ms: float  # per layer
@@ -146,6 +171,27 @@ def can_capture(layers: list[SparseMoE], device: torch.device) -> bool:
     return device.type == "cuda" and not any(layer.syncs_host for layer in layers)
 
 
+def forward_names(layers: list[SparseMoE], num_tokens: int) -> list[str]:
+    """The engine's forward at ``num_tokens`` first, then torch's grouped GEMM where the engine
+    runs Triton there."""
+    name = layers[0].forward_kind(num_tokens)
+    return [name, "grouped"] if name == "triton" else [name]
+
+
+@contextlib.contextmanager
+def running(layers: list[SparseMoE], name: str) -> Iterator[None]:
+    """The layers run forward ``name`` (the engine's, or "grouped" in place of "triton")."""
+    saved = [(layer.kernels, layer.syncs_host) for layer in layers]
+    if name == "grouped":
+        for layer in layers:
+            layer.kernels, layer.syncs_host = None, not layer.grouped_captures
+    try:
+        yield
+    finally:
+        for layer, (kernels, syncs_host) in zip(layers, saved, strict=True):
+            layer.kernels, layer.syncs_host = kernels, syncs_host
+
+
 @torch.no_grad()
 def measure(
     layers: list[SparseMoE], num_tokens: int, iters: int, ceilings: Ceilings
@@ -175,6 +221,7 @@ def measure(
     graph_ms = _graph_ms(forward_all, iters) if can_capture(layers, device) else None
     return Measurement(
         num_tokens=num_tokens,
+        forward=first.forward_kind(num_tokens),
         experts_hit=experts_hit,
         weight_bytes=weight_bytes,
         eager_ms=eager_ms / len(layers),
@@ -186,6 +233,7 @@ def measure(
 
 HEADER = (
     "tokens",
+    "forward",
     "experts hit",
     "weight MB",
     "eager ms",
@@ -203,6 +251,7 @@ def _ms(value: float) -> str:
 def row_cells(m: Measurement) -> tuple[str, ...]:
     return (
         f"{m.num_tokens:,}",
+        m.forward,
         f"{m.experts_hit:.1f}".removesuffix(".0"),
         f"{m.weight_bytes / 1e6:.1f}",
         _ms(m.eager_ms),
@@ -213,20 +262,26 @@ def row_cells(m: Measurement) -> tuple[str, ...]:
     )
 
 
-def verdict(measurements: list[Measurement]) -> str:
-    """Whether the target rows reach ``TARGET_EFFICIENCY`` of their roofline."""
+def verdict(measurements: list[Measurement], layer: SparseMoE) -> str:
+    """Whether the target rows of the forward ``layer`` runs at their token count (the
+    engine's) reach ``TARGET_EFFICIENCY`` of their roofline."""
     goal = (
         f"target (issue 36): >= {TARGET_EFFICIENCY:.0%} of the roofline at "
         + " and ".join(f"{t:,} tokens" for t in TARGET_TOKENS)
         + ": "
     )
-    found = {m.num_tokens: m for m in measurements if m.num_tokens in TARGET_TOKENS}
+    found = {
+        m.num_tokens: m
+        for m in measurements
+        if m.num_tokens in TARGET_TOKENS and m.forward == layer.forward_kind(m.num_tokens)
+    }
     if not found:
         return goal + "not measured in this run"
     met = all(m.efficiency >= TARGET_EFFICIENCY for m in found.values())
     missing = [f"{t:,}" for t in TARGET_TOKENS if t not in found]
     detail = ", ".join(f"{t:,}: {m.efficiency:.0%}" for t, m in sorted(found.items()))
-    status = ("met" if met else "not met") + f" ({detail})"
+    forwards = "/".join(sorted({m.forward for m in found.values()}))
+    status = ("met" if met else "not met") + f" ({forwards} forward: {detail})"
     return goal + status + (f"; {', '.join(missing)} not measured" if missing else "")
 
 
@@ -236,7 +291,51 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", default=None, help="comma-separated (default 1,64,256,8192)")
     p.add_argument("--iters", type=int, default=None, help="timed runs (default 20; quick 2)")
     p.add_argument("--out", default=None, help="default docs/benchmarks.md (quick: none)")
+    p.add_argument(
+        "--sweep", action="store_true", help="also time the Triton forward under each SWEEP tile"
+    )
     return p.parse_args(argv)
+
+
+SWEEP_HEADER = ("tokens", "block m, n, k", "group m", "warps", "stages", "graph ms", "chosen")
+
+
+def sweep(layers: list[SparseMoE], token_counts: list[int], iters: int) -> list[str]:
+    """The Triton forward's graph time under each ``SWEEP`` tile at each token count, the
+    fastest marked, and whether ``tile_config`` picks that one: a markdown table."""
+    from services.engine import triton_moe
+
+    first = layers[0]
+    rows = []
+    for num_tokens in token_counts:
+        x = torch.randn(num_tokens, first.gate.in_features, dtype=DTYPE, device="cuda")
+        pairs = num_tokens * first.moe.num_experts_per_tok
+        chosen = triton_moe.tile_config(pairs)
+        timed = []
+        for shape in SWEEP:
+            tile = triton_moe.TileConfig(*shape)
+            with (
+                mock.patch.object(triton_moe, "tile_config", lambda _pairs, tile=tile: tile),
+                mock.patch.object(moe_module, "GROUPED_MAX_TOKENS", 0),  # Triton at one token too
+            ):
+                ms = _graph_ms(lambda x=x: [layer(x) for layer in layers], iters) / len(layers)
+            timed.append((ms, tile))
+            print(f"sweep {num_tokens} {shape}: {ms:.4f} ms", flush=True)
+        best = min(ms for ms, _ in timed)
+        for ms, tile in timed:
+            marks = ("fastest" if ms == best else "") + (" engine's" if tile == chosen else "")
+            rows.append(
+                (
+                    f"{num_tokens:,}",
+                    f"{tile.block_m}, {tile.block_n}, {tile.block_k}",
+                    str(tile.group_m),
+                    str(tile.num_warps),
+                    str(tile.num_stages),
+                    f"{ms:.3f}",
+                    marks.strip() or "-",
+                )
+            )
+    return markdown_table(SWEEP_HEADER, rows)
 
 
 def _info_lines(
@@ -249,12 +348,13 @@ def _info_lines(
     )
     name = "tiny dims" if hidden == HIDDEN_QUICK else "Qwen3-VL-30B-A3B text dims"
     device = layers[0].gate.weight.device
-    forward = "grouped GEMM" if layers[0].gate_up_t is not None else "reference (per expert)"
+    forward = layers[0].forward_kind(GROUPED_MAX_TOKENS + 1)
     graph = "yes" if can_capture(layers, device) else "no"
     return [
         f"- layer: {name} ({dims}); random bf16 weights (std {WEIGHT_STD}) and inputs on "
         f"{device.type}; {len(layers)} layers of distinct weights, times per layer",
-        f"- forward: {forward}; CUDA graph: {graph}",
+        f"- engine's forward: {forward} (one-token calls: grouped where it captures, "
+        f"`GROUPED_MAX_TOKENS`); CUDA graph: {graph}",
         f"- ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.3g} TB/s (read + write), bf16 "
         f"matmul {ceilings.matmul_flops_per_s / 1e12:.3g} TFLOP/s",
     ]
@@ -278,10 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(info), flush=True)
     measurements = []
     for num_tokens in token_counts:
-        measurements.append(measure(layers, num_tokens, iters, ceilings))
-        print(" | ".join(row_cells(measurements[-1])), flush=True)
+        for name in forward_names(layers, num_tokens):
+            with running(layers, name):
+                measurements.append(measure(layers, num_tokens, iters, ceilings))
+            print(" | ".join(row_cells(measurements[-1])), flush=True)
     table = markdown_table(HEADER, [row_cells(m) for m in measurements])
-    info.append(f"- {verdict(measurements)}")
+    info.append(f"- {verdict(measurements, layers[0])}")
+    if args.sweep:
+        if layers[0].kernels is None:
+            raise SystemExit("--sweep times the Triton forward: it needs CUDA and Triton")
+        table += ["", "Tile sweep of the Triton forward (graph ms per layer):", ""]
+        table += sweep(layers, token_counts, iters)
     print("\n".join(["", *table, "", info[-1]]))
     write_run_section(
         out, SECTION_TITLE, command_line("benchmarks.moe_layer", argv), info, table, NOTES

@@ -5,6 +5,7 @@ dims; the target's verdict (no timing is asserted)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -34,10 +35,11 @@ def test_quick_run_writes_its_rows_and_section(tmp_path: Path) -> None:
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == len(HEADER)
-        assert 1 <= float(cells[1]) <= 8  # experts hit, of 8
-        assert float(cells[3]) > 0 and cells[4] == "-"  # eager; no CUDA graph on the CPU
-        assert float(cells[5]) > 0 and cells[6] in ("memory", "compute")
-        assert cells[7].endswith("%")
+        assert cells[1] == "grouped"  # the CPU's forward (no Triton)
+        assert 1 <= float(cells[2]) <= 8  # experts hit, of 8
+        assert float(cells[4]) > 0 and cells[5] == "-"  # eager; no CUDA graph on the CPU
+        assert float(cells[6]) > 0 and cells[7] in ("memory", "compute")
+        assert cells[8].endswith("%")
     assert "not measured in this run" in text  # no 256 or 8k row in the quick run
 
 
@@ -54,17 +56,24 @@ def test_roofline_counts_at_the_30b_dims() -> None:
     assert expert_flops(256, HIDDEN_30B, MOE_30B) == 2 * 256 * 8 * 3 * 2048 * 768
 
 
-def _measured(num_tokens: int, efficiency: float) -> Measurement:
-    return Measurement(num_tokens, 128, 1e9, 2.0, 1.0, efficiency, "memory")
+def _measured(num_tokens: int, efficiency: float, forward: str = "triton") -> Measurement:
+    return Measurement(num_tokens, forward, 128, 1e9, 2.0, 1.0, efficiency, "memory")
 
 
-def test_verdict_needs_both_target_rows_at_70_percent() -> None:
-    assert verdict([_measured(256, 0.8), _measured(8192, 0.75)]).endswith(
-        ": met (256: 80%, 8,192: 75%)"
+TRITON_LAYER = SimpleNamespace(forward_kind=lambda num_tokens: "triton")
+
+
+def test_verdict_needs_both_target_rows_of_the_engines_forward_at_70_percent() -> None:
+    assert verdict([_measured(256, 0.8), _measured(8192, 0.75)], TRITON_LAYER).endswith(
+        ": met (triton forward: 256: 80%, 8,192: 75%)"
     )
-    assert ": not met (256: 80%, 8,192: 50%)" in verdict(
-        [_measured(256, 0.8), _measured(8192, 0.5)]
+    assert ": not met (triton forward: 256: 80%, 8,192: 50%)" in verdict(
+        [_measured(256, 0.8), _measured(8192, 0.5)], TRITON_LAYER
     )
-    assert verdict([_measured(64, 0.1), _measured(256, 0.9)]).endswith(
-        ": met (256: 90%); 8,192 not measured"
+    assert verdict([_measured(64, 0.1), _measured(256, 0.9)], TRITON_LAYER).endswith(
+        ": met (triton forward: 256: 90%); 8,192 not measured"
     )
+    other = [_measured(256, 0.9, "grouped"), _measured(8192, 0.9, "grouped")]
+    assert verdict([_measured(256, 0.5), _measured(8192, 0.5), *other], TRITON_LAYER).endswith(
+        ": not met (triton forward: 256: 50%, 8,192: 50%)"
+    ), "another forward's rows do not count"
