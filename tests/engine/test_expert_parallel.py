@@ -132,7 +132,7 @@ def test_ranks_partial_outputs_sum_to_the_whole_layer(size, routing):
         for rank in range(size):
             layer = rank_layer(full, rank, size)
             assert layer.experts.down_proj.shape[0] == NUM_EXPERTS // size
-            part = layer.grouped_forward(x, weights, experts)
+            part = layer.pairs_forward(x, weights, experts, "grouped")
             torch.testing.assert_close(part, layer.reference_forward(x, weights, experts))
             grouped += part
             reference += layer.reference_forward(x, weights, experts)
@@ -154,14 +154,14 @@ def test_bf16_rank_parts_have_no_host_read_and_sum_to_the_layer(cuda, size):
     x = inputs(64, seed=2).to(cuda, torch.bfloat16)
     with torch.no_grad():
         weights, experts = route(full.gate(x), TOP_K, full.moe.norm_topk_prob)
-        whole = full.grouped_forward(x, weights, experts)
+        whole = full.pairs_forward(x, weights, experts, "grouped")
         parts = []
         for rank in range(size):
             layer = rank_layer(full, rank, size)
             assert not layer.syncs_host
             torch.cuda.set_sync_debug_mode("error")  # any device-to-host read raises
             try:
-                parts.append(layer.grouped_forward(x, weights, experts))
+                parts.append(layer.pairs_forward(x, weights, experts, "grouped"))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
     scale = whole.abs().max().item()

@@ -94,7 +94,7 @@ def test_expert_parallel_parts_sum_to_the_whole_layer(size, routing):
             layer = rank_layer(full, rank, size)
             assert layer.kernels is triton_moe
             assert layer.experts.down_proj.shape[0] == NUM_EXPERTS // size
-            total += layer.triton_forward(x, weights, experts)
+            total += layer.pairs_forward(x, weights, experts, "triton")
     torch.testing.assert_close(total, whole, atol=1e-4, rtol=1e-4)
 
 

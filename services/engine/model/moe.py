@@ -197,10 +197,8 @@ class SparseMoE(nn.Module):
         kind = self.forward_kind(x.shape[0])
         if kind == "reference":
             out = self.reference_forward(x, weights, experts)
-        elif kind == "triton":
-            out = self.triton_forward(x, weights, experts)
         else:
-            out = self.grouped_forward(x, weights, experts)
+            out = self.pairs_forward(x, weights, experts, kind)
         return out if self.tp.ep_size == 1 else self.tp.sum_partials(out)
 
     def forward_kind(self, num_tokens: int) -> str:
@@ -237,68 +235,57 @@ class SparseMoE(nn.Module):
         ends = torch.searchsorted(sorted_ids, bounds, out_int32=True)
         return sorted_ids, order, ends
 
-    def triton_forward(
+    def pairs_forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         weights: torch.Tensor,  # [T, k] routing weights
         experts: torch.Tensor,  # [T, k] int64 expert ids
+        kind: str,  # "triton" or "grouped"
     ) -> torch.Tensor:  # [T, hidden]
-        """This rank's experts' part of the output through the Triton grouped GEMMs; the rows of
-        another rank's pairs are never computed and count as zero."""
-        assert self.kernels is not None and self.gate_up_t is not None and self.down_t is not None
-        num_tokens, top_k = experts.shape
-        if num_tokens == 0:
-            return torch.zeros_like(x)
-        num_pairs = num_tokens * top_k
-        _, order, ends = self.sort_pairs(experts)
-        config = self.kernels.tile_config(num_pairs)
-        pair_of_slot, block_expert = block_layout(order, ends, config.block_m)
-        gate_up = x.new_empty(num_pairs, self.gate_up_t.shape[2])
-        self.kernels.moe_gemm(
-            x, self.gate_up_t, gate_up, pair_of_slot, block_expert, config, a_row_div=top_k
-        )
-        act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I'] (token, slot) order
-        new = x.new_empty if self.holds_all_experts else x.new_zeros
-        out = new(num_pairs, x.shape[1])
-        self.kernels.moe_gemm(
-            act,
-            self.down_t,
-            out,
-            pair_of_slot,
-            block_expert,
-            config,
-            a_row_div=1,
-            weights=weights.flatten(),
-        )
-        return out.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
-
-    def grouped_forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        weights: torch.Tensor,  # [T, k] routing weights
-        experts: torch.Tensor,  # [T, k] int64 expert ids
-    ) -> torch.Tensor:  # [T, hidden]
-        """This rank's experts' part of the output: sort the pairs by expert, two grouped
-        GEMMs, weight and sum each token's k rows (another rank's pairs are zero rows)."""
-        assert self.gate_up_t is not None and self.down_t is not None and _GROUPED_MM is not None
+        """This rank's experts' part of the output (another rank's pairs count as zero): sort
+        the pairs by expert, run both expert GEMMs over them the ``kind`` way, sum each token's
+        k weighted rows."""
+        assert self.gate_up_t is not None and self.down_t is not None
         num_tokens, top_k = experts.shape
         if num_tokens == 0:  # a CP rank's empty share: no GEMM over zero rows
             return torch.zeros_like(x)
-        num_experts = self.gate_up_t.shape[0]  # this rank's
         sorted_ids, order, ends = self.sort_pairs(experts)
+        run = self._triton_pairs if kind == "triton" else self._grouped_pairs
+        out = run(x, weights.flatten(), top_k, sorted_ids, order, ends)  # [T * k, hidden]
+        return out.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
+
+    def _triton_pairs(self, x, weights, top_k, sorted_ids, order, ends) -> torch.Tensor:
+        """Each pair's weighted row in (token, slot) order, by the Triton grouped GEMMs: the
+        first gathers its token rows, the second weights and stores each row at its pair;
+        another rank's pairs are in no block and stay zero."""
+        assert self.kernels is not None and self.gate_up_t is not None and self.down_t is not None
+        num_pairs = order.numel()
+        config = self.kernels.tile_config(num_pairs)
+        layout = block_layout(order, ends, config.block_m)
+        gate_up = x.new_empty(num_pairs, self.gate_up_t.shape[2])
+        self.kernels.moe_gemm(x, self.gate_up_t, gate_up, *layout, config, a_row_div=top_k)
+        act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I']
+        new = x.new_empty if self.holds_all_experts else x.new_zeros
+        out = new(num_pairs, x.shape[1])
+        gemm = self.kernels.moe_gemm
+        return gemm(act, self.down_t, out, *layout, config, a_row_div=1, weights=weights)
+
+    def _grouped_pairs(self, x, weights, top_k, sorted_ids, order, ends) -> torch.Tensor:
+        """Each pair's weighted row in (token, slot) order, by torch's grouped GEMM over the
+        rows gathered in expert order; another rank's pairs are zeroed."""
+        assert self.gate_up_t is not None and self.down_t is not None and _GROUPED_MM is not None
         rows = x[order // top_k]  # [T * k, hidden], grouped by expert
         gate_up = _GROUPED_MM(rows, self.gate_up_t, offs=ends)  # [T * k, 2I']
         act = ops.gated_act(gate_up, self.act_name, self.act)  # [T * k, I']
         out = _GROUPED_MM(act, self.down_t, offs=ends)  # [T * k, hidden]; unwritten past ends[-1]
-        out = out * weights.flatten()[order, None]
+        out = out * weights[order, None]
         if not self.holds_all_experts:
-            out = out.masked_fill((sorted_ids == num_experts).unsqueeze(1), 0)
-        pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
-        return pairs.view(num_tokens, top_k, x.shape[1]).sum(dim=1)
+            out = out.masked_fill((sorted_ids == self.gate_up_t.shape[0]).unsqueeze(1), 0)
+        return torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
 
     def reference_forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-    ) -> torch.Tensor:  # same contract as grouped_forward
+    ) -> torch.Tensor:  # same contract as pairs_forward
         """One matmul pair per picked expert this rank holds; reads the picked set on the host."""
         out = torch.zeros_like(x)
         first, num_held = self.expert_shard.start, self.expert_shard.size
