@@ -38,7 +38,7 @@ def on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def moe_kernels(x: torch.Tensor) -> ModuleType | None:
-    """The Triton grouped GEMM of the MoE layer (``triton_moe``) for a CUDA ``x``; None elsewhere."""
+    """The MoE layer's Triton GEMMs (``triton_moe``) for a CUDA ``x``; None elsewhere."""
     return _fused(x, "triton_moe")
 
 

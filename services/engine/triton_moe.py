@@ -2,13 +2,13 @@
 (CUDA only; ``SparseMoE`` imports it through ``ops.moe_kernels``).
 
 The layout is vLLM's ``fused_moe``: the (token, slot) pairs, sorted by expert, are laid out in
-blocks of ``block_m`` slots, each expert's pairs padded to a whole number of blocks, so every block
-belongs to one expert (``moe.block_layout`` builds it on the device). A program computes one ``[block_m, block_n]`` tile: it loads its block's
-rows of ``a`` by pair (the first GEMM reads token ``pair // top_k`` of the hidden states, so the
-``[T * k, hidden]`` gathered copy is never written), runs the K loop against its expert's
-weights, optionally multiplies each row by its pair's routing weight, and stores the rows at
-their pair index: the output is in (token, slot) order, so the combine is one ``view(T, k, H)``
-sum with no scatter.
+blocks of ``block_m`` slots, each expert's pairs padded to a whole number of blocks, so every
+block belongs to one expert (``moe.block_layout`` builds it on the device). A program computes
+one ``[block_m, block_n]`` tile: it loads its block's rows of ``a`` by pair (the first GEMM
+reads token ``pair // top_k`` of the hidden states, so the ``[T * k, hidden]`` gathered copy is
+never written), runs the K loop against its expert's weights, optionally multiplies each row by
+its pair's routing weight, and stores the rows at their pair index: the output is in (token,
+slot) order, so the combine is one ``view(T, k, H)`` sum with no scatter.
 
 Every shape depends on T, k and ``block_m`` only and nothing is read on the host, so the layer
 captures in a CUDA graph on any GPU and dtype Triton runs.
