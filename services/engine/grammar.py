@@ -9,7 +9,9 @@ ids past the tokenizer are never allowed, and EOS only where the grammar is comp
 Outputs are compact JSON (no free whitespace), so a sampled model cannot run on in spaces.
 Regexes, EBNF grammars and structural tags compile as xgrammar reads them (a regex matches
 the whole output; an EBNF grammar starts at its rule ``root``); a structural tag's JSON schemas
-are xgrammar's own (free whitespace allowed).
+are xgrammar's own (free whitespace allowed). Every kind compiles from xgrammar's printed EBNF
+with its character classes rewritten to exclude UTF-16 surrogates, so constrained text is always
+UTF-8 (a structural tag's free text outside its tags is as unconstrained as any output).
 """
 
 from __future__ import annotations
@@ -103,26 +105,115 @@ class GrammarCache:
         """``grammar`` compiled; RuntimeError (xgrammar's) when it cannot be."""
         compiler = self._compiler
         assert compiler is not None
-        if grammar.kind is GrammarKind.REGEX:
-            return compiler.compile_regex(grammar.spec)
-        if grammar.kind is GrammarKind.EBNF:
-            return compiler.compile_grammar(grammar.spec)
-        if grammar.kind is GrammarKind.STRUCTURAL_TAG:
-            check_schema_depth(grammar.spec, _NOUNS[grammar.kind])
-            return compiler.compile_structural_tag(structural_tag(grammar.spec))
-        is_object = grammar.kind is GrammarKind.JSON_OBJECT  # an object, as OpenAI's mode
-        spec = JSON_OBJECT_SCHEMA if is_object else grammar.spec
-        check_schema_depth(spec)
-        ebnf = str(
-            _xgrammar().Grammar.from_json_schema(
-                spec, any_whitespace=False, strict_mode=grammar.is_strict
-            )
-        )
-        return compiler.compile_grammar(ebnf.replace(BOUNDED_STRING_CHARS, JSON_STRING_CHARS))
+        return compiler.compile_grammar(without_surrogates(ebnf(grammar)))
 
     def matcher(self, grammar: Grammar) -> Any:
         """A fresh ``xgrammar.GrammarMatcher`` at the start of ``grammar``."""
         return _xgrammar().GrammarMatcher(self.compile(grammar))
+
+
+def ebnf(grammar: Grammar) -> str:
+    """``grammar`` as xgrammar's EBNF (its printed form); RuntimeError when it cannot be read."""
+    xgr = _xgrammar()
+    if grammar.kind is GrammarKind.REGEX:
+        return str(xgr.Grammar.from_regex(grammar.spec))
+    if grammar.kind is GrammarKind.EBNF:
+        return str(xgr.Grammar.from_ebnf(grammar.spec))
+    if grammar.kind is GrammarKind.STRUCTURAL_TAG:
+        check_schema_depth(grammar.spec, _NOUNS[grammar.kind])
+        return str(xgr.Grammar.from_structural_tag(structural_tag(grammar.spec)))
+    is_object = grammar.kind is GrammarKind.JSON_OBJECT  # an object, as OpenAI's mode
+    spec = JSON_OBJECT_SCHEMA if is_object else grammar.spec
+    check_schema_depth(spec)
+    text = str(
+        xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=grammar.is_strict)
+    )
+    return text.replace(BOUNDED_STRING_CHARS, JSON_STRING_CHARS)
+
+
+# UTF-16 surrogates: code points that UTF-8 may not encode (a decoder reads their three bytes as
+# three U+FFFD). xgrammar's character classes match them, so "[^x]" or a regex's "." would let a
+# sampled model write bytes that are not UTF-8; every class is rewritten without them.
+SURROGATES = (0xD800, 0xDFFF)
+_CLASS_ESCAPES = {
+    "0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27,
+}  # fmt: skip
+_HEX_DIGITS = {"u": 4, "U": 8}  # \x takes every hex digit that follows, as xgrammar reads it
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def without_surrogates(text: str) -> str:
+    """xgrammar's printed EBNF with no character class matching a surrogate: a negated class
+    excludes them too, a class's ranges lose them (one of surrogates only is left as written).
+    Quoted strings are copied as they are."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        char = text[i]
+        if char == '"':
+            end = i + 1
+            while text[end] != '"':
+                end += 2 if text[end] == "\\" else 1
+            out.append(text[i : end + 1])
+            i = end + 1
+        elif char == "[":
+            negated, ranges, i = _read_class(text, i + 1)
+            out.append(_class_text(negated, ranges))
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
+
+
+def _read_class(text: str, i: int) -> tuple[bool, list[tuple[int, int]], int]:
+    """The class whose body starts at ``text[i]``: (negated, ranges, index past its "]")."""
+    negated = text[i] == "^"
+    i += negated
+    ranges: list[tuple[int, int]] = []
+    while text[i] != "]":
+        low, i = _read_class_char(text, i)
+        high = low
+        if text[i] == "-" and text[i + 1] != "]":
+            high, i = _read_class_char(text, i + 1)
+        ranges.append((low, high))
+    return negated, ranges, i + 1
+
+
+def _read_class_char(text: str, i: int) -> tuple[int, int]:
+    """One character of a class at ``text[i]`` (escaped or not): (code point, next index)."""
+    if text[i] != "\\":
+        return ord(text[i]), i + 1
+    kind = text[i + 1]
+    if kind == "x":
+        end = i + 2
+        while end < len(text) and text[end] in _HEX:
+            end += 1
+        return int(text[i + 2 : end], 16), end
+    if kind in _HEX_DIGITS:
+        end = i + 2 + _HEX_DIGITS[kind]
+        return int(text[i + 2 : end], 16), end
+    return _CLASS_ESCAPES.get(kind, ord(kind)), i + 2
+
+
+def _class_text(negated: bool, ranges: list[tuple[int, int]]) -> str:
+    """The class written back with its surrogates gone (every character escaped)."""
+    low, high = SURROGATES
+    if negated:
+        if not any(a <= low and high <= b for a, b in ranges):
+            ranges = [*ranges, SURROGATES]
+    else:
+        kept: list[tuple[int, int]] = []
+        for a, b in ranges:
+            kept.extend(r for r in ((a, min(b, low - 1)), (max(a, high + 1), b)) if r[0] <= r[1])
+        ranges = kept or ranges
+    return "[" + "^" * negated + "".join(_range_text(a, b) for a, b in ranges) + "]"
+
+
+def _range_text(low: int, high: int) -> str:
+    def code(c: int) -> str:
+        return f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}"
+
+    return code(low) if low == high else f"{code(low)}-{code(high)}"
 
 
 _NOUNS = {

@@ -15,7 +15,7 @@ from services.common.paths import BUNDLED_MODEL
 from services.common.types import Grammar, GrammarKind, SamplingParams
 from services.common.wire import sampling_params_from_proto, sampling_params_to_proto
 from services.engine.config import ModelConfig
-from services.engine.grammar import GrammarCache, apply_grammar_masks
+from services.engine.grammar import GrammarCache, apply_grammar_masks, without_surrogates
 from services.router.openai_params import structured_output
 from services.router.openai_schema import CompletionBody
 
@@ -145,6 +145,58 @@ def test_an_ebnf_grammar_starts_at_root(cache, tokenizer):
     for seed in range(4):
         text, has_eos = text_and_end(tokenizer, sample(cache, grammar, seed))
         assert not has_eos or re.fullmatch(r"\([0-9]+(,[0-9]+)*\)", text), text
+
+
+STRING_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<f>"],
+        "tags": [
+            {
+                "begin": "<f>",
+                "content": {"type": "json_schema", "json_schema": {"type": "string"}},
+                "end": "</f>",
+            }
+        ],
+    },
+}
+ANY_CHARACTER = {  # a grammar, and the text before and after a place any character may take
+    "bounded string": (
+        Grammar(GrammarKind.JSON_SCHEMA, '{"type": "string", "maxLength": 1}'),
+        b'"',
+        b'"',
+    ),
+    "string": (Grammar(GrammarKind.JSON_SCHEMA, '{"type": "string"}'), b'"', b'"'),
+    "json object": (Grammar(GrammarKind.JSON_OBJECT), b'{"', b'": 1}'),
+    "regex dot": (Grammar(GrammarKind.REGEX, "a.b"), b"a", b"b"),
+    "regex negated": (Grammar(GrammarKind.REGEX, "a[^x]b"), b"a", b"b"),
+    "ebnf negated": (Grammar(GrammarKind.EBNF, 'root ::= "a" [^x] "b"'), b"a", b"b"),
+    "ebnf range": (Grammar(GrammarKind.EBNF, 'root ::= "a" [\\0-\\U0010ffff] "b"'), b"a", b"b"),
+    "structural tag": (
+        Grammar(GrammarKind.STRUCTURAL_TAG, json.dumps(STRING_TAG)),
+        b'x <f>"',
+        b'"</f>',
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ANY_CHARACTER)
+def test_any_character_is_utf8_never_a_surrogate(cache, name):
+    grammar, before, after = ANY_CHARACTER[name]
+    for char in ("é", "中", "😀", "\ue000", "\U0010ffff"):
+        assert accepts(cache, grammar, before + char.encode() + after), char
+    # U+D800 and U+DFFF as UTF-8 would write them: bytes no UTF-8 decoder reads as text
+    for surrogate in (b"\xed\xa0\x80", b"\xed\xbf\xbf"):
+        assert not cache.matcher(grammar).accept_string(before + surrogate), surrogate
+
+
+def test_classes_are_rewritten_without_surrogates_and_strings_are_not():
+    text = 'r ::= ([^\\0-\\x1f\\"\\]] "[^a]" [a\\-z] [\\0-\\U0010ffff] [\\ud800-\\udfff])'
+    assert without_surrogates(text) == (
+        'r ::= ([^\\u0000-\\u001f\\u0022\\u005d\\ud800-\\udfff] "[^a]" '
+        "[\\u0061\\u002d\\u007a] [\\u0000-\\ud7ff\\ue000-\\U0010ffff] [\\ud800-\\udfff])"
+    )
 
 
 @pytest.mark.parametrize("tag", [NEW_TAG, OLD_TAG], ids=["format", "structures"])
