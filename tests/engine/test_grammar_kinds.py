@@ -20,27 +20,21 @@ from services.router.openai_params import structured_output
 from services.router.openai_schema import CompletionBody
 
 CHOICES = ['say "hi"', "back\\slash", "two\nlines", "tab\tend", "café ☕", "", "yes", "yes!"]
-NEW_TAG = {
-    "type": "structural_tag",
-    "format": {
-        "type": "triggered_tags",
-        "triggers": ["<f>"],
-        "tags": [
-            {
-                "begin": "<f>",
-                "content": {
-                    "type": "json_schema",
-                    "json_schema": {
-                        "type": "object",
-                        "properties": {"a": {"type": "integer"}},
-                        "required": ["a"],
-                    },
-                },
-                "end": "</f>",
-            }
-        ],
-    },
-}
+
+
+def triggered_tag(schema: dict) -> dict:
+    """A structural tag (xgrammar's format) whose one tag <f>...</f> holds JSON of ``schema``."""
+    content = {"type": "json_schema", "json_schema": schema}
+    tag = {"begin": "<f>", "content": content, "end": "</f>"}
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": ["<f>"], "tags": [tag]},
+    }
+
+
+NEW_TAG = triggered_tag(
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+)
 OLD_TAG = {
     "type": "structural_tag",
     "structures": [
@@ -147,20 +141,7 @@ def test_an_ebnf_grammar_starts_at_root(cache, tokenizer):
         assert not has_eos or re.fullmatch(r"\([0-9]+(,[0-9]+)*\)", text), text
 
 
-STRING_TAG = {
-    "type": "structural_tag",
-    "format": {
-        "type": "triggered_tags",
-        "triggers": ["<f>"],
-        "tags": [
-            {
-                "begin": "<f>",
-                "content": {"type": "json_schema", "json_schema": {"type": "string"}},
-                "end": "</f>",
-            }
-        ],
-    },
-}
+STRING_TAG = triggered_tag({"type": "string"})
 ANY_CHARACTER = {  # a grammar, and the text before and after a place any character may take
     "bounded string": (
         Grammar(GrammarKind.JSON_SCHEMA, '{"type": "string", "maxLength": 1}'),
