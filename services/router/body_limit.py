@@ -4,7 +4,8 @@ A request whose ``Content-Length`` is over the limit is answered 413 before any 
 body is read. A body without one (chunked) or longer than it claims is counted as it
 arrives and refused at the first chunk over the limit. Bodies within the limit are
 buffered here (at most the limit) and handed to the app as one message, so nothing
-behind this middleware can read more than the limit.
+behind this middleware can read more than the limit; a large body is joined off the event loop
+(``services.common.offload``).
 
 The whole 413 is written at once; the connection then closes. Before closing, up to
 ``DRAIN_MAX_BYTES`` / ``DRAIN_MAX_S`` of the rest of the body is read and discarded:
@@ -23,6 +24,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from services.common.malloc import MemoryReleaser
+from services.common.offload import sized
 from services.router.openai_format import dump_json, error_body
 
 Scope = MutableMapping[str, Any]
@@ -64,7 +66,7 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        replay = _replay(b"".join(chunks), receive)
+        replay = _replay(await sized(size, b"".join, chunks), receive)
         chunks.clear()
         try:
             await self.app(scope, replay, send)

@@ -48,15 +48,15 @@ from typing import Any
 
 import msgspec
 
+from services.common import offload
 from services.common.errors import InvalidRequestError, OverloadedError, UnavailableError
-from services.common.types import ChatMessage, ContentPart, ImagePart, TokenizedPrompt
+from services.common.types import ChatMessage, ContentPart, ImagePart, TextPart, TokenizedPrompt
 from services.tokenizer.config import MAX_QUEUED_BYTES, WORKER_LIVENESS_TIMEOUT_S, Limits
 from services.tokenizer.pipeline import TokenizePipeline, image_header
 
 logger = logging.getLogger(__name__)
 
 MAX_BEAT_INTERVAL_S = 1.0  # also how often a worker checks that the server is alive
-INLINE_HEADER_BYTES = 4 * 1024 * 1024  # a chat's images up to this are hashed on the event loop
 
 
 class ChatJob(msgspec.Struct, frozen=True, tag="chat"):
@@ -90,6 +90,17 @@ class JobRejected(msgspec.Struct, frozen=True, tag="rejected"):
 
 
 JobResult = JobDone | JobRejected
+
+
+def _text_bytes(job: Job) -> int:
+    """The characters of a job's text (what its encoding copies; a chat's images are headers by
+    then)."""
+    if isinstance(job, PromptJob):
+        return len(job.prompt)
+    if isinstance(job, ChatJob):
+        return sum(len(p.text) for m in job.messages for p in m.content if isinstance(p, TextPart))
+    return 0
+
 
 # Caller side and worker side each use their own codec objects (the worker may be a thread).
 _job_encoder = msgspec.msgpack.Encoder()
@@ -284,12 +295,10 @@ class WorkerPool:
             num_image_bytes = sum(
                 len(p.data) for m in job.messages for p in m.content if isinstance(p, ImagePart)
             )
-            if num_image_bytes > INLINE_HEADER_BYTES:  # hashing blocks the loop: on a thread
-                job, images = await asyncio.to_thread(_headers_only, job, self.limits)
-            elif num_image_bytes:
-                job, images = _headers_only(job, self.limits)
+            if num_image_bytes:  # hashing a large image would hold the loop: on a thread
+                job, images = await offload.sized(num_image_bytes, _headers_only, job, self.limits)
         held = sum(len(data) for data in images.values())
-        job_bytes = _job_encoder.encode(job)
+        job_bytes = await offload.sized(_text_bytes(job), _job_encoder.encode, job)
         try:
             submitted = self._submit(executor, job_bytes, held)
         except (BrokenProcessPool, RuntimeError):  # RuntimeError: shut down by its replacement

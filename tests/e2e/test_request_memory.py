@@ -34,22 +34,9 @@ BOMBS = [
 _LETTERS = bytes((32 if i % 8 == 0 else 97 + i % 26) for i in range(256))
 
 
-# The bursts of 16 x 30 MB bodies hold the router's event loop long enough on a loaded 2-core
-# machine that it answers no liveness check for `up`'s default 10 s, and `up` restarts it,
-# dropping every connection (reproduced with three busy loops beside this test). This test is
-# about memory given back, so it gives the router a longer liveness bound.
-LIVENESS_TIMEOUT_S = "60"
-
-
 @pytest.fixture(scope="module")
 def system(tmp_path_factory) -> System:
-    system = start_system(
-        tmp_path_factory.mktemp("memory"),
-        "--api-key",
-        KEY,
-        "--liveness-timeout-s",
-        LIVENESS_TIMEOUT_S,
-    )
+    system = start_system(tmp_path_factory.mktemp("memory"), "--api-key", KEY)
     try:
         yield system
     finally:
@@ -131,8 +118,14 @@ def test_memory_of_large_rejected_bodies_is_given_back(system):
             bodies = [_chat_body(30_000_000) for _ in range(16)]
             answers = list(pool.map(lambda b: _post(system, "/v1/chat/completions", b), bodies))
             del bodies
-            refused = [(status, reply) for status, reply in answers if status != 400]
-            assert not refused, refused[:2]
+            # 400: over the context limit; 429: the tokenizer's queue bound (256 MiB) was full
+            other = [
+                (status, reply)
+                for status, reply in answers
+                if status != 400
+                and not (status == 429 and "the tokenizer is busy" in reply["error"]["message"])
+            ]
+            assert not other, other[:2]
     grown: dict[str, float] = {}
     deadline_mono = time.monotonic() + 30
     while time.monotonic() < deadline_mono:

@@ -90,3 +90,27 @@ async def test_the_router_parses_request_bodies_with_msgspec(http, monkeypatch):
     )
     assert response.status_code == 200, response.text
     assert calls == [len(body)]
+
+
+def _request(*chunks: bytes) -> fast_json.FastJSONRequest:
+    """A request whose body arrives as ``chunks``, one ASGI message each."""
+    messages = [
+        {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+        for i, chunk in enumerate(chunks)
+    ]
+
+    async def receive():
+        return messages.pop(0)
+
+    return fast_json.FastJSONRequest({"type": "http", "method": "POST", "headers": []}, receive)
+
+
+async def test_a_body_in_one_message_is_that_message_and_several_are_joined():
+    body = json.dumps({"text": "x" * 2_000_000}).encode()
+    whole = _request(body)
+    assert await whole.body() is body  # no copy of a body the size limit buffered
+    assert await whole.json() == json.loads(body)
+    parts = _request(body[:7], b"", body[7:1_500_000], body[1_500_000:])
+    assert await parts.body() == body
+    assert await parts.json() == json.loads(body)
+    assert await _request(b"").body() == b""

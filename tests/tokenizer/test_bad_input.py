@@ -96,6 +96,17 @@ async def test_too_long_prompt_names_its_length(served):
     await assert_still_serving(served)
 
 
+async def test_a_chat_of_megabytes_is_refused_by_its_length(served):
+    text = "hello world " * 200_000  # 2.4 MB: serialized and encoded off the event loops
+    with pytest.raises(InvalidRequestError) as info:
+        await served.client.tokenize_chat("r", [user(text)], timeout_s=TIMEOUT_S)
+    assert info.value.param == "messages"
+    assert info.value.message.startswith("prompt has at least ")
+    with pytest.raises(InvalidRequestError, match="context limit"):
+        await served.client.tokenize_prompt("r", text, timeout_s=TIMEOUT_S)
+    await assert_still_serving(served)
+
+
 async def test_images_push_a_prompt_over_the_limit(served):
     text = "hi " * (TEST_LIMITS.max_model_len - 100)  # fits without the image's placeholders
     with pytest.raises(InvalidRequestError, match="context limit"):

@@ -9,6 +9,7 @@ import hashlib
 import grpc
 import pytest
 
+from services.common import offload
 from services.common.clients.tokenizer import chat_to_proto, read_image_headers
 from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.conftest import image_bytes
@@ -51,6 +52,17 @@ async def test_headers_and_bytes_give_the_same_prompt(served) -> None:
     prompt = await served.client.tokenize_chat("h", messages, timeout_s=TIMEOUT_S)
     assert list(prompt.token_ids) == list(by_bytes.token_ids)
     assert prompt.images == {hashlib.sha256(d).hexdigest(): d for d in (JPEG, PNG)}
+
+
+async def test_work_moved_off_the_loop_gives_the_same_prompt(served, monkeypatch) -> None:
+    messages = [user("Compare ", JPEG, " and ", PNG, " and ", JPEG)]
+    inline = await served.client.tokenize_chat("h", messages, timeout_s=TIMEOUT_S)
+    # every size now counts as large: hashing, serializing and encoding run on threads
+    monkeypatch.setattr(offload, "INLINE_MAX_BYTES", -1)
+    assert await served.client.tokenize_chat("h", messages, timeout_s=TIMEOUT_S) == inline
+    text = await served.client.tokenize_prompt("p", "a plain prompt", timeout_s=TIMEOUT_S)
+    monkeypatch.undo()
+    assert await served.client.tokenize_prompt("p", "a plain prompt", timeout_s=TIMEOUT_S) == text
 
 
 def header_chat(content_hash: str, height: int, width: int, num_bytes: int):

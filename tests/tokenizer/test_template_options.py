@@ -222,5 +222,5 @@ async def test_the_service_refuses_template_options_with_a_prompt(served, field)
     name, value = field
     stub_request = tokenizer_pb2.TokenizeRequest(request_id="p", prompt="Once", **{name: value})
     with pytest.raises(InvalidRequestError) as info:
-        await served.client._tokenize(stub_request, TIMEOUT_S)
+        await served.client._tokenize("p", stub_request.SerializeToString(), TIMEOUT_S)
     assert info.value.param == name

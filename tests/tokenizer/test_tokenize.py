@@ -74,7 +74,9 @@ async def test_the_response_carries_no_image_bytes(served):
     noise = image_bytes(160, 160, seed=4)  # ~75 KB of PNG noise
     messages = [user(noise, "and", WIDE, "and", noise)]
     request = tokenizer_pb2.TokenizeRequest(request_id="r", chat=chat_to_proto(messages))
-    response = await served.client._stub.Tokenize(request, timeout=TIMEOUT_S)
+    response = await served.client._tokenize_serialized(
+        request.SerializeToString(), timeout=TIMEOUT_S
+    )
     assert response.ByteSize() < len(WIDE) < len(noise)
     prompt = prompt_from_proto(response, messages)
     assert prompt.images == {hashlib.sha256(d).hexdigest(): d for d in (noise, WIDE)}

@@ -8,18 +8,17 @@ context; gRPC failures become ``StageServeError`` subclasses (``error_from_rpc``
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 import grpc
 
-from services.common import telemetry
+from services.common import offload, telemetry
 from services.common.auth import Credentials
 from services.common.client import create_channel
 from services.common.errors import InvalidRequestError, UnavailableError
 from services.common.grpc_errors import error_from_rpc
 from services.common.image_header import content_hash, header_size
-from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.pb.stageserve.v1 import common_pb2, tokenizer_pb2
 from services.common.server import REQUEST_ID_KEY
 from services.common.types import (
     ChatMessage,
@@ -31,7 +30,7 @@ from services.common.types import (
 )
 
 DEFAULT_TIMEOUT_S = 30.0
-INLINE_HEADER_BYTES = 512 * 1024  # a chat's images up to this are hashed on the event loop
+TOKENIZE_METHOD = f"/{tokenizer_pb2.DESCRIPTOR.services_by_name['Tokenizer'].full_name}/Tokenize"
 
 
 def _metadata(request_id: str) -> list[tuple[str, str]]:
@@ -57,9 +56,7 @@ async def image_headers(messages: Sequence[ChatMessage]) -> list[ImageHeader | N
     num_image_bytes = sum(
         len(p.data) for m in messages for p in m.content if isinstance(p, ImagePart)
     )
-    if num_image_bytes > INLINE_HEADER_BYTES:  # hashing blocks the loop: on a thread
-        return await asyncio.to_thread(read_image_headers, messages)
-    return read_image_headers(messages)
+    return await offload.sized(num_image_bytes, read_image_headers, messages)
 
 
 def chat_to_proto(
@@ -136,7 +133,12 @@ class TokenizerClient:
         """``auth``: the internal token sent on every call (None: none)."""
         self.address = address
         self._channel = create_channel(address, auth=auth)
-        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        # Tokenize takes its request serialized already: a large chat is serialized off the loop
+        self._tokenize_serialized = self._channel.unary_unary(
+            TOKENIZE_METHOD,
+            request_serializer=None,
+            response_deserializer=tokenizer_pb2.TokenizeResponse.FromString,
+        )
 
     async def tokenize_chat(
         self,
@@ -160,32 +162,44 @@ class TokenizerClient:
         """
         if headers is None:
             headers = await image_headers(messages)
-        request = tokenizer_pb2.TokenizeRequest(
-            request_id=request_id,
-            chat=chat_to_proto(messages, headers),
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs,
+
+        def serialized() -> bytes:
+            return tokenizer_pb2.TokenizeRequest(
+                request_id=request_id,
+                chat=chat_to_proto(messages, headers),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            ).SerializeToString()
+
+        num_bytes = sum(
+            len(part.text) if isinstance(part, TextPart) else len(part.data)
+            for message in messages
+            for part in message.content
         )
-        return await self._tokenize(request, timeout_s, messages)
+        request = await offload.sized(num_bytes, serialized)
+        return await self._tokenize(request_id, request, timeout_s, messages)
 
     async def tokenize_prompt(
         self, request_id: str, prompt: str, timeout_s: float = DEFAULT_TIMEOUT_S
     ) -> TokenizedPrompt:
         """Token ids of a raw prompt (no template, no images)."""
-        return await self._tokenize(
-            tokenizer_pb2.TokenizeRequest(request_id=request_id, prompt=prompt), timeout_s
+        request = await offload.sized(
+            len(prompt),
+            tokenizer_pb2.TokenizeRequest(request_id=request_id, prompt=prompt).SerializeToString,
         )
+        return await self._tokenize(request_id, request, timeout_s)
 
     async def _tokenize(
         self,
-        request: tokenizer_pb2.TokenizeRequest,
+        request_id: str,
+        request: bytes,  # a serialized TokenizeRequest
         timeout_s: float,
         messages: Sequence[ChatMessage] = (),
     ) -> TokenizedPrompt:
         try:
-            response = await self._stub.Tokenize(
-                request, timeout=timeout_s, metadata=_metadata(request.request_id)
+            response = await self._tokenize_serialized(
+                request, timeout=timeout_s, metadata=_metadata(request_id)
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, service="tokenizer") from None
