@@ -21,12 +21,12 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from unittest import mock
 
 import torch
 
 from benchmarks.measure import Ceilings, measure_ceilings, time_ms
+from benchmarks.moe_layer_table import HEADER, Measurement, row_cells, verdict
 from benchmarks.report import command_line, markdown_table, write_run_section
 from services.engine.config import MoEConfig
 from services.engine.model import moe as moe_module
@@ -43,8 +43,6 @@ HIDDEN_QUICK = 64
 MOE_QUICK = MoEConfig(8, 2, 32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
 NUM_LAYERS = 8  # distinct weights run back to back: no layer's experts stay in L2 (50 MB)
 NUM_LAYERS_QUICK = 2
-TARGET_EFFICIENCY = 0.70  # roofline / ours
-TARGET_TOKENS = (256, 8192)  # decode batch 256, prefill 8k
 # Tile shapes the sweep tries: (block_m, block_n, block_k, group_m, num_warps, num_stages)
 SWEEP = (
     (16, 64, 128, 1, 4, 4),
@@ -85,22 +83,6 @@ NOTES = [
     "intermediate activations are in our time but not in the roofline. Roofline/ours uses the "
     "graph's time where it was captured, else the eager one; 100% is the hardware limit.",
 ]
-
-
-@dataclass(frozen=True)
-class Measurement:
-    num_tokens: int
-    forward: str  # "triton", "grouped" or "reference"
-    experts_hit: float  # mean over the layers
-    weight_bytes: float  # the hit experts' weights, mean over the layers
-    eager_ms: float  # per layer
-    graph_ms: float | None  # per layer; None where the layer was not captured
-    roofline_ms: float
-    bound: str  # "memory" or "compute"
-
-    @property
-    def efficiency(self) -> float:  # roofline / ours
-        return self.roofline_ms / (self.graph_ms if self.graph_ms is not None else self.eager_ms)
 
 
 def build_layers(
@@ -230,60 +212,6 @@ def measure(
         roofline_ms=max(memory_ms, compute_ms),
         bound="memory" if memory_ms >= compute_ms else "compute",
     )
-
-
-HEADER = (
-    "tokens",
-    "forward",
-    "experts hit",
-    "weight MB",
-    "eager ms",
-    "graph ms",
-    "roofline ms",
-    "bound",
-    "roofline/ours",
-)
-
-
-def _ms(value: float) -> str:
-    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
-
-
-def row_cells(m: Measurement) -> tuple[str, ...]:
-    return (
-        f"{m.num_tokens:,}",
-        m.forward,
-        f"{m.experts_hit:.1f}".removesuffix(".0"),
-        f"{m.weight_bytes / 1e6:.1f}",
-        _ms(m.eager_ms),
-        "-" if m.graph_ms is None else _ms(m.graph_ms),
-        _ms(m.roofline_ms),
-        m.bound,
-        f"{100 * m.efficiency:.0f}%",
-    )
-
-
-def verdict(measurements: list[Measurement], layer: SparseMoE) -> str:
-    """Whether the target rows of the forward ``layer`` runs at their token count (the
-    engine's) reach ``TARGET_EFFICIENCY`` of their roofline."""
-    goal = (
-        f"target (issue 36): >= {TARGET_EFFICIENCY:.0%} of the roofline at "
-        + " and ".join(f"{t:,} tokens" for t in TARGET_TOKENS)
-        + ": "
-    )
-    found = {
-        m.num_tokens: m
-        for m in measurements
-        if m.num_tokens in TARGET_TOKENS and m.forward == layer.forward_kind(m.num_tokens)
-    }
-    if not found:
-        return goal + "not measured in this run"
-    met = all(m.efficiency >= TARGET_EFFICIENCY for m in found.values())
-    missing = [f"{t:,}" for t in TARGET_TOKENS if t not in found]
-    detail = ", ".join(f"{t:,}: {m.efficiency:.0%}" for t, m in sorted(found.items()))
-    forwards = "/".join(sorted({m.forward for m in found.values()}))
-    status = ("met" if met else "not met") + f" ({forwards} forward: {detail})"
-    return goal + status + (f"; {', '.join(missing)} not measured" if missing else "")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -10,16 +10,14 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.moe_layer import (
-    HEADER,
     HIDDEN_30B,
     MOE_30B,
     SECTION_TITLE,
-    Measurement,
     expert_bytes,
     expert_flops,
     main,
-    verdict,
 )
+from benchmarks.moe_layer_table import HEADER, Measurement, verdict
 from services.engine.model.moe import SparseMoE
 
 
